@@ -1,0 +1,1 @@
+"""Kernel factories. Each returns a plain Python kernel function; callers jit it."""

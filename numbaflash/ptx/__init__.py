@@ -1,0 +1,62 @@
+"""PTX bindings: every instruction Numba cannot express, as a device function.
+
+Kernels import from here and never see cffi, raw pointers or address spaces.
+Families: async_copy, matrix_load, mma, convert (sm_80+); hopper (sm_90a).
+"""
+
+from .async_copy import (
+    cp_async_16,
+    cp_async_16_zfill,
+    cp_async_commit_group,
+    cp_async_wait_group_0,
+    cp_async_wait_group_1,
+    cp_async_wait_group_2,
+    cp_async_wait_group_3,
+    ld_shared_v4,
+    shared_address_f32,
+    shared_address_u16,
+    shared_address_u32,
+    shared_address_u64,
+    st_global_v4,
+    st_shared_b32,
+    st_shared_v4,
+)
+from .convert import exp2, pack_bf16x2, pack_f16x2
+from .matrix_load import (
+    ldmatrix_x1,
+    ldmatrix_x1_trans,
+    ldmatrix_x2,
+    ldmatrix_x2_trans,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+)
+from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
+
+__all__ = [
+    "cp_async_16",
+    "cp_async_16_zfill",
+    "cp_async_commit_group",
+    "cp_async_wait_group_0",
+    "cp_async_wait_group_1",
+    "cp_async_wait_group_2",
+    "cp_async_wait_group_3",
+    "exp2",
+    "ld_shared_v4",
+    "ldmatrix_x1",
+    "ldmatrix_x1_trans",
+    "ldmatrix_x2",
+    "ldmatrix_x2_trans",
+    "ldmatrix_x4",
+    "ldmatrix_x4_trans",
+    "mma_m16n8k16_bf16",
+    "mma_m16n8k16_f16",
+    "pack_bf16x2",
+    "pack_f16x2",
+    "shared_address_f32",
+    "shared_address_u16",
+    "shared_address_u32",
+    "shared_address_u64",
+    "st_global_v4",
+    "st_shared_b32",
+    "st_shared_v4",
+]

@@ -1,0 +1,18 @@
+"""Packing f32 pairs into 16-bit pairs, and the fast exp2 (``ptx/convert.cu``).
+
+Warp shuffles are Numba's own (``cuda.shfl_xor_sync``).
+"""
+
+from __future__ import annotations
+
+from numba import types
+
+from ._declare import declare
+
+_f32 = types.float32
+pack_f16x2 = declare("convert", "cvt_rn_f16x2_f32", types.uint32(_f32, _f32))
+pack_f16x2.__doc__ = "pack_f16x2(lo, hi) -> uint32 with f16(lo) in bits 0-15, f16(hi) in 16-31."
+pack_bf16x2 = declare("convert", "cvt_rn_bf16x2_f32", types.uint32(_f32, _f32))
+pack_bf16x2.__doc__ = "pack_bf16x2(lo, hi) -> uint32 with bf16(lo) low, bf16(hi) high."
+exp2 = declare("convert", "ex2_approx_ftz_f32", _f32(_f32))
+exp2.__doc__ = "exp2(x) -> 2**x (ex2.approx.ftz.f32)."
