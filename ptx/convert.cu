@@ -12,3 +12,11 @@ extern "C" __device__ unsigned cvt_rn_bf16x2_f32(float lo, float hi) {
 extern "C" __device__ float ex2_approx_ftz_f32(float x) {
   float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
 }
+// 1/x, approximate (rcp.approx.ftz.f32, max error ~1 ulp).
+extern "C" __device__ float rcp_approx_ftz_f32(float x) {
+  float r; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
+}
+// log2(x), approximate (lg2.approx.ftz.f32); lg2(0) = -inf.
+extern "C" __device__ float lg2_approx_ftz_f32(float x) {
+  float r; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
+}

@@ -21,7 +21,7 @@ from .async_copy import (
     st_shared_b32,
     st_shared_v4,
 )
-from .convert import exp2, pack_bf16x2, pack_f16x2
+from .convert import exp2, log2, pack_bf16x2, pack_f16x2, reciprocal
 from .matrix_load import (
     ldmatrix_x1,
     ldmatrix_x1_trans,
@@ -42,6 +42,7 @@ __all__ = [
     "cp_async_wait_group_3",
     "exp2",
     "ld_shared_v4",
+    "log2",
     "ldmatrix_x1",
     "ldmatrix_x1_trans",
     "ldmatrix_x2",
@@ -52,6 +53,7 @@ __all__ = [
     "mma_m16n8k16_f16",
     "pack_bf16x2",
     "pack_f16x2",
+    "reciprocal",
     "shared_address_f32",
     "shared_address_u16",
     "shared_address_u32",

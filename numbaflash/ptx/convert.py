@@ -16,3 +16,7 @@ pack_bf16x2 = declare("convert", "cvt_rn_bf16x2_f32", types.uint32(_f32, _f32))
 pack_bf16x2.__doc__ = "pack_bf16x2(lo, hi) -> uint32 with bf16(lo) low, bf16(hi) high."
 exp2 = declare("convert", "ex2_approx_ftz_f32", _f32(_f32))
 exp2.__doc__ = "exp2(x) -> 2**x (ex2.approx.ftz.f32)."
+reciprocal = declare("convert", "rcp_approx_ftz_f32", _f32(_f32))
+reciprocal.__doc__ = "reciprocal(x) -> 1/x (rcp.approx.ftz.f32)."
+log2 = declare("convert", "lg2_approx_ftz_f32", _f32(_f32))
+log2.__doc__ = "log2(x) -> log2(x) (lg2.approx.ftz.f32)."

@@ -1,0 +1,84 @@
+"""Choose the forward kernel configuration per (GPU family, head dim, causal) by timing.
+
+    python benchmarks/autotune.py [--write]
+
+Times every candidate (block_m, block_n, warp_m_tiles) that compiles without spills on
+the reference workload (fp16, batch*seqlen = 64k tokens, width 2048, seqlen 4096) and
+prints a table; ``--write`` stores the winners in numbaflash/tuned_configs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from numbaflash import configs, flash_attention
+from numbaflash.kernels.forward_mma import ForwardConfig
+
+
+def time_ms(fn, warmup=3, repeats=15):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    args = parser.parse_args()
+    cap = torch.cuda.get_device_capability()
+    family = configs.arch_family(cap)
+    print("GPU:", torch.cuda.get_device_name(), family, time.strftime("%Y-%m-%d"))
+    table = json.loads(configs.TABLE_PATH.read_text()) if configs.TABLE_PATH.is_file() else {}
+    s = args.seqlen
+    for d in args.head_dims:
+        b, h = 65536 // s, 2048 // d
+        qkv = [torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3)]
+        out = torch.empty_like(qkv[0])
+        for causal in (False, True):
+            key = configs.table_key(family, d, causal)
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            best = None
+            for cand in configs.CANDIDATES[d]:
+                try:
+                    ForwardConfig(d, *cand).check()
+                except ValueError:
+                    continue
+                configs.OVERRIDES[key] = cand
+                try:
+                    ms = time_ms(lambda c=causal, x=qkv, o=out: flash_attention(*x, causal=c, out=o))
+                except Exception as exc:  # a candidate that fails to build or launch is skipped
+                    print(f"{key} {cand}: failed: {str(exc)[:100]}")
+                    continue
+                tflops = flops / ms / 1e9
+                bm, bn, mt = cand
+                print(f"{key:>24} block_m={bm:>3} block_n={bn:>3} m_tiles={mt}  {tflops:7.1f} TFLOP/s")
+                if best is None or tflops > best[1]:
+                    best = (cand, tflops)
+            configs.OVERRIDES.pop(key, None)
+            if best:
+                (bm, bn, mt), tf = best
+                table[key] = {"block_m": bm, "block_n": bn, "warp_m_tiles": mt, "tflops": round(tf, 1)}
+                print(f"best {key}: {table[key]}")
+    print(json.dumps(table, indent=1))
+    if args.write:
+        configs.TABLE_PATH.write_text(json.dumps(table, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
