@@ -50,3 +50,17 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool) -> 
     else:
         block_m, block_n, m_tiles = DEFAULTS[head_dim]
     return ForwardConfig(head_dim=head_dim, block_m=block_m, block_n=block_n, warp_m_tiles=m_tiles)
+
+
+def shipped_configs() -> list[tuple[str, int, bool, ForwardConfig]]:
+    """Every (family, head dim, causal, config) the dispatcher can launch."""
+    capabilities = {"sm80": (8, 0), "sm90": (9, 0)}
+    return [
+        (family, d, causal, forward_config(cap, d, causal))
+        for family, cap in capabilities.items()
+        for d in SUPPORTED_HEAD_DIMS
+        for causal in (False, True)
+    ]
+
+
+FAMILY_ARCH = {"sm80": "sm_80", "sm90": "sm_90a"}  # the target each family compiles for

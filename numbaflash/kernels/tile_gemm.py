@@ -29,8 +29,8 @@ def make_tile_gemm(bf16: bool):
     def tile_gemm(a, b, c, m, n, k):
         # Two stages of A and B slices: [stage][row][TILE_K] 16-bit elements, unswizzled
         # rows of 64 bytes (this demo favours clarity over bank-conflict freedom).
-        sa = cuda.shared.array((2, TILE_M, TILE_K), types.uint16)
-        sb = cuda.shared.array((2, TILE_N, TILE_K), types.uint16)
+        sa = cuda.shared.array((2, TILE_M, TILE_K), types.uint16, alignment=16)
+        sb = cuda.shared.array((2, TILE_N, TILE_K), types.uint16, alignment=16)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
