@@ -44,13 +44,18 @@ def copy_tile_async(smem_tile, src, src_base, row_stride, first_row, num_rows, t
     chunk = tid % chunks_per_row
     dst = smem_tile + swizzled_offset(row, chunk, chunks_per_row)
     src_index = src_base + (first_row + row) * row_stride + chunk * 8
-    for i in range(tile_rows // rows_per_pass):
-        ptx.cp_async_16_zfill(
-            dst + i * rows_per_pass * chunks_per_row * 16,
-            src,
-            src_index + i * rows_per_pass * row_stride,
-            first_row + row + i * rows_per_pass < num_rows,
-        )
+    if first_row + tile_rows <= num_rows:  # the whole tile is in range: no checks
+        for i in range(tile_rows // rows_per_pass):
+            ptx.cp_async_16(dst + i * rows_per_pass * chunks_per_row * 16, src,
+                            src_index + i * rows_per_pass * row_stride)
+    else:
+        for i in range(tile_rows // rows_per_pass):
+            ptx.cp_async_16_zfill(
+                dst + i * rows_per_pass * chunks_per_row * 16,
+                src,
+                src_index + i * rows_per_pass * row_stride,
+                first_row + row + i * rows_per_pass < num_rows,
+            )
 
 
 @cuda.jit(device=True, inline="always")

@@ -15,14 +15,16 @@ extern "C" __device__ unsigned cvta_to_shared_u64(const unsigned long long* p) {
   unsigned a; asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p)); return a;
 }
 
-// 16 bytes global -> shared, cached in L2 only.
-extern "C" __device__ void cp_async_cg_shared_global_16(unsigned dst, const unsigned short* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+// 16 bytes global -> shared, cached in L2 only. Source: base + offset (16-bit elements).
+extern "C" __device__ void cp_async_cg_shared_global_16(unsigned dst, const unsigned short* base,
+                                                        long long offset) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(base + offset) : "memory");
 }
 // Same with a source size: bytes past src_bytes (0 or 16) are written as zeros, nothing is read.
-extern "C" __device__ void cp_async_cg_shared_global_16_zfill(unsigned dst, const unsigned short* src,
-                                                             unsigned src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+extern "C" __device__ void cp_async_cg_shared_global_16_zfill(unsigned dst, const unsigned short* base,
+                                                             long long offset, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(base + offset), "r"(src_bytes) : "memory");
 }
 extern "C" __device__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 extern "C" __device__ void cp_async_wait_group_0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
@@ -44,8 +46,8 @@ extern "C" __device__ void st_shared_v4_b32(unsigned addr, const unsigned* r) {
 extern "C" __device__ void st_shared_b32(unsigned addr, unsigned v) {
   asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
 }
-// 16-byte vector store of four 32-bit registers to global memory.
-extern "C" __device__ void st_global_v4_b32(unsigned short* dst, const unsigned* r) {
+// 16-byte vector store of four 32-bit registers to global memory at base + offset (16-bit elements).
+extern "C" __device__ void st_global_v4_b32(unsigned short* base, long long offset, const unsigned* r) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
-               :: "l"(dst), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+               :: "l"(base + offset), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }

@@ -18,9 +18,10 @@ _cvta_u16 = declare("copy", "cvta_to_shared_u16", _u32(u16p))
 _cvta_u32 = declare("copy", "cvta_to_shared_u32", _u32(u32p))
 _cvta_f32 = declare("copy", "cvta_to_shared_f32", _u32(f32p))
 _cvta_u64 = declare("copy", "cvta_to_shared_u64", _u32(u64p))
-_cp_async_16 = declare("copy", "cp_async_cg_shared_global_16", types.void(_u32, u16p))
+_i64 = types.int64
+_cp_async_16 = declare("copy", "cp_async_cg_shared_global_16", types.void(_u32, u16p, _i64))
 _cp_async_16_zfill = declare(
-    "copy", "cp_async_cg_shared_global_16_zfill", types.void(_u32, u16p, _u32)
+    "copy", "cp_async_cg_shared_global_16_zfill", types.void(_u32, u16p, _i64, _u32)
 )
 cp_async_commit_group = declare("copy", "cp_async_commit_group", types.void())
 cp_async_wait_group_0 = declare("copy", "cp_async_wait_group_0", types.void())
@@ -30,7 +31,7 @@ cp_async_wait_group_3 = declare("copy", "cp_async_wait_group_3", types.void())
 _ld_shared_v4 = declare("copy", "ld_shared_v4_b32", types.void(u32p, _u32))
 _st_shared_v4 = declare("copy", "st_shared_v4_b32", types.void(_u32, u32p))
 st_shared_b32 = declare("copy", "st_shared_b32", types.void(_u32, _u32))
-_st_global_v4 = declare("copy", "st_global_v4_b32", types.void(u16p, u32p))
+_st_global_v4 = declare("copy", "st_global_v4_b32", types.void(u16p, _i64, u32p))
 
 
 @cuda.jit(device=True, inline="always")
@@ -59,18 +60,21 @@ def shared_address_u64(array):
 
 @cuda.jit(device=True, inline="always")
 def cp_async_16(dst_shared, src, src_index):
-    """Copy 8 uint16 (16 bytes) from ``src[src_index:]`` (global, 1-D) to ``dst_shared``."""
-    _cp_async_16(dst_shared, _ffi.from_buffer(src[src_index:]))
+    """Copy 8 uint16 (16 bytes) from ``src[src_index:]`` (global, 1-D) to ``dst_shared``.
+    The index is not bounds-checked (the pointer arithmetic happens in the helper)."""
+    _cp_async_16(dst_shared, _ffi.from_buffer(src), src_index)
 
 
 @cuda.jit(device=True, inline="always")
 def cp_async_16_zfill(dst_shared, src, src_index, in_range):
     """Like ``cp_async_16``, but when ``in_range`` is false write 16 zero bytes and read
-    nothing (``src[0]`` is passed as a harmless address)."""
-    if in_range:
-        _cp_async_16_zfill(dst_shared, _ffi.from_buffer(src[src_index:]), types.uint32(16))
-    else:
-        _cp_async_16_zfill(dst_shared, _ffi.from_buffer(src), types.uint32(0))
+    nothing (``src[0]`` is passed as a harmless address). One instruction either way."""
+    _cp_async_16_zfill(
+        dst_shared,
+        _ffi.from_buffer(src),
+        src_index if in_range else 0,
+        types.uint32(16) if in_range else types.uint32(0),
+    )
 
 
 @cuda.jit(device=True, inline="always")
@@ -87,5 +91,6 @@ def st_shared_v4(dst_shared, regs):
 
 @cuda.jit(device=True, inline="always")
 def st_global_v4(dst, dst_index, regs):
-    """Store ``regs[0:4]`` (uint32) as 8 uint16 at ``dst[dst_index:]`` (global, 1-D)."""
-    _st_global_v4(_ffi.from_buffer(dst[dst_index:]), _ffi.from_buffer(regs))
+    """Store ``regs[0:4]`` (uint32) as 8 uint16 at ``dst[dst_index:]`` (global, 1-D;
+    not bounds-checked)."""
+    _st_global_v4(_ffi.from_buffer(dst), dst_index, _ffi.from_buffer(regs))
