@@ -21,6 +21,7 @@ from . import ptx
 
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
+LN2 = math.log(2.0)
 
 
 @cuda.jit(device=True, inline="always")
@@ -107,3 +108,125 @@ def row_max(s, n_tiles, half):
     for j in range(n_tiles):
         m = max(m, max(s[j, 2 * half], s[j, 2 * half + 1]))
     return quad_max(m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Online softmax on one 16-row m-tile of scores held as mma fragments: ``s[j, e]`` is this
+# lane's element e of n-tile j (e = 0, 1: row g; e = 2, 3: row g + 8). Row "half" r = e // 2.
+# The same layout is the accumulator of mma.sync m16n8k16 and, per warp, of wgmma m64nNk16.
+# ---------------------------------------------------------------------------------------------
+
+
+@cuda.jit(device=True, inline="always")
+def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
+    """Set to -inf the scores of keys >= seqlen_k and, if ``causal``, of keys after the
+    diagonal (query i sees key j iff j <= i + diag). ``col0``/``row0``: first key/query."""
+    g = lane // 4
+    t = lane % 4
+    for j in range(n_tiles):
+        for e in range(4):
+            col = col0 + j * 8 + 2 * t + e % 2
+            row = row0 + g + (e // 2) * 8
+            if col >= seqlen_k or (causal and col > row + diag):
+                s[j, e] = NEG_INF
+
+
+@cuda.jit(device=True, inline="always")
+def scaled_row_maxes(s, n_tiles, mx, scale_log2):
+    """``mx[r]`` = max over the quad's scores of row half r, times scale·log2(e)."""
+    for r in range(2):
+        mx[r] = row_max(s, n_tiles, r) * scale_log2
+
+
+@cuda.jit(device=True, inline="always")
+def max_grew(mx, m_run, threshold):
+    """True if a row max exceeds the running one by more than ``threshold`` (log2 units)."""
+    return mx[0] > m_run[0] + threshold or mx[1] > m_run[1] + threshold
+
+
+@cuda.jit(device=True, inline="always")
+def rescale_rows(acc_o, d_tiles, m_run, l_run, mx):
+    """Adopt the new row maxes: scale O and the row sums by exp2(old - new)."""
+    for r in range(2):
+        m_new = max(m_run[r], mx[r])
+        alpha = ptx.exp2(m_run[r] - m_new) if m_new != NEG_INF else float32(1.0)
+        m_run[r] = m_new
+        l_run[r] *= alpha
+        for j in range(d_tiles):
+            acc_o[j, 2 * r] *= alpha
+            acc_o[j, 2 * r + 1] *= alpha
+
+
+@cuda.jit(device=True, inline="always")
+def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
+    """P = exp2(S·scale·log2(e) - m) in place (one FFMA + one ex2 per score), and add this
+    lane's part of each row sum to ``l_run``. Rows with no key yet (m = -inf) give 0."""
+    for r in range(2):
+        m_use = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
+        row_sum = float32(0.0)
+        for j in range(n_tiles):
+            for e in range(2):
+                p = ptx.exp2(s[j, 2 * r + e] * scale_log2 - m_use)
+                s[j, 2 * r + e] = p
+                row_sum += p
+        l_run[r] += row_sum
+
+
+@cuda.jit(device=True, inline="always")
+def pack_p_fragments(p_frag, p, k_tiles, bf16):
+    """P (fp32 fragments) -> 16-bit A fragments of the PV product, in registers: k-tile kt
+    (16 keys) is S n-tiles 2kt and 2kt+1, which is exactly the m16k16 A layout."""
+    for kt in range(k_tiles):
+        for half in range(2):
+            for r in range(2):
+                lo = p[2 * kt + half, 2 * r]
+                hi = p[2 * kt + half, 2 * r + 1]
+                p_frag[kt, 2 * half + r] = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
+
+
+@cuda.jit(device=True, inline="always")
+def stage_output_rows(smem_tile, acc_o, d_tiles, chunks_per_row, row0, l_run, lane, bf16):
+    """Normalise this warp's 16 O rows by their row sums and store them, 16-bit, into rows
+    ``row0`` .. +15 of a swizzled shared tile. Returns nothing; the row sums (summed over
+    the quad) are left in ``l_run``. Rows with a zero sum give 0."""
+    g = lane // 4
+    t = lane % 4
+    for r in range(2):
+        l_total = quad_sum(l_run[r])
+        l_run[r] = l_total
+        inv = ptx.reciprocal(l_total) if l_total > 0 else float32(0.0)
+        for j in range(d_tiles):
+            lo = acc_o[j, 2 * r] * inv
+            hi = acc_o[j, 2 * r + 1] * inv
+            packed = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
+            offset = swizzled_offset(row0 + g + 8 * r, j, chunks_per_row) + 4 * t
+            ptx.st_shared_b32(smem_tile + offset, packed)
+
+
+@cuda.jit(device=True, inline="always")
+def store_rows_global(dst, dst_base, row_stride, smem_tile, tile_row0, first_row, num_rows, rows,
+                      chunks_per_row, lane, out):
+    """A warp copies ``rows`` rows of a swizzled shared tile (from ``tile_row0``) to global
+    rows ``first_row`` ... with 16-byte stores, skipping rows at or past ``num_rows``.
+    ``out`` is a uint32[4] scratch register array."""
+    for i in range(rows * chunks_per_row // 32):
+        idx = lane + i * 32
+        row = idx // chunks_per_row
+        chunk = idx % chunks_per_row
+        ptx.ld_shared_v4(out, smem_tile + swizzled_offset(tile_row0 + row, chunk, chunks_per_row))
+        if first_row + row < num_rows:
+            ptx.st_global_v4(dst, dst_base + (first_row + row) * row_stride + chunk * 8, out)
+
+
+@cuda.jit(device=True, inline="always")
+def store_lse(lse, lse_base, row0, num_rows, m_run, l_run, lane):
+    """Write the log-sum-exp (natural log) of rows g and g+8 from ``row0``; -inf where the
+    row sum (``l_run``, already quad-reduced) is 0. ``m_run`` is in scaled log2 units."""
+    if lane % 4 == 0:
+        for r in range(2):
+            row = row0 + lane // 4 + 8 * r
+            if row < num_rows:
+                value = NEG_INF
+                if l_run[r] > 0:
+                    value = (m_run[r] + ptx.log2(l_run[r])) * float32(LN2)
+                lse[lse_base + row] = value

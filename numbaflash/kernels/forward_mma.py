@@ -18,14 +18,21 @@ from numba import cuda, float32, types, uint32
 
 from .. import ptx
 from ..tiles import (
+    FULL_MASK,
     NEG_INF,
     block_offset,
     copy_tile_async,
+    exponentiate,
     ldmatrix_offsets,
     load_a_fragments,
-    quad_sum,
-    row_max,
-    swizzled_offset,
+    mask_scores,
+    max_grew,
+    pack_p_fragments,
+    rescale_rows,
+    scaled_row_maxes,
+    stage_output_rows,
+    store_lse,
+    store_rows_global,
 )
 
 LOG2E = math.log2(math.e)
@@ -98,8 +105,8 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
     P_K_TILES = BN // 16  # k-tiles of the PV product
     CAUSAL = causal
+    BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
-    pack = ptx.pack_bf16x2 if bf16 else ptx.pack_f16x2
 
     def flash_forward(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                       o_sb, o_ss, o_sh, seqlen_q, seqlen_k, heads_q, group, scale_log2, write_lse):
@@ -107,8 +114,6 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        g = lane // 4  # fragment row within the warp's 16 (and g + 8)
-        t = lane % 4  # fragment column pair
         m_block = cuda.blockIdx.x
         if CAUSAL:  # heaviest query blocks first: better tail balance
             m_block = cuda.gridDim.x - 1 - m_block
@@ -190,45 +195,20 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             # Mask keys past the end, and (causal) keys after the diagonal.
             if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
                 for mt in range(MT):
-                    for j in range(S_N_TILES):
-                        for e in range(4):
-                            col = n0 + j * 8 + 2 * t + e % 2
-                            row = row_first + 16 * mt + g + (e // 2) * 8
-                            if col >= seqlen_k or (CAUSAL and col > row + diag):
-                                acc_s[mt, j, e] = NEG_INF
+                    mask_scores(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, seqlen_k, diag, CAUSAL)
 
-            # Online softmax (exp2 domain), with a lazily refreshed row max.
+            # Online softmax (exp2 domain). The row max is refreshed lazily: only when some
+            # row of the warp grew by more than 2^THRESHOLD, then O is rescaled.
             grow = False
             for mt in range(MT):
-                for r in range(2):
-                    mx[mt, r] = row_max(acc_s[mt], S_N_TILES, r) * scale_log2
-                    grow = grow or mx[mt, r] > m_run[mt, r] + THRESHOLD
-            if cuda.any_sync(0xFFFFFFFF, grow):
+                scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], scale_log2)
+                grow = grow or max_grew(mx[mt], m_run[mt], THRESHOLD)
+            if cuda.any_sync(FULL_MASK, grow):
                 for mt in range(MT):
-                    for r in range(2):
-                        m_new = max(m_run[mt, r], mx[mt, r])
-                        alpha = ptx.exp2(m_run[mt, r] - m_new) if m_new != NEG_INF else float32(1.0)
-                        m_run[mt, r] = m_new
-                        l_run[mt, r] *= alpha
-                        for j in range(D_N_TILES):
-                            acc_o[mt, j, 2 * r] *= alpha
-                            acc_o[mt, j, 2 * r + 1] *= alpha
+                    rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
             for mt in range(MT):
-                for r in range(2):
-                    m_use = m_run[mt, r] if m_run[mt, r] != NEG_INF else float32(0.0)
-                    row_sum = float32(0.0)
-                    for j in range(S_N_TILES):
-                        for e in range(2):
-                            p = ptx.exp2(acc_s[mt, j, 2 * r + e] * scale_log2 - m_use)
-                            acc_s[mt, j, 2 * r + e] = p
-                            row_sum += p
-                    l_run[mt, r] += row_sum
-                # P in 16-bit, laid out as the A operand of m16n8k16 (two S n-tiles per k-tile).
-                for kt in range(P_K_TILES):
-                    p_frag[mt, kt, 0] = pack(acc_s[mt, 2 * kt, 0], acc_s[mt, 2 * kt, 1])
-                    p_frag[mt, kt, 1] = pack(acc_s[mt, 2 * kt, 2], acc_s[mt, 2 * kt, 3])
-                    p_frag[mt, kt, 2] = pack(acc_s[mt, 2 * kt + 1, 0], acc_s[mt, 2 * kt + 1, 1])
-                    p_frag[mt, kt, 3] = pack(acc_s[mt, 2 * kt + 1, 2], acc_s[mt, 2 * kt + 1, 3])
+                exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
+                pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
 
             ptx.cp_async_wait_group_0()  # V_j has landed ...
             cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
@@ -244,34 +224,17 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                         mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
                         mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
 
-        # Epilogue: normalise, stage this warp's 16 rows in its own part of the Q tile,
-        # then 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.
-        o_base = batch * o_sb + head * o_sh
+        # Epilogue: normalise, stage this warp's rows in its own part of the Q tile, then
+        # 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.
         for mt in range(MT):
-            for r in range(2):
-                l_total = quad_sum(l_run[mt, r])
-                inv = ptx.reciprocal(l_total) if l_total > 0 else float32(0.0)
-                local_row = warp_row + 16 * mt + g + 8 * r
-                for j in range(D_N_TILES):
-                    ptx.st_shared_b32(
-                        sq + swizzled_offset(local_row, j, CPR) + 4 * t,
-                        pack(acc_o[mt, j, 2 * r] * inv, acc_o[mt, j, 2 * r + 1] * inv),
-                    )
-                row = m0 + local_row
-                if write_lse and t == 0 and row < seqlen_q:
-                    value = NEG_INF
-                    if l_total > 0:
-                        value = (m_run[mt, r] + ptx.log2(l_total)) * float32(1.0 / LOG2E)
-                    lse[(batch * heads_q + head) * seqlen_q + row] = value
+            stage_output_rows(sq, acc_o[mt], D_N_TILES, CPR, warp_row + 16 * mt, l_run[mt], lane, BF16)
+            if write_lse:
+                lse_base = (batch * heads_q + head) * seqlen_q
+                store_lse(lse, lse_base, row_first + 16 * mt, seqlen_q, m_run[mt], l_run[mt], lane)
         cuda.syncwarp()
         out = cuda.local.array(4, uint32)
-        for i in range(16 * MT * CPR // 32):
-            idx = lane + i * 32
-            row = idx // CPR
-            chunk = idx % CPR
-            ptx.ld_shared_v4(out, sq + swizzled_offset(warp_row + row, chunk, CPR))
-            if row_first + row < seqlen_q:
-                ptx.st_global_v4(o, o_base + (row_first + row) * o_ss + chunk * 8, out)
+        o_base = batch * o_sb + head * o_sh
+        store_rows_global(o, o_base, o_ss, sq, warp_row, row_first, seqlen_q, 16 * MT, CPR, lane, out)
 
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}_{'causal' if causal else 'full'}_" + (
         "bf16" if bf16 else "f16"
