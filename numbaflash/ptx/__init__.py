@@ -62,3 +62,9 @@ __all__ = [
     "st_shared_b32",
     "st_shared_v4",
 ]
+
+# Hopper (sm_90a): wgmma and matrix descriptors, mbarrier, TMA, stmatrix, proxy fences, setmaxnreg.
+from . import hopper  # noqa: E402
+from .hopper import *  # noqa: E402, F403
+
+__all__ += hopper.__all__
