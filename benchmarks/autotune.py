@@ -2,7 +2,7 @@
 
     python benchmarks/autotune.py [--write]
 
-Times every candidate (block_m, block_n, warp_m_tiles) that compiles without spills on
+Times every candidate of ``numbaflash.configs.CANDIDATES`` for this GPU family on
 the reference workload (fp16, batch*seqlen = 64k tokens, width 2048, seqlen 4096) and
 prints a table; ``--write`` stores the winners in numbaflash/tuned_configs.json.
 """
@@ -17,7 +17,6 @@ import time
 import torch
 
 from numbaflash import configs, flash_attention
-from numbaflash.kernels.forward_mma import ForwardConfig
 
 
 def time_ms(fn, warmup=3, repeats=15):
@@ -54,11 +53,7 @@ def main() -> None:
             key = configs.table_key(family, d, causal)
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             best = None
-            for cand in configs.CANDIDATES[d]:
-                try:
-                    ForwardConfig(d, *cand).check()
-                except ValueError:
-                    continue
+            for cand in configs.CANDIDATES[(family, d)]:
                 configs.OVERRIDES[key] = cand
                 try:
                     ms = time_ms(lambda c=causal, x=qkv, o=out: flash_attention(*x, causal=c, out=o))
@@ -66,14 +61,13 @@ def main() -> None:
                     print(f"{key} {cand}: failed: {str(exc)[:100]}")
                     continue
                 tflops = flops / ms / 1e9
-                bm, bn, mt = cand
-                print(f"{key:>24} block_m={bm:>3} block_n={bn:>3} m_tiles={mt}  {tflops:7.1f} TFLOP/s")
+                print(f"{key:>18} {tflops:7.1f} TFLOP/s  {cand}")
                 if best is None or tflops > best[1]:
                     best = (cand, tflops)
             configs.OVERRIDES.pop(key, None)
             if best:
-                (bm, bn, mt), tf = best
-                table[key] = {"block_m": bm, "block_n": bn, "warp_m_tiles": mt, "tflops": round(tf, 1)}
+                cand, tf = best
+                table[key] = {**configs.config_to_json(cand), "tflops": round(tf, 1)}
                 print(f"best {key}: {table[key]}")
     print(json.dumps(table, indent=1))
     if args.write:

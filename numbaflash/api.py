@@ -153,13 +153,14 @@ def _forward_kernel(capability, head_dim: int, causal: bool, bf16: bool):
     """Compile (once per process) and return (kernel, config) for this problem."""
     from numba import cuda
 
-    from .kernels.forward_mma import FORWARD_ARGTYPES, make_forward_kernel
+    from .configs import make_kernel
+    from .kernels.forward_mma import FORWARD_ARGTYPES
 
     config = forward_config(capability, head_dim, causal)
     key = (config, causal, bf16, capability)
     with _GPU_LOCK:
         if key not in _KERNELS:
-            kernel = cuda.jit(FORWARD_ARGTYPES)(make_forward_kernel(config, causal, bf16))
+            kernel = cuda.jit(FORWARD_ARGTYPES)(make_kernel(config, causal, bf16))
             _raise_shared_limit(kernel, FORWARD_ARGTYPES, config.shared_bytes)
             _KERNELS[key] = kernel
     return _KERNELS[key], config

@@ -1,6 +1,10 @@
-"""Kernel configurations chosen by ``benchmarks/autotune.py``, per GPU family, head dim and
-causality. The table lives in ``tuned_configs.json`` beside this file; entries missing from
-it fall back to ``DEFAULTS``."""
+"""Kernel configurations per GPU family, head dim and causality.
+
+sm80 family (Ampere, Ada, Blackwell, ...): the mma.sync kernel (``ForwardConfig``).
+sm90 (Hopper): the wgmma kernel (``WgmmaConfig``); the mma.sync kernel also runs there.
+The choice per (family, head dim, causal) is made by ``benchmarks/autotune.py`` and stored
+in ``tuned_configs.json`` beside this file; entries missing from it use ``DEFAULTS``.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,54 @@ import json
 from pathlib import Path
 
 from .kernels.forward_mma import ForwardConfig
+from .kernels.forward_wgmma import WgmmaConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
-# (block_m, block_n, warp_m_tiles) by head dim, used where the tuned table has no entry.
-DEFAULTS = {64: (128, 128, 1), 128: (128, 64, 1)}
-# What benchmarks/autotune.py tries: (block_m, block_n, warp_m_tiles) by head dim.
-CANDIDATES = {
-    64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (64, 64, 1), (256, 64, 2)],
-    128: [(128, 64, 1), (64, 64, 1), (128, 32, 1), (64, 128, 1), (128, 128, 1)],
+KernelConfig = ForwardConfig | WgmmaConfig
+
+DEFAULTS: dict[tuple[str, int], KernelConfig] = {
+    ("sm80", 64): ForwardConfig(64, block_m=128, block_n=64),
+    ("sm80", 128): ForwardConfig(128, block_m=64, block_n=128),
+    ("sm90", 64): WgmmaConfig(64, block_n=128, warpgroups=2),
+    ("sm90", 128): WgmmaConfig(128, block_n=128, warpgroups=2),
 }
-# Set by benchmarks/autotune.py to time a candidate: table key -> (block_m, block_n, warp_m_tiles).
-OVERRIDES: dict[str, tuple[int, int, int]] = {}
+# What benchmarks/autotune.py tries, by family and head dim.
+CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
+    ("sm80", d): [ForwardConfig(d, bm, bn, mt) for bm, bn, mt in shapes]
+    for d, shapes in {
+        64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (64, 64, 1), (256, 64, 2)],
+        128: [(128, 64, 1), (64, 64, 1), (128, 32, 1), (64, 128, 1), (128, 128, 1)],
+    }.items()
+}
+CANDIDATES.update({
+    ("sm90", d): [WgmmaConfig(d, bn, wg) for bn, wg in ((128, 2), (64, 2), (128, 1), (64, 3), (128, 3))]
+    + CANDIDATES[("sm80", d)]
+    for d in SUPPORTED_HEAD_DIMS
+})
+# Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.
+OVERRIDES: dict[str, KernelConfig] = {}
 
 
 def arch_family(capability: tuple[int, int]) -> str:
     """'sm90' for Hopper, 'sm80' for every other supported GPU (sm_80 .. sm_89, sm_100+)."""
-    return "sm90" if capability[0] == 9 else "sm80"
+    return "sm90" if tuple(capability)[0] == 9 else "sm80"
+
+
+def table_key(family: str, head_dim: int, causal: bool) -> str:
+    return f"{family}/d{head_dim}/{'causal' if causal else 'full'}"
+
+
+def config_to_json(config: KernelConfig) -> dict:
+    import dataclasses
+
+    kind = "wgmma" if isinstance(config, WgmmaConfig) else "mma"
+    return {"kernel": kind, **dataclasses.asdict(config)}
+
+
+def config_from_json(entry: dict) -> KernelConfig:
+    fields = {k: v for k, v in entry.items() if k not in ("kernel", "tflops")}
+    return WgmmaConfig(**fields) if entry.get("kernel") == "wgmma" else ForwardConfig(**fields)
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,24 +70,18 @@ def _table() -> dict:
     return {}
 
 
-def table_key(family: str, head_dim: int, causal: bool) -> str:
-    return f"{family}/d{head_dim}/{'causal' if causal else 'full'}"
-
-
-def forward_config(capability: tuple[int, int], head_dim: int, causal: bool) -> ForwardConfig:
+def forward_config(capability: tuple[int, int], head_dim: int, causal: bool) -> KernelConfig:
     """The configuration to launch for this GPU and problem."""
-    key = table_key(arch_family(capability), head_dim, causal)
+    family = arch_family(capability)
+    key = table_key(family, head_dim, causal)
     if key in OVERRIDES:
-        block_m, block_n, m_tiles = OVERRIDES[key]
-    elif key in _table():
-        entry = _table()[key]
-        block_m, block_n, m_tiles = entry["block_m"], entry["block_n"], entry["warp_m_tiles"]
-    else:
-        block_m, block_n, m_tiles = DEFAULTS[head_dim]
-    return ForwardConfig(head_dim=head_dim, block_m=block_m, block_n=block_n, warp_m_tiles=m_tiles)
+        return OVERRIDES[key]
+    if key in _table():
+        return config_from_json(_table()[key])
+    return DEFAULTS[(family, head_dim)]
 
 
-def shipped_configs() -> list[tuple[str, int, bool, ForwardConfig]]:
+def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
     """Every (family, head dim, causal, config) the dispatcher can launch."""
     capabilities = {"sm80": (8, 0), "sm90": (9, 0)}
     return [
@@ -64,3 +93,13 @@ def shipped_configs() -> list[tuple[str, int, bool, ForwardConfig]]:
 
 
 FAMILY_ARCH = {"sm80": "sm_80", "sm90": "sm_90a"}  # the target each family compiles for
+
+
+def make_kernel(config: KernelConfig, causal: bool, bf16: bool):
+    """The Python kernel function for a configuration (either kernel family)."""
+    from .kernels.forward_mma import make_forward_kernel
+    from .kernels.forward_wgmma import make_forward_wgmma_kernel
+
+    if isinstance(config, WgmmaConfig):
+        return make_forward_wgmma_kernel(config, causal, bf16)
+    return make_forward_kernel(config, causal, bf16)

@@ -1,11 +1,12 @@
-"""Tile helpers for the mma.sync kernels: swizzled shared-memory tiles, cp.async tile
+"""Tile helpers for the attention kernels: swizzled shared-memory tiles, cp.async tile
 copies, ldmatrix fragment loads and the online-softmax steps.
 
-A shared tile holds ``rows x head_dim`` 16-bit elements, row-major, in 16-byte chunks.
-Chunk ``c`` of row ``r`` is stored at chunk position ``c ^ (r % 8)`` of that row (XOR on
-the low three bits, CuTe's Swizzle<3,4,3>): the 8 rows one ldmatrix reads, and the
-chunks one warp's cp.async writes, fall in 8 different 16-byte bank groups, so
-neither the loads nor the stores conflict. Needs rows of at least 8 chunks (head_dim >= 64).
+A shared tile holds ``rows x head_dim`` 16-bit elements as column blocks of 64 elements:
+block ``b`` is ``rows`` rows of 128 bytes, and 16-byte chunk ``c`` of row ``r`` sits at
+chunk position ``c ^ (r % 8)`` of its row (CuTe's Swizzle<3,4,3>). This is the 128-byte
+swizzle layout that wgmma descriptors and TMA use (tiles 1024-byte aligned), and it makes
+ldmatrix and cp.async conflict free: the 8 rows one ldmatrix reads, and the chunks one
+warp writes, fall in 8 different 16-byte bank groups. Needs head_dim a multiple of 64.
 
 Register fragments follow the PTX ISA layout of mma.m16n8k16: lane ``l`` holds rows
 ``l // 4`` and ``l // 4 + 8`` and columns ``2 * (l % 4)`` and ``+1`` of each 8-wide n-tile.
@@ -25,9 +26,9 @@ LN2 = math.log(2.0)
 
 
 @cuda.jit(device=True, inline="always")
-def swizzled_offset(row, chunk, chunks_per_row):
-    """Byte offset of 16-byte ``chunk`` of ``row`` in a swizzled tile."""
-    return (row * chunks_per_row + (chunk ^ (row % 8))) * 16
+def swizzled_offset(row, chunk, tile_rows):
+    """Byte offset of 16-byte ``chunk`` of ``row`` in a swizzled tile of ``tile_rows`` rows."""
+    return (chunk // 8) * (tile_rows * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16
 
 
 @cuda.jit(device=True, inline="always")
@@ -43,16 +44,16 @@ def copy_tile_async(smem_tile, src, src_base, row_stride, first_row, num_rows, t
     rows_per_pass = num_threads // chunks_per_row
     row = tid // chunks_per_row
     chunk = tid % chunks_per_row
-    dst = smem_tile + swizzled_offset(row, chunk, chunks_per_row)
+    dst = smem_tile + swizzled_offset(row, chunk, tile_rows)
     src_index = src_base + (first_row + row) * row_stride + chunk * 8
     if first_row + tile_rows <= num_rows:  # the whole tile is in range: no checks
         for i in range(tile_rows // rows_per_pass):
-            ptx.cp_async_16(dst + i * rows_per_pass * chunks_per_row * 16, src,
+            ptx.cp_async_16(dst + i * rows_per_pass * 128, src,
                             src_index + i * rows_per_pass * row_stride)
     else:
         for i in range(tile_rows // rows_per_pass):
             ptx.cp_async_16_zfill(
-                dst + i * rows_per_pass * chunks_per_row * 16,
+                dst + i * rows_per_pass * 128,
                 src,
                 src_index + i * rows_per_pass * row_stride,
                 first_row + row + i * rows_per_pass < num_rows,
@@ -60,30 +61,30 @@ def copy_tile_async(smem_tile, src, src_base, row_stride, first_row, num_rows, t
 
 
 @cuda.jit(device=True, inline="always")
-def ldmatrix_offsets(offsets, row, half, chunks_per_row):
+def ldmatrix_offsets(offsets, row, half):
     """This lane's byte offsets for ldmatrix reads of 16-column blocks of a swizzled tile.
 
-    The lane addresses ``row`` (any row congruent to it mod 8 reuses the pattern) and the
-    8-column ``half`` (0 or 1) of 16-column block ``kb``. Column chunk ``2*kb + half``
-    XOR ``row % 8`` only changes the low three bits, so the offset of block ``kb`` is
-    ``offsets[kb % 4] + 128 * (kb // 4)``: four registers per lane, the rest immediates."""
+    The lane addresses ``row`` (any row congruent to it mod 8 reuses the pattern, at
+    ``+128`` bytes per row) and the 8-column ``half`` (0 or 1) of 16-column block ``kb``:
+    chunk ``2*kb + half``. Its offset is ``offsets[kb % 4]`` plus the start of 64-column
+    block ``kb // 4``: four registers per lane, the rest immediates."""
     for b in range(4):
-        offsets[b] = (row * chunks_per_row + ((2 * b + half) ^ (row % 8))) * 16
+        offsets[b] = row * 128 + ((2 * b + half) ^ (row % 8)) * 16
 
 
 @cuda.jit(device=True, inline="always")
-def block_offset(offsets, kb):
+def block_offset(offsets, kb, tile_rows):
     """Offset of 16-column block ``kb`` (compile-time constant) from ``ldmatrix_offsets``."""
-    return offsets[kb % 4] + 128 * (kb // 4)
+    return offsets[kb % 4] + (kb // 4) * (tile_rows * 128)
 
 
 @cuda.jit(device=True, inline="always")
-def load_a_fragments(frags, smem_tile, row0, k_tiles, chunks_per_row, lane):
+def load_a_fragments(frags, smem_tile, row0, k_tiles, tile_rows, lane):
     """ldmatrix the A operand (16 rows from ``row0``, ``k_tiles`` x 16 columns) of a
     row-major tile: ``frags[kt, 0:4]`` is the m16k16 A fragment of k-tile ``kt``."""
     row = row0 + lane % 16
     for kt in range(k_tiles):
-        ptx.ldmatrix_x4(frags[kt], smem_tile + swizzled_offset(row, kt * 2 + lane // 16, chunks_per_row))
+        ptx.ldmatrix_x4(frags[kt], smem_tile + swizzled_offset(row, kt * 2 + lane // 16, tile_rows))
 
 
 @cuda.jit(device=True, inline="always")
@@ -185,7 +186,7 @@ def pack_p_fragments(p_frag, p, k_tiles, bf16):
 
 
 @cuda.jit(device=True, inline="always")
-def stage_output_rows(smem_tile, acc_o, d_tiles, chunks_per_row, row0, l_run, lane, bf16):
+def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, bf16):
     """Normalise this warp's 16 O rows by their row sums and store them, 16-bit, into rows
     ``row0`` .. +15 of a swizzled shared tile. Returns nothing; the row sums (summed over
     the quad) are left in ``l_run``. Rows with a zero sum give 0."""
@@ -199,13 +200,13 @@ def stage_output_rows(smem_tile, acc_o, d_tiles, chunks_per_row, row0, l_run, la
             lo = acc_o[j, 2 * r] * inv
             hi = acc_o[j, 2 * r + 1] * inv
             packed = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
-            offset = swizzled_offset(row0 + g + 8 * r, j, chunks_per_row) + 4 * t
+            offset = swizzled_offset(row0 + g + 8 * r, j, tile_rows) + 4 * t
             ptx.st_shared_b32(smem_tile + offset, packed)
 
 
 @cuda.jit(device=True, inline="always")
-def store_rows_global(dst, dst_base, row_stride, smem_tile, tile_row0, first_row, num_rows, rows,
-                      chunks_per_row, lane, out):
+def store_rows_global(dst, dst_base, row_stride, smem_tile, tile_rows, tile_row0, first_row, num_rows,
+                      rows, chunks_per_row, lane, out):
     """A warp copies ``rows`` rows of a swizzled shared tile (from ``tile_row0``) to global
     rows ``first_row`` ... with 16-byte stores, skipping rows at or past ``num_rows``.
     ``out`` is a uint32[4] scratch register array."""
@@ -213,7 +214,7 @@ def store_rows_global(dst, dst_base, row_stride, smem_tile, tile_row0, first_row
         idx = lane + i * 32
         row = idx // chunks_per_row
         chunk = idx % chunks_per_row
-        ptx.ld_shared_v4(out, smem_tile + swizzled_offset(tile_row0 + row, chunk, chunks_per_row))
+        ptx.ld_shared_v4(out, smem_tile + swizzled_offset(tile_row0 + row, chunk, tile_rows))
         if first_row + row < num_rows:
             ptx.st_global_v4(dst, dst_base + (first_row + row) * row_stride + chunk * 8, out)
 

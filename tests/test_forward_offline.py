@@ -12,15 +12,23 @@ from numbaflash.kernels.registry import forward_kernels
 KERNELS = forward_kernels()
 
 
-@pytest.fixture(scope="module", params=sorted(KERNELS), ids=str)
+CASES = [(name, arch) for name, (_, _, archs) in sorted(KERNELS.items()) for arch in archs]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def report(request):
-    pyfunc, argtypes, archs = KERNELS[request.param]
-    return inspect_kernel(pyfunc, argtypes, archs[0], request.param)
+    name, arch = request.param
+    pyfunc, argtypes, _ = KERNELS[name]
+    return inspect_kernel(pyfunc, argtypes, arch, name)
 
 
 def test_tensor_core_and_copy_instructions(report):
-    assert report.count("HMMA") > 0, "no mma.sync in SASS"
-    assert report.count("LDSM") > 0, "no ldmatrix in SASS"
+    if "wgmma" in report.name:
+        assert report.count("HGMMA") > 0, "no wgmma in SASS"
+        assert report.count("HMMA") == 0
+    else:
+        assert report.count("HMMA") > 0, "no mma.sync in SASS"
+        assert report.count("LDSM") > 0, "no ldmatrix in SASS"
     assert report.count("LDGSTS") > 0, "no cp.async in SASS"
     assert report.count("MUFU") > 0, "no ex2 in SASS"
 

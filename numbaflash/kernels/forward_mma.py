@@ -163,15 +163,15 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         cuda.syncthreads()
         warp_row = warp * 16 * MT  # this warp's first row in the CTA tile
         for mt in range(MT):
-            load_a_fragments(q_frag[mt], sq, warp_row + 16 * mt, D_K_TILES, CPR, lane)
+            load_a_fragments(q_frag[mt], sq, warp_row + 16 * mt, D_K_TILES, BM, lane)
 
         row_first = m0 + warp_row  # this warp's first query row
         # ldmatrix byte offsets of this lane: K as the B operand of QKᵀ (non-transposed,
         # two n-tiles of 8 keys per load), V as the B operand of PV (transposed).
         k_offsets = cuda.local.array(4, uint32)
-        ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, CPR)
+        ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2)
         v_offsets = cuda.local.array(4, uint32)
-        ldmatrix_offsets(v_offsets, lane % 16, lane // 16, CPR)
+        ldmatrix_offsets(v_offsets, lane % 16, lane // 16)
         mx = cuda.local.array((MT, 2), float32)
         for n_block in range(n_tiles):
             n0 = n_block * BN
@@ -187,7 +187,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                         acc_s[mt, j, e] = 0.0
             for kt in range(D_K_TILES):
                 for j2 in range(S_N_TILES // 2):
-                    ptx.ldmatrix_x4(b_frag, sk + block_offset(k_offsets, kt) + j2 * 16 * CPR * 16)
+                    ptx.ldmatrix_x4(b_frag, sk + block_offset(k_offsets, kt, BN) + j2 * 16 * 128)
                     for mt in range(MT):
                         mma(acc_s[mt, 2 * j2], q_frag[mt, kt], b_frag[0:2])
                         mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, kt], b_frag[2:4])
@@ -219,7 +219,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             # O += P V_j
             for kt in range(P_K_TILES):
                 for j2 in range(D_N_TILES // 2):
-                    ptx.ldmatrix_x4_trans(b_frag, sv + block_offset(v_offsets, j2) + kt * 16 * CPR * 16)
+                    ptx.ldmatrix_x4_trans(b_frag, sv + block_offset(v_offsets, j2, BN) + kt * 16 * 128)
                     for mt in range(MT):
                         mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
                         mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
@@ -227,14 +227,14 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         # Epilogue: normalise, stage this warp's rows in its own part of the Q tile, then
         # 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.
         for mt in range(MT):
-            stage_output_rows(sq, acc_o[mt], D_N_TILES, CPR, warp_row + 16 * mt, l_run[mt], lane, BF16)
+            stage_output_rows(sq, acc_o[mt], D_N_TILES, BM, warp_row + 16 * mt, l_run[mt], lane, BF16)
             if write_lse:
                 lse_base = (batch * heads_q + head) * seqlen_q
                 store_lse(lse, lse_base, row_first + 16 * mt, seqlen_q, m_run[mt], l_run[mt], lane)
         cuda.syncwarp()
         out = cuda.local.array(4, uint32)
         o_base = batch * o_sb + head * o_sh
-        store_rows_global(o, o_base, o_ss, sq, warp_row, row_first, seqlen_q, 16 * MT, CPR, lane, out)
+        store_rows_global(o, o_base, o_ss, sq, BM, warp_row, row_first, seqlen_q, 16 * MT, CPR, lane, out)
 
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}_{'causal' if causal else 'full'}_" + (
         "bf16" if bf16 else "f16"

@@ -20,12 +20,14 @@ def registered_kernels() -> dict:
 
 def forward_kernels() -> dict:
     """The shipped forward configurations, each for the architecture it is dispatched on."""
-    from ..configs import FAMILY_ARCH, shipped_configs
-    from .forward_mma import FORWARD_ARGTYPES, make_forward_kernel
+    from ..configs import FAMILY_ARCH, make_kernel, shipped_configs
+    from .forward_mma import FORWARD_ARGTYPES
 
     kernels = {}
     for family, _, causal, config in shipped_configs():
         for bf16 in (False, True):
-            kernel = make_forward_kernel(config, causal, bf16)
-            kernels[f"{kernel.__name__}_{family}"] = (kernel, FORWARD_ARGTYPES, (FAMILY_ARCH[family],))
+            kernel = make_kernel(config, causal, bf16)
+            # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
+            archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
+            kernels[f"{kernel.__name__}_{family}"] = (kernel, FORWARD_ARGTYPES, archs)
     return kernels

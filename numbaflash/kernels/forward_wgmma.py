@@ -1,0 +1,213 @@
+"""FlashAttention forward for Hopper (sm_90a) on wgmma.
+
+A CTA is ``warpgroups`` warpgroups of 4 warps; each warpgroup owns 64 query rows (each warp
+16 of them, with the same register fragment layout as the mma.sync kernel, so the online
+softmax steps are shared). Q, K and V tiles live in shared memory in the 128-byte swizzle
+layout that wgmma descriptors address directly:
+
+    S  = Q Kᵀ   wgmma m64n{block_n}k16, A (Q) and B (K) from shared memory, both K-major
+    O += P V    wgmma m64n{head_dim}k16, A (P, 16-bit) from registers, B (V) from shared
+                memory, MN-major (transposed B)
+
+K and V tiles are double buffered: while tile j is multiplied, cp.async brings tile j+1
+into the other stage. cp.async writes through the generic proxy and wgmma reads through
+the async proxy, so every thread fences (fence.proxy.async) before the CTA barrier that
+hands a tile to the tensor cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from numba import cuda, float32, types, uint32
+
+from .. import ptx
+from ..ptx import hopper as hp
+from ..tiles import (
+    FULL_MASK,
+    NEG_INF,
+    copy_tile_async,
+    exponentiate,
+    mask_scores,
+    max_grew,
+    pack_p_fragments,
+    rescale_rows,
+    scaled_row_maxes,
+    stage_output_rows,
+    store_lse,
+    store_rows_global,
+)
+from .forward_mma import RESCALE_THRESHOLD
+
+THRESHOLD = float32(RESCALE_THRESHOLD)
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """Compile-time shape of the Hopper forward kernel."""
+
+    head_dim: int
+    block_n: int = 128  # keys per KV tile (the N of the S wgmma)
+    warpgroups: int = 2  # 64 query rows each
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def shared_bytes(self) -> int:
+        """Q tile + two stages of K and V tiles, plus 1 KB to align the base to 1024."""
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
+
+    def check(self) -> None:
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
+        if self.block_n not in (64, 128, 192, 256):
+            raise ValueError(f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
+        if not 1 <= self.warpgroups <= 3:
+            raise ValueError(f"warpgroups must be 1, 2 or 3, got {self.warpgroups}")
+        if (self.threads // (self.head_dim // 8)) % 8:
+            raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
+
+
+def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
+    """Return the Python kernel function for ``config``; same arguments and grid as
+    ``forward_mma.make_forward_kernel`` (jit it with FORWARD_ARGTYPES)."""
+    config.check()
+    D = config.head_dim
+    BN = config.block_n
+    BM = config.block_m
+    THREADS = config.threads
+    CPR = D // 8  # 16-byte chunks per row
+    D_K_STEPS = D // 16  # k-steps of the S wgmma
+    D_N_TILES = D // 8  # 8-column tiles of the O accumulator
+    S_N_TILES = BN // 8  # 8-column tiles of the S accumulator
+    P_K_STEPS = BN // 16  # k-steps of the PV wgmma
+    Q_BYTES = BM * D * 2
+    KV_BYTES = BN * D * 2  # one K (or V) stage
+    CAUSAL = causal
+    BF16 = bf16
+    dtype = "bf16" if bf16 else "f16"
+    mma_s = hp.wgmma_ss(BN, dtype)
+    mma_o = hp.wgmma_rs(D, dtype, trans_b=True)
+    fence_s = hp.wgmma_fence_operand(BN)
+    fence_o = hp.wgmma_fence_operand(D)
+
+    def flash_forward_wgmma(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
+                            o_sb, o_ss, o_sh, seqlen_q, seqlen_k, heads_q, group, scale_log2, write_lse):
+        smem = cuda.shared.array(0, types.uint16)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        m_block = cuda.blockIdx.x
+        if CAUSAL:  # heaviest query blocks first: better tail balance
+            m_block = cuda.gridDim.x - 1 - m_block
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        kv_head = uint32(head) // uint32(group)
+        m0 = m_block * BM
+        diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
+
+        sq = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
+        sk = sq + Q_BYTES  # stage s of K at sk + s * KV_BYTES
+        sv = sk + 2 * KV_BYTES  # stage s of V at sv + s * KV_BYTES
+        q_base = batch * q_sb + head * q_sh
+        k_base = batch * k_sb + kv_head * k_sh
+        v_base = batch * v_sb + kv_head * v_sh
+
+        n_tiles = (seqlen_k + BN - 1) // BN
+        if CAUSAL:
+            n_tiles = min(n_tiles, (m0 + BM + diag + BN - 1) // BN)
+
+        # Prologue: Q and the first K, V tiles in one copy group.
+        copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)
+        if n_tiles > 0:
+            copy_tile_async(sk, k, k_base, k_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+            copy_tile_async(sv, v, v_base, v_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+        ptx.cp_async_commit_group()
+
+        acc_o = cuda.local.array((D_N_TILES, 4), float32)
+        for j in range(D_N_TILES):
+            for e in range(4):
+                acc_o[j, e] = 0.0
+        acc_s = cuda.local.array((S_N_TILES, 4), float32)
+        p_frag = cuda.local.array((P_K_STEPS, 4), uint32)
+        m_run = cuda.local.array(2, float32)  # rows g, g+8: running max (scaled, log2 units)
+        l_run = cuda.local.array(2, float32)  # this lane's part of the row sums
+        mx = cuda.local.array(2, float32)
+        for r in range(2):
+            m_run[r] = NEG_INF
+            l_run[r] = 0.0
+
+        warpgroup = warp // 4
+        row_first = m0 + warp * 16  # this warp's first query row
+        # Descriptors: Q rows of this warpgroup (K-major); K stage 0 (K-major); V stage 0
+        # (MN-major: 64-wide head-dim blocks BN*128 bytes apart).
+        desc_q = hp.smem_descriptor_k_sw128(sq + warpgroup * 64 * 128)
+        desc_k = hp.smem_descriptor_k_sw128(sk)
+        desc_v = hp.smem_descriptor_mn_sw128(sv, BN * 128)
+
+        for n_block in range(n_tiles):
+            n0 = n_block * BN
+            stage = n_block % 2
+            ptx.cp_async_wait_group_0()  # tile j has landed (the only group in flight) ...
+            hp.fence_proxy_async_shared_cta()  # ... is visible to the async proxy ...
+            cuda.syncthreads()  # ... for everyone, and everyone is done with tile j-1
+            if n_block + 1 < n_tiles:  # prefetch tile j+1 into the other stage
+                other = (1 - stage) * KV_BYTES
+                copy_tile_async(sk + other, k, k_base, k_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
+                copy_tile_async(sv + other, v, v_base, v_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
+                ptx.cp_async_commit_group()
+
+            # S = Q K_jᵀ (the first k-step overwrites the accumulator)
+            k_stage = hp.descriptor_add(desc_k, stage * KV_BYTES)
+            fence_s(acc_s)
+            hp.wgmma_fence()
+            for kk in range(D_K_STEPS):
+                block = (kk // 4) * 64 * 2  # byte offset of 64-column block, per row
+                mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + (kk % 4) * 32),
+                      hp.descriptor_add(k_stage, block * BN + (kk % 4) * 32), 0 if kk == 0 else 1)
+            hp.wgmma_commit_group()
+            hp.wgmma_wait_group_0()
+            fence_s(acc_s)
+
+            if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
+                mask_scores(acc_s, S_N_TILES, n0, row_first, lane, seqlen_k, diag, CAUSAL)
+            scaled_row_maxes(acc_s, S_N_TILES, mx, scale_log2)
+            if cuda.any_sync(FULL_MASK, max_grew(mx, m_run, THRESHOLD)):
+                rescale_rows(acc_o, D_N_TILES, m_run, l_run, mx)
+            exponentiate(acc_s, S_N_TILES, m_run, l_run, scale_log2)
+            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+
+            # O += P V_j
+            v_stage = hp.descriptor_add(desc_v, stage * KV_BYTES)
+            fence_o(acc_o)
+            hp.wgmma_fence()
+            for kk in range(P_K_STEPS):
+                mma_o(acc_o, p_frag[kk], hp.descriptor_add(v_stage, kk * 16 * 128), 1)
+            hp.wgmma_commit_group()
+            hp.wgmma_wait_group_0()
+            fence_o(acc_o)
+
+        # Epilogue (as in the mma.sync kernel): stage rows in the Q tile, 16-byte stores.
+        cuda.syncthreads()  # every warpgroup's wgmma is done reading Q
+        stage_output_rows(sq, acc_o, D_N_TILES, BM, warp * 16, l_run, lane, BF16)
+        if write_lse:
+            store_lse(lse, (batch * heads_q + head) * seqlen_q, row_first, seqlen_q, m_run, l_run, lane)
+        cuda.syncwarp()
+        out = cuda.local.array(4, uint32)
+        o_base = batch * o_sb + head * o_sh
+        store_rows_global(o, o_base, o_ss, sq, BM, warp * 16, row_first, seqlen_q, 16, CPR, lane, out)
+
+    flash_forward_wgmma.__name__ = (
+        f"flash_forward_wgmma_d{D}_m{BM}_n{BN}_{'causal' if causal else 'full'}_{dtype}"
+    )
+    return flash_forward_wgmma
