@@ -40,24 +40,24 @@ def copy_tile_async(smem_tile, src, src_base, row_stride, first_row, num_rows, t
 
     Thread ``tid`` copies chunk ``tid % chunks_per_row`` of rows ``tid // chunks_per_row``
     + multiples of ``num_threads // chunks_per_row`` (a multiple of 8, so the swizzle
-    pattern, and hence the shared offset step, is the same for each of its rows)."""
+    pattern, and hence the shared offset step, is the same for each of its rows); when that
+    step does not divide ``tile_rows``, the last pass copies only the rows that remain."""
     rows_per_pass = num_threads // chunks_per_row
+    passes = (tile_rows + rows_per_pass - 1) // rows_per_pass
     row = tid // chunks_per_row
     chunk = tid % chunks_per_row
     dst = smem_tile + swizzled_offset(row, chunk, tile_rows)
     src_index = src_base + (first_row + row) * row_stride + chunk * 8
-    if first_row + tile_rows <= num_rows:  # the whole tile is in range: no checks
-        for i in range(tile_rows // rows_per_pass):
-            ptx.cp_async_16(dst + i * rows_per_pass * 128, src,
-                            src_index + i * rows_per_pass * row_stride)
-    else:
-        for i in range(tile_rows // rows_per_pass):
-            ptx.cp_async_16_zfill(
-                dst + i * rows_per_pass * 128,
-                src,
-                src_index + i * rows_per_pass * row_stride,
-                first_row + row + i * rows_per_pass < num_rows,
-            )
+    full = first_row + tile_rows <= num_rows  # the whole tile is in range: no row checks
+    for i in range(passes):
+        r = row + i * rows_per_pass
+        to = dst + i * rows_per_pass * 128
+        at = src_index + i * rows_per_pass * row_stride
+        if tile_rows % rows_per_pass == 0 or r < tile_rows:
+            if full:
+                ptx.cp_async_16(to, src, at)
+            else:
+                ptx.cp_async_16_zfill(to, src, at, first_row + r < num_rows)
 
 
 @cuda.jit(device=True, inline="always")
