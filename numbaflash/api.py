@@ -160,7 +160,8 @@ def _forward_kernel(capability, head_dim: int, causal: bool, bf16: bool):
     key = (config, causal, bf16, capability)
     with _GPU_LOCK:
         if key not in _KERNELS:
-            kernel = cuda.jit(FORWARD_ARGTYPES)(make_kernel(config, causal, bf16))
+            pyfunc = make_kernel(config, causal, bf16)
+            kernel = cuda.jit(FORWARD_ARGTYPES, launch_bounds=pyfunc.launch_bounds)(pyfunc)
             _raise_shared_limit(kernel, FORWARD_ARGTYPES, config.shared_bytes)
             _KERNELS[key] = kernel
     return _KERNELS[key], config

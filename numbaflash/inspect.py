@@ -85,7 +85,10 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str) -> bytes:
     from numba.cuda.compiler import compile_all
 
     cc = parse_arch(arch)
-    codes, _ = compile_all(pyfunc, tuple(argtypes), device=False, cc=cc, output="ltoir", abi="numba")
+    # Kernels built by the package carry the launch bounds they are jitted with.
+    bounds = getattr(pyfunc, "launch_bounds", None)
+    codes, _ = compile_all(pyfunc, tuple(argtypes), device=False, cc=cc, output="ltoir", abi="numba",
+                           launch_bounds=bounds)
     handle = nvjitlink.create(2, [f"-arch={arch}", "-lto"])
     try:
         for i, code in enumerate(codes):

@@ -239,4 +239,6 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}_{'causal' if causal else 'full'}_" + (
         "bf16" if bf16 else "f16"
     )
+    # One CTA per SM is the design point: ptxas may use 65536 / threads registers.
+    flash_forward.launch_bounds = (THREADS, 1)
     return flash_forward

@@ -210,4 +210,6 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
     flash_forward_wgmma.__name__ = (
         f"flash_forward_wgmma_d{D}_m{BM}_n{BN}_{'causal' if causal else 'full'}_{dtype}"
     )
+    # One CTA per SM is the design point: ptxas may use 65536 / threads registers.
+    flash_forward_wgmma.launch_bounds = (THREADS, 1)
     return flash_forward_wgmma
