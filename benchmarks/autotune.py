@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--only", choices=["mma", "wgmma"], help="time only this kernel family")
     args = parser.parse_args()
     cap = torch.cuda.get_device_capability()
     family = configs.arch_family(cap)
@@ -54,6 +55,8 @@ def main() -> None:
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             best = None
             for cand in configs.CANDIDATES[(family, d)]:
+                if args.only and configs.config_to_json(cand)["kernel"] != args.only:
+                    continue
                 configs.OVERRIDES[key] = cand
                 try:
                     ms = time_ms(lambda c=causal, x=qkv, o=out: flash_attention(*x, causal=c, out=o))

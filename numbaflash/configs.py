@@ -33,13 +33,15 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
         128: [(128, 64, 1), (64, 64, 1), (128, 32, 1), (64, 128, 1), (128, 128, 1)],
     }.items()
 }
-# (block_n, warpgroups) of the wgmma kernel; (128, 3) at head dim 128 would spill.
+# (block_n, warpgroups, pipelined) of the wgmma kernel; others spill at 255 or 168 registers.
 _WGMMA_SHAPES = {
-    64: ((128, 2), (64, 2), (128, 1), (64, 3), (128, 3)),
-    128: ((128, 2), (64, 2), (128, 1), (64, 3)),
+    64: ((128, 2, False), (64, 2, False), (128, 1, False), (64, 3, False), (128, 3, False),
+         (128, 2, True), (64, 2, True), (128, 1, True)),
+    128: ((128, 2, False), (64, 2, False), (128, 1, False), (64, 3, False),
+          (128, 2, True), (64, 2, True), (128, 1, True)),
 }
 CANDIDATES.update({
-    ("sm90", d): [WgmmaConfig(d, bn, wg) for bn, wg in _WGMMA_SHAPES[d]] + CANDIDATES[("sm80", d)]
+    ("sm90", d): [WgmmaConfig(d, *shape) for shape in _WGMMA_SHAPES[d]] + CANDIDATES[("sm80", d)]
     for d in SUPPORTED_HEAD_DIMS
 })
 # Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.

@@ -9,10 +9,15 @@ layout that wgmma descriptors address directly:
     O += P V    wgmma m64n{head_dim}k16, A (P, 16-bit) from registers, B (V) from shared
                 memory, MN-major (transposed B)
 
-K and V tiles are double buffered: while tile j is multiplied, cp.async brings tile j+1
-into the other stage. cp.async writes through the generic proxy and wgmma reads through
-the async proxy, so every thread fences (fence.proxy.async) before the CTA barrier that
-hands a tile to the tensor cores.
+K and V tiles are double buffered: while tile j is multiplied, cp.async brings the next
+tiles into the other stage. cp.async writes through the generic proxy and wgmma reads
+through the async proxy, so every thread fences (fence.proxy.async) before the CTA barrier
+that hands a tile to the tensor cores.
+
+``pipelined`` (FlashAttention-3's intra-warpgroup overlap): S_{j+1} = Q K_{j+1}ᵀ is issued
+before the softmax of tile j, into a second S accumulator, so the tensor cores work while
+the warpgroup computes exponentials; K is then loaded one tile ahead of V. The loop is
+unrolled by two so that the two S accumulators swap roles with compile-time indices.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class WgmmaConfig:
     head_dim: int
     block_n: int = 128  # keys per KV tile (the N of the S wgmma)
     warpgroups: int = 2  # 64 query rows each
+    pipelined: bool = False  # issue S_{j+1} before the softmax of tile j
 
     @property
     def block_m(self) -> int:
@@ -101,6 +107,70 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
     fence_s = hp.wgmma_fence_operand(BN)
     fence_o = hp.wgmma_fence_operand(D)
 
+    PIPELINED = config.pipelined
+
+    @cuda.jit(device=True, inline="always")
+    def issue_s(acc_s, desc_q, desc_k):
+        """Start S = Q Kᵀ (async; the first k-step overwrites the accumulator)."""
+        fence_s(acc_s)
+        hp.wgmma_fence()
+        for kk in range(D_K_STEPS):
+            block = (kk // 4) * 128  # bytes per row of one 64-column block
+            mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + (kk % 4) * 32),
+                  hp.descriptor_add(desc_k, block * BN + (kk % 4) * 32), 0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, inline="always")
+    def issue_pv(acc_o, p_frag, desc_v):
+        """Start O += P V (async), P from registers."""
+        fence_o(acc_o)
+        hp.wgmma_fence()
+        for kk in range(P_K_STEPS):
+            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * 128), 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, inline="always")
+    def softmax_to_p(acc_s, acc_o, p_frag, m_run, l_run, mx, n0, row_first, lane, seqlen_k, diag,
+                     scale_log2):
+        """Online softmax of one S tile into 16-bit P fragments, rescaling O if a max grew."""
+        if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
+            mask_scores(acc_s, S_N_TILES, n0, row_first, lane, seqlen_k, diag, CAUSAL)
+        scaled_row_maxes(acc_s, S_N_TILES, mx, scale_log2)
+        if cuda.any_sync(FULL_MASK, max_grew(mx, m_run, THRESHOLD)):
+            rescale_rows(acc_o, D_N_TILES, m_run, l_run, mx)
+        exponentiate(acc_s, S_N_TILES, m_run, l_run, scale_log2)
+        pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+
+    @cuda.jit(device=True, inline="always")
+    def handover(tid):
+        """Every copy issued so far has landed and is visible to wgmma, for all threads; and
+        every warpgroup has finished the work of the previous step."""
+        ptx.cp_async_wait_group_0()
+        hp.fence_proxy_async_shared_cta()
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, inline="always")
+    def pipelined_step(n_block, n_tiles, s_cur, s_next, acc_o, p_frag, m_run, l_run, mx, sk, sv, desc_q,
+                       desc_k, desc_v, k, v, k_base, k_ss, v_base, v_ss, row_first, lane, tid, seqlen_k,
+                       diag, scale_log2):
+        """Tile j = n_block: S_j is in ``s_cur``; K_{j+1} and V_j are (being) loaded."""
+        n0 = n_block * BN
+        handover(tid)  # K_{j+1}, V_j landed; S_j and PV_{j-1} are done everywhere
+        if n_block + 1 < n_tiles:  # V_{j+1} over V_{j-1}
+            copy_tile_async(sv + ((n_block + 1) % 2) * KV_BYTES, v, v_base, v_ss, n0 + BN, seqlen_k, BN,
+                            CPR, tid, THREADS)
+        if n_block + 2 < n_tiles:  # K_{j+2} over K_j
+            copy_tile_async(sk + (n_block % 2) * KV_BYTES, k, k_base, k_ss, n0 + 2 * BN, seqlen_k, BN,
+                            CPR, tid, THREADS)
+        ptx.cp_async_commit_group()
+        if n_block + 1 < n_tiles:
+            issue_s(s_next, desc_q, hp.descriptor_add(desc_k, ((n_block + 1) % 2) * KV_BYTES))
+        softmax_to_p(s_cur, acc_o, p_frag, m_run, l_run, mx, n0, row_first, lane, seqlen_k, diag, scale_log2)
+        issue_pv(acc_o, p_frag, hp.descriptor_add(desc_v, (n_block % 2) * KV_BYTES))
+        hp.wgmma_wait_group_0()
+        fence_s(s_next)
+        fence_o(acc_o)
+
     def flash_forward_wgmma(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                             o_sb, o_ss, o_sh, seqlen_q, seqlen_k, heads_q, group, scale_log2, write_lse):
         smem = cuda.shared.array(0, types.uint16)
@@ -127,18 +197,12 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         if CAUSAL:
             n_tiles = min(n_tiles, (m0 + BM + diag + BN - 1) // BN)
 
-        # Prologue: Q and the first K, V tiles in one copy group.
-        copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)
-        if n_tiles > 0:
-            copy_tile_async(sk, k, k_base, k_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
-            copy_tile_async(sv, v, v_base, v_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
-        ptx.cp_async_commit_group()
-
         acc_o = cuda.local.array((D_N_TILES, 4), float32)
         for j in range(D_N_TILES):
             for e in range(4):
                 acc_o[j, e] = 0.0
         acc_s = cuda.local.array((S_N_TILES, 4), float32)
+        acc_s2 = cuda.local.array((S_N_TILES, 4), float32)  # the second S buffer (pipelined)
         p_frag = cuda.local.array((P_K_STEPS, 4), uint32)
         m_run = cuda.local.array(2, float32)  # rows g, g+8: running max (scaled, log2 units)
         l_run = cuda.local.array(2, float32)  # this lane's part of the row sums
@@ -155,47 +219,56 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         desc_k = hp.smem_descriptor_k_sw128(sk)
         desc_v = hp.smem_descriptor_mn_sw128(sv, BN * 128)
 
-        for n_block in range(n_tiles):
-            n0 = n_block * BN
-            stage = n_block % 2
-            ptx.cp_async_wait_group_0()  # tile j has landed (the only group in flight) ...
-            hp.fence_proxy_async_shared_cta()  # ... is visible to the async proxy ...
-            cuda.syncthreads()  # ... for everyone, and everyone is done with tile j-1
-            if n_block + 1 < n_tiles:  # prefetch tile j+1 into the other stage
-                other = (1 - stage) * KV_BYTES
-                copy_tile_async(sk + other, k, k_base, k_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
-                copy_tile_async(sv + other, v, v_base, v_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
-                ptx.cp_async_commit_group()
-
-            # S = Q K_jᵀ (the first k-step overwrites the accumulator)
-            k_stage = hp.descriptor_add(desc_k, stage * KV_BYTES)
-            fence_s(acc_s)
-            hp.wgmma_fence()
-            for kk in range(D_K_STEPS):
-                block = (kk // 4) * 64 * 2  # byte offset of 64-column block, per row
-                mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + (kk % 4) * 32),
-                      hp.descriptor_add(k_stage, block * BN + (kk % 4) * 32), 0 if kk == 0 else 1)
-            hp.wgmma_commit_group()
-            hp.wgmma_wait_group_0()
-            fence_s(acc_s)
-
-            if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
-                mask_scores(acc_s, S_N_TILES, n0, row_first, lane, seqlen_k, diag, CAUSAL)
-            scaled_row_maxes(acc_s, S_N_TILES, mx, scale_log2)
-            if cuda.any_sync(FULL_MASK, max_grew(mx, m_run, THRESHOLD)):
-                rescale_rows(acc_o, D_N_TILES, m_run, l_run, mx)
-            exponentiate(acc_s, S_N_TILES, m_run, l_run, scale_log2)
-            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-
-            # O += P V_j
-            v_stage = hp.descriptor_add(desc_v, stage * KV_BYTES)
-            fence_o(acc_o)
-            hp.wgmma_fence()
-            for kk in range(P_K_STEPS):
-                mma_o(acc_o, p_frag[kk], hp.descriptor_add(v_stage, kk * 16 * 128), 1)
-            hp.wgmma_commit_group()
-            hp.wgmma_wait_group_0()
-            fence_o(acc_o)
+        if PIPELINED:
+            # Prologue: {Q, K_0}, then {V_0, K_1}; S_0 before the loop.
+            copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)
+            if n_tiles > 0:
+                copy_tile_async(sk, k, k_base, k_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+            ptx.cp_async_commit_group()
+            if n_tiles > 0:
+                copy_tile_async(sv, v, v_base, v_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+            if n_tiles > 1:
+                copy_tile_async(sk + KV_BYTES, k, k_base, k_ss, BN, seqlen_k, BN, CPR, tid, THREADS)
+            ptx.cp_async_commit_group()
+            ptx.cp_async_wait_group_1()
+            hp.fence_proxy_async_shared_cta()
+            cuda.syncthreads()
+            if n_tiles > 0:
+                issue_s(acc_s, desc_q, desc_k)
+                hp.wgmma_wait_group_0()
+                fence_s(acc_s)
+            for n_block in range(0, n_tiles, 2):
+                pipelined_step(n_block, n_tiles, acc_s, acc_s2, acc_o, p_frag, m_run, l_run, mx, sk, sv,
+                               desc_q, desc_k, desc_v, k, v, k_base, k_ss, v_base, v_ss, row_first, lane,
+                               tid, seqlen_k, diag, scale_log2)
+                if n_block + 1 < n_tiles:
+                    pipelined_step(n_block + 1, n_tiles, acc_s2, acc_s, acc_o, p_frag, m_run, l_run, mx,
+                                   sk, sv, desc_q, desc_k, desc_v, k, v, k_base, k_ss, v_base, v_ss,
+                                   row_first, lane, tid, seqlen_k, diag, scale_log2)
+        else:
+            # Prologue: Q and the first K, V tiles in one copy group.
+            copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)
+            if n_tiles > 0:
+                copy_tile_async(sk, k, k_base, k_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+                copy_tile_async(sv, v, v_base, v_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+            ptx.cp_async_commit_group()
+            for n_block in range(n_tiles):
+                n0 = n_block * BN
+                stage = (n_block % 2) * KV_BYTES
+                handover(tid)  # tile j landed; everyone is done with tile j-1
+                if n_block + 1 < n_tiles:  # prefetch tile j+1 into the other stage
+                    other = KV_BYTES - stage
+                    copy_tile_async(sk + other, k, k_base, k_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
+                    copy_tile_async(sv + other, v, v_base, v_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
+                    ptx.cp_async_commit_group()
+                issue_s(acc_s, desc_q, hp.descriptor_add(desc_k, stage))
+                hp.wgmma_wait_group_0()
+                fence_s(acc_s)
+                softmax_to_p(acc_s, acc_o, p_frag, m_run, l_run, mx, n0, row_first, lane, seqlen_k, diag,
+                             scale_log2)
+                issue_pv(acc_o, p_frag, hp.descriptor_add(desc_v, stage))
+                hp.wgmma_wait_group_0()
+                fence_o(acc_o)
 
         # Epilogue (as in the mma.sync kernel): stage rows in the Q tile, 16-byte stores.
         cuda.syncthreads()  # every warpgroup's wgmma is done reading Q
@@ -208,7 +281,8 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         store_rows_global(o, o_base, o_ss, sq, BM, warp * 16, row_first, seqlen_q, 16, CPR, lane, out)
 
     flash_forward_wgmma.__name__ = (
-        f"flash_forward_wgmma_d{D}_m{BM}_n{BN}_{'causal' if causal else 'full'}_{dtype}"
+        f"flash_forward_wgmma_d{D}_m{BM}_n{BN}{'_pipe' if config.pipelined else ''}_"
+        f"{'causal' if causal else 'full'}_{dtype}"
     )
     # One CTA per SM is the design point: ptxas may use 65536 / threads registers.
     flash_forward_wgmma.launch_bounds = (THREADS, 1)
