@@ -79,14 +79,15 @@ def parse_arch(arch: str) -> tuple:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(ARCHES)}") from None
 
 
-def compile_cubin(pyfunc, argtypes: Sequence, arch: str) -> bytes:
-    """Compile a kernel's Python function for ``arch`` with no GPU and return the linked cubin."""
+def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> bytes:
+    """Compile a kernel's Python function for ``arch`` with no GPU and return the linked cubin.
+    ``launch_bounds`` defaults to the function's ``launch_bounds`` attribute (set by the
+    package's kernel factories, which jit with the same bounds)."""
     from cuda.bindings import nvjitlink
     from numba.cuda.compiler import compile_all
 
     cc = parse_arch(arch)
-    # Kernels built by the package carry the launch bounds they are jitted with.
-    bounds = getattr(pyfunc, "launch_bounds", None)
+    bounds = launch_bounds if launch_bounds is not None else getattr(pyfunc, "launch_bounds", None)
     codes, _ = compile_all(pyfunc, tuple(argtypes), device=False, cc=cc, output="ltoir", abi="numba",
                            launch_bounds=bounds)
     handle = nvjitlink.create(2, [f"-arch={arch}", "-lto"])
@@ -145,11 +146,12 @@ def report_from_cubin(cubin: bytes, name: str, arch: str) -> KernelReport:
     return KernelReport(name, arch, regs, stack, shared, local, count_opcodes(sass), sass)
 
 
-def inspect_kernel(pyfunc, argtypes: Sequence, arch: str, name: str | None = None) -> KernelReport:
+def inspect_kernel(pyfunc, argtypes: Sequence, arch: str, name: str | None = None,
+                   launch_bounds=None) -> KernelReport:
     """Compile ``pyfunc`` (a kernel's Python function, or a ``@cuda.jit`` dispatcher) for
     ``arch`` offline and report registers, stack, shared/local memory and SASS counts."""
     pyfunc = getattr(pyfunc, "py_func", pyfunc)
-    cubin = compile_cubin(pyfunc, argtypes, arch)
+    cubin = compile_cubin(pyfunc, argtypes, arch, launch_bounds)
     return report_from_cubin(cubin, name or pyfunc.__name__, arch)
 
 

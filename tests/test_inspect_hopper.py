@@ -126,24 +126,7 @@ def test_wait_group_variants_compile():
 
 
 def _link_with_launch_bounds(pyfunc, argtypes, launch_bounds) -> nfi.KernelReport:
-    from cuda.bindings import nvjitlink
-    from numba.cuda.compiler import compile_all
-
-    codes, _ = compile_all(
-        pyfunc, argtypes, device=False, cc=nfi.parse_arch(ARCH), output="ltoir", abi="numba",
-        launch_bounds=launch_bounds,
-    )
-    handle = nvjitlink.create(2, [f"-arch={ARCH}", "-lto"])
-    try:
-        for i, code in enumerate(codes):
-            data = code if isinstance(code, (bytes, bytearray)) else code.code
-            nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, data, len(data), f"module{i}")
-        nvjitlink.complete(handle)
-        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
-        nvjitlink.get_linked_cubin(handle, cubin)
-    finally:
-        nvjitlink.destroy(handle)
-    return nfi.report_from_cubin(bytes(cubin), pyfunc.__name__, ARCH)
+    return nfi.inspect_kernel(pyfunc, argtypes, ARCH, launch_bounds=launch_bounds)
 
 
 @pytest.mark.parametrize("dec,inc", [(24, 240), (40, 232), (32, 160), (56, 224)])
