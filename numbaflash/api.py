@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 
 from .configs import SUPPORTED_HEAD_DIMS, forward_config
-from .launch import raise_dynamic_shared_limit
 
 _FLOAT16 = np.dtype(np.float16)
 
@@ -163,9 +162,21 @@ def _forward_kernel(capability, head_dim: int, causal: bool, bf16: bool):
         if key not in _KERNELS:
             pyfunc = make_kernel(config, causal, bf16)
             kernel = cuda.jit(FORWARD_ARGTYPES, launch_bounds=pyfunc.launch_bounds)(pyfunc)
-            raise_dynamic_shared_limit(kernel, FORWARD_ARGTYPES, config.shared_bytes)
+            _raise_shared_limit(kernel, FORWARD_ARGTYPES, config.shared_bytes)
             _KERNELS[key] = kernel
     return _KERNELS[key], config
+
+
+def _raise_shared_limit(kernel, argtypes, nbytes: int) -> None:
+    """Allow more than 48 KB of dynamic shared memory for this kernel."""
+    if nbytes <= 48 * 1024:
+        return
+    from cuda.bindings import driver as cu_driver
+    from numba.cuda.cudadrv.driver import driver
+
+    cufunc = kernel.overloads[tuple(argtypes)]._codelibrary.get_cufunc()
+    attr = cu_driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
 
 
 def _flat_view(op: _Operand):
