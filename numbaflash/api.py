@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .configs import SUPPORTED_HEAD_DIMS, forward_config
+from .launch import KernelLauncher, raise_dynamic_shared_limit
 
 _FLOAT16 = np.dtype(np.float16)
 
@@ -33,7 +34,8 @@ class _Operand:
     obj: Any
     strides: tuple[int, ...] = ()  # in elements (device operands)
     pointer: int = 0
-    stream: int | None = None
+    stream: int | None = None  # CUDA array interface "stream" (None: not given)
+    device: int | None = None  # CUDA device ordinal where known (torch)
 
 
 def _dtype_name_of_numpy(dtype: np.dtype, name: str) -> str:
@@ -61,8 +63,8 @@ def _describe(name: str, x: Any) -> _Operand:
         if x.dtype not in names:
             raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
         strides = tuple(int(s) for s in x.stride())
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        return _Operand(name, tuple(x.shape), names[x.dtype], True, x, strides, x.data_ptr(), stream)
+        return _Operand(name, tuple(x.shape), names[x.dtype], True, x, strides, x.data_ptr(),
+                        device=x.device.index)
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is None:
         raise TypeError(
@@ -132,7 +134,8 @@ _GPU_LOCK = threading.Lock()
 _KERNELS: dict = {}
 
 
-def _gpu_capability() -> tuple[int, int]:
+def _current_gpu() -> tuple[tuple[int, int], int]:
+    """(compute capability, ordinal) of Numba's current device, made current on this thread."""
     from numba import cuda
 
     if not cuda.is_available():
@@ -140,17 +143,18 @@ def _gpu_capability() -> tuple[int, int]:
             "numbaflash needs an NVIDIA GPU with compute capability >= 8.0 (sm_80), and none "
             "is available (numba.cuda.is_available() is False)"
         )
-    cap = tuple(cuda.get_current_device().compute_capability)
+    device = cuda.get_current_device()
+    cap = tuple(device.compute_capability)
     if cap < (8, 0):
         raise RuntimeError(
             f"numbaflash needs compute capability >= 8.0 (sm_80, Ampere or newer); this GPU is "
             f"sm_{cap[0]}{cap[1]}"
         )
-    return cap
+    return cap, device.id
 
 
 def _forward_kernel(capability, head_dim: int, causal: bool, bf16: bool):
-    """Compile (once per process) and return (kernel, config) for this problem."""
+    """Compile (once per process) and return (launcher, config) for this problem."""
     from numba import cuda
 
     from .configs import make_kernel
@@ -162,41 +166,67 @@ def _forward_kernel(capability, head_dim: int, causal: bool, bf16: bool):
         if key not in _KERNELS:
             pyfunc = make_kernel(config, causal, bf16)
             kernel = cuda.jit(FORWARD_ARGTYPES, launch_bounds=pyfunc.launch_bounds)(pyfunc)
-            _raise_shared_limit(kernel, FORWARD_ARGTYPES, config.shared_bytes)
-            _KERNELS[key] = kernel
+            raise_dynamic_shared_limit(kernel, FORWARD_ARGTYPES, config.shared_bytes)
+            _KERNELS[key] = KernelLauncher(kernel, FORWARD_ARGTYPES)
     return _KERNELS[key], config
 
 
-def _raise_shared_limit(kernel, argtypes, nbytes: int) -> None:
-    """Allow more than 48 KB of dynamic shared memory for this kernel."""
-    if nbytes <= 48 * 1024:
-        return
-    from cuda.bindings import driver as cu_driver
-    from numba.cuda.cudadrv.driver import driver
-
-    cufunc = kernel.overloads[tuple(argtypes)]._codelibrary.get_cufunc()
-    attr = cu_driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+_UNUSED_LSE: dict = {}
 
 
-def _flat_view(op: _Operand):
-    """A 1-D uint16 Numba device array spanning ``op``'s memory (zero copy)."""
+def _unused_lse(device: int) -> tuple[int, int]:
+    """(pointer, 1) of a float32 device scalar for the LSE argument when no LSE is asked for;
+    one per device, kept for the process (a fresh allocation per call would later be freed
+    with cuMemFree, which makes the host wait for the device)."""
     from numba import cuda
 
-    span = 1 + sum((n - 1) * s for n, s in zip(op.shape, op.strides, strict=True))
-    interface = {"shape": (span,), "strides": None, "typestr": "<u2", "data": (op.pointer, False),
-                 "version": 3}
-    return cuda.from_cuda_array_interface(interface, owner=op.obj, sync=False)
+    with _GPU_LOCK:
+        if device not in _UNUSED_LSE:
+            _UNUSED_LSE[device] = cuda.device_array(1, np.float32)
+    return _device_pointer(_UNUSED_LSE[device]), 1
 
 
-def _flat_f32_view(obj):
-    from numba import cuda
+def _device_pointer(obj: Any) -> int:
+    if _is_torch(obj):
+        return obj.data_ptr()
+    return int(obj.__cuda_array_interface__["data"][0])
 
-    cai = obj.__cuda_array_interface__
-    n = int(np.prod(cai["shape"]))
-    interface = {"shape": (n,), "strides": None, "typestr": "<f4", "data": (cai["data"][0], False),
-                 "version": 3}
-    return cuda.from_cuda_array_interface(interface, owner=obj, sync=False)
+
+def _span(op: _Operand) -> int:
+    """Elements from ``op``'s first to its last element (its flat extent in memory)."""
+    return 1 + sum((n - 1) * s for n, s in zip(op.shape, op.strides, strict=True))
+
+
+def _stream_handle(q: _Operand) -> int:
+    """The stream to launch on: torch's current stream for torch inputs, else the stream the
+    CUDA array interface names (None: the legacy default stream)."""
+    if _is_torch(q.obj):
+        import torch
+
+        return torch.cuda.current_stream(q.obj.device).cuda_stream
+    return int(q.stream or 0)
+
+
+def _check_same_device(ops: list[_Operand], current: int) -> None:
+    """Torch operands must sit on Numba's current device (ordinal ``current``): the kernel runs there."""
+    devices = {op.device for op in ops if op.device is not None}
+    if devices and devices != {current}:
+        where = ", ".join(f"{op.name} on cuda:{op.device}" for op in ops if op.device is not None)
+        raise ValueError(
+            f"all tensors must be on the current CUDA device (cuda:{current}), got {where}; "
+            "move them, or select their device first (numba.cuda.select_device / cuda.gpus[i])"
+        )
+
+
+def _launch_forward(launcher, config, ops: list[_Operand], lse: tuple[int, int], seqlen_k: int,
+                    heads_kv: int, scale_log2: np.float32, write_lse: bool, stream: int) -> None:
+    """Launch the forward kernel on q, k, v, out (``ops``) described by pointers and strides."""
+    batch, seqlen_q, heads_q, _ = ops[0].shape
+    grid = ((seqlen_q + config.block_m - 1) // config.block_m, heads_q, batch)
+    strides = [s for op in ops for s in op.strides[:3]]
+    launcher(grid, config.threads, stream, config.shared_bytes,
+             *[(op.pointer, _span(op)) for op in ops], lse, *strides,
+             seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale_log2, write_lse)
 
 
 def flash_attention(
@@ -250,46 +280,43 @@ def flash_attention(
             )
         if od.on_device != qd.on_device:
             raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
-    capability = _gpu_capability()
+    capability, device = _current_gpu()
     bf16 = qd.dtype_name == "bfloat16"
-    kernel, config = _forward_kernel(capability, head_dim, bool(causal), bf16)
-
-    from numba import cuda
+    launcher, config = _forward_kernel(capability, head_dim, bool(causal), bf16)
+    scale_log2 = np.float32(softmax_scale * math.log2(math.e))
+    o_shape = (batch, seqlen_q, heads_q, head_dim)
 
     if qd.on_device:
         for op in ops:
             _check_device_layout(op)
-        stream = cuda.external_stream(qd.stream) if qd.stream not in (None, 0) else cuda.default_stream()
-        o_obj = out if out is not None else _empty_like(q, (batch, seqlen_q, heads_q, head_dim), qd)
+        o_obj = out if out is not None else _empty_like(q, o_shape, qd)
         od = _describe("out", o_obj)
         _check_device_layout(od)
-        flat = [_flat_view(op) for op in (qd, kd, vd, od)]
+        _check_same_device([*ops, od], device)
         lse_obj = _empty_lse(q, (batch, heads_q, seqlen_q)) if return_lse else None
-    else:
-        stream = cuda.stream()
-        host = [np.ascontiguousarray(op.obj).view(np.uint16) for op in ops]
-        flat = [cuda.to_device(h.reshape(-1), stream=stream) for h in host]
-        flat.append(cuda.device_array(batch * seqlen_q * heads_q * head_dim, np.uint16, stream=stream))
-        for op, h in zip(ops, host, strict=True):
-            op.strides = tuple(s // 2 for s in h.strides)
-        contiguous = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
-        od = _Operand("out", qd.shape, qd.dtype_name, False, None, contiguous)
-        lse_obj = None
-        if return_lse:
-            lse_obj = cuda.device_array((batch, heads_q, seqlen_q), np.float32, stream=stream)
-    lse_flat = _flat_f32_view(lse_obj) if return_lse else cuda.device_array(1, np.float32, stream=stream)
-
-    grid = ((seqlen_q + config.block_m - 1) // config.block_m, heads_q, batch)
-    scale_log2 = np.float32(softmax_scale * math.log2(math.e))
-    args = [*flat, lse_flat]
-    for op in (qd, kd, vd, od):
-        args += list(op.strides[:3])
-    args += [seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale_log2, bool(return_lse)]
-    kernel[grid, config.threads, stream, config.shared_bytes](*args)
-
-    if qd.on_device:
+        lse = (_device_pointer(lse_obj), batch * heads_q * seqlen_q) if return_lse else _unused_lse(device)
+        _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2,
+                        bool(return_lse), _stream_handle(qd))
         return (o_obj, lse_obj) if return_lse else o_obj
-    result = flat[3].copy_to_host(stream=stream).view(q.dtype).reshape(batch, seqlen_q, heads_q, head_dim)
+
+    # numpy: stage through device buffers on a private stream, copy back, wait.
+    from numba import cuda
+
+    stream = cuda.stream()
+    host = [np.ascontiguousarray(op.obj).view(np.uint16) for op in ops]
+    buffers = [cuda.to_device(h.reshape(-1), stream=stream) for h in host]
+    buffers.append(cuda.device_array(math.prod(o_shape), np.uint16, stream=stream))
+    for op, h in zip(ops, host, strict=True):
+        op.strides = tuple(s // 2 for s in h.strides)
+    contiguous = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
+    od = _Operand("out", qd.shape, qd.dtype_name, False, None, contiguous)
+    for op, buf in zip([*ops, od], buffers, strict=True):
+        op.pointer = _device_pointer(buf)
+    lse_obj = cuda.device_array((batch, heads_q, seqlen_q), np.float32, stream=stream) if return_lse else None
+    lse = (_device_pointer(lse_obj), batch * heads_q * seqlen_q) if return_lse else _unused_lse(device)
+    _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2, bool(return_lse),
+                    int(stream.handle))
+    result = buffers[3].copy_to_host(stream=stream).view(q.dtype).reshape(o_shape)
     lse_host = lse_obj.copy_to_host(stream=stream) if return_lse else None
     stream.synchronize()
     if out is not None:

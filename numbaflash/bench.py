@@ -577,6 +577,129 @@ def time_plain_loop(device: Device, calls: Sequence[Callable[[], Any]], warmup: 
     return (time.perf_counter() - t0) * 1e3 / repeats
 
 
+def time_span(device: Device, calls: Sequence[Callable[[], Any]], warmup: int, repeats: int) -> float:
+    """Milliseconds per call from one pair of CUDA events around ``repeats`` back-to-back calls,
+    queued behind a sleep kernel: device time including any idle gaps between calls. With the
+    host ahead there is a gap only where a call makes the host wait for the device."""
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    device.synchronize()
+    start, end = device.event(), device.event()
+    device.sleep()
+    start.record()
+    for i in range(repeats):
+        calls[i % len(calls)]()
+    end.record()
+    device.synchronize()
+    return device.elapsed_ms(start, end) / repeats
+
+
+def time_host_issue(device: Device, calls: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
+    """Host milliseconds until each call returns, the device busy with a sleep kernel first: the
+    per-call launch cost; a call that waits for the device shows up as a long one."""
+    device.synchronize()
+    device.sleep()
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        calls[i % len(calls)]()
+        times.append((time.perf_counter() - t0) * 1e3)
+    device.synchronize()
+    return times
+
+
+SANITY_ROUNDS = 3
+
+
+@dataclasses.dataclass
+class SanityRow:
+    """One implementation timed by the sweep's method and by a plain loop, in alternating
+    rounds, plus two diagnostics (all milliseconds per call)."""
+
+    impl: str
+    events: list[list[float]]  # per round: per-call event-pair times (the sweep's method)
+    plain: list[float]  # per round: perf_counter loop with synchronize, ms per call
+    span: float  # one event pair around back-to-back calls
+    host: list[float]  # host time per call, device busy
+
+    @property
+    def events_ms(self) -> float:
+        """The number the sweep reports: median of every per-call time."""
+        return statistics.median(t for r in self.events for t in r)
+
+    @property
+    def events_mean_ms(self) -> float:
+        """Median over rounds of the mean per-call time: what a loop over the same calls sees."""
+        return statistics.median(statistics.fmean(r) for r in self.events)
+
+    @property
+    def plain_ms(self) -> float:
+        return statistics.median(self.plain)
+
+    @property
+    def noise(self) -> float:
+        """Run-to-run spread: (max - min) / median over rounds of each method, the larger of the
+        two, at least 1%."""
+
+        def spread(values: Sequence[float]) -> float:
+            return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+        return max(spread([statistics.fmean(r) for r in self.events]), spread(self.plain), 0.01)
+
+    @property
+    def plain_ratio(self) -> float:
+        """Plain loop over the event-timed mean: 1 when both methods time the same work."""
+        return self.plain_ms / self.events_mean_ms
+
+    @property
+    def skew(self) -> float:
+        """How far the reported median sits below the mean (slow outlier calls)."""
+        return self.events_mean_ms / self.events_ms - 1
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.plain_ratio - 1) <= self.noise
+
+    def diagnosis(self) -> str:
+        """Why the plain loop differs, read from the diagnostic columns."""
+        if self.agrees:
+            return "agrees"
+        host = statistics.median(self.host)
+        if self.span > self.events_mean_ms * (1 + self.noise):
+            return "device idles between calls although the host is ahead: a call waits for the device"
+        if host > self.events_mean_ms:
+            return f"host-bound: launching takes {host:.3f} ms per call, longer than the kernel"
+        if max(self.host) > 10 * host:
+            return "some calls wait for the device (host time per call jumps)"
+        return "differs by more than the run-to-run noise"
+
+
+def measure_sanity(device: Device, calls: Sequence[Callable[[], Any]], impl: str, warmup: int,
+                   repeats: int, rounds: int = SANITY_ROUNDS) -> SanityRow:
+    events, plain = [], []
+    for r in range(rounds):  # alternate, so that clock drift hits both methods alike
+        events.append(time_with_events(device, calls, warmup if r == 0 else 1, repeats))
+        plain.append(time_plain_loop(device, calls, 1, repeats))
+    span = time_span(device, calls, 1, repeats)
+    host = time_host_issue(device, calls, repeats)
+    return SanityRow(impl, events, plain, span, host)
+
+
+def format_sanity(rows: Sequence[SanityRow], flops: float) -> str:
+    headers = ["impl", "events median", "events mean", "plain loop", "plain/mean", "noise", "median skew",
+               "span", "host/call (max)", "TF/s median", "TF/s plain", "verdict"]
+    body = []
+    for r in rows:
+        body.append([
+            LABELS.get(r.impl, r.impl), f"{r.events_ms:.4f}", f"{r.events_mean_ms:.4f}", f"{r.plain_ms:.4f}",
+            f"{r.plain_ratio:.3f}", f"{r.noise:.1%}", f"{-r.skew:+.1%}", f"{r.span:.4f}",
+            f"{statistics.median(r.host):.3f} ({max(r.host):.3f})",
+            _fmt(flops / 1e12 / (r.events_ms * 1e-3)), _fmt(flops / 1e12 / (r.plain_ms * 1e-3)),
+            r.diagnosis(),
+        ])
+    return render_table(headers, body)
+
+
 # --------------------------------------------------------------------------- implementations
 
 
@@ -702,26 +825,37 @@ def run_check(device: Device, shape: Shape, impls: Sequence[str], args: argparse
     return ok
 
 
-def run_sanity(device: Device, shape: Shape, impls: Sequence[str], args: argparse.Namespace) -> None:
-    """Event-timed median next to a plain synchronize + perf_counter loop, same shape and inputs."""
+def run_sanity(device: Device, shape: Shape, impls: Sequence[str], args: argparse.Namespace) -> bool:
+    """The sweep's timing method next to a plain loop, same shape and inputs (all ms per call).
+
+    ``SANITY_ROUNDS`` alternating rounds of each. Columns: events median (what the sweep
+    reports) and mean; plain loop (synchronize + perf_counter); plain/mean, which is 1 when both
+    methods time the same work; noise = run-to-run spread over rounds; median skew = how far
+    the median sits below the mean; span = one event pair around back-to-back calls (device
+    time with any gaps); host = time for a call to return while the device is busy (launch
+    cost). True when plain/mean is within the noise for every implementation that ran.
+    """
     print(f"\n## Timing sanity: {_shape_label(shape)}")
     n_sets = input_sets_needed(shape.bytes_per_set(), device.l2_bytes())
     sets = device.make_inputs(shape, n_sets, args.seed)
-    rows = []
+    rows, errors = [], []
     for impl in impls:
         try:
             calls, ctx = make_calls(impl, shape, sets, device.torch)
             with ctx, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                events = statistics.median(time_with_events(device, calls, args.warmup, args.repeats))
-                plain = time_plain_loop(device, calls, args.warmup, args.repeats)
-            tf = shape.flops(args.exact_causal_flops) / 1e12
-            rows.append([LABELS[impl], f"{events:.4f}", f"{plain:.4f}", f"{plain / events:.3f}",
-                         _fmt(tf / (events * 1e-3)), _fmt(tf / (plain * 1e-3))])
+                rows.append(measure_sanity(device, calls, impl, args.warmup, args.repeats))
         except Exception as exc:
-            rows.append([LABELS[impl], "err", "err", "-", "-", f"{type(exc).__name__}: {exc}"[:80]])
-    print(render_table(["impl", "events median ms", "plain loop ms", "plain/events", "TF/s events",
-                        "TF/s plain"], rows))
+            errors.append(f"{LABELS[impl]}: {type(exc).__name__}: {exc}"[:160])
+            with contextlib.suppress(Exception):
+                device.synchronize()
+    if rows:
+        print(format_sanity(rows, shape.flops(args.exact_causal_flops)))
+    for e in errors:
+        print(f"  not measured: {e}")
+    clocks = gpu_clocks()
+    print(f"SM clock now: {clocks['sm_clock']} MHz (max {clocks['max_sm_clock']})")
+    return all(r.agrees for r in rows)
 
 
 # --------------------------------------------------------------------------- plot
@@ -799,8 +933,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     if args.check and not run_check(device, shapes[0], impls, args):
         status = 1
-    if args.sanity:
-        run_sanity(device, shapes[0], impls, args)
+    if args.sanity and not run_sanity(device, shapes[0], impls, args):
+        status = 1
     results = run_sweep(device, shapes, impls, args)
     print("\n## TFLOP/s (forward)\n")
     print(format_results(results, impls))

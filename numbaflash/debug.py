@@ -430,8 +430,34 @@ def format_report(r: DebugResult, top: int = 5) -> str:
 # --------------------------------------------------------------------------- implementations
 
 
+class DeviceBuffer:
+    """A host array's bytes on the GPU, presented to numbaflash with the host dtype.
+
+    Numba device arrays cannot hold ``ml_dtypes.bfloat16`` (no buffer-protocol code), so the
+    bytes travel as uint16 and this wrapper exposes them through ``__cuda_array_interface__``
+    with a ``dtype`` attribute saying what they are; numbaflash reads ``dtype`` first.
+    Works the same for float16.
+    """
+
+    def __init__(self, host: np.ndarray) -> None:
+        from numba import cuda
+
+        host = np.ascontiguousarray(host)
+        self.dtype = host.dtype
+        self.shape = host.shape
+        self.raw = cuda.to_device(host.view(np.uint16))
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self.raw.__cuda_array_interface__
+
+    def copy_to_host(self) -> np.ndarray:
+        return self.raw.copy_to_host().view(self.dtype)
+
+
 class NumbaflashImpl:
-    """numbaflash on Numba device arrays, the poisoned ``out`` uploaded as the output buffer."""
+    """numbaflash on device buffers, the poisoned ``out`` uploaded as the output buffer, so
+    that any element the kernel never writes still holds the poison after the call."""
 
     name = "numbaflash"
 
@@ -444,20 +470,12 @@ class NumbaflashImpl:
 
         import numbaflash
 
-        try:
-            dq, dk, dv, dout = (cuda.to_device(x) for x in (q, k, v, out))
-        except Exception as exc:  # e.g. a dtype Numba cannot hold: fall back to numpy in/out
-            self.note = (f"device arrays unavailable ({type(exc).__name__}: {exc}); "
-                         "numpy path, output not poisoned")
-            self.poisoned = False
-            return numbaflash.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                              return_lse=True)
+        dq, dk, dv, dout = (DeviceBuffer(x) for x in (q, k, v, out))
         _, lse = numbaflash.flash_attention(dq, dk, dv, causal=causal, softmax_scale=softmax_scale,
                                             return_lse=True, out=dout)
         if not hasattr(lse, "copy_to_host"):
             lse = cuda.as_cuda_array(lse)
-        lse_host = lse.copy_to_host()
-        return dout.copy_to_host(), lse_host
+        return dout.copy_to_host(), lse.copy_to_host()
 
 
 def reference_impl(q, k, v, *, causal, softmax_scale, out):

@@ -16,13 +16,37 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from . import ptx
 
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
 LN2 = math.log(2.0)
+
+
+@cuda.jit(device=True, inline="always")
+def query_block(group, reverse):
+    """(query block, head, batch, kv head) of this CTA (grid: query blocks, heads, batch).
+
+    With ``reverse`` (causal) the heaviest query blocks start first, for better tail balance.
+    ``group`` query heads share one kv head (GQA); the division is 32-bit (no subroutine).
+    """
+    m_block = cuda.blockIdx.x
+    if reverse:
+        m_block = cuda.gridDim.x - 1 - m_block
+    head = cuda.blockIdx.y
+    return m_block, head, cuda.blockIdx.z, uint32(head) // uint32(group)
+
+
+@cuda.jit(device=True, inline="always")
+def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
+    """KV tiles a query block starting at row ``m0`` reads; causal stops after the tile that
+    holds the last row's diagonal (query i sees keys j <= i + diag)."""
+    n_tiles = (seqlen_k + block_n - 1) // block_n
+    if causal:
+        n_tiles = min(n_tiles, (m0 + block_m + diag + block_n - 1) // block_n)
+    return n_tiles
 
 
 @cuda.jit(device=True, inline="always")

@@ -91,3 +91,11 @@ def test_reference_handles_rows_without_keys():
     out, lse = attention_reference(q, k, v, causal=True)
     assert np.all(out[:, :2] == 0) and np.all(np.isneginf(lse[..., :2]))
     assert np.isfinite(out).all() and np.isfinite(lse[..., 2:]).all()
+
+
+def test_tensors_must_be_on_the_current_device():
+    ops = [api._Operand(n, (1, 1, 1, 64), "float16", True, None, device=d) for n, d in (("q", 0), ("k", 1))]
+    with pytest.raises(ValueError, match=r"current CUDA device \(cuda:0\), got q on cuda:0, k on cuda:1"):
+        api._check_same_device(ops, 0)
+    api._check_same_device(ops[:1], 0)
+    api._check_same_device([api._Operand("q", (1, 1, 1, 64), "float16", True, None)], 3)  # unknown: allowed

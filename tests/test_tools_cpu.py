@@ -9,6 +9,7 @@ import importlib.util
 import io
 import math
 import pathlib
+import statistics
 import sys
 
 import numpy as np
@@ -214,6 +215,59 @@ def test_time_with_events_rotates_sets_and_times_each_call():
     assert times == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0]
     plain = bench.time_plain_loop(dev, [make(0, 0.0)], warmup=1, repeats=3)
     assert plain >= 0.0
+
+
+def test_time_span_counts_gaps_and_host_issue_times_each_call():
+    dev = _FakeDevice()
+
+    def call():
+        dev.clock["now"] += 2.0
+
+    assert bench.time_span(dev, [call], warmup=1, repeats=4) == 2.0
+    host = bench.time_host_issue(dev, [call], repeats=3)
+    assert len(host) == 3 and all(t >= 0 for t in host)
+
+
+def _sanity(events, plain, span=None, host=(0.05,) * 10):
+    """``events``: per-call times of one round (used for every round) or a list of rounds."""
+    rounds = events if isinstance(events[0], list) else [list(events)] * 3
+    plain = plain if isinstance(plain, list) else [plain] * 3
+    mean = statistics.fmean(rounds[0])
+    return bench.SanityRow("numbaflash", rounds, plain, mean if span is None else span, list(host))
+
+
+def test_sanity_row_agrees_within_noise():
+    r = _sanity([1.0] * 10, 1.005)
+    assert r.noise == 0.01 and r.agrees and r.diagnosis() == "agrees"
+    assert not _sanity([1.0] * 10, 1.05).agrees
+
+
+def test_sanity_row_compares_plain_loop_with_the_mean_and_reports_median_skew():
+    r = _sanity([1.0] * 9 + [1.9], 1.09)  # one slow call in ten: mean 1.09, median 1.0
+    assert r.events_ms == 1.0 and abs(r.events_mean_ms - 1.09) < 1e-12
+    assert r.agrees and abs(r.skew - 0.09) < 1e-12
+    assert "-9.0%" in bench.format_sanity([r], flops=1e12)
+
+
+def test_sanity_row_noise_is_run_to_run_spread():
+    r = _sanity([[1.0] * 10, [1.1] * 10, [1.05] * 10], [1.0, 1.02, 1.12])
+    assert abs(r.noise - 0.12 / 1.02) < 1e-9
+    assert r.agrees  # plain median 1.02 vs mean-of-rounds median 1.05
+
+
+def test_sanity_row_diagnoses_each_cause():
+    waits = _sanity([1.0] * 10, 1.2, span=1.2)
+    assert "waits for the device" in waits.diagnosis()
+    host_bound = _sanity([1.0] * 10, 1.5, host=[1.5] * 10)
+    assert host_bound.diagnosis().startswith("host-bound")
+    jumps = _sanity([1.0] * 10, 1.2, host=[0.05] * 9 + [5.0])
+    assert "some calls wait" in jumps.diagnosis()
+    assert _sanity([1.0] * 10, 1.2).diagnosis() == "differs by more than the run-to-run noise"
+
+
+def test_format_sanity_table():
+    text = bench.format_sanity([_sanity([1.0] * 10, 1.0)], flops=1e12)
+    assert "numbaflash" in text and "1000.0" in text and "agrees" in text
 
 
 def test_plot_without_or_with_matplotlib(tmp_path):

@@ -28,11 +28,13 @@ from ..tiles import (
     mask_scores,
     max_grew,
     pack_p_fragments,
+    query_block,
     rescale_rows,
     scaled_row_maxes,
     stage_output_rows,
     store_lse,
     store_rows_global,
+    visible_kv_tiles,
 )
 
 LOG2E = math.log2(math.e)
@@ -117,12 +119,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        m_block = cuda.blockIdx.x
-        if CAUSAL:  # heaviest query blocks first: better tail balance
-            m_block = cuda.gridDim.x - 1 - m_block
-        head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
-        kv_head = uint32(head) // uint32(group)  # 32-bit: no division subroutine
+        m_block, head, batch, kv_head = query_block(group, CAUSAL)
         m0 = m_block * BM
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
 
@@ -133,9 +130,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         k_base = batch * k_sb + kv_head * k_sh
         v_base = batch * v_sb + kv_head * v_sh
 
-        n_tiles = (seqlen_k + BN - 1) // BN
-        if CAUSAL:
-            n_tiles = min(n_tiles, (m0 + BM + diag + BN - 1) // BN)
+        n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
 
         # Prologue: Q and K_0 in flight together.
         copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)

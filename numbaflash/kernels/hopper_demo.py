@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda, float32, types, uint32
 
 from .. import ptx
+from ..launch import raise_dynamic_shared_limit
 from ..ptx import hopper as hp
 
 WARPGROUP = 128
@@ -556,22 +557,10 @@ SETMAXNREG_PROBE_ARGTYPES = (types.int32[::1],)
 # ---------------------------------------------------------------------------------------------
 
 
-def _raise_dynamic_shared_limit(kernel, argtypes, nbytes: int) -> None:
-    """Allow ``nbytes`` (> 48 KB) of dynamic shared memory for the compiled ``kernel``."""
-    if nbytes <= 48 * 1024:
-        return
-    from cuda.bindings import driver as cu_driver
-    from numba.cuda.cudadrv.driver import driver
-
-    cufunc = kernel.overloads[tuple(argtypes)]._codelibrary.get_cufunc()
-    attr = cu_driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
-
-
 @functools.cache
 def _compiled(factory, bf16: bool, argtypes, shared_bytes: int):
     kernel = cuda.jit(argtypes)(factory(bf16))
-    _raise_dynamic_shared_limit(kernel, argtypes, shared_bytes)
+    raise_dynamic_shared_limit(kernel, argtypes, shared_bytes)
     return kernel
 
 

@@ -1,0 +1,76 @@
+"""KernelLauncher: the argument layout on CPU, and on a GPU that a kernel launched through it
+sees exactly the values (array size, shape, data, scalars) Numba's own launch gives it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from numba import cuda, types
+
+from numbaflash.launch import KernelLauncher, _packer
+
+
+def test_packer_layouts():
+    out: list = []
+    _packer(types.uint16[::1])((0xABC0, 7), out)
+    assert out == [0, 0, 7, 2, 0xABC0, 7, 2]
+    out = []
+    _packer(types.float32[::1])((0x100, 3), out)
+    assert out == [0, 0, 3, 4, 0x100, 3, 4]
+    out = []
+    for ty, value in ((types.int64, -5), (types.uint32, 9), (types.float32, 1.5), (types.boolean, 1)):
+        _packer(ty)(value, out)
+    assert isinstance(out[0], ctypes.c_int64) and out[0].value == -5
+    assert isinstance(out[1], ctypes.c_uint32) and out[1].value == 9
+    assert isinstance(out[2], ctypes.c_float) and out[2].value == 1.5
+    assert out[3] is True
+
+
+@pytest.mark.parametrize("ty", [types.uint16[:, ::1], types.uint16[:], types.float64, types.complex64])
+def test_packer_rejects_what_it_cannot_pass(ty):
+    with pytest.raises(TypeError, match="KernelLauncher"):
+        _packer(ty)
+
+
+ECHO_ARGTYPES = (types.uint16[::1], types.float64[::1], types.int64, types.uint32, types.int32,
+                 types.float32, types.boolean)
+
+
+def _echo(x, out, a, b, c, f, flag):
+    if cuda.grid(1) == 0:
+        out[0] = x.size
+        out[1] = x.shape[0]
+        out[2] = x[x.size - 1]
+        out[3] = a
+        out[4] = b
+        out[5] = c
+        out[6] = f
+        out[7] = 1 if flag else 0
+        out[8] = cuda.gridDim.x * 1000 + cuda.blockDim.x
+
+
+@pytest.mark.gpu
+def test_launcher_passes_what_numba_passes():
+    kernel = cuda.jit(ECHO_ARGTYPES)(_echo)
+    x = cuda.to_device(np.arange(11, dtype=np.uint16) * 3)
+    scalars = (np.int64(-(2**40) - 3), np.uint32(2**32 - 2), np.int32(-7), np.float32(0.375), True)
+    expected = cuda.to_device(np.full(9, np.nan))
+    kernel[3, 64](x, expected, *scalars)
+    got = cuda.to_device(np.full(9, np.nan))
+    launcher = KernelLauncher(kernel, ECHO_ARGTYPES)
+    pointer = x.__cuda_array_interface__["data"][0]
+    launcher((3, 1, 1), 64, 0, 0, (pointer, 11), (got.__cuda_array_interface__["data"][0], 9), *scalars)
+    cuda.synchronize()
+    want = [11, 11, 30, -(2**40) - 3, 2**32 - 2, -7, 0.375, 1, 3064]
+    np.testing.assert_array_equal(expected.copy_to_host(), want)
+    np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+@pytest.mark.gpu
+def test_launcher_checks_argument_count():
+    kernel = cuda.jit(ECHO_ARGTYPES)(_echo)
+    launcher = KernelLauncher(kernel, ECHO_ARGTYPES)
+    with pytest.raises(TypeError, match="expected 7 arguments, got 2"):
+        launcher((1, 1, 1), 32, 0, 0, (0, 1), (0, 1))
