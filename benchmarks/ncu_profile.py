@@ -15,8 +15,9 @@ caches before each replay pass, so L2 hit rates are cold-cache rates.)
 
 ncu's ``--csv`` output is parsed by :func:`parse_ncu_csv` (pure, unit-tested) into one row per
 kernel: duration, registers/thread, achieved occupancy, shared-memory bank conflicts (and
-shared wavefronts, to put them in proportion), L2 hit rate, tensor-pipe utilisation (HMMA,
-i.e. mma.sync; on Hopper also GMMA, i.e. wgmma) and DRAM throughput.
+shared wavefronts, to put them in proportion), L2 hit rate, tensor-pipe utilisation (all
+tensor-core instructions: HMMA, i.e. mma.sync, and on Hopper HGMMA, i.e. wgmma), on Hopper
+the number of wgmma instructions, and DRAM throughput.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ METRICS: list[tuple[str, str, int | None]] = [
     ("smem conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", None),
     ("smem wavefronts", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", None),
     ("L2 hit %", "lts__t_sector_hit_rate.pct", None),
-    ("hmma %", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", None),
-    ("gmma %", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", 9),
+    # every tensor-core instruction: HMMA (mma.sync) everywhere, and HGMMA (wgmma) on Hopper
+    ("tensor %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", None),
+    ("wgmma inst", "sm__inst_executed_pipe_tensor_op_gmma.sum", 9),  # shows which kernels use wgmma
     ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", None),
 ]
 DURATION_METRIC = "gpu__time_duration.sum"

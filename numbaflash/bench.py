@@ -14,12 +14,14 @@ aligned mask, ``Sq * (Sq + 1) / 2`` pairs for Sq == Sk), which also handles Sq !
 
 Timing: every implementation is called on device tensors (torch tensors when PyTorch is
 installed: numbaflash reads them zero-copy through ``__cuda_array_interface__``; no host
-copies are timed). Each call is bracketed by its own pair of CUDA events after a warm-up;
-the median over ``--repeats`` calls is reported. Calls rotate over several input sets whose
-total size is several times the L2 cache, so no call finds its inputs in L2. Before the
-timed loop the GPU is given a short sleep kernel so that the host runs ahead and launch
-overhead is not measured. ``--sanity`` compares these numbers with a plain loop
-(synchronize, ``time.perf_counter`` over N calls, synchronize).
+copies are timed). Timing starts after a warm-up of at least ``--warmup`` calls and
+``--warmup-ms`` milliseconds, so that the GPU's clocks have settled under load (they step
+down within the first ~100 ms), and the timed calls queue behind the warm-up, so the host
+is ahead of the device and launch overhead is not measured. Each timed call is bracketed by
+its own pair of CUDA events; the median over ``--repeats`` calls is reported. Calls rotate
+over several input sets whose total size is several times the L2 cache, so no call finds
+its inputs in L2. ``--sanity`` compares these numbers with a plain loop (synchronize,
+``time.perf_counter`` over N calls, synchronize) and reports the launch cost per call.
 
 Everything that needs a GPU is imported lazily: the module imports (and its pure helpers
 are tested) on a machine without one.
@@ -60,8 +62,12 @@ DEFAULT_IMPLS = ("numbaflash", "flash", "cudnn", "efficient")
 LABELS = {"numbaflash": "numbaflash", **{name: f"sdpa-{name}" for name in SDPA_BACKENDS}}
 DTYPES = ("fp16", "bf16")
 
-# Sleep kernel before a timed loop (GPU cycles; ~25 ms at 2 GHz) so that the host gets ahead.
+# Sleep kernel that keeps the device busy while the host's launch cost is measured
+# (GPU cycles; ~25 ms at 2 GHz).
 SLEEP_CYCLES = 50_000_000
+DEFAULT_WARMUP_MS = 250.0  # untimed calls before timing: until the clocks have settled
+MAX_WARMUP_CALLS = 5000
+WAITED_MS = 2.0  # a call that takes this long to return, with the device busy, waited for it
 FALLBACK_L2_BYTES = 64 << 20
 
 
@@ -299,7 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     p.add_argument("--dtype", choices=("fp16", "bf16", "both"), default="fp16")
     p.add_argument("--repeats", type=int, default=30, help="timed calls per shape and implementation")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (the first one compiles)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="at least this many untimed calls first (the first one compiles)")
+    p.add_argument("--warmup-ms", type=float, default=DEFAULT_WARMUP_MS,
+                   help="and at least this long of untimed calls, so that GPU clocks settle (default 250)")
     p.add_argument("--backends", type=parse_name_list, default=list(DEFAULT_IMPLS),
                    help=f"comma-separated from {', '.join(IMPLS)} or 'all' (default: all but math)")
     p.add_argument("--tokens", type=parse_size, default=DEFAULT_TOKENS,
@@ -322,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    if args.repeats < 1 or args.warmup < 1:
-        build_parser().error("--repeats and --warmup must be at least 1")
+    if args.repeats < 1 or args.warmup < 1 or args.warmup_ms < 0:
+        build_parser().error("--repeats and --warmup must be at least 1, --warmup-ms at least 0")
     return args
 
 
@@ -544,19 +553,38 @@ def _bf16_numpy_dtype() -> Any:
     return ml_dtypes.bfloat16
 
 
+def warm_up(device: Device, calls: Sequence[Callable[[], Any]], min_calls: int, min_ms: float) -> int:
+    """Run untimed calls until the GPU's clocks have settled, and leave them queued.
+
+    H100/H200 clocks step down under sustained load within the first ~100 ms (measured: a
+    kernel timed right after an idle or sleeping GPU ran up to 15% faster than the same kernel
+    30 calls later), so timing starts only after at least ``min_ms`` of calls (and at least
+    ``min_calls``). The calls are not waited for: the timed calls queue behind them, so the
+    host is ahead of the device when timing starts. Returns the number of calls made.
+    """
+    calls[0]()  # the first call may compile
+    device.synchronize()
+    t0 = time.perf_counter()
+    for i in range(3):
+        calls[i % len(calls)]()
+    device.synchronize()
+    per_call_ms = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
+    n = min(max(min_calls, math.ceil(min_ms / per_call_ms)), MAX_WARMUP_CALLS)
+    for i in range(n):
+        calls[i % len(calls)]()
+    return n + 4
+
+
 def time_with_events(
-    device: Device, calls: Sequence[Callable[[], Any]], warmup: int, repeats: int
+    device: Device, calls: Sequence[Callable[[], Any]], warmup: int, repeats: int, warmup_ms: float = 0.0
 ) -> list[float]:
     """Milliseconds of each of ``repeats`` calls, each between its own pair of CUDA events.
 
-    Call i runs ``calls[i % len(calls)]`` (one closure per input set), after ``warmup`` calls.
+    Call i runs ``calls[i % len(calls)]`` (one closure per input set), after ``warm_up``.
     """
-    for i in range(warmup):
-        calls[i % len(calls)]()
-    device.synchronize()
     starts = [device.event() for _ in range(repeats)]
     ends = [device.event() for _ in range(repeats)]
-    device.sleep()
+    warm_up(device, calls, warmup, warmup_ms)
     for i in range(repeats):
         starts[i].record()
         calls[i % len(calls)]()
@@ -565,10 +593,11 @@ def time_with_events(
     return [device.elapsed_ms(s, e) for s, e in zip(starts, ends, strict=True)]
 
 
-def time_plain_loop(device: Device, calls: Sequence[Callable[[], Any]], warmup: int, repeats: int) -> float:
-    """Mean milliseconds per call of a plain loop: synchronize, perf_counter, N calls, synchronize."""
-    for i in range(warmup):
-        calls[i % len(calls)]()
+def time_plain_loop(device: Device, calls: Sequence[Callable[[], Any]], warmup: int, repeats: int,
+                    warmup_ms: float = 0.0) -> float:
+    """Mean milliseconds per call of a plain loop: warm up, synchronize, perf_counter, N calls,
+    synchronize."""
+    warm_up(device, calls, warmup, warmup_ms)
     device.synchronize()
     t0 = time.perf_counter()
     for i in range(repeats):
@@ -577,15 +606,13 @@ def time_plain_loop(device: Device, calls: Sequence[Callable[[], Any]], warmup: 
     return (time.perf_counter() - t0) * 1e3 / repeats
 
 
-def time_span(device: Device, calls: Sequence[Callable[[], Any]], warmup: int, repeats: int) -> float:
-    """Milliseconds per call from one pair of CUDA events around ``repeats`` back-to-back calls,
-    queued behind a sleep kernel: device time including any idle gaps between calls. With the
+def time_span(device: Device, calls: Sequence[Callable[[], Any]], warmup: int, repeats: int,
+              warmup_ms: float = 0.0) -> float:
+    """Milliseconds per call from one pair of CUDA events around ``repeats`` back-to-back calls
+    queued behind the warm-up: device time including any idle gaps between calls. With the
     host ahead there is a gap only where a call makes the host wait for the device."""
-    for i in range(warmup):
-        calls[i % len(calls)]()
-    device.synchronize()
     start, end = device.event(), device.event()
-    device.sleep()
+    warm_up(device, calls, warmup, warmup_ms)
     start.record()
     for i in range(repeats):
         calls[i % len(calls)]()
@@ -669,18 +696,18 @@ class SanityRow:
             return "device idles between calls although the host is ahead: a call waits for the device"
         if host > self.events_mean_ms:
             return f"host-bound: launching takes {host:.3f} ms per call, longer than the kernel"
-        if max(self.host) > 10 * host:
-            return "some calls wait for the device (host time per call jumps)"
+        if max(self.host) > WAITED_MS:
+            return f"some calls wait for the device (one took {max(self.host):.1f} ms to return)"
         return "differs by more than the run-to-run noise"
 
 
 def measure_sanity(device: Device, calls: Sequence[Callable[[], Any]], impl: str, warmup: int,
-                   repeats: int, rounds: int = SANITY_ROUNDS) -> SanityRow:
+                   repeats: int, warmup_ms: float = 0.0, rounds: int = SANITY_ROUNDS) -> SanityRow:
     events, plain = [], []
-    for r in range(rounds):  # alternate, so that clock drift hits both methods alike
-        events.append(time_with_events(device, calls, warmup if r == 0 else 1, repeats))
-        plain.append(time_plain_loop(device, calls, 1, repeats))
-    span = time_span(device, calls, 1, repeats)
+    for _ in range(rounds):  # alternate, so that clock drift hits both methods alike
+        events.append(time_with_events(device, calls, warmup, repeats, warmup_ms))
+        plain.append(time_plain_loop(device, calls, warmup, repeats, warmup_ms))
+    span = time_span(device, calls, warmup, repeats, warmup_ms)
     host = time_host_issue(device, calls, repeats)
     return SanityRow(impl, events, plain, span, host)
 
@@ -741,7 +768,7 @@ def run_one(device: Device, impl: str, shape: Shape, sets: Sequence[Any], args: 
         calls, ctx = make_calls(impl, shape, sets, device.torch)
         with ctx, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result.times_ms = time_with_events(device, calls, args.warmup, args.repeats)
+            result.times_ms = time_with_events(device, calls, args.warmup, args.repeats, args.warmup_ms)
         if min(result.times_ms) <= 0:
             raise RuntimeError(f"non-positive event time {min(result.times_ms)} ms (no real CUDA events?)")
     except Exception as exc:  # report and go on with the sweep
@@ -844,7 +871,7 @@ def run_sanity(device: Device, shape: Shape, impls: Sequence[str], args: argpars
             calls, ctx = make_calls(impl, shape, sets, device.torch)
             with ctx, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                rows.append(measure_sanity(device, calls, impl, args.warmup, args.repeats))
+                rows.append(measure_sanity(device, calls, impl, args.warmup, args.repeats, args.warmup_ms))
         except Exception as exc:
             errors.append(f"{LABELS[impl]}: {type(exc).__name__}: {exc}"[:160])
             with contextlib.suppress(Exception):
@@ -929,7 +956,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(environment_header(torch))
     flops_rule = "exact visible pairs" if args.exact_causal_flops else "halved"
     print(f"FLOPs: 4*B*H*Sq*Sk*D, causal {flops_rule}; median of {args.repeats} CUDA-event-timed calls "
-          f"after {args.warmup} warm-up calls; inputs rotated over sets totalling >= 3x L2")
+          f"after >= {args.warmup} warm-up calls and >= {args.warmup_ms:g} ms of them (clocks settled); "
+          "inputs rotated over sets totalling >= 3x L2")
     status = 0
     if args.check and not run_check(device, shapes[0], impls, args):
         status = 1

@@ -211,10 +211,23 @@ def test_time_with_events_rotates_sets_and_times_each_call():
         return call
 
     times = bench.time_with_events(dev, [make(0, 1.0), make(1, 2.0), make(2, 3.0)], warmup=2, repeats=7)
-    assert order == [0, 1] + [0, 1, 2, 0, 1, 2, 0]
+    # warm-up: 1 compile call, 3 timing-estimate calls, then >= 2 more; then 7 timed calls
+    assert order[:4] == [0, 0, 1, 2] and len(order) == 4 + 2 + 7
+    assert order[-7:] == [0, 1, 2, 0, 1, 2, 0]
     assert times == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0]
     plain = bench.time_plain_loop(dev, [make(0, 0.0)], warmup=1, repeats=3)
     assert plain >= 0.0
+
+
+def test_warm_up_runs_for_the_requested_time(monkeypatch):
+    dev = _FakeDevice()
+    ticks = iter(range(1000))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks) * 0.001)  # 1 ms per reading
+    calls = []
+    n = bench.warm_up(dev, [lambda: calls.append(1)], min_calls=2, min_ms=30.0)
+    # the 3 estimate calls took 1 ms together (two clock readings): 1/3 ms each -> 90 calls
+    assert n == 4 + 90 and len(calls) == n
+    assert bench.warm_up(dev, [lambda: None], min_calls=2, min_ms=1e9) == 4 + bench.MAX_WARMUP_CALLS
 
 
 def test_time_span_counts_gaps_and_host_issue_times_each_call():
@@ -261,7 +274,9 @@ def test_sanity_row_diagnoses_each_cause():
     host_bound = _sanity([1.0] * 10, 1.5, host=[1.5] * 10)
     assert host_bound.diagnosis().startswith("host-bound")
     jumps = _sanity([1.0] * 10, 1.2, host=[0.05] * 9 + [5.0])
-    assert "some calls wait" in jumps.diagnosis()
+    assert "some calls wait" in jumps.diagnosis() and "5.0 ms" in jumps.diagnosis()
+    hiccup = _sanity([1.0] * 10, 1.2, host=[0.05] * 9 + [0.6])  # 12x the median, still no wait
+    assert hiccup.diagnosis() == "differs by more than the run-to-run noise"
     assert _sanity([1.0] * 10, 1.2).diagnosis() == "differs by more than the run-to-run noise"
 
 
@@ -397,8 +412,9 @@ def test_short_kernel_names():
 
 
 def test_metric_selection_and_command():
-    assert "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active" not in ncu.metrics_for(8)
-    assert "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active" in ncu.metrics_for(9)
+    assert "sm__inst_executed_pipe_tensor_op_gmma.sum" not in ncu.metrics_for(8)
+    assert "sm__inst_executed_pipe_tensor_op_gmma.sum" in ncu.metrics_for(9)
+    assert "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active" in ncu.metrics_for(8)
     assert "gpu__time_duration.sum" in ncu.metrics_for(None)
     cmd = ncu.ncu_command("ncu", ["a.sum", "b.pct"], "script.py", ["--driver"], python="py")
     assert cmd[:3] == ["ncu", "--clock-control", "none"]
@@ -410,7 +426,7 @@ def test_metric_selection_and_command():
 
 
 def test_failed_metrics():
-    gmma = "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
+    gmma = "sm__inst_executed_pipe_tensor_op_gmma.sum"
     out = f"==ERROR== Failed to find metric {gmma}\n"
     requested = ncu.metrics_for(9)
     assert ncu.failed_metrics(out, requested) == [gmma]
