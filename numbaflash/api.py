@@ -134,8 +134,16 @@ _GPU_LOCK = threading.Lock()
 _KERNELS: dict = {}
 
 
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
 def _current_gpu() -> tuple[tuple[int, int], int]:
-    """(compute capability, ordinal) of Numba's current device, made current on this thread."""
+    """(compute capability, ordinal) of the current device, with a context current on this thread.
+
+    Asks the driver which device the thread's current context belongs to (one call); Numba's
+    ``get_current_device`` (several microseconds of context bookkeeping) runs only the first
+    time a device is seen, or when no context is current yet (it makes the primary one current).
+    """
     from numba import cuda
 
     if not cuda.is_available():
@@ -143,14 +151,26 @@ def _current_gpu() -> tuple[tuple[int, int], int]:
             "numbaflash needs an NVIDIA GPU with compute capability >= 8.0 (sm_80), and none "
             "is available (numba.cuda.is_available() is False)"
         )
-    device = cuda.get_current_device()
-    cap = tuple(device.compute_capability)
+    ordinal = _current_context_device()
+    if ordinal is None or ordinal not in _CAPABILITY:
+        device = cuda.get_current_device()
+        ordinal = device.id
+        _CAPABILITY[ordinal] = tuple(device.compute_capability)
+    cap = _CAPABILITY[ordinal]
     if cap < (8, 0):
         raise RuntimeError(
             f"numbaflash needs compute capability >= 8.0 (sm_80, Ampere or newer); this GPU is "
             f"sm_{cap[0]}{cap[1]}"
         )
-    return cap, device.id
+    return cap, ordinal
+
+
+def _current_context_device() -> int | None:
+    """Ordinal of the device of this thread's current CUDA context, or None if there is none."""
+    from cuda.bindings import driver
+
+    err, device = driver.cuCtxGetDevice()
+    return int(device) if err == driver.CUresult.CUDA_SUCCESS else None
 
 
 def _forward_kernel(capability, head_dim: int, causal: bool, bf16: bool):

@@ -67,6 +67,7 @@ DTYPES = ("fp16", "bf16")
 SLEEP_CYCLES = 50_000_000
 DEFAULT_WARMUP_MS = 250.0  # untimed calls before timing: until the clocks have settled
 MAX_WARMUP_CALLS = 5000
+LAUNCH_BOUND_SHARE = 0.4  # host time per call above this share of the loop's: launch-bound
 WAITED_MS = 2.0  # a call that takes this long to return, with the device busy, waited for it
 FALLBACK_L2_BYTES = 64 << 20
 
@@ -694,8 +695,9 @@ class SanityRow:
         host = statistics.median(self.host)
         if self.span > self.events_mean_ms * (1 + self.noise):
             return "device idles between calls although the host is ahead: a call waits for the device"
-        if host > self.events_mean_ms:
-            return f"host-bound: launching takes {host:.3f} ms per call, longer than the kernel"
+        if host > LAUNCH_BOUND_SHARE * self.plain_ms:
+            return (f"launch-bound: the host needs {host:.3f} ms per call of the loop's "
+                    f"{self.plain_ms:.3f} ms; per-call events then time host work and their own cost")
         if max(self.host) > WAITED_MS:
             return f"some calls wait for the device (one took {max(self.host):.1f} ms to return)"
         return "differs by more than the run-to-run noise"

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+MAX_CACHED_CONFIGS = 256
+
 
 def raise_dynamic_shared_limit(kernel, argtypes, nbytes: int) -> None:
     """Allow ``nbytes`` of dynamic shared memory for a compiled kernel: above 48 KB a launch
@@ -74,6 +76,7 @@ class KernelLauncher:
         self._kernel = overload._codelibrary.get_cufunc().kernel
         self._packers = [_packer(t) for t in argtypes]
         self._streams: dict[int, Any] = {}
+        self._configs: dict[tuple, Any] = {}  # launch configurations by (grid, block, shared bytes)
         self._lock = threading.Lock()
 
     def pack(self, args: Sequence[Any]) -> list[Any]:
@@ -94,9 +97,22 @@ class KernelLauncher:
                 stream = self._streams.setdefault(handle, Stream.from_handle(handle))
         return stream
 
+    def _config(self, grid: tuple[int, int, int], block: int, shared_bytes: int):
+        key = (grid, block, shared_bytes)
+        config = self._configs.get(key)
+        if config is None:
+            from cuda.core import LaunchConfig
+
+            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+            with self._lock:
+                if len(self._configs) >= MAX_CACHED_CONFIGS:
+                    self._configs.clear()
+                self._configs[key] = config
+        return config
+
     def __call__(self, grid: tuple[int, int, int], block: int, stream_handle: int, shared_bytes: int,
                  *args: Any) -> None:
-        from cuda.core import LaunchConfig, launch
+        from cuda.core import launch
 
-        config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+        config = self._config(grid, block, shared_bytes)
         launch(self._stream(stream_handle), config, self._kernel, *self.pack(args))

@@ -74,3 +74,28 @@ def test_launcher_checks_argument_count():
     launcher = KernelLauncher(kernel, ECHO_ARGTYPES)
     with pytest.raises(TypeError, match="expected 7 arguments, got 2"):
         launcher((1, 1, 1), 32, 0, 0, (0, 1), (0, 1))
+
+
+@pytest.mark.gpu
+def test_flash_attention_from_a_fresh_thread(rng):
+    """A thread with no current CUDA context: the API makes one current before launching."""
+    import threading
+
+    import numbaflash
+    from numbaflash.reference import attention_reference
+
+    q, k, v = (rng.standard_normal((1, 70, 2, 64)).astype(np.float16) for _ in range(3))
+    result = {}
+
+    def work():
+        try:
+            result["out"] = numbaflash.flash_attention(q, k, v, causal=True)
+        except Exception as exc:  # reported below
+            result["error"] = exc
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert np.abs(result["out"].astype(np.float64) - ref).max() < 4e-3

@@ -271,8 +271,8 @@ def test_sanity_row_noise_is_run_to_run_spread():
 def test_sanity_row_diagnoses_each_cause():
     waits = _sanity([1.0] * 10, 1.2, span=1.2)
     assert "waits for the device" in waits.diagnosis()
-    host_bound = _sanity([1.0] * 10, 1.5, host=[1.5] * 10)
-    assert host_bound.diagnosis().startswith("host-bound")
+    launch_bound = _sanity([0.1] * 10, 0.08, host=[0.075] * 10)
+    assert launch_bound.diagnosis().startswith("launch-bound: the host needs 0.075 ms")
     jumps = _sanity([1.0] * 10, 1.2, host=[0.05] * 9 + [5.0])
     assert "some calls wait" in jumps.diagnosis() and "5.0 ms" in jumps.diagnosis()
     hiccup = _sanity([1.0] * 10, 1.2, host=[0.05] * 9 + [0.6])  # 12x the median, still no wait
