@@ -200,10 +200,12 @@ def _unused_lse(device: int) -> tuple[int, int]:
     with cuMemFree, which makes the host wait for the device)."""
     from numba import cuda
 
-    with _GPU_LOCK:
-        if device not in _UNUSED_LSE:
-            _UNUSED_LSE[device] = cuda.device_array(1, np.float32)
-    return _device_pointer(_UNUSED_LSE[device]), 1
+    if device not in _UNUSED_LSE:
+        with _GPU_LOCK:
+            if device not in _UNUSED_LSE:
+                scalar = cuda.device_array(1, np.float32)
+                _UNUSED_LSE[device] = (scalar, _device_pointer(scalar))
+    return _UNUSED_LSE[device][1], 1
 
 
 def _device_pointer(obj: Any) -> int:
