@@ -402,8 +402,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         kernels += profile_impl(ncu, impl, metrics, args)
     print(f"# ncu profile: {args.dtype} B={batch} H={heads} S={args.seqlen} D={args.head_dim} "
           f"{'causal' if args.causal else 'non-causal'} (ncu --clock-control none)\n")
+    print(environment(ncu) + "\n")
     print(format_profile_table(kernels, metrics))
     return 0 if kernels else 1
+
+
+def environment(ncu: str) -> str:
+    """GPU, clocks, driver and library versions (as the bench tool prints them) and ncu's version."""
+    try:
+        out = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = out.strip().splitlines()[-1] if out.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        version = "unknown"
+    try:
+        from numbaflash.bench import _import_torch, environment_header
+
+        header = environment_header(_import_torch())
+    except Exception as exc:  # numbaflash not importable: still report ncu
+        header = f"environment unavailable ({type(exc).__name__}: {exc})"
+    return f"{header}\nNsight Compute: {version}"
 
 
 if __name__ == "__main__":

@@ -557,6 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed, softmax_scale=args.softmax_scale, tile_q=args.tile_q, tile_k=args.tile_k,
         atol=args.atol, rtol=args.rtol, kv_sweep=not args.no_kv_sweep,
     )
+    if args.impl == "numbaflash":  # the GPU, clocks and library versions head the report
+        from .bench import _import_torch, environment_header
+
+        print(environment_header(_import_torch()) + "\n")
     print(format_report(result, top=args.top))
     return 0 if result.ok else 1
 

@@ -466,6 +466,8 @@ def test_profile_main_with_a_fake_ncu(tmp_path, capsys):
     assert "numbaflash" in table[2] and "numbaflash_kernel" in table[2]
     assert "sdpa-flash" in table[3] and "flash_kernel" in table[3]
     assert (tmp_path / "csv" / "ncu_flash.csv").exists()
+    assert any(ln.startswith("GPU: ") for ln in lines)
+    assert any(ln.startswith("Nsight Compute: ") for ln in lines)
 
 
 # --------------------------------------------------------------------------- debug
