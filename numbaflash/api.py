@@ -173,15 +173,16 @@ def _current_context_device() -> int | None:
     return int(device) if err == driver.CUresult.CUDA_SUCCESS else None
 
 
-def _forward_kernel(capability, head_dim: int, causal: bool, bf16: bool):
-    """Compile (once per process) and return (launcher, config) for this problem."""
+def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: bool):
+    """Compile (once per process) and return (launcher, config) for this problem on the current
+    device (ordinal ``device``): the loaded function and its shared-memory limit are per device."""
     from numba import cuda
 
     from .configs import make_kernel
     from .kernels.forward_mma import FORWARD_ARGTYPES
 
     config = forward_config(capability, head_dim, causal)
-    key = (config, causal, bf16, capability)
+    key = (config, causal, bf16, capability, device)
     with _GPU_LOCK:
         if key not in _KERNELS:
             pyfunc = make_kernel(config, causal, bf16)
@@ -304,7 +305,7 @@ def flash_attention(
             raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
     capability, device = _current_gpu()
     bf16 = qd.dtype_name == "bfloat16"
-    launcher, config = _forward_kernel(capability, head_dim, bool(causal), bf16)
+    launcher, config = _forward_kernel(capability, device, head_dim, bool(causal), bf16)
     scale_log2 = np.float32(softmax_scale * math.log2(math.e))
     o_shape = (batch, seqlen_q, heads_q, head_dim)
 

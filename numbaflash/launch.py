@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 MAX_CACHED_CONFIGS = 256
+MAX_CACHED_STREAMS = 64
 
 
 def raise_dynamic_shared_limit(kernel, argtypes, nbytes: int) -> None:
@@ -93,7 +94,9 @@ class KernelLauncher:
         if stream is None:
             from cuda.core import Stream
 
-            with self._lock:  # a non-owning wrapper: caching it by handle is safe
+            with self._lock:  # non-owning wrappers; bounded, as callers may create streams per call
+                if len(self._streams) >= MAX_CACHED_STREAMS:
+                    self._streams.clear()
                 stream = self._streams.setdefault(handle, Stream.from_handle(handle))
         return stream
 

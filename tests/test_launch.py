@@ -99,3 +99,29 @@ def test_flash_attention_from_a_fresh_thread(rng):
     assert "error" not in result, result.get("error")
     ref, _ = attention_reference(q, k, v, causal=True)
     assert np.abs(result["out"].astype(np.float64) - ref).max() < 4e-3
+
+
+@pytest.mark.gpu
+def test_two_devices():
+    """Each device gets its own loaded kernel and shared-memory limit (head dim 128 needs more
+    than 48 KB); tensors on a device other than the current one are refused with a message."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    import numbaflash
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        for device in (1, 0):
+            torch.cuda.set_device(device)
+            q, k, v = (torch.randn(2, 300, 4, 128, device=f"cuda:{device}", dtype=torch.float16)
+                       for _ in range(3))
+            out = numbaflash.flash_attention(q, k, v, causal=True)
+            ref = sdpa(*(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True).transpose(1, 2)
+            assert out.device.index == device
+            assert (out.float() - ref).abs().max().item() < 8e-3
+        other = torch.randn(1, 64, 1, 64, device="cuda:1", dtype=torch.float16)
+        with pytest.raises(ValueError, match=r"current CUDA device \(cuda:0\)"):
+            numbaflash.flash_attention(other, other, other)
+    finally:
+        torch.cuda.set_device(0)
