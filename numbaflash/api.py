@@ -222,12 +222,12 @@ def _span(op: _Operand) -> int:
 
 def _stream_handle(q: _Operand) -> int:
     """The stream to launch on: torch's current stream for torch inputs, else the stream the
-    CUDA array interface names (None: the legacy default stream)."""
+    CUDA array interface names (None, or 1 = the legacy default stream: handle 0)."""
     if _is_torch(q.obj):
         import torch
 
         return torch.cuda.current_stream(q.obj.device).cuda_stream
-    return int(q.stream or 0)
+    return 0 if q.stream in (None, 1) else int(q.stream)
 
 
 def _check_same_device(ops: list[_Operand], current: int) -> None:
@@ -237,7 +237,8 @@ def _check_same_device(ops: list[_Operand], current: int) -> None:
         where = ", ".join(f"{op.name} on cuda:{op.device}" for op in ops if op.device is not None)
         raise ValueError(
             f"all tensors must be on the current CUDA device (cuda:{current}), got {where}; "
-            "move them, or select their device first (numba.cuda.select_device / cuda.gpus[i])"
+            "move them, or make their device current first (torch.cuda.set_device, "
+            "numba.cuda.select_device)"
         )
 
 

@@ -111,6 +111,33 @@ def test_numba_device_arrays_zero_copy(rng):
     check_attention(q, k, v, True, dout.copy_to_host(), lse.copy_to_host())
 
 
+class _WithStream:
+    """A CUDA array interface that names a stream (as CuPy's does): 1 = legacy default."""
+
+    def __init__(self, array, stream: int) -> None:
+        self.array, self.stream = array, stream
+
+    @property
+    def __cuda_array_interface__(self):
+        return {**self.array.__cuda_array_interface__, "stream": self.stream}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["legacy-default", "own-stream"])
+def test_array_interface_stream(rng, which):
+    from numba import cuda
+
+    q, k, v = random_qkv(rng, 1, 130, 140, 2, 2, 64, np.float16)
+    stream = cuda.stream()
+    handle = 1 if which == "legacy-default" else int(stream.handle)
+    dq, dk, dv = (_WithStream(cuda.to_device(x), handle) for x in (q, k, v))
+    dout = cuda.to_device(np.full(q.shape, np.nan, np.float16))
+    numbaflash.flash_attention(dq, dk, dv, out=_WithStream(dout, handle))
+    stream.synchronize()
+    cuda.synchronize()
+    check_attention(q, k, v, False, dout.copy_to_host(), None)
+
+
 @pytest.mark.gpu
 def test_strided_device_inputs(rng):
     """q, k, v as views into one packed (batch, seqlen, 3, heads, head_dim) buffer."""
