@@ -518,12 +518,14 @@ class Device:
             return sets
         import numpy as np
 
+        from .buffers import DeviceBuffer  # Numba device arrays cannot hold bfloat16
+
         rng = np.random.default_rng(seed)
         np_dtype = np.float16 if shape.dtype == "fp16" else _bf16_numpy_dtype()
         for _ in range(n_sets):
-            q, k, v = (self.cuda.to_device(rng.standard_normal(s, dtype=np.float32).astype(np_dtype))
+            q, k, v = (DeviceBuffer(rng.standard_normal(s, dtype=np.float32).astype(np_dtype))
                        for s in (q_shape, kv_shape, kv_shape))
-            sets.append((q, k, v, self.cuda.device_array(q_shape, dtype=np_dtype)))
+            sets.append((q, k, v, DeviceBuffer.empty(q_shape, np_dtype)))
         return sets
 
     def synchronize(self) -> None:

@@ -430,31 +430,6 @@ def format_report(r: DebugResult, top: int = 5) -> str:
 # --------------------------------------------------------------------------- implementations
 
 
-class DeviceBuffer:
-    """A host array's bytes on the GPU, presented to numbaflash with the host dtype.
-
-    Numba device arrays cannot hold ``ml_dtypes.bfloat16`` (no buffer-protocol code), so the
-    bytes travel as uint16 and this wrapper exposes them through ``__cuda_array_interface__``
-    with a ``dtype`` attribute saying what they are; numbaflash reads ``dtype`` first.
-    Works the same for float16.
-    """
-
-    def __init__(self, host: np.ndarray) -> None:
-        from numba import cuda
-
-        host = np.ascontiguousarray(host)
-        self.dtype = host.dtype
-        self.shape = host.shape
-        self.raw = cuda.to_device(host.view(np.uint16))
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return self.raw.__cuda_array_interface__
-
-    def copy_to_host(self) -> np.ndarray:
-        return self.raw.copy_to_host().view(self.dtype)
-
-
 class NumbaflashImpl:
     """numbaflash on device buffers, the poisoned ``out`` uploaded as the output buffer, so
     that any element the kernel never writes still holds the poison after the call."""
@@ -469,6 +444,8 @@ class NumbaflashImpl:
         from numba import cuda
 
         import numbaflash
+
+        from .buffers import DeviceBuffer
 
         dq, dk, dv, dout = (DeviceBuffer(x) for x in (q, k, v, out))
         _, lse = numbaflash.flash_attention(dq, dk, dv, causal=causal, softmax_scale=softmax_scale,

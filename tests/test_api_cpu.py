@@ -99,3 +99,14 @@ def test_tensors_must_be_on_the_current_device():
         api._check_same_device(ops, 0)
     api._check_same_device(ops[:1], 0)
     api._check_same_device([api._Operand("q", (1, 1, 1, 64), "float16", True, None)], 3)  # unknown: allowed
+
+
+def test_device_buffer_rejects_other_than_16_bit_floats():
+    from numbaflash.buffers import DeviceBuffer
+
+    with pytest.raises(TypeError, match="16-bit floats, got dtype float32"):
+        DeviceBuffer(np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="16-bit floats, got dtype int8"):
+        DeviceBuffer.empty((2, 2), np.int8)
+    with pytest.raises(TypeError, match="needs a numpy array"):
+        DeviceBuffer()

@@ -60,3 +60,27 @@ def test_bench_sanity_mode_runs(capsys):
     text = capsys.readouterr().out
     assert "## Timing sanity" in text and "plain/mean" in text and "numbaflash" in text
     assert status in (0, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_bench_numba_path_without_torch(dtype):
+    """The bench tool with no PyTorch: inputs as DeviceBuffers (bf16 included), Numba events."""
+    import numpy as np
+
+    import numbaflash
+    from numbaflash.reference import attention_reference
+
+    if dtype == "bf16":
+        pytest.importorskip("ml_dtypes")
+    device = bench.Device(None)
+    shape = bench.Shape(2, 4, 200, 200, 64, False, dtype)
+    sets = device.make_inputs(shape, 2, seed=0)
+    args = bench.parse_args(["--repeats", "3", "--warmup", "1", "--warmup-ms", "0"])
+    result = bench.run_one(device, "numbaflash", shape, sets, args)
+    assert result.ok and result.tflops > 0, result.error
+    q, k, v, out = sets[0]
+    numbaflash.flash_attention(q, k, v, out=out)
+    ref, _ = attention_reference(q.copy_to_host(), k.copy_to_host(), v.copy_to_host())
+    err = np.abs(out.copy_to_host().astype(np.float64) - ref).max()
+    assert err < (4e-3 if dtype == "fp16" else 3e-2)
