@@ -14,26 +14,13 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import numbaflash
-
-
-def host_times_ms(call, n: int) -> list[float]:
-    """Host time for each of ``n`` calls queued behind a long sleep kernel."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s: the device stays busy while the host issues
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return times
+from numbaflash import bench
 
 
 def main() -> None:
@@ -62,8 +49,9 @@ def main() -> None:
         ours()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         theirs()
-        rows = [("numbaflash", host_times_ms(ours, args.calls)),
-                ("sdpa-flash", host_times_ms(theirs, args.calls))]
+        device = bench.Device(torch)
+        rows = [("numbaflash", bench.time_host_issue(device, [ours], args.calls)),
+                ("sdpa-flash", bench.time_host_issue(device, [theirs], args.calls))]
     for name, t in rows:
         print(f"{name:>12}: median {statistics.median(t):.4f}  min {min(t):.4f}  max {max(t):.4f}  "
               f"calls over 1 ms: {sum(x > 1 for x in t)}")

@@ -313,15 +313,16 @@ def flash_attention(
     if qd.on_device:
         for op in ops:
             _check_device_layout(op)
-        o_obj = out if out is not None else _empty_like(q, o_shape, qd)
-        od = _describe("out", o_obj)
+        if out is None:  # a given out was described above
+            out = _empty_like(q, o_shape, qd)
+            od = _describe("out", out)
         _check_device_layout(od)
         _check_same_device([*ops, od], device)
         lse_obj = _empty_lse(q, (batch, heads_q, seqlen_q)) if return_lse else None
         lse = (_device_pointer(lse_obj), batch * heads_q * seqlen_q) if return_lse else _unused_lse(device)
         _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2,
                         bool(return_lse), _stream_handle(qd))
-        return (o_obj, lse_obj) if return_lse else o_obj
+        return (out, lse_obj) if return_lse else out
 
     # numpy: stage through device buffers on a private stream, copy back, wait.
     from numba import cuda
