@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import threading
 from typing import Any
 
@@ -39,9 +40,11 @@ class _Operand:
 
 
 def _dtype_name_of_numpy(dtype: np.dtype, name: str) -> str:
+    """'float16' or 'bfloat16' for those dtypes; TypeError for any other (ml_dtypes or not)."""
     if dtype == _FLOAT16:
         return "float16"
-    if dtype == _bfloat16_dtype() or str(dtype) == "bfloat16":
+    bf16 = _bfloat16_dtype()
+    if (bf16 is not None and dtype == bf16) or (dtype.name == "bfloat16" and dtype.itemsize == 2):
         return "bfloat16"
     raise TypeError(f"{name} must be float16 or bfloat16, got {dtype}")
 
@@ -71,8 +74,17 @@ def _describe(name: str, x: Any) -> _Operand:
             f"{name} must be a numpy array or a CUDA array (__cuda_array_interface__), "
             f"got {type(x).__name__}"
         )
+    try:
+        typestr = np.dtype(cai["typestr"])
+    except TypeError as exc:
+        raise TypeError(f"{name}: unknown __cuda_array_interface__ typestr {cai['typestr']!r}") from exc
     dtype = getattr(x, "dtype", None)
-    dtype = np.dtype(dtype) if isinstance(dtype, np.dtype) else np.dtype(cai["typestr"])
+    dtype = dtype if isinstance(dtype, np.dtype) else typestr
+    if dtype.itemsize != typestr.itemsize:
+        raise TypeError(
+            f"{name}: its dtype attribute ({dtype}) and its __cuda_array_interface__ typestr "
+            f"({cai['typestr']}) disagree on the element size"
+        )
     shape = tuple(int(s) for s in cai["shape"])
     itemsize = dtype.itemsize
     if cai.get("strides") is None:
@@ -128,6 +140,79 @@ def _check_device_layout(op: _Operand) -> None:
         )
     if any(s < 0 for s in op.strides):
         raise ValueError(f"{op.name}: negative strides {op.strides} are not supported")
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    """``causal`` / ``return_lse``: a Python or numpy bool, nothing else (``'no'`` is truthy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _check_softmax_scale(scale: Any, head_dim: int) -> float:
+    """The scale as a float: a real number (not a bool or a string), positive, and finite and
+    non-zero once multiplied by log2(e) in float32, as the kernel uses it."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {scale!r}")
+    f32 = np.finfo(np.float32)
+    if not float(f32.tiny) <= scale * math.log2(math.e) <= float(f32.max):
+        raise ValueError(
+            f"softmax_scale * log2(e) must be a normal float32 (the kernel's scale), so "
+            f"softmax_scale must lie in about [8.1e-39, 2.4e38], got {scale!r}"
+        )
+    return scale
+
+
+def _check_no_self_overlap(op: _Operand) -> None:
+    """Distinct elements of ``op`` must be distinct memory (no stride 0, no overlapping rows):
+    dimensions sorted by stride, each stride at least the extent of those inside it."""
+    extent = 1
+    for n, stride in sorted(((n, abs(st)) for n, st in zip(op.shape, op.strides, strict=True) if n > 1),
+                            key=lambda d: d[1]):
+        if stride < extent:
+            raise ValueError(
+                f"{op.name}: strides {op.strides} (in elements) for shape {op.shape} make elements "
+                "share memory (a stride 0 or overlapping rows); pass an array with its own memory"
+            )
+        extent = stride * n
+
+
+def _check_out_aliasing(od: _Operand, ops: list[_Operand], itemsize: int = 2) -> None:
+    """A device ``out`` may be exactly q (each CTA reads its Q rows before writing them) but
+    must not share memory with k or v, or partly with q: other CTAs would read it after it
+    was overwritten."""
+    lo, hi = od.pointer, od.pointer + _span(od) * itemsize
+    for op in ops:
+        if op.pointer < hi and lo < op.pointer + _span(op) * itemsize:
+            if op.name == "q" and op.pointer == od.pointer and op.strides == od.strides:
+                continue
+            raise ValueError(
+                f"out shares memory with {op.name}; the kernel would read values it has already "
+                f"overwritten: pass an out that does not overlap k or v (out may be q itself)"
+            )
+
+
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+
+
+def _forward_grid(m_blocks: int, heads_q: int, batch: int) -> tuple[int, int, int]:
+    """(query blocks, y, z): the (batch, head) pairs numbered head-fastest over y and z, since
+    each is limited to 65535 (``tiles.query_block`` unfolds them; spare CTAs return)."""
+    pairs = heads_q * batch
+    y = min(pairs, MAX_GRID_YZ)
+    z = -(-pairs // y)
+    if m_blocks > MAX_GRID_X or z > MAX_GRID_YZ:
+        raise ValueError(
+            f"batch * heads_q = {pairs} with {m_blocks} query blocks exceeds the CUDA grid "
+            f"({MAX_GRID_X} x {MAX_GRID_YZ} x {MAX_GRID_YZ} blocks); split the call"
+        )
+    return m_blocks, y, z
 
 
 _GPU_LOCK = threading.Lock()
@@ -246,11 +331,11 @@ def _launch_forward(launcher, config, ops: list[_Operand], lse: tuple[int, int],
                     heads_kv: int, scale_log2: np.float32, write_lse: bool, stream: int) -> None:
     """Launch the forward kernel on q, k, v, out (``ops``) described by pointers and strides."""
     batch, seqlen_q, heads_q, _ = ops[0].shape
-    grid = ((seqlen_q + config.block_m - 1) // config.block_m, heads_q, batch)
+    grid = _forward_grid((seqlen_q + config.block_m - 1) // config.block_m, heads_q, batch)
     strides = [s for op in ops for s in op.strides[:3]]
     launcher(grid, config.threads, stream, config.shared_bytes,
              *[(op.pointer, _span(op)) for op in ops], lse, *strides,
-             seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale_log2, write_lse)
+             seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, scale_log2, write_lse)
 
 
 def flash_attention(
@@ -289,12 +374,11 @@ def flash_attention(
     _check_shapes(qd, kd, vd)
     batch, seqlen_q, heads_q, head_dim = qd.shape
     seqlen_k, heads_kv = kd.shape[1], kd.shape[2]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    if not isinstance(softmax_scale, (int, float, np.floating)) or not (
-        math.isfinite(softmax_scale) and softmax_scale > 0
-    ):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    causal = _check_flag("causal", causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    softmax_scale = _check_softmax_scale(softmax_scale, head_dim)
+    o_shape = (batch, seqlen_q, heads_q, head_dim)
+    od = None
     if out is not None:
         od = _describe("out", out)
         if od.shape != qd.shape or od.dtype_name != qd.dtype_name:
@@ -304,24 +388,33 @@ def flash_attention(
             )
         if od.on_device != qd.on_device:
             raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
-    capability, device = _current_gpu()
-    bf16 = qd.dtype_name == "bfloat16"
-    launcher, config = _forward_kernel(capability, device, head_dim, bool(causal), bf16)
-    scale_log2 = np.float32(softmax_scale * math.log2(math.e))
-    o_shape = (batch, seqlen_q, heads_q, head_dim)
-
-    if qd.on_device:
+        if not od.on_device:
+            if not out.flags.writeable:
+                raise ValueError("out is a read-only numpy array; pass a writeable one")
+            od.strides = tuple(st // out.itemsize for st in out.strides)
+        _check_no_self_overlap(od)
+    _forward_grid((seqlen_q + 15) // 16, heads_q, batch)  # the grid fits (checked again at launch)
+    if qd.on_device:  # layout checks before anything is compiled
         for op in ops:
             _check_device_layout(op)
-        if out is None:  # a given out was described above
+        if od is not None:
+            _check_device_layout(od)
+            _check_out_aliasing(od, ops)
+    capability, device = _current_gpu()
+    if qd.on_device:
+        _check_same_device(ops if od is None else [*ops, od], device)
+    bf16 = qd.dtype_name == "bfloat16"
+    launcher, config = _forward_kernel(capability, device, head_dim, causal, bf16)
+    scale_log2 = np.float32(softmax_scale * math.log2(math.e))
+
+    if qd.on_device:
+        if out is None:
             out = _empty_like(q, o_shape, qd)
             od = _describe("out", out)
-        _check_device_layout(od)
-        _check_same_device([*ops, od], device)
         lse_obj = _empty_lse(q, (batch, heads_q, seqlen_q)) if return_lse else None
         lse = (_device_pointer(lse_obj), batch * heads_q * seqlen_q) if return_lse else _unused_lse(device)
         _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2,
-                        bool(return_lse), _stream_handle(qd))
+                        return_lse, _stream_handle(qd))
         return (out, lse_obj) if return_lse else out
 
     # numpy: stage through device buffers on a private stream, copy back, wait.
@@ -339,7 +432,7 @@ def flash_attention(
         op.pointer = _device_pointer(buf)
     lse_obj = cuda.device_array((batch, heads_q, seqlen_q), np.float32, stream=stream) if return_lse else None
     lse = (_device_pointer(lse_obj), batch * heads_q * seqlen_q) if return_lse else _unused_lse(device)
-    _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2, bool(return_lse),
+    _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2, return_lse,
                     int(stream.handle))
     result = buffers[3].copy_to_host(stream=stream).view(q.dtype).reshape(o_shape)
     lse_host = lse_obj.copy_to_host(stream=stream) if return_lse else None

@@ -8,8 +8,10 @@ in ``tuned_configs.json`` beside this file; entries missing from it use ``DEFAUL
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from .kernels.forward_mma import ForwardConfig
@@ -87,15 +89,41 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool) -> 
     return DEFAULTS[(family, head_dim)]
 
 
+FAMILY_CAPABILITY = {"sm80": (8, 0), "sm90": (9, 0)}  # a representative GPU of each family
+
+
 def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
     """Every (family, head dim, causal, config) the dispatcher can launch."""
-    capabilities = {"sm80": (8, 0), "sm90": (9, 0)}
     return [
         (family, d, causal, forward_config(cap, d, causal))
-        for family, cap in capabilities.items()
+        for family, cap in FAMILY_CAPABILITY.items()
         for d in SUPPORTED_HEAD_DIMS
         for causal in (False, True)
     ]
+
+
+def runnable_families(capability: tuple[int, int]) -> list[str]:
+    """Kernel families that run on a GPU of this capability: Hopper runs both (the mma.sync
+    kernel is what every other GPU gets, so it is tested on Hopper too)."""
+    return ["sm90", "sm80"] if arch_family(capability) == "sm90" else ["sm80"]
+
+
+@contextlib.contextmanager
+def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig) -> Iterator[None]:
+    """Within the block, ``flash_attention`` on this GPU launches ``config`` for its head dim
+    and ``causal`` (any family that runs here). Not thread-safe: for tests and tools."""
+    if arch_family(capability) == "sm80" and isinstance(config, WgmmaConfig):
+        raise ValueError(f"{config} needs Hopper (sm_90a); this GPU is sm_{capability[0]}{capability[1]}")
+    key = table_key(arch_family(capability), config.head_dim, causal)
+    previous = OVERRIDES.get(key)
+    OVERRIDES[key] = config
+    try:
+        yield
+    finally:
+        if previous is None:
+            OVERRIDES.pop(key, None)
+        else:
+            OVERRIDES[key] = previous
 
 
 FAMILY_ARCH = {"sm80": "sm_80", "sm90": "sm_90a"}  # the target each family compiles for

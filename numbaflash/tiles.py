@@ -26,17 +26,22 @@ LN2 = math.log(2.0)
 
 
 @cuda.jit(device=True, inline="always")
-def query_block(group, reverse):
-    """(query block, head, batch, kv head) of this CTA (grid: query blocks, heads, batch).
+def query_block(heads_q, group, reverse):
+    """(query block, head, batch, kv head) of this CTA.
 
-    With ``reverse`` (causal) the heaviest query blocks start first, for better tail balance.
-    ``group`` query heads share one kv head (GQA); the division is 32-bit (no subroutine).
+    Grid: x = query blocks, and (y, z) numbering the (batch, head) pairs head-fastest,
+    ``hb = y + gridDim.y * z``: y and z are limited to 65535 each, so the host spreads the
+    pairs over both (``forward_grid``); CTAs past the last pair get ``batch >= batch_size``
+    and must return at once. With ``reverse`` (causal) the heaviest query blocks start
+    first, for better tail balance. ``group`` query heads share one kv head (GQA); the
+    divisions are 32-bit (no subroutine).
     """
     m_block = cuda.blockIdx.x
     if reverse:
         m_block = cuda.gridDim.x - 1 - m_block
-    head = cuda.blockIdx.y
-    return m_block, head, cuda.blockIdx.z, uint32(head) // uint32(group)
+    hb = uint32(cuda.blockIdx.y) + uint32(cuda.gridDim.y) * uint32(cuda.blockIdx.z)
+    head = hb % uint32(heads_q)
+    return m_block, head, hb // uint32(heads_q), head // uint32(group)
 
 
 @cuda.jit(device=True, inline="always")
@@ -47,6 +52,15 @@ def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
     if causal:
         n_tiles = min(n_tiles, (m0 + block_m + diag + block_n - 1) // block_n)
     return n_tiles
+
+
+@cuda.jit(device=True, inline="always")
+def drain_copies():
+    """Wait for this thread's cp.async copies, then for every thread: after this, shared
+    memory may be rewritten with ordinary stores. A CTA whose rows see no key runs no KV
+    iteration, so without this its Q copy can still land on the staged output."""
+    ptx.cp_async_wait_group_0()
+    cuda.syncthreads()
 
 
 @cuda.jit(device=True, inline="always")

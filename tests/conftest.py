@@ -1,41 +1,96 @@
 """GPU tests carry the ``gpu`` marker (``hopper`` for sm_90-only ones) and are skipped,
-with the reason shown, where no suitable NVIDIA GPU is present."""
+with the reason shown, where no suitable NVIDIA GPU is present.
+
+``NUMBAFLASH_REQUIRE_GPU=1`` turns those skips into failures: use it on every GPU machine,
+so that an unusable CUDA install (a wrong cu12/cu13 extra, a driver mismatch) cannot leave
+the run green with every GPU test skipped.
+
+The ``rng`` fixture seeds from the test's id (stable across processes) plus
+``NUMBAFLASH_TEST_SEED`` (default 0); a failing test's report shows its seed.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
+import zlib
 
 import pytest
+
+REQUIRE_GPU = os.environ.get("NUMBAFLASH_REQUIRE_GPU", "") not in ("", "0")
+BASE_SEED = int(os.environ.get("NUMBAFLASH_TEST_SEED", "0"))
 
 
 @functools.lru_cache(maxsize=1)
 def _gpu_capability():
-    """(major, minor) of GPU 0, or a string saying why there is none."""
+    """(major, minor) of the current GPU, or a string saying why there is none."""
     try:
         from numba import cuda
 
         if not cuda.is_available():
             return "no CUDA GPU/driver available (numba.cuda.is_available() is False)"
-        return cuda.get_current_device().compute_capability
+        return tuple(cuda.get_current_device().compute_capability)
     except Exception as exc:  # pragma: no cover - depends on the machine
-        return f"CUDA unusable: {exc}"
+        return f"CUDA unusable: {type(exc).__name__}: {exc}"
+
+
+def _why_not_runnable(item) -> str | None:
+    """Why this GPU test cannot run here, or None if it can."""
+    if "gpu" not in item.keywords and "hopper" not in item.keywords:
+        return None
+    cap = _gpu_capability()
+    if isinstance(cap, str):
+        return f"GPU test skipped: {cap}"
+    if cap < (8, 0):
+        return f"GPU test skipped: sm_{cap[0]}{cap[1]} < sm_80"
+    if "hopper" in item.keywords and cap[0] != 9:
+        return f"Hopper test skipped: GPU is sm_{cap[0]}{cap[1]}"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
-    cap = _gpu_capability()
     for item in items:
-        if "gpu" in item.keywords or "hopper" in item.keywords:
-            if isinstance(cap, str):
-                item.add_marker(pytest.mark.skip(reason=f"GPU test skipped: {cap}"))
-            elif cap < (8, 0):
-                item.add_marker(pytest.mark.skip(reason=f"GPU test skipped: sm_{cap[0]}{cap[1]} < sm_80"))
-            elif "hopper" in item.keywords and cap[0] != 9:
-                item.add_marker(pytest.mark.skip(reason=f"Hopper test skipped: GPU is sm_{cap[0]}{cap[1]}"))
+        reason = _why_not_runnable(item)
+        if reason is not None and not (REQUIRE_GPU and _counts_as_missing(reason)):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _counts_as_missing(reason: str) -> bool:
+    """A Hopper-only test on a working non-Hopper GPU is skipped even when a GPU is required."""
+    return not (reason.startswith("Hopper") and not isinstance(_gpu_capability(), str))
+
+
+def pytest_runtest_setup(item):
+    reason = _why_not_runnable(item)
+    if REQUIRE_GPU and reason is not None and _counts_as_missing(reason):
+        pytest.fail(f"NUMBAFLASH_REQUIRE_GPU is set, but {reason.split(': ', 1)[1]}", pytrace=False)
+
+
+def test_seed(nodeid: str) -> int:
+    """The rng seed of one test: stable across processes and machines."""
+    return (zlib.crc32(nodeid.encode()) + BASE_SEED) % 2**32
+
+
+test_seed.__test__ = False  # a helper, not a test
 
 
 @pytest.fixture
 def rng(request):
-    """A fresh, reproducible-per-test random generator."""
+    """A fresh random generator, reproducible for each test across processes."""
     import numpy as np
 
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))
+    seed = test_seed(request.node.nodeid)
+    request.node.user_properties.append(("rng_seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seeds = [v for k, v in item.user_properties if k == "rng_seed"]
+        if seeds:
+            report.sections.append(
+                ("rng seed", f"rng seed {seeds[0]} (crc32 of the test id + NUMBAFLASH_TEST_SEED={BASE_SEED})")
+            )

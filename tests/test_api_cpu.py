@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -32,10 +34,58 @@ def test_bad_input_raises_before_launch(args, error, message):
         numbaflash.flash_attention(*args())
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "0.1"])
-def test_bad_softmax_scale(scale):
-    with pytest.raises(ValueError, match="softmax_scale"):
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), 1e300, 1e-300, -0.0, 1e39])
+def test_bad_softmax_scale_value(scale, no_compile):
+    with pytest.raises(ValueError, match=f"softmax_scale.*got {re.escape(repr(scale))}"):
         numbaflash.flash_attention(*qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.1", True, np.bool_(True), 1j, [0.1], np.array([0.1])])
+def test_bad_softmax_scale_type(scale, no_compile):
+    with pytest.raises(TypeError, match="softmax_scale must be a real number or None, got"):
+        numbaflash.flash_attention(*qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [1, 0.125, np.float32(0.3), np.float16(2.0), np.int64(3), 1e-30, 1e30])
+def test_good_softmax_scale_reaches_the_kernel(scale, no_compile):
+    with pytest.raises(AssertionError, match="would compile"):
+        numbaflash.flash_attention(*qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse"])
+@pytest.mark.parametrize("value", ["no", "False", [False], 2, 0, 1, None, np.array(True), 1.0])
+def test_flags_must_be_bools(flag, value, no_compile):
+    with pytest.raises(TypeError, match=f"{flag} must be a bool \\(True or False\\), got"):
+        numbaflash.flash_attention(*qkv(), **{flag: value})
+
+
+@pytest.mark.parametrize("value", [True, False, np.True_, np.False_])
+def test_bool_flags_accepted(value, no_compile):
+    with pytest.raises(AssertionError, match="would compile"):
+        numbaflash.flash_attention(*qkv(), causal=value, return_lse=value)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int16, np.uint16, np.complex64])
+@pytest.mark.parametrize("have_ml_dtypes", [True, False])
+def test_other_dtypes_rejected_with_or_without_ml_dtypes(dtype, have_ml_dtypes, monkeypatch, no_compile):
+    if not have_ml_dtypes:
+        monkeypatch.setattr(api, "_bfloat16_dtype", lambda: None)
+    with pytest.raises(TypeError, match=f"q must be float16 or bfloat16, got {np.dtype(dtype)}"):
+        numbaflash.flash_attention(*qkv(dtype=dtype))
+
+
+@pytest.mark.parametrize("typestr", ["<f8", "<f4", "<i2", "<u2"])
+def test_device_arrays_of_other_dtypes_rejected(typestr, no_compile):
+    arrays = [FakeDeviceArray(s, typestr) for s in ((1, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64))]
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16"):
+        numbaflash.flash_attention(*arrays)
+
+
+def test_device_array_dtype_attribute_must_match_typestr(no_compile):
+    q = FakeDeviceArray((1, 8, 4, 64), "<f8")
+    q.dtype = np.dtype(np.float16)
+    with pytest.raises(TypeError, match="disagree on the element size"):
+        numbaflash.flash_attention(q, FakeDeviceArray((1, 8, 2, 64)), FakeDeviceArray((1, 8, 2, 64)))
 
 
 def test_mixed_bf16_and_f16_rejected():
@@ -52,12 +102,89 @@ def test_out_must_match():
 
 
 class FakeDeviceArray:
-    """Just enough of __cuda_array_interface__ to be classified as a device array."""
+    """Just enough of __cuda_array_interface__ to be classified as a device array; each one
+    gets its own (fake) 1 GB-aligned address unless ``pointer`` is given."""
 
-    def __init__(self, shape, typestr="<f2", strides=None):
+    next_pointer = 1 << 30
+
+    def __init__(self, shape, typestr="<f2", strides=None, pointer=None):
+        if pointer is None:
+            pointer = FakeDeviceArray.next_pointer
+            FakeDeviceArray.next_pointer += 1 << 30
         self.__cuda_array_interface__ = {
-            "shape": shape, "typestr": typestr, "data": (0x10000, False), "strides": strides, "version": 3,
+            "shape": shape, "typestr": typestr, "data": (pointer, False), "strides": strides, "version": 3,
         }
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Pretend a Hopper GPU is current, and fail if validation lets a call reach compilation:
+    each bad input must be rejected before anything is compiled or launched."""
+    def compile_(*args, **kwargs):
+        raise AssertionError("would compile a kernel")
+
+    monkeypatch.setattr(api, "_current_gpu", lambda: ((9, 0), 0))
+    monkeypatch.setattr(api, "_forward_kernel", compile_)
+
+
+def fake_qkv(shape_q=(1, 8, 4, 64), shape_k=(1, 8, 2, 64)):
+    return FakeDeviceArray(shape_q), FakeDeviceArray(shape_k), FakeDeviceArray(shape_k)
+
+
+def test_read_only_numpy_out_rejected(no_compile):
+    out = np.zeros((1, 8, 4, 64), np.float16)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        numbaflash.flash_attention(*qkv(), out=out)
+
+
+def test_stride_0_numpy_out_rejected(no_compile):
+    base = np.zeros((1, 8, 1, 64), np.float16)
+    out = np.lib.stride_tricks.as_strided(base, (1, 8, 4, 64), (0, 128, 0, 2), writeable=True)
+    with pytest.raises(ValueError, match="share memory"):
+        numbaflash.flash_attention(*qkv(), out=out)
+
+
+@pytest.mark.parametrize("strides", [(4096, 0, 128, 2), (4096, 512, 0, 2), (4096, 64, 16, 2)])
+def test_overlapping_device_out_rejected(strides, no_compile):
+    out = FakeDeviceArray((1, 8, 4, 64), strides=strides)
+    with pytest.raises(ValueError, match="share memory"):
+        numbaflash.flash_attention(*fake_qkv(), out=out)
+
+
+def test_device_out_sharing_memory_with_k_rejected(no_compile):
+    q, k, v = fake_qkv()
+    k_pointer = k.__cuda_array_interface__["data"][0]
+    with pytest.raises(ValueError, match="out shares memory with k"):
+        numbaflash.flash_attention(q, k, v, out=FakeDeviceArray((1, 8, 4, 64), pointer=k_pointer + 256))
+
+
+def test_device_out_may_be_q(no_compile):
+    q, k, v = fake_qkv()
+    with pytest.raises(AssertionError, match="would compile"):
+        numbaflash.flash_attention(q, k, v, out=q)
+    partly_q = FakeDeviceArray((1, 8, 4, 64), pointer=q.__cuda_array_interface__["data"][0] + 512)
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        numbaflash.flash_attention(q, k, v, out=partly_q)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "out"])
+def test_device_layout_checked_before_compiling(which, no_compile):
+    arrays = dict(zip("qkv", fake_qkv(), strict=True))
+    misaligned = FakeDeviceArray((1, 8, 4 if which in "q out" else 2, 64), pointer=(3 << 30) + 8)
+    arrays[which] = misaligned
+    with pytest.raises(ValueError, match="16-byte"):
+        numbaflash.flash_attention(arrays["q"], arrays["k"], arrays["v"], out=arrays.get("out"))
+
+
+def test_grid_limit(no_compile):
+    """Up to 65535 x 65535 (batch, head) pairs are folded into the grid; more are refused."""
+    with pytest.raises(AssertionError, match="would compile"):
+        numbaflash.flash_attention(*fake_qkv((70000, 8, 4, 64), (70000, 8, 1, 64)))
+    with pytest.raises(ValueError, match="exceeds the CUDA grid"):
+        numbaflash.flash_attention(*fake_qkv((70000, 8, 65536, 64), (70000, 8, 1, 64)))
+    assert api._forward_grid(3, 4, 70000) == (3, 65535, 5)
+    assert api._forward_grid(3, 16, 2) == (3, 32, 1)
 
 
 def test_mixed_host_and_device_rejected():

@@ -39,5 +39,15 @@ def test_no_local_memory_spills_or_calls(report):
     assert report.calls == 0, "a helper was not inlined"
 
 
-def test_fits_register_file(report):
+REGISTER_FILE = 65536  # 32-bit registers per SM, sm_80 .. sm_90
+REGISTER_GRANULE = 8  # registers per thread are allocated in steps of 8 (256 per warp)
+
+
+def test_fits_register_file(request, report):
+    """One CTA of the kernel's launch bound fits the register file (what ``launch_bounds``
+    (threads, 1) promises ptxas it may use), and no thread exceeds the 255-register limit."""
+    name, _ = request.node.callspec.params["report"]
+    threads = KERNELS[name][0].launch_bounds[0]
+    allocated = -(-report.registers // REGISTER_GRANULE) * REGISTER_GRANULE
     assert report.registers <= 255
+    assert allocated * threads <= REGISTER_FILE, f"{report.registers} registers x {threads} threads"

@@ -84,6 +84,10 @@ def test_wheel_ships_every_ptx_source(wheel):
             assert zf.read(f"numbaflash/ptx_sources/{name}") == (REPO / "ptx" / name).read_bytes()
     assert "numbaflash/sources.py" in names and "numbaflash/ptx/_declare.py" in names
     assert not any(n.startswith(("tests/", "ptx/")) for n in names)
+    licenses = [n for n in names if n.endswith("/LICENSE") and ".dist-info/" in n]
+    assert licenses, "the wheel carries no LICENSE"
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read(licenses[0]) == (REPO / "LICENSE").read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from ..tiles import (
     NEG_INF,
     block_offset,
     copy_tile_async,
+    drain_copies,
     exponentiate,
     ldmatrix_offsets,
     load_a_fragments,
@@ -87,7 +88,7 @@ FORWARD_ARGTYPES = (
     types.int64, types.int64, types.int64,  # v strides
     types.int64, types.int64, types.int64,  # o strides
     types.int64, types.int64,  # seqlen_q, seqlen_k
-    types.int64, types.int64,  # heads_q, heads_q // heads_kv
+    types.int64, types.int64, types.int64,  # batch, heads_q, heads_q // heads_kv
     types.float32, types.boolean,  # softmax scale * log2(e), write lse
 )
 
@@ -95,7 +96,7 @@ FORWARD_ARGTYPES = (
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     """Return the Python kernel function for ``config`` (jit it with FORWARD_ARGTYPES).
 
-    Launch: grid (cdiv(seqlen_q, block_m), heads_q, batch), ``config.threads`` threads,
+    Launch: grid ``tiles.forward_grid``, ``config.threads`` threads,
     ``config.shared_bytes`` bytes of dynamic shared memory.
     """
     config.check()
@@ -114,12 +115,15 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     def flash_forward(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-                      o_sb, o_ss, o_sh, seqlen_q, seqlen_k, heads_q, group, scale_log2, write_lse):
+                      o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
+                      write_lse):
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        m_block, head, batch, kv_head = query_block(group, CAUSAL)
+        m_block, head, batch, kv_head = query_block(heads_q, group, CAUSAL)
+        if batch >= batch_size:  # past the last (batch, head) pair of a folded grid
+            return
         m0 = m_block * BM
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
 
@@ -224,6 +228,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
 
         # Epilogue: normalise, stage this warp's rows in its own part of the Q tile, then
         # 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.
+        drain_copies()  # no copy may land on the staged rows (none is in flight today)
         for mt in range(MT):
             stage_output_rows(sq, acc_o[mt], D_N_TILES, BM, warp_row + 16 * mt, l_run[mt], lane, BF16)
             if write_lse:

@@ -33,6 +33,7 @@ from ..tiles import (
     FULL_MASK,
     NEG_INF,
     copy_tile_async,
+    drain_copies,
     exponentiate,
     mask_scores,
     max_grew,
@@ -174,12 +175,15 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         fence_o(acc_o)
 
     def flash_forward_wgmma(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-                            o_sb, o_ss, o_sh, seqlen_q, seqlen_k, heads_q, group, scale_log2, write_lse):
+                            o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
+                            write_lse):
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        m_block, head, batch, kv_head = query_block(group, CAUSAL)
+        m_block, head, batch, kv_head = query_block(heads_q, group, CAUSAL)
+        if batch >= batch_size:  # past the last (batch, head) pair of a folded grid
+            return
         m0 = m_block * BM
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
 
@@ -266,7 +270,8 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
                 fence_o(acc_o)
 
         # Epilogue (as in the mma.sync kernel): stage rows in the Q tile, 16-byte stores.
-        cuda.syncthreads()  # every warpgroup's wgmma is done reading Q
+        drain_copies()  # the Q copy has landed (a CTA with no KV tile never waited for it),
+        # and every warpgroup's wgmma is done reading Q
         stage_output_rows(sq, acc_o, D_N_TILES, BM, warp * 16, l_run, lane, BF16)
         if write_lse:
             store_lse(lse, (batch * heads_q + head) * seqlen_q, row_first, seqlen_q, m_run, l_run, lane)
