@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -53,3 +55,52 @@ def attention_reference(
         lse = np.where(denom > 0, np.log(denom) + m_safe, -np.inf)[..., 0]
     out = rnd(probs @ vf).transpose(0, 2, 1, 3)
     return np.ascontiguousarray(out), lse
+
+
+def lse_tolerance(ref_lse: np.ndarray) -> float:
+    """Absolute LSE tolerance: 1e-3, plus 2^-15 of the largest finite |LSE| (about the largest
+    scaled score, whose float32 accumulation over head_dim products errs in proportion)."""
+    finite = ref_lse[np.isfinite(ref_lse)]
+    return 1e-3 + 2.0**-15 * float(np.abs(finite).max(initial=0.0))
+
+
+def compare_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
+                           lse: np.ndarray | None = None, *, causal: bool = False,
+                           softmax_scale: float | None = None) -> tuple[float, list[str]]:
+    """FlashAttention's criterion: ``(ratio, problems)`` of a result against float64.
+
+    ``out`` (batch, seqlen_q, heads_q, head_dim) and ``lse`` (batch, heads_q, seqlen_q), any
+    float dtype, computed from the float16/bfloat16 ``q, k, v``. The max error must be at most
+    twice that of the same computation done in the input dtype, plus a rounding floor
+    (``ratio`` = error / that bound, <= 1 passes); no NaN; rows that see no key exactly 0;
+    LSE -inf exactly on those rows and within ``lse_tolerance`` elsewhere. ``problems`` is
+    empty when everything holds.
+    """
+    kw = {"causal": causal, "softmax_scale": softmax_scale}
+    ref, ref_lse = attention_reference(q, k, v, **kw)
+    out = np.asarray(out).astype(np.float64)
+    if out.shape != ref.shape:
+        return math.inf, [f"output shape {out.shape}, expected {ref.shape}"]
+    low, _ = attention_reference(q, k, v, rounding_dtype=q.dtype, **kw)
+    problems = []
+    if np.isnan(out).any():
+        problems.append(f"NaN in output ({int(np.isnan(out).sum())} elements)")
+    err, err_low = float(np.nanmax(np.abs(out - ref), initial=0.0)), float(np.abs(low - ref).max())
+    floor = 2.0 ** -(11 if q.dtype == np.float16 else 8) * max(1.0, float(np.abs(ref).max())) / 4
+    ratio = err / (2 * err_low + floor)
+    if not ratio <= 1:
+        problems.append(f"max error {err:.3e} > 2 x {err_low:.3e} + {floor:.1e} (ratio {ratio:.2f})")
+    no_key = np.isneginf(ref_lse).transpose(0, 2, 1)  # (batch, seqlen_q, heads_q)
+    if not (out[no_key] == 0).all():
+        problems.append("rows that see no key are not exactly 0")
+    if lse is not None:
+        lse = np.asarray(lse, np.float64)
+        if lse.shape != ref_lse.shape:
+            return ratio, [*problems, f"LSE shape {lse.shape}, expected {ref_lse.shape}"]
+        finite = np.isfinite(ref_lse)
+        if np.isnan(lse).any() or not (np.isneginf(lse) == ~finite).all():
+            problems.append("LSE is not -inf exactly where the reference is (or has NaN)")
+        err_lse = float(np.abs(lse[finite] - ref_lse[finite]).max(initial=0.0))
+        if not err_lse <= lse_tolerance(ref_lse):
+            problems.append(f"LSE max abs error {err_lse:.2e} > {lse_tolerance(ref_lse):.2e}")
+    return ratio, problems

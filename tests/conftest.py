@@ -48,11 +48,22 @@ def _why_not_runnable(item) -> str | None:
     return None
 
 
+# Parameters that pick a compiled kernel: under pytest-xdist (``-n N --dist loadgroup``) the
+# tests of one kernel go to one worker, so each kernel is compiled once, not once per worker.
+KERNEL_PARAMS = ("family", "head_dim", "causal", "dtype", "cfg")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    grouped = config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup"
     for item in items:
         reason = _why_not_runnable(item)
         if reason is not None and not (REQUIRE_GPU and _counts_as_missing(reason)):
             item.add_marker(pytest.mark.skip(reason=reason))
+        params = getattr(item, "callspec", None)
+        if grouped and params is not None and any(p in params.params for p in KERNEL_PARAMS):
+            key = "-".join(str(params.params[p]) for p in KERNEL_PARAMS if p in params.params)
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{key}"))
 
 
 def _counts_as_missing(reason: str) -> bool:
