@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What every kernel change must pass on a GPU, in one command:
+#   bash benchmarks/gpu_check.sh [tests] [selftest] [sanitize] [nokey]   (default: all four)
+# - tests:    the GPU test suite, NUMBAFLASH_REQUIRE_GPU=1 (a missing GPU fails, never skips),
+#             parallel over kernels when pytest-xdist is installed
+# - selftest: python -m numbaflash.selftest --cases $CASES (default 500), in the background
+# - sanitize: benchmarks/sanitize.py, memcheck/racecheck/synccheck/initcheck over every config
+# - nokey:    benchmarks/no_key_rows.py, the shapes of the 34e1ab6 race report
+# Logs go to $OUT (default ./gpu_logs); a summary table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/gpu_logs}
+mkdir -p "$out"
+stages=${*:-tests selftest sanitize nokey}
+export NUMBAFLASH_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+cores=$(nproc)
+declare -A rc
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
+
+if [[ " $stages " == *" selftest "* ]]; then
+  $py -m numbaflash.selftest --cases "${CASES:-500}" >"$out/selftest.log" 2>&1 &
+  selftest_pid=$!
+fi
+if [[ " $stages " == *" sanitize "* ]]; then
+  $py benchmarks/sanitize.py --jobs "${SANITIZE_JOBS:-$((cores / 2))}" --log-dir /tmp/sanitizer_logs \
+    ${SANITIZE_ARGS:-} >"$out/sanitize.log" 2>&1 &
+  sanitize_pid=$!
+fi
+if [[ " $stages " == *" tests "* ]]; then
+  xdist=()
+  $py -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-6}" --dist loadgroup)
+  $py -m pytest -q -p no:cacheprovider "${xdist[@]}" -m "gpu or hopper" tests/ >"$out/pytest.log" 2>&1
+  rc[tests]=$?
+fi
+if [[ " $stages " == *" nokey "* ]]; then
+  $py benchmarks/no_key_rows.py >"$out/no_key_rows.log" 2>&1
+  rc[nokey]=$?
+fi
+if [[ -n "${selftest_pid:-}" ]]; then wait "$selftest_pid"; rc[selftest]=$?; fi
+if [[ -n "${sanitize_pid:-}" ]]; then
+  wait "$sanitize_pid"; rc[sanitize]=$?
+  tar czf "$out/sanitizer_logs.tgz" -C /tmp sanitizer_logs 2>/dev/null
+fi
+
+echo
+echo "== $(head -1 "$out/gpu.txt")"
+[[ -n "${rc[tests]:-}" ]] && echo "tests    rc=${rc[tests]}  $(tail -1 "$out/pytest.log")"
+[[ -n "${rc[nokey]:-}" ]] && { echo "nokey    rc=${rc[nokey]}"; grep '^|' "$out/no_key_rows.log"; }
+[[ -n "${rc[selftest]:-}" ]] && { echo "selftest rc=${rc[selftest]}"; grep -E '^(sm[0-9]+:|PASSED|FAILED|seed|GPU)' "$out/selftest.log"; }
+[[ -n "${rc[sanitize]:-}" ]] && { echo "sanitize rc=${rc[sanitize]}"; grep -E '^(\||sanitizer:)' "$out/sanitize.log"; }
+status=0
+for k in "${!rc[@]}"; do [[ ${rc[$k]} -ne 0 ]] && status=1; done
+exit $status

@@ -1,0 +1,323 @@
+"""Run NVIDIA compute-sanitizer over every forward kernel configuration that runs on this GPU.
+
+    python benchmarks/sanitize.py [--tools memcheck,racecheck] [--configs 0,3 | --configs Wgmma]
+                                  [--jobs 8] [--timeout 600] [--log-dir DIR] [--sanitizer PATH]
+    python benchmarks/sanitize.py --list [--arch sm80]     # the indexed configs (no GPU needed)
+
+Configs: shipped ones and autotune candidates of the families that run here, indexed in str order.
+One job per (tool, config) runs ``compute-sanitizer --tool T ... python sanitize.py --worker
+--config-index I``: the worker forces the config and checks ``flash_attention`` on small ragged,
+fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) against the numpy
+reference. Logs go to ``--log-dir/{tool}_{index}.log``; a markdown table of error counts is
+printed; exit 1 if any job found errors, timed out, crashed or computed a wrong result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import glob
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from numbaflash import configs
+from numbaflash.configs import KernelConfig, WgmmaConfig
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+SCRIPT = Path(__file__).resolve()
+REPO = SCRIPT.parents[1]
+WORKER_WRONG = 3  # worker exit status: a result failed the check
+WORKER_EXCEPTION = 4  # worker exit status: an exception (Python's own 1 is the sanitizer's)
+SANITIZER_ERROR = 1  # --error-exitcode
+WORKER_DONE = "worker done:"  # the worker's last line: it ran every case
+_ERROR_RE = re.compile(r"ERROR SUMMARY:\s*(\d+) errors?\s*$", re.MULTILINE)
+_RACE_RE = re.compile(
+    r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed \((\d+) errors?,\s*(\d+) warnings?\)", re.MULTILINE
+)
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def parse_summary(tool: str, text: str) -> int | None:
+    """Errors the sanitizer reported in ``text`` (summed over processes), None without a summary.
+
+    racecheck counts the errors of its RACECHECK SUMMARY (warnings-only hazards are 0), else its
+    ERROR SUMMARY; the other tools their ERROR SUMMARY ("N errors were not printed" is ignored).
+    """
+    if tool == "racecheck" and (races := _RACE_RE.findall(text)):
+        return sum(int(errors) for _, errors, _ in races)
+    counts = _ERROR_RE.findall(text)
+    return sum(int(n) for n in counts) if counts else None
+
+
+def kernel_family(config: KernelConfig) -> str:
+    """'sm90' for the wgmma kernel, 'sm80' for the mma.sync kernel."""
+    return "sm90" if isinstance(config, WgmmaConfig) else "sm80"
+
+
+def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig]:
+    """Shipped configs and candidates of the families that run on ``capability``, sorted by str."""
+    families = configs.runnable_families(capability)
+    found = {c for fam in families for d in configs.SUPPORTED_HEAD_DIMS for c in configs.CANDIDATES[(fam, d)]}
+    found |= {c for fam, _, _, c in configs.shipped_configs() if fam in families}
+    return sorted(found, key=str)
+
+
+def select_indices(spec: str | None, config_list: list[KernelConfig]) -> list[int]:
+    """``--configs``: all if empty, a comma list of indices, else the configs whose str contains it."""
+    if not spec:
+        return list(range(len(config_list)))
+    parts = [p.strip() for p in spec.split(",")]
+    if all(p.isdigit() for p in parts):
+        bad = [p for p in parts if int(p) >= len(config_list)]
+        if bad:
+            raise ValueError(f"config indices {bad} out of range 0..{len(config_list) - 1}")
+        return sorted({int(p) for p in parts})
+    return [i for i, c in enumerate(config_list) if spec in str(c)]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """One sanitizer run: ``rc`` None when it timed out, ``errors`` None when no summary was found,
+    ``finished`` whether the worker printed its last line (WORKER_DONE)."""
+
+    tool: str
+    index: int
+    rc: int | None
+    errors: int | None
+    finished: bool = True
+    log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        # racecheck may use the error exit code for warnings only, which count 0 errors.
+        allowed = (0, SANITIZER_ERROR) if self.tool == "racecheck" else (0,)
+        return self.errors == 0 and self.finished and self.rc in allowed
+
+    @property
+    def cell(self) -> str:
+        if self.rc is None:
+            return "TIMEOUT"
+        if self.errors:
+            return str(self.errors)
+        if self.rc == WORKER_WRONG:
+            return "WRONG"
+        return "0" if self.ok else f"CRASH rc={self.rc}"
+
+
+def format_table(rows: list[tuple[int, KernelConfig]], results: dict[tuple[str, int], JobResult],
+                 tools: list[str]) -> str:
+    """Markdown table: one row per (index, config), one column per tool ("-": not run)."""
+    lines = ["| # | config | family | head_dim | " + " | ".join(tools) + " |",
+             "|--:|:--|:--|--:|" + "--:|" * len(tools)]
+    for i, config in rows:
+        cells = [results[(t, i)].cell if (t, i) in results else "-" for t in tools]
+        head = f"| {i} | {config} | {kernel_family(config)} | {config.head_dim} | "
+        lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_line(results: list[JobResult]) -> str:
+    errors = sum(r.errors or 0 for r in results)
+    failed = sum(not r.ok for r in results)
+    return f"sanitizer: {len(results)} jobs, {errors} errors" + (f" ({failed} jobs failed)" if failed else "")
+
+
+def check_result(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, out: np.ndarray,
+                 lse: np.ndarray | None) -> list[str]:
+    """What is wrong with one result (empty: nothing), by the criterion the tests and the
+    self-test use (``numbaflash.reference.compare_with_reference``), plus no inf."""
+    from numbaflash.reference import compare_with_reference
+
+    _, problems = compare_with_reference(q, k, v, out, lse, causal=causal)
+    got = np.asarray(out, np.float64)
+    if not np.isfinite(got).all():
+        problems.append(f"{np.count_nonzero(~np.isfinite(got))} non-finite outputs")
+    return problems
+
+
+def worker_shapes(block_m: int) -> list[tuple[int, int, int, int, int]]:
+    """(batch, seqlen_q, seqlen_k, heads_q, heads_kv): ragged + GQA, 1 x 1 MQA, causal fully
+    masked CTAs (seqlen_q >= seqlen_k + 2 block_m), seqlen_q < seqlen_k."""
+    return [(2, 77, 45, 4, 2), (2, 1, 1, 2, 1), (2, 30 + 2 * block_m + 13, 30, 2, 1), (2, 33, 200, 4, 4)]
+
+
+# --------------------------------------------------------------------------- worker (under the sanitizer)
+
+
+def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.ndarray], device: list,
+             causal: bool, want_lse: bool) -> list[str]:
+    """One ``flash_attention`` call on device arrays (``out`` poisoned with NaN), checked."""
+    from numbaflash import flash_attention
+    from numbaflash.buffers import DeviceBuffer
+
+    q = host[0]
+    out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
+    with configs.force_config(capability, causal, config):
+        res = flash_attention(*device, causal=causal, return_lse=want_lse, out=out)
+    lse = res[1].copy_to_host() if want_lse else None
+    return check_result(*host, causal, out.copy_to_host(), lse)
+
+
+def run_worker(config: KernelConfig) -> int:
+    """Every shape x dtype x causal x LSE case on ``config``; 0, or WORKER_WRONG with messages."""
+    import ml_dtypes
+    from numba import cuda
+
+    from numbaflash.buffers import DeviceBuffer
+
+    capability = tuple(cuda.get_current_device().compute_capability)
+    rng = np.random.default_rng(0)
+    failures = 0
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        for b, sq, sk, hq, hkv in worker_shapes(config.block_m):
+            shapes = [(b, sq, hq, config.head_dim)] + [(b, sk, hkv, config.head_dim)] * 2
+            host = [rng.standard_normal(s).astype(dtype) for s in shapes]
+            device = [DeviceBuffer(x) for x in host]  # float16 and bfloat16 alike
+            for causal in (False, True):
+                for want_lse in (False, True):
+                    problems = run_case(config, capability, host, device, causal, want_lse)
+                    for p in problems:
+                        print(f"WRONG {config} {np.dtype(dtype).name} (b, sq, sk, hq, hkv)="
+                              f"{(b, sq, sk, hq, hkv)} causal={causal} lse={want_lse}: {p}", flush=True)
+                    failures += bool(problems)
+    print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
+    return WORKER_WRONG if failures else 0
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def gpu_info() -> tuple[tuple[int, int], str] | None:
+    """(compute capability, name) of the current GPU, or None without one."""
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return None
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        return tuple(dev.compute_capability), name
+    except Exception:
+        return None
+
+
+def find_sanitizer(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit if os.path.isfile(explicit) else shutil.which(explicit)
+    found = shutil.which("compute-sanitizer")
+    patterns = ["/usr/local/cuda*/bin/compute-sanitizer",
+                "/usr/local/cuda*/compute-sanitizer/compute-sanitizer",
+                f"{sys.prefix}/lib/python*/site-packages/nvidia/**/compute-sanitizer"]  # pip wheel
+    candidates = [p for pat in patterns for p in sorted(glob.glob(pat, recursive=True)) if os.path.isfile(p)]
+    return found or (candidates[-1] if candidates else None)
+
+
+def job_command(sanitizer: str, tool: str, index: int, arch: str, print_limit: int) -> list[str]:
+    cmd = [sanitizer, "--tool", tool, "--error-exitcode", str(SANITIZER_ERROR),
+           "--print-limit", str(print_limit)]
+    if tool == "racecheck":
+        cmd += ["--racecheck-report", "all"]
+    return cmd + [sys.executable, str(SCRIPT), "--worker", "--config-index", str(index), "--arch", arch]
+
+
+def run_job(cmd: list[str], tool: str, index: int, log_path: Path, timeout: float) -> JobResult:
+    """Run one sanitizer job with its output in ``log_path``; kill its process group on timeout."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    text = log_path.read_text(errors="replace")
+    return JobResult(tool, index, rc, parse_summary(tool, text), WORKER_DONE in text, str(log_path))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tools", default=",".join(TOOLS), help="comma list of " + ", ".join(TOOLS))
+    p.add_argument("--configs", help="comma list of indices, or a substring of the config str")
+    p.add_argument("--arch", choices=sorted(configs.FAMILY_CAPABILITY), help="GPU family (default: detected)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="sanitizer processes at a time")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    p.add_argument("--log-dir", type=Path, help="where {tool}_{index}.log go (default: a new temp dir)")
+    p.add_argument("--sanitizer", help="path of compute-sanitizer (default: PATH, then CUDA installs)")
+    p.add_argument("--print-limit", type=int, default=20, help="errors the sanitizer prints per job")
+    p.add_argument("--list", action="store_true", help="print the indexed configs and exit")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config-index", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    info = None if args.arch and (args.list or args.worker) else gpu_info()
+    arch = args.arch or (configs.arch_family(info[0]) if info else "sm90")
+    config_list = runnable_configs(configs.FAMILY_CAPABILITY[arch])
+    if args.worker:
+        try:
+            return run_worker(config_list[args.config_index])
+        except BaseException:
+            traceback.print_exc()
+            return WORKER_EXCEPTION
+    if args.list:
+        origin = "given" if args.arch else "detected" if info else "no GPU: default, use --arch"
+        print(f"{arch} ({origin}):")
+        for i, c in enumerate(config_list):
+            print(f"{i:3d}  {kernel_family(c)}  d{c.head_dim}  {c}")
+        return 0
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    sanitizer = find_sanitizer(args.sanitizer)
+    if info is None or sanitizer is None or not set(tools) <= set(TOOLS):
+        print("needs a GPU, compute-sanitizer (--sanitizer PATH) and tools among " + ", ".join(TOOLS),
+              file=sys.stderr)
+        return 2
+    indices = select_indices(args.configs, config_list)
+    if not indices:
+        print(f"--configs {args.configs!r} matches none of the {len(config_list)} configs (--list)",
+              file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="numbaflash-sanitize-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    version = subprocess.run([sanitizer, "--version"], capture_output=True, text=True).stdout.strip()
+    print(f"GPU: {info[1]} (sm_{info[0][0]}{info[0][1]}, configs of {arch})")
+    version = next((line for line in version.splitlines() if "Version" in line), version or "?")
+    print(f"compute-sanitizer: {sanitizer}: {version}")
+    print(f"logs: {log_dir}", flush=True)
+    jobs = [(t, i) for i in indices for t in tools]
+    results: dict[tuple[str, int], JobResult] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(run_job, job_command(sanitizer, t, i, arch, args.print_limit), t, i,
+                               log_dir / f"{t}_{i}.log", args.timeout): (t, i) for t, i in jobs}
+        for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            r = results[futures[fut]] = fut.result()
+            print(f"[{n}/{len(jobs)}] {r.tool} #{r.index}: {r.cell}", file=sys.stderr, flush=True)
+    print()
+    print(format_table([(i, config_list[i]) for i in indices], results, tools))
+    print(summary_line(list(results.values())))
+    return 0 if all(r.ok for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

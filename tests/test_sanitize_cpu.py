@@ -1,0 +1,285 @@
+"""CPU tests of benchmarks/sanitize.py: sanitizer summary parsing, the config list, job
+classification, the markdown table and the worker's result check (on numpy references)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from numbaflash import configs
+from numbaflash.configs import CANDIDATES, SUPPORTED_HEAD_DIMS, ForwardConfig, WgmmaConfig
+from numbaflash.reference import attention_reference
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_sanitize():
+    spec = importlib.util.spec_from_file_location("sanitize", REPO / "benchmarks" / "sanitize.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+san = _load_sanitize()
+
+# --------------------------------------------------------------------------- parse_summary
+
+MEMCHECK_CLEAN = """\
+========= COMPUTE-SANITIZER
+worker done: ForwardConfig(head_dim=64, block_m=128, block_n=64, warp_m_tiles=1): 0 wrong results
+========= ERROR SUMMARY: 0 errors
+"""
+MEMCHECK_ERRORS = """\
+========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 16 bytes
+=========     at cudapy::forward_kernel+0x1a30
+=========     by thread (5,0,0) in block (1,3,0)
+=========     Address 0x7f3a2c000400 is out of bounds
+=========     and is 1,024 bytes after the nearest allocation at 0x7f3a2c000000 of size 0 bytes
+=========
+========= ERROR SUMMARY: 25 errors
+========= ERROR SUMMARY: 5 errors were not printed. Use --print-limit option to adjust the number of \
+printed errors
+"""
+RACECHECK_CLEAN = """\
+========= COMPUTE-SANITIZER
+worker done: WgmmaConfig(head_dim=64, block_n=128, warpgroups=2, pipelined=False): 0 wrong results
+========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
+"""
+RACECHECK_ERRORS = """\
+========= Error: Race reported between Write access at cudapy::forward_kernel+0x2c0
+=========     and Read access at cudapy::forward_kernel+0x1f0 [512 hazards]
+=========
+========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)
+"""
+RACECHECK_WARNINGS = """\
+========= Warning: Race reported between Write access at cudapy::forward_kernel+0x2c0
+=========     and Write access at cudapy::forward_kernel+0x2c0 [32 hazards]
+========= RACECHECK SUMMARY: 2 hazards displayed (0 errors, 2 warnings)
+========= ERROR SUMMARY: 2 errors
+"""
+SYNCCHECK_ERROR = """\
+========= Barrier error detected. Divergent thread(s) in warp
+=========     at cudapy::forward_kernel+0x410
+=========     by thread (33,0,0) in block (0,0,0)
+=========
+========= ERROR SUMMARY: 1 error
+"""
+INITCHECK_ERRORS = """\
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at cudapy::forward_kernel+0x880
+=========     by thread (0,0,0) in block (0,1,0)
+=========     Address 0x7f1e4a000000
+=========
+========= ERROR SUMMARY: 4 errors
+"""
+CRASHED = """\
+========= COMPUTE-SANITIZER
+Traceback (most recent call last):
+  File "benchmarks/sanitize.py", line 1, in <module>
+numba.cuda.cudadrv.driver.CudaAPIError: [700] Call to cuCtxSynchronize results in CUDA_ERROR_ILLEGAL_ADDRESS
+========= Target application terminated before first instrumented API call
+"""
+
+
+@pytest.mark.parametrize("tool, text, expected", [
+    ("memcheck", MEMCHECK_CLEAN, 0),
+    ("memcheck", MEMCHECK_ERRORS, 25),  # "N errors were not printed" is not counted again
+    ("racecheck", RACECHECK_CLEAN, 0),
+    ("racecheck", RACECHECK_ERRORS, 2),
+    ("racecheck", RACECHECK_WARNINGS, 0),  # warnings only: 0 errors, whatever ERROR SUMMARY says
+    ("racecheck", MEMCHECK_CLEAN, 0),  # no RACECHECK SUMMARY: its ERROR SUMMARY
+    ("synccheck", SYNCCHECK_ERROR, 1),
+    ("synccheck", MEMCHECK_CLEAN, 0),
+    ("initcheck", INITCHECK_ERRORS, 4),
+    ("initcheck", MEMCHECK_CLEAN, 0),
+    ("memcheck", CRASHED, None),
+    ("racecheck", CRASHED, None),
+    ("memcheck", "", None),
+])
+def test_parse_summary(tool, text, expected):
+    assert san.parse_summary(tool, text) == expected
+
+
+def test_parse_summary_sums_processes():
+    assert san.parse_summary("memcheck", MEMCHECK_ERRORS + MEMCHECK_CLEAN + SYNCCHECK_ERROR) == 26
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("capability, families", [((9, 0), ["sm90", "sm80"]), ((8, 0), ["sm80"]),
+                                                   ((8, 9), ["sm80"])])
+def test_runnable_configs(capability, families):
+    got = san.runnable_configs(capability)
+    assert got == sorted(got, key=str) and len(set(got)) == len(got)
+    assert got == san.runnable_configs(capability)  # stable: parent and worker agree
+    for fam in families:
+        for d in SUPPORTED_HEAD_DIMS:
+            assert set(CANDIDATES[(fam, d)]) <= set(got)
+    shipped = {c for fam, _, _, c in configs.shipped_configs() if fam in families}
+    assert shipped <= set(got)
+    assert any(isinstance(c, ForwardConfig) for c in got)
+    assert any(isinstance(c, WgmmaConfig) for c in got) == ("sm90" in families)
+    expected = {c for fam in families for d in SUPPORTED_HEAD_DIMS for c in CANDIDATES[(fam, d)]} | shipped
+    assert set(got) == expected
+
+
+def test_select_indices():
+    cl = san.runnable_configs((9, 0))
+    assert san.select_indices(None, cl) == list(range(len(cl)))
+    assert san.select_indices("3, 1,3", cl) == [1, 3]
+    wgmma = san.select_indices("Wgmma", cl)
+    assert wgmma and all(isinstance(cl[i], WgmmaConfig) for i in wgmma)
+    assert san.select_indices("head_dim=64, block_n=128", cl) == [
+        i for i, c in enumerate(cl) if "head_dim=64, block_n=128" in str(c)]
+    with pytest.raises(ValueError, match="out of range"):
+        san.select_indices(str(len(cl)), cl)
+
+
+def test_worker_shapes_cover_the_edges():
+    for config in san.runnable_configs((9, 0)):
+        shapes = san.worker_shapes(config.block_m)
+        assert any(sq >= sk + 2 * config.block_m for _, sq, sk, _, _ in shapes)  # fully masked CTAs
+        assert any(sq < sk for _, sq, sk, _, _ in shapes)
+        assert any(hq > hkv > 1 for *_, hq, hkv in shapes) and any(hkv == 1 for *_, hkv in shapes)
+        assert any(sq % config.block_m and sk % 16 for _, sq, sk, _, _ in shapes)  # ragged
+        assert all(b == 2 for b, *_ in shapes)
+
+
+def test_job_command():
+    cmd = san.job_command("/cs", "racecheck", 7, "sm90", 20)
+    assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "1", "--print-limit", "20"]
+    assert cmd[7:9] == ["--racecheck-report", "all"]
+    assert cmd[-5:] == ["--worker", "--config-index", "7", "--arch", "sm90"]
+    assert "--racecheck-report" not in san.job_command("/cs", "memcheck", 0, "sm80", 5)
+
+
+# --------------------------------------------------------------------------- results and table
+
+
+@pytest.mark.parametrize("tool, rc, errors, cell, ok", [
+    ("memcheck", 0, 0, "0", True),
+    ("memcheck", 1, 3, "3", False),
+    ("memcheck", None, None, "TIMEOUT", False),
+    ("memcheck", -11, None, "CRASH rc=-11", False),
+    ("memcheck", 4, 0, "CRASH rc=4", False),
+    ("memcheck", 1, 0, "CRASH rc=1", False),
+    ("initcheck", 3, 0, "WRONG", False),
+    ("racecheck", 1, 0, "0", True),  # warnings only
+    ("racecheck", 1, 2, "2", False),
+])
+def test_job_result(tool, rc, errors, cell, ok):
+    r = san.JobResult(tool, 0, rc, errors)
+    assert r.cell == cell and r.ok == ok
+
+
+def test_job_result_needs_the_worker_to_finish():
+    """A summary of 0 with rc 0 or 1 is no pass if the worker never printed its last line."""
+    for tool, rc in (("memcheck", 0), ("racecheck", 1)):
+        r = san.JobResult(tool, 0, rc, 0, finished=False)
+        assert not r.ok and r.cell == f"CRASH rc={rc}"
+
+
+def test_format_table_and_summary():
+    fwd, wg = ForwardConfig(64, 128, 64), WgmmaConfig(128, 64, 3)
+    results = {
+        ("memcheck", 0): san.JobResult("memcheck", 0, 0, 0),
+        ("racecheck", 0): san.JobResult("racecheck", 0, 1, 2),
+        ("memcheck", 5): san.JobResult("memcheck", 5, None, None),
+    }
+    table = san.format_table([(0, fwd), (5, wg)], results, ["memcheck", "racecheck"])
+    lines = table.splitlines()
+    assert lines[0] == "| # | config | family | head_dim | memcheck | racecheck |"
+    assert lines[1].count("|") == lines[0].count("|")
+    assert lines[2] == f"| 0 | {fwd} | sm80 | 64 | 0 | 2 |"
+    assert lines[3] == f"| 5 | {wg} | sm90 | 128 | TIMEOUT | - |"
+    assert san.summary_line(list(results.values())) == "sanitizer: 3 jobs, 2 errors (2 jobs failed)"
+    assert san.summary_line([results[("memcheck", 0)]]) == "sanitizer: 1 jobs, 0 errors"
+
+
+# --------------------------------------------------------------------------- worker check
+
+
+def _case(dtype, sq=40, sk=10, hq=4, hkv=2, d=64, causal=True):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, sq, hq, d)).astype(dtype)
+    k, v = (rng.standard_normal((2, sk, hkv, d)).astype(dtype) for _ in range(2))
+    out, _ = attention_reference(q, k, v, causal=causal, rounding_dtype=dtype)  # as if computed in dtype
+    _, lse = attention_reference(q, k, v, causal=causal)  # the kernel's LSE is float32
+    return q, k, v, out.astype(dtype), lse.astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_check_result_accepts_reference(dtype):
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    q, k, v, out, lse = _case(dtype)
+    assert san.check_result(q, k, v, True, out, lse) == []
+    assert san.check_result(q, k, v, True, out, None) == []
+
+
+def test_check_result_catches_wrong_results():
+    q, k, v, out, lse = _case(np.float16)  # causal, sq 40 > sk 10: rows 0..29 see no key
+    bad = out.copy()
+    bad[1, 3, 2, 5] = np.nan
+    assert any("non-finite" in p for p in san.check_result(q, k, v, True, bad, lse))
+    bad = out.copy()
+    bad[0, 0, 0, 0] = 1e-3
+    assert any("see no key" in p for p in san.check_result(q, k, v, True, bad, lse))
+    bad = out.copy()
+    bad[0, 35] += 0.5
+    assert any("max error" in p for p in san.check_result(q, k, v, True, bad, lse))
+    bad_lse = lse.copy()
+    bad_lse[0, 0, 0] = 0.0
+    assert any("LSE is not -inf exactly" in p for p in san.check_result(q, k, v, True, out, bad_lse))
+    bad_lse = lse.copy()
+    bad_lse[0, 0, 35] += 1.0
+    assert any("LSE max abs error" in p for p in san.check_result(q, k, v, True, out, bad_lse))
+
+
+# --------------------------------------------------------------------------- parent, fake sanitizer
+
+FAKE_SANITIZER = """\
+import sys, time
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("NVIDIA (R) Compute Sanitizer\\nVersion 2099.1.0")
+    sys.exit(0)
+tool, index = args[args.index("--tool") + 1], int(args[args.index("--config-index") + 1])
+if (tool, index) == ("synccheck", 2):
+    time.sleep(60)
+if (tool, index) == ("memcheck", 1):
+    print("worker done: fake")
+    print("========= ERROR SUMMARY: 2 errors")
+    sys.exit(1)
+if (tool, index) != ("memcheck", 2):  # exits 0 with no errors, but before the worker's end
+    print("worker done: fake")
+print("========= ERROR SUMMARY: 0 errors")
+"""
+
+
+def test_main_with_fake_sanitizer(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_SANITIZER)
+    fake.chmod(0o755)
+    monkeypatch.setattr(san, "gpu_info", lambda: ((9, 0), "Fake H100"))
+    logs = tmp_path / "logs"
+    rc = san.main(["--sanitizer", str(fake), "--tools", "memcheck,synccheck", "--configs", "0,1,2",
+                   "--jobs", "6", "--timeout", "3", "--log-dir", str(logs)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "GPU: Fake H100" in out and "Version 2099.1.0" in out and str(logs) in out
+    cl = san.runnable_configs((9, 0))
+    assert f"| 0 | {cl[0]} | sm80 | {cl[0].head_dim} | 0 | 0 |" in out
+    assert f"| 1 | {cl[1]} | sm80 | {cl[1].head_dim} | 2 | 0 |" in out
+    assert f"| 2 | {cl[2]} | sm80 | {cl[2].head_dim} | CRASH rc=0 | TIMEOUT |" in out
+    assert out.rstrip().endswith("sanitizer: 6 jobs, 2 errors (3 jobs failed)")
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        f"{t}_{i}.log" for t in ("memcheck", "synccheck") for i in range(3))
+    assert "--worker --config-index 1 --arch sm90" in (logs / "memcheck_1.log").read_text()
