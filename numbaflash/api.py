@@ -359,12 +359,18 @@ def flash_attention(
             ``__cuda_array_interface__`` object (zero copy; the result stays on the device,
             of the same library for torch and CuPy, a Numba device array otherwise). Strided
             device inputs work when head_dim is contiguous and rows are 16-byte aligned.
-        causal: mask keys after the diagonal, bottom-right aligned (query i sees key j iff
-            j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
-        softmax_scale: positive scale of QKᵀ; default 1/sqrt(head_dim).
-        return_lse: also return the float32 log-sum-exp, (batch, heads_q, seqlen_q); -inf
-            for rows that see no key.
-        out: optional output array (same shape and dtype as q, same kind as the inputs).
+        causal: (bool) mask keys after the diagonal, bottom-right aligned (query i sees key
+            j iff j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
+        softmax_scale: positive real scale of QKᵀ; default 1/sqrt(head_dim).
+        return_lse: (bool) also return the float32 log-sum-exp, (batch, heads_q, seqlen_q);
+            -inf for rows that see no key.
+        out: optional output array (same shape and dtype as q, same kind as the inputs,
+            writeable, no element sharing memory with another; a device out must not
+            overlap k or v, but may be q itself).
+
+    Raises:
+        TypeError, ValueError: bad input, before anything is compiled or launched.
+        RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
         ``out`` (batch, seqlen_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
