@@ -3,12 +3,12 @@ classification, the markdown table and the worker's result check (on numpy refer
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 
 import numpy as np
 import pytest
+from _benchmarks import load_benchmark
 
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, SUPPORTED_HEAD_DIMS, ForwardConfig, WgmmaConfig
@@ -17,15 +17,7 @@ from numbaflash.reference import attention_reference
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load_sanitize():
-    spec = importlib.util.spec_from_file_location("sanitize", REPO / "benchmarks" / "sanitize.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-san = _load_sanitize()
+san = load_benchmark("sanitize")
 
 # --------------------------------------------------------------------------- parse_summary
 

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from _benchmarks import load_benchmark
 
 from numbaflash import bench, debug
 from numbaflash.reference import attention_reference
@@ -21,15 +22,7 @@ from numbaflash.reference import attention_reference
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load_ncu_profile():
-    spec = importlib.util.spec_from_file_location("ncu_profile", REPO / "benchmarks" / "ncu_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-ncu = _load_ncu_profile()
+ncu = load_benchmark("ncu_profile")
 
 
 # --------------------------------------------------------------------------- bench: arguments
