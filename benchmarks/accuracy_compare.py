@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from numbaflash import api, configs, flash_attention
-from numbaflash.kernels import forward_mma, forward_wgmma
+from numbaflash.kernels import common, forward_mma, forward_wgmma
 from numbaflash.reference import attention_reference
 
 
@@ -47,7 +47,7 @@ def main() -> None:
         print(f"{'sdpa-' + name:<64} {e[0]:9.2e} {e[1]:9.2e}")
     family = configs.arch_family(torch.cuda.get_device_capability())
     key = configs.table_key(family, d, args.causal)
-    for threshold in (forward_mma.RESCALE_THRESHOLD, 0.0):
+    for threshold in (common.RESCALE_THRESHOLD, 0.0):
         forward_mma.THRESHOLD = forward_wgmma.THRESHOLD = np.float32(threshold)
         api._KERNELS.clear()  # rebuild the kernels with this threshold
         for cfg in configs.CANDIDATES[(family, d)][:2] + configs.CANDIDATES[(family, d)][-2:]:

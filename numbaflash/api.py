@@ -264,7 +264,7 @@ def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: 
     from numba import cuda
 
     from .configs import make_kernel
-    from .kernels.forward_mma import FORWARD_ARGTYPES
+    from .kernels.common import FORWARD_ARGTYPES
 
     config = forward_config(capability, head_dim, causal)
     key = (config, causal, bf16, capability, device)

@@ -15,10 +15,18 @@ Register fragments follow the PTX ISA layout of mma.m16n8k16: lane ``l`` holds r
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 from numba import cuda, float32, uint32
 
 from . import ptx
+
+# Rows of a matrix in a flat global array: row i starts at ``array[base + i * row_stride]``;
+# rows at or past ``num_rows`` lie outside it (loads zero-fill them, stores skip them).
+GlobalRows = namedtuple("GlobalRows", ["array", "base", "row_stride", "num_rows"])
+# Where one warp's score fragments sit, for masking: its first query row, the lane, the keys
+# that exist, and the causal diagonal (query i sees key j iff j <= i + diag).
+ScoreMask = namedtuple("ScoreMask", ["row_first", "lane", "seqlen_k", "diag"])
 
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
@@ -70,11 +78,9 @@ def swizzled_offset(row, chunk, tile_rows):
 
 
 @cuda.jit(device=True, inline="always")
-def copy_tile_async(smem_tile, src, src_base, row_stride, first_row, num_rows, tile_rows,
-                    chunks_per_row, tid, num_threads):
-    """Issue cp.async copies of ``tile_rows`` rows (``first_row`` ...) of a global matrix
-    into a swizzled shared tile. Row ``i`` starts at ``src[src_base + i * row_stride]``;
-    rows at or past ``num_rows`` are zero-filled and never read.
+def copy_tile_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, num_threads):
+    """Issue cp.async copies of rows ``first_row`` .. ``+ tile_rows`` of ``src`` (GlobalRows)
+    into a swizzled shared tile; rows past ``src.num_rows`` are zero-filled and never read.
 
     Thread ``tid`` copies chunk ``tid % chunks_per_row`` of rows ``tid // chunks_per_row``
     + multiples of ``num_threads // chunks_per_row`` (a multiple of 8, so the swizzle
@@ -85,17 +91,17 @@ def copy_tile_async(smem_tile, src, src_base, row_stride, first_row, num_rows, t
     row = tid // chunks_per_row
     chunk = tid % chunks_per_row
     dst = smem_tile + swizzled_offset(row, chunk, tile_rows)
-    src_index = src_base + (first_row + row) * row_stride + chunk * 8
-    full = first_row + tile_rows <= num_rows  # the whole tile is in range: no row checks
+    src_index = src.base + (first_row + row) * src.row_stride + chunk * 8
+    full = first_row + tile_rows <= src.num_rows  # the whole tile is in range: no row checks
     for i in range(passes):
         r = row + i * rows_per_pass
         to = dst + i * rows_per_pass * 128
-        at = src_index + i * rows_per_pass * row_stride
+        at = src_index + i * rows_per_pass * src.row_stride
         if tile_rows % rows_per_pass == 0 or r < tile_rows:
             if full:
-                ptx.cp_async_16(to, src, at)
+                ptx.cp_async_16(to, src.array, at)
             else:
-                ptx.cp_async_16_zfill(to, src, at, first_row + r < num_rows)
+                ptx.cp_async_16_zfill(to, src.array, at, first_row + r < src.num_rows)
 
 
 @cuda.jit(device=True, inline="always")
@@ -171,6 +177,14 @@ def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
 
 
 @cuda.jit(device=True, inline="always")
+def mask_if_needed(s, n_tiles, col0, block_n, at, causal):
+    """``mask_scores`` for one warp's tile of ``block_n`` keys from ``col0`` (``at``: ScoreMask),
+    only where the tile crosses the end of the keys or (causal) the diagonal."""
+    if col0 + block_n > at.seqlen_k or (causal and col0 + block_n - 1 > at.row_first + at.diag):
+        mask_scores(s, n_tiles, col0, at.row_first, at.lane, at.seqlen_k, at.diag, causal)
+
+
+@cuda.jit(device=True, inline="always")
 def scaled_row_maxes(s, n_tiles, mx, scale_log2):
     """``mx[r]`` = max over the quad's scores of row half r, times scale·log2(e)."""
     for r in range(2):
@@ -243,18 +257,17 @@ def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, b
 
 
 @cuda.jit(device=True, inline="always")
-def store_rows_global(dst, dst_base, row_stride, smem_tile, tile_rows, tile_row0, first_row, num_rows,
-                      rows, chunks_per_row, lane, out):
-    """A warp copies ``rows`` rows of a swizzled shared tile (from ``tile_row0``) to global
-    rows ``first_row`` ... with 16-byte stores, skipping rows at or past ``num_rows``.
-    ``out`` is a uint32[4] scratch register array."""
+def store_rows_global(dst, first_row, smem_tile, tile_rows, tile_row0, rows, chunks_per_row, lane, scratch):
+    """A warp copies ``rows`` rows of a swizzled shared tile (from ``tile_row0``) to rows
+    ``first_row`` ... of ``dst`` (GlobalRows) with 16-byte stores, skipping rows at or past
+    ``dst.num_rows``. ``scratch`` is a uint32[4] register array."""
     for i in range(rows * chunks_per_row // 32):
         idx = lane + i * 32
         row = idx // chunks_per_row
         chunk = idx % chunks_per_row
-        ptx.ld_shared_v4(out, smem_tile + swizzled_offset(tile_row0 + row, chunk, tile_rows))
-        if first_row + row < num_rows:
-            ptx.st_global_v4(dst, dst_base + (first_row + row) * row_stride + chunk * 8, out)
+        ptx.ld_shared_v4(scratch, smem_tile + swizzled_offset(tile_row0 + row, chunk, tile_rows))
+        if first_row + row < dst.num_rows:
+            ptx.st_global_v4(dst.array, dst.base + (first_row + row) * dst.row_stride + chunk * 8, scratch)
 
 
 @cuda.jit(device=True, inline="always")

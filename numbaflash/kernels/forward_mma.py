@@ -5,14 +5,13 @@ and keeps their Q fragments in registers for the whole KV loop. K and V tiles of
 ``block_n`` keys stream through swizzled shared memory with cp.async; the copy of V_j
 overlaps S = Q K_jᵀ and the copy of K_{j+1} overlaps O += P V_j. The softmax runs online
 in the exp2 domain with the scale folded into one FFMA; P becomes the A operand of the PV
-product in registers; O is rescaled only when a row max grows by more than 2^8 and is
+product in registers; O is rescaled only when a row max grows (``common.THRESHOLD``) and is
 normalised once at the end, then written through shared memory with 16-byte stores.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from numba import cuda, float32, types, uint32
 
@@ -20,6 +19,7 @@ from .. import ptx
 from ..tiles import (
     FULL_MASK,
     NEG_INF,
+    GlobalRows,
     block_offset,
     copy_tile_async,
     drain_copies,
@@ -37,15 +37,7 @@ from ..tiles import (
     store_rows_global,
     visible_kv_tiles,
 )
-
-LOG2E = math.log2(math.e)
-# The O rescale is skipped (warp-uniformly) unless some row max grew by more than this
-# (log2 units). A stale max keeps P below 2^threshold, but P's largest entries then round
-# in 16 bits instead of being exactly 1: measured on an H200 (fp16, d64, 1k keys) 8.0 gave
-# a 1.3x larger max error than 0.0, which matches FlashAttention-2 to the digit
-# (benchmarks/accuracy_compare.py). So only rows whose max did grow trigger a rescale.
-RESCALE_THRESHOLD = 0.0
-THRESHOLD = float32(RESCALE_THRESHOLD)
+from .common import THRESHOLD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +72,8 @@ class ForwardConfig:
                 raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
 
 
-FORWARD_ARGTYPES = (
-    types.uint16[::1], types.uint16[::1], types.uint16[::1],  # q, k, v (flat 16-bit bits)
-    types.uint16[::1], types.float32[::1],  # o, lse (flat; lse may be a 1-element dummy)
-    types.int64, types.int64, types.int64,  # q strides: batch, seq, head (elements)
-    types.int64, types.int64, types.int64,  # k strides
-    types.int64, types.int64, types.int64,  # v strides
-    types.int64, types.int64, types.int64,  # o strides
-    types.int64, types.int64,  # seqlen_q, seqlen_k
-    types.int64, types.int64, types.int64,  # batch, heads_q, heads_q // heads_kv
-    types.float32, types.boolean,  # softmax scale * log2(e), write lse
-)
-
-
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
-    """Return the Python kernel function for ``config`` (jit it with FORWARD_ARGTYPES).
+    """Return the Python kernel function for ``config`` (jit it with ``common.FORWARD_ARGTYPES``).
 
     Launch: grid ``tiles.forward_grid``, ``config.threads`` threads,
     ``config.shared_bytes`` bytes of dynamic shared memory.
@@ -114,6 +93,45 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
+    @cuda.jit(device=True, inline="always")
+    def qk_scores(acc_s, q_frag, k_tile, k_offsets, b_frag):
+        """S = Q K_jᵀ for the warp's m-tiles: K fragments by ldmatrix, two n-tiles per load."""
+        for mt in range(MT):
+            for j in range(S_N_TILES):
+                for e in range(4):
+                    acc_s[mt, j, e] = 0.0
+        for kt in range(D_K_TILES):
+            for j2 in range(S_N_TILES // 2):
+                ptx.ldmatrix_x4(b_frag, k_tile + block_offset(k_offsets, kt, BN) + j2 * 16 * 128)
+                for mt in range(MT):
+                    mma(acc_s[mt, 2 * j2], q_frag[mt, kt], b_frag[0:2])
+                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, kt], b_frag[2:4])
+
+    @cuda.jit(device=True, inline="always")
+    def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
+        """O += P V_j: P from registers, V fragments by transposing ldmatrix."""
+        for kt in range(P_K_TILES):
+            for j2 in range(D_N_TILES // 2):
+                ptx.ldmatrix_x4_trans(b_frag, v_tile + block_offset(v_offsets, j2, BN) + kt * 16 * 128)
+                for mt in range(MT):
+                    mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
+                    mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
+
+    @cuda.jit(device=True, inline="always")
+    def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
+        """S -> P (16-bit fragments) in the exp2 domain. The row max is refreshed lazily: O is
+        rescaled only when some row of the warp grew by more than 2^THRESHOLD."""
+        grow = False
+        for mt in range(MT):
+            scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], scale_log2)
+            grow = grow or max_grew(mx[mt], m_run[mt], THRESHOLD)
+        if cuda.any_sync(FULL_MASK, grow):
+            for mt in range(MT):
+                rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
+        for mt in range(MT):
+            exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
+            pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
+
     def flash_forward(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                       o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
                       write_lse):
@@ -130,17 +148,17 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         sq = ptx.shared_address_u16(smem)
         sk = sq + BM * D * 2
         sv = sk + BN * D * 2
-        q_base = batch * q_sb + head * q_sh
-        k_base = batch * k_sb + kv_head * k_sh
-        v_base = batch * v_sb + kv_head * v_sh
+        q_rows = GlobalRows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
+        k_rows = GlobalRows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
+        v_rows = GlobalRows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
 
         # Prologue: Q and K_0 in flight together.
-        copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)
+        copy_tile_async(sq, BM, q_rows, m0, CPR, tid, THREADS)
         ptx.cp_async_commit_group()
         if n_tiles > 0:
-            copy_tile_async(sk, k, k_base, k_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+            copy_tile_async(sk, BN, k_rows, 0, CPR, tid, THREADS)
         ptx.cp_async_commit_group()
 
         acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
@@ -179,52 +197,22 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             n0 = n_block * BN
             ptx.cp_async_wait_group_0()  # K_j has landed ...
             cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
-            copy_tile_async(sv, v, v_base, v_ss, n0, seqlen_k, BN, CPR, tid, THREADS)
+            copy_tile_async(sv, BN, v_rows, n0, CPR, tid, THREADS)
             ptx.cp_async_commit_group()
 
-            # S = Q K_jᵀ
-            for mt in range(MT):
-                for j in range(S_N_TILES):
-                    for e in range(4):
-                        acc_s[mt, j, e] = 0.0
-            for kt in range(D_K_TILES):
-                for j2 in range(S_N_TILES // 2):
-                    ptx.ldmatrix_x4(b_frag, sk + block_offset(k_offsets, kt, BN) + j2 * 16 * 128)
-                    for mt in range(MT):
-                        mma(acc_s[mt, 2 * j2], q_frag[mt, kt], b_frag[0:2])
-                        mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, kt], b_frag[2:4])
-
-            # Mask keys past the end, and (causal) keys after the diagonal.
+            qk_scores(acc_s, q_frag, sk, k_offsets, b_frag)
             if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
-                for mt in range(MT):
+                for mt in range(MT):  # keys past the end, and (causal) after the diagonal
                     mask_scores(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, seqlen_k, diag, CAUSAL)
-
-            # Online softmax (exp2 domain). The row max is refreshed lazily: only when some
-            # row of the warp grew by more than 2^THRESHOLD, then O is rescaled.
-            grow = False
-            for mt in range(MT):
-                scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], scale_log2)
-                grow = grow or max_grew(mx[mt], m_run[mt], THRESHOLD)
-            if cuda.any_sync(FULL_MASK, grow):
-                for mt in range(MT):
-                    rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
-            for mt in range(MT):
-                exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
-                pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
+            online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2)
 
             ptx.cp_async_wait_group_0()  # V_j has landed ...
             cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
             if n_block + 1 < n_tiles:
-                copy_tile_async(sk, k, k_base, k_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
+                copy_tile_async(sk, BN, k_rows, n0 + BN, CPR, tid, THREADS)
                 ptx.cp_async_commit_group()
 
-            # O += P V_j
-            for kt in range(P_K_TILES):
-                for j2 in range(D_N_TILES // 2):
-                    ptx.ldmatrix_x4_trans(b_frag, sv + block_offset(v_offsets, j2, BN) + kt * 16 * 128)
-                    for mt in range(MT):
-                        mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
-                        mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
+            pv_accumulate(acc_o, p_frag, sv, v_offsets, b_frag)
 
         # Epilogue: normalise, stage this warp's rows in its own part of the Q tile, then
         # 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.
@@ -235,9 +223,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                 lse_base = (batch * heads_q + head) * seqlen_q
                 store_lse(lse, lse_base, row_first + 16 * mt, seqlen_q, m_run[mt], l_run[mt], lane)
         cuda.syncwarp()
-        out = cuda.local.array(4, uint32)
-        o_base = batch * o_sb + head * o_sh
-        store_rows_global(o, o_base, o_ss, sq, BM, warp_row, row_first, seqlen_q, 16 * MT, CPR, lane, out)
+        scratch = cuda.local.array(4, uint32)
+        o_rows = GlobalRows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
+        store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch)
 
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}_{'causal' if causal else 'full'}_" + (
         "bf16" if bf16 else "f16"

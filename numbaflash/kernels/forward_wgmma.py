@@ -23,7 +23,7 @@ unrolled by two so that the two S accumulators swap roles with compile-time indi
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections import namedtuple
 
 from numba import cuda, float32, types, uint32
 
@@ -32,10 +32,12 @@ from ..ptx import hopper as hp
 from ..tiles import (
     FULL_MASK,
     NEG_INF,
+    GlobalRows,
+    ScoreMask,
     copy_tile_async,
     drain_copies,
     exponentiate,
-    mask_scores,
+    mask_if_needed,
     max_grew,
     pack_p_fragments,
     query_block,
@@ -46,10 +48,14 @@ from ..tiles import (
     store_rows_global,
     visible_kv_tiles,
 )
-from .forward_mma import RESCALE_THRESHOLD
+from .common import THRESHOLD
 
-THRESHOLD = float32(RESCALE_THRESHOLD)
-LOG2E = math.log2(math.e)
+# Per-warp online-softmax state (register arrays): running row maxes (scaled, log2 units),
+# this lane's part of the row sums, and scratch for a tile's row maxes.
+RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx"])
+# Shared-memory K and V stages (32-bit shared addresses, stage s at + s * KV_BYTES) and the
+# wgmma descriptors of Q (this warpgroup's rows), K stage 0 and V stage 0.
+KvStages = namedtuple("KvStages", ["sk", "sv", "desc_q", "desc_k", "desc_v"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +95,7 @@ class WgmmaConfig:
 
 def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
     """Return the Python kernel function for ``config``; same arguments and grid as
-    ``forward_mma.make_forward_kernel`` (jit it with FORWARD_ARGTYPES)."""
+    ``forward_mma.make_forward_kernel`` (jit it with ``common.FORWARD_ARGTYPES``)."""
     config.check()
     D = config.head_dim
     BN = config.block_n
@@ -133,19 +139,17 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         hp.wgmma_commit_group()
 
     @cuda.jit(device=True, inline="always")
-    def softmax_to_p(acc_s, acc_o, p_frag, m_run, l_run, mx, n0, row_first, lane, seqlen_k, diag,
-                     scale_log2):
+    def softmax_to_p(acc_s, acc_o, p_frag, stats, n0, at, scale_log2):
         """Online softmax of one S tile into 16-bit P fragments, rescaling O if a max grew."""
-        if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
-            mask_scores(acc_s, S_N_TILES, n0, row_first, lane, seqlen_k, diag, CAUSAL)
-        scaled_row_maxes(acc_s, S_N_TILES, mx, scale_log2)
-        if cuda.any_sync(FULL_MASK, max_grew(mx, m_run, THRESHOLD)):
-            rescale_rows(acc_o, D_N_TILES, m_run, l_run, mx)
-        exponentiate(acc_s, S_N_TILES, m_run, l_run, scale_log2)
+        mask_if_needed(acc_s, S_N_TILES, n0, BN, at, CAUSAL)
+        scaled_row_maxes(acc_s, S_N_TILES, stats.mx, scale_log2)
+        if cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD)):
+            rescale_rows(acc_o, D_N_TILES, stats.m_run, stats.l_run, stats.mx)
+        exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2)
         pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
 
     @cuda.jit(device=True, inline="always")
-    def handover(tid):
+    def handover():
         """Every copy issued so far has landed and is visible to wgmma, for all threads; and
         every warpgroup has finished the work of the previous step."""
         ptx.cp_async_wait_group_0()
@@ -153,23 +157,22 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline="always")
-    def pipelined_step(n_block, n_tiles, s_cur, s_next, acc_o, p_frag, m_run, l_run, mx, sk, sv, desc_q,
-                       desc_k, desc_v, k, v, k_base, k_ss, v_base, v_ss, row_first, lane, tid, seqlen_k,
-                       diag, scale_log2):
-        """Tile j = n_block: S_j is in ``s_cur``; K_{j+1} and V_j are (being) loaded."""
+    def pipelined_step(n_block, n_tiles, s_cur, s_next, acc_o, p_frag, stats, stages, kv, at):
+        """Tile j = n_block: S_j is in ``s_cur``; K_{j+1} and V_j are (being) loaded.
+        ``kv``: (k rows, v rows, tid, scale_log2); ``at``: where this warp's scores sit."""
+        k_rows, v_rows, tid, scale_log2 = kv
         n0 = n_block * BN
-        handover(tid)  # K_{j+1}, V_j landed; S_j and PV_{j-1} are done everywhere
+        handover()  # K_{j+1}, V_j landed; S_j and PV_{j-1} are done everywhere
         if n_block + 1 < n_tiles:  # V_{j+1} over V_{j-1}
-            copy_tile_async(sv + ((n_block + 1) % 2) * KV_BYTES, v, v_base, v_ss, n0 + BN, seqlen_k, BN,
-                            CPR, tid, THREADS)
+            v_stage = stages.sv + ((n_block + 1) % 2) * KV_BYTES
+            copy_tile_async(v_stage, BN, v_rows, n0 + BN, CPR, tid, THREADS)
         if n_block + 2 < n_tiles:  # K_{j+2} over K_j
-            copy_tile_async(sk + (n_block % 2) * KV_BYTES, k, k_base, k_ss, n0 + 2 * BN, seqlen_k, BN,
-                            CPR, tid, THREADS)
+            copy_tile_async(stages.sk + (n_block % 2) * KV_BYTES, BN, k_rows, n0 + 2 * BN, CPR, tid, THREADS)
         ptx.cp_async_commit_group()
         if n_block + 1 < n_tiles:
-            issue_s(s_next, desc_q, hp.descriptor_add(desc_k, ((n_block + 1) % 2) * KV_BYTES))
-        softmax_to_p(s_cur, acc_o, p_frag, m_run, l_run, mx, n0, row_first, lane, seqlen_k, diag, scale_log2)
-        issue_pv(acc_o, p_frag, hp.descriptor_add(desc_v, (n_block % 2) * KV_BYTES))
+            issue_s(s_next, stages.desc_q, hp.descriptor_add(stages.desc_k, ((n_block + 1) % 2) * KV_BYTES))
+        softmax_to_p(s_cur, acc_o, p_frag, stats, n0, at, scale_log2)
+        issue_pv(acc_o, p_frag, hp.descriptor_add(stages.desc_v, (n_block % 2) * KV_BYTES))
         hp.wgmma_wait_group_0()
         fence_s(s_next)
         fence_o(acc_o)
@@ -190,9 +193,9 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         sq = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         sk = sq + Q_BYTES  # stage s of K at sk + s * KV_BYTES
         sv = sk + 2 * KV_BYTES  # stage s of V at sv + s * KV_BYTES
-        q_base = batch * q_sb + head * q_sh
-        k_base = batch * k_sb + kv_head * k_sh
-        v_base = batch * v_sb + kv_head * v_sh
+        q_rows = GlobalRows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
+        k_rows = GlobalRows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
+        v_rows = GlobalRows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
 
@@ -203,82 +206,78 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
         acc_s = cuda.local.array((S_N_TILES, 4), float32)
         acc_s2 = cuda.local.array((S_N_TILES, 4), float32)  # the second S buffer (pipelined)
         p_frag = cuda.local.array((P_K_STEPS, 4), uint32)
-        m_run = cuda.local.array(2, float32)  # rows g, g+8: running max (scaled, log2 units)
-        l_run = cuda.local.array(2, float32)  # this lane's part of the row sums
-        mx = cuda.local.array(2, float32)
+        stats = RowStats(cuda.local.array(2, float32), cuda.local.array(2, float32),
+                         cuda.local.array(2, float32))  # rows g, g+8 of the warp's fragments
         for r in range(2):
-            m_run[r] = NEG_INF
-            l_run[r] = 0.0
+            stats.m_run[r] = NEG_INF
+            stats.l_run[r] = 0.0
 
         warpgroup = warp // 4
         row_first = m0 + warp * 16  # this warp's first query row
+        at = ScoreMask(row_first, lane, seqlen_k, diag)
         # Descriptors: Q rows of this warpgroup (K-major); K stage 0 (K-major); V stage 0
         # (MN-major: 64-wide head-dim blocks BN*128 bytes apart).
-        desc_q = hp.smem_descriptor_k_sw128(sq + warpgroup * 64 * 128)
-        desc_k = hp.smem_descriptor_k_sw128(sk)
-        desc_v = hp.smem_descriptor_mn_sw128(sv, BN * 128)
+        stages = KvStages(sk, sv, hp.smem_descriptor_k_sw128(sq + warpgroup * 64 * 128),
+                          hp.smem_descriptor_k_sw128(sk), hp.smem_descriptor_mn_sw128(sv, BN * 128))
 
         if PIPELINED:
             # Prologue: {Q, K_0}, then {V_0, K_1}; S_0 before the loop.
-            copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)
+            copy_tile_async(sq, BM, q_rows, m0, CPR, tid, THREADS)
             if n_tiles > 0:
-                copy_tile_async(sk, k, k_base, k_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+                copy_tile_async(sk, BN, k_rows, 0, CPR, tid, THREADS)
             ptx.cp_async_commit_group()
             if n_tiles > 0:
-                copy_tile_async(sv, v, v_base, v_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+                copy_tile_async(sv, BN, v_rows, 0, CPR, tid, THREADS)
             if n_tiles > 1:
-                copy_tile_async(sk + KV_BYTES, k, k_base, k_ss, BN, seqlen_k, BN, CPR, tid, THREADS)
+                copy_tile_async(sk + KV_BYTES, BN, k_rows, BN, CPR, tid, THREADS)
             ptx.cp_async_commit_group()
             ptx.cp_async_wait_group_1()
             hp.fence_proxy_async_shared_cta()
             cuda.syncthreads()
             if n_tiles > 0:
-                issue_s(acc_s, desc_q, desc_k)
+                issue_s(acc_s, stages.desc_q, stages.desc_k)
                 hp.wgmma_wait_group_0()
                 fence_s(acc_s)
+            kv = (k_rows, v_rows, tid, scale_log2)
             for n_block in range(0, n_tiles, 2):
-                pipelined_step(n_block, n_tiles, acc_s, acc_s2, acc_o, p_frag, m_run, l_run, mx, sk, sv,
-                               desc_q, desc_k, desc_v, k, v, k_base, k_ss, v_base, v_ss, row_first, lane,
-                               tid, seqlen_k, diag, scale_log2)
+                pipelined_step(n_block, n_tiles, acc_s, acc_s2, acc_o, p_frag, stats, stages, kv, at)
                 if n_block + 1 < n_tiles:
-                    pipelined_step(n_block + 1, n_tiles, acc_s2, acc_s, acc_o, p_frag, m_run, l_run, mx,
-                                   sk, sv, desc_q, desc_k, desc_v, k, v, k_base, k_ss, v_base, v_ss,
-                                   row_first, lane, tid, seqlen_k, diag, scale_log2)
+                    pipelined_step(n_block + 1, n_tiles, acc_s2, acc_s, acc_o, p_frag, stats, stages, kv, at)
         else:
             # Prologue: Q and the first K, V tiles in one copy group.
-            copy_tile_async(sq, q, q_base, q_ss, m0, seqlen_q, BM, CPR, tid, THREADS)
+            copy_tile_async(sq, BM, q_rows, m0, CPR, tid, THREADS)
             if n_tiles > 0:
-                copy_tile_async(sk, k, k_base, k_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
-                copy_tile_async(sv, v, v_base, v_ss, 0, seqlen_k, BN, CPR, tid, THREADS)
+                copy_tile_async(sk, BN, k_rows, 0, CPR, tid, THREADS)
+                copy_tile_async(sv, BN, v_rows, 0, CPR, tid, THREADS)
             ptx.cp_async_commit_group()
             for n_block in range(n_tiles):
                 n0 = n_block * BN
                 stage = (n_block % 2) * KV_BYTES
-                handover(tid)  # tile j landed; everyone is done with tile j-1
+                handover()  # tile j landed; everyone is done with tile j-1
                 if n_block + 1 < n_tiles:  # prefetch tile j+1 into the other stage
                     other = KV_BYTES - stage
-                    copy_tile_async(sk + other, k, k_base, k_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
-                    copy_tile_async(sv + other, v, v_base, v_ss, n0 + BN, seqlen_k, BN, CPR, tid, THREADS)
+                    copy_tile_async(sk + other, BN, k_rows, n0 + BN, CPR, tid, THREADS)
+                    copy_tile_async(sv + other, BN, v_rows, n0 + BN, CPR, tid, THREADS)
                     ptx.cp_async_commit_group()
-                issue_s(acc_s, desc_q, hp.descriptor_add(desc_k, stage))
+                issue_s(acc_s, stages.desc_q, hp.descriptor_add(stages.desc_k, stage))
                 hp.wgmma_wait_group_0()
                 fence_s(acc_s)
-                softmax_to_p(acc_s, acc_o, p_frag, m_run, l_run, mx, n0, row_first, lane, seqlen_k, diag,
-                             scale_log2)
-                issue_pv(acc_o, p_frag, hp.descriptor_add(desc_v, stage))
+                softmax_to_p(acc_s, acc_o, p_frag, stats, n0, at, scale_log2)
+                issue_pv(acc_o, p_frag, hp.descriptor_add(stages.desc_v, stage))
                 hp.wgmma_wait_group_0()
                 fence_o(acc_o)
 
         # Epilogue (as in the mma.sync kernel): stage rows in the Q tile, 16-byte stores.
         drain_copies()  # the Q copy has landed (a CTA with no KV tile never waited for it),
         # and every warpgroup's wgmma is done reading Q
-        stage_output_rows(sq, acc_o, D_N_TILES, BM, warp * 16, l_run, lane, BF16)
+        stage_output_rows(sq, acc_o, D_N_TILES, BM, warp * 16, stats.l_run, lane, BF16)
         if write_lse:
-            store_lse(lse, (batch * heads_q + head) * seqlen_q, row_first, seqlen_q, m_run, l_run, lane)
+            store_lse(lse, (batch * heads_q + head) * seqlen_q, row_first, seqlen_q, stats.m_run,
+                      stats.l_run, lane)
         cuda.syncwarp()
-        out = cuda.local.array(4, uint32)
-        o_base = batch * o_sb + head * o_sh
-        store_rows_global(o, o_base, o_ss, sq, BM, warp * 16, row_first, seqlen_q, 16, CPR, lane, out)
+        scratch = cuda.local.array(4, uint32)
+        o_rows = GlobalRows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
+        store_rows_global(o_rows, row_first, sq, BM, warp * 16, 16, CPR, lane, scratch)
 
     flash_forward_wgmma.__name__ = (
         f"flash_forward_wgmma_d{D}_m{BM}_n{BN}{'_pipe' if config.pipelined else ''}_"

@@ -21,7 +21,7 @@ def registered_kernels() -> dict:
 def forward_kernels() -> dict:
     """The shipped forward configurations, each for the architecture it is dispatched on."""
     from ..configs import FAMILY_ARCH, make_kernel, shipped_configs
-    from .forward_mma import FORWARD_ARGTYPES
+    from .common import FORWARD_ARGTYPES
 
     kernels = {}
     for family, _, causal, config in shipped_configs():
