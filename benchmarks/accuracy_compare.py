@@ -13,7 +13,7 @@ import torch
 
 from numbaflash import api, configs, flash_attention
 from numbaflash.kernels import common, forward_mma, forward_wgmma
-from numbaflash.reference import attention_reference
+from numbaflash.tools.reference import attention_reference
 
 
 def errors(out, ref):

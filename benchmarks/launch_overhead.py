@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import numbaflash
-from numbaflash import bench
+from numbaflash.tools import bench
 
 
 def main() -> None:

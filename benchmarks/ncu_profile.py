@@ -415,7 +415,7 @@ def environment(ncu: str) -> str:
     except (OSError, subprocess.SubprocessError):
         version = "unknown"
     try:
-        from numbaflash.bench import _import_torch, environment_header
+        from numbaflash.tools.bench import _import_torch, environment_header
 
         header = environment_header(_import_torch())
     except Exception as exc:  # numbaflash not importable: still report ncu

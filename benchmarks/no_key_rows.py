@@ -24,7 +24,7 @@ def main() -> int:
 
     import numbaflash
     from numbaflash import configs
-    from numbaflash.reference import compare_with_reference
+    from numbaflash.tools.reference import compare_with_reference
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)

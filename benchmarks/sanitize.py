@@ -139,8 +139,8 @@ def summary_line(results: list[JobResult]) -> str:
 def check_result(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, out: np.ndarray,
                  lse: np.ndarray | None) -> list[str]:
     """What is wrong with one result (empty: nothing), by the criterion the tests and the
-    self-test use (``numbaflash.reference.compare_with_reference``), plus no inf."""
-    from numbaflash.reference import compare_with_reference
+    self-test use (``numbaflash.tools.reference.compare_with_reference``), plus no inf."""
+    from numbaflash.tools.reference import compare_with_reference
 
     _, problems = compare_with_reference(q, k, v, out, lse, causal=causal)
     got = np.asarray(out, np.float64)
@@ -162,7 +162,7 @@ def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.nd
              causal: bool, want_lse: bool) -> list[str]:
     """One ``flash_attention`` call on device arrays (``out`` poisoned with NaN), checked."""
     from numbaflash import flash_attention
-    from numbaflash.buffers import DeviceBuffer
+    from numbaflash.runtime.buffers import DeviceBuffer
 
     q = host[0]
     out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
@@ -177,7 +177,7 @@ def run_worker(config: KernelConfig) -> int:
     import ml_dtypes
     from numba import cuda
 
-    from numbaflash.buffers import DeviceBuffer
+    from numbaflash.runtime.buffers import DeviceBuffer
 
     capability = tuple(cuda.get_current_device().compute_capability)
     rng = np.random.default_rng(0)

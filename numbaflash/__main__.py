@@ -26,7 +26,7 @@ def run_on_gpu(args: argparse.Namespace) -> None:
     from numba import cuda
 
     import numbaflash
-    from numbaflash.reference import attention_reference
+    from numbaflash.tools.reference import attention_reference
 
     b, s, h, d = args.batch, args.seqlen, args.heads, args.head_dim
     rng = np.random.default_rng(args.seed)
@@ -73,7 +73,7 @@ def run_on_gpu(args: argparse.Namespace) -> None:
 def run_tile_gemm(rng) -> None:
     from numba import cuda
 
-    from numbaflash.kernels.tile_gemm import TILE_GEMM_ARGTYPES, TILE_M, TILE_N, make_tile_gemm
+    from numbaflash.demos.tile_gemm import TILE_GEMM_ARGTYPES, TILE_M, TILE_N, make_tile_gemm
 
     m, n, k = 256, 192, 512
     a = rng.standard_normal((m, k)).astype(np.float16)
@@ -91,8 +91,8 @@ def run_tile_gemm(rng) -> None:
 
 
 def run_offline() -> None:
-    from numbaflash.inspect import format_table, inspect_kernel
     from numbaflash.kernels.registry import registered_kernels
+    from numbaflash.tools.inspect import format_table, inspect_kernel
 
     print("No NVIDIA GPU found (numba.cuda.is_available() is False): nothing can run here.")
     print("Showing what the kernels compile to instead (NVVM + nvJitLink offline, SASS read by cuobjdump):\n")

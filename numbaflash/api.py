@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .configs import SUPPORTED_HEAD_DIMS, forward_config
-from .launch import KernelLauncher, raise_dynamic_shared_limit
+from .runtime.launch import KernelLauncher, raise_dynamic_shared_limit
 
 _FLOAT16 = np.dtype(np.float16)
 

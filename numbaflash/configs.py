@@ -14,8 +14,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .kernels.forward_mma import ForwardConfig
-from .kernels.forward_wgmma import WgmmaConfig
+from .kernels.shapes import ForwardConfig, WgmmaConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from numba import cuda, float32, types, uint16, uint32
 
 from numbaflash import ptx
-from numbaflash.kernels.tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
+from numbaflash.demos.tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
 
 LANES = 32
 POOL_ROWS = 64  # 16-byte rows of 8 uint16 in the ldmatrix source pool

@@ -211,7 +211,7 @@ def test_no_gpu_is_a_clear_runtime_error(monkeypatch):
 
 
 def test_reference_handles_rows_without_keys():
-    from numbaflash.reference import attention_reference
+    from numbaflash.tools.reference import attention_reference
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s) for s in ((1, 5, 1, 64), (1, 3, 1, 64), (1, 3, 1, 64)))
@@ -229,7 +229,7 @@ def test_tensors_must_be_on_the_current_device():
 
 
 def test_device_buffer_rejects_other_than_16_bit_floats():
-    from numbaflash.buffers import DeviceBuffer
+    from numbaflash.runtime.buffers import DeviceBuffer
 
     with pytest.raises(TypeError, match="16-bit floats, got dtype float32"):
         DeviceBuffer(np.zeros(3, np.float32))

@@ -17,7 +17,7 @@ import pytest
 import numbaflash
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, FAMILY_CAPABILITY, SUPPORTED_HEAD_DIMS
-from numbaflash.reference import compare_with_reference
+from numbaflash.tools.reference import compare_with_reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -230,7 +230,7 @@ def test_every_tunable_config(rng, head_dim, cfg):
 def test_rows_without_keys_are_zero(rng, sq, sk, dtype, family):
     """The shapes of the 34e1ab6 report (d64 causal, seqlen_q = 2 seqlen_k, batch 2, 6 heads):
     every row below seqlen_q - seqlen_k sees no key and must be exactly 0, LSE -inf."""
-    from numbaflash.buffers import DeviceBuffer
+    from numbaflash.runtime.buffers import DeviceBuffer
 
     q, k, v = random_qkv(rng, 2, sq, sk, 6, 6, 64, DTYPES[dtype])
     dq, dk, dv = (DeviceBuffer(x) for x in (q, k, v))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from numbaflash.inspect import inspect_kernel
 from numbaflash.kernels.registry import forward_kernels
+from numbaflash.tools.inspect import inspect_kernel
 
 KERNELS = forward_kernels()
 

@@ -1,23 +1,25 @@
-"""CPU tests (no GPU needed): the Hopper demo and probe kernels compiled offline for sm_90a
-give the expected SASS (HGMMA, SYNCS, UTMALDG/UTMASTG, STSM, USETMAXREG), fully inlined (no
-CALL, no stack, no local memory, accumulators in registers); plus the host-side descriptor
-encoder, the wgmma factories and the tensor-map argument checks.
+"""CPU tests (no GPU needed): the Hopper demo kernels and the test probes
+(``_hopper_probes``) compiled offline for sm_90a give the expected SASS (HGMMA, SYNCS,
+UTMALDG/UTMASTG, STSM, USETMAXREG), fully inlined (no CALL, no stack, no local memory,
+accumulators in registers); plus the host-side descriptor encoder, the wgmma factories and
+the tensor-map argument checks.
 """
 
 from __future__ import annotations
 
 import re
 
+import _hopper_probes as probes
 import numpy as np
 import pytest
 
-from numbaflash import inspect as nfi
-from numbaflash.kernels import hopper_demo as hd
+from numbaflash.demos import hopper_gemm as hd
 from numbaflash.kernels.registry import registered_kernels
 from numbaflash.ptx import hopper as hp
+from numbaflash.tools import inspect as nfi
 
 ARCH = "sm_90a"
-REGISTERED = hd.registered()
+REGISTERED = {**hd.registered(), **probes.registered()}
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +50,11 @@ def assert_clean(r: nfi.KernelReport) -> None:
     assert r.count("EXIT") >= 1  # the SASS was really read
 
 
-def test_registry_merges_hopper_kernels():
+def test_registry_lists_hopper_demos_not_probes():
     merged = registered_kernels()
-    for name, (_, _, archs) in REGISTERED.items():
+    for name, (_, _, archs) in hd.registered().items():
         assert name in merged and archs == (ARCH,)
+    assert not set(probes.registered()) & set(merged), "test probes belong to the tests, not the package"
 
 
 @pytest.mark.parametrize("name", list(REGISTERED))
@@ -110,15 +113,16 @@ def test_large_accumulators_stay_in_registers(reports):
 
 @pytest.mark.parametrize("n", [8, 16, 32, 96, 192])
 def test_every_wgmma_width_compiles(n):
-    kernel = hd.make_wgmma_probe(n, "f16", a_from_registers=n % 64 == 32, trans_b=n in (16, 96))
-    r = nfi.inspect_kernel(kernel, hd.WGMMA_PROBE_ARGTYPES, ARCH)
+    kernel = probes.make_wgmma_probe(n, "f16", a_from_registers=n % 64 == 32, trans_b=n in (16, 96))
+    r = nfi.inspect_kernel(kernel, probes.WGMMA_PROBE_ARGTYPES, ARCH)
     assert_clean(r)
     hgmma = _lines(r, r"HGMMA")
     assert len(hgmma) == 4 and all(f"64x{n}x16.F32" in line for line in hgmma), hgmma
 
 
 def test_wait_group_variants_compile():
-    r = nfi.inspect_kernel(hd.make_wgmma_probe(64, "f16", commit_each=True), hd.WGMMA_PROBE_ARGTYPES, ARCH)
+    probe = probes.make_wgmma_probe(64, "f16", commit_each=True)
+    r = nfi.inspect_kernel(probe, probes.WGMMA_PROBE_ARGTYPES, ARCH)
     assert_clean(r)
     assert r.count("HGMMA") == 4
     depbars = _lines(r, r"WARPGROUP\.DEPBAR")
@@ -134,7 +138,9 @@ def test_setmaxnreg_with_launch_bounds(dec, inc):
     """With launch bounds (384, 1) the kernel has a 168-register cap (ptxas starts it with
     min(168, the largest inc)), and both setmaxnreg instructions survive into SASS."""
     r = _link_with_launch_bounds(
-        hd.make_setmaxnreg_probe(dec, inc), hd.SETMAXNREG_PROBE_ARGTYPES, hd.SETMAXNREG_LAUNCH_BOUNDS
+        probes.make_setmaxnreg_probe(dec, inc),
+        probes.SETMAXNREG_PROBE_ARGTYPES,
+        probes.SETMAXNREG_LAUNCH_BOUNDS,
     )
     assert_clean(r)
     assert r.registers == min(168, inc)
@@ -169,7 +175,7 @@ def test_wgmma_factories():
 
 
 def test_wgmma_source_has_every_variant():
-    from numbaflash.sources import ptx_source
+    from numbaflash.runtime.sources import ptx_source
 
     text = open(ptx_source("wgmma")).read()
     for n in hp.WGMMA_N:
@@ -201,7 +207,7 @@ class _FakeDeviceArray:
     ],
 )
 def test_tensor_map_argument_checks(array, box, swizzle, message):
-    from numbaflash.tensor_map import make_tensor_map
+    from numbaflash.runtime.tensor_map import make_tensor_map
 
     with pytest.raises(ValueError, match=message):
         make_tensor_map(array, box, swizzle=swizzle)
@@ -214,7 +220,7 @@ def test_tensor_map_encode_arguments(monkeypatch):
     and box, and returns the 128 map bytes as uint64[16] (the driver call is faked here)."""
     from cuda.bindings import driver
 
-    from numbaflash.tensor_map import make_tensor_map
+    from numbaflash.runtime.tensor_map import make_tensor_map
 
     calls = []
 

@@ -1,6 +1,6 @@
 """CPU tests (no GPU needed): the sm_80 helper test kernels and the demo GEMM compiled
 offline for sm_80 and sm_90a must give the expected SASS, fully inlined (no CALL, no stack,
-no local memory); plus the pure parts of ``numbaflash.inspect`` and ``numbaflash.sources``.
+no local memory); plus the pure parts of ``numbaflash.inspect`` and ``numbaflash.runtime.sources``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import _sm80_kernels as K
 import pytest
 
-from numbaflash import inspect as nfi
-from numbaflash import sources
+from numbaflash.runtime import sources
+from numbaflash.tools import inspect as nfi
 
 ARCHS = ("sm_80", "sm_90a")
 REPO = Path(__file__).resolve().parents[1]
@@ -247,7 +247,7 @@ def test_unknown_family():
 def test_every_binding_names_an_existing_helper():
     """Each ``declare("family", "name", ...)`` in numbaflash/ptx binds a function that the
     family's .cu file defines."""
-    bindings = Path(sources.__file__).parent / "ptx"
+    bindings = Path(sources.__file__).parent.parent / "ptx"
     found = 0
     for py in sorted(bindings.glob("*.py")):
         for family, name in re.findall(r'declare\(\s*"(\w+)",\s*"(\w+)"', py.read_text()):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda, types
 
-from numbaflash.launch import KernelLauncher, _packer
+from numbaflash.runtime.launch import KernelLauncher, _packer
 
 
 def test_packer_layouts():
@@ -82,7 +82,7 @@ def test_flash_attention_from_a_fresh_thread(rng):
     import threading
 
     import numbaflash
-    from numbaflash.reference import attention_reference
+    from numbaflash.tools.reference import attention_reference
 
     q, k, v = (rng.standard_normal((1, 70, 2, 64)).astype(np.float16) for _ in range(3))
     result = {}

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import functools
 
+import _hopper_probes as probes
 import numpy as np
 import pytest
 
-from numbaflash.kernels import hopper_demo as hd
+from numbaflash.demos import hopper_gemm as hd
 from numbaflash.ptx import hopper as hp
 
 pytestmark = pytest.mark.hopper
 
-K = hd.PROBE_K
+K = probes.PROBE_K
 SWIZZLE_CODE = {0: hp.SWIZZLE_NONE, 32: hp.SWIZZLE_32B, 64: hp.SWIZZLE_64B, 128: hp.SWIZZLE_128B}
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def a_fragments(a_bits: np.ndarray) -> np.ndarray:
 def _wgmma_kernel(n, dtype, rs, tb, commit_each=False):
     from numba import cuda
 
-    return cuda.jit(hd.WGMMA_PROBE_ARGTYPES)(hd.make_wgmma_probe(n, dtype, rs, tb, commit_each))
+    return cuda.jit(probes.WGMMA_PROBE_ARGTYPES)(probes.make_wgmma_probe(n, dtype, rs, tb, commit_each))
 
 
 def run_wgmma(rng, n, dtype, rs, tb, a_layout, b_layout, accumulate, commit_each=False, swap_b=False):
@@ -143,8 +144,8 @@ def run_wgmma(rng, n, dtype, rs, tb, a_layout, b_layout, accumulate, commit_each
     a_bits = to_bits(a, dtype)
     a_img = shared_image(a_off, a_bits)
     b_img = shared_image(b_off, to_bits(b.T, dtype))  # element (n, k) of the MN x K operand
-    assert a_img.size * 4 <= hd.PROBE_A_BYTES
-    assert b_img.size * 4 <= 4 * hd.PROBE_SHARED_WORDS - hd.PROBE_A_BYTES
+    assert a_img.size * 4 <= probes.PROBE_A_BYTES
+    assert b_img.size * 4 <= 4 * probes.PROBE_SHARED_WORDS - probes.PROBE_A_BYTES
     rows, cols = accumulator_positions(n)
     params = np.array(
         [a_lbo, a_sbo, SWIZZLE_CODE[a_layout], b_lbo, b_sbo, SWIZZLE_CODE[b_layout[1]], int(accumulate)]
@@ -186,7 +187,7 @@ def check_wgmma(rng, n, dtype, rs, tb, a_layout, b_layout, accumulate) -> str | 
     assert descs[2] == 0, "probe buffer is not 1024-byte aligned"
     base_a = (int(descs[0]) & 0x3FFF) << 4
     host_a = hp.encode_smem_descriptor(base_a, *(int(p) for p in params[0:3]))
-    host_b = hp.encode_smem_descriptor(base_a + hd.PROBE_A_BYTES, *(int(p) for p in params[3:6]))
+    host_b = hp.encode_smem_descriptor(base_a + probes.PROBE_A_BYTES, *(int(p) for p in params[3:6]))
     assert (descs[0], descs[1]) == (host_a, host_b), "device and host descriptors differ"
     if np.array_equal(got, expected):
         return None
@@ -238,7 +239,7 @@ def test_mbarrier_arrival_phases():
     (arrive_expect_tx / expect_tx transaction counting is checked with TMA in test_tma_load.)"""
     from numba import cuda
 
-    kernel = cuda.jit(hd.MBARRIER_PROBE_ARGTYPES)(hd.mbarrier_probe)
+    kernel = cuda.jit(probes.MBARRIER_PROBE_ARGTYPES)(probes.mbarrier_probe)
     out = cuda.to_device(np.full((128, 5), 7, np.uint32))
     kernel[1, 128](out)
     np.testing.assert_array_equal(out.copy_to_host(), np.tile([0, 1, 1, 0, 1], (128, 1)))
@@ -288,13 +289,13 @@ def test_tma_load(shape, box, coords, span, flags, rng):
     byte count: the phase stays open until the bytes land; the shared image matches."""
     from numba import cuda
 
-    from numbaflash.tensor_map import make_tensor_map
+    from numbaflash.runtime.tensor_map import make_tensor_map
 
     src = rng.integers(1, 65535, shape, dtype=np.uint16)
     d_src = cuda.to_device(src if len(shape) != 3 else src.view(np.float16))  # f16 map for 3-D
     tm = make_tensor_map(d_src, box, swizzle=_SPAN_NAME[span])
     assert tm.box_bytes == 2 * int(np.prod(box))
-    kernel = cuda.jit(hd.TMA_LOAD_PROBE_ARGTYPES)(hd.make_tma_load_probe(len(shape)))
+    kernel = cuda.jit(probes.TMA_LOAD_PROBE_ARGTYPES)(probes.make_tma_load_probe(len(shape)))
     out = cuda.to_device(np.zeros(tm.box_bytes // 4, np.uint32))
     status = cuda.to_device(np.array([0, 7], np.int32))
     d_coords = cuda.to_device(np.array(coords, np.int32))
@@ -319,13 +320,13 @@ def test_tma_store_after_proxy_fence(shape, box, coords, span, rng):
     """Ordinary shared stores + fence.proxy.async.shared::cta + barrier, then a TMA store."""
     from numba import cuda
 
-    from numbaflash.tensor_map import make_tensor_map
+    from numbaflash.runtime.tensor_map import make_tensor_map
 
     dst = cuda.to_device(np.zeros(shape, np.uint16))
     tm = make_tensor_map(dst, box, swizzle=_SPAN_NAME[span])
     n = int(np.prod(box))
     img = rng.integers(1, 65535, n, dtype=np.uint16)
-    kernel = cuda.jit(hd.TMA_STORE_PROBE_ARGTYPES)(hd.make_tma_store_probe(len(shape)))
+    kernel = cuda.jit(probes.TMA_STORE_PROBE_ARGTYPES)(probes.make_tma_store_probe(len(shape)))
     d_coords = cuda.to_device(np.array(coords, np.int32))
     kernel[1, 128](tm.to_device(), d_coords, cuda.to_device(img.view(np.uint32)))
     tile = img[swizzle(np.arange(n) * 2, span) // 2].reshape(box)
@@ -339,7 +340,7 @@ def test_tma_store_after_proxy_fence(shape, box, coords, span, rng):
 def test_tma_copy_2d_demo(rng):
     from numba import cuda
 
-    from numbaflash.tensor_map import make_tensor_map, tensor_maps_to_device
+    from numbaflash.runtime.tensor_map import make_tensor_map, tensor_maps_to_device
 
     src = rng.integers(0, 65535, (128, 256), dtype=np.uint16)
     d_src = cuda.to_device(src)
@@ -362,7 +363,7 @@ def test_stmatrix(rng):
 
     regs = rng.integers(0, 2**32, (32, 4), dtype=np.uint32)
     rows = rng.permutation(32).astype(np.int32)
-    kernel = cuda.jit(hd.STMATRIX_PROBE_ARGTYPES)(hd.stmatrix_probe)
+    kernel = cuda.jit(probes.STMATRIX_PROBE_ARGTYPES)(probes.stmatrix_probe)
     out = cuda.to_device(np.zeros((6, 128), np.uint32))
     kernel[1, 32](cuda.to_device(regs), cuda.to_device(rows), out)
     got = out.copy_to_host().view(np.uint16).reshape(6, 32, 8)
@@ -389,8 +390,8 @@ def test_setmaxnreg_producer_consumer_split():
     to 24, warpgroups 1-2 rise to 240 (24*128 + 240*256 = 168*384), all finish."""
     from numba import cuda
 
-    fn = hd.make_setmaxnreg_probe(24, 240)
-    kernel = cuda.jit(hd.SETMAXNREG_PROBE_ARGTYPES, launch_bounds=hd.SETMAXNREG_LAUNCH_BOUNDS)(fn)
+    fn = probes.make_setmaxnreg_probe(24, 240)
+    kernel = cuda.jit(probes.SETMAXNREG_PROBE_ARGTYPES, launch_bounds=probes.SETMAXNREG_LAUNCH_BOUNDS)(fn)
     regs = kernel.get_regs_per_thread()
     assert regs * 384 >= 24 * 128 + 240 * 256, f"{regs} registers at entry: setmaxnreg.inc 240 would block"
     out = cuda.to_device(np.zeros(384, np.int32))

@@ -12,7 +12,7 @@ from _benchmarks import load_benchmark
 
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, SUPPORTED_HEAD_DIMS, ForwardConfig, WgmmaConfig
-from numbaflash.reference import attention_reference
+from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

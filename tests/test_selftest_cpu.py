@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from numbaflash import selftest
 from numbaflash.configs import SUPPORTED_HEAD_DIMS
+from numbaflash.tools import selftest
 
 BOTH = ["sm90", "sm80"]
 

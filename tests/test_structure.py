@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "numbaflash"
 MAX_DEVICE_ARGS = 10
@@ -39,3 +43,43 @@ def test_no_device_function_takes_more_than_10_arguments():
     """Kernel entries take the launch ABI; every helper groups its state into small records."""
     too_many = [f"{name} ({n})" for name, n in device_functions() if n > MAX_DEVICE_ARGS]
     assert not too_many, f"device functions with more than {MAX_DEVICE_ARGS} arguments: {too_many}"
+
+
+# The package top is the public face plus the short ``python -m numbaflash.<tool>`` entry points.
+PUBLIC_MODULES = {"__init__", "__main__", "api", "configs"}
+TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "selftest"}
+SUBPACKAGES = {"kernels", "ptx", "runtime", "tools", "demos"}
+
+
+def test_package_top_holds_only_the_public_face():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert modules == PUBLIC_MODULES | TOOL_ENTRY_POINTS
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages == SUBPACKAGES
+
+
+def test_tool_entry_points_only_forward_to_tools():
+    """Each top-level tool module is a few lines that call ``numbaflash.tools.<name>.main``."""
+    for name in TOOL_ENTRY_POINTS:
+        text = (PACKAGE / f"{name}.py").read_text()
+        assert f"from numbaflash.tools.{name} import main" in text
+        assert len(text.splitlines()) <= 8, name
+
+
+def test_kernels_package_split_by_concern():
+    """Device pieces live in one module per concern, and the forward kernels import them."""
+    kernels = PACKAGE / "kernels"
+    assert {"blocks", "smem", "softmax", "epilogue", "common"} <= {p.stem for p in kernels.glob("*.py")}
+    for kernel in ("forward_mma.py", "forward_wgmma.py"):
+        text = (kernels / kernel).read_text()
+        for piece in ("blocks", "smem", "softmax", "epilogue", "common"):
+            assert f"from .{piece} import" in text, (kernel, piece)
+
+
+@pytest.mark.parametrize("tool", sorted(TOOL_ENTRY_POINTS))
+def test_python_dash_m_tool_help(tool):
+    """``python -m numbaflash.<tool> --help`` still works after the move to ``tools/``."""
+    done = subprocess.run([sys.executable, "-m", f"numbaflash.{tool}", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert f"numbaflash.{tool}" in done.stdout

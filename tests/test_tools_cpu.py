@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from _benchmarks import load_benchmark
 
-from numbaflash import bench, debug
-from numbaflash.reference import attention_reference
+from numbaflash.tools import bench, debug
+from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from numbaflash import bench, debug
+from numbaflash.tools import bench, debug
 
 
 @pytest.mark.gpu
@@ -69,7 +69,7 @@ def test_bench_numba_path_without_torch(dtype):
     import numpy as np
 
     import numbaflash
-    from numbaflash.reference import attention_reference
+    from numbaflash.tools.reference import attention_reference
 
     if dtype == "bf16":
         pytest.importorskip("ml_dtypes")

@@ -35,10 +35,10 @@ PROBE = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import numbaflash
-    from numbaflash import sources
+    from numbaflash.runtime import sources
     from numba import cuda, types
     from numbaflash import ptx
-    from numbaflash.inspect import compile_cubin
+    from numbaflash.tools.inspect import compile_cubin
 
     def probe_kernel(x, out):
         i = cuda.grid(1)

@@ -1,9 +1,15 @@
-"""What both forward kernels share: their argument types (one ABI, one launch path) and the
-online-softmax rescale threshold."""
+"""What both forward kernels share: their argument types (one ABI, one launch path), the
+online-softmax rescale threshold, and the device constants."""
 
 from __future__ import annotations
 
+import math
+
 from numba import float32, types
+
+FULL_MASK = 0xFFFFFFFF  # every lane of a warp, for shuffles
+NEG_INF = float32(-math.inf)
+LN2 = math.log(2.0)  # LSE is stored in natural-log units; the kernels work in log2
 
 FORWARD_ARGTYPES = (
     types.uint16[::1], types.uint16[::1], types.uint16[::1],  # q, k, v (flat 16-bit bits)

@@ -11,71 +11,21 @@ normalised once at the end, then written through shared memory with 16-byte stor
 
 from __future__ import annotations
 
-import dataclasses
-
 from numba import cuda, float32, types, uint32
 
 from .. import ptx
-from ..tiles import (
-    FULL_MASK,
-    NEG_INF,
-    GlobalRows,
-    block_offset,
-    copy_tile_async,
-    drain_copies,
-    exponentiate,
-    ldmatrix_offsets,
-    load_a_fragments,
-    mask_scores,
-    max_grew,
-    pack_p_fragments,
-    query_block,
-    rescale_rows,
-    scaled_row_maxes,
-    stage_output_rows,
-    store_lse,
-    store_rows_global,
-    visible_kv_tiles,
-)
-from .common import THRESHOLD
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardConfig:
-    """Compile-time shape of the forward kernel."""
-
-    head_dim: int
-    block_m: int = 128  # query rows per CTA
-    block_n: int = 64  # keys per KV tile
-    warp_m_tiles: int = 1  # 16-row m-tiles per warp: 2 halves the shared-memory reads per MMA
-
-    @property
-    def num_warps(self) -> int:
-        return self.block_m // (16 * self.warp_m_tiles)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def shared_bytes(self) -> int:
-        """Q tile + one K tile + one V tile, 16-bit elements."""
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
-
-    def check(self) -> None:
-        if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be 64, 128, 192 or 256, got {self.head_dim}")
-        if self.block_m % (16 * self.warp_m_tiles) or self.block_n % 16:
-            raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
-        for rows in (self.block_m, self.block_n):
-            if rows * self.head_dim // 8 % self.threads:
-                raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
+from .blocks import mask_scores, query_block, visible_kv_tiles
+from .common import FULL_MASK, NEG_INF, THRESHOLD
+from .epilogue import stage_output_rows, store_lse, store_rows_global
+from .shapes import ForwardConfig
+from .smem import GlobalRows, block_offset, copy_tile_async, drain_copies, ldmatrix_offsets, load_a_fragments
+from .softmax import exponentiate, max_grew, pack_p_fragments, rescale_rows, scaled_row_maxes
 
 
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     """Return the Python kernel function for ``config`` (jit it with ``common.FORWARD_ARGTYPES``).
 
-    Launch: grid ``tiles.forward_grid``, ``config.threads`` threads,
+    Launch: grid ``api._forward_grid``, ``config.threads`` threads,
     ``config.shared_bytes`` bytes of dynamic shared memory.
     """
     config.check()

@@ -22,33 +22,18 @@ unrolled by two so that the two S accumulators swap roles with compile-time indi
 
 from __future__ import annotations
 
-import dataclasses
 from collections import namedtuple
 
 from numba import cuda, float32, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
-from ..tiles import (
-    FULL_MASK,
-    NEG_INF,
-    GlobalRows,
-    ScoreMask,
-    copy_tile_async,
-    drain_copies,
-    exponentiate,
-    mask_if_needed,
-    max_grew,
-    pack_p_fragments,
-    query_block,
-    rescale_rows,
-    scaled_row_maxes,
-    stage_output_rows,
-    store_lse,
-    store_rows_global,
-    visible_kv_tiles,
-)
-from .common import THRESHOLD
+from .blocks import ScoreMask, mask_if_needed, query_block, visible_kv_tiles
+from .common import FULL_MASK, NEG_INF, THRESHOLD
+from .epilogue import stage_output_rows, store_lse, store_rows_global
+from .shapes import WgmmaConfig
+from .smem import GlobalRows, copy_tile_async, drain_copies
+from .softmax import exponentiate, max_grew, pack_p_fragments, rescale_rows, scaled_row_maxes
 
 # Per-warp online-softmax state (register arrays): running row maxes (scaled, log2 units),
 # this lane's part of the row sums, and scratch for a tile's row maxes.
@@ -56,41 +41,6 @@ RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx"])
 # Shared-memory K and V stages (32-bit shared addresses, stage s at + s * KV_BYTES) and the
 # wgmma descriptors of Q (this warpgroup's rows), K stage 0 and V stage 0.
 KvStages = namedtuple("KvStages", ["sk", "sv", "desc_q", "desc_k", "desc_v"])
-
-
-@dataclasses.dataclass(frozen=True)
-class WgmmaConfig:
-    """Compile-time shape of the Hopper forward kernel."""
-
-    head_dim: int
-    block_n: int = 128  # keys per KV tile (the N of the S wgmma)
-    warpgroups: int = 2  # 64 query rows each
-    pipelined: bool = False  # issue S_{j+1} before the softmax of tile j
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.warpgroups
-
-    @property
-    def threads(self) -> int:
-        return 128 * self.warpgroups
-
-    @property
-    def shared_bytes(self) -> int:
-        """Q tile + two stages of K and V tiles, plus 1 KB to align the base to 1024."""
-        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
-
-    def check(self) -> None:
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
-        if self.block_n not in (64, 128, 192, 256):
-            raise ValueError(f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
-        if not 1 <= self.warpgroups <= 3:
-            raise ValueError(f"warpgroups must be 1, 2 or 3, got {self.warpgroups}")
-        if (self.threads // (self.head_dim // 8)) % 8:
-            raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
-        if self.shared_bytes > 227 * 1024:
-            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
 
 def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 def registered_kernels() -> dict:
     """name -> (python kernel function, argument types, architectures it targets)."""
-    from . import hopper_demo
-    from .tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
+    from ..demos import hopper_gemm
+    from ..demos.tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
 
     both = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
     kernels = {
@@ -14,7 +14,7 @@ def registered_kernels() -> dict:
         "tile_gemm_bf16": (make_tile_gemm(True), TILE_GEMM_ARGTYPES, both),
     }
     kernels.update(forward_kernels())
-    kernels.update(hopper_demo.registered())  # sm_90a: wgmma / TMA demos and probes
+    kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
 
 

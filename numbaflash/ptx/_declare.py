@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from numba import cuda, types
 
-from ..sources import ptx_source
+from ..runtime.sources import ptx_source
 
 u16p = types.CPointer(types.uint16)
 u32p = types.CPointer(types.uint32)

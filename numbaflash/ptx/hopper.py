@@ -8,7 +8,7 @@ Conventions (the same as the sm_80 helpers):
   ``shared_address_u16(array)`` etc. plus a byte offset;
 * register operands are local arrays (or rows of one), passed as pointers internally;
 * a tensor map is a 1-D ``uint64[16]`` device array (one row of the array made by
-  ``numbaflash.tensor_map.tensor_maps_to_device``), 64-byte aligned in global memory;
+  ``numbaflash.runtime.tensor_map.tensor_maps_to_device``), 64-byte aligned in global memory;
 * TMA coordinates are ``int32`` element indices, innermost dimension first.
 
 wgmma helpers are made per shape by ``wgmma_ss(n, dtype, trans_b)`` and

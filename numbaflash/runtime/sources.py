@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # numbaflash/
 _CANDIDATES = (_PACKAGE_DIR / "ptx_sources", _PACKAGE_DIR.parent / "ptx")
 
 

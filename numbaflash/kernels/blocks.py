@@ -1,0 +1,69 @@
+"""Which part of the problem a CTA owns, and which scores it must mask.
+
+A CTA computes one block of query rows of one (batch, head); it reads the KV tiles its rows
+can see (all of them, or, causal, those up to the diagonal) and masks scores only on tiles
+that cross the end of the keys or the diagonal.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+from numba import cuda, uint32
+
+from .common import NEG_INF
+
+# Where one warp's score fragments sit, for masking: its first query row, the lane, the keys
+# that exist, and the causal diagonal (query i sees key j iff j <= i + diag).
+ScoreMask = namedtuple("ScoreMask", ["row_first", "lane", "seqlen_k", "diag"])
+
+
+@cuda.jit(device=True, inline="always")
+def query_block(heads_q, group, reverse):
+    """(query block, head, batch, kv head) of this CTA.
+
+    Grid: x = query blocks, and (y, z) numbering the (batch, head) pairs head-fastest,
+    ``hb = y + gridDim.y * z``: y and z are limited to 65535 each, so the host spreads the
+    pairs over both (``forward_grid``); CTAs past the last pair get ``batch >= batch_size``
+    and must return at once. With ``reverse`` (causal) the heaviest query blocks start
+    first, for better tail balance. ``group`` query heads share one kv head (GQA); the
+    divisions are 32-bit (no subroutine).
+    """
+    m_block = cuda.blockIdx.x
+    if reverse:
+        m_block = cuda.gridDim.x - 1 - m_block
+    hb = uint32(cuda.blockIdx.y) + uint32(cuda.gridDim.y) * uint32(cuda.blockIdx.z)
+    head = hb % uint32(heads_q)
+    return m_block, head, hb // uint32(heads_q), head // uint32(group)
+
+
+@cuda.jit(device=True, inline="always")
+def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
+    """KV tiles a query block starting at row ``m0`` reads; causal stops after the tile that
+    holds the last row's diagonal (query i sees keys j <= i + diag)."""
+    n_tiles = (seqlen_k + block_n - 1) // block_n
+    if causal:
+        n_tiles = min(n_tiles, (m0 + block_m + diag + block_n - 1) // block_n)
+    return n_tiles
+
+
+@cuda.jit(device=True, inline="always")
+def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
+    """Set to -inf the scores of keys >= seqlen_k and, if ``causal``, of keys after the
+    diagonal (query i sees key j iff j <= i + diag). ``col0``/``row0``: first key/query."""
+    g = lane // 4
+    t = lane % 4
+    for j in range(n_tiles):
+        for e in range(4):
+            col = col0 + j * 8 + 2 * t + e % 2
+            row = row0 + g + (e // 2) * 8
+            if col >= seqlen_k or (causal and col > row + diag):
+                s[j, e] = NEG_INF
+
+
+@cuda.jit(device=True, inline="always")
+def mask_if_needed(s, n_tiles, col0, block_n, at, causal):
+    """``mask_scores`` for one warp's tile of ``block_n`` keys from ``col0`` (``at``: ScoreMask),
+    only where the tile crosses the end of the keys or (causal) the diagonal."""
+    if col0 + block_n > at.seqlen_k or (causal and col0 + block_n - 1 > at.row_first + at.diag):
+        mask_scores(s, n_tiles, col0, at.row_first, at.lane, at.seqlen_k, at.diag, causal)

@@ -1,0 +1,77 @@
+"""Compile-time shapes of the forward kernels, in plain Python: the config table, dispatch and
+the kernel cache read them without importing Numba (``import numbaflash`` stays light).
+
+``ForwardConfig`` shapes the mma.sync kernel (``forward_mma``), ``WgmmaConfig`` the Hopper
+kernel (``forward_wgmma``). Each checks itself (``check()``) and knows its launch shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Compile-time shape of the forward kernel."""
+
+    head_dim: int
+    block_m: int = 128  # query rows per CTA
+    block_n: int = 64  # keys per KV tile
+    warp_m_tiles: int = 1  # 16-row m-tiles per warp: 2 halves the shared-memory reads per MMA
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // (16 * self.warp_m_tiles)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def shared_bytes(self) -> int:
+        """Q tile + one K tile + one V tile, 16-bit elements."""
+        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+
+    def check(self) -> None:
+        if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be 64, 128, 192 or 256, got {self.head_dim}")
+        if self.block_m % (16 * self.warp_m_tiles) or self.block_n % 16:
+            raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
+        for rows in (self.block_m, self.block_n):
+            if rows * self.head_dim // 8 % self.threads:
+                raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """Compile-time shape of the Hopper forward kernel."""
+
+    head_dim: int
+    block_n: int = 128  # keys per KV tile (the N of the S wgmma)
+    warpgroups: int = 2  # 64 query rows each
+    pipelined: bool = False  # issue S_{j+1} before the softmax of tile j
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def shared_bytes(self) -> int:
+        """Q tile + two stages of K and V tiles, plus 1 KB to align the base to 1024."""
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
+
+    def check(self) -> None:
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
+        if self.block_n not in (64, 128, 192, 256):
+            raise ValueError(f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
+        if not 1 <= self.warpgroups <= 3:
+            raise ValueError(f"warpgroups must be 1, 2 or 3, got {self.warpgroups}")
+        if (self.threads // (self.head_dim // 8)) % 8:
+            raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

@@ -1,0 +1,91 @@
+"""Online softmax on one 16-row m-tile of scores held as mma fragments.
+
+``s[j, e]`` is this lane's element e of n-tile j (e = 0, 1: row g; e = 2, 3: row g + 8);
+row "half" r = e // 2. The same layout is the accumulator of mma.sync m16n8k16 and, per
+warp, of wgmma m64nNk16. Row maxes are kept scaled, in log2 units, so that P = exp2(S·c - m)
+is one FFMA and one ex2 per score.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float32
+
+from .. import ptx
+from .common import FULL_MASK, NEG_INF
+
+
+@cuda.jit(device=True, inline="always")
+def quad_max(x):
+    """Max over the 4 lanes that share a fragment row."""
+    x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+    return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+
+
+@cuda.jit(device=True, inline="always")
+def quad_sum(x):
+    """Sum over the 4 lanes that share a fragment row."""
+    x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+    return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
+
+
+@cuda.jit(device=True, inline="always")
+def row_max(s, n_tiles, half):
+    """Max of this lane's scores in fragment row ``half`` (0: row g, 1: row g+8), reduced
+    over the quad."""
+    m = NEG_INF
+    for j in range(n_tiles):
+        m = max(m, max(s[j, 2 * half], s[j, 2 * half + 1]))
+    return quad_max(m)
+
+
+@cuda.jit(device=True, inline="always")
+def scaled_row_maxes(s, n_tiles, mx, scale_log2):
+    """``mx[r]`` = max over the quad's scores of row half r, times scale·log2(e)."""
+    for r in range(2):
+        mx[r] = row_max(s, n_tiles, r) * scale_log2
+
+
+@cuda.jit(device=True, inline="always")
+def max_grew(mx, m_run, threshold):
+    """True if a row max exceeds the running one by more than ``threshold`` (log2 units)."""
+    return mx[0] > m_run[0] + threshold or mx[1] > m_run[1] + threshold
+
+
+@cuda.jit(device=True, inline="always")
+def rescale_rows(acc_o, d_tiles, m_run, l_run, mx):
+    """Adopt the new row maxes: scale O and the row sums by exp2(old - new)."""
+    for r in range(2):
+        m_new = max(m_run[r], mx[r])
+        alpha = ptx.exp2(m_run[r] - m_new) if m_new != NEG_INF else float32(1.0)
+        m_run[r] = m_new
+        l_run[r] *= alpha
+        for j in range(d_tiles):
+            acc_o[j, 2 * r] *= alpha
+            acc_o[j, 2 * r + 1] *= alpha
+
+
+@cuda.jit(device=True, inline="always")
+def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
+    """P = exp2(S·scale·log2(e) - m) in place (one FFMA + one ex2 per score), and add this
+    lane's part of each row sum to ``l_run``. Rows with no key yet (m = -inf) give 0."""
+    for r in range(2):
+        m_use = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
+        row_sum = float32(0.0)
+        for j in range(n_tiles):
+            for e in range(2):
+                p = ptx.exp2(s[j, 2 * r + e] * scale_log2 - m_use)
+                s[j, 2 * r + e] = p
+                row_sum += p
+        l_run[r] += row_sum
+
+
+@cuda.jit(device=True, inline="always")
+def pack_p_fragments(p_frag, p, k_tiles, bf16):
+    """P (fp32 fragments) -> 16-bit A fragments of the PV product, in registers: k-tile kt
+    (16 keys) is S n-tiles 2kt and 2kt+1, which is exactly the m16k16 A layout."""
+    for kt in range(k_tiles):
+        for half in range(2):
+            for r in range(2):
+                lo = p[2 * kt + half, 2 * r]
+                hi = p[2 * kt + half, 2 * r + 1]
+                p_frag[kt, 2 * half + r] = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)

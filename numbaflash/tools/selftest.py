@@ -1,0 +1,291 @@
+"""Self-test on your GPU: ``python -m numbaflash.selftest [--cases N | --quick] [--seed S]``.
+
+Randomised, reproducible cases against the float64 reference, with FlashAttention's criterion:
+max |out - ref| <= 2 x max |low - ref| + floor, where ``low`` is the same computation done in
+the input dtype. Every case draws its parameters and data from (seed, index) alone, so a failing
+case replays alone with ``--seed S --case I``. Exits 0 if all pass, 1 on a failure, 2 without GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..configs import FAMILY_CAPABILITY, SUPPORTED_HEAD_DIMS, forward_config
+from .reference import compare_with_reference
+
+DTYPE_NAMES = ("float16", "bfloat16")
+FAMILIES = ("sm90", "sm80")
+# (longest seqlen, cap on batch * heads_q * seqlen_q * seqlen_k, max batch, max heads_kv)
+LIMITS = {False: (4096, 2 * 10**7, 4, 4), True: (640, 2 * 10**6, 2, 2)}
+GROUPS = (1, 2, 3, 4, 8)  # heads_q // heads_kv
+KINDS = ("numpy", "numba", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One test problem; everything, data included, follows from (seed, index)."""
+
+    seed: int
+    index: int
+    family: str
+    head_dim: int
+    causal: bool
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    kind: str  # "numpy" | "numba" | "torch"
+    amplitude: float  # q and k are scaled by it
+    softmax_scale: float | None
+    return_lse: bool
+    use_out: bool
+
+    def describe(self) -> str:
+        scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
+        return (f"{self.family} d{self.head_dim} {'causal' if self.causal else 'full'} {self.dtype} "
+                f"b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.heads_q}/{self.heads_kv} "
+                f"{self.kind} amp{self.amplitude:.3g} scale={scale} lse={int(self.return_lse)} "
+                f"out={int(self.use_out)}")
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """The outcome of one case: ``message`` says what went wrong (empty when it passed)."""
+
+    case: Case
+    ok: bool
+    ratio: float = 0.0  # err / (2 * err_low + floor); <= 1 passes
+    seconds: float = 0.0
+    message: str = ""
+
+
+def strata(families: Sequence[str]) -> list[tuple[str, int, bool, str]]:
+    """Every (family, head_dim, causal, dtype) combination: cases cycle through them."""
+    return [(f, d, c, t) for f in families for d in SUPPORTED_HEAD_DIMS for c in (False, True)
+            for t in DTYPE_NAMES]
+
+
+def block_m(family: str, head_dim: int, causal: bool) -> int:
+    """Query rows per CTA of the shipped config."""
+    return forward_config(FAMILY_CAPABILITY[family], head_dim, causal).block_m
+
+
+def _log_uniform(rng: np.random.Generator, high: int) -> int:
+    return int(min(high, max(1, round(math.exp(rng.uniform(0.0, math.log(high + 0.5)))))))
+
+
+def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = False) -> Case:
+    """The case ``index`` of run ``seed``: pure (no GPU), independent of the other indices."""
+    combos = strata(families)
+    family, head_dim, causal, dtype = combos[(index + seed) % len(combos)]
+    max_seq, cap, max_batch, max_hkv = LIMITS[quick]
+    rng = np.random.default_rng([seed, index])
+    batch = int(rng.integers(1, max_batch + 1))
+    heads_kv = int(rng.choice([1, *range(1, max_hkv + 1)]))
+    group = int(rng.choice(GROUPS[:4] if quick else GROUPS))
+    shape = rng.choice(["ragged", "same", "one", "empty_ctas"], p=[0.55, 0.15, 0.1, 0.2])
+    sq, sk = _log_uniform(rng, max_seq), _log_uniform(rng, max_seq)
+    if shape == "same":
+        sk = sq
+    elif shape == "one":
+        sq, sk = (1, sk) if rng.random() < 0.5 else (sq, 1)
+    elif shape == "empty_ctas" and causal:  # whole CTAs whose rows see no key
+        bm = block_m(family, head_dim, causal)
+        sk = _log_uniform(rng, max(1, max_seq - 2 * bm - 64))
+        sq = min(max_seq, sk + 2 * bm + int(rng.integers(0, 64)))
+    while batch * heads_kv * group * sq * sk > cap:  # keep the float64 reference affordable
+        if batch > 1:
+            batch = max(1, cap // (heads_kv * group * sq * sk))
+        elif group > 1 or heads_kv > 1:
+            group, heads_kv = (group // 2, heads_kv) if group > 1 else (group, heads_kv - 1)
+        else:
+            sq, sk = (sq // 2, sk) if sq >= sk else (sq, sk // 2)
+    big = rng.random() < 0.2
+    amplitude = float(rng.uniform(10.0, 20.0 if dtype == "float16" else 30.0)) if big else 1.0
+    scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
+    return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
+                str(rng.choice(KINDS, p=[0.7, 0.15, 0.15])), amplitude, scale,
+                bool(rng.random() < 0.5), bool(rng.random() < 0.3))
+
+
+def numpy_dtype(name: str) -> Any:
+    if name == "float16":
+        return np.float16
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def make_inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, k, v as numpy arrays of the case's dtype."""
+    rng = np.random.default_rng([case.seed, case.index, 1])
+    dtype = numpy_dtype(case.dtype)
+    q = rng.standard_normal((case.batch, case.seqlen_q, case.heads_q, case.head_dim)) * case.amplitude
+    k = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim)) * case.amplitude
+    v = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def to_device(x: np.ndarray, kind: str) -> Any:
+    """``x`` as a torch CUDA tensor or a Numba device array (a DeviceBuffer for bfloat16)."""
+    if kind == "torch":
+        torch = _torch()
+        tdtype = torch.float16 if x.dtype == np.float16 else torch.bfloat16
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(tdtype).cuda()
+    from numba import cuda
+
+    from ..runtime.buffers import DeviceBuffer
+
+    return cuda.to_device(x) if x.dtype == np.float16 else DeviceBuffer(x)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """Any result (numpy, torch, Numba device array, DeviceBuffer) as a float64 numpy array."""
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.float().cpu().numpy().astype(np.float64)
+    if hasattr(x, "copy_to_host"):
+        if x.dtype.itemsize == 2 and hasattr(x, "view"):  # bfloat16 Numba arrays: copy the bits
+            return x.view(np.uint16).copy_to_host().view(x.dtype).astype(np.float64)
+        x = x.copy_to_host()
+    return np.asarray(x).astype(np.float64)
+
+
+def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
+    """Run one case on the current GPU with its family's shipped config forced; never raises."""
+    import numbaflash
+    from numbaflash.configs import force_config
+
+    start = time.perf_counter()
+    try:
+        q, k, v = make_inputs(case)
+        kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
+        args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
+        out = None
+        if case.use_out:
+            out = np.full(q.shape, np.nan, q.dtype)  # poison: unwritten elements show up as NaN
+            out = out if kind == "numpy" else to_device(out, kind)
+        config = forward_config(FAMILY_CAPABILITY[case.family], case.head_dim, case.causal)
+        with force_config(capability, case.causal, config):
+            result = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
+                                                return_lse=case.return_lse, out=out)
+        got, lse = result if case.return_lse else (result, None)
+        problems = [] if out is None or got is out else ["the result is not the given out"]
+        ratio, found = compare_with_reference(q, k, v, to_host(got), None if lse is None else to_host(lse),
+                                             causal=case.causal, softmax_scale=case.softmax_scale)
+        problems += found
+        note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
+        return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
+    except Exception as exc:
+        return CaseResult(case, False, math.inf, time.perf_counter() - start,
+                          f"raised {type(exc).__name__}: {exc}")
+
+
+def parse_case_list(text: str) -> list[int]:
+    """'3' or '3,17,40' -> case indices."""
+    try:
+        indices = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected case indices separated by commas, got {text!r}") from None
+    if not indices or min(indices) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative case indices, got {text!r}")
+    return indices
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m numbaflash.selftest",
+                                description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--cases", type=int, default=None, help="number of cases (default 100; 24 with --quick)")
+    p.add_argument("--quick", action="store_true", help="a small, fast set with small shapes")
+    p.add_argument("--seed", type=int, default=None, help="seed to replay (default: a fresh random one)")
+    p.add_argument("--case", type=parse_case_list, action="append", default=[],
+                   help="run only these case indices (repeatable, or a comma list)")
+    p.add_argument("--family", choices=FAMILIES, default=None, help="test only this kernel family")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every case")
+    return p
+
+
+def replay_command(args: argparse.Namespace, seed: int, index: int) -> str:
+    flags = (" --quick" if args.quick else "") + (f" --family {args.family}" if args.family else "")
+    return f"python -m numbaflash.selftest --seed {seed}{flags} --case {index}"
+
+
+def _versions() -> str:
+    from importlib import metadata
+
+    from .. import __version__
+
+    try:
+        numba_cuda = metadata.version("numba-cuda")
+    except metadata.PackageNotFoundError:
+        numba_cuda = "not installed"
+    return f"numbaflash {__version__}, numba-cuda {numba_cuda}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from numba import cuda
+
+    from ..configs import runnable_families
+
+    if not cuda.is_available():
+        print("numbaflash self-test: no CUDA GPU available (numba.cuda.is_available() is False); "
+              "it needs an NVIDIA GPU with compute capability >= 8.0 and its driver.", file=sys.stderr)
+        return 2
+    device = cuda.get_current_device()
+    capability = tuple(device.compute_capability)
+    name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+    families = runnable_families(capability)
+    if capability < (8, 0) or (args.family and args.family not in families):
+        print(f"numbaflash self-test: {name} (sm_{capability[0]}{capability[1]}) cannot run "
+              f"{args.family or 'numbaflash'} kernels (runs: {families if capability >= (8, 0) else 'none'})",
+              file=sys.stderr)
+        return 2
+    families = [args.family] if args.family else families
+    seed = secrets.randbits(32) if args.seed is None else args.seed
+    default_cases = 24 if args.quick else 100
+    indices = sorted({i for group in args.case for i in group}) or range(args.cases or default_cases)
+    print(f"GPU: {name}, compute capability {capability[0]}.{capability[1]}; {_versions()}")
+    print(f"seed {seed} (replay: --seed {seed}); families {', '.join(families)}; {len(indices)} cases",
+          flush=True)
+    results = []
+    for index in indices:
+        result = run_case(draw_case(seed, index, families, args.quick), capability)
+        results.append(result)
+        if args.verbose or not result.ok:
+            print(f"[{'ok' if result.ok else 'FAIL'}] case {index}: {result.case.describe()} "
+                  f"ratio {result.ratio:.3f} {result.seconds:.2f}s {result.message}".rstrip(), flush=True)
+    for family in families:
+        rs = [r for r in results if r.case.family == family]
+        worst = max((r.ratio for r in rs), default=0.0)
+        print(f"{family}: {len(rs)} cases, {sum(r.ok for r in rs)} passed, {sum(not r.ok for r in rs)} "
+              f"failed, worst error ratio {worst:.3f}, {sum(r.seconds for r in rs):.1f}s")
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(f"FAILED case {r.case.index}: {r.case.describe()}\n  {r.message}\n  replay: "
+              f"{replay_command(args, seed, r.case.index)}")
+    print(f"{'FAILED' if failed else 'PASSED'}: {len(results) - len(failed)}/{len(results)} cases passed "
+          f"(seed {seed})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
