@@ -7,6 +7,7 @@ reference, on the same random inputs: which implementation is more accurate, and
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 import torch
@@ -49,7 +50,10 @@ def main() -> None:
     key = configs.table_key(family, d, args.causal)
     for threshold in (common.RESCALE_THRESHOLD, 0.0):
         forward_mma.THRESHOLD = forward_wgmma.THRESHOLD = np.float32(threshold)
-        api._KERNELS.clear()  # rebuild the kernels with this threshold
+        # Rebuild the kernels with this threshold: the patched module attribute is not in the
+        # kernel cache's key (file contents are), so the cache is off for this script.
+        api._KERNELS.clear()
+        api._LOADED.clear()
         for cfg in configs.CANDIDATES[(family, d)][:2] + configs.CANDIDATES[(family, d)][-2:]:
             configs.OVERRIDES[key] = cfg
             e = errors(flash_attention(q, k, v, causal=args.causal), ref)
@@ -58,4 +62,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ["NUMBAFLASH_CACHE"] = "0"  # patched kernels must be compiled, not loaded
     main()

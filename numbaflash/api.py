@@ -10,8 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from .configs import SUPPORTED_HEAD_DIMS, forward_config
-from .runtime.launch import KernelLauncher, raise_dynamic_shared_limit
+from .configs import SUPPORTED_HEAD_DIMS, forward_config, make_kernel
+from .kernels.abi import FORWARD_ABI
+from .runtime.cache import cached_cubin
+from .runtime.compiler import arch_of
+from .runtime.launch import KernelLauncher, set_dynamic_shared_limit
 
 _FLOAT16 = np.dtype(np.float16)
 
@@ -225,23 +228,17 @@ _CAPABILITY: dict[int, tuple[int, int]] = {}
 def _current_gpu() -> tuple[tuple[int, int], int]:
     """(compute capability, ordinal) of the current device, with a context current on this thread.
 
-    Asks the driver which device the thread's current context belongs to (one call); Numba's
-    ``get_current_device`` (several microseconds of context bookkeeping) runs only the first
-    time a device is seen, or when no context is current yet (it makes the primary one current).
+    Asks the driver which device the thread's current context belongs to (one call). With no
+    context current it makes device 0's primary context current, as Numba, PyTorch and CuPy
+    do, so that arrays of any of them work with it. Numba is not imported on this path: on a
+    kernel-cache hit, a first call costs no Numba import.
     """
-    from numba import cuda
-
-    if not cuda.is_available():
-        raise RuntimeError(
-            "numbaflash needs an NVIDIA GPU with compute capability >= 8.0 (sm_80), and none "
-            "is available (numba.cuda.is_available() is False)"
-        )
     ordinal = _current_context_device()
-    if ordinal is None or ordinal not in _CAPABILITY:
-        device = cuda.get_current_device()
-        ordinal = device.id
-        _CAPABILITY[ordinal] = tuple(device.compute_capability)
-    cap = _CAPABILITY[ordinal]
+    if ordinal is None:
+        ordinal = _make_primary_context_current()
+    cap = _CAPABILITY.get(ordinal)
+    if cap is None:
+        cap = _CAPABILITY[ordinal] = _device_capability(ordinal)
     if cap < (8, 0):
         raise RuntimeError(
             f"numbaflash needs compute capability >= 8.0 (sm_80, Ampere or newer); this GPU is "
@@ -250,31 +247,97 @@ def _current_gpu() -> tuple[tuple[int, int], int]:
     return cap, ordinal
 
 
-def _current_context_device() -> int | None:
-    """Ordinal of the device of this thread's current CUDA context, or None if there is none."""
+_NO_GPU = ("numbaflash needs an NVIDIA GPU with compute capability >= 8.0 (sm_80), and none "
+           "is available")
+
+
+def _load_driver():
     from cuda.bindings import driver
 
+    return driver
+
+
+def _driver():
+    """``cuda.bindings.driver``, initialised; RuntimeError if there is no usable driver or GPU."""
+    try:
+        driver = _load_driver()
+        (err,) = driver.cuInit(0)
+    except Exception as exc:  # no libcuda.so: the bindings raise when they load it
+        raise RuntimeError(f"{_NO_GPU} (no CUDA driver: {exc})") from None
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{_NO_GPU} (cuInit: {err.name})")
+    return driver
+
+
+def _current_context_device() -> int | None:
+    """Ordinal of the device of this thread's current CUDA context, or None if there is none."""
+    driver = _driver()
     err, device = driver.cuCtxGetDevice()
     return int(device) if err == driver.CUresult.CUDA_SUCCESS else None
 
 
+def _make_primary_context_current() -> int:
+    """Retain device 0's primary context (kept for the process) and make it current."""
+    driver = _driver()
+    err, count = driver.cuDeviceGetCount()
+    if err != driver.CUresult.CUDA_SUCCESS or count == 0:
+        raise RuntimeError(f"{_NO_GPU} (no CUDA device visible)")
+    err, device = driver.cuDeviceGet(0)
+    err, context = driver.cuDevicePrimaryCtxRetain(device)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot create a CUDA context on device 0: {err.name}")
+    (err,) = driver.cuCtxSetCurrent(context)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot make device 0's context current: {err.name}")
+    return 0
+
+
+def _device_capability(ordinal: int) -> tuple[int, int]:
+    driver = _driver()
+    attr = driver.CUdevice_attribute
+    _, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ordinal)
+    _, minor = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, ordinal)
+    return int(major), int(minor)
+
+
 def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: bool):
-    """Compile (once per process) and return (launcher, config) for this problem on the current
-    device (ordinal ``device``): the loaded function and its shared-memory limit are per device."""
-    from numba import cuda
+    """(launcher, config) for this problem on the current device (ordinal ``device``).
 
-    from .configs import make_kernel
-    from .kernels.common import FORWARD_ARGTYPES
-
+    The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
+    there; it is loaded once per process, and its shared-memory limit is raised once per device.
+    """
     config = forward_config(capability, head_dim, causal)
     key = (config, causal, bf16, capability, device)
-    with _GPU_LOCK:
-        if key not in _KERNELS:
-            pyfunc = make_kernel(config, causal, bf16)
-            kernel = cuda.jit(FORWARD_ARGTYPES, launch_bounds=pyfunc.launch_bounds)(pyfunc)
-            raise_dynamic_shared_limit(kernel, FORWARD_ARGTYPES, config.shared_bytes)
-            _KERNELS[key] = KernelLauncher(kernel, FORWARD_ARGTYPES)
-    return _KERNELS[key], config
+    launcher = _KERNELS.get(key)
+    if launcher is None:
+        with _GPU_LOCK:
+            launcher = _KERNELS.get(key)
+            if launcher is None:
+                kernel, name = _loaded_forward(config, causal, bf16, arch_of(capability))
+                set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
+                launcher = _KERNELS[key] = KernelLauncher(kernel, FORWARD_ABI, name)
+    return launcher, config
+
+
+_LOADED: dict = {}
+
+
+def _loaded_forward(config, causal: bool, bf16: bool, arch: str):
+    """(cuda.core Kernel, entry name) of a forward kernel, loaded once per process (the loaded
+    library serves every device; call with ``_GPU_LOCK`` held)."""
+    key = (config, causal, bf16, arch)
+    if key not in _LOADED:
+        from cuda.core import ObjectCode
+
+        def build():
+            from .kernels.common import FORWARD_ARGTYPES  # imports Numba: only on a cache miss
+
+            return make_kernel(config, causal, bf16), FORWARD_ARGTYPES
+
+        entry = cached_cubin("forward", config, causal, bf16, arch, build)
+        kernel = ObjectCode.from_cubin(entry.cubin).get_kernel(entry.entry_name)
+        _LOADED[key] = (kernel, entry.entry_name)
+    return _LOADED[key]
 
 
 _UNUSED_LSE: dict = {}
@@ -284,14 +347,15 @@ def _unused_lse(device: int) -> tuple[int, int]:
     """(pointer, 1) of a float32 device scalar for the LSE argument when no LSE is asked for;
     one per device, kept for the process (a fresh allocation per call would later be freed
     with cuMemFree, which makes the host wait for the device)."""
-    from numba import cuda
-
     if device not in _UNUSED_LSE:
         with _GPU_LOCK:
             if device not in _UNUSED_LSE:
-                scalar = cuda.device_array(1, np.float32)
-                _UNUSED_LSE[device] = (scalar, _device_pointer(scalar))
-    return _UNUSED_LSE[device][1], 1
+                driver = _driver()
+                err, pointer = driver.cuMemAlloc(4)
+                if err != driver.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cannot allocate 4 bytes on device {device}: {err.name}")
+                _UNUSED_LSE[device] = int(pointer)
+    return _UNUSED_LSE[device], 1
 
 
 def _device_pointer(obj: Any) -> int:

@@ -107,6 +107,11 @@ def runnable_families(capability: tuple[int, int]) -> list[str]:
     return ["sm90", "sm80"] if arch_family(capability) == "sm90" else ["sm80"]
 
 
+def runnable_candidates(capability: tuple[int, int], head_dim: int) -> list[KernelConfig]:
+    """Every candidate config that may run on a GPU of this capability (both families on Hopper)."""
+    return list(CANDIDATES[(arch_family(capability), head_dim)])
+
+
 @contextlib.contextmanager
 def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig) -> Iterator[None]:
     """Within the block, ``flash_attention`` on this GPU launches ``config`` for its head dim

@@ -202,10 +202,23 @@ def test_device_layout_checks():
         api._check_device_layout(op)
 
 
-def test_no_gpu_is_a_clear_runtime_error(monkeypatch):
-    from numba import cuda
+@pytest.mark.parametrize("failure", ["no device", "no driver"])
+def test_no_gpu_is_a_clear_runtime_error(monkeypatch, failure):
+    """Whatever the machine has, a driver that finds no GPU (or no driver at all) gives a clear
+    RuntimeError, before anything is compiled."""
+    from cuda.bindings import driver
 
-    monkeypatch.setattr(cuda, "is_available", lambda: False)
+    class NoDevice:
+        CUresult = driver.CUresult
+
+        @staticmethod
+        def cuInit(flags):
+            if failure == "no driver":
+                raise RuntimeError("Failed to dlopen libcuda.so.1")
+            return (driver.CUresult.CUDA_ERROR_NO_DEVICE,)
+
+    monkeypatch.setattr(api, "_load_driver", lambda: NoDevice)
+    monkeypatch.setattr(api, "_CAPABILITY", {})
     with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
         numbaflash.flash_attention(*qkv())
 

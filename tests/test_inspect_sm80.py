@@ -182,7 +182,8 @@ def test_format_table():
 def test_parse_arch():
     assert nfi.parse_arch("sm_80") == (8, 0)
     assert nfi.parse_arch("sm_90a") == (9, 0, "a")
-    for bad in ("sm_100", "80", "SM_80", ""):
+    assert nfi.parse_arch("sm_100a") == (10, 0, "a") and nfi.parse_arch("sm_86") == (8, 6)
+    for bad in ("sm_75", "80", "SM_80", "", "sm_9", "sm_90b"):
         with pytest.raises(ValueError, match="unknown architecture") as info:
             nfi.parse_arch(bad)
         assert "sm_80" in str(info.value) and "sm_90a" in str(info.value)

@@ -59,7 +59,7 @@ def test_launcher_passes_what_numba_passes():
     expected = cuda.to_device(np.full(9, np.nan))
     kernel[3, 64](x, expected, *scalars)
     got = cuda.to_device(np.full(9, np.nan))
-    launcher = KernelLauncher(kernel, ECHO_ARGTYPES)
+    launcher = KernelLauncher.from_numba(kernel, ECHO_ARGTYPES)
     pointer = x.__cuda_array_interface__["data"][0]
     launcher((3, 1, 1), 64, 0, 0, (pointer, 11), (got.__cuda_array_interface__["data"][0], 9), *scalars)
     cuda.synchronize()
@@ -71,7 +71,7 @@ def test_launcher_passes_what_numba_passes():
 @pytest.mark.gpu
 def test_launcher_checks_argument_count():
     kernel = cuda.jit(ECHO_ARGTYPES)(_echo)
-    launcher = KernelLauncher(kernel, ECHO_ARGTYPES)
+    launcher = KernelLauncher.from_numba(kernel, ECHO_ARGTYPES)
     with pytest.raises(TypeError, match="expected 7 arguments, got 2"):
         launcher((1, 1, 1), 32, 0, 0, (0, 1), (0, 1))
 

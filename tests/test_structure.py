@@ -47,7 +47,7 @@ def test_no_device_function_takes_more_than_10_arguments():
 
 # The package top is the public face plus the short ``python -m numbaflash.<tool>`` entry points.
 PUBLIC_MODULES = {"__init__", "__main__", "api", "configs"}
-TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "selftest"}
+TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "precompile", "selftest"}
 SUBPACKAGES = {"kernels", "ptx", "runtime", "tools", "demos"}
 
 

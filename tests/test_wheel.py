@@ -38,7 +38,7 @@ PROBE = textwrap.dedent(
     from numbaflash.runtime import sources
     from numba import cuda, types
     from numbaflash import ptx
-    from numbaflash.tools.inspect import compile_cubin
+    from numbaflash.runtime.compiler import compile_cubin
 
     def probe_kernel(x, out):
         i = cuda.grid(1)
@@ -82,7 +82,8 @@ def test_wheel_ships_every_ptx_source(wheel):
         assert shipped == PTX_FILES
         for name in PTX_FILES:
             assert zf.read(f"numbaflash/ptx_sources/{name}") == (REPO / "ptx" / name).read_bytes()
-    assert "numbaflash/sources.py" in names and "numbaflash/ptx/_declare.py" in names
+    assert "numbaflash/runtime/sources.py" in names and "numbaflash/ptx/_declare.py" in names
+    assert "numbaflash/runtime/cache.py" in names and "numbaflash/tools/precompile.py" in names
     assert not any(n.startswith(("tests/", "ptx/")) for n in names)
     licenses = [n for n in names if n.endswith("/LICENSE") and ".dist-info/" in n]
     assert licenses, "the wheel carries no LICENSE"

@@ -21,7 +21,10 @@ import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 
-ARCHES = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0), "sm_90a": (9, 0, "a")}
+from ..runtime.compiler import compile_cubin, parse_arch  # noqa: F401  (parse_arch: re-exported)
+
+# Targets offered on the command line (any sm_XY[a] works through the API).
+ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120a")
 
 # SASS opcodes worth counting: tensor-core, copy, memory, barrier and trouble makers.
 WATCHED_OPCODES = (
@@ -70,37 +73,6 @@ def find_tool(name: str) -> str:
         f"numbaflash.inspect needs {name!r}: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm "
         f"(or put the CUDA toolkit's bin on PATH)"
     )
-
-
-def parse_arch(arch: str) -> tuple:
-    try:
-        return ARCHES[arch]
-    except KeyError:
-        raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(ARCHES)}") from None
-
-
-def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> bytes:
-    """Compile a kernel's Python function for ``arch`` with no GPU and return the linked cubin.
-    ``launch_bounds`` defaults to the function's ``launch_bounds`` attribute (set by the
-    package's kernel factories, which jit with the same bounds)."""
-    from cuda.bindings import nvjitlink
-    from numba.cuda.compiler import compile_all
-
-    cc = parse_arch(arch)
-    bounds = launch_bounds if launch_bounds is not None else getattr(pyfunc, "launch_bounds", None)
-    codes, _ = compile_all(pyfunc, tuple(argtypes), device=False, cc=cc, output="ltoir", abi="numba",
-                           launch_bounds=bounds)
-    handle = nvjitlink.create(2, [f"-arch={arch}", "-lto"])
-    try:
-        for i, code in enumerate(codes):
-            data = code if isinstance(code, (bytes, bytearray)) else code.code
-            nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, data, len(data), f"module{i}")
-        nvjitlink.complete(handle)
-        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
-        nvjitlink.get_linked_cubin(handle, cubin)
-    finally:
-        nvjitlink.destroy(handle)
-    return bytes(cubin)
 
 
 _RES_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
