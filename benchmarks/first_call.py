@@ -2,9 +2,10 @@
 
     python benchmarks/first_call.py            # needs a GPU and torch
 
-1. Two fresh processes, one after the other, share an empty cache folder. Each times its
-   first ``flash_attention`` call (fp16, d128, inputs already on the GPU): the first compiles
-   and stores the kernel, the second should only load it.
+1. Fresh processes, one after the other, share an empty cache folder. Each times its first
+   ``flash_attention`` call (fp16, d128, inputs already on the GPU): the first compiles and
+   stores the kernel, the next three should only load it (the fastest is reported: load on
+   the machine only adds time). "import s" is ``import numbaflash`` alone.
 2. ``python -m numbaflash.precompile --arch <this GPU>`` runs with no GPU visible
    (``CUDA_VISIBLE_DEVICES=``) into another empty folder; then one GPU process calls every
    shipped (head dim, causal, dtype) combination and counts its compiles (should be 0).
@@ -23,18 +24,19 @@ import sys
 import tempfile
 import time
 
+WARM_PROCESSES = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child(mode: str) -> None:
     """Runs in a fresh process: time first calls, count compiles, print one JSON line."""
-    start = time.perf_counter()
     import torch
 
+    start = time.perf_counter()
     import numbaflash
     from numbaflash.runtime import cache
 
-    import_s = time.perf_counter() - start
+    import_s = time.perf_counter() - start  # numbaflash alone (torch is the caller's)
     combos = [(128, False, torch.float16)]
     if mode == "all":
         dtypes = (torch.float16, torch.bfloat16)
@@ -77,7 +79,12 @@ def measure() -> dict:
     arch = arch_of(torch.cuda.get_device_capability())
     with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as pre:
         cold = run_child("call", shared)
-        warm = run_child("call", shared)
+        # The next processes only load. Each is a fresh process; on a busy machine (the GPU
+        # check runs the sanitizer beside the tests) CPU contention only adds time, so the
+        # fastest of three is the figure of the code.
+        warm_runs = [run_child("call", shared) for _ in range(WARM_PROCESSES)]
+        warm = min(warm_runs, key=lambda x: x["first_call_s"])
+        warm["all_first_call_s"] = [x["first_call_s"] for x in warm_runs]
         env = {**os.environ, "NUMBAFLASH_CACHE_DIR": pre, "CUDA_VISIBLE_DEVICES": ""}
         env.pop("NUMBAFLASH_CACHE", None)
         start = time.perf_counter()
@@ -106,10 +113,11 @@ def main() -> int:
     cold, warm, after = r["cold"], r["warm"], r["after_precompile"]
     print(f"GPU: {cold['gpu']} ({r['arch']}); first flash_attention call in a new process, inputs on the GPU")
     print(f"{'process':<44} {'import s':>9} {'1st call s':>11} {'2nd call ms':>12} {'compiles':>9}")
-    for name, x in (("1: empty cache", cold), ("2: same cache, next process", warm),
+    for name, x in (("1: empty cache", cold), ("2: same cache, next process (best of 3)", warm),
                     (f"3: after precompile ({after['calls']} kernels)", after)):
         print(f"{name:<44} {x['import_s']:9.3f} {x['max_first_call_s']:11.3f} "
               f"{1000 * x['second_call_s']:12.3f} {x['compiles']:9d}")
+    print("next processes' first calls (s): " + ", ".join(f"{t:.3f}" for t in warm["all_first_call_s"]))
     print(f"precompile with CUDA_VISIBLE_DEVICES='': {r['precompile_s']:.1f} s ({r['precompile_out']})")
     print(f"worst |out - SDPA|: {max(cold['worst_error'], warm['worst_error'], after['worst_error']):.2e}; "
           f"Numba imported on the cache-hit path: {warm['numba_imported']}")

@@ -23,6 +23,7 @@ def test_second_process_loads_and_precompiled_process_compiles_nothing():
           f"compiles {after['compiles']}")
     assert cold["compiles"] == 1
     assert warm["compiles"] == 0 and warm["hits"] == 1
+    print("next processes' first calls (s):", warm["all_first_call_s"])
     assert warm["first_call_s"] <= FIRST_CALL_LIMIT_S
     assert after["compiles"] == 0 and after["hits"] == after["calls"] == 8
     for x in (cold, warm, after):

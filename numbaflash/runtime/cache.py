@@ -7,8 +7,9 @@ package keeps its own cache of what ``compiler.compile_cubin`` returns.
 - **Where:** ``$NUMBAFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numbaflash``, else
   ``~/.cache/numbaflash``. ``NUMBAFLASH_CACHE=0`` turns the cache off (every process compiles).
 - **Layout:** one folder per toolchain (package, numba-cuda, NVVM, NVRTC and nvJitLink
-  versions), one file per kernel, named by its key. Folders of other toolchains are never
-  read; ``python -m numbaflash.precompile --list / --clear`` shows and removes them.
+  versions) and state of the kernel sources, one file per kernel, named by its key. Other
+  folders are never read; ``python -m numbaflash.precompile --list / --clear`` shows and
+  removes them.
 - **Key:** a SHA-256 over the kernel's source (every module of ``numbaflash/kernels`` and of
   the PTX bindings, and every ``ptx/*.cu``), the config, dtype, causal flag, target and the
   toolchain versions: any change gives a new key, so stale code is never loaded.
@@ -86,6 +87,12 @@ def toolchain_tag(versions: dict[str, str] | None = None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", text)
 
 
+def folder_name() -> str:
+    """This installation's folder: its toolchain and a short digest of the kernel sources, so
+    that entries left by other versions, or by edited sources, can be listed and cleared."""
+    return f"{toolchain_tag()}_src-{source_digest()[:12]}"
+
+
 def _source_files() -> list[Path]:
     """Every file whose content can change a kernel's binary."""
     from .sources import ptx_directory
@@ -123,7 +130,7 @@ def kernel_key(kind: str, config, causal: bool, bf16: bool, arch: str, *,
 
 
 def entry_path(key: str) -> Path:
-    return cache_root() / toolchain_tag() / (key + SUFFIX)
+    return cache_root() / folder_name() / (key + SUFFIX)
 
 
 def encode_entry(entry: CacheEntry, description: str = "") -> bytes:
@@ -245,7 +252,7 @@ def list_entries() -> list[ListedEntry]:
     root = cache_root()
     if not root.is_dir():
         return []
-    current = toolchain_tag()
+    current = folder_name()
     found = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         for path in sorted(folder.glob("*" + SUFFIX)):
@@ -267,7 +274,7 @@ def clear(everything: bool = False) -> int:
     root = cache_root()
     if not root.is_dir():
         return 0
-    current = toolchain_tag()
+    current = folder_name()
     removed = 0
     for folder in [p for p in root.iterdir() if p.is_dir()]:
         if folder.name == current and not everything:

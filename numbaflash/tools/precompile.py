@@ -95,7 +95,7 @@ def list_cache() -> None:
     from ..runtime import cache
 
     entries = cache.list_entries()
-    print(f"cache: {cache.cache_root()}  (this installation: {cache.toolchain_tag()})")
+    print(f"cache: {cache.cache_root()}  (this installation: {cache.folder_name()})")
     if not entries:
         print("no entries")
         return
