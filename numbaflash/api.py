@@ -487,27 +487,28 @@ def flash_attention(
                         return_lse, _stream_handle(qd))
         return (out, lse_obj) if return_lse else out
 
-    # numpy: stage through device buffers on a private stream, copy back, wait.
-    from numba import cuda
+    # numpy: the chunked pipeline over pinned staging buffers and several streams.
+    from .runtime.pipeline import run_numpy_forward
 
-    stream = cuda.stream()
-    host = [np.ascontiguousarray(op.obj).view(np.uint16) for op in ops]
-    buffers = [cuda.to_device(h.reshape(-1), stream=stream) for h in host]
-    buffers.append(cuda.device_array(math.prod(o_shape), np.uint16, stream=stream))
-    for op, h in zip(ops, host, strict=True):
-        op.strides = tuple(s // 2 for s in h.strides)
-    contiguous = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
-    od = _Operand("out", qd.shape, qd.dtype_name, False, None, contiguous)
-    for op, buf in zip([*ops, od], buffers, strict=True):
-        op.pointer = _device_pointer(buf)
-    lse_obj = cuda.device_array((batch, heads_q, seqlen_q), np.float32, stream=stream) if return_lse else None
-    lse = (_device_pointer(lse_obj), batch * heads_q * seqlen_q) if return_lse else _unused_lse(device)
-    _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2, return_lse,
-                    int(stream.handle))
-    result = buffers[3].copy_to_host(stream=stream).view(q.dtype).reshape(o_shape)
-    lse_host = lse_obj.copy_to_host(stream=stream) if return_lse else None
-    stream.synchronize()
-    if out is not None:
+    # Scatter straight into ``out`` unless it shares memory with an input (then via a copy).
+    direct = out is not None and not any(np.may_share_memory(out, x) for x in (q, k, v))
+    result = out if direct else np.empty(o_shape, dtype=q.dtype)
+    lse_host = np.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else None
+
+    def launch_chunk(lay, base: int, sub, stream: int) -> None:
+        """The kernel on one chunk, whose q, k, v, o (and LSE) sit dense from ``base``."""
+        def dense(name, shape, offset):
+            strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+            return _Operand(name, shape, qd.dtype_name, True, None, strides, base + offset)
+
+        chunk_ops = [dense("q", lay.q_shape, lay.q), dense("k", lay.kv_shape, lay.k),
+                     dense("v", lay.kv_shape, lay.v), dense("out", lay.q_shape, lay.o)]
+        lse_arg = (base + lay.lse, math.prod(lay.lse_shape)) if return_lse else _unused_lse(device)
+        _launch_forward(launcher, config, chunk_ops, lse_arg, sub.seqlen_k, sub.heads_kv, scale_log2,
+                        return_lse, stream)
+
+    run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk)
+    if out is not None and not direct:
         out[...] = result
         result = out
     return (result, lse_host) if return_lse else result

@@ -1,0 +1,143 @@
+"""The numpy pipeline on a GPU: bit-identical to the device-array path on a matrix of shapes
+(many chunks forced on small problems), non-contiguous inputs, ``out=``, LSE, a failure in the
+middle of a call, and calls from several threads at once."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import numbaflash
+from numbaflash import api
+from numbaflash.runtime import pipeline as pl
+
+
+@pytest.fixture
+def many_chunks(monkeypatch):
+    """Cut even small problems into many chunks, so that every lane and stream is used."""
+    monkeypatch.setattr(pl, "MIN_CHUNK_BYTES", 1)
+    monkeypatch.setattr(pl, "TARGET_CHUNKS", 7)
+
+
+def torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+def make(shape_q, shape_kv, dtype, seed):
+    rng = np.random.default_rng(seed)
+    np_dtype = np.float16
+    if dtype == "bf16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        np_dtype = ml_dtypes.bfloat16
+    q = rng.standard_normal(shape_q).astype(np_dtype)
+    k = rng.standard_normal(shape_kv).astype(np_dtype)
+    v = rng.standard_normal(shape_kv).astype(np_dtype)
+    return q, k, v
+
+
+def device_path(q, k, v, causal, return_lse):
+    """The same call on torch device tensors (zero copy), back to numpy bits."""
+    torch = torch_cuda()
+    tdtype = torch.float16 if q.dtype == np.float16 else torch.bfloat16
+    dq, dk, dv = (torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(tdtype)
+                  for x in (q, k, v))
+    r = numbaflash.flash_attention(dq, dk, dv, causal=causal, return_lse=return_lse)
+    o, lse = r if return_lse else (r, None)
+    bits = o.view(torch.int16).cpu().numpy().view(np.uint16)
+    return bits, (lse.cpu().numpy() if return_lse else None)
+
+
+CASES = [
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim), causal
+    ((3, 200, 333, 6, 3, 64), True),
+    ((1, 1000, 257, 8, 2, 128), False),
+    ((2, 2000, 1000, 4, 4, 64), True),  # rows that see no key
+    ((5, 77, 77, 2, 1, 128), True),  # MQA
+    ((1, 1, 1, 1, 1, 64), False),
+    ((8, 128, 512, 4, 4, 128), False),  # chunks of whole batches
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_numpy_path_is_bit_identical_to_device_path(many_chunks, case, return_lse, dtype):
+    (b, sq, sk, hq, hkv, d), causal = case
+    q, k, v = make((b, sq, hq, d), (b, sk, hkv, d), dtype, seed=sq * 31 + sk)
+    r = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=return_lse)
+    o, lse = r if return_lse else (r, None)
+    ref_bits, ref_lse = device_path(q, k, v, causal, return_lse)
+    assert o.dtype == q.dtype and o.shape == q.shape
+    np.testing.assert_array_equal(o.view(np.uint16), ref_bits)
+    if return_lse:
+        np.testing.assert_array_equal(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_non_contiguous_inputs_and_out(many_chunks):
+    q0, k0, v0 = make((2, 300, 8, 64), (2, 300, 8, 64), "f16", seed=5)
+    q, k, v = q0[:, :, ::2], k0[:, :, 1::2], v0[::-1][:, :, ::2]  # strided, reversed views
+    assert not q.flags.c_contiguous
+    out = np.full(q.shape, np.nan, np.float16)
+    got = numbaflash.flash_attention(q, k, v, causal=True, out=out)
+    assert got is out
+    ref_bits, _ = device_path(q, k, v, True, False)
+    np.testing.assert_array_equal(out.view(np.uint16), ref_bits)
+    # out aliasing q (in place) goes through a temporary and gives the same bits
+    q_copy = np.array(q)
+    numbaflash.flash_attention(q_copy, k, v, causal=True, out=q_copy)
+    np.testing.assert_array_equal(q_copy.view(np.uint16), ref_bits)
+
+
+def assert_same_bits(a, b):
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_failure_midway_leaves_the_next_call_right(many_chunks, monkeypatch):
+    q, k, v = make((4, 256, 4, 64), (4, 256, 4, 64), "f16", seed=9)
+    expected = numbaflash.flash_attention(q, k, v)
+    launch = api._launch_forward
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C during the call
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_launch_forward", failing)
+    with pytest.raises(KeyboardInterrupt):
+        numbaflash.flash_attention(q, k, v)
+    monkeypatch.setattr(api, "_launch_forward", launch)
+    assert_same_bits(numbaflash.flash_attention(q, k, v), expected)
+    numbaflash.release_staging()  # and after freeing the staging memory, calls allocate again
+    assert_same_bits(numbaflash.flash_attention(q, k, v), expected)
+
+
+@pytest.mark.gpu
+def test_calls_from_several_threads(many_chunks):
+    problems = [make((2, 100 + 37 * i, 4, 64), (2, 90 + 11 * i, 2, 64), "f16", seed=i) for i in range(6)]
+    expected = [numbaflash.flash_attention(*p, causal=True) for p in problems]
+    errors, results = [], {}
+
+    def worker(i):
+        try:
+            for _ in range(3):
+                results[i] = numbaflash.flash_attention(*problems[i], causal=True)
+                np.testing.assert_array_equal(results[i].view(np.uint16), expected[i].view(np.uint16))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(problems))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
