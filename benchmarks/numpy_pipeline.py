@@ -85,7 +85,7 @@ def register_cost(torch) -> None:
     staging): cuMemHostRegister of q, k, v and o of the first size, then unregister."""
     from cuda.bindings import driver
 
-    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # a current context on this thread
     arrays = [np.ones(SIZES[0], np.float16) for _ in range(4)]
     for _ in range(2):
         t = time.perf_counter()
