@@ -418,7 +418,8 @@ def flash_attention(
         q: (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16.
         k, v: (batch, seqlen_k, heads_kv, head_dim), same dtype; heads_q a multiple of
             heads_kv (GQA / MQA). head_dim 64 or 128; any seqlen >= 1.
-            All three numpy arrays (copied to the GPU and back; the result is numpy), or all
+            All three numpy arrays (copied to the GPU and back through pinned staging, in
+            chunks on several streams; the result is numpy), or all
             device arrays: torch CUDA tensors, CuPy arrays, Numba device arrays or any
             ``__cuda_array_interface__`` object (zero copy; the result stays on the device,
             of the same library for torch and CuPy, a Numba device array otherwise). Strided
