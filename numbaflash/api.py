@@ -10,9 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .configs import SUPPORTED_HEAD_DIMS, forward_config, make_kernel
+from .configs import SUPPORTED_HEAD_DIMS, forward_config, forward_cubin
 from .kernels.abi import FORWARD_ABI
-from .runtime.cache import cached_cubin
 from .runtime.compiler import arch_of
 from .runtime.launch import KernelLauncher, set_dynamic_shared_limit
 
@@ -257,8 +256,15 @@ def _load_driver():
     return driver
 
 
+_DRIVER = None  # cuda.bindings.driver, once cuInit has succeeded in this process
+
+
 def _driver():
-    """``cuda.bindings.driver``, initialised; RuntimeError if there is no usable driver or GPU."""
+    """``cuda.bindings.driver``, initialised (``cuInit`` runs until it first succeeds, not on
+    every call); RuntimeError if there is no usable driver or GPU."""
+    global _DRIVER
+    if _DRIVER is not None:
+        return _DRIVER
     try:
         driver = _load_driver()
         (err,) = driver.cuInit(0)
@@ -266,6 +272,7 @@ def _driver():
         raise RuntimeError(f"{_NO_GPU} (no CUDA driver: {exc})") from None
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{_NO_GPU} (cuInit: {err.name})")
+    _DRIVER = driver
     return driver
 
 
@@ -329,12 +336,7 @@ def _loaded_forward(config, causal: bool, bf16: bool, arch: str):
     if key not in _LOADED:
         from cuda.core import ObjectCode
 
-        def build():
-            from .kernels.common import FORWARD_ARGTYPES  # imports Numba: only on a cache miss
-
-            return make_kernel(config, causal, bf16), FORWARD_ARGTYPES
-
-        entry = cached_cubin("forward", config, causal, bf16, arch, build)
+        entry = forward_cubin(config, causal, bf16, arch)
         kernel = ObjectCode.from_cubin(entry.cubin).get_kernel(entry.entry_name)
         _LOADED[key] = (kernel, entry.entry_name)
     return _LOADED[key]

@@ -141,3 +141,17 @@ def make_kernel(config: KernelConfig, causal: bool, bf16: bool):
     if isinstance(config, WgmmaConfig):
         return make_forward_wgmma_kernel(config, causal, bf16)
     return make_forward_kernel(config, causal, bf16)
+
+
+def forward_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str):
+    """The linked cubin (``runtime.cache.CacheEntry``) of a forward kernel for ``arch``: from the
+    on-disk cache, or compiled and stored. The API and ``precompile`` both come here, so they
+    agree on the cache key."""
+    from .runtime.cache import cached_cubin
+
+    def build():
+        from .kernels.common import FORWARD_ARGTYPES  # imports Numba: only on a cache miss
+
+        return make_kernel(config, causal, bf16), FORWARD_ARGTYPES
+
+    return cached_cubin("forward", config, causal, bf16, arch, build)

@@ -218,6 +218,7 @@ def test_no_gpu_is_a_clear_runtime_error(monkeypatch, failure):
             return (driver.CUresult.CUDA_ERROR_NO_DEVICE,)
 
     monkeypatch.setattr(api, "_load_driver", lambda: NoDevice)
+    monkeypatch.setattr(api, "_DRIVER", None)  # as in a fresh process
     monkeypatch.setattr(api, "_CAPABILITY", {})
     with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
         numbaflash.flash_attention(*qkv())

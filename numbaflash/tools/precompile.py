@@ -49,15 +49,13 @@ def kernels_for(arch: str, candidates: bool) -> list[tuple]:
 
 def build_one(item: tuple) -> tuple[str, bool, float]:
     """Compile one kernel into the cache (a worker process): (description, compiled, seconds)."""
-    from ..configs import make_kernel
-    from ..kernels.common import FORWARD_ARGTYPES
+    from ..configs import forward_cubin
     from ..runtime import cache
 
     config, causal, bf16, arch = item
     start = time.perf_counter()
     before = cache.STATS["compiles"]
-    cache.cached_cubin("forward", config, causal, bf16, arch,
-                       lambda: (make_kernel(config, causal, bf16), FORWARD_ARGTYPES))
+    forward_cubin(config, causal, bf16, arch)
     compiled = cache.STATS["compiles"] > before
     return cache.describe("forward", config, causal, bf16, arch), compiled, time.perf_counter() - start
 
