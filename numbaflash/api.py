@@ -420,8 +420,8 @@ def flash_attention(
         q: (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16.
         k, v: (batch, seqlen_k, heads_kv, head_dim), same dtype; heads_q a multiple of
             heads_kv (GQA / MQA). head_dim 64 or 128; any seqlen >= 1.
-            All three numpy arrays (copied to the GPU and back through pinned staging, in
-            chunks on several streams; the result is numpy), or all
+            All three numpy arrays (staged through page-locked memory in chunks on several
+            streams; the result is a numpy array over pooled pinned memory), or all
             device arrays: torch CUDA tensors, CuPy arrays, Numba device arrays or any
             ``__cuda_array_interface__`` object (zero copy; the result stays on the device,
             of the same library for torch and CuPy, a Numba device array otherwise). Strided
@@ -491,12 +491,13 @@ def flash_attention(
         return (out, lse_obj) if return_lse else out
 
     # numpy: the chunked pipeline over pinned staging buffers and several streams.
-    from .runtime.pipeline import run_numpy_forward
+    from .runtime.pipeline import pinned_empty, run_numpy_forward
 
-    # Scatter straight into ``out`` unless it shares memory with an input (then via a copy).
+    # Results go to pooled pinned memory (the copy engines write them in place), or straight
+    # into ``out`` unless it shares memory with an input (then via a copy).
     direct = out is not None and not any(np.may_share_memory(out, x) for x in (q, k, v))
-    result = out if direct else np.empty(o_shape, dtype=q.dtype)
-    lse_host = np.empty((batch, heads_q, seqlen_q), np.float32) if return_lse else None
+    result = out if direct else pinned_empty(o_shape, q.dtype)
+    lse_host = pinned_empty((batch, heads_q, seqlen_q), np.float32) if return_lse else None
 
     def launch_chunk(lay, base: int, sub, stream: int) -> None:
         """The kernel on one chunk, whose q, k, v, o (and LSE) sit dense from ``base``."""

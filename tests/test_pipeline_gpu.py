@@ -4,6 +4,7 @@ middle of a call, and calls from several threads at once."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import numbaflash
 from numbaflash import api
+from numbaflash.runtime import host_memory as hm
 from numbaflash.runtime import pipeline as pl
 
 
@@ -52,6 +54,18 @@ def device_path(q, k, v, causal, return_lse):
     return bits, (lse.cpu().numpy() if return_lse else None)
 
 
+@pytest.fixture(params=["copy", "pooled", "registered"])
+def host_mode(request, monkeypatch):
+    """How host arrays move: ``copy`` through the pinned slots both ways (no pool, nothing
+    registered); ``pooled`` results in pool blocks; ``registered`` also inputs and ``out``
+    registered in place (every size; a test calls twice, since the first use only copies)."""
+    if request.param == "copy":
+        monkeypatch.setattr(pl, "pinned_empty", lambda shape, dtype: np.empty(shape, dtype))
+    monkeypatch.setattr(hm, "REGISTER_MIN_BYTES", 0 if request.param == "registered" else 1 << 62)
+    yield request.param
+    numbaflash.release_staging()
+
+
 CASES = [
     # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim), causal
     ((3, 200, 333, 6, 3, 64), True),
@@ -67,16 +81,58 @@ CASES = [
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("return_lse", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_numpy_path_is_bit_identical_to_device_path(many_chunks, case, return_lse, dtype):
+def test_numpy_path_is_bit_identical_to_device_path(many_chunks, host_mode, case, return_lse, dtype):
     (b, sq, sk, hq, hkv, d), causal = case
     q, k, v = make((b, sq, hq, d), (b, sk, hkv, d), dtype, seed=sq * 31 + sk)
+    if host_mode == "registered":
+        numbaflash.flash_attention(q, k, v, causal=causal, return_lse=return_lse)
+    failures = hm.REGISTRATIONS.failures
     r = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=return_lse)
+    if host_mode == "registered" and hm.REGISTRATIONS.failures == failures:
+        assert {id(x) for x in (q, k, v)} <= set(hm.REGISTRATIONS.live)
     o, lse = r if return_lse else (r, None)
     ref_bits, ref_lse = device_path(q, k, v, causal, return_lse)
     assert o.dtype == q.dtype and o.shape == q.shape
     np.testing.assert_array_equal(o.view(np.uint16), ref_bits)
     if return_lse:
         np.testing.assert_array_equal(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_pitched_views_registered_in_place(many_chunks, host_mode):
+    """Head ranges and every-other-row views: copied in place by 2-D copies when registered."""
+    big_q, big_k, big_v = make((3, 400, 10, 128), (3, 600, 6, 128), "f16", seed=11)
+    q, k, v = big_q[:, ::2, 3:7], big_k[:, 1::2, 1:3], big_v[:, :300, 4:6]
+    assert pl._pitched(q) and pl._pitched(k) and not q.flags.c_contiguous
+    out_big = np.full((3, 200, 12, 128), np.nan, np.float16)
+    out = out_big[:, :, 2:6]
+    ref_bits, ref_lse = device_path(q, k, v, True, True)
+    for _ in range(2):  # the second call finds the owners registered (in "registered" mode)
+        out[...] = np.nan
+        got, lse = numbaflash.flash_attention(q, k, v, causal=True, out=out, return_lse=True)
+        assert got is out
+        np.testing.assert_array_equal(out.view(np.uint16), ref_bits)
+        np.testing.assert_array_equal(lse, ref_lse)
+    assert np.isnan(out_big[:, :, :2]).all() and np.isnan(out_big[:, :, 6:]).all(), "wrote outside out"
+
+
+@pytest.mark.gpu
+def test_registrations_end_with_their_arrays_and_pool_blocks_are_reused(monkeypatch):
+    monkeypatch.setattr(hm, "REGISTER_MIN_BYTES", 0)
+    q, k, v = make((2, 1024, 8, 128), (2, 1024, 8, 128), "f16", seed=3)
+    expected = numbaflash.flash_attention(q, k, v)  # holds one block while it lives
+    assert_same_bits(numbaflash.flash_attention(q, k, v), expected)  # a second block, given back
+    held = hm.POOL.held
+    for _ in range(4):
+        assert_same_bits(numbaflash.flash_attention(q, k, v), expected)
+    assert hm.POOL.held == held, "each result's block came back and was reused"
+    keys = {id(x) for x in (q, k, v)}
+    assert keys <= set(hm.REGISTRATIONS.live)
+    del q, k, v
+    gc.collect()
+    assert not keys & set(hm.REGISTRATIONS.live), "deallocating an array unregisters it"
+    numbaflash.release_staging()
+    assert not hm.REGISTRATIONS.live
 
 
 @pytest.mark.gpu

@@ -3,15 +3,18 @@
 
 The problem is cut into independent chunks of (batch, kv-head group) pairs: a range of whole
 batches, or, when there are few batches, one batch and a range of kv heads (with their query
-heads, so GQA groups stay together). Each of ``LANES`` (8) lanes owns a CUDA stream, a pinned host
-slot and a device slot big enough for one chunk, and a worker thread that runs its chunks in
-turn:
+heads, so GQA groups stay together). Each of ``LANES`` (8) lanes owns a CUDA stream, a device
+slot big enough for one chunk (and a pinned host slot when a call copies through it), and a
+worker thread that runs its chunks in turn:
 
-    gather the chunk's q, k, v from numpy into the pinned slot (dense)   host thread
-    copy host -> device, run the kernel, copy O (and LSE) device -> host  the lane's stream
-    wait for the stream, scatter O (and LSE) into the numpy result       host thread
+    gather the chunk's q, k, v into the pinned slot, unless page-locked    host thread
+    copy host -> device, run the kernel, copy O (and LSE) device -> host    the lane's stream
+    wait for the stream, scatter O (and LSE), unless page-locked            host thread
 
-so the host copies of one lane overlap the DMA and kernels of the others, and the copy
+Arrays in page-locked memory (``host_memory``: results from the pinned pool, inputs
+registered in place) are copied by the copy engines straight from and to the caller's layout
+(2-D copies, a head range of every row), with no host copy and no wait; the rest go through the
+slot. The host copies of one lane overlap the DMA and kernels of the others, and the copy
 engines run both directions at once. Slots are kept per device and reused across calls
 (growing on demand, within ``NUMBAFLASH_STAGING_LIMIT_MB``, default 2048 MB of pinned and of
 device memory); ``release_staging()`` frees them, and they are freed at exit. One call holds a
@@ -29,11 +32,14 @@ import ctypes
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import host_memory
 
 # Measured on an H200 with (4, 4096, 16, 128) fp16 (benchmarks/numpy_pipeline.py --lanes --chunks):
 # 4 lanes / 8 chunks 20.2 ms, 4 / 16 25.4 ms, 8 / 16 16.3 ms, 8 / 32 18.8 ms, 12 / 24 16.4 ms,
@@ -119,29 +125,28 @@ def _check(result, what: str):
 
 
 class _Slot:
-    """One lane's pinned host memory and device memory (same size), grown on demand."""
+    """One lane's device memory and, when a call copies through it, pinned host memory of the
+    same size; grown on demand."""
 
     def __init__(self) -> None:
         self.nbytes = 0
         self.host = 0
         self.device = 0
 
-    def ensure(self, nbytes: int) -> None:
+    def ensure(self, nbytes: int, host: bool) -> None:
+        """At least ``nbytes`` of device memory, and of pinned host memory if ``host``."""
         from cuda.bindings import driver
 
-        if nbytes <= self.nbytes:
+        if nbytes <= self.nbytes and (self.host or not host):
             return
+        nbytes = max(nbytes, self.nbytes)
         self.free()
         nbytes = 1 << max(20, (nbytes - 1).bit_length())  # powers of two: few regrowths
-        portable = driver.CU_MEMHOSTALLOC_PORTABLE  # pinned for every context, not only this one
-        self.host = int(_check(driver.cuMemHostAlloc(nbytes, portable), f"pinning {nbytes} bytes"))
-        try:
-            self.device = int(_check(driver.cuMemAlloc(nbytes), f"allocating {nbytes} device bytes"))
-        except RuntimeError:
-            driver.cuMemFreeHost(self.host)
-            self.host = 0
-            raise
+        self.device = int(_check(driver.cuMemAlloc(nbytes), f"allocating {nbytes} device bytes"))
         self.nbytes = nbytes
+        if host:
+            portable = driver.CU_MEMHOSTALLOC_PORTABLE  # pinned for every context, not only this one
+            self.host = int(_check(driver.cuMemHostAlloc(nbytes, portable), f"pinning {nbytes} bytes"))
 
     def host_view(self, offset: int, shape: tuple[int, ...], dtype) -> np.ndarray:
         """A numpy array over pinned bytes ``offset`` .. of this slot."""
@@ -172,6 +177,8 @@ class _DeviceStaging:
         self.streams = [_check(driver.cuStreamCreate(flags), "creating a stream") for _ in range(LANES)]
         no_timing = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.events = [_check(driver.cuEventCreate(no_timing), "creating an event") for _ in range(LANES)]
+        # recorded after a chunk's host -> device copies: its pinned slot may take the next gather
+        self.consumed = [_check(driver.cuEventCreate(no_timing), "creating an event") for _ in range(LANES)]
         self.slots = [_Slot() for _ in range(LANES)]
 
     def release(self) -> None:
@@ -208,13 +215,15 @@ def _workers() -> ThreadPoolExecutor:
 
 
 def release_staging() -> None:
-    """Free every device's pinned and device staging memory (after waiting for its streams).
-    The next numpy call allocates again."""
+    """Free every device's pinned and device staging memory (after waiting for its streams),
+    unregister the numpy arrays registered in place, and free the idle pooled result blocks
+    (results still alive keep theirs). The next numpy call allocates again."""
     with _STAGING_LOCK:
         devices = list(_STAGING.values())
     for staging in devices:
         with staging.lock:
             staging.release()
+    host_memory.release()
 
 
 atexit.register(release_staging)
@@ -253,67 +262,268 @@ def chunk_layout(p: Problem, c: Chunk) -> ChunkLayout:
 LaunchChunk = Callable[[ChunkLayout, int, Problem, int], None]
 
 
+def pinned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous result array, from the pinned pool when it has room (the
+    result is then copied device -> host in place), else a plain ``np.empty``. Needs a
+    current CUDA context."""
+    from cuda.bindings import driver
+
+    context = _check(driver.cuCtxGetCurrent(), "reading the current context")
+    array = host_memory.POOL.empty(shape, dtype, staging_limit_bytes(), context)
+    return np.empty(shape, dtype) if array is None else array
+
+
+def _pitched(x: np.ndarray) -> bool:
+    """Whether a (batch, rows, heads, d) array's head range of a row is one contiguous run and
+    rows are a positive pitch apart: what a 2-D copy can address."""
+    b_st, r_st, h_st, d_st = x.strides
+    return (d_st == x.itemsize and h_st == x.shape[3] * x.itemsize and r_st >= x.shape[2] * h_st
+            and b_st >= 0 and x.ctypes.data % x.itemsize == 0)
+
+
+@dataclass(frozen=True)
+class HostSide:
+    """How each host array of a call moves: ``direct`` ones are page-locked and pitched, so
+    the copy engines address them in place; the others go through the lane's pinned slot."""
+
+    q: bool
+    k: bool
+    v: bool
+    out: bool
+    lse: bool
+
+    @property
+    def needs_slot_host(self) -> bool:
+        return not all((self.q, self.k, self.v, self.out, self.lse))
+
+    @property
+    def gathers(self) -> bool:
+        return not all((self.q, self.k, self.v))
+
+    @property
+    def scatters(self) -> bool:
+        return not (self.out and self.lse)
+
+
+# Set to a list to record a timeline of the next calls (benchmarks/numpy_pipeline.py --timeline):
+# one ``Trace`` a call. Off (None) in normal use, where the marks cost nothing.
+TRACE: list | None = None
+
+
+class Trace:
+    """When each chunk's stages ran: host copies by wall clock, stream work by timing events,
+    both in ms from the call's start."""
+
+    def __init__(self, stream) -> None:
+        from cuda.bindings import driver
+
+        self.stages: list[tuple[int, str, float | object, float | object]] = []  # lane, stage, start, end
+        self.start = _timing_event()
+        _check(driver.cuEventRecord(self.start, stream), "recording an event")
+        _check(driver.cuEventSynchronize(self.start), "waiting for an event")
+        self.host_start = time.perf_counter()
+        self.lock = threading.Lock()
+
+    def host(self, lane: int, stage: str, t0: float) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            self.stages.append((lane, stage, 1e3 * (t0 - self.host_start), 1e3 * (now - self.host_start)))
+
+    def device(self, lane: int, stage: str, stream, begin) -> object:
+        """Record the end of a stream stage that began at event ``begin``; returns the end."""
+        from cuda.bindings import driver
+
+        end = _timing_event()
+        _check(driver.cuEventRecord(end, stream), "recording an event")
+        with self.lock:
+            self.stages.append((lane, stage, begin, end))
+        return end
+
+    def mark(self, stream) -> object:
+        from cuda.bindings import driver
+
+        event = _timing_event()
+        _check(driver.cuEventRecord(event, stream), "recording an event")
+        return event
+
+    def resolve(self) -> list[tuple[int, str, float, float]]:
+        """After the call: every stage as (lane, stage, start ms, end ms)."""
+        from cuda.bindings import driver
+
+        def ms(t):
+            if isinstance(t, float):
+                return t
+            return float(_check(driver.cuEventElapsedTime(self.start, t), "timing an event"))
+
+        return [(lane, stage, ms(a), ms(b)) for lane, stage, a, b in self.stages]
+
+
+def _timing_event():
+    from cuda.bindings import driver
+
+    return _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT), "creating an event")
+
+
 def run_numpy_forward(device: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                       lse: np.ndarray | None, launch: LaunchChunk) -> None:
     """Compute ``out`` (and ``lse``) from numpy q, k, v (any strides) through the pipeline;
     ``launch`` enqueues the kernel of one chunk whose arrays are dense in device memory."""
-    from cuda.bindings import driver
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, lse is not None)
     chunks = plan_chunks(p)
     lanes = min(LANES, len(chunks))
     staging = _staging(device)
+    limit = staging_limit_bytes()
+    regs, users = host_memory.REGISTRATIONS, []
+
+    def direct(x: np.ndarray) -> bool:
+        return _pitched(x) and regs.page_locked(x, limit, staging.context, users)
+
+    def direct_lse() -> bool:
+        if lse is None:
+            return True
+        return lse.flags.c_contiguous and regs.page_locked(lse, limit, staging.context, users)
+
     with staging.lock:
-        largest = max(chunk_layout(p, c).nbytes for c in chunks)
-        for slot in staging.slots[:lanes]:
-            slot.ensure(largest)
-        cancel = threading.Event()
-
-        def run_lane(lane: int) -> None:
-            driver.cuCtxSetCurrent(staging.context)
-            slot, stream, event = staging.slots[lane], staging.streams[lane], staging.events[lane]
-            for c in chunks[lane::lanes]:
-                if cancel.is_set():
-                    return
-                _run_chunk(p, c, slot, stream, event, q, k, v, out, lse, launch)
-
-        futures = [_workers().submit(run_lane, lane) for lane in range(lanes)]
         try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            cancel.set()  # the lanes stop after their current chunk
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException:  # noqa: S110 - the first error is the one raised
-                    pass
-            raise
+            side = HostSide(direct(q), direct(k), direct(v), direct(out), direct_lse())
+            largest = max(chunk_layout(p, c).nbytes for c in chunks)
+            for slot in staging.slots[:lanes]:
+                slot.ensure(largest, side.needs_slot_host)
+            trace = Trace(staging.streams[0]) if TRACE is not None else None
+            _run_lanes(staging, lanes, chunks, lambda lane, c: _run_chunk(
+                p, c, side, staging, lane, (q, k, v, out, lse), launch, trace))
+            if trace is not None:
+                TRACE.append(trace.resolve())
         finally:
-            for stream in staging.streams[:lanes]:
-                driver.cuStreamSynchronize(stream)
+            regs.done(users)
 
 
-def _run_chunk(p: Problem, c: Chunk, slot: _Slot, stream, event, q, k, v, out, lse,
-               launch: LaunchChunk) -> None:
-    """Gather, copy in, launch, copy out, wait, scatter: one chunk on one lane."""
+def _run_lanes(staging: _DeviceStaging, lanes: int, chunks: list[Chunk], run_chunk) -> None:
+    """Lane i runs chunks i, i + lanes, ... in turn on its stream and slot; waits for all."""
     from cuda.bindings import driver
 
+    cancel = threading.Event()
+
+    def run_lane(lane: int) -> None:
+        driver.cuCtxSetCurrent(staging.context)
+        for c in chunks[lane::lanes]:
+            if cancel.is_set():
+                return
+            run_chunk(lane, c)
+
+    futures = [_workers().submit(run_lane, lane) for lane in range(lanes)]
+    try:
+        for f in futures:
+            f.result()
+    except BaseException:
+        cancel.set()  # the lanes stop after their current chunk
+        for f in futures:
+            try:
+                f.result()
+            except BaseException:  # noqa: S110 - the first error is the one raised
+                pass
+        raise
+    finally:
+        for stream in staging.streams[:lanes]:
+            driver.cuStreamSynchronize(stream)
+
+
+def _copy_2d(stream, to_device: bool, host: int, host_pitch: int, device: int, width: int,
+             height: int) -> None:
+    """Copy ``height`` rows of ``width`` bytes between pitched host memory and dense device
+    memory (one DMA; a single run when the pitch is the width)."""
+    from cuda.bindings import driver
+
+    m = driver.CUDA_MEMCPY2D()
+    host_type, device_type = driver.CUmemorytype.CU_MEMORYTYPE_HOST, driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    if to_device:
+        m.srcMemoryType, m.srcHost, m.srcPitch = host_type, host, host_pitch
+        m.dstMemoryType, m.dstDevice, m.dstPitch = device_type, device, width
+    else:
+        m.srcMemoryType, m.srcDevice, m.srcPitch = device_type, device, width
+        m.dstMemoryType, m.dstHost, m.dstPitch = host_type, host, host_pitch
+    m.WidthInBytes, m.Height = width, height
+    _check(driver.cuMemcpy2DAsync(m, stream), "a 2-D copy to the " + ("device" if to_device else "host"))
+
+
+def _copy_rows(stream, to_device: bool, x: np.ndarray, b0: int, b1: int, h0: int, h1: int,
+               device: int) -> None:
+    """Copy ``x[b0:b1, :, h0:h1]`` (pitched, page-locked) to or from dense device memory."""
+    width = (h1 - h0) * x.strides[2]
+    rows = x.shape[1]
+    base = x.ctypes.data + h0 * x.strides[2]
+    if x.strides[1] == width and x.strides[0] == rows * width:  # the whole range is one run
+        _copy_2d(stream, to_device, base + b0 * x.strides[0], width, device, width, (b1 - b0) * rows)
+        return
+    for b in range(b0, b1):
+        _copy_2d(stream, to_device, base + b * x.strides[0], x.strides[1], device + (b - b0) * rows * width,
+                 width, rows)
+
+
+def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, lane: int, arrays,
+               launch: LaunchChunk, trace: Trace | None) -> None:
+    """Gather, copy in, launch, copy out, (wait, scatter): one chunk on one lane."""
+    from cuda.bindings import driver
+
+    slot, stream, event = staging.slots[lane], staging.streams[lane], staging.events[lane]
+    q, k, v, out, lse = arrays
     lay = chunk_layout(p, c)
+    t0 = time.perf_counter()
     h0, h1 = c.g0 * p.group, c.g1 * p.group
     u16 = np.uint16
-    slot.host_view(lay.q, lay.q_shape, u16)[...] = q[c.b0:c.b1, :, h0:h1].view(u16)
-    slot.host_view(lay.k, lay.kv_shape, u16)[...] = k[c.b0:c.b1, :, c.g0:c.g1].view(u16)
-    slot.host_view(lay.v, lay.kv_shape, u16)[...] = v[c.b0:c.b1, :, c.g0:c.g1].view(u16)
-    _check(driver.cuMemcpyHtoDAsync(slot.device, slot.host, lay.o, stream), "copying to the device")
+    inputs = ((q, side.q, lay.q, lay.q_shape, h0, h1), (k, side.k, lay.k, lay.kv_shape, c.g0, c.g1),
+              (v, side.v, lay.v, lay.kv_shape, c.g0, c.g1))
+    if side.gathers:  # the lane's previous chunk must have left the slot's inputs part
+        _check(driver.cuEventSynchronize(staging.consumed[lane]), "waiting for a chunk's copies")
+    for x, is_direct, offset, shape, a, b in inputs:
+        if not is_direct:
+            slot.host_view(offset, shape, u16)[...] = x[c.b0:c.b1, :, a:b].view(u16)
+    if trace is not None:
+        trace.host(lane, "gather", t0)
+        mark = trace.mark(stream)
+    for x, is_direct, offset, shape, a, b in inputs:
+        if is_direct:
+            _copy_rows(stream, True, x, c.b0, c.b1, a, b, slot.device + offset)
+        else:
+            _check(driver.cuMemcpyHtoDAsync(slot.device + offset, slot.host + offset, 2 * math.prod(shape),
+                                            stream), "copying to the device")
+    if side.gathers:
+        _check(driver.cuEventRecord(staging.consumed[lane], stream), "recording an event")
+    if trace is not None:
+        mark = trace.device(lane, "host to device", stream, mark)
     sub = Problem(c.b1 - c.b0, p.seqlen_q, p.seqlen_k, h1 - h0, c.g1 - c.g0, p.head_dim, p.with_lse)
     launch(lay, slot.device, sub, int(stream))
-    out_bytes = lay.nbytes - lay.o
-    _check(driver.cuMemcpyDtoHAsync(slot.host + lay.o, slot.device + lay.o, out_bytes, stream),
-           "copying to the host")
+    if trace is not None:
+        mark = trace.device(lane, "kernel", stream, mark)
+    o_bytes = 2 * math.prod(lay.q_shape)
+    if side.out:
+        _copy_rows(stream, False, out, c.b0, c.b1, h0, h1, slot.device + lay.o)
+    else:
+        _check(driver.cuMemcpyDtoHAsync(slot.host + lay.o, slot.device + lay.o, o_bytes, stream),
+               "copying to the host")
+    if lse is not None:
+        lse_bytes = 4 * math.prod(lay.lse_shape)
+        if side.lse:  # lse is C-contiguous (batch, heads, rows): a head range is one run per batch
+            per = lse_bytes // (c.b1 - c.b0)
+            for b in range(c.b0, c.b1):
+                device = slot.device + lay.lse + (b - c.b0) * per
+                _check(driver.cuMemcpyDtoHAsync(lse[b, h0:h1].ctypes.data, device, per, stream),
+                       "copying the LSE to the host")
+        else:
+            _check(driver.cuMemcpyDtoHAsync(slot.host + lay.lse, slot.device + lay.lse, lse_bytes, stream),
+                   "copying the LSE to the host")
+    if trace is not None:
+        trace.device(lane, "device to host", stream, mark)
+    if not side.scatters:
+        return  # nothing on the host waits for this chunk: the stream orders the lane's next
     _check(driver.cuEventRecord(event, stream), "recording an event")
     _check(driver.cuEventSynchronize(event), "waiting for a chunk")
-    out[c.b0:c.b1, :, h0:h1].view(u16)[...] = slot.host_view(lay.o, lay.q_shape, u16)
-    if lse is not None:
+    t0 = time.perf_counter()
+    if not side.out:
+        out[c.b0:c.b1, :, h0:h1].view(u16)[...] = slot.host_view(lay.o, lay.q_shape, u16)
+    if lse is not None and not side.lse:
         lse[c.b0:c.b1, h0:h1] = slot.host_view(lay.lse, lay.lse_shape, np.float32)
+    if trace is not None:
+        trace.host(lane, "scatter", t0)
