@@ -75,3 +75,50 @@ class WgmmaConfig:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
+
+
+@dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """Compile-time shape of the warp-specialised Hopper kernel (``forward_ws``): one producer
+    warpgroup (TMA) and ``consumers`` warpgroups of 64 query rows (wgmma)."""
+
+    head_dim: int
+    block_n: int = 128  # keys per KV tile
+    stages: int = 2  # K and V ring depth
+    consumers: int = 2  # consumer warpgroups
+    overlap: bool = False  # issue S_{j+1} with O += P_j V_j; softmax while PV is in flight
+    pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (named barriers)
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def tile_bytes(self) -> dict[str, int]:
+        """Bytes of one Q, K (or V) stage and O tile."""
+        return {"q": self.block_m * self.head_dim * 2, "kv": self.block_n * self.head_dim * 2,
+                "o": self.block_m * self.head_dim * 2}
+
+    @property
+    def shared_bytes(self) -> int:
+        """Q, the K and V rings and the O staging tile, plus 1 KB to align the base to 1024."""
+        t = self.tile_bytes
+        return t["q"] + 2 * self.stages * t["kv"] + t["o"] + 1024
+
+    def check(self) -> None:
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.block_n not in (64, 128, 192):
+            raise ValueError(f"block_n must be 64, 128 or 192, got {self.block_n}")
+        if self.consumers != 2:
+            raise ValueError(f"consumers must be 2 (register split 24/240), got {self.consumers}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"stages must be 2..4, got {self.stages}")
+        if self.pingpong and not self.overlap:
+            raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

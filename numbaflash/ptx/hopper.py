@@ -1,6 +1,6 @@
 """Hopper (sm_90 / sm_90a) helpers: wgmma, shared-memory matrix descriptors, mbarrier, TMA,
-stmatrix, proxy fences and setmaxnreg (``ptx/wgmma.cu``, ``mbarrier.cu``, ``tma.cu``,
-``stmatrix.cu``, ``fence.cu``).
+stmatrix, proxy fences, setmaxnreg and named barriers (``ptx/wgmma.cu``, ``mbarrier.cu``,
+``tma.cu``, ``stmatrix.cu``, ``fence.cu``, ``barrier.cu``).
 
 Conventions (the same as the sm_80 helpers):
 
@@ -345,6 +345,20 @@ setmaxnreg_inc_224 = declare("fence", "setmaxnreg_inc_224", _void())
 setmaxnreg_inc_232 = declare("fence", "setmaxnreg_inc_232", _void())
 setmaxnreg_inc_240 = declare("fence", "setmaxnreg_inc_240", _void())
 
+# ---------------------------------------------------------------------------------------------
+# Named barriers (ptx/barrier.cu): synchronise a subset of warps, or signal without waiting
+# ---------------------------------------------------------------------------------------------
+
+named_barrier_sync = declare("barrier", "named_barrier_sync", _void(_u32, _u32))
+named_barrier_sync.__doc__ = (
+    "named_barrier_sync(id, count): bar.sync id, count: arrive at barrier id (1..15; 0 is "
+    "syncthreads) and wait until count threads (a multiple of 32) have arrived."
+)
+named_barrier_arrive = declare("barrier", "named_barrier_arrive", _void(_u32, _u32))
+named_barrier_arrive.__doc__ = (
+    "named_barrier_arrive(id, count): bar.arrive id, count: arrive at barrier id without waiting."
+)
+
 __all__ = [
     "SWIZZLE_128B",
     "SWIZZLE_32B",
@@ -362,6 +376,8 @@ __all__ = [
     "mbarrier_init",
     "mbarrier_try_wait_parity",
     "mbarrier_wait_parity",
+    "named_barrier_arrive",
+    "named_barrier_sync",
     "setmaxnreg_dec_24",
     "setmaxnreg_dec_32",
     "setmaxnreg_dec_40",

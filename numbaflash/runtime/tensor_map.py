@@ -62,7 +62,15 @@ def _cuda_array_interface(array) -> dict:
     return cai
 
 
-def _data_type(typestr: str, dtype: str | None):
+def _data_type_name(typestr: str, dtype: str | None) -> str | None:
+    """``dtype`` if given, else the array's: float16 -> f16, uint16/int16 (raw bits) -> u16,
+    ml_dtypes bfloat16 ('<V2') -> bf16."""
+    if dtype is None:
+        dtype = {"f2": "f16", "u2": "u16", "i2": "u16", "V2": "bf16"}.get(typestr[1:])
+    return dtype
+
+
+def _data_type(dtype: str | None):
     from cuda.bindings import driver
 
     kinds = {
@@ -70,11 +78,8 @@ def _data_type(typestr: str, dtype: str | None):
         "bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         "u16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
     }
-    if dtype is None:
-        # float16 -> f16, uint16/int16 (raw bits) -> u16, ml_dtypes bfloat16 ('<V2') -> bf16.
-        dtype = {"f2": "f16", "u2": "u16", "i2": "u16", "V2": "bf16"}.get(typestr[1:])
     if dtype not in kinds:
-        raise ValueError(f"tensor maps here are for 16-bit data (f16, bf16, u16); got {typestr!r}/{dtype!r}")
+        raise ValueError(f"tensor maps here are for 16-bit data (f16, bf16, u16); got {dtype!r}")
     return kinds[dtype]
 
 
@@ -94,27 +99,47 @@ def make_tensor_map(
     ``dtype``: ``"f16"``, ``"bf16"`` or ``"u16"``; by default taken from the array.
     Out-of-bounds box elements read as zero.
     """
-    from cuda.bindings import driver
-
     cai = _cuda_array_interface(array)
     shape = tuple(int(s) for s in cai["shape"])
-    rank = len(shape)
-    if not 2 <= rank <= 5:
-        raise ValueError(f"tensor maps are 2-D to 5-D here; the array is {rank}-D")
-    if len(box) != rank:
-        raise ValueError(f"box {tuple(box)} must have one extent per dimension of {shape}")
-    itemsize = 2
-    if np.dtype(cai["typestr"]).itemsize != itemsize:
+    if np.dtype(cai["typestr"]).itemsize != 2:
         raise ValueError(f"tensor maps here are for 16-bit elements, not {cai['typestr']}")
     strides = cai.get("strides")
     if strides is None:
-        strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(rank))
+        strides = tuple(int(np.prod(shape[i + 1:])) * 2 for i in range(len(shape)))
+    words = encode_tensor_map(int(cai["data"][0]), shape, strides, box, swizzle=swizzle,
+                              dtype=_data_type_name(cai["typestr"], dtype), l2_promotion=l2_promotion)
+    return TensorMap(words, shape, tuple(int(b) for b in box), swizzle, array)
+
+
+def encode_tensor_map(
+    address: int,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    box: Sequence[int],
+    *,
+    swizzle: str | None = "128B",
+    dtype: str = "f16",
+    l2_promotion: int = 128,
+) -> np.ndarray:
+    """The 128 bytes (``uint64[16]``) of a tiled tensor map over 16-bit data at device
+    ``address`` with ``shape`` and byte ``strides`` (array order, outermost first; the last
+    stride must be 2) and boxes of shape ``box``; the checks of ``make_tensor_map``. For
+    callers that know a tensor's pointer and strides (torch bfloat16 tensors, for one, have
+    no ``__cuda_array_interface__``)."""
+    from cuda.bindings import driver
+
+    shape = tuple(int(s) for s in shape)
+    rank = len(shape)
+    if not 2 <= rank <= 5:
+        raise ValueError(f"tensor maps are 2-D to 5-D here; the array is {rank}-D")
+    if len(box) != rank or len(strides) != rank:
+        raise ValueError(f"box {tuple(box)} must have one extent per dimension of {shape}")
+    itemsize = 2
     strides = tuple(int(s) for s in strides)
     if strides[-1] != itemsize:
         raise ValueError("the innermost dimension must be contiguous")
     if any(s % 16 for s in strides[:-1]):
         raise ValueError(f"outer strides must be multiples of 16 bytes, got {strides}")
-    address = int(cai["data"][0])
     if address % 16:
         raise ValueError("the array's data must be 16-byte aligned")
     if any(not 1 <= b <= 256 for b in box):
@@ -142,7 +167,7 @@ def make_tensor_map(
     }
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     err, tmap = driver.cuTensorMapEncodeTiled(
-        _data_type(cai["typestr"], dtype),
+        _data_type(dtype),
         rank,
         address,
         [u64(d) for d in reversed(shape)],  # innermost first
@@ -161,8 +186,7 @@ def make_tensor_map(
             f"strides {strides}, box {tuple(box)}, swizzle {swizzle}"
         )
     raw = ctypes.string_at(tmap.getPtr(), 128)
-    words = np.frombuffer(raw, dtype=np.uint64).copy()
-    return TensorMap(words, shape, tuple(int(b) for b in box), swizzle, array)
+    return np.frombuffer(raw, dtype=np.uint64).copy()
 
 
 def tensor_maps_to_device(*maps: TensorMap, stream=0):

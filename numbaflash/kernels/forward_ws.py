@@ -1,0 +1,466 @@
+"""FlashAttention forward for Hopper (sm_90a): a TMA + mbarrier pipeline with warp
+specialisation (FlashAttention-3's design, our own code).
+
+A CTA has one producer warpgroup and two consumer warpgroups of 64 query rows each. It is
+persistent: CTA c takes tiles c, c + gridDim.x, ... of the (query block, head, batch) list.
+
+* **Producer** (warpgroup 0) gives its registers away (``setmaxnreg.dec`` to 24); one thread
+  issues every TMA load: the Q tile, then the K and V tiles of each visible KV block into
+  rings of ``stages`` shared-memory stages. Each stage has a "full" mbarrier (armed with the
+  TMA byte count; the copy engine completes it) and an "empty" mbarrier (every consumer warp
+  arrives when its wgmma has finished reading). Q has its own full/empty pair.
+* **Consumers** (``setmaxnreg.inc`` to 240) wait on "full", run
+
+      S  = Q Kᵀ   wgmma SS m64n{block_n}k16: Q (K-major) and K (K-major) from shared memory
+      O += P V    wgmma RS m64n{head_dim}k16: P (16-bit) from registers, V MN-major (no
+                  transpose: a V tile as TMA lands it is the MN-major B operand)
+
+  and release each stage on "empty" as soon as its GEMM has completed. The online softmax
+  is the mma.sync kernel's (the wgmma accumulator has the same per-warp fragment layout).
+* **Overlap** (``config.overlap``): S_{j+1} = Q K_{j+1}ᵀ and O += P_j V_j are issued
+  together; the softmax of j+1 runs while PV_j is still in flight (``wgmma.wait_group 1``),
+  and O is rescaled only after PV_j has completed.
+* **Ping-pong** (``config.pingpong``): the two consumer warpgroups take turns issuing their
+  GEMMs (named barriers), so that one's softmax overlaps the other's tensor-core work.
+* **Epilogue**: O is normalised in registers, written with ``stmatrix`` into a swizzled
+  shared tile and stored by TMA, whose tensor map clips rows past seqlen_q; LSE as before.
+
+Ragged lengths need no special path: TMA zero-fills rows past the end of Q, K and V, and the
+last KV tile is masked. Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
+caller's strides, so GQA is a kv-head coordinate and strided inputs cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+from numba import cuda, float32, int32, types, uint32
+
+from .. import ptx
+from ..ptx import hopper as hp
+from .blocks import ScoreMask, mask_if_needed, visible_kv_tiles
+from .common import FULL_MASK, NEG_INF, THRESHOLD
+from .epilogue import store_lse
+from .shapes import WsConfig
+from .softmax import exponentiate, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
+
+WS_ARGTYPES = (
+    types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, o
+    types.float32[::1],  # lse (batch, heads_q, seqlen_q), or a 1-element dummy
+    types.int32, types.int32,  # seqlen_q, seqlen_k
+    types.int32, types.int32, types.int32,  # heads_q, heads_q // heads_kv, batch
+    types.float32, types.boolean,  # softmax scale * log2(e), write lse
+)
+# The same parameter list as Numba type names, for runtime.launch.KernelLauncher.
+WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
+
+# Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and o.
+Maps = namedtuple("Maps", ["q", "k", "v", "o"])
+# Problem sizes every role needs.
+Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks"])
+# One work tile: query block, (batch, head) and the kv head it reads.
+Tile = namedtuple("Tile", ["m_block", "head", "batch", "kv_head"])
+# mbarriers (32-bit shared addresses; ring barriers of stage s at + 8 * s).
+Barriers = namedtuple("Barriers", ["q_full", "q_empty", "k_full", "k_empty", "v_full", "v_empty"])
+# Shared tiles (32-bit shared addresses, 1024-aligned): Q, K ring, V ring, O staging.
+Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
+# Per-warp online-softmax state: running row maxes (scaled, log2), this lane's part of the
+# row sums, a tile's row maxes, and the O rescale factors of the last max change.
+RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx", "alpha"])
+# Where a consumer warp sits: consumer warpgroup (0, 1), warp in it, lane, thread in it.
+Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
+
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+# Named barrier ids (0 is syncthreads): ping-pong turns of consumers 0 and 1, and each
+# consumer warpgroup's epilogue barrier.
+TURN_BARRIER = 1
+EPILOGUE_BARRIER = 3
+WARPGROUP = 128
+
+
+def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """Return the Python kernel function for ``config`` (jit it with ``WS_ARGTYPES`` and
+    ``launch_bounds=(config.threads, 1)``; grid: persistent, at most one CTA per SM)."""
+    config.check()
+    D = config.head_dim
+    BN = config.block_n
+    BM = config.block_m
+    STAGES = config.stages
+    CONSUMERS = config.consumers
+    CONSUMER_THREADS = CONSUMERS * WARPGROUP
+    D_K_STEPS = D // 16  # k-steps of the S wgmma
+    D_N_TILES = D // 8  # 8-column tiles of the O accumulator
+    D_CHUNKS = D // 64  # 64-column (128-byte) blocks of a tile: one TMA box each
+    S_N_TILES = BN // 8
+    P_K_STEPS = BN // 16
+    Q_BYTES = config.tile_bytes["q"]
+    KV_BYTES = config.tile_bytes["kv"]
+    BARRIER_WORDS = 2 + 4 * STAGES  # q full/empty, then k full, k empty, v full, v empty rings
+    CAUSAL = causal
+    BF16 = bf16
+    OVERLAP = config.overlap
+    PINGPONG = config.pingpong
+    dtype = "bf16" if bf16 else "f16"
+    mma_s = hp.wgmma_ss(BN, dtype)
+    mma_o = hp.wgmma_rs(D, dtype, trans_b=True)
+    fence_s = hp.wgmma_fence_operand(BN)
+    fence_o = hp.wgmma_fence_operand(D)
+
+    # ------------------------------------------------------------------ scheduling
+
+    @cuda.jit(device=True, inline="always")
+    def tile_at(t, problem):
+        """Tile number t: query blocks fastest (CTAs running together share a head's K and V
+        in L2); causal takes each head's heaviest (last) query blocks first."""
+        t = uint32(t)
+        mb = t % uint32(problem.m_blocks)
+        pair = t // uint32(problem.m_blocks)
+        if CAUSAL:
+            mb = uint32(problem.m_blocks) - 1 - mb
+        head = pair % uint32(problem.heads_q)
+        return Tile(mb, head, pair // uint32(problem.heads_q), head // uint32(problem.group))
+
+    @cuda.jit(device=True, inline="always")
+    def kv_tiles_of(tile, problem):
+        """KV tiles the query block reads (0 when causal hides every key from it)."""
+        diag = problem.seqlen_k - problem.seqlen_q
+        n = visible_kv_tiles(int32(tile.m_block * BM), BM, BN, problem.seqlen_k, diag, CAUSAL)
+        return max(n, 0)
+
+    # ------------------------------------------------------------------ pipeline stages
+
+    @cuda.jit(device=True, inline="always")
+    def wait_full(bar, i):
+        """Wait until stage i % STAGES holds load number i (round i // STAGES)."""
+        hp.mbarrier_wait_parity(bar + 8 * (i % STAGES), (i // STAGES) % 2)
+
+    @cuda.jit(device=True, inline="always")
+    def wait_empty(bar, i):
+        """Wait until the consumers have released the stage that load i will fill (its
+        previous round; a fresh barrier reads as released)."""
+        hp.mbarrier_wait_parity(bar + 8 * (i % STAGES), ((i // STAGES) % 2) ^ 1)
+
+    @cuda.jit(device=True, inline="always")
+    def release(bar, i, lane):
+        """This warp is done with stage i % STAGES (one arrival per consumer warp)."""
+        if lane == 0:
+            hp.mbarrier_arrive(bar + 8 * (i % STAGES))
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(dst, tmap, bar, row0, head, batch, rows):
+        """TMA the rows row0 .. row0 + rows of one (batch, head) into a swizzled tile: one
+        64-column box per 128-byte block, ``rows * 128`` bytes apart."""
+        for c in range(D_CHUNKS):
+            hp.tma_load_4d(dst + c * rows * 128, tmap, bar, int32(c * 64), int32(head), int32(row0),
+                           int32(batch))
+
+    # ------------------------------------------------------------------ producer
+
+    @cuda.jit(device=True, inline="always")
+    def produce(maps, bars, tiles, problem):
+        """One thread: Q of each tile, then K_j and V_j of each of its KV tiles."""
+        total = problem.m_blocks * problem.heads_q * problem.batch
+        load = 0  # KV loads issued so far (all tiles): the ring position
+        round_q = 0
+        for t in range(cuda.blockIdx.x, total, cuda.gridDim.x):
+            tile = tile_at(t, problem)
+            hp.mbarrier_wait_parity(bars.q_empty, (round_q % 2) ^ 1)  # consumers done with Q
+            hp.mbarrier_arrive_expect_tx(bars.q_full, Q_BYTES)
+            load_tile(tiles.q, maps.q, bars.q_full, tile.m_block * BM, tile.head, tile.batch, BM)
+            for j in range(kv_tiles_of(tile, problem)):
+                stage = (load % STAGES) * KV_BYTES
+                wait_empty(bars.k_empty, load)
+                hp.mbarrier_arrive_expect_tx(bars.k_full + 8 * (load % STAGES), KV_BYTES)
+                load_tile(tiles.k + stage, maps.k, bars.k_full + 8 * (load % STAGES), j * BN,
+                          tile.kv_head, tile.batch, BN)
+                wait_empty(bars.v_empty, load)
+                hp.mbarrier_arrive_expect_tx(bars.v_full + 8 * (load % STAGES), KV_BYTES)
+                load_tile(tiles.v + stage, maps.v, bars.v_full + 8 * (load % STAGES), j * BN,
+                          tile.kv_head, tile.batch, BN)
+                load += 1
+            round_q += 1
+
+    # ------------------------------------------------------------------ consumer GEMMs
+
+    @cuda.jit(device=True, inline="always")
+    def issue_s(acc_s, desc_q, desc_k):
+        """Start S = Q Kᵀ (async; the first k-step overwrites the accumulator)."""
+        fence_s(acc_s)
+        hp.wgmma_fence()
+        for kk in range(D_K_STEPS):
+            block = (kk // 4) * 128  # bytes per row of one 64-column block
+            mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + (kk % 4) * 32),
+                  hp.descriptor_add(desc_k, block * BN + (kk % 4) * 32), 0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, inline="always")
+    def issue_pv(acc_o, p_frag, desc_v):
+        """Start O += P V (async), P from registers, V MN-major (16 keys = 2048 bytes)."""
+        fence_o(acc_o)
+        hp.wgmma_fence()
+        for kk in range(P_K_STEPS):
+            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * 128), 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, inline="always")
+    def take_turn(seat):
+        """Ping-pong: wait until the other consumer has issued its GEMMs."""
+        if PINGPONG:
+            hp.named_barrier_sync(TURN_BARRIER + seat.wg, 2 * WARPGROUP)
+
+    @cuda.jit(device=True, inline="always")
+    def pass_turn(seat):
+        """Ping-pong: let the other consumer issue."""
+        if PINGPONG:
+            hp.named_barrier_arrive(TURN_BARRIER + 1 - seat.wg, 2 * WARPGROUP)
+
+    # ------------------------------------------------------------------ softmax
+
+    @cuda.jit(device=True, inline="always")
+    def adopt_maxes(stats):
+        """m_run := max(m_run, mx); alpha := exp2(old - new) (1 while no key was seen);
+        the row sums are rescaled now, O later (it may still be in a wgmma's hands)."""
+        for r in range(2):
+            m_new = max(stats.m_run[r], stats.mx[r])
+            alpha = ptx.exp2(stats.m_run[r] - m_new) if m_new != NEG_INF else float32(1.0)
+            stats.m_run[r] = m_new
+            stats.l_run[r] *= alpha
+            stats.alpha[r] = alpha
+
+    @cuda.jit(device=True, inline="always")
+    def rescale_o(acc_o, stats):
+        for r in range(2):
+            for j in range(D_N_TILES):
+                acc_o[j, 2 * r] *= stats.alpha[r]
+                acc_o[j, 2 * r + 1] *= stats.alpha[r]
+
+    @cuda.jit(device=True, inline="always")
+    def softmax_scores(acc_s, stats, n0, at, scale_log2):
+        """Scores of the KV tile at key n0 -> probabilities in place (masked, exponentiated
+        against the new row maxes; row sums updated). True if the maxes moved: then O must
+        be rescaled by ``stats.alpha`` (warp-uniform)."""
+        mask_if_needed(acc_s, S_N_TILES, n0, BN, at, CAUSAL)
+        scaled_row_maxes(acc_s, S_N_TILES, stats.mx, scale_log2)
+        grew = cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD))
+        if grew:
+            adopt_maxes(stats)
+        exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2)
+        return grew
+
+    # ------------------------------------------------------------------ consumer main loops
+
+    @cuda.jit(device=True, inline="always")
+    def attend_serial(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2):
+        """One KV tile at a time: S, softmax, PV, each GEMM waited for before the next step.
+        ``acc``: (acc_s, acc_o, p_frag); ``descs``: descriptors of Q, K stage 0, V stage 0."""
+        acc_s, acc_o, p_frag = acc
+        for j in range(n_tiles):
+            i = kv0 + j
+            stage = (i % STAGES) * KV_BYTES
+            wait_full(bars.k_full, i)
+            issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], stage))
+            hp.wgmma_wait_group_0()
+            fence_s(acc_s)
+            release(bars.k_empty, i, seat.lane)
+            if softmax_scores(acc_s, stats, j * BN, at, scale_log2):
+                rescale_o(acc_o, stats)
+            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+            wait_full(bars.v_full, i)
+            issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], stage))
+            hp.wgmma_wait_group_0()
+            fence_o(acc_o)
+            release(bars.v_empty, i, seat.lane)
+
+    @cuda.jit(device=True, inline="always")
+    def attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2):
+        """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
+        PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed."""
+        acc_s, acc_o, p_frag = acc
+        if n_tiles > 0:
+            wait_full(bars.k_full, kv0)
+            take_turn(seat)
+            issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % STAGES) * KV_BYTES))
+            pass_turn(seat)
+            hp.wgmma_wait_group_0()
+            fence_s(acc_s)
+            release(bars.k_empty, kv0, seat.lane)
+            softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
+            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+            for j in range(1, n_tiles):
+                i = kv0 + j
+                wait_full(bars.k_full, i)
+                wait_full(bars.v_full, i - 1)
+                take_turn(seat)
+                issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (i % STAGES) * KV_BYTES))
+                issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], ((i - 1) % STAGES) * KV_BYTES))
+                pass_turn(seat)
+                hp.wgmma_wait_group_1()  # S_j is done; PV_{j-1} may still run
+                fence_s(acc_s)
+                release(bars.k_empty, i, seat.lane)
+                grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
+                hp.wgmma_wait_group_0()
+                fence_o(acc_o)
+                release(bars.v_empty, i - 1, seat.lane)
+                if grew:
+                    rescale_o(acc_o, stats)
+                pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+            last = kv0 + n_tiles - 1
+            wait_full(bars.v_full, last)
+            take_turn(seat)
+            issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % STAGES) * KV_BYTES))
+            pass_turn(seat)
+            hp.wgmma_wait_group_0()
+            fence_o(acc_o)
+            release(bars.v_empty, last, seat.lane)
+
+    # ------------------------------------------------------------------ epilogue
+
+    @cuda.jit(device=True, inline="always")
+    def normalise_o(acc_o, stats):
+        """O /= row sum (0 for rows that saw no key); leaves the quad-summed sums in l_run."""
+        for r in range(2):
+            total = quad_sum(stats.l_run[r])
+            stats.l_run[r] = total
+            inv = ptx.reciprocal(total) if total > 0 else float32(0.0)
+            for j in range(D_N_TILES):
+                acc_o[j, 2 * r] *= inv
+                acc_o[j, 2 * r + 1] *= inv
+
+    @cuda.jit(device=True, inline="always")
+    def pack2(lo, hi):
+        return ptx.pack_bf16x2(lo, hi) if BF16 else ptx.pack_f16x2(lo, hi)
+
+    @cuda.jit(device=True, inline="always")
+    def stage_o(tile_o, acc_o, seat, regs):
+        """stmatrix this warp's 16 O rows into the swizzled O tile (128B swizzle, as TMA
+        reads it): one x4 per pair of 8-column tiles; lane 8i + r gives row r of matrix i
+        (i = 2 * (column tile - j) + row half)."""
+        matrix = seat.lane // 8
+        r8 = seat.lane % 8
+        row = seat.wg * 64 + seat.warp * 16 + (matrix % 2) * 8 + r8
+        for jj in range(D_N_TILES // 2):
+            j = 2 * jj
+            regs[0] = pack2(acc_o[j, 0], acc_o[j, 1])
+            regs[1] = pack2(acc_o[j, 2], acc_o[j, 3])
+            regs[2] = pack2(acc_o[j + 1, 0], acc_o[j + 1, 1])
+            regs[3] = pack2(acc_o[j + 1, 2], acc_o[j + 1, 3])
+            col = j + matrix // 2  # 16-byte chunk of the row
+            address = tile_o + (col // 8) * (BM * 128) + row * 128 + (((col % 8) ^ r8) * 16)
+            hp.stmatrix_x4(uint32(address), regs)
+
+    @cuda.jit(device=True, inline="always")
+    def store_o(acc_o, stats, tile_o, maps, tile, seat, regs):
+        """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's 64 rows;
+        the map clips rows past seqlen_q)."""
+        normalise_o(acc_o, stats)
+        barrier = EPILOGUE_BARRIER + seat.wg
+        if seat.thread == 0:
+            hp.tma_store_wait_group_read_0()  # the previous tile's store has read the tile
+        hp.named_barrier_sync(barrier, WARPGROUP)
+        stage_o(tile_o, acc_o, seat, regs)
+        hp.fence_proxy_async_shared_cta()  # stmatrix writes -> visible to the TMA store
+        hp.named_barrier_sync(barrier, WARPGROUP)
+        if seat.thread == 0:
+            row0 = tile.m_block * BM + seat.wg * 64
+            for c in range(D_CHUNKS):
+                hp.tma_store_4d(maps.o, tile_o + c * BM * 128 + seat.wg * 64 * 128, int32(c * 64),
+                                int32(tile.head), int32(row0), int32(tile.batch))
+            hp.tma_store_commit_group()
+
+    # ------------------------------------------------------------------ consumer
+
+    @cuda.jit(device=True, inline="always")
+    def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
+        """Every tile of this CTA: S, softmax and PV over its KV tiles, then the epilogue."""
+        acc_o = cuda.local.array((D_N_TILES, 4), float32)
+        acc_s = cuda.local.array((S_N_TILES, 4), float32)
+        p_frag = cuda.local.array((P_K_STEPS, 4), uint32)
+        regs = cuda.local.array(4, uint32)
+        stats = RowStats(cuda.local.array(2, float32), cuda.local.array(2, float32),
+                         cuda.local.array(2, float32), cuda.local.array(2, float32))
+        acc = (acc_s, acc_o, p_frag)
+        # Q rows of this warpgroup (K-major); K stage 0 (K-major); V stage 0 (MN-major:
+        # 64-wide head-dim blocks BN * 128 bytes apart).
+        descs = (hp.smem_descriptor_k_sw128(tiles.q + seat.wg * 64 * 128),
+                 hp.smem_descriptor_k_sw128(tiles.k), hp.smem_descriptor_mn_sw128(tiles.v, BN * 128))
+        if PINGPONG and seat.wg == 1:
+            hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
+        total = problem.m_blocks * problem.heads_q * problem.batch
+        kv0 = 0  # KV tiles consumed so far (all tiles): the ring position
+        round_q = 0
+        for t in range(cuda.blockIdx.x, total, cuda.gridDim.x):
+            tile = tile_at(t, problem)
+            n_tiles = kv_tiles_of(tile, problem)
+            for j in range(D_N_TILES):
+                for e in range(4):
+                    acc_o[j, e] = 0.0
+            for r in range(2):
+                stats.m_run[r] = NEG_INF
+                stats.l_run[r] = 0.0
+            row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
+            at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
+            hp.mbarrier_wait_parity(bars.q_full, round_q % 2)
+            if OVERLAP:
+                attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2)
+            else:
+                attend_serial(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2)
+            release(bars.q_empty, 0, seat.lane)  # every S GEMM of this tile has completed
+            kv0 += n_tiles
+            round_q += 1
+            store_o(acc_o, stats, tiles.o, maps, tile, seat, regs)
+            if write_lse:
+                store_lse(lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
+                          problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
+        if PINGPONG and seat.wg == 0:
+            hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # consumer 1's last hand-over
+        if seat.thread == 0:
+            hp.tma_store_wait_group_0()  # the O tile stays valid until the stores are done
+
+    # ------------------------------------------------------------------ kernel
+
+    def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, heads_q, group, batch_size,
+                         scale_log2, write_lse):
+        smem = cuda.shared.array(0, types.uint16)
+        bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
+        tid = cuda.threadIdx.x
+        base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
+        tiles = Tiles(base, base + Q_BYTES, base + Q_BYTES + STAGES * KV_BYTES,
+                      base + Q_BYTES + 2 * STAGES * KV_BYTES)
+        b = ptx.shared_address_u64(bar_words)
+        bars = Barriers(b, b + 8, b + 16, b + 16 + 8 * STAGES, b + 16 + 16 * STAGES, b + 16 + 24 * STAGES)
+        maps = Maps(map_q, map_k, map_v, map_o)
+        problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, (seqlen_q + BM - 1) // BM)
+        consumer_warps = CONSUMER_THREADS // 32
+        if tid == 0:
+            hp.mbarrier_init(bars.q_full, 1)
+            hp.mbarrier_init(bars.q_empty, consumer_warps)
+            for s in range(STAGES):
+                hp.mbarrier_init(bars.k_full + 8 * s, 1)
+                hp.mbarrier_init(bars.k_empty + 8 * s, consumer_warps)
+                hp.mbarrier_init(bars.v_full + 8 * s, 1)
+                hp.mbarrier_init(bars.v_empty + 8 * s, consumer_warps)
+            hp.fence_mbarrier_init()
+            hp.tma_prefetch_descriptor(map_q)
+            hp.tma_prefetch_descriptor(map_k)
+            hp.tma_prefetch_descriptor(map_v)
+            hp.tma_prefetch_descriptor(map_o)
+        cuda.syncthreads()  # the last CTA-wide barrier: the roles part here
+        warpgroup = tid // WARPGROUP
+        if warpgroup == 0:
+            hp.setmaxnreg_dec_24()
+            if tid == 0:
+                produce(maps, bars, tiles, problem)
+        else:
+            hp.setmaxnreg_inc_240()
+            thread = tid - WARPGROUP
+            seat = Seat(thread // WARPGROUP, (thread // 32) % 4, thread % 32, thread % WARPGROUP)
+            consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse)
+
+    flash_forward_ws.__name__ = (
+        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}_"
+        f"{'causal' if causal else 'full'}_{dtype}"
+    )
+    # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.
+    flash_forward_ws.launch_bounds = (config.threads, 1)
+    return flash_forward_ws
