@@ -511,7 +511,7 @@ def flash_attention(
         _launch_forward(launcher, config, chunk_ops, lse_arg, sub.seqlen_k, sub.heads_kv, scale_log2,
                         return_lse, stream)
 
-    run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk)
+    run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk, causal, config.block_m)
     if out is not None and not direct:
         out[...] = result
         result = out

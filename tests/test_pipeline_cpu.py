@@ -1,9 +1,11 @@
-"""The numpy pipeline's plan, on CPU: chunks cover every (batch, kv head) pair once, keep GQA
-groups together, respect the staging limit, and a small problem stays one chunk."""
+"""The numpy pipeline's plan, on CPU: chunks cover every (batch, kv head, query row) once, keep
+GQA groups together, cut query rows at multiples of the kernel's block, give each row range the
+keys it sees, respect the staging limit, and a small problem stays one chunk."""
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -17,30 +19,64 @@ SHAPES = [
     (3, 1000, 333, 6, 3, 64),  # ragged
     (1, 1, 1, 1, 1, 64),  # tiny
     (2, 17, 40000, 4, 2, 128),  # seqlen_q far from seqlen_k
+    (1, 32768, 32768, 8, 1, 128),  # one pair: cut into query-row ranges
+    (2, 20000, 3000, 4, 2, 64),  # few pairs, seqlen_q > seqlen_k: causal leaves rows with no key
 ]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_lse", [False, True])
 @pytest.mark.parametrize("limit_mb", [16, 2048])
-def test_chunks_cover_every_pair_once(shape, with_lse, limit_mb):
-    p = pl.Problem(*shape, with_lse)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("quantum", [128, 192])
+def test_chunks_cover_every_row_once(shape, with_lse, limit_mb, causal, quantum):
+    p = pl.Problem(*shape, with_lse, causal, quantum)
     limit = limit_mb << 20
     chunks = pl.plan_chunks(p, limit=limit)
-    pairs = [(b, g) for c in chunks for b in range(c.b0, c.b1) for g in range(c.g0, c.g1)]
-    assert sorted(pairs) == list(itertools.product(range(p.batch), range(p.heads_kv)))
+    cells = [(b, g, r) for c in chunks for b in range(c.b0, c.b1) for g in range(c.g0, c.g1)
+             for r in (c.r0, c.r1)]
+    starts = sorted((b, g, r) for (b, g, r) in cells[0::2])
+    ends = sorted((b, g, r) for (b, g, r) in cells[1::2])
+    pairs = sorted({(b, g) for b, g, _ in starts})
+    assert pairs == list(itertools.product(range(p.batch), range(p.heads_kv)))
+    for b, g in pairs:  # the row ranges of a pair tile 0 .. seqlen_q exactly
+        r_starts = [r for bb, gg, r in starts if (bb, gg) == (b, g)]
+        r_ends = [r for bb, gg, r in ends if (bb, gg) == (b, g)]
+        assert r_starts[0] == 0 and r_ends[-1] == p.seqlen_q and r_starts[1:] == r_ends[:-1]
+    diag = p.seqlen_k - p.seqlen_q
     for c in chunks:
-        assert c.b1 > c.b0 and c.g1 > c.g0
+        assert c.b1 > c.b0 and c.g1 > c.g0 and c.r1 > c.r0
+        assert c.r0 % quantum == 0, "row ranges start on the kernel's block boundaries"
         assert (c.g0, c.g1) == (0, p.heads_kv) or c.b1 - c.b0 == 1  # whole batches, or one batch
+        assert (c.r0, c.r1) == (0, p.seqlen_q) or (c.b1 - c.b0, c.g1 - c.g0) == (1, 1)
+        assert c.k1 == (min(p.seqlen_k, c.r1 + diag) if causal else p.seqlen_k)
         size = pl.chunk_layout(p, c).nbytes
-        one_pair = pl.chunk_layout(p, pl.Chunk(0, 1, 0, 1)).nbytes
+        one_pair = pl.chunk_layout(p, pl.Chunk.rows(p, 0, 1, 0, 1)).nbytes
         assert size * pl.LANES <= limit or (c.b1 - c.b0) * (c.g1 - c.g0) == 1 or size <= one_pair
-    assert len(chunks) <= max(pl.TARGET_CHUNKS * 2, p.batch * p.heads_kv)
+    for_memory = math.ceil(p.bytes_per_pair() / (limit // pl.LANES))  # row ranges a pair needs to fit
+    assert len(chunks) <= max(pl.TARGET_CHUNKS * 2, p.batch * p.heads_kv * for_memory)
+
+
+def test_few_pairs_are_cut_into_row_ranges_for_every_lane():
+    p = pl.Problem(1, 32768, 32768, 8, 1, 128, False)
+    chunks = pl.plan_chunks(p)
+    assert len(chunks) >= pl.LANES
+    assert all(c.k1 == p.seqlen_k for c in chunks)
+    causal = pl.plan_chunks(pl.Problem(1, 32768, 32768, 8, 1, 128, False, True))
+    assert [c.k1 for c in causal] == [c.r1 for c in causal], "each range takes keys to its diagonal"
+
+
+def test_causal_rows_before_the_first_diagonal_see_no_key():
+    p = pl.Problem(2, 20000, 3000, 4, 2, 64, True, True)
+    chunks = pl.plan_chunks(p)
+    assert any(c.k1 <= 0 for c in chunks) and any(c.k1 > 0 for c in chunks)
+    for c in chunks:  # k1 <= 0 exactly when the range's last row sees no key
+        assert (c.k1 <= 0) == (c.r1 - 1 + 3000 - 20000 < 0)
 
 
 def test_small_problem_is_one_chunk():
     p = pl.Problem(2, 256, 256, 4, 4, 64, True)
-    assert pl.plan_chunks(p) == [pl.Chunk(0, 2, 0, 4)]
+    assert pl.plan_chunks(p) == [pl.Chunk(0, 2, 0, 4, 0, 256, 256)]
 
 
 def test_issue_shape_gives_about_target_chunks():
@@ -51,7 +87,7 @@ def test_issue_shape_gives_about_target_chunks():
 
 def test_layout_is_aligned_and_ordered():
     p = pl.Problem(3, 1000, 333, 6, 3, 64, True)
-    lay = pl.chunk_layout(p, pl.Chunk(0, 1, 1, 3))
+    lay = pl.chunk_layout(p, pl.Chunk.rows(p, 0, 1, 1, 3))
     offsets = [lay.q, lay.k, lay.v, lay.o, lay.lse]
     assert offsets == sorted(offsets) and all(o % 256 == 0 for o in offsets)
     assert lay.q_shape == (1, 1000, 4, 64) and lay.kv_shape == (1, 333, 2, 64)

@@ -74,6 +74,9 @@ CASES = [
     ((5, 77, 77, 2, 1, 128), True),  # MQA
     ((1, 1, 1, 1, 1, 64), False),
     ((8, 128, 512, 4, 4, 128), False),  # chunks of whole batches
+    ((1, 1000, 257, 4, 1, 64), False),  # one pair: cut into query-row ranges
+    ((1, 2000, 300, 2, 1, 128), True),  # row ranges, the first ones seeing no key at all
+    ((2, 700, 1500, 6, 2, 64), True),  # row ranges with keys up to their diagonal
 ]
 
 

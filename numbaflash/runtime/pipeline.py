@@ -3,9 +3,13 @@
 
 The problem is cut into independent chunks of (batch, kv-head group) pairs: a range of whole
 batches, or, when there are few batches, one batch and a range of kv heads (with their query
-heads, so GQA groups stay together). Each of ``LANES`` (8) lanes owns a CUDA stream, a device
-slot big enough for one chunk (and a pinned host slot when a call copies through it), and a
-worker thread that runs its chunks in turn:
+heads, so GQA groups stay together); and when there are fewer pairs than lanes (or one pair
+is too big for a slot), a pair is cut further into ranges of query rows, each with the keys
+its rows can see (all of them, or under causal masking those up to its last row's diagonal).
+
+Each of ``LANES`` (8) lanes owns a CUDA stream, a device slot big enough for one chunk (and a
+pinned host slot when a call copies through it), and a worker thread that runs its chunks in
+turn:
 
     gather the chunk's q, k, v into the pinned slot, unless page-locked    host thread
     copy host -> device, run the kernel, copy O (and LSE) device -> host    the lane's stream
@@ -73,6 +77,8 @@ class Problem:
     heads_kv: int
     head_dim: int
     with_lse: bool
+    causal: bool = False
+    row_quantum: int = 128  # query-row ranges start at multiples of the kernel's block_m
 
     @property
     def group(self) -> int:
@@ -88,31 +94,57 @@ class Problem:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Batches ``b0:b1`` and kv heads ``g0:g1`` (query heads ``g0*group : g1*group``)."""
+    """Batches ``b0:b1``, kv heads ``g0:g1`` (query heads ``g0*group : g1*group``), query rows
+    ``r0:r1`` and the keys ``0:k1`` they see (``k1 <= 0``: the rows see no key)."""
 
     b0: int
     b1: int
     g0: int
     g1: int
+    r0: int
+    r1: int
+    k1: int
+
+    @staticmethod
+    def rows(p: Problem, b0: int, b1: int, g0: int, g1: int, r0: int = 0, r1: int | None = None) -> Chunk:
+        """The chunk of query rows ``r0:r1`` (default all) with the keys those rows can see:
+        under bottom-right causal masking, row i sees keys j <= i + seqlen_k - seqlen_q, so the
+        keys past the last row's diagonal are not needed (and the kernel, given seqlen_k = k1
+        and seqlen_q = r1 - r0, puts the diagonal in the same place)."""
+        r1 = p.seqlen_q if r1 is None else r1
+        k1 = min(p.seqlen_k, r1 + p.seqlen_k - p.seqlen_q) if p.causal else p.seqlen_k
+        return Chunk(b0, b1, g0, g1, r0, r1, k1)
 
 
 def plan_chunks(p: Problem, lanes: int = LANES, limit: int | None = None) -> list[Chunk]:
-    """Independent chunks covering every (batch, kv head) pair once: ranges of whole batches,
-    or, with fewer batches than chunks wanted, one batch and a range of kv heads. About
-    ``TARGET_CHUNKS`` chunks of at least ``MIN_CHUNK_BYTES``, each small enough that ``lanes``
-    slots fit in the staging limit; a small problem is one chunk."""
+    """Independent chunks covering every (batch, kv head, query row) once: ranges of whole
+    batches, or, with fewer batches than chunks wanted, one batch and a range of kv heads, or,
+    with fewer pairs than lanes (or a pair too big for a slot), one pair and a range of query
+    rows. About ``TARGET_CHUNKS`` chunks of at least ``MIN_CHUNK_BYTES``, each small enough
+    that ``lanes`` slots fit in the staging limit where it can be; a small problem is one
+    chunk."""
     limit = staging_limit_bytes() if limit is None else limit
     pair = p.bytes_per_pair()
-    total = pair * p.batch * p.heads_kv
-    largest = max(pair, limit // lanes)  # one pair always fits: the limit never refuses a call
-    wanted = max(MIN_CHUNK_BYTES, math.ceil(total / TARGET_CHUNKS))
-    pairs_per_chunk = max(1, min(largest, wanted) // pair)
+    pairs = p.batch * p.heads_kv
+    largest = limit // lanes
+    wanted = max(MIN_CHUNK_BYTES, math.ceil(pair * pairs / TARGET_CHUNKS))
+    pairs_per_chunk = min(largest, wanted) // pair  # 0: a pair is bigger than a chunk wanted
     if pairs_per_chunk >= p.heads_kv:  # whole batches
         per = min(p.batch, pairs_per_chunk // p.heads_kv)
-        return [Chunk(b, min(b + per, p.batch), 0, p.heads_kv) for b in range(0, p.batch, per)]
-    per = pairs_per_chunk
-    return [Chunk(b, b + 1, g, min(g + per, p.heads_kv))
-            for b in range(p.batch) for g in range(0, p.heads_kv, per)]
+        return [Chunk.rows(p, b, min(b + per, p.batch), 0, p.heads_kv) for b in range(0, p.batch, per)]
+    parts = 1  # query-row ranges per pair
+    if pairs_per_chunk == 0:
+        if pairs < lanes:
+            parts = min(math.ceil(TARGET_CHUNKS / pairs), pair // MIN_CHUNK_BYTES)
+        parts = max(parts, math.ceil(pair / max(1, largest)))
+        parts = max(1, min(parts, math.ceil(p.seqlen_q / p.row_quantum)))
+    if parts == 1:
+        per = max(1, pairs_per_chunk)
+        return [Chunk.rows(p, b, b + 1, g, min(g + per, p.heads_kv))
+                for b in range(p.batch) for g in range(0, p.heads_kv, per)]
+    step = math.ceil(math.ceil(p.seqlen_q / parts) / p.row_quantum) * p.row_quantum
+    return [Chunk.rows(p, b, b + 1, g, g + 1, r0, min(r0 + step, p.seqlen_q))
+            for b in range(p.batch) for g in range(p.heads_kv) for r0 in range(0, p.seqlen_q, step)]
 
 
 def _check(result, what: str):
@@ -245,10 +277,10 @@ class ChunkLayout:
 
 
 def chunk_layout(p: Problem, c: Chunk) -> ChunkLayout:
-    nb, ng = c.b1 - c.b0, c.g1 - c.g0
-    q_shape = (nb, p.seqlen_q, ng * p.group, p.head_dim)
-    kv_shape = (nb, p.seqlen_k, ng, p.head_dim)
-    lse_shape = (nb, ng * p.group, p.seqlen_q)
+    nb, ng, rows, keys = c.b1 - c.b0, c.g1 - c.g0, c.r1 - c.r0, max(0, c.k1)
+    q_shape = (nb, rows, ng * p.group, p.head_dim)
+    kv_shape = (nb, keys, ng, p.head_dim)
+    lse_shape = (nb, ng * p.group, rows)
     q_bytes, kv_bytes = 2 * math.prod(q_shape), 2 * math.prod(kv_shape)
     lse_bytes = 4 * math.prod(lse_shape) if p.with_lse else 0
     offsets, at = [], 0
@@ -365,12 +397,15 @@ def _timing_event():
 
 
 def run_numpy_forward(device: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
-                      lse: np.ndarray | None, launch: LaunchChunk) -> None:
+                      lse: np.ndarray | None, launch: LaunchChunk, causal: bool, row_quantum: int) -> None:
     """Compute ``out`` (and ``lse``) from numpy q, k, v (any strides) through the pipeline;
-    ``launch`` enqueues the kernel of one chunk whose arrays are dense in device memory."""
+    ``launch`` enqueues the kernel of one chunk whose arrays are dense in device memory.
+    ``row_quantum`` is the kernel's query rows per CTA: a chunk of query rows starts at a
+    multiple of it, so that its CTAs are the device path's and the results the same bits."""
 
     batch, seqlen_q, heads_q, head_dim = q.shape
-    p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, lse is not None)
+    p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, lse is not None, causal,
+                row_quantum)
     chunks = plan_chunks(p)
     lanes = min(LANES, len(chunks))
     staging = _staging(device)
@@ -448,12 +483,14 @@ def _copy_2d(stream, to_device: bool, host: int, host_pitch: int, device: int, w
     _check(driver.cuMemcpy2DAsync(m, stream), "a 2-D copy to the " + ("device" if to_device else "host"))
 
 
-def _copy_rows(stream, to_device: bool, x: np.ndarray, b0: int, b1: int, h0: int, h1: int,
+def _copy_rows(stream, to_device: bool, x: np.ndarray, span: tuple[int, int, int, int, int, int],
                device: int) -> None:
-    """Copy ``x[b0:b1, :, h0:h1]`` (pitched, page-locked) to or from dense device memory."""
+    """Copy ``x[b0:b1, r0:r1, h0:h1]`` (``span``; pitched, page-locked) to or from dense
+    device memory."""
+    b0, b1, r0, r1, h0, h1 = span
     width = (h1 - h0) * x.strides[2]
-    rows = x.shape[1]
-    base = x.ctypes.data + h0 * x.strides[2]
+    rows = r1 - r0
+    base = x.ctypes.data + h0 * x.strides[2] + r0 * x.strides[1]
     if x.strides[1] == width and x.strides[0] == rows * width:  # the whole range is one run
         _copy_2d(stream, to_device, base + b0 * x.strides[0], width, device, width, (b1 - b0) * rows)
         return
@@ -470,22 +507,28 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
     slot, stream, event = staging.slots[lane], staging.streams[lane], staging.events[lane]
     q, k, v, out, lse = arrays
     lay = chunk_layout(p, c)
-    t0 = time.perf_counter()
     h0, h1 = c.g0 * p.group, c.g1 * p.group
+    if c.k1 <= 0:  # causal rows before the first key's diagonal: 0, and LSE -inf, as the kernel gives
+        out[c.b0:c.b1, c.r0:c.r1, h0:h1] = 0
+        if lse is not None:
+            lse[c.b0:c.b1, h0:h1, c.r0:c.r1] = -np.inf
+        return
+    t0 = time.perf_counter()
     u16 = np.uint16
-    inputs = ((q, side.q, lay.q, lay.q_shape, h0, h1), (k, side.k, lay.k, lay.kv_shape, c.g0, c.g1),
-              (v, side.v, lay.v, lay.kv_shape, c.g0, c.g1))
+    q_span, kv_span = (c.b0, c.b1, c.r0, c.r1, h0, h1), (c.b0, c.b1, 0, c.k1, c.g0, c.g1)
+    inputs = ((q, side.q, lay.q, lay.q_shape, q_span), (k, side.k, lay.k, lay.kv_shape, kv_span),
+              (v, side.v, lay.v, lay.kv_shape, kv_span))
     if side.gathers:  # the lane's previous chunk must have left the slot's inputs part
         _check(driver.cuEventSynchronize(staging.consumed[lane]), "waiting for a chunk's copies")
-    for x, is_direct, offset, shape, a, b in inputs:
+    for x, is_direct, offset, shape, (b0, b1, r0, r1, a, b) in inputs:
         if not is_direct:
-            slot.host_view(offset, shape, u16)[...] = x[c.b0:c.b1, :, a:b].view(u16)
+            slot.host_view(offset, shape, u16)[...] = x[b0:b1, r0:r1, a:b].view(u16)
     if trace is not None:
         trace.host(lane, "gather", t0)
         mark = trace.mark(stream)
-    for x, is_direct, offset, shape, a, b in inputs:
+    for x, is_direct, offset, shape, span in inputs:
         if is_direct:
-            _copy_rows(stream, True, x, c.b0, c.b1, a, b, slot.device + offset)
+            _copy_rows(stream, True, x, span, slot.device + offset)
         else:
             _check(driver.cuMemcpyHtoDAsync(slot.device + offset, slot.host + offset, 2 * math.prod(shape),
                                             stream), "copying to the device")
@@ -493,24 +536,23 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
         _check(driver.cuEventRecord(staging.consumed[lane], stream), "recording an event")
     if trace is not None:
         mark = trace.device(lane, "host to device", stream, mark)
-    sub = Problem(c.b1 - c.b0, p.seqlen_q, p.seqlen_k, h1 - h0, c.g1 - c.g0, p.head_dim, p.with_lse)
+    sub = Problem(c.b1 - c.b0, c.r1 - c.r0, c.k1, h1 - h0, c.g1 - c.g0, p.head_dim, p.with_lse, p.causal)
     launch(lay, slot.device, sub, int(stream))
     if trace is not None:
         mark = trace.device(lane, "kernel", stream, mark)
-    o_bytes = 2 * math.prod(lay.q_shape)
     if side.out:
-        _copy_rows(stream, False, out, c.b0, c.b1, h0, h1, slot.device + lay.o)
+        _copy_rows(stream, False, out, q_span, slot.device + lay.o)
     else:
-        _check(driver.cuMemcpyDtoHAsync(slot.host + lay.o, slot.device + lay.o, o_bytes, stream),
-               "copying to the host")
+        _check(driver.cuMemcpyDtoHAsync(slot.host + lay.o, slot.device + lay.o, 2 * math.prod(lay.q_shape),
+                                        stream), "copying to the host")
     if lse is not None:
         lse_bytes = 4 * math.prod(lay.lse_shape)
-        if side.lse:  # lse is C-contiguous (batch, heads, rows): a head range is one run per batch
+        if side.lse:  # lse is C-contiguous (batch, heads, rows): per batch, a head range of row runs
             per = lse_bytes // (c.b1 - c.b0)
             for b in range(c.b0, c.b1):
-                device = slot.device + lay.lse + (b - c.b0) * per
-                _check(driver.cuMemcpyDtoHAsync(lse[b, h0:h1].ctypes.data, device, per, stream),
-                       "copying the LSE to the host")
+                host = lse[b, h0:h1, c.r0:].ctypes.data
+                _copy_2d(stream, False, host, lse.strides[1], slot.device + lay.lse + (b - c.b0) * per,
+                         4 * (c.r1 - c.r0), h1 - h0)
         else:
             _check(driver.cuMemcpyDtoHAsync(slot.host + lay.lse, slot.device + lay.lse, lse_bytes, stream),
                    "copying the LSE to the host")
@@ -522,8 +564,8 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
     _check(driver.cuEventSynchronize(event), "waiting for a chunk")
     t0 = time.perf_counter()
     if not side.out:
-        out[c.b0:c.b1, :, h0:h1].view(u16)[...] = slot.host_view(lay.o, lay.q_shape, u16)
+        out[c.b0:c.b1, c.r0:c.r1, h0:h1].view(u16)[...] = slot.host_view(lay.o, lay.q_shape, u16)
     if lse is not None and not side.lse:
-        lse[c.b0:c.b1, h0:h1] = slot.host_view(lay.lse, lay.lse_shape, np.float32)
+        lse[c.b0:c.b1, h0:h1, c.r0:c.r1] = slot.host_view(lay.lse, lay.lse_shape, np.float32)
     if trace is not None:
         trace.host(lane, "scatter", t0)
