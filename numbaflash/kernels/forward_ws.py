@@ -96,6 +96,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     P_K_STEPS = BN // 16
     Q_BYTES = config.tile_bytes["q"]
     KV_BYTES = config.tile_bytes["kv"]
+    RING = uint32(STAGES)  # uint32 constants keep ring arithmetic in 32 bits
+    ONE = uint32(1)
     BARRIER_WORDS = 2 + 4 * STAGES  # q full/empty, then k full, k empty, v full, v empty rings
     CAUSAL = causal
     BF16 = bf16
@@ -133,19 +135,19 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, inline="always")
     def wait_full(bar, i):
         """Wait until stage i % STAGES holds load number i (round i // STAGES)."""
-        hp.mbarrier_wait_parity(bar + 8 * (i % STAGES), (i // STAGES) % 2)
+        hp.mbarrier_wait_parity(bar + uint32(8) * (i % RING), (i // RING) & ONE)
 
     @cuda.jit(device=True, inline="always")
     def wait_empty(bar, i):
         """Wait until the consumers have released the stage that load i will fill (its
         previous round; a fresh barrier reads as released)."""
-        hp.mbarrier_wait_parity(bar + 8 * (i % STAGES), ((i // STAGES) % 2) ^ 1)
+        hp.mbarrier_wait_parity(bar + uint32(8) * (i % RING), ((i // RING) & ONE) ^ ONE)
 
     @cuda.jit(device=True, inline="always")
     def release(bar, i, lane):
         """This warp is done with stage i % STAGES (one arrival per consumer warp)."""
         if lane == 0:
-            hp.mbarrier_arrive(bar + 8 * (i % STAGES))
+            hp.mbarrier_arrive(bar + uint32(8) * (i % RING))
 
     @cuda.jit(device=True, inline="always")
     def load_tile(dst, tmap, bar, row0, head, batch, rows):
@@ -161,25 +163,26 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     def produce(maps, bars, tiles, problem):
         """One thread: Q of each tile, then K_j and V_j of each of its KV tiles."""
         total = problem.m_blocks * problem.heads_q * problem.batch
-        load = 0  # KV loads issued so far (all tiles): the ring position
-        round_q = 0
+        load = uint32(0)  # KV loads issued so far (all tiles): the ring position
+        round_q = uint32(0)
         for t in range(cuda.blockIdx.x, total, cuda.gridDim.x):
             tile = tile_at(t, problem)
-            hp.mbarrier_wait_parity(bars.q_empty, (round_q % 2) ^ 1)  # consumers done with Q
+            hp.mbarrier_wait_parity(bars.q_empty, (round_q & ONE) ^ ONE)  # consumers done with Q
             hp.mbarrier_arrive_expect_tx(bars.q_full, Q_BYTES)
             load_tile(tiles.q, maps.q, bars.q_full, tile.m_block * BM, tile.head, tile.batch, BM)
             for j in range(kv_tiles_of(tile, problem)):
-                stage = (load % STAGES) * KV_BYTES
+                s = load % RING
+                stage = s * uint32(KV_BYTES)
                 wait_empty(bars.k_empty, load)
-                hp.mbarrier_arrive_expect_tx(bars.k_full + 8 * (load % STAGES), KV_BYTES)
-                load_tile(tiles.k + stage, maps.k, bars.k_full + 8 * (load % STAGES), j * BN,
-                          tile.kv_head, tile.batch, BN)
+                hp.mbarrier_arrive_expect_tx(bars.k_full + uint32(8) * s, KV_BYTES)
+                load_tile(tiles.k + stage, maps.k, bars.k_full + uint32(8) * s, j * BN, tile.kv_head,
+                          tile.batch, BN)
                 wait_empty(bars.v_empty, load)
-                hp.mbarrier_arrive_expect_tx(bars.v_full + 8 * (load % STAGES), KV_BYTES)
-                load_tile(tiles.v + stage, maps.v, bars.v_full + 8 * (load % STAGES), j * BN,
-                          tile.kv_head, tile.batch, BN)
-                load += 1
-            round_q += 1
+                hp.mbarrier_arrive_expect_tx(bars.v_full + uint32(8) * s, KV_BYTES)
+                load_tile(tiles.v + stage, maps.v, bars.v_full + uint32(8) * s, j * BN, tile.kv_head,
+                          tile.batch, BN)
+                load += ONE
+            round_q += ONE
 
     # ------------------------------------------------------------------ consumer GEMMs
 
@@ -256,8 +259,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         ``acc``: (acc_s, acc_o, p_frag); ``descs``: descriptors of Q, K stage 0, V stage 0."""
         acc_s, acc_o, p_frag = acc
         for j in range(n_tiles):
-            i = kv0 + j
-            stage = (i % STAGES) * KV_BYTES
+            i = kv0 + uint32(j)
+            stage = (i % RING) * uint32(KV_BYTES)
             wait_full(bars.k_full, i)
             issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], stage))
             hp.wgmma_wait_group_0()
@@ -275,25 +278,24 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, inline="always")
     def attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2):
         """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
-        PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed."""
+        PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
+        these paired issues take turns (the first S and the last PV of a tile do not)."""
         acc_s, acc_o, p_frag = acc
         if n_tiles > 0:
             wait_full(bars.k_full, kv0)
-            take_turn(seat)
-            issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % STAGES) * KV_BYTES))
-            pass_turn(seat)
+            issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % RING) * uint32(KV_BYTES)))
             hp.wgmma_wait_group_0()
             fence_s(acc_s)
             release(bars.k_empty, kv0, seat.lane)
             softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             for j in range(1, n_tiles):
-                i = kv0 + j
+                i = kv0 + uint32(j)
                 wait_full(bars.k_full, i)
-                wait_full(bars.v_full, i - 1)
+                wait_full(bars.v_full, i - ONE)
                 take_turn(seat)
-                issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (i % STAGES) * KV_BYTES))
-                issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], ((i - 1) % STAGES) * KV_BYTES))
+                issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (i % RING) * uint32(KV_BYTES)))
+                issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], ((i - ONE) % RING) * uint32(KV_BYTES)))
                 pass_turn(seat)
                 hp.wgmma_wait_group_1()  # S_j is done; PV_{j-1} may still run
                 fence_s(acc_s)
@@ -301,15 +303,13 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
                 hp.wgmma_wait_group_0()
                 fence_o(acc_o)
-                release(bars.v_empty, i - 1, seat.lane)
+                release(bars.v_empty, i - ONE, seat.lane)
                 if grew:
                     rescale_o(acc_o, stats)
                 pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-            last = kv0 + n_tiles - 1
+            last = kv0 + uint32(n_tiles) - ONE
             wait_full(bars.v_full, last)
-            take_turn(seat)
-            issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % STAGES) * KV_BYTES))
-            pass_turn(seat)
+            issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % RING) * uint32(KV_BYTES)))
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
             release(bars.v_empty, last, seat.lane)
@@ -387,8 +387,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         if PINGPONG and seat.wg == 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
         total = problem.m_blocks * problem.heads_q * problem.batch
-        kv0 = 0  # KV tiles consumed so far (all tiles): the ring position
-        round_q = 0
+        kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
+        round_q = uint32(0)
         for t in range(cuda.blockIdx.x, total, cuda.gridDim.x):
             tile = tile_at(t, problem)
             n_tiles = kv_tiles_of(tile, problem)
@@ -400,14 +400,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 stats.l_run[r] = 0.0
             row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
             at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
-            hp.mbarrier_wait_parity(bars.q_full, round_q % 2)
+            hp.mbarrier_wait_parity(bars.q_full, round_q & ONE)
             if OVERLAP:
                 attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2)
             else:
                 attend_serial(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2)
-            release(bars.q_empty, 0, seat.lane)  # every S GEMM of this tile has completed
-            kv0 += n_tiles
-            round_q += 1
+            release(bars.q_empty, uint32(0), seat.lane)  # every S GEMM of this tile has completed
+            kv0 += uint32(n_tiles)
+            round_q += ONE
             store_o(acc_o, stats, tiles.o, maps, tile, seat, regs)
             if write_lse:
                 store_lse(lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
@@ -430,7 +430,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         b = ptx.shared_address_u64(bar_words)
         bars = Barriers(b, b + 8, b + 16, b + 16 + 8 * STAGES, b + 16 + 16 * STAGES, b + 16 + 24 * STAGES)
         maps = Maps(map_q, map_k, map_v, map_o)
-        problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, (seqlen_q + BM - 1) // BM)
+        problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM))
         consumer_warps = CONSUMER_THREADS // 32
         if tid == 0:
             hp.mbarrier_init(bars.q_full, 1)
@@ -453,8 +453,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 produce(maps, bars, tiles, problem)
         else:
             hp.setmaxnreg_inc_240()
-            thread = tid - WARPGROUP
-            seat = Seat(thread // WARPGROUP, (thread // 32) % 4, thread % 32, thread % WARPGROUP)
+            thread = uint32(tid - WARPGROUP)
+            seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
+                        thread % uint32(WARPGROUP))
             consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse)
 
     flash_forward_ws.__name__ = (

@@ -1,0 +1,117 @@
+"""CPU tests (no GPU needed) of the warp-specialised Hopper kernel (``kernels/forward_ws.py``):
+compiled offline for sm_90a, its SASS shows the TMA + mbarrier + wgmma pipeline (UTMALDG,
+UTMASTG, SYNCS, HGMMA SS and RS, USETMAXREG dealloc/alloc, STSM, named barriers), no cp.async
+(LDGSTS) and no local memory, spills or calls; plus the config checks and the host-side
+tensor-map encoder it relies on.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from numbaflash.kernels.shapes import WsConfig
+from numbaflash.tools import inspect as nfi
+
+ARCH = "sm_90a"
+# (config, causal, bf16): the variants whose SASS is checked.
+CASES = {
+    "d128-serial-full-f16": (WsConfig(128, 128, 2), False, False),
+    "d128-pp-causal-bf16": (WsConfig(128, 128, 2, overlap=True, pingpong=True), True, True),
+    "d64-pp-causal-f16": (WsConfig(64, 128, 3, overlap=True, pingpong=True), True, False),
+}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    from numbaflash.kernels.forward_ws import WS_ARGTYPES, make_forward_ws_kernel
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            config, causal, bf16 = CASES[name]
+            cache[name] = nfi.inspect_kernel(make_forward_ws_kernel(config, causal, bf16), WS_ARGTYPES, ARCH)
+        return cache[name]
+
+    return get
+
+
+def _lines(report, pattern):
+    return [line.strip() for line in report.sass.splitlines() if re.search(pattern, line)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_instructions(reports, name):
+    r = reports(name)
+    config = CASES[name][0]
+    chunks = config.head_dim // 64
+    assert r.count("UTMALDG") >= 3 * chunks  # Q, K, V boxes
+    assert r.count("UTMASTG") >= chunks  # O boxes
+    assert r.count("SYNCS") >= 8  # mbarrier init, expect-tx, arrive, try-wait
+    assert r.count("STSM") >= config.head_dim // 16
+    assert r.count("LDGSTS") == 0, "no cp.async in the TMA kernel"
+    hgmma = _lines(r, r"HGMMA")
+    ss_shape = rf"HGMMA\.64x{config.block_n}x16\.F32\S* R\d+, gdesc"
+    rs_shape = rf"HGMMA\.64x{config.head_dim}x16\.F32\S* R\d+, R\d+, gdesc.*tnspB"
+    ss = [line for line in hgmma if re.search(ss_shape, line)]
+    rs = [line for line in hgmma if re.search(rs_shape, line)]
+    assert len(ss) >= config.head_dim // 16, hgmma  # S = Q Kᵀ from shared memory
+    assert len(rs) >= config.block_n // 16, hgmma  # O += P V, P from registers, V MN-major
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_register_split(reports, name):
+    """Producer gives registers back (24), consumers take 240; the entry cap is 65536 / 384."""
+    r = reports(name)
+    lines = _lines(r, r"USETMAXREG")
+    assert any("DEALLOC" in line and "0x18" in line for line in lines), lines
+    assert any("ALLOC" in line and "DEALLOC" not in line and "0xf0" in line for line in lines), lines
+    assert r.registers == 168
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_local_memory_no_calls(reports, name):
+    r = reports(name)
+    assert r.calls == 0, "a helper was not inlined"
+    assert r.stack_bytes == 0 and r.local_bytes == 0
+    assert r.spill_instructions == 0, _lines(r, r"\b(LDL|STL)\b")[:10]
+
+
+def test_pingpong_uses_named_barriers(reports):
+    r = reports("d64-pp-causal-f16")
+    assert _lines(r, r"BAR\.ARV"), "ping-pong hands the turn over with bar.arrive"
+    assert len(_lines(r, r"BAR\.SYNC")) >= 3  # syncthreads, turns, epilogue
+
+
+def test_overlap_waits_for_one_group(reports):
+    """With overlap, S_{j+1} is waited for while PV_j may still run (wait_group 1)."""
+    r = reports("d64-pp-causal-f16")
+    assert any("0x1" in line for line in _lines(r, r"WARPGROUP\.DEPBAR")), _lines(r, r"DEPBAR")
+
+
+def test_config_checks():
+    assert WsConfig(128).shared_bytes <= 227 * 1024
+    assert WsConfig(128).threads == 384 and WsConfig(128).block_m == 128
+    with pytest.raises(ValueError, match="pingpong needs overlap"):
+        WsConfig(64, pingpong=True).check()
+    with pytest.raises(ValueError, match="shared memory"):
+        WsConfig(128, stages=4).check()
+    with pytest.raises(ValueError, match="head_dim"):
+        WsConfig(96).check()
+
+
+def test_encode_tensor_map_checks():
+    from numbaflash.runtime.tensor_map import encode_tensor_map
+
+    shape = (2, 100, 4, 128)
+    strides = (100 * 4 * 128 * 2, 4 * 128 * 2, 128 * 2, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        encode_tensor_map(0x1000, shape, strides[:3] + (4,), (1, 64, 1, 64))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        encode_tensor_map(0x1000, shape, (strides[0], 8, strides[2], 2), (1, 64, 1, 64))
+    with pytest.raises(ValueError, match="at most 64"):
+        encode_tensor_map(0x1000, shape, strides, (1, 64, 1, 128))
+    with pytest.raises(ValueError, match="16-bit data"):
+        encode_tensor_map(0x1000, shape, strides, (1, 64, 1, 64), dtype="f32")
