@@ -38,6 +38,7 @@ def variants() -> dict[str, WsConfig]:
         out[f"d{d}-serial"] = WsConfig(d, 128, stages)
         out[f"d{d}-ovl"] = WsConfig(d, 128, stages, overlap=True)
         out[f"d{d}-pp"] = WsConfig(d, 128, stages, overlap=True, pingpong=True)
+    out["d128-ovl-q1"] = WsConfig(128, 128, 2, overlap=True, q_stages=1)  # one Q buffer: before
     out["d64-ovl-n192"] = WsConfig(64, 192, 2, overlap=True)
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
     return out
@@ -198,7 +199,7 @@ def sanitize(args) -> int:
 
     tools = args.tools.split(",")
     names = (args.variants.split(",") if args.variants
-             else ["d64-serial", "d64-pp", "d64-pp-n192", "d128-serial", "d128-pp"])
+             else ["d64-serial", "d64-pp-n192", "d128-ovl", "d128-pp"])
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     jobs = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:

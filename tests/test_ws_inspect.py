@@ -100,6 +100,9 @@ def test_config_checks():
         WsConfig(128, stages=4).check()
     with pytest.raises(ValueError, match="head_dim"):
         WsConfig(96).check()
+    with pytest.raises(ValueError, match="q_stages"):
+        WsConfig(64, q_stages=3).check()
+    assert WsConfig(128, q_stages=1).shared_bytes == WsConfig(128).shared_bytes - 128 * 128 * 2
 
 
 def test_encode_tensor_map_checks():

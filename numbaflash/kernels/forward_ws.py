@@ -5,8 +5,9 @@ A CTA has one producer warpgroup and two consumer warpgroups of 64 query rows ea
 persistent: CTA c takes tiles c, c + gridDim.x, ... of the (query block, head, batch) list.
 
 * **Producer** (warpgroup 0) gives its registers away (``setmaxnreg.dec`` to 24); one thread
-  issues every TMA load: the Q tile, then the K and V tiles of each visible KV block into
-  rings of ``stages`` shared-memory stages. Each stage has a "full" mbarrier (armed with the
+  issues every TMA load: the Q tile (``q_stages`` buffers, so the next tile's Q lands while
+  this tile runs), then the K and V tiles of each visible KV block into rings of ``stages``
+  shared-memory stages. Each stage has a "full" mbarrier (armed with the
   TMA byte count; the copy engine completes it) and an "empty" mbarrier (every consumer warp
   arrives when its wgmma has finished reading). Q has its own full/empty pair.
 * **Consumers** (``setmaxnreg.inc`` to 240) wait on "full", run
@@ -95,10 +96,12 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     S_N_TILES = BN // 8
     P_K_STEPS = BN // 16
     Q_BYTES = config.tile_bytes["q"]
+    Q_RING = uint32(config.q_stages)
     KV_BYTES = config.tile_bytes["kv"]
     RING = uint32(STAGES)  # uint32 constants keep ring arithmetic in 32 bits
     ONE = uint32(1)
-    BARRIER_WORDS = 2 + 4 * STAGES  # q full/empty, then k full, k empty, v full, v empty rings
+    QS = config.q_stages
+    BARRIER_WORDS = 2 * QS + 4 * STAGES  # q full, q empty, k full, k empty, v full, v empty rings
     CAUSAL = causal
     BF16 = bf16
     OVERLAP = config.overlap
@@ -133,21 +136,21 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     # ------------------------------------------------------------------ pipeline stages
 
     @cuda.jit(device=True, inline="always")
-    def wait_full(bar, i):
-        """Wait until stage i % STAGES holds load number i (round i // STAGES)."""
-        hp.mbarrier_wait_parity(bar + uint32(8) * (i % RING), (i // RING) & ONE)
+    def wait_full(bar, i, ring):
+        """Wait until stage i % ring holds load number i (round i // ring)."""
+        hp.mbarrier_wait_parity(bar + uint32(8) * (i % ring), (i // ring) & ONE)
 
     @cuda.jit(device=True, inline="always")
-    def wait_empty(bar, i):
+    def wait_empty(bar, i, ring):
         """Wait until the consumers have released the stage that load i will fill (its
         previous round; a fresh barrier reads as released)."""
-        hp.mbarrier_wait_parity(bar + uint32(8) * (i % RING), ((i // RING) & ONE) ^ ONE)
+        hp.mbarrier_wait_parity(bar + uint32(8) * (i % ring), ((i // ring) & ONE) ^ ONE)
 
     @cuda.jit(device=True, inline="always")
-    def release(bar, i, lane):
-        """This warp is done with stage i % STAGES (one arrival per consumer warp)."""
+    def release(bar, i, ring, lane):
+        """This warp is done with stage i % ring (one arrival per consumer warp)."""
         if lane == 0:
-            hp.mbarrier_arrive(bar + uint32(8) * (i % RING))
+            hp.mbarrier_arrive(bar + uint32(8) * (i % ring))
 
     @cuda.jit(device=True, inline="always")
     def load_tile(dst, tmap, bar, row0, head, batch, rows):
@@ -167,17 +170,19 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         round_q = uint32(0)
         for t in range(cuda.blockIdx.x, total, cuda.gridDim.x):
             tile = tile_at(t, problem)
-            hp.mbarrier_wait_parity(bars.q_empty, (round_q & ONE) ^ ONE)  # consumers done with Q
-            hp.mbarrier_arrive_expect_tx(bars.q_full, Q_BYTES)
-            load_tile(tiles.q, maps.q, bars.q_full, tile.m_block * BM, tile.head, tile.batch, BM)
+            q_slot = round_q % Q_RING
+            wait_empty(bars.q_empty, round_q, Q_RING)  # consumers are done with this Q buffer
+            hp.mbarrier_arrive_expect_tx(bars.q_full + uint32(8) * q_slot, Q_BYTES)
+            load_tile(tiles.q + q_slot * uint32(Q_BYTES), maps.q, bars.q_full + uint32(8) * q_slot,
+                      tile.m_block * BM, tile.head, tile.batch, BM)
             for j in range(kv_tiles_of(tile, problem)):
                 s = load % RING
                 stage = s * uint32(KV_BYTES)
-                wait_empty(bars.k_empty, load)
+                wait_empty(bars.k_empty, load, RING)
                 hp.mbarrier_arrive_expect_tx(bars.k_full + uint32(8) * s, KV_BYTES)
                 load_tile(tiles.k + stage, maps.k, bars.k_full + uint32(8) * s, j * BN, tile.kv_head,
                           tile.batch, BN)
-                wait_empty(bars.v_empty, load)
+                wait_empty(bars.v_empty, load, RING)
                 hp.mbarrier_arrive_expect_tx(bars.v_full + uint32(8) * s, KV_BYTES)
                 load_tile(tiles.v + stage, maps.v, bars.v_full + uint32(8) * s, j * BN, tile.kv_head,
                           tile.batch, BN)
@@ -261,19 +266,19 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         for j in range(n_tiles):
             i = kv0 + uint32(j)
             stage = (i % RING) * uint32(KV_BYTES)
-            wait_full(bars.k_full, i)
+            wait_full(bars.k_full, i, RING)
             issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], stage))
             hp.wgmma_wait_group_0()
             fence_s(acc_s)
-            release(bars.k_empty, i, seat.lane)
+            release(bars.k_empty, i, RING, seat.lane)
             if softmax_scores(acc_s, stats, j * BN, at, scale_log2):
                 rescale_o(acc_o, stats)
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-            wait_full(bars.v_full, i)
+            wait_full(bars.v_full, i, RING)
             issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], stage))
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
-            release(bars.v_empty, i, seat.lane)
+            release(bars.v_empty, i, RING, seat.lane)
 
     @cuda.jit(device=True, inline="always")
     def attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2):
@@ -282,37 +287,37 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         these paired issues take turns (the first S and the last PV of a tile do not)."""
         acc_s, acc_o, p_frag = acc
         if n_tiles > 0:
-            wait_full(bars.k_full, kv0)
+            wait_full(bars.k_full, kv0, RING)
             issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % RING) * uint32(KV_BYTES)))
             hp.wgmma_wait_group_0()
             fence_s(acc_s)
-            release(bars.k_empty, kv0, seat.lane)
+            release(bars.k_empty, kv0, RING, seat.lane)
             softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             for j in range(1, n_tiles):
                 i = kv0 + uint32(j)
-                wait_full(bars.k_full, i)
-                wait_full(bars.v_full, i - ONE)
+                wait_full(bars.k_full, i, RING)
+                wait_full(bars.v_full, i - ONE, RING)
                 take_turn(seat)
                 issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (i % RING) * uint32(KV_BYTES)))
                 issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], ((i - ONE) % RING) * uint32(KV_BYTES)))
                 pass_turn(seat)
                 hp.wgmma_wait_group_1()  # S_j is done; PV_{j-1} may still run
                 fence_s(acc_s)
-                release(bars.k_empty, i, seat.lane)
+                release(bars.k_empty, i, RING, seat.lane)
                 grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
                 hp.wgmma_wait_group_0()
                 fence_o(acc_o)
-                release(bars.v_empty, i - ONE, seat.lane)
+                release(bars.v_empty, i - ONE, RING, seat.lane)
                 if grew:
                     rescale_o(acc_o, stats)
                 pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             last = kv0 + uint32(n_tiles) - ONE
-            wait_full(bars.v_full, last)
+            wait_full(bars.v_full, last, RING)
             issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % RING) * uint32(KV_BYTES)))
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
-            release(bars.v_empty, last, seat.lane)
+            release(bars.v_empty, last, RING, seat.lane)
 
     # ------------------------------------------------------------------ epilogue
 
@@ -400,12 +405,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 stats.l_run[r] = 0.0
             row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
             at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
-            hp.mbarrier_wait_parity(bars.q_full, round_q & ONE)
+            wait_full(bars.q_full, round_q, Q_RING)
+            q_slot = round_q % Q_RING
+            tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
             if OVERLAP:
-                attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2)
+                attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
             else:
-                attend_serial(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2)
-            release(bars.q_empty, uint32(0), seat.lane)  # every S GEMM of this tile has completed
+                attend_serial(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
+            release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
             kv0 += uint32(n_tiles)
             round_q += ONE
             store_o(acc_o, stats, tiles.o, maps, tile, seat, regs)
@@ -425,16 +432,18 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
-        tiles = Tiles(base, base + Q_BYTES, base + Q_BYTES + STAGES * KV_BYTES,
-                      base + Q_BYTES + 2 * STAGES * KV_BYTES)
+        q_end = base + QS * Q_BYTES
+        tiles = Tiles(base, q_end, q_end + STAGES * KV_BYTES, q_end + 2 * STAGES * KV_BYTES)
         b = ptx.shared_address_u64(bar_words)
-        bars = Barriers(b, b + 8, b + 16, b + 16 + 8 * STAGES, b + 16 + 16 * STAGES, b + 16 + 24 * STAGES)
+        k0 = b + 16 * QS
+        bars = Barriers(b, b + 8 * QS, k0, k0 + 8 * STAGES, k0 + 16 * STAGES, k0 + 24 * STAGES)
         maps = Maps(map_q, map_k, map_v, map_o)
         problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM))
         consumer_warps = CONSUMER_THREADS // 32
         if tid == 0:
-            hp.mbarrier_init(bars.q_full, 1)
-            hp.mbarrier_init(bars.q_empty, consumer_warps)
+            for s in range(QS):
+                hp.mbarrier_init(bars.q_full + 8 * s, 1)
+                hp.mbarrier_init(bars.q_empty + 8 * s, consumer_warps)
             for s in range(STAGES):
                 hp.mbarrier_init(bars.k_full + 8 * s, 1)
                 hp.mbarrier_init(bars.k_empty + 8 * s, consumer_warps)

@@ -33,10 +33,13 @@ class ForwardConfig:
         return (self.block_m + 2 * self.block_n) * self.head_dim * 2
 
     def check(self) -> None:
-        if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be 64, 128, 192 or 256, got {self.head_dim}")
+        if self.head_dim % 32 or not 32 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {self.head_dim}")
         if self.block_m % (16 * self.warp_m_tiles) or self.block_n % 16:
             raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
+        block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row
+        if self.threads // block_chunks % 8:
+            raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
         for rows in (self.block_m, self.block_n):
             if rows * self.head_dim // 8 % self.threads:
                 raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
@@ -88,6 +91,7 @@ class WsConfig:
     consumers: int = 2  # consumer warpgroups
     overlap: bool = False  # issue S_{j+1} with O += P_j V_j; softmax while PV is in flight
     pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (named barriers)
+    q_stages: int = 2  # Q buffers: 2 lets the producer load the next tile's Q during this one
 
     @property
     def block_m(self) -> int:
@@ -105,9 +109,9 @@ class WsConfig:
 
     @property
     def shared_bytes(self) -> int:
-        """Q, the K and V rings and the O staging tile, plus 1 KB to align the base to 1024."""
+        """The Q buffers, the K and V rings and the O staging tile, plus 1 KB to align the base."""
         t = self.tile_bytes
-        return t["q"] + 2 * self.stages * t["kv"] + t["o"] + 1024
+        return self.q_stages * t["q"] + 2 * self.stages * t["kv"] + t["o"] + 1024
 
     def check(self) -> None:
         if self.head_dim not in (64, 128):
@@ -118,6 +122,8 @@ class WsConfig:
             raise ValueError(f"consumers must be 2 (register split 24/240), got {self.consumers}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be 2..4, got {self.stages}")
+        if self.q_stages not in (1, 2):
+            raise ValueError(f"q_stages must be 1 or 2, got {self.q_stages}")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
         if self.shared_bytes > 227 * 1024:
