@@ -566,3 +566,12 @@ def test_debug_cli_on_a_standin(capsys):
     assert "row % 16 in {8-15}" in out and "Max |err| per (query tile of 64 rows, head)" in out
     assert debug.main(["--impl", "reference", "--batch", "1", "--heads", "1", "--seqlen-q", "32",
                        "--seqlen-k", "48", "--causal", "--tile-q", "16"]) == 0
+
+
+def test_bench_family_and_flex_options():
+    args = bench.parse_args(["--family", "sm80", "--backends", "numbaflash,flash,flex"])
+    assert args.family == "sm80" and args.backends == ["numbaflash", "flash", "flex"]
+    assert bench.parse_args([]).family == "auto"
+    assert bench.LABELS["flex"] == "flex"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--family", "sm70"])

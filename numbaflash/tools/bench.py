@@ -57,9 +57,11 @@ SDPA_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
-IMPLS = ("numbaflash", *SDPA_BACKENDS)
+# "flex": torch.nn.attention.flex_attention compiled with torch.compile (a Triton kernel).
+IMPLS = ("numbaflash", *SDPA_BACKENDS, "flex")
 DEFAULT_IMPLS = ("numbaflash", "flash", "cudnn", "efficient")
-LABELS = {"numbaflash": "numbaflash", **{name: f"sdpa-{name}" for name in SDPA_BACKENDS}}
+LABELS = {"numbaflash": "numbaflash", **{name: f"sdpa-{name}" for name in SDPA_BACKENDS}, "flex": "flex"}
+FAMILIES = ("auto", "sm80", "sm90")
 DTYPES = ("fp16", "bf16")
 
 # Sleep kernel that keeps the device busy while the host's launch cost is measured
@@ -319,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=None, help="fixed head count (overrides --width)")
     p.add_argument("--exact-causal-flops", action="store_true",
                    help="count causal FLOPs from the visible pairs instead of halving")
+    p.add_argument("--family", choices=FAMILIES, default="auto",
+                   help="numbaflash kernel family: auto (what the dispatcher picks), sm80 (the "
+                        "mma.sync kernel every non-Hopper GPU runs, forced with its table's config), "
+                        "sm90 (the Hopper kernel; Hopper only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", metavar="PATH", help="also write the results as CSV")
     p.add_argument("--plot", metavar="PATH", help="also write a PNG of TFLOP/s against seqlen (matplotlib)")
@@ -743,17 +749,52 @@ def _load_numbaflash() -> Callable[..., Any]:
     return fn
 
 
+def family_context(family: str, head_dim: int, causal: bool) -> contextlib.AbstractContextManager:
+    """Within it, numbaflash launches ``family``'s table config for this head dim (``auto``:
+    whatever the dispatcher picks)."""
+    if family == "auto":
+        return contextlib.nullcontext()
+    from numbaflash import api, configs
+
+    capability, _ = api._current_gpu()
+    if family == "sm90" and configs.arch_family(capability) != "sm90":
+        raise RuntimeError(f"--family sm90 needs a Hopper GPU, this one is sm_{capability[0]}{capability[1]}")
+    config = configs.forward_config(configs.FAMILY_CAPABILITY[family], head_dim, causal)
+    return configs.force_config(capability, causal, config)
+
+
+def flex_calls(views: Sequence[tuple[Any, Any, Any]], shape: Shape) -> list[Callable[[], Any]]:
+    """FlexAttention under torch.compile; causal as a block mask, bottom-right aligned."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    mask = None
+    if shape.causal:
+        diag = shape.seqlen_k - shape.seqlen_q
+
+        def visible(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + diag
+
+        mask = create_block_mask(visible, B=None, H=None, Q_LEN=shape.seqlen_q, KV_LEN=shape.seqlen_k)
+    return [lambda v=v: compiled(v[0], v[1], v[2], block_mask=mask) for v in views]
+
+
 def make_calls(
-    impl: str, shape: Shape, sets: Sequence[tuple[Any, Any, Any, Any]], torch: Any | None
+    impl: str, shape: Shape, sets: Sequence[tuple[Any, Any, Any, Any]], torch: Any | None,
+    family: str = "auto",
 ) -> tuple[list[Callable[[], Any]], contextlib.AbstractContextManager]:
     """One zero-argument closure per input set, and the context to run them in."""
     causal = shape.causal
     if impl == "numbaflash":
         fa = _load_numbaflash()
         calls = [lambda s=s: fa(s[0], s[1], s[2], causal=causal, out=s[3]) for s in sets]
-        return calls, contextlib.nullcontext()
+        return calls, family_context(family, shape.head_dim, causal)
     if torch is None:
         raise RuntimeError("needs PyTorch with CUDA")
+    if impl == "flex":
+        views = [tuple(t.transpose(1, 2) for t in s[:3]) for s in sets]
+        return flex_calls(views, shape), contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -769,7 +810,7 @@ def make_calls(
 def run_one(device: Device, impl: str, shape: Shape, sets: Sequence[Any], args: argparse.Namespace) -> Result:
     result = Result(shape, impl, exact_flops=args.exact_causal_flops)
     try:
-        calls, ctx = make_calls(impl, shape, sets, device.torch)
+        calls, ctx = make_calls(impl, shape, sets, device.torch, args.family)
         with ctx, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result.times_ms = time_with_events(device, calls, args.warmup, args.repeats, args.warmup_ms)
@@ -816,7 +857,8 @@ def run_check(device: Device, shape: Shape, impls: Sequence[str], args: argparse
     q, k, v, out = device.make_inputs(shape, 1, args.seed)[0]
     try:
         fa = _load_numbaflash()
-        fa(q, k, v, causal=shape.causal, out=out)
+        with family_context(args.family, shape.head_dim, shape.causal):
+            fa(q, k, v, causal=shape.causal, out=out)
         torch.cuda.synchronize()
     except Exception as exc:
         print(f"CHECK FAILED: numbaflash raised {type(exc).__name__}: {exc}")
@@ -824,7 +866,7 @@ def run_check(device: Device, shape: Shape, impls: Sequence[str], args: argparse
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    ref_impls = [i for i in impls if i != "numbaflash"] or ["flash"]
+    ref_impls = [i for i in impls if i in SDPA_BACKENDS] or ["flash"]
     theirs, used = None, None
     for impl in ref_impls:
         try:
@@ -872,7 +914,7 @@ def run_sanity(device: Device, shape: Shape, impls: Sequence[str], args: argpars
     rows, errors = [], []
     for impl in impls:
         try:
-            calls, ctx = make_calls(impl, shape, sets, device.torch)
+            calls, ctx = make_calls(impl, shape, sets, device.torch, args.family)
             with ctx, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 rows.append(measure_sanity(device, calls, impl, args.warmup, args.repeats, args.warmup_ms))
@@ -959,6 +1001,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("# numbaflash benchmark\n")
     print(environment_header(torch))
     flops_rule = "exact visible pairs" if args.exact_causal_flops else "halved"
+    print(f"numbaflash kernel family: {args.family}")
     print(f"FLOPs: 4*B*H*Sq*Sk*D, causal {flops_rule}; median of {args.repeats} CUDA-event-timed calls "
           f"after >= {args.warmup} warm-up calls and >= {args.warmup_ms:g} ms of them (clocks settled); "
           "inputs rotated over sets totalling >= 3x L2")
