@@ -2,7 +2,8 @@
 
     python benchmarks/autotune.py [--write]
 
-Times every candidate of ``numbaflash.configs.CANDIDATES`` for this GPU family on
+Times every candidate of ``numbaflash.configs.CANDIDATES`` for this GPU family (for head dims
+its own kernel lacks, Hopper's ``dispatch_family`` is sm80: those keys are sm80's) on
 the reference workload (fp16, batch*seqlen = 64k tokens, width 2048, seqlen 4096) and
 prints a table; ``--write`` stores the winners in numbaflash/tuned_configs.json.
 """
@@ -38,26 +39,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(configs.SUPPORTED_HEAD_DIMS))
     parser.add_argument("--only", choices=["mma", "wgmma"], help="time only this kernel family")
     args = parser.parse_args()
     cap = torch.cuda.get_device_capability()
-    family = configs.arch_family(cap)
-    print("GPU:", torch.cuda.get_device_name(), family, time.strftime("%Y-%m-%d"))
+    print("GPU:", torch.cuda.get_device_name(), configs.arch_family(cap), time.strftime("%Y-%m-%d"))
     table = json.loads(configs.TABLE_PATH.read_text()) if configs.TABLE_PATH.is_file() else {}
     s = args.seqlen
     for d in args.head_dims:
+        family = configs.dispatch_family(cap, d)
         b, h = 65536 // s, 2048 // d
         qkv = [torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3)]
         out = torch.empty_like(qkv[0])
         for causal in (False, True):
             key = configs.table_key(family, d, causal)
+            forced = configs.table_key(configs.arch_family(cap), d, causal)  # what OVERRIDES reads
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             best = None
             for cand in configs.CANDIDATES[(family, d)]:
                 if args.only and configs.config_to_json(cand)["kernel"] != args.only:
                     continue
-                configs.OVERRIDES[key] = cand
+                configs.OVERRIDES[forced] = cand
                 try:
                     ms = time_ms(lambda c=causal, x=qkv, o=out: flash_attention(*x, causal=c, out=o))
                 except Exception as exc:  # a candidate that fails to build or launch is skipped
@@ -67,7 +69,7 @@ def main() -> None:
                 print(f"{key:>18} {tflops:7.1f} TFLOP/s  {cand}")
                 if best is None or tflops > best[1]:
                     best = (cand, tflops)
-            configs.OVERRIDES.pop(key, None)
+            configs.OVERRIDES.pop(forced, None)
             if best:
                 cand, tf = best
                 table[key] = {**configs.config_to_json(cand), "tflops": round(tf, 1)}

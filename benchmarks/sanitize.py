@@ -71,7 +71,8 @@ def kernel_family(config: KernelConfig) -> str:
 def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig]:
     """Shipped configs and candidates of the families that run on ``capability``, sorted by str."""
     families = configs.runnable_families(capability)
-    found = {c for fam in families for d in configs.SUPPORTED_HEAD_DIMS for c in configs.CANDIDATES[(fam, d)]}
+    own_dims = configs.FAMILY_HEAD_DIMS  # each family's candidates at its own kernel's head dims
+    found = {c for fam in families for d in own_dims[fam] for c in configs.CANDIDATES[(fam, d)]}
     found |= {c for fam, _, _, c in configs.shipped_configs() if fam in families}
     return sorted(found, key=str)
 

@@ -419,7 +419,7 @@ def flash_attention(
     Args:
         q: (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16.
         k, v: (batch, seqlen_k, heads_kv, head_dim), same dtype; heads_q a multiple of
-            heads_kv (GQA / MQA). head_dim 64 or 128; any seqlen >= 1.
+            heads_kv (GQA / MQA). head_dim 32, 64, 96, 128 or 256; any seqlen >= 1.
             All three numpy arrays (staged through page-locked memory in chunks on several
             streams; the result is a numpy array over pooled pinned memory), or all
             device arrays: torch CUDA tensors, CuPy arrays, Numba device arrays or any

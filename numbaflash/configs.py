@@ -1,7 +1,10 @@
 """Kernel configurations per GPU family, head dim and causality.
 
 sm80 family (Ampere, Ada, Blackwell, ...): the mma.sync kernel (``ForwardConfig``).
-sm90 (Hopper): the wgmma kernel (``WgmmaConfig``); the mma.sync kernel also runs there.
+sm90 (Hopper): the warp-specialised TMA + wgmma kernel (``WsConfig``; the older cp.async
+wgmma kernel, ``WgmmaConfig``, stays an autotune candidate); the mma.sync kernel also runs there, and
+Hopper runs it for the head dims its own kernel does not support (``FAMILY_HEAD_DIMS``,
+``dispatch_family``): today 32, 96 and 256.
 The choice per (family, head dim, causal) is made by ``benchmarks/autotune.py`` and stored
 in ``tuned_configs.json`` beside this file; entries missing from it use ``DEFAULTS``.
 """
@@ -14,17 +17,24 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .kernels.shapes import ForwardConfig, WgmmaConfig
+from .kernels.shapes import ForwardConfig, WgmmaConfig, WsConfig
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+# Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
+FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 128)}
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
-KernelConfig = ForwardConfig | WgmmaConfig
+KernelConfig = ForwardConfig | WgmmaConfig | WsConfig
 
 DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     ("sm80", 64): ForwardConfig(64, block_m=128, block_n=64),
     ("sm80", 128): ForwardConfig(128, block_m=64, block_n=128),
-    ("sm90", 64): WgmmaConfig(64, block_n=128, warpgroups=2),
-    ("sm90", 128): WgmmaConfig(128, block_n=128, warpgroups=2),
+    ("sm80", 32): ForwardConfig(32, block_m=128, block_n=128),
+    ("sm80", 96): ForwardConfig(96, block_m=128, block_n=64),
+    # 96 KB of shared memory: fits every sm80-family GPU (sm_86/89/120 allow 99 KB a CTA);
+    # 64 x 64 over 4 warps spills at 255 registers, 128 x 32 over 8 warps does not.
+    ("sm80", 256): ForwardConfig(256, block_m=128, block_n=32),
+    ("sm90", 64): WsConfig(64, block_n=192, stages=2, overlap=True, pingpong=True),
+    ("sm90", 128): WsConfig(128, block_n=128, stages=2, overlap=True),
 }
 # What benchmarks/autotune.py tries, by family and head dim.
 CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
@@ -32,6 +42,10 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
     for d, shapes in {
         64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (64, 64, 1), (256, 64, 2)],
         128: [(128, 64, 1), (64, 64, 1), (128, 32, 1), (64, 128, 1), (128, 128, 1)],
+        32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2), (256, 128, 2)],
+        96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1), (192, 64, 1)],
+        # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only.
+        256: [(128, 32, 1), (64, 32, 1), (128, 64, 1)],
     }.items()
 }
 # (block_n, warpgroups, pipelined) of the wgmma kernel; others spill at 255 or 168 registers.
@@ -41,9 +55,17 @@ _WGMMA_SHAPES = {
     128: ((128, 2, False), (64, 2, False), (128, 1, False), (64, 3, False),
           (128, 2, True), (64, 2, True), (128, 1, True)),
 }
+# (block_n, stages, overlap, pingpong, q_stages) of the warp-specialised kernel.
+_WS_SHAPES = {
+    64: ((192, 2, True, True, 2), (192, 2, True, False, 2), (128, 3, True, True, 2), (128, 3, True, False, 2),
+         (128, 3, False, False, 2)),
+    128: ((128, 2, True, False, 2), (128, 2, True, True, 2), (128, 2, True, False, 1),
+          (128, 2, False, False, 2)),
+}
 CANDIDATES.update({
-    ("sm90", d): [WgmmaConfig(d, *shape) for shape in _WGMMA_SHAPES[d]] + CANDIDATES[("sm80", d)]
-    for d in SUPPORTED_HEAD_DIMS
+    ("sm90", d): [WsConfig(d, bn, st, 2, ovl, pp, qs) for bn, st, ovl, pp, qs in _WS_SHAPES[d]]
+    + [WgmmaConfig(d, *shape) for shape in _WGMMA_SHAPES[d]] + CANDIDATES[("sm80", d)]
+    for d in FAMILY_HEAD_DIMS["sm90"]
 })
 # Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.
 OVERRIDES: dict[str, KernelConfig] = {}
@@ -54,6 +76,13 @@ def arch_family(capability: tuple[int, int]) -> str:
     return "sm90" if tuple(capability)[0] == 9 else "sm80"
 
 
+def dispatch_family(capability: tuple[int, int], head_dim: int) -> str:
+    """The family whose kernel runs ``head_dim`` on this GPU: its own, or 'sm80' (the mma.sync
+    kernel runs everywhere) where its own kernel lacks the head dim (Hopper at 32, 96, 256)."""
+    family = arch_family(capability)
+    return family if head_dim in FAMILY_HEAD_DIMS[family] else "sm80"
+
+
 def table_key(family: str, head_dim: int, causal: bool) -> str:
     return f"{family}/d{head_dim}/{'causal' if causal else 'full'}"
 
@@ -61,13 +90,14 @@ def table_key(family: str, head_dim: int, causal: bool) -> str:
 def config_to_json(config: KernelConfig) -> dict:
     import dataclasses
 
-    kind = "wgmma" if isinstance(config, WgmmaConfig) else "mma"
+    kind = {WgmmaConfig: "wgmma", WsConfig: "ws"}.get(type(config), "mma")
     return {"kernel": kind, **dataclasses.asdict(config)}
 
 
 def config_from_json(entry: dict) -> KernelConfig:
     fields = {k: v for k, v in entry.items() if k not in ("kernel", "tflops")}
-    return WgmmaConfig(**fields) if entry.get("kernel") == "wgmma" else ForwardConfig(**fields)
+    kinds = {"wgmma": WgmmaConfig, "ws": WsConfig, "mma": ForwardConfig}
+    return kinds[entry.get("kernel", "mma")](**fields)
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,11 +108,13 @@ def _table() -> dict:
 
 
 def forward_config(capability: tuple[int, int], head_dim: int, causal: bool) -> KernelConfig:
-    """The configuration to launch for this GPU and problem."""
-    family = arch_family(capability)
+    """The configuration to launch for this GPU and problem: a forced one (``force_config``),
+    else the tuned table's or the default of ``dispatch_family``."""
+    forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
+    if forced is not None:
+        return forced
+    family = dispatch_family(capability, head_dim)
     key = table_key(family, head_dim, causal)
-    if key in OVERRIDES:
-        return OVERRIDES[key]
     if key in _table():
         return config_from_json(_table()[key])
     return DEFAULTS[(family, head_dim)]
@@ -92,11 +124,12 @@ FAMILY_CAPABILITY = {"sm80": (8, 0), "sm90": (9, 0)}  # a representative GPU of 
 
 
 def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
-    """Every (family, head dim, causal, config) the dispatcher can launch."""
+    """Every (family, head dim, causal, config) the dispatcher can launch (each family at its
+    own head dims: the others run the sm80 family's config)."""
     return [
         (family, d, causal, forward_config(cap, d, causal))
         for family, cap in FAMILY_CAPABILITY.items()
-        for d in SUPPORTED_HEAD_DIMS
+        for d in FAMILY_HEAD_DIMS[family]
         for causal in (False, True)
     ]
 
@@ -108,15 +141,16 @@ def runnable_families(capability: tuple[int, int]) -> list[str]:
 
 
 def runnable_candidates(capability: tuple[int, int], head_dim: int) -> list[KernelConfig]:
-    """Every candidate config that may run on a GPU of this capability (both families on Hopper)."""
-    return list(CANDIDATES[(arch_family(capability), head_dim)])
+    """Every candidate config that may run on a GPU of this capability for ``head_dim`` (both
+    families on Hopper at the head dims of its own kernel, else the sm80 family's)."""
+    return list(CANDIDATES[(dispatch_family(capability, head_dim), head_dim)])
 
 
 @contextlib.contextmanager
 def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig) -> Iterator[None]:
     """Within the block, ``flash_attention`` on this GPU launches ``config`` for its head dim
     and ``causal`` (any family that runs here). Not thread-safe: for tests and tools."""
-    if arch_family(capability) == "sm80" and isinstance(config, WgmmaConfig):
+    if arch_family(capability) == "sm80" and isinstance(config, WgmmaConfig | WsConfig):
         raise ValueError(f"{config} needs Hopper (sm_90a); this GPU is sm_{capability[0]}{capability[1]}")
     key = table_key(arch_family(capability), config.head_dim, causal)
     previous = OVERRIDES.get(key)
@@ -137,10 +171,24 @@ def make_kernel(config: KernelConfig, causal: bool, bf16: bool):
     """The Python kernel function for a configuration (either kernel family)."""
     from .kernels.forward_mma import make_forward_kernel
     from .kernels.forward_wgmma import make_forward_wgmma_kernel
+    from .kernels.forward_ws import make_forward_ws_kernel
 
+    if isinstance(config, WsConfig):
+        return make_forward_ws_kernel(config, causal, bf16)
     if isinstance(config, WgmmaConfig):
         return make_forward_wgmma_kernel(config, causal, bf16)
     return make_forward_kernel(config, causal, bf16)
+
+
+def kernel_argtypes(config: KernelConfig) -> tuple:
+    """The Numba argument types of a config's kernel (imports Numba)."""
+    if isinstance(config, WsConfig):
+        from .kernels.forward_ws import WS_ARGTYPES
+
+        return WS_ARGTYPES
+    from .kernels.common import FORWARD_ARGTYPES
+
+    return FORWARD_ARGTYPES
 
 
 def forward_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str):
@@ -149,9 +197,8 @@ def forward_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str):
     agree on the cache key."""
     from .runtime.cache import cached_cubin
 
-    def build():
-        from .kernels.common import FORWARD_ARGTYPES  # imports Numba: only on a cache miss
+    def build():  # imports Numba: only on a cache miss
+        return make_kernel(config, causal, bf16), kernel_argtypes(config)
 
-        return make_kernel(config, causal, bf16), FORWARD_ARGTYPES
-
-    return cached_cubin("forward", config, causal, bf16, arch, build)
+    kind = "forward_ws" if isinstance(config, WsConfig) else "forward"
+    return cached_cubin(kind, config, causal, bf16, arch, build)

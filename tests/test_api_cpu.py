@@ -34,6 +34,19 @@ def test_bad_input_raises_before_launch(args, error, message):
         numbaflash.flash_attention(*args())
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+def test_supported_head_dims_reach_the_kernel(head_dim, no_compile):
+    with pytest.raises(AssertionError, match="would compile"):
+        numbaflash.flash_attention(*qkv((1, 8, 4, head_dim), (1, 8, 2, head_dim)))
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 48, 80, 112, 160, 192, 224, 512])
+def test_other_head_dims_rejected_with_the_supported_list(head_dim, no_compile):
+    with pytest.raises(ValueError) as info:
+        numbaflash.flash_attention(*qkv((1, 8, 4, head_dim), (1, 8, 2, head_dim)))
+    assert str(info.value) == f"head_dim must be one of (32, 64, 96, 128, 256), got {head_dim}"
+
+
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), 1e300, 1e-300, -0.0, 1e39])
 def test_bad_softmax_scale_value(scale, no_compile):
     with pytest.raises(ValueError, match=f"softmax_scale.*got {re.escape(repr(scale))}"):

@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 from numba import cuda, types
 
-from numbaflash.configs import CANDIDATES, DEFAULTS, ForwardConfig, WgmmaConfig, forward_config
+from numbaflash.configs import (
+    CANDIDATES,
+    DEFAULTS,
+    SUPPORTED_HEAD_DIMS,
+    ForwardConfig,
+    WgmmaConfig,
+    dispatch_family,
+    forward_config,
+)
 from numbaflash.runtime import cache
 from numbaflash.runtime.compiler import entry_name, parse_arch
 from numbaflash.tools import precompile
@@ -344,14 +352,15 @@ def test_list_and_clear_other_versions(cache_dir):
 def test_precompile_lists_what_each_target_dispatches():
     for arch, family in (("sm_80", "sm80"), ("sm_86", "sm80"), ("sm_90a", "sm90")):
         cap = (parse_arch(arch)[0], parse_arch(arch)[1])
+        assert {dispatch_family(cap, d) for d in (64, 128)} == {family}
         items = precompile.kernels_for(arch, candidates=False)
-        assert len(items) == 2 * 2 * 2  # head dims x causal x dtypes
+        assert len(items) == len(SUPPORTED_HEAD_DIMS) * 2 * 2  # head dims x causal x dtypes
         for config, causal, _, item_arch in items:
             assert item_arch == arch
             assert config == forward_config(cap, config.head_dim, causal)
         with_candidates = precompile.kernels_for(arch, candidates=True)
-        expected = {(c, causal) for d in (64, 128) for causal in (False, True)
-                    for c in CANDIDATES[(family, d)]}
+        expected = {(c, causal) for d in SUPPORTED_HEAD_DIMS for causal in (False, True)
+                    for c in CANDIDATES[(dispatch_family(cap, d), d)]}
         assert {(c, causal) for c, causal, _, _ in with_candidates} == expected
     assert DEFAULTS  # the table falls back to defaults: both families have them
 
@@ -368,16 +377,17 @@ def test_precompile_command_fills_the_cache_with_no_gpu(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout, done.stderr
 
+    n = len(SUPPORTED_HEAD_DIMS) * 2 * 2  # head dims x causal x dtypes
     out, err = run("--arch", "sm_80", "--jobs", "2")
-    assert "8 kernels: 8 compiled, 0 already cached" in out
-    assert "8/8" in err and "[" + "#" * precompile.BAR_WIDTH + "]" in err  # the progress bar
+    assert f"{n} kernels: {n} compiled, 0 already cached" in out
+    assert f"{n}/{n}" in err and "[" + "#" * precompile.BAR_WIDTH + "]" in err  # the progress bar
     out, _ = run("--arch", "sm_80")
-    assert "8 kernels: 0 compiled, 8 already cached" in out
+    assert f"{n} kernels: 0 compiled, {n} already cached" in out
     out, _ = run("--list")
-    assert sum(line.startswith("current") for line in out.splitlines()) == 8
+    assert sum(line.startswith("current") for line in out.splitlines()) == n
     assert "forward sm_80 bf16 causal" in out
     out, _ = run("--clear", "--all")
-    assert "removed 8 entries" in out
+    assert f"removed {n} entries" in out
     done = subprocess.run([sys.executable, "-m", "numbaflash.precompile", "--arch", "sm_75"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown architecture 'sm_75'" in done.stderr

@@ -16,12 +16,14 @@ import pytest
 
 import numbaflash
 from numbaflash import configs
-from numbaflash.configs import CANDIDATES, FAMILY_CAPABILITY, SUPPORTED_HEAD_DIMS
+from numbaflash.configs import CANDIDATES, FAMILY_CAPABILITY, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 from numbaflash.tools.reference import compare_with_reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 FAMILIES = ["sm90", "sm80"]
+# Each family at the head dims of its own kernel (Hopper runs the sm80 family at the others).
+FAMILY_DIMS = [pytest.param(f, d, id=f"{f}-d{d}") for f in FAMILIES for d in FAMILY_HEAD_DIMS[f]]
 
 
 def gpu_capability() -> tuple[int, int]:
@@ -71,9 +73,8 @@ CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, head_dim", FAMILY_DIMS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_q{}_k{}_h{}-{}".format(*c))
 def test_forward_matches_reference(rng, case, causal, head_dim, dtype, family):
@@ -86,9 +87,8 @@ def test_forward_matches_reference(rng, case, causal, head_dim, dtype, family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, head_dim", FAMILY_DIMS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_large_scores(rng, causal, head_dim, dtype, family):
     """Inputs scaled by 30: peaked softmax, large exponent range."""
@@ -96,6 +96,18 @@ def test_forward_large_scores(rng, causal, head_dim, dtype, family):
     with using(family_config(family, head_dim, causal), causal):
         out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
     check_attention(q, k, v, causal, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_dispatch_without_forcing(rng, head_dim):
+    """What ``flash_attention`` picks by itself on this GPU (on Hopper: the sm80 family at the
+    head dims the Hopper kernel lacks) is correct, causal, GQA, with LSE."""
+    q, k, v = random_qkv(rng, 2, 190, 250, 4, 2, head_dim, np.float16)
+    out, lse = numbaflash.flash_attention(q, k, v, causal=True, return_lse=True)
+    check_attention(q, k, v, True, out, lse)
+    if configs.dispatch_family(gpu_capability(), head_dim) == "sm80":
+        assert isinstance(configs.forward_config(gpu_capability(), head_dim, True), configs.ForwardConfig)
 
 
 @pytest.mark.gpu
@@ -204,6 +216,7 @@ def test_torch_tensors(rng, dtype):
 
 
 SHIPPED = {(d, cfg) for _, d, _, cfg in configs.shipped_configs()}
+assert {d for d, _ in SHIPPED} == set(SUPPORTED_HEAD_DIMS)
 TUNABLE = sorted({(key[1], cfg) for key, cands in CANDIDATES.items() for cfg in cands} | SHIPPED, key=str)
 
 

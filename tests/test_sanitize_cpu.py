@@ -11,7 +11,7 @@ import pytest
 from _benchmarks import load_benchmark
 
 from numbaflash import configs
-from numbaflash.configs import CANDIDATES, SUPPORTED_HEAD_DIMS, ForwardConfig, WgmmaConfig
+from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WgmmaConfig
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -112,13 +112,14 @@ def test_runnable_configs(capability, families):
     assert got == sorted(got, key=str) and len(set(got)) == len(got)
     assert got == san.runnable_configs(capability)  # stable: parent and worker agree
     for fam in families:
-        for d in SUPPORTED_HEAD_DIMS:
+        for d in FAMILY_HEAD_DIMS[fam]:
             assert set(CANDIDATES[(fam, d)]) <= set(got)
+    assert {c.head_dim for c in got} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
     shipped = {c for fam, _, _, c in configs.shipped_configs() if fam in families}
     assert shipped <= set(got)
     assert any(isinstance(c, ForwardConfig) for c in got)
     assert any(isinstance(c, WgmmaConfig) for c in got) == ("sm90" in families)
-    expected = {c for fam in families for d in SUPPORTED_HEAD_DIMS for c in CANDIDATES[(fam, d)]} | shipped
+    expected = {c for fam in families for d in FAMILY_HEAD_DIMS[fam] for c in CANDIDATES[(fam, d)]} | shipped
     assert set(got) == expected
 
 

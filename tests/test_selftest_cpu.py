@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from numbaflash.configs import SUPPORTED_HEAD_DIMS
+from numbaflash.configs import FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 from numbaflash.tools import selftest
 
 BOTH = ["sm90", "sm80"]
@@ -27,11 +27,14 @@ def test_draw_case_is_deterministic_and_independent(quick):
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**32 - 1])
 @pytest.mark.parametrize("families", [BOTH, ["sm80"], ["sm90"]])
-def test_sixteen_cases_cover_every_combination(seed, families):
-    cases = [selftest.draw_case(seed, i, families) for i in range(16)]
-    got = {(c.family, c.head_dim, c.causal, c.dtype) for c in cases}
-    want = set(itertools.product(families, SUPPORTED_HEAD_DIMS, (False, True), selftest.DTYPE_NAMES))
-    assert got == want
+def test_consecutive_cases_cover_every_combination(seed, families):
+    """Each family at its own kernel's head dims: the sm80 family at every supported one."""
+    want = {(f, d, c, t) for f in families for d, c, t in
+            itertools.product(FAMILY_HEAD_DIMS[f], (False, True), selftest.DTYPE_NAMES)}
+    cases = [selftest.draw_case(seed, i, families) for i in range(len(want))]
+    assert {(c.family, c.head_dim, c.causal, c.dtype) for c in cases} == want
+    if "sm80" in families:
+        assert {c.head_dim for c in cases if c.family == "sm80"} == set(SUPPORTED_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("quick", [False, True])

@@ -13,10 +13,11 @@ from .softmax import quad_sum
 
 
 @cuda.jit(device=True, inline="always")
-def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, bf16):
+def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, bf16, row_bytes=128):
     """Normalise this warp's 16 O rows by their row sums and store them, 16-bit, into rows
-    ``row0`` .. +15 of a swizzled shared tile. Returns nothing; the row sums (summed over
-    the quad) are left in ``l_run``. Rows with a zero sum give 0."""
+    ``row0`` .. +15 of a swizzled shared tile (``row_bytes``-byte block rows, see ``smem``).
+    Returns nothing; the row sums (summed over the quad) are left in ``l_run``. Rows with a
+    zero sum give 0."""
     g = lane // 4
     t = lane % 4
     for r in range(2):
@@ -27,20 +28,22 @@ def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, b
             lo = acc_o[j, 2 * r] * inv
             hi = acc_o[j, 2 * r + 1] * inv
             packed = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
-            offset = swizzled_offset(row0 + g + 8 * r, j, tile_rows) + 4 * t
+            offset = swizzled_offset(row0 + g + 8 * r, j, tile_rows, row_bytes) + 4 * t
             ptx.st_shared_b32(smem_tile + offset, packed)
 
 
 @cuda.jit(device=True, inline="always")
-def store_rows_global(dst, first_row, smem_tile, tile_rows, tile_row0, rows, chunks_per_row, lane, scratch):
-    """A warp copies ``rows`` rows of a swizzled shared tile (from ``tile_row0``) to rows
-    ``first_row`` ... of ``dst`` (GlobalRows) with 16-byte stores, skipping rows at or past
-    ``dst.num_rows``. ``scratch`` is a uint32[4] register array."""
+def store_rows_global(dst, first_row, smem_tile, tile_rows, tile_row0, rows, chunks_per_row, lane, scratch,
+                      row_bytes=128):
+    """A warp copies ``rows`` rows of a swizzled shared tile (from ``tile_row0``; ``row_bytes``-byte
+    block rows) to rows ``first_row`` ... of ``dst`` (GlobalRows) with 16-byte stores, skipping
+    rows at or past ``dst.num_rows``. ``scratch`` is a uint32[4] register array;
+    ``rows * chunks_per_row`` is a multiple of 32."""
     for i in range(rows * chunks_per_row // 32):
         idx = lane + i * 32
         row = idx // chunks_per_row
         chunk = idx % chunks_per_row
-        ptx.ld_shared_v4(scratch, smem_tile + swizzled_offset(tile_row0 + row, chunk, tile_rows))
+        ptx.ld_shared_v4(scratch, smem_tile + swizzled_offset(tile_row0 + row, chunk, tile_rows, row_bytes))
         if first_row + row < dst.num_rows:
             ptx.st_global_v4(dst.array, dst.base + (first_row + row) * dst.row_stride + chunk * 8, scratch)
 

@@ -1,12 +1,17 @@
 """FlashAttention-2 forward on tensor cores with cp.async + ldmatrix + mma.sync (sm_80+).
 
 One CTA computes ``block_m`` query rows of one (batch, head); each of its warps owns 16 rows
-and keeps their Q fragments in registers for the whole KV loop. K and V tiles of
+per m-tile and keeps their Q fragments in registers for the whole KV loop (head_dim <= 128;
+at 256, whose O accumulator alone is 128 registers per m-tile, it reloads them from the Q
+tile one 16-column k-tile at a time inside S = Q Kᵀ). K and V tiles of
 ``block_n`` keys stream through swizzled shared memory with cp.async; the copy of V_j
 overlaps S = Q K_jᵀ and the copy of K_{j+1} overlaps O += P V_j. The softmax runs online
 in the exp2 domain with the scale folded into one FFMA; P becomes the A operand of the PV
 product in registers; O is rescaled only when a row max grows (``common.THRESHOLD``) and is
 normalised once at the end, then written through shared memory with 16-byte stores.
+
+Tiles are stored as 64-column blocks of 128-byte rows when head_dim is a multiple of 64, else
+(32, 96) as 32-column blocks of 64-byte rows (``smem``); head dims 32, 64, 96, 128, 256.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     MT = config.warp_m_tiles
     THREADS = config.threads
     CPR = D // 8  # 16-byte chunks per row
+    RB = 128 if D % 64 == 0 else 64  # bytes per row of a swizzle column block (smem)
+    Q_RESIDENT = D <= 128  # Q fragments in registers for the whole loop, else per k-tile
     D_K_TILES = D // 16  # k-tiles of the QKᵀ product
     D_N_TILES = D // 8  # n-tiles of the O accumulator
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
@@ -44,25 +51,33 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, inline="always")
-    def qk_scores(acc_s, q_frag, k_tile, k_offsets, b_frag):
-        """S = Q K_jᵀ for the warp's m-tiles: K fragments by ldmatrix, two n-tiles per load."""
+    def qk_scores(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag):
+        """S = Q K_jᵀ for the warp's m-tiles: K fragments by ldmatrix, two n-tiles per load.
+        Q fragments: ``q_frag[mt, kt]`` held in registers, or (not Q_RESIDENT) loaded into
+        ``q_frag[mt, 0]`` k-tile by k-tile from the warp's rows of the Q tile at ``q_tile``."""
         for mt in range(MT):
             for j in range(S_N_TILES):
                 for e in range(4):
                     acc_s[mt, j, e] = 0.0
         for kt in range(D_K_TILES):
-            for j2 in range(S_N_TILES // 2):
-                ptx.ldmatrix_x4(b_frag, k_tile + block_offset(k_offsets, kt, BN) + j2 * 16 * 128)
+            qt = kt
+            if not Q_RESIDENT:
+                qt = 0
                 for mt in range(MT):
-                    mma(acc_s[mt, 2 * j2], q_frag[mt, kt], b_frag[0:2])
-                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, kt], b_frag[2:4])
+                    q_at = q_tile + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB
+                    ptx.ldmatrix_x4(q_frag[mt, 0], q_at)
+            for j2 in range(S_N_TILES // 2):
+                ptx.ldmatrix_x4(b_frag, k_tile + block_offset(k_offsets, kt, BN, RB) + j2 * 16 * RB)
+                for mt in range(MT):
+                    mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[0:2])
+                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[2:4])
 
     @cuda.jit(device=True, inline="always")
     def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
         """O += P V_j: P from registers, V fragments by transposing ldmatrix."""
         for kt in range(P_K_TILES):
             for j2 in range(D_N_TILES // 2):
-                ptx.ldmatrix_x4_trans(b_frag, v_tile + block_offset(v_offsets, j2, BN) + kt * 16 * 128)
+                ptx.ldmatrix_x4_trans(b_frag, v_tile + block_offset(v_offsets, j2, BN, RB) + kt * 16 * RB)
                 for mt in range(MT):
                     mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
                     mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
@@ -105,10 +120,10 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
 
         # Prologue: Q and K_0 in flight together.
-        copy_tile_async(sq, BM, q_rows, m0, CPR, tid, THREADS)
+        copy_tile_async(sq, BM, q_rows, m0, CPR, tid, THREADS, RB)
         ptx.cp_async_commit_group()
         if n_tiles > 0:
-            copy_tile_async(sk, BN, k_rows, 0, CPR, tid, THREADS)
+            copy_tile_async(sk, BN, k_rows, 0, CPR, tid, THREADS, RB)
         ptx.cp_async_commit_group()
 
         acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
@@ -117,7 +132,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                 for e in range(4):
                     acc_o[mt, j, e] = 0.0
         acc_s = cuda.local.array((MT, S_N_TILES, 4), float32)
-        q_frag = cuda.local.array((MT, D_K_TILES, 4), uint32)
+        q_frag = cuda.local.array((MT, D_K_TILES if Q_RESIDENT else 1, 4), uint32)
         p_frag = cuda.local.array((MT, P_K_TILES, 4), uint32)
         b_frag = cuda.local.array(4, uint32)
         # Per fragment row (m-tile mt, half r: rows g and g+8): running max (scaled, log2
@@ -132,25 +147,28 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         ptx.cp_async_wait_group_1()  # Q has landed (K_0 may still be in flight)
         cuda.syncthreads()
         warp_row = warp * 16 * MT  # this warp's first row in the CTA tile
-        for mt in range(MT):
-            load_a_fragments(q_frag[mt], sq, warp_row + 16 * mt, D_K_TILES, BM, lane)
+        if Q_RESIDENT:
+            for mt in range(MT):
+                load_a_fragments(q_frag[mt], sq, warp_row + 16 * mt, D_K_TILES, BM, lane, RB)
+        q_warp = sq + warp_row * RB  # the warp's rows of the Q tile (a multiple of 16 rows in)
 
         row_first = m0 + warp_row  # this warp's first query row
         # ldmatrix byte offsets of this lane: K as the B operand of QKᵀ (non-transposed,
-        # two n-tiles of 8 keys per load), V as the B operand of PV (transposed).
+        # two n-tiles of 8 keys per load), V as the B operand of PV (transposed), which is
+        # also the pattern of Q as the A operand.
         k_offsets = cuda.local.array(4, uint32)
-        ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2)
+        ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
         v_offsets = cuda.local.array(4, uint32)
-        ldmatrix_offsets(v_offsets, lane % 16, lane // 16)
+        ldmatrix_offsets(v_offsets, lane % 16, lane // 16, RB)
         mx = cuda.local.array((MT, 2), float32)
         for n_block in range(n_tiles):
             n0 = n_block * BN
             ptx.cp_async_wait_group_0()  # K_j has landed ...
             cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
-            copy_tile_async(sv, BN, v_rows, n0, CPR, tid, THREADS)
+            copy_tile_async(sv, BN, v_rows, n0, CPR, tid, THREADS, RB)
             ptx.cp_async_commit_group()
 
-            qk_scores(acc_s, q_frag, sk, k_offsets, b_frag)
+            qk_scores(acc_s, q_frag, q_warp, v_offsets, sk, k_offsets, b_frag)
             if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
                 for mt in range(MT):  # keys past the end, and (causal) after the diagonal
                     mask_scores(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, seqlen_k, diag, CAUSAL)
@@ -159,7 +177,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             ptx.cp_async_wait_group_0()  # V_j has landed ...
             cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
             if n_block + 1 < n_tiles:
-                copy_tile_async(sk, BN, k_rows, n0 + BN, CPR, tid, THREADS)
+                copy_tile_async(sk, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
                 ptx.cp_async_commit_group()
 
             pv_accumulate(acc_o, p_frag, sv, v_offsets, b_frag)
@@ -168,14 +186,14 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         # 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.
         drain_copies()  # no copy may land on the staged rows (none is in flight today)
         for mt in range(MT):
-            stage_output_rows(sq, acc_o[mt], D_N_TILES, BM, warp_row + 16 * mt, l_run[mt], lane, BF16)
+            stage_output_rows(sq, acc_o[mt], D_N_TILES, BM, warp_row + 16 * mt, l_run[mt], lane, BF16, RB)
             if write_lse:
                 lse_base = (batch * heads_q + head) * seqlen_q
                 store_lse(lse, lse_base, row_first + 16 * mt, seqlen_q, m_run[mt], l_run[mt], lane)
         cuda.syncwarp()
         scratch = cuda.local.array(4, uint32)
         o_rows = GlobalRows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
-        store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch)
+        store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch, RB)
 
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}_{'causal' if causal else 'full'}_" + (
         "bf16" if bf16 else "f16"
