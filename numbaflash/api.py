@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from .configs import SUPPORTED_HEAD_DIMS, forward_config, forward_cubin
-from .kernels.abi import FORWARD_ABI
+from .kernels.abi import FORWARD_ABI, WS_ABI
+from .kernels.shapes import WsConfig
 from .runtime.compiler import arch_of
 from .runtime.launch import KernelLauncher, set_dynamic_shared_limit
 
@@ -322,7 +323,8 @@ def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: 
             if launcher is None:
                 kernel, name = _loaded_forward(config, causal, bf16, arch_of(capability))
                 set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
-                launcher = _KERNELS[key] = KernelLauncher(kernel, FORWARD_ABI, name)
+                abi = WS_ABI if isinstance(config, WsConfig) else FORWARD_ABI
+                launcher = _KERNELS[key] = KernelLauncher(kernel, abi, name)
     return launcher, config
 
 
@@ -394,14 +396,65 @@ def _check_same_device(ops: list[_Operand], current: int) -> None:
 
 
 def _launch_forward(launcher, config, ops: list[_Operand], lse: tuple[int, int], seqlen_k: int,
-                    heads_kv: int, scale_log2: np.float32, write_lse: bool, stream: int) -> None:
+                    heads_kv: int, scale_log2: np.float32, write_lse: bool, stream: int, device: int) -> None:
     """Launch the forward kernel on q, k, v, out (``ops``) described by pointers and strides."""
+    if isinstance(config, WsConfig):
+        _launch_ws(launcher, config, ops, lse, seqlen_k, heads_kv, scale_log2, write_lse, stream, device)
+        return
     batch, seqlen_q, heads_q, _ = ops[0].shape
     grid = _forward_grid((seqlen_q + config.block_m - 1) // config.block_m, heads_q, batch)
     strides = [s for op in ops for s in op.strides[:3]]
     launcher(grid, config.threads, stream, config.shared_bytes,
              *[(op.pointer, _span(op)) for op in ops], lse, *strides,
              seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, scale_log2, write_lse)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: int) -> int:
+    if device not in _SM_COUNT:
+        driver = _driver()
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        _SM_COUNT[device] = int(driver.cuDeviceGetAttribute(attr, device)[1])
+    return _SM_COUNT[device]
+
+
+def _tma_strides(op: _Operand) -> list[int]:
+    """Byte strides for a tensor map: a size-1 dimension's stride is never used, so a 0 there
+    (broadcast) becomes the extent of the dimensions inside it."""
+    strides, inner = [], 2 * op.shape[3]
+    for n, st in zip(reversed(op.shape[:3]), reversed(op.strides[:3]), strict=True):
+        strides.append(2 * st if st or n > 1 else inner)
+        inner = strides[-1] * n
+    return [*reversed(strides), 2]
+
+
+def _launch_ws(launcher, config, ops: list[_Operand], lse: tuple[int, int], seqlen_k: int, heads_kv: int,
+               scale_log2: np.float32, write_lse: bool, stream: int, device: int) -> None:
+    """Launch the warp-specialised Hopper kernel: tensor maps of q, k, v, out (cached in device
+    memory by pointer, shape and strides) and a persistent grid of at most one CTA per SM."""
+    from .runtime.map_slots import map_slots
+    from .runtime.tensor_map import encode_tensor_map
+
+    batch, seqlen_q, heads_q, _ = ops[0].shape
+    dtype = "bf16" if ops[0].dtype_name == "bfloat16" else "f16"
+    rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
+    key = (dtype, rows, *((op.pointer, op.shape, op.strides) for op in ops))
+
+    def encode():
+        return np.stack([encode_tensor_map(op.pointer, op.shape, _tma_strides(op), (1, r, 1, 64),
+                                           swizzle="128B", dtype=dtype)
+                         for op, r in zip(ops, rows, strict=True)])
+
+    tiles = -(-seqlen_q // config.block_m) * heads_q * batch
+    slots = map_slots(device)
+    with slots.lock:
+        maps, slot = slots.address(key, encode, stream)
+        launcher((min(tiles, _sm_count(device)), 1, 1), config.threads, stream, config.shared_bytes,
+                 *[(maps + 128 * i, 16) for i in range(4)], lse, seqlen_q, seqlen_k, heads_q,
+                 heads_q // heads_kv, batch, scale_log2, write_lse)
+        slots.used(slot, stream)
 
 
 def flash_attention(
@@ -487,7 +540,7 @@ def flash_attention(
         lse_obj = _empty_lse(q, (batch, heads_q, seqlen_q)) if return_lse else None
         lse = (_device_pointer(lse_obj), batch * heads_q * seqlen_q) if return_lse else _unused_lse(device)
         _launch_forward(launcher, config, [*ops, od], lse, seqlen_k, heads_kv, scale_log2,
-                        return_lse, _stream_handle(qd))
+                        return_lse, _stream_handle(qd), device)
         return (out, lse_obj) if return_lse else out
 
     # numpy: the chunked pipeline over pinned staging buffers and several streams.
@@ -509,7 +562,7 @@ def flash_attention(
                      dense("v", lay.kv_shape, lay.v), dense("out", lay.q_shape, lay.o)]
         lse_arg = (base + lay.lse, math.prod(lay.lse_shape)) if return_lse else _unused_lse(device)
         _launch_forward(launcher, config, chunk_ops, lse_arg, sub.seqlen_k, sub.heads_kv, scale_log2,
-                        return_lse, stream)
+                        return_lse, stream, device)
 
     run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk, causal, config.block_m)
     if out is not None and not direct:

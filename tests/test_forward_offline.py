@@ -23,13 +23,19 @@ def report(request):
 
 
 def test_tensor_core_and_copy_instructions(report):
-    if "wgmma" in report.name:
+    if "_ws_" in report.name:  # warp-specialised Hopper kernel: TMA, mbarriers, setmaxnreg, no cp.async
+        assert report.count("HGMMA") > 0, "no wgmma in SASS"
+        for op in ("UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG"):
+            assert report.count(op) > 0, f"no {op} in SASS"
+        assert report.count("LDGSTS") == 0, "cp.async in the TMA kernel"
+    elif "wgmma" in report.name:
         assert report.count("HGMMA") > 0, "no wgmma in SASS"
         assert report.count("HMMA") == 0
+        assert report.count("LDGSTS") > 0, "no cp.async in SASS"
     else:
         assert report.count("HMMA") > 0, "no mma.sync in SASS"
         assert report.count("LDSM") > 0, "no ldmatrix in SASS"
-    assert report.count("LDGSTS") > 0, "no cp.async in SASS"
+        assert report.count("LDGSTS") > 0, "no cp.async in SASS"
     assert report.count("MUFU") > 0, "no ex2 in SASS"
 
 

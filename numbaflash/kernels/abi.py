@@ -16,3 +16,15 @@ FORWARD_ABI = (
     "int64", "int64", "int64",  # batch, heads_q, heads_q // heads_kv
     "float32", "bool",  # softmax scale * log2(e), write lse
 )
+
+_U64_ARRAY = "array(uint64, 1d, C)"  # a 128-byte tensor map (16 words) in global memory
+
+# The warp-specialised Hopper kernel (``forward_ws.WS_ARGTYPES``): tensor maps instead of
+# pointers and strides, a persistent grid.
+WS_ABI = (
+    _U64_ARRAY, _U64_ARRAY, _U64_ARRAY, _U64_ARRAY,  # maps of q, k, v, o
+    _F32_ARRAY,  # lse (may be a 1-element dummy)
+    "int32", "int32",  # seqlen_q, seqlen_k
+    "int32", "int32", "int32",  # heads_q, heads_q // heads_kv, batch
+    "float32", "bool",  # softmax scale * log2(e), write lse
+)

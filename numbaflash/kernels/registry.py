@@ -20,8 +20,7 @@ def registered_kernels() -> dict:
 
 def forward_kernels() -> dict:
     """The shipped forward configurations, each for the architecture it is dispatched on."""
-    from ..configs import FAMILY_ARCH, make_kernel, shipped_configs
-    from .common import FORWARD_ARGTYPES
+    from ..configs import FAMILY_ARCH, kernel_argtypes, make_kernel, shipped_configs
 
     kernels = {}
     for family, _, causal, config in shipped_configs():
@@ -29,5 +28,5 @@ def forward_kernels() -> dict:
             kernel = make_kernel(config, causal, bf16)
             # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
             archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
-            kernels[f"{kernel.__name__}_{family}"] = (kernel, FORWARD_ARGTYPES, archs)
+            kernels[f"{kernel.__name__}_{family}"] = (kernel, kernel_argtypes(config), archs)
     return kernels

@@ -1,0 +1,62 @@
+"""The warp-specialised Hopper kernel behind ``flash_attention``, on CPU: Hopper dispatches it at
+the head dims it has, the table round-trips it, its launch ABI matches its Numba signature, the
+sm80 family refuses it, and tensor-map strides are what TMA needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbaflash import api, configs
+from numbaflash.kernels.abi import WS_ABI
+from numbaflash.kernels.shapes import WsConfig
+
+HOPPER, AMPERE = (9, 0), (8, 0)
+
+
+@pytest.mark.parametrize("head_dim", configs.FAMILY_HEAD_DIMS["sm90"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_dispatches_the_warp_specialised_kernel(head_dim, causal):
+    config = configs.forward_config(HOPPER, head_dim, causal)
+    assert isinstance(config, WsConfig) and config.head_dim == head_dim
+    config.check()
+    assert not isinstance(configs.forward_config(AMPERE, head_dim, causal), WsConfig)
+
+
+def test_table_round_trips_ws_entries():
+    for family, _, _, config in configs.shipped_configs():
+        assert configs.config_from_json(configs.config_to_json(config)) == config
+        if family == "sm90":
+            assert configs.config_to_json(config)["kernel"] == "ws"
+
+
+def test_ws_candidates_are_valid_and_listed_first():
+    for d in configs.FAMILY_HEAD_DIMS["sm90"]:
+        cands = configs.CANDIDATES[("sm90", d)]
+        ws = [c for c in cands if isinstance(c, WsConfig)]
+        assert ws and cands[: len(ws)] == ws
+        for c in ws:
+            c.check()
+
+
+def test_sm80_family_refuses_the_hopper_kernel():
+    with pytest.raises(ValueError, match="needs Hopper"), configs.force_config(AMPERE, False, WsConfig(64)):
+        pass
+
+
+def test_ws_abi_matches_the_numba_signature():
+    pytest.importorskip("numba")
+    from numbaflash.kernels.forward_ws import WS_ARGTYPES
+
+    assert tuple(str(t) for t in WS_ARGTYPES) == WS_ABI
+
+
+def op(shape, strides):
+    return api._Operand("q", shape, "float16", True, None, strides, 0)
+
+
+def test_tma_strides_are_bytes_and_fill_broadcast_size_one_dims():
+    assert api._tma_strides(op((2, 100, 8, 64), (51200, 512, 64, 1))) == [102400, 1024, 128, 2]
+    # a size-1 batch with stride 0 (expanded): any stride works, TMA needs a nonzero one
+    assert api._tma_strides(op((1, 100, 8, 64), (0, 512, 64, 1))) == [102400, 1024, 128, 2]
+    # a head range of a packed qkv tensor keeps the caller's strides
+    assert api._tma_strides(op((2, 100, 8, 64), (153600, 1536, 64, 1))) == [307200, 3072, 128, 2]
