@@ -28,8 +28,8 @@ KernelConfig = ForwardConfig | WgmmaConfig | WsConfig
 DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     ("sm80", 64): ForwardConfig(64, block_m=128, block_n=64),
     ("sm80", 128): ForwardConfig(128, block_m=64, block_n=128),
-    ("sm80", 32): ForwardConfig(32, block_m=128, block_n=128),
-    ("sm80", 96): ForwardConfig(96, block_m=128, block_n=64),
+    ("sm80", 32): ForwardConfig(32, block_m=128, block_n=128, warp_m_tiles=2),
+    ("sm80", 96): ForwardConfig(96, block_m=64, block_n=128),
     # 96 KB of shared memory: fits every sm80-family GPU (sm_86/89/120 allow 99 KB a CTA);
     # 64 x 64 over 4 warps spills at 255 registers, 128 x 32 over 8 warps does not.
     ("sm80", 256): ForwardConfig(256, block_m=128, block_n=32),
