@@ -451,10 +451,12 @@ def _launch_ws(launcher, config, ops: list[_Operand], lse: tuple[int, int], seql
     slots = map_slots(device)
     with slots.lock:
         maps, slot = slots.address(key, encode, stream)
-        launcher((min(tiles, _sm_count(device)), 1, 1), config.threads, stream, config.shared_bytes,
-                 *[(maps + 128 * i, 16) for i in range(4)], lse, seqlen_q, seqlen_k, heads_q,
-                 heads_q // heads_kv, batch, scale_log2, write_lse)
-        slots.used(slot, stream)
+        try:
+            launcher((min(tiles, _sm_count(device)), 1, 1), config.threads, stream, config.shared_bytes,
+                     *[(maps + 128 * i, 16) for i in range(4)], lse, seqlen_q, seqlen_k, heads_q,
+                     heads_q // heads_kv, batch, scale_log2, write_lse)
+        finally:  # even after a failed launch: the slot's copy is on the stream
+            slots.used(slot, stream)
 
 
 def flash_attention(

@@ -12,6 +12,7 @@ pinned mirror is guarded the same way.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import OrderedDict
 
@@ -61,7 +62,7 @@ class MapSlots:
             _, slot = self.slot_of.popitem(last=False)
             _check(driver.cuEventSynchronize(self.events[slot]), "waiting for a slot's last kernel")
         host = self.host + slot * SLOT_BYTES
-        np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * 64).from_address(host))[:] = maps.ravel()
+        np.ctypeslib.as_array((ctypes.c_uint64 * 64).from_address(host))[:] = maps.ravel()
         device = self.device + slot * SLOT_BYTES
         _check(driver.cuMemcpyHtoDAsync(device, host, SLOT_BYTES, stream), "copying tensor maps")
         self.slot_of[key] = slot
