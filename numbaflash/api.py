@@ -431,9 +431,11 @@ def _tma_strides(op: _Operand) -> list[int]:
 
 
 def _launch_ws(launcher, config, ops: list[_Operand], lse: tuple[int, int], seqlen_k: int, heads_kv: int,
-               scale_log2: np.float32, write_lse: bool, stream: int, device: int) -> None:
+               scale_log2: np.float32, write_lse: bool, stream: int, device: int,
+               ctas: int | None = None) -> None:
     """Launch the warp-specialised Hopper kernel: tensor maps of q, k, v, out (cached in device
-    memory by pointer, shape and strides) and a persistent grid of at most one CTA per SM."""
+    memory by pointer, shape and strides) and a persistent grid of at most one CTA per SM
+    (``ctas``: fewer, for tests that make each CTA walk many tiles)."""
     from .runtime.map_slots import map_slots
     from .runtime.tensor_map import encode_tensor_map
 
@@ -448,11 +450,12 @@ def _launch_ws(launcher, config, ops: list[_Operand], lse: tuple[int, int], seql
                          for op, r in zip(ops, rows, strict=True)])
 
     tiles = -(-seqlen_q // config.block_m) * heads_q * batch
+    grid = (min(tiles, ctas or _sm_count(device)), 1, 1)
     slots = map_slots(device)
     with slots.lock:
         maps, slot = slots.address(key, encode, stream)
         try:
-            launcher((min(tiles, _sm_count(device)), 1, 1), config.threads, stream, config.shared_bytes,
+            launcher(grid, config.threads, stream, config.shared_bytes,
                      *[(maps + 128 * i, 16) for i in range(4)], lse, seqlen_q, seqlen_k, heads_q,
                      heads_q // heads_kv, batch, scale_log2, write_lse)
         finally:  # even after a failed launch: the slot's copy is on the stream

@@ -34,6 +34,7 @@ from .epilogue import stage_output_rows, store_lse, store_rows_global
 from .shapes import WgmmaConfig
 from .smem import GlobalRows, copy_tile_async, drain_copies
 from .softmax import exponentiate, max_grew, pack_p_fragments, rescale_rows, scaled_row_maxes
+from .wgmma_gemms import make_attention_gemms
 
 # Per-warp online-softmax state (register arrays): running row maxes (scaled, log2 units),
 # this lane's part of the row sums, and scratch for a tile's row maxes.
@@ -52,7 +53,6 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
     BM = config.block_m
     THREADS = config.threads
     CPR = D // 8  # 16-byte chunks per row
-    D_K_STEPS = D // 16  # k-steps of the S wgmma
     D_N_TILES = D // 8  # 8-column tiles of the O accumulator
     S_N_TILES = BN // 8  # 8-column tiles of the S accumulator
     P_K_STEPS = BN // 16  # k-steps of the PV wgmma
@@ -61,32 +61,9 @@ def make_forward_wgmma_kernel(config: WgmmaConfig, causal: bool, bf16: bool):
     CAUSAL = causal
     BF16 = bf16
     dtype = "bf16" if bf16 else "f16"
-    mma_s = hp.wgmma_ss(BN, dtype)
-    mma_o = hp.wgmma_rs(D, dtype, trans_b=True)
-    fence_s = hp.wgmma_fence_operand(BN)
-    fence_o = hp.wgmma_fence_operand(D)
+    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(D, BM, BN, bf16)
 
     PIPELINED = config.pipelined
-
-    @cuda.jit(device=True, inline="always")
-    def issue_s(acc_s, desc_q, desc_k):
-        """Start S = Q Kᵀ (async; the first k-step overwrites the accumulator)."""
-        fence_s(acc_s)
-        hp.wgmma_fence()
-        for kk in range(D_K_STEPS):
-            block = (kk // 4) * 128  # bytes per row of one 64-column block
-            mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + (kk % 4) * 32),
-                  hp.descriptor_add(desc_k, block * BN + (kk % 4) * 32), 0 if kk == 0 else 1)
-        hp.wgmma_commit_group()
-
-    @cuda.jit(device=True, inline="always")
-    def issue_pv(acc_o, p_frag, desc_v):
-        """Start O += P V (async), P from registers."""
-        fence_o(acc_o)
-        hp.wgmma_fence()
-        for kk in range(P_K_STEPS):
-            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * 128), 1)
-        hp.wgmma_commit_group()
 
     @cuda.jit(device=True, inline="always")
     def softmax_to_p(acc_s, acc_o, p_frag, stats, n0, at, scale_log2):

@@ -44,6 +44,7 @@ from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
 from .shapes import WsConfig
 from .softmax import exponentiate, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
+from .wgmma_gemms import make_attention_gemms
 
 WS_ARGTYPES = (
     types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, o
@@ -90,7 +91,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     STAGES = config.stages
     CONSUMERS = config.consumers
     CONSUMER_THREADS = CONSUMERS * WARPGROUP
-    D_K_STEPS = D // 16  # k-steps of the S wgmma
     D_N_TILES = D // 8  # 8-column tiles of the O accumulator
     D_CHUNKS = D // 64  # 64-column (128-byte) blocks of a tile: one TMA box each
     S_N_TILES = BN // 8
@@ -107,10 +107,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     dtype = "bf16" if bf16 else "f16"
-    mma_s = hp.wgmma_ss(BN, dtype)
-    mma_o = hp.wgmma_rs(D, dtype, trans_b=True)
-    fence_s = hp.wgmma_fence_operand(BN)
-    fence_o = hp.wgmma_fence_operand(D)
+    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(D, BM, BN, bf16)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -190,26 +187,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             round_q += ONE
 
     # ------------------------------------------------------------------ consumer GEMMs
-
-    @cuda.jit(device=True, inline="always")
-    def issue_s(acc_s, desc_q, desc_k):
-        """Start S = Q Kᵀ (async; the first k-step overwrites the accumulator)."""
-        fence_s(acc_s)
-        hp.wgmma_fence()
-        for kk in range(D_K_STEPS):
-            block = (kk // 4) * 128  # bytes per row of one 64-column block
-            mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + (kk % 4) * 32),
-                  hp.descriptor_add(desc_k, block * BN + (kk % 4) * 32), 0 if kk == 0 else 1)
-        hp.wgmma_commit_group()
-
-    @cuda.jit(device=True, inline="always")
-    def issue_pv(acc_o, p_frag, desc_v):
-        """Start O += P V (async), P from registers, V MN-major (16 keys = 2048 bytes)."""
-        fence_o(acc_o)
-        hp.wgmma_fence()
-        for kk in range(P_K_STEPS):
-            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * 128), 1)
-        hp.wgmma_commit_group()
 
     @cuda.jit(device=True, inline="always")
     def take_turn(seat):

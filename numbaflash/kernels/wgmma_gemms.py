@@ -1,0 +1,56 @@
+"""The two GEMM steps of the Hopper attention kernels (``forward_ws``, ``forward_wgmma``), each
+issued asynchronously by one warpgroup for its 64 query rows:
+
+    S  = Q Kᵀ   wgmma m64n{block_n}k16, Q and K from shared memory, both K-major
+    O += P V    wgmma m64n{head_dim}k16, P (16-bit) from registers, V MN-major in shared memory
+
+Tiles are 64-column blocks in the 128-byte swizzle layout (``smem``): the k-step ``kk`` of a
+K-major operand starts 32 bytes further in its row, in block ``kk // 4``.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+from numba import cuda
+
+from ..ptx import hopper as hp
+
+# issue_s(acc_s, desc_q, desc_k) and issue_pv(acc_o, p_frag, desc_v) start a GEMM (commit
+# group); fence_s(acc_s) / fence_o(acc_o) keep the accumulators' registers out of reordering
+# across a wait.
+AttentionGemms = namedtuple("AttentionGemms", ["issue_s", "issue_pv", "fence_s", "fence_o"])
+
+
+def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool) -> AttentionGemms:
+    """The GEMM steps for a Q tile of ``block_m`` rows and K / V tiles of ``block_n`` rows."""
+    dtype = "bf16" if bf16 else "f16"
+    mma_s = hp.wgmma_ss(block_n, dtype)
+    mma_o = hp.wgmma_rs(head_dim, dtype, trans_b=True)
+    fence_s = hp.wgmma_fence_operand(block_n)
+    fence_o = hp.wgmma_fence_operand(head_dim)
+    D_K_STEPS = head_dim // 16  # k-steps of the S wgmma
+    P_K_STEPS = block_n // 16  # k-steps of the PV wgmma
+    BM, BN = block_m, block_n
+
+    @cuda.jit(device=True, inline="always")
+    def issue_s(acc_s, desc_q, desc_k):
+        """Start S = Q Kᵀ (async; the first k-step overwrites the accumulator)."""
+        fence_s(acc_s)
+        hp.wgmma_fence()
+        for kk in range(D_K_STEPS):
+            block = (kk // 4) * 128  # bytes per row of one 64-column block
+            mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + (kk % 4) * 32),
+                  hp.descriptor_add(desc_k, block * BN + (kk % 4) * 32), 0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, inline="always")
+    def issue_pv(acc_o, p_frag, desc_v):
+        """Start O += P V (async), P from registers, V MN-major (16 keys = 2048 bytes)."""
+        fence_o(acc_o)
+        hp.wgmma_fence()
+        for kk in range(P_K_STEPS):
+            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * 128), 1)
+        hp.wgmma_commit_group()
+
+    return AttentionGemms(issue_s, issue_pv, fence_s, fence_o)
