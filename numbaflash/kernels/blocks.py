@@ -37,6 +37,41 @@ def query_block(heads_q, group, reverse):
     return m_block, head, hb // uint32(heads_q), head // uint32(group)
 
 
+# One query block of the persistent kernel's work list: block, head, batch and the kv head.
+Tile = namedtuple("Tile", ["m_block", "head", "batch", "kv_head"])
+
+
+@cuda.jit(device=True, inline="always")
+def work_units(m_blocks, heads_q, batch, causal):
+    """Work units of a persistent launch. A unit is one query block, or with causal masking
+    a pair of query blocks of one head, block m_blocks-1-i (heavy) and block i (light): every
+    pair reads about the same number of KV tiles, so CTAs that take units in turn stay in
+    step, read the K and V of only a few heads at a time (L2), and no CTA is left alone with
+    the heavy end of a triangle."""
+    per_head = (m_blocks + 1) // 2 if causal else m_blocks
+    return per_head * heads_q * batch
+
+
+@cuda.jit(device=True, inline="always")
+def unit_tile(u, h, m_blocks, heads_q, group, causal):
+    """Query block h (0, or 1 with causal masking) of work unit u, and whether it exists
+    (the middle unit of an odd block count has one block). Units of one (batch, head) are
+    consecutive, so CTAs running together share that head's K and V in L2."""
+    m_blocks = uint32(m_blocks)
+    per_head = (m_blocks + uint32(1)) // uint32(2) if causal else m_blocks
+    u = uint32(u)
+    i = u % per_head
+    pair = u // per_head
+    m_block = i
+    present = True
+    if causal:
+        heavy = m_blocks - uint32(1) - i
+        m_block = heavy if h == 0 else i
+        present = h == 0 or i != heavy
+    head = pair % uint32(heads_q)
+    return Tile(m_block, head, pair // uint32(heads_q), head // uint32(group)), present
+
+
 @cuda.jit(device=True, inline="always")
 def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
     """KV tiles a query block starting at row ``m0`` reads; causal stops after the tile that

@@ -2,7 +2,9 @@
 specialisation (FlashAttention-3's design, our own code).
 
 A CTA has one producer warpgroup and two consumer warpgroups of 64 query rows each. It is
-persistent: CTA c takes tiles c, c + gridDim.x, ... of the (query block, head, batch) list.
+persistent: CTA c takes work units c, c + gridDim.x, ... of the (query block, head, batch)
+list; a unit is one query block, or with causal masking a heavy and a light query block of
+one head (equal cost per unit; see ``blocks.work_units``).
 
 * **Producer** (warpgroup 0) gives its registers away (``setmaxnreg.dec`` to 24); one thread
   issues every TMA load: the Q tile (``q_stages`` buffers, so the next tile's Q lands while
@@ -39,7 +41,7 @@ from numba import cuda, float32, int32, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
-from .blocks import ScoreMask, mask_if_needed, visible_kv_tiles
+from .blocks import ScoreMask, mask_if_needed, unit_tile, visible_kv_tiles, work_units
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
 from .shapes import WsConfig
@@ -60,8 +62,6 @@ WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
 Maps = namedtuple("Maps", ["q", "k", "v", "o"])
 # Problem sizes every role needs.
 Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks"])
-# One work tile: query block, (batch, head) and the kv head it reads.
-Tile = namedtuple("Tile", ["m_block", "head", "batch", "kv_head"])
 # mbarriers (32-bit shared addresses; ring barriers of stage s at + 8 * s).
 Barriers = namedtuple("Barriers", ["q_full", "q_empty", "k_full", "k_empty", "v_full", "v_empty"])
 # Shared tiles (32-bit shared addresses, 1024-aligned): Q, K ring, V ring, O staging.
@@ -103,6 +103,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     QS = config.q_stages
     BARRIER_WORDS = 2 * QS + 4 * STAGES  # q full, q empty, k full, k empty, v full, v empty rings
     CAUSAL = causal
+    TILES_PER_UNIT = 2 if causal else 1  # query blocks per work unit (blocks.work_units)
     BF16 = bf16
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
@@ -112,16 +113,12 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     # ------------------------------------------------------------------ scheduling
 
     @cuda.jit(device=True, inline="always")
-    def tile_at(t, problem):
-        """Tile number t: query blocks fastest (CTAs running together share a head's K and V
-        in L2); causal takes each head's heaviest (last) query blocks first."""
-        t = uint32(t)
-        mb = t % uint32(problem.m_blocks)
-        pair = t // uint32(problem.m_blocks)
-        if CAUSAL:
-            mb = uint32(problem.m_blocks) - 1 - mb
-        head = pair % uint32(problem.heads_q)
-        return Tile(mb, head, pair // uint32(problem.heads_q), head // uint32(problem.group))
+    def units_of(problem):
+        return work_units(problem.m_blocks, problem.heads_q, problem.batch, CAUSAL)
+
+    @cuda.jit(device=True, inline="always")
+    def tile_of(u, h, problem):
+        return unit_tile(u, h, problem.m_blocks, problem.heads_q, problem.group, CAUSAL)
 
     @cuda.jit(device=True, inline="always")
     def kv_tiles_of(tile, problem):
@@ -162,29 +159,31 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, inline="always")
     def produce(maps, bars, tiles, problem):
         """One thread: Q of each tile, then K_j and V_j of each of its KV tiles."""
-        total = problem.m_blocks * problem.heads_q * problem.batch
         load = uint32(0)  # KV loads issued so far (all tiles): the ring position
         round_q = uint32(0)
-        for t in range(cuda.blockIdx.x, total, cuda.gridDim.x):
-            tile = tile_at(t, problem)
-            q_slot = round_q % Q_RING
-            wait_empty(bars.q_empty, round_q, Q_RING)  # consumers are done with this Q buffer
-            hp.mbarrier_arrive_expect_tx(bars.q_full + uint32(8) * q_slot, Q_BYTES)
-            load_tile(tiles.q + q_slot * uint32(Q_BYTES), maps.q, bars.q_full + uint32(8) * q_slot,
-                      tile.m_block * BM, tile.head, tile.batch, BM)
-            for j in range(kv_tiles_of(tile, problem)):
-                s = load % RING
-                stage = s * uint32(KV_BYTES)
-                wait_empty(bars.k_empty, load, RING)
-                hp.mbarrier_arrive_expect_tx(bars.k_full + uint32(8) * s, KV_BYTES)
-                load_tile(tiles.k + stage, maps.k, bars.k_full + uint32(8) * s, j * BN, tile.kv_head,
-                          tile.batch, BN)
-                wait_empty(bars.v_empty, load, RING)
-                hp.mbarrier_arrive_expect_tx(bars.v_full + uint32(8) * s, KV_BYTES)
-                load_tile(tiles.v + stage, maps.v, bars.v_full + uint32(8) * s, j * BN, tile.kv_head,
-                          tile.batch, BN)
-                load += ONE
-            round_q += ONE
+        for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
+            for h in range(TILES_PER_UNIT):
+                tile, present = tile_of(u, h, problem)
+                if not present:
+                    continue
+                q_slot = round_q % Q_RING
+                wait_empty(bars.q_empty, round_q, Q_RING)  # consumers are done with this Q buffer
+                hp.mbarrier_arrive_expect_tx(bars.q_full + uint32(8) * q_slot, Q_BYTES)
+                load_tile(tiles.q + q_slot * uint32(Q_BYTES), maps.q, bars.q_full + uint32(8) * q_slot,
+                          tile.m_block * BM, tile.head, tile.batch, BM)
+                for j in range(kv_tiles_of(tile, problem)):
+                    s = load % RING
+                    stage = s * uint32(KV_BYTES)
+                    wait_empty(bars.k_empty, load, RING)
+                    hp.mbarrier_arrive_expect_tx(bars.k_full + uint32(8) * s, KV_BYTES)
+                    load_tile(tiles.k + stage, maps.k, bars.k_full + uint32(8) * s, j * BN, tile.kv_head,
+                              tile.batch, BN)
+                    wait_empty(bars.v_empty, load, RING)
+                    hp.mbarrier_arrive_expect_tx(bars.v_full + uint32(8) * s, KV_BYTES)
+                    load_tile(tiles.v + stage, maps.v, bars.v_full + uint32(8) * s, j * BN, tile.kv_head,
+                              tile.batch, BN)
+                    load += ONE
+                round_q += ONE
 
     # ------------------------------------------------------------------ consumer GEMMs
 
@@ -368,34 +367,36 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                  hp.smem_descriptor_k_sw128(tiles.k), hp.smem_descriptor_mn_sw128(tiles.v, BN * 128))
         if PINGPONG and seat.wg == 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
-        total = problem.m_blocks * problem.heads_q * problem.batch
         kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
         round_q = uint32(0)
-        for t in range(cuda.blockIdx.x, total, cuda.gridDim.x):
-            tile = tile_at(t, problem)
-            n_tiles = kv_tiles_of(tile, problem)
-            for j in range(D_N_TILES):
-                for e in range(4):
-                    acc_o[j, e] = 0.0
-            for r in range(2):
-                stats.m_run[r] = NEG_INF
-                stats.l_run[r] = 0.0
-            row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
-            at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
-            wait_full(bars.q_full, round_q, Q_RING)
-            q_slot = round_q % Q_RING
-            tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
-            if OVERLAP:
-                attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
-            else:
-                attend_serial(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
-            release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
-            kv0 += uint32(n_tiles)
-            round_q += ONE
-            store_o(acc_o, stats, tiles.o, maps, tile, seat, regs)
-            if write_lse:
-                store_lse(lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
-                          problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
+        for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
+            for h in range(TILES_PER_UNIT):
+                tile, present = tile_of(u, h, problem)
+                if not present:
+                    continue
+                n_tiles = kv_tiles_of(tile, problem)
+                for j in range(D_N_TILES):
+                    for e in range(4):
+                        acc_o[j, e] = 0.0
+                for r in range(2):
+                    stats.m_run[r] = NEG_INF
+                    stats.l_run[r] = 0.0
+                row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
+                at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
+                wait_full(bars.q_full, round_q, Q_RING)
+                q_slot = round_q % Q_RING
+                tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
+                if OVERLAP:
+                    attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
+                else:
+                    attend_serial(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
+                release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
+                kv0 += uint32(n_tiles)
+                round_q += ONE
+                store_o(acc_o, stats, tiles.o, maps, tile, seat, regs)
+                if write_lse:
+                    store_lse(lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
+                              problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
         if PINGPONG and seat.wg == 0:
             hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # consumer 1's last hand-over
         if seat.thread == 0:
