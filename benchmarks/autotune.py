@@ -1,6 +1,6 @@
 """Choose the forward kernel configuration per (GPU family, head dim, causal) by timing.
 
-    python benchmarks/autotune.py [--write]
+    python benchmarks/autotune.py [--write] [--family sm80] [--key sm86]
 
 Times every candidate of ``numbaflash.configs.CANDIDATES`` for this GPU family (for head dims
 its own kernel lacks, Hopper's ``dispatch_family`` is sm80: those keys are sm80's) on
@@ -41,18 +41,23 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(configs.SUPPORTED_HEAD_DIMS))
     parser.add_argument("--only", choices=["mma", "wgmma"], help="time only this kernel family")
+    parser.add_argument("--family", choices=["auto", "sm80"], default="auto",
+                        help="sm80: tune the mma.sync kernel's table entries at every head dim, also on "
+                             "Hopper (issue 13: the sm80 table from H100/H200 runs)")
+    parser.add_argument("--key", help="table key prefix to write instead of the family, e.g. sm86 or sm89 "
+                                      "for entries of one GPU (configs.forward_config reads them first)")
     args = parser.parse_args()
     cap = torch.cuda.get_device_capability()
     print("GPU:", torch.cuda.get_device_name(), configs.arch_family(cap), time.strftime("%Y-%m-%d"))
     table = json.loads(configs.TABLE_PATH.read_text()) if configs.TABLE_PATH.is_file() else {}
     s = args.seqlen
     for d in args.head_dims:
-        family = configs.dispatch_family(cap, d)
+        family = "sm80" if args.family == "sm80" else configs.dispatch_family(cap, d)
         b, h = 65536 // s, 2048 // d
         qkv = [torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3)]
         out = torch.empty_like(qkv[0])
         for causal in (False, True):
-            key = configs.table_key(family, d, causal)
+            key = configs.table_key(args.key or family, d, causal)
             forced = configs.table_key(configs.arch_family(cap), d, causal)  # what OVERRIDES reads
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             best = None

@@ -37,11 +37,18 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     ("sm90", 128): WsConfig(128, block_n=128, stages=2, overlap=True),
 }
 # What benchmarks/autotune.py tries, by family and head dim.
+# Knobs (issue 13), by letter: q = Q a k-slice at a time (not held in registers), d = register
+# double buffering. Every shape of 2 m-tiles a warp here compiles spill-free (d128 at 4 warps
+# only with Q by k-slices; there double buffering spills when causal and early_k at 128 x 64).
+# FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, 4 warps of 2 m-tiles.
+_KNOBS = {"": {}, "q": {"q_in_regs": False}, "d": {"double_buffer": True}}
 CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
-    ("sm80", d): [ForwardConfig(d, bm, bn, mt) for bm, bn, mt in shapes]
+    ("sm80", d): [ForwardConfig(d, bm, bn, mt, **_KNOBS[knobs]) for bm, bn, mt, *rest in shapes
+                  for knobs in (rest or [""])]
     for d, shapes in {
-        64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (64, 64, 1), (256, 64, 2)],
-        128: [(128, 64, 1), (64, 64, 1), (128, 32, 1), (64, 128, 1), (128, 128, 1)],
+        64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (256, 64, 2, "", "d"), (128, 64, 2, "", "d", "q")],
+        128: [(128, 64, 1), (128, 32, 1), (64, 128, 1), (128, 64, 2, "q"), (128, 32, 2, "q"),
+              (256, 64, 2, "q")],
         32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2), (256, 128, 2)],
         96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1), (192, 64, 1)],
         # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only.
@@ -109,14 +116,19 @@ def _table() -> dict:
 
 def forward_config(capability: tuple[int, int], head_dim: int, causal: bool) -> KernelConfig:
     """The configuration to launch for this GPU and problem: a forced one (``force_config``),
-    else the tuned table's or the default of ``dispatch_family``."""
+    else the tuned table's or the default of ``dispatch_family``. In the sm80 family a GPU's
+    own entry (e.g. ``sm86/d128/full``, from an autotune run on that GPU) comes before the
+    family's (``sm80/...``, tuned on the GPUs we had)."""
     forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
     if forced is not None:
         return forced
     family = dispatch_family(capability, head_dim)
-    key = table_key(family, head_dim, causal)
-    if key in _table():
-        return config_from_json(_table()[key])
+    keys = [table_key(family, head_dim, causal)]
+    if family == "sm80":
+        keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
+    for key in keys:
+        if key in _table():
+            return config_from_json(_table()[key])
     return DEFAULTS[(family, head_dim)]
 
 

@@ -23,7 +23,15 @@ from .blocks import mask_scores, query_block, visible_kv_tiles
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import stage_output_rows, store_lse, store_rows_global
 from .shapes import ForwardConfig
-from .smem import GlobalRows, block_offset, copy_tile_async, drain_copies, ldmatrix_offsets, load_a_fragments
+from .smem import (
+    GlobalRows,
+    block_offset,
+    copy_tile_async,
+    copy_tile_async_recompute,
+    drain_copies,
+    ldmatrix_offsets,
+    load_a_fragments,
+)
 from .softmax import exponentiate, max_grew, pack_p_fragments, rescale_rows, scaled_row_maxes
 
 
@@ -41,46 +49,128 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     THREADS = config.threads
     CPR = D // 8  # 16-byte chunks per row
     RB = 128 if D % 64 == 0 else 64  # bytes per row of a swizzle column block (smem)
-    Q_RESIDENT = D <= 128  # Q fragments in registers for the whole loop, else per k-tile
+    Q_RESIDENT = config.q_in_regs  # Q fragments in registers for the whole loop, else per k-slice
+    DOUBLE_BUFFER = config.double_buffer
+    EARLY_K = config.early_k
     D_K_TILES = D // 16  # k-tiles of the QKᵀ product
     D_N_TILES = D // 8  # n-tiles of the O accumulator
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
     P_K_TILES = BN // 16  # k-tiles of the PV product
+    S_PAIRS = S_N_TILES // 2  # K ldmatrix.x4 loads per k-slice (two n-tiles each)
+    O_PAIRS = D_N_TILES // 2  # V ldmatrix.x4 loads per k-slice
+    S_STEPS = D_K_TILES * S_PAIRS  # K loads of one S product (even: D_K_TILES is)
+    O_STEPS = P_K_TILES * O_PAIRS  # V loads of one PV product (even: O_PAIRS is)
+    Q_BUFFERS = 2 if DOUBLE_BUFFER else 1  # Q k-slice buffers when Q is not resident
     CAUSAL = causal
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, inline="always")
+    def load_q_slice(q_frag, buf, q_tile, a_offsets, kt):
+        """ldmatrix k-slice ``kt`` of the warp's Q rows (every m-tile) into ``q_frag[:, buf]``."""
+        for mt in range(MT):
+            ptx.ldmatrix_x4(q_frag[mt, buf], q_tile + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
+
+    @cuda.jit(device=True, inline="always")
+    def k_load(b_frag, buf, k_tile, k_offsets, i):
+        """ldmatrix K fragment pair ``i`` (k-slice ``i // S_PAIRS``, n-tiles 2j2, 2j2+1 with
+        ``j2 = i % S_PAIRS``) into ``b_frag[buf]``."""
+        k_at = k_tile + block_offset(k_offsets, i // S_PAIRS, BN, RB) + (i % S_PAIRS) * 16 * RB
+        ptx.ldmatrix_x4(b_frag[buf], k_at)
+
+    @cuda.jit(device=True, inline="always")
+    def k_mma(acc_s, q_frag, qt, b_frag, buf, i):
+        """The MT x 2 mma.sync of K fragment pair ``i`` (in ``b_frag[buf]``) with Q slice ``qt``."""
+        j2 = i % S_PAIRS
+        for mt in range(MT):
+            mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[buf, 0:2])
+            mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[buf, 2:4])
+
+    @cuda.jit(device=True, inline="always")
+    def qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, buf, i):
+        """Double-buffered S step ``i``: at a k-slice's first step, the next slice's Q (not
+        resident); then the next K pair's ldmatrix into the other buffer; then this pair's mma."""
+        kt = i // S_PAIRS
+        qt = kt if Q_RESIDENT else kt % 2
+        if not Q_RESIDENT and i % S_PAIRS == 0 and kt + 1 < D_K_TILES:
+            load_q_slice(q_frag, (kt + 1) % 2, q_tile, a_offsets, kt + 1)
+        if i + 1 < S_STEPS:
+            k_load(b_frag, 1 - buf, k_tile, k_offsets, i + 1)
+        k_mma(acc_s, q_frag, qt, b_frag, buf, i)
+
+    @cuda.jit(device=True, inline="always")
     def qk_scores(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag):
         """S = Q K_jᵀ for the warp's m-tiles: K fragments by ldmatrix, two n-tiles per load.
-        Q fragments: ``q_frag[mt, kt]`` held in registers, or (not Q_RESIDENT) loaded into
-        ``q_frag[mt, 0]`` k-tile by k-tile from the warp's rows of the Q tile at ``q_tile``."""
+        Q fragments: ``q_frag[mt, kt]`` held in registers (Q_RESIDENT), or loaded k-slice by
+        k-slice from the warp's rows of the Q tile at ``q_tile`` into ``q_frag[mt, buf]``.
+        With DOUBLE_BUFFER the next K load (and the next Q slice) is issued before the
+        current mma.sync, into the other half of ``b_frag`` (``q_frag``); the steps go in
+        pairs so that every buffer index is a constant before unrolling."""
         for mt in range(MT):
             for j in range(S_N_TILES):
                 for e in range(4):
                     acc_s[mt, j, e] = 0.0
+        if not Q_RESIDENT:
+            load_q_slice(q_frag, 0, q_tile, a_offsets, 0)
+        if DOUBLE_BUFFER:
+            k_load(b_frag, 0, k_tile, k_offsets, 0)
+            for kt in range(D_K_TILES):  # nested loops of small trip counts unroll fully
+                for p in range(S_PAIRS // 2):
+                    i = kt * S_PAIRS + 2 * p
+                    qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, 0, i)
+                    qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, 1, i + 1)
+            return
         for kt in range(D_K_TILES):
             qt = kt
             if not Q_RESIDENT:
                 qt = 0
+                if kt > 0:
+                    load_q_slice(q_frag, 0, q_tile, a_offsets, kt)
+            for j2 in range(S_PAIRS):
+                ptx.ldmatrix_x4(b_frag[0], k_tile + block_offset(k_offsets, kt, BN, RB) + j2 * 16 * RB)
                 for mt in range(MT):
-                    q_at = q_tile + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB
-                    ptx.ldmatrix_x4(q_frag[mt, 0], q_at)
-            for j2 in range(S_N_TILES // 2):
-                ptx.ldmatrix_x4(b_frag, k_tile + block_offset(k_offsets, kt, BN, RB) + j2 * 16 * RB)
-                for mt in range(MT):
-                    mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[0:2])
-                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[2:4])
+                    mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[0, 0:2])
+                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[0, 2:4])
+
+    @cuda.jit(device=True, inline="always")
+    def v_load(b_frag, buf, v_tile, v_offsets, i):
+        """Transposing ldmatrix of V pair ``i``: rows of k-slice ``i // O_PAIRS``, O columns
+        of pair ``i % O_PAIRS`` (16 columns), into ``b_frag[buf]``."""
+        v_at = v_tile + block_offset(v_offsets, i % O_PAIRS, BN, RB) + (i // O_PAIRS) * 16 * RB
+        ptx.ldmatrix_x4_trans(b_frag[buf], v_at)
+
+    @cuda.jit(device=True, inline="always")
+    def v_mma(acc_o, p_frag, b_frag, buf, i):
+        kt = i // O_PAIRS
+        j2 = i % O_PAIRS
+        for mt in range(MT):
+            mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[buf, 0:2])
+            mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[buf, 2:4])
+
+    @cuda.jit(device=True, inline="always")
+    def pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, buf, i):
+        if i + 1 < O_STEPS:
+            v_load(b_frag, 1 - buf, v_tile, v_offsets, i + 1)
+        v_mma(acc_o, p_frag, b_frag, buf, i)
 
     @cuda.jit(device=True, inline="always")
     def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
-        """O += P V_j: P from registers, V fragments by transposing ldmatrix."""
+        """O += P V_j: P from registers, V fragments by transposing ldmatrix (the next one
+        issued before the current mma.sync with DOUBLE_BUFFER)."""
+        if DOUBLE_BUFFER:
+            v_load(b_frag, 0, v_tile, v_offsets, 0)
+            for kt in range(P_K_TILES):
+                for p in range(O_PAIRS // 2):
+                    i = kt * O_PAIRS + 2 * p
+                    pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 0, i)
+                    pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 1, i + 1)
+            return
         for kt in range(P_K_TILES):
-            for j2 in range(D_N_TILES // 2):
-                ptx.ldmatrix_x4_trans(b_frag, v_tile + block_offset(v_offsets, j2, BN, RB) + kt * 16 * RB)
+            for j2 in range(O_PAIRS):
+                ptx.ldmatrix_x4_trans(b_frag[0], v_tile + block_offset(v_offsets, j2, BN, RB) + kt * 16 * RB)
                 for mt in range(MT):
-                    mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
-                    mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
+                    mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0, 0:2])
+                    mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[0, 2:4])
 
     @cuda.jit(device=True, inline="always")
     def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
@@ -132,9 +222,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                 for e in range(4):
                     acc_o[mt, j, e] = 0.0
         acc_s = cuda.local.array((MT, S_N_TILES, 4), float32)
-        q_frag = cuda.local.array((MT, D_K_TILES if Q_RESIDENT else 1, 4), uint32)
+        q_frag = cuda.local.array((MT, D_K_TILES if Q_RESIDENT else Q_BUFFERS, 4), uint32)
         p_frag = cuda.local.array((MT, P_K_TILES, 4), uint32)
-        b_frag = cuda.local.array(4, uint32)
+        b_frag = cuda.local.array((2, 4), uint32)  # K or V fragments (two buffers: DOUBLE_BUFFER)
         # Per fragment row (m-tile mt, half r: rows g and g+8): running max (scaled, log2
         # units) and this lane's partial row sum.
         m_run = cuda.local.array((MT, 2), float32)
@@ -163,22 +253,34 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         mx = cuda.local.array((MT, 2), float32)
         for n_block in range(n_tiles):
             n0 = n_block * BN
+            # 0, but not provably so: the copies' per-pass shared addresses then stay base +
+            # immediate instead of being hoisted out of the loop into registers (which spill).
+            zero = uint32(n0 >> 62)
             ptx.cp_async_wait_group_0()  # K_j has landed ...
             cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
-            copy_tile_async(sv, BN, v_rows, n0, CPR, tid, THREADS, RB)
+            copy_tile_async_recompute(sv + zero, BN, v_rows, n0, CPR, tid, THREADS, RB)
             ptx.cp_async_commit_group()
 
-            qk_scores(acc_s, q_frag, q_warp, v_offsets, sk, k_offsets, b_frag)
+            qk_scores(acc_s, q_frag, q_warp + zero, v_offsets, sk, k_offsets, b_frag)
+            if EARLY_K:
+                cuda.syncthreads()  # every warp is done with K_j: K_{j+1} overlaps the softmax
+                if n_block + 1 < n_tiles:
+                    copy_tile_async_recompute(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
+                ptx.cp_async_commit_group()  # (empty on the last tile: the wait below stays right)
             if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
                 for mt in range(MT):  # keys past the end, and (causal) after the diagonal
                     mask_scores(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, seqlen_k, diag, CAUSAL)
             online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2)
 
-            ptx.cp_async_wait_group_0()  # V_j has landed ...
-            cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
-            if n_block + 1 < n_tiles:
-                copy_tile_async(sk, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
-                ptx.cp_async_commit_group()
+            if EARLY_K:
+                ptx.cp_async_wait_group_1()  # V_j has landed (K_{j+1} may still be in flight) ...
+                cuda.syncthreads()  # ... for everyone
+            else:
+                ptx.cp_async_wait_group_0()  # V_j has landed ...
+                cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
+                if n_block + 1 < n_tiles:
+                    copy_tile_async_recompute(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
+                    ptx.cp_async_commit_group()
 
             pv_accumulate(acc_o, p_frag, sv, v_offsets, b_frag)
 
@@ -195,9 +297,8 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         o_rows = GlobalRows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
         store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch, RB)
 
-    flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}_{'causal' if causal else 'full'}_" + (
-        "bf16" if bf16 else "f16"
-    )
+    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+    flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{config.tag}_{kind}"
     # One CTA per SM is the design point: ptxas may use 65536 / threads registers.
     flash_forward.launch_bounds = (THREADS, 1)
     return flash_forward

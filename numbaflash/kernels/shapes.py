@@ -18,6 +18,26 @@ class ForwardConfig:
     block_m: int = 128  # query rows per CTA
     block_n: int = 64  # keys per KV tile
     warp_m_tiles: int = 1  # 16-row m-tiles per warp: 2 halves the shared-memory reads per MMA
+    # Q (the A operand of S = Q Kᵀ) held in registers for the whole KV loop (True), or loaded
+    # from the Q tile one 16-column k-slice at a time (False: fewer registers, one more
+    # ldmatrix per k-slice). Always False above head_dim 128 (O alone is 128 registers there).
+    q_in_regs: bool = True
+    # Register double buffering: each GEMM step issues the ldmatrix of its next K / V (and Q)
+    # fragments before the mma.sync of the current ones.
+    double_buffer: bool = False
+    # Issue the copy of K_{j+1} right after S_j = Q K_jᵀ (one more barrier a tile) instead of
+    # after the softmax, so that it overlaps the softmax too.
+    early_k: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim > 128 and self.q_in_regs:  # one spelling per kernel: Q is never resident there
+            object.__setattr__(self, "q_in_regs", False)
+
+    @property
+    def tag(self) -> str:
+        """Kernel-name suffix of the non-default knobs (empty for the original kernel)."""
+        return ("_qs" if not self.q_in_regs and self.head_dim <= 128 else "") + (
+            "_db" if self.double_buffer else "") + ("_ek" if self.early_k else "")
 
     @property
     def num_warps(self) -> int:
@@ -37,6 +57,8 @@ class ForwardConfig:
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {self.head_dim}")
         if self.block_m % (16 * self.warp_m_tiles) or self.block_n % 16:
             raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
+        if self.double_buffer and self.block_n % 32:
+            raise ValueError(f"double_buffer needs block_n a multiple of 32 (K loads in pairs), got {self}")
         block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
