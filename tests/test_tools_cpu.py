@@ -212,6 +212,38 @@ def test_time_with_events_rotates_sets_and_times_each_call():
     assert plain >= 0.0
 
 
+def test_round_orders_alternate():
+    assert bench.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert bench.round_orders(["a"], 1) == [["a"]]
+
+
+def test_sweep_interleaves_rounds_and_keeps_every_call(monkeypatch):
+    """--rounds 3 --repeats 7: each implementation timed in blocks of 3, 2, 2 calls, in the
+    order a b / b a / a b; one Result each with all 7 times."""
+    blocks = []
+
+    def fake_run_one(device, impl, shape, sets, args, repeats=None, result=None):
+        blocks.append((impl, repeats))
+        result.times_ms.extend([1.0] * repeats)
+        return result
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+
+    class Dev:
+        def make_inputs(self, shape, n_sets, seed):
+            return [None] * n_sets
+
+        def l2_bytes(self):
+            return 50 << 20
+
+    args = bench.parse_args(["--repeats", "7", "--rounds", "3", "--seqlens", "1k", "--head-dims", "64",
+                             "--causal", "no", "--no-progress"])
+    shapes = bench.shapes_from_args(args)
+    results = bench.run_sweep(Dev(), shapes, ["a", "b"], args)
+    assert blocks == [("a", 3), ("b", 3), ("b", 2), ("a", 2), ("a", 2), ("b", 2)]
+    assert [(r.impl, len(r.times_ms)) for r in results] == [("a", 7), ("b", 7)]
+
+
 def test_warm_up_runs_for_the_requested_time(monkeypatch):
     dev = _FakeDevice()
     ticks = iter(range(1000))

@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     p.add_argument("--dtype", choices=("fp16", "bf16", "both"), default="fp16")
     p.add_argument("--repeats", type=int, default=30, help="timed calls per shape and implementation")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="split each implementation's timed calls into this many blocks, interleaved with "
+                        "the other implementations' in alternating order (default 3; 1: one block each)")
     p.add_argument("--warmup", type=int, default=5,
                    help="at least this many untimed calls first (the first one compiles)")
     p.add_argument("--warmup-ms", type=float, default=DEFAULT_WARMUP_MS,
@@ -807,15 +810,19 @@ def make_calls(
     return calls, sdpa_kernel(backend)
 
 
-def run_one(device: Device, impl: str, shape: Shape, sets: Sequence[Any], args: argparse.Namespace) -> Result:
-    result = Result(shape, impl, exact_flops=args.exact_causal_flops)
+def run_one(device: Device, impl: str, shape: Shape, sets: Sequence[Any], args: argparse.Namespace,
+            repeats: int | None = None, result: Result | None = None) -> Result:
+    """Time ``repeats`` (default ``args.repeats``) calls of ``impl`` after a clock-settling
+    warm-up; the times are appended to ``result`` (a new one by default)."""
+    result = result or Result(shape, impl, exact_flops=args.exact_causal_flops)
     try:
         calls, ctx = make_calls(impl, shape, sets, device.torch, args.family)
         with ctx, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result.times_ms = time_with_events(device, calls, args.warmup, args.repeats, args.warmup_ms)
-        if min(result.times_ms) <= 0:
-            raise RuntimeError(f"non-positive event time {min(result.times_ms)} ms (no real CUDA events?)")
+            times = time_with_events(device, calls, args.warmup, repeats or args.repeats, args.warmup_ms)
+        if min(times) <= 0:
+            raise RuntimeError(f"non-positive event time {min(times)} ms (no real CUDA events?)")
+        result.times_ms.extend(times)
     except Exception as exc:  # report and go on with the sweep
         result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
         with contextlib.suppress(Exception):
@@ -823,19 +830,34 @@ def run_one(device: Device, impl: str, shape: Shape, sets: Sequence[Any], args: 
     return result
 
 
+def round_orders(impls: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order of the implementations in each timing round: forwards, then backwards, and so
+    on, so that a slow drift of the clocks (or of the GPU's temperature) favours nobody."""
+    return [list(impls) if r % 2 == 0 else list(reversed(impls)) for r in range(rounds)]
+
+
 def run_sweep(
     device: Device, shapes: Sequence[Shape], impls: Sequence[str], args: argparse.Namespace
 ) -> list[Result]:
+    """Every shape x implementation. With ``--rounds R`` each implementation is timed in R
+    blocks of ``repeats / R`` calls, the blocks interleaved (``round_orders``); its median is
+    over all of its calls."""
     results: list[Result] = []
-    progress = Progress(len(shapes) * len(impls), enabled=not args.no_progress)
+    rounds = max(1, min(args.rounds, args.repeats))
+    per_round = [args.repeats // rounds + (r < args.repeats % rounds) for r in range(rounds)]
+    progress = Progress(len(shapes) * len(impls) * rounds, enabled=not args.no_progress)
     try:
         for index, shape in enumerate(shapes):
             n_sets = input_sets_needed(shape.bytes_per_set(), device.l2_bytes())
             sets = device.make_inputs(shape, n_sets, args.seed + index)
-            for impl in impls:
-                progress.update(f"{LABELS[impl]} {shape.dtype} D={shape.head_dim} S={shape.seqlen_q}"
-                                f"{' causal' if shape.causal else ''}")
-                results.append(run_one(device, impl, shape, sets, args))
+            by_impl = {impl: Result(shape, impl, exact_flops=args.exact_causal_flops) for impl in impls}
+            for r, order in enumerate(round_orders(impls, rounds)):
+                for impl in order:
+                    progress.update(f"{LABELS.get(impl, impl)} {shape.dtype} D={shape.head_dim} "
+                                    f"S={shape.seqlen_q}{' causal' if shape.causal else ''}")
+                    if by_impl[impl].error is None:
+                        run_one(device, impl, shape, sets, args, per_round[r], by_impl[impl])
+            results.extend(by_impl[impl] for impl in impls)
             del sets
     finally:
         progress.close()
@@ -1003,7 +1025,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     flops_rule = "exact visible pairs" if args.exact_causal_flops else "halved"
     print(f"numbaflash kernel family: {args.family}")
     print(f"FLOPs: 4*B*H*Sq*Sk*D, causal {flops_rule}; median of {args.repeats} CUDA-event-timed calls "
-          f"after >= {args.warmup} warm-up calls and >= {args.warmup_ms:g} ms of them (clocks settled); "
+          f"in {max(1, min(args.rounds, args.repeats))} interleaved rounds, each after >= {args.warmup} "
+          f"warm-up calls and >= {args.warmup_ms:g} ms of them (clocks settled); "
           "inputs rotated over sets totalling >= 3x L2")
     status = 0
     if args.check and not run_check(device, shapes[0], impls, args):
