@@ -3,8 +3,10 @@
     python benchmarks/launch_overhead.py [--seqlen 4096] [--head-dim 128] [--calls 300]
 
 Prints, for torch CUDA tensors already on the device: the host time per call while the device
-is busy (the launch cost; a call that waits for the device shows up as a long one), the same
-for torch SDPA (flash) for scale, and a cProfile of numbaflash's calls sorted by own time.
+is busy (the launch cost; a call that waits for the device shows up as a long one) of the
+dispatched kernel and, on Hopper, of the mma.sync kernel forced (the launch path without
+tensor maps), the same for torch SDPA (flash) for scale, and a cProfile of numbaflash's calls
+sorted by own time.
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ def main() -> None:
 
     for _ in range(5):
         ours()
+    device = bench.Device(torch)
+    rows = [("numbaflash", bench.time_host_issue(device, [ours], args.calls))]
+    if torch.cuda.get_device_capability(0)[0] == 9:  # Hopper: also the launch path without maps
+        with bench.family_context("sm80", args.head_dim, False):
+            for _ in range(5):
+                ours()
+            rows.append(("nf sm80", bench.time_host_issue(device, [ours], args.calls)))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         theirs()
-        device = bench.Device(torch)
-        rows = [("numbaflash", bench.time_host_issue(device, [ours], args.calls)),
-                ("sdpa-flash", bench.time_host_issue(device, [theirs], args.calls))]
+        rows.append(("sdpa-flash", bench.time_host_issue(device, [theirs], args.calls)))
     for name, t in rows:
         print(f"{name:>12}: median {statistics.median(t):.4f}  min {min(t):.4f}  max {max(t):.4f}  "
               f"calls over 1 ms: {sum(x > 1 for x in t)}")

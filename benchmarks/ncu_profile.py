@@ -48,6 +48,10 @@ METRICS: list[tuple[str, str, int | None]] = [
     ("tensor %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", None),
     ("wgmma inst", "sm__inst_executed_pipe_tensor_op_gmma.sum", 9),  # shows which kernels use wgmma
     ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", None),
+    # what else competes for issue slots: the exp2 unit (MUFU, "xu" pipe) and the FMA pipe
+    ("issue %", "sm__inst_issued.avg.pct_of_peak_sustained_active", None),
+    ("MUFU %", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active", None),
+    ("FMA %", "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active", None),
 ]
 DURATION_METRIC = "gpu__time_duration.sum"
 IMPLS = ("numbaflash", "flash", "cudnn", "efficient")

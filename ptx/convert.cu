@@ -20,3 +20,17 @@ extern "C" __device__ float rcp_approx_ftz_f32(float x) {
 extern "C" __device__ float lg2_approx_ftz_f32(float x) {
   float r; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
 }
+// 2^x without the MUFU unit (FMA and integer pipes only), so that a kernel bound by the
+// exponential unit can move part of its exponentials elsewhere (FlashAttention-4's idea):
+// x + 1.5*2^23 rounds x to an integer n in the low mantissa bits; 2^(x-n), x-n in [-0.5, 0.5],
+// is a degree-3 polynomial (relative error < 8e-5, minimax fit); n is added to the exponent
+// field. x < -126 gives 0 (so -inf gives exactly 0, as ex2 does); x must be <= 127.
+extern "C" __device__ float ex2_poly3_f32(float x) {
+  const float shifter = 12582912.0f;
+  float t = __fadd_rn(x, shifter);
+  float f = __fsub_rn(x, __fsub_rn(t, shifter));
+  float p = fmaf(fmaf(fmaf(0.0551716573536396f, f, 0.2426111400127411f), f, 0.6932609677314758f), f,
+                 0.9999280571937561f);
+  int bits = __float_as_int(p) + (__float_as_int(t) << 23);
+  return x < -126.0f ? 0.0f : __int_as_float(bits);
+}

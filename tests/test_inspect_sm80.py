@@ -109,6 +109,9 @@ def test_pack_exp2_sass(reports, arch):
     assert len(_sass_lines(pack, r"\bF2FP(\.F16\.F32)?\.PACK_AB ")) == 1
     exp2 = reports("exp2", arch)
     assert len(_sass_lines(exp2, r"\bMUFU\.EX2 ")) == 1
+    poly = reports("exp2_poly", arch)  # the FMA-pipe exp2: no MUFU at all, 3 FFMA of the polynomial
+    assert not _sass_lines(poly, r"\bMUFU\.")
+    assert len(_sass_lines(poly, r"\bFFMA ")) >= 3
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -338,6 +338,57 @@ def test_exp2_approx_ftz():
     assert got[8] == 1.0 and got[9] == 1.0  # subnormal inputs flushed to zero
 
 
+def exp2_poly_inputs() -> np.ndarray:
+    rng = _rng("exp2_poly")
+    return np.concatenate([
+        -rng.exponential(8.0, 8192), rng.uniform(-1, 1, 2048), rng.uniform(-126, 127, 2048),
+        np.arange(-126, 128), [0.0, -0.0, -np.inf, -126.5, -127.0, -200.0, 0.5, -0.5, 126.9],
+    ]).astype(np.float32)
+
+
+def check_exp2_poly(x: np.ndarray, got: np.ndarray) -> None:
+    """Relative error < 8e-5 down to 2^-125; tiny (subnormal range) from -126 to -125; exactly
+    0 below -126 (and at -inf)."""
+    normal = x >= -125
+    edge = (x >= -126) & ~normal
+    assert np.all((got[edge] >= 0) & (got[edge] <= 2.0**-124))
+    ref = np.exp2(x[normal].astype(np.float64))
+    rel = np.abs(got[normal] - ref) / ref
+    assert rel.max() < 8e-5, f"max relative error {rel.max():.3g} at x = {x[normal][rel.argmax()]}"
+    assert np.all(got[x < -126] == 0.0) and got[np.isneginf(x)][0] == 0.0
+
+
+def exp2_poly_model(x: np.ndarray) -> np.ndarray:
+    """``ex2_poly3_f32`` of ptx/convert.cu step by step in float32, with its own constants."""
+    import pathlib
+    import re
+
+    source = (pathlib.Path(__file__).parents[1] / "ptx" / "convert.cu").read_text()
+    body = source[source.index("float ex2_poly3_f32"):]
+    c3, c2, c1, c0 = (np.float32(v) for v in re.findall(r"(-?\d+\.\d+)f", body.split("int bits")[0])[1:5])
+    shifter = np.float32(12582912.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = x + shifter
+        f = x - (t - shifter)
+        p = ((c3 * f + c2) * f + c1) * f + c0
+        bits = p.view(np.int32) + (t.view(np.int32) << np.int32(23))
+    return np.where(x < -126, np.float32(0), bits.view(np.float32))
+
+
+def test_exp2_poly_model_meets_its_bound():
+    """The algorithm and constants (CPU; the GPU test runs the compiled helper)."""
+    x = exp2_poly_inputs()
+    check_exp2_poly(x, exp2_poly_model(x))
+
+
+@gpu
+def test_exp2_poly_on_the_fma_pipe():
+    x = exp2_poly_inputs()
+    out = np.full(x.size, np.nan, np.float32)
+    _, out = _run("exp2_poly", (x.size + 127) // 128, 128, x, out)
+    check_exp2_poly(x, out)
+
+
 # --------------------------------------------------------------------------- demo GEMM
 
 

@@ -21,7 +21,7 @@ from .async_copy import (
     st_shared_b32,
     st_shared_v4,
 )
-from .convert import exp2, log2, pack_bf16x2, pack_f16x2, reciprocal
+from .convert import exp2, exp2_poly, log2, pack_bf16x2, pack_f16x2, reciprocal
 from .matrix_load import (
     ldmatrix_x1,
     ldmatrix_x1_trans,
@@ -41,6 +41,7 @@ __all__ = [
     "cp_async_wait_group_2",
     "cp_async_wait_group_3",
     "exp2",
+    "exp2_poly",
     "ld_shared_v4",
     "log2",
     "ldmatrix_x1",

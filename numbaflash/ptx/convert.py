@@ -20,3 +20,6 @@ reciprocal = declare("convert", "rcp_approx_ftz_f32", _f32(_f32))
 reciprocal.__doc__ = "reciprocal(x) -> 1/x (rcp.approx.ftz.f32)."
 log2 = declare("convert", "lg2_approx_ftz_f32", _f32(_f32))
 log2.__doc__ = "log2(x) -> log2(x) (lg2.approx.ftz.f32)."
+exp2_poly = declare("convert", "ex2_poly3_f32", _f32(_f32))
+exp2_poly.__doc__ = ("exp2_poly(x) -> 2**x on the FMA pipe (degree-3 polynomial, relative error < 8e-5; "
+                     "0 below -126; x <= 127), for kernels bound by the MUFU unit.")
