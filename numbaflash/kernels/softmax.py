@@ -89,3 +89,26 @@ def pack_p_fragments(p_frag, p, k_tiles, bf16):
                 lo = p[2 * kt + half, 2 * r]
                 hi = p[2 * kt + half, 2 * r + 1]
                 p_frag[kt, 2 * half + r] = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
+
+
+@cuda.jit(device=True, inline="always")
+def exponentiate_split(s, n_tiles, m_run, l_run, scale_log2, poly_every):
+    """``exponentiate``, with the exponentials of every ``poly_every``-th 8-column n-tile
+    (n-tiles ``poly_every - 1``, ``2 * poly_every - 1``, ...) computed on the FMA pipe
+    (``ptx.exp2_poly``) instead of the MUFU unit: at head dim 64 a softmax needs about as many
+    MUFU cycles as its two GEMMs need tensor cycles, so moving a share of them elsewhere
+    shortens each warpgroup's softmax. ``poly_every`` is a compile-time constant; 0 means
+    ``exponentiate``."""
+    for r in range(2):
+        m_use = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
+        row_sum = float32(0.0)
+        for j in range(n_tiles):
+            for e in range(2):
+                x = s[j, 2 * r + e] * scale_log2 - m_use
+                if poly_every > 0 and j % poly_every == poly_every - 1:
+                    p = ptx.exp2_poly(x)
+                else:
+                    p = ptx.exp2(x)
+                s[j, 2 * r + e] = p
+                row_sum += p
+        l_run[r] += row_sum
