@@ -6,7 +6,8 @@
     python benchmarks/ws_check.py bench [--shapes 128:4096:0,...]
 
 Variants: ``serial`` (one GEMM at a time), ``ovl`` (S_{j+1} issued with PV_j, softmax while
-PV is in flight), ``pp`` (ovl + ping-pong between the consumer warpgroups), for d64 and d128.
+PV is in flight), ``pp`` (ovl + ping-pong between the consumer warpgroups), for d64 and d128;
+d96 (64B swizzle) and d256 (128 x 80 or 128 x 64 tiles, O staged in the Q buffer) likewise.
 ``correct`` poisons O and LSE (NaN) before each launch, runs each case on a full grid and on
 a 2-CTA grid (many tiles per CTA: the rings wrap, phases flip), and checks that repeated runs
 are bit-identical. ``bench`` times against SDPA cuDNN and the cp.async wgmma kernel in the same
@@ -41,6 +42,12 @@ def variants() -> dict[str, WsConfig]:
     out["d128-ovl-q1"] = WsConfig(128, 128, 2, overlap=True, q_stages=1)  # one Q buffer: before
     out["d64-ovl-n192"] = WsConfig(64, 192, 2, overlap=True)
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
+    for n in (128, 192):  # d96: 32-column blocks of 64-byte rows
+        out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2, overlap=True)
+        out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, overlap=True, pingpong=True)
+    for n in (80, 64):  # d256: one Q buffer, which also stages O
+        out[f"d256-ovl-n{n}"] = WsConfig(256, n, 2, overlap=True, q_stages=1, o_in_q=True)
+        out[f"d256-pp-n{n}"] = WsConfig(256, n, 2, overlap=True, pingpong=True, q_stages=1, o_in_q=True)
     return out
 
 
@@ -63,8 +70,10 @@ def _compile_one(job):
 
 def precompile(args) -> int:
     flags = [(causal, bf16) for causal in (False, True) for bf16 in (False, True)]
-    jobs = [("ws", c, causal, bf16) for c in variants().values() for causal, bf16 in flags]
-    jobs += [("old", c, causal, bf16) for c in OLD.values() for causal, bf16 in flags]
+    chosen = [c for n, c in variants().items() if not args.variants or n in args.variants.split(",")]
+    jobs = [("ws", c, causal, bf16) for c in chosen for causal, bf16 in flags]
+    jobs += [("old", c, causal, bf16) for c in OLD.values() for causal, bf16 in flags
+             if any(v.head_dim == c.head_dim for v in chosen)]
     t = time.time()
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for line in pool.map(_compile_one, jobs):
@@ -285,7 +294,8 @@ def bench(args) -> int:
             with configs.force_config((9, 0), causal, OLD[d]):
                 return numbaflash.flash_attention(*sets[i], causal=causal, out=outs[i])
 
-        impls["wgmma-old"] = old
+        if d in OLD:
+            impls["wgmma-old"] = old
         for name, config in variants().items():
             if config.head_dim != d or (names and name not in names):
                 continue

@@ -442,11 +442,13 @@ def _launch_ws(launcher, config, ops: list[_Operand], lse: tuple[int, int], seql
     batch, seqlen_q, heads_q, _ = ops[0].shape
     dtype = "bf16" if ops[0].dtype_name == "bfloat16" else "f16"
     rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
-    key = (dtype, rows, *((op.pointer, op.shape, op.strides) for op in ops))
+    cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
+    swizzle = f"{config.row_bytes}B"
+    key = (dtype, rows, cols, *((op.pointer, op.shape, op.strides) for op in ops))
 
     def encode():
-        return np.stack([encode_tensor_map(op.pointer, op.shape, _tma_strides(op), (1, r, 1, 64),
-                                           swizzle="128B", dtype=dtype)
+        return np.stack([encode_tensor_map(op.pointer, op.shape, _tma_strides(op), (1, r, 1, cols),
+                                           swizzle=swizzle, dtype=dtype)
                          for op, r in zip(ops, rows, strict=True)])
 
     tiles = -(-seqlen_q // config.block_m) * heads_q * batch

@@ -4,7 +4,7 @@ sm80 family (Ampere, Ada, Blackwell, ...): the mma.sync kernel (``ForwardConfig`
 sm90 (Hopper): the warp-specialised TMA + wgmma kernel (``WsConfig``; the older cp.async
 wgmma kernel, ``WgmmaConfig``, stays an autotune candidate); the mma.sync kernel also runs there, and
 Hopper runs it for the head dims its own kernel does not support (``FAMILY_HEAD_DIMS``,
-``dispatch_family``): today 32, 96 and 256.
+``dispatch_family``): today 32.
 The choice per (family, head dim, causal) is made by ``benchmarks/autotune.py`` and stored
 in ``tuned_configs.json`` beside this file; entries missing from it use ``DEFAULTS``.
 """
@@ -21,7 +21,7 @@ from .kernels.shapes import ForwardConfig, WgmmaConfig, WsConfig
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
-FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 128)}
+FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 96, 128, 256)}
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
 KernelConfig = ForwardConfig | WgmmaConfig | WsConfig
 
@@ -35,6 +35,10 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     ("sm80", 256): ForwardConfig(256, block_m=128, block_n=32),
     ("sm90", 64): WsConfig(64, block_n=192, stages=2, overlap=True, pingpong=True),
     ("sm90", 128): WsConfig(128, block_n=128, stages=2, overlap=True),
+    ("sm90", 96): WsConfig(96, block_n=128, stages=2, overlap=True),
+    # Q 64 KB + 2 stages of K and V at 64 rows (32 KB each): O is staged in the Q buffer.
+    # (128 x 80 does not spill without causal masking: see the tuned table.)
+    ("sm90", 256): WsConfig(256, block_n=64, stages=2, overlap=True, q_stages=1, o_in_q=True),
 }
 # What benchmarks/autotune.py tries, by family and head dim.
 # Knobs (issue 13), by letter: q = Q a k-slice at a time (not held in registers), d = register
@@ -62,16 +66,22 @@ _WGMMA_SHAPES = {
     128: ((128, 2, False), (64, 2, False), (128, 1, False), (64, 3, False),
           (128, 2, True), (64, 2, True), (128, 1, True)),
 }
-# (block_n, stages, overlap, pingpong, q_stages) of the warp-specialised kernel.
+# (block_n, stages, overlap, pingpong, q_stages[, o_in_q]) of the warp-specialised kernel.
 _WS_SHAPES = {
     64: ((192, 2, True, True, 2), (192, 2, True, False, 2), (128, 3, True, True, 2), (128, 3, True, False, 2),
          (128, 3, False, False, 2)),
     128: ((128, 2, True, False, 2), (128, 2, True, True, 2), (128, 2, True, False, 1),
           (128, 2, False, False, 2)),
+    96: ((128, 2, True, False, 2), (128, 2, True, True, 2), (192, 2, True, True, 2), (192, 2, True, False, 2),
+         (128, 3, True, False, 2)),
+    # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them.
+    # 128 x 80 spills with causal masking (14-20 LDL/STL); 128 x 64 does not.
+    256: ((80, 2, True, False, 1, True), (80, 2, True, True, 1, True), (64, 2, True, False, 1, True),
+          (64, 2, True, True, 1, True), (80, 2, False, False, 1, True)),
 }
 CANDIDATES.update({
-    ("sm90", d): [WsConfig(d, bn, st, 2, ovl, pp, qs) for bn, st, ovl, pp, qs in _WS_SHAPES[d]]
-    + [WgmmaConfig(d, *shape) for shape in _WGMMA_SHAPES[d]] + CANDIDATES[("sm80", d)]
+    ("sm90", d): [WsConfig(d, bn, st, 2, ovl, pp, *rest) for bn, st, ovl, pp, *rest in _WS_SHAPES[d]]
+    + [WgmmaConfig(d, *shape) for shape in _WGMMA_SHAPES.get(d, ())] + CANDIDATES[("sm80", d)]
     for d in FAMILY_HEAD_DIMS["sm90"]
 })
 # Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.
@@ -85,7 +95,7 @@ def arch_family(capability: tuple[int, int]) -> str:
 
 def dispatch_family(capability: tuple[int, int], head_dim: int) -> str:
     """The family whose kernel runs ``head_dim`` on this GPU: its own, or 'sm80' (the mma.sync
-    kernel runs everywhere) where its own kernel lacks the head dim (Hopper at 32, 96, 256)."""
+    kernel runs everywhere) where its own kernel lacks the head dim (Hopper at 32)."""
     family = arch_family(capability)
     return family if head_dim in FAMILY_HEAD_DIMS[family] else "sm80"
 

@@ -42,6 +42,7 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 #define REGS_8 "{" R8_0 "}"
 #define REGS_16 "{" R8_0 ", " R8_1 "}"
 #define REGS_32 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 "}"
+#define REGS_40 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 "}"
 #define REGS_48 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 "}"
 #define REGS_64 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 ", " R8_6 ", " R8_7 "}"
 #define REGS_96 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 ", " R8_6 ", " R8_7 ", " \
@@ -59,6 +60,7 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 #define ACC_8 ACC8(0)
 #define ACC_16 ACC16(0)
 #define ACC_32 ACC32(0)
+#define ACC_40 ACC32(0), ACC8(32)
 #define ACC_48 ACC32(0), ACC16(32)
 #define ACC_64 ACC64(0)
 #define ACC_96 ACC64(0), ACC32(64)
@@ -108,6 +110,7 @@ WGMMA_N(8, 4, "4", "5", "6", "7", "8", "9")
 WGMMA_N(16, 8, "8", "9", "10", "11", "12", "13")
 WGMMA_N(32, 16, "16", "17", "18", "19", "20", "21")
 WGMMA_N(64, 32, "32", "33", "34", "35", "36", "37")
+WGMMA_N(80, 40, "40", "41", "42", "43", "44", "45")
 WGMMA_N(96, 48, "48", "49", "50", "51", "52", "53")
 WGMMA_N(128, 64, "64", "65", "66", "67", "68", "69")
 WGMMA_N(192, 96, "96", "97", "98", "99", "100", "101")

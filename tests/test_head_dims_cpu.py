@@ -1,5 +1,5 @@
 """Head dims 32, 96 and 256 without a GPU: dispatch (Hopper falls back to the mma.sync kernel
-where its own kernel lacks the head dim), the configs, and the bank math of the swizzled layouts.
+where its own kernel lacks the head dim: 32), the configs, and the bank math of the swizzled layouts.
 The SASS checks of the shipped configs (spills, local memory, calls, HMMA) are in
 ``test_forward_offline.py``, which covers every config ``shipped_configs`` lists."""
 
@@ -14,6 +14,7 @@ from numbaflash.configs import (
     SUPPORTED_HEAD_DIMS,
     ForwardConfig,
     WgmmaConfig,
+    WsConfig,
     dispatch_family,
     forward_config,
 )
@@ -21,12 +22,14 @@ from numbaflash.kernels import smem
 
 HOPPER, AMPERE, ADA = (9, 0), (8, 0), (8, 9)
 NEW_DIMS = (32, 96, 256)
+HOPPER_FALLBACK_DIMS = (32,)  # the Hopper kernel lacks these: Hopper runs the mma.sync kernel
 
 
 def test_supported_head_dims():
     assert SUPPORTED_HEAD_DIMS == (32, 64, 96, 128, 256)
     assert FAMILY_HEAD_DIMS["sm80"] == SUPPORTED_HEAD_DIMS
     assert set(FAMILY_HEAD_DIMS["sm90"]) <= set(SUPPORTED_HEAD_DIMS)
+    assert set(SUPPORTED_HEAD_DIMS) - set(FAMILY_HEAD_DIMS["sm90"]) == set(HOPPER_FALLBACK_DIMS)
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
@@ -46,7 +49,7 @@ def test_hopper_falls_back_to_the_mma_kernel(head_dim, causal):
         assert isinstance(forward_config(cap, head_dim, causal), ForwardConfig)
 
 
-@pytest.mark.parametrize("head_dim", NEW_DIMS)
+@pytest.mark.parametrize("head_dim", HOPPER_FALLBACK_DIMS)
 def test_force_config_on_hopper_at_a_fallback_dim(head_dim):
     other = next(c for c in CANDIDATES[("sm80", head_dim)] if c != forward_config(HOPPER, head_dim, True))
     with configs.force_config(HOPPER, True, other):
@@ -66,14 +69,22 @@ def test_shipped_configs_cover_every_dim_once_per_family():
         config.check()
         if family == "sm80":
             assert isinstance(config, ForwardConfig)
-            if d in NEW_DIMS:
-                assert configs.table_key("sm80", d, causal) in configs._table()  # tuned-table entry
+        if d in NEW_DIMS and d in FAMILY_HEAD_DIMS[family]:
+            assert configs.table_key(family, d, causal) in configs._table()  # tuned-table entry
 
 
 @pytest.mark.parametrize("head_dim", NEW_DIMS)
 def test_candidates_of_the_new_dims(head_dim):
-    assert configs.runnable_candidates(HOPPER, head_dim) == CANDIDATES[("sm80", head_dim)]
-    assert ("sm90", head_dim) not in CANDIDATES
+    if head_dim in HOPPER_FALLBACK_DIMS:
+        assert configs.runnable_candidates(HOPPER, head_dim) == CANDIDATES[("sm80", head_dim)]
+        assert ("sm90", head_dim) not in CANDIDATES
+    else:  # the warp-specialised kernel first, then the mma.sync kernel (no cp.async wgmma kernel)
+        hopper = configs.runnable_candidates(HOPPER, head_dim)
+        ws = [c for c in hopper if isinstance(c, WsConfig)]
+        assert ws and hopper == ws + CANDIDATES[("sm80", head_dim)]
+        for cand in ws:
+            cand.check()
+            assert cand.shared_bytes <= 227 * 1024
     for cand in CANDIDATES[("sm80", head_dim)]:
         cand.check()
         assert not isinstance(cand, WgmmaConfig)

@@ -22,6 +22,14 @@ def test_hopper_dispatches_the_warp_specialised_kernel(head_dim, causal):
     assert not isinstance(configs.forward_config(AMPERE, head_dim, causal), WsConfig)
 
 
+def test_hopper_kernel_head_dims():
+    """Issue 14: the Hopper kernel runs 96 (64B swizzle) and 256 (O staged in Q) as well."""
+    assert configs.FAMILY_HEAD_DIMS["sm90"] == (64, 96, 128, 256)
+    assert configs.forward_config(HOPPER, 96, False).row_bytes == 64
+    for causal in (False, True):
+        assert configs.forward_config(HOPPER, 256, causal).o_in_q
+
+
 def test_table_round_trips_ws_entries():
     for family, _, _, config in configs.shipped_configs():
         assert configs.config_from_json(configs.config_to_json(config)) == config

@@ -20,6 +20,10 @@ CASES = {
     "d128-serial-full-f16": (WsConfig(128, 128, 2), False, False),
     "d128-pp-causal-bf16": (WsConfig(128, 128, 2, overlap=True, pingpong=True), True, True),
     "d64-pp-causal-f16": (WsConfig(64, 128, 3, overlap=True, pingpong=True), True, False),
+    # 64B swizzle (32-column boxes); O staged in the Q buffer with 128 x 80 tiles (wgmma n80)
+    "d96-ovl-causal-bf16": (WsConfig(96, 128, 2, overlap=True), True, True),
+    "d256-pp-n80-full-f16": (WsConfig(256, 80, 2, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
+                             False, False),
 }
 
 
@@ -46,7 +50,7 @@ def _lines(report, pattern):
 def test_pipeline_instructions(reports, name):
     r = reports(name)
     config = CASES[name][0]
-    chunks = config.head_dim // 64
+    chunks = config.head_dim // config.box_cols
     assert r.count("UTMALDG") >= 3 * chunks  # Q, K, V boxes
     assert r.count("UTMASTG") >= chunks  # O boxes
     assert r.count("SYNCS") >= 8  # mbarrier init, expect-tx, arrive, try-wait
@@ -99,7 +103,18 @@ def test_config_checks():
     with pytest.raises(ValueError, match="shared memory"):
         WsConfig(128, stages=4).check()
     with pytest.raises(ValueError, match="head_dim"):
-        WsConfig(96).check()
+        WsConfig(32).check()
+    with pytest.raises(ValueError, match="block_n"):
+        WsConfig(256, block_n=96).check()
+    assert (WsConfig(96).row_bytes, WsConfig(96).box_cols) == (64, 32)
+    assert (WsConfig(256).row_bytes, WsConfig(128).box_cols) == (128, 64)
+    with pytest.raises(ValueError, match="shared memory"):  # no room for an O tile at d256
+        WsConfig(256, 80, q_stages=1).check()
+    with pytest.raises(ValueError, match="o_in_q needs q_stages 1"):
+        WsConfig(256, 80, o_in_q=True).check()
+    d256 = WsConfig(256, 80, q_stages=1, o_in_q=True)
+    d256.check()
+    assert d256.shared_bytes == 128 * 256 * 2 + 4 * 80 * 256 * 2 + 1024
     with pytest.raises(ValueError, match="q_stages"):
         WsConfig(64, q_stages=3).check()
     assert WsConfig(128, q_stages=1).shared_bytes == WsConfig(128).shared_bytes - 128 * 128 * 2

@@ -27,6 +27,14 @@ one head (equal cost per unit; see ``blocks.work_units``).
   GEMMs (named barriers), so that one's softmax overlaps the other's tensor-core work.
 * **Epilogue**: O is normalised in registers, written with ``stmatrix`` into a swizzled
   shared tile and stored by TMA, whose tensor map clips rows past seqlen_q; LSE as before.
+  With ``config.o_in_q`` (head dim 256, where shared memory holds no O tile) each consumer
+  warpgroup stages its O rows over its own Q rows, and releases the Q buffer to the producer
+  only once the TMA store has read them.
+
+Tiles are column blocks in a TMA swizzle layout fixed by the head dim (``config.row_bytes``):
+64 columns of 128-byte rows (128B swizzle) at head dims 64, 128 and 256; 32 columns of 64-byte
+rows (64B swizzle) at 96, whose 192-byte rows do not split into 128-byte blocks. One TMA box
+per block; the wgmma descriptors and the stmatrix addresses use the same swizzle.
 
 Ragged lengths need no special path: TMA zero-fills rows past the end of Q, K and V, and the
 last KV tile is masked. Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
@@ -92,7 +100,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     CONSUMERS = config.consumers
     CONSUMER_THREADS = CONSUMERS * WARPGROUP
     D_N_TILES = D // 8  # 8-column tiles of the O accumulator
-    D_CHUNKS = D // 64  # 64-column (128-byte) blocks of a tile: one TMA box each
+    RB = config.row_bytes  # bytes per row of one swizzle block (128 or 64)
+    BOX = config.box_cols  # head-dim columns of one block (64 or 32)
+    D_CHUNKS = D // BOX  # blocks of a tile: one TMA box each
+    CHUNKS_PER_ROW = RB // 16  # 16-byte chunks in a block row (8 or 4)
     S_N_TILES = BN // 8
     P_K_STEPS = BN // 16
     Q_BYTES = config.tile_bytes["q"]
@@ -105,10 +116,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     CAUSAL = causal
     TILES_PER_UNIT = 2 if causal else 1  # query blocks per work unit (blocks.work_units)
     BF16 = bf16
+    O_IN_Q = config.o_in_q
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     dtype = "bf16" if bf16 else "f16"
-    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(D, BM, BN, bf16)
+    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(D, BM, BN, bf16, RB)
+    # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
+    desc_k_major = hp.smem_descriptor_k_sw128 if RB == 128 else hp.smem_descriptor_k_sw64
+    desc_mn_major = hp.smem_descriptor_mn_sw128 if RB == 128 else hp.smem_descriptor_mn_sw64
 
     # ------------------------------------------------------------------ scheduling
 
@@ -149,9 +164,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, inline="always")
     def load_tile(dst, tmap, bar, row0, head, batch, rows):
         """TMA the rows row0 .. row0 + rows of one (batch, head) into a swizzled tile: one
-        64-column box per 128-byte block, ``rows * 128`` bytes apart."""
+        ``BOX``-column box per block, ``rows * RB`` bytes apart."""
         for c in range(D_CHUNKS):
-            hp.tma_load_4d(dst + c * rows * 128, tmap, bar, int32(c * 64), int32(head), int32(row0),
+            hp.tma_load_4d(dst + c * rows * RB, tmap, bar, int32(c * BOX), int32(head), int32(row0),
                            int32(batch))
 
     # ------------------------------------------------------------------ producer
@@ -314,11 +329,13 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, inline="always")
     def stage_o(tile_o, acc_o, seat, regs):
-        """stmatrix this warp's 16 O rows into the swizzled O tile (128B swizzle, as TMA
-        reads it): one x4 per pair of 8-column tiles; lane 8i + r gives row r of matrix i
-        (i = 2 * (column tile - j) + row half)."""
+        """stmatrix this warp's 16 O rows into the swizzled O tile (as TMA reads it): one x4
+        per pair of 8-column tiles; lane 8i + r gives row r of matrix i (i = 2 * (column tile
+        - j) + row half). 16-byte chunk c of a block row r sits at c ^ (r % 8) (128B swizzle)
+        or c ^ ((r // 2) % 4) (64B swizzle); rows start at a multiple of 8, so r % 8 = r8."""
         matrix = seat.lane // 8
         r8 = seat.lane % 8
+        phase = r8 if RB == 128 else r8 // 2
         row = seat.wg * 64 + seat.warp * 16 + (matrix % 2) * 8 + r8
         for jj in range(D_N_TILES // 2):
             j = 2 * jj
@@ -327,13 +344,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             regs[2] = pack2(acc_o[j + 1, 0], acc_o[j + 1, 1])
             regs[3] = pack2(acc_o[j + 1, 2], acc_o[j + 1, 3])
             col = j + matrix // 2  # 16-byte chunk of the row
-            address = tile_o + (col // 8) * (BM * 128) + row * 128 + (((col % 8) ^ r8) * 16)
+            address = (tile_o + (col // CHUNKS_PER_ROW) * (BM * RB) + row * RB
+                       + (((col % CHUNKS_PER_ROW) ^ phase) * 16))
             hp.stmatrix_x4(uint32(address), regs)
 
     @cuda.jit(device=True, inline="always")
-    def store_o(acc_o, stats, tile_o, maps, tile, seat, regs):
+    def store_o(acc_o, stats, tile_o, maps, tile, seat, regs, q_empty):
         """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's 64 rows;
-        the map clips rows past seqlen_q)."""
+        the map clips rows past seqlen_q). With O staged in the Q buffer, the buffer goes back
+        to the producer (``q_empty``: its barrier) once the store has read it."""
         normalise_o(acc_o, stats)
         barrier = EPILOGUE_BARRIER + seat.wg
         if seat.thread == 0:
@@ -345,9 +364,12 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         if seat.thread == 0:
             row0 = tile.m_block * BM + seat.wg * 64
             for c in range(D_CHUNKS):
-                hp.tma_store_4d(maps.o, tile_o + c * BM * 128 + seat.wg * 64 * 128, int32(c * 64),
+                hp.tma_store_4d(maps.o, tile_o + c * BM * RB + seat.wg * 64 * RB, int32(c * BOX),
                                 int32(tile.head), int32(row0), int32(tile.batch))
             hp.tma_store_commit_group()
+            if O_IN_Q:
+                hp.tma_store_wait_group_read_0()  # the next Q may land here now
+                hp.mbarrier_arrive(q_empty)  # one arrival per consumer warpgroup
 
     # ------------------------------------------------------------------ consumer
 
@@ -362,9 +384,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                          cuda.local.array(2, float32), cuda.local.array(2, float32))
         acc = (acc_s, acc_o, p_frag)
         # Q rows of this warpgroup (K-major); K stage 0 (K-major); V stage 0 (MN-major:
-        # 64-wide head-dim blocks BN * 128 bytes apart).
-        descs = (hp.smem_descriptor_k_sw128(tiles.q + seat.wg * 64 * 128),
-                 hp.smem_descriptor_k_sw128(tiles.k), hp.smem_descriptor_mn_sw128(tiles.v, BN * 128))
+        # head-dim blocks BN * RB bytes apart).
+        descs = (desc_k_major(tiles.q + seat.wg * 64 * RB), desc_k_major(tiles.k),
+                 desc_mn_major(tiles.v, BN * RB))
         if PINGPONG and seat.wg == 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
         kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
@@ -390,10 +412,13 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                     attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
                 else:
                     attend_serial(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
-                release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
+                q_empty = bars.q_empty + uint32(8) * q_slot
+                if not O_IN_Q:
+                    release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
                 kv0 += uint32(n_tiles)
                 round_q += ONE
-                store_o(acc_o, stats, tiles.o, maps, tile, seat, regs)
+                tile_o = tiles.q + q_slot * uint32(Q_BYTES) if O_IN_Q else tiles.o
+                store_o(acc_o, stats, tile_o, maps, tile, seat, regs, q_empty)
                 if write_lse:
                     store_lse(lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
                               problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
@@ -418,10 +443,12 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         maps = Maps(map_q, map_k, map_v, map_o)
         problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM))
         consumer_warps = CONSUMER_THREADS // 32
+        # Q is released by every consumer warp, or (O staged in Q) by each warpgroup's storer.
+        q_releases = CONSUMERS if O_IN_Q else consumer_warps
         if tid == 0:
             for s in range(QS):
                 hp.mbarrier_init(bars.q_full + 8 * s, 1)
-                hp.mbarrier_init(bars.q_empty + 8 * s, consumer_warps)
+                hp.mbarrier_init(bars.q_empty + 8 * s, q_releases)
             for s in range(STAGES):
                 hp.mbarrier_init(bars.k_full + 8 * s, 1)
                 hp.mbarrier_init(bars.k_empty + 8 * s, consumer_warps)
@@ -446,7 +473,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse)
 
     flash_forward_ws.__name__ = (
-        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}_"
+        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}"
+        f"{'_oq' if O_IN_Q else ''}_"
         f"{'causal' if causal else 'full'}_{dtype}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.

@@ -114,6 +114,10 @@ class WsConfig:
     overlap: bool = False  # issue S_{j+1} with O += P_j V_j; softmax while PV is in flight
     pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (named barriers)
     q_stages: int = 2  # Q buffers: 2 lets the producer load the next tile's Q during this one
+    # Stage O for its TMA store in the Q buffer (each warpgroup over its own Q rows) instead of
+    # a tile of its own: what makes d256 fit (Q 64 KB + 2 x 2 x 40 KB); the next Q then waits
+    # until the store has read the buffer. Needs q_stages 1.
+    o_in_q: bool = False
 
     @property
     def block_m(self) -> int:
@@ -124,10 +128,21 @@ class WsConfig:
         return 128 * (self.consumers + 1)
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes per row of one swizzle block (and TMA box): 128 (128B swizzle, 64 columns)
+        where 64 divides the head dim, else 64 (64B swizzle, 32 columns: head dim 96)."""
+        return 128 if self.head_dim % 64 == 0 else 64
+
+    @property
+    def box_cols(self) -> int:
+        """Head-dim columns of one TMA box (one swizzle block)."""
+        return self.row_bytes // 2
+
+    @property
     def tile_bytes(self) -> dict[str, int]:
-        """Bytes of one Q, K (or V) stage and O tile."""
+        """Bytes of one Q, K (or V) stage and O tile (0 when O is staged in the Q buffer)."""
         return {"q": self.block_m * self.head_dim * 2, "kv": self.block_n * self.head_dim * 2,
-                "o": self.block_m * self.head_dim * 2}
+                "o": 0 if self.o_in_q else self.block_m * self.head_dim * 2}
 
     @property
     def shared_bytes(self) -> int:
@@ -136,16 +151,18 @@ class WsConfig:
         return self.q_stages * t["q"] + 2 * self.stages * t["kv"] + t["o"] + 1024
 
     def check(self) -> None:
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-        if self.block_n not in (64, 128, 192):
-            raise ValueError(f"block_n must be 64, 128 or 192, got {self.block_n}")
+        if self.head_dim not in (64, 96, 128, 256):
+            raise ValueError(f"head_dim must be 64, 96, 128 or 256, got {self.head_dim}")
+        if self.block_n not in (64, 80, 128, 192):  # a bound wgmma N (ptx/wgmma.cu), 16 keys a k-step
+            raise ValueError(f"block_n must be 64, 80, 128 or 192, got {self.block_n}")
         if self.consumers != 2:
             raise ValueError(f"consumers must be 2 (register split 24/240), got {self.consumers}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be 2..4, got {self.stages}")
         if self.q_stages not in (1, 2):
             raise ValueError(f"q_stages must be 1 or 2, got {self.q_stages}")
+        if self.o_in_q and self.q_stages != 1:
+            raise ValueError("o_in_q needs q_stages 1 (the O rows overwrite the Q buffer being used)")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
         if self.shared_bytes > 227 * 1024:

@@ -35,7 +35,7 @@ _void = types.void
 # wgmma: fence, commit, wait, mma_async
 # ---------------------------------------------------------------------------------------------
 
-WGMMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
+WGMMA_N = (8, 16, 32, 64, 80, 96, 128, 192, 256)
 """The N of every wgmma m64nNk16 shape bound here (accumulators per thread: N / 2)."""
 
 wgmma_fence = declare("wgmma", "wgmma_fence", _void())
@@ -162,6 +162,24 @@ def smem_descriptor_mn_sw128(address, mn_chunk_bytes):
     ``mn_chunk_bytes`` later (LBO; e.g. rows*128 for a tile loaded as 64-wide TMA boxes).
     Advance K by 16 rows with ``descriptor_add(desc, 2048)``."""
     return smem_descriptor(address, mn_chunk_bytes, 1024, SWIZZLE_128B)
+
+
+@cuda.jit(device=True, inline="always")
+def smem_descriptor_k_sw64(address):
+    """Descriptor of a K-major 16-bit tile in the 64B-swizzle layout that TMA writes with a
+    32-element (64-byte) inner box: row r at byte 64*r, 8-row atoms 512 bytes apart (SBO);
+    512-byte aligned. Advance K by 16 elements with ``descriptor_add(desc, 32)`` (two k-steps
+    per 64-byte row)."""
+    return smem_descriptor(address, 16, 512, SWIZZLE_64B)
+
+
+@cuda.jit(device=True, inline="always")
+def smem_descriptor_mn_sw64(address, mn_chunk_bytes):
+    """Descriptor of an MN-major 16-bit tile in the 64B-swizzle layout: each k row holds 32
+    MN elements (64 bytes), 8-row atoms 512 bytes apart (SBO); the next 32 MN elements start
+    ``mn_chunk_bytes`` later (LBO; rows*64 for a tile loaded as 32-wide TMA boxes).
+    Advance K by 16 rows with ``descriptor_add(desc, 1024)``."""
+    return smem_descriptor(address, mn_chunk_bytes, 512, SWIZZLE_64B)
 
 
 @cuda.jit(device=True, inline="always")
@@ -388,7 +406,9 @@ __all__ = [
     "setmaxnreg_inc_240",
     "smem_descriptor",
     "smem_descriptor_k_sw128",
+    "smem_descriptor_k_sw64",
     "smem_descriptor_mn_sw128",
+    "smem_descriptor_mn_sw64",
     "stmatrix_x1",
     "stmatrix_x1_trans",
     "stmatrix_x2",
