@@ -53,7 +53,7 @@ from .blocks import ScoreMask, mask_if_needed, unit_tile, visible_kv_tiles, work
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
 from .shapes import WsConfig
-from .softmax import exponentiate, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
+from .softmax import exponentiate_split, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
 from .wgmma_gemms import make_attention_gemms
 
 WS_ARGTYPES = (
@@ -117,6 +117,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     TILES_PER_UNIT = 2 if causal else 1  # query blocks per work unit (blocks.work_units)
     BF16 = bf16
     O_IN_Q = config.o_in_q
+    POLY_EXP = config.poly_exp
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     dtype = "bf16" if bf16 else "f16"
@@ -244,7 +245,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         grew = cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD))
         if grew:
             adopt_maxes(stats)
-        exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2)
+        exponentiate_split(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2, POLY_EXP)
         return grew
 
     # ------------------------------------------------------------------ consumer main loops
@@ -474,7 +475,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}"
-        f"{'_oq' if O_IN_Q else ''}_"
+        f"{'_oq' if O_IN_Q else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}_"
         f"{'causal' if causal else 'full'}_{dtype}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.

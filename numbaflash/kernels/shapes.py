@@ -118,6 +118,10 @@ class WsConfig:
     # a tile of its own: what makes d256 fit (Q 64 KB + 2 x 2 x 40 KB); the next Q then waits
     # until the store has read the buffer. Needs q_stages 1.
     o_in_q: bool = False
+    # Every poly_exp-th 8-column tile of scores takes its exponentials on the FMA pipe instead
+    # of the MUFU unit (softmax.exponentiate_split); 0: all on the MUFU. At head dim 64 the
+    # MUFU work of a softmax is about as long as the two GEMMs it should hide behind.
+    poly_exp: int = 0
 
     @property
     def block_m(self) -> int:
@@ -165,5 +169,7 @@ class WsConfig:
             raise ValueError("o_in_q needs q_stages 1 (the O rows overwrite the Q buffer being used)")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
+        if self.poly_exp < 0 or self.poly_exp > self.block_n // 8:
+            raise ValueError(f"poly_exp must be 0..{self.block_n // 8} (8-column tiles), got {self.poly_exp}")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
