@@ -18,9 +18,15 @@ import time
 import torch
 
 from numbaflash import configs, flash_attention
+from numbaflash.tools import bench
 
 
-def time_ms(fn, warmup=3, repeats=15):
+def time_ms(fn, warmup=3, repeats=15, warmup_ms=0.0):
+    """Median ms of ``repeats`` event-timed calls after ``warmup`` calls and, with ``warmup_ms``,
+    at least that long of calls (bench's clock-settling warm-up)."""
+    if warmup_ms:
+        device = bench.Device(torch)
+        return statistics.median(bench.time_with_events(device, [fn], warmup, repeats, warmup_ms))
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -46,6 +52,11 @@ def main() -> None:
                              "Hopper (issue 13: the sm80 table from H100/H200 runs)")
     parser.add_argument("--key", help="table key prefix to write instead of the family, e.g. sm86 or sm89 "
                                       "for entries of one GPU (configs.forward_config reads them first)")
+    parser.add_argument("--match", action="append", default=[],
+                        help="time only candidates whose text contains this (repeatable: any of them)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the candidates this many times, in alternating order, each after a "
+                             "250 ms clock-settling warm-up; report the mean of the medians")
     args = parser.parse_args()
     cap = torch.cuda.get_device_capability()
     print("GPU:", torch.cuda.get_device_name(), configs.arch_family(cap), time.strftime("%Y-%m-%d"))
@@ -61,17 +72,31 @@ def main() -> None:
             forced = configs.table_key(configs.arch_family(cap), d, causal)  # what OVERRIDES reads
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             best = None
-            for cand in configs.CANDIDATES[(family, d)]:
-                if args.only and configs.config_to_json(cand)["kernel"] != args.only:
+            cands = [c for c in configs.CANDIDATES[(family, d)]
+                     if not (args.only and configs.config_to_json(c)["kernel"] != args.only)
+                     and (not args.match or any(m in str(c) for m in args.match))]
+            timed: dict = {}
+            for r in range(max(1, args.rounds)):
+                for cand in cands if r % 2 == 0 else cands[::-1]:
+                    if timed.get(cand, []) is None:
+                        continue
+                    configs.OVERRIDES[forced] = cand
+                    try:
+                        ms = time_ms(lambda c=causal, x=qkv, o=out: flash_attention(*x, causal=c, out=o),
+                                     repeats=15 if args.rounds <= 1 else 20,
+                                     warmup_ms=0.0 if args.rounds <= 1 else 250.0)
+                    except Exception as exc:  # a candidate that fails to build or launch is skipped
+                        print(f"{key} {cand}: failed: {str(exc)[:100]}")
+                        timed[cand] = None
+                        continue
+                    timed.setdefault(cand, []).append(ms)
+            for cand, runs in timed.items():
+                if not runs:
                     continue
-                configs.OVERRIDES[forced] = cand
-                try:
-                    ms = time_ms(lambda c=causal, x=qkv, o=out: flash_attention(*x, causal=c, out=o))
-                except Exception as exc:  # a candidate that fails to build or launch is skipped
-                    print(f"{key} {cand}: failed: {str(exc)[:100]}")
-                    continue
-                tflops = flops / ms / 1e9
-                print(f"{key:>18} {tflops:7.1f} TFLOP/s  {cand}")
+                tflops = flops / statistics.fmean(runs) / 1e9
+                rounds = ", ".join(f"{flops / m / 1e9:.1f}" for m in runs)
+                per_round = f"  (rounds: {rounds})" if len(runs) > 1 else ""
+                print(f"{key:>18} {tflops:7.1f} TFLOP/s  {cand}{per_round}")
                 if best is None or tflops > best[1]:
                     best = (cand, tflops)
             configs.OVERRIDES.pop(forced, None)
