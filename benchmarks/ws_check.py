@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import math
 import os
 import statistics
@@ -43,8 +42,6 @@ def variants() -> dict[str, WsConfig]:
     out["d128-ovl-q1"] = WsConfig(128, 128, 2, overlap=True, q_stages=1)  # one Q buffer: before
     out["d64-ovl-n192"] = WsConfig(64, 192, 2, overlap=True)
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
-    for name in ("d64-ovl-n192", "d64-pp-n192", "d128-ovl", "d128-pp"):  # next tile's first S chained
-        out[f"{name}-ch"] = dataclasses.replace(out[name], chain=True)
     for n in (128, 192):  # d96: 32-column blocks of 64-byte rows
         out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2, overlap=True)
         out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, overlap=True, pingpong=True)

@@ -66,17 +66,14 @@ _WGMMA_SHAPES = {
     128: ((128, 2, False), (64, 2, False), (128, 1, False), (64, 3, False),
           (128, 2, True), (64, 2, True), (128, 1, True)),
 }
-# (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp, chain]) of the warp-specialised kernel.
+# (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp]) of the warp-specialised kernel.
 _WS_SHAPES = {
     64: ((192, 2, True, True, 2), (192, 2, True, False, 2), (128, 3, True, True, 2), (128, 3, True, False, 2),
          (128, 3, False, False, 2),
          # a quarter of the exponentials on the FMA pipe (poly_exp 4: 6 of 24 score tiles)
-         (192, 2, True, True, 2, False, 4), (192, 2, True, False, 2, False, 4),
-         # the next tile's first S issued with this tile's last PV
-         (192, 2, True, True, 2, False, 0, True), (192, 2, True, False, 2, False, 0, True)),
+         (192, 2, True, True, 2, False, 4), (192, 2, True, False, 2, False, 4)),
     128: ((128, 2, True, False, 2), (128, 2, True, True, 2), (128, 2, True, False, 1),
-          (128, 2, False, False, 2),
-          (128, 2, True, False, 2, False, 0, True), (128, 2, True, True, 2, False, 0, True)),
+          (128, 2, False, False, 2)),
     96: ((128, 2, True, False, 2), (128, 2, True, True, 2), (192, 2, True, True, 2), (192, 2, True, False, 2),
          (128, 3, True, False, 2)),
     # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them.

@@ -118,7 +118,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     BF16 = bf16
     O_IN_Q = config.o_in_q
     POLY_EXP = config.poly_exp
-    CHAIN = config.chain
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     dtype = "bf16" if bf16 else "f16"
@@ -136,17 +135,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, inline="always")
     def tile_of(u, h, problem):
         return unit_tile(u, h, problem.m_blocks, problem.heads_q, problem.group, CAUSAL)
-
-    @cuda.jit(device=True, inline="always")
-    def tile_after(u, h, problem):
-        """The tile this CTA takes after tile h of unit u, and whether there is one."""
-        if CAUSAL and h == 0:
-            tile, present = tile_of(u, 1, problem)
-            if present:
-                return tile, True
-        u_next = u + cuda.gridDim.x
-        tile, _ = tile_of(u_next, 0, problem)
-        return tile, u_next < units_of(problem)
 
     @cuda.jit(device=True, inline="always")
     def kv_tiles_of(tile, problem):
@@ -285,22 +273,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             release(bars.v_empty, i, RING, seat.lane)
 
     @cuda.jit(device=True, inline="always")
-    def attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2, chain):
+    def attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2):
         """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
         PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
-        these paired issues take turns.
-
-        ``chain`` (``config.chain``): (s0_issued, chain_next, next_q_round, next_desc_q).
-        s0_issued: the previous tile already issued this tile's first S. chain_next: issue the
-        next tile's first S (its Q: round next_q_round, descriptor next_desc_q; its first K:
-        ring position kv0 + n_tiles) together with this tile's last PV, so that it runs during
-        this tile's epilogue; else the first S and the last PV of a tile stand alone."""
+        these paired issues take turns (the first S and the last PV of a tile do not)."""
         acc_s, acc_o, p_frag = acc
-        s0_issued, chain_next, next_q_round, next_desc_q = chain
         if n_tiles > 0:
-            if not s0_issued:
-                wait_full(bars.k_full, kv0, RING)
-                issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % RING) * uint32(KV_BYTES)))
+            wait_full(bars.k_full, kv0, RING)
+            issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % RING) * uint32(KV_BYTES)))
             hp.wgmma_wait_group_0()
             fence_s(acc_s)
             release(bars.k_empty, kv0, RING, seat.lane)
@@ -326,18 +306,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             last = kv0 + uint32(n_tiles) - ONE
             wait_full(bars.v_full, last, RING)
-            if chain_next:
-                nxt = last + ONE
-                wait_full(bars.q_full, next_q_round, Q_RING)
-                wait_full(bars.k_full, nxt, RING)
-                take_turn(seat)
-                issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % RING) * uint32(KV_BYTES)))
-                issue_s(acc_s, next_desc_q, hp.descriptor_add(descs[1], (nxt % RING) * uint32(KV_BYTES)))
-                pass_turn(seat)
-                hp.wgmma_wait_group_1()  # the last PV is done; the next tile's first S may run on
-            else:
-                issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % RING) * uint32(KV_BYTES)))
-                hp.wgmma_wait_group_0()
+            issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % RING) * uint32(KV_BYTES)))
+            hp.wgmma_wait_group_0()
             fence_o(acc_o)
             release(bars.v_empty, last, RING, seat.lane)
 
@@ -422,7 +392,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
         kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
         round_q = uint32(0)
-        s0_issued = False  # this tile's first S was issued with the previous tile's last PV
         for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
             for h in range(TILES_PER_UNIT):
                 tile, present = tile_of(u, h, problem)
@@ -437,19 +406,11 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                     stats.l_run[r] = 0.0
                 row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
                 at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
-                if not s0_issued:  # else the previous tile waited for this Q to chain its first S
-                    wait_full(bars.q_full, round_q, Q_RING)
+                wait_full(bars.q_full, round_q, Q_RING)
                 q_slot = round_q % Q_RING
                 tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
                 if OVERLAP:
-                    chain_next = False
-                    if CHAIN and n_tiles > 0:
-                        following, exists = tile_after(u, h, problem)
-                        chain_next = exists and kv_tiles_of(following, problem) > 0
-                    next_desc_q = hp.descriptor_add(descs[0], ((round_q + ONE) % Q_RING) * uint32(Q_BYTES))
-                    attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2,
-                                      (s0_issued, chain_next, round_q + ONE, next_desc_q))
-                    s0_issued = chain_next
+                    attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
                 else:
                     attend_serial(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
                 q_empty = bars.q_empty + uint32(8) * q_slot
@@ -514,7 +475,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}"
-        f"{'_oq' if O_IN_Q else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}{'_ch' if CHAIN else ''}_"
+        f"{'_oq' if O_IN_Q else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}_"
         f"{'causal' if causal else 'full'}_{dtype}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.

@@ -122,10 +122,6 @@ class WsConfig:
     # of the MUFU unit (softmax.exponentiate_split); 0: all on the MUFU. At head dim 64 the
     # MUFU work of a softmax is about as long as the two GEMMs it should hide behind.
     poly_exp: int = 0
-    # Issue the next tile's first S = Q Kᵀ together with this tile's last PV, so that it runs
-    # during this tile's epilogue (the tile boundary otherwise leaves the tensor cores idle:
-    # both consumer warpgroups reach it at once). Needs overlap and a second Q buffer.
-    chain: bool = False
 
     @property
     def block_m(self) -> int:
@@ -173,8 +169,6 @@ class WsConfig:
             raise ValueError("o_in_q needs q_stages 1 (the O rows overwrite the Q buffer being used)")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
-        if self.chain and not (self.overlap and self.q_stages == 2 and not self.o_in_q):
-            raise ValueError("chain needs overlap and q_stages 2 (the next tile's Q in its own buffer)")
         if self.poly_exp < 0 or self.poly_exp > self.block_n // 8:
             raise ValueError(f"poly_exp must be 0..{self.block_n // 8} (8-column tiles), got {self.poly_exp}")
         if self.shared_bytes > 227 * 1024:
