@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from numbaflash import api, configs, flash_attention
-from numbaflash.kernels import common, forward_mma, forward_wgmma
+from numbaflash.kernels import common, forward_mma, forward_ws
 from numbaflash.tools.reference import attention_reference
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     family = configs.arch_family(torch.cuda.get_device_capability())
     key = configs.table_key(family, d, args.causal)
     for threshold in (common.RESCALE_THRESHOLD, 0.0):
-        forward_mma.THRESHOLD = forward_wgmma.THRESHOLD = np.float32(threshold)
+        forward_mma.THRESHOLD = forward_ws.THRESHOLD = np.float32(threshold)
         # Rebuild the kernels with this threshold: the patched module attribute is not in the
         # kernel cache's key (file contents are), so the cache is off for this script.
         api._KERNELS.clear()

@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(configs.SUPPORTED_HEAD_DIMS))
-    parser.add_argument("--only", choices=["mma", "wgmma"], help="time only this kernel family")
+    parser.add_argument("--only", choices=["mma", "ws"],
+                        help="time only this kernel (mma.sync, or the warp-specialised Hopper one)")
     parser.add_argument("--family", choices=["auto", "sm80"], default="auto",
                         help="sm80: tune the mma.sync kernel's table entries at every head dim, also on "
                              "Hopper (issue 13: the sm80 table from H100/H200 runs)")

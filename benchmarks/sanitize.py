@@ -1,6 +1,6 @@
 """Run NVIDIA compute-sanitizer over every forward kernel configuration that runs on this GPU.
 
-    python benchmarks/sanitize.py [--tools memcheck,racecheck] [--configs 0,3 | --configs Wgmma]
+    python benchmarks/sanitize.py [--tools memcheck,racecheck] [--configs 0,3 | --configs WsConfig]
                                   [--jobs 8] [--timeout 600] [--log-dir DIR] [--sanitizer PATH]
     python benchmarks/sanitize.py --list [--arch sm80]     # the indexed configs (no GPU needed)
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from numbaflash import configs
-from numbaflash.configs import KernelConfig, WgmmaConfig, WsConfig
+from numbaflash.configs import KernelConfig, WsConfig
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SCRIPT = Path(__file__).resolve()
@@ -64,8 +64,8 @@ def parse_summary(tool: str, text: str) -> int | None:
 
 
 def kernel_family(config: KernelConfig) -> str:
-    """'sm90' for the Hopper kernels (wgmma, warp-specialised), 'sm80' for the mma.sync kernel."""
-    return "sm90" if isinstance(config, WgmmaConfig | WsConfig) else "sm80"
+    """'sm90' for the warp-specialised Hopper kernel, 'sm80' for the mma.sync kernel."""
+    return "sm90" if isinstance(config, WsConfig) else "sm80"
 
 
 def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig]:

@@ -10,7 +10,7 @@ PV is in flight), ``pp`` (ovl + ping-pong between the consumer warpgroups), for 
 d96 (64B swizzle) and d256 (128 x 80 or 128 x 64 tiles, O staged in the Q buffer) likewise.
 ``correct`` poisons O and LSE (NaN) before each launch, runs each case on a full grid and on
 a 2-CTA grid (many tiles per CTA: the rings wrap, phases flip), and checks that repeated runs
-are bit-identical. ``bench`` times against SDPA cuDNN and the cp.async wgmma kernel in the same
+are bit-identical. ``bench`` times against SDPA cuDNN in the same
 process (median of CUDA-event-timed calls after >= 250 ms of warm-up, inputs rotated over
 more than 3x the L2 cache). Each mode prints a short table last.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from numbaflash.kernels.shapes import WgmmaConfig, WsConfig  # noqa: E402
+from numbaflash.kernels.shapes import WsConfig  # noqa: E402
 
 
 def variants() -> dict[str, WsConfig]:
@@ -51,29 +51,19 @@ def variants() -> dict[str, WsConfig]:
     return out
 
 
-OLD = {64: WgmmaConfig(64, 128, 2, False), 128: WgmmaConfig(128, 128, 2, False)}
-
-
 def _compile_one(job):
-    kind, config, causal, bf16 = job
+    config, causal, bf16 = job
     t = time.time()
-    if kind == "ws":
-        from numbaflash.kernels.ws_launch import ws_cubin
+    from numbaflash.kernels.ws_launch import ws_cubin
 
-        ws_cubin(config, causal, bf16)
-    else:
-        from numbaflash.configs import forward_cubin
-
-        forward_cubin(config, causal, bf16, "sm_90a")
-    return f"{kind} {config} causal={causal} bf16={bf16}: {time.time() - t:.1f} s"
+    ws_cubin(config, causal, bf16)
+    return f"{config} causal={causal} bf16={bf16}: {time.time() - t:.1f} s"
 
 
 def precompile(args) -> int:
     flags = [(causal, bf16) for causal in (False, True) for bf16 in (False, True)]
     chosen = [c for n, c in variants().items() if not args.variants or n in args.variants.split(",")]
-    jobs = [("ws", c, causal, bf16) for c in chosen for causal, bf16 in flags]
-    jobs += [("old", c, causal, bf16) for c in OLD.values() for causal, bf16 in flags
-             if any(v.head_dim == c.head_dim for v in chosen)]
+    jobs = [(c, causal, bf16) for c in chosen for causal, bf16 in flags]
     t = time.time()
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for line in pool.map(_compile_one, jobs):
@@ -264,8 +254,6 @@ def bench(args) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import numbaflash
-    from numbaflash import configs
     from numbaflash.kernels.ws_launch import flash_attention_ws
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -290,12 +278,6 @@ def bench(args) -> int:
 
         impls["cudnn"] = cudnn
 
-        def old(i, causal=causal, d=d, sets=sets, outs=outs):
-            with configs.force_config((9, 0), causal, OLD[d]):
-                return numbaflash.flash_attention(*sets[i], causal=causal, out=outs[i])
-
-        if d in OLD:
-            impls["wgmma-old"] = old
         for name, config in variants().items():
             if config.head_dim != d or (names and name not in names):
                 continue

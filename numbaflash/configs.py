@@ -1,8 +1,8 @@
 """Kernel configurations per GPU family, head dim and causality.
 
 sm80 family (Ampere, Ada, Blackwell, ...): the mma.sync kernel (``ForwardConfig``).
-sm90 (Hopper): the warp-specialised TMA + wgmma kernel (``WsConfig``; the older cp.async
-wgmma kernel, ``WgmmaConfig``, stays an autotune candidate); the mma.sync kernel also runs there, and
+sm90 (Hopper): the warp-specialised TMA + wgmma kernel (``WsConfig``; an older cp.async wgmma
+kernel was removed after it won no shape: RESULTS W2); the mma.sync kernel also runs there, and
 Hopper runs it for the head dims its own kernel does not support (``FAMILY_HEAD_DIMS``,
 ``dispatch_family``): today 32.
 The choice per (family, head dim, causal) is made by ``benchmarks/autotune.py`` and stored
@@ -17,13 +17,13 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .kernels.shapes import ForwardConfig, WgmmaConfig, WsConfig
+from .kernels.shapes import ForwardConfig, WsConfig
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
 FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 96, 128, 256)}
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
-KernelConfig = ForwardConfig | WgmmaConfig | WsConfig
+KernelConfig = ForwardConfig | WsConfig
 
 DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     ("sm80", 64): ForwardConfig(64, block_m=128, block_n=64),
@@ -59,13 +59,6 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
         256: [(128, 32, 1), (64, 32, 1), (128, 64, 1)],
     }.items()
 }
-# (block_n, warpgroups, pipelined) of the wgmma kernel; others spill at 255 or 168 registers.
-_WGMMA_SHAPES = {
-    64: ((128, 2, False), (64, 2, False), (128, 1, False), (64, 3, False), (128, 3, False),
-         (128, 2, True), (64, 2, True), (128, 1, True)),
-    128: ((128, 2, False), (64, 2, False), (128, 1, False), (64, 3, False),
-          (128, 2, True), (64, 2, True), (128, 1, True)),
-}
 # (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp]) of the warp-specialised kernel.
 _WS_SHAPES = {
     64: ((192, 2, True, True, 2), (192, 2, True, False, 2), (128, 3, True, True, 2), (128, 3, True, False, 2),
@@ -83,7 +76,7 @@ _WS_SHAPES = {
 }
 CANDIDATES.update({
     ("sm90", d): [WsConfig(d, bn, st, 2, ovl, pp, *rest) for bn, st, ovl, pp, *rest in _WS_SHAPES[d]]
-    + [WgmmaConfig(d, *shape) for shape in _WGMMA_SHAPES.get(d, ())] + CANDIDATES[("sm80", d)]
+    + CANDIDATES[("sm80", d)]
     for d in FAMILY_HEAD_DIMS["sm90"]
 })
 # Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.
@@ -109,13 +102,16 @@ def table_key(family: str, head_dim: int, causal: bool) -> str:
 def config_to_json(config: KernelConfig) -> dict:
     import dataclasses
 
-    kind = {WgmmaConfig: "wgmma", WsConfig: "ws"}.get(type(config), "mma")
+    kind = "ws" if isinstance(config, WsConfig) else "mma"
     return {"kernel": kind, **dataclasses.asdict(config)}
 
 
 def config_from_json(entry: dict) -> KernelConfig:
     fields = {k: v for k, v in entry.items() if k not in ("kernel", "tflops")}
-    kinds = {"wgmma": WgmmaConfig, "ws": WsConfig, "mma": ForwardConfig}
+    kinds = {"ws": WsConfig, "mma": ForwardConfig}
+    if entry.get("kernel", "mma") not in kinds:
+        raise ValueError(f"unknown kernel {entry['kernel']!r} in a config table entry, expected one of "
+                         f"{', '.join(kinds)}")
     return kinds[entry.get("kernel", "mma")](**fields)
 
 
@@ -174,7 +170,7 @@ def runnable_candidates(capability: tuple[int, int], head_dim: int) -> list[Kern
 def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig) -> Iterator[None]:
     """Within the block, ``flash_attention`` on this GPU launches ``config`` for its head dim
     and ``causal`` (any family that runs here). Not thread-safe: for tests and tools."""
-    if arch_family(capability) == "sm80" and isinstance(config, WgmmaConfig | WsConfig):
+    if arch_family(capability) == "sm80" and isinstance(config, WsConfig):
         raise ValueError(f"{config} needs Hopper (sm_90a); this GPU is sm_{capability[0]}{capability[1]}")
     key = table_key(arch_family(capability), config.head_dim, causal)
     previous = OVERRIDES.get(key)
@@ -194,13 +190,10 @@ FAMILY_ARCH = {"sm80": "sm_80", "sm90": "sm_90a"}  # the target each family comp
 def make_kernel(config: KernelConfig, causal: bool, bf16: bool):
     """The Python kernel function for a configuration (either kernel family)."""
     from .kernels.forward_mma import make_forward_kernel
-    from .kernels.forward_wgmma import make_forward_wgmma_kernel
     from .kernels.forward_ws import make_forward_ws_kernel
 
     if isinstance(config, WsConfig):
         return make_forward_ws_kernel(config, causal, bf16)
-    if isinstance(config, WgmmaConfig):
-        return make_forward_wgmma_kernel(config, causal, bf16)
     return make_forward_kernel(config, causal, bf16)
 
 

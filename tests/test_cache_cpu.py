@@ -25,7 +25,7 @@ from numbaflash.configs import (
     DEFAULTS,
     SUPPORTED_HEAD_DIMS,
     ForwardConfig,
-    WgmmaConfig,
+    WsConfig,
     dispatch_family,
     forward_config,
 )
@@ -89,7 +89,7 @@ def key(**change):
     {"kind": "backward"},
     {"config": ForwardConfig(64, block_m=64)},
     {"config": ForwardConfig(64, warp_m_tiles=2)},
-    {"config": WgmmaConfig(64)},
+    {"config": WsConfig(64)},
     {"causal": True},
     {"bf16": True},
     {"arch": "sm_86"},
@@ -112,7 +112,7 @@ def test_key_covers_the_installed_toolchain_and_sources():
 
 def test_source_digest_covers_kernels_bindings_and_ptx():
     names = {p.name for p in cache._source_files()}
-    assert {"forward_mma.py", "forward_wgmma.py", "smem.py", "softmax.py", "epilogue.py", "blocks.py",
+    assert {"forward_mma.py", "forward_ws.py", "smem.py", "softmax.py", "epilogue.py", "blocks.py",
             "common.py", "mma.cu", "wgmma.cu", "copy.cu", "hopper.py", "compiler.py"} <= names
 
 

@@ -41,7 +41,7 @@ def family_config(family: str, head_dim: int, causal: bool):
 def using(config, causal: bool):
     """Launch ``config`` (any family that runs on this GPU) inside the block; skip otherwise."""
     cap = gpu_capability()
-    if configs.arch_family(cap) == "sm80" and isinstance(config, configs.WgmmaConfig | configs.WsConfig):
+    if configs.arch_family(cap) == "sm80" and isinstance(config, configs.WsConfig):
         pytest.skip(f"{config} needs Hopper; GPU is sm_{cap[0]}{cap[1]}")
     with configs.force_config(cap, causal, config):
         yield

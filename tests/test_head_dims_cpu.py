@@ -13,7 +13,6 @@ from numbaflash.configs import (
     FAMILY_HEAD_DIMS,
     SUPPORTED_HEAD_DIMS,
     ForwardConfig,
-    WgmmaConfig,
     WsConfig,
     dispatch_family,
     forward_config,
@@ -87,7 +86,7 @@ def test_candidates_of_the_new_dims(head_dim):
             assert cand.shared_bytes <= 227 * 1024
     for cand in CANDIDATES[("sm80", head_dim)]:
         cand.check()
-        assert not isinstance(cand, WgmmaConfig)
+        assert isinstance(cand, ForwardConfig)
         assert cand.shared_bytes <= 227 * 1024
     shipped = forward_config(AMPERE, head_dim, False)
     assert shipped in CANDIDATES[("sm80", head_dim)]

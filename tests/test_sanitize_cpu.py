@@ -11,7 +11,7 @@ import pytest
 from _benchmarks import load_benchmark
 
 from numbaflash import configs
-from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WgmmaConfig
+from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WsConfig
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ printed errors
 """
 RACECHECK_CLEAN = """\
 ========= COMPUTE-SANITIZER
-worker done: WgmmaConfig(head_dim=64, block_n=128, warpgroups=2, pipelined=False): 0 wrong results
+worker done: WsConfig(head_dim=64, block_n=128): 0 wrong results
 ========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
 """
 RACECHECK_ERRORS = """\
@@ -118,7 +118,7 @@ def test_runnable_configs(capability, families):
     shipped = {c for fam, _, _, c in configs.shipped_configs() if fam in families}
     assert shipped <= set(got)
     assert any(isinstance(c, ForwardConfig) for c in got)
-    assert any(isinstance(c, WgmmaConfig) for c in got) == ("sm90" in families)
+    assert any(isinstance(c, WsConfig) for c in got) == ("sm90" in families)
     expected = {c for fam in families for d in FAMILY_HEAD_DIMS[fam] for c in CANDIDATES[(fam, d)]} | shipped
     assert set(got) == expected
 
@@ -127,8 +127,8 @@ def test_select_indices():
     cl = san.runnable_configs((9, 0))
     assert san.select_indices(None, cl) == list(range(len(cl)))
     assert san.select_indices("3, 1,3", cl) == [1, 3]
-    wgmma = san.select_indices("Wgmma", cl)
-    assert wgmma and all(isinstance(cl[i], WgmmaConfig) for i in wgmma)
+    ws = san.select_indices("WsConfig", cl)
+    assert ws and all(isinstance(cl[i], WsConfig) for i in ws)
     assert san.select_indices("head_dim=64, block_n=128", cl) == [
         i for i, c in enumerate(cl) if "head_dim=64, block_n=128" in str(c)]
     with pytest.raises(ValueError, match="out of range"):
@@ -180,7 +180,7 @@ def test_job_result_needs_the_worker_to_finish():
 
 
 def test_format_table_and_summary():
-    fwd, wg = ForwardConfig(64, 128, 64), WgmmaConfig(128, 64, 3)
+    fwd, wg = ForwardConfig(64, 128, 64), WsConfig(128, 64, 3)
     results = {
         ("memcheck", 0): san.JobResult("memcheck", 0, 0, 0),
         ("racecheck", 0): san.JobResult("racecheck", 0, 1, 2),

@@ -1,8 +1,9 @@
 """Compile-time shapes of the forward kernels, in plain Python: the config table, dispatch and
 the kernel cache read them without importing Numba (``import numbaflash`` stays light).
 
-``ForwardConfig`` shapes the mma.sync kernel (``forward_mma``), ``WgmmaConfig`` the Hopper
-kernel (``forward_wgmma``). Each checks itself (``check()``) and knows its launch shape.
+``ForwardConfig`` shapes the mma.sync kernel (``forward_mma``), ``WsConfig`` the
+warp-specialised Hopper kernel (``forward_ws``). Each checks itself (``check()``) and knows
+its launch shape.
 """
 
 from __future__ import annotations
@@ -65,41 +66,6 @@ class ForwardConfig:
         for rows in (self.block_m, self.block_n):
             if rows * self.head_dim // 8 % self.threads:
                 raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
-
-
-@dataclasses.dataclass(frozen=True)
-class WgmmaConfig:
-    """Compile-time shape of the Hopper forward kernel."""
-
-    head_dim: int
-    block_n: int = 128  # keys per KV tile (the N of the S wgmma)
-    warpgroups: int = 2  # 64 query rows each
-    pipelined: bool = False  # issue S_{j+1} before the softmax of tile j
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.warpgroups
-
-    @property
-    def threads(self) -> int:
-        return 128 * self.warpgroups
-
-    @property
-    def shared_bytes(self) -> int:
-        """Q tile + two stages of K and V tiles, plus 1 KB to align the base to 1024."""
-        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
-
-    def check(self) -> None:
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
-        if self.block_n not in (64, 128, 192, 256):
-            raise ValueError(f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
-        if not 1 <= self.warpgroups <= 3:
-            raise ValueError(f"warpgroups must be 1, 2 or 3, got {self.warpgroups}")
-        if (self.threads // (self.head_dim // 8)) % 8:
-            raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
-        if self.shared_bytes > 227 * 1024:
-            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The two GEMM steps of the Hopper attention kernels (``forward_ws``, ``forward_wgmma``), each
+"""The two GEMM steps of the Hopper attention kernel (``forward_ws``), each
 issued asynchronously by one warpgroup for its 64 query rows:
 
     S  = Q Kᵀ   wgmma m64n{block_n}k16, Q and K from shared memory, both K-major

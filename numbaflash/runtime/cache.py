@@ -302,5 +302,5 @@ def cached_cubin(kind: str, config, causal: bool, bf16: bool, arch: str, build) 
 
 
 def describe(kind: str, config, causal: bool, bf16: bool, arch: str) -> str:
-    """A readable name for listings: ``forward sm_90a bf16 causal WgmmaConfig(...)``."""
+    """A readable name for listings: ``forward_ws sm_90a bf16 causal WsConfig(...)``."""
     return f"{kind} {arch} {'bf16' if bf16 else 'f16'} {'causal' if causal else 'full'} {config!r}"
