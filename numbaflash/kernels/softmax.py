@@ -68,15 +68,7 @@ def rescale_rows(acc_o, d_tiles, m_run, l_run, mx):
 def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
     """P = exp2(S·scale·log2(e) - m) in place (one FFMA + one ex2 per score), and add this
     lane's part of each row sum to ``l_run``. Rows with no key yet (m = -inf) give 0."""
-    for r in range(2):
-        m_use = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
-        row_sum = float32(0.0)
-        for j in range(n_tiles):
-            for e in range(2):
-                p = ptx.exp2(s[j, 2 * r + e] * scale_log2 - m_use)
-                s[j, 2 * r + e] = p
-                row_sum += p
-        l_run[r] += row_sum
+    exponentiate_split(s, n_tiles, m_run, l_run, scale_log2, 0)
 
 
 @cuda.jit(device=True, inline="always")
@@ -93,7 +85,8 @@ def pack_p_fragments(p_frag, p, k_tiles, bf16):
 
 @cuda.jit(device=True, inline="always")
 def exponentiate_split(s, n_tiles, m_run, l_run, scale_log2, poly_every):
-    """``exponentiate``, with the exponentials of every ``poly_every``-th 8-column n-tile
+    """``exponentiate`` (P = exp2(S·scale·log2(e) - m) in place, row sums added to ``l_run``,
+    0 for rows with no key yet), with the exponentials of every ``poly_every``-th 8-column n-tile
     (n-tiles ``poly_every - 1``, ``2 * poly_every - 1``, ...) computed on the FMA pipe
     (``ptx.exp2_poly``) instead of the MUFU unit: at head dim 64 a softmax needs about as many
     MUFU cycles as its two GEMMs need tensor cycles, so moving a share of them elsewhere
