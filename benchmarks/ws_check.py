@@ -7,6 +7,7 @@
 
 Variants: ``serial`` (one GEMM at a time), ``ovl`` (S_{j+1} issued with PV_j, softmax while
 PV is in flight), ``pp`` (ovl + ping-pong between the consumer warpgroups), for d64 and d128;
+``c3`` has three consumer warpgroups (192 query rows, d64);
 d96 (64B swizzle) and d256 (128 x 80 or 128 x 64 tiles, O staged in the Q buffer) likewise.
 ``correct`` poisons O and LSE (NaN) before each launch, runs each case on a full grid and on
 a 2-CTA grid (many tiles per CTA: the rings wrap, phases flip), and checks that repeated runs
@@ -42,6 +43,8 @@ def variants() -> dict[str, WsConfig]:
     out["d128-ovl-q1"] = WsConfig(128, 128, 2, overlap=True, q_stages=1)  # one Q buffer: before
     out["d64-ovl-n192"] = WsConfig(64, 192, 2, overlap=True)
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
+    out["d64-c3-ovl"] = WsConfig(64, 128, 2, consumers=3, overlap=True)  # 192 rows, 3 consumers
+    out["d64-c3-pp"] = WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True)
     for n in (128, 192):  # d96: 32-column blocks of 64-byte rows
         out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2, overlap=True)
         out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, overlap=True, pingpong=True)
@@ -169,7 +172,8 @@ def correct(args) -> int:
 # --------------------------------------------------------------------------- sanitizer
 
 SANITIZE_SHAPES = [((1, 37, 37, 2, 1), False), ((1, 37, 37, 2, 1), True), ((1, 200, 77, 2, 2), True),
-                   ((2, 130, 300, 2, 1), True), ((1, 1, 130, 2, 2), False)]
+                   ((2, 130, 300, 2, 1), True), ((1, 1, 130, 2, 2), False),
+                   ((1, 500, 60, 2, 1), True)]  # 2 fully masked 192-row blocks
 
 
 def sanitize_worker(args) -> int:

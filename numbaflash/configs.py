@@ -74,8 +74,12 @@ _WS_SHAPES = {
     256: ((80, 2, True, False, 1, True), (80, 2, True, True, 1, True), (64, 2, True, False, 1, True),
           (64, 2, True, True, 1, True), (80, 2, False, False, 1, True)),
 }
+# Three consumer warpgroups (192 query rows, 160 registers each; head dim 64, block_n <= 128),
+# FlashAttention-3's d64 tile height: one more warpgroup to hide the softmax behind GEMMs.
+_WS_THREE_CONSUMERS = {64: ((128, 2, True, True, 2), (128, 2, True, False, 2), (128, 3, True, True, 2))}
 CANDIDATES.update({
     ("sm90", d): [WsConfig(d, bn, st, 2, ovl, pp, *rest) for bn, st, ovl, pp, *rest in _WS_SHAPES[d]]
+    + [WsConfig(d, bn, st, 3, ovl, pp, *rest) for bn, st, ovl, pp, *rest in _WS_THREE_CONSUMERS.get(d, ())]
     + CANDIDATES[("sm80", d)]
     for d in FAMILY_HEAD_DIMS["sm90"]
 })

@@ -20,6 +20,8 @@ CASES = {
     "d128-serial-full-f16": (WsConfig(128, 128, 2), False, False),
     "d128-pp-causal-bf16": (WsConfig(128, 128, 2, overlap=True, pingpong=True), True, True),
     "d64-pp-causal-f16": (WsConfig(64, 128, 3, overlap=True, pingpong=True), True, False),
+    # three consumer warpgroups (192 rows, registers 32 / 160), ping-pong round robin
+    "d64-c3-pp-full-bf16": (WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True), False, True),
     # 64B swizzle (32-column boxes); O staged in the Q buffer with 128 x 80 tiles (wgmma n80)
     "d96-ovl-causal-bf16": (WsConfig(96, 128, 2, overlap=True), True, True),
     "d256-pp-n80-full-f16": (WsConfig(256, 80, 2, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
@@ -67,12 +69,17 @@ def test_pipeline_instructions(reports, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_register_split(reports, name):
-    """Producer gives registers back (24), consumers take 240; the entry cap is 65536 / 384."""
+    """Producer gives registers back (24, or 32 beside 3 consumers), consumers take 240 (or
+    160); the entry cap is 65536 / threads (168 or 128), and the split uses every register."""
     r = reports(name)
+    config = CASES[name][0]
+    producer, consumer = config.register_split
     lines = _lines(r, r"USETMAXREG")
-    assert any("DEALLOC" in line and "0x18" in line for line in lines), lines
-    assert any("ALLOC" in line and "DEALLOC" not in line and "0xf0" in line for line in lines), lines
-    assert r.registers == 168
+    assert any("DEALLOC" in line and f"{producer:#x}" in line for line in lines), lines
+    allocs = [line for line in lines if "ALLOC" in line and "DEALLOC" not in line]
+    assert any(f"{consumer:#x}" in line for line in allocs), lines
+    assert r.registers == (65536 // config.threads) // 8 * 8
+    assert producer * 128 + consumer * 128 * config.consumers <= 65536
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -92,8 +99,9 @@ def test_wgmma_not_serialised(reports, name):
     assert len(_lines(r, r"WARPGROUP\.DEPBAR")) <= 8 < len(_lines(r, r"HGMMA")), _lines(r, r"DEPBAR")
 
 
-def test_pingpong_uses_named_barriers(reports):
-    r = reports("d64-pp-causal-f16")
+@pytest.mark.parametrize("name", ["d64-pp-causal-f16", "d64-c3-pp-full-bf16"])
+def test_pingpong_uses_named_barriers(reports, name):
+    r = reports(name)
     assert _lines(r, r"BAR\.ARV"), "ping-pong hands the turn over with bar.arrive"
     assert len(_lines(r, r"BAR\.SYNC")) >= 3  # syncthreads, turns, epilogue
 
@@ -127,6 +135,15 @@ def test_config_checks():
     with pytest.raises(ValueError, match="q_stages"):
         WsConfig(64, q_stages=3).check()
     assert WsConfig(128, q_stages=1).shared_bytes == WsConfig(128).shared_bytes - 128 * 128 * 2
+    three = WsConfig(64, 128, consumers=3)
+    three.check()
+    assert (three.block_m, three.threads, three.register_split) == (192, 512, (32, 160))
+    with pytest.raises(ValueError, match="3 consumers"):
+        WsConfig(128, 128, consumers=3).check()  # O alone would be 64 of the 160 registers
+    with pytest.raises(ValueError, match="3 consumers"):
+        WsConfig(64, 192, consumers=3).check()
+    with pytest.raises(ValueError, match="consumers must be 2 or 3"):
+        WsConfig(64, 128, consumers=4).check()
 
 
 def test_encode_tensor_map_checks():

@@ -1,18 +1,19 @@
 """FlashAttention forward for Hopper (sm_90a): a TMA + mbarrier pipeline with warp
 specialisation (FlashAttention-3's design, our own code).
 
-A CTA has one producer warpgroup and two consumer warpgroups of 64 query rows each. It is
+A CTA has one producer warpgroup and two or three consumer warpgroups of 64 query rows each. It is
 persistent: CTA c takes work units c, c + gridDim.x, ... of the (query block, head, batch)
 list; a unit is one query block, or with causal masking a heavy and a light query block of
 one head (equal cost per unit; see ``blocks.work_units``).
 
-* **Producer** (warpgroup 0) gives its registers away (``setmaxnreg.dec`` to 24); one thread
+* **Producer** (warpgroup 0) gives its registers away (``setmaxnreg.dec`` to 24, or 32 beside
+  three consumers); one thread
   issues every TMA load: the Q tile (``q_stages`` buffers, so the next tile's Q lands while
   this tile runs), then the K and V tiles of each visible KV block into rings of ``stages``
   shared-memory stages. Each stage has a "full" mbarrier (armed with the
   TMA byte count; the copy engine completes it) and an "empty" mbarrier (every consumer warp
   arrives when its wgmma has finished reading). Q has its own full/empty pair.
-* **Consumers** (``setmaxnreg.inc`` to 240) wait on "full", run
+* **Consumers** (``setmaxnreg.inc`` to 240, or 160 when there are three) wait on "full", run
 
       S  = Q Kᵀ   wgmma SS m64n{block_n}k16: Q (K-major) and K (K-major) from shared memory
       O += P V    wgmma RS m64n{head_dim}k16: P (16-bit) from registers, V MN-major (no
@@ -23,8 +24,8 @@ one head (equal cost per unit; see ``blocks.work_units``).
 * **Overlap** (``config.overlap``): S_{j+1} = Q K_{j+1}ᵀ and O += P_j V_j are issued
   together; the softmax of j+1 runs while PV_j is still in flight (``wgmma.wait_group 1``),
   and O is rescaled only after PV_j has completed.
-* **Ping-pong** (``config.pingpong``): the two consumer warpgroups take turns issuing their
-  GEMMs (named barriers), so that one's softmax overlaps the other's tensor-core work.
+* **Ping-pong** (``config.pingpong``): the consumer warpgroups take turns, round robin, issuing
+  their GEMMs (named barriers), so that one's softmax overlaps the others' tensor-core work.
 * **Epilogue**: O is normalised in registers, written with ``stmatrix`` into a swizzled
   shared tile and stored by TMA, whose tensor map clips rows past seqlen_q; LSE as before.
   With ``config.o_in_q`` (head dim 256, where shared memory holds no O tile) each consumer
@@ -77,15 +78,12 @@ Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
 # Per-warp online-softmax state: running row maxes (scaled, log2), this lane's part of the
 # row sums, a tile's row maxes, and the O rescale factors of the last max change.
 RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx", "alpha"])
-# Where a consumer warp sits: consumer warpgroup (0, 1), warp in it, lane, thread in it.
+# Where a consumer warp sits: consumer warpgroup (0 .. consumers - 1), warp in it, lane, thread in it.
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 
-PRODUCER_REGISTERS = 24
-CONSUMER_REGISTERS = 240
-# Named barrier ids (0 is syncthreads): ping-pong turns of consumers 0 and 1, and each
-# consumer warpgroup's epilogue barrier.
+# Named barrier ids (0 is syncthreads): TURN_BARRIER + w is consumer w's ping-pong turn; the
+# epilogue barriers of the consumer warpgroups follow them (EPILOGUE_BARRIER in the factory).
 TURN_BARRIER = 1
-EPILOGUE_BARRIER = 3
 WARPGROUP = 128
 
 
@@ -120,6 +118,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     POLY_EXP = config.poly_exp
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
+    EPILOGUE_BARRIER = TURN_BARRIER + CONSUMERS  # + consumer warpgroup: after the turn barriers
+    lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
+    raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     dtype = "bf16" if bf16 else "f16"
     issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(D, BM, BN, bf16, RB)
     # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
@@ -205,15 +206,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, inline="always")
     def take_turn(seat):
-        """Ping-pong: wait until the other consumer has issued its GEMMs."""
+        """Ping-pong: wait until the previous consumer (round robin) has issued its GEMMs."""
         if PINGPONG:
             hp.named_barrier_sync(TURN_BARRIER + seat.wg, 2 * WARPGROUP)
 
     @cuda.jit(device=True, inline="always")
     def pass_turn(seat):
-        """Ping-pong: let the other consumer issue."""
+        """Ping-pong: let the next consumer issue."""
         if PINGPONG:
-            hp.named_barrier_arrive(TURN_BARRIER + 1 - seat.wg, 2 * WARPGROUP)
+            hp.named_barrier_arrive(TURN_BARRIER + (seat.wg + 1) % CONSUMERS, 2 * WARPGROUP)
 
     # ------------------------------------------------------------------ softmax
 
@@ -388,7 +389,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         # head-dim blocks BN * RB bytes apart).
         descs = (desc_k_major(tiles.q + seat.wg * 64 * RB), desc_k_major(tiles.k),
                  desc_mn_major(tiles.v, BN * RB))
-        if PINGPONG and seat.wg == 1:
+        if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
         kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
         round_q = uint32(0)
@@ -424,7 +425,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                     store_lse(lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
                               problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
         if PINGPONG and seat.wg == 0:
-            hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # consumer 1's last hand-over
+            hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # the last consumer's last hand-over
         if seat.thread == 0:
             hp.tma_store_wait_group_0()  # the O tile stays valid until the stores are done
 
@@ -463,11 +464,11 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         cuda.syncthreads()  # the last CTA-wide barrier: the roles part here
         warpgroup = tid // WARPGROUP
         if warpgroup == 0:
-            hp.setmaxnreg_dec_24()
+            lower_registers()
             if tid == 0:
                 produce(maps, bars, tiles, problem)
         else:
-            hp.setmaxnreg_inc_240()
+            raise_registers()
             thread = uint32(tid - WARPGROUP)
             seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))

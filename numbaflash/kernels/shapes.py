@@ -76,7 +76,9 @@ class WsConfig:
     head_dim: int
     block_n: int = 128  # keys per KV tile
     stages: int = 2  # K and V ring depth
-    consumers: int = 2  # consumer warpgroups
+    # Consumer warpgroups: 2 (128 query rows, 240 registers each) or 3 (192 rows, 160 each:
+    # head dim 64 only, where O is 32 registers and one more warpgroup hides the softmax).
+    consumers: int = 2
     overlap: bool = False  # issue S_{j+1} with O += P_j V_j; softmax while PV is in flight
     pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (named barriers)
     q_stages: int = 2  # Q buffers: 2 lets the producer load the next tile's Q during this one
@@ -96,6 +98,12 @@ class WsConfig:
     @property
     def threads(self) -> int:
         return 128 * (self.consumers + 1)
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after ``setmaxnreg``; together they use
+        the 64K registers of an SM: 24 x 128 + 240 x 256, or 32 x 128 + 160 x 384."""
+        return (24, 240) if self.consumers == 2 else (32, 160)
 
     @property
     def row_bytes(self) -> int:
@@ -125,8 +133,11 @@ class WsConfig:
             raise ValueError(f"head_dim must be 64, 96, 128 or 256, got {self.head_dim}")
         if self.block_n not in (64, 80, 128, 192):  # a bound wgmma N (ptx/wgmma.cu), 16 keys a k-step
             raise ValueError(f"block_n must be 64, 80, 128 or 192, got {self.block_n}")
-        if self.consumers != 2:
-            raise ValueError(f"consumers must be 2 (register split 24/240), got {self.consumers}")
+        if self.consumers not in (2, 3):
+            raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
+        if self.consumers == 3 and (self.head_dim != 64 or self.block_n > 128):
+            raise ValueError("3 consumers (160 registers each) need head_dim 64 and block_n <= 128 "
+                             f"(O, S and P of a warpgroup must fit), got {self}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be 2..4, got {self.stages}")
         if self.q_stages not in (1, 2):
