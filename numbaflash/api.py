@@ -308,16 +308,39 @@ def _device_capability(ordinal: int) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+_SHARED_LIMIT: dict[int, int] = {}  # ordinal -> opt-in dynamic shared memory a CTA, bytes
+
+
+def _device_shared_limit(ordinal: int) -> int:
+    """The most dynamic shared memory a CTA may opt in to on device ``ordinal`` (the driver's
+    MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 163 KB on an A100, 99 KB on sm_86/89/120, 227 KB on an H100)."""
+    limit = _SHARED_LIMIT.get(ordinal)
+    if limit is None:
+        driver = _driver()
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        err, value = driver.cuDeviceGetAttribute(attr, ordinal)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cannot read the shared-memory limit of device {ordinal}: {err.name}")
+        limit = _SHARED_LIMIT[ordinal] = int(value)
+    return limit
+
+
 def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: bool):
     """(launcher, config) for this problem on the current device (ordinal ``device``).
 
-    The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
-    there; it is loaded once per process, and its shared-memory limit is raised once per device.
+    The config is the table's for this GPU, passing over entries that need more shared memory
+    than the device gives a CTA (``configs.forward_config``). The cubin comes from the on-disk
+    kernel cache (``runtime.cache``) or is compiled and stored there; it is loaded once per
+    process, and its shared-memory limit is raised once per device.
     """
-    config = forward_config(capability, head_dim, causal)
+    limit = _device_shared_limit(device)
+    config = forward_config(capability, head_dim, causal, limit)
     key = (config, causal, bf16, capability, device)
     launcher = _KERNELS.get(key)
     if launcher is None:
+        if config.shared_bytes > limit:  # only a forced config gets here (force_config)
+            raise RuntimeError(f"{config} needs {config.shared_bytes} bytes of shared memory a CTA; device "
+                               f"{device} (sm_{capability[0]}{capability[1]}) allows {limit}")
         with _GPU_LOCK:
             launcher = _KERNELS.get(key)
             if launcher is None:

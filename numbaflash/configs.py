@@ -23,6 +23,14 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
 FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 96, 128, 256)}
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
+# Dynamic shared memory a CTA may opt in to, by compute capability (CUDA C++ Programming Guide,
+# technical specifications per compute capability); any other sm_80+ GPU is assumed to have the
+# least of them. The API asks the driver for the device's own value instead.
+SMALLEST_SHARED_BYTES = 99 * 1024
+MAX_SHARED_BYTES = {
+    (8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024,
+    (9, 0): 227 * 1024, (10, 0): 227 * 1024, (12, 0): 99 * 1024,
+}
 KernelConfig = ForwardConfig | WsConfig
 
 DEFAULTS: dict[tuple[str, int], KernelConfig] = {
@@ -42,10 +50,14 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 }
 # What benchmarks/autotune.py tries, by family and head dim.
 # Knobs (issue 13), by letter: q = Q a k-slice at a time (not held in registers), d = register
-# double buffering. Every shape of 2 m-tiles a warp here compiles spill-free (d128 at 4 warps
-# only with Q by k-slices; there double buffering spills when causal and early_k at 128 x 64).
-# FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, 4 warps of 2 m-tiles.
-_KNOBS = {"": {}, "q": {"q_in_regs": False}, "d": {"double_buffer": True}}
+# double buffering, e = early_k (K_{j+1} copied right after S_j). Every shape of 2 m-tiles a
+# warp here compiles spill-free (d128 at 4 warps only with Q by k-slices; there double
+# buffering spills when causal and early_k at 128 x 64; d96 128 x 64 likewise needs Q by
+# k-slices, and 128 x 128 spills even then; d256 128 x 32 spills with double buffering).
+# FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, d96 128 x 64, 4 warps of
+# 2 m-tiles; d256 128 x 64 over 8 warps (>= 112 KB of shared memory a CTA), else 64 x 64 over 4.
+_KNOBS = {"": {}, "q": {"q_in_regs": False}, "d": {"double_buffer": True}, "e": {"early_k": True},
+          "qd": {"q_in_regs": False, "double_buffer": True}, "qe": {"q_in_regs": False, "early_k": True}}
 CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
     ("sm80", d): [ForwardConfig(d, bm, bn, mt, **_KNOBS[knobs]) for bm, bn, mt, *rest in shapes
                   for knobs in (rest or [""])]
@@ -53,10 +65,13 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
         64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (256, 64, 2, "", "d"), (128, 64, 2, "", "d", "q")],
         128: [(128, 64, 1), (128, 32, 1), (64, 128, 1), (128, 64, 2, "q"), (128, 32, 2, "q"),
               (256, 64, 2, "q")],
-        32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2), (256, 128, 2)],
-        96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1), (192, 64, 1)],
-        # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only.
-        256: [(128, 32, 1), (64, 32, 1), (128, 64, 1)],
+        32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2, "", "d"), (256, 128, 2), (128, 64, 2),
+             (256, 64, 2)],
+        96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1, "", "d", "e"), (192, 64, 1),
+             (128, 64, 2, "q", "qd", "qe"), (128, 32, 2, "q")],
+        # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only (forward_config
+        # passes it over elsewhere); 64 x 64 and 128 x 32 need 96 KB.
+        256: [(128, 32, 1), (64, 32, 1), (128, 64, 1, "", "d", "e"), (64, 64, 1, "", "d", "e")],
     }.items()
 }
 # (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp]) of the warp-specialised kernel.
@@ -126,36 +141,68 @@ def _table() -> dict:
     return {}
 
 
-def forward_config(capability: tuple[int, int], head_dim: int, causal: bool) -> KernelConfig:
+def max_shared_bytes(capability: tuple[int, int]) -> int:
+    """Dynamic shared memory a CTA may opt in to on a GPU of this capability: the known value,
+    else the smallest of any sm_80+ GPU (``SMALLEST_SHARED_BYTES``)."""
+    return MAX_SHARED_BYTES.get(tuple(capability), SMALLEST_SHARED_BYTES)
+
+
+def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
+                   shared_limit: int | None = None) -> KernelConfig:
     """The configuration to launch for this GPU and problem: a forced one (``force_config``),
     else the tuned table's or the default of ``dispatch_family``. In the sm80 family a GPU's
     own entry (e.g. ``sm86/d128/full``, from an autotune run on that GPU) comes before the
-    family's (``sm80/...``, tuned on the GPUs we had)."""
+    family's (``sm80/...``, tuned on the GPUs we had).
+
+    A table entry that needs more shared memory than the GPU gives a CTA (``shared_limit``, the
+    device's opt-in maximum; by default ``max_shared_bytes(capability)``) is passed over, and
+    the next key or the default is taken: ``sm80/d256/*`` may ship 128 KB tiles (sm_80, sm_90,
+    sm_100) while sm_86, sm_89 and sm_120 (99 KB) run ``DEFAULTS``, which fit every GPU. A
+    forced config is returned as it is (the launch then fails with a message if it does not fit).
+    """
     forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
     if forced is not None:
         return forced
+    limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     family = dispatch_family(capability, head_dim)
     keys = [table_key(family, head_dim, causal)]
     if family == "sm80":
         keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
     for key in keys:
         if key in _table():
-            return config_from_json(_table()[key])
-    return DEFAULTS[(family, head_dim)]
+            config = config_from_json(_table()[key])
+            if config.shared_bytes <= limit:
+                return config
+    config = DEFAULTS[(family, head_dim)]
+    if config.shared_bytes > limit:
+        raise RuntimeError(f"no {family} config for head_dim {head_dim} fits in {limit} bytes of shared "
+                           f"memory a CTA (the default {config} needs {config.shared_bytes})")
+    return config
 
 
 FAMILY_CAPABILITY = {"sm80": (8, 0), "sm90": (9, 0)}  # a representative GPU of each family
+# Representative GPUs of the sm80 family with less shared memory a CTA than sm_80 (99 KB: sm_86,
+# sm_89, sm_120): where the table's config does not fit them they run another one.
+SMALL_SHARED_CAPABILITIES = ((8, 6),)
 
 
 def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
     """Every (family, head dim, causal, config) the dispatcher can launch (each family at its
-    own head dims: the others run the sm80 family's config)."""
-    return [
+    own head dims: the others run the sm80 family's config), including the sm80 family's
+    configs for GPUs of 99 KB of shared memory a CTA where they differ."""
+    shipped = [
         (family, d, causal, forward_config(cap, d, causal))
         for family, cap in FAMILY_CAPABILITY.items()
         for d in FAMILY_HEAD_DIMS[family]
         for causal in (False, True)
     ]
+    for cap in SMALL_SHARED_CAPABILITIES:
+        for d in FAMILY_HEAD_DIMS["sm80"]:
+            for causal in (False, True):
+                item = ("sm80", d, causal, forward_config(cap, d, causal))
+                if item not in shipped:
+                    shipped.append(item)
+    return shipped
 
 
 def runnable_families(capability: tuple[int, int]) -> list[str]:

@@ -1,0 +1,129 @@
+"""Shared memory a CTA, without a GPU: the dispatcher never picks a config that a GPU cannot
+launch. The sm80 table may ship tiles of more than 99 KB (d256 128 x 64: 128 KB) for sm_80,
+sm_90 and sm_100; sm_86, sm_89 and sm_120 (99 KB a CTA) then run another config."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbaflash import api, configs
+from numbaflash.configs import (
+    DEFAULTS,
+    FAMILY_HEAD_DIMS,
+    MAX_SHARED_BYTES,
+    SMALLEST_SHARED_BYTES,
+    SUPPORTED_HEAD_DIMS,
+    ForwardConfig,
+    forward_config,
+    max_shared_bytes,
+    table_key,
+)
+
+SMALL = ((8, 6), (8, 9), (12, 0))  # 99 KB a CTA
+UNKNOWN = ((11, 0), (12, 1), (13, 0))  # not in MAX_SHARED_BYTES: assumed the smallest
+BIG_D256 = ForwardConfig(256, block_m=128, block_n=64)  # 128 KB
+
+
+def test_known_limits():
+    assert SMALLEST_SHARED_BYTES == 99 * 1024 == min(MAX_SHARED_BYTES.values())
+    for cap in SMALL:
+        assert max_shared_bytes(cap) == 99 * 1024
+    assert max_shared_bytes((8, 0)) == 163 * 1024 and max_shared_bytes((9, 0)) == 227 * 1024
+    for cap in UNKNOWN:
+        assert max_shared_bytes(cap) == SMALLEST_SHARED_BYTES
+    assert BIG_D256.shared_bytes == 128 * 1024
+
+
+def test_every_default_of_the_sm80_family_fits_every_gpu():
+    """What a GPU falls back to when the table's entry does not fit must fit everywhere."""
+    for (family, d), config in DEFAULTS.items():
+        if family == "sm80":
+            assert config.shared_bytes <= SMALLEST_SHARED_BYTES, (d, config)
+
+
+@pytest.mark.parametrize("cap", sorted(MAX_SHARED_BYTES) + list(UNKNOWN), ids=lambda c: f"sm{c[0]}{c[1]}")
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dispatched_config_fits_the_gpu(cap, head_dim, causal):
+    """With the shipped table: every GPU gets a config within its limit, and an sm_80-family GPU
+    with the limit of sm_80 gets what the family's table says."""
+    config = forward_config(cap, head_dim, causal)
+    assert config.shared_bytes <= max_shared_bytes(cap)
+    if configs.dispatch_family(cap, head_dim) == "sm80" and max_shared_bytes(cap) >= max_shared_bytes((8, 0)):
+        assert config == forward_config((8, 0), head_dim, causal)
+
+
+def _table_with(monkeypatch, entries: dict) -> None:
+    table = dict(configs._table())
+    table.update({key: configs.config_to_json(config) for key, config in entries.items()})
+    monkeypatch.setattr(configs, "_table", lambda: table)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_entry_too_big_for_the_gpu_is_passed_over(monkeypatch, causal):
+    _table_with(monkeypatch, {table_key("sm80", 256, causal): BIG_D256})
+    assert forward_config((8, 0), 256, causal) == BIG_D256
+    assert forward_config((9, 0), 256, causal) != BIG_D256  # Hopper runs its own kernel at d256
+    for cap in SMALL + UNKNOWN:
+        assert forward_config(cap, 256, causal) == DEFAULTS[("sm80", 256)]
+    # The device's own limit (what the API passes) decides over the capability's.
+    assert forward_config((8, 0), 256, causal, shared_limit=99 * 1024) == DEFAULTS[("sm80", 256)]
+    assert forward_config((8, 9), 256, causal, shared_limit=163 * 1024) == BIG_D256
+
+
+def test_a_gpu_entry_that_fits_comes_first(monkeypatch):
+    small = ForwardConfig(256, block_m=64, block_n=32)
+    _table_with(monkeypatch, {"sm80/d256/full": BIG_D256, "sm89/d256/full": small,
+                              "sm86/d256/full": BIG_D256})
+    assert forward_config((8, 9), 256, False) == small
+    assert forward_config((8, 6), 256, False) == DEFAULTS[("sm80", 256)]  # its own entry is too big too
+
+
+def test_no_config_fits(monkeypatch):
+    with pytest.raises(RuntimeError, match="fits in 1024 bytes"):
+        forward_config((8, 6), 256, False, shared_limit=1024)
+
+
+def test_shipped_configs_include_the_small_gpu_fallbacks(monkeypatch):
+    _table_with(monkeypatch, {"sm80/d256/full": BIG_D256})
+    shipped = configs.shipped_configs()
+    assert ("sm80", 256, False, BIG_D256) in shipped
+    assert ("sm80", 256, False, DEFAULTS[("sm80", 256)]) in shipped
+    assert len(shipped) == len(set(shipped))
+    for family in ("sm80", "sm90"):
+        assert {d for fam, d, _, _ in shipped if fam == family} == set(FAMILY_HEAD_DIMS[family])
+
+
+def test_forced_config_too_big_fails_with_a_message(monkeypatch):
+    """force_config bypasses the table; the API refuses to launch what the device cannot give."""
+    monkeypatch.setattr(api, "_device_shared_limit", lambda ordinal: 99 * 1024)
+    with configs.force_config((8, 6), False, BIG_D256):
+        assert forward_config((8, 6), 256, False) == BIG_D256
+        with pytest.raises(RuntimeError, match="needs 131072 bytes of shared memory a CTA; device 0 "
+                                               r"\(sm_86\) allows 101376"):
+            api._forward_kernel((8, 6), 0, 256, False, False)
+
+
+def test_device_limit_is_read_once_per_device(monkeypatch):
+    calls = []
+
+    class Attr:
+        CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+
+    class Result:
+        CUDA_SUCCESS = 0
+
+    class FakeDriver:
+        CUdevice_attribute = Attr
+        CUresult = Result
+
+        @staticmethod
+        def cuDeviceGetAttribute(attr, ordinal):
+            calls.append((attr, ordinal))
+            return 0, 101376
+
+    monkeypatch.setattr(api, "_driver", lambda: FakeDriver)
+    monkeypatch.setattr(api, "_SHARED_LIMIT", {})
+    assert api._device_shared_limit(3) == 101376
+    assert api._device_shared_limit(3) == 101376
+    assert calls == [(97, 3)]
