@@ -325,16 +325,18 @@ def _device_shared_limit(ordinal: int) -> int:
     return limit
 
 
-def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: bool):
+def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: bool,
+                   seqlen: int | None = None):
     """(launcher, config) for this problem on the current device (ordinal ``device``).
 
     The config is the table's for this GPU, passing over entries that need more shared memory
-    than the device gives a CTA (``configs.forward_config``). The cubin comes from the on-disk
-    kernel cache (``runtime.cache``) or is compiled and stored there; it is loaded once per
-    process, and its shared-memory limit is raised once per device.
+    than the device gives a CTA (``configs.forward_config``), and taking its short-sequence
+    entry where ``seqlen`` (the longer of seqlen_q and seqlen_k) is at most ``SHORT_SEQLEN``.
+    The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
+    there; it is loaded once per process, and its shared-memory limit is raised once per device.
     """
     limit = _device_shared_limit(device)
-    config = forward_config(capability, head_dim, causal, limit)
+    config = forward_config(capability, head_dim, causal, limit, seqlen)
     key = (config, causal, bf16, capability, device)
     launcher = _KERNELS.get(key)
     if launcher is None:
@@ -560,7 +562,7 @@ def flash_attention(
     if qd.on_device:
         _check_same_device(ops if od is None else [*ops, od], device)
     bf16 = qd.dtype_name == "bfloat16"
-    launcher, config = _forward_kernel(capability, device, head_dim, causal, bf16)
+    launcher, config = _forward_kernel(capability, device, head_dim, causal, bf16, max(seqlen_q, seqlen_k))
     scale_log2 = np.float32(softmax_scale * math.log2(math.e))
 
     if qd.on_device:

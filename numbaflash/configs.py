@@ -114,8 +114,15 @@ def dispatch_family(capability: tuple[int, int], head_dim: int) -> str:
     return family if head_dim in FAMILY_HEAD_DIMS[family] else "sm80"
 
 
-def table_key(family: str, head_dim: int, causal: bool) -> str:
-    return f"{family}/d{head_dim}/{'causal' if causal else 'full'}"
+# A problem whose seqlen_q and seqlen_k are both at most SHORT_SEQLEN first looks for a
+# "short" table entry (``<key>/short``): at short sequences tile padding and the causal
+# diagonal weigh more, so smaller tiles can win (d64 causal at 1k: 192 x 128 tiles do 67% useful
+# work, 128 x 128 tiles 89%).
+SHORT_SEQLEN = 2048
+
+
+def table_key(family: str, head_dim: int, causal: bool, short: bool = False) -> str:
+    return f"{family}/d{head_dim}/{'causal' if causal else 'full'}" + ("/short" if short else "")
 
 
 def config_to_json(config: KernelConfig) -> dict:
@@ -148,7 +155,7 @@ def max_shared_bytes(capability: tuple[int, int]) -> int:
 
 
 def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
-                   shared_limit: int | None = None) -> KernelConfig:
+                   shared_limit: int | None = None, seqlen: int | None = None) -> KernelConfig:
     """The configuration to launch for this GPU and problem: a forced one (``force_config``),
     else the tuned table's or the default of ``dispatch_family``. In the sm80 family a GPU's
     own entry (e.g. ``sm86/d128/full``, from an autotune run on that GPU) comes before the
@@ -159,6 +166,9 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     the next key or the default is taken: ``sm80/d256/*`` may ship 128 KB tiles (sm_80, sm_90,
     sm_100) while sm_86, sm_89 and sm_120 (99 KB) run ``DEFAULTS``, which fit every GPU. A
     forced config is returned as it is (the launch then fails with a message if it does not fit).
+
+    ``seqlen``: the problem's longest sequence (max of seqlen_q and seqlen_k); at most
+    ``SHORT_SEQLEN``, each key's ``/short`` entry comes before it. None: the long-sequence entry.
     """
     forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
     if forced is not None:
@@ -168,6 +178,8 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     keys = [table_key(family, head_dim, causal)]
     if family == "sm80":
         keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
+    if seqlen is not None and seqlen <= SHORT_SEQLEN:
+        keys = [k for key in keys for k in (key + "/short", key)]
     for key in keys:
         if key in _table():
             config = config_from_json(_table()[key])
@@ -189,13 +201,20 @@ SMALL_SHARED_CAPABILITIES = ((8, 6),)
 def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
     """Every (family, head dim, causal, config) the dispatcher can launch (each family at its
     own head dims: the others run the sm80 family's config), including the sm80 family's
-    configs for GPUs of 99 KB of shared memory a CTA where they differ."""
+    configs for GPUs of 99 KB of shared memory a CTA where they differ, and each family's
+    short-sequence configs (``SHORT_SEQLEN``) where they differ."""
     shipped = [
         (family, d, causal, forward_config(cap, d, causal))
         for family, cap in FAMILY_CAPABILITY.items()
         for d in FAMILY_HEAD_DIMS[family]
         for causal in (False, True)
     ]
+    for family, cap in FAMILY_CAPABILITY.items():
+        for d in FAMILY_HEAD_DIMS[family]:
+            for causal in (False, True):
+                item = (family, d, causal, forward_config(cap, d, causal, seqlen=SHORT_SEQLEN))
+                if item not in shipped:
+                    shipped.append(item)
     for cap in SMALL_SHARED_CAPABILITIES:
         for d in FAMILY_HEAD_DIMS["sm80"]:
             for causal in (False, True):

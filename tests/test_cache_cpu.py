@@ -23,6 +23,7 @@ from numba import cuda, types
 from numbaflash.configs import (
     CANDIDATES,
     DEFAULTS,
+    SHORT_SEQLEN,
     SUPPORTED_HEAD_DIMS,
     ForwardConfig,
     WsConfig,
@@ -354,10 +355,12 @@ def test_precompile_lists_what_each_target_dispatches():
         cap = (parse_arch(arch)[0], parse_arch(arch)[1])
         assert {dispatch_family(cap, d) for d in (64, 128)} == {family}
         items = precompile.kernels_for(arch, candidates=False)
-        assert len(items) == len(SUPPORTED_HEAD_DIMS) * 2 * 2  # head dims x causal x dtypes
+        dispatched = {(forward_config(cap, d, causal, seqlen=s), causal) for d in SUPPORTED_HEAD_DIMS
+                      for causal in (False, True) for s in (None, SHORT_SEQLEN)}  # long and short entries
+        assert len(items) == len(dispatched) * 2  # x dtypes
         for config, causal, _, item_arch in items:
             assert item_arch == arch
-            assert config == forward_config(cap, config.head_dim, causal)
+            assert (config, causal) in dispatched
         with_candidates = precompile.kernels_for(arch, candidates=True)
         expected = {(c, causal) for d in SUPPORTED_HEAD_DIMS for causal in (False, True)
                     for c in CANDIDATES[(dispatch_family(cap, d), d)]}

@@ -68,3 +68,72 @@ def test_tma_strides_are_bytes_and_fill_broadcast_size_one_dims():
     assert api._tma_strides(op((1, 100, 8, 64), (0, 512, 64, 1))) == [102400, 1024, 128, 2]
     # a head range of a packed qkv tensor keeps the caller's strides
     assert api._tma_strides(op((2, 100, 8, 64), (153600, 1536, 64, 1))) == [307200, 3072, 128, 2]
+
+
+def _table_with(monkeypatch, entries: dict) -> None:
+    table = dict(configs._table())
+    table.update({key: configs.config_to_json(config) for key, config in entries.items()})
+    monkeypatch.setattr(configs, "_table", lambda: table)
+
+
+def test_short_sequences_read_the_short_entry_first(monkeypatch):
+    """``<key>/short`` serves problems whose longer sequence is at most SHORT_SEQLEN; longer
+    ones, and callers that give no length, get the plain entry; a missing short entry falls
+    back to the plain one."""
+    long_cfg, short_cfg = WsConfig(64, 128, 2, consumers=3, overlap=True), WsConfig(64, 192, 2, overlap=True)
+    _table_with(monkeypatch, {"sm90/d64/causal": long_cfg, "sm90/d64/causal/short": short_cfg,
+                              "sm90/d64/full": long_cfg})
+    monkeypatch.delitem(configs._table(), "sm90/d64/full/short", raising=False)
+    limit = configs.SHORT_SEQLEN
+    assert configs.table_key("sm90", 64, True, short=True) == "sm90/d64/causal/short"
+    assert configs.forward_config(HOPPER, 64, True, seqlen=limit) == short_cfg
+    assert configs.forward_config(HOPPER, 64, True, seqlen=1) == short_cfg
+    assert configs.forward_config(HOPPER, 64, True, seqlen=limit + 1) == long_cfg
+    assert configs.forward_config(HOPPER, 64, True) == long_cfg
+    assert configs.forward_config(HOPPER, 64, False, seqlen=1024) == long_cfg
+    with configs.force_config(HOPPER, True, long_cfg):  # a forced config serves every length
+        assert configs.forward_config(HOPPER, 64, True, seqlen=1024) == long_cfg
+
+
+def test_shipped_configs_include_the_short_entries():
+    shipped = configs.shipped_configs()
+    for family, cap in configs.FAMILY_CAPABILITY.items():
+        for d in configs.FAMILY_HEAD_DIMS[family]:
+            for causal in (False, True):
+                short = configs.forward_config(cap, d, causal, seqlen=configs.SHORT_SEQLEN)
+                assert (family, d, causal, short) in shipped
+    assert len(set(shipped)) == len(shipped)
+
+
+def test_short_table_entries_are_valid():
+    """Every ``/short`` key names a plain key that exists, and its config checks out."""
+    for key, entry in configs._table().items():
+        if key.endswith("/short"):
+            assert key.removesuffix("/short") in configs._table(), key
+            configs.config_from_json(entry).check()
+
+
+@pytest.mark.parametrize("sq, sk", [(3000, 100), (100, 2049), (1024, 1024)])
+def test_api_dispatch_passes_the_longer_sequence(monkeypatch, sq, sk):
+    """flash_attention asks for the config of max(seqlen_q, seqlen_k) (no GPU: the dispatch is
+    stubbed and stops the call)."""
+    import numpy as np
+
+    import numbaflash
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_kernel(capability, device, head_dim, causal, bf16, seqlen=None):
+        seen.append(seqlen)
+        raise Stop
+
+    monkeypatch.setattr(api, "_current_gpu", lambda: (HOPPER, 0))
+    monkeypatch.setattr(api, "_forward_kernel", fake_kernel)
+    q = np.zeros((1, sq, 2, 64), np.float16)
+    k = np.zeros((1, sk, 2, 64), np.float16)
+    with pytest.raises(Stop):
+        numbaflash.flash_attention(q, k, k, causal=True)
+    assert seen == [max(sq, sk)]

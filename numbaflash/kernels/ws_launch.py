@@ -74,7 +74,7 @@ def flash_attention_ws(q, k, v, *, causal: bool = False, softmax_scale: float | 
     if config is None:  # the tuned table's choice, as flash_attention makes it on Hopper
         from ..configs import forward_config
 
-        config = forward_config((9, 0), d, bool(causal))
+        config = forward_config((9, 0), d, bool(causal), seqlen=max(q.shape[1], k.shape[1]))
     if config.head_dim != d:
         raise ValueError(f"config is for head_dim {config.head_dim}, the inputs have {d}")
     if out is None:

@@ -752,9 +752,10 @@ def _load_numbaflash() -> Callable[..., Any]:
     return fn
 
 
-def family_context(family: str, head_dim: int, causal: bool) -> contextlib.AbstractContextManager:
-    """Within it, numbaflash launches ``family``'s table config for this head dim (``auto``:
-    whatever the dispatcher picks)."""
+def family_context(family: str, head_dim: int, causal: bool,
+                   seqlen: int | None = None) -> contextlib.AbstractContextManager:
+    """Within it, numbaflash launches ``family``'s table config for this head dim and longest
+    sequence ``seqlen`` (``auto``: whatever the dispatcher picks)."""
     if family == "auto":
         return contextlib.nullcontext()
     from numbaflash import api, configs
@@ -762,7 +763,7 @@ def family_context(family: str, head_dim: int, causal: bool) -> contextlib.Abstr
     capability, _ = api._current_gpu()
     if family == "sm90" and configs.arch_family(capability) != "sm90":
         raise RuntimeError(f"--family sm90 needs a Hopper GPU, this one is sm_{capability[0]}{capability[1]}")
-    config = configs.forward_config(configs.FAMILY_CAPABILITY[family], head_dim, causal)
+    config = configs.forward_config(configs.FAMILY_CAPABILITY[family], head_dim, causal, seqlen=seqlen)
     return configs.force_config(capability, causal, config)
 
 
@@ -792,7 +793,7 @@ def make_calls(
     if impl == "numbaflash":
         fa = _load_numbaflash()
         calls = [lambda s=s: fa(s[0], s[1], s[2], causal=causal, out=s[3]) for s in sets]
-        return calls, family_context(family, shape.head_dim, causal)
+        return calls, family_context(family, shape.head_dim, causal, max(shape.seqlen_q, shape.seqlen_k))
     if torch is None:
         raise RuntimeError("needs PyTorch with CUDA")
     if impl == "flex":
@@ -879,7 +880,7 @@ def run_check(device: Device, shape: Shape, impls: Sequence[str], args: argparse
     q, k, v, out = device.make_inputs(shape, 1, args.seed)[0]
     try:
         fa = _load_numbaflash()
-        with family_context(args.family, shape.head_dim, shape.causal):
+        with family_context(args.family, shape.head_dim, shape.causal, max(shape.seqlen_q, shape.seqlen_k)):
             fa(q, k, v, causal=shape.causal, out=out)
         torch.cuda.synchronize()
     except Exception as exc:
