@@ -57,7 +57,9 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, d96 128 x 64, 4 warps of
 # 2 m-tiles; d256 128 x 64 over 8 warps (>= 112 KB of shared memory a CTA), else 64 x 64 over 4.
 _KNOBS = {"": {}, "q": {"q_in_regs": False}, "d": {"double_buffer": True}, "e": {"early_k": True},
-          "qd": {"q_in_regs": False, "double_buffer": True}, "qe": {"q_in_regs": False, "early_k": True}}
+          "de": {"double_buffer": True, "early_k": True}, "qd": {"q_in_regs": False, "double_buffer": True},
+          "qe": {"q_in_regs": False, "early_k": True},
+          "qde": {"q_in_regs": False, "double_buffer": True, "early_k": True}}
 CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
     ("sm80", d): [ForwardConfig(d, bm, bn, mt, **_KNOBS[knobs]) for bm, bn, mt, *rest in shapes
                   for knobs in (rest or [""])]
@@ -68,10 +70,10 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
         32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2, "", "d"), (256, 128, 2), (128, 64, 2),
              (256, 64, 2)],
         96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1, "", "d", "e"), (192, 64, 1),
-             (128, 64, 2, "q", "qd", "qe"), (128, 32, 2, "q")],
+             (128, 64, 2, "q", "qd", "qe", "qde"), (128, 32, 2, "q")],
         # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only (forward_config
         # passes it over elsewhere); 64 x 64 and 128 x 32 need 96 KB.
-        256: [(128, 32, 1), (64, 32, 1), (128, 64, 1, "", "d", "e"), (64, 64, 1, "", "d", "e")],
+        256: [(128, 32, 1), (64, 32, 1), (128, 64, 1, "", "d", "e", "de"), (64, 64, 1, "", "d", "e")],
     }.items()
 }
 # (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp]) of the warp-specialised kernel.
