@@ -88,9 +88,11 @@ def test_candidates_of_the_new_dims(head_dim):
         cand.check()
         assert isinstance(cand, ForwardConfig)
         assert cand.shared_bytes <= 227 * 1024
-    shipped = forward_config(AMPERE, head_dim, False)
-    assert shipped in CANDIDATES[("sm80", head_dim)]
-    assert shipped.shared_bytes <= 99 * 1024  # every sm80-family GPU (sm_86/89/120: 99 KB)
+    for cap in (AMPERE, ADA, (8, 6), (12, 0)):  # 163 KB (A100) or 99 KB a CTA
+        for causal in (False, True):
+            shipped = forward_config(cap, head_dim, causal)
+            assert shipped in CANDIDATES[("sm80", head_dim)]
+            assert shipped.shared_bytes <= configs.max_shared_bytes(cap)
 
 
 @pytest.mark.parametrize("config, message", [
