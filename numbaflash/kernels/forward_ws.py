@@ -38,11 +38,8 @@ rows (64B swizzle) at 96, whose 192-byte rows do not split into 128-byte blocks.
 per block; the wgmma descriptors and the stmatrix addresses use the same swizzle.
 
 Ragged lengths need no special path: TMA zero-fills rows past the end of Q, K and V, and the
-last KV tile is masked. Without causal masking, a consumer warpgroup whose 64 rows all lie past
-seqlen_q (a ragged last block: 1024 rows fill 5 1/3 blocks of 192) runs no GEMMs; it passes
-over the block's KV tiles in step with the rings (``pass_over``).
-Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the caller's strides, so GQA is a
-kv-head coordinate and strided inputs cost nothing.
+last KV tile is masked. Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
+caller's strides, so GQA is a kv-head coordinate and strided inputs cost nothing.
 """
 
 from __future__ import annotations
@@ -142,19 +139,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, inline="always")
     def kv_tiles_of(tile, problem):
-        """KV tiles the query block reads (0 when causal hides every key from it): what the
-        producer loads."""
+        """KV tiles the query block reads (0 when causal hides every key from it)."""
         diag = problem.seqlen_k - problem.seqlen_q
         n = visible_kv_tiles(int32(tile.m_block * BM), BM, BN, problem.seqlen_k, diag, CAUSAL)
         return max(n, 0)
-
-    @cuda.jit(device=True, inline="always")
-    def kv_tiles_of_rows(tile, problem, seat):
-        """The KV tiles this consumer warpgroup's 64 rows see: all of the block's, or none when
-        they lie past seqlen_q (the ragged last block: 1024 rows fill 5 1/3 blocks of 192)."""
-        if tile.m_block * BM + seat.wg * 64 >= problem.seqlen_q:
-            return 0
-        return kv_tiles_of(tile, problem)
 
     # ------------------------------------------------------------------ pipeline stages
 
@@ -324,22 +312,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             fence_o(acc_o)
             release(bars.v_empty, last, RING, seat.lane)
 
-    @cuda.jit(device=True, inline="always")
-    def pass_over(bars, kv0, first, n_tiles, seat):
-        """KV tiles first .. n_tiles - 1 of the block, which this warpgroup's rows do not see:
-        no GEMMs, but the waits, releases and ping-pong turns of ``attend_*`` for them, so that
-        the rings and the turn order stay in step with the other consumers (a stage is
-        released only once it is full: an early arrival would count for the wrong round)."""
-        for j in range(first, n_tiles):
-            i = kv0 + uint32(j)
-            wait_full(bars.k_full, i, RING)
-            release(bars.k_empty, i, RING, seat.lane)
-            wait_full(bars.v_full, i, RING)
-            release(bars.v_empty, i, RING, seat.lane)
-            if j > 0:  # attend_overlapped takes a turn for each tile after the first
-                take_turn(seat)
-                pass_turn(seat)
-
     # ------------------------------------------------------------------ epilogue
 
     @cuda.jit(device=True, inline="always")
@@ -405,8 +377,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, inline="always")
     def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
-        """Every tile of this CTA: S, softmax and PV over the KV tiles its rows see (the rest of
-        the block's are passed over), then the epilogue."""
+        """Every tile of this CTA: S, softmax and PV over its KV tiles, then the epilogue."""
         acc_o = cuda.local.array((D_N_TILES, 4), float32)
         acc_s = cuda.local.array((S_N_TILES, 4), float32)
         p_frag = cuda.local.array((P_K_STEPS, 4), uint32)
@@ -427,9 +398,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 tile, present = tile_of(u, h, problem)
                 if not present:
                     continue
-                # Causal: every warpgroup runs the block's tiles (passing over tiles costs the
-                # 160-register kernels of 3 consumers 20-35 spilled values; not so without it).
-                n_mine = kv_tiles_of(tile, problem) if CAUSAL else kv_tiles_of_rows(tile, problem, seat)
+                n_tiles = kv_tiles_of(tile, problem)
                 for j in range(D_N_TILES):
                     for e in range(4):
                         acc_o[j, e] = 0.0
@@ -442,12 +411,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 q_slot = round_q % Q_RING
                 tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
                 if OVERLAP:
-                    attend_overlapped(acc, stats, bars, tile_descs, kv0, n_mine, seat, at, scale_log2)
+                    attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
                 else:
-                    attend_serial(acc, stats, bars, tile_descs, kv0, n_mine, seat, at, scale_log2)
-                n_tiles = kv_tiles_of(tile, problem)  # computed here, not live through the loop above
-                if not CAUSAL:
-                    pass_over(bars, kv0, n_mine, n_tiles, seat)
+                    attend_serial(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
                 q_empty = bars.q_empty + uint32(8) * q_slot
                 if not O_IN_Q:
                     release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
