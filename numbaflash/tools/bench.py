@@ -770,8 +770,16 @@ def family_context(family: str, head_dim: int, causal: bool,
 def flex_calls(views: Sequence[tuple[Any, Any, Any]], shape: Shape) -> list[Callable[[], Any]]:
     """FlexAttention under torch.compile; causal as a block mask, bottom-right aligned."""
     import torch
+    import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # Each shape compiles its own kernel: past dynamo's recompile limit (8) torch would run the
+    # uncompiled flex_attention (scores in memory: slow, out of memory at 16k) without a word.
+    dynamo = torch._dynamo.config
+    for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                  "accumulated_cache_size_limit"):
+        if hasattr(dynamo, limit):
+            setattr(dynamo, limit, max(getattr(dynamo, limit), 1024))
     compiled = torch.compile(flex_attention, dynamic=False)
     mask = None
     if shape.causal:
