@@ -207,22 +207,15 @@ def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
     own head dims: the others run the sm80 family's config), including the sm80 family's
     configs for GPUs of 99 KB of shared memory a CTA where they differ, and each family's
     short-sequence configs (``SHORT_SEQLEN``) where they differ."""
-    shipped = [
-        (family, d, causal, forward_config(cap, d, causal))
-        for family, cap in FAMILY_CAPABILITY.items()
-        for d in FAMILY_HEAD_DIMS[family]
-        for causal in (False, True)
-    ]
-    for family, cap in FAMILY_CAPABILITY.items():
+    # (family, GPU capability, seqlen) of each dispatch that may pick its own configs
+    points = [(family, cap, None) for family, cap in FAMILY_CAPABILITY.items()]
+    points += [(family, cap, SHORT_SEQLEN) for family, cap in FAMILY_CAPABILITY.items()]
+    points += [("sm80", cap, None) for cap in SMALL_SHARED_CAPABILITIES]
+    shipped = []
+    for family, cap, seqlen in points:
         for d in FAMILY_HEAD_DIMS[family]:
             for causal in (False, True):
-                item = (family, d, causal, forward_config(cap, d, causal, seqlen=SHORT_SEQLEN))
-                if item not in shipped:
-                    shipped.append(item)
-    for cap in SMALL_SHARED_CAPABILITIES:
-        for d in FAMILY_HEAD_DIMS["sm80"]:
-            for causal in (False, True):
-                item = ("sm80", d, causal, forward_config(cap, d, causal))
+                item = (family, d, causal, forward_config(cap, d, causal, seqlen=seqlen))
                 if item not in shipped:
                     shipped.append(item)
     return shipped

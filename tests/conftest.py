@@ -86,6 +86,19 @@ test_seed.__test__ = False  # a helper, not a test
 
 
 @pytest.fixture
+def table_with(monkeypatch):
+    """``table_with({key: config, ...})``: the tuned table plus these entries, for this test."""
+    from numbaflash import configs
+
+    def patch(entries: dict) -> None:
+        table = dict(configs._table())
+        table.update({key: configs.config_to_json(config) for key, config in entries.items()})
+        monkeypatch.setattr(configs, "_table", lambda: table)
+
+    return patch
+
+
+@pytest.fixture
 def rng(request):
     """A fresh random generator, reproducible for each test across processes."""
     import numpy as np

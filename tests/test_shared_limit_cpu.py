@@ -53,15 +53,10 @@ def test_dispatched_config_fits_the_gpu(cap, head_dim, causal):
         assert config == forward_config((8, 0), head_dim, causal)
 
 
-def _table_with(monkeypatch, entries: dict) -> None:
-    table = dict(configs._table())
-    table.update({key: configs.config_to_json(config) for key, config in entries.items()})
-    monkeypatch.setattr(configs, "_table", lambda: table)
-
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_entry_too_big_for_the_gpu_is_passed_over(monkeypatch, causal):
-    _table_with(monkeypatch, {table_key("sm80", 256, causal): BIG_D256})
+def test_entry_too_big_for_the_gpu_is_passed_over(table_with, causal):
+    table_with({table_key("sm80", 256, causal): BIG_D256})
     assert forward_config((8, 0), 256, causal) == BIG_D256
     assert forward_config((9, 0), 256, causal) != BIG_D256  # Hopper runs its own kernel at d256
     for cap in SMALL + UNKNOWN:
@@ -71,9 +66,9 @@ def test_entry_too_big_for_the_gpu_is_passed_over(monkeypatch, causal):
     assert forward_config((8, 9), 256, causal, shared_limit=163 * 1024) == BIG_D256
 
 
-def test_a_gpu_entry_that_fits_comes_first(monkeypatch):
+def test_a_gpu_entry_that_fits_comes_first(table_with):
     small = ForwardConfig(256, block_m=64, block_n=32)
-    _table_with(monkeypatch, {"sm80/d256/full": BIG_D256, "sm89/d256/full": small,
+    table_with({"sm80/d256/full": BIG_D256, "sm89/d256/full": small,
                               "sm86/d256/full": BIG_D256})
     assert forward_config((8, 9), 256, False) == small
     assert forward_config((8, 6), 256, False) == DEFAULTS[("sm80", 256)]  # its own entry is too big too
@@ -84,8 +79,8 @@ def test_no_config_fits(monkeypatch):
         forward_config((8, 6), 256, False, shared_limit=1024)
 
 
-def test_shipped_configs_include_the_small_gpu_fallbacks(monkeypatch):
-    _table_with(monkeypatch, {"sm80/d256/full": BIG_D256})
+def test_shipped_configs_include_the_small_gpu_fallbacks(table_with):
+    table_with({"sm80/d256/full": BIG_D256})
     shipped = configs.shipped_configs()
     assert ("sm80", 256, False, BIG_D256) in shipped
     assert ("sm80", 256, False, DEFAULTS[("sm80", 256)]) in shipped

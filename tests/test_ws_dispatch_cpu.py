@@ -70,18 +70,13 @@ def test_tma_strides_are_bytes_and_fill_broadcast_size_one_dims():
     assert api._tma_strides(op((2, 100, 8, 64), (153600, 1536, 64, 1))) == [307200, 3072, 128, 2]
 
 
-def _table_with(monkeypatch, entries: dict) -> None:
-    table = dict(configs._table())
-    table.update({key: configs.config_to_json(config) for key, config in entries.items()})
-    monkeypatch.setattr(configs, "_table", lambda: table)
 
-
-def test_short_sequences_read_the_short_entry_first(monkeypatch):
+def test_short_sequences_read_the_short_entry_first(table_with, monkeypatch):
     """``<key>/short`` serves problems whose longer sequence is at most SHORT_SEQLEN; longer
     ones, and callers that give no length, get the plain entry; a missing short entry falls
     back to the plain one."""
     long_cfg, short_cfg = WsConfig(64, 128, 2, consumers=3, overlap=True), WsConfig(64, 192, 2, overlap=True)
-    _table_with(monkeypatch, {"sm90/d64/causal": long_cfg, "sm90/d64/causal/short": short_cfg,
+    table_with({"sm90/d64/causal": long_cfg, "sm90/d64/causal/short": short_cfg,
                               "sm90/d64/full": long_cfg})
     monkeypatch.delitem(configs._table(), "sm90/d64/full/short", raising=False)
     limit = configs.SHORT_SEQLEN
