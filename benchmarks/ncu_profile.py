@@ -242,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     p.add_argument("--impls", default="numbaflash,flash",
                    help=f"comma-separated from {', '.join(IMPLS)} (default numbaflash,flash)")
+    p.add_argument("--family", choices=("auto", "sm80", "sm90"), default="auto",
+                   help="numbaflash kernel family to force (as numbaflash.bench --family)")
     p.add_argument("--warmup", type=int, default=3, help="unprofiled calls before the profiled one")
     p.add_argument("--ncu", default=None, help="path of ncu (default: PATH, then CUDA install dirs)")
     p.add_argument("--metrics", default=None, help="comma-separated metric names instead of the default set")
@@ -263,7 +265,7 @@ def _impls(text: str) -> list[str]:
 
 def driver_args(args: argparse.Namespace, impl: str) -> list[str]:
     out = ["--driver", "--impl", impl, "--seqlen", str(args.seqlen), "--head-dim", str(args.head_dim),
-           "--dtype", args.dtype, "--warmup", str(args.warmup)]
+           "--dtype", args.dtype, "--warmup", str(args.warmup), "--family", args.family]
     if args.batch is not None:
         out += ["--batch", str(args.batch)]
     if args.heads is not None:
@@ -297,11 +299,13 @@ def run_driver(args: argparse.Namespace) -> int:
     out = torch.empty_like(q)
     if args.impl == "numbaflash":
         from numbaflash import flash_attention
+        from numbaflash.tools.bench import family_context
 
         def call() -> None:
             flash_attention(q, k, v, causal=args.causal, out=out)
 
-        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+        ctx: contextlib.AbstractContextManager = family_context(args.family, args.head_dim, args.causal,
+                                                                args.seqlen)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -405,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for impl in _impls(args.impls):
         kernels += profile_impl(ncu, impl, metrics, args)
     print(f"# ncu profile: {args.dtype} B={batch} H={heads} S={args.seqlen} D={args.head_dim} "
-          f"{'causal' if args.causal else 'non-causal'} (ncu --clock-control none)\n")
+          f"{'causal' if args.causal else 'non-causal'}, numbaflash family {args.family} "
+          f"(ncu --clock-control none)\n")
     print(environment(ncu) + "\n")
     print(format_profile_table(kernels, metrics))
     return 0 if kernels else 1

@@ -448,6 +448,9 @@ def test_metric_selection_and_command():
     args = ncu.build_parser().parse_args(["--seqlen", "2048", "--causal", "--batch", "4"])
     dargs = ncu.driver_args(args, "flash")
     assert dargs[:3] == ["--driver", "--impl", "flash"] and "--causal" in dargs and "4" in dargs
+    assert dargs[dargs.index("--family") + 1] == "auto"  # the driver forces what the parent was told
+    forced = ncu.driver_args(ncu.build_parser().parse_args(["--family", "sm80"]), "numbaflash")
+    assert ncu.build_parser().parse_args(forced).family == "sm80"
 
 
 def test_failed_metrics():

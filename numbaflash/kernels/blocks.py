@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda, uint32
+from numba import cuda, int32, uint32
 
 from .common import NEG_INF
 
@@ -85,15 +85,22 @@ def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
 @cuda.jit(device=True, inline="always")
 def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
     """Set to -inf the scores of keys >= seqlen_k and, if ``causal``, of keys after the
-    diagonal (query i sees key j iff j <= i + diag). ``col0``/``row0``: first key/query."""
+    diagonal (query i sees key j iff j <= i + diag). ``col0``/``row0``: first key/query.
+
+    Each fragment row gets one 32-bit limit, the number of this lane's leading columns it
+    may see, so every score costs one compare with a constant and one select."""
     g = lane // 4
     t = lane % 4
-    for j in range(n_tiles):
-        for e in range(4):
-            col = col0 + j * 8 + 2 * t + e % 2
-            row = row0 + g + (e // 2) * 8
-            if col >= seqlen_k or (causal and col > row + diag):
-                s[j, e] = NEG_INF
+    for half in range(2):
+        sees = seqlen_k  # keys this row sees: [0, sees)
+        if causal:
+            sees = min(sees, row0 + g + 8 * half + diag + 1)
+        # this lane's columns col0 + 2t + c with c < limit are seen; clamped to 32 bits
+        limit = int32(max(min(sees - (col0 + 2 * t), 1 << 30), -1))
+        for j in range(n_tiles):
+            for e in range(2):
+                if j * 8 + e >= limit:
+                    s[j, 2 * half + e] = NEG_INF
 
 
 @cuda.jit(device=True, inline="always")
