@@ -58,20 +58,23 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # k-slices, and 128 x 128 spills even then; d256 128 x 32 spills with double buffering).
 # FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, d96 128 x 64, 4 warps of
 # 2 m-tiles; d256 128 x 64 over 8 warps (>= 112 KB of shared memory a CTA), else 64 x 64 over 4.
+# 3 = min_ctas 3 (at most 168 registers a thread: 3 warps a scheduler instead of 2); it lost 5-20%
+# on an H100 (RESULTS K3) except at d32, where it ties; kept for GPUs with other latencies.
 _KNOBS = {"": {}, "q": {"q_in_regs": False}, "d": {"double_buffer": True}, "e": {"early_k": True},
           "de": {"double_buffer": True, "early_k": True}, "qd": {"q_in_regs": False, "double_buffer": True},
           "qe": {"q_in_regs": False, "early_k": True},
-          "qde": {"q_in_regs": False, "double_buffer": True, "early_k": True}}
+          "qde": {"q_in_regs": False, "double_buffer": True, "early_k": True},
+          "3": {"min_ctas": 3}, "qe3": {"q_in_regs": False, "early_k": True, "min_ctas": 3}}
 CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
     ("sm80", d): [ForwardConfig(d, bm, bn, mt, **_KNOBS[knobs]) for bm, bn, mt, *rest in shapes
                   for knobs in (rest or [""])]
     for d, shapes in {
         64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (256, 64, 2, "", "d"),
-             (128, 64, 2, "", "d", "q", "e", "de")],
+             (128, 64, 2, "", "d", "q", "e", "de"), (128, 32, 2, "qe3")],
         128: [(128, 64, 1), (128, 32, 1), (64, 128, 1), (128, 64, 2, "q"), (128, 32, 2, "q"),
               (256, 64, 2, "q")],
         32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2, "", "d"), (256, 128, 2), (128, 64, 2),
-             (256, 64, 2)],
+             (256, 64, 2), (128, 64, 2, "3")],
         96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1, "", "d", "e"), (192, 64, 1),
              (128, 64, 2, "q", "qd", "qe", "qde"), (128, 32, 2, "q")],
         # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only (forward_config

@@ -299,6 +299,6 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
 
     kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{config.tag}_{kind}"
-    # One CTA per SM is the design point: ptxas may use 65536 / threads registers.
-    flash_forward.launch_bounds = (THREADS, 1)
+    # ptxas may use 65536 / (threads * min_ctas) registers a thread (at most 255).
+    flash_forward.launch_bounds = (THREADS, config.min_ctas)
     return flash_forward

@@ -29,6 +29,11 @@ class ForwardConfig:
     # Issue the copy of K_{j+1} right after S_j = Q K_jᵀ (one more barrier a tile) instead of
     # after the softmax, so that it overlaps the softmax too.
     early_k: bool = False
+    # CTAs an SM the registers must leave room for: ptxas then keeps a thread within
+    # 65536 / (threads * min_ctas) registers (launch bounds). More warps a scheduler could
+    # hide more of the fixed latencies of the softmax and mma.sync chains; 1 lets a thread
+    # use 255 registers.
+    min_ctas: int = 1
 
     def __post_init__(self) -> None:
         if self.head_dim > 128 and self.q_in_regs:  # one spelling per kernel: Q is never resident there
@@ -38,7 +43,8 @@ class ForwardConfig:
     def tag(self) -> str:
         """Kernel-name suffix of the non-default knobs (empty for the original kernel)."""
         return ("_qs" if not self.q_in_regs and self.head_dim <= 128 else "") + (
-            "_db" if self.double_buffer else "") + ("_ek" if self.early_k else "")
+            "_db" if self.double_buffer else "") + ("_ek" if self.early_k else "") + (
+            f"_o{self.min_ctas}" if self.min_ctas > 1 else "")
 
     @property
     def num_warps(self) -> int:
@@ -60,6 +66,8 @@ class ForwardConfig:
             raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
         if self.double_buffer and self.block_n % 32:
             raise ValueError(f"double_buffer needs block_n a multiple of 32 (K loads in pairs), got {self}")
+        if not 1 <= self.min_ctas <= 4 or self.threads * self.min_ctas > 2048:
+            raise ValueError(f"min_ctas must be 1..4 with at most 2048 threads an SM, got {self}")
         block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
