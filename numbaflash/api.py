@@ -204,12 +204,21 @@ MAX_GRID_X = 2**31 - 1
 MAX_GRID_YZ = 65535
 
 
+# Tests set this to launch the folded grid on small problems (the path batch > 65535 takes).
+_FOLD_GRID = False
+
+
 def _forward_grid(m_blocks: int, heads_q: int, batch: int) -> tuple[int, int, int]:
-    """(query blocks, y, z): the (batch, head) pairs numbered head-fastest over y and z, since
-    each is limited to 65535 (``tiles.query_block`` unfolds them; spare CTAs return)."""
+    """(query blocks, y, z). Normally y = heads_q and z = batch, which the kernel reads off its
+    block index. Past 65535 of either (CUDA's limit for y and z) the (batch, head) pairs are
+    numbered head-fastest over y and z (``blocks.query_block`` unfolds them with two divisions;
+    spare CTAs return)."""
     pairs = heads_q * batch
-    y = min(pairs, MAX_GRID_YZ)
-    z = -(-pairs // y)
+    if heads_q <= MAX_GRID_YZ and batch <= MAX_GRID_YZ and not _FOLD_GRID:
+        y, z = heads_q, batch
+    else:
+        y = min(pairs, MAX_GRID_YZ)
+        z = -(-pairs // y)
     if m_blocks > MAX_GRID_X or z > MAX_GRID_YZ:
         raise ValueError(
             f"batch * heads_q = {pairs} with {m_blocks} query blocks exceeds the CUDA grid "

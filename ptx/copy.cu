@@ -26,6 +26,15 @@ extern "C" __device__ void cp_async_cg_shared_global_16_zfill(unsigned dst, cons
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                :: "r"(dst), "l"(base + offset), "r"(src_bytes) : "memory");
 }
+// The same two copies from a global byte address (a generic address of global memory): the
+// kernel keeps one 64-bit address a thread and steps it, instead of base + index each copy.
+extern "C" __device__ long long global_address_u16(const unsigned short* p) { return (long long)p; }
+extern "C" __device__ void cp_async_cg_16_at(unsigned dst, long long src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+extern "C" __device__ void cp_async_cg_16_zfill_at(unsigned dst, long long src, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 extern "C" __device__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 extern "C" __device__ void cp_async_wait_group_0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 extern "C" __device__ void cp_async_wait_group_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
@@ -50,4 +59,9 @@ extern "C" __device__ void st_shared_b32(unsigned addr, unsigned v) {
 extern "C" __device__ void st_global_v4_b32(unsigned short* base, long long offset, const unsigned* r) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
                :: "l"(base + offset), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+// 16-byte vector store to the global byte address addr.
+extern "C" __device__ void st_global_v4_b32_at(long long addr, const unsigned* r) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
+               :: "l"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }

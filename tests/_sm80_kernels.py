@@ -73,27 +73,38 @@ def make_mma_kernel(mma):
 MMA_ARGTYPES = (types.uint32[:, ::1], types.uint32[:, ::1], types.float32[:, ::1], types.float32[:, ::1])
 
 
-def cp_async_kernel(src, plain_rows, zfill_rows, nrows, out_plain, out_zfill):
+def make_cp_async_kernel(by_address):
     """Launch [1, 32]. ``src`` holds ``nrows`` rows of 8 uint16. Lane l copies src row
     ``plain_rows[l]`` with cp.async into shared row l of one buffer, and src row
     ``zfill_rows[l]`` (in range iff < nrows) with the zero-fill form into another; both
-    buffers are poisoned first and copied out after wait_group 0."""
-    plain = cuda.shared.array(ROW_ELEMS, uint16, alignment=16)
-    zfill = cuda.shared.array(ROW_ELEMS, uint16, alignment=16)
-    lane = cuda.threadIdx.x
-    for i in range(8):
-        plain[lane * 8 + i] = POISON16
-        zfill[lane * 8 + i] = POISON16
-    cuda.syncthreads()
-    ptx.cp_async_16(ptx.shared_address_u16(plain) + lane * 16, src, plain_rows[lane] * 8)
-    row = zfill_rows[lane]
-    ptx.cp_async_16_zfill(ptx.shared_address_u16(zfill) + lane * 16, src, row * 8, row < nrows)
-    ptx.cp_async_commit_group()
-    ptx.cp_async_wait_group_0()
-    cuda.syncthreads()
-    for i in range(lane, ROW_ELEMS, LANES):
-        out_plain[i] = plain[i]
-        out_zfill[i] = zfill[i]
+    buffers are poisoned first and copied out after wait_group 0. ``by_address``: the
+    ``*_at`` forms, from global byte addresses (out-of-range rows name row 0)."""
+
+    def cp_async_kernel(src, plain_rows, zfill_rows, nrows, out_plain, out_zfill):
+        plain = cuda.shared.array(ROW_ELEMS, uint16, alignment=16)
+        zfill = cuda.shared.array(ROW_ELEMS, uint16, alignment=16)
+        lane = cuda.threadIdx.x
+        for i in range(8):
+            plain[lane * 8 + i] = POISON16
+            zfill[lane * 8 + i] = POISON16
+        cuda.syncthreads()
+        row = zfill_rows[lane]
+        if by_address:
+            origin = ptx.global_address(src)
+            ptx.cp_async_16_at(ptx.shared_address_u16(plain) + lane * 16, origin + plain_rows[lane] * 16)
+            at = origin + row * 16 if row < nrows else origin
+            ptx.cp_async_16_zfill_at(ptx.shared_address_u16(zfill) + lane * 16, at, row < nrows)
+        else:
+            ptx.cp_async_16(ptx.shared_address_u16(plain) + lane * 16, src, plain_rows[lane] * 8)
+            ptx.cp_async_16_zfill(ptx.shared_address_u16(zfill) + lane * 16, src, row * 8, row < nrows)
+        ptx.cp_async_commit_group()
+        ptx.cp_async_wait_group_0()
+        cuda.syncthreads()
+        for i in range(lane, ROW_ELEMS, LANES):
+            out_plain[i] = plain[i]
+            out_zfill[i] = zfill[i]
+
+    return cp_async_kernel
 
 
 CP_ASYNC_ARGTYPES = (
@@ -142,27 +153,35 @@ def make_wait_group_kernel(n):
 WAIT_GROUP_ARGTYPES = (types.uint16[::1], types.uint16[::1])
 
 
-def vec4_kernel(src, store_row, load_row, out_shared, out_global):
+def make_vec4_kernel(by_address):
     """Launch [1, 32]. Lane l stores ``src[l]`` (4 uint32) with st.shared.v4 into shared
     row ``store_row[l]`` (16 bytes each, poisoned first); the shared buffer is copied out
     with plain loads into ``out_shared``; then lane l loads shared row ``load_row[l]`` with
-    ld.shared.v4 and writes it with st.global.v4 to ``out_global[8*l : 8*l+8]`` (uint16)."""
-    smem = cuda.shared.array(VEC4_WORDS, uint32, alignment=16)
-    lane = cuda.threadIdx.x
-    for i in range(4):
-        smem[lane * 4 + i] = POISON32
-    cuda.syncthreads()
-    base = ptx.shared_address_u32(smem)
-    regs = cuda.local.array(4, uint32)
-    for i in range(4):
-        regs[i] = src[lane, i]
-    ptx.st_shared_v4(base + store_row[lane] * 16, regs)
-    cuda.syncthreads()
-    for i in range(4):
-        out_shared[lane * 4 + i] = smem[lane * 4 + i]
-    back = cuda.local.array(4, uint32)
-    ptx.ld_shared_v4(back, base + load_row[lane] * 16)
-    ptx.st_global_v4(out_global, lane * 8, back)
+    ld.shared.v4 and writes it with st.global.v4 to ``out_global[8*l : 8*l+8]`` (uint16;
+    ``by_address``: with ``st_global_v4_at``)."""
+
+    def vec4_kernel(src, store_row, load_row, out_shared, out_global):
+        smem = cuda.shared.array(VEC4_WORDS, uint32, alignment=16)
+        lane = cuda.threadIdx.x
+        for i in range(4):
+            smem[lane * 4 + i] = POISON32
+        cuda.syncthreads()
+        base = ptx.shared_address_u32(smem)
+        regs = cuda.local.array(4, uint32)
+        for i in range(4):
+            regs[i] = src[lane, i]
+        ptx.st_shared_v4(base + store_row[lane] * 16, regs)
+        cuda.syncthreads()
+        for i in range(4):
+            out_shared[lane * 4 + i] = smem[lane * 4 + i]
+        back = cuda.local.array(4, uint32)
+        ptx.ld_shared_v4(back, base + load_row[lane] * 16)
+        if by_address:
+            ptx.st_global_v4_at(ptx.global_address(out_global) + lane * 16, back)
+        else:
+            ptx.st_global_v4(out_global, lane * 8, back)
+
+    return vec4_kernel
 
 
 VEC4_ARGTYPES = (
@@ -266,9 +285,11 @@ KERNELS = {
     },
     "mma_f16": (_named(make_mma_kernel(ptx.mma_m16n8k16_f16), "mma_f16_kernel"), MMA_ARGTYPES),
     "mma_bf16": (_named(make_mma_kernel(ptx.mma_m16n8k16_bf16), "mma_bf16_kernel"), MMA_ARGTYPES),
-    "cp_async": (cp_async_kernel, CP_ASYNC_ARGTYPES),
+    "cp_async": (_named(make_cp_async_kernel(False), "cp_async_kernel"), CP_ASYNC_ARGTYPES),
+    "cp_async_at": (_named(make_cp_async_kernel(True), "cp_async_at_kernel"), CP_ASYNC_ARGTYPES),
     **{f"wait_group_{n}": (make_wait_group_kernel(n), WAIT_GROUP_ARGTYPES) for n in range(4)},
-    "vec4": (vec4_kernel, VEC4_ARGTYPES),
+    "vec4": (_named(make_vec4_kernel(False), "vec4_kernel"), VEC4_ARGTYPES),
+    "vec4_at": (_named(make_vec4_kernel(True), "vec4_at_kernel"), VEC4_ARGTYPES),
     "shared_address": (shared_address_kernel, SHARED_ADDRESS_ARGTYPES),
     "pack": (pack_kernel, PACK_ARGTYPES),
     "exp2": (exp2_kernel, EXP2_ARGTYPES),

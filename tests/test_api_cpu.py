@@ -197,7 +197,15 @@ def test_grid_limit(no_compile):
     with pytest.raises(ValueError, match="exceeds the CUDA grid"):
         numbaflash.flash_attention(*fake_qkv((70000, 8, 65536, 64), (70000, 8, 1, 64)))
     assert api._forward_grid(3, 4, 70000) == (3, 65535, 5)
+    assert api._forward_grid(3, 70000, 2) == (3, 65535, 3)
+    assert api._forward_grid(3, 16, 2) == (3, 16, 2)  # y = heads, z = batch: no divisions
+
+
+def test_folded_grid_forced(monkeypatch):
+    """Tests can force the folded (batch, head) numbering on small problems."""
+    monkeypatch.setattr(api, "_FOLD_GRID", True)
     assert api._forward_grid(3, 16, 2) == (3, 32, 1)
+    assert api._forward_grid(3, 7, 5) == (3, 35, 1)
 
 
 def test_mixed_host_and_device_rejected():

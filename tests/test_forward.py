@@ -264,12 +264,26 @@ def test_rows_without_keys_are_zero(rng, sq, sk, dtype, family):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_heads_beyond_grid_limit(rng, family):
-    """batch * heads_q = 70000 > 65535 (the grid's y limit): the (batch, head) pairs are folded
-    over two grid dimensions; every pair is computed once."""
-    q, k, v = random_qkv(rng, 35000, 5, 7, 2, 1, 64, np.float16)
+    """batch = 70000 > 65535 (the grid's z limit): the (batch, head) pairs are folded over two
+    grid dimensions; every pair is computed once."""
+    q, k, v = random_qkv(rng, 70000, 5, 7, 2, 1, 64, np.float16)
     with using(family_config(family, 64, False), False):
         out, lse = numbaflash.flash_attention(q, k, v, return_lse=True)
     check_attention(q, k, v, False, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_folded_grid_on_small_problems(rng, monkeypatch, causal):
+    """The folded (batch, head) numbering that batch or heads past 65535 take, forced on a
+    ragged GQA problem, gives the same results (the mma.sync kernel unfolds it)."""
+    from numbaflash import api
+
+    monkeypatch.setattr(api, "_FOLD_GRID", True)
+    q, k, v = random_qkv(rng, 3, 150, 130, 6, 2, 64, np.float16)
+    with using(family_config("sm80", 64, causal), causal):
+        out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    check_attention(q, k, v, causal, out, lse)
 
 
 @pytest.mark.gpu

@@ -179,8 +179,9 @@ def test_mma_fragment_model_roundtrip():
 
 
 @gpu
-def test_cp_async_and_zero_fill():
-    rng = _rng("cp_async")
+@pytest.mark.parametrize("name", ["cp_async", "cp_async_at"])
+def test_cp_async_and_zero_fill(name):
+    rng = _rng(name)
     nrows = 40
     src = rng.integers(0, 1 << 16, size=(nrows, 8), dtype=np.uint16)
     plain_rows = rng.choice(nrows, 32, replace=False).astype(np.int32)
@@ -190,7 +191,7 @@ def test_cp_async_and_zero_fill():
     ).astype(np.int32)
     out_plain = np.full(32 * 8, U16_POISON, np.uint16)
     out_zfill = np.full(32 * 8, U16_POISON, np.uint16)
-    res = _run("cp_async", 1, 32, src.ravel(), plain_rows, zfill_rows, np.int32(nrows), out_plain, out_zfill)
+    res = _run(name, 1, 32, src.ravel(), plain_rows, zfill_rows, np.int32(nrows), out_plain, out_zfill)
     out_plain, out_zfill = res[4].reshape(32, 8), res[5].reshape(32, 8)
     np.testing.assert_array_equal(out_plain, src[plain_rows])
     in_range = zfill_rows < nrows
@@ -217,14 +218,15 @@ def test_cp_async_wait_group(n):
 
 
 @gpu
-def test_ld_st_shared_v4_and_st_global_v4():
-    rng = _rng("vec4")
+@pytest.mark.parametrize("name", ["vec4", "vec4_at"])
+def test_ld_st_shared_v4_and_st_global_v4(name):
+    rng = _rng(name)
     src = rng.integers(0, 1 << 32, size=(32, 4), dtype=np.uint32)
     store_row = rng.permutation(32).astype(np.int32)
     load_row = rng.permutation(32).astype(np.int32)
     out_shared = np.full(32 * 4, U32_POISON, np.uint32)
     out_global = np.full(32 * 8, U16_POISON, np.uint16)
-    res = _run("vec4", 1, 32, src, store_row, load_row, out_shared, out_global)
+    res = _run(name, 1, 32, src, store_row, load_row, out_shared, out_global)
     shared = np.zeros((32, 4), np.uint32)
     shared[store_row] = src  # register i of the v4 store lands at byte 4*i of the row
     np.testing.assert_array_equal(res[3].reshape(32, 4), shared)

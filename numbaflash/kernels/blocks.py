@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda, int32, uint32
+from numba import cuda, int32, int64, uint32
 
 from .common import NEG_INF
 
@@ -20,21 +20,28 @@ ScoreMask = namedtuple("ScoreMask", ["row_first", "lane", "seqlen_k", "diag"])
 
 @cuda.jit(device=True, inline="always")
 def query_block(heads_q, group, reverse):
-    """(query block, head, batch, kv head) of this CTA.
+    """(query block, head, batch, kv head) of this CTA, as known non-negative int64 values.
 
-    Grid: x = query blocks, and (y, z) numbering the (batch, head) pairs head-fastest,
-    ``hb = y + gridDim.y * z``: y and z are limited to 65535 each, so the host spreads the
-    pairs over both (``forward_grid``); CTAs past the last pair get ``batch >= batch_size``
-    and must return at once. With ``reverse`` (causal) the heaviest query blocks start
-    first, for better tail balance. ``group`` query heads share one kv head (GQA); the
-    divisions are 32-bit (no subroutine).
+    Grid: x = query blocks; y = heads and z = batch, or, when either exceeds 65535 (the limit
+    of y and z), (batch, head) pairs numbered head-fastest, ``hb = y + gridDim.y * z``, which
+    this unfolds with two 32-bit divisions (the host's ``forward_grid``); CTAs past the last
+    pair then get ``batch >= batch_size`` and must return at once. With ``reverse`` (causal)
+    the heaviest query blocks start first, for better tail balance. ``group`` query heads
+    share one kv head (GQA).
     """
-    m_block = cuda.blockIdx.x
+    m_block = uint32(cuda.blockIdx.x)
     if reverse:
-        m_block = cuda.gridDim.x - 1 - m_block
-    hb = uint32(cuda.blockIdx.y) + uint32(cuda.gridDim.y) * uint32(cuda.blockIdx.z)
-    head = hb % uint32(heads_q)
-    return m_block, head, hb // uint32(heads_q), head // uint32(group)
+        m_block = uint32(uint32(cuda.gridDim.x) - uint32(1) - m_block)
+    # Numba widens uint32 arithmetic to 64 bits: results are cut back to 32 so that the
+    # divisions stay 32-bit and every index below is a known non-negative value.
+    head = uint32(cuda.blockIdx.y)
+    batch = uint32(cuda.blockIdx.z)
+    if uint32(cuda.gridDim.y) != uint32(heads_q):  # the folded grid
+        hb = uint32(head + uint32(cuda.gridDim.y) * batch)
+        head = uint32(hb % uint32(heads_q))
+        batch = uint32(hb // uint32(heads_q))
+    kv_head = head if group == 1 else uint32(head // uint32(group))
+    return int64(m_block), int64(head), int64(batch), int64(kv_head)
 
 
 # One query block of the persistent kernel's work list: block, head, batch and the kv head.

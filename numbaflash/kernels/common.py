@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from numba import float32, types
+from numba import cuda, float32, int32, types, uint32
 
 FULL_MASK = 0xFFFFFFFF  # every lane of a warp, for shuffles
 NEG_INF = float32(-math.inf)
@@ -30,3 +30,11 @@ FORWARD_ARGTYPES = (
 # (benchmarks/accuracy_compare.py). So only rows whose max did grow trigger a rescale.
 RESCALE_THRESHOLD = 0.0
 THRESHOLD = float32(RESCALE_THRESHOLD)
+
+
+@cuda.jit(device=True, inline="always")
+def keep_in_register(value, lane):
+    """``value`` (this lane's own, by a shuffle): an identity ptxas cannot recompute. A value
+    computed once from the thread index (an ldmatrix offset) then stays in a register instead
+    of being rematerialised from the thread index in every KV iteration."""
+    return uint32(cuda.shfl_sync(FULL_MASK, int32(value), lane))

@@ -20,15 +20,14 @@ from numba import cuda, float32, types, uint32
 
 from .. import ptx
 from .blocks import mask_scores, query_block, visible_kv_tiles
-from .common import FULL_MASK, NEG_INF, THRESHOLD
+from .common import FULL_MASK, NEG_INF, THRESHOLD, keep_in_register
 from .epilogue import stage_output_rows, store_lse, store_rows_global
 from .shapes import ForwardConfig
 from .smem import (
-    GlobalRows,
     block_offset,
     copy_tile_async,
-    copy_tile_async_recompute,
     drain_copies,
+    global_rows,
     ldmatrix_offsets,
     load_a_fragments,
 )
@@ -191,7 +190,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                       o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
                       write_lse):
         smem = cuda.shared.array(0, types.uint16)
-        tid = cuda.threadIdx.x
+        tid = cuda.threadIdx.x & 1023  # known to be in [0, 1024): its // and % are shifts and masks
         warp = tid // 32
         lane = tid % 32
         m_block, head, batch, kv_head = query_block(heads_q, group, CAUSAL)
@@ -203,9 +202,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         sq = ptx.shared_address_u16(smem)
         sk = sq + BM * D * 2
         sv = sk + BN * D * 2
-        q_rows = GlobalRows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
-        k_rows = GlobalRows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
-        v_rows = GlobalRows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
+        q_rows = global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
+        k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
+        v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
 
@@ -250,6 +249,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
         v_offsets = cuda.local.array(4, uint32)
         ldmatrix_offsets(v_offsets, lane % 16, lane // 16, RB)
+        for b in range(RB // 32):  # computed once: keep them in registers (see keep_in_register)
+            k_offsets[b] = keep_in_register(k_offsets[b], lane)
+            v_offsets[b] = keep_in_register(v_offsets[b], lane)
         mx = cuda.local.array((MT, 2), float32)
         for n_block in range(n_tiles):
             n0 = n_block * BN
@@ -258,14 +260,14 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             zero = uint32(n0 >> 62)
             ptx.cp_async_wait_group_0()  # K_j has landed ...
             cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
-            copy_tile_async_recompute(sv + zero, BN, v_rows, n0, CPR, tid, THREADS, RB)
+            copy_tile_async(sv + zero, BN, v_rows, n0, CPR, tid, THREADS, RB)
             ptx.cp_async_commit_group()
 
             qk_scores(acc_s, q_frag, q_warp + zero, v_offsets, sk, k_offsets, b_frag)
             if EARLY_K:
                 cuda.syncthreads()  # every warp is done with K_j: K_{j+1} overlaps the softmax
                 if n_block + 1 < n_tiles:
-                    copy_tile_async_recompute(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
+                    copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
                 ptx.cp_async_commit_group()  # (empty on the last tile: the wait below stays right)
             if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
                 for mt in range(MT):  # keys past the end, and (causal) after the diagonal
@@ -279,7 +281,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                 ptx.cp_async_wait_group_0()  # V_j has landed ...
                 cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
                 if n_block + 1 < n_tiles:
-                    copy_tile_async_recompute(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
+                    copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
                     ptx.cp_async_commit_group()
 
             pv_accumulate(acc_o, p_frag, sv, v_offsets, b_frag)
@@ -294,7 +296,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                 store_lse(lse, lse_base, row_first + 16 * mt, seqlen_q, m_run[mt], l_run[mt], lane)
         cuda.syncwarp()
         scratch = cuda.local.array(4, uint32)
-        o_rows = GlobalRows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
+        o_rows = global_rows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
         store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch, RB)
 
     kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"

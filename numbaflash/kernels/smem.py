@@ -22,13 +22,20 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda
+from numba import cuda, uint32
 
 from .. import ptx
 
-# Rows of a matrix in a flat global array: row i starts at ``array[base + i * row_stride]``;
-# rows at or past ``num_rows`` lie outside it (loads zero-fill them, stores skip them).
-GlobalRows = namedtuple("GlobalRows", ["array", "base", "row_stride", "num_rows"])
+# Rows of a matrix in global memory by byte address: row i starts at ``address + i * stride``;
+# rows at or past ``num_rows`` lie outside it (loads zero-fill them, stores skip them). Row 0
+# always exists (seqlen >= 1): zero-filled copies name it as their harmless source.
+GlobalRows = namedtuple("GlobalRows", ["address", "stride", "num_rows"])
+
+
+@cuda.jit(device=True, inline="always")
+def global_rows(array, base, row_stride, num_rows):
+    """GlobalRows of a flat 16-bit array whose row i starts at element ``base + i * row_stride``."""
+    return GlobalRows(ptx.global_address(array) + base * 2, row_stride * 2, num_rows)
 
 
 @cuda.jit(device=True, inline="always")
@@ -65,7 +72,7 @@ def copy_tile_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, n
         copy_rows_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, num_threads, row_bytes)
     else:
         for b in range(chunks_per_row // per_block):
-            block = GlobalRows(src.array, src.base + b * per_block * 8, src.row_stride, src.num_rows)
+            block = GlobalRows(src.address + b * row_bytes, src.stride, src.num_rows)
             copy_rows_async(smem_tile + b * (tile_rows * row_bytes), tile_rows, block, first_row, per_block,
                             tid, num_threads, row_bytes)
 
@@ -76,23 +83,23 @@ def copy_rows_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, n
     rows ``tid // chunks_per_row`` + multiples of ``num_threads // chunks_per_row`` (a multiple
     of 8, so the swizzle pattern, and hence the shared offset step, is the same for each of its
     rows); when that step does not divide ``tile_rows``, the last pass copies only the rows
-    that remain."""
+    that remain. The thread's global address starts at its first chunk and steps by a pass's
+    rows (one 64-bit add a copy)."""
     rows_per_pass = num_threads // chunks_per_row
     passes = (tile_rows + rows_per_pass - 1) // rows_per_pass
     row = tid // chunks_per_row
     chunk = tid % chunks_per_row
     dst = smem_tile + swizzled_offset(row, chunk, tile_rows, row_bytes)
-    src_index = src.base + (first_row + row) * src.row_stride + chunk * 8
-    full = first_row + tile_rows <= src.num_rows  # the whole tile is in range: no row checks
+    at = src.address + (first_row + row) * src.stride + chunk * 16
+    step = rows_per_pass * src.stride
+    rows_left = uint32(max(min(src.num_rows - first_row, tile_rows), 0))  # rows of the tile that exist
     for i in range(passes):
         r = row + i * rows_per_pass
         to = dst + i * rows_per_pass * row_bytes
-        at = src_index + i * rows_per_pass * src.row_stride
         if tile_rows % rows_per_pass == 0 or r < tile_rows:
-            if full:
-                ptx.cp_async_16(to, src.array, at)
-            else:
-                ptx.cp_async_16_zfill(to, src.array, at, first_row + r < src.num_rows)
+            exists = uint32(r) < rows_left  # 32-bit compare
+            ptx.cp_async_16_zfill_at(to, at if exists else src.address, exists)
+        at += step
 
 
 @cuda.jit(device=True, inline="always")
@@ -133,46 +140,3 @@ def load_a_fragments(frags, smem_tile, row0, k_tiles, tile_rows, lane, row_bytes
     for kt in range(k_tiles):
         at = smem_tile + swizzled_offset(row, kt * 2 + lane // 16, tile_rows, row_bytes)
         ptx.ldmatrix_x4(frags[kt], at)
-
-
-@cuda.jit(device=True, inline="always")
-def copy_tile_async_recompute(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, num_threads,
-                              row_bytes=128):
-    """``copy_tile_async`` that computes each pass's global index from the tile's first row
-    (one 64-bit multiply-add a copy) instead of adding a per-pass row offset: the offsets are
-    invariant across a KV loop, so the compiler hoists them into registers (two per pass per
-    tile), which spill at 4 warps and 8 passes (head_dim 128, 64-row K/V tiles)."""
-    per_block = row_bytes // 16
-    rows_per_pass = num_threads // chunks_per_row
-    if num_threads % chunks_per_row == 0 and rows_per_pass % 8 == 0:
-        copy_rows_async_recompute(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, num_threads,
-                                  row_bytes)
-    else:
-        for b in range(chunks_per_row // per_block):
-            block = GlobalRows(src.array, src.base + b * per_block * 8, src.row_stride, src.num_rows)
-            copy_rows_async_recompute(smem_tile + b * (tile_rows * row_bytes), tile_rows, block, first_row,
-                                      per_block, tid, num_threads, row_bytes)
-
-
-@cuda.jit(device=True, inline="always")
-def copy_rows_async_recompute(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, num_threads,
-                              row_bytes):
-    """``copy_rows_async`` with the global index of pass i computed as
-    ``base + (first_row + row + i * rows_per_pass) * row_stride`` (see
-    ``copy_tile_async_recompute``)."""
-    rows_per_pass = num_threads // chunks_per_row
-    passes = (tile_rows + rows_per_pass - 1) // rows_per_pass
-    row = tid // chunks_per_row
-    chunk = tid % chunks_per_row
-    dst = smem_tile + swizzled_offset(row, chunk, tile_rows, row_bytes)
-    base = src.base + chunk * 8
-    full = first_row + tile_rows <= src.num_rows  # the whole tile is in range: no row checks
-    for i in range(passes):
-        r = row + i * rows_per_pass
-        to = dst + i * rows_per_pass * row_bytes
-        at = base + (first_row + r) * src.row_stride
-        if tile_rows % rows_per_pass == 0 or r < tile_rows:
-            if full:
-                ptx.cp_async_16(to, src.array, at)
-            else:
-                ptx.cp_async_16_zfill(to, src.array, at, first_row + r < src.num_rows)

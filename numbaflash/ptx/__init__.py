@@ -6,18 +6,22 @@ Families: async_copy, matrix_load, mma, convert (sm_80+); hopper (sm_90a).
 
 from .async_copy import (
     cp_async_16,
+    cp_async_16_at,
     cp_async_16_zfill,
+    cp_async_16_zfill_at,
     cp_async_commit_group,
     cp_async_wait_group_0,
     cp_async_wait_group_1,
     cp_async_wait_group_2,
     cp_async_wait_group_3,
+    global_address,
     ld_shared_v4,
     shared_address_f32,
     shared_address_u16,
     shared_address_u32,
     shared_address_u64,
     st_global_v4,
+    st_global_v4_at,
     st_shared_b32,
     st_shared_v4,
 )
@@ -34,7 +38,9 @@ from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
 
 __all__ = [
     "cp_async_16",
+    "cp_async_16_at",
     "cp_async_16_zfill",
+    "cp_async_16_zfill_at",
     "cp_async_commit_group",
     "cp_async_wait_group_0",
     "cp_async_wait_group_1",
@@ -42,6 +48,7 @@ __all__ = [
     "cp_async_wait_group_3",
     "exp2",
     "exp2_poly",
+    "global_address",
     "ld_shared_v4",
     "log2",
     "ldmatrix_x1",
@@ -60,6 +67,7 @@ __all__ = [
     "shared_address_u32",
     "shared_address_u64",
     "st_global_v4",
+    "st_global_v4_at",
     "st_shared_b32",
     "st_shared_v4",
 ]

@@ -23,6 +23,9 @@ _cp_async_16 = declare("copy", "cp_async_cg_shared_global_16", types.void(_u32, 
 _cp_async_16_zfill = declare(
     "copy", "cp_async_cg_shared_global_16_zfill", types.void(_u32, u16p, _i64, _u32)
 )
+_global_address_u16 = declare("copy", "global_address_u16", _i64(u16p))
+_cp_async_16_at = declare("copy", "cp_async_cg_16_at", types.void(_u32, _i64))
+_cp_async_16_zfill_at = declare("copy", "cp_async_cg_16_zfill_at", types.void(_u32, _i64, _u32))
 cp_async_commit_group = declare("copy", "cp_async_commit_group", types.void())
 cp_async_wait_group_0 = declare("copy", "cp_async_wait_group_0", types.void())
 cp_async_wait_group_1 = declare("copy", "cp_async_wait_group_1", types.void())
@@ -32,6 +35,7 @@ _ld_shared_v4 = declare("copy", "ld_shared_v4_b32", types.void(u32p, _u32))
 _st_shared_v4 = declare("copy", "st_shared_v4_b32", types.void(_u32, u32p))
 st_shared_b32 = declare("copy", "st_shared_b32", types.void(_u32, _u32))
 _st_global_v4 = declare("copy", "st_global_v4_b32", types.void(u16p, _i64, u32p))
+_st_global_v4_at = declare("copy", "st_global_v4_b32_at", types.void(_i64, u32p))
 
 
 @cuda.jit(device=True, inline="always")
@@ -78,6 +82,27 @@ def cp_async_16_zfill(dst_shared, src, src_index, in_range):
 
 
 @cuda.jit(device=True, inline="always")
+def global_address(array):
+    """Byte address (int64) of element 0 of a 1-D uint16 global array, for the ``*_at`` moves:
+    a kernel keeps one address a thread and steps it by byte offsets."""
+    return _global_address_u16(_ffi.from_buffer(array))
+
+
+@cuda.jit(device=True, inline="always")
+def cp_async_16_at(dst_shared, src_address):
+    """Copy 16 bytes from the global byte address ``src_address`` (int64, 16-byte aligned)
+    to ``dst_shared``."""
+    _cp_async_16_at(dst_shared, src_address)
+
+
+@cuda.jit(device=True, inline="always")
+def cp_async_16_zfill_at(dst_shared, src_address, in_range):
+    """``cp_async_16_at`` when ``in_range``; otherwise write 16 zero bytes and read nothing
+    (``src_address`` must still be a valid address: pass a harmless one)."""
+    _cp_async_16_zfill_at(dst_shared, src_address, types.uint32(16) if in_range else types.uint32(0))
+
+
+@cuda.jit(device=True, inline="always")
 def ld_shared_v4(regs, src_shared):
     """Load 16 bytes at shared address ``src_shared`` into ``regs[0:4]`` (uint32)."""
     _ld_shared_v4(_ffi.from_buffer(regs), src_shared)
@@ -94,3 +119,10 @@ def st_global_v4(dst, dst_index, regs):
     """Store ``regs[0:4]`` (uint32) as 8 uint16 at ``dst[dst_index:]`` (global, 1-D;
     not bounds-checked)."""
     _st_global_v4(_ffi.from_buffer(dst), dst_index, _ffi.from_buffer(regs))
+
+
+@cuda.jit(device=True, inline="always")
+def st_global_v4_at(dst_address, regs):
+    """Store ``regs[0:4]`` (uint32) as 16 bytes at the global byte address ``dst_address``
+    (int64, 16-byte aligned)."""
+    _st_global_v4_at(dst_address, _ffi.from_buffer(regs))
