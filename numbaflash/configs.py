@@ -64,19 +64,23 @@ _KNOBS = {"": {}, "q": {"q_in_regs": False}, "d": {"double_buffer": True}, "e": 
           "de": {"double_buffer": True, "early_k": True}, "qd": {"q_in_regs": False, "double_buffer": True},
           "qe": {"q_in_regs": False, "early_k": True},
           "qde": {"q_in_regs": False, "double_buffer": True, "early_k": True},
+          "i": {"interleave_pv": True}, "di": {"double_buffer": True, "interleave_pv": True},
+          "qi": {"q_in_regs": False, "interleave_pv": True},
+          "qdi": {"q_in_regs": False, "double_buffer": True, "interleave_pv": True},
           "3": {"min_ctas": 3}, "qe3": {"q_in_regs": False, "early_k": True, "min_ctas": 3}}
 CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
     ("sm80", d): [ForwardConfig(d, bm, bn, mt, **_KNOBS[knobs]) for bm, bn, mt, *rest in shapes
                   for knobs in (rest or [""])]
     for d, shapes in {
         64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (256, 64, 2, "", "d"),
-             (128, 64, 2, "", "d", "q", "e", "de"), (128, 32, 2, "qe3"), (128, 128, 2, "qd")],
-        128: [(128, 64, 1), (128, 32, 1), (64, 128, 1), (128, 64, 2, "q", "qd", "qe", "qde"),
+             (128, 64, 2, "", "d", "q", "e", "de"), (128, 32, 2, "qe3"), (128, 128, 2, "qd", "qdi"),
+             (128, 64, 2, "di")],
+        128: [(128, 64, 1), (128, 32, 1), (64, 128, 1), (128, 64, 2, "q", "qd", "qe", "qde", "qi", "qdi"),
               (128, 32, 2, "q"), (256, 64, 2, "q")],
-        32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2, "", "d"), (256, 128, 2), (128, 64, 2),
-             (256, 64, 2), (128, 64, 2, "3")],
+        32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2, "", "d", "di"), (256, 128, 2),
+             (128, 64, 2), (256, 64, 2), (128, 64, 2, "3")],
         96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1, "", "d", "e"), (192, 64, 1),
-             (128, 64, 2, "q", "qd", "qe", "qde"), (128, 32, 2, "q")],
+             (128, 64, 2, "q", "qd", "qe", "qde", "qdi"), (128, 32, 2, "q")],
         # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only (forward_config
         # passes it over elsewhere); 64 x 64 and 128 x 32 need 96 KB.
         256: [(128, 32, 1), (64, 32, 1), (128, 64, 1, "", "d", "e", "de"), (64, 64, 1, "", "d", "e")],

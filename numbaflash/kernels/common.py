@@ -38,3 +38,28 @@ def keep_in_register(value, lane):
     computed once from the thread index (an ldmatrix offset) then stays in a register instead
     of being rematerialised from the thread index in every KV iteration."""
     return uint32(cuda.shfl_sync(FULL_MASK, int32(value), lane))
+
+
+def unroll(step, count: int):
+    """A device function ``run(state)`` that calls ``step(0, state)``, ..., ``step(count - 1,
+    state)``: a loop unrolled in Python. For loop bodies too large for NVVM to unroll fully: a
+    loop left rolled indexes the fragment arrays at run time, which puts them in local memory.
+    ``state`` is a tuple of whatever the steps share."""
+
+    @cuda.jit(device=True, inline="always")
+    def nothing(state):
+        pass
+
+    run = nothing
+    for k in reversed(range(count)):
+        run = _prepend(step, k, run)
+    return run
+
+
+def _prepend(step, k, rest):
+    @cuda.jit(device=True, inline="always")
+    def run(state):
+        step(k, state)
+        rest(state)
+
+    return run

@@ -20,7 +20,7 @@ from numba import cuda, float32, types, uint32
 
 from .. import ptx
 from .blocks import mask_scores, query_block, visible_kv_tiles
-from .common import FULL_MASK, NEG_INF, THRESHOLD, keep_in_register
+from .common import FULL_MASK, NEG_INF, THRESHOLD, keep_in_register, unroll
 from .epilogue import stage_output_rows, store_lse, store_rows_global
 from .shapes import ForwardConfig
 from .smem import (
@@ -31,7 +31,16 @@ from .smem import (
     ldmatrix_offsets,
     load_a_fragments,
 )
-from .softmax import exponentiate, max_grew, pack_p_fragments, rescale_rows, scaled_row_maxes
+from .softmax import (
+    exponent_offsets,
+    exponentiate,
+    exponentiate_slice,
+    max_grew,
+    pack_p_fragments,
+    pack_p_slice,
+    rescale_rows,
+    scaled_row_maxes,
+)
 
 
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
@@ -51,6 +60,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     Q_RESIDENT = config.q_in_regs  # Q fragments in registers for the whole loop, else per k-slice
     DOUBLE_BUFFER = config.double_buffer
     EARLY_K = config.early_k
+    INTERLEAVE = config.interleave_pv
     D_K_TILES = D // 16  # k-tiles of the QKᵀ product
     D_N_TILES = D // 8  # n-tiles of the O accumulator
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
@@ -153,28 +163,34 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         v_mma(acc_o, p_frag, b_frag, buf, i)
 
     @cuda.jit(device=True, inline="always")
-    def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
-        """O += P V_j: P from registers, V fragments by transposing ldmatrix (the next one
-        issued before the current mma.sync with DOUBLE_BUFFER)."""
+    def pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt):
+        """O += P V_j over the 16 keys of k-slice ``kt``: P from registers, V fragments by
+        transposing ldmatrix. With DOUBLE_BUFFER each step loads the next V pair (the first
+        of the next slice at the end) before its mma.sync; ``v_load(.., 0)`` starts it."""
         if DOUBLE_BUFFER:
-            v_load(b_frag, 0, v_tile, v_offsets, 0)
-            for kt in range(P_K_TILES):
-                for p in range(O_PAIRS // 2):
-                    i = kt * O_PAIRS + 2 * p
-                    pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 0, i)
-                    pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 1, i + 1)
+            for p in range(O_PAIRS // 2):
+                i = kt * O_PAIRS + 2 * p
+                pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 0, i)
+                pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 1, i + 1)
             return
-        for kt in range(P_K_TILES):
-            for j2 in range(O_PAIRS):
-                ptx.ldmatrix_x4_trans(b_frag[0], v_tile + block_offset(v_offsets, j2, BN, RB) + kt * 16 * RB)
-                for mt in range(MT):
-                    mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0, 0:2])
-                    mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[0, 2:4])
+        for j2 in range(O_PAIRS):
+            ptx.ldmatrix_x4_trans(b_frag[0], v_tile + block_offset(v_offsets, j2, BN, RB) + kt * 16 * RB)
+            for mt in range(MT):
+                mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0, 0:2])
+                mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[0, 2:4])
 
     @cuda.jit(device=True, inline="always")
-    def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
-        """S -> P (16-bit fragments) in the exp2 domain. The row max is refreshed lazily: O is
-        rescaled only when some row of the warp grew by more than 2^THRESHOLD."""
+    def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
+        """O += P V_j, k-slice by k-slice."""
+        if DOUBLE_BUFFER:
+            v_load(b_frag, 0, v_tile, v_offsets, 0)
+        for kt in range(P_K_TILES):
+            pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt)
+
+    @cuda.jit(device=True, inline="always")
+    def refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2):
+        """This tile's row maxes; the running ones are refreshed lazily: O is rescaled only
+        when some row of the warp grew by more than 2^THRESHOLD."""
         grow = False
         for mt in range(MT):
             scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], scale_log2)
@@ -182,6 +198,41 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         if cuda.any_sync(FULL_MASK, grow):
             for mt in range(MT):
                 rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
+
+    @cuda.jit(device=True, inline="always")
+    def slice_into_pv(kt, state):
+        """Exponentials of k-slice ``kt`` (16 keys, every m-tile), then its PV mma.sync."""
+        acc_s, acc_o, p_frag, m_use, row_sum, scale_log2, v_tile, v_offsets, b_frag = state
+        for mt in range(MT):
+            exponentiate_slice(acc_s[mt], kt, m_use[mt], row_sum[mt], scale_log2)
+            pack_p_slice(p_frag[mt], acc_s[mt], kt, BF16)
+        pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt)
+
+    slices_into_pv = unroll(slice_into_pv, P_K_TILES)
+
+    @cuda.jit(device=True, inline="always")
+    def softmax_into_pv(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2, v_tile, v_offsets, b_frag):
+        """The online softmax and O += P V_j as one stretch of code with no barrier: the
+        exponentials of each 16-key slice, then that slice's PV mma.sync, so that a warp's
+        MUFU work on slice kt + 1 can overlap its tensor-core work on slice kt."""
+        if DOUBLE_BUFFER:
+            v_load(b_frag, 0, v_tile, v_offsets, 0)  # V_j has landed: needs no row max
+        refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)
+        m_use = cuda.local.array((MT, 2), float32)
+        row_sum = cuda.local.array((MT, 2), float32)
+        for mt in range(MT):
+            exponent_offsets(m_use[mt], m_run[mt])
+            for r in range(2):
+                row_sum[mt, r] = 0.0
+        slices_into_pv((acc_s, acc_o, p_frag, m_use, row_sum, scale_log2, v_tile, v_offsets, b_frag))
+        for mt in range(MT):
+            for r in range(2):
+                l_run[mt, r] += row_sum[mt, r]
+
+    @cuda.jit(device=True, inline="always")
+    def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
+        """S -> P (16-bit fragments) in the exp2 domain, row maxes refreshed lazily."""
+        refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)
         for mt in range(MT):
             exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
             pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
@@ -264,27 +315,30 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             ptx.cp_async_commit_group()
 
             qk_scores(acc_s, q_frag, q_warp + zero, v_offsets, sk, k_offsets, b_frag)
-            if EARLY_K:
+            if INTERLEAVE:
+                ptx.cp_async_wait_group_0()  # V_j has landed (the barrier below: for everyone)
+            if INTERLEAVE or EARLY_K:
                 cuda.syncthreads()  # every warp is done with K_j: K_{j+1} overlaps the softmax
                 if n_block + 1 < n_tiles:
                     copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
-                ptx.cp_async_commit_group()  # (empty on the last tile: the wait below stays right)
+                ptx.cp_async_commit_group()  # (empty on the last tile: the waits stay right)
             if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
                 for mt in range(MT):  # keys past the end, and (causal) after the diagonal
                     mask_scores(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, seqlen_k, diag, CAUSAL)
-            online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2)
-
-            if EARLY_K:
-                ptx.cp_async_wait_group_1()  # V_j has landed (K_{j+1} may still be in flight) ...
-                cuda.syncthreads()  # ... for everyone
+            if INTERLEAVE:
+                softmax_into_pv(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2, sv, v_offsets, b_frag)
             else:
-                ptx.cp_async_wait_group_0()  # V_j has landed ...
-                cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
-                if n_block + 1 < n_tiles:
-                    copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
-                    ptx.cp_async_commit_group()
-
-            pv_accumulate(acc_o, p_frag, sv, v_offsets, b_frag)
+                online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2)
+                if EARLY_K:
+                    ptx.cp_async_wait_group_1()  # V_j has landed (K_{j+1} may still be in flight) ...
+                    cuda.syncthreads()  # ... for everyone
+                else:
+                    ptx.cp_async_wait_group_0()  # V_j has landed ...
+                    cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
+                    if n_block + 1 < n_tiles:
+                        copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
+                        ptx.cp_async_commit_group()
+                pv_accumulate(acc_o, p_frag, sv, v_offsets, b_frag)
 
         # Epilogue: normalise, stage this warp's rows in its own part of the Q tile, then
         # 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.

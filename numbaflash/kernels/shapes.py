@@ -29,6 +29,11 @@ class ForwardConfig:
     # Issue the copy of K_{j+1} right after S_j = Q K_jᵀ (one more barrier a tile) instead of
     # after the softmax, so that it overlaps the softmax too.
     early_k: bool = False
+    # Wait for V_j right after S_j = Q K_jᵀ (the barrier that frees K_j, whose next copy then
+    # overlaps the softmax as with early_k), and exponentiate P one 16-key slice at a time, each
+    # slice followed by its PV mma.sync: with no barrier between them ptxas can overlap a warp's
+    # exponentials (MUFU) with its PV (tensor cores). Implies the early K copy: early_k must be False.
+    interleave_pv: bool = False
     # CTAs an SM the registers must leave room for: ptxas then keeps a thread within
     # 65536 / (threads * min_ctas) registers (launch bounds). More warps a scheduler could
     # hide more of the fixed latencies of the softmax and mma.sync chains; 1 lets a thread
@@ -44,6 +49,7 @@ class ForwardConfig:
         """Kernel-name suffix of the non-default knobs (empty for the original kernel)."""
         return ("_qs" if not self.q_in_regs and self.head_dim <= 128 else "") + (
             "_db" if self.double_buffer else "") + ("_ek" if self.early_k else "") + (
+            "_ip" if self.interleave_pv else "") + (
             f"_o{self.min_ctas}" if self.min_ctas > 1 else "")
 
     @property
@@ -66,6 +72,9 @@ class ForwardConfig:
             raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
         if self.double_buffer and self.block_n % 32:
             raise ValueError(f"double_buffer needs block_n a multiple of 32 (K loads in pairs), got {self}")
+        if self.interleave_pv and self.early_k:
+            raise ValueError("interleave_pv already copies K_(j+1) right after S_j: early_k must be False, "
+                             f"got {self}")
         if not 1 <= self.min_ctas <= 4 or self.threads * self.min_ctas > 2048:
             raise ValueError(f"min_ctas must be 1..4 with at most 2048 threads an SM, got {self}")
         block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row

@@ -72,15 +72,42 @@ def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
 
 
 @cuda.jit(device=True, inline="always")
+def pack_p_slice(p_frag, p, kt, bf16):
+    """P k-tile ``kt`` (16 keys: S n-tiles 2kt and 2kt+1, fp32) -> the 16-bit A fragment
+    ``p_frag[kt]`` of the PV product; the two n-tiles are exactly the m16k16 A layout."""
+    for half in range(2):
+        for r in range(2):
+            lo = p[2 * kt + half, 2 * r]
+            hi = p[2 * kt + half, 2 * r + 1]
+            p_frag[kt, 2 * half + r] = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
+
+
+@cuda.jit(device=True, inline="always")
 def pack_p_fragments(p_frag, p, k_tiles, bf16):
-    """P (fp32 fragments) -> 16-bit A fragments of the PV product, in registers: k-tile kt
-    (16 keys) is S n-tiles 2kt and 2kt+1, which is exactly the m16k16 A layout."""
+    """P (fp32 fragments) -> 16-bit A fragments of the PV product, in registers."""
     for kt in range(k_tiles):
+        pack_p_slice(p_frag, p, kt, bf16)
+
+
+@cuda.jit(device=True, inline="always")
+def exponent_offsets(m_use, m_run):
+    """``m_use[r]``: the running max of row half r, or 0 for a row with no key yet (its
+    scores are all -inf, so exp2(-inf - 0) gives 0 instead of NaN)."""
+    for r in range(2):
+        m_use[r] = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
+
+
+@cuda.jit(device=True, inline="always")
+def exponentiate_slice(s, kt, m_use, row_sum, scale_log2):
+    """P = exp2(S·scale·log2(e) - m) in place for the 16 keys of PV k-tile ``kt`` (S n-tiles
+    2kt and 2kt+1), adding them to this lane's partial row sums ``row_sum[r]``."""
+    for r in range(2):
         for half in range(2):
-            for r in range(2):
-                lo = p[2 * kt + half, 2 * r]
-                hi = p[2 * kt + half, 2 * r + 1]
-                p_frag[kt, 2 * half + r] = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
+            j = 2 * kt + half
+            for e in range(2):
+                p = ptx.exp2(s[j, 2 * r + e] * scale_log2 - m_use[r])
+                s[j, 2 * r + e] = p
+                row_sum[r] += p
 
 
 @cuda.jit(device=True, inline="always")
