@@ -98,6 +98,7 @@ def test_candidates_of_the_new_dims(head_dim):
 @pytest.mark.parametrize("config, message", [
     (ForwardConfig(48), "multiple of 32"), (ForwardConfig(288), "multiple of 32"),
     (ForwardConfig(256, block_m=16, block_n=16), "8-row swizzle groups"),
+    (ForwardConfig(64, warp_m_tiles=2, interleave_pv=True, early_k=True), "early_k must be False"),
 ])
 def test_forward_config_check_rejects(config, message):
     with pytest.raises(ValueError, match=message):
@@ -166,3 +167,14 @@ def test_ldmatrix_offsets_match_the_layout(monkeypatch, offset, row_bytes):
                 assert got == offset(row, 2 * kb + half, tile_rows, row_bytes)
                 # rows 16 further down: the same pattern, 16 rows of bytes later
                 assert got + 16 * row_bytes == offset(row + 16, 2 * kb + half, tile_rows, row_bytes)
+
+
+def test_interleave_pv_is_named_and_kept_by_the_table():
+    """The knob shows in the kernel name and survives the JSON table round trip."""
+    cfg = ForwardConfig(64, block_m=128, block_n=128, warp_m_tiles=2, q_in_regs=False, double_buffer=True,
+                        interleave_pv=True)
+    assert cfg.tag == "_qs_db_ip"
+    assert configs.config_from_json(configs.config_to_json(cfg)) == cfg
+    # entries written before the knob existed read as interleave_pv=False
+    old = {k: v for k, v in configs.config_to_json(cfg).items() if k != "interleave_pv"}
+    assert configs.config_from_json(old).interleave_pv is False
