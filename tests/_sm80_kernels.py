@@ -11,6 +11,7 @@ from numba import cuda, float32, types, uint16, uint32
 
 from numbaflash import ptx
 from numbaflash.demos.tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
+from numbaflash.kernels.common import unroll
 
 LANES = 32
 POOL_ROWS = 64  # 16-byte rows of 8 uint16 in the ldmatrix source pool
@@ -262,6 +263,29 @@ def exp2_poly_kernel(x, out):
     if i < x.size:
         out[i] = ptx.exp2_poly(x[i])
 
+UNROLL_STEPS = 12
+
+
+@cuda.jit(device=True, inline="always")
+def _running_sum_step(k, state):
+    """Step k of ``unroll_kernel``: acc[k] = acc[k - 1] + 2^(x + k), so order matters."""
+    acc, x = state
+    previous = acc[k - 1] if k > 0 else float32(0.0)
+    acc[k] = previous + ptx.exp2(x + float32(k))
+
+
+_running_sums = unroll(_running_sum_step, UNROLL_STEPS)
+
+
+def unroll_kernel(x, out):
+    """One thread: out[k] = sum over i <= k of 2^(x[0] + i), k < UNROLL_STEPS, through
+    ``common.unroll`` (a local array indexed by the step number stays in registers)."""
+    acc = cuda.local.array(UNROLL_STEPS, float32)
+    _running_sums((acc, x[0]))
+    for k in range(UNROLL_STEPS):
+        out[k] = acc[k]
+
+
 _LDMATRIX = {
     "ldmatrix_x1": (ptx.ldmatrix_x1, 1),
     "ldmatrix_x2": (ptx.ldmatrix_x2, 2),
@@ -294,6 +318,7 @@ KERNELS = {
     "pack": (pack_kernel, PACK_ARGTYPES),
     "exp2": (exp2_kernel, EXP2_ARGTYPES),
     "exp2_poly": (exp2_poly_kernel, EXP2_ARGTYPES),
+    "unroll": (unroll_kernel, EXP2_ARGTYPES),
     "tile_gemm_f16": (make_tile_gemm(False), TILE_GEMM_ARGTYPES),
     "tile_gemm_bf16": (make_tile_gemm(True), TILE_GEMM_ARGTYPES),
 }

@@ -340,6 +340,15 @@ def test_exp2_approx_ftz():
     assert got[8] == 1.0 and got[9] == 1.0  # subnormal inputs flushed to zero
 
 
+@gpu
+def test_unroll_runs_every_step_once_in_order():
+    x = np.array([-3.25], np.float32)
+    out = np.full(K.UNROLL_STEPS, np.nan, np.float32)
+    _, out = _run("unroll", 1, 1, x, out)
+    ref = np.cumsum(np.exp2(x[0].astype(np.float64) + np.arange(K.UNROLL_STEPS)))
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+
+
 def exp2_poly_inputs() -> np.ndarray:
     rng = _rng("exp2_poly")
     return np.concatenate([

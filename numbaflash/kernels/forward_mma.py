@@ -10,6 +10,10 @@ in the exp2 domain with the scale folded into one FFMA; P becomes the A operand 
 product in registers; O is rescaled only when a row max grows (``common.THRESHOLD``) and is
 normalised once at the end, then written through shared memory with 16-byte stores.
 
+With ``config.interleave_pv`` (the shipped d64 kernels) V_j is waited for right after S_j, and
+the exponentials of each 16-key slice are followed by that slice's PV mma.sync with no barrier
+in between, so that ptxas interleaves a warp's MUFU work with its tensor-core work.
+
 Tiles are stored as 64-column blocks of 128-byte rows when head_dim is a multiple of 64, else
 (32, 96) as 32-column blocks of 64-byte rows (``smem``); head dims 32, 64, 96, 128, 256.
 """
