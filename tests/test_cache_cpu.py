@@ -380,7 +380,9 @@ def test_precompile_command_fills_the_cache_with_no_gpu(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout, done.stderr
 
-    n = len(SUPPORTED_HEAD_DIMS) * 2 * 2  # head dims x causal x dtypes
+    shipped = {(forward_config((8, 0), d, causal, seqlen=s), causal) for d in SUPPORTED_HEAD_DIMS
+               for causal in (False, True) for s in (None, SHORT_SEQLEN)}  # long and short entries
+    n = len(shipped) * 2  # x dtypes
     out, err = run("--arch", "sm_80", "--jobs", "2")
     assert f"{n} kernels: {n} compiled, 0 already cached" in out
     assert f"{n}/{n}" in err and "[" + "#" * precompile.BAR_WIDTH + "]" in err  # the progress bar
