@@ -93,7 +93,10 @@ _WS_SHAPES = {
          # a quarter of the exponentials on the FMA pipe (poly_exp 4: 6 of 24 score tiles)
          (192, 2, True, True, 2, False, 4), (192, 2, True, False, 2, False, 4)),
     128: ((128, 2, True, False, 2), (128, 2, True, True, 2), (128, 2, True, False, 1),
-          (128, 2, False, False, 2)),
+          (128, 2, False, False, 2),
+          # FlashAttention-3's non-causal d128 tile, 128 x 176: two 44 KB stages of K and of V
+          # leave no room for a second Q buffer or an O tile (O is staged in Q)
+          (176, 2, True, False, 1, True), (176, 2, True, True, 1, True)),
     96: ((128, 2, True, False, 2), (128, 2, True, True, 2), (192, 2, True, True, 2), (192, 2, True, False, 2),
          (128, 3, True, False, 2)),
     # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them.

@@ -45,6 +45,8 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 #define REGS_40 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 "}"
 #define REGS_48 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 "}"
 #define REGS_64 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 ", " R8_6 ", " R8_7 "}"
+#define REGS_88 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 ", " R8_6 ", " R8_7 ", " \
+  R8_8 ", " R8_9 ", " R8_10 "}"
 #define REGS_96 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 ", " R8_6 ", " R8_7 ", " \
   R8_8 ", " R8_9 ", " R8_10 ", " R8_11 "}"
 #define REGS_128 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 ", " R8_6 ", " R8_7 ", " \
@@ -63,6 +65,7 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 #define ACC_40 ACC32(0), ACC8(32)
 #define ACC_48 ACC32(0), ACC16(32)
 #define ACC_64 ACC64(0)
+#define ACC_88 ACC64(0), ACC16(64), ACC8(80)
 #define ACC_96 ACC64(0), ACC32(64)
 #define ACC_128 ACC64(0), ACC64(64)
 
@@ -113,5 +116,6 @@ WGMMA_N(64, 32, "32", "33", "34", "35", "36", "37")
 WGMMA_N(80, 40, "40", "41", "42", "43", "44", "45")
 WGMMA_N(96, 48, "48", "49", "50", "51", "52", "53")
 WGMMA_N(128, 64, "64", "65", "66", "67", "68", "69")
+WGMMA_N(176, 88, "88", "89", "90", "91", "92", "93")
 WGMMA_N(192, 96, "96", "97", "98", "99", "100", "101")
 WGMMA_N(256, 128, "128", "129", "130", "131", "132", "133")

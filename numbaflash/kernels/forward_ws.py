@@ -38,7 +38,9 @@ rows (64B swizzle) at 96, whose 192-byte rows do not split into 128-byte blocks.
 per block; the wgmma descriptors and the stmatrix addresses use the same swizzle.
 
 Ragged lengths need no special path: TMA zero-fills rows past the end of Q, K and V, and the
-last KV tile is masked. Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
+last KV tile is masked. With 192-row tiles (three consumers), a warpgroup whose rows all lie
+past seqlen_q runs no GEMMs and only keeps the rings and turns in step (``pass_over``).
+Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
 caller's strides, so GQA is a kv-head coordinate and strided inputs cost nothing.
 """
 
@@ -78,6 +80,10 @@ Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
 # Per-warp online-softmax state: running row maxes (scaled, log2), this lane's part of the
 # row sums, a tile's row maxes, and the O rescale factors of the last max change.
 RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx", "alpha"])
+# What a consumer reads and writes besides its registers, and the softmax scale.
+Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2"])
+# One query tile in a consumer's hands: the tile, its first ring positions (KV, Q) and KV tile count.
+TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles"])
 # Where a consumer warp sits: consumer warpgroup (0 .. consumers - 1), warp in it, lane, thread in it.
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 
@@ -119,6 +125,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     EPILOGUE_BARRIER = TURN_BARRIER + CONSUMERS  # + consumer warpgroup: after the turn barriers
+    # A consumer warpgroup whose 64 rows all lie past seqlen_q passes over the tile (pass_over)
+    # with 192-row tiles, where 1024 rows fill 5 1/3 blocks; with 2 consumers the branch cost
+    # the 240-register causal kernels spills and their uniform-register schedule arithmetic.
+    SKIP_IDLE = CONSUMERS == 3
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     dtype = "bf16" if bf16 else "f16"
@@ -312,6 +322,29 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             fence_o(acc_o)
             release(bars.v_empty, last, RING, seat.lane)
 
+    @cuda.jit(device=True, inline="always")
+    def pass_over(bars, kv0, n_tiles, seat):
+        """A warpgroup whose 64 rows all lie past seqlen_q (the ragged last block: 1024 rows
+        fill 5 1/3 blocks of 192) runs no GEMMs, but keeps the rings and the ping-pong turns in
+        step: it waits for each stage as ``attend_*`` would, in the same order, and releases it
+        (an arrival before the stage is full would count for the wrong round)."""
+        for j in range(n_tiles):
+            i = kv0 + uint32(j)
+            wait_full(bars.k_full, i, RING)
+            if OVERLAP and j > 0:
+                wait_full(bars.v_full, i - ONE, RING)
+                take_turn(seat)
+                pass_turn(seat)
+                release(bars.v_empty, i - ONE, RING, seat.lane)
+            release(bars.k_empty, i, RING, seat.lane)
+            if not OVERLAP:
+                wait_full(bars.v_full, i, RING)
+                release(bars.v_empty, i, RING, seat.lane)
+        if OVERLAP and n_tiles > 0:
+            last = kv0 + uint32(n_tiles) - ONE
+            wait_full(bars.v_full, last, RING)
+            release(bars.v_empty, last, RING, seat.lane)
+
     # ------------------------------------------------------------------ epilogue
 
     @cuda.jit(device=True, inline="always")
@@ -376,6 +409,38 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     # ------------------------------------------------------------------ consumer
 
     @cuda.jit(device=True, inline="always")
+    def attend_tile(acc, stats, descs, io, work, seat):
+        """One query tile for this warpgroup: S, softmax and PV over its KV tiles, then the
+        epilogue (O, LSE) and the Q buffer's release."""
+        acc_s, acc_o, regs = acc[0], acc[1], acc[3]
+        maps, bars, tiles, problem, tile = io.maps, io.bars, io.tiles, io.problem, work.tile
+        kv0, round_q, n_tiles, scale_log2 = work.kv0, work.round_q, work.n_tiles, io.scale_log2
+        for j in range(D_N_TILES):
+            for e in range(4):
+                acc_o[j, e] = 0.0
+        for r in range(2):
+            stats.m_run[r] = NEG_INF
+            stats.l_run[r] = 0.0
+        row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
+        at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
+        wait_full(bars.q_full, round_q, Q_RING)
+        q_slot = round_q % Q_RING
+        tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
+        gemm_acc = (acc_s, acc_o, acc[2])
+        if OVERLAP:
+            attend_overlapped(gemm_acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
+        else:
+            attend_serial(gemm_acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
+        q_empty = bars.q_empty + uint32(8) * q_slot
+        if not O_IN_Q:
+            release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
+        tile_o = tiles.q + q_slot * uint32(Q_BYTES) if O_IN_Q else tiles.o
+        store_o(acc_o, stats, tile_o, maps, tile, seat, regs, q_empty)
+        if io.write_lse:
+            store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
+                      problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
+
+    @cuda.jit(device=True, inline="always")
     def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
         """Every tile of this CTA: S, softmax and PV over its KV tiles, then the epilogue."""
         acc_o = cuda.local.array((D_N_TILES, 4), float32)
@@ -384,13 +449,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         regs = cuda.local.array(4, uint32)
         stats = RowStats(cuda.local.array(2, float32), cuda.local.array(2, float32),
                          cuda.local.array(2, float32), cuda.local.array(2, float32))
-        acc = (acc_s, acc_o, p_frag)
+        acc = (acc_s, acc_o, p_frag, regs)
         # Q rows of this warpgroup (K-major); K stage 0 (K-major); V stage 0 (MN-major:
         # head-dim blocks BN * RB bytes apart).
         descs = (desc_k_major(tiles.q + seat.wg * 64 * RB), desc_k_major(tiles.k),
                  desc_mn_major(tiles.v, BN * RB))
         if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
+        io = Io(maps, bars, tiles, problem, lse, write_lse, scale_log2)
         kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
         round_q = uint32(0)
         for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
@@ -399,31 +465,19 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 if not present:
                     continue
                 n_tiles = kv_tiles_of(tile, problem)
-                for j in range(D_N_TILES):
-                    for e in range(4):
-                        acc_o[j, e] = 0.0
-                for r in range(2):
-                    stats.m_run[r] = NEG_INF
-                    stats.l_run[r] = 0.0
-                row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
-                at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
-                wait_full(bars.q_full, round_q, Q_RING)
-                q_slot = round_q % Q_RING
-                tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
-                if OVERLAP:
-                    attend_overlapped(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
-                else:
-                    attend_serial(acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
-                q_empty = bars.q_empty + uint32(8) * q_slot
-                if not O_IN_Q:
-                    release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
-                kv0 += uint32(n_tiles)
+                if not SKIP_IDLE or tile.m_block * BM + seat.wg * 64 < problem.seqlen_q:
+                    work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles)
+                    attend_tile(acc, stats, descs, io, work, seat)
+                else:  # every row of this warpgroup lies past seqlen_q
+                    wait_full(bars.q_full, round_q, Q_RING)
+                    pass_over(bars, kv0, n_tiles, seat)
+                    if O_IN_Q:
+                        if seat.thread == 0:
+                            hp.mbarrier_arrive(bars.q_empty + uint32(8) * (round_q % Q_RING))  # as store_o
+                    else:
+                        release(bars.q_empty, round_q, Q_RING, seat.lane)
+                kv0 += uint32(n_tiles)  # after the branch: the ring positions stay uniform
                 round_q += ONE
-                tile_o = tiles.q + q_slot * uint32(Q_BYTES) if O_IN_Q else tiles.o
-                store_o(acc_o, stats, tile_o, maps, tile, seat, regs, q_empty)
-                if write_lse:
-                    store_lse(lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
-                              problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
         if PINGPONG and seat.wg == 0:
             hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # the last consumer's last hand-over
         if seat.thread == 0:
@@ -470,7 +524,11 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
-            seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
+            wg = thread // uint32(WARPGROUP)
+            if SKIP_IDLE:  # a broadcast from lane 0, which ptxas knows to be warp-uniform: a
+                # branch on it (pass_over) keeps the ring arithmetic in uniform registers
+                wg = uint32(cuda.shfl_sync(FULL_MASK, int32(wg), 0))
+            seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
             consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse)
 

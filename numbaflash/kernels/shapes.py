@@ -148,8 +148,8 @@ class WsConfig:
     def check(self) -> None:
         if self.head_dim not in (64, 96, 128, 256):
             raise ValueError(f"head_dim must be 64, 96, 128 or 256, got {self.head_dim}")
-        if self.block_n not in (64, 80, 128, 192):  # a bound wgmma N (ptx/wgmma.cu), 16 keys a k-step
-            raise ValueError(f"block_n must be 64, 80, 128 or 192, got {self.block_n}")
+        if self.block_n not in (64, 80, 128, 176, 192):  # a bound wgmma N (ptx/wgmma.cu), 16 keys a k-step
+            raise ValueError(f"block_n must be 64, 80, 128, 176 or 192, got {self.block_n}")
         if self.consumers not in (2, 3):
             raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
         if self.consumers == 3 and (self.head_dim != 64 or self.block_n > 128):

@@ -35,7 +35,7 @@ _void = types.void
 # wgmma: fence, commit, wait, mma_async
 # ---------------------------------------------------------------------------------------------
 
-WGMMA_N = (8, 16, 32, 64, 80, 96, 128, 192, 256)
+WGMMA_N = (8, 16, 32, 64, 80, 96, 128, 176, 192, 256)
 """The N of every wgmma m64nNk16 shape bound here (accumulators per thread: N / 2)."""
 
 wgmma_fence = declare("wgmma", "wgmma_fence", _void())
