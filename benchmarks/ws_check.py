@@ -8,7 +8,8 @@
 Variants: ``serial`` (one GEMM at a time), ``ovl`` (S_{j+1} issued with PV_j, softmax while
 PV is in flight), ``pp`` (ovl + ping-pong between the consumer warpgroups), for d64 and d128;
 ``c3`` has three consumer warpgroups (192 query rows, d64);
-d96 (64B swizzle) and d256 (128 x 80 or 128 x 64 tiles, O staged in the Q buffer) likewise.
+d96 (64B swizzle), d256 (128 x 80 or 128 x 64 tiles, O staged in the Q buffer) and d128 at
+128 x 176 (O staged in the Q buffer) likewise.
 ``correct`` poisons O and LSE (NaN) before each launch, runs each case on a full grid and on
 a 2-CTA grid (many tiles per CTA: the rings wrap, phases flip), and checks that repeated runs
 are bit-identical. ``bench`` times against SDPA cuDNN in the same
@@ -45,6 +46,8 @@ def variants() -> dict[str, WsConfig]:
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
     out["d64-c3-ovl"] = WsConfig(64, 128, 2, consumers=3, overlap=True)  # 192 rows, 3 consumers
     out["d64-c3-pp"] = WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True)
+    for name, pp in (("ovl", False), ("pp", True)):  # d128, 128 x 176: one Q buffer, which stages O
+        out[f"d128-{name}-n176"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1, o_in_q=True)
     for n in (128, 192):  # d96: 32-column blocks of 64-byte rows
         out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2, overlap=True)
         out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, overlap=True, pingpong=True)
