@@ -333,3 +333,37 @@ def test_more_than_2_31_elements(family):
         assert torch.equal(torch.isneginf(lse[bi, h]), ~seen)
         assert (lse[bi, h][seen] - ref_lse[seen]).abs().max().item() < 1e-3
     del q, out
+
+
+# Warp-specialised configs whose tiles leave whole warpgroups without rows (192-row tiles,
+# pass_over) or stage O in the Q buffer (q_stages 1): each CTA of a 2-CTA grid runs many tiles,
+# so the rings wrap and warpgroups go from passing over a tile to working on the next.
+FEW_CTA_CONFIGS = sorted({c for key, cands in CANDIDATES.items() if key[0] == "sm90" for c in cands
+                          if isinstance(c, configs.WsConfig) and (c.consumers == 3 or c.block_n == 176)},
+                         key=str)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", FEW_CTA_CONFIGS, ids=str)
+def test_ws_two_ctas_match_full_grid(rng, cfg):
+    """On a 2-CTA grid the kernel gives bit for bit the full grid's O and LSE, and both are
+    correct: ragged rows (1000 = 5 blocks of 192 and 40 rows), causal and not, GQA."""
+    torch = pytest.importorskip("torch")
+    if configs.arch_family(gpu_capability()) != "sm90":
+        pytest.skip("the warp-specialised kernel needs Hopper")
+    from numbaflash.kernels.ws_launch import flash_attention_ws
+
+    for causal, (batch, sq, sk, hq, hkv) in ((False, (1, 1000, 1000, 2, 1)), (True, (1, 1000, 1000, 2, 1)),
+                                             (True, (2, 333, 77, 3, 3))):
+        q, k, v = random_qkv(rng, batch, sq, sk, hq, hkv, cfg.head_dim, np.float16)
+        tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+        results = []
+        for grid in (None, 2):
+            out = torch.full_like(tq, float("nan"))
+            lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
+            flash_attention_ws(tq, tk, tv, causal=causal, return_lse=True, out=out, lse=lse, config=cfg,
+                               grid=grid)
+            results.append((out.cpu().numpy(), lse.cpu().numpy()))
+        (out, lse), (out2, lse2) = results
+        assert out.tobytes() == out2.tobytes() and lse.tobytes() == lse2.tobytes(), "2-CTA grid differs"
+        check_attention(q, k, v, causal, out, lse)
