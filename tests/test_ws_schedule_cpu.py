@@ -1,7 +1,8 @@
 """The persistent Hopper kernel's work list (``kernels.blocks.work_units`` / ``unit_tile``), run
 on CPU through the device functions' Python bodies: every query block of every (batch, head)
-comes exactly once, units of one head are consecutive, and with causal masking every unit of a
-square problem reads the same number of KV tiles (CTAs that take units in turn stay in step)."""
+comes exactly once, units of one head are consecutive, with causal masking every unit of a
+square problem reads the same number of KV tiles (CTAs that take units in turn stay in step),
+and every CTA takes every position of a head in turn."""
 
 from __future__ import annotations
 
@@ -16,22 +17,23 @@ unit_tile = blocks.unit_tile.py_func
 visible_kv_tiles = blocks.visible_kv_tiles.py_func
 
 
-def walk(m_blocks, heads_q, group, batch, causal):
-    """[(unit, tile)] in the order the units are numbered."""
+def walk(m_blocks, heads_q, group, batch, causal, grid=132):
+    """[(unit, tile)] in the order the units are numbered (``grid`` CTAs)."""
     out = []
     for u in range(work_units(m_blocks, heads_q, batch, causal)):
         for h in range(2 if causal else 1):
-            tile, present = unit_tile(u, h, m_blocks, heads_q, group, causal)
+            tile, present = unit_tile(u, h, m_blocks, heads_q, group, causal, grid)
             if present:
                 out.append((u, tuple(int(x) for x in tile)))
     return out
 
 
+@pytest.mark.parametrize("grid", [1, 5, 12, 132])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("m_blocks", [1, 2, 3, 7, 8, 32])
 @pytest.mark.parametrize(("heads_q", "group", "batch"), [(1, 1, 1), (4, 2, 3), (6, 6, 2)])
-def test_every_query_block_exactly_once(causal, m_blocks, heads_q, group, batch):
-    tiles = [t for _, t in walk(m_blocks, heads_q, group, batch, causal)]
+def test_every_query_block_exactly_once(causal, m_blocks, heads_q, group, batch, grid):
+    tiles = [t for _, t in walk(m_blocks, heads_q, group, batch, causal, grid)]
     expected = {(mb, h, b, h // group)
                 for mb in range(m_blocks) for h in range(heads_q) for b in range(batch)}
     assert len(tiles) == len(expected) and set(tiles) == expected
@@ -51,11 +53,26 @@ def test_causal_units_cost_the_same(seqlen, block_m, block_n):
     cost = collections.Counter()
     for u, (mb, *_rest) in walk(m_blocks, 2, 1, 1, True):
         cost[u] += visible_kv_tiles(mb * block_m, block_m, block_n, seqlen, 0, True)
-    middle = m_blocks // 2 if m_blocks % 2 else None  # the unit with one block
-    full_units = [c for u, c in cost.items() if u % ((m_blocks + 1) // 2) != middle]
+    blocks_of = collections.Counter(u for u, _ in walk(m_blocks, 2, 1, 1, True))
+    full_units = [c for u, c in cost.items() if blocks_of[u] == 2]  # not the one with one block
     assert max(full_units) - min(full_units) <= 1  # tile rounding only
     # Heaviest first: each unit starts with its longer query block.
     first = {}
     for u, (mb, *_rest) in walk(m_blocks, 2, 1, 1, True):
         first.setdefault(u, mb)
     assert all(mb >= (m_blocks - 1) / 2 for mb in first.values())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("m_blocks", "grid"), [(6, 132), (22, 132), (8, 64), (6, 12)])
+def test_each_cta_takes_every_position_in_turn(causal, m_blocks, grid):
+    """With a grid that is a multiple of the units per head (1024 rows in 192-row blocks on 132
+    SMs: 6 blocks), CTA c does not always get the same block of a head: the cheaper ragged last
+    block (warpgroups past seqlen_q pass over it) goes to every CTA in turn."""
+    per_head = (m_blocks + 1) // 2 if causal else m_blocks
+    heads = grid  # per_head rounds of every CTA
+    positions = collections.defaultdict(collections.Counter)
+    for u, (mb, *_rest) in walk(m_blocks, heads, 1, 1, causal, grid):
+        positions[u % grid][min(mb, m_blocks - 1 - mb) if causal else mb] += 1
+    for cta in range(grid):
+        assert len(positions[cta]) == per_head, f"CTA {cta} gets only blocks {sorted(positions[cta])}"

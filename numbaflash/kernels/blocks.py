@@ -60,15 +60,22 @@ def work_units(m_blocks, heads_q, batch, causal):
 
 
 @cuda.jit(device=True, inline="always")
-def unit_tile(u, h, m_blocks, heads_q, group, causal):
+def unit_tile(u, h, m_blocks, heads_q, group, causal, grid):
     """Query block h (0, or 1 with causal masking) of work unit u, and whether it exists
     (the middle unit of an odd block count has one block). Units of one (batch, head) are
-    consecutive, so CTAs running together share that head's K and V in L2."""
+    consecutive, so CTAs running together share that head's K and V in L2.
+
+    ``grid`` CTAs take units c, c + grid, ...: where grid is a multiple of the units per head,
+    CTA c would always get position c % per_head of a head, and cheaper blocks (a ragged last
+    block whose warpgroups pass over it) would all fall to the same CTAs, which then run ahead
+    and idle at the end. So the positions of a head are rotated by its round (the heads that run
+    together share a rotation): every CTA takes every position in turn."""
     m_blocks = uint32(m_blocks)
     per_head = (m_blocks + uint32(1)) // uint32(2) if causal else m_blocks
     u = uint32(u)
-    i = u % per_head
     pair = u // per_head
+    heads_per_round = max(uint32(grid) // per_head, uint32(1))
+    i = (u % per_head + pair // heads_per_round) % per_head
     m_block = i
     present = True
     if causal:

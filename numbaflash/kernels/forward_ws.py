@@ -145,7 +145,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, inline="always")
     def tile_of(u, h, problem):
-        return unit_tile(u, h, problem.m_blocks, problem.heads_q, problem.group, CAUSAL)
+        return unit_tile(u, h, problem.m_blocks, problem.heads_q, problem.group, CAUSAL, cuda.gridDim.x)
 
     @cuda.jit(device=True, inline="always")
     def kv_tiles_of(tile, problem):
