@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--short", action="store_true",
                         help=f"tune the short-sequence entries (<key>/short, read for sequences of at most "
                              f"{configs.SHORT_SEQLEN}); --seqlen must be at most that")
+    parser.add_argument("--long", action="store_true",
+                        help=f"tune the long-sequence entries (<key>/long, read for sequences of at least "
+                             f"{configs.LONG_SEQLEN}); --seqlen must be at least that")
     parser.add_argument("--match", action="append", default=[],
                         help="time only candidates whose text contains this (repeatable: any of them)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -64,6 +67,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.short and args.seqlen > configs.SHORT_SEQLEN:
         parser.error(f"--short tunes sequences of at most {configs.SHORT_SEQLEN}, got --seqlen {args.seqlen}")
+    if args.long and (args.short or args.seqlen < configs.LONG_SEQLEN):
+        parser.error(f"--long tunes sequences of at least {configs.LONG_SEQLEN} (not with --short), "
+                     f"got --seqlen {args.seqlen}")
     cap = torch.cuda.get_device_capability()
     print("GPU:", torch.cuda.get_device_name(), configs.arch_family(cap), time.strftime("%Y-%m-%d"))
     table = json.loads(configs.TABLE_PATH.read_text()) if configs.TABLE_PATH.is_file() else {}
@@ -74,7 +80,7 @@ def main() -> None:
         qkv = [torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3)]
         out = torch.empty_like(qkv[0])
         for causal in (False, True):
-            key = configs.table_key(args.key or family, d, causal, args.short)
+            key = configs.table_key(args.key or family, d, causal, args.short, args.long)
             forced = configs.table_key(configs.arch_family(cap), d, causal)  # what OVERRIDES reads
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             best = None

@@ -46,8 +46,11 @@ def variants() -> dict[str, WsConfig]:
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
     out["d64-c3-ovl"] = WsConfig(64, 128, 2, consumers=3, overlap=True)  # 192 rows, 3 consumers
     out["d64-c3-pp"] = WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True)
-    for name, pp in (("ovl", False), ("pp", True)):  # d128, 128 x 176: one Q buffer, which stages O
-        out[f"d128-{name}-n176"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1, o_in_q=True)
+    for name, pp in (("ovl", False), ("pp", True)):  # d128, 128 x 176: one Q buffer, O staged in V
+        out[f"d128-{name}-n176"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1, o_in_v=True)
+        out[f"d128-{name}-n176-oq"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1,
+                                               o_in_q=True)
+    out["d128-ovl-s3-ov"] = WsConfig(128, 128, 3, overlap=True, q_stages=1, o_in_v=True)
     for n in (128, 192):  # d96: 32-column blocks of 64-byte rows
         out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2, overlap=True)
         out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, overlap=True, pingpong=True)

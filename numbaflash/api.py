@@ -340,7 +340,8 @@ def _forward_kernel(capability, device: int, head_dim: int, causal: bool, bf16: 
 
     The config is the table's for this GPU, passing over entries that need more shared memory
     than the device gives a CTA (``configs.forward_config``), and taking its short-sequence
-    entry where ``seqlen`` (the longer of seqlen_q and seqlen_k) is at most ``SHORT_SEQLEN``.
+    entry where ``seqlen`` (the longer of seqlen_q and seqlen_k) is at most ``SHORT_SEQLEN``,
+    its long-sequence entry where it is at least ``LONG_SEQLEN``.
     The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
     there; it is loaded once per process, and its shared-memory limit is raised once per device.
     """

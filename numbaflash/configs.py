@@ -86,7 +86,7 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
         256: [(128, 32, 1), (64, 32, 1), (128, 64, 1, "", "d", "e", "de"), (64, 64, 1, "", "d", "e")],
     }.items()
 }
-# (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp]) of the warp-specialised kernel.
+# (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp, o_in_v]) of the warp-specialised kernel.
 _WS_SHAPES = {
     64: ((192, 2, True, True, 2), (192, 2, True, False, 2), (128, 3, True, True, 2), (128, 3, True, False, 2),
          (128, 3, False, False, 2),
@@ -95,8 +95,11 @@ _WS_SHAPES = {
     128: ((128, 2, True, False, 2), (128, 2, True, True, 2), (128, 2, True, False, 1),
           (128, 2, False, False, 2),
           # FlashAttention-3's non-causal d128 tile, 128 x 176: two 44 KB stages of K and of V
-          # leave no room for a second Q buffer or an O tile (O is staged in Q)
-          (176, 2, True, False, 1, True), (176, 2, True, True, 1, True)),
+          # leave no room for a second Q buffer or an O tile; O is staged in the V ring, as
+          # FlashAttention-3 does, so that the one Q buffer is free before the last PV
+          (176, 2, True, False, 1, False, 0, True), (176, 2, True, True, 1, False, 0, True),
+          # one Q buffer and O in the V ring leave room for three KV stages at 128 x 128
+          (128, 3, True, False, 1, False, 0, True)),
     96: ((128, 2, True, False, 2), (128, 2, True, True, 2), (192, 2, True, True, 2), (192, 2, True, False, 2),
          (128, 3, True, False, 2)),
     # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them.
@@ -134,10 +137,15 @@ def dispatch_family(capability: tuple[int, int], head_dim: int) -> str:
 # diagonal weigh more, so smaller tiles can win (d64 causal at 1k: 192 x 128 tiles do 67% useful
 # work, 128 x 128 tiles 89%).
 SHORT_SEQLEN = 2048
+# A problem whose longer sequence is at least LONG_SEQLEN first looks for a "long" entry
+# (``<key>/long``): there a KV tile that does not divide the length costs little (d128 128 x 176,
+# FlashAttention-3's tile: 1% padding at 8k and 16k keys, 3% at 4k).
+LONG_SEQLEN = 8192
 
 
-def table_key(family: str, head_dim: int, causal: bool, short: bool = False) -> str:
-    return f"{family}/d{head_dim}/{'causal' if causal else 'full'}" + ("/short" if short else "")
+def table_key(family: str, head_dim: int, causal: bool, short: bool = False, long: bool = False) -> str:
+    span = "/short" if short else "/long" if long else ""
+    return f"{family}/d{head_dim}/{'causal' if causal else 'full'}{span}"
 
 
 def config_to_json(config: KernelConfig) -> dict:
@@ -183,7 +191,8 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     forced config is returned as it is (the launch then fails with a message if it does not fit).
 
     ``seqlen``: the problem's longest sequence (max of seqlen_q and seqlen_k); at most
-    ``SHORT_SEQLEN``, each key's ``/short`` entry comes before it. None: the long-sequence entry.
+    ``SHORT_SEQLEN``, each key's ``/short`` entry comes before it, and at least ``LONG_SEQLEN``,
+    its ``/long`` entry. None: the plain entry.
     """
     forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
     if forced is not None:
@@ -193,8 +202,11 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     keys = [table_key(family, head_dim, causal)]
     if family == "sm80":
         keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
-    if seqlen is not None and seqlen <= SHORT_SEQLEN:
-        keys = [k for key in keys for k in (key + "/short", key)]
+    span = ""
+    if seqlen is not None:
+        span = "/short" if seqlen <= SHORT_SEQLEN else "/long" if seqlen >= LONG_SEQLEN else ""
+    if span:
+        keys = [k for key in keys for k in (key + span, key)]
     for key in keys:
         if key in _table():
             config = config_from_json(_table()[key])
@@ -217,10 +229,11 @@ def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
     """Every (family, head dim, causal, config) the dispatcher can launch (each family at its
     own head dims: the others run the sm80 family's config), including the sm80 family's
     configs for GPUs of 99 KB of shared memory a CTA where they differ, and each family's
-    short-sequence configs (``SHORT_SEQLEN``) where they differ."""
+    short- and long-sequence configs (``SHORT_SEQLEN``, ``LONG_SEQLEN``) where they differ."""
     # (family, GPU capability, seqlen) of each dispatch that may pick its own configs
     points = [(family, cap, None) for family, cap in FAMILY_CAPABILITY.items()]
-    points += [(family, cap, SHORT_SEQLEN) for family, cap in FAMILY_CAPABILITY.items()]
+    points += [(family, cap, span) for span in (SHORT_SEQLEN, LONG_SEQLEN)
+               for family, cap in FAMILY_CAPABILITY.items()]
     points += [("sm80", cap, None) for cap in SMALL_SHARED_CAPABILITIES]
     shipped = []
     for family, cap, seqlen in points:

@@ -23,6 +23,7 @@ from numba import cuda, types
 from numbaflash.configs import (
     CANDIDATES,
     DEFAULTS,
+    LONG_SEQLEN,
     SHORT_SEQLEN,
     SUPPORTED_HEAD_DIMS,
     ForwardConfig,
@@ -356,7 +357,7 @@ def test_precompile_lists_what_each_target_dispatches():
         assert {dispatch_family(cap, d) for d in (64, 128)} == {family}
         items = precompile.kernels_for(arch, candidates=False)
         dispatched = {(forward_config(cap, d, causal, seqlen=s), causal) for d in SUPPORTED_HEAD_DIMS
-                      for causal in (False, True) for s in (None, SHORT_SEQLEN)}  # long and short entries
+                      for causal in (False, True) for s in (None, SHORT_SEQLEN, LONG_SEQLEN)}  # every span
         assert len(items) == len(dispatched) * 2  # x dtypes
         for config, causal, _, item_arch in items:
             assert item_arch == arch
@@ -381,7 +382,7 @@ def test_precompile_command_fills_the_cache_with_no_gpu(tmp_path):
         return done.stdout, done.stderr
 
     shipped = {(forward_config((8, 0), d, causal, seqlen=s), causal) for d in SUPPORTED_HEAD_DIMS
-               for causal in (False, True) for s in (None, SHORT_SEQLEN)}  # long and short entries
+               for causal in (False, True) for s in (None, SHORT_SEQLEN, LONG_SEQLEN)}  # every span
     n = len(shipped) * 2  # x dtypes
     out, err = run("--arch", "sm_80", "--jobs", "2")
     assert f"{n} kernels: {n} compiled, 0 already cached" in out

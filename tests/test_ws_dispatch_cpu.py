@@ -90,22 +90,51 @@ def test_short_sequences_read_the_short_entry_first(table_with, monkeypatch):
         assert configs.forward_config(HOPPER, 64, True, seqlen=1024) == long_cfg
 
 
-def test_shipped_configs_include_the_short_entries():
+def test_long_sequences_read_the_long_entry_first(table_with, monkeypatch):
+    """``<key>/long`` serves problems whose longer sequence is at least LONG_SEQLEN; shorter
+    ones, and callers that give no length, get the plain entry; a missing long entry falls
+    back to the plain one."""
+    plain, long_cfg = WsConfig(128, 128, 2, overlap=True), WsConfig(128, 176, 2, overlap=True, q_stages=1,
+                                                                     o_in_v=True)
+    table_with({"sm90/d128/full": plain, "sm90/d128/full/long": long_cfg, "sm90/d128/causal": plain})
+    monkeypatch.delitem(configs._table(), "sm90/d128/causal/long", raising=False)
+    limit = configs.LONG_SEQLEN
+    assert configs.table_key("sm90", 128, False, long=True) == "sm90/d128/full/long"
+    assert configs.forward_config(HOPPER, 128, False, seqlen=limit) == long_cfg
+    assert configs.forward_config(HOPPER, 128, False, seqlen=16 * limit) == long_cfg
+    assert configs.forward_config(HOPPER, 128, False, seqlen=limit - 1) == plain
+    assert configs.forward_config(HOPPER, 128, False) == plain
+    assert configs.forward_config(HOPPER, 128, True, seqlen=limit) == plain
+    with configs.force_config(HOPPER, False, plain):  # a forced config serves every length
+        assert configs.forward_config(HOPPER, 128, False, seqlen=limit) == plain
+
+
+def test_d128_long_sequences_run_flashattention3s_tile():
+    """The shipped table: d128 non-causal from LONG_SEQLEN keys on runs 128 x 176 with O staged
+    in the V ring (1% padding at 8k and 16k keys; it loses at 4k, where 4096 = 23.3 x 176)."""
+    cfg = configs.forward_config(HOPPER, 128, False, seqlen=configs.LONG_SEQLEN)
+    assert (cfg.block_n, cfg.q_stages, cfg.o_in_v) == (176, 1, True)
+    assert configs.forward_config(HOPPER, 128, False, seqlen=4096).block_n == 128
+
+
+def test_shipped_configs_include_the_short_and_long_entries():
     shipped = configs.shipped_configs()
     for family, cap in configs.FAMILY_CAPABILITY.items():
         for d in configs.FAMILY_HEAD_DIMS[family]:
             for causal in (False, True):
-                short = configs.forward_config(cap, d, causal, seqlen=configs.SHORT_SEQLEN)
-                assert (family, d, causal, short) in shipped
+                for span in (configs.SHORT_SEQLEN, configs.LONG_SEQLEN):
+                    config = configs.forward_config(cap, d, causal, seqlen=span)
+                    assert (family, d, causal, config) in shipped
     assert len(set(shipped)) == len(shipped)
 
 
-def test_short_table_entries_are_valid():
-    """Every ``/short`` key names a plain key that exists, and its config checks out."""
+def test_short_and_long_table_entries_are_valid():
+    """Every ``/short`` or ``/long`` key names a plain key that exists, and its config checks out."""
     for key, entry in configs._table().items():
-        if key.endswith("/short"):
-            assert key.removesuffix("/short") in configs._table(), key
-            configs.config_from_json(entry).check()
+        for span in ("/short", "/long"):
+            if key.endswith(span):
+                assert key.removesuffix(span) in configs._table(), key
+                configs.config_from_json(entry).check()
 
 
 @pytest.mark.parametrize("sq, sk", [(3000, 100), (100, 2049), (1024, 1024)])

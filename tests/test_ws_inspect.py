@@ -26,6 +26,8 @@ CASES = {
     "d96-ovl-causal-bf16": (WsConfig(96, 128, 2, overlap=True), True, True),
     "d256-pp-n80-full-f16": (WsConfig(256, 80, 2, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
                              False, False),
+    # 128 x 176 (wgmma n176) with O staged in the V ring: the consumers' named barrier, o_empty
+    "d128-ov-n176-full-f16": (WsConfig(128, 176, 2, overlap=True, q_stages=1, o_in_v=True), False, False),
 }
 
 
@@ -99,6 +101,14 @@ def test_wgmma_not_serialised(reports, name):
     assert len(_lines(r, r"WARPGROUP\.DEPBAR")) <= 8 < len(_lines(r, r"HGMMA")), _lines(r, r"DEPBAR")
 
 
+def test_o_in_v_epilogue_waits_for_every_consumer(reports):
+    """O staged in the V ring: the epilogue's named barrier spans both consumer warpgroups
+    (256 threads) before stmatrix overwrites V, and the producer waits on O empty."""
+    r = reports("d128-ov-n176-full-f16")
+    assert any("0x100" in line for line in _lines(r, r"BAR\.SYNC")), _lines(r, r"BAR")
+    assert len(_lines(r, r"STSM")) > 0
+
+
 @pytest.mark.parametrize("name", ["d64-pp-causal-f16", "d64-c3-pp-full-bf16"])
 def test_pingpong_uses_named_barriers(reports, name):
     r = reports(name)
@@ -144,6 +154,13 @@ def test_config_checks():
         WsConfig(64, 192, consumers=3).check()
     with pytest.raises(ValueError, match="consumers must be 2 or 3"):
         WsConfig(64, 128, consumers=4).check()
+    n176 = WsConfig(128, 176, q_stages=1, o_in_v=True)  # O staged in the V ring: no O tile
+    n176.check()
+    assert n176.shared_bytes == 128 * 128 * 2 + 4 * 176 * 128 * 2 + 1024
+    with pytest.raises(ValueError, match="o_in_v needs 2 consumers"):
+        WsConfig(64, 128, consumers=3, o_in_v=True).check()
+    with pytest.raises(ValueError, match="o_in_v needs 2 consumers and not o_in_q"):
+        WsConfig(128, 176, q_stages=1, o_in_q=True, o_in_v=True).check()
 
 
 def test_encode_tensor_map_checks():

@@ -30,7 +30,10 @@ one head (equal cost per unit; see ``blocks.work_units``).
   shared tile and stored by TMA, whose tensor map clips rows past seqlen_q; LSE as before.
   With ``config.o_in_q`` (head dim 256, where shared memory holds no O tile) each consumer
   warpgroup stages its O rows over its own Q rows, and releases the Q buffer to the producer
-  only once the TMA store has read them.
+  only once the TMA store has read them. With ``config.o_in_v`` (128 x 176 at head dim 128)
+  O is staged at the start of the V ring once every warpgroup has finished reading V, and the
+  producer loads the next tile's V only after the store has read O (the "O empty" barrier);
+  Q stays free, so the next tile's Q lands during this tile's last softmax, PV and epilogue.
 
 Tiles are column blocks in a TMA swizzle layout fixed by the head dim (``config.row_bytes``):
 64 columns of 128-byte rows (128B swizzle) at head dims 64, 128 and 256; 32 columns of 64-byte
@@ -73,8 +76,9 @@ WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
 Maps = namedtuple("Maps", ["q", "k", "v", "o"])
 # Problem sizes every role needs.
 Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks"])
-# mbarriers (32-bit shared addresses; ring barriers of stage s at + 8 * s).
-Barriers = namedtuple("Barriers", ["q_full", "q_empty", "k_full", "k_empty", "v_full", "v_empty"])
+# mbarriers (32-bit shared addresses; ring barriers of stage s at + 8 * s). o_empty: the O
+# tile staged in the V ring has been read by its TMA stores (o_in_v; one completion a tile).
+Barriers = namedtuple("Barriers", ["q_full", "q_empty", "k_full", "k_empty", "v_full", "v_empty", "o_empty"])
 # Shared tiles (32-bit shared addresses, 1024-aligned): Q, K ring, V ring, O staging.
 Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
 # Per-warp online-softmax state: running row maxes (scaled, log2), this lane's part of the
@@ -116,15 +120,17 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     RING = uint32(STAGES)  # uint32 constants keep ring arithmetic in 32 bits
     ONE = uint32(1)
     QS = config.q_stages
-    BARRIER_WORDS = 2 * QS + 4 * STAGES  # q full, q empty, k full, k empty, v full, v empty rings
+    BARRIER_WORDS = 2 * QS + 4 * STAGES + 1  # q full/empty, k full/empty, v full/empty rings; o empty
     CAUSAL = causal
     TILES_PER_UNIT = 2 if causal else 1  # query blocks per work unit (blocks.work_units)
     BF16 = bf16
     O_IN_Q = config.o_in_q
+    O_IN_V = config.o_in_v
     POLY_EXP = config.poly_exp
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     EPILOGUE_BARRIER = TURN_BARRIER + CONSUMERS  # + consumer warpgroup: after the turn barriers
+    V_READ_BARRIER = EPILOGUE_BARRIER + CONSUMERS  # o_in_v: every consumer is done reading V
     # A consumer warpgroup whose 64 rows all lie past seqlen_q passes over the tile (pass_over)
     # with 192-row tiles, where 1024 rows fill 5 1/3 blocks; with 2 consumers the branch cost
     # the 240-register causal kernels spills and their uniform-register schedule arithmetic.
@@ -184,6 +190,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     # ------------------------------------------------------------------ producer
 
     @cuda.jit(device=True, inline="always")
+    def wait_o_stored(bars, round_q):
+        """o_in_v: wait until the previous tile's O, staged in the V ring, has been read by its
+        stores. Called once a tile, before anything that lets the consumers finish this tile
+        (its first V load, or its Q when it has no KV tiles), so the barrier is never more
+        than one completion ahead of the wait."""
+        if O_IN_V and round_q > 0:
+            wait_full(bars.o_empty, round_q - ONE, ONE)
+
+    @cuda.jit(device=True, inline="always")
     def produce(maps, bars, tiles, problem):
         """One thread: Q of each tile, then K_j and V_j of each of its KV tiles."""
         load = uint32(0)  # KV loads issued so far (all tiles): the ring position
@@ -193,18 +208,23 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 tile, present = tile_of(u, h, problem)
                 if not present:
                     continue
+                n_tiles = kv_tiles_of(tile, problem)
+                if n_tiles == 0:
+                    wait_o_stored(bars, round_q)
                 q_slot = round_q % Q_RING
                 wait_empty(bars.q_empty, round_q, Q_RING)  # consumers are done with this Q buffer
                 hp.mbarrier_arrive_expect_tx(bars.q_full + uint32(8) * q_slot, Q_BYTES)
                 load_tile(tiles.q + q_slot * uint32(Q_BYTES), maps.q, bars.q_full + uint32(8) * q_slot,
                           tile.m_block * BM, tile.head, tile.batch, BM)
-                for j in range(kv_tiles_of(tile, problem)):
+                for j in range(n_tiles):
                     s = load % RING
                     stage = s * uint32(KV_BYTES)
                     wait_empty(bars.k_empty, load, RING)
                     hp.mbarrier_arrive_expect_tx(bars.k_full + uint32(8) * s, KV_BYTES)
                     load_tile(tiles.k + stage, maps.k, bars.k_full + uint32(8) * s, j * BN, tile.kv_head,
                               tile.batch, BN)
+                    if j == 0:
+                        wait_o_stored(bars, round_q)
                     wait_empty(bars.v_empty, load, RING)
                     hp.mbarrier_arrive_expect_tx(bars.v_full + uint32(8) * s, KV_BYTES)
                     load_tile(tiles.v + stage, maps.v, bars.v_full + uint32(8) * s, j * BN, tile.kv_head,
@@ -262,10 +282,18 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     # ------------------------------------------------------------------ consumer main loops
 
     @cuda.jit(device=True, inline="always")
-    def attend_serial(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2):
+    def release_q(bars, work, seat):
+        """Every S GEMM of the tile is done: the producer may load the next Q into this buffer
+        (with O staged in Q, store_o releases it instead)."""
+        if not O_IN_Q:
+            release(bars.q_empty, work.round_q, Q_RING, seat.lane)
+
+    @cuda.jit(device=True, inline="always")
+    def attend_serial(acc, stats, bars, descs, work, seat, at, scale_log2):
         """One KV tile at a time: S, softmax, PV, each GEMM waited for before the next step.
         ``acc``: (acc_s, acc_o, p_frag); ``descs``: descriptors of Q, K stage 0, V stage 0."""
         acc_s, acc_o, p_frag = acc
+        kv0, n_tiles = work.kv0, work.n_tiles
         for j in range(n_tiles):
             i = kv0 + uint32(j)
             stage = (i % RING) * uint32(KV_BYTES)
@@ -282,13 +310,16 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
             release(bars.v_empty, i, RING, seat.lane)
+        release_q(bars, work, seat)
 
     @cuda.jit(device=True, inline="always")
-    def attend_overlapped(acc, stats, bars, descs, kv0, n_tiles, seat, at, scale_log2):
+    def attend_overlapped(acc, stats, bars, descs, work, seat, at, scale_log2):
         """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
         PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
-        these paired issues take turns (the first S and the last PV of a tile do not)."""
+        these paired issues take turns (the first S and the last PV of a tile do not). Q is
+        released before the last PV."""
         acc_s, acc_o, p_frag = acc
+        kv0, n_tiles = work.kv0, work.n_tiles
         if n_tiles > 0:
             wait_full(bars.k_full, kv0, RING)
             issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % RING) * uint32(KV_BYTES)))
@@ -315,6 +346,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 if grew:
                     rescale_o(acc_o, stats)
                 pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+        release_q(bars, work, seat)
+        if n_tiles > 0:
             last = kv0 + uint32(n_tiles) - ONE
             wait_full(bars.v_full, last, RING)
             issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % RING) * uint32(KV_BYTES)))
@@ -384,15 +417,19 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             hp.stmatrix_x4(uint32(address), regs)
 
     @cuda.jit(device=True, inline="always")
-    def store_o(acc_o, stats, tile_o, maps, tile, seat, regs, q_empty):
+    def store_o(acc_o, stats, tile_o, maps, tile, seat, regs, o_read):
         """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's 64 rows;
-        the map clips rows past seqlen_q). With O staged in the Q buffer, the buffer goes back
-        to the producer (``q_empty``: its barrier) once the store has read it."""
+        the map clips rows past seqlen_q). With O staged in the Q buffer or the V ring, the
+        storer arrives on ``o_read`` (the Q buffer's empty barrier, or O empty) once the store
+        has read the tile."""
         normalise_o(acc_o, stats)
         barrier = EPILOGUE_BARRIER + seat.wg
         if seat.thread == 0:
             hp.tma_store_wait_group_read_0()  # the previous tile's store has read the tile
-        hp.named_barrier_sync(barrier, WARPGROUP)
+        if O_IN_V:  # every consumer warpgroup has finished its PV GEMMs: V is free
+            hp.named_barrier_sync(V_READ_BARRIER, CONSUMER_THREADS)
+        else:
+            hp.named_barrier_sync(barrier, WARPGROUP)
         stage_o(tile_o, acc_o, seat, regs)
         hp.fence_proxy_async_shared_cta()  # stmatrix writes -> visible to the TMA store
         hp.named_barrier_sync(barrier, WARPGROUP)
@@ -402,9 +439,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 hp.tma_store_4d(maps.o, tile_o + c * BM * RB + seat.wg * 64 * RB, int32(c * BOX),
                                 int32(tile.head), int32(row0), int32(tile.batch))
             hp.tma_store_commit_group()
-            if O_IN_Q:
-                hp.tma_store_wait_group_read_0()  # the next Q may land here now
-                hp.mbarrier_arrive(q_empty)  # one arrival per consumer warpgroup
+            if O_IN_Q or O_IN_V:
+                hp.tma_store_wait_group_read_0()  # the next Q (V) may land here now
+                hp.mbarrier_arrive(o_read)  # one arrival per consumer warpgroup
 
     # ------------------------------------------------------------------ consumer
 
@@ -414,7 +451,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         epilogue (O, LSE) and the Q buffer's release."""
         acc_s, acc_o, regs = acc[0], acc[1], acc[3]
         maps, bars, tiles, problem, tile = io.maps, io.bars, io.tiles, io.problem, work.tile
-        kv0, round_q, n_tiles, scale_log2 = work.kv0, work.round_q, work.n_tiles, io.scale_log2
+        round_q, scale_log2 = work.round_q, io.scale_log2
         for j in range(D_N_TILES):
             for e in range(4):
                 acc_o[j, e] = 0.0
@@ -428,14 +465,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
         gemm_acc = (acc_s, acc_o, acc[2])
         if OVERLAP:
-            attend_overlapped(gemm_acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
+            attend_overlapped(gemm_acc, stats, bars, tile_descs, work, seat, at, scale_log2)
         else:
-            attend_serial(gemm_acc, stats, bars, tile_descs, kv0, n_tiles, seat, at, scale_log2)
-        q_empty = bars.q_empty + uint32(8) * q_slot
-        if not O_IN_Q:
-            release(bars.q_empty, round_q, Q_RING, seat.lane)  # every S GEMM of this tile is done
-        tile_o = tiles.q + q_slot * uint32(Q_BYTES) if O_IN_Q else tiles.o
-        store_o(acc_o, stats, tile_o, maps, tile, seat, regs, q_empty)
+            attend_serial(gemm_acc, stats, bars, tile_descs, work, seat, at, scale_log2)
+        if O_IN_Q:
+            store_o(acc_o, stats, tiles.q + q_slot * uint32(Q_BYTES), maps, tile, seat, regs,
+                    bars.q_empty + uint32(8) * q_slot)
+        else:
+            store_o(acc_o, stats, tiles.o, maps, tile, seat, regs, bars.o_empty)
         if io.write_lse:
             store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
                       problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
@@ -492,10 +529,12 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         tid = cuda.threadIdx.x
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         q_end = base + QS * Q_BYTES
-        tiles = Tiles(base, q_end, q_end + STAGES * KV_BYTES, q_end + 2 * STAGES * KV_BYTES)
+        v_ring = q_end + STAGES * KV_BYTES
+        tiles = Tiles(base, q_end, v_ring, v_ring if O_IN_V else v_ring + STAGES * KV_BYTES)
         b = ptx.shared_address_u64(bar_words)
         k0 = b + 16 * QS
-        bars = Barriers(b, b + 8 * QS, k0, k0 + 8 * STAGES, k0 + 16 * STAGES, k0 + 24 * STAGES)
+        bars = Barriers(b, b + 8 * QS, k0, k0 + 8 * STAGES, k0 + 16 * STAGES, k0 + 24 * STAGES,
+                        k0 + 32 * STAGES)
         maps = Maps(map_q, map_k, map_v, map_o)
         problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM))
         consumer_warps = CONSUMER_THREADS // 32
@@ -510,6 +549,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 hp.mbarrier_init(bars.k_empty + 8 * s, consumer_warps)
                 hp.mbarrier_init(bars.v_full + 8 * s, 1)
                 hp.mbarrier_init(bars.v_empty + 8 * s, consumer_warps)
+            hp.mbarrier_init(bars.o_empty, CONSUMERS)  # each warpgroup's storer (o_in_v)
             hp.fence_mbarrier_init()
             hp.tma_prefetch_descriptor(map_q)
             hp.tma_prefetch_descriptor(map_k)
@@ -534,7 +574,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}"
-        f"{'_oq' if O_IN_Q else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}_"
+        f"{'_oq' if O_IN_Q else ''}{'_ov' if O_IN_V else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}_"
         f"{'causal' if causal else 'full'}_{dtype}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.

@@ -107,6 +107,13 @@ class WsConfig:
     # of the MUFU unit (softmax.exponentiate_split); 0: all on the MUFU. At head dim 64 the
     # MUFU work of a softmax is about as long as the two GEMMs it should hide behind.
     poly_exp: int = 0
+    # Stage O for its TMA store at the start of the V ring instead of a tile of its own
+    # (FlashAttention-3's arrangement): the consumers first wait until every warpgroup has
+    # finished reading V, and the producer loads the next tile's V only once the store has read
+    # O. Unlike o_in_q it leaves Q free, so the next tile's Q can land during this tile's last
+    # softmax, PV and epilogue. Two consumers only (a warpgroup passing over a tile would
+    # have to join the wait). The 128 O rows fit in any V ring (at least 2 stages of 64 keys).
+    o_in_v: bool = False
 
     @property
     def block_m(self) -> int:
@@ -135,9 +142,9 @@ class WsConfig:
 
     @property
     def tile_bytes(self) -> dict[str, int]:
-        """Bytes of one Q, K (or V) stage and O tile (0 when O is staged in the Q buffer)."""
+        """Bytes of one Q, K (or V) stage and O tile (0 when O is staged in the Q buffer or V ring)."""
         return {"q": self.block_m * self.head_dim * 2, "kv": self.block_n * self.head_dim * 2,
-                "o": 0 if self.o_in_q else self.block_m * self.head_dim * 2}
+                "o": 0 if self.o_in_q or self.o_in_v else self.block_m * self.head_dim * 2}
 
     @property
     def shared_bytes(self) -> int:
@@ -161,6 +168,8 @@ class WsConfig:
             raise ValueError(f"q_stages must be 1 or 2, got {self.q_stages}")
         if self.o_in_q and self.q_stages != 1:
             raise ValueError("o_in_q needs q_stages 1 (the O rows overwrite the Q buffer being used)")
+        if self.o_in_v and (self.o_in_q or self.consumers != 2):
+            raise ValueError(f"o_in_v needs 2 consumers and not o_in_q, got {self}")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
         if self.poly_exp < 0 or self.poly_exp > self.block_n // 8:

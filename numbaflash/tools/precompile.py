@@ -34,15 +34,16 @@ def capability_of(arch: str) -> tuple[int, int]:
 def kernels_for(arch: str, candidates: bool) -> list[tuple]:
     """(config, causal, bf16, arch) of every kernel a GPU of ``arch`` dispatches (the tuned
     table), and with ``candidates`` every config autotune, tests and the sanitizer may force."""
-    from ..configs import SHORT_SEQLEN, SUPPORTED_HEAD_DIMS, forward_config, runnable_candidates
+    from ..configs import LONG_SEQLEN, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS, forward_config, runnable_candidates
 
     cap = capability_of(arch)
     configs = []
     for head_dim in SUPPORTED_HEAD_DIMS:
         for causal in (False, True):
             chosen = [forward_config(cap, head_dim, causal)]
-            short = forward_config(cap, head_dim, causal, seqlen=SHORT_SEQLEN)
-            chosen += [short] if short not in chosen else []
+            for span in (SHORT_SEQLEN, LONG_SEQLEN):  # the short- and long-sequence entries
+                config = forward_config(cap, head_dim, causal, seqlen=span)
+                chosen += [config] if config not in chosen else []
             if candidates:
                 chosen += [c for c in runnable_candidates(cap, head_dim) if c not in chosen]
             configs += [(config, causal) for config in chosen]

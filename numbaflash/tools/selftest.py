@@ -19,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from ..configs import FAMILY_CAPABILITY, FAMILY_HEAD_DIMS, SHORT_SEQLEN, KernelConfig, forward_config
+from ..configs import (
+    FAMILY_CAPABILITY,
+    FAMILY_HEAD_DIMS,
+    LONG_SEQLEN,
+    SHORT_SEQLEN,
+    KernelConfig,
+    forward_config,
+)
 from .reference import compare_with_reference
 
 DTYPE_NAMES = ("float16", "bfloat16")
@@ -50,16 +57,17 @@ class Case:
     softmax_scale: float | None
     return_lse: bool
     use_out: bool
-    # Force the family's short-sequence config (``configs.SHORT_SEQLEN``) instead of the one
-    # for long sequences, whatever the case's lengths: both are tested on every kind of shape.
-    short_config: bool = False
+    # Force the family's config for short, plain or long sequences ("short", "", "long":
+    # ``configs.SHORT_SEQLEN``, ``LONG_SEQLEN``), whatever the case's lengths: each is tested on
+    # every kind of shape.
+    span: str = ""
 
     def describe(self) -> str:
         scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
         return (f"{self.family} d{self.head_dim} {'causal' if self.causal else 'full'} {self.dtype} "
                 f"b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.heads_q}/{self.heads_kv} "
                 f"{self.kind} amp{self.amplitude:.3g} scale={scale} lse={int(self.return_lse)} "
-                f"out={int(self.use_out)}" + (" short-config" if self.short_config else ""))
+                f"out={int(self.use_out)}" + (f" {self.span}-config" if self.span else ""))
 
 
 @dataclasses.dataclass
@@ -80,14 +88,17 @@ def strata(families: Sequence[str]) -> list[tuple[str, int, bool, str]]:
             for t in DTYPE_NAMES]
 
 
-def case_config(family: str, head_dim: int, causal: bool, short: bool) -> KernelConfig:
-    """The shipped config a case forces: the family's for long or for short sequences."""
-    return forward_config(FAMILY_CAPABILITY[family], head_dim, causal, seqlen=SHORT_SEQLEN if short else None)
+SPANS = {"short": SHORT_SEQLEN, "": None, "long": LONG_SEQLEN}  # span -> the seqlen that selects it
 
 
-def block_m(family: str, head_dim: int, causal: bool, short: bool = False) -> int:
+def case_config(family: str, head_dim: int, causal: bool, span: str) -> KernelConfig:
+    """The shipped config a case forces: the family's for short, plain or long sequences."""
+    return forward_config(FAMILY_CAPABILITY[family], head_dim, causal, seqlen=SPANS[span])
+
+
+def block_m(family: str, head_dim: int, causal: bool, span: str = "") -> int:
     """Query rows per CTA of the shipped config."""
-    return case_config(family, head_dim, causal, short).block_m
+    return case_config(family, head_dim, causal, span).block_m
 
 
 def _log_uniform(rng: np.random.Generator, high: int) -> int:
@@ -100,7 +111,7 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     family, head_dim, causal, dtype = combos[(index + seed) % len(combos)]
     max_seq, cap, max_batch, max_hkv = LIMITS[quick]
     rng = np.random.default_rng([seed, index])
-    short_config = bool(np.random.default_rng([seed, index, 1]).random() < 0.5)  # own stream
+    span = list(SPANS)[int(np.random.default_rng([seed, index, 1]).integers(0, len(SPANS)))]  # own stream
     batch = int(rng.integers(1, max_batch + 1))
     heads_kv = int(rng.choice([1, *range(1, max_hkv + 1)]))
     group = int(rng.choice(GROUPS[:4] if quick else GROUPS))
@@ -111,7 +122,7 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     elif shape == "one":
         sq, sk = (1, sk) if rng.random() < 0.5 else (sq, 1)
     elif shape == "empty_ctas" and causal:  # whole CTAs whose rows see no key
-        bm = block_m(family, head_dim, causal, short_config)
+        bm = block_m(family, head_dim, causal, span)
         sk = _log_uniform(rng, max(1, max_seq - 2 * bm - 64))
         sq = min(max_seq, sk + 2 * bm + int(rng.integers(0, 64)))
     while batch * heads_kv * group * sq * sk > cap:  # keep the float64 reference affordable
@@ -126,7 +137,7 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 str(rng.choice(KINDS, p=[0.7, 0.15, 0.15])), amplitude, scale,
-                bool(rng.random() < 0.5), bool(rng.random() < 0.3), short_config)
+                bool(rng.random() < 0.5), bool(rng.random() < 0.3), span)
 
 
 def numpy_dtype(name: str) -> Any:
@@ -193,7 +204,7 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         if case.use_out:
             out = np.full(q.shape, np.nan, q.dtype)  # poison: unwritten elements show up as NaN
             out = out if kind == "numpy" else to_device(out, kind)
-        config = case_config(case.family, case.head_dim, case.causal, case.short_config)
+        config = case_config(case.family, case.head_dim, case.causal, case.span)
         with force_config(capability, case.causal, config):
             result = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
                                                 return_lse=case.return_lse, out=out)
