@@ -134,8 +134,9 @@ def dispatch_family(capability: tuple[int, int], head_dim: int) -> str:
 
 # A problem whose seqlen_q and seqlen_k are both at most SHORT_SEQLEN first looks for a
 # "short" table entry (``<key>/short``): at short sequences tile padding and the causal
-# diagonal weigh more, so smaller tiles can win (d64 causal at 1k: 192 x 128 tiles do 67% useful
-# work, 128 x 128 tiles 89%).
+# diagonal weigh more, so other configs can win (d64 non-causal: ping-pong between the three
+# consumer warpgroups; d64 causal lost its short entry in RESULTS W8, once the 192-row tiles
+# had caught up at 1k and pulled ahead at 2k).
 SHORT_SEQLEN = 2048
 # A problem whose longer sequence is at least LONG_SEQLEN first looks for a "long" entry
 # (``<key>/long``): there a KV tile that does not divide the length costs little (d128 128 x 176,
