@@ -44,6 +44,7 @@ def variants() -> dict[str, WsConfig]:
     out["d128-ovl-q1"] = WsConfig(128, 128, 2, overlap=True, q_stages=1)  # one Q buffer: before
     out["d64-ovl-n192"] = WsConfig(64, 192, 2, overlap=True)
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
+    out["d64-c3-serial"] = WsConfig(64, 128, 2, consumers=3)  # 192 rows, 3 consumers
     out["d64-c3-ovl"] = WsConfig(64, 128, 2, consumers=3, overlap=True)  # 192 rows, 3 consumers
     out["d64-c3-pp"] = WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True)
     for name, pp in (("ovl", False), ("pp", True)):  # d128, 128 x 176: one Q buffer, O staged in V

@@ -41,8 +41,10 @@ rows (64B swizzle) at 96, whose 192-byte rows do not split into 128-byte blocks.
 per block; the wgmma descriptors and the stmatrix addresses use the same swizzle.
 
 Ragged lengths need no special path: TMA zero-fills rows past the end of Q, K and V, and the
-last KV tile is masked. With 192-row tiles (three consumers), a warpgroup whose rows all lie
-past seqlen_q runs no GEMMs and only keeps the rings and turns in step (``pass_over``).
+last KV tile is masked. With 192-row tiles (three consumers), a warpgroup runs no GEMMs on the
+KV tiles none of its rows can see, and only keeps the rings and turns in step (``skip_tiles``):
+every tile when its rows all lie past seqlen_q, and with causal masking the block's last tile
+(or two) past its own rows' diagonal, so that it reaches its epilogue and the next tile early.
 Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
 caller's strides, so GQA is a kv-head coordinate and strided inputs cost nothing.
 """
@@ -86,8 +88,9 @@ Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
 RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx", "alpha"])
 # What a consumer reads and writes besides its registers, and the softmax scale.
 Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2"])
-# One query tile in a consumer's hands: the tile, its first ring positions (KV, Q) and KV tile count.
-TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles"])
+# One query tile in a consumer's hands: the tile, its first ring positions (KV, Q), the KV tiles
+# the block reads and the first n_own of them, which this warpgroup's rows see (the rest it skips).
+TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles", "n_own"])
 # Where a consumer warp sits: consumer warpgroup (0 .. consumers - 1), warp in it, lane, thread in it.
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 
@@ -131,10 +134,13 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     PINGPONG = config.pingpong
     EPILOGUE_BARRIER = TURN_BARRIER + CONSUMERS  # + consumer warpgroup: after the turn barriers
     V_READ_BARRIER = EPILOGUE_BARRIER + CONSUMERS  # o_in_v: every consumer is done reading V
-    # A consumer warpgroup whose 64 rows all lie past seqlen_q passes over the tile (pass_over)
+    # A consumer warpgroup whose 64 rows all lie past seqlen_q skips the tile (skip_tiles)
     # with 192-row tiles, where 1024 rows fill 5 1/3 blocks; with 2 consumers the branch cost
     # the 240-register causal kernels spills and their uniform-register schedule arithmetic.
     SKIP_IDLE = CONSUMERS == 3
+    # Causal, 192-row tiles: a warpgroup skips the block's KV tiles past its own rows' diagonal
+    # (its first 64 rows never see the last 128 keys of the block's range: 1 tile in 10 at 1k).
+    SKIP_MASKED = CAUSAL and CONSUMERS == 3
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     dtype = "bf16" if bf16 else "f16"
@@ -159,6 +165,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         diag = problem.seqlen_k - problem.seqlen_q
         n = visible_kv_tiles(int32(tile.m_block * BM), BM, BN, problem.seqlen_k, diag, CAUSAL)
         return max(n, 0)
+
+    @cuda.jit(device=True, inline="always")
+    def own_kv_tiles(first_row, n_tiles, problem):
+        """The first KV tiles of the block that this warpgroup's 64 rows from ``first_row`` can
+        see (causal); the block's later tiles lie wholly past their diagonal."""
+        diag = problem.seqlen_k - problem.seqlen_q
+        n = visible_kv_tiles(int32(first_row), 64, BN, problem.seqlen_k, diag, CAUSAL)
+        return min(max(n, 0), n_tiles)
 
     # ------------------------------------------------------------------ pipeline stages
 
@@ -293,8 +307,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         """One KV tile at a time: S, softmax, PV, each GEMM waited for before the next step.
         ``acc``: (acc_s, acc_o, p_frag); ``descs``: descriptors of Q, K stage 0, V stage 0."""
         acc_s, acc_o, p_frag = acc
-        kv0, n_tiles = work.kv0, work.n_tiles
-        for j in range(n_tiles):
+        kv0 = work.kv0
+        for j in range(work.n_own):
             i = kv0 + uint32(j)
             stage = (i % RING) * uint32(KV_BYTES)
             wait_full(bars.k_full, i, RING)
@@ -311,15 +325,16 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             fence_o(acc_o)
             release(bars.v_empty, i, RING, seat.lane)
         release_q(bars, work, seat)
+        skip_tiles(bars, kv0, work.n_own, work.n_tiles, seat)
 
     @cuda.jit(device=True, inline="always")
     def attend_overlapped(acc, stats, bars, descs, work, seat, at, scale_log2):
         """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
         PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
         these paired issues take turns (the first S and the last PV of a tile do not). Q is
-        released before the last PV."""
+        released before the last PV; the tiles past ``n_own`` are skipped once it has completed."""
         acc_s, acc_o, p_frag = acc
-        kv0, n_tiles = work.kv0, work.n_tiles
+        kv0, n_tiles = work.kv0, work.n_own
         if n_tiles > 0:
             wait_full(bars.k_full, kv0, RING)
             issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % RING) * uint32(KV_BYTES)))
@@ -354,29 +369,24 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
             release(bars.v_empty, last, RING, seat.lane)
+        skip_tiles(bars, kv0, n_tiles, work.n_tiles, seat)
 
     @cuda.jit(device=True, inline="always")
-    def pass_over(bars, kv0, n_tiles, seat):
-        """A warpgroup whose 64 rows all lie past seqlen_q (the ragged last block: 1024 rows
-        fill 5 1/3 blocks of 192) runs no GEMMs, but keeps the rings and the ping-pong turns in
-        step: it waits for each stage as ``attend_*`` would, in the same order, and releases it
-        (an arrival before the stage is full would count for the wrong round)."""
-        for j in range(n_tiles):
+    def skip_tiles(bars, kv0, first, n_tiles, seat):
+        """KV tiles ``first`` .. ``n_tiles`` - 1 of the block, which this warpgroup does not
+        read (its rows all lie past seqlen_q, or, causal, before the tile's first key): no
+        GEMMs, but the rings and the ping-pong turns stay in step. A stage is released only
+        once it is full (an arrival before would count for the wrong round); the turns of the
+        paired issues (every tile but the block's first) pass straight on."""
+        for j in range(first, n_tiles):
             i = kv0 + uint32(j)
-            wait_full(bars.k_full, i, RING)
-            if OVERLAP and j > 0:
-                wait_full(bars.v_full, i - ONE, RING)
+            if j > 0:
                 take_turn(seat)
                 pass_turn(seat)
-                release(bars.v_empty, i - ONE, RING, seat.lane)
+            wait_full(bars.k_full, i, RING)
             release(bars.k_empty, i, RING, seat.lane)
-            if not OVERLAP:
-                wait_full(bars.v_full, i, RING)
-                release(bars.v_empty, i, RING, seat.lane)
-        if OVERLAP and n_tiles > 0:
-            last = kv0 + uint32(n_tiles) - ONE
-            wait_full(bars.v_full, last, RING)
-            release(bars.v_empty, last, RING, seat.lane)
+            wait_full(bars.v_full, i, RING)
+            release(bars.v_empty, i, RING, seat.lane)
 
     # ------------------------------------------------------------------ epilogue
 
@@ -502,12 +512,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 if not present:
                     continue
                 n_tiles = kv_tiles_of(tile, problem)
-                if not SKIP_IDLE or tile.m_block * BM + seat.wg * 64 < problem.seqlen_q:
-                    work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles)
+                first_row = tile.m_block * BM + seat.wg * 64
+                if not SKIP_IDLE or first_row < problem.seqlen_q:
+                    n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
+                    work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
                     attend_tile(acc, stats, descs, io, work, seat)
                 else:  # every row of this warpgroup lies past seqlen_q
                     wait_full(bars.q_full, round_q, Q_RING)
-                    pass_over(bars, kv0, n_tiles, seat)
+                    skip_tiles(bars, kv0, 0, n_tiles, seat)
                     if O_IN_Q:
                         if seat.thread == 0:
                             hp.mbarrier_arrive(bars.q_empty + uint32(8) * (round_q % Q_RING))  # as store_o
@@ -566,7 +578,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             thread = uint32(tid - WARPGROUP)
             wg = thread // uint32(WARPGROUP)
             if SKIP_IDLE:  # a broadcast from lane 0, which ptxas knows to be warp-uniform: a
-                # branch on it (pass_over) keeps the ring arithmetic in uniform registers
+                # branch on it (skip_tiles) keeps the ring arithmetic in uniform registers
                 wg = uint32(cuda.shfl_sync(FULL_MASK, int32(wg), 0))
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
