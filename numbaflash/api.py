@@ -493,8 +493,9 @@ def _launch_ws(launcher, config, ops: list[_Operand], lse: tuple[int, int], seql
         maps, slot = slots.address(key, encode, stream)
         try:
             launcher(grid, config.threads, stream, config.shared_bytes,
-                     *[(maps + 128 * i, 16) for i in range(4)], lse, seqlen_q, seqlen_k, heads_q,
-                     heads_q // heads_kv, batch, scale_log2, write_lse)
+                     *[(maps + 128 * i, 16) for i in range(4)], lse, seqlen_q, seqlen_k,
+                     config.first_block_lead(seqlen_q), heads_q, heads_q // heads_kv, batch, scale_log2,
+                     write_lse)
         finally:  # even after a failed launch: the slot's copy is on the stream
             slots.used(slot, stream)
 

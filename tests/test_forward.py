@@ -262,6 +262,24 @@ def test_rows_without_keys_are_zero(rng, sq, sk, dtype, family):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk_offset", [0, -700, 500])
+def test_causal_blocks_end_at_seqlen_q(rng, sk_offset, dtype):
+    """The causal 3-consumer Hopper kernels start the first 192-row block before row 0 (0, 64 or
+    128 rows: ``WsConfig.first_block_lead``), so Q rows before 0 are zero-filled and no warpgroup
+    may store them: every residue of seqlen_q mod 192, seqlen_k equal, shorter (rows with no
+    key) and longer, against float64, with poisoned outputs."""
+    for sq in (1, 63, 64, 65, 128, 129, 191, 192, 193, 5 * 192 + 64, 5 * 192 + 128, 5 * 192 + 150):
+        sk = max(sq + sk_offset, 1)
+        q, k, v = random_qkv(rng, 2, sq, sk, 3, 1, 64, DTYPES[dtype])
+        out = np.full(q.shape, np.nan, q.dtype)
+        config = configs.WsConfig(64, block_n=128, stages=2, consumers=3, overlap=True, pingpong=True)
+        with using(config, True):
+            _, lse = numbaflash.flash_attention(q, k, v, causal=True, return_lse=True, out=out)
+        check_attention(q, k, v, True, out, lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_heads_beyond_grid_limit(rng, family):
     """batch = 70000 > 65535 (the grid's z limit): the (batch, head) pairs are folded over two

@@ -76,3 +76,24 @@ def test_each_cta_takes_every_position_in_turn(causal, m_blocks, grid):
         positions[u % grid][min(mb, m_blocks - 1 - mb) if causal else mb] += 1
     for cta in range(grid):
         assert len(positions[cta]) == per_head, f"CTA {cta} gets only blocks {sorted(positions[cta])}"
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_first_block_lead_ends_the_blocks_at_seqlen_q(consumers):
+    """The causal 3-consumer kernels start the first query block up to 128 rows before row 0, in
+    whole warpgroups, so that the blocks end with the warpgroup that holds the last row: a ragged
+    block is then the first (the lightest), and the block count does not change."""
+    from numbaflash.kernels.shapes import WsConfig
+
+    config = WsConfig(head_dim=64, block_n=128, stages=2, consumers=consumers)
+    block_m = config.block_m
+    for seqlen in range(1, 3000):
+        lead = config.first_block_lead(seqlen)
+        m_blocks = -(-seqlen // block_m)
+        if consumers == 2:
+            assert lead == 0
+            continue
+        assert lead % 64 == 0 and 0 <= lead < block_m, (seqlen, lead)
+        assert -(-(seqlen + lead) // block_m) == m_blocks, (seqlen, lead)
+        # the last warpgroup holds the last row
+        assert 0 <= m_blocks * block_m - lead - seqlen < 64, (seqlen, lead)

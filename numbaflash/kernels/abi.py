@@ -25,6 +25,7 @@ WS_ABI = (
     _U64_ARRAY, _U64_ARRAY, _U64_ARRAY, _U64_ARRAY,  # maps of q, k, v, o
     _F32_ARRAY,  # lse (may be a 1-element dummy)
     "int32", "int32",  # seqlen_q, seqlen_k
+    "int32",  # rows the first query block starts before row 0
     "int32", "int32", "int32",  # heads_q, heads_q // heads_kv, batch
     "float32", "bool",  # softmax scale * log2(e), write lse
 )

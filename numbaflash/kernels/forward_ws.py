@@ -68,6 +68,7 @@ WS_ARGTYPES = (
     types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, o
     types.float32[::1],  # lse (batch, heads_q, seqlen_q), or a 1-element dummy
     types.int32, types.int32,  # seqlen_q, seqlen_k
+    types.int32,  # row lead: rows the first query block starts before row 0 (WsConfig.first_block_lead)
     types.int32, types.int32, types.int32,  # heads_q, heads_q // heads_kv, batch
     types.float32, types.boolean,  # softmax scale * log2(e), write lse
 )
@@ -76,8 +77,8 @@ WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
 
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and o.
 Maps = namedtuple("Maps", ["q", "k", "v", "o"])
-# Problem sizes every role needs.
-Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks"])
+# Problem sizes every role needs; query block m starts at row m * block_m - lead.
+Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks", "lead"])
 # mbarriers (32-bit shared addresses; ring barriers of stage s at + 8 * s). o_empty: the O
 # tile staged in the V ring has been read by its TMA stores (o_in_v; one completion a tile).
 Barriers = namedtuple("Barriers", ["q_full", "q_empty", "k_full", "k_empty", "v_full", "v_empty", "o_empty"])
@@ -141,6 +142,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     # Causal, 192-row tiles: a warpgroup skips the block's KV tiles past its own rows' diagonal
     # (its first 64 rows never see the last 128 keys of the block's range: 1 tile in 10 at 1k).
     SKIP_MASKED = CAUSAL and CONSUMERS == 3
+    # Causal, 192-row tiles: the blocks end at seqlen_q (the first starts up to 128 rows before
+    # row 0), so a ragged block is the first, which sees the fewest keys, not the last and
+    # heaviest, where its lone warpgroup would run the block's every tile while the others wait.
+    LEAD_ROWS = SKIP_MASKED
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     dtype = "bf16" if bf16 else "f16"
@@ -160,10 +165,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         return unit_tile(u, h, problem.m_blocks, problem.heads_q, problem.group, CAUSAL, cuda.gridDim.x)
 
     @cuda.jit(device=True, inline="always")
+    def block_row0(tile, problem):
+        """The query block's first row (negative for the first block when it leads row 0)."""
+        return int32(tile.m_block * BM) - problem.lead
+
+    @cuda.jit(device=True, inline="always")
     def kv_tiles_of(tile, problem):
         """KV tiles the query block reads (0 when causal hides every key from it)."""
         diag = problem.seqlen_k - problem.seqlen_q
-        n = visible_kv_tiles(int32(tile.m_block * BM), BM, BN, problem.seqlen_k, diag, CAUSAL)
+        n = visible_kv_tiles(block_row0(tile, problem), BM, BN, problem.seqlen_k, diag, CAUSAL)
         return max(n, 0)
 
     @cuda.jit(device=True, inline="always")
@@ -229,7 +239,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 wait_empty(bars.q_empty, round_q, Q_RING)  # consumers are done with this Q buffer
                 hp.mbarrier_arrive_expect_tx(bars.q_full + uint32(8) * q_slot, Q_BYTES)
                 load_tile(tiles.q + q_slot * uint32(Q_BYTES), maps.q, bars.q_full + uint32(8) * q_slot,
-                          tile.m_block * BM, tile.head, tile.batch, BM)
+                          block_row0(tile, problem), tile.head, tile.batch, BM)  # rows < 0: zeros
                 for j in range(n_tiles):
                     s = load % RING
                     stage = s * uint32(KV_BYTES)
@@ -427,7 +437,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             hp.stmatrix_x4(uint32(address), regs)
 
     @cuda.jit(device=True, inline="always")
-    def store_o(acc_o, stats, tile_o, maps, tile, seat, regs, o_read):
+    def store_o(acc_o, stats, tile_o, maps, tile, problem, seat, regs, o_read):
         """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's 64 rows;
         the map clips rows past seqlen_q). With O staged in the Q buffer or the V ring, the
         storer arrives on ``o_read`` (the Q buffer's empty barrier, or O empty) once the store
@@ -444,7 +454,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         hp.fence_proxy_async_shared_cta()  # stmatrix writes -> visible to the TMA store
         hp.named_barrier_sync(barrier, WARPGROUP)
         if seat.thread == 0:
-            row0 = tile.m_block * BM + seat.wg * 64
+            row0 = block_row0(tile, problem) + seat.wg * 64
             for c in range(D_CHUNKS):
                 hp.tma_store_4d(maps.o, tile_o + c * BM * RB + seat.wg * 64 * RB, int32(c * BOX),
                                 int32(tile.head), int32(row0), int32(tile.batch))
@@ -468,7 +478,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         for r in range(2):
             stats.m_run[r] = NEG_INF
             stats.l_run[r] = 0.0
-        row_first = tile.m_block * BM + seat.wg * 64 + seat.warp * 16
+        row_first = block_row0(tile, problem) + seat.wg * 64 + seat.warp * 16
         at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
         wait_full(bars.q_full, round_q, Q_RING)
         q_slot = round_q % Q_RING
@@ -479,10 +489,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         else:
             attend_serial(gemm_acc, stats, bars, tile_descs, work, seat, at, scale_log2)
         if O_IN_Q:
-            store_o(acc_o, stats, tiles.q + q_slot * uint32(Q_BYTES), maps, tile, seat, regs,
+            store_o(acc_o, stats, tiles.q + q_slot * uint32(Q_BYTES), maps, tile, problem, seat, regs,
                     bars.q_empty + uint32(8) * q_slot)
         else:
-            store_o(acc_o, stats, tiles.o, maps, tile, seat, regs, bars.o_empty)
+            store_o(acc_o, stats, tiles.o, maps, tile, problem, seat, regs, bars.o_empty)
         if io.write_lse:
             store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
                       problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
@@ -512,8 +522,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 if not present:
                     continue
                 n_tiles = kv_tiles_of(tile, problem)
-                first_row = tile.m_block * BM + seat.wg * 64
-                if not SKIP_IDLE or first_row < problem.seqlen_q:
+                first_row = block_row0(tile, problem) + seat.wg * 64
+                if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
                     n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
                     work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
                     attend_tile(acc, stats, descs, io, work, seat)
@@ -534,8 +544,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ kernel
 
-    def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, heads_q, group, batch_size,
-                         scale_log2, write_lse):
+    def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
+                         batch_size, scale_log2, write_lse):
         smem = cuda.shared.array(0, types.uint16)
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
@@ -548,7 +558,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         bars = Barriers(b, b + 8 * QS, k0, k0 + 8 * STAGES, k0 + 16 * STAGES, k0 + 24 * STAGES,
                         k0 + 32 * STAGES)
         maps = Maps(map_q, map_k, map_v, map_o)
-        problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM))
+        problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM),
+                          row_lead if LEAD_ROWS else int32(0))
         consumer_warps = CONSUMER_THREADS // 32
         # Q is released by every consumer warp, or (O staged in Q) by each warpgroup's storer.
         q_releases = CONSUMERS if O_IN_Q else consumer_warps

@@ -129,6 +129,14 @@ class WsConfig:
         the 64K registers of an SM: 24 x 128 + 240 x 256, or 32 x 128 + 160 x 384."""
         return (24, 240) if self.consumers == 2 else (32, 160)
 
+    def first_block_lead(self, seqlen_q: int) -> int:
+        """Rows the first query block starts before row 0 (whole warpgroups), so that the
+        blocks end at ``seqlen_q`` and a ragged block is the first: with causal masking the
+        lightest, not the heaviest. Three consumers only (their causal kernels skip the
+        warpgroups that hold no row, ``forward_ws.skip_tiles``); the kernel reads it only
+        when causal. The block count stays ``ceil(seqlen_q / block_m)``."""
+        return (-seqlen_q % self.block_m) // 64 * 64 if self.consumers == 3 else 0
+
     @property
     def row_bytes(self) -> int:
         """Bytes per row of one swizzle block (and TMA box): 128 (128B swizzle, 64 columns)
