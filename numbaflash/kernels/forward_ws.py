@@ -45,6 +45,9 @@ last KV tile is masked. With 192-row tiles (three consumers), a warpgroup runs n
 KV tiles none of its rows can see, and only keeps the rings and turns in step (``skip_tiles``):
 every tile when its rows all lie past seqlen_q, and with causal masking the block's last tile
 (or two) past its own rows' diagonal, so that it reaches its epilogue and the next tile early.
+Those causal kernels also end the query blocks at seqlen_q: the first block starts ``lead`` (0,
+64 or 128) rows before row 0 (``WsConfig.first_block_lead``, a kernel parameter), whose Q rows
+TMA zero-fills and whose warpgroups skip, so a ragged block is the lightest of a head.
 Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
 caller's strides, so GQA is a kv-head coordinate and strided inputs cost nothing.
 """
