@@ -52,6 +52,7 @@ def variants() -> dict[str, WsConfig]:
         out[f"d128-{name}-n176-oq"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1,
                                                o_in_q=True)
     out["d128-ovl-s3-ov"] = WsConfig(128, 128, 3, overlap=True, q_stages=1, o_in_v=True)
+    out["d128-pp-s3-ov"] = WsConfig(128, 128, 3, overlap=True, pingpong=True, q_stages=1, o_in_v=True)
     for n in (128, 192):  # d96: 32-column blocks of 64-byte rows
         out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2, overlap=True)
         out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, overlap=True, pingpong=True)
@@ -276,7 +277,8 @@ def bench(args) -> int:
         b, h = 65536 // s, 2048 // d
         set_bytes = 4 * b * s * h * d * 2
         n_sets = max(2, math.ceil(3 * l2 / set_bytes))
-        sets = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3)]
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+        sets = [[torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3)]
                 for _ in range(n_sets)]
         outs = [torch.empty_like(x[0]) for x in sets]
         tsets = [[y.transpose(1, 2) for y in x] for x in sets]
@@ -310,7 +312,7 @@ def bench(args) -> int:
         del sets, outs, tsets
         torch.cuda.empty_cache()
     names = list(dict.fromkeys(n for row in rows for n in row[3]))
-    print(f"\nGPU: {torch.cuda.get_device_name()}; fp16, TFLOP/s (ratio to cuDNN)")
+    print(f"\nGPU: {torch.cuda.get_device_name()}; {args.dtype}, TFLOP/s (ratio to cuDNN)")
     print("| d | seqlen | causal | " + " | ".join(names) + " |")
     print("|--:|--:|:--|" + "--:|" * len(names))
     for d, s, causal, result in rows:
@@ -355,6 +357,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="bench inputs")
     args = parser.parse_args(argv)
     mode = {"precompile": precompile, "correct": correct, "sanitize": sanitize,
             "sanitize-worker": sanitize_worker, "bench": bench}[args.mode]
