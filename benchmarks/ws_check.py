@@ -47,6 +47,7 @@ def variants() -> dict[str, WsConfig]:
     out["d64-c3-serial"] = WsConfig(64, 128, 2, consumers=3)  # 192 rows, 3 consumers
     out["d64-c3-ovl"] = WsConfig(64, 128, 2, consumers=3, overlap=True)  # 192 rows, 3 consumers
     out["d64-c3-pp"] = WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True)
+    out["d64-c3-pp-s3"] = WsConfig(64, 128, 3, consumers=3, overlap=True, pingpong=True)
     for name, pp in (("ovl", False), ("pp", True)):  # d128, 128 x 176: one Q buffer, O staged in V
         out[f"d128-{name}-n176"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1, o_in_v=True)
         out[f"d128-{name}-n176-oq"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1,
