@@ -26,6 +26,11 @@ one head (equal cost per unit; see ``blocks.work_units``).
   and O is rescaled only after PV_j has completed.
 * **Ping-pong** (``config.pingpong``): the consumer warpgroups take turns, round robin, issuing
   their GEMMs (named barriers), so that one's softmax overlaps the others' tensor-core work.
+* **Chained tiles** (``config.chain``, ``consume_chained``): the pipeline runs across tile
+  boundaries. A tile's last PV is issued with the next tile's first S, the next tile's first
+  softmax runs while that PV is in flight, and only then does this tile's epilogue run; the
+  unchained kernel runs the last PV, the epilogue, the next first S and its softmax one after
+  the other while the tensor cores idle.
 * **Epilogue**: O is normalised in registers, written with ``stmatrix`` into a swizzled
   shared tile and stored by TMA, whose tensor map clips rows past seqlen_q; LSE as before.
   With ``config.o_in_q`` (head dim 256, where shared memory holds no O tile) each consumer
@@ -134,6 +139,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     O_IN_Q = config.o_in_q
     O_IN_V = config.o_in_v
     POLY_EXP = config.poly_exp
+    CHAIN = config.chain
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     EPILOGUE_BARRIER = TURN_BARRIER + CONSUMERS  # + consumer warpgroup: after the turn barriers
@@ -341,6 +347,44 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         skip_tiles(bars, kv0, work.n_own, work.n_tiles, seat)
 
     @cuda.jit(device=True, inline="always")
+    def first_s(acc_s, bars, q_desc, descs, i, seat):
+        """S = Q K_i alone (a tile's first), waited for at once; K_i's stage is released."""
+        wait_full(bars.k_full, i, RING)
+        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], (i % RING) * uint32(KV_BYTES)))
+        hp.wgmma_wait_group_0()
+        fence_s(acc_s)
+        release(bars.k_empty, i, RING, seat.lane)
+
+    @cuda.jit(device=True, inline="always")
+    def paired_issue(acc, bars, q_desc, descs, i, seat):
+        """S = Q K_i and O += P V_{i-1} issued together (a ping-pong turn); returns once S has
+        completed (``wgmma.wait_group 1``) and K_i's stage is released: PV may still run."""
+        acc_s, acc_o, p_frag = acc
+        wait_full(bars.k_full, i, RING)
+        wait_full(bars.v_full, i - ONE, RING)
+        take_turn(seat)
+        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], (i % RING) * uint32(KV_BYTES)))
+        issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], ((i - ONE) % RING) * uint32(KV_BYTES)))
+        pass_turn(seat)
+        hp.wgmma_wait_group_1()
+        fence_s(acc_s)
+        release(bars.k_empty, i, RING, seat.lane)
+
+    @cuda.jit(device=True, inline="always")
+    def retire_pv(acc_o, bars, i, seat):
+        """Wait for the PV in flight (with V_i) and release V_i's stage."""
+        hp.wgmma_wait_group_0()
+        fence_o(acc_o)
+        release(bars.v_empty, i, RING, seat.lane)
+
+    @cuda.jit(device=True, inline="always")
+    def last_pv(acc, bars, descs, i, seat):
+        """O += P V_i alone (a tile's last), waited for at once."""
+        wait_full(bars.v_full, i, RING)
+        issue_pv(acc[1], acc[2], hp.descriptor_add(descs[2], (i % RING) * uint32(KV_BYTES)))
+        retire_pv(acc[1], bars, i, seat)
+
+    @cuda.jit(device=True, inline="always")
     def attend_overlapped(acc, stats, bars, descs, work, seat, at, scale_log2):
         """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
         PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
@@ -349,39 +393,20 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         acc_s, acc_o, p_frag = acc
         kv0, n_tiles = work.kv0, work.n_own
         if n_tiles > 0:
-            wait_full(bars.k_full, kv0, RING)
-            issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (kv0 % RING) * uint32(KV_BYTES)))
-            hp.wgmma_wait_group_0()
-            fence_s(acc_s)
-            release(bars.k_empty, kv0, RING, seat.lane)
+            first_s(acc_s, bars, descs[0], descs, kv0, seat)
             softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             for j in range(1, n_tiles):
                 i = kv0 + uint32(j)
-                wait_full(bars.k_full, i, RING)
-                wait_full(bars.v_full, i - ONE, RING)
-                take_turn(seat)
-                issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], (i % RING) * uint32(KV_BYTES)))
-                issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], ((i - ONE) % RING) * uint32(KV_BYTES)))
-                pass_turn(seat)
-                hp.wgmma_wait_group_1()  # S_j is done; PV_{j-1} may still run
-                fence_s(acc_s)
-                release(bars.k_empty, i, RING, seat.lane)
+                paired_issue(acc, bars, descs[0], descs, i, seat)
                 grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
-                hp.wgmma_wait_group_0()
-                fence_o(acc_o)
-                release(bars.v_empty, i - ONE, RING, seat.lane)
+                retire_pv(acc_o, bars, i - ONE, seat)
                 if grew:
                     rescale_o(acc_o, stats)
                 pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
         release_q(bars, work, seat)
         if n_tiles > 0:
-            last = kv0 + uint32(n_tiles) - ONE
-            wait_full(bars.v_full, last, RING)
-            issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], (last % RING) * uint32(KV_BYTES)))
-            hp.wgmma_wait_group_0()
-            fence_o(acc_o)
-            release(bars.v_empty, last, RING, seat.lane)
+            last_pv(acc, bars, descs, kv0 + uint32(n_tiles) - ONE, seat)
         skip_tiles(bars, kv0, n_tiles, work.n_tiles, seat)
 
     @cuda.jit(device=True, inline="always")
@@ -469,36 +494,149 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     # ------------------------------------------------------------------ consumer
 
     @cuda.jit(device=True, inline="always")
-    def attend_tile(acc, stats, descs, io, work, seat):
-        """One query tile for this warpgroup: S, softmax and PV over its KV tiles, then the
-        epilogue (O, LSE) and the Q buffer's release."""
-        acc_s, acc_o, regs = acc[0], acc[1], acc[3]
-        maps, bars, tiles, problem, tile = io.maps, io.bars, io.tiles, io.problem, work.tile
-        round_q, scale_log2 = work.round_q, io.scale_log2
+    def zero_o(acc_o):
         for j in range(D_N_TILES):
             for e in range(4):
                 acc_o[j, e] = 0.0
+
+    @cuda.jit(device=True, inline="always")
+    def reset_stats(stats):
         for r in range(2):
             stats.m_run[r] = NEG_INF
             stats.l_run[r] = 0.0
+
+    @cuda.jit(device=True, inline="always")
+    def tile_mask(tile, problem, seat):
+        """The mask position of this warp's 16 rows of the query block."""
         row_first = block_row0(tile, problem) + seat.wg * 64 + seat.warp * 16
-        at = ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
-        wait_full(bars.q_full, round_q, Q_RING)
-        q_slot = round_q % Q_RING
-        tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
-        gemm_acc = (acc_s, acc_o, acc[2])
-        if OVERLAP:
-            attend_overlapped(gemm_acc, stats, bars, tile_descs, work, seat, at, scale_log2)
-        else:
-            attend_serial(gemm_acc, stats, bars, tile_descs, work, seat, at, scale_log2)
+        return ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
+
+    @cuda.jit(device=True, inline="always")
+    def finish_tile(acc_o, stats, io, tile, at, q_slot, seat, regs):
+        """The epilogue of a query tile: O normalised and stored, then the LSE."""
         if O_IN_Q:
-            store_o(acc_o, stats, tiles.q + q_slot * uint32(Q_BYTES), maps, tile, problem, seat, regs,
-                    bars.q_empty + uint32(8) * q_slot)
+            store_o(acc_o, stats, io.tiles.q + q_slot * uint32(Q_BYTES), io.maps, tile, io.problem, seat,
+                    regs, io.bars.q_empty + uint32(8) * q_slot)
         else:
-            store_o(acc_o, stats, tiles.o, maps, tile, problem, seat, regs, bars.o_empty)
+            store_o(acc_o, stats, io.tiles.o, io.maps, tile, io.problem, seat, regs, io.bars.o_empty)
         if io.write_lse:
-            store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, row_first,
+            problem = io.problem
+            store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, at.row_first,
                       problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
+
+    @cuda.jit(device=True, inline="always")
+    def attend_tile(acc, stats, descs, io, work, seat):
+        """One query tile for this warpgroup: S, softmax and PV over its KV tiles, then the
+        epilogue (O, LSE) and the Q buffer's release."""
+        acc_o = acc[1]
+        zero_o(acc_o)
+        reset_stats(stats)
+        at = tile_mask(work.tile, io.problem, seat)
+        wait_full(io.bars.q_full, work.round_q, Q_RING)
+        q_slot = work.round_q % Q_RING
+        tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
+        gemm_acc = (acc[0], acc_o, acc[2])
+        if OVERLAP:
+            attend_overlapped(gemm_acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
+        else:
+            attend_serial(gemm_acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
+        finish_tile(acc_o, stats, io, work.tile, at, q_slot, seat, acc[3])
+
+    # ------------------------------------------------------------------ chained consumer
+
+    @cuda.jit(device=True, inline="always")
+    def advance(u, h):
+        """The work slot after (u, h): the unit's next query block, or this CTA's next unit."""
+        h += int32(1)
+        if h == TILES_PER_UNIT:
+            h = int32(0)
+            u += int32(cuda.gridDim.x)
+        return u, h
+
+    @cuda.jit(device=True, inline="always")
+    def peek(u, h, problem):
+        """The first query block at slot (u, h) or after: (tile, its KV tiles, its slot, found)."""
+        units = int32(units_of(problem))
+        while u < units:
+            tile, present = tile_of(u, h, problem)
+            if present:
+                return tile, int32(kv_tiles_of(tile, problem)), u, h, True
+            u, h = advance(u, h)
+        tile, _ = tile_of(0, 0, problem)  # a placeholder of the same type
+        return tile, int32(0), u, h, False
+
+    @cuda.jit(device=True, inline="always")
+    def consume_chained(acc, stats, done, descs, io, seat):
+        """chain: this CTA's tiles with the pipeline running across tile boundaries. Within a
+        tile the loop is ``attend_overlapped``'s; at a tile's end the paired issue is the next
+        tile's first S with this tile's last PV, the next tile's first softmax runs while that
+        PV is in flight, and this tile's epilogue follows (its row stats kept in ``done``). A
+        run of chained tiles ends before a tile that sees no key (its epilogue only) and at the
+        CTA's last tile, with the last PV alone. The crossing step is its own code, outside the
+        KV loop, which stays as short as the unchained one."""
+        acc_s, acc_o, p_frag, regs = acc
+        gemm_acc = (acc_s, acc_o, p_frag)
+        bars, problem, scale_log2 = io.bars, io.problem, io.scale_log2
+        kv = uint32(0)  # KV tiles whose S has been issued (all tiles): the ring position
+        round_q = uint32(0)
+        u, h = int32(cuda.blockIdx.x), int32(0)
+        while True:
+            tile, n_tiles, u, h, found = peek(u, h, problem)
+            if not found:
+                break
+            u, h = advance(u, h)
+            work = TileWork(tile, uint32(kv), uint32(round_q), n_tiles, n_tiles)
+            if n_tiles == 0:  # no key visible: O = 0, LSE -inf (nothing in flight here)
+                attend_tile(acc, stats, descs, io, work, seat)
+                round_q += ONE
+                continue
+            # The first S of a run of chained tiles, waited for at once.
+            zero_o(acc_o)
+            reset_stats(stats)
+            at = tile_mask(tile, problem, seat)
+            wait_full(bars.q_full, round_q, Q_RING)
+            q_desc = hp.descriptor_add(descs[0], (round_q % Q_RING) * uint32(Q_BYTES))
+            first_s(acc_s, bars, q_desc, descs, kv, seat)
+            softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
+            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+            kv += ONE
+            while True:
+                for j in range(1, work.n_tiles):  # the tile's other KV tiles
+                    paired_issue(gemm_acc, bars, q_desc, descs, kv, seat)
+                    grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
+                    retire_pv(acc_o, bars, kv - ONE, seat)
+                    if grew:
+                        rescale_o(acc_o, stats)
+                    pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+                    kv += ONE
+                release_q(bars, work, seat)  # every S of this tile has completed
+                nxt, n_next, u, h, more = peek(u, h, problem)
+                if not more or n_next == 0:
+                    break
+                u, h = advance(u, h)
+                # The crossing: the next tile's first S with this tile's last PV.
+                finished, finished_at = work, at
+                round_q += ONE
+                work = TileWork(nxt, uint32(kv), uint32(round_q), n_next, n_next)
+                at = tile_mask(nxt, problem, seat)
+                wait_full(bars.q_full, round_q, Q_RING)
+                q_desc = hp.descriptor_add(descs[0], (round_q % Q_RING) * uint32(Q_BYTES))
+                paired_issue(gemm_acc, bars, q_desc, descs, kv, seat)
+                for r in range(2):  # the finished tile's row stats go to its epilogue
+                    done.m_run[r] = stats.m_run[r]
+                    done.l_run[r] = stats.l_run[r]
+                reset_stats(stats)
+                softmax_scores(acc_s, stats, 0, at, scale_log2)
+                retire_pv(acc_o, bars, kv - ONE, seat)
+                finish_tile(acc_o, done, io, finished.tile, finished_at, finished.round_q % Q_RING, seat,
+                            regs)
+                zero_o(acc_o)
+                pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+                kv += ONE
+            # The run's last PV, alone.
+            last_pv(gemm_acc, bars, descs, kv - ONE, seat)
+            finish_tile(acc_o, stats, io, work.tile, at, round_q % Q_RING, seat, regs)
+            round_q += ONE
 
     @cuda.jit(device=True, inline="always")
     def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
@@ -517,29 +655,35 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
         io = Io(maps, bars, tiles, problem, lse, write_lse, scale_log2)
-        kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
-        round_q = uint32(0)
-        for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
-            for h in range(TILES_PER_UNIT):
-                tile, present = tile_of(u, h, problem)
-                if not present:
-                    continue
-                n_tiles = kv_tiles_of(tile, problem)
-                first_row = block_row0(tile, problem) + seat.wg * 64
-                if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
-                    n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
-                    work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
-                    attend_tile(acc, stats, descs, io, work, seat)
-                else:  # every row of this warpgroup lies past seqlen_q
-                    wait_full(bars.q_full, round_q, Q_RING)
-                    skip_tiles(bars, kv0, 0, n_tiles, seat)
-                    if O_IN_Q:
-                        if seat.thread == 0:
-                            hp.mbarrier_arrive(bars.q_empty + uint32(8) * (round_q % Q_RING))  # as store_o
-                    else:
-                        release(bars.q_empty, round_q, Q_RING, seat.lane)
-                kv0 += uint32(n_tiles)  # after the branch: the ring positions stay uniform
-                round_q += ONE
+        if CHAIN:
+            done = RowStats(cuda.local.array(2, float32), cuda.local.array(2, float32),
+                            cuda.local.array(2, float32), cuda.local.array(2, float32))
+            consume_chained(acc, stats, done, descs, io, seat)
+        else:
+            kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
+            round_q = uint32(0)
+            for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
+                for h in range(TILES_PER_UNIT):
+                    tile, present = tile_of(u, h, problem)
+                    if not present:
+                        continue
+                    n_tiles = kv_tiles_of(tile, problem)
+                    first_row = block_row0(tile, problem) + seat.wg * 64
+                    if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
+                        n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
+                        work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
+                        attend_tile(acc, stats, descs, io, work, seat)
+                    else:  # every row of this warpgroup lies past seqlen_q
+                        wait_full(bars.q_full, round_q, Q_RING)
+                        skip_tiles(bars, kv0, 0, n_tiles, seat)
+                        if O_IN_Q:
+                            if seat.thread == 0:
+                                # as store_o does
+                                hp.mbarrier_arrive(bars.q_empty + uint32(8) * (round_q % Q_RING))
+                        else:
+                            release(bars.q_empty, round_q, Q_RING, seat.lane)
+                    kv0 += uint32(n_tiles)  # after the branch: the ring positions stay uniform
+                    round_q += ONE
         if PINGPONG and seat.wg == 0:
             hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # the last consumer's last hand-over
         if seat.thread == 0:
@@ -600,7 +744,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}"
-        f"{'_oq' if O_IN_Q else ''}{'_ov' if O_IN_V else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}_"
+        f"{'_oq' if O_IN_Q else ''}{'_ov' if O_IN_V else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}"
+        f"{'_ch' if CHAIN else ''}_"
         f"{'causal' if causal else 'full'}_{dtype}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.

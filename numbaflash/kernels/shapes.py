@@ -114,6 +114,12 @@ class WsConfig:
     # softmax, PV and epilogue. Two consumers only (a warpgroup passing over a tile would
     # have to join the wait). The 128 O rows fit in any V ring (at least 2 stages of 64 keys).
     o_in_v: bool = False
+    # Run the pipeline across tile boundaries: the next tile's first S is issued with this
+    # tile's last PV (the overlapped loop's usual pair), its softmax runs while that PV is in
+    # flight, and this tile's epilogue follows. Two consumers, overlap, two Q buffers and an O
+    # tile of its own only (the next Q must land while this tile runs, and O must not wait
+    # for the V ring).
+    chain: bool = False
 
     @property
     def block_m(self) -> int:
@@ -178,6 +184,10 @@ class WsConfig:
             raise ValueError("o_in_q needs q_stages 1 (the O rows overwrite the Q buffer being used)")
         if self.o_in_v and (self.o_in_q or self.consumers != 2):
             raise ValueError(f"o_in_v needs 2 consumers and not o_in_q, got {self}")
+        if self.chain and not (self.overlap and self.consumers == 2 and self.q_stages == 2
+                               and not self.o_in_q and not self.o_in_v):
+            raise ValueError("chain needs overlap, 2 consumers, q_stages 2 and an O tile of its own, "
+                             f"got {self}")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
         if self.poly_exp < 0 or self.poly_exp > self.block_n // 8:

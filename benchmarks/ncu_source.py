@@ -1,0 +1,90 @@
+"""Where a warp-specialised kernel's warps spend their time, per SASS instruction (Nsight Compute
+source counters), grouped by how often each instruction runs.
+
+    ncu --profile-from-start off --section SourceCounters --section WarpStateStats -o REP \\
+        python benchmarks/ncu_source.py drive d128-ovl 4096 bf16
+    ncu -i REP.ncu-rep --page source --csv --print-source sass > SRC.csv
+    python benchmarks/ncu_source.py summary SRC.csv
+
+``drive`` runs one ``benchmarks/ws_check.py`` variant on the benchmark workload (64k tokens,
+width 2048) three times, then once between cudaProfilerStart and Stop. ``summary`` prints the
+share of warp-stall samples of each execution-count class (instructions run the same number of
+times: the KV loop, once a tile, the producer, ...), then the hottest instructions. With
+tiles of N KV tiles the loop's class runs N - 1 times as often as the once-a-tile class, so the
+two shares tell how many KV-tile times a tile boundary costs.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def drive(variant: str, seqlen: str, dtype: str) -> None:
+    import torch
+    from ws_check import variants
+
+    from numbaflash.kernels.ws_launch import flash_attention_ws
+
+    config = variants()[variant]
+    d, s = config.head_dim, int(seqlen)
+    b, h = 65536 // s, 2048 // d
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dt) for _ in range(3))
+    out = torch.empty_like(q)
+    for _ in range(3):
+        flash_attention_ws(q, k, v, out=out, config=config)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    flash_attention_ws(q, k, v, out=out, config=config)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", "") or 0)
+    except ValueError:
+        return 0.0
+
+
+def summary(path: str, top: int = 30) -> None:
+    rows = list(csv.reader(open(path)))
+    at = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
+    header = rows[at]
+    body = [r for r in rows[at + 1:] if len(r) == len(header)]
+    col = {name: i for i, name in enumerate(header)}
+    samples, runs = col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
+    total = sum(_number(r[samples]) for r in body) or 1.0
+    classes: collections.Counter = collections.Counter()
+    first: dict[int, int] = {}
+    for i, r in enumerate(body):
+        n = int(_number(r[runs]))
+        classes[n] += _number(r[samples])
+        first.setdefault(n, i)
+    print(f"{len(body)} instructions, {total:.0f} warp-stall samples")
+    print("| times run | share of samples | first instruction |")
+    print("|--:|--:|--:|")
+    for n, share in classes.most_common(12):
+        print(f"| {n} | {100 * share / total:.2f}% | {first[n]} |")
+    stalls = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
+    print(f"\nhottest {top} instructions (index, share, times run, main stall reasons, SASS):")
+    for i in sorted(sorted(range(len(body)), key=lambda i: -_number(body[i][samples]))[:top]):
+        r = body[i]
+        reasons = sorted(((_number(r[col[s]]), s[6:]) for s in stalls), reverse=True)[:2]
+        why = ", ".join(f"{name} {100 * v / total:.2f}%" for v, name in reasons if v)
+        print(f"{i:5d} {100 * _number(r[samples]) / total:5.2f}% {int(_number(r[runs])):>9}  {why:<32} "
+              f"{r[col['Source']].strip()[:70]}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "drive":
+        drive(*sys.argv[2:5])
+    elif len(sys.argv) == 3 and sys.argv[1] == "summary":
+        summary(sys.argv[2])
+    else:
+        sys.exit(__doc__)
