@@ -2,7 +2,7 @@
 source counters), grouped by how often each instruction runs.
 
     ncu --profile-from-start off --section SourceCounters --section WarpStateStats -o REP \\
-        python benchmarks/ncu_source.py drive d128-ovl 4096 bf16
+        python benchmarks/ncu_source.py drive d128-ovl 4096 bf16 [causal]
     ncu -i REP.ncu-rep --page source --csv --print-source sass > SRC.csv
     python benchmarks/ncu_source.py summary SRC.csv
 
@@ -24,23 +24,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def drive(variant: str, seqlen: str, dtype: str) -> None:
+def drive(variant: str, seqlen: str, dtype: str, mask: str = "") -> None:
     import torch
     from ws_check import variants
 
     from numbaflash.kernels.ws_launch import flash_attention_ws
 
     config = variants()[variant]
+    if mask not in ("", "causal"):
+        sys.exit(f"the fourth argument of drive must be 'causal' or absent, got {mask!r}")
+    causal = mask == "causal"
     d, s = config.head_dim, int(seqlen)
     b, h = 65536 // s, 2048 // d
     dt = torch.bfloat16 if dtype == "bf16" else torch.float16
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dt) for _ in range(3))
     out = torch.empty_like(q)
     for _ in range(3):
-        flash_attention_ws(q, k, v, out=out, config=config)
+        flash_attention_ws(q, k, v, out=out, config=config, causal=causal)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    flash_attention_ws(q, k, v, out=out, config=config)
+    flash_attention_ws(q, k, v, out=out, config=config, causal=causal)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
@@ -82,8 +85,8 @@ def summary(path: str, top: int = 30) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "drive":
-        drive(*sys.argv[2:5])
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "drive":
+        drive(*sys.argv[2:])
     elif len(sys.argv) == 3 and sys.argv[1] == "summary":
         summary(sys.argv[2])
     else:
