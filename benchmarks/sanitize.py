@@ -1,6 +1,6 @@
 """Run NVIDIA compute-sanitizer over every forward kernel configuration that runs on this GPU.
 
-    python benchmarks/sanitize.py [--tools memcheck,racecheck] [--configs 0,3 | --configs WsConfig]
+    python benchmarks/sanitize.py [--tools memcheck,racecheck] [--configs 0,3 | WsConfig | shipped]
                                   [--jobs 8] [--timeout 600] [--log-dir DIR] [--sanitizer PATH]
     python benchmarks/sanitize.py --list [--arch sm80]     # the indexed configs (no GPU needed)
 
@@ -78,9 +78,14 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig]:
 
 
 def select_indices(spec: str | None, config_list: list[KernelConfig]) -> list[int]:
-    """``--configs``: all if empty, a comma list of indices, else the configs whose str contains it."""
+    """``--configs``: all if empty, ``shipped`` for those the dispatcher can launch (the tuned
+    table and defaults, ``configs.shipped_configs``), a comma list of indices, else the configs
+    whose str contains it."""
     if not spec:
         return list(range(len(config_list)))
+    if spec == "shipped":
+        shipped = {c for _, _, _, c in configs.shipped_configs()}
+        return [i for i, c in enumerate(config_list) if c in shipped]
     parts = [p.strip() for p in spec.split(",")]
     if all(p.isdigit() for p in parts):
         bad = [p for p in parts if int(p) >= len(config_list)]
@@ -261,7 +266,7 @@ def run_job(cmd: list[str], tool: str, index: int, log_path: Path, timeout: floa
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tools", default=",".join(TOOLS), help="comma list of " + ", ".join(TOOLS))
-    p.add_argument("--configs", help="comma list of indices, or a substring of the config str")
+    p.add_argument("--configs", help="comma list of indices, 'shipped', or a substring of the config str")
     p.add_argument("--arch", choices=sorted(configs.FAMILY_CAPABILITY), help="GPU family (default: detected)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="sanitizer processes at a time")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")

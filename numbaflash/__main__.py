@@ -90,21 +90,43 @@ def run_tile_gemm(rng) -> None:
           f"relative error vs float64 {rel:.1e} -> {'OK' if rel < 1e-5 else 'FAIL'}")
 
 
-def run_offline() -> None:
-    from numbaflash.kernels.registry import registered_kernels
-    from numbaflash.tools.inspect import format_table, inspect_kernel
+def demo_kernels(args: argparse.Namespace) -> list[tuple[str, object, bool, str]]:
+    """(family, config, causal, arch) of the forward kernel that this job's own call
+    (float16, ``args.head_dim``, ``args.causal``, ``args.seqlen``) dispatches on each family:
+    the mma.sync kernel every GPU from sm_80 on runs, and the Hopper kernel where there is one."""
+    from numbaflash.configs import FAMILY_ARCH, FAMILY_CAPABILITY, FAMILY_HEAD_DIMS, forward_config
+
+    return [(family, forward_config(cap, args.head_dim, args.causal, seqlen=args.seqlen), args.causal,
+             FAMILY_ARCH[family])
+            for family, cap in FAMILY_CAPABILITY.items() if args.head_dim in FAMILY_HEAD_DIMS[family]]
+
+
+def run_offline(args: argparse.Namespace) -> None:
+    from numbaflash.configs import forward_cubin
+    from numbaflash.demos.tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
+    from numbaflash.runtime.cache import cache_root, enabled
+    from numbaflash.tools.inspect import format_table, inspect_kernel, report_from_cubin
 
     print("No NVIDIA GPU found (numba.cuda.is_available() is False): nothing can run here.")
-    print("Showing what the kernels compile to instead (NVVM + nvJitLink offline, SASS read by cuobjdump):\n")
+    print(f"Showing what this job's call (float16, head_dim {args.head_dim}, causal={args.causal}, "
+          f"seqlen {args.seqlen}) compiles to on each kernel family instead (NVVM + nvJitLink offline, "
+          f"SASS read by cuobjdump); "
+          + (f"compiled kernels are cached in {cache_root()}." if enabled() else "the cache is off."),
+          flush=True)
     reports = []
-    for name, (pyfunc, argtypes, archs) in registered_kernels().items():
-        if not name.startswith(("flash_forward", "tile_gemm_f16")):
-            continue
-        for arch in ("sm_80", "sm_90a"):
-            if arch in archs:
-                reports.append(inspect_kernel(pyfunc, argtypes, arch, name))
+    for family, config, causal, arch in demo_kernels(args):
+        start = time.perf_counter()
+        entry = forward_cubin(config, causal, False, arch)
+        name = f"flash_forward_{family}"
+        reports.append(report_from_cubin(entry.cubin, name, arch))
+        print(f"  {name} for {arch}: {config} ({time.perf_counter() - start:.1f} s)", flush=True)
+    start = time.perf_counter()
+    reports.append(inspect_kernel(make_tile_gemm(False), TILE_GEMM_ARGTYPES, "sm_80", "tile_gemm_f16"))
+    print(f"  tile_gemm_f16 for sm_80 ({time.perf_counter() - start:.1f} s)\n", flush=True)
     print(format_table(reports))
-    print("\nHMMA = tensor-core mma.sync, LDSM = ldmatrix, LDGSTS = cp.async; LDL/STL/CALL must be 0.")
+    print("\nHMMA = tensor-core mma.sync, HGMMA = wgmma, LDSM = ldmatrix, LDGSTS = cp.async, "
+          "UTMALDG = TMA load, SYNCS = mbarrier; LDL/STL/CALL must be 0.")
+    print("Every shipped kernel on every target: python -m numbaflash.inspect")
 
 
 def main(argv=None) -> int:
@@ -117,8 +139,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    from numbaflash.runtime.cache import show_compile_progress
+
+    show_compile_progress()  # a kernel compile that takes a while says so
     if _gpu_name() is None:
-        run_offline()
+        run_offline(args)
     else:
         run_on_gpu(args)
     return 0

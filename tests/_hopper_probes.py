@@ -16,7 +16,7 @@ from numbaflash.ptx import hopper as hp
 PROBE_WAIT_TRIES = 4096
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def wait_bounded(bar, parity):
     """``mbarrier_wait_parity`` that gives up (returns False) after ``PROBE_WAIT_TRIES`` tries,
     so that a broken copy fails a test instead of hanging the GPU."""
@@ -56,13 +56,13 @@ def make_wgmma_probe(
     if a_from_registers:
         mma_rs = hp.wgmma_rs(n, dtype, trans_b)
 
-        @cuda.jit(device=True, inline="always")
+        @cuda.jit(device=True, forceinline=True)
         def issue(acc, frag, desc_a, desc_b, scale_d):
             mma_rs(acc, frag, desc_b, scale_d)
     else:
         mma_ss = hp.wgmma_ss(n, dtype, trans_b)
 
-        @cuda.jit(device=True, inline="always")
+        @cuda.jit(device=True, forceinline=True)
         def issue(acc, frag, desc_a, desc_b, scale_d):
             mma_ss(acc, desc_a, desc_b, scale_d)
 
@@ -156,32 +156,32 @@ def mbarrier_probe(out):
 MBARRIER_PROBE_ARGTYPES = (types.uint32[:, ::1],)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _load_box_2d(dst, tmap, bar, c):
     hp.tma_load_2d(dst, tmap, bar, c[0], c[1])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _load_box_3d(dst, tmap, bar, c):
     hp.tma_load_3d(dst, tmap, bar, c[0], c[1], c[2])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _load_box_4d(dst, tmap, bar, c):
     hp.tma_load_4d(dst, tmap, bar, c[0], c[1], c[2], c[3])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _store_box_2d(tmap, src, c):
     hp.tma_store_2d(tmap, src, c[0], c[1])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _store_box_3d(tmap, src, c):
     hp.tma_store_3d(tmap, src, c[0], c[1], c[2])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _store_box_4d(tmap, src, c):
     hp.tma_store_4d(tmap, src, c[0], c[1], c[2], c[3])
 

@@ -266,7 +266,7 @@ def exp2_poly_kernel(x, out):
 UNROLL_STEPS = 12
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _running_sum_step(k, state):
     """Step k of ``unroll_kernel``: acc[k] = acc[k - 1] + 2^(x + k), so order matters."""
     acc, x = state

@@ -53,6 +53,28 @@ def _why_not_runnable(item) -> str | None:
 KERNEL_PARAMS = ("family", "head_dim", "causal", "dtype", "cfg")
 
 
+def pytest_configure(config):
+    """One kernel cache folder for the whole run, so that no kernel is compiled twice: every
+    test that compiles through the cache (the API, ``configs.forward_cubin``, the offline SASS
+    tests), every xdist worker and every subprocess shares it. ``NUMBAFLASH_CACHE_DIR`` when set
+    (a GPU run that carries its cache), else a new empty folder, so a run starts from nothing.
+    Tests of the cache itself point it elsewhere (``monkeypatch``)."""
+    if "NUMBAFLASH_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
+        import tempfile
+
+        config._numbaflash_cache = os.environ["NUMBAFLASH_CACHE_DIR"] = tempfile.mkdtemp(
+            prefix="numbaflash-test-cache-")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_numbaflash_cache", None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("NUMBAFLASH_CACHE_DIR", None)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     grouped = config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from numbaflash.configs import forward_cubin
 from numbaflash.kernels.registry import forward_kernels
-from numbaflash.tools.inspect import inspect_kernel
+from numbaflash.tools.inspect import report_from_cubin
 
 KERNELS = forward_kernels()
 
@@ -17,9 +18,11 @@ CASES = [(name, arch) for name, (_, _, archs) in sorted(KERNELS.items()) for arc
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def report(request):
+    """Compiled through the kernel cache (``configs.forward_cubin``, the API's path): the run's
+    one cache folder (conftest) gives the same cubin to every test that needs it."""
     name, arch = request.param
-    pyfunc, argtypes, _ = KERNELS[name]
-    return inspect_kernel(pyfunc, argtypes, arch, name)
+    config, causal, bf16 = KERNELS[name][0].forward_key
+    return report_from_cubin(forward_cubin(config, causal, bf16, arch).cubin, name, arch)
 
 
 def test_tensor_core_and_copy_instructions(report):

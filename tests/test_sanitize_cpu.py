@@ -133,6 +133,9 @@ def test_select_indices():
         i for i, c in enumerate(cl) if "head_dim=64, block_n=128" in str(c)]
     with pytest.raises(ValueError, match="out of range"):
         san.select_indices(str(len(cl)), cl)
+    shipped = [cl[i] for i in san.select_indices("shipped", cl)]
+    assert set(shipped) == {c for _, _, _, c in san.configs.shipped_configs()}
+    assert len(shipped) < len(cl)
 
 
 def test_worker_shapes_cover_the_edges():

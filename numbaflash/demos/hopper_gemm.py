@@ -41,13 +41,13 @@ _STAGE_BYTES = _A_TILE_BYTES + _B_TILE_BYTES
 GEMM_SHARED_BYTES = GEMM_STAGES * _STAGE_BYTES + 1024  # + room to align to 1024 bytes
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _aligned_1024(address):
     """Round a shared address up to the 1024-byte alignment of 128B-swizzle tiles."""
     return uint32((address + 1023) & ~1023)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def store_accumulators(c, acc, row0, col0, n):
     """Write the m64nN accumulators of this thread to ``c[row0:row0+64, col0:col0+n]``.
 
@@ -136,7 +136,7 @@ _B_CHUNK_BYTES = GEMM_BK * 128  # one TMA box: 64 k-rows x 64 n-columns, 128-byt
 RS_SHARED_BYTES = GEMM_STAGES * GEMM_BN * GEMM_BK * 2 + 1024
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def load_a_fragment(frag, a32, row0, k0):
     """This thread's wgmma/mma A fragment of rows ``row0 + 16*warp ..``, columns k0..k0+15
     from ``a32`` (the 16-bit matrix viewed as uint32 pairs): frag[0] = (g, 2q), frag[1] =

@@ -18,7 +18,7 @@ from .common import NEG_INF
 ScoreMask = namedtuple("ScoreMask", ["row_first", "lane", "seqlen_k", "diag"])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def query_block(heads_q, group, reverse):
     """(query block, head, batch, kv head) of this CTA, as known non-negative int64 values.
 
@@ -48,7 +48,7 @@ def query_block(heads_q, group, reverse):
 Tile = namedtuple("Tile", ["m_block", "head", "batch", "kv_head"])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def work_units(m_blocks, heads_q, batch, causal):
     """Work units of a persistent launch. A unit is one query block, or with causal masking
     a pair of query blocks of one head, block m_blocks-1-i (heavy) and block i (light): every
@@ -59,7 +59,7 @@ def work_units(m_blocks, heads_q, batch, causal):
     return per_head * heads_q * batch
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def unit_tile(u, h, m_blocks, heads_q, group, causal, grid):
     """Query block h (0, or 1 with causal masking) of work unit u, and whether it exists
     (the middle unit of an odd block count has one block). Units of one (batch, head) are
@@ -86,7 +86,7 @@ def unit_tile(u, h, m_blocks, heads_q, group, causal, grid):
     return Tile(m_block, head, pair // uint32(heads_q), head // uint32(group)), present
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
     """KV tiles a query block starting at row ``m0`` reads; causal stops after the tile that
     holds the last row's diagonal (query i sees keys j <= i + diag)."""
@@ -96,7 +96,7 @@ def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
     return n_tiles
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
     """Set to -inf the scores of keys >= seqlen_k and, if ``causal``, of keys after the
     diagonal (query i sees key j iff j <= i + diag). ``col0``/``row0``: first key/query.
@@ -117,7 +117,7 @@ def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
                     s[j, 2 * half + e] = NEG_INF
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def mask_if_needed(s, n_tiles, col0, block_n, at, causal):
     """``mask_scores`` for one warp's tile of ``block_n`` keys from ``col0`` (``at``: ScoreMask),
     only where the tile crosses the end of the keys or (causal) the diagonal."""

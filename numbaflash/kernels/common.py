@@ -32,7 +32,7 @@ RESCALE_THRESHOLD = 0.0
 THRESHOLD = float32(RESCALE_THRESHOLD)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def keep_in_register(value, lane):
     """``value`` (this lane's own, by a shuffle): an identity ptxas cannot recompute. A value
     computed once from the thread index (an ldmatrix offset) then stays in a register instead
@@ -46,10 +46,10 @@ def unroll(step, count: int):
     loop left rolled indexes the fragment arrays at run time, which puts them in local memory.
     ``state`` is a tuple of whatever the steps share.
 
-    ``run`` is generated with one call per step, flat: Numba inlines every step once into it.
-    (A chain of functions each calling the next made Numba copy the inlined IR once per level,
-    which took a minute for 8 steps.)"""
+    ``run`` is generated with one call per step, flat, and NVVM inlines every step into it.
+    (When Numba inlined at its IR level, a chain of functions each calling the next copied the
+    IR once per level, which took a minute for 8 steps.)"""
     calls = "".join(f"    step({k}, state)\n" for k in range(count)) or "    pass\n"
     namespace = {"step": step}
     exec(f"def run(state):\n{calls}", namespace)  # noqa: S102 - generated from the constant count
-    return cuda.jit(device=True, inline="always")(namespace["run"])
+    return cuda.jit(device=True, forceinline=True)(namespace["run"])

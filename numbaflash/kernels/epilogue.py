@@ -12,7 +12,7 @@ from .smem import GlobalRows, swizzle_phase, swizzled_offset
 from .softmax import quad_sum
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, bf16, row_bytes=128):
     """Normalise this warp's 16 O rows by their row sums and store them, 16-bit, into rows
     ``row0`` .. +15 of a swizzled shared tile (``row_bytes``-byte block rows, see ``smem``).
@@ -38,7 +38,7 @@ def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, b
             ptx.st_shared_b32(row_at + block + (((j % per_row) * 16) ^ phase), packed)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def store_rows_global(dst, first_row, smem_tile, tile_rows, tile_row0, rows, chunks_per_row, lane, scratch,
                       row_bytes=128):
     """A warp copies ``rows`` rows of a swizzled shared tile (from ``tile_row0``; ``row_bytes``-byte
@@ -60,7 +60,7 @@ def store_rows_global(dst, first_row, smem_tile, tile_rows, tile_row0, rows, chu
                              rows, per_block, lane, scratch, row_bytes)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def store_block_rows(dst, first_row, smem_tile, tile_rows, tile_row0, rows, chunks_per_row, lane, scratch,
                      row_bytes):
     """``store_rows_global`` when ``chunks_per_row`` divides 32: lane l stores chunk
@@ -79,7 +79,7 @@ def store_block_rows(dst, first_row, smem_tile, tile_rows, tile_row0, rows, chun
         at += step
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def store_lse(lse, lse_base, row0, num_rows, m_run, l_run, lane):
     """Write the log-sum-exp (natural log) of rows g and g+8 from ``row0``; -inf where the
     row sum (``l_run``, already quad-reduced) is 0. ``m_run`` is in scaled log2 units.

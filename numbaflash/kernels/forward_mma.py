@@ -78,20 +78,20 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def load_q_slice(q_frag, buf, q_tile, a_offsets, kt):
         """ldmatrix k-slice ``kt`` of the warp's Q rows (every m-tile) into ``q_frag[:, buf]``."""
         for mt in range(MT):
             ptx.ldmatrix_x4(q_frag[mt, buf], q_tile + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def k_load(b_frag, buf, k_tile, k_offsets, i):
         """ldmatrix K fragment pair ``i`` (k-slice ``i // S_PAIRS``, n-tiles 2j2, 2j2+1 with
         ``j2 = i % S_PAIRS``) into ``b_frag[buf]``."""
         k_at = k_tile + block_offset(k_offsets, i // S_PAIRS, BN, RB) + (i % S_PAIRS) * 16 * RB
         ptx.ldmatrix_x4(b_frag[buf], k_at)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def k_mma(acc_s, q_frag, qt, b_frag, buf, i):
         """The MT x 2 mma.sync of K fragment pair ``i`` (in ``b_frag[buf]``) with Q slice ``qt``."""
         j2 = i % S_PAIRS
@@ -99,7 +99,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[buf, 0:2])
             mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[buf, 2:4])
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, buf, i):
         """Double-buffered S step ``i``: at a k-slice's first step, the next slice's Q (not
         resident); then the next K pair's ldmatrix into the other buffer; then this pair's mma."""
@@ -111,7 +111,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             k_load(b_frag, 1 - buf, k_tile, k_offsets, i + 1)
         k_mma(acc_s, q_frag, qt, b_frag, buf, i)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def qk_scores(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag):
         """S = Q K_jᵀ for the warp's m-tiles: K fragments by ldmatrix, two n-tiles per load.
         Q fragments: ``q_frag[mt, kt]`` held in registers (Q_RESIDENT), or loaded k-slice by
@@ -145,14 +145,14 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                     mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[0, 0:2])
                     mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[0, 2:4])
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def v_load(b_frag, buf, v_tile, v_offsets, i):
         """Transposing ldmatrix of V pair ``i``: rows of k-slice ``i // O_PAIRS``, O columns
         of pair ``i % O_PAIRS`` (16 columns), into ``b_frag[buf]``."""
         v_at = v_tile + block_offset(v_offsets, i % O_PAIRS, BN, RB) + (i // O_PAIRS) * 16 * RB
         ptx.ldmatrix_x4_trans(b_frag[buf], v_at)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def v_mma(acc_o, p_frag, b_frag, buf, i):
         kt = i // O_PAIRS
         j2 = i % O_PAIRS
@@ -160,13 +160,13 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[buf, 0:2])
             mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[buf, 2:4])
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, buf, i):
         if i + 1 < O_STEPS:
             v_load(b_frag, 1 - buf, v_tile, v_offsets, i + 1)
         v_mma(acc_o, p_frag, b_frag, buf, i)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt):
         """O += P V_j over the 16 keys of k-slice ``kt``: P from registers, V fragments by
         transposing ldmatrix. With DOUBLE_BUFFER each step loads the next V pair (the first
@@ -183,7 +183,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                 mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0, 0:2])
                 mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[0, 2:4])
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
         """O += P V_j, k-slice by k-slice."""
         if DOUBLE_BUFFER:
@@ -191,7 +191,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         for kt in range(P_K_TILES):
             pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2):
         """This tile's row maxes; the running ones are refreshed lazily: O is rescaled only
         when some row of the warp grew by more than 2^THRESHOLD."""
@@ -203,7 +203,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             for mt in range(MT):
                 rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def slice_into_pv(kt, state):
         """Exponentials of k-slice ``kt`` (16 keys, every m-tile), then its PV mma.sync."""
         acc_s, acc_o, p_frag, m_use, row_sum, scale_log2, v_tile, v_offsets, b_frag = state
@@ -214,7 +214,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
 
     slices_into_pv = unroll(slice_into_pv, P_K_TILES)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def softmax_into_pv(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2, v_tile, v_offsets, b_frag):
         """The online softmax and O += P V_j as one stretch of code with no barrier: the
         exponentials of each 16-key slice, then that slice's PV mma.sync, so that a warp's
@@ -233,7 +233,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             for r in range(2):
                 l_run[mt, r] += row_sum[mt, r]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
         """S -> P (16-bit fragments) in the exp2 domain, row maxes refreshed lazily."""
         refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)

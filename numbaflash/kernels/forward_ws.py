@@ -165,27 +165,27 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ scheduling
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def units_of(problem):
         return work_units(problem.m_blocks, problem.heads_q, problem.batch, CAUSAL)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def tile_of(u, h, problem):
         return unit_tile(u, h, problem.m_blocks, problem.heads_q, problem.group, CAUSAL, cuda.gridDim.x)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def block_row0(tile, problem):
         """The query block's first row (negative for the first block when it leads row 0)."""
         return int32(tile.m_block * BM) - problem.lead
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def kv_tiles_of(tile, problem):
         """KV tiles the query block reads (0 when causal hides every key from it)."""
         diag = problem.seqlen_k - problem.seqlen_q
         n = visible_kv_tiles(block_row0(tile, problem), BM, BN, problem.seqlen_k, diag, CAUSAL)
         return max(n, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def own_kv_tiles(first_row, n_tiles, problem):
         """The first KV tiles of the block that this warpgroup's 64 rows from ``first_row`` can
         see (causal); the block's later tiles lie wholly past their diagonal."""
@@ -195,24 +195,24 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ pipeline stages
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def wait_full(bar, i, ring):
         """Wait until stage i % ring holds load number i (round i // ring)."""
         hp.mbarrier_wait_parity(bar + uint32(8) * (i % ring), (i // ring) & ONE)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def wait_empty(bar, i, ring):
         """Wait until the consumers have released the stage that load i will fill (its
         previous round; a fresh barrier reads as released)."""
         hp.mbarrier_wait_parity(bar + uint32(8) * (i % ring), ((i // ring) & ONE) ^ ONE)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def release(bar, i, ring, lane):
         """This warp is done with stage i % ring (one arrival per consumer warp)."""
         if lane == 0:
             hp.mbarrier_arrive(bar + uint32(8) * (i % ring))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def load_tile(dst, tmap, bar, row0, head, batch, rows):
         """TMA the rows row0 .. row0 + rows of one (batch, head) into a swizzled tile: one
         ``BOX``-column box per block, ``rows * RB`` bytes apart."""
@@ -222,7 +222,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ producer
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def wait_o_stored(bars, round_q):
         """o_in_v: wait until the previous tile's O, staged in the V ring, has been read by its
         stores. Called once a tile, before anything that lets the consumers finish this tile
@@ -231,7 +231,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         if O_IN_V and round_q > 0:
             wait_full(bars.o_empty, round_q - ONE, ONE)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def produce(maps, bars, tiles, problem):
         """One thread: Q of each tile, then K_j and V_j of each of its KV tiles."""
         load = uint32(0)  # KV loads issued so far (all tiles): the ring position
@@ -267,13 +267,13 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ consumer GEMMs
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def take_turn(seat):
         """Ping-pong: wait until the previous consumer (round robin) has issued its GEMMs."""
         if PINGPONG:
             hp.named_barrier_sync(TURN_BARRIER + seat.wg, 2 * WARPGROUP)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def pass_turn(seat):
         """Ping-pong: let the next consumer issue."""
         if PINGPONG:
@@ -281,7 +281,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ softmax
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def adopt_maxes(stats):
         """m_run := max(m_run, mx); alpha := exp2(old - new) (1 while no key was seen);
         the row sums are rescaled now, O later (it may still be in a wgmma's hands)."""
@@ -292,14 +292,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             stats.l_run[r] *= alpha
             stats.alpha[r] = alpha
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def rescale_o(acc_o, stats):
         for r in range(2):
             for j in range(D_N_TILES):
                 acc_o[j, 2 * r] *= stats.alpha[r]
                 acc_o[j, 2 * r + 1] *= stats.alpha[r]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def softmax_scores(acc_s, stats, n0, at, scale_log2):
         """Scores of the KV tile at key n0 -> probabilities in place (masked, exponentiated
         against the new row maxes; row sums updated). True if the maxes moved: then O must
@@ -314,14 +314,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ consumer main loops
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def release_q(bars, work, seat):
         """Every S GEMM of the tile is done: the producer may load the next Q into this buffer
         (with O staged in Q, store_o releases it instead)."""
         if not O_IN_Q:
             release(bars.q_empty, work.round_q, Q_RING, seat.lane)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def attend_serial(acc, stats, bars, descs, work, seat, at, scale_log2):
         """One KV tile at a time: S, softmax, PV, each GEMM waited for before the next step.
         ``acc``: (acc_s, acc_o, p_frag); ``descs``: descriptors of Q, K stage 0, V stage 0."""
@@ -346,7 +346,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         release_q(bars, work, seat)
         skip_tiles(bars, kv0, work.n_own, work.n_tiles, seat)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def first_s(acc_s, bars, q_desc, descs, i, seat):
         """S = Q K_i alone (a tile's first), waited for at once; K_i's stage is released."""
         wait_full(bars.k_full, i, RING)
@@ -355,7 +355,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         fence_s(acc_s)
         release(bars.k_empty, i, RING, seat.lane)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def paired_issue(acc, bars, q_desc, descs, i, seat):
         """S = Q K_i and O += P V_{i-1} issued together (a ping-pong turn); returns once S has
         completed (``wgmma.wait_group 1``) and K_i's stage is released: PV may still run."""
@@ -370,21 +370,21 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         fence_s(acc_s)
         release(bars.k_empty, i, RING, seat.lane)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def retire_pv(acc_o, bars, i, seat):
         """Wait for the PV in flight (with V_i) and release V_i's stage."""
         hp.wgmma_wait_group_0()
         fence_o(acc_o)
         release(bars.v_empty, i, RING, seat.lane)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def last_pv(acc, bars, descs, i, seat):
         """O += P V_i alone (a tile's last), waited for at once."""
         wait_full(bars.v_full, i, RING)
         issue_pv(acc[1], acc[2], hp.descriptor_add(descs[2], (i % RING) * uint32(KV_BYTES)))
         retire_pv(acc[1], bars, i, seat)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def attend_overlapped(acc, stats, bars, descs, work, seat, at, scale_log2):
         """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
         PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
@@ -409,7 +409,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             last_pv(acc, bars, descs, kv0 + uint32(n_tiles) - ONE, seat)
         skip_tiles(bars, kv0, n_tiles, work.n_tiles, seat)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def skip_tiles(bars, kv0, first, n_tiles, seat):
         """KV tiles ``first`` .. ``n_tiles`` - 1 of the block, which this warpgroup does not
         read (its rows all lie past seqlen_q, or, causal, before the tile's first key): no
@@ -428,7 +428,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ epilogue
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def normalise_o(acc_o, stats):
         """O /= row sum (0 for rows that saw no key); leaves the quad-summed sums in l_run."""
         for r in range(2):
@@ -439,11 +439,11 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 acc_o[j, 2 * r] *= inv
                 acc_o[j, 2 * r + 1] *= inv
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def pack2(lo, hi):
         return ptx.pack_bf16x2(lo, hi) if BF16 else ptx.pack_f16x2(lo, hi)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def stage_o(tile_o, acc_o, seat, regs):
         """stmatrix this warp's 16 O rows into the swizzled O tile (as TMA reads it): one x4
         per pair of 8-column tiles; lane 8i + r gives row r of matrix i (i = 2 * (column tile
@@ -464,7 +464,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                        + (((col % CHUNKS_PER_ROW) ^ phase) * 16))
             hp.stmatrix_x4(uint32(address), regs)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def store_o(acc_o, stats, tile_o, maps, tile, problem, seat, regs, o_read):
         """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's 64 rows;
         the map clips rows past seqlen_q). With O staged in the Q buffer or the V ring, the
@@ -493,25 +493,25 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ consumer
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def zero_o(acc_o):
         for j in range(D_N_TILES):
             for e in range(4):
                 acc_o[j, e] = 0.0
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def reset_stats(stats):
         for r in range(2):
             stats.m_run[r] = NEG_INF
             stats.l_run[r] = 0.0
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def tile_mask(tile, problem, seat):
         """The mask position of this warp's 16 rows of the query block."""
         row_first = block_row0(tile, problem) + seat.wg * 64 + seat.warp * 16
         return ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def finish_tile(acc_o, stats, io, tile, at, q_slot, seat, regs):
         """The epilogue of a query tile: O normalised and stored, then the LSE."""
         if O_IN_Q:
@@ -524,7 +524,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, at.row_first,
                       problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def attend_tile(acc, stats, descs, io, work, seat):
         """One query tile for this warpgroup: S, softmax and PV over its KV tiles, then the
         epilogue (O, LSE) and the Q buffer's release."""
@@ -544,7 +544,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     # ------------------------------------------------------------------ chained consumer
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def advance(u, h):
         """The work slot after (u, h): the unit's next query block, or this CTA's next unit."""
         h += int32(1)
@@ -553,7 +553,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             u += int32(cuda.gridDim.x)
         return u, h
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def peek(u, h, problem):
         """The first query block at slot (u, h) or after: (tile, its KV tiles, its slot, found)."""
         units = int32(units_of(problem))
@@ -565,7 +565,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         tile, _ = tile_of(0, 0, problem)  # a placeholder of the same type
         return tile, int32(0), u, h, False
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def consume_chained(acc, stats, done, descs, io, seat):
         """chain: this CTA's tiles with the pipeline running across tile boundaries. Within a
         tile the loop is ``attend_overlapped``'s; at a tile's end the paired issue is the next
@@ -638,7 +638,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             finish_tile(acc_o, stats, io, work.tile, at, round_q % Q_RING, seat, regs)
             round_q += ONE
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
         """Every tile of this CTA: S, softmax and PV over its KV tiles, then the epilogue."""
         acc_o = cuda.local.array((D_N_TILES, 4), float32)

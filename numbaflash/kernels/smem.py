@@ -32,13 +32,13 @@ from .. import ptx
 GlobalRows = namedtuple("GlobalRows", ["address", "stride", "num_rows"])
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def global_rows(array, base, row_stride, num_rows):
     """GlobalRows of a flat 16-bit array whose row i starts at element ``base + i * row_stride``."""
     return GlobalRows(ptx.global_address(array) + base * 2, row_stride * 2, num_rows)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def swizzle_phase(row, row_bytes):
     """What the 16-byte chunk index of ``row`` is XORed with: ``row % 8`` for 128-byte block
     rows, ``(row // 2) % 4`` for 64-byte ones (``row_bytes`` a compile-time constant)."""
@@ -47,7 +47,7 @@ def swizzle_phase(row, row_bytes):
     return (row // 2) % 4
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def swizzled_offset(row, chunk, tile_rows, row_bytes=128):
     """Byte offset of 16-byte ``chunk`` of ``row`` in a swizzled tile of ``tile_rows`` rows
     stored as column blocks of ``row_bytes``-byte rows (128 or 64, a compile-time constant)."""
@@ -56,7 +56,7 @@ def swizzled_offset(row, chunk, tile_rows, row_bytes=128):
     return (chunk // per_row) * (tile_rows * row_bytes) + row * row_bytes + ((chunk % per_row) ^ phase) * 16
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def copy_tile_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, num_threads, row_bytes=128):
     """Issue cp.async copies of rows ``first_row`` .. ``+ tile_rows`` of ``src`` (GlobalRows)
     into a swizzled shared tile of ``row_bytes``-byte block rows; rows past ``src.num_rows``
@@ -77,7 +77,7 @@ def copy_tile_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, n
                             tid, num_threads, row_bytes)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def copy_rows_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, num_threads, row_bytes):
     """``copy_tile_async``, whole rows: thread ``tid`` copies chunk ``tid % chunks_per_row`` of
     rows ``tid // chunks_per_row`` + multiples of ``num_threads // chunks_per_row`` (a multiple
@@ -102,7 +102,7 @@ def copy_rows_async(smem_tile, tile_rows, src, first_row, chunks_per_row, tid, n
         at += step
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def drain_copies():
     """Wait for this thread's cp.async copies, then for every thread: after this, shared
     memory may be rewritten with ordinary stores. A CTA whose rows see no key runs no KV
@@ -111,7 +111,7 @@ def drain_copies():
     cuda.syncthreads()
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ldmatrix_offsets(offsets, row, half, row_bytes=128):
     """This lane's byte offsets for ldmatrix reads of 16-column blocks of a swizzled tile.
 
@@ -125,14 +125,14 @@ def ldmatrix_offsets(offsets, row, half, row_bytes=128):
         offsets[b] = row * row_bytes + ((2 * b + half) ^ phase) * 16
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def block_offset(offsets, kb, tile_rows, row_bytes=128):
     """Offset of 16-column block ``kb`` (compile-time constant) from ``ldmatrix_offsets``."""
     per_block = row_bytes // 32  # 16-column blocks per column block
     return offsets[kb % per_block] + (kb // per_block) * (tile_rows * row_bytes)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def load_a_fragments(frags, smem_tile, row0, k_tiles, tile_rows, lane, row_bytes=128):
     """ldmatrix the A operand (16 rows from ``row0``, ``k_tiles`` x 16 columns) of a
     row-major tile: ``frags[kt, 0:4]`` is the m16k16 A fragment of k-tile ``kt``."""

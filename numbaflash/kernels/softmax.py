@@ -14,21 +14,21 @@ from .. import ptx
 from .common import FULL_MASK, NEG_INF
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def quad_max(x):
     """Max over the 4 lanes that share a fragment row."""
     x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
     return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def quad_sum(x):
     """Sum over the 4 lanes that share a fragment row."""
     x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
     return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def row_max(s, n_tiles, half):
     """Max of this lane's scores in fragment row ``half`` (0: row g, 1: row g+8), reduced
     over the quad."""
@@ -38,20 +38,20 @@ def row_max(s, n_tiles, half):
     return quad_max(m)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def scaled_row_maxes(s, n_tiles, mx, scale_log2):
     """``mx[r]`` = max over the quad's scores of row half r, times scale·log2(e)."""
     for r in range(2):
         mx[r] = row_max(s, n_tiles, r) * scale_log2
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def max_grew(mx, m_run, threshold):
     """True if a row max exceeds the running one by more than ``threshold`` (log2 units)."""
     return mx[0] > m_run[0] + threshold or mx[1] > m_run[1] + threshold
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def rescale_rows(acc_o, d_tiles, m_run, l_run, mx):
     """Adopt the new row maxes: scale O and the row sums by exp2(old - new)."""
     for r in range(2):
@@ -64,14 +64,14 @@ def rescale_rows(acc_o, d_tiles, m_run, l_run, mx):
             acc_o[j, 2 * r + 1] *= alpha
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
     """P = exp2(S·scale·log2(e) - m) in place (one FFMA + one ex2 per score), and add this
     lane's part of each row sum to ``l_run``. Rows with no key yet (m = -inf) give 0."""
     exponentiate_split(s, n_tiles, m_run, l_run, scale_log2, 0)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def pack_p_slice(p_frag, p, kt, bf16):
     """P k-tile ``kt`` (16 keys: S n-tiles 2kt and 2kt+1, fp32) -> the 16-bit A fragment
     ``p_frag[kt]`` of the PV product; the two n-tiles are exactly the m16k16 A layout."""
@@ -82,14 +82,14 @@ def pack_p_slice(p_frag, p, kt, bf16):
             p_frag[kt, 2 * half + r] = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def pack_p_fragments(p_frag, p, k_tiles, bf16):
     """P (fp32 fragments) -> 16-bit A fragments of the PV product, in registers."""
     for kt in range(k_tiles):
         pack_p_slice(p_frag, p, kt, bf16)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def exponent_offsets(m_use, m_run):
     """``m_use[r]``: the running max of row half r, or 0 for a row with no key yet (its
     scores are all -inf, so exp2(-inf - 0) gives 0 instead of NaN)."""
@@ -97,7 +97,7 @@ def exponent_offsets(m_use, m_run):
         m_use[r] = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def exponentiate_slice(s, kt, m_use, row_sum, scale_log2):
     """P = exp2(S·scale·log2(e) - m) in place for the 16 keys of PV k-tile ``kt`` (S n-tiles
     2kt and 2kt+1), adding them to this lane's partial row sums ``row_sum[r]``."""
@@ -110,7 +110,7 @@ def exponentiate_slice(s, kt, m_use, row_sum, scale_log2):
                 row_sum[r] += p
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def exponentiate_split(s, n_tiles, m_run, l_run, scale_log2, poly_every):
     """``exponentiate`` (P = exp2(S·scale·log2(e) - m) in place, row sums added to ``l_run``,
     0 for rows with no key yet), with the exponentials of every ``poly_every``-th 8-column n-tile

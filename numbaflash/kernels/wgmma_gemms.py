@@ -41,7 +41,7 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
     BM, BN, RB = block_m, block_n, row_bytes
     STEPS_PER_BLOCK = row_bytes // 32  # k-steps of 16 columns (32 bytes) in one block row
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def issue_s(acc_s, desc_q, desc_k):
         """Start S = Q Kᵀ (async; the first k-step overwrites the accumulator)."""
         fence_s(acc_s)
@@ -53,7 +53,7 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
                   hp.descriptor_add(desc_k, block * BN + step), 0 if kk == 0 else 1)
         hp.wgmma_commit_group()
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def issue_pv(acc_o, p_frag, desc_v):
         """Start O += P V (async), P from registers, V MN-major (16 keys = 16 rows)."""
         fence_o(acc_o)

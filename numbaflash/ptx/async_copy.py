@@ -38,38 +38,38 @@ _st_global_v4 = declare("copy", "st_global_v4_b32", types.void(u16p, _i64, u32p)
 _st_global_v4_at = declare("copy", "st_global_v4_b32_at", types.void(_i64, u32p))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def shared_address_u16(array):
     """32-bit shared-window byte address of element 0 of a uint16 shared array."""
     return _cvta_u16(_ffi.from_buffer(array))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def shared_address_u32(array):
     """32-bit shared-window byte address of element 0 of a uint32 shared array."""
     return _cvta_u32(_ffi.from_buffer(array))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def shared_address_f32(array):
     """32-bit shared-window byte address of element 0 of a float32 shared array."""
     return _cvta_f32(_ffi.from_buffer(array))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def shared_address_u64(array):
     """32-bit shared-window byte address of element 0 of a uint64 shared array."""
     return _cvta_u64(_ffi.from_buffer(array))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def cp_async_16(dst_shared, src, src_index):
     """Copy 8 uint16 (16 bytes) from ``src[src_index:]`` (global, 1-D) to ``dst_shared``.
     The index is not bounds-checked (the pointer arithmetic happens in the helper)."""
     _cp_async_16(dst_shared, _ffi.from_buffer(src), src_index)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def cp_async_16_zfill(dst_shared, src, src_index, in_range):
     """Like ``cp_async_16``, but when ``in_range`` is false write 16 zero bytes and read
     nothing (``src[0]`` is passed as a harmless address). One instruction either way."""
@@ -81,47 +81,47 @@ def cp_async_16_zfill(dst_shared, src, src_index, in_range):
     )
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def global_address(array):
     """Byte address (int64) of element 0 of a 1-D uint16 global array, for the ``*_at`` moves:
     a kernel keeps one address a thread and steps it by byte offsets."""
     return _global_address_u16(_ffi.from_buffer(array))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def cp_async_16_at(dst_shared, src_address):
     """Copy 16 bytes from the global byte address ``src_address`` (int64, 16-byte aligned)
     to ``dst_shared``."""
     _cp_async_16_at(dst_shared, src_address)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def cp_async_16_zfill_at(dst_shared, src_address, in_range):
     """``cp_async_16_at`` when ``in_range``; otherwise write 16 zero bytes and read nothing
     (``src_address`` must still be a valid address: pass a harmless one)."""
     _cp_async_16_zfill_at(dst_shared, src_address, types.uint32(16) if in_range else types.uint32(0))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ld_shared_v4(regs, src_shared):
     """Load 16 bytes at shared address ``src_shared`` into ``regs[0:4]`` (uint32)."""
     _ld_shared_v4(_ffi.from_buffer(regs), src_shared)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def st_shared_v4(dst_shared, regs):
     """Store ``regs[0:4]`` (uint32) as 16 bytes at shared address ``dst_shared``."""
     _st_shared_v4(dst_shared, _ffi.from_buffer(regs))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def st_global_v4(dst, dst_index, regs):
     """Store ``regs[0:4]`` (uint32) as 8 uint16 at ``dst[dst_index:]`` (global, 1-D;
     not bounds-checked)."""
     _st_global_v4(_ffi.from_buffer(dst), dst_index, _ffi.from_buffer(regs))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def st_global_v4_at(dst_address, regs):
     """Store ``regs[0:4]`` (uint32) as 16 bytes at the global byte address ``dst_address``
     (int64, 16-byte aligned)."""

@@ -75,7 +75,7 @@ def _wgmma_ss(n: int, dtype: str, trans_b: bool):
     name = f"wgmma_m64n{n}k16_f32_{dtype}_ss" + ("_tb" if trans_b else "")
     fn = declare("wgmma", name, _void(f32p, _u64, _u64, _u32))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def mma(acc, desc_a, desc_b, scale_d):
         fn(_ffi.from_buffer(acc), desc_a, desc_b, scale_d)
 
@@ -96,7 +96,7 @@ def _wgmma_rs(n: int, dtype: str, trans_b: bool):
     name = f"wgmma_m64n{n}k16_f32_{dtype}_rs" + ("_tb" if trans_b else "")
     fn = declare("wgmma", name, _void(f32p, u32p, _u64, _u32))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def mma(acc, a, desc_b, scale_d):
         fn(_ffi.from_buffer(acc), _ffi.from_buffer(a), desc_b, scale_d)
 
@@ -111,7 +111,7 @@ def wgmma_fence_operand(n: int):
     _check_shape(n, "f16")
     fn = declare("wgmma", f"wgmma_fence_operand_{n // 2}", _void(f32p))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def fence(acc):
         fn(_ffi.from_buffer(acc))
 
@@ -144,10 +144,10 @@ def encode_smem_descriptor(address, leading_byte_offset, stride_byte_offset, swi
     return d
 
 
-smem_descriptor = cuda.jit(device=True, inline="always")(encode_smem_descriptor)
+smem_descriptor = cuda.jit(device=True, forceinline=True)(encode_smem_descriptor)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def smem_descriptor_k_sw128(address):
     """Descriptor of a K-major 16-bit tile in the 128B-swizzle layout that TMA writes with a
     64-element (128-byte) inner box: row r at byte 128*r, 8-row atoms 1024 bytes apart (SBO);
@@ -155,7 +155,7 @@ def smem_descriptor_k_sw128(address):
     return smem_descriptor(address, 16, 1024, SWIZZLE_128B)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def smem_descriptor_mn_sw128(address, mn_chunk_bytes):
     """Descriptor of an MN-major 16-bit tile in the 128B-swizzle layout: each k row holds 64
     MN elements (128 bytes), 8-row atoms 1024 bytes apart (SBO); the next 64 MN elements start
@@ -164,7 +164,7 @@ def smem_descriptor_mn_sw128(address, mn_chunk_bytes):
     return smem_descriptor(address, mn_chunk_bytes, 1024, SWIZZLE_128B)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def smem_descriptor_k_sw64(address):
     """Descriptor of a K-major 16-bit tile in the 64B-swizzle layout that TMA writes with a
     32-element (64-byte) inner box: row r at byte 64*r, 8-row atoms 512 bytes apart (SBO);
@@ -173,7 +173,7 @@ def smem_descriptor_k_sw64(address):
     return smem_descriptor(address, 16, 512, SWIZZLE_64B)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def smem_descriptor_mn_sw64(address, mn_chunk_bytes):
     """Descriptor of an MN-major 16-bit tile in the 64B-swizzle layout: each k row holds 32
     MN elements (64 bytes), 8-row atoms 512 bytes apart (SBO); the next 32 MN elements start
@@ -182,7 +182,7 @@ def smem_descriptor_mn_sw64(address, mn_chunk_bytes):
     return smem_descriptor(address, mn_chunk_bytes, 512, SWIZZLE_64B)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def descriptor_add(desc, byte_offset):
     """Move a descriptor's start address by ``byte_offset`` bytes (a multiple of 16)."""
     return desc + np.uint64(byte_offset >> 4)
@@ -208,14 +208,14 @@ mbarrier_expect_tx.__doc__ = (
 _try_wait_parity = declare("mbarrier", "mbarrier_try_wait_parity", _u32(_u32, _u32))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def mbarrier_try_wait_parity(bar, parity):
     """True when the phase of the given parity (0/1) of the barrier at ``bar`` has completed;
     False after a time limit. A fresh barrier is in phase 0: parity 1 reads as completed."""
     return _try_wait_parity(bar, parity) != 0
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def mbarrier_wait_parity(bar, parity):
     """Block until the phase of the given parity of the barrier at ``bar`` has completed."""
     while _try_wait_parity(bar, parity) == 0:
@@ -241,32 +241,32 @@ tma_store_wait_group_read_0 = declare("tma", "cp_async_bulk_wait_group_read_0", 
 tma_store_wait_group_read_0.__doc__ = "cp.async.bulk.wait_group.read 0: their shared sources may be reused."
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tma_prefetch_descriptor(tmap):
     """prefetch.tensormap: bring the tensor map ``tmap`` (uint64[16] in global) into cache."""
     _prefetch_tensormap(_ffi.from_buffer(tmap))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tma_load_2d(dst, tmap, bar, c0, c1):
     """One thread copies the box at (c0 innermost, c1) of ``tmap`` to shared address ``dst``;
     completion counts the box bytes on the mbarrier at ``bar`` (arm it with expect_tx)."""
     _load_2d(dst, _ffi.from_buffer(tmap), bar, c0, c1)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tma_load_3d(dst, tmap, bar, c0, c1, c2):
     """3-D ``tma_load_2d``."""
     _load_3d(dst, _ffi.from_buffer(tmap), bar, c0, c1, c2)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tma_load_4d(dst, tmap, bar, c0, c1, c2, c3):
     """4-D ``tma_load_2d``."""
     _load_4d(dst, _ffi.from_buffer(tmap), bar, c0, c1, c2, c3)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tma_store_2d(tmap, src, c0, c1):
     """One thread copies the box at shared address ``src`` to (c0, c1) of ``tmap`` (elements
     outside the tensor are not written). Shared data written by ordinary stores needs
@@ -274,13 +274,13 @@ def tma_store_2d(tmap, src, c0, c1):
     _store_2d(_ffi.from_buffer(tmap), src, c0, c1)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tma_store_3d(tmap, src, c0, c1, c2):
     """3-D ``tma_store_2d``."""
     _store_3d(_ffi.from_buffer(tmap), src, c0, c1, c2)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tma_store_4d(tmap, src, c0, c1, c2, c3):
     """4-D ``tma_store_2d``."""
     _store_4d(_ffi.from_buffer(tmap), src, c0, c1, c2, c3)
@@ -299,37 +299,37 @@ _stsm_x2_trans = declare("stmatrix", "stmatrix_x2_trans", _stsm_sig)
 _stsm_x4_trans = declare("stmatrix", "stmatrix_x4_trans", _stsm_sig)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def stmatrix_x1(address, regs):
     """Store one 8x8 16-bit matrix from ``regs[0]`` of each lane; lanes 0-7 give row addresses."""
     _stsm_x1(address, _ffi.from_buffer(regs))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def stmatrix_x2(address, regs):
     """Store two 8x8 matrices from ``regs[0:2]``; lanes 0-15 give row addresses."""
     _stsm_x2(address, _ffi.from_buffer(regs))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def stmatrix_x4(address, regs):
     """Store four 8x8 matrices from ``regs[0:4]``; lanes 8i..8i+7 give matrix i's rows."""
     _stsm_x4(address, _ffi.from_buffer(regs))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def stmatrix_x1_trans(address, regs):
     """``stmatrix_x1``, each matrix stored transposed."""
     _stsm_x1_trans(address, _ffi.from_buffer(regs))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def stmatrix_x2_trans(address, regs):
     """``stmatrix_x2``, each matrix stored transposed."""
     _stsm_x2_trans(address, _ffi.from_buffer(regs))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def stmatrix_x4_trans(address, regs):
     """``stmatrix_x4``, each matrix stored transposed."""
     _stsm_x4_trans(address, _ffi.from_buffer(regs))
@@ -347,7 +347,7 @@ fence_proxy_async_shared_cta.__doc__ = (
 _tensormap_acquire = declare("fence", "fence_proxy_tensormap_acquire", _void(u64p))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def fence_proxy_tensormap_acquire(tmap):
     """fence.proxy.tensormap::generic.acquire.gpu on the 128-byte map ``tmap`` (only needed
     for maps written after the kernel started)."""

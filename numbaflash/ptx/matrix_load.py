@@ -21,31 +21,31 @@ _x2_trans = declare("ldmatrix", "ldmatrix_x2_trans", _sig)
 _x4_trans = declare("ldmatrix", "ldmatrix_x4_trans", _sig)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ldmatrix_x1(regs, address):
     _x1(_ffi.from_buffer(regs), address)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ldmatrix_x2(regs, address):
     _x2(_ffi.from_buffer(regs), address)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ldmatrix_x4(regs, address):
     _x4(_ffi.from_buffer(regs), address)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ldmatrix_x1_trans(regs, address):
     _x1_trans(_ffi.from_buffer(regs), address)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ldmatrix_x2_trans(regs, address):
     _x2_trans(_ffi.from_buffer(regs), address)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def ldmatrix_x4_trans(regs, address):
     _x4_trans(_ffi.from_buffer(regs), address)

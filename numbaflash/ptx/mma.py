@@ -17,13 +17,13 @@ _f16 = declare("mma", "mma_m16n8k16_f32_f16", _sig)
 _bf16 = declare("mma", "mma_m16n8k16_f32_bf16", _sig)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def mma_m16n8k16_f16(acc, a, b):
     """acc += A(16x16, f16, row) @ B(16x8, f16, col)."""
     _f16(_ffi.from_buffer(acc), _ffi.from_buffer(a), _ffi.from_buffer(b))
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def mma_m16n8k16_bf16(acc, a, b):
     """acc += A(16x16, bf16, row) @ B(16x8, bf16, col)."""
     _bf16(_ffi.from_buffer(acc), _ffi.from_buffer(a), _ffi.from_buffer(b))

@@ -26,12 +26,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import struct
 import tempfile
 import threading
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -43,6 +45,10 @@ SUFFIX = ".cubin"
 _HEADER_LENGTH = struct.Struct("<I")
 _MAX_HEADER = 1 << 16
 _PACKAGE = Path(__file__).resolve().parent.parent
+
+LOG = logging.getLogger("numbaflash")
+# A compile that runs longer than this says so: one line through the ``numbaflash`` logger.
+ANNOUNCE_AFTER_S = 1.0
 
 # What this process did: "hits", "compiles", "rejected" (entries ignored as invalid), "stored".
 STATS: Counter = Counter()
@@ -293,12 +299,55 @@ def cached_cubin(kind: str, config, causal: bool, bf16: bool, arch: str, build) 
     if entry is None:
         from .compiler import compile_cubin, entry_name
 
-        pyfunc, argtypes = build()
-        cubin = compile_cubin(pyfunc, argtypes, arch)
+        description = describe(kind, config, causal, bf16, arch)
+        with announce_slow_compile(description):
+            pyfunc, argtypes = build()
+            cubin = compile_cubin(pyfunc, argtypes, arch)
         STATS["compiles"] += 1
         entry = CacheEntry(key, entry_name(cubin), cubin)
-        store(entry, describe(kind, config, causal, bf16, arch))
+        store(entry, description)
     return entry
+
+
+def show_compile_progress(stream=None) -> None:
+    """Print the ``numbaflash`` logger's INFO lines on ``stream`` (default stderr): what the
+    command-line tools call so that a long compile is announced. Idempotent."""
+    if not any(getattr(h, "_numbaflash_progress", False) for h in LOG.handlers):
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._numbaflash_progress = True
+        LOG.addHandler(handler)
+    if LOG.getEffectiveLevel() > logging.INFO:
+        LOG.setLevel(logging.INFO)
+
+
+class announce_slow_compile:  # noqa: N801 - a context manager, used as ``with announce_slow_compile(...)``
+    """Log one INFO line on the ``numbaflash`` logger once a compile has run ``ANNOUNCE_AFTER_S``
+    (a timer thread, so the line comes while the compile runs, not after it), saying what is
+    being compiled and where it will be cached; a DEBUG line with its time when it ends. A
+    compile that ends sooner logs nothing."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self.announced = False
+
+    def _announce(self) -> None:
+        self.announced = True
+        where = (f"cached in {cache_root()} for next time" if enabled()
+                 else "not cached: NUMBAFLASH_CACHE=0")
+        LOG.info("numbaflash: compiling %s (first use on this toolchain; %s)", self.description, where)
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.timer = threading.Timer(ANNOUNCE_AFTER_S, self._announce)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.timer.cancel()
+        if self.announced:
+            LOG.debug("numbaflash: compiled %s in %.1f s", self.description, time.perf_counter() - self.start)
 
 
 def describe(kind: str, config, causal: bool, bf16: bool, arch: str) -> str:

@@ -7,9 +7,14 @@ API loads it, and offline inspection disassembles it, so what is inspected is wh
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import functools
 import re
 import struct
-from collections.abc import Sequence
+import types
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 _ARCH_RE = re.compile(r"^sm_(\d+)(\d)(a?)$")
 
@@ -31,28 +36,87 @@ def arch_of(capability: tuple[int, int]) -> str:
     return f"sm_{major}{minor}" + ("a" if (major, minor) >= (9, 0) else "")
 
 
+@contextlib.contextmanager
+def target_capability(cc: tuple) -> Iterator[None]:
+    """While compiling for ``cc``, answer Numba's question "which GPU is this for?" with ``cc``.
+
+    Device functions are ``@cuda.jit(device=True, forceinline=True)``: each is typed and
+    lowered once on its own (``CUDADispatcher.compile_device``) and NVVM inlines it, instead of
+    Numba deep-copying its IR into every caller. ``compile_device`` takes the compute capability
+    from ``numba.cuda.dispatcher.get_current_device()``, which needs a GPU and, with one,
+    names the current GPU rather than the target. Inside this context that name answers with
+    a stand-in device of capability ``cc``, under Numba's compiler lock so that no other
+    thread's compile sees it. ``tests/test_compile_cpu.py`` pins this hook, so a numba-cuda
+    release that moves it fails there and not in a user's first call.
+
+    The capability only steers lowering choices made below sm_75 (atomics, ``tanh``); the
+    device functions' typed IR is the same for every target from sm_80 on, and the per-target
+    code comes from NVVM and ptxas at the kernel's own ``cc``."""
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.cuda import dispatcher
+
+    device = types.SimpleNamespace(compute_capability=tuple(cc))
+    with global_compiler_lock:
+        saved = dispatcher.get_current_device
+        dispatcher.get_current_device = lambda: device
+        try:
+            yield
+        finally:
+            dispatcher.get_current_device = saved
+
+
 def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> bytes:
     """Compile a kernel's Python function for ``arch`` and return the linked cubin.
     ``launch_bounds`` defaults to the function's ``launch_bounds`` attribute (set by the
-    package's kernel factories)."""
+    package's kernel factories).
+
+    Numba (with ``target_capability``) and NVVM turn the kernel and its device functions into
+    one LTO-IR module; nvJitLink links it with every PTX helper family's LTO-IR
+    (``helper_ltoir``: NVRTC, once per family and target in a process, started on a thread
+    before Numba runs), inlines the helpers and runs ptxas. Helpers the kernel does not call
+    are dropped by the link: the SASS is the same as linking only the families it uses."""
     from cuda.bindings import nvjitlink
-    from numba.cuda.compiler import compile_all
+    from numba.cuda import compile as numba_compile
+
+    from .sources import ptx_directory
 
     cc = parse_arch(arch)
     bounds = launch_bounds if launch_bounds is not None else getattr(pyfunc, "launch_bounds", None)
-    codes, _ = compile_all(pyfunc, tuple(argtypes), device=False, cc=cc, output="ltoir", abi="numba",
-                           launch_bounds=bounds)
+    sources = sorted(ptx_directory().glob("*.cu"))
+    helpers = [_HELPERS.submit(helper_ltoir, str(path), arch) for path in sources]
+    with target_capability(cc):
+        kernel, _ = numba_compile(pyfunc, tuple(argtypes), device=False, cc=cc, output="ltoir", abi="numba",
+                                  launch_bounds=bounds)
+    modules = [("kernel", _code_bytes(kernel))] + [(f"helper{i}", h.result()) for i, h in enumerate(helpers)]
     handle = nvjitlink.create(2, [f"-arch={arch}", "-lto"])
     try:
-        for i, code in enumerate(codes):
-            data = code if isinstance(code, (bytes, bytearray)) else code.code
-            nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, data, len(data), f"module{i}")
+        for name, data in modules:
+            nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, data, len(data), name)
         nvjitlink.complete(handle)
         cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, cubin)
     finally:
         nvjitlink.destroy(handle)
     return bytes(cubin)
+
+
+def _code_bytes(code) -> bytes:
+    return bytes(code if isinstance(code, (bytes, bytearray)) else code.code)
+
+
+# One thread compiles the helpers while Numba compiles the kernel (NVRTC does not need the GIL).
+_HELPERS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="numbaflash-nvrtc")
+
+
+@functools.cache
+def helper_ltoir(path: str, arch: str) -> bytes:
+    """LTO-IR of one PTX helper family (``ptx/<family>.cu``) for ``arch``, by NVRTC as Numba
+    compiles the files a ``declare_device(link=...)`` names; once per process."""
+    from numba.cuda.cudadrv import nvrtc
+
+    source = Path(path)
+    code, _ = nvrtc.compile(source.read_text(), source.name, parse_arch(arch), ltoir=True)
+    return _code_bytes(code)
 
 
 _INFO_PREFIX = b".nv.info."

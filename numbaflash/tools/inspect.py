@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 
 from ..runtime.compiler import compile_cubin, parse_arch  # noqa: F401  (parse_arch: re-exported)
@@ -165,15 +166,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not kernels:
         print(f"no kernel matches {args.pattern!r}; try --list", file=sys.stderr)
         return 2
+    pairs = [(name, arch) for name, (_, _, archs) in kernels.items()
+             for arch in args.arch or ("sm_80", "sm_90a") if arch in archs]
     reports = []
-    for name, (pyfunc, argtypes, archs) in kernels.items():
-        for arch in args.arch or ("sm_80", "sm_90a"):
-            if arch not in archs:
-                continue
-            report = inspect_kernel(pyfunc, argtypes, arch, name)
-            reports.append(report)
-            if args.sass:
-                print(report.sass)
+    for i, (name, arch) in enumerate(pairs, start=1):
+        pyfunc, argtypes, _ = kernels[name]
+        start = time.perf_counter()
+        report = inspect_kernel(pyfunc, argtypes, arch, name)
+        reports.append(report)
+        # A line per kernel as it goes (stderr, so that stdout stays the table).
+        print(f"[{i}/{len(pairs)}] {name} {arch}: {report.registers} registers, "
+              f"{sum(report.opcodes.values())} instructions ({time.perf_counter() - start:.1f} s)",
+              file=sys.stderr, flush=True)
+        if args.sass:
+            print(report.sass)
     print(format_table(reports))
     return 0
 

@@ -85,7 +85,9 @@ def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None
     print(f"numbaflash.precompile: {len(items)} kernels for {', '.join(arches)} into {cache.cache_root()}",
           file=sys.stderr)
     progress(0, len(items), "")
-    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+    # Each worker prints the line a compile logs when it starts (after a second), the bar when it ends.
+    workers = jobs or os.cpu_count() or 1
+    with ProcessPoolExecutor(max_workers=workers, initializer=cache.show_compile_progress) as pool:
         for done, (label, compiled, seconds) in enumerate(pool.map(build_one, items), start=1):
             counts["compiled" if compiled else "cached"] += 1
             progress(done, len(items), f"{label} ({'compiled' if compiled else 'cached'}, {seconds:.1f} s)")

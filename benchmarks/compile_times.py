@@ -1,0 +1,101 @@
+"""Compile time and SASS census of every shipped forward kernel, each from nothing, offline.
+
+Every (kernel, architecture) pair is compiled in a fresh Python process with no kernel cache,
+as a new user's first call would compile it: the time covers Numba's typing and lowering,
+NVVM, NVRTC for the PTX helpers, nvJitLink and ptxas, not the interpreter start or imports
+(reported apart). The same cubin is then disassembled: registers, SASS instructions and the
+LDL / STL / CALL counts that must stay 0.
+
+    python benchmarks/compile_times.py                  # every shipped pair, 1 process at a time
+    python benchmarks/compile_times.py --jobs 2 --only ws_d128 --csv times.csv
+    python benchmarks/compile_times.py --summary times.csv   # median / slowest of a CSV
+
+Run it on the old and the new code (a ``git worktree``) to get a before / after table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+FIELDS = ("kernel", "arch", "compile_s", "import_s", "registers", "instructions", "ldl", "stl", "call")
+
+
+def measure_one(name: str, arch: str) -> dict:
+    """In this (fresh) process: import, compile one pair with no cache, disassemble."""
+    start = time.perf_counter()
+    from numbaflash.kernels.registry import forward_kernels
+    from numbaflash.runtime.compiler import compile_cubin
+    from numbaflash.tools.inspect import report_from_cubin
+
+    pyfunc, argtypes, _ = forward_kernels()[name]
+    imported = time.perf_counter()
+    cubin = compile_cubin(pyfunc, argtypes, arch)
+    compiled = time.perf_counter()
+    report = report_from_cubin(cubin, name, arch)
+    return {"kernel": name, "arch": arch, "compile_s": round(compiled - imported, 2),
+            "import_s": round(imported - start, 2), "registers": report.registers,
+            "instructions": sum(report.opcodes.values()), "ldl": report.count("LDL"),
+            "stl": report.count("STL"), "call": report.count("CALL")}
+
+
+def run_pair(pair: tuple[str, str]) -> dict:
+    env = dict(os.environ, NUMBAFLASH_CACHE="0", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, __file__, "--one", *pair], capture_output=True, text=True,
+                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if done.returncode != 0:
+        raise RuntimeError(f"{pair}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summary(rows: list[dict]) -> str:
+    times = sorted(float(r["compile_s"]) for r in rows)
+    slowest = max(rows, key=lambda r: float(r["compile_s"]))
+    return (f"{len(rows)} pairs: median {statistics.median(times):.1f} s, slowest {times[-1]:.1f} s "
+            f"({slowest['kernel']}@{slowest['arch']}), total {sum(times):.0f} s")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=1, help="pairs compiled at once (default 1)")
+    parser.add_argument("--only", default="", help="only kernels whose name contains this")
+    parser.add_argument("--arch", default="", help="only this architecture")
+    parser.add_argument("--csv", help="also write the rows here")
+    parser.add_argument("--summary", help="print the summary of a CSV written earlier and exit")
+    parser.add_argument("--one", nargs=2, metavar=("KERNEL", "ARCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_one(*args.one)))
+        return 0
+    if args.summary:
+        with open(args.summary) as f:
+            print(summary(list(csv.DictReader(f))))
+        return 0
+    from numbaflash.kernels.registry import forward_kernels
+
+    pairs = [(name, arch) for name, (_, _, archs) in sorted(forward_kernels().items()) for arch in archs
+             if args.only in name and args.arch in ("", arch)]
+    print("  ".join(FIELDS), flush=True)
+    rows = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for row in pool.map(run_pair, pairs):
+            rows.append(row)
+            print("  ".join(str(row[f]) for f in FIELDS), flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

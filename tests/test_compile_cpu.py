@@ -1,0 +1,113 @@
+"""The compile path with no GPU (``runtime/compiler.py``): device functions inlined by NVVM
+(``forceinline=True``), typed once each for the target the kernel is compiled for, and the
+numba-cuda hook that makes that possible pinned, so that an upgrade that moves it fails here.
+Also the progress line a slow compile logs, and the main job's offline path."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+
+import pytest
+from numba import cuda, float32, types
+
+from numbaflash.runtime import cache
+from numbaflash.runtime.compiler import compile_cubin, target_capability
+
+
+def test_numba_asks_get_current_device_for_the_capability():
+    """``CUDADispatcher.compile_device`` (how a ``device=True`` function called from a kernel is
+    compiled on its own) takes the compute capability from ``dispatcher.get_current_device()``:
+    the name ``target_capability`` answers. If numba-cuda moves this, offline compiles break."""
+    from numba.cuda import dispatcher
+
+    source = inspect.getsource(dispatcher.CUDADispatcher.compile_device)
+    assert "get_current_device().compute_capability" in source
+    assert callable(dispatcher.get_current_device)
+
+
+def test_target_capability_answers_and_restores():
+    from numba.cuda import dispatcher
+
+    before = dispatcher.get_current_device
+    with target_capability((9, 0, "a")):
+        assert dispatcher.get_current_device().compute_capability == (9, 0, "a")
+    assert dispatcher.get_current_device is before
+    with pytest.raises(ZeroDivisionError), target_capability((8, 0)):
+        1 / 0  # noqa: B018
+    assert dispatcher.get_current_device is before
+
+
+def _kernel_calling(helper):
+    def kernel(out, x):
+        out[0] = helper(x[0])
+
+    return kernel
+
+
+@pytest.mark.parametrize("cc, approx", [((7, 0), False), ((8, 0), True)])
+def test_device_function_is_typed_for_the_target(cc, approx):
+    """The capability reaches the device function's own compile: a fastmath ``tanh`` lowers to
+    ``tanh.approx.f32`` from sm_75 on and to libdevice below (a numba-cuda lowering choice), so
+    its LLVM IR shows which capability it was compiled for. A fresh helper each time: a device
+    function is compiled once per argument types."""
+    @cuda.jit(device=True, forceinline=True, fastmath=True)
+    def helper(x):
+        return math.tanh(x)
+
+    from numba.cuda.compiler import compile_all
+
+    argtypes = (types.float32[::1], types.float32[::1])
+    with target_capability(cc):
+        # The kernel itself targets sm_80 (NVRTC refuses older); the helper sees ``cc``.
+        compile_all(_kernel_calling(helper), argtypes, device=False, cc=(8, 0), output="ltoir", abi="numba")
+    (cres,) = helper.overloads.values()
+    assert ("tanh.approx.f32" in cres.library.get_llvm_str()) == approx
+
+
+def test_forceinline_helpers_leave_no_call():
+    """A chain of forceinline helpers (each calling the next) links into one function: no CALL
+    in SASS, and the kernel compiles with no GPU for both families' targets."""
+    from numbaflash.tools.inspect import report_from_cubin
+
+    @cuda.jit(device=True, forceinline=True)
+    def inner(x):
+        return x * float32(2.0) + float32(1.0)
+
+    @cuda.jit(device=True, forceinline=True)
+    def outer(x):
+        return inner(inner(x))
+
+    argtypes = (types.float32[::1], types.float32[::1])
+    for arch in ("sm_80", "sm_90a"):
+        report = report_from_cubin(compile_cubin(_kernel_calling(outer), argtypes, arch), "k", arch)
+        assert report.calls == 0 and report.spill_instructions == 0, report.opcodes
+
+
+def test_slow_compile_logs_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(cache, "ANNOUNCE_AFTER_S", 0.01)
+    import time
+
+    with caplog.at_level(logging.DEBUG, logger="numbaflash"):
+        with cache.announce_slow_compile("forward sm_90a f16 causal X"):
+            time.sleep(0.2)
+        with cache.announce_slow_compile("quick"):
+            pass
+    lines = [r for r in caplog.records if r.name == "numbaflash"]
+    assert [r.levelno for r in lines] == [logging.INFO, logging.DEBUG], lines
+    assert "compiling forward sm_90a f16 causal X" in lines[0].getMessage()
+    assert "for next time" in lines[0].getMessage()
+    assert "quick" not in caplog.text
+
+
+def test_show_compile_progress_is_idempotent(capsys):
+    log = logging.getLogger("numbaflash")
+    saved = (list(log.handlers), log.level)
+    try:
+        cache.show_compile_progress()
+        cache.show_compile_progress()
+        assert sum(getattr(h, "_numbaflash_progress", False) for h in log.handlers) == 1
+        assert log.getEffectiveLevel() <= logging.INFO
+    finally:
+        log.handlers[:], log.level = saved
