@@ -2,7 +2,8 @@
 # What every kernel change must pass on a GPU, in one command:
 #   bash benchmarks/gpu_check.sh [tests] [selftest] [sanitize] [nokey]   (default: all four)
 # - tests:    the GPU test suite, NUMBAFLASH_REQUIRE_GPU=1 (a missing GPU fails, never skips),
-#             parallel over kernels when pytest-xdist is installed
+#             parallel over kernels when pytest-xdist is installed; the tests marked ``timing``
+#             (wall-clock bounds) run alone at the end
 # - selftest: python -m numbaflash.selftest --cases $CASES (default 500), in the background
 # - sanitize: benchmarks/sanitize.py, memcheck/racecheck/synccheck/initcheck over every config
 # - nokey:    benchmarks/no_key_rows.py, the shapes of the 34e1ab6 race report
@@ -32,7 +33,7 @@ fi
 if [[ " $stages " == *" tests "* ]]; then
   xdist=()
   $py -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-6}" --dist loadgroup)
-  $py -m pytest -q -p no:cacheprovider "${xdist[@]}" -m "gpu or hopper" tests/ >"$out/pytest.log" 2>&1
+  $py -m pytest -q -p no:cacheprovider "${xdist[@]}" -m "(gpu or hopper) and not timing" tests/ >"$out/pytest.log" 2>&1
   rc[tests]=$?
 fi
 if [[ " $stages " == *" nokey "* ]]; then
@@ -45,9 +46,16 @@ if [[ -n "${sanitize_pid:-}" ]]; then
   tar czf "$out/sanitizer_logs.tgz" -C /tmp sanitizer_logs 2>/dev/null
 fi
 
+# Tests that assert a wall-clock bound run last, alone: nothing else on the GPU or the CPUs.
+if [[ " $stages " == *" tests "* ]]; then
+  $py -m pytest -q -p no:cacheprovider -m "timing" tests/ >"$out/pytest_timing.log" 2>&1
+  rc[timing]=$?
+fi
+
 echo
 echo "== $(head -1 "$out/gpu.txt")"
 [[ -n "${rc[tests]:-}" ]] && echo "tests    rc=${rc[tests]}  $(tail -1 "$out/pytest.log")"
+[[ -n "${rc[timing]:-}" ]] && echo "timing   rc=${rc[timing]}  $(tail -1 "$out/pytest_timing.log")"
 [[ -n "${rc[nokey]:-}" ]] && { echo "nokey    rc=${rc[nokey]}"; grep '^|' "$out/no_key_rows.log"; }
 [[ -n "${rc[selftest]:-}" ]] && { echo "selftest rc=${rc[selftest]}"; grep -E '^(sm[0-9]+:|PASSED|FAILED|seed|GPU)' "$out/selftest.log"; }
 [[ -n "${rc[sanitize]:-}" ]] && { echo "sanitize rc=${rc[sanitize]}"; grep -E '^(\||sanitizer:)' "$out/sanitize.log"; }
