@@ -111,3 +111,39 @@ def test_show_compile_progress_is_idempotent(capsys):
         assert log.getEffectiveLevel() <= logging.INFO
     finally:
         log.handlers[:], log.level = saved
+
+
+def test_inspect_prints_a_line_per_kernel_as_it_goes(capsys):
+    from numbaflash.tools import inspect as nfi
+
+    assert nfi.main(["tile_gemm_f16", "--arch", "sm_80"]) == 0
+    captured = capsys.readouterr()
+    assert "[1/1] tile_gemm_f16 sm_80:" in captured.err and "registers" in captured.err
+    assert "tile_gemm_f16" in captured.out  # the table
+
+
+def test_main_job_without_gpu_inspects_what_its_call_dispatches():
+    """``python -m numbaflash`` on a machine with no GPU: the forward kernel its own call
+    dispatches on each family (not all 72), the tile GEMM demo, progress, and where to see more.
+    Through the run's cache folder, so the shipped kernels are compiled at most once a run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from numbaflash.configs import FAMILY_CAPABILITY, forward_config
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "numbaflash"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "No NVIDIA GPU found" in out and "python -m numbaflash.inspect" in out
+    for family, cap in FAMILY_CAPABILITY.items():
+        config = forward_config(cap, 128, False, seqlen=4096)  # the job's default call
+        assert f"flash_forward_{family} for " in out and repr(config) in out
+    table = [line for line in out.splitlines() if line.startswith(("flash_forward_", "tile_gemm_"))
+             and " for " not in line]
+    assert len(table) == 3, out
+    for line in table:  # LDL, STL and CALL are the last three columns: all 0
+        assert line.split()[-3:] == ["0", "0", "0"], line
