@@ -41,9 +41,6 @@ def variants() -> dict[str, WsConfig]:
         out[f"d{d}-serial"] = WsConfig(d, 128, stages)
         out[f"d{d}-ovl"] = WsConfig(d, 128, stages, overlap=True)
         out[f"d{d}-pp"] = WsConfig(d, 128, stages, overlap=True, pingpong=True)
-    for d in (64, 96, 128):  # the pipeline runs across tile boundaries (chain)
-        out[f"d{d}-ovl-ch"] = WsConfig(d, 128, 2, overlap=True, chain=True)
-        out[f"d{d}-pp-ch"] = WsConfig(d, 128, 2, overlap=True, pingpong=True, chain=True)
     out["d128-ovl-q1"] = WsConfig(128, 128, 2, overlap=True, q_stages=1)  # one Q buffer: before
     out["d64-ovl-n192"] = WsConfig(64, 192, 2, overlap=True)
     out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)

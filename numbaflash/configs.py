@@ -86,23 +86,19 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
         256: [(128, 32, 1), (64, 32, 1), (128, 64, 1, "", "d", "e", "de"), (64, 64, 1, "", "d", "e")],
     }.items()
 }
-# (block_n, stages, overlap, pingpong, q_stages[, o_in_q, poly_exp, o_in_v, chain]) of the warp-specialised
+# (block_n, stages, overlap, pingpong, q_stages[, o_in_q, o_in_v]) of the warp-specialised
 # kernel.
 _WS_SHAPES = {
     64: ((192, 2, True, True, 2), (192, 2, True, False, 2), (128, 3, True, True, 2), (128, 3, True, False, 2),
-         (128, 3, False, False, 2),
-         # a quarter of the exponentials on the FMA pipe (poly_exp 4: 6 of 24 score tiles)
-         (192, 2, True, True, 2, False, 4), (192, 2, True, False, 2, False, 4)),
+         (128, 3, False, False, 2)),
     128: ((128, 2, True, False, 2), (128, 2, True, True, 2), (128, 2, True, False, 1),
           (128, 2, False, False, 2),
           # FlashAttention-3's non-causal d128 tile, 128 x 176: two 44 KB stages of K and of V
           # leave no room for a second Q buffer or an O tile; O is staged in the V ring, as
           # FlashAttention-3 does, so that the one Q buffer is free before the last PV
-          (176, 2, True, False, 1, False, 0, True), (176, 2, True, True, 1, False, 0, True),
+          (176, 2, True, False, 1, False, True), (176, 2, True, True, 1, False, True),
           # one Q buffer and O in the V ring leave room for three KV stages at 128 x 128
-          (128, 3, True, False, 1, False, 0, True),
-          # the pipeline chained across tile boundaries (the next first S with the last PV)
-          (128, 2, True, True, 2, False, 0, False, True), (128, 2, True, False, 2, False, 0, False, True)),
+          (128, 3, True, False, 1, False, True)),
     96: ((128, 2, True, False, 2), (128, 2, True, True, 2), (192, 2, True, True, 2), (192, 2, True, False, 2),
          (128, 3, True, False, 2)),
     # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them.

@@ -28,8 +28,6 @@ CASES = {
                              False, False),
     # 128 x 176 (wgmma n176) with O staged in the V ring: the consumers' named barrier, o_empty
     "d128-ov-n176-full-f16": (WsConfig(128, 176, 2, overlap=True, q_stages=1, o_in_v=True), False, False),
-    # the pipeline chained across tiles: the crossing step has its own paired issue, out of the KV loop
-    "d128-pp-ch-causal-bf16": (WsConfig(128, 128, 2, overlap=True, pingpong=True, chain=True), True, True),
 }
 
 
@@ -96,10 +94,9 @@ def test_no_local_memory_no_calls(reports, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_wgmma_not_serialised(reports, name):
-    """The kernel waits for its GEMMs a handful of times (wait_group 0/1; 6 with chained
-    tiles: first S, the KV loop's two, the crossing's two, last PV); ptxas adds a
+    """The kernel waits for its GEMMs a handful of times (wait_group 0/1); ptxas adds a
     WARPGROUP.DEPBAR after every HGMMA when it cannot prove the asynchronous pipeline (seen with
-    a conditionally chained first S: every GEMM serialised, 10-25% slower)."""
+    a conditionally issued first S: every GEMM serialised, 10-25% slower)."""
     r = reports(name)
     assert len(_lines(r, r"WARPGROUP\.DEPBAR")) <= 8 < len(_lines(r, r"HGMMA")), _lines(r, r"DEPBAR")
 
@@ -164,12 +161,6 @@ def test_config_checks():
         WsConfig(64, 128, consumers=3, o_in_v=True).check()
     with pytest.raises(ValueError, match="o_in_v needs 2 consumers and not o_in_q"):
         WsConfig(128, 176, q_stages=1, o_in_q=True, o_in_v=True).check()
-    WsConfig(128, overlap=True, pingpong=True, chain=True).check()
-    for bad in (dict(), dict(overlap=True, q_stages=1),
-                dict(overlap=True, q_stages=1, o_in_v=True, block_n=176),
-                dict(overlap=True, consumers=3, head_dim=64)):
-        with pytest.raises(ValueError, match="chain needs overlap, 2 consumers, q_stages 2"):
-            WsConfig(**{"head_dim": 128, **bad, "chain": True}).check()
 
 
 def test_encode_tensor_map_checks():

@@ -26,11 +26,6 @@ one head (equal cost per unit; see ``blocks.work_units``).
   and O is rescaled only after PV_j has completed.
 * **Ping-pong** (``config.pingpong``): the consumer warpgroups take turns, round robin, issuing
   their GEMMs (named barriers), so that one's softmax overlaps the others' tensor-core work.
-* **Chained tiles** (``config.chain``, ``consume_chained``): the pipeline runs across tile
-  boundaries. A tile's last PV is issued with the next tile's first S, the next tile's first
-  softmax runs while that PV is in flight, and only then does this tile's epilogue run; the
-  unchained kernel runs the last PV, the epilogue, the next first S and its softmax one after
-  the other while the tensor cores idle.
 * **Epilogue**: O is normalised in registers, written with ``stmatrix`` into a swizzled
   shared tile and stored by TMA, whose tensor map clips rows past seqlen_q; LSE as before.
   With ``config.o_in_q`` (head dim 256, where shared memory holds no O tile) each consumer
@@ -69,7 +64,7 @@ from .blocks import ScoreMask, mask_if_needed, unit_tile, visible_kv_tiles, work
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
 from .shapes import WsConfig
-from .softmax import exponentiate_split, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
+from .softmax import exponentiate, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
 from .wgmma_gemms import make_attention_gemms
 
 WS_ARGTYPES = (
@@ -138,8 +133,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     BF16 = bf16
     O_IN_Q = config.o_in_q
     O_IN_V = config.o_in_v
-    POLY_EXP = config.poly_exp
-    CHAIN = config.chain
     OVERLAP = config.overlap
     PINGPONG = config.pingpong
     EPILOGUE_BARRIER = TURN_BARRIER + CONSUMERS  # + consumer warpgroup: after the turn barriers
@@ -309,7 +302,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         grew = cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD))
         if grew:
             adopt_maxes(stats)
-        exponentiate_split(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2, POLY_EXP)
+        exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2)
         return grew
 
     # ------------------------------------------------------------------ consumer main loops
@@ -542,102 +535,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             attend_serial(gemm_acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
         finish_tile(acc_o, stats, io, work.tile, at, q_slot, seat, acc[3])
 
-    # ------------------------------------------------------------------ chained consumer
-
-    @cuda.jit(device=True, forceinline=True)
-    def advance(u, h):
-        """The work slot after (u, h): the unit's next query block, or this CTA's next unit."""
-        h += int32(1)
-        if h == TILES_PER_UNIT:
-            h = int32(0)
-            u += int32(cuda.gridDim.x)
-        return u, h
-
-    @cuda.jit(device=True, forceinline=True)
-    def peek(u, h, problem):
-        """The first query block at slot (u, h) or after: (tile, its KV tiles, its slot, found)."""
-        units = int32(units_of(problem))
-        while u < units:
-            tile, present = tile_of(u, h, problem)
-            if present:
-                return tile, int32(kv_tiles_of(tile, problem)), u, h, True
-            u, h = advance(u, h)
-        tile, _ = tile_of(0, 0, problem)  # a placeholder of the same type
-        return tile, int32(0), u, h, False
-
-    @cuda.jit(device=True, forceinline=True)
-    def consume_chained(acc, stats, done, descs, io, seat):
-        """chain: this CTA's tiles with the pipeline running across tile boundaries. Within a
-        tile the loop is ``attend_overlapped``'s; at a tile's end the paired issue is the next
-        tile's first S with this tile's last PV, the next tile's first softmax runs while that
-        PV is in flight, and this tile's epilogue follows (its row stats kept in ``done``). A
-        run of chained tiles ends before a tile that sees no key (its epilogue only) and at the
-        CTA's last tile, with the last PV alone. The crossing step is its own code, outside the
-        KV loop, which stays as short as the unchained one."""
-        acc_s, acc_o, p_frag, regs = acc
-        gemm_acc = (acc_s, acc_o, p_frag)
-        bars, problem, scale_log2 = io.bars, io.problem, io.scale_log2
-        kv = uint32(0)  # KV tiles whose S has been issued (all tiles): the ring position
-        round_q = uint32(0)
-        u, h = int32(cuda.blockIdx.x), int32(0)
-        while True:
-            tile, n_tiles, u, h, found = peek(u, h, problem)
-            if not found:
-                break
-            u, h = advance(u, h)
-            work = TileWork(tile, uint32(kv), uint32(round_q), n_tiles, n_tiles)
-            if n_tiles == 0:  # no key visible: O = 0, LSE -inf (nothing in flight here)
-                attend_tile(acc, stats, descs, io, work, seat)
-                round_q += ONE
-                continue
-            # The first S of a run of chained tiles, waited for at once.
-            zero_o(acc_o)
-            reset_stats(stats)
-            at = tile_mask(tile, problem, seat)
-            wait_full(bars.q_full, round_q, Q_RING)
-            q_desc = hp.descriptor_add(descs[0], (round_q % Q_RING) * uint32(Q_BYTES))
-            first_s(acc_s, bars, q_desc, descs, kv, seat)
-            softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
-            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-            kv += ONE
-            while True:
-                for j in range(1, work.n_tiles):  # the tile's other KV tiles
-                    paired_issue(gemm_acc, bars, q_desc, descs, kv, seat)
-                    grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
-                    retire_pv(acc_o, bars, kv - ONE, seat)
-                    if grew:
-                        rescale_o(acc_o, stats)
-                    pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-                    kv += ONE
-                release_q(bars, work, seat)  # every S of this tile has completed
-                nxt, n_next, u, h, more = peek(u, h, problem)
-                if not more or n_next == 0:
-                    break
-                u, h = advance(u, h)
-                # The crossing: the next tile's first S with this tile's last PV.
-                finished, finished_at = work, at
-                round_q += ONE
-                work = TileWork(nxt, uint32(kv), uint32(round_q), n_next, n_next)
-                at = tile_mask(nxt, problem, seat)
-                wait_full(bars.q_full, round_q, Q_RING)
-                q_desc = hp.descriptor_add(descs[0], (round_q % Q_RING) * uint32(Q_BYTES))
-                paired_issue(gemm_acc, bars, q_desc, descs, kv, seat)
-                for r in range(2):  # the finished tile's row stats go to its epilogue
-                    done.m_run[r] = stats.m_run[r]
-                    done.l_run[r] = stats.l_run[r]
-                reset_stats(stats)
-                softmax_scores(acc_s, stats, 0, at, scale_log2)
-                retire_pv(acc_o, bars, kv - ONE, seat)
-                finish_tile(acc_o, done, io, finished.tile, finished_at, finished.round_q % Q_RING, seat,
-                            regs)
-                zero_o(acc_o)
-                pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-                kv += ONE
-            # The run's last PV, alone.
-            last_pv(gemm_acc, bars, descs, kv - ONE, seat)
-            finish_tile(acc_o, stats, io, work.tile, at, round_q % Q_RING, seat, regs)
-            round_q += ONE
-
     @cuda.jit(device=True, forceinline=True)
     def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
         """Every tile of this CTA: S, softmax and PV over its KV tiles, then the epilogue."""
@@ -655,35 +552,30 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
         io = Io(maps, bars, tiles, problem, lse, write_lse, scale_log2)
-        if CHAIN:
-            done = RowStats(cuda.local.array(2, float32), cuda.local.array(2, float32),
-                            cuda.local.array(2, float32), cuda.local.array(2, float32))
-            consume_chained(acc, stats, done, descs, io, seat)
-        else:
-            kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
-            round_q = uint32(0)
-            for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
-                for h in range(TILES_PER_UNIT):
-                    tile, present = tile_of(u, h, problem)
-                    if not present:
-                        continue
-                    n_tiles = kv_tiles_of(tile, problem)
-                    first_row = block_row0(tile, problem) + seat.wg * 64
-                    if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
-                        n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
-                        work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
-                        attend_tile(acc, stats, descs, io, work, seat)
-                    else:  # every row of this warpgroup lies past seqlen_q
-                        wait_full(bars.q_full, round_q, Q_RING)
-                        skip_tiles(bars, kv0, 0, n_tiles, seat)
-                        if O_IN_Q:
-                            if seat.thread == 0:
-                                # as store_o does
-                                hp.mbarrier_arrive(bars.q_empty + uint32(8) * (round_q % Q_RING))
-                        else:
-                            release(bars.q_empty, round_q, Q_RING, seat.lane)
-                    kv0 += uint32(n_tiles)  # after the branch: the ring positions stay uniform
-                    round_q += ONE
+        kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
+        round_q = uint32(0)
+        for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
+            for h in range(TILES_PER_UNIT):
+                tile, present = tile_of(u, h, problem)
+                if not present:
+                    continue
+                n_tiles = kv_tiles_of(tile, problem)
+                first_row = block_row0(tile, problem) + seat.wg * 64
+                if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
+                    n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
+                    work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
+                    attend_tile(acc, stats, descs, io, work, seat)
+                else:  # every row of this warpgroup lies past seqlen_q
+                    wait_full(bars.q_full, round_q, Q_RING)
+                    skip_tiles(bars, kv0, 0, n_tiles, seat)
+                    if O_IN_Q:
+                        if seat.thread == 0:
+                            # as store_o does
+                            hp.mbarrier_arrive(bars.q_empty + uint32(8) * (round_q % Q_RING))
+                    else:
+                        release(bars.q_empty, round_q, Q_RING, seat.lane)
+                kv0 += uint32(n_tiles)  # after the branch: the ring positions stay uniform
+                round_q += ONE
         if PINGPONG and seat.wg == 0:
             hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # the last consumer's last hand-over
         if seat.thread == 0:
@@ -744,8 +636,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}"
-        f"{'_oq' if O_IN_Q else ''}{'_ov' if O_IN_V else ''}{f'_px{POLY_EXP}' if POLY_EXP else ''}"
-        f"{'_ch' if CHAIN else ''}_"
+        f"{'_oq' if O_IN_Q else ''}{'_ov' if O_IN_V else ''}_"
         f"{'causal' if causal else 'full'}_{dtype}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.

@@ -103,10 +103,6 @@ class WsConfig:
     # a tile of its own: what makes d256 fit (Q 64 KB + 2 x 2 x 40 KB); the next Q then waits
     # until the store has read the buffer. Needs q_stages 1.
     o_in_q: bool = False
-    # Every poly_exp-th 8-column tile of scores takes its exponentials on the FMA pipe instead
-    # of the MUFU unit (softmax.exponentiate_split); 0: all on the MUFU. At head dim 64 the
-    # MUFU work of a softmax is about as long as the two GEMMs it should hide behind.
-    poly_exp: int = 0
     # Stage O for its TMA store at the start of the V ring instead of a tile of its own
     # (FlashAttention-3's arrangement): the consumers first wait until every warpgroup has
     # finished reading V, and the producer loads the next tile's V only once the store has read
@@ -114,12 +110,6 @@ class WsConfig:
     # softmax, PV and epilogue. Two consumers only (a warpgroup passing over a tile would
     # have to join the wait). The 128 O rows fit in any V ring (at least 2 stages of 64 keys).
     o_in_v: bool = False
-    # Run the pipeline across tile boundaries: the next tile's first S is issued with this
-    # tile's last PV (the overlapped loop's usual pair), its softmax runs while that PV is in
-    # flight, and this tile's epilogue follows. Two consumers, overlap, two Q buffers and an O
-    # tile of its own only (the next Q must land while this tile runs, and O must not wait
-    # for the V ring).
-    chain: bool = False
 
     @property
     def block_m(self) -> int:
@@ -184,13 +174,7 @@ class WsConfig:
             raise ValueError("o_in_q needs q_stages 1 (the O rows overwrite the Q buffer being used)")
         if self.o_in_v and (self.o_in_q or self.consumers != 2):
             raise ValueError(f"o_in_v needs 2 consumers and not o_in_q, got {self}")
-        if self.chain and not (self.overlap and self.consumers == 2 and self.q_stages == 2
-                               and not self.o_in_q and not self.o_in_v):
-            raise ValueError("chain needs overlap, 2 consumers, q_stages 2 and an O tile of its own, "
-                             f"got {self}")
         if self.pingpong and not self.overlap:
             raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
-        if self.poly_exp < 0 or self.poly_exp > self.block_n // 8:
-            raise ValueError(f"poly_exp must be 0..{self.block_n // 8} (8-column tiles), got {self.poly_exp}")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

@@ -65,13 +65,6 @@ def rescale_rows(acc_o, d_tiles, m_run, l_run, mx):
 
 
 @cuda.jit(device=True, forceinline=True)
-def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
-    """P = exp2(S·scale·log2(e) - m) in place (one FFMA + one ex2 per score), and add this
-    lane's part of each row sum to ``l_run``. Rows with no key yet (m = -inf) give 0."""
-    exponentiate_split(s, n_tiles, m_run, l_run, scale_log2, 0)
-
-
-@cuda.jit(device=True, forceinline=True)
 def pack_p_slice(p_frag, p, kt, bf16):
     """P k-tile ``kt`` (16 keys: S n-tiles 2kt and 2kt+1, fp32) -> the 16-bit A fragment
     ``p_frag[kt]`` of the PV product; the two n-tiles are exactly the m16k16 A layout."""
@@ -111,24 +104,15 @@ def exponentiate_slice(s, kt, m_use, row_sum, scale_log2):
 
 
 @cuda.jit(device=True, forceinline=True)
-def exponentiate_split(s, n_tiles, m_run, l_run, scale_log2, poly_every):
-    """``exponentiate`` (P = exp2(S·scale·log2(e) - m) in place, row sums added to ``l_run``,
-    0 for rows with no key yet), with the exponentials of every ``poly_every``-th 8-column n-tile
-    (n-tiles ``poly_every - 1``, ``2 * poly_every - 1``, ...) computed on the FMA pipe
-    (``ptx.exp2_poly``) instead of the MUFU unit: at head dim 64 a softmax needs about as many
-    MUFU cycles as its two GEMMs need tensor cycles, so moving a share of them elsewhere
-    could shorten each warpgroup's softmax (on the H100 a quarter was 3-9% slower: RESULTS W4.5).
-    ``poly_every`` is a compile-time constant; 0 means ``exponentiate``."""
+def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
+    """P = exp2(S·scale·log2(e) - m) in place (one FFMA + one ex2 per score), and add this
+    lane's part of each row sum to ``l_run``. Rows with no key yet (m = -inf) give 0."""
     for r in range(2):
         m_use = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
         row_sum = float32(0.0)
         for j in range(n_tiles):
             for e in range(2):
-                x = s[j, 2 * r + e] * scale_log2 - m_use
-                if poly_every > 0 and j % poly_every == poly_every - 1:
-                    p = ptx.exp2_poly(x)
-                else:
-                    p = ptx.exp2(x)
+                p = ptx.exp2(s[j, 2 * r + e] * scale_log2 - m_use)
                 s[j, 2 * r + e] = p
                 row_sum += p
         l_run[r] += row_sum
