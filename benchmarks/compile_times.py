@@ -9,6 +9,8 @@ LDL / STL / CALL counts that must stay 0.
     python benchmarks/compile_times.py                  # every shipped pair, 1 process at a time
     python benchmarks/compile_times.py --jobs 2 --only ws_d128 --csv times.csv
     python benchmarks/compile_times.py --summary times.csv   # median / slowest of a CSV
+    python benchmarks/compile_times.py --jobs 2 --sass-dir before/   # also each pair's SASS
+    diff -r before/ after/                                   # ... to show a change leaves it alone
 
 Run it on the old and the new code (a ``git worktree``) to get a before / after table.
 """
@@ -24,11 +26,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 FIELDS = ("kernel", "arch", "compile_s", "import_s", "registers", "instructions", "ldl", "stl", "call")
 
 
-def measure_one(name: str, arch: str) -> dict:
+def measure_one(name: str, arch: str, sass_dir: str = "") -> dict:
     """In this (fresh) process: import, compile one pair with no cache, disassemble."""
     start = time.perf_counter()
     from numbaflash.kernels.registry import forward_kernels
@@ -40,15 +43,19 @@ def measure_one(name: str, arch: str) -> dict:
     cubin = compile_cubin(pyfunc, argtypes, arch)
     compiled = time.perf_counter()
     report = report_from_cubin(cubin, name, arch)
+    if sass_dir:  # instructions with their encodings, without addresses: diffable across builds
+        lines = [line.split("*/", 1)[1].strip() for line in report.sass.splitlines() if "/*0" in line]
+        Path(sass_dir, f"{name}@{arch}.sass").write_text("\n".join(lines) + "\n")
     return {"kernel": name, "arch": arch, "compile_s": round(compiled - imported, 2),
             "import_s": round(imported - start, 2), "registers": report.registers,
             "instructions": sum(report.opcodes.values()), "ldl": report.count("LDL"),
             "stl": report.count("STL"), "call": report.count("CALL")}
 
 
-def run_pair(pair: tuple[str, str]) -> dict:
+def run_pair(pair: tuple[str, str], sass_dir: str = "") -> dict:
     env = dict(os.environ, NUMBAFLASH_CACHE="0", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, __file__, "--one", *pair], capture_output=True, text=True,
+    extra = ["--sass-dir", sass_dir] if sass_dir else []
+    done = subprocess.run([sys.executable, __file__, "--one", *pair, *extra], capture_output=True, text=True,
                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if done.returncode != 0:
         raise RuntimeError(f"{pair}: {done.stderr[-2000:]}")
@@ -69,10 +76,11 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="", help="only this architecture")
     parser.add_argument("--csv", help="also write the rows here")
     parser.add_argument("--summary", help="print the summary of a CSV written earlier and exit")
+    parser.add_argument("--sass-dir", default="", help="also write each pair's SASS here (KERNEL@ARCH.sass)")
     parser.add_argument("--one", nargs=2, metavar=("KERNEL", "ARCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure_one(*args.one)))
+        print(json.dumps(measure_one(*args.one, args.sass_dir)))
         return 0
     if args.summary:
         with open(args.summary) as f:
@@ -84,8 +92,11 @@ def main(argv=None) -> int:
              if args.only in name and args.arch in ("", arch)]
     print("  ".join(FIELDS), flush=True)
     rows = []
+    if args.sass_dir:
+        os.makedirs(args.sass_dir, exist_ok=True)
+        args.sass_dir = os.path.abspath(args.sass_dir)
     with ThreadPoolExecutor(args.jobs) as pool:
-        for row in pool.map(run_pair, pairs):
+        for row in pool.map(lambda pair: run_pair(pair, args.sass_dir), pairs):
             rows.append(row)
             print("  ".join(str(row[f]) for f in FIELDS), flush=True)
     if args.csv:
