@@ -50,71 +50,91 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     # (128 x 80 does not spill without causal masking: see the tuned table.)
     ("sm90", 256): WsConfig(256, block_n=64, stages=2, overlap=True, q_stages=1, o_in_q=True),
 }
-# What benchmarks/autotune.py tries, by family and head dim.
-# Knobs (issue 13), by letter: q = Q a k-slice at a time (not held in registers), d = register
-# double buffering, e = early_k (K_{j+1} copied right after S_j). Every shape of 2 m-tiles a
-# warp here compiles spill-free (d128 at 4 warps only with Q by k-slices; there double
-# buffering spills when causal and early_k at 128 x 64; d96 128 x 64 likewise needs Q by
-# k-slices, and 128 x 128 spills even then; d256 128 x 32 spills with double buffering).
-# FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, d96 128 x 64, 4 warps of
-# 2 m-tiles; d256 128 x 64 over 8 warps (>= 112 KB of shared memory a CTA), else 64 x 64 over 4.
-# 3 = min_ctas 3 (at most 168 registers a thread: 3 warps a scheduler instead of 2); it lost 5-20%
-# on an H100 (RESULTS K3) except at d32, where it ties; kept for GPUs with other latencies.
-_KNOBS = {"": {}, "q": {"q_in_regs": False}, "d": {"double_buffer": True}, "e": {"early_k": True},
-          "de": {"double_buffer": True, "early_k": True}, "qd": {"q_in_regs": False, "double_buffer": True},
-          "qe": {"q_in_regs": False, "early_k": True},
-          "qde": {"q_in_regs": False, "double_buffer": True, "early_k": True},
-          "i": {"interleave_pv": True}, "di": {"double_buffer": True, "interleave_pv": True},
-          "qi": {"q_in_regs": False, "interleave_pv": True},
-          "qdi": {"q_in_regs": False, "double_buffer": True, "interleave_pv": True},
-          "3": {"min_ctas": 3}, "qe3": {"q_in_regs": False, "early_k": True, "min_ctas": 3}}
-CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
-    ("sm80", d): [ForwardConfig(d, bm, bn, mt, **_KNOBS[knobs]) for bm, bn, mt, *rest in shapes
-                  for knobs in (rest or [""])]
-    for d, shapes in {
-        64: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (256, 64, 2, "", "d"),
-             (128, 64, 2, "", "d", "q", "e", "de"), (128, 32, 2, "qe3"), (128, 128, 2, "qd", "qdi"),
-             (128, 64, 2, "di")],
-        128: [(128, 64, 1), (128, 32, 1), (64, 128, 1), (128, 64, 2, "q", "qd", "qe", "qde", "qi", "qdi"),
-              (128, 32, 2, "q"), (256, 64, 2, "q")],
-        32: [(128, 128, 1), (128, 64, 1), (64, 128, 1), (128, 128, 2, "", "d", "di"), (256, 128, 2),
-             (128, 64, 2), (256, 64, 2), (128, 64, 2, "3")],
-        96: [(128, 64, 1), (64, 64, 1), (128, 128, 1), (64, 128, 1, "", "d", "e"), (192, 64, 1),
-             (128, 64, 2, "q", "qd", "qe", "qde", "qdi"), (128, 32, 2, "q")],
-        # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only (forward_config
-        # passes it over elsewhere); 64 x 64 and 128 x 32 need 96 KB.
-        256: [(128, 32, 1), (64, 32, 1), (128, 64, 1, "", "d", "e", "de"), (64, 64, 1, "", "d", "e")],
-    }.items()
+# What benchmarks/autotune.py tries, by family and head dim, as keyword configs.
+# mma.sync knobs (issue 13): q_in_regs=False streams Q a k-slice at a time instead of holding
+# it in registers, double_buffer double-buffers the shared-memory fragments in registers,
+# early_k copies K_{j+1} right after S_j, interleave_pv interleaves the PV product with the
+# softmax. Every shape of 2 m-tiles a warp here compiles spill-free (d128 at 4 warps only with
+# Q by k-slices; there double buffering spills when causal and early_k at 128 x 64; d96 128 x 64
+# likewise needs Q by k-slices, and 128 x 128 spills even then; d256 128 x 32 spills with double
+# buffering). FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, d96 128 x 64,
+# 4 warps of 2 m-tiles; d256 128 x 64 over 8 warps (>= 112 KB of shared memory a CTA), else
+# 64 x 64 over 4. min_ctas=3 (at most 168 registers a thread: 3 warps a scheduler instead of
+# 2) lost 5-20% on an H100 (RESULTS K3) except at d32, where it ties; kept for GPUs with other
+# latencies. Head dims above 128 always stream Q (ForwardConfig.__post_init__).
+_F = ForwardConfig
+_SM80_CANDIDATES = {
+    64: [_F(64, block_n=128), _F(64), _F(64, block_m=64, block_n=128),
+         _F(64, block_m=256, warp_m_tiles=2), _F(64, block_m=256, warp_m_tiles=2, double_buffer=True),
+         _F(64, warp_m_tiles=2), _F(64, warp_m_tiles=2, double_buffer=True),
+         _F(64, warp_m_tiles=2, q_in_regs=False), _F(64, warp_m_tiles=2, early_k=True),
+         _F(64, warp_m_tiles=2, double_buffer=True, early_k=True),
+         _F(64, block_n=32, warp_m_tiles=2, q_in_regs=False, early_k=True, min_ctas=3),
+         _F(64, block_n=128, warp_m_tiles=2, q_in_regs=False, double_buffer=True),
+         _F(64, block_n=128, warp_m_tiles=2, q_in_regs=False, double_buffer=True, interleave_pv=True),
+         _F(64, warp_m_tiles=2, double_buffer=True, interleave_pv=True)],
+    128: [_F(128), _F(128, block_n=32), _F(128, block_m=64, block_n=128),
+          _F(128, warp_m_tiles=2, q_in_regs=False),
+          _F(128, warp_m_tiles=2, q_in_regs=False, double_buffer=True),
+          _F(128, warp_m_tiles=2, q_in_regs=False, early_k=True),
+          _F(128, warp_m_tiles=2, q_in_regs=False, double_buffer=True, early_k=True),
+          _F(128, warp_m_tiles=2, q_in_regs=False, interleave_pv=True),
+          _F(128, warp_m_tiles=2, q_in_regs=False, double_buffer=True, interleave_pv=True),
+          _F(128, block_n=32, warp_m_tiles=2, q_in_regs=False),
+          _F(128, block_m=256, warp_m_tiles=2, q_in_regs=False)],
+    32: [_F(32, block_n=128), _F(32), _F(32, block_m=64, block_n=128), _F(32, block_n=128, warp_m_tiles=2),
+         _F(32, block_n=128, warp_m_tiles=2, double_buffer=True),
+         _F(32, block_n=128, warp_m_tiles=2, double_buffer=True, interleave_pv=True),
+         _F(32, block_m=256, block_n=128, warp_m_tiles=2), _F(32, warp_m_tiles=2),
+         _F(32, block_m=256, warp_m_tiles=2), _F(32, warp_m_tiles=2, min_ctas=3)],
+    96: [_F(96), _F(96, block_m=64), _F(96, block_n=128), _F(96, block_m=64, block_n=128),
+         _F(96, block_m=64, block_n=128, double_buffer=True), _F(96, block_m=64, block_n=128, early_k=True),
+         _F(96, block_m=192), _F(96, warp_m_tiles=2, q_in_regs=False),
+         _F(96, warp_m_tiles=2, q_in_regs=False, double_buffer=True),
+         _F(96, warp_m_tiles=2, q_in_regs=False, early_k=True),
+         _F(96, warp_m_tiles=2, q_in_regs=False, double_buffer=True, early_k=True),
+         _F(96, warp_m_tiles=2, q_in_regs=False, double_buffer=True, interleave_pv=True),
+         _F(96, block_n=32, warp_m_tiles=2, q_in_regs=False)],
+    # 128 x 64 needs 128 KB of shared memory: sm_80, sm_90 and sm_100 only (forward_config
+    # passes it over elsewhere); 64 x 64 and 128 x 32 need 96 KB.
+    256: [_F(256, block_n=32), _F(256, block_m=64, block_n=32), _F(256), _F(256, double_buffer=True),
+          _F(256, early_k=True), _F(256, double_buffer=True, early_k=True), _F(256, block_m=64),
+          _F(256, block_m=64, double_buffer=True), _F(256, block_m=64, early_k=True)],
 }
-# (block_n, stages, overlap, pingpong, q_stages[, o_in_q, o_in_v]) of the warp-specialised
-# kernel.
-_WS_SHAPES = {
-    64: ((192, 2, True, True, 2), (192, 2, True, False, 2), (128, 3, True, True, 2), (128, 3, True, False, 2),
-         (128, 3, False, False, 2)),
-    128: ((128, 2, True, False, 2), (128, 2, True, True, 2), (128, 2, True, False, 1),
-          (128, 2, False, False, 2),
+_W = WsConfig
+_WS_CANDIDATES = {
+    64: [_W(64, block_n=192, overlap=True, pingpong=True), _W(64, block_n=192, overlap=True),
+         _W(64, stages=3, overlap=True, pingpong=True), _W(64, stages=3, overlap=True), _W(64, stages=3),
+         # Three consumer warpgroups (192 query rows, 160 registers each; block_n <= 128),
+         # FlashAttention-3's d64 tile height: one more warpgroup to hide the softmax behind GEMMs.
+         _W(64, consumers=3, overlap=True, pingpong=True), _W(64, consumers=3, overlap=True),
+         _W(64, stages=3, consumers=3, overlap=True, pingpong=True)],
+    96: [_W(96, overlap=True), _W(96, overlap=True, pingpong=True),
+         _W(96, block_n=192, overlap=True, pingpong=True), _W(96, block_n=192, overlap=True),
+         _W(96, stages=3, overlap=True)],
+    128: [_W(128, overlap=True), _W(128, overlap=True, pingpong=True), _W(128, overlap=True, q_stages=1),
+          _W(128),
           # FlashAttention-3's non-causal d128 tile, 128 x 176: two 44 KB stages of K and of V
           # leave no room for a second Q buffer or an O tile; O is staged in the V ring, as
           # FlashAttention-3 does, so that the one Q buffer is free before the last PV
-          (176, 2, True, False, 1, False, True), (176, 2, True, True, 1, False, True),
+          _W(128, block_n=176, overlap=True, q_stages=1, o_in_v=True),
+          _W(128, block_n=176, overlap=True, pingpong=True, q_stages=1, o_in_v=True),
           # one Q buffer and O in the V ring leave room for three KV stages at 128 x 128
-          (128, 3, True, False, 1, False, True)),
-    96: ((128, 2, True, False, 2), (128, 2, True, True, 2), (192, 2, True, True, 2), (192, 2, True, False, 2),
-         (128, 3, True, False, 2)),
-    # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them.
-    # 128 x 80 spills with causal masking (14-20 LDL/STL); 128 x 64 does not.
-    256: ((80, 2, True, False, 1, True), (80, 2, True, True, 1, True), (64, 2, True, False, 1, True),
-          (64, 2, True, True, 1, True), (80, 2, False, False, 1, True)),
+          _W(128, stages=3, overlap=True, q_stages=1, o_in_v=True)],
+    # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them
+    # (O is staged in the Q buffer). 128 x 80 spills with causal masking (14-20 LDL/STL); 128 x 64
+    # does not.
+    256: [_W(256, block_n=80, overlap=True, q_stages=1, o_in_q=True),
+          _W(256, block_n=80, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
+          _W(256, block_n=64, overlap=True, q_stages=1, o_in_q=True),
+          _W(256, block_n=64, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
+          _W(256, block_n=80, q_stages=1, o_in_q=True)],
 }
-# Three consumer warpgroups (192 query rows, 160 registers each; head dim 64, block_n <= 128),
-# FlashAttention-3's d64 tile height: one more warpgroup to hide the softmax behind GEMMs.
-_WS_THREE_CONSUMERS = {64: ((128, 2, True, True, 2), (128, 2, True, False, 2), (128, 3, True, True, 2))}
-CANDIDATES.update({
-    ("sm90", d): [WsConfig(d, bn, st, 2, ovl, pp, *rest) for bn, st, ovl, pp, *rest in _WS_SHAPES[d]]
-    + [WsConfig(d, bn, st, 3, ovl, pp, *rest) for bn, st, ovl, pp, *rest in _WS_THREE_CONSUMERS.get(d, ())]
-    + CANDIDATES[("sm80", d)]
-    for d in FAMILY_HEAD_DIMS["sm90"]
-})
+# On Hopper both families run at the Hopper kernel's head dims: its candidates, then the sm80 family's.
+CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
+    **{("sm80", d): configs for d, configs in _SM80_CANDIDATES.items()},
+    **{("sm90", d): _WS_CANDIDATES[d] + _SM80_CANDIDATES[d] for d in FAMILY_HEAD_DIMS["sm90"]},
+}
 # Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.
 OVERRIDES: dict[str, KernelConfig] = {}
 
