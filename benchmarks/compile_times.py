@@ -34,9 +34,9 @@ FIELDS = ("kernel", "arch", "compile_s", "import_s", "registers", "instructions"
 def measure_one(name: str, arch: str, sass_dir: str = "") -> dict:
     """In this (fresh) process: import, compile one pair with no cache, disassemble."""
     start = time.perf_counter()
-    from numbaflash.kernels.registry import forward_kernels
     from numbaflash.runtime.compiler import compile_cubin
     from numbaflash.tools.inspect import report_from_cubin
+    from numbaflash.tools.registry import forward_kernels
 
     pyfunc, argtypes, _ = forward_kernels()[name]
     imported = time.perf_counter()
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         with open(args.summary) as f:
             print(summary(list(csv.DictReader(f))))
         return 0
-    from numbaflash.kernels.registry import forward_kernels
+    from numbaflash.tools.registry import forward_kernels
 
     pairs = [(name, arch) for name, (_, _, archs) in sorted(forward_kernels().items()) for arch in archs
              if args.only in name and args.arch in ("", arch)]

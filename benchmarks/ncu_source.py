@@ -28,7 +28,7 @@ def drive(variant: str, seqlen: str, dtype: str, mask: str = "") -> None:
     import torch
     from ws_check import variants
 
-    from numbaflash.kernels.ws_launch import flash_attention_ws
+    from numbaflash.tools.ws_launch import flash_attention_ws
 
     config = variants()[variant]
     if mask not in ("", "causal"):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from concurrent.futures import ProcessPoolExecutor
 
-from numbaflash.kernels.registry import forward_kernels
 from numbaflash.tools.inspect import inspect_kernel
+from numbaflash.tools.registry import forward_kernels
 
 
 def census(item: tuple[str, str]) -> str:

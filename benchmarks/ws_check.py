@@ -66,7 +66,7 @@ def variants() -> dict[str, WsConfig]:
 def _compile_one(job):
     config, causal, bf16 = job
     t = time.time()
-    from numbaflash.kernels.ws_launch import ws_cubin
+    from numbaflash.tools.ws_launch import ws_cubin
 
     ws_cubin(config, causal, bf16)
     return f"{config} causal={causal} bf16={bf16}: {time.time() - t:.1f} s"
@@ -124,7 +124,7 @@ def _to_numpy(torch, t):
 
 def run_case(torch, config, shape, causal, dtype, strided, seed, grid=None):
     """(problems, outputs) of one launch with poisoned O and LSE."""
-    from numbaflash.kernels.ws_launch import flash_attention_ws
+    from numbaflash.tools.ws_launch import flash_attention_ws
 
     q, k, v = _inputs(torch, shape, config.head_dim, dtype, strided, seed)
     b, sq, sk, hq, hkv = shape
@@ -267,7 +267,7 @@ def bench(args) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from numbaflash.kernels.ws_launch import flash_attention_ws
+    from numbaflash.tools.ws_launch import flash_attention_ws
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     names = args.variants.split(",") if args.variants else None

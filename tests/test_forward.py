@@ -369,7 +369,7 @@ def test_ws_two_ctas_match_full_grid(rng, cfg):
     torch = pytest.importorskip("torch")
     if configs.arch_family(gpu_capability()) != "sm90":
         pytest.skip("the warp-specialised kernel needs Hopper")
-    from numbaflash.kernels.ws_launch import flash_attention_ws
+    from numbaflash.tools.ws_launch import flash_attention_ws
 
     for causal, (batch, sq, sk, hq, hkv) in ((False, (1, 1000, 1000, 2, 1)), (True, (1, 1000, 1000, 2, 1)),
                                              (True, (2, 333, 77, 3, 3))):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from numbaflash.configs import forward_cubin
-from numbaflash.kernels.registry import forward_kernels
 from numbaflash.tools.inspect import report_from_cubin
+from numbaflash.tools.registry import forward_kernels
 
 KERNELS = forward_kernels()
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from numbaflash.demos import hopper_gemm as hd
-from numbaflash.kernels.registry import registered_kernels
 from numbaflash.ptx import hopper as hp
 from numbaflash.tools import inspect as nfi
+from numbaflash.tools.registry import registered_kernels
 
 ARCH = "sm_90a"
 REGISTERED = {**hd.registered(), **probes.registered()}

@@ -68,6 +68,28 @@ def test_no_device_function_takes_more_than_10_arguments():
     assert not too_many, f"device functions with more than {MAX_DEVICE_ARGS} arguments: {too_many}"
 
 
+def test_kernels_import_no_upper_layer():
+    """Device code sits below the API, the tools and the demos: nothing in ``kernels/`` imports
+    ``api``, ``tools`` or ``demos`` (benchmark launchers and the kernel registry live in ``tools/``)."""
+    upper = ("api", "tools", "demos")
+    wrong = []
+    for path in sorted((PACKAGE / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                parts = module.split(".")
+                names = [alias.name for alias in node.names]
+                absolute = node.level == 0 and parts[0] == "numbaflash" and parts[1:2] in ([u] for u in upper)
+                from_parent = not module and set(names) & set(upper)  # from .. import api
+                relative_up = node.level >= 2 and (parts[0] in upper or from_parent)
+                if absolute or relative_up:
+                    wrong.append(f"{path.name}:{node.lineno} from {'.' * node.level}{module} import {names}")
+            elif isinstance(node, ast.Import):
+                wrong += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                          if a.name.split(".")[:2] in (["numbaflash", u] for u in upper)]
+    assert not wrong, wrong
+
+
 # The package top is the public face plus the short ``python -m numbaflash.<tool>`` entry points.
 PUBLIC_MODULES = {"__init__", "__main__", "api", "configs"}
 TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "precompile", "selftest"}

@@ -7,6 +7,7 @@
 - ``blocks``: which query block and (batch, head) a CTA owns, and score masks;
 - ``smem``: swizzled shared tiles, cp.async copies and ldmatrix fragments;
 - ``softmax``: the online-softmax steps on mma fragments;
-- ``epilogue``: normalise, stage and store O, and write the log-sum-exp;
-- ``registry``: every kernel the package ships, for offline inspection.
+- ``epilogue``: normalise, stage and store O, and write the log-sum-exp.
+
+Nothing here imports ``api``, ``tools`` or ``demos`` (``tests/test_structure.py``).
 """

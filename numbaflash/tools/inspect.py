@@ -150,7 +150,7 @@ def format_table(reports: Iterable[KernelReport]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..kernels.registry import registered_kernels
+    from .registry import registered_kernels
 
     parser = argparse.ArgumentParser(prog="python -m numbaflash.inspect", description=__doc__.split("\n")[0])
     parser.add_argument("pattern", nargs="?", default="", help="only kernels whose name contains this")

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .shapes import WsConfig
+from ..kernels.shapes import WsConfig
 
 _LAUNCHERS: dict = {}
 _UNUSED_LSE: dict = {}
@@ -30,8 +30,8 @@ def _launcher(config: WsConfig, causal: bool, bf16: bool, device: int):
     key = (config, causal, bf16, device)
     if key not in _LAUNCHERS:
         from .. import api
+        from ..kernels.abi import WS_ABI
         from ..runtime.launch import KernelLauncher, set_dynamic_shared_limit
-        from .abi import WS_ABI
 
         with api._GPU_LOCK:
             kernel, name = api._loaded_forward(config, causal, bf16, "sm_90a")
