@@ -23,6 +23,7 @@ package keeps its own cache of what ``compiler.compile_cubin`` returns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -36,6 +37,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -321,33 +323,24 @@ def show_compile_progress(stream=None) -> None:
         LOG.setLevel(logging.INFO)
 
 
-class announce_slow_compile:  # noqa: N801 - a context manager, used as ``with announce_slow_compile(...)``
+@contextlib.contextmanager
+def announce_slow_compile(description: str) -> Iterator[None]:
     """Log one INFO line on the ``numbaflash`` logger once a compile has run ``ANNOUNCE_AFTER_S``
     (a timer thread, so the line comes while the compile runs, not after it), saying what is
     being compiled and where it will be cached; a DEBUG line with its time when it ends. A
     compile that ends sooner logs nothing."""
-
-    def __init__(self, description: str):
-        self.description = description
-        self.announced = False
-
-    def _announce(self) -> None:
-        self.announced = True
-        where = (f"cached in {cache_root()} for next time" if enabled()
-                 else "not cached: NUMBAFLASH_CACHE=0")
-        LOG.info("numbaflash: compiling %s (first use on this toolchain; %s)", self.description, where)
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-        self.timer = threading.Timer(ANNOUNCE_AFTER_S, self._announce)
-        self.timer.daemon = True
-        self.timer.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.timer.cancel()
-        if self.announced:
-            LOG.debug("numbaflash: compiled %s in %.1f s", self.description, time.perf_counter() - self.start)
+    where = f"cached in {cache_root()} for next time" if enabled() else "not cached: NUMBAFLASH_CACHE=0"
+    line = ("numbaflash: compiling %s (first use on this toolchain; %s)", description, where)
+    timer = threading.Timer(ANNOUNCE_AFTER_S, LOG.info, line)
+    timer.daemon = True
+    start = time.perf_counter()
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if time.perf_counter() - start >= ANNOUNCE_AFTER_S:
+            LOG.debug("numbaflash: compiled %s in %.1f s", description, time.perf_counter() - start)
 
 
 def describe(kind: str, config, causal: bool, bf16: bool, arch: str) -> str:

@@ -104,7 +104,7 @@ def _code_bytes(code) -> bytes:
     return bytes(code if isinstance(code, (bytes, bytearray)) else code.code)
 
 
-# One thread compiles the helpers while Numba compiles the kernel (NVRTC does not need the GIL).
+# One thread compiles the helpers while Numba compiles the kernel (NVRTC releases the GIL for part of it).
 _HELPERS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="numbaflash-nvrtc")
 
 
