@@ -2,11 +2,11 @@
 source counters), grouped by how often each instruction runs.
 
     ncu --profile-from-start off --section SourceCounters --section WarpStateStats -o REP \\
-        python benchmarks/ncu_source.py drive d128-ovl 4096 bf16 [causal]
+        python lab/ncu_source.py drive d128-ovl 4096 bf16 [causal]
     ncu -i REP.ncu-rep --page source --csv --print-source sass > SRC.csv
-    python benchmarks/ncu_source.py summary SRC.csv
+    python lab/ncu_source.py summary SRC.csv
 
-``drive`` runs one ``benchmarks/ws_check.py`` variant on the benchmark workload (64k tokens,
+``drive`` runs one ``lab/ws_check.py`` variant on the benchmark workload (64k tokens,
 width 2048) three times, then once between cudaProfilerStart and Stop. ``summary`` prints the
 share of warp-stall samples of each execution-count class (instructions run the same number of
 times: the KV loop, once a tile, the producer, ...), then the hottest instructions. With

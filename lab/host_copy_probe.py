@@ -2,7 +2,7 @@
 between numpy (pageable) and pinned memory, with how many threads, into warm or fresh pages,
 and what registering memory in place costs.
 
-    python benchmarks/host_copy_probe.py        # needs a GPU (pinned memory) and cuda-bindings
+    python lab/host_copy_probe.py        # needs a GPU (pinned memory) and cuda-bindings
 
 Prints one line per measurement: GB/s of bytes copied (not of memory traffic), median of 5.
 """

@@ -1,9 +1,9 @@
 """The warp-specialised Hopper kernel (``kernels/forward_ws.py``) on a GPU, in one command:
 
-    python benchmarks/ws_check.py precompile          # every variant, in parallel processes
-    python benchmarks/ws_check.py correct             # ragged/GQA/bf16/LSE/strided vs float64
-    python benchmarks/ws_check.py sanitize [--tools memcheck,racecheck,synccheck]
-    python benchmarks/ws_check.py bench [--shapes 128:4096:0,...]
+    python lab/ws_check.py precompile          # every variant, in parallel processes
+    python lab/ws_check.py correct             # ragged/GQA/bf16/LSE/strided vs float64
+    python lab/ws_check.py sanitize [--tools memcheck,racecheck,synccheck]
+    python lab/ws_check.py bench [--shapes 128:4096:0,...]
 
 Variants: ``serial`` (one GEMM at a time), ``ovl`` (S_{j+1} issued with PV_j, softmax while
 PV is in flight), ``pp`` (ovl + ping-pong between the consumer warpgroups), for d64 and d128;

@@ -1,6 +1,6 @@
 """Quick figure of merit: numbaflash vs SDPA (flash backend = FlashAttention-2), fp16 forward,
 batch*seqlen = 64k tokens, model width 2048. Median of CUDA-event-timed repeats after
-warm-up, inputs rotated over several sets. Usage: python benchmarks/quick_compare.py [d:seqlen:causal ...]
+warm-up, inputs rotated over several sets. Usage: python lab/quick_compare.py [d:seqlen:causal ...]
 """
 
 from __future__ import annotations
