@@ -1,7 +1,7 @@
 """Page-locked host memory for numpy calls: the copy engines read and write it directly, so a
 call whose arrays live in it needs no host-side copy at all.
 
-Two sources (issue 12, measured in ``benchmarks/RESULTS.md`` N):
+Two sources (issue 12; the figures they reach are in ``docs/PERFORMANCE.md``):
 
 * **Results from a pinned pool.** ``pinned_empty`` returns a numpy array backed by a block of
   pinned memory (``cuMemHostAlloc``); when the last array over the block is gone the block goes

@@ -1,5 +1,5 @@
 """numpy in, numpy out: a chunked pipeline over pinned staging buffers and several streams
-(design document 003).
+(issue 12; its end-to-end figures against the pinned transfer are in docs/PERFORMANCE.md).
 
 The problem is cut into independent chunks of (batch, kv-head group) pairs: a range of whole
 batches, or, when there are few batches, one batch and a range of kv heads (with their query
