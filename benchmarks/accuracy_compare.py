@@ -12,8 +12,10 @@ import os
 import numpy as np
 import torch
 
-from numbaflash import api, configs, flash_attention
+from numbaflash import configs, flash_attention
 from numbaflash.kernels import common, forward_mma, forward_ws
+from numbaflash.operations import forward as forward_op
+from numbaflash.runtime.device import GPU
 from numbaflash.tools.reference import attention_reference
 
 
@@ -52,8 +54,9 @@ def main() -> None:
         forward_mma.THRESHOLD = forward_ws.THRESHOLD = np.float32(threshold)
         # Rebuild the kernels with this threshold: the patched module attribute is not in the
         # kernel cache's key (file contents are), so the cache is off for this script.
-        api._KERNELS.clear()
-        api._LOADED.clear()
+        GPU.launchers.clear()
+        GPU.modules.clear()
+        forward_op._READY.clear()
         for cfg in configs.CANDIDATES[(family, d)][:2] + configs.CANDIDATES[(family, d)][-2:]:
             configs.OVERRIDES[key] = cfg
             e = errors(flash_attention(q, k, v, causal=args.causal), ref)

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from numbaflash import configs
-from numbaflash.configs import KernelConfig, WsConfig
+from numbaflash.configs import KernelConfig
+from numbaflash.operations.families import family_of
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SCRIPT = Path(__file__).resolve()
@@ -65,7 +66,7 @@ def parse_summary(tool: str, text: str) -> int | None:
 
 def kernel_family(config: KernelConfig) -> str:
     """'sm90' for the warp-specialised Hopper kernel, 'sm80' for the mma.sync kernel."""
-    return "sm90" if isinstance(config, WsConfig) else "sm80"
+    return family_of(config).name
 
 
 def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig]:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .kernels.shapes import ForwardConfig, WsConfig
+from .operations.families import FAMILIES, family_of, family_of_table_kind
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
@@ -171,17 +172,12 @@ def table_key(family: str, head_dim: int, causal: bool, short: bool = False, lon
 def config_to_json(config: KernelConfig) -> dict:
     import dataclasses
 
-    kind = "ws" if isinstance(config, WsConfig) else "mma"
-    return {"kernel": kind, **dataclasses.asdict(config)}
+    return {"kernel": family_of(config).table_kind, **dataclasses.asdict(config)}
 
 
 def config_from_json(entry: dict) -> KernelConfig:
     fields = {k: v for k, v in entry.items() if k not in ("kernel", "tflops")}
-    kinds = {"ws": WsConfig, "mma": ForwardConfig}
-    if entry.get("kernel", "mma") not in kinds:
-        raise ValueError(f"unknown kernel {entry['kernel']!r} in a config table entry, expected one of "
-                         f"{', '.join(kinds)}")
-    return kinds[entry.get("kernel", "mma")](**fields)
+    return family_of_table_kind(entry.get("kernel", "mma")).config_type(**fields)
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,17 +210,25 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     ``SHORT_SEQLEN``, each key's ``/short`` entry comes before it, and at least ``LONG_SEQLEN``,
     its ``/long`` entry. None: the plain entry.
     """
-    forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
-    if forced is not None:
-        return forced
+    if OVERRIDES:
+        forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
+        if forced is not None:
+            return forced
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+    span = ""
+    if seqlen is not None:
+        span = "/short" if seqlen <= SHORT_SEQLEN else "/long" if seqlen >= LONG_SEQLEN else ""
+    return _table_choice(tuple(capability), head_dim, causal, limit, span)
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_choice(capability: tuple[int, int], head_dim: int, causal: bool, limit: int,
+                  span: str) -> KernelConfig:
+    """``forward_config`` without a forced config (the table is read once per process)."""
     family = dispatch_family(capability, head_dim)
     keys = [table_key(family, head_dim, causal)]
     if family == "sm80":
         keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
-    span = ""
-    if seqlen is not None:
-        span = "/short" if seqlen <= SHORT_SEQLEN else "/long" if seqlen >= LONG_SEQLEN else ""
     if span:
         keys = [k for key in keys for k in (key + span, key)]
     for key in keys:
@@ -281,8 +285,9 @@ def runnable_candidates(capability: tuple[int, int], head_dim: int) -> list[Kern
 def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig) -> Iterator[None]:
     """Within the block, ``flash_attention`` on this GPU launches ``config`` for its head dim
     and ``causal`` (any family that runs here). Not thread-safe: for tests and tools."""
-    if arch_family(capability) == "sm80" and isinstance(config, WsConfig):
-        raise ValueError(f"{config} needs Hopper (sm_90a); this GPU is sm_{capability[0]}{capability[1]}")
+    family = family_of(config)
+    if family.name not in runnable_families(capability):
+        raise ValueError(f"{config} needs {family.gpus}; this GPU is sm_{capability[0]}{capability[1]}")
     key = table_key(arch_family(capability), config.head_dim, causal)
     previous = OVERRIDES.get(key)
     OVERRIDES[key] = config
@@ -295,38 +300,26 @@ def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig
             OVERRIDES[key] = previous
 
 
-FAMILY_ARCH = {"sm80": "sm_80", "sm90": "sm_90a"}  # the target each family compiles for
+FAMILY_ARCH = {name: family.arch for name, family in FAMILIES.items()}  # the target each family compiles for
 
 
-def make_kernel(config: KernelConfig, causal: bool, bf16: bool):
-    """The Python kernel function for a configuration (either kernel family)."""
-    from .kernels.forward_mma import make_forward_kernel
-    from .kernels.forward_ws import make_forward_ws_kernel
-
-    if isinstance(config, WsConfig):
-        return make_forward_ws_kernel(config, causal, bf16)
-    return make_forward_kernel(config, causal, bf16)
+def make_kernel(config: KernelConfig, causal: bool, bf16: bool, operation: str = "forward"):
+    """The Python kernel function of ``operation`` for a configuration (imports Numba)."""
+    return family_of(config).op(operation).make_kernel(config, causal, bf16)
 
 
-def kernel_argtypes(config: KernelConfig) -> tuple:
+def kernel_argtypes(config: KernelConfig, operation: str = "forward") -> tuple:
     """The Numba argument types of a config's kernel (imports Numba)."""
-    if isinstance(config, WsConfig):
-        from .kernels.forward_ws import WS_ARGTYPES
-
-        return WS_ARGTYPES
-    from .kernels.common import FORWARD_ARGTYPES
-
-    return FORWARD_ARGTYPES
+    return family_of(config).op(operation).numba_argtypes()
 
 
-def forward_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str):
-    """The linked cubin (``runtime.cache.CacheEntry``) of a forward kernel for ``arch``: from the
-    on-disk cache, or compiled and stored. The API and ``precompile`` both come here, so they
-    agree on the cache key."""
+def kernel_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str, operation: str = "forward"):
+    """The linked cubin (``runtime.cache.CacheEntry``) of a kernel for ``arch``: from the on-disk
+    cache, or compiled and stored. The API and ``precompile`` both come here, so they agree on
+    the cache key."""
     from .runtime.cache import cached_cubin
 
     def build():  # imports Numba: only on a cache miss
-        return make_kernel(config, causal, bf16), kernel_argtypes(config)
+        return make_kernel(config, causal, bf16, operation), kernel_argtypes(config, operation)
 
-    kind = "forward_ws" if isinstance(config, WsConfig) else "forward"
-    return cached_cubin(kind, config, causal, bf16, arch, build)
+    return cached_cubin(family_of(config).op(operation).cache_kind, config, causal, bf16, arch, build)

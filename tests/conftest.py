@@ -55,7 +55,7 @@ KERNEL_PARAMS = ("family", "head_dim", "causal", "dtype", "cfg")
 
 def pytest_configure(config):
     """One kernel cache folder for the whole run, so that no kernel is compiled twice: every
-    test that compiles through the cache (the API, ``configs.forward_cubin``, the offline SASS
+    test that compiles through the cache (the API, ``configs.kernel_cubin``, the offline SASS
     tests), every xdist worker and every subprocess shares it. ``NUMBAFLASH_CACHE_DIR`` when set
     (a GPU run that carries its cache), else a new empty folder, so a run starts from nothing.
     Tests of the cache itself point it elsewhere (``monkeypatch``)."""
@@ -116,8 +116,10 @@ def table_with(monkeypatch):
         table = dict(configs._table())
         table.update({key: configs.config_to_json(config) for key, config in entries.items()})
         monkeypatch.setattr(configs, "_table", lambda: table)
+        configs._table_choice.cache_clear()  # choices are memoised per process
 
-    return patch
+    yield patch
+    configs._table_choice.cache_clear()
 
 
 @pytest.fixture

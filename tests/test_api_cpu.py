@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import numbaflash
-from numbaflash import api
+from numbaflash import operands
+from numbaflash.operations import forward, launch_forward
+from numbaflash.runtime import device
 
 
 def qkv(shape_q=(1, 8, 4, 64), shape_k=(1, 8, 2, 64), dtype=np.float16):
@@ -82,7 +84,7 @@ def test_bool_flags_accepted(value, no_compile):
 @pytest.mark.parametrize("have_ml_dtypes", [True, False])
 def test_other_dtypes_rejected_with_or_without_ml_dtypes(dtype, have_ml_dtypes, monkeypatch, no_compile):
     if not have_ml_dtypes:
-        monkeypatch.setattr(api, "_bfloat16_dtype", lambda: None)
+        monkeypatch.setattr(operands, "bfloat16_dtype", lambda: None)
     with pytest.raises(TypeError, match=f"q must be float16 or bfloat16, got {np.dtype(dtype)}"):
         numbaflash.flash_attention(*qkv(dtype=dtype))
 
@@ -136,8 +138,8 @@ def no_compile(monkeypatch):
     def compile_(*args, **kwargs):
         raise AssertionError("would compile a kernel")
 
-    monkeypatch.setattr(api, "_current_gpu", lambda: ((9, 0), 0))
-    monkeypatch.setattr(api, "_forward_kernel", compile_)
+    monkeypatch.setattr(device.GPU, "current", lambda: ((9, 0), 0))
+    monkeypatch.setattr(forward, "forward_kernel", compile_)
 
 
 def fake_qkv(shape_q=(1, 8, 4, 64), shape_k=(1, 8, 2, 64)):
@@ -196,16 +198,16 @@ def test_grid_limit(no_compile):
         numbaflash.flash_attention(*fake_qkv((70000, 8, 4, 64), (70000, 8, 1, 64)))
     with pytest.raises(ValueError, match="exceeds the CUDA grid"):
         numbaflash.flash_attention(*fake_qkv((70000, 8, 65536, 64), (70000, 8, 1, 64)))
-    assert api._forward_grid(3, 4, 70000) == (3, 65535, 5)
-    assert api._forward_grid(3, 70000, 2) == (3, 65535, 3)
-    assert api._forward_grid(3, 16, 2) == (3, 16, 2)  # y = heads, z = batch: no divisions
+    assert launch_forward.forward_grid(3, 4, 70000) == (3, 65535, 5)
+    assert launch_forward.forward_grid(3, 70000, 2) == (3, 65535, 3)
+    assert launch_forward.forward_grid(3, 16, 2) == (3, 16, 2)  # y = heads, z = batch: no divisions
 
 
 def test_folded_grid_forced(monkeypatch):
     """Tests can force the folded (batch, head) numbering on small problems."""
-    monkeypatch.setattr(api, "_FOLD_GRID", True)
-    assert api._forward_grid(3, 16, 2) == (3, 32, 1)
-    assert api._forward_grid(3, 7, 5) == (3, 35, 1)
+    monkeypatch.setattr(launch_forward, "FOLD_GRID", True)
+    assert launch_forward.forward_grid(3, 16, 2) == (3, 32, 1)
+    assert launch_forward.forward_grid(3, 7, 5) == (3, 35, 1)
 
 
 def test_mixed_host_and_device_rejected():
@@ -215,12 +217,12 @@ def test_mixed_host_and_device_rejected():
 
 
 def test_device_layout_checks():
-    op = api._describe("q", FakeDeviceArray((1, 8, 2, 64), strides=(2048, 256, 128, 4)))
+    op = operands.describe("q", FakeDeviceArray((1, 8, 2, 64), strides=(2048, 256, 128, 4)))
     with pytest.raises(ValueError, match="contiguous"):
-        api._check_device_layout(op)
-    op = api._describe("q", FakeDeviceArray((1, 8, 2, 64), strides=(2 * 1044, 2 * 130, 2 * 65, 2)))
+        operands.check_device_layout(op)
+    op = operands.describe("q", FakeDeviceArray((1, 8, 2, 64), strides=(2 * 1044, 2 * 130, 2 * 65, 2)))
     with pytest.raises(ValueError, match="16-byte"):
-        api._check_device_layout(op)
+        operands.check_device_layout(op)
 
 
 @pytest.mark.parametrize("failure", ["no device", "no driver"])
@@ -238,9 +240,7 @@ def test_no_gpu_is_a_clear_runtime_error(monkeypatch, failure):
                 raise RuntimeError("Failed to dlopen libcuda.so.1")
             return (driver.CUresult.CUDA_ERROR_NO_DEVICE,)
 
-    monkeypatch.setattr(api, "_load_driver", lambda: NoDevice)
-    monkeypatch.setattr(api, "_DRIVER", None)  # as in a fresh process
-    monkeypatch.setattr(api, "_CAPABILITY", {})
+    monkeypatch.setattr(device, "GPU", device.GpuState(load_driver=lambda: NoDevice))  # a fresh process
     with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
         numbaflash.flash_attention(*qkv())
 
@@ -256,11 +256,13 @@ def test_reference_handles_rows_without_keys():
 
 
 def test_tensors_must_be_on_the_current_device():
-    ops = [api._Operand(n, (1, 1, 1, 64), "float16", True, None, device=d) for n, d in (("q", 0), ("k", 1))]
+    ops = [operands.Operand(n, (1, 1, 1, 64), "float16", True, None, device=d)
+           for n, d in (("q", 0), ("k", 1))]
     with pytest.raises(ValueError, match=r"current CUDA device \(cuda:0\), got q on cuda:0, k on cuda:1"):
-        api._check_same_device(ops, 0)
-    api._check_same_device(ops[:1], 0)
-    api._check_same_device([api._Operand("q", (1, 1, 1, 64), "float16", True, None)], 3)  # unknown: allowed
+        operands.check_same_device(ops, 0)
+    operands.check_same_device(ops[:1], 0)
+    unknown = operands.Operand("q", (1, 1, 1, 64), "float16", True, None)
+    operands.check_same_device([unknown], 3)  # a device not known: allowed
 
 
 def test_device_buffer_rejects_other_than_16_bit_floats():

@@ -295,9 +295,9 @@ def test_batch_heads_beyond_grid_limit(rng, family):
 def test_folded_grid_on_small_problems(rng, monkeypatch, causal):
     """The folded (batch, head) numbering that batch or heads past 65535 take, forced on a
     ragged GQA problem, gives the same results (the mma.sync kernel unfolds it)."""
-    from numbaflash import api
+    from numbaflash.operations import launch_forward
 
-    monkeypatch.setattr(api, "_FOLD_GRID", True)
+    monkeypatch.setattr(launch_forward, "FOLD_GRID", True)
     q, k, v = random_qkv(rng, 3, 150, 130, 6, 2, 64, np.float16)
     with using(family_config("sm80", 64, causal), causal):
         out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)

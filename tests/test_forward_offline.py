@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from numbaflash.configs import forward_cubin
+from numbaflash.configs import kernel_cubin
 from numbaflash.tools.inspect import report_from_cubin
 from numbaflash.tools.registry import forward_kernels
 
@@ -18,11 +18,11 @@ CASES = [(name, arch) for name, (_, _, archs) in sorted(KERNELS.items()) for arc
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def report(request):
-    """Compiled through the kernel cache (``configs.forward_cubin``, the API's path): the run's
+    """Compiled through the kernel cache (``configs.kernel_cubin``, the API's path): the run's
     one cache folder (conftest) gives the same cubin to every test that needs it."""
     name, arch = request.param
     config, causal, bf16 = KERNELS[name][0].forward_key
-    return report_from_cubin(forward_cubin(config, causal, bf16, arch).cubin, name, arch)
+    return report_from_cubin(kernel_cubin(config, causal, bf16, arch).cubin, name, arch)
 
 
 def test_tensor_core_and_copy_instructions(report):

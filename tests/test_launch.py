@@ -4,34 +4,43 @@ sees exactly the values (array size, shape, data, scalars) Numba's own launch gi
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import numpy as np
 import pytest
 from numba import cuda, types
 
-from numbaflash.runtime.launch import KernelLauncher, _packer
+from numbaflash.runtime.launch import KernelLauncher, _packer, param_layout
 
 
-def test_packer_layouts():
-    out: list = []
-    _packer(types.uint16[::1])((0xABC0, 7), out)
-    assert out == [0, 0, 7, 2, 0xABC0, 7, 2]
-    out = []
-    _packer(types.float32[::1])((0x100, 3), out)
-    assert out == [0, 0, 3, 4, 0x100, 3, 4]
-    out = []
-    for ty, value in ((types.int64, -5), (types.uint32, 9), (types.float32, 1.5), (types.boolean, 1)):
-        _packer(ty)(value, out)
-    assert isinstance(out[0], ctypes.c_int64) and out[0].value == -5
-    assert isinstance(out[1], ctypes.c_uint32) and out[1].value == 9
-    assert isinstance(out[2], ctypes.c_float) and out[2].value == 1.5
-    assert out[3] is True
+def test_param_layout_follows_numbas_abi():
+    """A 1-D array is seven parameters (meminfo, parent, nitems, itemsize, data, shape, stride in
+    bytes); scalars take their width; each sits at an offset aligned to its size."""
+    layout = param_layout([types.uint16[::1], types.int32, types.float32[::1], types.boolean, types.int64,
+                           types.uint32, types.float32])
+    assert [p.code for p in layout] == ["q", "q", "q", "q", "Q", "q", "q", "i",
+                                        "q", "q", "q", "q", "Q", "q", "q", "?", "q", "I", "f"]
+    assert [p.offset for p in layout] == [0, 8, 16, 24, 32, 40, 48, 56,
+                                          64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 140]
+    assert [p.value for p in layout[:7]] == ["0", "0", "a0[1]", "2", "a0[0]", "a0[1]", "2"]
+    assert layout[7].value == "a1"
+
+
+def test_packed_buffer_holds_each_value_at_its_offset():
+    pack, size = _packer(param_layout(ECHO_ARGTYPES), len(ECHO_ARGTYPES))
+    buffer = ctypes.create_string_buffer(size)
+    pack(buffer, (0xABC0, 7), (0x100, 3), -5, 2**32 - 2, -7, np.float32(1.5), True)
+    raw = buffer.raw
+    assert struct.unpack_from("<7q", raw, 0) == (0, 0, 7, 2, 0xABC0, 7, 2)
+    assert struct.unpack_from("<7q", raw, 56) == (0, 0, 3, 8, 0x100, 3, 8)
+    assert struct.unpack_from("<qIif?", raw, 112) == (-5, 2**32 - 2, -7, 1.5, True)
+    assert size == 133
 
 
 @pytest.mark.parametrize("ty", [types.uint16[:, ::1], types.uint16[:], types.float64, types.complex64])
-def test_packer_rejects_what_it_cannot_pass(ty):
+def test_layout_rejects_what_it_cannot_pass(ty):
     with pytest.raises(TypeError, match="KernelLauncher"):
-        _packer(ty)
+        param_layout([ty])
 
 
 ECHO_ARGTYPES = (types.uint16[::1], types.float64[::1], types.int64, types.uint32, types.int32,

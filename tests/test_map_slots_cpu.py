@@ -22,10 +22,11 @@ def fake(monkeypatch):
     host = (ctypes.c_uint64 * (ms.SLOTS * ms.SLOT_BYTES // 8))()
     monkeypatch.setattr(driver, "cuMemAlloc", lambda n: (OK, 1 << 40))
     monkeypatch.setattr(driver, "cuMemHostAlloc", lambda n, f: (OK, ctypes.addressof(host)))
-    monkeypatch.setattr(driver, "cuEventCreate", lambda f: (OK, object()))
+    events = iter(range(1000, 2000))
+    monkeypatch.setattr(driver, "cuEventCreate", lambda f: (OK, next(events)))
     monkeypatch.setattr(driver, "cuMemcpyHtoDAsync",
                         lambda dst, src, n, stream: log.append(("copy", dst, stream)) or (OK,))
-    monkeypatch.setattr(driver, "cuEventRecord", lambda e, stream: log.append(("record", e)) or (OK,))
+    monkeypatch.setattr(ms, "event_recorder", lambda: lambda e, stream: log.append(("record", e)) or 0)
     monkeypatch.setattr(driver, "cuEventSynchronize", lambda e: log.append(("wait", e)) or (OK,))
     monkeypatch.setattr(ms, "SLOTS", 3)
     return log, host

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import numbaflash
-from numbaflash import api
+from numbaflash.operations import forward
 from numbaflash.runtime import host_memory as hm
 from numbaflash.runtime import pipeline as pl
 
@@ -162,19 +162,24 @@ def assert_same_bits(a, b):
 def test_failure_midway_leaves_the_next_call_right(many_chunks, monkeypatch):
     q, k, v = make((4, 256, 4, 64), (4, 256, 4, 64), "f16", seed=9)
     expected = numbaflash.flash_attention(q, k, v)
-    launch = api._launch_forward
+    kernel = forward.forward_kernel
     calls = []
 
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt  # as if the user pressed Ctrl-C during the call
-        return launch(*args, **kwargs)
+    def failing_kernel(*args, **kwargs):
+        launcher, config, launch = kernel(*args, **kwargs)
 
-    monkeypatch.setattr(api, "_launch_forward", failing)
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # as if the user pressed Ctrl-C during the call
+            return launch(*args, **kwargs)
+
+        return launcher, config, failing
+
+    monkeypatch.setattr(forward, "forward_kernel", failing_kernel)
     with pytest.raises(KeyboardInterrupt):
         numbaflash.flash_attention(q, k, v)
-    monkeypatch.setattr(api, "_launch_forward", launch)
+    monkeypatch.setattr(forward, "forward_kernel", kernel)
     assert_same_bits(numbaflash.flash_attention(q, k, v), expected)
     numbaflash.release_staging()  # and after freeing the staging memory, calls allocate again
     assert_same_bits(numbaflash.flash_attention(q, k, v), expected)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from numbaflash import api, configs
+from numbaflash import configs
 from numbaflash.configs import (
     DEFAULTS,
     FAMILY_HEAD_DIMS,
@@ -18,6 +18,8 @@ from numbaflash.configs import (
     max_shared_bytes,
     table_key,
 )
+from numbaflash.operations import forward
+from numbaflash.runtime import device
 
 SMALL = ((8, 6), (8, 9), (12, 0))  # 99 KB a CTA
 UNKNOWN = ((11, 0), (12, 1), (13, 0))  # not in MAX_SHARED_BYTES: assumed the smallest
@@ -91,12 +93,12 @@ def test_shipped_configs_include_the_small_gpu_fallbacks(table_with):
 
 def test_forced_config_too_big_fails_with_a_message(monkeypatch):
     """force_config bypasses the table; the API refuses to launch what the device cannot give."""
-    monkeypatch.setattr(api, "_device_shared_limit", lambda ordinal: 99 * 1024)
+    monkeypatch.setattr(device.GPU, "shared_limit", lambda ordinal: 99 * 1024)
     with configs.force_config((8, 6), False, BIG_D256):
         assert forward_config((8, 6), 256, False) == BIG_D256
         with pytest.raises(RuntimeError, match="needs 131072 bytes of shared memory a CTA; device 0 "
                                                r"\(sm_86\) allows 101376"):
-            api._forward_kernel((8, 6), 0, 256, False, False)
+            forward.forward_kernel((8, 6), 0, 256, False, False)
 
 
 def test_device_limit_is_read_once_per_device(monkeypatch):
@@ -117,8 +119,8 @@ def test_device_limit_is_read_once_per_device(monkeypatch):
             calls.append((attr, ordinal))
             return 0, 101376
 
-    monkeypatch.setattr(api, "_driver", lambda: FakeDriver)
-    monkeypatch.setattr(api, "_SHARED_LIMIT", {})
-    assert api._device_shared_limit(3) == 101376
-    assert api._device_shared_limit(3) == 101376
+    gpu = device.GpuState()
+    monkeypatch.setattr(gpu, "driver", lambda: FakeDriver)
+    assert gpu.shared_limit(3) == 101376
+    assert gpu.shared_limit(3) == 101376
     assert calls == [(97, 3)]

@@ -68,32 +68,145 @@ def test_no_device_function_takes_more_than_10_arguments():
     assert not too_many, f"device functions with more than {MAX_DEVICE_ARGS} arguments: {too_many}"
 
 
-def test_kernels_import_no_upper_layer():
-    """Device code sits below the API, the tools and the demos: nothing in ``kernels/`` imports
-    ``api``, ``tools`` or ``demos`` (benchmark launchers and the kernel registry live in ``tools/``)."""
-    upper = ("api", "tools", "demos")
-    wrong = []
-    for path in sorted((PACKAGE / "kernels").glob("*.py")):
+# Layers, lowest first: a module may import its own layer and those below it, never above.
+# ``runtime`` (driver, device state, cache, launch, pipeline) is below everything; the API
+# validates and routes to ``operations``, which take configs and kernels; device code
+# (``kernels``) sits on the PTX helpers. Tools, demos and entry points may use anything.
+LAYERS = {
+    "runtime": 0, "__version__": 0,
+    "ptx": 1,
+    "kernels": 2,
+    "configs": 3, "operands": 3, "operations": 3,
+    "api": 4,
+    "__init__": 5,
+    "tools": 6, "demos": 6, "__main__": 6, "bench": 6, "debug": 6, "inspect": 6, "precompile": 6,
+    "selftest": 6,
+}
+
+
+def _layer_of(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def package_imports() -> list[tuple[str, str, str]]:
+    """(file:line, importing layer, imported layer) for every import of numbaflash code."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = path.relative_to(PACKAGE).parts[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
             if isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                parts = module.split(".")
-                names = [alias.name for alias in node.names]
-                absolute = node.level == 0 and parts[0] == "numbaflash" and parts[1:2] in ([u] for u in upper)
-                from_parent = not module and set(names) & set(upper)  # from .. import api
-                relative_up = node.level >= 2 and (parts[0] in upper or from_parent)
-                if absolute or relative_up:
-                    wrong.append(f"{path.name}:{node.lineno} from {'.' * node.level}{module} import {names}")
+                parts = (node.module or "").split(".") if node.module else []
+                if node.level == 0:
+                    targets = [parts[1:]] if parts[:1] == ["numbaflash"] else []
+                else:
+                    base = list(here[:len(here) - (node.level - 1)]) + parts
+                    targets = [base] if base else [[alias.name] for alias in node.names]
             elif isinstance(node, ast.Import):
-                wrong += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
-                          if a.name.split(".")[:2] in (["numbaflash", u] for u in upper)]
+                targets = [a.name.split(".")[1:] for a in node.names if a.name.startswith("numbaflash.")]
+            for target in targets:
+                if target:
+                    found.append((f"{path.relative_to(PACKAGE)}:{node.lineno}", _layer_of(path), target[0]))
+    return found
+
+
+def test_layers_point_one_way():
+    """api -> operations (configs, operands, family records) -> kernels -> ptx, with runtime
+    below them all: nothing imports a layer above its own (nothing in ``kernels/`` imports
+    ``api``, ``operations``, ``tools`` or ``demos``)."""
+    imports = package_imports()
+    unknown = sorted({layer for _, a, b in imports for layer in (a, b) if layer not in LAYERS})
+    assert not unknown, f"modules with no layer in LAYERS: {unknown}"
+    upward = [f"{where}: {a} imports {b}" for where, a, b in imports if LAYERS[b] > LAYERS[a]]
+    assert not upward, upward
+    assert ("operations/forward.py" in {w.split(":")[0] for w, _, _ in imports})
+
+
+def test_layer_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    """The rule above is live: a kernel module importing the API is found."""
+    fake = tmp_path / "numbaflash"
+    (fake / "kernels").mkdir(parents=True)
+    (fake / "kernels" / "bad.py").write_text("from ..api import flash_attention\nfrom .. import tools\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert [(a, b) for _, a, b in package_imports()] == [("kernels", "api"), ("kernels", "tools")]
+
+
+CONFIG_TYPES = {"ForwardConfig", "WsConfig", "KernelConfig"}
+FAMILY_RECORDS = "operations/families.py"
+
+
+def config_type_switches(root: pathlib.Path) -> list[str]:
+    """Places that switch on a config's type: ``isinstance(x, <a config class>)`` or
+    ``type(x) is/== <a config class>``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: set[str] = set()
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
+                    and len(node.args) == 2:
+                names = {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node.args[1])}
+            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                    and getattr(node.left.func, "id", None) == "type":
+                names = {getattr(n, "id", getattr(n, "attr", ""))
+                         for c in node.comparators for n in ast.walk(c)}
+            if names & CONFIG_TYPES:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_only_the_family_records_switch_on_config_types():
+    """Family dispatch goes through ``operations.families.family_of``: no module of the package,
+    the benchmarks or the lab switches on config classes (tests may assert on them)."""
+    repo = PACKAGE.parent
+    wrong = [w for w in config_type_switches(PACKAGE) if not w.startswith(FAMILY_RECORDS)]
+    for folder in ("benchmarks", "lab"):
+        if (repo / folder).is_dir():
+            wrong += [f"{folder}/{w}" for w in config_type_switches(repo / folder)]
     assert not wrong, wrong
 
 
+def test_config_switch_rule_is_live(tmp_path):
+    (tmp_path / "a.py").write_text("x = isinstance(c, WsConfig)\ny = type(c) is configs.ForwardConfig\n")
+    assert config_type_switches(tmp_path) == ["a.py:1", "a.py:2"]
+
+
+MAX_UNPACKED = 4
+
+
+def tuple_unpacks(root: pathlib.Path) -> list[str]:
+    """Device functions that unpack a positional tuple of more than ``MAX_UNPACKED`` names
+    (``a, b, c, d, e = bundle`` or ``for a, b, c, d, e in ...``)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(fn, ast.FunctionDef) and _is_device_function(fn)):
+                continue
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, ast.For) else []
+                for t in targets:
+                    if isinstance(t, ast.Tuple) and len(t.elts) > MAX_UNPACKED:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {fn.name} ({len(t.elts)})")
+    return found
+
+
+def test_no_device_function_unpacks_a_long_positional_tuple():
+    """Bundles of more than four values are named records (namedtuples), read by field name."""
+    wrong = tuple_unpacks(PACKAGE)
+    assert not wrong, f"device functions unpacking positional tuples of more than {MAX_UNPACKED}: {wrong}"
+
+
+def test_tuple_unpack_rule_is_live(tmp_path):
+    (tmp_path / "a.py").write_text(
+        "@cuda.jit(device=True, forceinline=True)\ndef f(t):\n    a, b, c, d, e = t\n    w, x, y, z = t\n")
+    assert tuple_unpacks(tmp_path) == ["a.py:3 f (5)"]
+
+
 # The package top is the public face plus the short ``python -m numbaflash.<tool>`` entry points.
-PUBLIC_MODULES = {"__init__", "__main__", "api", "configs"}
+PUBLIC_MODULES = {"__init__", "__main__", "api", "configs", "operands"}
 TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "precompile", "selftest"}
-SUBPACKAGES = {"kernels", "ptx", "runtime", "tools", "demos"}
+SUBPACKAGES = {"kernels", "ptx", "runtime", "tools", "demos", "operations"}
 
 
 def test_package_top_holds_only_the_public_face():

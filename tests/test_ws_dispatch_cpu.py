@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from numbaflash import api, configs
+from numbaflash import configs
 from numbaflash.kernels.abi import WS_ABI
 from numbaflash.kernels.shapes import WsConfig
+from numbaflash.operands import Operand
+from numbaflash.operations import forward
+from numbaflash.operations.launch_forward import tma_strides
+from numbaflash.runtime import device
 
 HOPPER, AMPERE = (9, 0), (8, 0)
 
@@ -59,15 +63,15 @@ def test_ws_abi_matches_the_numba_signature():
 
 
 def op(shape, strides):
-    return api._Operand("q", shape, "float16", True, None, strides, 0)
+    return Operand("q", shape, "float16", True, None, strides, 0)
 
 
 def test_tma_strides_are_bytes_and_fill_broadcast_size_one_dims():
-    assert api._tma_strides(op((2, 100, 8, 64), (51200, 512, 64, 1))) == [102400, 1024, 128, 2]
+    assert tma_strides(op((2, 100, 8, 64), (51200, 512, 64, 1))) == [102400, 1024, 128, 2]
     # a size-1 batch with stride 0 (expanded): any stride works, TMA needs a nonzero one
-    assert api._tma_strides(op((1, 100, 8, 64), (0, 512, 64, 1))) == [102400, 1024, 128, 2]
+    assert tma_strides(op((1, 100, 8, 64), (0, 512, 64, 1))) == [102400, 1024, 128, 2]
     # a head range of a packed qkv tensor keeps the caller's strides
-    assert api._tma_strides(op((2, 100, 8, 64), (153600, 1536, 64, 1))) == [307200, 3072, 128, 2]
+    assert tma_strides(op((2, 100, 8, 64), (153600, 1536, 64, 1))) == [307200, 3072, 128, 2]
 
 
 
@@ -154,8 +158,8 @@ def test_api_dispatch_passes_the_longer_sequence(monkeypatch, sq, sk):
         seen.append(seqlen)
         raise Stop
 
-    monkeypatch.setattr(api, "_current_gpu", lambda: (HOPPER, 0))
-    monkeypatch.setattr(api, "_forward_kernel", fake_kernel)
+    monkeypatch.setattr(device.GPU, "current", lambda: (HOPPER, 0))
+    monkeypatch.setattr(forward, "forward_kernel", fake_kernel)
     q = np.zeros((1, sq, 2, 64), np.float16)
     k = np.zeros((1, sk, 2, 64), np.float16)
     with pytest.raises(Stop):

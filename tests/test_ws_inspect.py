@@ -33,14 +33,14 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def reports():
-    from numbaflash.configs import forward_cubin
+    from numbaflash.configs import kernel_cubin
 
     cache = {}
 
     def get(name):  # through the run's kernel cache: a shipped case is compiled once per run
         if name not in cache:
             config, causal, bf16 = CASES[name]
-            cache[name] = nfi.report_from_cubin(forward_cubin(config, causal, bf16, ARCH).cubin, name, ARCH)
+            cache[name] = nfi.report_from_cubin(kernel_cubin(config, causal, bf16, ARCH).cubin, name, ARCH)
         return cache[name]
 
     return get

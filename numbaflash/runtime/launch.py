@@ -5,21 +5,20 @@ cubin, or a Numba kernel's overload) from plain values. Numba's own launch
 (``kernel[grid, block, stream, shared](*args)``) types every argument, wraps every device
 array and checks the context on each call: about 0.25 ms of host time for the attention
 kernel's 23 arguments, which is longer than the kernel itself on a small problem. The launcher
-does that work once and per call only packs integers, in the layout Numba's kernel ABI gives
-each argument type (see ``pack_arguments``).
+works out the parameter layout once (``param_layout``, Numba's kernel ABI for each argument
+type); a call packs the values into one buffer with a precompiled ``struct`` and calls the
+driver's ``cuLaunchKernel`` through ctypes: a few microseconds.
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
+import struct
+import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
-
-MAX_CACHED_CONFIGS = 256
-MAX_CACHED_STREAMS = 64
-
+from typing import Any, NamedTuple
 
 DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a launch may use without opting in
 
@@ -48,40 +47,95 @@ def raise_dynamic_shared_limit(kernel, argtypes, nbytes: int) -> None:
 _ARRAY_RE = re.compile(r"^array\((\w+), (\w+), (\w+)\)$")
 _ITEMSIZE = {"int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "int32": 4, "uint32": 4,
              "float32": 4, "int64": 8, "uint64": 8, "float64": 8}
-_INTEGERS = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
+# struct codes of the scalar parameters (little-endian, no implicit padding)
+_SCALAR_CODES = {"int8": "b", "uint8": "B", "int16": "h", "uint16": "H", "int32": "i", "uint32": "I",
+                 "int64": "q", "uint64": "Q", "float32": "f", "bool": "?"}
+# A 1-D C-contiguous array is seven parameters: meminfo, parent, nitems, itemsize, data, shape[0],
+# strides[0] (bytes).
+_ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "stride")
 
 
-def _packer(ty) -> Any:
-    """How one argument becomes kernel parameters (Numba's ABI). ``ty`` is a Numba type or its
-    name (``str(type)``, as in ``kernels.abi``), so that launching never imports Numba:
+class Param(NamedTuple):
+    """One kernel parameter: byte offset in the parameter buffer, struct code, and the Python
+    expression (over the launch arguments ``a0, a1, ...``) that gives its value."""
 
-    - a 1-D C-contiguous array (``array(uint16, 1d, C)``), given as ``(device pointer, number
-      of elements)``: meminfo (0), parent (0), nitems, itemsize, data pointer, shape, stride in
-      bytes;
-    - an integer: the ctypes integer of its width and signedness;
-    - float32: ``ctypes.c_float``; bool: a Python bool.
+    offset: int
+    code: str
+    value: str
+
+
+def param_layout(argtypes: Sequence[Any]) -> list[Param]:
+    """The kernel parameters Numba's ABI gives ``argtypes`` (Numba types or their names,
+    ``str(type)``, as in ``kernels.abi``), each at an offset aligned to its size:
+
+    - a 1-D C-contiguous array (``array(uint16, 1d, C)``), passed as ``(device pointer, number of
+      elements)``: meminfo (0), parent (0), nitems, itemsize, data pointer, shape, stride in bytes;
+    - an integer of its width and signedness; float32; bool (one byte).
     """
-    name = str(ty)
-    array = _ARRAY_RE.match(name)
-    if array:
-        dtype, ndim, layout = array.groups()
-        if ndim != "1d" or layout != "C" or dtype not in _ITEMSIZE:
-            raise TypeError(f"KernelLauncher handles 1-D C-contiguous arrays, not {name}")
-        itemsize = _ITEMSIZE[dtype]
+    params: list[Param] = []
+    offset = 0
 
-        def pack_array(value, out):
-            pointer, nitems = value
-            out += (0, 0, nitems, itemsize, pointer, nitems, itemsize)
+    def add(code: str, value: str) -> None:
+        nonlocal offset
+        size = struct.calcsize("<" + code)
+        offset = -(-offset // size) * size
+        params.append(Param(offset, code, value))
+        offset += size
 
-        return pack_array
-    if name in _INTEGERS:
-        ctype = getattr(ctypes, f"c_{name}")
-        return lambda value, out: out.append(ctype(value))
-    if name == "float32":
-        return lambda value, out: out.append(ctypes.c_float(value))
-    if name == "bool":
-        return lambda value, out: out.append(bool(value))
-    raise TypeError(f"KernelLauncher cannot pass arguments of type {name}")
+    for i, ty in enumerate(argtypes):
+        name, arg = str(ty), f"a{i}"
+        array = _ARRAY_RE.match(name)
+        if array:
+            dtype, ndim, layout = array.groups()
+            if ndim != "1d" or layout != "C" or dtype not in _ITEMSIZE:
+                raise TypeError(f"KernelLauncher handles 1-D C-contiguous arrays, not {name}")
+            itemsize = str(_ITEMSIZE[dtype])
+            for field, value in zip(_ARRAY_FIELDS, ("0", "0", f"{arg}[1]", itemsize, f"{arg}[0]",
+                                                    f"{arg}[1]", itemsize), strict=True):
+                add("Q" if field == "data" else "q", value)
+        elif name in _SCALAR_CODES:
+            add(_SCALAR_CODES[name], arg)
+        else:
+            raise TypeError(f"KernelLauncher cannot pass arguments of type {name}")
+    return params
+
+
+def _packer(params: list[Param], nargs: int):
+    """``pack(buffer, *args)``: writes every parameter of ``args`` into ``buffer`` with one
+    ``struct.pack_into`` (generated once per parameter list)."""
+    fmt, end = "<", 0
+    for p in params:
+        fmt += "x" * (p.offset - end) + p.code
+        end = p.offset + struct.calcsize("<" + p.code)
+    args = ", ".join(f"a{i}" for i in range(nargs))
+    values = ", ".join(p.value for p in params)
+    source = f"def pack(buffer, {args}):\n    _pack_into(buffer, 0, {values})\n"
+    namespace = {"_pack_into": struct.Struct(fmt).pack_into}
+    exec(compile(source, "<numbaflash kernel parameters>", "exec"), namespace)  # noqa: S102
+    return namespace["pack"], struct.calcsize(fmt)
+
+
+_LIBCUDA = None
+
+
+def _libcuda():
+    """The driver library, its ``cuLaunchKernel`` typed (loaded once)."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+        p, u = ctypes.c_void_p, ctypes.c_uint
+        lib.cuLaunchKernel.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+        lib.cuLaunchKernel.restype = ctypes.c_int
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _LIBCUDA = lib
+    return _LIBCUDA
+
+
+def driver_error(code: int) -> str:
+    """``CUDA_ERROR_...`` for a driver result code."""
+    name = ctypes.c_char_p()
+    _libcuda().cuGetErrorName(code, ctypes.byref(name))
+    return name.value.decode() if name.value else f"CUresult {code}"
 
 
 class KernelLauncher:
@@ -91,16 +145,24 @@ class KernelLauncher:
 
     Call with ``(grid, block, stream_handle, shared_bytes, *args)``: ``stream_handle`` is a
     ``cudaStream_t`` as an int (0: the legacy default stream) and each array argument is a
-    ``(device pointer, number of elements)`` pair. The caller keeps the memory alive until the
-    kernel has run (as with any asynchronous launch).
+    ``(device pointer, number of elements)`` pair. The kernel runs in the stream's context (the
+    current one for stream 0). The caller keeps the memory alive until the kernel has run (as
+    with any asynchronous launch). Thread-safe: the parameter buffer is held under a lock from
+    packing until the driver has copied it.
     """
 
     def __init__(self, kernel, argtypes: Sequence[Any], name: str = "kernel") -> None:
         self.name = name
-        self._kernel = kernel
-        self._packers = [_packer(t) for t in argtypes]
-        self._streams: dict[int, Any] = {}
-        self._configs: dict[tuple, Any] = {}  # launch configurations by (grid, block, shared bytes)
+        self.kernel = kernel  # kept alive: the handle below belongs to it
+        # A CUkernel (context-independent, cuLibraryLoad) launches as a CUfunction.
+        self.handle = int(kernel.handle)
+        self.params = param_layout(argtypes)
+        self._nargs = len(argtypes)
+        self._pack, size = _packer(self.params, self._nargs)
+        self._buffer = ctypes.create_string_buffer(max(size, 1))
+        base = ctypes.addressof(self._buffer)
+        self._pointers = (ctypes.c_void_p * max(len(self.params), 1))(*(base + p.offset for p in self.params))
+        self._launch = _libcuda().cuLaunchKernel
         self._lock = threading.Lock()
 
     @classmethod
@@ -110,42 +172,25 @@ class KernelLauncher:
         cufunc = kernel.overloads[tuple(argtypes)]._codelibrary.get_cufunc()
         return cls(cufunc.kernel, argtypes, cufunc.name)
 
-    def pack(self, args: Sequence[Any]) -> list[Any]:
-        """The kernel parameters for ``args``, in launch order."""
-        if len(args) != len(self._packers):
-            raise TypeError(f"{self.name}: expected {len(self._packers)} arguments, got {len(args)}")
-        out: list[Any] = []
-        for pack, value in zip(self._packers, args, strict=True):
-            pack(value, out)
-        return out
+    def pack(self, args: Sequence[Any]) -> bytes:
+        """The parameter buffer's bytes for ``args`` (for tests)."""
+        self._check_count(args)
+        with self._lock:
+            self._pack(self._buffer, *args)
+            return self._buffer.raw
 
-    def _stream(self, handle: int):
-        stream = self._streams.get(handle)
-        if stream is None:
-            from cuda.core import Stream
-
-            with self._lock:  # non-owning wrappers; bounded, as callers may create streams per call
-                if len(self._streams) >= MAX_CACHED_STREAMS:
-                    self._streams.clear()
-                stream = self._streams.setdefault(handle, Stream.from_handle(handle))
-        return stream
-
-    def _config(self, grid: tuple[int, int, int], block: int, shared_bytes: int):
-        key = (grid, block, shared_bytes)
-        config = self._configs.get(key)
-        if config is None:
-            from cuda.core import LaunchConfig
-
-            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-            with self._lock:
-                if len(self._configs) >= MAX_CACHED_CONFIGS:
-                    self._configs.clear()
-                self._configs[key] = config
-        return config
+    def _check_count(self, args: Sequence[Any]) -> None:
+        if len(args) != self._nargs:
+            raise TypeError(f"{self.name}: expected {self._nargs} arguments, got {len(args)}")
 
     def __call__(self, grid: tuple[int, int, int], block: int, stream_handle: int, shared_bytes: int,
                  *args: Any) -> None:
-        from cuda.core import launch
-
-        config = self._config(grid, block, shared_bytes)
-        launch(self._stream(stream_handle), config, self._kernel, *self.pack(args))
+        if len(args) != self._nargs:
+            self._check_count(args)
+        with self._lock:
+            self._pack(self._buffer, *args)
+            err = self._launch(self.handle, grid[0], grid[1], grid[2], block, 1, 1, shared_bytes,
+                               int(stream_handle), self._pointers, None)
+        if err:
+            raise RuntimeError(f"{self.name}: cuLaunchKernel failed: {driver_error(err)} (grid {grid}, "
+                               f"{block} threads, {shared_bytes} bytes of shared memory)")

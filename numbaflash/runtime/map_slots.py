@@ -30,6 +30,17 @@ def _check(result, what: str):
     return result[1] if len(result) == 2 else None
 
 
+def event_recorder():
+    """``record(event handle, stream handle) -> CUresult``: the driver's ``cuEventRecord``
+    through ctypes (once per launch; the bindings' wrapper costs a few microseconds more)."""
+    from .launch import _libcuda
+
+    record = _libcuda().cuEventRecord
+    record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    record.restype = ctypes.c_int
+    return record
+
+
 class MapSlots:
     """One device's ring of tensor-map slots (make that device's context current first)."""
 
@@ -41,6 +52,8 @@ class MapSlots:
         self.host = int(_check(driver.cuMemHostAlloc(SLOTS * SLOT_BYTES, 0), "pinning map slots"))
         flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.events = [_check(driver.cuEventCreate(flags), "creating an event") for _ in range(SLOTS)]
+        self._event_handles = [int(event) for event in self.events]
+        self._record = event_recorder()
         self.slot_of: OrderedDict[tuple, int] = OrderedDict()  # key -> slot, least recent first
         self.free = list(range(SLOTS))
         self.misses = 0
@@ -70,9 +83,11 @@ class MapSlots:
 
     def used(self, slot: int, stream: int) -> None:
         """The kernel just launched on ``stream`` reads ``slot``."""
-        from cuda.bindings import driver
+        err = self._record(self._event_handles[slot], int(stream))
+        if err:
+            from .launch import driver_error
 
-        _check(driver.cuEventRecord(self.events[slot], stream), "recording an event")
+            raise RuntimeError(f"numbaflash tensor maps: recording an event failed: {driver_error(err)}")
 
 
 _SLOTS: dict[int, MapSlots] = {}

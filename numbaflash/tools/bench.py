@@ -758,9 +758,10 @@ def family_context(family: str, head_dim: int, causal: bool,
     sequence ``seqlen`` (``auto``: whatever the dispatcher picks)."""
     if family == "auto":
         return contextlib.nullcontext()
-    from numbaflash import api, configs
+    from numbaflash import configs
+    from numbaflash.runtime.device import GPU
 
-    capability, _ = api._current_gpu()
+    capability, _ = GPU.current()
     if family == "sm90" and configs.arch_family(capability) != "sm90":
         raise RuntimeError(f"--family sm90 needs a Hopper GPU, this one is sm_{capability[0]}{capability[1]}")
     config = configs.forward_config(configs.FAMILY_CAPABILITY[family], head_dim, causal, seqlen=seqlen)

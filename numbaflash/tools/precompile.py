@@ -52,15 +52,17 @@ def kernels_for(arch: str, candidates: bool) -> list[tuple]:
 
 def build_one(item: tuple) -> tuple[str, bool, float]:
     """Compile one kernel into the cache (a worker process): (description, compiled, seconds)."""
-    from ..configs import forward_cubin
+    from ..configs import kernel_cubin
+    from ..operations.families import family_of
     from ..runtime import cache
 
     config, causal, bf16, arch = item
     start = time.perf_counter()
     before = cache.STATS["compiles"]
-    forward_cubin(config, causal, bf16, arch)
+    kernel_cubin(config, causal, bf16, arch)
     compiled = cache.STATS["compiles"] > before
-    return cache.describe("forward", config, causal, bf16, arch), compiled, time.perf_counter() - start
+    kind = family_of(config).op("forward").cache_kind
+    return cache.describe(kind, config, causal, bf16, arch), compiled, time.perf_counter() - start
 
 
 def progress(done: int, total: int, label: str, stream=sys.stderr) -> None:

@@ -26,7 +26,7 @@ def forward_kernels() -> dict:
     for family, _, causal, config in shipped_configs():
         for bf16 in (False, True):
             kernel = make_kernel(config, causal, bf16)
-            kernel.forward_key = (config, causal, bf16)  # what configs.forward_cubin takes
+            kernel.forward_key = (config, causal, bf16)  # what configs.kernel_cubin takes
             # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
             archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
             kernels[f"{kernel.__name__}_{family}"] = (kernel, kernel_argtypes(config), archs)

@@ -1,6 +1,7 @@
 """The warp-specialised Hopper kernel (``forward_ws``) on torch tensors with an explicit config and
 grid, for ``benchmarks/ws_check.py``: the same launch path as ``flash_attention``
-(``api._launch_ws``: tensor maps in ``runtime.map_slots``, the cubin from ``configs.forward_cubin``),
+(``operations.launch_forward.launch_sm90``: tensor maps in ``runtime.map_slots``, the cubin from
+``configs.kernel_cubin``),
 with two knobs the API does not expose, any ``WsConfig`` and the number of CTAs.
 
     out, lse = flash_attention_ws(q, k, v, causal=True, return_lse=True, grid=2)
@@ -19,32 +20,33 @@ _UNUSED_LSE: dict = {}
 
 
 def ws_cubin(config: WsConfig, causal: bool, bf16: bool, arch: str = "sm_90a"):
-    """The cubin of one kernel: ``configs.forward_cubin`` (the API's cache entry)."""
-    from ..configs import forward_cubin
+    """The cubin of one kernel: ``configs.kernel_cubin`` (the API's cache entry)."""
+    from ..configs import kernel_cubin
 
-    return forward_cubin(config, causal, bf16, arch)
+    return kernel_cubin(config, causal, bf16, arch)
 
 
 def _launcher(config: WsConfig, causal: bool, bf16: bool, device: int):
     """The kernel of ``config``, loaded once per process as the API loads it."""
     key = (config, causal, bf16, device)
     if key not in _LAUNCHERS:
-        from .. import api
         from ..kernels.abi import WS_ABI
+        from ..operations.forward import loaded_kernel
+        from ..runtime.device import GPU
         from ..runtime.launch import KernelLauncher, set_dynamic_shared_limit
 
-        with api._GPU_LOCK:
-            kernel, name = api._loaded_forward(config, causal, bf16, "sm_90a")
+        with GPU.lock:
+            kernel, name = loaded_kernel(config, causal, bf16, "sm_90a")
             set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
             _LAUNCHERS[key] = KernelLauncher(kernel, WS_ABI, name)
     return _LAUNCHERS[key]
 
 
 def _operand(name: str, t):
-    from .. import api
+    from ..operands import Operand
 
     dtype = "bfloat16" if "bfloat16" in str(t.dtype) else "float16"
-    return api._Operand(name, tuple(t.shape), dtype, True, t, tuple(t.stride()), t.data_ptr())
+    return Operand(name, tuple(t.shape), dtype, True, t, tuple(t.stride()), t.data_ptr())
 
 
 def _check(name: str, t, torch) -> None:
@@ -93,10 +95,12 @@ def flash_attention_ws(q, k, v, *, causal: bool = False, softmax_scale: float | 
         lse = None
         dummy = _UNUSED_LSE.setdefault(device, torch.empty(1, dtype=torch.float32, device=q.device))
         lse_arg = (dummy.data_ptr(), 1)
-    from .. import api
+    from ..operations.launch_forward import ForwardCall, launch_sm90
+    from ..runtime.device import GPU
 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    ops = [_operand(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))]
-    api._launch_ws(launcher, config, ops, lse_arg, seqlen_k, heads_kv, np.float32(scale * math.log2(math.e)),
-                   bool(return_lse), torch.cuda.current_stream(q.device).cuda_stream, device, ctas=grid)
+    call = ForwardCall(*(_operand(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))), lse_arg,
+                       seqlen_k, heads_kv, np.float32(scale * math.log2(math.e)), bool(return_lse),
+                       torch.cuda.current_stream(q.device).cuda_stream, device)
+    launch_sm90(launcher, config, call, GPU, ctas=grid)
     return (out, lse) if return_lse else out

@@ -1,0 +1,312 @@
+"""Attention operands on the host side: what each input is (``describe``) and the checks every
+call makes before anything is compiled or launched. Pure Python and numpy; torch only for torch
+inputs, imported when one is seen."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from .configs import SUPPORTED_HEAD_DIMS
+
+FLOAT16 = np.dtype(np.float16)
+
+
+def bfloat16_dtype() -> np.dtype | None:
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class Operand:
+    """One attention operand reduced to what the kernel needs."""
+
+    __slots__ = ("name", "shape", "dtype_name", "on_device", "obj", "strides", "pointer", "stream", "device")
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype_name: str, on_device: bool, obj: Any,
+                 strides: tuple[int, ...] = (), pointer: int = 0, stream: int | None = None,
+                 device: int | None = None) -> None:
+        self.name = name
+        self.shape = shape
+        self.dtype_name = dtype_name  # "float16" | "bfloat16"
+        self.on_device = on_device
+        self.obj = obj
+        self.strides = strides  # in elements (device operands)
+        self.pointer = pointer
+        self.stream = stream  # CUDA array interface "stream" (None: not given)
+        self.device = device  # CUDA device ordinal where known (torch)
+
+    def __repr__(self) -> str:
+        return f"Operand({self.name}, shape {self.shape}, {self.dtype_name}, strides {self.strides})"
+
+    @property
+    def span(self) -> int:
+        """Elements from the first to the last element (the flat extent in memory)."""
+        s = self.strides
+        sh = self.shape
+        return 1 + sum((n - 1) * st for n, st in zip(sh, s, strict=True))
+
+
+def dtype_name_of_numpy(dtype: np.dtype, name: str) -> str:
+    """'float16' or 'bfloat16' for those dtypes; TypeError for any other (ml_dtypes or not)."""
+    if dtype == FLOAT16:
+        return "float16"
+    bf16 = bfloat16_dtype()
+    if (bf16 is not None and dtype == bf16) or (dtype.name == "bfloat16" and dtype.itemsize == 2):
+        return "bfloat16"
+    raise TypeError(f"{name} must be float16 or bfloat16, got {dtype}")
+
+
+_KINDS: dict[type, str] = {np.ndarray: "numpy"}  # type -> "numpy" | "torch" | "cai"
+_TORCH_DTYPES: dict = {}
+
+
+def kind_of(x: Any) -> str:
+    """'numpy', 'torch' or 'cai' (an object with ``__cuda_array_interface__``); TypeError else."""
+    kind = _KINDS.get(type(x))
+    if kind is None:
+        if isinstance(x, np.ndarray):
+            kind = "numpy"
+        elif type(x).__module__.split(".")[0] == "torch":
+            kind = "torch"
+        elif hasattr(x, "__cuda_array_interface__"):
+            kind = "cai"
+        else:
+            return "other"
+        _KINDS[type(x)] = kind
+    return kind
+
+
+def is_torch(x: Any) -> bool:
+    return kind_of(x) == "torch"
+
+
+def _torch_dtype_names() -> dict:
+    if not _TORCH_DTYPES:
+        import torch
+
+        _TORCH_DTYPES.update({torch.float16: "float16", torch.bfloat16: "bfloat16"})
+    return _TORCH_DTYPES
+
+
+def describe(name: str, x: Any) -> Operand:
+    """Classify one input: host numpy array or device array (torch CUDA tensor or
+    ``__cuda_array_interface__``)."""
+    kind = kind_of(x)
+    if kind == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"{name}: torch tensors must be on a CUDA device, got device {x.device}")
+        dtype_name = (_TORCH_DTYPES or _torch_dtype_names()).get(x.dtype)
+        if dtype_name is None:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
+        return Operand(name, tuple(x.shape), dtype_name, True, x, tuple(x.stride()), x.data_ptr(),
+                       device=x.get_device())
+    if kind == "numpy":
+        return Operand(name, tuple(x.shape), dtype_name_of_numpy(x.dtype, name), False, x)
+    if kind != "cai":
+        raise TypeError(
+            f"{name} must be a numpy array or a CUDA array (__cuda_array_interface__), "
+            f"got {type(x).__name__}"
+        )
+    cai = x.__cuda_array_interface__
+    try:
+        typestr = np.dtype(cai["typestr"])
+    except TypeError as exc:
+        raise TypeError(f"{name}: unknown __cuda_array_interface__ typestr {cai['typestr']!r}") from exc
+    dtype = getattr(x, "dtype", None)
+    dtype = dtype if isinstance(dtype, np.dtype) else typestr
+    if dtype.itemsize != typestr.itemsize:
+        raise TypeError(
+            f"{name}: its dtype attribute ({dtype}) and its __cuda_array_interface__ typestr "
+            f"({cai['typestr']}) disagree on the element size"
+        )
+    shape = tuple(int(s) for s in cai["shape"])
+    itemsize = dtype.itemsize
+    if cai.get("strides") is None:
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    else:
+        if any(s % itemsize for s in cai["strides"]):
+            raise ValueError(f"{name}: strides {cai['strides']} are not multiples of the element size")
+        strides = tuple(int(s) // itemsize for s in cai["strides"])
+    return Operand(name, shape, dtype_name_of_numpy(dtype, name), True, x, strides,
+                   int(cai["data"][0]), cai.get("stream"))
+
+
+def check_shapes(q: Operand, k: Operand, v: Operand) -> None:
+    for op in (q, k, v):
+        if len(op.shape) != 4:
+            raise ValueError(
+                f"{op.name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {op.shape}"
+            )
+        if 0 in op.shape:
+            raise ValueError(f"{op.name} is empty (shape {op.shape}); every dimension must be >= 1")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    b, _, hq, d = q.shape
+    bk, _, hkv, dk = k.shape
+    if bk != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
+    if hq % hkv:
+        raise ValueError(f"heads of q ({hq}) must be a multiple of heads of k/v ({hkv})")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if not q.dtype_name == k.dtype_name == v.dtype_name:
+        raise TypeError(f"q, k, v must have one dtype, got {q.dtype_name}, {k.dtype_name}, {v.dtype_name}")
+    if not q.on_device == k.on_device == v.on_device:
+        raise TypeError("q, k, v must be all numpy (host) arrays or all device arrays, not a mix")
+
+
+def check_device_layout(op: Operand) -> None:
+    """The kernel moves 16-byte chunks: head_dim contiguous, rows 16-byte aligned."""
+    s0, s1, s2, s3 = op.strides
+    if s3 != 1:
+        raise ValueError(
+            f"{op.name}: the last (head_dim) dimension must be contiguous (stride 1), got strides "
+            f"{op.strides} (in elements); pass a contiguous copy"
+        )
+    if op.pointer % 16 or s0 % 8 or s1 % 8 or s2 % 8:
+        raise ValueError(
+            f"{op.name}: rows must start on 16-byte boundaries (pointer {op.pointer:#x}, strides "
+            f"{op.strides} in elements must be multiples of 8); pass a contiguous copy"
+        )
+    if s0 < 0 or s1 < 0 or s2 < 0:
+        raise ValueError(f"{op.name}: negative strides {op.strides} are not supported")
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``causal`` / ``return_lse``: a Python or numpy bool, nothing else (``'no'`` is truthy)."""
+    if value is True or value is False:
+        return value
+    if not isinstance(value, np.bool_):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+_F32 = np.finfo(np.float32)
+_F32_TINY, _F32_MAX = float(_F32.tiny), float(_F32.max)
+
+
+def check_softmax_scale(scale: Any, head_dim: int) -> float:
+    """The scale as a float: a real number (not a bool or a string), positive, and finite and
+    non-zero once multiplied by log2(e) in float32, as the kernel uses it."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {scale!r}")
+    if not _F32_TINY <= scale * math.log2(math.e) <= _F32_MAX:
+        raise ValueError(
+            f"softmax_scale * log2(e) must be a normal float32 (the kernel's scale), so "
+            f"softmax_scale must lie in about [8.1e-39, 2.4e38], got {scale!r}"
+        )
+    return scale
+
+
+def check_no_self_overlap(op: Operand) -> None:
+    """Distinct elements of ``op`` must be distinct memory (no stride 0, no overlapping rows):
+    dimensions sorted by stride, each stride at least the extent of those inside it."""
+    extent = 1
+    for n, stride in sorted(((n, abs(st)) for n, st in zip(op.shape, op.strides, strict=True) if n > 1),
+                            key=lambda d: d[1]):
+        if stride < extent:
+            raise ValueError(
+                f"{op.name}: strides {op.strides} (in elements) for shape {op.shape} make elements "
+                "share memory (a stride 0 or overlapping rows); pass an array with its own memory"
+            )
+        extent = stride * n
+
+
+def check_out_aliasing(od: Operand, ops: list[Operand], itemsize: int = 2) -> None:
+    """A device ``out`` may be exactly q (each CTA reads its Q rows before writing them) but
+    must not share memory with k or v, or partly with q: other CTAs would read it after it
+    was overwritten."""
+    lo, hi = od.pointer, od.pointer + od.span * itemsize
+    for op in ops:
+        if op.pointer < hi and lo < op.pointer + op.span * itemsize:
+            if op.name == "q" and op.pointer == od.pointer and op.strides == od.strides:
+                continue
+            raise ValueError(
+                f"out shares memory with {op.name}; the kernel would read values it has already "
+                f"overwritten: pass an out that does not overlap k or v (out may be q itself)"
+            )
+
+
+def check_same_device(ops: list[Operand], current: int) -> None:
+    """Torch operands must sit on the current device (ordinal ``current``): the kernel runs there."""
+    for op in ops:
+        if op.device is not None and op.device != current:
+            where = ", ".join(f"{o.name} on cuda:{o.device}" for o in ops if o.device is not None)
+            raise ValueError(
+                f"all tensors must be on the current CUDA device (cuda:{current}), got {where}; "
+                "move them, or make their device current first (torch.cuda.set_device, "
+                "numba.cuda.select_device)"
+            )
+
+
+def device_pointer(obj: Any) -> int:
+    if is_torch(obj):
+        return obj.data_ptr()
+    return int(obj.__cuda_array_interface__["data"][0])
+
+
+def stream_handle(q: Operand) -> int:
+    """The stream to launch on: torch's current stream for torch inputs, else the stream the
+    CUDA array interface names (None, or 1 = the legacy default stream: handle 0)."""
+    if is_torch(q.obj):
+        return _torch_stream(q.device)
+    return 0 if q.stream in (None, 1) else int(q.stream)
+
+
+_RAW_STREAM = None
+
+
+def _torch_stream(device: int) -> int:
+    """torch's current stream on ``device`` as a handle: its raw-stream query where this torch
+    has it (what Triton calls per launch: a fraction of a microsecond), else the public API."""
+    global _RAW_STREAM
+    if _RAW_STREAM is None:
+        import torch
+
+        _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _RAW_STREAM(device)
+
+
+def empty_like(ref: Any, shape: tuple[int, ...], dtype_name: str):
+    """A new device array for the output, of the inputs' library where we know it."""
+    if is_torch(ref):
+        import torch
+
+        return torch.empty(shape, dtype=ref.dtype, device=ref.device)
+    module = type(ref).__module__.split(".")[0]
+    if module == "cupy":
+        import cupy
+
+        return cupy.empty(shape, dtype=ref.dtype)
+    from numba import cuda
+
+    dtype = FLOAT16 if dtype_name == "float16" else bfloat16_dtype()
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def empty_lse(ref: Any, shape: tuple[int, ...]):
+    if is_torch(ref):
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32, device=ref.device)
+    if type(ref).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy.empty(shape, dtype=cupy.float32)
+    from numba import cuda
+
+    return cuda.device_array(shape, dtype=np.float32)

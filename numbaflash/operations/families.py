@@ -1,0 +1,93 @@
+"""One record per kernel family: the only place that maps a config's type to its kernels.
+
+A ``Family`` holds the config class, the compile target, the tuned table's name for its
+configs, and per operation a ``KernelOp``: the kernel factory and Numba argument types (named
+as ``module:attribute`` under ``numbaflash.kernels``, imported only to compile: they import
+Numba), the parameter list as type names (``kernels.abi``, for the launcher), the cache kind and
+the launch function. ``family_of(config)`` finds a config's family by its exact type; nothing
+outside this module switches on config types (``tests/test_structure.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..kernels.abi import FORWARD_ABI, WS_ABI
+from ..kernels.shapes import ForwardConfig, WsConfig
+from .launch_forward import launch_sm80, launch_sm90
+
+
+def _attribute(spec: str) -> Any:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(f"numbaflash.kernels.{module}"), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOp:
+    """One operation's kernel in a family."""
+
+    cache_kind: str  # the kernel cache's name for it (``runtime.cache``)
+    abi: tuple[str, ...]  # parameter types by Numba name (``kernels.abi``)
+    factory: str  # "module:function" (config, causal, bf16) -> the Python kernel function
+    argtypes: str  # "module:NAME": the same parameter list as Numba types
+    launch: Callable[..., None]  # (launcher, config, call, gpu) -> None
+
+    def make_kernel(self, config: Any, causal: bool, bf16: bool):
+        """The Python kernel function (imports Numba)."""
+        return _attribute(self.factory)(config, causal, bf16)
+
+    def numba_argtypes(self) -> tuple:
+        return _attribute(self.argtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A kernel family: its configs' class and its kernels, by operation."""
+
+    name: str  # "sm80" | "sm90"
+    config_type: type
+    table_kind: str  # the tuned table's "kernel" field for its configs
+    arch: str  # the target it compiles for
+    gpus: str  # which GPUs run it, for messages
+    ops: Mapping[str, KernelOp]
+
+    def op(self, operation: str) -> KernelOp:
+        try:
+            return self.ops[operation]
+        except KeyError:
+            raise NotImplementedError(f"the {self.name} family has no {operation} kernel "
+                                      f"(it has: {', '.join(self.ops)})") from None
+
+
+SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capability 8.0 or newer", {
+    "forward": KernelOp("forward", FORWARD_ABI, "forward_mma:make_forward_kernel",
+                        "common:FORWARD_ARGTYPES", launch_sm80),
+})
+SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", {
+    "forward": KernelOp("forward_ws", WS_ABI, "forward_ws:make_forward_ws_kernel",
+                        "forward_ws:WS_ARGTYPES", launch_sm90),
+})
+FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90)}
+_BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
+_BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}
+
+
+def family_of(config: Any) -> Family:
+    """The family whose kernels take ``config`` (by its exact type)."""
+    family = _BY_TYPE.get(type(config))
+    if family is None:
+        raise TypeError(f"no kernel family takes a {type(config).__name__} "
+                        f"(expected one of {', '.join(t.__name__ for t in _BY_TYPE)})")
+    return family
+
+
+def family_of_table_kind(kind: str) -> Family:
+    """The family whose configs the tuned table marks ``"kernel": kind``."""
+    family = _BY_TABLE_KIND.get(kind)
+    if family is None:
+        raise ValueError(f"unknown kernel {kind!r} in a config table entry, expected one of "
+                         f"{', '.join(_BY_TABLE_KIND)}")
+    return family
