@@ -47,9 +47,10 @@ class Operand:
     @property
     def span(self) -> int:
         """Elements from the first to the last element (the flat extent in memory)."""
-        s = self.strides
-        sh = self.shape
-        return 1 + sum((n - 1) * st for n, st in zip(sh, s, strict=True))
+        if len(self.shape) == 4:
+            (b, s, h, d), (sb, ss, sh, sd) = self.shape, self.strides
+            return 1 + (b - 1) * sb + (s - 1) * ss + (h - 1) * sh + (d - 1) * sd
+        return 1 + sum((n - 1) * st for n, st in zip(self.shape, self.strides, strict=True))
 
 
 def dtype_name_of_numpy(dtype: np.dtype, name: str) -> str:
@@ -62,7 +63,8 @@ def dtype_name_of_numpy(dtype: np.dtype, name: str) -> str:
     raise TypeError(f"{name} must be float16 or bfloat16, got {dtype}")
 
 
-_KINDS: dict[type, str] = {np.ndarray: "numpy"}  # type -> "numpy" | "torch" | "cai"
+_KINDS: dict[type, str] = {np.ndarray: "numpy"}
+_TYPESTRS: dict[str, np.dtype] = {}  # type -> "numpy" | "torch" | "cai"
 _TORCH_DTYPES: dict = {}
 
 
@@ -114,10 +116,12 @@ def describe(name: str, x: Any) -> Operand:
             f"got {type(x).__name__}"
         )
     cai = x.__cuda_array_interface__
-    try:
-        typestr = np.dtype(cai["typestr"])
-    except TypeError as exc:
-        raise TypeError(f"{name}: unknown __cuda_array_interface__ typestr {cai['typestr']!r}") from exc
+    typestr = _TYPESTRS.get(cai["typestr"])
+    if typestr is None:
+        try:
+            typestr = _TYPESTRS[cai["typestr"]] = np.dtype(cai["typestr"])
+        except TypeError as exc:
+            raise TypeError(f"{name}: unknown __cuda_array_interface__ typestr {cai['typestr']!r}") from exc
     dtype = getattr(x, "dtype", None)
     dtype = dtype if isinstance(dtype, np.dtype) else typestr
     if dtype.itemsize != typestr.itemsize:
@@ -125,14 +129,15 @@ def describe(name: str, x: Any) -> Operand:
             f"{name}: its dtype attribute ({dtype}) and its __cuda_array_interface__ typestr "
             f"({cai['typestr']}) disagree on the element size"
         )
-    shape = tuple(int(s) for s in cai["shape"])
+    shape = tuple(map(int, cai["shape"]))
     itemsize = dtype.itemsize
-    if cai.get("strides") is None:
+    byte_strides = cai.get("strides")
+    if byte_strides is None:
         strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     else:
-        if any(s % itemsize for s in cai["strides"]):
-            raise ValueError(f"{name}: strides {cai['strides']} are not multiples of the element size")
-        strides = tuple(int(s) // itemsize for s in cai["strides"])
+        strides = tuple(int(s) // itemsize for s in byte_strides)
+        if any(s * itemsize != b for s, b in zip(strides, byte_strides, strict=True)):
+            raise ValueError(f"{name}: strides {byte_strides} are not multiples of the element size")
     return Operand(name, shape, dtype_name_of_numpy(dtype, name), True, x, strides,
                    int(cai["data"][0]), cai.get("stream"))
 
@@ -214,6 +219,9 @@ def check_softmax_scale(scale: Any, head_dim: int) -> float:
 def check_no_self_overlap(op: Operand) -> None:
     """Distinct elements of ``op`` must be distinct memory (no stride 0, no overlapping rows):
     dimensions sorted by stride, each stride at least the extent of those inside it."""
+    b, s, h, d = op.shape
+    if op.strides == (s * h * d, h * d, d, 1):  # C-contiguous: nothing to sort
+        return
     extent = 1
     for n, stride in sorted(((n, abs(st)) for n, st in zip(op.shape, op.strides, strict=True) if n > 1),
                             key=lambda d: d[1]):

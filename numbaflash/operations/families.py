@@ -33,7 +33,8 @@ class KernelOp:
     abi: tuple[str, ...]  # parameter types by Numba name (``kernels.abi``)
     factory: str  # "module:function" (config, causal, bf16) -> the Python kernel function
     argtypes: str  # "module:NAME": the same parameter list as Numba types
-    launch: Callable[..., None]  # (launcher, config, call, gpu) -> None
+    # (config) -> launch(launcher, call, gpu): what depends on the config alone is worked out once
+    prepare_launch: Callable[[Any], Callable[..., None]]
 
     def make_kernel(self, config: Any, causal: bool, bf16: bool):
         """The Python kernel function (imports Numba)."""

@@ -22,6 +22,7 @@ from .launch_forward import ForwardCall
 # (ordinal, head_dim, causal, bf16, span) -> (launcher, config, launch): filled on a first call
 # and used while no config is forced (``configs.OVERRIDES`` is empty).
 _READY: dict[tuple, tuple] = {}
+LOG2_E = math.log2(math.e)
 
 
 def _span(seqlen: int) -> str:
@@ -61,7 +62,8 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
             if ready is None:
                 kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability))
                 set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
-                ready = gpu.launchers[key] = (KernelLauncher(kernel, op.abi, name), config, op.launch)
+                ready = (KernelLauncher(kernel, op.abi, name), config, op.prepare_launch(config))
+                gpu.launchers[key] = ready
     if fast:
         _READY[ready_key] = ready
     return ready
@@ -96,16 +98,17 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
         lse = (device_pointer(lse_obj), batch * heads_q * seqlen_q)
     else:
         lse_obj, lse = None, gpu_state.GPU.scratch_f32(device)
-    scale_log2 = np.float32(scale * math.log2(math.e))
+    scale_log2 = np.float32(scale * LOG2_E)
     call = ForwardCall(qd, kd, vd, od, lse, seqlen_k, kd.shape[2], scale_log2, return_lse,
                        stream_handle(qd), device)
-    launch(launcher, config, call, gpu_state.GPU)
+    launch(launcher, call, gpu_state.GPU)
     return (out, lse_obj) if return_lse else out
 
 
-def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Element strides of a C-contiguous array of ``shape``."""
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+def _dense(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """Element strides of a C-contiguous 4-D array of ``shape``."""
+    _, s, h, d = shape
+    return s * h * d, h * d, d, 1
 
 
 def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | None, dtype_name: str,
@@ -118,7 +121,7 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
     batch, seqlen_q, heads_q, head_dim = q.shape
     launcher, config, launch = forward_kernel(capability, device, head_dim, causal, dtype_name == "bfloat16",
                                               max(seqlen_q, k.shape[1]))
-    scale_log2 = np.float32(scale * math.log2(math.e))
+    scale_log2 = np.float32(scale * LOG2_E)
     direct = out is not None and not any(np.may_share_memory(out, x) for x in (q, k, v))
     result = out if direct else pinned_empty(q.shape, q.dtype)
     lse_host = pinned_empty((batch, heads_q, seqlen_q), np.float32) if return_lse else None
@@ -133,7 +136,7 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
         call = ForwardCall(dense("q", lay.q_shape, lay.q), dense("k", lay.kv_shape, lay.k),
                            dense("v", lay.kv_shape, lay.v), dense("out", lay.q_shape, lay.o), lse_arg,
                            sub.seqlen_k, sub.heads_kv, scale_log2, return_lse, stream, device)
-        launch(launcher, config, call, gpu_state.GPU)
+        launch(launcher, call, gpu_state.GPU)
 
     run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk, causal, config.block_m)
     if out is not None and not direct:

@@ -3,6 +3,7 @@ and scalars of one launch) to the kernel's parameter list (``kernels.abi``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -54,19 +55,24 @@ def forward_grid(m_blocks: int, heads_q: int, batch: int) -> tuple[int, int, int
     return m_blocks, y, z
 
 
-def launch_sm80(launcher, config, call: ForwardCall, gpu: Any) -> None:
-    """The mma.sync kernel (``FORWARD_ABI``): pointers and strides of q, k, v, o; one CTA per
-    query block, head and batch."""
-    q, k, v, o = call.q, call.k, call.v, call.o
-    batch, seqlen_q, heads_q, _ = q.shape
-    grid = forward_grid(-(-seqlen_q // config.block_m), heads_q, batch)
-    qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides
-    spans = (q.pointer, q.span), (k.pointer, k.span), (v.pointer, v.span), (o.pointer, o.span)
-    launcher(grid, config.threads, call.stream, config.shared_bytes,
-             *spans, call.lse,
-             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
-             seqlen_q, call.seqlen_k, batch, heads_q, heads_q // call.heads_kv, call.scale_log2,
-             call.write_lse)
+def launch_sm80(config) -> Callable[[Any, ForwardCall, Any], None]:
+    """The launch of the mma.sync kernel of ``config`` (``FORWARD_ABI``): pointers and strides of
+    q, k, v, o; one CTA per query block, head and batch. What depends only on the config is
+    worked out here, once."""
+    block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
+
+    def launch(launcher, call: ForwardCall, gpu: Any) -> None:
+        q, k, v, o = call.q, call.k, call.v, call.o
+        batch, seqlen_q, heads_q, _ = q.shape
+        grid = forward_grid(-(-seqlen_q // block_m), heads_q, batch)
+        qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides
+        launcher(grid, threads, call.stream, shared_bytes,
+                 (q.pointer, q.span), (k.pointer, k.span), (v.pointer, v.span), (o.pointer, o.span), call.lse,
+                 qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
+                 seqlen_q, call.seqlen_k, batch, heads_q, heads_q // call.heads_kv, call.scale_log2,
+                 call.write_lse)
+
+    return launch
 
 
 def tma_strides(op: Operand) -> list[int]:
@@ -79,35 +85,50 @@ def tma_strides(op: Operand) -> list[int]:
     return [*reversed(strides), 2]
 
 
-def launch_sm90(launcher, config, call: ForwardCall, gpu: Any, ctas: int | None = None) -> None:
-    """The warp-specialised Hopper kernel (``WS_ABI``): tensor maps of q, k, v, out (cached in
-    device memory by pointer, shape and strides: ``runtime.map_slots``) and a persistent grid of
-    at most one CTA per SM (``ctas``: fewer, for tests that make each CTA walk many tiles)."""
+def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, Any], None]:
+    """The launch of the warp-specialised Hopper kernel of ``config`` (``WS_ABI``): tensor maps
+    of q, k, v, out (cached in device memory by pointer, shape and strides:
+    ``runtime.map_slots``) and a persistent grid of at most one CTA per SM (``ctas``: fewer, for
+    tests that make each CTA walk many tiles). What depends only on the config is worked out
+    here, once."""
     from ..runtime.map_slots import map_slots
 
-    ops = (call.q, call.k, call.v, call.o)
-    batch, seqlen_q, heads_q, _ = call.q.shape
-    dtype = "bf16" if call.q.dtype_name == "bfloat16" else "f16"
+    block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
     rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
     cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
-    key = (dtype, rows, cols, *((op.pointer, op.shape, op.strides) for op in ops))
+    swizzle = f"{config.row_bytes}B"
+    leads: dict[int, int] = {}  # seqlen_q -> rows the first query block starts before row 0
 
-    def encode():
-        from ..runtime.tensor_map import encode_tensor_map
+    def launch(launcher, call: ForwardCall, gpu: Any) -> None:
+        q, k, v, o = call.q, call.k, call.v, call.o
+        batch, seqlen_q, heads_q, _ = q.shape
+        dtype = "bf16" if q.dtype_name == "bfloat16" else "f16"
+        key = (dtype, rows, cols, q.pointer, q.shape, q.strides, k.pointer, k.shape, k.strides,
+               v.pointer, v.shape, v.strides, o.pointer, o.shape, o.strides)
 
-        return np.stack([encode_tensor_map(op.pointer, op.shape, tma_strides(op), (1, r, 1, cols),
-                                           swizzle=f"{config.row_bytes}B", dtype=dtype)
-                         for op, r in zip(ops, rows, strict=True)])
+        def encode():
+            from ..runtime.tensor_map import encode_tensor_map
 
-    tiles = -(-seqlen_q // config.block_m) * heads_q * batch
-    grid = (min(tiles, ctas or gpu.sm_count(call.device)), 1, 1)
-    slots = map_slots(call.device)
-    with slots.lock:
-        maps, slot = slots.address(key, encode, call.stream)
-        try:
-            launcher(grid, config.threads, call.stream, config.shared_bytes,
-                     (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16), call.lse,
-                     seqlen_q, call.seqlen_k, config.first_block_lead(seqlen_q), heads_q,
-                     heads_q // call.heads_kv, batch, call.scale_log2, call.write_lse)
-        finally:  # even after a failed launch: the slot's copy is on the stream
-            slots.used(slot, call.stream)
+            return np.stack([encode_tensor_map(op.pointer, op.shape, tma_strides(op), (1, r, 1, cols),
+                                               swizzle=swizzle, dtype=dtype)
+                             for op, r in zip((q, k, v, o), rows, strict=True)])
+
+        lead = leads.get(seqlen_q)
+        if lead is None:
+            lead = leads[seqlen_q] = config.first_block_lead(seqlen_q)
+            if len(leads) > 4096:
+                leads.clear()
+        tiles = -(-seqlen_q // block_m) * heads_q * batch
+        grid = (min(tiles, ctas or gpu.sm_count(call.device)), 1, 1)
+        slots = map_slots(call.device)
+        with slots.lock:
+            maps, slot = slots.address(key, encode, call.stream)
+            try:
+                launcher(grid, threads, call.stream, shared_bytes,
+                         (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16), call.lse,
+                         seqlen_q, call.seqlen_k, lead, heads_q, heads_q // call.heads_kv, batch,
+                         call.scale_log2, call.write_lse)
+            finally:  # even after a failed launch: the slot's copy is on the stream
+                slots.used(slot, call.stream)
+
+    return launch

@@ -95,6 +95,9 @@ _SLOTS_LOCK = threading.Lock()
 
 
 def map_slots(device: int) -> MapSlots:
+    slots = _SLOTS.get(device)
+    if slots is not None:
+        return slots
     with _SLOTS_LOCK:
         if device not in _SLOTS:
             _SLOTS[device] = MapSlots()

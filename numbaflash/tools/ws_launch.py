@@ -102,5 +102,5 @@ def flash_attention_ws(q, k, v, *, causal: bool = False, softmax_scale: float | 
     call = ForwardCall(*(_operand(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))), lse_arg,
                        seqlen_k, heads_kv, np.float32(scale * math.log2(math.e)), bool(return_lse),
                        torch.cuda.current_stream(q.device).cuda_stream, device)
-    launch_sm90(launcher, config, call, GPU, ctas=grid)
+    launch_sm90(config, ctas=grid)(launcher, call, GPU)
     return (out, lse) if return_lse else out
