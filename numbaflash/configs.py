@@ -2,7 +2,7 @@
 
 sm80 family (Ampere, Ada, Blackwell, ...): the mma.sync kernel (``ForwardConfig``).
 sm90 (Hopper): the warp-specialised TMA + wgmma kernel (``WsConfig``; an older cp.async wgmma
-kernel was removed after it won no shape: RESULTS W2); the mma.sync kernel also runs there, and
+kernel was removed after it won no shape against the warp-specialised one); the mma.sync kernel also runs there, and
 Hopper runs it for the head dims its own kernel does not support (``FAMILY_HEAD_DIMS``,
 ``dispatch_family``): today 32.
 The choice per (family, head dim, causal) is made by ``benchmarks/autotune.py`` and stored
@@ -41,8 +41,7 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     ("sm80", 96): ForwardConfig(96, block_m=64, block_n=128),
     # 96 KB of shared memory: fits every sm80-family GPU (sm_86/89/120 allow 99 KB a CTA), which
     # run it where the table's 128 x 64 (128 KB) does not fit (forward_config). FA2's choice
-    # there too; on an H100 274 / 264 TFLOP/s full / causal against 242 / 231 for 128 x 32
-    # (RESULTS H2).
+    # there too; on an H100 274 / 264 TFLOP/s full / causal against 242 / 231 for 128 x 32.
     ("sm80", 256): ForwardConfig(256, block_m=64, block_n=64, early_k=True),
     ("sm90", 64): WsConfig(64, block_n=192, stages=2, overlap=True, pingpong=True),
     ("sm90", 128): WsConfig(128, block_n=128, stages=2, overlap=True),
@@ -61,7 +60,7 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # buffering). FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, d96 128 x 64,
 # 4 warps of 2 m-tiles; d256 128 x 64 over 8 warps (>= 112 KB of shared memory a CTA), else
 # 64 x 64 over 4. min_ctas=3 (at most 168 registers a thread: 3 warps a scheduler instead of
-# 2) lost 5-20% on an H100 (RESULTS K3) except at d32, where it ties; kept for GPUs with other
+# 2) lost 5-20% on an H100 except at d32, where it ties; kept for GPUs with other
 # latencies. Head dims above 128 always stream Q (ForwardConfig.__post_init__).
 _F = ForwardConfig
 _SM80_CANDIDATES = {
@@ -155,7 +154,7 @@ def dispatch_family(capability: tuple[int, int], head_dim: int) -> str:
 # A problem whose seqlen_q and seqlen_k are both at most SHORT_SEQLEN first looks for a
 # "short" table entry (``<key>/short``): at short sequences tile padding and the causal
 # diagonal weigh more, so other configs can win (d64 non-causal: ping-pong between the three
-# consumer warpgroups; d64 causal lost its short entry in RESULTS W8, once the 192-row tiles
+# consumer warpgroups; d64 causal lost its short entry once the 192-row tiles
 # had caught up at 1k and pulled ahead at 2k).
 SHORT_SEQLEN = 2048
 # A problem whose longer sequence is at least LONG_SEQLEN first looks for a "long" entry

@@ -1,6 +1,6 @@
 """Hopper (sm_90a) probe kernels: each exercises one wgmma / TMA / mbarrier / stmatrix /
-setmaxnreg helper on data laid out by the host (``test_ptx_hopper.py`` runs them on a GPU,
-``test_inspect_hopper.py`` checks their SASS offline)."""
+setmaxnreg helper on data laid out by the host (``test_ptx_hopper_gpu.py`` runs them on a GPU,
+``test_inspect_hopper_offline.py`` checks their SASS offline)."""
 
 from __future__ import annotations
 

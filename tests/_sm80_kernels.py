@@ -1,5 +1,5 @@
 """Tiny test kernels, one per sm_80 helper family, shared by the GPU tests
-(``test_ptx_sm80.py``) and the offline SASS tests (``test_inspect_sm80.py``).
+(``test_ptx_sm80_gpu.py``) and the offline SASS tests (``test_inspect_sm80_offline.py``).
 
 Every kernel is a plain Python function (jit it with ``cuda.jit``) with example argument
 types for offline compilation in ``KERNELS``. Launch shapes are given in the docstrings.

@@ -15,5 +15,5 @@
 - ``softmax``: the online-softmax steps on mma fragments;
 - ``epilogue``: normalise, stage and store O, and write the log-sum-exp.
 
-Nothing here imports ``api``, ``tools`` or ``demos`` (``tests/test_structure.py``).
+Nothing here imports ``api``, ``tools`` or ``demos`` (``tests/test_structure_cpu.py``).
 """

@@ -5,7 +5,7 @@ configs, and per operation a ``KernelOp``: the kernel factory and Numba argument
 as ``module:attribute`` under ``numbaflash.kernels``, imported only to compile: they import
 Numba), the parameter list as type names (``kernels.abi``, for the launcher), the cache kind and
 the launch function. ``family_of(config)`` finds a config's family by its exact type; nothing
-outside this module switches on config types (``tests/test_structure.py``).
+outside this module switches on config types (``tests/test_structure_cpu.py``).
 """
 
 from __future__ import annotations

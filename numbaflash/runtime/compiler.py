@@ -46,7 +46,7 @@ def target_capability(cc: tuple) -> Iterator[None]:
     from ``numba.cuda.dispatcher.get_current_device()``, which needs a GPU and, with one,
     names the current GPU rather than the target. Inside this context that name answers with
     a stand-in device of capability ``cc``, under Numba's compiler lock so that no other
-    thread's compile sees it. ``tests/test_compile_cpu.py`` pins this hook, so a numba-cuda
+    thread's compile sees it. ``tests/test_compile_offline.py`` pins this hook, so a numba-cuda
     release that moves it fails there and not in a user's first call.
 
     The capability only steers lowering choices made below sm_75 (atomics, ``tanh``); the

@@ -1,5 +1,5 @@
 """The warp-specialised Hopper kernel (``forward_ws``) on torch tensors with an explicit config and
-grid, for ``benchmarks/ws_check.py``: the same launch path as ``flash_attention``
+grid, for tests and kernel experiments: the same launch path as ``flash_attention``
 (``operations.launch_forward.launch_sm90``: tensor maps in ``runtime.map_slots``, the cubin from
 ``configs.kernel_cubin``),
 with two knobs the API does not expose, any ``WsConfig`` and the number of CTAs.

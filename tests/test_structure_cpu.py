@@ -243,3 +243,49 @@ def test_python_dash_m_tool_help(tool):
                           capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
     assert done.returncode == 0, done.stderr
     assert f"numbaflash.{tool}" in done.stdout
+
+
+# What each test file needs from the machine, by the suffix of its name:
+#   test_<subject>_cpu.py      Python and numpy only: no kernel is compiled, no GPU is used;
+#   test_<subject>_offline.py  compiles kernels with no GPU (Numba, NVVM, nvJitLink: the
+#                              ``cu13`` extra), and uses no GPU;
+#   test_<subject>_gpu.py      holds GPU tests (marked ``gpu`` or ``hopper``: they run wherever
+#                              a GPU is and are skipped with the reason elsewhere), and may hold
+#                              CPU or offline tests of the same subject.
+TEST_SUFFIXES = ("cpu", "offline", "gpu")
+COMPILERS = {"compile_cubin", "kernel_cubin", "compile_all", "inspect_kernel", "report_from_cubin",
+             "cached_cubin", "jit"}
+
+
+def _marks_gpu(tree: ast.AST) -> bool:
+    return any(isinstance(node, ast.Attribute) and node.attr in ("gpu", "hopper")
+               and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
+               for node in ast.walk(tree))
+
+
+def _compiles(tree: ast.AST) -> bool:
+    """Calls a compiler (or runs ``python -m numbaflash.precompile``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            if name in COMPILERS:
+                return True
+        if isinstance(node, ast.List) and any(getattr(e, "value", None) == "numbaflash.precompile"
+                                              for e in node.elts):  # [python, "-m", "numbaflash.precompile"]
+            return True
+    return False
+
+
+def test_file_names_say_what_each_test_file_needs():
+    tests = pathlib.Path(__file__).resolve().parent
+    wrong = []
+    for path in sorted(tests.glob("test_*.py")):
+        suffix = path.stem.rsplit("_", 1)[-1]
+        tree = ast.parse(path.read_text())
+        if suffix not in TEST_SUFFIXES:
+            wrong.append(f"{path.name}: name does not end in _cpu, _offline or _gpu")
+        elif _marks_gpu(tree) != (suffix == "gpu"):
+            wrong.append(f"{path.name}: GPU-marked tests belong in, and only in, a _gpu file")
+        elif suffix == "cpu" and _compiles(tree):
+            wrong.append(f"{path.name}: compiles kernels, so it is an _offline file")
+    assert not wrong, wrong
