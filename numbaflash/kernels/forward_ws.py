@@ -63,7 +63,8 @@ from ..ptx import hopper as hp
 from .blocks import ScoreMask, mask_if_needed, unit_tile, visible_kv_tiles, work_units
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
-from .shapes import WsConfig
+from .ring import RingBarriers, make_ring
+from .shapes import WARPGROUP_ROWS, WsConfig
 from .softmax import exponentiate, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
 from .wgmma_gemms import make_attention_gemms
 
@@ -82,9 +83,10 @@ WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
 Maps = namedtuple("Maps", ["q", "k", "v", "o"])
 # Problem sizes every role needs; query block m starts at row m * block_m - lead.
 Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks", "lead"])
-# mbarriers (32-bit shared addresses; ring barriers of stage s at + 8 * s). o_empty: the O
-# tile staged in the V ring has been read by its TMA stores (o_in_v; one completion a tile).
-Barriers = namedtuple("Barriers", ["q_full", "q_empty", "k_full", "k_empty", "v_full", "v_empty", "o_empty"])
+# mbarriers of the Q, K and V rings (``ring.RingBarriers``), and of the O staging tile in the V
+# ring (o_in_v): a one-stage ring with no full barrier (the consumers fill it themselves), whose
+# empty barrier completes once a tile, when the TMA stores have read O (both fields name it).
+Barriers = namedtuple("Barriers", ["q", "k", "v", "o"])
 # Shared tiles (32-bit shared addresses, 1024-aligned): Q, K ring, V ring, O staging.
 Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
 # Per-warp online-softmax state: running row maxes (scaled, log2), this lane's part of the
@@ -122,12 +124,19 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     S_N_TILES = BN // 8
     P_K_STEPS = BN // 16
     Q_BYTES = config.tile_bytes["q"]
-    Q_RING = uint32(config.q_stages)
     KV_BYTES = config.tile_bytes["kv"]
-    RING = uint32(STAGES)  # uint32 constants keep ring arithmetic in 32 bits
     ONE = uint32(1)
     QS = config.q_stages
-    BARRIER_WORDS = 2 * QS + 4 * STAGES + 1  # q full/empty, k full/empty, v full/empty rings; o empty
+    WG_ROWS = WARPGROUP_ROWS
+    # Byte offsets of the tiles from the aligned base, and of the mbarriers in their word array
+    # (plain ints: constants in the kernel).
+    Q_AT, K_AT, V_AT, O_AT, _ = config.shared_layout
+    Q_FULL_AT, Q_EMPTY_AT, K_FULL_AT, K_EMPTY_AT, V_FULL_AT, V_EMPTY_AT, O_EMPTY_AT, BARRIER_WORDS = (
+        config.barrier_layout)
+    assert Q_FULL_AT == 0 and Q_AT == 0
+    q_ring = make_ring(QS, Q_BYTES)
+    kv_ring = make_ring(STAGES, KV_BYTES)  # K and V: one ring each, used in step
+    o_ring = make_ring(1)  # O staged in the V ring (o_in_v): stored once a tile
     CAUSAL = causal
     TILES_PER_UNIT = 2 if causal else 1  # query blocks per work unit (blocks.work_units)
     BF16 = bf16
@@ -180,30 +189,13 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, forceinline=True)
     def own_kv_tiles(first_row, n_tiles, problem):
-        """The first KV tiles of the block that this warpgroup's 64 rows from ``first_row`` can
+        """The first KV tiles of the block that this warpgroup's rows from ``first_row`` can
         see (causal); the block's later tiles lie wholly past their diagonal."""
         diag = problem.seqlen_k - problem.seqlen_q
-        n = visible_kv_tiles(int32(first_row), 64, BN, problem.seqlen_k, diag, CAUSAL)
+        n = visible_kv_tiles(int32(first_row), WG_ROWS, BN, problem.seqlen_k, diag, CAUSAL)
         return min(max(n, 0), n_tiles)
 
     # ------------------------------------------------------------------ pipeline stages
-
-    @cuda.jit(device=True, forceinline=True)
-    def wait_full(bar, i, ring):
-        """Wait until stage i % ring holds load number i (round i // ring)."""
-        hp.mbarrier_wait_parity(bar + uint32(8) * (i % ring), (i // ring) & ONE)
-
-    @cuda.jit(device=True, forceinline=True)
-    def wait_empty(bar, i, ring):
-        """Wait until the consumers have released the stage that load i will fill (its
-        previous round; a fresh barrier reads as released)."""
-        hp.mbarrier_wait_parity(bar + uint32(8) * (i % ring), ((i // ring) & ONE) ^ ONE)
-
-    @cuda.jit(device=True, forceinline=True)
-    def release(bar, i, ring, lane):
-        """This warp is done with stage i % ring (one arrival per consumer warp)."""
-        if lane == 0:
-            hp.mbarrier_arrive(bar + uint32(8) * (i % ring))
 
     @cuda.jit(device=True, forceinline=True)
     def load_tile(dst, tmap, bar, row0, head, batch, rows):
@@ -222,7 +214,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         (its first V load, or its Q when it has no KV tiles), so the barrier is never more
         than one completion ahead of the wait."""
         if O_IN_V and round_q > 0:
-            wait_full(bars.o_empty, round_q - ONE, ONE)
+            o_ring.wait_empty(bars.o, round_q)
 
     @cuda.jit(device=True, forceinline=True)
     def produce(maps, bars, tiles, problem):
@@ -237,26 +229,26 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 n_tiles = kv_tiles_of(tile, problem)
                 if n_tiles == 0:
                     wait_o_stored(bars, round_q)
-                q_slot = round_q % Q_RING
-                wait_empty(bars.q_empty, round_q, Q_RING)  # consumers are done with this Q buffer
-                hp.mbarrier_arrive_expect_tx(bars.q_full + uint32(8) * q_slot, Q_BYTES)
-                load_tile(tiles.q + q_slot * uint32(Q_BYTES), maps.q, bars.q_full + uint32(8) * q_slot,
+                q_slot = q_ring.slot(round_q)
+                q_ring.wait_empty(bars.q, round_q)  # consumers are done with this Q buffer
+                q_ring.arm(bars.q, q_slot, Q_BYTES)
+                load_tile(tiles.q + q_ring.offset(q_slot), maps.q, q_ring.full(bars.q, q_slot),
                           block_row0(tile, problem), tile.head, tile.batch, BM)  # rows < 0: zeros
                 for j in range(n_tiles):
-                    s = load % RING
-                    stage = s * uint32(KV_BYTES)
-                    wait_empty(bars.k_empty, load, RING)
-                    hp.mbarrier_arrive_expect_tx(bars.k_full + uint32(8) * s, KV_BYTES)
-                    load_tile(tiles.k + stage, maps.k, bars.k_full + uint32(8) * s, j * BN, tile.kv_head,
+                    s = kv_ring.slot(load)
+                    stage = kv_ring.offset(s)
+                    kv_ring.wait_empty(bars.k, load)
+                    kv_ring.arm(bars.k, s, KV_BYTES)
+                    load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), j * BN, tile.kv_head,
                               tile.batch, BN)
                     if j == 0:
                         wait_o_stored(bars, round_q)
-                    wait_empty(bars.v_empty, load, RING)
-                    hp.mbarrier_arrive_expect_tx(bars.v_full + uint32(8) * s, KV_BYTES)
-                    load_tile(tiles.v + stage, maps.v, bars.v_full + uint32(8) * s, j * BN, tile.kv_head,
+                    kv_ring.wait_empty(bars.v, load)
+                    kv_ring.arm(bars.v, s, KV_BYTES)
+                    load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), j * BN, tile.kv_head,
                               tile.batch, BN)
-                    load += ONE
-                round_q += ONE
+                    load = kv_ring.advance(load, 1)
+                round_q = q_ring.advance(round_q, 1)
 
     # ------------------------------------------------------------------ consumer GEMMs
 
@@ -312,7 +304,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         """Every S GEMM of the tile is done: the producer may load the next Q into this buffer
         (with O staged in Q, store_o releases it instead)."""
         if not O_IN_Q:
-            release(bars.q_empty, work.round_q, Q_RING, seat.lane)
+            q_ring.release(bars.q, work.round_q, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
     def attend_serial(acc, stats, bars, descs, work, seat, at, scale_log2):
@@ -322,59 +314,59 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         kv0 = work.kv0
         for j in range(work.n_own):
             i = kv0 + uint32(j)
-            stage = (i % RING) * uint32(KV_BYTES)
-            wait_full(bars.k_full, i, RING)
+            stage = kv_ring.offset(kv_ring.slot(i))
+            kv_ring.wait_full(bars.k, i)
             issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], stage))
             hp.wgmma_wait_group_0()
             fence_s(acc_s)
-            release(bars.k_empty, i, RING, seat.lane)
+            kv_ring.release(bars.k, i, seat.lane)
             if softmax_scores(acc_s, stats, j * BN, at, scale_log2):
                 rescale_o(acc_o, stats)
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-            wait_full(bars.v_full, i, RING)
+            kv_ring.wait_full(bars.v, i)
             issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], stage))
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
-            release(bars.v_empty, i, RING, seat.lane)
+            kv_ring.release(bars.v, i, seat.lane)
         release_q(bars, work, seat)
         skip_tiles(bars, kv0, work.n_own, work.n_tiles, seat)
 
     @cuda.jit(device=True, forceinline=True)
     def first_s(acc_s, bars, q_desc, descs, i, seat):
         """S = Q K_i alone (a tile's first), waited for at once; K_i's stage is released."""
-        wait_full(bars.k_full, i, RING)
-        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], (i % RING) * uint32(KV_BYTES)))
+        kv_ring.wait_full(bars.k, i)
+        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], kv_ring.offset(kv_ring.slot(i))))
         hp.wgmma_wait_group_0()
         fence_s(acc_s)
-        release(bars.k_empty, i, RING, seat.lane)
+        kv_ring.release(bars.k, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
     def paired_issue(acc, bars, q_desc, descs, i, seat):
         """S = Q K_i and O += P V_{i-1} issued together (a ping-pong turn); returns once S has
         completed (``wgmma.wait_group 1``) and K_i's stage is released: PV may still run."""
         acc_s, acc_o, p_frag = acc
-        wait_full(bars.k_full, i, RING)
-        wait_full(bars.v_full, i - ONE, RING)
+        kv_ring.wait_full(bars.k, i)
+        kv_ring.wait_full(bars.v, i - ONE)
         take_turn(seat)
-        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], (i % RING) * uint32(KV_BYTES)))
-        issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], ((i - ONE) % RING) * uint32(KV_BYTES)))
+        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], kv_ring.offset(kv_ring.slot(i))))
+        issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], kv_ring.offset(kv_ring.slot(i - ONE))))
         pass_turn(seat)
         hp.wgmma_wait_group_1()
         fence_s(acc_s)
-        release(bars.k_empty, i, RING, seat.lane)
+        kv_ring.release(bars.k, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
     def retire_pv(acc_o, bars, i, seat):
         """Wait for the PV in flight (with V_i) and release V_i's stage."""
         hp.wgmma_wait_group_0()
         fence_o(acc_o)
-        release(bars.v_empty, i, RING, seat.lane)
+        kv_ring.release(bars.v, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
     def last_pv(acc, bars, descs, i, seat):
         """O += P V_i alone (a tile's last), waited for at once."""
-        wait_full(bars.v_full, i, RING)
-        issue_pv(acc[1], acc[2], hp.descriptor_add(descs[2], (i % RING) * uint32(KV_BYTES)))
+        kv_ring.wait_full(bars.v, i)
+        issue_pv(acc[1], acc[2], hp.descriptor_add(descs[2], kv_ring.offset(kv_ring.slot(i))))
         retire_pv(acc[1], bars, i, seat)
 
     @cuda.jit(device=True, forceinline=True)
@@ -414,10 +406,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             if j > 0:
                 take_turn(seat)
                 pass_turn(seat)
-            wait_full(bars.k_full, i, RING)
-            release(bars.k_empty, i, RING, seat.lane)
-            wait_full(bars.v_full, i, RING)
-            release(bars.v_empty, i, RING, seat.lane)
+            kv_ring.wait_full(bars.k, i)
+            kv_ring.release(bars.k, i, seat.lane)
+            kv_ring.wait_full(bars.v, i)
+            kv_ring.release(bars.v, i, seat.lane)
 
     # ------------------------------------------------------------------ epilogue
 
@@ -445,7 +437,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         matrix = seat.lane // 8
         r8 = seat.lane % 8
         phase = r8 if RB == 128 else r8 // 2
-        row = seat.wg * 64 + seat.warp * 16 + (matrix % 2) * 8 + r8
+        row = seat.wg * WG_ROWS + seat.warp * 16 + (matrix % 2) * 8 + r8
         for jj in range(D_N_TILES // 2):
             j = 2 * jj
             regs[0] = pack2(acc_o[j, 0], acc_o[j, 1])
@@ -475,9 +467,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         hp.fence_proxy_async_shared_cta()  # stmatrix writes -> visible to the TMA store
         hp.named_barrier_sync(barrier, WARPGROUP)
         if seat.thread == 0:
-            row0 = block_row0(tile, problem) + seat.wg * 64
+            row0 = block_row0(tile, problem) + seat.wg * WG_ROWS
             for c in range(D_CHUNKS):
-                hp.tma_store_4d(maps.o, tile_o + c * BM * RB + seat.wg * 64 * RB, int32(c * BOX),
+                hp.tma_store_4d(maps.o, tile_o + c * BM * RB + seat.wg * WG_ROWS * RB, int32(c * BOX),
                                 int32(tile.head), int32(row0), int32(tile.batch))
             hp.tma_store_commit_group()
             if O_IN_Q or O_IN_V:
@@ -501,17 +493,18 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, forceinline=True)
     def tile_mask(tile, problem, seat):
         """The mask position of this warp's 16 rows of the query block."""
-        row_first = block_row0(tile, problem) + seat.wg * 64 + seat.warp * 16
+        row_first = block_row0(tile, problem) + seat.wg * WG_ROWS + seat.warp * 16
         return ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
 
     @cuda.jit(device=True, forceinline=True)
-    def finish_tile(acc_o, stats, io, tile, at, q_slot, seat, regs):
+    def finish_tile(acc_o, stats, io, tile, at, round_q, seat, regs):
         """The epilogue of a query tile: O normalised and stored, then the LSE."""
         if O_IN_Q:
-            store_o(acc_o, stats, io.tiles.q + q_slot * uint32(Q_BYTES), io.maps, tile, io.problem, seat,
-                    regs, io.bars.q_empty + uint32(8) * q_slot)
+            q_slot = q_ring.slot(round_q)
+            store_o(acc_o, stats, io.tiles.q + q_ring.offset(q_slot), io.maps, tile, io.problem, seat, regs,
+                    q_ring.empty(io.bars.q, q_slot))
         else:
-            store_o(acc_o, stats, io.tiles.o, io.maps, tile, io.problem, seat, regs, io.bars.o_empty)
+            store_o(acc_o, stats, io.tiles.o, io.maps, tile, io.problem, seat, regs, io.bars.o.empty)
         if io.write_lse:
             problem = io.problem
             store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, at.row_first,
@@ -525,15 +518,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         zero_o(acc_o)
         reset_stats(stats)
         at = tile_mask(work.tile, io.problem, seat)
-        wait_full(io.bars.q_full, work.round_q, Q_RING)
-        q_slot = work.round_q % Q_RING
-        tile_descs = (hp.descriptor_add(descs[0], q_slot * uint32(Q_BYTES)), descs[1], descs[2])
+        q_ring.wait_full(io.bars.q, work.round_q)
+        q_at = q_ring.offset(q_ring.slot(work.round_q))
+        tile_descs = (hp.descriptor_add(descs[0], q_at), descs[1], descs[2])
         gemm_acc = (acc[0], acc_o, acc[2])
         if OVERLAP:
             attend_overlapped(gemm_acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
         else:
             attend_serial(gemm_acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
-        finish_tile(acc_o, stats, io, work.tile, at, q_slot, seat, acc[3])
+        finish_tile(acc_o, stats, io, work.tile, at, work.round_q, seat, acc[3])
 
     @cuda.jit(device=True, forceinline=True)
     def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
@@ -547,7 +540,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         acc = (acc_s, acc_o, p_frag, regs)
         # Q rows of this warpgroup (K-major); K stage 0 (K-major); V stage 0 (MN-major:
         # head-dim blocks BN * RB bytes apart).
-        descs = (desc_k_major(tiles.q + seat.wg * 64 * RB), desc_k_major(tiles.k),
+        descs = (desc_k_major(tiles.q + seat.wg * WG_ROWS * RB), desc_k_major(tiles.k),
                  desc_mn_major(tiles.v, BN * RB))
         if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
@@ -560,22 +553,21 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 if not present:
                     continue
                 n_tiles = kv_tiles_of(tile, problem)
-                first_row = block_row0(tile, problem) + seat.wg * 64
+                first_row = block_row0(tile, problem) + seat.wg * WG_ROWS
                 if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
                     n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
                     work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
                     attend_tile(acc, stats, descs, io, work, seat)
                 else:  # every row of this warpgroup lies past seqlen_q
-                    wait_full(bars.q_full, round_q, Q_RING)
+                    q_ring.wait_full(bars.q, round_q)
                     skip_tiles(bars, kv0, 0, n_tiles, seat)
                     if O_IN_Q:
                         if seat.thread == 0:
-                            # as store_o does
-                            hp.mbarrier_arrive(bars.q_empty + uint32(8) * (round_q % Q_RING))
+                            hp.mbarrier_arrive(q_ring.empty(bars.q, q_ring.slot(round_q)))  # as store_o does
                     else:
-                        release(bars.q_empty, round_q, Q_RING, seat.lane)
-                kv0 += uint32(n_tiles)  # after the branch: the ring positions stay uniform
-                round_q += ONE
+                        q_ring.release(bars.q, round_q, seat.lane)
+                kv0 = kv_ring.advance(kv0, n_tiles)  # after the branch: the ring positions stay uniform
+                round_q = q_ring.advance(round_q, 1)
         if PINGPONG and seat.wg == 0:
             hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # the last consumer's last hand-over
         if seat.thread == 0:
@@ -589,13 +581,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
-        q_end = base + QS * Q_BYTES
-        v_ring = q_end + STAGES * KV_BYTES
-        tiles = Tiles(base, q_end, v_ring, v_ring if O_IN_V else v_ring + STAGES * KV_BYTES)
+        tiles = Tiles(base + Q_AT, base + K_AT, base + V_AT, base + O_AT)
         b = ptx.shared_address_u64(bar_words)
-        k0 = b + 16 * QS
-        bars = Barriers(b, b + 8 * QS, k0, k0 + 8 * STAGES, k0 + 16 * STAGES, k0 + 24 * STAGES,
-                        k0 + 32 * STAGES)
+        # (the Q ring's full barriers start the array: b itself keeps its 32-bit type)
+        k_full = b + K_FULL_AT  # (first: the order of these adds reaches the SASS)
+        q = RingBarriers(b, b + Q_EMPTY_AT)
+        k = RingBarriers(k_full, b + K_EMPTY_AT)
+        v = RingBarriers(b + V_FULL_AT, b + V_EMPTY_AT)
+        o_empty = b + O_EMPTY_AT
+        bars = Barriers(q, k, v, RingBarriers(o_empty, o_empty))
         maps = Maps(map_q, map_k, map_v, map_o)
         problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM),
                           row_lead if LEAD_ROWS else int32(0))
@@ -604,14 +598,14 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         q_releases = CONSUMERS if O_IN_Q else consumer_warps
         if tid == 0:
             for s in range(QS):
-                hp.mbarrier_init(bars.q_full + 8 * s, 1)
-                hp.mbarrier_init(bars.q_empty + 8 * s, q_releases)
+                hp.mbarrier_init(q_ring.full(bars.q, s), 1)
+                hp.mbarrier_init(q_ring.empty(bars.q, s), q_releases)
             for s in range(STAGES):
-                hp.mbarrier_init(bars.k_full + 8 * s, 1)
-                hp.mbarrier_init(bars.k_empty + 8 * s, consumer_warps)
-                hp.mbarrier_init(bars.v_full + 8 * s, 1)
-                hp.mbarrier_init(bars.v_empty + 8 * s, consumer_warps)
-            hp.mbarrier_init(bars.o_empty, CONSUMERS)  # each warpgroup's storer (o_in_v)
+                hp.mbarrier_init(kv_ring.full(bars.k, s), 1)
+                hp.mbarrier_init(kv_ring.empty(bars.k, s), consumer_warps)
+                hp.mbarrier_init(kv_ring.full(bars.v, s), 1)
+                hp.mbarrier_init(kv_ring.empty(bars.v, s), consumer_warps)
+            hp.mbarrier_init(bars.o.empty, CONSUMERS)  # each warpgroup's storer (o_in_v)
             hp.fence_mbarrier_init()
             hp.tma_prefetch_descriptor(map_q)
             hp.tma_prefetch_descriptor(map_k)

@@ -9,6 +9,38 @@ its launch shape.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
+WARPGROUP_ROWS = 64  # query rows of one consumer warpgroup of the Hopper kernel (wgmma m64)
+MBARRIER_BYTES = 8  # one mbarrier: a 64-bit shared word
+SMEM_ALIGN = 1024  # the Hopper kernel's tiles start 1024-aligned (swizzle atoms)
+
+
+class SharedLayout(NamedTuple):
+    """Byte offsets of the Hopper kernel's shared tiles from the aligned base: the Q buffers,
+    the K ring, the V ring and the O staging tile (at the V ring with ``o_in_v``; unused with
+    ``o_in_q``), and the end of the last."""
+
+    q: int
+    k: int
+    v: int
+    o: int
+    end: int
+
+
+class BarrierLayout(NamedTuple):
+    """Byte offsets of the Hopper kernel's mbarriers in their 64-bit word array: the full and
+    empty barriers of the Q, K and V rings (one per stage, 8 bytes apart), then O empty;
+    ``words``: the array's length."""
+
+    q_full: int
+    q_empty: int
+    k_full: int
+    k_empty: int
+    v_full: int
+    v_empty: int
+    o_empty: int
+    words: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +145,7 @@ class WsConfig:
 
     @property
     def block_m(self) -> int:
-        return 64 * self.consumers
+        return WARPGROUP_ROWS * self.consumers
 
     @property
     def threads(self) -> int:
@@ -131,7 +163,8 @@ class WsConfig:
         lightest, not the heaviest. Three consumers only (their causal kernels skip the
         warpgroups that hold no row, ``forward_ws.skip_tiles``); the kernel reads it only
         when causal. The block count stays ``ceil(seqlen_q / block_m)``."""
-        return (-seqlen_q % self.block_m) // 64 * 64 if self.consumers == 3 else 0
+        rows = WARPGROUP_ROWS
+        return (-seqlen_q % self.block_m) // rows * rows if self.consumers == 3 else 0
 
     @property
     def row_bytes(self) -> int:
@@ -151,10 +184,31 @@ class WsConfig:
                 "o": 0 if self.o_in_q or self.o_in_v else self.block_m * self.head_dim * 2}
 
     @property
+    def shared_layout(self) -> SharedLayout:
+        """Where the tiles sit (the kernel and ``shared_bytes`` both read this)."""
+        t = self.tile_bytes
+        k = self.q_stages * t["q"]
+        v = k + self.stages * t["kv"]
+        v_end = v + self.stages * t["kv"]
+        o = v if self.o_in_v else v_end
+        return SharedLayout(q=0, k=k, v=v, o=o, end=v_end + t["o"])
+
+    @property
+    def barrier_layout(self) -> BarrierLayout:
+        """Where the mbarriers sit: the Q ring's ``q_stages`` full then empty barriers, the
+        K and V rings' ``stages`` each, then O empty."""
+        q_ring = self.q_stages * MBARRIER_BYTES
+        kv_ring = self.stages * MBARRIER_BYTES
+        k_full = 2 * q_ring
+        o_empty = k_full + 4 * kv_ring
+        return BarrierLayout(q_full=0, q_empty=q_ring, k_full=k_full, k_empty=k_full + kv_ring,
+                             v_full=k_full + 2 * kv_ring, v_empty=k_full + 3 * kv_ring, o_empty=o_empty,
+                             words=o_empty // MBARRIER_BYTES + 1)
+
+    @property
     def shared_bytes(self) -> int:
         """The Q buffers, the K and V rings and the O staging tile, plus 1 KB to align the base."""
-        t = self.tile_bytes
-        return self.q_stages * t["q"] + 2 * self.stages * t["kv"] + t["o"] + 1024
+        return self.shared_layout.end + SMEM_ALIGN
 
     def check(self) -> None:
         if self.head_dim not in (64, 96, 128, 256):
