@@ -97,3 +97,52 @@ def test_first_block_lead_ends_the_blocks_at_seqlen_q(consumers):
         assert -(-(seqlen + lead) // block_m) == m_blocks, (seqlen, lead)
         # the last warpgroup holds the last row
         assert 0 <= m_blocks * block_m - lead - seqlen < 64, (seqlen, lead)
+
+
+def walk_turns(monkeypatch, problem, block_m, block_n, causal, grid):
+    """Every CTA's (TileTurn, kv count returned) list, from ``blocks.make_tile_walk`` run on CPU:
+    its device callees are swapped for their Python bodies, ``cuda`` for the CTA's indices."""
+    import types
+
+    for name in ("work_units", "unit_tile", "visible_kv_tiles", "block_kv_tiles", "block_first_row"):
+        monkeypatch.setattr(blocks, name, getattr(blocks, name).py_func)
+    turns = {}
+
+    def on_tile(cta, turn):
+        turns[cta].append(turn)
+        return int(turn.kv0) + int(turn.n_tiles)  # as both roles do
+
+    walk = blocks.make_tile_walk(on_tile, block_m, block_n, causal).py_func
+    for cta in range(grid):
+        turns[cta] = []
+        monkeypatch.setattr(blocks, "cuda", types.SimpleNamespace(blockIdx=types.SimpleNamespace(x=cta),
+                                                                  gridDim=types.SimpleNamespace(x=grid)))
+        walk(cta, problem)
+    return turns
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k", "lead", "grid"),
+                         [(1000, 1000, 0, 3), (1024, 1024, 128, 5), (300, 900, 0, 7), (900, 300, 64, 2)])
+def test_tile_walk_counts_the_rings_alike(monkeypatch, causal, seqlen_q, seqlen_k, lead, grid):
+    """The walk the producer and the consumers share: each CTA's blocks in order, with the Q ring
+    count (blocks before) and the KV ring count (their KV tiles) that both roles derive their
+    stages and parities from; every query block of the problem comes once over the grid, with
+    the KV tiles it can see."""
+    block_m, block_n, heads_q, group, batch = 192, 128, 4, 2, 2
+    m_blocks = -(-seqlen_q // block_m)
+    problem = blocks.Problem(seqlen_q, seqlen_k, heads_q, group, batch, m_blocks, lead)
+    turns = walk_turns(monkeypatch, problem, block_m, block_n, causal, grid)
+    seen = []
+    for cta_turns in turns.values():
+        kv = 0
+        for q_count, turn in enumerate(cta_turns):
+            assert int(turn.round_q) == q_count and int(turn.kv0) == kv
+            row0 = int(turn.tile.m_block) * block_m - lead
+            last_key = seqlen_k if not causal else min(seqlen_k, row0 + block_m + seqlen_k - seqlen_q)
+            assert int(turn.n_tiles) == max(-(-last_key // block_n), 0)
+            kv += int(turn.n_tiles)
+            seen.append(tuple(int(x) for x in turn.tile))
+    expected = {(mb, h, b, h // group)
+                for mb in range(m_blocks) for h in range(heads_q) for b in range(batch)}
+    assert len(seen) == len(expected) and set(seen) == expected

@@ -2,14 +2,15 @@
 
 A CTA computes one block of query rows of one (batch, head); it reads the KV tiles its rows
 can see (all of them, or, causal, those up to the diagonal) and masks scores only on tiles
-that cross the end of the keys or the diagonal.
+that cross the end of the keys or the diagonal. A persistent CTA (the Hopper kernel) walks a
+list of such blocks instead (``work_units``, ``unit_tile``, ``make_tile_walk``).
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda, int32, int64, uint32
+from numba import cuda, int32, int64, uint32, uint64
 
 from .common import NEG_INF
 
@@ -46,6 +47,13 @@ def query_block(heads_q, group, reverse):
 
 # One query block of the persistent kernel's work list: block, head, batch and the kv head.
 Tile = namedtuple("Tile", ["m_block", "head", "batch", "kv_head"])
+# The sizes of a persistent launch's work: query block m starts at row m * block_m - lead (the
+# first block may start before row 0, whose rows are zeros), and there are m_blocks of them.
+Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks", "lead"])
+# One query block of a persistent CTA's walk and where it sits in the rings that every role counts
+# alike: its first KV ring use (the KV tiles of the CTA's earlier blocks), its Q ring use (the
+# number of earlier blocks) and the KV tiles it reads.
+TileTurn = namedtuple("TileTurn", ["tile", "kv0", "round_q", "n_tiles"])
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -123,3 +131,46 @@ def mask_if_needed(s, n_tiles, col0, block_n, at, causal):
     only where the tile crosses the end of the keys or (causal) the diagonal."""
     if col0 + block_n > at.seqlen_k or (causal and col0 + block_n - 1 > at.row_first + at.diag):
         mask_scores(s, n_tiles, col0, at.row_first, at.lane, at.seqlen_k, at.diag, causal)
+
+
+@cuda.jit(device=True, forceinline=True)
+def block_first_row(tile, problem, block_m):
+    """The first row of ``tile``'s query block (negative for the first block when it leads row 0)."""
+    return int32(tile.m_block * block_m) - problem.lead
+
+
+@cuda.jit(device=True, forceinline=True)
+def block_kv_tiles(tile, problem, block_m, block_n, causal):
+    """KV tiles ``tile``'s query block reads (0 when causal hides every key from it)."""
+    diag = problem.seqlen_k - problem.seqlen_q
+    n = visible_kv_tiles(block_first_row(tile, problem, block_m), block_m, block_n, problem.seqlen_k, diag,
+                         causal)
+    return max(n, 0)
+
+
+def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool):
+    """A device function ``walk(ctx, problem)``: this CTA of a persistent grid takes work units
+    blockIdx.x, + gridDim.x, ... (``work_units``) and calls ``kv = on_tile(ctx, turn)`` for each
+    query block of each, in order, with its ``TileTurn``; ``ctx`` is whatever ``on_tile`` needs.
+    The producer and the consumers of a CTA walk the same list, so they count the Q ring alike;
+    ``on_tile`` returns the KV ring count after the block, ``turn.kv0 + turn.n_tiles`` (the
+    producer counts its loads one by one, a consumer adds the block's tiles)."""
+    tiles_per_unit = 2 if causal else 1  # query blocks per work unit
+
+    @cuda.jit(device=True, forceinline=True)
+    def walk(ctx, problem):
+        # Numba widens uint32 sums to 64 bits: the counts are uint64 from the start, so that a
+        # TileTurn has one type (the rings cut them back to 32 bits).
+        kv = uint64(0)  # KV tiles of the blocks before: the KV ring position
+        round_q = uint64(0)  # blocks before: the Q ring position
+        m_blocks, heads_q = problem.m_blocks, problem.heads_q
+        for u in range(cuda.blockIdx.x, work_units(m_blocks, heads_q, problem.batch, causal), cuda.gridDim.x):
+            for h in range(tiles_per_unit):
+                tile, present = unit_tile(u, h, m_blocks, heads_q, problem.group, causal, cuda.gridDim.x)
+                if not present:
+                    continue
+                n_tiles = block_kv_tiles(tile, problem, block_m, block_n, causal)
+                kv = on_tile(ctx, TileTurn(tile, kv, round_q, n_tiles))
+                round_q += uint32(1)
+
+    return walk

@@ -50,6 +50,12 @@ Those causal kernels also end the query blocks at seqlen_q: the first block star
 TMA zero-fills and whose warpgroups skip, so a ragged block is the lightest of a head.
 Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
 caller's strides, so GQA is a kv-head coordinate and strided inputs cost nothing.
+
+The factory builds the kernel from named pieces, each a factory returning its steps as a
+named tuple (as ``wgmma_gemms.make_attention_gemms`` does): the rings (``ring.make_ring``), the
+tile walk every role shares (``blocks.make_tile_walk``), the producer (``make_producer``), the
+consumers' steps (``make_consumer_steps``: GEMM issue and the softmax), the epilogue
+(``make_epilogue``) and the consumer's tile loop (``make_consumer``).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ from numba import cuda, float32, int32, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
-from .blocks import ScoreMask, mask_if_needed, unit_tile, visible_kv_tiles, work_units
+from .blocks import Problem, ScoreMask, block_first_row, make_tile_walk, mask_if_needed, visible_kv_tiles
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
 from .ring import RingBarriers, make_ring
@@ -81,8 +87,6 @@ WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
 
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and o.
 Maps = namedtuple("Maps", ["q", "k", "v", "o"])
-# Problem sizes every role needs; query block m starts at row m * block_m - lead.
-Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks", "lead"])
 # mbarriers of the Q, K and V rings (``ring.RingBarriers``), and of the O staging tile in the V
 # ring (o_in_v): a one-stage ring with no full barrier (the consumers fill it themselves), whose
 # empty barrier completes once a tile, when the TMA stores have read O (both fields name it).
@@ -92,6 +96,12 @@ Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
 # Per-warp online-softmax state: running row maxes (scaled, log2), this lane's part of the
 # row sums, a tile's row maxes, and the O rescale factors of the last max change.
 RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx", "alpha"])
+# A consumer warp's register arrays: the S accumulator, the O accumulator, P as 16-bit A
+# fragments of the PV wgmma, and 4 words to stage stmatrix operands.
+Accumulators = namedtuple("Accumulators", ["s", "o", "p", "regs"])
+# wgmma descriptors: this warpgroup's Q rows (K-major), K stage 0 (K-major) and V stage 0
+# (MN-major: head-dim blocks block_n * row_bytes bytes apart); a tile's Q buffer is added to q.
+Descriptors = namedtuple("Descriptors", ["q", "k", "v"])
 # What a consumer reads and writes besides its registers, and the softmax scale.
 Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2"])
 # One query tile in a consumer's hands: the tile, its first ring positions (KV, Q), the KV tiles
@@ -99,103 +109,44 @@ Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "
 TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles", "n_own"])
 # Where a consumer warp sits: consumer warpgroup (0 .. consumers - 1), warp in it, lane, thread in it.
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
+# A consumer warp's whole state, as its tile walk hands it from tile to tile.
+ConsumerState = namedtuple("ConsumerState", ["acc", "stats", "descs", "io", "seat"])
+# What the producer thread reads and writes.
+ProducerState = namedtuple("ProducerState", ["maps", "bars", "tiles", "problem"])
+
+# The rings of one kernel (``ring.RingSteps`` each): Q buffers, the K and V stages (two rings
+# in step: one count, one set of steps), and the O tile staged in the V ring (o_in_v).
+Rings = namedtuple("Rings", ["q", "kv", "o"])
+# The pieces' steps (each factory below returns one of these).
+Producer = namedtuple("Producer", ["produce"])
+ConsumerSteps = namedtuple("ConsumerSteps", ["attend_serial", "attend_overlapped", "skip_tiles", "release_q"])
+Epilogue = namedtuple("Epilogue", ["finish_tile"])
+Consumer = namedtuple("Consumer", ["consume"])
 
 # Named barrier ids (0 is syncthreads): TURN_BARRIER + w is consumer w's ping-pong turn; the
-# epilogue barriers of the consumer warpgroups follow them (EPILOGUE_BARRIER in the factory).
+# epilogue barriers of the consumer warpgroups follow them (epilogue_barrier).
 TURN_BARRIER = 1
-WARPGROUP = 128
+WARPGROUP = 128  # threads
+WG_ROWS = WARPGROUP_ROWS  # query rows of a consumer warpgroup
+ONE = uint32(1)
 
 
-def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
-    """Return the Python kernel function for ``config`` (jit it with ``WS_ARGTYPES`` and
-    ``launch_bounds=(config.threads, 1)``; grid: persistent, at most one CTA per SM)."""
-    config.check()
-    D = config.head_dim
-    BN = config.block_n
-    BM = config.block_m
-    STAGES = config.stages
-    CONSUMERS = config.consumers
-    CONSUMER_THREADS = CONSUMERS * WARPGROUP
-    D_N_TILES = D // 8  # 8-column tiles of the O accumulator
+def epilogue_barrier(config: WsConfig) -> int:
+    """The first epilogue named barrier (+ consumer warpgroup), after the turn barriers."""
+    return TURN_BARRIER + config.consumers
+
+
+def make_rings(config: WsConfig) -> Rings:
+    t = config.tile_bytes
+    return Rings(make_ring(config.q_stages, t["q"]), make_ring(config.stages, t["kv"]), make_ring(1))
+
+
+def make_tile_loads(config: WsConfig):
+    """``load_tile(dst, tmap, bar, row0, head, batch, rows)``: TMA the rows row0 .. row0 + rows
+    of one (batch, head) into a swizzled tile, one box per column block."""
     RB = config.row_bytes  # bytes per row of one swizzle block (128 or 64)
     BOX = config.box_cols  # head-dim columns of one block (64 or 32)
-    D_CHUNKS = D // BOX  # blocks of a tile: one TMA box each
-    CHUNKS_PER_ROW = RB // 16  # 16-byte chunks in a block row (8 or 4)
-    S_N_TILES = BN // 8
-    P_K_STEPS = BN // 16
-    Q_BYTES = config.tile_bytes["q"]
-    KV_BYTES = config.tile_bytes["kv"]
-    ONE = uint32(1)
-    QS = config.q_stages
-    WG_ROWS = WARPGROUP_ROWS
-    # Byte offsets of the tiles from the aligned base, and of the mbarriers in their word array
-    # (plain ints: constants in the kernel).
-    Q_AT, K_AT, V_AT, O_AT, _ = config.shared_layout
-    Q_FULL_AT, Q_EMPTY_AT, K_FULL_AT, K_EMPTY_AT, V_FULL_AT, V_EMPTY_AT, O_EMPTY_AT, BARRIER_WORDS = (
-        config.barrier_layout)
-    assert Q_FULL_AT == 0 and Q_AT == 0
-    q_ring = make_ring(QS, Q_BYTES)
-    kv_ring = make_ring(STAGES, KV_BYTES)  # K and V: one ring each, used in step
-    o_ring = make_ring(1)  # O staged in the V ring (o_in_v): stored once a tile
-    CAUSAL = causal
-    TILES_PER_UNIT = 2 if causal else 1  # query blocks per work unit (blocks.work_units)
-    BF16 = bf16
-    O_IN_Q = config.o_in_q
-    O_IN_V = config.o_in_v
-    OVERLAP = config.overlap
-    PINGPONG = config.pingpong
-    EPILOGUE_BARRIER = TURN_BARRIER + CONSUMERS  # + consumer warpgroup: after the turn barriers
-    V_READ_BARRIER = EPILOGUE_BARRIER + CONSUMERS  # o_in_v: every consumer is done reading V
-    # A consumer warpgroup whose 64 rows all lie past seqlen_q skips the tile (skip_tiles)
-    # with 192-row tiles, where 1024 rows fill 5 1/3 blocks; with 2 consumers the branch cost
-    # the 240-register causal kernels spills and their uniform-register schedule arithmetic.
-    SKIP_IDLE = CONSUMERS == 3
-    # Causal, 192-row tiles: a warpgroup skips the block's KV tiles past its own rows' diagonal
-    # (its first 64 rows never see the last 128 keys of the block's range: 1 tile in 10 at 1k).
-    SKIP_MASKED = CAUSAL and CONSUMERS == 3
-    # Causal, 192-row tiles: the blocks end at seqlen_q (the first starts up to 128 rows before
-    # row 0), so a ragged block is the first, which sees the fewest keys, not the last and
-    # heaviest, where its lone warpgroup would run the block's every tile while the others wait.
-    LEAD_ROWS = SKIP_MASKED
-    lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
-    raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
-    dtype = "bf16" if bf16 else "f16"
-    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(D, BM, BN, bf16, RB)
-    # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
-    desc_k_major = hp.smem_descriptor_k_sw128 if RB == 128 else hp.smem_descriptor_k_sw64
-    desc_mn_major = hp.smem_descriptor_mn_sw128 if RB == 128 else hp.smem_descriptor_mn_sw64
-
-    # ------------------------------------------------------------------ scheduling
-
-    @cuda.jit(device=True, forceinline=True)
-    def units_of(problem):
-        return work_units(problem.m_blocks, problem.heads_q, problem.batch, CAUSAL)
-
-    @cuda.jit(device=True, forceinline=True)
-    def tile_of(u, h, problem):
-        return unit_tile(u, h, problem.m_blocks, problem.heads_q, problem.group, CAUSAL, cuda.gridDim.x)
-
-    @cuda.jit(device=True, forceinline=True)
-    def block_row0(tile, problem):
-        """The query block's first row (negative for the first block when it leads row 0)."""
-        return int32(tile.m_block * BM) - problem.lead
-
-    @cuda.jit(device=True, forceinline=True)
-    def kv_tiles_of(tile, problem):
-        """KV tiles the query block reads (0 when causal hides every key from it)."""
-        diag = problem.seqlen_k - problem.seqlen_q
-        n = visible_kv_tiles(block_row0(tile, problem), BM, BN, problem.seqlen_k, diag, CAUSAL)
-        return max(n, 0)
-
-    @cuda.jit(device=True, forceinline=True)
-    def own_kv_tiles(first_row, n_tiles, problem):
-        """The first KV tiles of the block that this warpgroup's rows from ``first_row`` can
-        see (causal); the block's later tiles lie wholly past their diagonal."""
-        diag = problem.seqlen_k - problem.seqlen_q
-        n = visible_kv_tiles(int32(first_row), WG_ROWS, BN, problem.seqlen_k, diag, CAUSAL)
-        return min(max(n, 0), n_tiles)
-
-    # ------------------------------------------------------------------ pipeline stages
+    D_CHUNKS = config.head_dim // BOX  # blocks of a tile: one TMA box each
 
     @cuda.jit(device=True, forceinline=True)
     def load_tile(dst, tmap, bar, row0, head, batch, rows):
@@ -205,7 +156,19 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             hp.tma_load_4d(dst + c * rows * RB, tmap, bar, int32(c * BOX), int32(head), int32(row0),
                            int32(batch))
 
-    # ------------------------------------------------------------------ producer
+    return load_tile
+
+
+# ---------------------------------------------------------------------------------- producer
+
+def make_producer(config: WsConfig, causal: bool, rings: Rings) -> Producer:
+    """The producer thread: for each tile of the walk, its Q, then K_j and V_j of each of its KV
+    tiles, each into the next stage of its ring once the consumers have released it."""
+    BM, BN = config.block_m, config.block_n
+    Q_BYTES, KV_BYTES = config.tile_bytes["q"], config.tile_bytes["kv"]
+    O_IN_V = config.o_in_v
+    q_ring, kv_ring, o_ring = rings
+    load_tile = make_tile_loads(config)
 
     @cuda.jit(device=True, forceinline=True)
     def wait_o_stored(bars, round_q):
@@ -217,40 +180,60 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             o_ring.wait_empty(bars.o, round_q)
 
     @cuda.jit(device=True, forceinline=True)
-    def produce(maps, bars, tiles, problem):
-        """One thread: Q of each tile, then K_j and V_j of each of its KV tiles."""
-        load = uint32(0)  # KV loads issued so far (all tiles): the ring position
-        round_q = uint32(0)
-        for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
-            for h in range(TILES_PER_UNIT):
-                tile, present = tile_of(u, h, problem)
-                if not present:
-                    continue
-                n_tiles = kv_tiles_of(tile, problem)
-                if n_tiles == 0:
-                    wait_o_stored(bars, round_q)
-                q_slot = q_ring.slot(round_q)
-                q_ring.wait_empty(bars.q, round_q)  # consumers are done with this Q buffer
-                q_ring.arm(bars.q, q_slot, Q_BYTES)
-                load_tile(tiles.q + q_ring.offset(q_slot), maps.q, q_ring.full(bars.q, q_slot),
-                          block_row0(tile, problem), tile.head, tile.batch, BM)  # rows < 0: zeros
-                for j in range(n_tiles):
-                    s = kv_ring.slot(load)
-                    stage = kv_ring.offset(s)
-                    kv_ring.wait_empty(bars.k, load)
-                    kv_ring.arm(bars.k, s, KV_BYTES)
-                    load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), j * BN, tile.kv_head,
-                              tile.batch, BN)
-                    if j == 0:
-                        wait_o_stored(bars, round_q)
-                    kv_ring.wait_empty(bars.v, load)
-                    kv_ring.arm(bars.v, s, KV_BYTES)
-                    load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), j * BN, tile.kv_head,
-                              tile.batch, BN)
-                    load = kv_ring.advance(load, 1)
-                round_q = q_ring.advance(round_q, 1)
+    def produce_tile(state, turn):
+        """Q of one tile, then K_j and V_j of each of its KV tiles; returns the KV ring count
+        after them."""
+        maps, bars, tiles, problem = state
+        tile, n_tiles, round_q = turn.tile, turn.n_tiles, turn.round_q
+        if n_tiles == 0:
+            wait_o_stored(bars, round_q)
+        q_slot = q_ring.slot(round_q)
+        q_ring.wait_empty(bars.q, round_q)  # consumers are done with this Q buffer
+        q_ring.arm(bars.q, q_slot, Q_BYTES)
+        load_tile(tiles.q + q_ring.offset(q_slot), maps.q, q_ring.full(bars.q, q_slot),
+                  block_first_row(tile, problem, BM), tile.head, tile.batch, BM)  # rows < 0: zeros
+        load = turn.kv0  # KV loads issued so far (all tiles): the ring position
+        for j in range(n_tiles):
+            s = kv_ring.slot(load)
+            stage = kv_ring.offset(s)
+            kv_ring.wait_empty(bars.k, load)
+            kv_ring.arm(bars.k, s, KV_BYTES)
+            load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), j * BN, tile.kv_head, tile.batch, BN)
+            if j == 0:
+                wait_o_stored(bars, round_q)
+            kv_ring.wait_empty(bars.v, load)
+            kv_ring.arm(bars.v, s, KV_BYTES)
+            load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), j * BN, tile.kv_head, tile.batch, BN)
+            load = kv_ring.advance(load, 1)
+        return load
 
-    # ------------------------------------------------------------------ consumer GEMMs
+    walk = make_tile_walk(produce_tile, BM, BN, causal)
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce(state):
+        """One thread: every tile of this CTA."""
+        walk(state, state.problem)
+
+    return Producer(produce)
+
+
+# ---------------------------------------------------------------------------------- consumer steps
+
+def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> ConsumerSteps:
+    """A consumer warpgroup's KV loop over one query tile, serial or overlapped (``config.overlap``),
+    with the ping-pong turns, the online softmax and the ring releases; and its pass over the
+    KV tiles it skips."""
+    BN = config.block_n
+    D_N_TILES = config.head_dim // 8  # 8-column tiles of the O accumulator
+    S_N_TILES = BN // 8
+    P_K_STEPS = BN // 16
+    CONSUMERS = config.consumers
+    CAUSAL, BF16 = causal, bf16
+    O_IN_Q = config.o_in_q
+    PINGPONG = config.pingpong
+    q_ring, kv_ring, _ = rings
+    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(config.head_dim, config.block_m, BN, bf16,
+                                                               config.row_bytes)
 
     @cuda.jit(device=True, forceinline=True)
     def take_turn(seat):
@@ -297,26 +280,26 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2)
         return grew
 
-    # ------------------------------------------------------------------ consumer main loops
+    # ------------------------------------------------------------------ KV loops
 
     @cuda.jit(device=True, forceinline=True)
     def release_q(bars, work, seat):
         """Every S GEMM of the tile is done: the producer may load the next Q into this buffer
-        (with O staged in Q, store_o releases it instead)."""
+        (with O staged in Q, the epilogue releases it instead)."""
         if not O_IN_Q:
             q_ring.release(bars.q, work.round_q, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
     def attend_serial(acc, stats, bars, descs, work, seat, at, scale_log2):
         """One KV tile at a time: S, softmax, PV, each GEMM waited for before the next step.
-        ``acc``: (acc_s, acc_o, p_frag); ``descs``: descriptors of Q, K stage 0, V stage 0."""
-        acc_s, acc_o, p_frag = acc
+        ``descs``: descriptors of the tile's Q, K stage 0, V stage 0."""
+        acc_s, acc_o, p_frag = acc.s, acc.o, acc.p
         kv0 = work.kv0
         for j in range(work.n_own):
             i = kv0 + uint32(j)
             stage = kv_ring.offset(kv_ring.slot(i))
             kv_ring.wait_full(bars.k, i)
-            issue_s(acc_s, descs[0], hp.descriptor_add(descs[1], stage))
+            issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, stage))
             hp.wgmma_wait_group_0()
             fence_s(acc_s)
             kv_ring.release(bars.k, i, seat.lane)
@@ -324,7 +307,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 rescale_o(acc_o, stats)
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             kv_ring.wait_full(bars.v, i)
-            issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], stage))
+            issue_pv(acc_o, p_frag, hp.descriptor_add(descs.v, stage))
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
             kv_ring.release(bars.v, i, seat.lane)
@@ -332,24 +315,24 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         skip_tiles(bars, kv0, work.n_own, work.n_tiles, seat)
 
     @cuda.jit(device=True, forceinline=True)
-    def first_s(acc_s, bars, q_desc, descs, i, seat):
+    def first_s(acc_s, bars, descs, i, seat):
         """S = Q K_i alone (a tile's first), waited for at once; K_i's stage is released."""
         kv_ring.wait_full(bars.k, i)
-        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], kv_ring.offset(kv_ring.slot(i))))
+        issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i))))
         hp.wgmma_wait_group_0()
         fence_s(acc_s)
         kv_ring.release(bars.k, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
-    def paired_issue(acc, bars, q_desc, descs, i, seat):
+    def paired_issue(acc, bars, descs, i, seat):
         """S = Q K_i and O += P V_{i-1} issued together (a ping-pong turn); returns once S has
         completed (``wgmma.wait_group 1``) and K_i's stage is released: PV may still run."""
-        acc_s, acc_o, p_frag = acc
+        acc_s = acc.s
         kv_ring.wait_full(bars.k, i)
         kv_ring.wait_full(bars.v, i - ONE)
         take_turn(seat)
-        issue_s(acc_s, q_desc, hp.descriptor_add(descs[1], kv_ring.offset(kv_ring.slot(i))))
-        issue_pv(acc_o, p_frag, hp.descriptor_add(descs[2], kv_ring.offset(kv_ring.slot(i - ONE))))
+        issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i))))
+        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i - ONE))))
         pass_turn(seat)
         hp.wgmma_wait_group_1()
         fence_s(acc_s)
@@ -366,8 +349,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     def last_pv(acc, bars, descs, i, seat):
         """O += P V_i alone (a tile's last), waited for at once."""
         kv_ring.wait_full(bars.v, i)
-        issue_pv(acc[1], acc[2], hp.descriptor_add(descs[2], kv_ring.offset(kv_ring.slot(i))))
-        retire_pv(acc[1], bars, i, seat)
+        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i))))
+        retire_pv(acc.o, bars, i, seat)
 
     @cuda.jit(device=True, forceinline=True)
     def attend_overlapped(acc, stats, bars, descs, work, seat, at, scale_log2):
@@ -375,15 +358,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
         these paired issues take turns (the first S and the last PV of a tile do not). Q is
         released before the last PV; the tiles past ``n_own`` are skipped once it has completed."""
-        acc_s, acc_o, p_frag = acc
+        acc_s, acc_o, p_frag = acc.s, acc.o, acc.p
         kv0, n_tiles = work.kv0, work.n_own
         if n_tiles > 0:
-            first_s(acc_s, bars, descs[0], descs, kv0, seat)
+            first_s(acc_s, bars, descs, kv0, seat)
             softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             for j in range(1, n_tiles):
                 i = kv0 + uint32(j)
-                paired_issue(acc, bars, descs[0], descs, i, seat)
+                paired_issue(acc, bars, descs, i, seat)
                 grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
                 retire_pv(acc_o, bars, i - ONE, seat)
                 if grew:
@@ -411,7 +394,26 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             kv_ring.wait_full(bars.v, i)
             kv_ring.release(bars.v, i, seat.lane)
 
-    # ------------------------------------------------------------------ epilogue
+    return ConsumerSteps(attend_serial, attend_overlapped, skip_tiles, release_q)
+
+
+# ---------------------------------------------------------------------------------- epilogue
+
+def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
+    """A consumer warpgroup's end of a query tile: O normalised, staged in shared memory by
+    stmatrix and stored by TMA (in its own tile, the Q buffer or the V ring), then the LSE."""
+    D, BM = config.head_dim, config.block_m
+    D_N_TILES = D // 8  # 8-column tiles of the O accumulator
+    RB = config.row_bytes
+    BOX = config.box_cols
+    D_CHUNKS = D // BOX
+    CHUNKS_PER_ROW = RB // 16  # 16-byte chunks in a block row (8 or 4)
+    CONSUMER_THREADS = config.consumers * WARPGROUP
+    EPILOGUE_BARRIER = epilogue_barrier(config)
+    V_READ_BARRIER = EPILOGUE_BARRIER + config.consumers  # o_in_v: every consumer is done reading V
+    BF16 = bf16
+    O_IN_Q, O_IN_V = config.o_in_q, config.o_in_v
+    q_ring = rings.q
 
     @cuda.jit(device=True, forceinline=True)
     def normalise_o(acc_o, stats):
@@ -451,7 +453,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, forceinline=True)
     def store_o(acc_o, stats, tile_o, maps, tile, problem, seat, regs, o_read):
-        """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's 64 rows;
+        """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's rows;
         the map clips rows past seqlen_q). With O staged in the Q buffer or the V ring, the
         storer arrives on ``o_read`` (the Q buffer's empty barrier, or O empty) once the store
         has read the tile."""
@@ -467,7 +469,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         hp.fence_proxy_async_shared_cta()  # stmatrix writes -> visible to the TMA store
         hp.named_barrier_sync(barrier, WARPGROUP)
         if seat.thread == 0:
-            row0 = block_row0(tile, problem) + seat.wg * WG_ROWS
+            row0 = block_first_row(tile, problem, BM) + seat.wg * WG_ROWS
             for c in range(D_CHUNKS):
                 hp.tma_store_4d(maps.o, tile_o + c * BM * RB + seat.wg * WG_ROWS * RB, int32(c * BOX),
                                 int32(tile.head), int32(row0), int32(tile.batch))
@@ -476,7 +478,61 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 hp.tma_store_wait_group_read_0()  # the next Q (V) may land here now
                 hp.mbarrier_arrive(o_read)  # one arrival per consumer warpgroup
 
-    # ------------------------------------------------------------------ consumer
+    @cuda.jit(device=True, forceinline=True)
+    def finish_tile(acc_o, stats, io, tile, at, round_q, seat, regs):
+        """The epilogue of a query tile: O normalised and stored, then the LSE."""
+        if O_IN_Q:
+            q_slot = q_ring.slot(round_q)
+            store_o(acc_o, stats, io.tiles.q + q_ring.offset(q_slot), io.maps, tile, io.problem, seat, regs,
+                    q_ring.empty(io.bars.q, q_slot))
+        else:
+            store_o(acc_o, stats, io.tiles.o, io.maps, tile, io.problem, seat, regs, io.bars.o.empty)
+        if io.write_lse:
+            problem = io.problem
+            store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, at.row_first,
+                      problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
+
+    return Epilogue(finish_tile)
+
+
+# ---------------------------------------------------------------------------------- consumer
+
+def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> Consumer:
+    """A consumer warp: for each tile of the walk, its warpgroup's 64 rows (S, softmax and PV over
+    the KV tiles they see, then the epilogue), or a pass over the tile that keeps the rings and
+    turns in step."""
+    D, BM, BN = config.head_dim, config.block_m, config.block_n
+    D_N_TILES = D // 8
+    S_N_TILES = BN // 8
+    P_K_STEPS = BN // 16
+    RB = config.row_bytes
+    CONSUMERS = config.consumers
+    CAUSAL = causal
+    O_IN_Q = config.o_in_q
+    OVERLAP = config.overlap
+    PINGPONG = config.pingpong
+    # A consumer warpgroup whose 64 rows all lie past seqlen_q skips the tile (skip_tiles)
+    # with 192-row tiles, where 1024 rows fill 5 1/3 blocks; with 2 consumers the branch cost
+    # the 240-register causal kernels spills and their uniform-register schedule arithmetic.
+    SKIP_IDLE = CONSUMERS == 3
+    # Causal, 192-row tiles: a warpgroup skips the block's KV tiles past its own rows' diagonal
+    # (its first 64 rows never see the last 128 keys of the block's range: 1 tile in 10 at 1k).
+    SKIP_MASKED = CAUSAL and CONSUMERS == 3
+    LEAD_ROWS = SKIP_MASKED  # the first block may start before row 0 (WsConfig.first_block_lead)
+    q_ring, kv_ring, _ = rings
+    steps = make_consumer_steps(config, causal, bf16, rings)
+    epilogue = make_epilogue(config, bf16, rings)
+    # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
+    desc_k_major = hp.smem_descriptor_k_sw128 if RB == 128 else hp.smem_descriptor_k_sw64
+    desc_mn_major = hp.smem_descriptor_mn_sw128 if RB == 128 else hp.smem_descriptor_mn_sw64
+
+    @cuda.jit(device=True, forceinline=True)
+    def own_kv_tiles(first_row, n_tiles, problem):
+        """The first KV tiles of the block that this warpgroup's rows from ``first_row`` can
+        see (causal); the block's later tiles lie wholly past their diagonal."""
+        diag = problem.seqlen_k - problem.seqlen_q
+        n = visible_kv_tiles(int32(first_row), WG_ROWS, BN, problem.seqlen_k, diag, CAUSAL)
+        return min(max(n, 0), n_tiles)
 
     @cuda.jit(device=True, forceinline=True)
     def zero_o(acc_o):
@@ -493,87 +549,102 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, forceinline=True)
     def tile_mask(tile, problem, seat):
         """The mask position of this warp's 16 rows of the query block."""
-        row_first = block_row0(tile, problem) + seat.wg * WG_ROWS + seat.warp * 16
+        row_first = block_first_row(tile, problem, BM) + seat.wg * WG_ROWS + seat.warp * 16
         return ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
-
-    @cuda.jit(device=True, forceinline=True)
-    def finish_tile(acc_o, stats, io, tile, at, round_q, seat, regs):
-        """The epilogue of a query tile: O normalised and stored, then the LSE."""
-        if O_IN_Q:
-            q_slot = q_ring.slot(round_q)
-            store_o(acc_o, stats, io.tiles.q + q_ring.offset(q_slot), io.maps, tile, io.problem, seat, regs,
-                    q_ring.empty(io.bars.q, q_slot))
-        else:
-            store_o(acc_o, stats, io.tiles.o, io.maps, tile, io.problem, seat, regs, io.bars.o.empty)
-        if io.write_lse:
-            problem = io.problem
-            store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, at.row_first,
-                      problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
     def attend_tile(acc, stats, descs, io, work, seat):
         """One query tile for this warpgroup: S, softmax and PV over its KV tiles, then the
         epilogue (O, LSE) and the Q buffer's release."""
-        acc_o = acc[1]
-        zero_o(acc_o)
+        zero_o(acc.o)
         reset_stats(stats)
         at = tile_mask(work.tile, io.problem, seat)
         q_ring.wait_full(io.bars.q, work.round_q)
         q_at = q_ring.offset(q_ring.slot(work.round_q))
-        tile_descs = (hp.descriptor_add(descs[0], q_at), descs[1], descs[2])
-        gemm_acc = (acc[0], acc_o, acc[2])
+        tile_descs = Descriptors(hp.descriptor_add(descs.q, q_at), descs.k, descs.v)
         if OVERLAP:
-            attend_overlapped(gemm_acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
+            steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
         else:
-            attend_serial(gemm_acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
-        finish_tile(acc_o, stats, io, work.tile, at, work.round_q, seat, acc[3])
+            steps.attend_serial(acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
+        epilogue.finish_tile(acc.o, stats, io, work.tile, at, work.round_q, seat, acc.regs)
 
     @cuda.jit(device=True, forceinline=True)
-    def consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse):
+    def pass_over_tile(bars, turn, seat):
+        """A tile none of this warpgroup's rows lie in (past seqlen_q): its Q and KV stages are
+        waited for and released, as attend_tile would, with no GEMM."""
+        q_ring.wait_full(bars.q, turn.round_q)
+        steps.skip_tiles(bars, turn.kv0, 0, turn.n_tiles, seat)
+        if O_IN_Q:
+            if seat.thread == 0:
+                hp.mbarrier_arrive(q_ring.empty(bars.q, q_ring.slot(turn.round_q)))  # as store_o does
+        else:
+            q_ring.release(bars.q, turn.round_q, seat.lane)
+
+    @cuda.jit(device=True, forceinline=True)
+    def consume_tile(state, turn):
+        """One tile of the walk for this warp; returns the KV ring count after it."""
+        seat, problem = state.seat, state.io.problem
+        first_row = block_first_row(turn.tile, problem, BM) + seat.wg * WG_ROWS
+        if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
+            n_own = own_kv_tiles(first_row, turn.n_tiles, problem) if SKIP_MASKED else turn.n_tiles
+            work = TileWork(turn.tile, uint32(turn.kv0), uint32(turn.round_q), turn.n_tiles, n_own)
+            attend_tile(state.acc, state.stats, state.descs, state.io, work, seat)
+        else:  # every row of this warpgroup lies past seqlen_q
+            pass_over_tile(state.io.bars, turn, seat)
+        return kv_ring.advance(turn.kv0, turn.n_tiles)  # after the branch: the ring positions stay uniform
+
+    walk = make_tile_walk(consume_tile, BM, BN, causal)
+
+    @cuda.jit(device=True, forceinline=True)
+    def consume(io, seat):
         """Every tile of this CTA: S, softmax and PV over its KV tiles, then the epilogue."""
         acc_o = cuda.local.array((D_N_TILES, 4), float32)
         acc_s = cuda.local.array((S_N_TILES, 4), float32)
         p_frag = cuda.local.array((P_K_STEPS, 4), uint32)
-        regs = cuda.local.array(4, uint32)
+        acc = Accumulators(acc_s, acc_o, p_frag, cuda.local.array(4, uint32))
         stats = RowStats(cuda.local.array(2, float32), cuda.local.array(2, float32),
                          cuda.local.array(2, float32), cuda.local.array(2, float32))
-        acc = (acc_s, acc_o, p_frag, regs)
-        # Q rows of this warpgroup (K-major); K stage 0 (K-major); V stage 0 (MN-major:
-        # head-dim blocks BN * RB bytes apart).
-        descs = (desc_k_major(tiles.q + seat.wg * WG_ROWS * RB), desc_k_major(tiles.k),
-                 desc_mn_major(tiles.v, BN * RB))
+        tiles = io.tiles
+        descs = Descriptors(desc_k_major(tiles.q + seat.wg * WG_ROWS * RB), desc_k_major(tiles.k),
+                            desc_mn_major(tiles.v, BN * RB))
         if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
-        io = Io(maps, bars, tiles, problem, lse, write_lse, scale_log2)
-        kv0 = uint32(0)  # KV tiles consumed so far (all tiles): the ring position
-        round_q = uint32(0)
-        for u in range(cuda.blockIdx.x, units_of(problem), cuda.gridDim.x):
-            for h in range(TILES_PER_UNIT):
-                tile, present = tile_of(u, h, problem)
-                if not present:
-                    continue
-                n_tiles = kv_tiles_of(tile, problem)
-                first_row = block_row0(tile, problem) + seat.wg * WG_ROWS
-                if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
-                    n_own = own_kv_tiles(first_row, n_tiles, problem) if SKIP_MASKED else n_tiles
-                    work = TileWork(tile, uint32(kv0), uint32(round_q), n_tiles, n_own)
-                    attend_tile(acc, stats, descs, io, work, seat)
-                else:  # every row of this warpgroup lies past seqlen_q
-                    q_ring.wait_full(bars.q, round_q)
-                    skip_tiles(bars, kv0, 0, n_tiles, seat)
-                    if O_IN_Q:
-                        if seat.thread == 0:
-                            hp.mbarrier_arrive(q_ring.empty(bars.q, q_ring.slot(round_q)))  # as store_o does
-                    else:
-                        q_ring.release(bars.q, round_q, seat.lane)
-                kv0 = kv_ring.advance(kv0, n_tiles)  # after the branch: the ring positions stay uniform
-                round_q = q_ring.advance(round_q, 1)
+        walk(ConsumerState(acc, stats, descs, io, seat), io.problem)
         if PINGPONG and seat.wg == 0:
             hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # the last consumer's last hand-over
         if seat.thread == 0:
             hp.tma_store_wait_group_0()  # the O tile stays valid until the stores are done
 
-    # ------------------------------------------------------------------ kernel
+    return Consumer(consume)
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """Return the Python kernel function for ``config`` (jit it with ``WS_ARGTYPES`` and
+    ``launch_bounds=(config.threads, 1)``; grid: persistent, at most one CTA per SM)."""
+    config.check()
+    D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
+    CONSUMERS = config.consumers
+    QS = config.q_stages
+    # Byte offsets of the tiles from the aligned base, and of the mbarriers in their word array
+    # (plain ints: constants in the kernel).
+    Q_AT, K_AT, V_AT, O_AT, _ = config.shared_layout
+    Q_FULL_AT, Q_EMPTY_AT, K_FULL_AT, K_EMPTY_AT, V_FULL_AT, V_EMPTY_AT, O_EMPTY_AT, BARRIER_WORDS = (
+        config.barrier_layout)
+    assert Q_FULL_AT == 0 and Q_AT == 0
+    # Causal, 192-row tiles: the blocks end at seqlen_q (the first starts up to 128 rows before
+    # row 0), so a ragged block is the first, which sees the fewest keys, not the last and
+    # heaviest, where its lone warpgroup would run the block's every tile while the others wait.
+    LEAD_ROWS = causal and CONSUMERS == 3
+    SKIP_IDLE = CONSUMERS == 3  # (make_consumer)
+    O_IN_Q = config.o_in_q
+    lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
+    raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
+    rings = make_rings(config)
+    q_ring, kv_ring, _ = rings
+    producer = make_producer(config, causal, rings)
+    consumer = make_consumer(config, causal, bf16, rings)
 
     def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
                          batch_size, scale_log2, write_lse):
@@ -593,7 +664,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         maps = Maps(map_q, map_k, map_v, map_o)
         problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM),
                           row_lead if LEAD_ROWS else int32(0))
-        consumer_warps = CONSUMER_THREADS // 32
+        consumer_warps = CONSUMERS * WARPGROUP // 32
         # Q is released by every consumer warp, or (O staged in Q) by each warpgroup's storer.
         q_releases = CONSUMERS if O_IN_Q else consumer_warps
         if tid == 0:
@@ -616,7 +687,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         if warpgroup == 0:
             lower_registers()
             if tid == 0:
-                produce(maps, bars, tiles, problem)
+                producer.produce(ProducerState(maps, bars, tiles, problem))
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
@@ -626,12 +697,12 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 wg = uint32(cuda.shfl_sync(FULL_MASK, int32(wg), 0))
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
-            consume(maps, lse, bars, tiles, problem, seat, scale_log2, write_lse)
+            consumer.consume(Io(maps, bars, tiles, problem, lse, write_lse, scale_log2), seat)
 
     flash_forward_ws.__name__ = (
-        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if OVERLAP else ''}{'_pp' if PINGPONG else ''}"
-        f"{'_oq' if O_IN_Q else ''}{'_ov' if O_IN_V else ''}_"
-        f"{'causal' if causal else 'full'}_{dtype}"
+        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if config.overlap else ''}"
+        f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
+        f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.
     flash_forward_ws.launch_bounds = (config.threads, 1)
