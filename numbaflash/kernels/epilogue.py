@@ -9,7 +9,7 @@ from numba import cuda, float32, uint32, uint64
 from .. import ptx
 from .common import LN2, NEG_INF
 from .smem import GlobalRows, swizzle_phase, swizzled_offset
-from .softmax import quad_sum
+from .softmax import pack_16bit, row_sum_inverse
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -27,13 +27,9 @@ def stage_output_rows(smem_tile, acc_o, d_tiles, tile_rows, row0, l_run, lane, b
     phase = swizzle_phase(row, row_bytes) * 16
     row_at = smem_tile + row * row_bytes + 4 * t
     for r in range(2):
-        l_total = quad_sum(l_run[r])
-        l_run[r] = l_total
-        inv = ptx.reciprocal(l_total) if l_total > 0 else float32(0.0)
+        inv = row_sum_inverse(l_run, r)
         for j in range(d_tiles):
-            lo = acc_o[j, 2 * r] * inv
-            hi = acc_o[j, 2 * r + 1] * inv
-            packed = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
+            packed = pack_16bit(acc_o[j, 2 * r] * inv, acc_o[j, 2 * r + 1] * inv, bf16)
             block = (j // per_row) * (tile_rows * row_bytes) + 8 * r * row_bytes  # immediates
             ptx.st_shared_b32(row_at + block + (((j % per_row) * 16) ^ phase), packed)
 

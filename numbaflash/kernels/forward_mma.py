@@ -20,6 +20,8 @@ Tiles are stored as 64-column blocks of 128-byte rows when head_dim is a multipl
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 from numba import cuda, float32, types, uint32
 
 from .. import ptx
@@ -45,6 +47,12 @@ from .softmax import (
     rescale_rows,
     scaled_row_maxes,
 )
+
+# What the interleaved softmax + PV slices share (``slice_into_pv``): S (exponentiated in place),
+# O, P fragments, the exponent offsets and partial row sums of every m-tile, the softmax scale,
+# and V's tile, ldmatrix offsets and fragment buffer.
+PvSlices = namedtuple("PvSlices", ["acc_s", "acc_o", "p_frag", "m_use", "row_sum", "scale_log2", "v_tile",
+                                   "v_offsets", "b_frag"])
 
 
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
@@ -205,12 +213,13 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, forceinline=True)
     def slice_into_pv(kt, state):
-        """Exponentials of k-slice ``kt`` (16 keys, every m-tile), then its PV mma.sync."""
-        acc_s, acc_o, p_frag, m_use, row_sum, scale_log2, v_tile, v_offsets, b_frag = state
+        """Exponentials of k-slice ``kt`` (16 keys, every m-tile), then its PV mma.sync
+        (``state``: a PvSlices)."""
+        acc_s, p_frag = state.acc_s, state.p_frag
         for mt in range(MT):
-            exponentiate_slice(acc_s[mt], kt, m_use[mt], row_sum[mt], scale_log2)
+            exponentiate_slice(acc_s[mt], kt, state.m_use[mt], state.row_sum[mt], state.scale_log2)
             pack_p_slice(p_frag[mt], acc_s[mt], kt, BF16)
-        pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt)
+        pv_slice(state.acc_o, p_frag, state.v_tile, state.v_offsets, state.b_frag, kt)
 
     slices_into_pv = unroll(slice_into_pv, P_K_TILES)
 
@@ -228,7 +237,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             exponent_offsets(m_use[mt], m_run[mt])
             for r in range(2):
                 row_sum[mt, r] = 0.0
-        slices_into_pv((acc_s, acc_o, p_frag, m_use, row_sum, scale_log2, v_tile, v_offsets, b_frag))
+        slices_into_pv(PvSlices(acc_s, acc_o, p_frag, m_use, row_sum, scale_log2, v_tile, v_offsets, b_frag))
         for mt in range(MT):
             for r in range(2):
                 l_run[mt, r] += row_sum[mt, r]

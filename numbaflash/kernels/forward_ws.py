@@ -71,7 +71,17 @@ from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
 from .ring import RingBarriers, make_ring
 from .shapes import WARPGROUP_ROWS, WsConfig
-from .softmax import exponentiate, max_grew, pack_p_fragments, quad_sum, scaled_row_maxes
+from .smem import swizzle_phase
+from .softmax import (
+    adopt_row_max,
+    exponentiate,
+    max_grew,
+    pack_16bit,
+    pack_p_fragments,
+    row_sum_inverse,
+    scale_o_rows,
+    scaled_row_maxes,
+)
 from .wgmma_gemms import make_attention_gemms
 
 WS_ARGTYPES = (
@@ -137,6 +147,8 @@ def epilogue_barrier(config: WsConfig) -> int:
 
 
 def make_rings(config: WsConfig) -> Rings:
+    """The steps of the kernel's rings: ``q_stages`` Q buffers, ``stages`` K and V stages, and
+    the one O tile of o_in_v."""
     t = config.tile_bytes
     return Rings(make_ring(config.q_stages, t["q"]), make_ring(config.stages, t["kv"]), make_ring(1))
 
@@ -254,18 +266,13 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         """m_run := max(m_run, mx); alpha := exp2(old - new) (1 while no key was seen);
         the row sums are rescaled now, O later (it may still be in a wgmma's hands)."""
         for r in range(2):
-            m_new = max(stats.m_run[r], stats.mx[r])
-            alpha = ptx.exp2(stats.m_run[r] - m_new) if m_new != NEG_INF else float32(1.0)
-            stats.m_run[r] = m_new
-            stats.l_run[r] *= alpha
-            stats.alpha[r] = alpha
+            stats.alpha[r] = adopt_row_max(stats.m_run, stats.l_run, stats.mx, r)
 
     @cuda.jit(device=True, forceinline=True)
     def rescale_o(acc_o, stats):
+        """O's rows times the alpha of the last max change (``softmax.rescale_rows``, split)."""
         for r in range(2):
-            for j in range(D_N_TILES):
-                acc_o[j, 2 * r] *= stats.alpha[r]
-                acc_o[j, 2 * r + 1] *= stats.alpha[r]
+            scale_o_rows(acc_o, D_N_TILES, r, stats.alpha[r])
 
     @cuda.jit(device=True, forceinline=True)
     def softmax_scores(acc_s, stats, n0, at, scale_log2):
@@ -419,16 +426,7 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
     def normalise_o(acc_o, stats):
         """O /= row sum (0 for rows that saw no key); leaves the quad-summed sums in l_run."""
         for r in range(2):
-            total = quad_sum(stats.l_run[r])
-            stats.l_run[r] = total
-            inv = ptx.reciprocal(total) if total > 0 else float32(0.0)
-            for j in range(D_N_TILES):
-                acc_o[j, 2 * r] *= inv
-                acc_o[j, 2 * r + 1] *= inv
-
-    @cuda.jit(device=True, forceinline=True)
-    def pack2(lo, hi):
-        return ptx.pack_bf16x2(lo, hi) if BF16 else ptx.pack_f16x2(lo, hi)
+            scale_o_rows(acc_o, D_N_TILES, r, row_sum_inverse(stats.l_run, r))
 
     @cuda.jit(device=True, forceinline=True)
     def stage_o(tile_o, acc_o, seat, regs):
@@ -438,14 +436,14 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
         or c ^ ((r // 2) % 4) (64B swizzle); rows start at a multiple of 8, so r % 8 = r8."""
         matrix = seat.lane // 8
         r8 = seat.lane % 8
-        phase = r8 if RB == 128 else r8 // 2
+        phase = swizzle_phase(r8, RB)
         row = seat.wg * WG_ROWS + seat.warp * 16 + (matrix % 2) * 8 + r8
         for jj in range(D_N_TILES // 2):
             j = 2 * jj
-            regs[0] = pack2(acc_o[j, 0], acc_o[j, 1])
-            regs[1] = pack2(acc_o[j, 2], acc_o[j, 3])
-            regs[2] = pack2(acc_o[j + 1, 0], acc_o[j + 1, 1])
-            regs[3] = pack2(acc_o[j + 1, 2], acc_o[j + 1, 3])
+            regs[0] = pack_16bit(acc_o[j, 0], acc_o[j, 1], BF16)
+            regs[1] = pack_16bit(acc_o[j, 2], acc_o[j, 3], BF16)
+            regs[2] = pack_16bit(acc_o[j + 1, 0], acc_o[j + 1, 1], BF16)
+            regs[3] = pack_16bit(acc_o[j + 1, 2], acc_o[j + 1, 3], BF16)
             col = j + matrix // 2  # 16-byte chunk of the row
             address = (tile_o + (col // CHUNKS_PER_ROW) * (BM * RB) + row * RB
                        + (((col % CHUNKS_PER_ROW) ^ phase) * 16))

@@ -52,16 +52,45 @@ def max_grew(mx, m_run, threshold):
 
 
 @cuda.jit(device=True, forceinline=True)
+def adopt_row_max(m_run, l_run, mx, r):
+    """Row half ``r`` adopts its new max: m_run[r] := max(m_run[r], mx[r]) and the row sum is
+    scaled by alpha = exp2(old - new) (1 while the row has seen no key). Returns alpha, by
+    which O's rows must be scaled too (``scale_o_rows``)."""
+    m_new = max(m_run[r], mx[r])
+    alpha = ptx.exp2(m_run[r] - m_new) if m_new != NEG_INF else float32(1.0)
+    m_run[r] = m_new
+    l_run[r] *= alpha
+    return alpha
+
+
+@cuda.jit(device=True, forceinline=True)
+def scale_o_rows(acc_o, d_tiles, r, factor):
+    """Multiply this lane's O values of row half ``r`` by ``factor``."""
+    for j in range(d_tiles):
+        acc_o[j, 2 * r] *= factor
+        acc_o[j, 2 * r + 1] *= factor
+
+
+@cuda.jit(device=True, forceinline=True)
 def rescale_rows(acc_o, d_tiles, m_run, l_run, mx):
     """Adopt the new row maxes: scale O and the row sums by exp2(old - new)."""
     for r in range(2):
-        m_new = max(m_run[r], mx[r])
-        alpha = ptx.exp2(m_run[r] - m_new) if m_new != NEG_INF else float32(1.0)
-        m_run[r] = m_new
-        l_run[r] *= alpha
-        for j in range(d_tiles):
-            acc_o[j, 2 * r] *= alpha
-            acc_o[j, 2 * r + 1] *= alpha
+        scale_o_rows(acc_o, d_tiles, r, adopt_row_max(m_run, l_run, mx, r))
+
+
+@cuda.jit(device=True, forceinline=True)
+def row_sum_inverse(l_run, r):
+    """Sum row half ``r``'s partial row sums over the quad, in place (``l_run[r]``), and return
+    1 / sum, or 0 for a row that saw no key (its sum is 0): what O's row is normalised by."""
+    total = quad_sum(l_run[r])
+    l_run[r] = total
+    return ptx.reciprocal(total) if total > 0 else float32(0.0)
+
+
+@cuda.jit(device=True, forceinline=True)
+def pack_16bit(lo, hi, bf16):
+    """Two fp32 values -> one 32-bit word of two bf16 (``bf16``) or fp16 values, lo first."""
+    return ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -70,9 +99,7 @@ def pack_p_slice(p_frag, p, kt, bf16):
     ``p_frag[kt]`` of the PV product; the two n-tiles are exactly the m16k16 A layout."""
     for half in range(2):
         for r in range(2):
-            lo = p[2 * kt + half, 2 * r]
-            hi = p[2 * kt + half, 2 * r + 1]
-            p_frag[kt, 2 * half + r] = ptx.pack_bf16x2(lo, hi) if bf16 else ptx.pack_f16x2(lo, hi)
+            p_frag[kt, 2 * half + r] = pack_16bit(p[2 * kt + half, 2 * r], p[2 * kt + half, 2 * r + 1], bf16)
 
 
 @cuda.jit(device=True, forceinline=True)
