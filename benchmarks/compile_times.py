@@ -21,6 +21,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 FIELDS = ("kernel", "arch", "compile_s", "import_s", "registers", "instructions", "ldl", "stl", "call")
+
+# "        /*01a0*/                   HMMA.16816.F32 ...": the instruction after its address
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/(.*)$")
 
 
 def measure_one(name: str, arch: str, sass_dir: str = "") -> dict:
@@ -44,7 +48,8 @@ def measure_one(name: str, arch: str, sass_dir: str = "") -> dict:
     compiled = time.perf_counter()
     report = report_from_cubin(cubin, name, arch)
     if sass_dir:  # instructions with their encodings, without addresses: diffable across builds
-        lines = [line.split("*/", 1)[1].strip() for line in report.sass.splitlines() if "/*0" in line]
+        lines = [m.group(1).strip() for line in report.sass.splitlines()
+                 if (m := _SASS_LINE.match(line))]
         Path(sass_dir, f"{name}@{arch}.sass").write_text("\n".join(lines) + "\n")
     return {"kernel": name, "arch": arch, "compile_s": round(compiled - imported, 2),
             "import_s": round(imported - start, 2), "registers": report.registers,

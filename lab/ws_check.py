@@ -5,8 +5,9 @@
     python lab/ws_check.py sanitize [--tools memcheck,racecheck,synccheck]
     python lab/ws_check.py bench [--shapes 128:4096:0,...]
 
-Variants: ``serial`` (one GEMM at a time), ``ovl`` (S_{j+1} issued with PV_j, softmax while
-PV is in flight), ``pp`` (ovl + ping-pong between the consumer warpgroups), for d64 and d128;
+Variants (the one-GEMM-at-a-time ``serial`` path was removed from the kernel in issue 32; it
+never won: notebook W8): ``ovl`` (S_{j+1} issued with PV_j, softmax while PV is in flight),
+``pp`` (ovl + ping-pong between the consumer warpgroups), for d64 and d128;
 ``c3`` has three consumer warpgroups (192 query rows, d64);
 d96 (64B swizzle), d256 (128 x 80 or 128 x 64 tiles, O staged in the Q buffer) and d128 at
 128 x 176 (O staged in the Q buffer) likewise.
@@ -38,28 +39,26 @@ from numbaflash.kernels.shapes import WsConfig  # noqa: E402
 def variants() -> dict[str, WsConfig]:
     out = {}
     for d, stages in ((64, 3), (128, 2)):
-        out[f"d{d}-serial"] = WsConfig(d, 128, stages)
-        out[f"d{d}-ovl"] = WsConfig(d, 128, stages, overlap=True)
-        out[f"d{d}-pp"] = WsConfig(d, 128, stages, overlap=True, pingpong=True)
-    out["d128-ovl-q1"] = WsConfig(128, 128, 2, overlap=True, q_stages=1)  # one Q buffer: before
-    out["d64-ovl-n192"] = WsConfig(64, 192, 2, overlap=True)
-    out["d64-pp-n192"] = WsConfig(64, 192, 2, overlap=True, pingpong=True)
-    out["d64-c3-serial"] = WsConfig(64, 128, 2, consumers=3)  # 192 rows, 3 consumers
-    out["d64-c3-ovl"] = WsConfig(64, 128, 2, consumers=3, overlap=True)  # 192 rows, 3 consumers
-    out["d64-c3-pp"] = WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True)
-    out["d64-c3-pp-s3"] = WsConfig(64, 128, 3, consumers=3, overlap=True, pingpong=True)
+        out[f"d{d}-ovl"] = WsConfig(d, 128, stages)
+        out[f"d{d}-pp"] = WsConfig(d, 128, stages, pingpong=True)
+    out["d128-ovl-q1"] = WsConfig(128, 128, 2, q_stages=1)  # one Q buffer: before
+    out["d64-ovl-n192"] = WsConfig(64, 192, 2)
+    out["d64-pp-n192"] = WsConfig(64, 192, 2, pingpong=True)
+    out["d64-c3-ovl"] = WsConfig(64, 128, 2, consumers=3)  # 192 rows, 3 consumers
+    out["d64-c3-pp"] = WsConfig(64, 128, 2, consumers=3, pingpong=True)
+    out["d64-c3-pp-s3"] = WsConfig(64, 128, 3, consumers=3, pingpong=True)
     for name, pp in (("ovl", False), ("pp", True)):  # d128, 128 x 176: one Q buffer, O staged in V
-        out[f"d128-{name}-n176"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1, o_in_v=True)
-        out[f"d128-{name}-n176-oq"] = WsConfig(128, 176, 2, overlap=True, pingpong=pp, q_stages=1,
+        out[f"d128-{name}-n176"] = WsConfig(128, 176, 2, pingpong=pp, q_stages=1, o_in_v=True)
+        out[f"d128-{name}-n176-oq"] = WsConfig(128, 176, 2, pingpong=pp, q_stages=1,
                                                o_in_q=True)
-    out["d128-ovl-s3-ov"] = WsConfig(128, 128, 3, overlap=True, q_stages=1, o_in_v=True)
-    out["d128-pp-s3-ov"] = WsConfig(128, 128, 3, overlap=True, pingpong=True, q_stages=1, o_in_v=True)
+    out["d128-ovl-s3-ov"] = WsConfig(128, 128, 3, q_stages=1, o_in_v=True)
+    out["d128-pp-s3-ov"] = WsConfig(128, 128, 3, pingpong=True, q_stages=1, o_in_v=True)
     for n in (128, 192):  # d96: 32-column blocks of 64-byte rows
-        out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2, overlap=True)
-        out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, overlap=True, pingpong=True)
+        out[f"d96-ovl-n{n}"] = WsConfig(96, n, 2)
+        out[f"d96-pp-n{n}"] = WsConfig(96, n, 2, pingpong=True)
     for n in (80, 64):  # d256: one Q buffer, which also stages O
-        out[f"d256-ovl-n{n}"] = WsConfig(256, n, 2, overlap=True, q_stages=1, o_in_q=True)
-        out[f"d256-pp-n{n}"] = WsConfig(256, n, 2, overlap=True, pingpong=True, q_stages=1, o_in_q=True)
+        out[f"d256-ovl-n{n}"] = WsConfig(256, n, 2, q_stages=1, o_in_q=True)
+        out[f"d256-pp-n{n}"] = WsConfig(256, n, 2, pingpong=True, q_stages=1, o_in_q=True)
     return out
 
 
@@ -211,7 +210,7 @@ def sanitize(args) -> int:
 
     tools = args.tools.split(",")
     names = (args.variants.split(",") if args.variants
-             else ["d64-serial", "d64-pp-n192", "d128-ovl", "d128-pp"])
+             else ["d64-ovl", "d64-pp-n192", "d128-ovl", "d128-pp"])
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     jobs = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:

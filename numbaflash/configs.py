@@ -2,9 +2,9 @@
 
 sm80 family (Ampere, Ada, Blackwell, ...): the mma.sync kernel (``ForwardConfig``).
 sm90 (Hopper): the warp-specialised TMA + wgmma kernel (``WsConfig``; an older cp.async wgmma
-kernel was removed after it won no shape against the warp-specialised one); the mma.sync kernel also runs there, and
-Hopper runs it for the head dims its own kernel does not support (``FAMILY_HEAD_DIMS``,
-``dispatch_family``): today 32.
+kernel was removed after it won no shape against the warp-specialised one); the mma.sync
+kernel also runs there, and Hopper runs it for the head dims its own kernel does not support
+(``FAMILY_HEAD_DIMS``, ``dispatch_family``): today 32.
 The choice per (family, head dim, causal) is made by ``benchmarks/autotune.py`` and stored
 in ``tuned_configs.json`` beside this file; entries missing from it use ``DEFAULTS``.
 """
@@ -43,12 +43,12 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     # run it where the table's 128 x 64 (128 KB) does not fit (forward_config). FA2's choice
     # there too; on an H100 274 / 264 TFLOP/s full / causal against 242 / 231 for 128 x 32.
     ("sm80", 256): ForwardConfig(256, block_m=64, block_n=64, early_k=True),
-    ("sm90", 64): WsConfig(64, block_n=192, stages=2, overlap=True, pingpong=True),
-    ("sm90", 128): WsConfig(128, block_n=128, stages=2, overlap=True),
-    ("sm90", 96): WsConfig(96, block_n=128, stages=2, overlap=True),
+    ("sm90", 64): WsConfig(64, block_n=192, stages=2, pingpong=True),
+    ("sm90", 128): WsConfig(128, block_n=128, stages=2),
+    ("sm90", 96): WsConfig(96, block_n=128, stages=2),
     # Q 64 KB + 2 stages of K and V at 64 rows (32 KB each): O is staged in the Q buffer.
     # (128 x 80 does not spill without causal masking: see the tuned table.)
-    ("sm90", 256): WsConfig(256, block_n=64, stages=2, overlap=True, q_stages=1, o_in_q=True),
+    ("sm90", 256): WsConfig(256, block_n=64, stages=2, q_stages=1, o_in_q=True),
 }
 # What benchmarks/autotune.py tries, by family and head dim, as keyword configs.
 # mma.sync knobs (issue 13): q_in_regs=False streams Q a k-slice at a time instead of holding
@@ -103,32 +103,34 @@ _SM80_CANDIDATES = {
 }
 _W = WsConfig
 _WS_CANDIDATES = {
-    64: [_W(64, block_n=192, overlap=True, pingpong=True), _W(64, block_n=192, overlap=True),
-         _W(64, stages=3, overlap=True, pingpong=True), _W(64, stages=3, overlap=True), _W(64, stages=3),
+    64: [_W(64, block_n=192, pingpong=True), _W(64, block_n=192),
+         # Three KV stages at 128 x 128 won d64 causal at 1k and 2k on an H100 (292 and 341
+         # TFLOP/s against 251 and 331 for 128 x 192) and shipped as the causal short entry
+         # until the three-consumer tiles overtook them.
+         _W(64, stages=3, pingpong=True), _W(64, stages=3),
          # Three consumer warpgroups (192 query rows, 160 registers each; block_n <= 128),
          # FlashAttention-3's d64 tile height: one more warpgroup to hide the softmax behind GEMMs.
-         _W(64, consumers=3, overlap=True, pingpong=True), _W(64, consumers=3, overlap=True),
-         _W(64, stages=3, consumers=3, overlap=True, pingpong=True)],
-    96: [_W(96, overlap=True), _W(96, overlap=True, pingpong=True),
-         _W(96, block_n=192, overlap=True, pingpong=True), _W(96, block_n=192, overlap=True),
-         _W(96, stages=3, overlap=True)],
-    128: [_W(128, overlap=True), _W(128, overlap=True, pingpong=True), _W(128, overlap=True, q_stages=1),
-          _W(128),
+         _W(64, consumers=3, pingpong=True), _W(64, consumers=3),
+         # with a third stage: a tie at d64 4k causal (medians 1.7% apart, inside the spread)
+         _W(64, stages=3, consumers=3, pingpong=True)],
+    96: [_W(96), _W(96, pingpong=True),
+         _W(96, block_n=192, pingpong=True), _W(96, block_n=192)],
+    128: [_W(128), _W(128, pingpong=True), _W(128, q_stages=1),
           # FlashAttention-3's non-causal d128 tile, 128 x 176: two 44 KB stages of K and of V
           # leave no room for a second Q buffer or an O tile; O is staged in the V ring, as
           # FlashAttention-3 does, so that the one Q buffer is free before the last PV
-          _W(128, block_n=176, overlap=True, q_stages=1, o_in_v=True),
-          _W(128, block_n=176, overlap=True, pingpong=True, q_stages=1, o_in_v=True),
-          # one Q buffer and O in the V ring leave room for three KV stages at 128 x 128
-          _W(128, stages=3, overlap=True, q_stages=1, o_in_v=True)],
+          _W(128, block_n=176, q_stages=1, o_in_v=True),
+          _W(128, block_n=176, pingpong=True, q_stages=1, o_in_v=True),
+          # One Q buffer and O in the V ring leave room for three KV stages at 128 x 128: ties
+          # the shipped tile at 16k (640 against 635-641 TFLOP/s, bf16, H100), 3-8% behind at 4k.
+          _W(128, stages=3, q_stages=1, o_in_v=True)],
     # 128 x 256 O accumulators leave room for S tiles of 80 or 64 keys; no O tile fits beside them
     # (O is staged in the Q buffer). 128 x 80 spills with causal masking (14-20 LDL/STL); 128 x 64
     # does not.
-    256: [_W(256, block_n=80, overlap=True, q_stages=1, o_in_q=True),
-          _W(256, block_n=80, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
-          _W(256, block_n=64, overlap=True, q_stages=1, o_in_q=True),
-          _W(256, block_n=64, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
-          _W(256, block_n=80, q_stages=1, o_in_q=True)],
+    256: [_W(256, block_n=80, q_stages=1, o_in_q=True),
+          _W(256, block_n=80, pingpong=True, q_stages=1, o_in_q=True),
+          _W(256, block_n=64, q_stages=1, o_in_q=True),
+          _W(256, block_n=64, pingpong=True, q_stages=1, o_in_q=True)],
 }
 # On Hopper both families run at the Hopper kernel's head dims: its candidates, then the sm80 family's.
 CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {

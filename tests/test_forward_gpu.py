@@ -269,7 +269,7 @@ def test_causal_blocks_end_at_seqlen_q(rng, sk_offset, dtype):
     128 rows: ``WsConfig.first_block_lead``), so Q rows before 0 are zero-filled and no warpgroup
     may store them: every residue of seqlen_q mod 192, seqlen_k equal, shorter (rows with no
     key) and longer, against float64, with poisoned outputs."""
-    config = configs.WsConfig(64, block_n=128, stages=2, consumers=3, overlap=True, pingpong=True)
+    config = configs.WsConfig(64, block_n=128, stages=2, consumers=3, pingpong=True)
     for sq in (1, 63, 64, 65, 128, 129, 191, 192, 193, 5 * 192 + 64, 5 * 192 + 128, 5 * 192 + 150):
         sk = max(sq + sk_offset, 1)
         q, k, v = random_qkv(rng, 2, sq, sk, 3, 1, 64, DTYPES[dtype])

@@ -79,7 +79,7 @@ def test_short_sequences_read_the_short_entry_first(table_with, monkeypatch):
     """``<key>/short`` serves problems whose longer sequence is at most SHORT_SEQLEN; longer
     ones, and callers that give no length, get the plain entry; a missing short entry falls
     back to the plain one."""
-    long_cfg, short_cfg = WsConfig(64, 128, 2, consumers=3, overlap=True), WsConfig(64, 192, 2, overlap=True)
+    long_cfg, short_cfg = WsConfig(64, 128, 2, consumers=3), WsConfig(64, 192, 2)
     table_with({"sm90/d64/causal": long_cfg, "sm90/d64/causal/short": short_cfg,
                               "sm90/d64/full": long_cfg})
     monkeypatch.delitem(configs._table(), "sm90/d64/full/short", raising=False)
@@ -98,7 +98,7 @@ def test_long_sequences_read_the_long_entry_first(table_with, monkeypatch):
     """``<key>/long`` serves problems whose longer sequence is at least LONG_SEQLEN; shorter
     ones, and callers that give no length, get the plain entry; a missing long entry falls
     back to the plain one."""
-    plain, long_cfg = WsConfig(128, 128, 2, overlap=True), WsConfig(128, 176, 2, overlap=True, q_stages=1,
+    plain, long_cfg = WsConfig(128, 128, 2), WsConfig(128, 176, 2, q_stages=1,
                                                                      o_in_v=True)
     table_with({"sm90/d128/full": plain, "sm90/d128/full/long": long_cfg, "sm90/d128/causal": plain})
     monkeypatch.delitem(configs._table(), "sm90/d128/causal/long", raising=False)

@@ -17,17 +17,17 @@ from numbaflash.tools import inspect as nfi
 ARCH = "sm_90a"
 # (config, causal, bf16): the variants whose SASS is checked.
 CASES = {
-    "d128-serial-full-f16": (WsConfig(128, 128, 2), False, False),
-    "d128-pp-causal-bf16": (WsConfig(128, 128, 2, overlap=True, pingpong=True), True, True),
-    "d64-pp-causal-f16": (WsConfig(64, 128, 3, overlap=True, pingpong=True), True, False),
+    "d128-full-f16": (WsConfig(128, 128, 2), False, False),
+    "d128-pp-causal-bf16": (WsConfig(128, 128, 2, pingpong=True), True, True),
+    "d64-pp-causal-f16": (WsConfig(64, 128, 3, pingpong=True), True, False),
     # three consumer warpgroups (192 rows, registers 32 / 160), ping-pong round robin
-    "d64-c3-pp-full-bf16": (WsConfig(64, 128, 2, consumers=3, overlap=True, pingpong=True), False, True),
+    "d64-c3-pp-full-bf16": (WsConfig(64, 128, 2, consumers=3, pingpong=True), False, True),
     # 64B swizzle (32-column boxes); O staged in the Q buffer with 128 x 80 tiles (wgmma n80)
-    "d96-ovl-causal-bf16": (WsConfig(96, 128, 2, overlap=True), True, True),
-    "d256-pp-n80-full-f16": (WsConfig(256, 80, 2, overlap=True, pingpong=True, q_stages=1, o_in_q=True),
+    "d96-ovl-causal-bf16": (WsConfig(96, 128, 2), True, True),
+    "d256-pp-n80-full-f16": (WsConfig(256, 80, 2, pingpong=True, q_stages=1, o_in_q=True),
                              False, False),
     # 128 x 176 (wgmma n176) with O staged in the V ring: the consumers' named barrier, o_empty
-    "d128-ov-n176-full-f16": (WsConfig(128, 176, 2, overlap=True, q_stages=1, o_in_v=True), False, False),
+    "d128-ov-n176-full-f16": (WsConfig(128, 176, 2, q_stages=1, o_in_v=True), False, False),
 }
 
 
@@ -125,8 +125,6 @@ def test_overlap_waits_for_one_group(reports):
 def test_config_checks():
     assert WsConfig(128).shared_bytes <= 227 * 1024
     assert WsConfig(128).threads == 384 and WsConfig(128).block_m == 128
-    with pytest.raises(ValueError, match="pingpong needs overlap"):
-        WsConfig(64, pingpong=True).check()
     with pytest.raises(ValueError, match="shared memory"):
         WsConfig(128, stages=4).check()
     with pytest.raises(ValueError, match="head_dim"):

@@ -21,7 +21,7 @@ one head (equal cost per unit; see ``blocks.work_units``).
 
   and release each stage on "empty" as soon as its GEMM has completed. The online softmax
   is the mma.sync kernel's (the wgmma accumulator has the same per-warp fragment layout).
-* **Overlap** (``config.overlap``): S_{j+1} = Q K_{j+1}ᵀ and O += P_j V_j are issued
+* **Overlap**: S_{j+1} = Q K_{j+1}ᵀ and O += P_j V_j are issued
   together; the softmax of j+1 runs while PV_j is still in flight (``wgmma.wait_group 1``),
   and O is rescaled only after PV_j has completed.
 * **Ping-pong** (``config.pingpong``): the consumer warpgroups take turns, round robin, issuing
@@ -129,7 +129,7 @@ ProducerState = namedtuple("ProducerState", ["maps", "bars", "tiles", "problem"]
 Rings = namedtuple("Rings", ["q", "kv", "o"])
 # The pieces' steps (each factory below returns one of these).
 Producer = namedtuple("Producer", ["produce"])
-ConsumerSteps = namedtuple("ConsumerSteps", ["attend_serial", "attend_overlapped", "skip_tiles", "release_q"])
+ConsumerSteps = namedtuple("ConsumerSteps", ["attend_overlapped", "skip_tiles", "release_q"])
 Epilogue = namedtuple("Epilogue", ["finish_tile"])
 Consumer = namedtuple("Consumer", ["consume"])
 
@@ -232,7 +232,7 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings) -> Producer:
 # ---------------------------------------------------------------------------------- consumer steps
 
 def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> ConsumerSteps:
-    """A consumer warpgroup's KV loop over one query tile, serial or overlapped (``config.overlap``),
+    """A consumer warpgroup's KV loop over one query tile, its GEMMs overlapped,
     with the ping-pong turns, the online softmax and the ring releases; and its pass over the
     KV tiles it skips."""
     BN = config.block_n
@@ -295,31 +295,6 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         (with O staged in Q, the epilogue releases it instead)."""
         if not O_IN_Q:
             q_ring.release(bars.q, work.round_q, seat.lane)
-
-    @cuda.jit(device=True, forceinline=True)
-    def attend_serial(acc, stats, bars, descs, work, seat, at, scale_log2):
-        """One KV tile at a time: S, softmax, PV, each GEMM waited for before the next step.
-        ``descs``: descriptors of the tile's Q, K stage 0, V stage 0."""
-        acc_s, acc_o, p_frag = acc.s, acc.o, acc.p
-        kv0 = work.kv0
-        for j in range(work.n_own):
-            i = kv0 + uint32(j)
-            stage = kv_ring.offset(kv_ring.slot(i))
-            kv_ring.wait_full(bars.k, i)
-            issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, stage))
-            hp.wgmma_wait_group_0()
-            fence_s(acc_s)
-            kv_ring.release(bars.k, i, seat.lane)
-            if softmax_scores(acc_s, stats, j * BN, at, scale_log2):
-                rescale_o(acc_o, stats)
-            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-            kv_ring.wait_full(bars.v, i)
-            issue_pv(acc_o, p_frag, hp.descriptor_add(descs.v, stage))
-            hp.wgmma_wait_group_0()
-            fence_o(acc_o)
-            kv_ring.release(bars.v, i, seat.lane)
-        release_q(bars, work, seat)
-        skip_tiles(bars, kv0, work.n_own, work.n_tiles, seat)
 
     @cuda.jit(device=True, forceinline=True)
     def first_s(acc_s, bars, descs, i, seat):
@@ -401,7 +376,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
             kv_ring.wait_full(bars.v, i)
             kv_ring.release(bars.v, i, seat.lane)
 
-    return ConsumerSteps(attend_serial, attend_overlapped, skip_tiles, release_q)
+    return ConsumerSteps(attend_overlapped, skip_tiles, release_q)
 
 
 # ---------------------------------------------------------------------------------- epilogue
@@ -507,7 +482,6 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
     CONSUMERS = config.consumers
     CAUSAL = causal
     O_IN_Q = config.o_in_q
-    OVERLAP = config.overlap
     PINGPONG = config.pingpong
     # A consumer warpgroup whose 64 rows all lie past seqlen_q skips the tile (skip_tiles)
     # with 192-row tiles, where 1024 rows fill 5 1/3 blocks; with 2 consumers the branch cost
@@ -560,10 +534,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
         q_ring.wait_full(io.bars.q, work.round_q)
         q_at = q_ring.offset(q_ring.slot(work.round_q))
         tile_descs = Descriptors(hp.descriptor_add(descs.q, q_at), descs.k, descs.v)
-        if OVERLAP:
-            steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
-        else:
-            steps.attend_serial(acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
+        steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
         epilogue.finish_tile(acc.o, stats, io, work.tile, at, work.round_q, seat, acc.regs)
 
     @cuda.jit(device=True, forceinline=True)
@@ -698,7 +669,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
             consumer.consume(Io(maps, bars, tiles, problem, lse, write_lse, scale_log2), seat)
 
     flash_forward_ws.__name__ = (
-        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}{'_ovl' if config.overlap else ''}"
+        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}"
         f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
         f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
     )

@@ -128,7 +128,6 @@ class WsConfig:
     # Consumer warpgroups: 2 (128 query rows, 240 registers each) or 3 (192 rows, 160 each:
     # head dim 64 only, where O is 32 registers and one more warpgroup hides the softmax).
     consumers: int = 2
-    overlap: bool = False  # issue S_{j+1} with O += P_j V_j; softmax while PV is in flight
     pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (named barriers)
     q_stages: int = 2  # Q buffers: 2 lets the producer load the next tile's Q during this one
     # Stage O for its TMA store in the Q buffer (each warpgroup over its own Q rows) instead of
@@ -228,7 +227,5 @@ class WsConfig:
             raise ValueError("o_in_q needs q_stages 1 (the O rows overwrite the Q buffer being used)")
         if self.o_in_v and (self.o_in_q or self.consumers != 2):
             raise ValueError(f"o_in_v needs 2 consumers and not o_in_q, got {self}")
-        if self.pingpong and not self.overlap:
-            raise ValueError("pingpong needs overlap (a warpgroup issues its two GEMMs together)")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

@@ -207,7 +207,7 @@ class Result:
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table with right-aligned, padded columns (pastes into Markdown, e.g. docs/PERFORMANCE.md)."""
+    """A Markdown table with right-aligned, padded columns (pastes into docs/PERFORMANCE.md)."""
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     line = "| " + " | ".join(str(h).rjust(w) for h, w in zip(headers, widths, strict=True)) + " |"
     rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
