@@ -139,6 +139,7 @@ TURN_BARRIER = 1
 WARPGROUP = 128  # threads
 WG_ROWS = WARPGROUP_ROWS  # query rows of a consumer warpgroup
 ONE = uint32(1)
+ZERO = uint32(0)
 
 
 def epilogue_barrier(config: WsConfig) -> int:
@@ -306,15 +307,16 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         kv_ring.release(bars.k, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
-    def paired_issue(acc, bars, descs, i, seat):
-        """S = Q K_i and O += P V_{i-1} issued together (a ping-pong turn); returns once S has
-        completed (``wgmma.wait_group 1``) and K_i's stage is released: PV may still run."""
+    def paired_issue(acc, bars, descs, i, seat, accumulate):
+        """S = Q K_i and O += P V_{i-1} issued together (a ping-pong turn; ``accumulate`` 0: the
+        tile's first PV, O = P V); returns once S has completed (``wgmma.wait_group 1``) and
+        K_i's stage is released: PV may still run."""
         acc_s = acc.s
         kv_ring.wait_full(bars.k, i)
         kv_ring.wait_full(bars.v, i - ONE)
         take_turn(seat)
         issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i))))
-        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i - ONE))))
+        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i - ONE))), accumulate)
         pass_turn(seat)
         hp.wgmma_wait_group_1()
         fence_s(acc_s)
@@ -328,10 +330,10 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         kv_ring.release(bars.v, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
-    def last_pv(acc, bars, descs, i, seat):
-        """O += P V_i alone (a tile's last), waited for at once."""
+    def last_pv(acc, bars, descs, i, seat, accumulate):
+        """O += P V_i alone (a tile's last; ``accumulate`` 0: also its first), waited for at once."""
         kv_ring.wait_full(bars.v, i)
-        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i))))
+        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i))), accumulate)
         retire_pv(acc.o, bars, i, seat)
 
     @cuda.jit(device=True, forceinline=True)
@@ -344,11 +346,11 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         kv0, n_tiles = work.kv0, work.n_own
         if n_tiles > 0:
             first_s(acc_s, bars, descs, kv0, seat)
-            softmax_scores(acc_s, stats, 0, at, scale_log2)  # O is still 0: no rescale
+            softmax_scores(acc_s, stats, 0, at, scale_log2)  # no PV yet: nothing to rescale
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             for j in range(1, n_tiles):
                 i = kv0 + uint32(j)
-                paired_issue(acc, bars, descs, i, seat)
+                paired_issue(acc, bars, descs, i, seat, ONE if j > 1 else ZERO)
                 grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
                 retire_pv(acc_o, bars, i - ONE, seat)
                 if grew:
@@ -356,7 +358,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
                 pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
         release_q(bars, work, seat)
         if n_tiles > 0:
-            last_pv(acc, bars, descs, kv0 + uint32(n_tiles) - ONE, seat)
+            last_pv(acc, bars, descs, kv0 + uint32(n_tiles) - ONE, seat, ONE if n_tiles > 1 else ZERO)
         skip_tiles(bars, kv0, n_tiles, work.n_tiles, seat)
 
     @cuda.jit(device=True, forceinline=True)
@@ -497,6 +499,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
     # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
     desc_k_major = hp.smem_descriptor_k_sw128 if RB == 128 else hp.smem_descriptor_k_sw64
     desc_mn_major = hp.smem_descriptor_mn_sw128 if RB == 128 else hp.smem_descriptor_mn_sw64
+    fence_o = hp.wgmma_fence_operand(D)
 
     @cuda.jit(device=True, forceinline=True)
     def own_kv_tiles(first_row, n_tiles, problem):
@@ -528,7 +531,9 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
     def attend_tile(acc, stats, descs, io, work, seat):
         """One query tile for this warpgroup: S, softmax and PV over its KV tiles, then the
         epilogue (O, LSE) and the Q buffer's release."""
-        zero_o(acc.o)
+        if work.n_own == 0:  # no PV will write O (the first one overwrites it)
+            zero_o(acc.o)
+            fence_o(acc.o)  # keeps this a branch: speculated, it is 128 selects on every tile
         reset_stats(stats)
         at = tile_mask(work.tile, io.problem, seat)
         q_ring.wait_full(io.bars.q, work.round_q)

@@ -19,7 +19,7 @@ from numba import cuda
 
 from ..ptx import hopper as hp
 
-# issue_s(acc_s, desc_q, desc_k) and issue_pv(acc_o, p_frag, desc_v) start a GEMM (commit
+# issue_s(acc_s, desc_q, desc_k) and issue_pv(acc_o, p_frag, desc_v, accumulate) start a GEMM (commit
 # group); fence_s(acc_s) / fence_o(acc_o) keep the accumulators' registers out of reordering
 # across a wait.
 AttentionGemms = namedtuple("AttentionGemms", ["issue_s", "issue_pv", "fence_s", "fence_o"])
@@ -54,12 +54,14 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
         hp.wgmma_commit_group()
 
     @cuda.jit(device=True, forceinline=True)
-    def issue_pv(acc_o, p_frag, desc_v):
-        """Start O += P V (async), P from registers, V MN-major (16 keys = 16 rows)."""
+    def issue_pv(acc_o, p_frag, desc_v, accumulate):
+        """Start O += P V (async), P from registers, V MN-major (16 keys = 16 rows); with
+        ``accumulate`` 0 the first k-step overwrites O (O = P V: a tile's first PV, so O needs
+        no zeroing before it)."""
         fence_o(acc_o)
         hp.wgmma_fence()
         for kk in range(P_K_STEPS):
-            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * RB), 1)
+            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * RB), accumulate if kk == 0 else 1)
         hp.wgmma_commit_group()
 
     return AttentionGemms(issue_s, issue_pv, fence_s, fence_o)
