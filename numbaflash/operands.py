@@ -88,10 +88,20 @@ def is_torch(x: Any) -> bool:
     return kind_of(x) == "torch"
 
 
-def _torch_dtype_names() -> dict:
-    if not _TORCH_DTYPES:
+_TORCH = []  # [the torch module], once a torch input has been seen
+
+
+def _torch():
+    if not _TORCH:
         import torch
 
+        _TORCH.append(torch)
+    return _TORCH[0]
+
+
+def _torch_dtype_names() -> dict:
+    if not _TORCH_DTYPES:
+        torch = _torch()
         _TORCH_DTYPES.update({torch.float16: "float16", torch.bfloat16: "bfloat16"})
     return _TORCH_DTYPES
 
@@ -261,7 +271,7 @@ def check_same_device(ops: list[Operand], current: int) -> None:
 
 
 def device_pointer(obj: Any) -> int:
-    if is_torch(obj):
+    if kind_of(obj) == "torch":
         return obj.data_ptr()
     return int(obj.__cuda_array_interface__["data"][0])
 
@@ -269,7 +279,7 @@ def device_pointer(obj: Any) -> int:
 def stream_handle(q: Operand) -> int:
     """The stream to launch on: torch's current stream for torch inputs, else the stream the
     CUDA array interface names (None, or 1 = the legacy default stream: handle 0)."""
-    if is_torch(q.obj):
+    if q.device is not None:  # torch (the only kind whose device is known)
         return _torch_stream(q.device)
     return 0 if q.stream in (None, 1) else int(q.stream)
 
@@ -282,8 +292,7 @@ def _torch_stream(device: int) -> int:
     has it (what Triton calls per launch: a fraction of a microsecond), else the public API."""
     global _RAW_STREAM
     if _RAW_STREAM is None:
-        import torch
-
+        torch = _torch()
         _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
             lambda d: torch.cuda.current_stream(d).cuda_stream)
     return _RAW_STREAM(device)
@@ -291,10 +300,8 @@ def _torch_stream(device: int) -> int:
 
 def empty_like(ref: Any, shape: tuple[int, ...], dtype_name: str):
     """A new device array for the output, of the inputs' library where we know it."""
-    if is_torch(ref):
-        import torch
-
-        return torch.empty(shape, dtype=ref.dtype, device=ref.device)
+    if kind_of(ref) == "torch":
+        return _torch().empty(shape, dtype=ref.dtype, device=ref.device)
     module = type(ref).__module__.split(".")[0]
     if module == "cupy":
         import cupy
@@ -307,9 +314,8 @@ def empty_like(ref: Any, shape: tuple[int, ...], dtype_name: str):
 
 
 def empty_lse(ref: Any, shape: tuple[int, ...]):
-    if is_torch(ref):
-        import torch
-
+    if kind_of(ref) == "torch":
+        torch = _torch()
         return torch.empty(shape, dtype=torch.float32, device=ref.device)
     if type(ref).__module__.split(".")[0] == "cupy":
         import cupy

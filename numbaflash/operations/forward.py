@@ -25,8 +25,11 @@ _READY: dict[tuple, tuple] = {}
 LOG2_E = math.log2(math.e)
 
 
+SHORT_SEQLEN, LONG_SEQLEN = configs.SHORT_SEQLEN, configs.LONG_SEQLEN
+
+
 def _span(seqlen: int) -> str:
-    return "short" if seqlen <= configs.SHORT_SEQLEN else "long" if seqlen >= configs.LONG_SEQLEN else ""
+    return "short" if seqlen <= SHORT_SEQLEN else "long" if seqlen >= LONG_SEQLEN else ""
 
 
 def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool,
@@ -88,8 +91,10 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
     """The forward on device arrays: one launch on the inputs' stream."""
     batch, seqlen_q, heads_q, head_dim = qd.shape
     seqlen_k = kd.shape[1]
-    launcher, config, launch = forward_kernel(capability, device, head_dim, causal,
-                                              qd.dtype_name == "bfloat16", max(seqlen_q, seqlen_k))
+    bf16 = qd.dtype_name == "bfloat16"
+    longest = seqlen_q if seqlen_q > seqlen_k else seqlen_k
+    ready = None if configs.OVERRIDES else _READY.get((device, head_dim, causal, bf16, _span(longest)))
+    launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest)
     if out is None:
         out = empty_like(q, qd.shape, qd.dtype_name)
         od = Operand("out", qd.shape, qd.dtype_name, True, out, _dense(qd.shape), device_pointer(out))

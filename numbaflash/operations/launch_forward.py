@@ -98,6 +98,7 @@ def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, 
     cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
     swizzle = f"{config.row_bytes}B"
     leads: dict[int, int] = {}  # seqlen_q -> rows the first query block starts before row 0
+    sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)
 
     def launch(launcher, call: ForwardCall, gpu: Any) -> None:
         q, k, v, o = call.q, call.k, call.v, call.o
@@ -118,9 +119,12 @@ def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, 
             lead = leads[seqlen_q] = config.first_block_lead(seqlen_q)
             if len(leads) > 4096:
                 leads.clear()
+        device = sms.get(call.device)
+        if device is None:
+            device = sms[call.device] = (gpu.sm_count(call.device), map_slots(call.device))
+        sm_count, slots = device
         tiles = -(-seqlen_q // block_m) * heads_q * batch
-        grid = (min(tiles, ctas or gpu.sm_count(call.device)), 1, 1)
-        slots = map_slots(call.device)
+        grid = (min(tiles, ctas or sm_count), 1, 1)
         with slots.lock:
             maps, slot = slots.address(key, encode, call.stream)
             try:
