@@ -61,12 +61,12 @@ class MapSlots:
     def address(self, key: tuple, encode, stream: int) -> tuple[int, int]:
         """(device address of the slot holding ``key``'s maps, slot): on a miss, ``encode()``
         gives the four maps (uint64[4, 16]) and they are copied in on ``stream``."""
-        from cuda.bindings import driver
-
         slot = self.slot_of.get(key)
         if slot is not None:
             self.slot_of.move_to_end(key)
             return self.device + slot * SLOT_BYTES, slot
+        from cuda.bindings import driver
+
         maps = np.ascontiguousarray(encode(), dtype=np.uint64)  # raises on a bad layout: nothing changed
         self.misses += 1
         if self.free:
