@@ -2,7 +2,7 @@
 
 - ``forward_mma``: the cp.async + ldmatrix + mma.sync forward kernel (sm_80 and later);
 - ``forward_ws``: the warp-specialised TMA + wgmma forward kernel (sm_90a), with its GEMM
-  steps in ``wgmma_gemms``;
+  steps in ``wgmma_gemms`` and its mbarrier rings in ``ring``;
 - ``shapes``: ``ForwardConfig`` and ``WsConfig``, the kernels' compile-time shapes, in plain
   Python;
 - ``abi``: both kernels' parameter lists (the ABI) as Numba's type names, so the launcher packs
@@ -15,5 +15,5 @@
 - ``softmax``: the online-softmax steps on mma fragments;
 - ``epilogue``: normalise, stage and store O, and write the log-sum-exp.
 
-Nothing here imports ``api``, ``tools`` or ``demos`` (``tests/test_structure_cpu.py``).
+Nothing here imports ``api``, ``operations``, ``tools`` or ``demos`` (``tests/test_structure_cpu.py``).
 """
