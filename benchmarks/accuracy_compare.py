@@ -14,7 +14,6 @@ import torch
 
 from numbaflash import configs, flash_attention
 from numbaflash.kernels import common, forward_mma, forward_ws
-from numbaflash.operations import forward as forward_op
 from numbaflash.runtime.device import GPU
 from numbaflash.tools.reference import attention_reference
 
@@ -56,7 +55,7 @@ def main() -> None:
         # kernel cache's key (file contents are), so the cache is off for this script.
         GPU.launchers.clear()
         GPU.modules.clear()
-        forward_op._READY.clear()
+        GPU.ready.clear()
         for cfg in configs.CANDIDATES[(family, d)][:2] + configs.CANDIDATES[(family, d)][-2:]:
             configs.OVERRIDES[key] = cfg
             e = errors(flash_attention(q, k, v, causal=args.causal), ref)

@@ -2,7 +2,7 @@
 run the numpy pipeline (``runtime.pipeline``) over host arrays.
 
 The hot path (device arrays, a kernel already loaded) is a dictionary lookup for the launcher
-(``_READY``, keyed by device, head dim, causality, dtype and sequence span) and one launch.
+(``GPU.ready``, keyed by device, head dim, causality, dtype and sequence span) and one launch.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from ..runtime.compiler import arch_of
 from .families import family_of
 from .launch_forward import ForwardCall
 
-# (ordinal, head_dim, causal, bf16, span) -> (launcher, config, launch): filled on a first call
-# and used while no config is forced (``configs.OVERRIDES`` is empty).
-_READY: dict[tuple, tuple] = {}
 LOG2_E = math.log2(math.e)
 
 
@@ -46,7 +43,7 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     fast = not configs.OVERRIDES
     ready_key = (device, head_dim, causal, bf16, _span(seqlen) if seqlen is not None else None)
     if fast:
-        ready = _READY.get(ready_key)
+        ready = gpu.ready.get(ready_key)
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
@@ -68,7 +65,7 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
                 ready = (KernelLauncher(kernel, op.abi, name), config, op.prepare_launch(config))
                 gpu.launchers[key] = ready
     if fast:
-        _READY[ready_key] = ready
+        gpu.ready[ready_key] = ready
     return ready
 
 
@@ -93,7 +90,8 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
     seqlen_k = kd.shape[1]
     bf16 = qd.dtype_name == "bfloat16"
     longest = seqlen_q if seqlen_q > seqlen_k else seqlen_k
-    ready = None if configs.OVERRIDES else _READY.get((device, head_dim, causal, bf16, _span(longest)))
+    key = (device, head_dim, causal, bf16, _span(longest))
+    ready = None if configs.OVERRIDES else gpu_state.GPU.ready.get(key)
     launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest)
     if out is None:
         out = empty_like(q, qd.shape, qd.dtype_name)

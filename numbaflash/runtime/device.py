@@ -41,6 +41,10 @@ class GpuState:
         self.scratch: dict[int, int] = {}  # ordinal -> a float32 device scalar (unused LSE)
         self.modules: dict[tuple, tuple[Any, str]] = {}  # (config, causal, bf16, arch, op) -> (Kernel, name)
         self.launchers: dict[tuple, Any] = {}  # (config, ..., ordinal) -> (launcher, config, launch)
+        # (ordinal, head_dim, causal, bf16, span) -> (launcher, config, launch): the forward's
+        # hot-path lookup, filled while no config is forced
+        self.ready: dict[tuple, Any] = {}
+        self.tensor_maps: dict[int, Any] = {}  # ordinal -> its runtime.map_slots.MapSlots
 
     # ------------------------------------------------------------------ driver
 

@@ -90,15 +90,14 @@ class MapSlots:
             raise RuntimeError(f"numbaflash tensor maps: recording an event failed: {driver_error(err)}")
 
 
-_SLOTS: dict[int, MapSlots] = {}
-_SLOTS_LOCK = threading.Lock()
-
-
 def map_slots(device: int) -> MapSlots:
-    slots = _SLOTS.get(device)
-    if slots is not None:
-        return slots
-    with _SLOTS_LOCK:
-        if device not in _SLOTS:
-            _SLOTS[device] = MapSlots()
-        return _SLOTS[device]
+    """Device ``device``'s slots, made on first use and kept in ``runtime.device.GPU``."""
+    from .device import GPU
+
+    slots = GPU.tensor_maps.get(device)
+    if slots is None:
+        with GPU.lock:
+            slots = GPU.tensor_maps.get(device)
+            if slots is None:
+                slots = GPU.tensor_maps[device] = MapSlots()
+    return slots
