@@ -216,10 +216,16 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
         if forced is not None:
             return forced
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
-    span = ""
-    if seqlen is not None:
-        span = "/short" if seqlen <= SHORT_SEQLEN else "/long" if seqlen >= LONG_SEQLEN else ""
-    return _table_choice(tuple(capability), head_dim, causal, limit, span)
+    span = seqlen_span(seqlen)
+    return _table_choice(tuple(capability), head_dim, causal, limit, "/" + span if span else "")
+
+
+def seqlen_span(seqlen: int | None) -> str:
+    """Which table entries a problem whose longer sequence is ``seqlen`` reads first: "short"
+    (at most ``SHORT_SEQLEN``), "long" (at least ``LONG_SEQLEN``) or "" (None: the plain entry)."""
+    if seqlen is None:
+        return ""
+    return "short" if seqlen <= SHORT_SEQLEN else "long" if seqlen >= LONG_SEQLEN else ""
 
 
 @functools.lru_cache(maxsize=1024)

@@ -84,10 +84,6 @@ def kind_of(x: Any) -> str:
     return kind
 
 
-def is_torch(x: Any) -> bool:
-    return kind_of(x) == "torch"
-
-
 _TORCH = []  # [the torch module], once a torch input has been seen
 
 

@@ -22,11 +22,11 @@ from .launch_forward import ForwardCall
 LOG2_E = math.log2(math.e)
 
 
-SHORT_SEQLEN, LONG_SEQLEN = configs.SHORT_SEQLEN, configs.LONG_SEQLEN
 
-
-def _span(seqlen: int) -> str:
-    return "short" if seqlen <= SHORT_SEQLEN else "long" if seqlen >= LONG_SEQLEN else ""
+def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, seqlen: int | None) -> tuple:
+    """The key of ``GPU.ready``, the launchers of unforced configs: what picks the config on a
+    device (``configs.forward_config`` is memoised on the same inputs)."""
+    return device, head_dim, causal, bf16, configs.seqlen_span(seqlen)
 
 
 def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool,
@@ -40,12 +40,6 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     there; it is loaded once per process, and its shared-memory limit is raised once per device.
     """
     gpu = gpu_state.GPU
-    fast = not configs.OVERRIDES
-    ready_key = (device, head_dim, causal, bf16, _span(seqlen) if seqlen is not None else None)
-    if fast:
-        ready = gpu.ready.get(ready_key)
-        if ready is not None:
-            return ready
     limit = gpu.shared_limit(device)
     config = configs.forward_config(capability, head_dim, causal, limit, seqlen)
     op = family_of(config).op("forward")
@@ -64,8 +58,8 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
                 set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
                 ready = (KernelLauncher(kernel, op.abi, name), config, op.prepare_launch(config))
                 gpu.launchers[key] = ready
-    if fast:
-        gpu.ready[ready_key] = ready
+    if not configs.OVERRIDES:  # the hot path's table (run_device) holds unforced configs only
+        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen)] = ready
     return ready
 
 
@@ -90,8 +84,8 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
     seqlen_k = kd.shape[1]
     bf16 = qd.dtype_name == "bfloat16"
     longest = seqlen_q if seqlen_q > seqlen_k else seqlen_k
-    key = (device, head_dim, causal, bf16, _span(longest))
-    ready = None if configs.OVERRIDES else gpu_state.GPU.ready.get(key)
+    ready = None if configs.OVERRIDES else gpu_state.GPU.ready.get(ready_key(device, head_dim, causal, bf16,
+                                                                              longest))
     launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest)
     if out is None:
         out = empty_like(q, qd.shape, qd.dtype_name)

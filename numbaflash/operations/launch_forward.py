@@ -97,7 +97,6 @@ def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, 
     rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
     cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
     swizzle = f"{config.row_bytes}B"
-    leads: dict[int, int] = {}  # seqlen_q -> rows the first query block starts before row 0
     sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)
 
     def launch(launcher, call: ForwardCall, gpu: Any) -> None:
@@ -114,11 +113,6 @@ def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, 
                                                swizzle=swizzle, dtype=dtype)
                              for op, r in zip((q, k, v, o), rows, strict=True)])
 
-        lead = leads.get(seqlen_q)
-        if lead is None:
-            lead = leads[seqlen_q] = config.first_block_lead(seqlen_q)
-            if len(leads) > 4096:
-                leads.clear()
         device = sms.get(call.device)
         if device is None:
             device = sms[call.device] = (gpu.sm_count(call.device), map_slots(call.device))
@@ -130,8 +124,8 @@ def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, 
             try:
                 launcher(grid, threads, call.stream, shared_bytes,
                          (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16), call.lse,
-                         seqlen_q, call.seqlen_k, lead, heads_q, heads_q // call.heads_kv, batch,
-                         call.scale_log2, call.write_lse)
+                         seqlen_q, call.seqlen_k, config.first_block_lead(seqlen_q), heads_q,
+                         heads_q // call.heads_kv, batch, call.scale_log2, call.write_lse)
             finally:  # even after a failed launch: the slot's copy is on the stream
                 slots.used(slot, call.stream)
 

@@ -93,10 +93,7 @@ class GpuState:
         through ctypes once the driver is up (the bindings' wrapper costs a few microseconds)."""
         get = self._ctx_get_device
         if get is None:
-            driver = self.driver()
-            if self._load_driver is not load_driver:  # a stand-in driver (tests)
-                err, device = driver.cuCtxGetDevice()
-                return int(device) if err == driver.CUresult.CUDA_SUCCESS else None
+            self.driver()  # cuInit first
             from .launch import _libcuda
 
             get = _libcuda().cuCtxGetDevice

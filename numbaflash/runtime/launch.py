@@ -172,21 +172,10 @@ class KernelLauncher:
         cufunc = kernel.overloads[tuple(argtypes)]._codelibrary.get_cufunc()
         return cls(cufunc.kernel, argtypes, cufunc.name)
 
-    def pack(self, args: Sequence[Any]) -> bytes:
-        """The parameter buffer's bytes for ``args`` (for tests)."""
-        self._check_count(args)
-        with self._lock:
-            self._pack(self._buffer, *args)
-            return self._buffer.raw
-
-    def _check_count(self, args: Sequence[Any]) -> None:
-        if len(args) != self._nargs:
-            raise TypeError(f"{self.name}: expected {self._nargs} arguments, got {len(args)}")
-
     def __call__(self, grid: tuple[int, int, int], block: int, stream_handle: int, shared_bytes: int,
                  *args: Any) -> None:
         if len(args) != self._nargs:
-            self._check_count(args)
+            raise TypeError(f"{self.name}: expected {self._nargs} arguments, got {len(args)}")
         with self._lock:
             self._pack(self._buffer, *args)
             err = self._launch(self.handle, grid[0], grid[1], grid[2], block, 1, 1, shared_bytes,
