@@ -34,3 +34,11 @@ extern "C" __device__ float ex2_poly3_f32(float x) {
   int bits = __float_as_int(p) + (__float_as_int(t) << 23);
   return x < -126.0f ? 0.0f : __int_as_float(bits);
 }
+// f16 bits (the low half of h) -> f32, exactly.
+extern "C" __device__ float cvt_f32_f16_bits(unsigned h) {
+  float r; asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.f32.f16 %0, t; }" : "=f"(r) : "r"(h)); return r;
+}
+// bf16 bits (the low half of h) -> f32, exactly: they are the f32's high half.
+extern "C" __device__ float cvt_f32_bf16_bits(unsigned h) {
+  float r; asm("{ .reg .b32 t; shl.b32 t, %1, 16; mov.b32 %0, t; }" : "=f"(r) : "r"(h)); return r;
+}

@@ -29,3 +29,44 @@ WS_ABI = (
     "int32", "int32", "int32",  # heads_q, heads_q // heads_kv, batch
     "float32", "bool",  # softmax scale * log2(e), write lse
 )
+
+_I32_ARRAY = "array(int32, 1d, C)"
+
+# The backward (``backward_mma``): three kernels over one float32 workspace per call, laid out
+# (batch, heads_q, rows) with rows = seqlen_q rounded up to BACKWARD_ROW_ALIGN: the LSE in log2
+# units (+inf on rows that see no key and on padding), D = rowsum(dO ∘ O), and the dQ
+# accumulator (batch, heads_q, rows, head_dim); plus one int32 turn counter per (batch, head,
+# query block) for deterministic dQ.
+BACKWARD_ROW_ALIGN = 128
+
+# 1. Prepare: D and the LSE in log2 units per row; zero the dQ accumulator and the counters.
+#    Grid (rows // 64, heads_q, batch), 128 threads.
+BACKWARD_PREP_ABI = (
+    _U16_ARRAY, _U16_ARRAY, _F32_ARRAY,  # out, dout, lse (batch, heads_q, seqlen_q) of the forward
+    _F32_ARRAY, _F32_ARRAY, _F32_ARRAY, _I32_ARRAY,  # delta, lse_log2, dq_accum, counters (outputs)
+    "int64", "int64", "int64",  # out strides: batch, seq, head (elements)
+    "int64", "int64", "int64",  # dout strides
+    "int64", "int64", "int64",  # seqlen_q, rows, heads_q
+    "int64",  # counters per (batch, head): query blocks of the main kernel
+)
+
+# 2. The main kernel: dK, dV of one key block, dQ added into the accumulator.
+#    Grid (ceil(seqlen_k / block_n), heads_kv, batch), config.threads, config.shared_bytes.
+BACKWARD_ABI = (
+    _U16_ARRAY, _U16_ARRAY, _U16_ARRAY, _U16_ARRAY,  # q, k, v, dout
+    _U16_ARRAY, _U16_ARRAY,  # dk, dv (outputs)
+    _F32_ARRAY, _F32_ARRAY, _F32_ARRAY, _I32_ARRAY,  # lse_log2, delta, dq_accum, counters
+    *("int64",) * 18,  # batch, seq and head strides of q, k, v, dout, dk, dv (elements)
+    "int64", "int64", "int64",  # seqlen_q, seqlen_k, rows
+    "int64", "int64",  # heads_q, heads_q // heads_kv
+    "float32", "float32",  # softmax scale * log2(e), softmax scale
+    "bool",  # deterministic: add each query block's dQ in key-block order
+)
+
+# 3. dQ = the accumulator, scaled, in the input dtype. Grid (rows // 64, heads_q, batch), 128 threads.
+BACKWARD_DQ_ABI = (
+    _F32_ARRAY, _U16_ARRAY,  # dq_accum, dq (output)
+    "int64", "int64", "int64",  # dq strides: batch, seq, head (elements)
+    "int64", "int64", "int64",  # seqlen_q, rows, heads_q
+    "float32",  # softmax scale
+)

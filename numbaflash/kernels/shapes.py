@@ -229,3 +229,101 @@ class WsConfig:
             raise ValueError(f"o_in_v needs 2 consumers and not o_in_q, got {self}")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Compile-time shape of the mma.sync backward (``backward_mma``, FlashAttention-2's
+    algorithm): one CTA per block of ``block_n`` keys of one (batch, kv head) keeps that block's
+    dK and dV in registers and walks the query blocks of ``block_m`` rows (of every query head of
+    its group) that see it.
+
+    The warps split each of the kernel's three products their own way (``num_warps`` = rows x
+    columns in each): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ by ``key_warps`` x ``col_warps`` (keys x queries);
+    dV += Pᵀ dO and dK += dSᵀ Q by ``key_warps`` x ``col_warps`` (keys x head-dim columns);
+    dQ = dS K by ``dq_row_warps`` x ``dq_col_warps`` (queries x head-dim columns). Pᵀ and dSᵀ go
+    through shared memory as 16-bit tiles between the first and the other two."""
+
+    head_dim: int
+    block_m: int = 64  # query rows per step of the walk
+    block_n: int = 128  # keys per CTA
+    num_warps: int = 8
+    # Buffers of Q, dO and their rows' LSE and D: 2 loads the next query block during this one.
+    q_stages: int = 2
+
+    @property
+    def tag(self) -> str:
+        return f"_w{self.num_warps}" + ("_s1" if self.q_stages == 1 else "")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def key_warps(self) -> int:
+        """Warps along the keys in the S/dP and dK/dV products (16 keys or more each)."""
+        return min(self.num_warps, self.block_n // 16)
+
+    @property
+    def col_warps(self) -> int:
+        """Warps that share a key row: they split the queries of Sᵀ and dPᵀ and the head-dim
+        columns of dK and dV."""
+        return self.num_warps // self.key_warps
+
+    @property
+    def dq_row_warps(self) -> int:
+        return min(self.num_warps, self.block_m // 16)
+
+    @property
+    def dq_col_warps(self) -> int:
+        return self.num_warps // self.dq_row_warps
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row of a swizzle block of the Q, K, V and dO tiles (``smem``)."""
+        return 128 if self.head_dim % 64 == 0 else 64
+
+    @property
+    def shared_layout(self) -> dict[str, int]:
+        """Byte offsets of the shared tiles: K, V (``block_n`` rows), the Pᵀ and dSᵀ tiles
+        (``block_n`` rows of ``block_m`` 16-bit columns), then per stage Q and dO (``block_m``
+        rows) and the stage's LSE and D rows (float32); ``end``: the bytes used."""
+        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        k = 0
+        v = k + bn * d * 2
+        p = v + bn * d * 2
+        ds = p + bn * bm * 2
+        q = ds + bn * bm * 2
+        stage = 2 * bm * d * 2 + 2 * bm * 4  # Q, dO, LSE, D
+        return {"k": k, "v": v, "p": p, "ds": ds, "q": q, "do": q + bm * d * 2,
+                "lse": q + 2 * bm * d * 2, "delta": q + 2 * bm * d * 2 + bm * 4, "stage": stage,
+                "end": q + self.q_stages * stage}
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.shared_layout["end"]
+
+    def check(self) -> None:
+        d = self.head_dim
+        if d % 32 or not 32 <= d <= 256:
+            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {d}")
+        if self.block_m not in (64, 128):
+            raise ValueError(f"block_m must be 64 or 128 (whole 128-byte rows of the Pᵀ tile), got {self}")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps must be 4 or 8, got {self}")
+        if self.block_n % (16 * self.key_warps) or self.block_n > 128:
+            raise ValueError(f"block_n must be a multiple of 16 x key warps, at most 128, got {self}")
+        if self.q_stages not in (1, 2):
+            raise ValueError(f"q_stages must be 1 or 2, got {self}")
+        for what, n, split in (("queries", self.block_m, self.col_warps), ("head_dim", d, self.col_warps),
+                               ("dq head_dim", d, self.dq_col_warps)):
+            if n % (16 * split):
+                raise ValueError(f"{what} ({n}) must split into multiples of 16 over {split} warps: {self}")
+        block_chunks = self.row_bytes // 16
+        if self.threads // block_chunks % 8:
+            raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
+        for rows in (self.block_m, self.block_n):
+            if rows * d // 8 % self.threads:
+                raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

@@ -1,7 +1,7 @@
 """PTX bindings: every instruction Numba cannot express, as a device function.
 
 Kernels import from here and never see cffi, raw pointers or address spaces.
-Families: async_copy, matrix_load, mma, convert (sm_80+); hopper (sm_90a).
+Families: async_copy, matrix_load, mma, convert, reduce (sm_80+); hopper (sm_90a).
 """
 
 from .async_copy import (
@@ -25,7 +25,16 @@ from .async_copy import (
     st_shared_b32,
     st_shared_v4,
 )
-from .convert import exp2, exp2_poly, log2, pack_bf16x2, pack_f16x2, reciprocal
+from .convert import (
+    exp2,
+    exp2_poly,
+    f32_from_bf16_bits,
+    f32_from_f16_bits,
+    log2,
+    pack_bf16x2,
+    pack_f16x2,
+    reciprocal,
+)
 from .matrix_load import (
     ldmatrix_x1,
     ldmatrix_x1_trans,
@@ -35,6 +44,13 @@ from .matrix_load import (
     ldmatrix_x4_trans,
 )
 from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
+from .reduce import (
+    global_address_f32,
+    global_address_i32,
+    ld_acquire_gpu_s32,
+    red_global_add_f32,
+    red_release_gpu_add_s32,
+)
 
 __all__ = [
     "cp_async_16",
@@ -48,7 +64,12 @@ __all__ = [
     "cp_async_wait_group_3",
     "exp2",
     "exp2_poly",
+    "f32_from_bf16_bits",
+    "f32_from_f16_bits",
     "global_address",
+    "global_address_f32",
+    "global_address_i32",
+    "ld_acquire_gpu_s32",
     "ld_shared_v4",
     "log2",
     "ldmatrix_x1",
@@ -62,6 +83,8 @@ __all__ = [
     "pack_bf16x2",
     "pack_f16x2",
     "reciprocal",
+    "red_global_add_f32",
+    "red_release_gpu_add_s32",
     "shared_address_f32",
     "shared_address_u16",
     "shared_address_u32",

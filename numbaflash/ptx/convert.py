@@ -23,3 +23,7 @@ log2.__doc__ = "log2(x) -> log2(x) (lg2.approx.ftz.f32)."
 exp2_poly = declare("convert", "ex2_poly3_f32", _f32(_f32))
 exp2_poly.__doc__ = ("exp2_poly(x) -> 2**x on the FMA pipe (degree-3 polynomial, relative error < 8e-5; "
                      "0 below -126; x <= 127), for kernels bound by the MUFU unit.")
+f32_from_f16_bits = declare("convert", "cvt_f32_f16_bits", _f32(types.uint32))
+f32_from_f16_bits.__doc__ = "f32_from_f16_bits(h) -> the f16 in the low 16 bits of h, as f32 (exact)."
+f32_from_bf16_bits = declare("convert", "cvt_f32_bf16_bits", _f32(types.uint32))
+f32_from_bf16_bits.__doc__ = "f32_from_bf16_bits(h) -> the bf16 in the low 16 bits of h, as f32 (exact)."

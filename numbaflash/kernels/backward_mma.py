@@ -1,0 +1,499 @@
+"""FlashAttention-2 backward on tensor cores with cp.async + ldmatrix + mma.sync (sm_80+).
+
+Three kernels over one float32 workspace (``abi.BACKWARD_ABI`` describes it):
+
+1. ``prep``: D = rowsum(dO ∘ O) per query row, the forward's LSE in log2 units (+inf where a
+   row saw no key, so that its P is 0), a zeroed dQ accumulator and zeroed turn counters.
+2. The main kernel: one CTA per block of ``block_n`` keys of one (batch, kv head). K and V of
+   the block sit in shared memory; dK and dV stay in registers while the CTA walks every
+   query block of every query head of its group that sees the block (GQA sums there). For
+   each query block, with Q, dO, LSE and D landed by cp.async (the next block's copies in
+   flight when ``q_stages`` is 2):
+
+   - ``transposed_scores``: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (keys x queries, so that the rows a warp
+     owns are keys, as in dK and dV);
+   - ``gradient_of_scores``: Pᵀ = exp2(Sᵀ·scale·log2e − LSE₂) and dSᵀ = Pᵀ ∘ (dPᵀ − D), masked
+     past the last key and after the causal diagonal, stored as 16-bit tiles in shared memory;
+   - ``accumulate_dkv``: dV += Pᵀ dO and dK += dSᵀ Q from those tiles;
+   - ``add_dq``: dQ_i += dS K, read transposed from the dSᵀ tile, added into the float32
+     accumulator with ``red.global.add.f32``; in deterministic mode CTAs take turns per query
+     block in key-block order (a counter per block, acquire/release), so the sums are
+     bit-identical from run to run.
+
+   At the end dK is scaled by the softmax scale and dK, dV are written through shared memory
+   with 16-byte stores.
+3. ``dq``: dQ = scale · accumulator, in the input dtype.
+
+Every product is an m16n8k16 mma.sync; the warps split each product their own way
+(``shapes.BackwardConfig``). Tiles use the swizzled layouts of ``smem``; the Pᵀ and dSᵀ tiles
+are ``block_n`` rows of ``block_m`` 16-bit columns in 128-byte column blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+from numba import cuda, float32, int32, int64, types, uint16, uint32
+
+from .. import ptx
+from .common import FULL_MASK, NEG_INF
+from .epilogue import store_rows_global
+from .shapes import BackwardConfig
+from .smem import (
+    block_offset,
+    copy_tile_async,
+    drain_copies,
+    global_rows,
+    ldmatrix_offsets,
+    swizzled_offset,
+)
+from .softmax import pack_16bit
+
+LOG2_E = 1.4426950408889634
+INF = float32(math.inf)
+PREP_ROWS = 64  # query rows per CTA of the prep and dq kernels
+PREP_THREADS = 128
+
+BACKWARD_PREP_ARGTYPES = (
+    types.uint16[::1], types.uint16[::1], types.float32[::1],  # out, dout, lse
+    types.float32[::1], types.float32[::1],  # delta, lse2
+    types.float32[::1], types.int32[::1],  # dq_acc, counters
+    types.int64, types.int64, types.int64,  # out strides
+    types.int64, types.int64, types.int64,  # dout strides
+    types.int64, types.int64, types.int64,  # seqlen_q, rows, heads_q
+    types.int64,  # counters per (batch, head)
+)
+BACKWARD_ARGTYPES = (
+    types.uint16[::1], types.uint16[::1], types.uint16[::1], types.uint16[::1],  # q, k, v, dout
+    types.uint16[::1], types.uint16[::1],  # dk, dv
+    types.float32[::1], types.float32[::1],  # lse2, delta
+    types.float32[::1], types.int32[::1],  # dq_acc, counters
+    *(types.int64,) * 18,  # strides of q, k, v, dout, dk, dv
+    types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
+    types.int64, types.int64,  # heads_q, group
+    types.float32, types.float32,  # scale * log2(e), scale
+    types.boolean,  # deterministic
+)
+BACKWARD_DQ_ARGTYPES = (
+    types.float32[::1], types.uint16[::1],  # dq_acc, dq
+    types.int64, types.int64, types.int64,  # dq strides
+    types.int64, types.int64, types.int64,  # seqlen_q, rows, heads_q
+    types.float32,  # scale
+)
+
+# Where one warp's part of a product sits: its first row and column in the CTA's tiles.
+WarpPart = namedtuple("WarpPart", ["row0", "col0"])
+# The tiles of one step of the walk (shared addresses): Q, dO, and the stage's LSE and D
+# (float32 element index into the dynamic shared array).
+StepTiles = namedtuple("StepTiles", ["q", "do", "lse", "delta"])
+# Fragment buffers a warp reuses: A fragments of every key m-tile, one B pair, and the lane's
+# ldmatrix offsets (A pattern, B pattern, transposed-B pattern).
+Frags = namedtuple("Frags", ["a", "b", "a_offsets", "b_offsets"])
+
+
+@cuda.jit(device=True, forceinline=True)
+def f32_of_bits(bits, bf16):
+    """The 16-bit value in ``bits`` (uint32, low half) as float32."""
+    return ptx.f32_from_bf16_bits(bits) if bf16 else ptx.f32_from_f16_bits(bits)
+
+
+@cuda.jit(device=True, forceinline=True)
+def zero_fragments(acc, m_tiles, n_tiles):
+    for mt in range(m_tiles):
+        for j in range(n_tiles):
+            for e in range(4):
+                acc[mt, j, e] = 0.0
+
+
+@cuda.jit(device=True, forceinline=True)
+def store_fragment_rows(tile, acc, n_tiles, tile_rows, row0, col0, lane, bf16, row_bytes, scale):
+    """Store 16 rows (from ``row0``) x ``8 * n_tiles`` columns (from ``col0``, a multiple of 8)
+    of mma accumulator fragments ``acc[j, e]``, times ``scale``, as 16-bit pairs into a
+    swizzled shared tile (``smem`` layout)."""
+    g = lane // 4
+    t = lane % 4
+    for r in range(2):
+        row = row0 + g + 8 * r
+        for j in range(n_tiles):
+            packed = pack_16bit(acc[j, 2 * r] * scale, acc[j, 2 * r + 1] * scale, bf16)
+            at = tile + swizzled_offset(row, col0 // 8 + j, tile_rows, row_bytes) + 4 * t
+            ptx.st_shared_b32(at, packed)
+
+
+@cuda.jit(device=True, forceinline=True)
+def mask_transposed(s, n_tiles, key0, col0, lane, seqlen_k, diag, causal):
+    """Set to -inf the scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns:
+    queries ``col0`` + 8j + 2t + e) whose key is past the last or, causal, after the diagonal
+    (query i sees key j iff j <= i + diag). One limit a row: the lane's leading columns that
+    are hidden."""
+    g = lane // 4
+    t = lane % 4
+    for half in range(2):
+        key = key0 + g + 8 * half
+        first = key - diag if causal else int64(-(1 << 30))  # the first query that sees the key
+        if key >= seqlen_k:
+            first = int64(1 << 30)
+        limit = int32(max(min(first - (col0 + 2 * t), 1 << 30), -1))
+        for j in range(n_tiles):
+            for e in range(2):
+                if j * 8 + e < limit:
+                    s[j, 2 * half + e] = NEG_INF
+
+
+def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The prep kernel (``BACKWARD_PREP_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads.
+    Each warp takes 16 rows; its lanes split a row's columns and sum over the warp."""
+    config.check()
+    D = config.head_dim
+    BM = config.block_m
+    BF16 = bf16
+
+    def backward_prep(o, do, lse, delta, lse2, dq_acc, counters, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh,
+                      seqlen_q, rows, heads_q, counters_per_head):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        x = int64(cuda.blockIdx.x)
+        head = int64(cuda.blockIdx.y)
+        batch = int64(cuda.blockIdx.z)
+        bh = batch * heads_q + head
+        row_base = x * PREP_ROWS
+        for i in range(PREP_ROWS // 4):
+            row = row_base + warp * (PREP_ROWS // 4) + i
+            acc = float32(0.0)
+            if row < seqlen_q:
+                o_at = batch * o_sb + row * o_ss + head * o_sh
+                do_at = batch * do_sb + row * do_ss + head * do_sh
+                for c in range(lane, D, 32):
+                    acc += f32_of_bits(uint32(o[o_at + c]), BF16) * f32_of_bits(uint32(do[do_at + c]), BF16)
+            for offset in (16, 8, 4, 2, 1):
+                acc += cuda.shfl_xor_sync(FULL_MASK, acc, offset)
+            if lane == 0:
+                at = bh * rows + row
+                delta[at] = acc
+                value = INF
+                if row < seqlen_q:
+                    forward = lse[bh * seqlen_q + row]
+                    if forward != NEG_INF:
+                        value = forward * float32(LOG2_E)
+                lse2[at] = value
+        base = (bh * rows + row_base) * D
+        for i in range(tid, PREP_ROWS * D, PREP_THREADS):
+            dq_acc[base + i] = 0.0
+        if tid == 0 and row_base % BM == 0:
+            counters[bh * counters_per_head + row_base // BM] = 0
+
+    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+    backward_prep.__name__ = f"flash_backward_prep_d{D}_m{BM}_{kind}"
+    backward_prep.launch_bounds = (PREP_THREADS, 1)
+    return backward_prep
+
+
+def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The dQ kernel (``BACKWARD_DQ_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads;
+    each thread converts pairs of columns."""
+    config.check()
+    D = config.head_dim
+    BF16 = bf16
+    PAIRS = D // 2
+
+    def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale):
+        tid = cuda.threadIdx.x
+        head = int64(cuda.blockIdx.y)
+        batch = int64(cuda.blockIdx.z)
+        row_base = int64(cuda.blockIdx.x) * PREP_ROWS
+        acc_base = ((batch * heads_q + head) * rows + row_base) * D
+        for i in range(tid, PREP_ROWS * PAIRS, PREP_THREADS):
+            r = i // PAIRS
+            c = 2 * (i % PAIRS)
+            row = row_base + r
+            if row < seqlen_q:
+                at = acc_base + r * D + c
+                packed = pack_16bit(dq_acc[at] * scale, dq_acc[at + 1] * scale, BF16)
+                out = batch * dq_sb + row * dq_ss + head * dq_sh + c
+                dq[out] = uint16(packed & 0xFFFF)
+                dq[out + 1] = uint16(packed >> 16)
+
+    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+    backward_dq.__name__ = f"flash_backward_dq_d{D}_{kind}"
+    backward_dq.launch_bounds = (PREP_THREADS, 1)
+    return backward_dq
+
+
+def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The main backward kernel (``BACKWARD_ARGTYPES``): grid (ceil(seqlen_k / block_n),
+    heads_kv, batch), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory."""
+    config.check()
+    D = config.head_dim
+    BM = config.block_m
+    BN = config.block_n
+    THREADS = config.threads
+    WARPS = config.num_warps
+    KR = config.key_warps
+    KC = config.col_warps
+    QR = config.dq_row_warps
+    QC = config.dq_col_warps
+    KMT = BN // (16 * KR)  # key m-tiles of a warp (Sᵀ, dPᵀ, dK, dV)
+    SQ = BM // KC  # queries of a warp's Sᵀ and dPᵀ
+    S_N = SQ // 8  # their n-tiles
+    DC = D // KC  # head-dim columns of a warp's dK and dV
+    KV_N = DC // 8
+    QMT = BM // (16 * QR)  # query m-tiles of a warp's dQ
+    DQ_COLS = D // QC
+    DQ_N = DQ_COLS // 8
+    A_TILES = max(KMT, QMT)  # A fragments held at once
+    CPR = D // 8  # 16-byte chunks per row
+    RB = config.row_bytes
+    PB = 128  # bytes per row of a column block of the Pᵀ and dSᵀ tiles (block_m is 64 or 128)
+    STAGES = config.q_stages
+    layout = config.shared_layout
+    SK, SV, SP, SDS = layout["k"], layout["v"], layout["p"], layout["ds"]
+    SQ0, SDO0 = layout["q"], layout["do"]
+    SLSE0, SDELTA0, STAGE = layout["lse"], layout["delta"], layout["stage"]
+    STORE_ROWS = BN // WARPS  # rows of dK and dV each warp writes out
+    CAUSAL = causal
+    BF16 = bf16
+    mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
+
+    @cuda.jit(device=True, forceinline=True)
+    def product_nt(acc, a_tile, a_rows, row0, b_tile, b_rows, col0, k_tiles, frags):
+        """acc[mt, j] += A Bᵀ over ``k_tiles`` k-tiles: A = rows ``row0`` + 16 mt of ``a_tile``
+        (ldmatrix), B = rows ``col0`` + 8 j of ``b_tile`` (non-transposed ldmatrix, two n-tiles a
+        load); both tiles ``row_bytes`` RB, head-dim columns."""
+        for kt in range(k_tiles):
+            for mt in range(KMT):
+                ptx.ldmatrix_x4(frags.a[mt], a_tile + block_offset(frags.a_offsets, kt, a_rows, RB)
+                                + (row0 + 16 * mt) * RB)
+            for j2 in range(S_N // 2):
+                ptx.ldmatrix_x4(frags.b, b_tile + block_offset(frags.b_offsets, kt, b_rows, RB)
+                                + (col0 + 16 * j2) * RB)
+                for mt in range(KMT):
+                    mma(acc[mt, 2 * j2], frags.a[mt], frags.b[0:2])
+                    mma(acc[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
+
+    @cuda.jit(device=True, forceinline=True)
+    def transposed_scores(acc_s, acc_dp, sk, sv, tiles, part, frags):
+        """Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's keys and queries."""
+        zero_fragments(acc_s, KMT, S_N)
+        zero_fragments(acc_dp, KMT, S_N)
+        product_nt(acc_s, sk, BN, part.row0, tiles.q, BM, part.col0, D // 16, frags)
+        product_nt(acc_dp, sv, BN, part.row0, tiles.do, BM, part.col0, D // 16, frags)
+
+    @cuda.jit(device=True, forceinline=True)
+    def gradient_of_scores(acc_s, acc_dp, smem_f, tiles, part, scale_log2, lane):
+        """Sᵀ -> Pᵀ and dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ − D) in place (each column: one query's LSE and D
+        from the stage's shared rows); masking is done on Sᵀ before."""
+        t = lane % 4
+        for j in range(S_N):
+            for e in range(2):
+                col = part.col0 + 8 * j + 2 * t + e
+                lse = smem_f[tiles.lse + col]
+                d = smem_f[tiles.delta + col]
+                for mt in range(KMT):
+                    for r in range(2):
+                        p = ptx.exp2(acc_s[mt, j, 2 * r + e] * scale_log2 - lse)
+                        acc_s[mt, j, 2 * r + e] = p
+                        acc_dp[mt, j, 2 * r + e] = p * (acc_dp[mt, j, 2 * r + e] - d)
+
+    @cuda.jit(device=True, forceinline=True)
+    def product_tn(acc, a_tile, row0, b_tile, col0, n_pairs, frags, lane):
+        """acc[mt, j] += A B over the ``block_m`` queries: A = rows ``row0`` + 16 mt of a
+        keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0`` +
+        16 j2 of a queries x head-dim tile (dO or Q) by transposing ldmatrix."""
+        for kt in range(BM // 16):
+            for mt in range(KMT):
+                row = row0 + 16 * mt + lane % 16
+                ptx.ldmatrix_x4(frags.a[mt], a_tile + swizzled_offset(row, 2 * kt + lane // 16, BN, PB))
+            for j2 in range(n_pairs):
+                chunk = col0 // 8 + 2 * j2 + lane // 16
+                ptx.ldmatrix_x4_trans(frags.b, b_tile + swizzled_offset(16 * kt + lane % 16, chunk, BM, RB))
+                for mt in range(KMT):
+                    mma(acc[mt, 2 * j2], frags.a[mt], frags.b[0:2])
+                    mma(acc[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
+
+    @cuda.jit(device=True, forceinline=True)
+    def add_dq(ds_tile, sk, dq_row_at, part, lane, frags, acc_q):
+        """dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` ..: dS (from the dSᵀ tile, by
+        transposing ldmatrix) times K (transposing ldmatrix), added into the accumulator rows
+        at byte address ``dq_row_at`` (row ``part.row0``, column 0) with red.global.add.f32."""
+        zero_fragments(acc_q, QMT, DQ_N)
+        for kt in range(BN // 16):
+            for mt in range(QMT):
+                # A(m = query, k = key) of the keys x queries tile: lane rows are keys
+                key = 16 * kt + lane % 8 + 8 * (lane // 16)
+                query_chunk = (part.row0 + 16 * mt) // 8 + (lane // 8) % 2
+                ptx.ldmatrix_x4_trans(frags.a[mt], ds_tile + swizzled_offset(key, query_chunk, BN, PB))
+            for j2 in range(DQ_N // 2):
+                chunk = part.col0 // 8 + 2 * j2 + lane // 16
+                ptx.ldmatrix_x4_trans(frags.b, sk + swizzled_offset(16 * kt + lane % 16, chunk, BN, RB))
+                for mt in range(QMT):
+                    mma(acc_q[mt, 2 * j2], frags.a[mt], frags.b[0:2])
+                    mma(acc_q[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
+        g = lane // 4
+        t = lane % 4
+        for mt in range(QMT):
+            for r in range(2):
+                row_at = dq_row_at + (16 * mt + g + 8 * r) * (D * 4)
+                for j in range(DQ_N):
+                    at = row_at + (part.col0 + 8 * j + 2 * t) * 4
+                    ptx.red_global_add_f32(at, acc_q[mt, j, 2 * r])
+                    ptx.red_global_add_f32(at + 4, acc_q[mt, j, 2 * r + 1])
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_step(sbase, stage, q_rows, do_rows, m0, lse2_at, delta_at, tid):
+        """cp.async of one query block's Q and dO rows and its LSE and D (``BM`` floats each,
+        at byte addresses ``lse2_at`` / ``delta_at``) into ``stage``."""
+        off = stage * STAGE
+        copy_tile_async(sbase + SQ0 + off, BM, q_rows, m0, CPR, tid, THREADS, RB)
+        copy_tile_async(sbase + SDO0 + off, BM, do_rows, m0, CPR, tid, THREADS, RB)
+        chunks = BM * 4 // 16
+        if tid < chunks:
+            ptx.cp_async_16_at(sbase + SLSE0 + off + 16 * tid, lse2_at + 16 * tid)
+        elif tid < 2 * chunks:
+            ptx.cp_async_16_at(sbase + SDELTA0 + off + 16 * (tid - chunks), delta_at + 16 * (tid - chunks))
+        ptx.cp_async_commit_group()
+
+    def flash_backward(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
+                       q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
+                       do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+                       seqlen_q, seqlen_k, rows, heads_q, group, scale_log2, scale, deterministic):
+        smem = cuda.shared.array(0, types.uint16)
+        smem_f = cuda.shared.array(0, types.float32)
+        tid = cuda.threadIdx.x & 1023
+        warp = tid // 32
+        lane = tid % 32
+        n_block = int64(cuda.blockIdx.x)
+        kv_head = int64(cuda.blockIdx.y)
+        batch = int64(cuda.blockIdx.z)
+        n0 = n_block * BN
+        diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
+        sbase = ptx.shared_address_u16(smem)
+        sk = sbase + SK
+        sv = sbase + SV
+
+        k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
+        v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
+        copy_tile_async(sk, BN, k_rows, n0, CPR, tid, THREADS, RB)
+        copy_tile_async(sv, BN, v_rows, n0, CPR, tid, THREADS, RB)
+        ptx.cp_async_commit_group()
+
+        m_blocks = (seqlen_q + BM - 1) // BM
+        m_first = int64(0)
+        if CAUSAL:
+            m_first = max(n0 - diag, 0) // BM  # the first query block that sees a key of the block
+        per_head = max(m_blocks - m_first, 0)
+        steps = group * per_head
+        lse2_base = ptx.global_address_f32(lse2)
+        delta_base = ptx.global_address_f32(delta)
+        dq_base = ptx.global_address_f32(dq_acc)
+        counter_base = ptx.global_address_i32(counters)
+        counters_per_head = rows // BM
+
+        # The warp's parts: keys x queries (Sᵀ, dPᵀ), keys x head-dim columns (dK, dV),
+        # queries x head-dim columns (dQ).
+        s_part = WarpPart((warp % KR) * 16 * KMT, (warp // KR) * SQ)
+        kv_part = WarpPart((warp % KR) * 16 * KMT, (warp // KR) * DC)
+        q_part = WarpPart((warp % QR) * 16 * QMT, (warp // QR) * DQ_COLS)
+
+        a_offsets = cuda.local.array(4, uint32)  # A operands, and B by transposing ldmatrix
+        ldmatrix_offsets(a_offsets, lane % 16, lane // 16, RB)
+        b_offsets = cuda.local.array(4, uint32)
+        ldmatrix_offsets(b_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
+        frag_a = cuda.local.array((A_TILES, 4), uint32)
+        frag_b = cuda.local.array(4, uint32)
+        frags = Frags(frag_a, frag_b, a_offsets, b_offsets)
+
+        acc_dk = cuda.local.array((KMT, KV_N, 4), float32)
+        acc_dv = cuda.local.array((KMT, KV_N, 4), float32)
+        zero_fragments(acc_dk, KMT, KV_N)
+        zero_fragments(acc_dv, KMT, KV_N)
+        acc_s = cuda.local.array((KMT, S_N, 4), float32)
+        acc_dp = cuda.local.array((KMT, S_N, 4), float32)
+        acc_q = cuda.local.array((QMT, DQ_N, 4), float32)
+
+        if steps > 0:
+            head = kv_head * group
+            bh = batch * heads_q + head
+            q_rows = global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
+            do_rows = global_rows(do, batch * do_sb + head * do_sh, do_ss, seqlen_q)
+            m0 = m_first * BM
+            load_step(sbase, 0, q_rows, do_rows, m0, lse2_base + (bh * rows + m0) * 4,
+                      delta_base + (bh * rows + m0) * 4, tid)
+        for step in range(steps):
+            stage = step % STAGES
+            head = kv_head * group + step // per_head
+            m_block = m_first + step % per_head
+            m0 = m_block * BM
+            bh = batch * heads_q + head
+            if STAGES == 2:
+                if step + 1 < steps:
+                    head1 = kv_head * group + (step + 1) // per_head
+                    bh1 = batch * heads_q + head1
+                    m1 = (m_first + (step + 1) % per_head) * BM
+                    load_step(sbase, 1 - stage, global_rows(q, batch * q_sb + head1 * q_sh, q_ss, seqlen_q),
+                              global_rows(do, batch * do_sb + head1 * do_sh, do_ss, seqlen_q), m1,
+                              lse2_base + (bh1 * rows + m1) * 4, delta_base + (bh1 * rows + m1) * 4, tid)
+                    ptx.cp_async_wait_group_1()
+                else:
+                    ptx.cp_async_wait_group_0()
+            else:
+                if step > 0:
+                    load_step(sbase, 0, global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q),
+                              global_rows(do, batch * do_sb + head * do_sh, do_ss, seqlen_q), m0,
+                              lse2_base + (bh * rows + m0) * 4, delta_base + (bh * rows + m0) * 4, tid)
+                ptx.cp_async_wait_group_0()
+            cuda.syncthreads()  # this step's tiles have landed for everyone
+            off = stage * STAGE
+            tiles = StepTiles(sbase + SQ0 + off, sbase + SDO0 + off, (SLSE0 + off) // 4, (SDELTA0 + off) // 4)
+
+            transposed_scores(acc_s, acc_dp, sk, sv, tiles, s_part, frags)
+            key0 = n0 + s_part.row0
+            q0 = m0 + s_part.col0
+            if key0 + 16 * KMT > seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + diag):
+                for mt in range(KMT):
+                    mask_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, seqlen_k, diag, CAUSAL)
+            gradient_of_scores(acc_s, acc_dp, smem_f, tiles, s_part, scale_log2, lane)
+            for mt in range(KMT):
+                row0 = s_part.row0 + 16 * mt
+                one = float32(1.0)
+                store_fragment_rows(sbase + SP, acc_s[mt], S_N, BN, row0, s_part.col0, lane, BF16, PB, one)
+                store_fragment_rows(sbase + SDS, acc_dp[mt], S_N, BN, row0, s_part.col0, lane, BF16, PB, one)
+            cuda.syncthreads()  # Pᵀ and dSᵀ are in shared memory for everyone
+
+            product_tn(acc_dv, sbase + SP, kv_part.row0, tiles.do, kv_part.col0, KV_N // 2, frags, lane)
+            product_tn(acc_dk, sbase + SDS, kv_part.row0, tiles.q, kv_part.col0, KV_N // 2, frags, lane)
+
+            counter_at = counter_base + (bh * counters_per_head + m_block) * 4
+            if deterministic:  # wait for this query block's turn: key blocks add in order
+                if tid == 0:
+                    while ptx.ld_acquire_gpu_s32(counter_at) != n_block:
+                        pass
+                cuda.syncthreads()
+            dq_row_at = dq_base + ((bh * rows + m0 + q_part.row0) * D) * 4
+            add_dq(sbase + SDS, sk, dq_row_at, q_part, lane, frags, acc_q)
+            if deterministic:
+                cuda.threadfence()
+                cuda.syncthreads()
+                if tid == 0:
+                    ptx.red_release_gpu_add_s32(counter_at, int32(1))
+            cuda.syncthreads()  # every warp is done with this step's tiles
+
+        # Epilogue: dK (scaled) and dV through the K and V tiles, 16-byte stores.
+        drain_copies()
+        for mt in range(KMT):
+            row0 = kv_part.row0 + 16 * mt
+            store_fragment_rows(sk, acc_dk[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, scale)
+            store_fragment_rows(sv, acc_dv[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, float32(1.0))
+        cuda.syncthreads()
+        scratch = cuda.local.array(4, uint32)
+        first = warp * STORE_ROWS
+        dk_rows = global_rows(dk, batch * dk_sb + kv_head * dk_sh, dk_ss, seqlen_k)
+        dv_rows = global_rows(dv, batch * dv_sb + kv_head * dv_sh, dv_ss, seqlen_k)
+        store_rows_global(dk_rows, n0 + first, sk, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
+        store_rows_global(dv_rows, n0 + first, sv, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
+
+    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+    flash_backward.__name__ = f"flash_backward_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
+    flash_backward.launch_bounds = (THREADS, 1)
+    return flash_backward

@@ -1,0 +1,39 @@
+"""Reductions into global memory and the acquire/release pair that orders them between CTAs
+(``ptx/reduce.cu``): the backward adds dQ into a float32 buffer with ``red_global_add_f32``,
+and in deterministic mode takes turns per query block with ``ld_acquire_gpu_s32`` /
+``red_release_gpu_add_s32`` on a counter.
+
+Addresses are generic byte addresses of global memory (int64), from ``global_address_f32`` /
+``global_address_i32`` plus an offset.
+"""
+
+from __future__ import annotations
+
+import cffi
+from numba import cuda, types
+
+from ._declare import declare, f32p
+
+_ffi = cffi.FFI()
+
+_i64 = types.int64
+_address_f32 = declare("reduce", "global_address_f32", _i64(f32p))
+_address_i32 = declare("reduce", "global_address_i32", _i64(types.CPointer(types.int32)))  # int*
+red_global_add_f32 = declare("reduce", "red_global_add_f32", types.void(_i64, types.float32))
+red_global_add_f32.__doc__ = "red_global_add_f32(address, v): *address += v (float32, global, relaxed)."
+ld_acquire_gpu_s32 = declare("reduce", "ld_acquire_gpu_s32", types.int32(_i64))
+ld_acquire_gpu_s32.__doc__ = "ld_acquire_gpu_s32(address) -> int32 *address, acquire order at GPU scope."
+red_release_gpu_add_s32 = declare("reduce", "red_release_gpu_add_s32", types.void(_i64, types.int32))
+red_release_gpu_add_s32.__doc__ = "red_release_gpu_add_s32(a, v): *a += v, release order at GPU scope."
+
+
+@cuda.jit(device=True, forceinline=True)
+def global_address_f32(array):
+    """Byte address (int64) of element 0 of a float32 device array."""
+    return _address_f32(_ffi.from_buffer(array))
+
+
+@cuda.jit(device=True, forceinline=True)
+def global_address_i32(array):
+    """Byte address (int64) of element 0 of an int32 device array."""
+    return _address_i32(_ffi.from_buffer(array))

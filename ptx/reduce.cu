@@ -1,0 +1,18 @@
+// Reductions into global memory and the release/acquire pair that orders them between CTAs
+// (sm_80+). One inline-asm statement per function; every function is inlined by LTO.
+
+// Generic address of a float32 / int32 global array, as a 64-bit integer to step.
+extern "C" __device__ long long global_address_f32(const float* p) { return (long long)p; }
+extern "C" __device__ long long global_address_i32(const int* p) { return (long long)p; }
+// *addr += v in global memory, with no result (red: the add happens in L2; relaxed order).
+extern "C" __device__ void red_global_add_f32(long long addr, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr), "f"(v) : "memory");
+}
+// *addr at GPU scope with acquire order: later reads see what the releasing CTA wrote before.
+extern "C" __device__ int ld_acquire_gpu_s32(long long addr) {
+  int r; asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(r) : "l"(addr) : "memory"); return r;
+}
+// *addr += v at GPU scope with release order: what this thread saw before is visible first.
+extern "C" __device__ void red_release_gpu_add_s32(long long addr, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(addr), "r"(v) : "memory");
+}
