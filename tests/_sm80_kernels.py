@@ -263,6 +263,45 @@ def exp2_poly_kernel(x, out):
     if i < x.size:
         out[i] = ptx.exp2_poly(x[i])
 
+
+def red_add_kernel(values, index, out):
+    """Launch over values.size threads: out[index[i]] += values[i] by red.global.add.f32, so each
+    out element receives the sum of its values (in some order)."""
+    i = cuda.grid(1)
+    if i < values.size:
+        ptx.red_global_add_f32(ptx.global_address_f32(out) + index[i] * 4, values[i])
+
+
+RED_ADD_ARGTYPES = (types.float32[::1], types.int64[::1], types.float32[::1])
+
+
+def turns_kernel(counter, order):
+    """Launch [blocks, 32]: block b waits until counter[0] == b (acquire), appends b to
+    ``order`` at position counter[0] with a plain store, then releases counter[0] + 1: the
+    blocks pass in index order, each seeing the stores of those before."""
+    b = cuda.blockIdx.x
+    at = ptx.global_address_i32(counter)
+    if cuda.threadIdx.x == 0:
+        while ptx.ld_acquire_gpu_s32(at) != b:
+            pass
+        turn = ptx.ld_acquire_gpu_s32(at)
+        order[turn] = b
+        ptx.red_release_gpu_add_s32(at, 1)
+
+
+TURNS_ARGTYPES = (types.int32[::1], types.int32[::1])
+
+
+def bits_to_f32_kernel(bits, out_f16, out_bf16):
+    """Launch over bits.size threads: the 16-bit pattern bits[i] read as f16 and as bf16."""
+    i = cuda.grid(1)
+    if i < bits.size:
+        out_f16[i] = ptx.f32_from_f16_bits(uint32(bits[i]))
+        out_bf16[i] = ptx.f32_from_bf16_bits(uint32(bits[i]))
+
+
+BITS_TO_F32_ARGTYPES = (types.uint16[::1], types.float32[::1], types.float32[::1])
+
 UNROLL_STEPS = 12
 
 
@@ -319,6 +358,9 @@ KERNELS = {
     "exp2": (exp2_kernel, EXP2_ARGTYPES),
     "exp2_poly": (exp2_poly_kernel, EXP2_ARGTYPES),
     "unroll": (unroll_kernel, EXP2_ARGTYPES),
+    "red_add": (red_add_kernel, RED_ADD_ARGTYPES),
+    "turns": (turns_kernel, TURNS_ARGTYPES),
+    "bits_to_f32": (bits_to_f32_kernel, BITS_TO_F32_ARGTYPES),
     "tile_gemm_f16": (make_tile_gemm(False), TILE_GEMM_ARGTYPES),
     "tile_gemm_bf16": (make_tile_gemm(True), TILE_GEMM_ARGTYPES),
 }

@@ -422,3 +422,47 @@ def test_tile_gemm(kind, shape):
     err = np.abs(got - ref)
     assert np.isfinite(got).all()
     assert (err <= bound).all(), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+
+
+# --------------------------------------------------------------------------- reductions, turns, 16-bit reads
+
+
+@gpu
+def test_red_global_add_f32_sums_every_value():
+    """Many threads add into few addresses: each element ends as the sum of its values. Values
+    are small integers, so every summation order gives the same float32 exactly."""
+    rng = _rng("red_add")
+    n, slots = 1 << 16, 37
+    values = rng.integers(-8, 9, n).astype(np.float32)
+    index = rng.integers(0, slots, n).astype(np.int64)
+    start = rng.integers(-100, 100, slots).astype(np.float32)
+    _, _, out = _run("red_add", (n + 255) // 256, 256, values, index, start.copy())
+    want = start.astype(np.float64)
+    np.add.at(want, index, values.astype(np.float64))
+    np.testing.assert_array_equal(out, want.astype(np.float32))
+
+
+@gpu
+def test_acquire_release_turns_pass_in_block_order():
+    """Blocks wait for their turn on a counter (acquire load) and pass it on (release add): the
+    order they recorded is 0, 1, 2, ... and the counter ends at the block count."""
+    blocks = 96
+    counter = np.zeros(1, np.int32)
+    order = np.full(blocks, -1, np.int32)
+    counter, order = _run("turns", blocks, 32, counter, order)
+    assert counter[0] == blocks
+    np.testing.assert_array_equal(order, np.arange(blocks, dtype=np.int32))
+
+
+@gpu
+def test_f32_from_16bit_bits_exact():
+    bf16 = _bf16()
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out_f16 = np.full(bits.size, np.float32(1234.5), np.float32)
+    out_bf16 = np.full(bits.size, np.float32(1234.5), np.float32)
+    _, out_f16, out_bf16 = _run("bits_to_f32", (bits.size + 255) // 256, 256, bits, out_f16, out_bf16)
+    for got, want in ((out_f16, bits.view(np.float16).astype(np.float32)),
+                      (out_bf16, bits.view(bf16).astype(np.float32))):
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
