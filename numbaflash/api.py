@@ -17,6 +17,7 @@ from .operands import (
     check_shapes,
     check_softmax_scale,
     describe,
+    kind_of,
 )
 from .operations import forward
 from .operations.launch_forward import forward_grid
@@ -60,7 +61,33 @@ def flash_attention(
 
     Returns:
         ``out`` (batch, seqlen_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
+
+    On torch tensors that need autograd (or under torch.compile, a fake-tensor mode or
+    another dispatch mode) the call goes through the custom op ``numbaflash::
+    flash_attention_forward`` (``torch_ops``), which is differentiable; ``out=`` then cannot
+    be combined with autograd.
     """
+    if kind_of(q) == "torch":
+        routed = (_TORCH_ROUTE or _torch_route())[0](q, k, v, causal, softmax_scale, return_lse, out)
+        if routed is not None:
+            return routed
+    return direct_flash_attention(q, k, v, causal, softmax_scale, return_lse, out)
+
+
+_TORCH_ROUTE: list = []  # [torch_ops.route], once a torch tensor has reached the API
+
+
+def _torch_route() -> list:
+    from .torch_ops import route
+
+    _TORCH_ROUTE.append(route)
+    return _TORCH_ROUTE
+
+
+def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any,
+                           out: Any) -> Any:
+    """``flash_attention`` without the torch routing: validate, then launch (what the custom op
+    runs on real tensors, and what every call that needs no autograd takes)."""
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_shapes(qd, kd, vd)
     batch, seqlen_q, heads_q, head_dim = qd.shape

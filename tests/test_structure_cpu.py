@@ -77,7 +77,7 @@ LAYERS = {
     "ptx": 1,
     "kernels": 2,
     "configs": 3, "operands": 3, "operations": 3,
-    "api": 4,
+    "api": 4, "torch_ops": 4,
     "__init__": 5,
     "tools": 6, "demos": 6, "__main__": 6, "bench": 6, "debug": 6, "inspect": 6, "precompile": 6,
     "selftest": 6,
@@ -204,7 +204,7 @@ def test_tuple_unpack_rule_is_live(tmp_path):
 
 
 # The package top is the public face plus the short ``python -m numbaflash.<tool>`` entry points.
-PUBLIC_MODULES = {"__init__", "__main__", "api", "configs", "operands"}
+PUBLIC_MODULES = {"__init__", "__main__", "api", "configs", "operands", "torch_ops"}
 TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "precompile", "selftest"}
 SUBPACKAGES = {"kernels", "ptx", "runtime", "tools", "demos", "operations"}
 

@@ -1,0 +1,152 @@
+"""PyTorch integration: ``flash_attention`` as torch custom ops with autograd, fake (meta)
+kernels for torch.compile, and the routing that sends a torch call through them.
+
+Imported by ``api.flash_attention`` the first time a torch tensor reaches it (``import
+numbaflash`` never imports torch). Two ops under the ``numbaflash`` namespace:
+
+- ``numbaflash::flash_attention_forward(q, k, v, causal, softmax_scale) -> (out, lse)``
+- ``numbaflash::flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale,
+  deterministic) -> (dq, dk, dv)``
+
+Both return new contiguous tensors (``mutates_args=()``), made by ``torch.empty`` on the
+inputs' device, as the eager API does, so they capture in CUDA graphs; their fake kernels give
+the same shapes, dtypes and strides and run the eager API's shape and dtype checks, with its
+messages. The forward's autograd saves q, k, v, out and lse; the backward is the backward op
+(the mma.sync backward kernel on every GPU), deterministic when
+``torch.are_deterministic_algorithms_enabled()`` was on at the forward. The LSE is marked
+non-differentiable: it does not require grad, and no gradient flows through it. There is no
+double backward (the backward op has no autograd formula).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import api
+from .operands import Operand, check_flag, check_shapes, check_softmax_scale
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """The eager API's dtype and shape checks, on metadata only (fake and meta tensors too)."""
+    operands = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        dtype_name = _DTYPE_NAMES.get(x.dtype)
+        if dtype_name is None:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
+        operands.append(Operand(name, tuple(x.shape), dtype_name, True, None))
+    check_shapes(*operands)
+
+
+def _check_like(name: str, x: Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
+        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, "
+                         f"got {tuple(x.shape)} {x.dtype}")
+
+
+# The ops' implementations on real tensors. Module attributes, looked up at each call, so a
+# test can put a reference in their place on the CPU.
+def run_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float):
+    return api.direct_flash_attention(q, k, v, causal, softmax_scale, True, None)
+
+
+def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                 softmax_scale: float, deterministic: bool):
+    return api.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                        deterministic=deterministic)
+
+
+@torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                            softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse): out like q (contiguous), lse float32 (batch, heads_q, seqlen_q)."""
+    out, lse = run_forward(q, k, v, causal, softmax_scale)
+    return out, lse
+
+
+@flash_attention_forward.register_fake
+def _forward_fake(q, k, v, causal, softmax_scale):
+    check_tensors(q, k, v)
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("numbaflash::flash_attention_backward", mutates_args=())
+def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             causal: bool, softmax_scale: float,
+                             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), each like its input (contiguous)."""
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+    return dq, dk, dv
+
+
+@flash_attention_backward.register_fake
+def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    check_tensors(q, k, v)
+    _check_like("dout", dout, q.shape, q.dtype)
+    _check_like("out", out, q.shape, q.dtype)
+    batch, seqlen_q, heads_q, _ = q.shape
+    _check_like("lse", lse, (batch, heads_q, seqlen_q), torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.deterministic = torch.are_deterministic_algorithms_enabled()
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    # The kernel reads dO in 16-byte row chunks: a gradient that is not a plain dense tensor
+    # (expanded from a sum, a transposed view, an odd offset) becomes one first.
+    if not dout.is_contiguous() or dout.storage_offset() % 8:
+        dout = dout.clone(memory_format=torch.contiguous_format)
+    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                          ctx.deterministic)
+    return dq, dk, dv, None, None
+
+
+flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+_grad_enabled = torch.is_grad_enabled
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out):
+    """``flash_attention`` on torch tensors: None when the direct (eager, no autograd) path
+    serves the call, else its result through the custom op. The op runs when autograd needs
+    it (grad mode on and q, k or v requiring grad), under torch.compile / torch.export, on
+    tensor subclasses (fake, functional), under a dispatch mode (FakeTensorMode, make_fx,
+    FlopCounterMode), and on meta tensors. Kept small: torch.compile traces it
+    (``is_dynamo_compiling()`` is constant True there: the rest of the test is not traced;
+    non-strict export and make_fx trace with fake tensors under a dispatch mode)."""
+    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    check_tensors(q, k, v)
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    if out is not None:
+        if needs_grad:
+            raise RuntimeError(
+                "flash_attention(): out= does not support automatic differentiation, but q, k or v "
+                "requires grad; call it without out= (or under torch.no_grad())")
+        if not isinstance(out, Tensor):
+            raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype "
+                             f"{_DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
+                             f"{_DTYPE_NAMES.get(out.dtype, out.dtype)}")
+    result, lse = flash_attention_forward(q, k, v, causal, softmax_scale)
+    if out is not None:
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
