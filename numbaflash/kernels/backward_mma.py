@@ -37,7 +37,7 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32
 
 from .. import ptx
-from .common import FULL_MASK, NEG_INF
+from .common import FULL_MASK, NEG_INF, unroll
 from .epilogue import store_rows_global
 from .shapes import BackwardConfig
 from .smem import (
@@ -90,6 +90,9 @@ StepTiles = namedtuple("StepTiles", ["q", "do", "lse", "delta"])
 # Fragment buffers a warp reuses: A fragments of every key m-tile, one B pair, and the lane's
 # ldmatrix offsets (A pattern, B pattern, transposed-B pattern).
 Frags = namedtuple("Frags", ["a", "b", "a_offsets", "b_offsets"])
+# The operands of one dV or dK product (``product_tn``) and of one dQ product (``dq_product``).
+TnProduct = namedtuple("TnProduct", ["acc", "a_tile", "row0", "b_tile", "col0", "frags", "lane"])
+DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "part", "frags", "lane"])
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -297,39 +300,51 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                         acc_dp[mt, j, 2 * r + e] = p * (acc_dp[mt, j, 2 * r + e] - d)
 
     @cuda.jit(device=True, forceinline=True)
-    def product_tn(acc, a_tile, row0, b_tile, col0, n_pairs, frags, lane):
-        """acc[mt, j] += A B over the ``block_m`` queries: A = rows ``row0`` + 16 mt of a
-        keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0`` +
-        16 j2 of a queries x head-dim tile (dO or Q) by transposing ldmatrix."""
-        for kt in range(BM // 16):
+    def tn_step(kt, st):
+        """k-tile ``kt`` (16 queries) of ``product_tn``."""
+        for mt in range(KMT):
+            row = st.row0 + 16 * mt + st.lane % 16
+            ptx.ldmatrix_x4(st.frags.a[mt], st.a_tile + swizzled_offset(row, 2 * kt + st.lane // 16, BN, PB))
+        for j2 in range(KV_N // 2):
+            chunk = st.col0 // 8 + 2 * j2 + st.lane // 16
+            at = st.b_tile + swizzled_offset(16 * kt + st.lane % 16, chunk, BM, RB)
+            ptx.ldmatrix_x4_trans(st.frags.b, at)
             for mt in range(KMT):
-                row = row0 + 16 * mt + lane % 16
-                ptx.ldmatrix_x4(frags.a[mt], a_tile + swizzled_offset(row, 2 * kt + lane // 16, BN, PB))
-            for j2 in range(n_pairs):
-                chunk = col0 // 8 + 2 * j2 + lane // 16
-                ptx.ldmatrix_x4_trans(frags.b, b_tile + swizzled_offset(16 * kt + lane % 16, chunk, BM, RB))
-                for mt in range(KMT):
-                    mma(acc[mt, 2 * j2], frags.a[mt], frags.b[0:2])
-                    mma(acc[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
+                mma(st.acc[mt, 2 * j2], st.frags.a[mt], st.frags.b[0:2])
+                mma(st.acc[mt, 2 * j2 + 1], st.frags.a[mt], st.frags.b[2:4])
+
+    # acc[mt, j] += A B over the ``block_m`` queries (a TnProduct): A = rows ``row0`` + 16 mt of a
+    # keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0`` .. of
+    # a queries x head-dim tile (dO or Q) by transposing ldmatrix. Unrolled in Python: NVVM left
+    # the k-tile loop rolled, so no k-tile's loads could overlap the previous one's mma.sync.
+    product_tn = unroll(tn_step, BM // 16)
+
+    @cuda.jit(device=True, forceinline=True)
+    def dq_step(kt, st):
+        """k-tile ``kt`` (16 keys) of ``dq_product``."""
+        lane = st.lane
+        for mt in range(QMT):
+            # A(m = query, k = key) of the keys x queries tile: lane rows are keys
+            key = 16 * kt + lane % 8 + 8 * (lane // 16)
+            query_chunk = (st.part.row0 + 16 * mt) // 8 + (lane // 8) % 2
+            ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + swizzled_offset(key, query_chunk, BN, PB))
+        for j2 in range(DQ_N // 2):
+            chunk = st.part.col0 // 8 + 2 * j2 + lane // 16
+            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + swizzled_offset(16 * kt + lane % 16, chunk, BN, RB))
+            for mt in range(QMT):
+                mma(st.acc[mt, 2 * j2], st.frags.a[mt], st.frags.b[0:2])
+                mma(st.acc[mt, 2 * j2 + 1], st.frags.a[mt], st.frags.b[2:4])
+
+    # dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` .. of this step (a DqProduct): dS (from
+    # the dSᵀ tile, by transposing ldmatrix) times K (transposing ldmatrix), over the block's keys.
+    dq_product = unroll(dq_step, BN // 16)
 
     @cuda.jit(device=True, forceinline=True)
     def add_dq(ds_tile, sk, dq_row_at, part, lane, frags, acc_q):
-        """dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` ..: dS (from the dSᵀ tile, by
-        transposing ldmatrix) times K (transposing ldmatrix), added into the accumulator rows
-        at byte address ``dq_row_at`` (row ``part.row0``, column 0) with red.global.add.f32."""
+        """dQ of this step for the warp's part, added into the accumulator rows at byte address
+        ``dq_row_at`` (row ``part.row0``, column 0) with red.global.add.f32."""
         zero_fragments(acc_q, QMT, DQ_N)
-        for kt in range(BN // 16):
-            for mt in range(QMT):
-                # A(m = query, k = key) of the keys x queries tile: lane rows are keys
-                key = 16 * kt + lane % 8 + 8 * (lane // 16)
-                query_chunk = (part.row0 + 16 * mt) // 8 + (lane // 8) % 2
-                ptx.ldmatrix_x4_trans(frags.a[mt], ds_tile + swizzled_offset(key, query_chunk, BN, PB))
-            for j2 in range(DQ_N // 2):
-                chunk = part.col0 // 8 + 2 * j2 + lane // 16
-                ptx.ldmatrix_x4_trans(frags.b, sk + swizzled_offset(16 * kt + lane % 16, chunk, BN, RB))
-                for mt in range(QMT):
-                    mma(acc_q[mt, 2 * j2], frags.a[mt], frags.b[0:2])
-                    mma(acc_q[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
+        dq_product(DqProduct(acc_q, ds_tile, sk, part, frags, lane))
         g = lane // 4
         t = lane % 4
         for mt in range(QMT):
@@ -461,8 +476,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                 store_fragment_rows(sbase + SDS, acc_dp[mt], S_N, BN, row0, s_part.col0, lane, BF16, PB, one)
             cuda.syncthreads()  # Pᵀ and dSᵀ are in shared memory for everyone
 
-            product_tn(acc_dv, sbase + SP, kv_part.row0, tiles.do, kv_part.col0, KV_N // 2, frags, lane)
-            product_tn(acc_dk, sbase + SDS, kv_part.row0, tiles.q, kv_part.col0, KV_N // 2, frags, lane)
+            product_tn(TnProduct(acc_dv, sbase + SP, kv_part.row0, tiles.do, kv_part.col0, frags, lane))
+            product_tn(TnProduct(acc_dk, sbase + SDS, kv_part.row0, tiles.q, kv_part.col0, frags, lane))
 
             counter_at = counter_base + (bh * counters_per_head + m_block) * 4
             if deterministic:  # wait for this query block's turn: key blocks add in order

@@ -250,10 +250,17 @@ class BackwardConfig:
     num_warps: int = 8
     # Buffers of Q, dO and their rows' LSE and D: 2 loads the next query block during this one.
     q_stages: int = 2
+    # 16-key m-tiles a warp owns in Sᵀ, dPᵀ, dK and dV (2: the warps of a key row then split the
+    # queries and head-dim columns two ways, and each fragment loaded serves twice the mma.sync).
+    key_tiles: int = 1
+    # 16-query m-tiles a warp owns in dQ (2: the warps split the head-dim columns more ways).
+    dq_tiles: int = 1
 
     @property
     def tag(self) -> str:
-        return f"_w{self.num_warps}" + ("_s1" if self.q_stages == 1 else "")
+        return (f"_w{self.num_warps}" + ("_s1" if self.q_stages == 1 else "")
+                + (f"_k{self.key_tiles}" if self.key_tiles != 1 else "")
+                + (f"_q{self.dq_tiles}" if self.dq_tiles != 1 else ""))
 
     @property
     def threads(self) -> int:
@@ -262,7 +269,7 @@ class BackwardConfig:
     @property
     def key_warps(self) -> int:
         """Warps along the keys in the S/dP and dK/dV products (16 keys or more each)."""
-        return min(self.num_warps, self.block_n // 16)
+        return min(self.num_warps, self.block_n // (16 * self.key_tiles))
 
     @property
     def col_warps(self) -> int:
@@ -272,7 +279,7 @@ class BackwardConfig:
 
     @property
     def dq_row_warps(self) -> int:
-        return min(self.num_warps, self.block_m // 16)
+        return min(self.num_warps, self.block_m // (16 * self.dq_tiles))
 
     @property
     def dq_col_warps(self) -> int:
@@ -311,8 +318,12 @@ class BackwardConfig:
             raise ValueError(f"block_m must be 64 or 128 (whole 128-byte rows of the Pᵀ tile), got {self}")
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps must be 4 or 8, got {self}")
-        if self.block_n % (16 * self.key_warps) or self.block_n > 128:
+        if self.key_tiles not in (1, 2) or self.dq_tiles not in (1, 2):
+            raise ValueError(f"key_tiles and dq_tiles must be 1 or 2, got {self}")
+        if self.block_n % (16 * self.key_warps) or self.block_n > 128 or self.num_warps % self.key_warps:
             raise ValueError(f"block_n must be a multiple of 16 x key warps, at most 128, got {self}")
+        if self.block_m % (16 * self.dq_row_warps) or self.num_warps % self.dq_row_warps:
+            raise ValueError(f"block_m must split into whole dQ m-tiles over the warps, got {self}")
         if self.q_stages not in (1, 2):
             raise ValueError(f"q_stages must be 1 or 2, got {self}")
         for what, n, split in (("queries", self.block_m, self.col_warps), ("head_dim", d, self.col_warps),
