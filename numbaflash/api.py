@@ -11,15 +11,20 @@ from typing import Any
 from .operands import (
     check_device_layout,
     check_flag,
+    check_like,
     check_no_self_overlap,
     check_out_aliasing,
+    check_outputs_disjoint,
     check_same_device,
     check_shapes,
     check_softmax_scale,
     describe,
+    describe_gradient,
+    describe_lse,
     kind_of,
 )
-from .operations import forward
+from .operations import backward, forward
+from .operations.launch_backward import check_backward_grid
 from .operations.launch_forward import forward_grid
 from .runtime import device as gpu_state
 
@@ -124,3 +129,90 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
                                   capability, device)
     return forward.run_numpy(q, k, v, out, qd.dtype_name, causal, softmax_scale, return_lse,
                              capability, device)
+
+
+def flash_attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+) -> tuple[Any, Any, Any]:
+    """Gradients of ``O = softmax(Q Kᵀ · scale) V`` with respect to q, k and v, on tensor cores
+    (FlashAttention-2's backward: the mma.sync kernels, which every GPU from sm_80 on runs).
+
+    Args:
+        dout: (batch, seqlen_q, heads_q, head_dim), the gradient of the loss with respect to
+            ``out``; q's dtype.
+        q: (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, as given to the forward.
+        k, v: (batch, seqlen_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv
+            (GQA / MQA). head_dim 32, 64, 96, 128 or 256; any seqlen >= 1.
+        out: (batch, seqlen_q, heads_q, head_dim), q's dtype: the forward's output.
+        lse: (batch, heads_q, seqlen_q) float32, the forward's log-sum-exp as
+            ``flash_attention(..., return_lse=True)`` returns it (-inf on rows that see no
+            key); a C-contiguous device array for device inputs, any numpy array for numpy.
+            All inputs numpy arrays (staged through page-locked memory; the gradients are
+            numpy arrays over pooled pinned memory), or all device arrays: torch CUDA tensors,
+            CuPy arrays, Numba device arrays or any ``__cuda_array_interface__`` object (zero
+            copy, launched on the inputs' stream; new gradients and the float32 workspace are
+            allocated by the inputs' library: ``torch.empty`` for torch, so the call works
+            under CUDA-graph capture). Strided device inputs work when head_dim is contiguous
+            and rows are 16-byte aligned.
+        causal: (bool) the forward's masking: bottom-right aligned (query i sees key j iff
+            j <= i + seqlen_k - seqlen_q).
+        softmax_scale: the forward's positive real scale of QKᵀ; default 1/sqrt(head_dim).
+        deterministic: (bool) bit-identical gradients from run to run: each query block's dQ
+            is summed over the key blocks in one order (slower); otherwise the float32 additions
+            into dQ land in whatever order the CTAs reach them.
+        dq, dk, dv: optional output arrays, like q, k and v (same kind, shape and dtype),
+            writeable, with no element sharing memory with another, and sharing no memory with
+            any input or each other. None: a new array (C-contiguous).
+
+    Raises:
+        TypeError, ValueError: bad input, before anything is compiled or launched.
+        RuntimeError: no usable GPU of compute capability 8.0 or newer, or no backward tile of
+            this head dim fits the GPU's shared memory (head_dim 256 on GPUs of 99 KB a CTA:
+            sm_86, sm_89, sm_120).
+
+    Returns:
+        ``(dq, dk, dv)``: dq like q (batch, seqlen_q, heads_q, head_dim), dk and dv like k
+        (batch, seqlen_k, heads_kv, head_dim), in q's dtype. With GQA / MQA the dk and dv of a
+        KV head sum over its query heads. Rows that see no key (causal, seqlen_q > seqlen_k)
+        get zero gradients, and give none to k and v.
+    """
+    qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
+    check_shapes(qd, kd, vd)
+    batch, seqlen_q, heads_q, head_dim = qd.shape
+    _, seqlen_k, heads_kv, _ = kd.shape
+    dod, od = describe("dout", dout), describe("out", out)
+    check_like(dod, qd)
+    check_like(od, qd)
+    lsed = describe_lse(lse, (batch, heads_q, seqlen_q), qd.on_device)
+    causal = check_flag("causal", causal)
+    deterministic = check_flag("deterministic", deterministic)
+    softmax_scale = check_softmax_scale(softmax_scale, head_dim)
+    grads = (None if dq is None else describe_gradient("dq", dq, qd),
+             None if dk is None else describe_gradient("dk", dk, kd),
+             None if dv is None else describe_gradient("dv", dv, vd))
+    given = [g for g in grads if g is not None]
+    check_backward_grid(seqlen_q, seqlen_k, heads_q, heads_kv, batch)  # so every config's grids fit
+    inputs = [dod, qd, kd, vd, od, lsed]
+    if qd.on_device:  # layout checks before anything is compiled
+        for op in (dod, qd, kd, vd, od, *given):
+            check_device_layout(op)
+    check_outputs_disjoint(given, inputs)
+    capability, device = gpu_state.GPU.current()
+    if qd.on_device:
+        check_same_device([*inputs, *given], device)
+        return backward.run_device(dod, qd, kd, vd, od, lsed, grads, causal, softmax_scale, deterministic,
+                                   capability, device)
+    return backward.run_numpy(dout, q, k, v, out, lse, (dq, dk, dv), causal, softmax_scale, deterministic,
+                              capability, device)

@@ -12,13 +12,14 @@ in ``tuned_configs.json`` beside this file; entries missing from it use ``DEFAUL
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .kernels.shapes import ForwardConfig, WsConfig
-from .operations.families import FAMILIES, family_of, family_of_table_kind
+from .kernels.shapes import BackwardConfig, ForwardConfig, WsConfig
+from .operations.families import FAMILIES, SM80_BWD, family_of, family_of_table_kind
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
@@ -138,7 +139,7 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
     **{("sm90", d): _WS_CANDIDATES[d] + _SM80_CANDIDATES[d] for d in FAMILY_HEAD_DIMS["sm90"]},
 }
 # Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.
-OVERRIDES: dict[str, KernelConfig] = {}
+OVERRIDES: dict[str, KernelConfig | BackwardConfig] = {}
 
 
 def arch_family(capability: tuple[int, int]) -> str:
@@ -289,13 +290,18 @@ def runnable_candidates(capability: tuple[int, int], head_dim: int) -> list[Kern
 
 
 @contextlib.contextmanager
-def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig) -> Iterator[None]:
+def force_config(capability: tuple[int, int], causal: bool,
+                 config: KernelConfig | BackwardConfig) -> Iterator[None]:
     """Within the block, ``flash_attention`` on this GPU launches ``config`` for its head dim
-    and ``causal`` (any family that runs here). Not thread-safe: for tests and tools."""
+    and ``causal`` (any family that runs here); for a ``BackwardConfig``,
+    ``flash_attention_backward`` does (every GPU runs it). Not thread-safe: for tests and tools."""
     family = family_of(config)
-    if family.name not in runnable_families(capability):
+    if family is SM80_BWD:
+        key = backward_table_key(config.head_dim, causal)
+    elif family.name not in runnable_families(capability):
         raise ValueError(f"{config} needs {family.gpus}; this GPU is sm_{capability[0]}{capability[1]}")
-    key = table_key(arch_family(capability), config.head_dim, causal)
+    else:
+        key = table_key(arch_family(capability), config.head_dim, causal)
     previous = OVERRIDES.get(key)
     OVERRIDES[key] = config
     try:
@@ -305,6 +311,113 @@ def force_config(capability: tuple[int, int], causal: bool, config: KernelConfig
             OVERRIDES.pop(key, None)
         else:
             OVERRIDES[key] = previous
+
+
+# ---------------------------------------------------------------------------- backward
+
+# The mma.sync backward (``operations.backward``): one family, run by every GPU from sm_80 on
+# (Hopper included until its own backward kernel exists). Its tuned entries sit in the same
+# table under their own keys (``backward_table_key``: ``sm80bwd/d128/causal``, ``"kernel":
+# "mma_bwd"``), written by autotune; entries missing from it use ``BACKWARD_DEFAULTS``.
+BACKWARD_FAMILY = SM80_BWD.name
+_B = BackwardConfig
+# Per head dim, in order of preference: the first that fits the GPU's shared memory a CTA runs.
+# FlashAttention-2's backward tiles: 64 query rows a step, 128 keys a CTA over 8 warps, the next
+# query block's Q and dO loaded during this one (q_stages 2); one Q stage, then 64 keys, where
+# that needs too much shared memory. The last, 64 keys and one Q stage (80.5 KB at d128), is what
+# d128 runs on GPUs of 99 KB a CTA (sm_86, sm_89, sm_120: the others need 113 KB or more); d256
+# has no tile that fits there (FlashAttention-2 needs an A100 or H100 for it too).
+BACKWARD_DEFAULTS: dict[int, list[BackwardConfig]] = {
+    **{d: [_B(d, block_m=64, block_n=128), _B(d, block_m=64, block_n=128, q_stages=1),
+           _B(d, block_m=64, block_n=64), _B(d, block_m=64, block_n=64, q_stages=1)]
+       for d in (32, 64, 96, 128)},
+    256: [_B(256, block_m=64, block_n=64), _B(256, block_m=64, block_n=64, q_stages=1)],
+}
+
+
+def _two_tiles(config: BackwardConfig) -> list[BackwardConfig]:
+    """``config`` with two m-tiles a warp in both kinds of product, where that is a valid config."""
+    config = dataclasses.replace(config, key_tiles=2, dq_tiles=2)
+    try:
+        config.check()
+    except ValueError:
+        return []
+    return [config]
+
+
+# What autotune, the sanitizer and precompile --candidates try, by head dim: the defaults, and
+# each with two 16-row m-tiles a warp in Sᵀ/dPᵀ/dK/dV and in dQ (key_tiles=2, dq_tiles=2: on an
+# H100 at 4k, d128, 0.60 -> 0.68-0.69 of SDPA flash's backward) where the warps still split
+# evenly (not at head dims 32 and 96).
+BACKWARD_CANDIDATES: dict[int, list[BackwardConfig]] = {
+    d: defaults + [t for c in defaults for t in _two_tiles(c)] for d, defaults in BACKWARD_DEFAULTS.items()
+}
+
+
+def backward_table_key(head_dim: int, causal: bool) -> str:
+    """The tuned table's (and ``OVERRIDES``') key of the backward config for ``head_dim`` and
+    ``causal``: ``sm80bwd/d128/causal``."""
+    return table_key(BACKWARD_FAMILY, head_dim, causal)
+
+
+def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
+                    shared_limit: int | None = None) -> BackwardConfig:
+    """The backward configuration to launch on this GPU: a forced one (``force_config`` with a
+    ``BackwardConfig``), else the tuned table's entry (``backward_table_key``), else the first of
+    ``BACKWARD_DEFAULTS[head_dim]``, each passed over where it needs more shared memory than the
+    GPU gives a CTA (``shared_limit``, by default ``max_shared_bytes(capability)``). A forced
+    config is returned as it is (the launch then fails with a message if it does not fit).
+
+    Raises:
+        ValueError: a head dim with no backward configs.
+        RuntimeError: no config of this head dim fits in ``shared_limit``.
+    """
+    if OVERRIDES:
+        forced = OVERRIDES.get(backward_table_key(head_dim, causal))
+        if forced is not None:
+            return forced
+    limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+    return _backward_choice(head_dim, causal, limit)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_choice(head_dim: int, causal: bool, limit: int) -> BackwardConfig:
+    """``backward_config`` without a forced config (the table is read once per process)."""
+    if head_dim not in BACKWARD_DEFAULTS:
+        raise ValueError(f"head_dim must be one of {tuple(BACKWARD_DEFAULTS)} for the backward, "
+                         f"got {head_dim}")
+    key = backward_table_key(head_dim, causal)
+    tried: list[BackwardConfig] = []
+    if key in _table():
+        config = config_from_json(_table()[key])
+        if family_of(config) is not SM80_BWD or config.head_dim != head_dim:
+            raise ValueError(f"the tuned table's entry {key} must be a {SM80_BWD.table_kind} config of "
+                             f"head_dim {head_dim}, got {config}")
+        tried.append(config)
+    tried += BACKWARD_DEFAULTS[head_dim]
+    for config in tried:
+        if config.shared_bytes <= limit:
+            return config
+    needs = ", ".join(f"{c} needs {c.shared_bytes}" for c in tried)
+    raise RuntimeError(f"no backward config for head_dim {head_dim} fits in {limit} bytes of shared memory "
+                       f"a CTA ({needs})")
+
+
+def shipped_backward_configs() -> list[tuple[int, bool, BackwardConfig]]:
+    """Every (head dim, causal, config) the backward can launch unforced on the representative
+    GPUs (``FAMILY_CAPABILITY`` and ``SMALL_SHARED_CAPABILITIES``), each once; a GPU where no
+    config of a head dim fits adds nothing for it."""
+    shipped = []
+    for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
+        for d in BACKWARD_DEFAULTS:
+            for causal in (False, True):
+                try:
+                    item = (d, causal, backward_config(cap, d, causal))
+                except RuntimeError:
+                    continue
+                if item not in shipped:
+                    shipped.append(item)
+    return shipped
 
 
 FAMILY_ARCH = {name: family.arch for name, family in FAMILIES.items()}  # the target each family compiles for

@@ -320,3 +320,127 @@ def empty_lse(ref: Any, shape: tuple[int, ...]):
     from numba import cuda
 
     return cuda.device_array(shape, dtype=np.float32)
+
+
+# ------------------------------------------------------------------ the backward's operands
+
+
+def _where(op: Operand) -> str:
+    return "a device array" if op.on_device else "a numpy (host) array"
+
+
+def check_like(op: Operand, ref: Operand) -> None:
+    """``op`` lives where ``ref`` lives (numpy or device) and has its shape and dtype (dout and
+    out like q; the gradients like q, k or v)."""
+    if op.on_device != ref.on_device:
+        raise TypeError(f"{op.name} must be {_where(ref)} like {ref.name}, got {_where(op)}")
+    if op.shape != ref.shape or op.dtype_name != ref.dtype_name:
+        raise ValueError(f"{op.name} must have {ref.name}'s shape {ref.shape} and dtype {ref.dtype_name}, "
+                         f"got {op.shape} {op.dtype_name}")
+
+
+def describe_lse(x: Any, shape: tuple[int, int, int], on_device: bool) -> Operand:
+    """The forward's log-sum-exp as an operand: float32 of ``shape`` (batch, heads_q, seqlen_q),
+    a numpy array when the other inputs are (any layout: it is copied), else a C-contiguous
+    device array (the kernel reads it flat) on a 4-byte boundary."""
+    kind = kind_of(x)
+    device = None
+    if kind == "numpy":
+        dtype, dims, strides, pointer = x.dtype, tuple(x.shape), (), 0
+    elif kind == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"lse: torch tensors must be on a CUDA device, got device {x.device}")
+        if x.dtype != _torch().float32:
+            raise TypeError(f"lse must be float32 (what flash_attention(..., return_lse=True) returns), "
+                            f"got {x.dtype}")
+        dtype, dims, strides, pointer = np.dtype(np.float32), tuple(x.shape), tuple(x.stride()), x.data_ptr()
+        device = x.get_device()
+    elif kind == "cai":
+        cai = x.__cuda_array_interface__
+        try:
+            dtype = np.dtype(cai["typestr"])
+        except TypeError as exc:
+            raise TypeError(f"lse: unknown __cuda_array_interface__ typestr {cai['typestr']!r}") from exc
+        dims = tuple(map(int, cai["shape"]))
+        byte_strides = cai.get("strides")
+        strides = (tuple(math.prod(dims[i + 1:]) for i in range(len(dims))) if byte_strides is None
+                   else tuple(int(s) // 4 if int(s) % 4 == 0 else -1 for s in byte_strides))
+        pointer = int(cai["data"][0])
+    else:
+        raise TypeError(f"lse must be a numpy array or a CUDA array (__cuda_array_interface__), "
+                        f"got {type(x).__name__}")
+    on = kind != "numpy"
+    if on != on_device:
+        where = "a device array" if on_device else "a numpy (host) array"
+        raise TypeError(f"lse must be {where} like q, got {'a device' if on else 'a numpy (host)'} array")
+    if dtype != np.float32:
+        raise TypeError(f"lse must be float32 (what flash_attention(..., return_lse=True) returns), "
+                        f"got {dtype}")
+    if dims != tuple(shape):
+        raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = {tuple(shape)}, got {dims}")
+    if on:
+        dense = (shape[1] * shape[2], shape[2], 1)
+        if any(n > 1 and st != want for n, st, want in zip(dims, strides, dense, strict=True)):
+            raise ValueError(f"lse must be C-contiguous (strides {dense} in elements), got strides "
+                             f"{strides}; pass a contiguous copy")
+        if pointer % 4:
+            raise ValueError(f"lse must start on a 4-byte boundary, got pointer {pointer:#x}")
+    return Operand("lse", dims, "float32", on, x, strides, pointer, device=device)
+
+
+def describe_gradient(name: str, x: Any, ref: Operand) -> Operand:
+    """A given dq, dk or dv: like ``ref`` (q, k or v: place, shape and dtype), writeable, with no
+    two elements in the same memory. A numpy array's strides are filled in (in elements)."""
+    op = describe(name, x)
+    check_like(op, ref)
+    if not op.on_device:
+        if not x.flags.writeable:
+            raise ValueError(f"{name} is a read-only numpy array; pass a writeable one")
+        op.strides = tuple(st // x.itemsize for st in x.strides)
+    check_no_self_overlap(op)
+    return op
+
+
+# Bound on numpy's exact overlap search (np.shares_memory); past it arrays count as overlapping.
+OVERLAP_WORK = 100_000
+
+
+class _AddressRange:
+    """A device operand's addresses, shape and strides as a numpy array interface, so that
+    ``np.shares_memory`` can tell whether two operands share an element. numpy only does
+    arithmetic on the address: nothing reads the device memory."""
+
+    def __init__(self, op: Operand) -> None:
+        itemsize = 4 if op.dtype_name == "float32" else 2
+        self.__array_interface__ = {"shape": op.shape, "typestr": f"<u{itemsize}", "version": 3,
+                                    "data": (op.pointer, True),
+                                    "strides": tuple(st * itemsize for st in op.strides)}
+
+
+def _memory(op: Operand) -> np.ndarray:
+    return np.asarray(_AddressRange(op)) if op.on_device else op.obj
+
+
+def shares_memory(a: Operand, b: Operand) -> bool:
+    """Whether two operands of the same kind have an element in the same memory (exactly, within
+    ``OVERLAP_WORK``; beyond it, whether their extents overlap)."""
+    x, y = _memory(a), _memory(b)
+    if not np.may_share_memory(x, y):
+        return False
+    too_hard = getattr(getattr(np, "exceptions", np), "TooHardError", None) or np.TooHardError
+    try:
+        return bool(np.shares_memory(x, y, max_work=OVERLAP_WORK))
+    except too_hard:
+        return True
+
+
+def check_outputs_disjoint(outs: list[Operand], inputs: list[Operand]) -> None:
+    """No output shares memory with another output or with any input (the kernels read every
+    input until the last launch, and each output is written by one kernel)."""
+    for i, a in enumerate(outs):
+        for b in (*outs[i + 1:], *inputs):
+            if shares_memory(a, b):
+                raise ValueError(
+                    f"{a.name} shares memory with {b.name}; the gradients must not overlap the inputs or "
+                    f"each other: pass {a.name} with memory of its own (or None for a new array)"
+                )

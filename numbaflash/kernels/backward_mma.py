@@ -37,11 +37,10 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32
 
 from .. import ptx
-from .common import FULL_MASK, NEG_INF, unroll
+from .common import FULL_MASK, NEG_INF, keep_in_register, unroll
 from .epilogue import store_rows_global
 from .shapes import BackwardConfig
 from .smem import (
-    block_offset,
     copy_tile_async,
     drain_copies,
     global_rows,
@@ -87,12 +86,18 @@ WarpPart = namedtuple("WarpPart", ["row0", "col0"])
 # The tiles of one step of the walk (shared addresses): Q, dO, and the stage's LSE and D
 # (float32 element index into the dynamic shared array).
 StepTiles = namedtuple("StepTiles", ["q", "do", "lse", "delta"])
-# Fragment buffers a warp reuses: A fragments of every key m-tile, one B pair, and the lane's
-# ldmatrix offsets (A pattern, B pattern, transposed-B pattern).
-Frags = namedtuple("Frags", ["a", "b", "a_offsets", "b_offsets"])
+# Fragment buffers a warp reuses: A fragments of every m-tile and one B pair.
+Frags = namedtuple("Frags", ["a", "b"])
+# The lane's ldmatrix byte offsets into each tile, for the warp's part of each product, worked
+# out once (``lane_offsets``): with the k-tile a compile-time constant, every load address is
+# then a tile base + one of these + an immediate. Sᵀ/dPᵀ: ``nt_a[kb]`` (K, V rows, 16-column
+# block kb of a column block) and ``nt_b[kb]`` (Q, dO rows); dV/dK: ``tn_a[kb]`` (Pᵀ, dSᵀ rows)
+# and ``tn_b[j2]`` (dO, Q columns, transposed); dQ: ``dq_a[mt]`` (dSᵀ transposed) and
+# ``dq_b[j2]`` (K columns, transposed).
+Offsets = namedtuple("Offsets", ["nt_a", "nt_b", "tn_a", "tn_b", "dq_a", "dq_b"])
 # The operands of one dV or dK product (``product_tn``) and of one dQ product (``dq_product``).
-TnProduct = namedtuple("TnProduct", ["acc", "a_tile", "row0", "b_tile", "col0", "frags", "lane"])
-DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "part", "frags", "lane"])
+TnProduct = namedtuple("TnProduct", ["acc", "a_tile", "b_tile", "frags", "offsets"])
+DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets"])
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -246,8 +251,11 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     DQ_COLS = D // QC
     DQ_N = DQ_COLS // 8
     A_TILES = max(KMT, QMT)  # A fragments held at once
+    KV_PAIRS = KV_N // 2  # B loads (two n-tiles each) of a dV or dK k-tile
+    DQ_PAIRS = DQ_N // 2
     CPR = D // 8  # 16-byte chunks per row
     RB = config.row_bytes
+    KB = RB // 32  # 16-column blocks per column block of the Q, K, V and dO tiles
     PB = 128  # bytes per row of a column block of the Pᵀ and dSᵀ tiles (block_m is 64 or 128)
     STAGES = config.q_stages
     layout = config.shared_layout
@@ -260,28 +268,27 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, forceinline=True)
-    def product_nt(acc, a_tile, a_rows, row0, b_tile, b_rows, col0, k_tiles, frags):
-        """acc[mt, j] += A Bᵀ over ``k_tiles`` k-tiles: A = rows ``row0`` + 16 mt of ``a_tile``
-        (ldmatrix), B = rows ``col0`` + 8 j of ``b_tile`` (non-transposed ldmatrix, two n-tiles a
-        load); both tiles ``row_bytes`` RB, head-dim columns."""
-        for kt in range(k_tiles):
+    def product_nt(acc, a_tile, b_tile, frags, offsets):
+        """acc[mt, j] += A Bᵀ over the head dim: A = the warp's key rows (+ 16 mt) of ``a_tile``
+        (K or V, ldmatrix), B = its query rows (+ 8 j) of ``b_tile`` (Q or dO, non-transposed
+        ldmatrix, two n-tiles a load)."""
+        for kt in range(D // 16):
+            block = (kt // KB) * RB  # the column block, per row of the tile
             for mt in range(KMT):
-                ptx.ldmatrix_x4(frags.a[mt], a_tile + block_offset(frags.a_offsets, kt, a_rows, RB)
-                                + (row0 + 16 * mt) * RB)
+                ptx.ldmatrix_x4(frags.a[mt], a_tile + offsets.nt_a[kt % KB] + block * BN + 16 * mt * RB)
             for j2 in range(S_N // 2):
-                ptx.ldmatrix_x4(frags.b, b_tile + block_offset(frags.b_offsets, kt, b_rows, RB)
-                                + (col0 + 16 * j2) * RB)
+                ptx.ldmatrix_x4(frags.b, b_tile + offsets.nt_b[kt % KB] + block * BM + 16 * j2 * RB)
                 for mt in range(KMT):
                     mma(acc[mt, 2 * j2], frags.a[mt], frags.b[0:2])
                     mma(acc[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
 
     @cuda.jit(device=True, forceinline=True)
-    def transposed_scores(acc_s, acc_dp, sk, sv, tiles, part, frags):
+    def transposed_scores(acc_s, acc_dp, sk, sv, tiles, frags, offsets):
         """Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's keys and queries."""
         zero_fragments(acc_s, KMT, S_N)
         zero_fragments(acc_dp, KMT, S_N)
-        product_nt(acc_s, sk, BN, part.row0, tiles.q, BM, part.col0, D // 16, frags)
-        product_nt(acc_dp, sv, BN, part.row0, tiles.do, BM, part.col0, D // 16, frags)
+        product_nt(acc_s, sk, tiles.q, frags, offsets)
+        product_nt(acc_dp, sv, tiles.do, frags, offsets)
 
     @cuda.jit(device=True, forceinline=True)
     def gradient_of_scores(acc_s, acc_dp, smem_f, tiles, part, scale_log2, lane):
@@ -303,12 +310,10 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     def tn_step(kt, st):
         """k-tile ``kt`` (16 queries) of ``product_tn``."""
         for mt in range(KMT):
-            row = st.row0 + 16 * mt + st.lane % 16
-            ptx.ldmatrix_x4(st.frags.a[mt], st.a_tile + swizzled_offset(row, 2 * kt + st.lane // 16, BN, PB))
+            at = st.a_tile + st.offsets.tn_a[kt % 4] + (kt // 4) * (BN * PB) + 16 * mt * PB
+            ptx.ldmatrix_x4(st.frags.a[mt], at)
         for j2 in range(KV_N // 2):
-            chunk = st.col0 // 8 + 2 * j2 + st.lane // 16
-            at = st.b_tile + swizzled_offset(16 * kt + st.lane % 16, chunk, BM, RB)
-            ptx.ldmatrix_x4_trans(st.frags.b, at)
+            ptx.ldmatrix_x4_trans(st.frags.b, st.b_tile + st.offsets.tn_b[j2] + 16 * kt * RB)
             for mt in range(KMT):
                 mma(st.acc[mt, 2 * j2], st.frags.a[mt], st.frags.b[0:2])
                 mma(st.acc[mt, 2 * j2 + 1], st.frags.a[mt], st.frags.b[2:4])
@@ -322,15 +327,10 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     @cuda.jit(device=True, forceinline=True)
     def dq_step(kt, st):
         """k-tile ``kt`` (16 keys) of ``dq_product``."""
-        lane = st.lane
-        for mt in range(QMT):
-            # A(m = query, k = key) of the keys x queries tile: lane rows are keys
-            key = 16 * kt + lane % 8 + 8 * (lane // 16)
-            query_chunk = (st.part.row0 + 16 * mt) // 8 + (lane // 8) % 2
-            ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + swizzled_offset(key, query_chunk, BN, PB))
+        for mt in range(QMT):  # A(m = query, k = key) of the keys x queries tile, transposed
+            ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + st.offsets.dq_a[mt] + 16 * kt * PB)
         for j2 in range(DQ_N // 2):
-            chunk = st.part.col0 // 8 + 2 * j2 + lane // 16
-            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + swizzled_offset(16 * kt + lane % 16, chunk, BN, RB))
+            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + st.offsets.dq_b[j2] + 16 * kt * RB)
             for mt in range(QMT):
                 mma(st.acc[mt, 2 * j2], st.frags.a[mt], st.frags.b[0:2])
                 mma(st.acc[mt, 2 * j2 + 1], st.frags.a[mt], st.frags.b[2:4])
@@ -340,11 +340,11 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     dq_product = unroll(dq_step, BN // 16)
 
     @cuda.jit(device=True, forceinline=True)
-    def add_dq(ds_tile, sk, dq_row_at, part, lane, frags, acc_q):
+    def add_dq(ds_tile, sk, dq_row_at, part, lane, frags, offsets, acc_q):
         """dQ of this step for the warp's part, added into the accumulator rows at byte address
         ``dq_row_at`` (row ``part.row0``, column 0) with red.global.add.f32."""
         zero_fragments(acc_q, QMT, DQ_N)
-        dq_product(DqProduct(acc_q, ds_tile, sk, part, frags, lane))
+        dq_product(DqProduct(acc_q, ds_tile, sk, frags, offsets))
         g = lane // 4
         t = lane % 4
         for mt in range(QMT):
@@ -368,6 +368,29 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         elif tid < 2 * chunks:
             ptx.cp_async_16_at(sbase + SDELTA0 + off + 16 * (tid - chunks), delta_at + 16 * (tid - chunks))
         ptx.cp_async_commit_group()
+
+    @cuda.jit(device=True, forceinline=True)
+    def lane_offsets(offsets, s_part, kv_part, q_part, lane):
+        """Fill ``offsets`` (an Offsets) for this lane and its warp's parts; each value is kept
+        in a register (``keep_in_register``), not recomputed from the lane index every step."""
+        ldmatrix_offsets(offsets.nt_a, lane % 16, lane // 16, RB)
+        ldmatrix_offsets(offsets.nt_b, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
+        ldmatrix_offsets(offsets.tn_a, lane % 16, lane // 16, PB)
+        for b in range(KB):
+            offsets.nt_a[b] = keep_in_register(offsets.nt_a[b] + s_part.row0 * RB, lane)
+            offsets.nt_b[b] = keep_in_register(offsets.nt_b[b] + s_part.col0 * RB, lane)
+        for b in range(4):
+            offsets.tn_a[b] = keep_in_register(offsets.tn_a[b] + kv_part.row0 * PB, lane)
+        for j2 in range(KV_N // 2):
+            chunk = kv_part.col0 // 8 + 2 * j2 + lane // 16
+            offsets.tn_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BM, RB), lane)
+        for mt in range(QMT):
+            key = lane % 8 + 8 * (lane // 16)
+            query_chunk = (q_part.row0 + 16 * mt) // 8 + (lane // 8) % 2
+            offsets.dq_a[mt] = keep_in_register(swizzled_offset(key, query_chunk, BN, PB), lane)
+        for j2 in range(DQ_N // 2):
+            chunk = q_part.col0 // 8 + 2 * j2 + lane // 16
+            offsets.dq_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BN, RB), lane)
 
     def flash_backward(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
@@ -411,13 +434,11 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         kv_part = WarpPart((warp % KR) * 16 * KMT, (warp // KR) * DC)
         q_part = WarpPart((warp % QR) * 16 * QMT, (warp // QR) * DQ_COLS)
 
-        a_offsets = cuda.local.array(4, uint32)  # A operands, and B by transposing ldmatrix
-        ldmatrix_offsets(a_offsets, lane % 16, lane // 16, RB)
-        b_offsets = cuda.local.array(4, uint32)
-        ldmatrix_offsets(b_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
-        frag_a = cuda.local.array((A_TILES, 4), uint32)
-        frag_b = cuda.local.array(4, uint32)
-        frags = Frags(frag_a, frag_b, a_offsets, b_offsets)
+        offsets = Offsets(cuda.local.array(KB, uint32), cuda.local.array(KB, uint32),
+                          cuda.local.array(4, uint32), cuda.local.array(KV_PAIRS, uint32),
+                          cuda.local.array(QMT, uint32), cuda.local.array(DQ_PAIRS, uint32))
+        lane_offsets(offsets, s_part, kv_part, q_part, lane)
+        frags = Frags(cuda.local.array((A_TILES, 4), uint32), cuda.local.array(4, uint32))
 
         acc_dk = cuda.local.array((KMT, KV_N, 4), float32)
         acc_dv = cuda.local.array((KMT, KV_N, 4), float32)
@@ -462,7 +483,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
             off = stage * STAGE
             tiles = StepTiles(sbase + SQ0 + off, sbase + SDO0 + off, (SLSE0 + off) // 4, (SDELTA0 + off) // 4)
 
-            transposed_scores(acc_s, acc_dp, sk, sv, tiles, s_part, frags)
+            transposed_scores(acc_s, acc_dp, sk, sv, tiles, frags, offsets)
             key0 = n0 + s_part.row0
             q0 = m0 + s_part.col0
             if key0 + 16 * KMT > seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + diag):
@@ -476,8 +497,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                 store_fragment_rows(sbase + SDS, acc_dp[mt], S_N, BN, row0, s_part.col0, lane, BF16, PB, one)
             cuda.syncthreads()  # Pᵀ and dSᵀ are in shared memory for everyone
 
-            product_tn(TnProduct(acc_dv, sbase + SP, kv_part.row0, tiles.do, kv_part.col0, frags, lane))
-            product_tn(TnProduct(acc_dk, sbase + SDS, kv_part.row0, tiles.q, kv_part.col0, frags, lane))
+            product_tn(TnProduct(acc_dv, sbase + SP, tiles.do, frags, offsets))
+            product_tn(TnProduct(acc_dk, sbase + SDS, tiles.q, frags, offsets))
 
             counter_at = counter_base + (bh * counters_per_head + m_block) * 4
             if deterministic:  # wait for this query block's turn: key blocks add in order
@@ -486,7 +507,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                         pass
                 cuda.syncthreads()
             dq_row_at = dq_base + ((bh * rows + m0 + q_part.row0) * D) * 4
-            add_dq(sbase + SDS, sk, dq_row_at, q_part, lane, frags, acc_q)
+            add_dq(sbase + SDS, sk, dq_row_at, q_part, lane, frags, offsets, acc_q)
             if deterministic:
                 cuda.threadfence()
                 cuda.syncthreads()

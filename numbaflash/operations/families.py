@@ -15,8 +15,9 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..kernels.abi import FORWARD_ABI, WS_ABI
-from ..kernels.shapes import ForwardConfig, WsConfig
+from ..kernels.abi import BACKWARD_ABI, BACKWARD_DQ_ABI, BACKWARD_PREP_ABI, FORWARD_ABI, WS_ABI
+from ..kernels.shapes import BackwardConfig, ForwardConfig, WsConfig
+from .launch_backward import launch_backward_dq, launch_backward_main, launch_backward_prep
 from .launch_forward import launch_sm80, launch_sm90
 
 
@@ -48,7 +49,7 @@ class KernelOp:
 class Family:
     """A kernel family: its configs' class and its kernels, by operation."""
 
-    name: str  # "sm80" | "sm90"
+    name: str  # "sm80" | "sm90" | "sm80bwd"
     config_type: type
     table_kind: str  # the tuned table's "kernel" field for its configs
     arch: str  # the target it compiles for
@@ -71,7 +72,19 @@ SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", {
     "forward": KernelOp("forward_ws", WS_ABI, "forward_ws:make_forward_ws_kernel",
                         "forward_ws:WS_ARGTYPES", launch_sm90),
 })
-FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90)}
+# The mma.sync backward (FlashAttention-2's algorithm): three kernels a call, run in this order
+# (``operations.backward``). Compiled for the GPU's own target like the sm80 forward, so it runs
+# on every GPU from sm_80 on, Hopper included.
+SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer", {
+    "backward_prep": KernelOp("backward_prep", BACKWARD_PREP_ABI, "backward_mma:make_backward_prep_kernel",
+                              "backward_mma:BACKWARD_PREP_ARGTYPES", launch_backward_prep),
+    "backward": KernelOp("backward", BACKWARD_ABI, "backward_mma:make_backward_kernel",
+                         "backward_mma:BACKWARD_ARGTYPES", launch_backward_main),
+    "backward_dq": KernelOp("backward_dq", BACKWARD_DQ_ABI, "backward_mma:make_backward_dq_kernel",
+                            "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_dq),
+})
+BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
+FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
 _BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}
 

@@ -1,0 +1,224 @@
+"""The backward operation: choose the config, load its three kernels (prepare, main, dQ), and
+launch them on device arrays, or stage numpy arrays through page-locked memory and run them.
+
+After the first call on a device, the device path is a dictionary lookup for the launchers
+(``GPU.launchers``, keyed by device, head dim, causality and dtype), one workspace allocation of
+the inputs' library, and three launches on the inputs' stream (``launch_backward``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import configs
+from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
+from ..runtime import device as gpu_state
+from ..runtime.compiler import arch_of
+from .families import BACKWARD_OPERATIONS, family_of
+from .forward import loaded_kernel
+from .launch_backward import BackwardCall, Launch, workspace_layout
+
+LOG2_E = math.log2(math.e)
+
+
+class BackwardKernels(NamedTuple):
+    """One config's three kernels on one device, each as (``KernelLauncher``, launch function),
+    in launch order."""
+
+    config: Any  # kernels.shapes.BackwardConfig
+    prep: tuple[Any, Launch]
+    main: tuple[Any, Launch]
+    dq: tuple[Any, Launch]
+
+
+def ready_key(device: int, head_dim: int, causal: bool, bf16: bool) -> tuple:
+    """The key in ``GPU.launchers`` of the kernels an unforced call runs: what picks the config on
+    a device (``configs.backward_config`` is memoised on the same inputs)."""
+    return "backward", device, head_dim, causal, bf16
+
+
+def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
+                     bf16: bool) -> BackwardKernels:
+    """The config and the three loaded kernels of this problem on the current device (ordinal
+    ``device``).
+
+    The config is the table's, else the first default that fits the device's shared memory a CTA
+    (``configs.backward_config``). Each kernel's cubin comes from the on-disk kernel cache or is
+    compiled for the device's own target (``arch_of``: ``sm_90a`` on Hopper, ``sm_86`` on an
+    sm_86 GPU, as the sm80 forward) and stored; it is loaded once per process, and the main
+    kernel's shared-memory limit is raised once per device.
+    """
+    gpu = gpu_state.GPU
+    if not configs.OVERRIDES:
+        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16))
+        if ready is not None:
+            return ready
+    limit = gpu.shared_limit(device)
+    config = configs.backward_config(capability, head_dim, causal, limit)
+    key = ("backward", config, causal, bf16, capability, device)
+    ready = gpu.launchers.get(key)
+    if ready is None:
+        if config.shared_bytes > limit:  # only a forced config gets here (force_config)
+            raise RuntimeError(f"{config} needs {config.shared_bytes} bytes of shared memory a CTA; device "
+                               f"{device} (sm_{capability[0]}{capability[1]}) allows {limit}")
+        from ..runtime.launch import KernelLauncher, set_dynamic_shared_limit
+
+        family = family_of(config)
+        with gpu.lock:
+            ready = gpu.launchers.get(key)
+            if ready is None:
+                parts = []
+                for operation in BACKWARD_OPERATIONS:
+                    op = family.op(operation)
+                    kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), operation)
+                    if operation == "backward":
+                        set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
+                    parts.append((KernelLauncher(kernel, op.abi, name), op.prepare_launch(config)))
+                ready = gpu.launchers[key] = BackwardKernels(config, *parts)
+    if not configs.OVERRIDES:  # the hot path's entry holds unforced configs only
+        gpu.launchers[ready_key(device, head_dim, causal, bf16)] = ready
+    return ready
+
+
+def launch_all(kernels: BackwardKernels, call: BackwardCall) -> None:
+    """The three kernels of one call, in order, on ``call.stream``."""
+    gpu = gpu_state.GPU
+    for launcher, launch in (kernels.prep, kernels.main, kernels.dq):
+        launch(launcher, call, gpu)
+
+
+def _dense(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """Element strides of a C-contiguous 4-D array of ``shape``."""
+    _, s, h, d = shape
+    return s * h * d, h * d, d, 1
+
+
+def _gradient(given: Operand | None, ref: Operand, name: str) -> tuple[Any, Operand]:
+    """(array, operand) of a gradient: the given one, or a new C-contiguous device array like
+    ``ref`` (its library, shape and dtype)."""
+    if given is not None:
+        return given.obj, given
+    array = empty_like(ref.obj, ref.shape, ref.dtype_name)
+    return array, Operand(name, ref.shape, ref.dtype_name, True, array, _dense(ref.shape),
+                          device_pointer(array), device=ref.device)
+
+
+def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand, lsed: Operand,
+               grads: tuple[Operand | None, Operand | None, Operand | None], causal: bool, scale: float,
+               deterministic: bool, capability: tuple[int, int], device: int) -> tuple[Any, Any, Any]:
+    """The backward on device arrays: a workspace of the inputs' library (``torch.empty`` for
+    torch, so that the caching allocator and CUDA-graph capture work; ``cupy.empty``; a Numba
+    device array otherwise), then the three launches on the inputs' stream. ``grads``: the
+    operands of the given dq, dk, dv (None: a new array like q, k or v). Returns (dq, dk, dv)."""
+    batch, seqlen_q, heads_q, head_dim = qd.shape
+    kernels = backward_kernels(capability, device, head_dim, causal, qd.dtype_name == "bfloat16")
+    dq, dqd = _gradient(grads[0], qd, "dq")
+    dk, dkd = _gradient(grads[1], kd, "dk")
+    dv, dvd = _gradient(grads[2], vd, "dv")
+    layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
+    workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare kernel initialises it
+    call = BackwardCall(dod, qd, kd, vd, od, dqd, dkd, dvd, (lsed.pointer, batch * heads_q * seqlen_q),
+                        layout.at(device_pointer(workspace)), layout.rows, np.float32(scale * LOG2_E),
+                        np.float32(scale), deterministic, stream_handle(qd), device)
+    launch_all(kernels, call)
+    return dq, dk, dv
+
+
+class HostLayout(NamedTuple):
+    """Byte offsets of one numpy call's arrays in its device allocation (256-byte aligned): the
+    inputs (copied in as one block, from ``inputs`` bytes of pinned memory), the gradients
+    (copied out as one block of ``grads`` bytes), then the workspace."""
+
+    offsets: dict[str, int]
+    inputs: int
+    grads: int
+    total: int
+
+
+def host_layout(shapes: dict[str, tuple[int, ...]], itemsizes: dict[str, int],
+                workspace_bytes: int) -> HostLayout:
+    """Where each array of ``shapes`` (inputs dout, q, k, v, out, lse, then gradients dq, dk, dv,
+    in that order) sits, 256-byte aligned."""
+    offsets, at = {}, 0
+    inputs = 0
+    for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"):
+        if name == "dq":
+            inputs = at
+        offsets[name] = at
+        at += -(-math.prod(shapes[name]) * itemsizes[name] // 256) * 256
+    return HostLayout(offsets, inputs, at - inputs, at + workspace_bytes)
+
+
+def _driver_call(result, what: str):
+    from cuda.bindings import driver
+
+    if result[0] != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"numbaflash backward: {what} failed: {result[0].name}")
+    return result[1] if len(result) == 2 else None
+
+
+def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
+              lse: np.ndarray, grads: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None],
+              causal: bool, scale: float, deterministic: bool, capability: tuple[int, int],
+              device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The backward on numpy arrays, staged synchronously: the inputs are gathered into one block
+    of page-locked memory (``runtime.pipeline.pinned_empty``, from the pooled pinned memory) and
+    copied to one device allocation in one copy; the three kernels run on a stream of their own;
+    dq, dk, dv come back in one copy into pooled pinned memory. Returns them there as numpy
+    arrays, or writes them into the given ``grads`` (dq, dk, dv: None for a new array)."""
+    from cuda.bindings import driver
+
+    from ..runtime.pipeline import pinned_empty
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
+    kernels = backward_kernels(capability, device, head_dim, causal, dtype_name == "bfloat16")
+    ws = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}
+    itemsizes = {name: 4 if name == "lse" else 2 for name in shapes}
+    lay = host_layout(shapes, itemsizes, 4 * ws.total)
+    staged = pinned_empty((lay.inputs,), np.uint8)
+    for name, x in arrays.items():
+        start = lay.offsets[name]
+        view = staged[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+        np.copyto(view, x)
+    results = pinned_empty((lay.grads,), np.uint8)
+    stream = _driver_call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                          "creating a stream")
+    base = 0
+    try:
+        base = int(_driver_call(driver.cuMemAlloc(lay.total), f"allocating {lay.total} device bytes"))
+        _driver_call(driver.cuMemcpyHtoDAsync(base, staged.ctypes.data, lay.inputs, stream),
+                     "copying the inputs to the device")
+
+        def dense(name: str) -> Operand:
+            return Operand(name, shapes[name], dtype_name, True, None, _dense(shapes[name]),
+                           base + lay.offsets[name])
+
+        call = BackwardCall(dense("dout"), dense("q"), dense("k"), dense("v"), dense("out"), dense("dq"),
+                            dense("dk"), dense("dv"), (base + lay.offsets["lse"], lse.size),
+                            ws.at(base + lay.total - 4 * ws.total), ws.rows, np.float32(scale * LOG2_E),
+                            np.float32(scale), deterministic, int(stream), device)
+        launch_all(kernels, call)
+        _driver_call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + lay.inputs, lay.grads, stream),
+                     "copying the gradients to the host")
+        _driver_call(driver.cuStreamSynchronize(stream), "running the backward")
+    finally:
+        driver.cuStreamSynchronize(stream)  # after a failure too: nothing may still use the memory
+        if base:
+            driver.cuMemFree(base)
+        driver.cuStreamDestroy(stream)
+    given = dict(zip(("dq", "dk", "dv"), grads, strict=True))
+    found = []
+    for name in ("dq", "dk", "dv"):
+        start = lay.offsets[name] - lay.inputs
+        result = results[start:start + 2 * math.prod(shapes[name])].view(q.dtype).reshape(shapes[name])
+        if given[name] is not None:
+            given[name][...] = result
+            result = given[name]
+        found.append(result)
+    return found[0], found[1], found[2]

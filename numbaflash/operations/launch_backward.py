@@ -1,0 +1,198 @@
+"""The backward kernels' launches: from a ``BackwardCall`` (the operands, the workspace and the
+scalars of one call) to each kernel's parameter list (``kernels.abi``: ``BACKWARD_PREP_ABI``,
+``BACKWARD_ABI``, ``BACKWARD_DQ_ABI``), and the grid and workspace arithmetic they share.
+
+One call launches three kernels on the caller's stream, in this order:
+
+1. prepare (``backward_prep``): D = rowsum(dO ∘ O) and the LSE in log2 units per row; zeroes
+   the dQ accumulator and the turn counters. Grid (rows // 64, heads_q, batch), 128 threads.
+2. main (``backward``): dK and dV of one key block per CTA, dQ added into the accumulator.
+   Grid (ceil(seqlen_k / block_n), heads_kv, batch), ``config.threads``, ``config.shared_bytes``.
+3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (rows // 64,
+   heads_q, batch), 128 threads.
+
+rows = seqlen_q rounded up to ``BACKWARD_ROW_ALIGN``. The grid is not folded as the forward's
+is: y and z are the head and the batch, each at most 65535 (``check_backward_grid``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ..kernels.abi import BACKWARD_ROW_ALIGN
+from .launch_forward import MAX_GRID_X, MAX_GRID_YZ
+
+if TYPE_CHECKING:
+    from ..operands import Operand
+
+ROW_BLOCK = 64  # query rows per CTA of the prepare and dQ kernels
+ROW_THREADS = 128  # threads per CTA of the prepare and dQ kernels
+SMALLEST_BLOCK_N = 16  # the narrowest key block any BackwardConfig may have (a 16-key mma tile)
+
+
+class Workspace(NamedTuple):
+    """Where one call's float32 workspace sits, each part as ``(device pointer, elements)``,
+    flat 1-D: the LSE in log2 units and D, (batch, heads_q, rows) float32 each; the dQ
+    accumulator, (batch, heads_q, rows, head_dim) float32; the turn counters, (batch, heads_q,
+    rows // block_m) int32."""
+
+    lse_log2: tuple[int, int]
+    delta: tuple[int, int]
+    dq_accum: tuple[int, int]
+    counters: tuple[int, int]
+
+
+class WorkspaceLayout(NamedTuple):
+    """The workspace of one problem as one float32 allocation (4-byte elements throughout; the
+    int32 counters come last): each part's offset and length in elements, and the total."""
+
+    rows: int
+    lse_log2: int
+    delta: int
+    dq_accum: int
+    counters: int
+    row_elements: int  # batch * heads_q * rows: the length of lse_log2 and of delta
+    accum_elements: int  # row_elements * head_dim
+    counter_elements: int  # batch * heads_q * (rows // block_m)
+    total: int
+
+    def at(self, base: int) -> Workspace:
+        """The parts of a workspace allocated at device address ``base``."""
+        return Workspace((base + 4 * self.lse_log2, self.row_elements),
+                         (base + 4 * self.delta, self.row_elements),
+                         (base + 4 * self.dq_accum, self.accum_elements),
+                         (base + 4 * self.counters, self.counter_elements))
+
+
+def backward_rows(seqlen_q: int) -> int:
+    """seqlen_q rounded up to ``BACKWARD_ROW_ALIGN`` (128): the workspace's rows per (batch, head)."""
+    return -(-seqlen_q // BACKWARD_ROW_ALIGN) * BACKWARD_ROW_ALIGN
+
+
+def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, block_m: int) -> WorkspaceLayout:
+    """The workspace of a problem of q shape (batch, seqlen_q, heads_q, head_dim) for a config
+    of ``block_m`` query rows a step. Every part starts at a multiple of 512 bytes (rows is a
+    multiple of 128 rows of 4 bytes)."""
+    rows = backward_rows(seqlen_q)
+    if rows % block_m:
+        raise ValueError(f"block_m ({block_m}) must divide the workspace's {rows} rows "
+                         f"(seqlen_q rounded up to {BACKWARD_ROW_ALIGN})")
+    row_elements = batch * heads_q * rows
+    accum_elements = row_elements * head_dim
+    counter_elements = batch * heads_q * (rows // block_m)
+    delta = row_elements
+    dq_accum = 2 * row_elements
+    counters = dq_accum + accum_elements
+    return WorkspaceLayout(rows, 0, delta, dq_accum, counters, row_elements, accum_elements, counter_elements,
+                           counters + counter_elements)
+
+
+def backward_grids(seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, batch: int,
+                   block_n: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid of the prepare and dQ kernels, grid of the main kernel); ValueError where either
+    exceeds CUDA's grid (x at most 2^31 - 1, y and z at most 65535)."""
+    rows_grid = (backward_rows(seqlen_q) // ROW_BLOCK, heads_q, batch)
+    main_grid = (-(-seqlen_k // block_n), heads_kv, batch)
+    for what, grid in (("prepare and dQ", rows_grid), ("main", main_grid)):
+        if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+            raise ValueError(
+                f"the backward's {what} grid {grid} (blocks, heads, batch) exceeds the CUDA grid "
+                f"({MAX_GRID_X} x {MAX_GRID_YZ} x {MAX_GRID_YZ} blocks): the backward needs heads_q, "
+                f"heads_kv and batch each at most {MAX_GRID_YZ}, got heads_q {heads_q}, heads_kv "
+                f"{heads_kv}, batch {batch}; split the call"
+            )
+    return rows_grid, main_grid
+
+
+def check_backward_grid(seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, batch: int) -> None:
+    """Whether every config's grids fit, before any config is chosen (the narrowest key block
+    gives the most blocks): what the API checks before anything is compiled."""
+    backward_grids(seqlen_q, seqlen_k, heads_q, heads_kv, batch, SMALLEST_BLOCK_N)
+
+
+class BackwardCall(NamedTuple):
+    """One backward call: dout, q, k, v, out and the gradients dq, dk, dv as operands (pointers
+    and strides in elements, 16-bit), the forward's LSE as ``(pointer, elements)`` (float32,
+    (batch, heads_q, seqlen_q), contiguous), the workspace, the scalars and the stream."""
+
+    dout: Operand
+    q: Operand
+    k: Operand
+    v: Operand
+    out: Operand
+    dq: Operand
+    dk: Operand
+    dv: Operand
+    lse: tuple[int, int]
+    workspace: Workspace
+    rows: int  # seqlen_q rounded up to BACKWARD_ROW_ALIGN
+    scale_log2: np.float32  # softmax scale * log2(e)
+    scale: np.float32  # softmax scale
+    deterministic: bool
+    stream: int
+    device: int
+
+
+Launch = Callable[[Any, BackwardCall, Any], None]
+
+
+def launch_backward_prep(config) -> Launch:
+    """The launch of the prepare kernel (``BACKWARD_PREP_ABI``): out and dout by pointer and
+    strides, the LSE, and the four workspace parts it initialises."""
+    block_m = config.block_m
+
+    def launch(launcher, call: BackwardCall, gpu: Any) -> None:
+        o, do, ws = call.out, call.dout, call.workspace
+        batch, seqlen_q, heads_q, _ = call.q.shape
+        grid = (call.rows // ROW_BLOCK, heads_q, batch)
+        os_, ds = o.strides, do.strides
+        launcher(grid, ROW_THREADS, call.stream, 0,
+                 (o.pointer, o.span), (do.pointer, do.span), call.lse,
+                 ws.delta, ws.lse_log2, ws.dq_accum, ws.counters,
+                 os_[0], os_[1], os_[2], ds[0], ds[1], ds[2],
+                 seqlen_q, call.rows, heads_q, call.rows // block_m)
+
+    return launch
+
+
+def launch_backward_main(config) -> Launch:
+    """The launch of the main kernel (``BACKWARD_ABI``): one CTA per key block, KV head and
+    batch; q, k, v, dout, dk, dv by pointer and strides, the workspace, and the scalars. What
+    depends only on the config is worked out here, once."""
+    block_n, threads, shared_bytes = config.block_n, config.threads, config.shared_bytes
+
+    def launch(launcher, call: BackwardCall, gpu: Any) -> None:
+        q, k, v, do, dk, dv, ws = call.q, call.k, call.v, call.dout, call.dk, call.dv, call.workspace
+        batch, seqlen_q, heads_q, _ = q.shape
+        _, seqlen_k, heads_kv, _ = k.shape
+        grid = (-(-seqlen_k // block_n), heads_kv, batch)
+        qs, ks, vs, dos, dks, dvs = q.strides, k.strides, v.strides, do.strides, dk.strides, dv.strides
+        launcher(grid, threads, call.stream, shared_bytes,
+                 (q.pointer, q.span), (k.pointer, k.span), (v.pointer, v.span), (do.pointer, do.span),
+                 (dk.pointer, dk.span), (dv.pointer, dv.span),
+                 ws.lse_log2, ws.delta, ws.dq_accum, ws.counters,
+                 qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                 dos[0], dos[1], dos[2], dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
+                 seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv,
+                 call.scale_log2, call.scale, call.deterministic)
+
+    return launch
+
+
+def launch_backward_dq(config) -> Launch:
+    """The launch of the dQ kernel (``BACKWARD_DQ_ABI``): the accumulator, scaled, into dq (by
+    pointer and strides)."""
+
+    def launch(launcher, call: BackwardCall, gpu: Any) -> None:
+        dq = call.dq
+        batch, seqlen_q, heads_q, _ = call.q.shape
+        grid = (call.rows // ROW_BLOCK, heads_q, batch)
+        s = dq.strides
+        launcher(grid, ROW_THREADS, call.stream, 0,
+                 call.workspace.dq_accum, (dq.pointer, dq.span), s[0], s[1], s[2],
+                 seqlen_q, call.rows, heads_q, call.scale)
+
+    return launch
