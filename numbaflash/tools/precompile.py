@@ -1,8 +1,12 @@
 """Compile kernels into the on-disk cache with no GPU, so that a later GPU process compiles nothing.
 
+By default: the forward kernels each target dispatches, and the backward's three kernels (prepare,
+main, dQ) of each config it runs, causal and not, float16 and bfloat16.
+
     python -m numbaflash.precompile                        # what sm_80, sm_86, sm_89, sm_90a GPUs run
     python -m numbaflash.precompile --arch sm_90a          # one target
     python -m numbaflash.precompile --arch sm_90a --candidates   # also every autotune candidate
+    python -m numbaflash.precompile --forward-only         # not the backward's kernels
     python -m numbaflash.precompile --list                 # what the cache holds
     python -m numbaflash.precompile --clear                # remove entries of other versions
     python -m numbaflash.precompile --clear --all          # remove every entry
@@ -50,18 +54,43 @@ def kernels_for(arch: str, candidates: bool) -> list[tuple]:
     return [(config, causal, bf16, arch) for config, causal in configs for bf16 in (False, True)]
 
 
+def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
+    """(config, causal, bf16, arch, operation) of every backward kernel a GPU of ``arch`` runs
+    (each config's prepare, main and dQ kernels; the mma.sync backward runs on every GPU, Hopper
+    included), and with ``candidates`` those of every backward candidate."""
+    from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config
+    from ..operations.families import BACKWARD_OPERATIONS
+
+    cap = capability_of(arch)
+    items = []
+    for head_dim in BACKWARD_DEFAULTS:
+        for causal in (False, True):
+            try:
+                chosen = [backward_config(cap, head_dim, causal)]
+            except RuntimeError:  # no tile of this head dim fits the GPU (d256 on 99 KB a CTA)
+                chosen = []
+            if candidates:
+                chosen += [c for c in BACKWARD_CANDIDATES[head_dim] if c not in chosen]
+            items += [(config, causal, bf16, arch, operation) for config in chosen for bf16 in (False, True)
+                      for operation in BACKWARD_OPERATIONS]
+    return items
+
+
 def build_one(item: tuple) -> tuple[str, bool, float]:
-    """Compile one kernel into the cache (a worker process): (description, compiled, seconds)."""
+    """Compile one kernel into the cache (a worker process): (description, compiled, seconds).
+    ``item``: (config, causal, bf16, arch), a forward kernel, or (config, causal, bf16, arch,
+    operation)."""
     from ..configs import kernel_cubin
     from ..operations.families import family_of
     from ..runtime import cache
 
-    config, causal, bf16, arch = item
+    config, causal, bf16, arch = item[:4]
+    operation = item[4] if len(item) > 4 else "forward"
     start = time.perf_counter()
     before = cache.STATS["compiles"]
-    kernel_cubin(config, causal, bf16, arch)
+    kernel_cubin(config, causal, bf16, arch, operation)
     compiled = cache.STATS["compiles"] > before
-    kind = family_of(config).op("forward").cache_kind
+    kind = family_of(config).op(operation).cache_kind
     return cache.describe(kind, config, causal, bf16, arch), compiled, time.perf_counter() - start
 
 
@@ -76,13 +105,17 @@ def progress(done: int, total: int, label: str, stream=sys.stderr) -> None:
     stream.flush()
 
 
-def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None = None) -> dict:
-    """Fill the cache for ``arches``; returns counts {"kernels", "compiled", "cached"}."""
+def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None = None,
+               backward: bool = True) -> dict:
+    """Fill the cache for ``arches`` (the forward kernels, and with ``backward`` the backward's);
+    returns counts {"kernels", "compiled", "cached"}."""
     from ..runtime import cache
 
     if not cache.enabled():
         raise SystemExit("numbaflash.precompile: the cache is off (NUMBAFLASH_CACHE=0); nothing to do")
     items = [item for arch in arches for item in kernels_for(arch, candidates)]
+    if backward:
+        items += [item for arch in arches for item in backward_kernels_for(arch, candidates)]
     counts = {"kernels": len(items), "compiled": 0, "cached": 0}
     print(f"numbaflash.precompile: {len(items)} kernels for {', '.join(arches)} into {cache.cache_root()}",
           file=sys.stderr)
@@ -121,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--candidates", action="store_true",
                         help="also every candidate config (what autotune, tests and the sanitizer force)")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPU count)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="only the forward kernels (not the backward's prepare, main and dQ kernels)")
     parser.add_argument("--list", action="store_true", help="list the cache's entries and exit")
     parser.add_argument("--clear", action="store_true", help="remove entries of other versions and exit")
     parser.add_argument("--all", action="store_true", help="with --clear: remove every entry")
@@ -144,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     start = time.perf_counter()
-    counts = precompile(arches, args.candidates, args.jobs)
+    counts = precompile(arches, args.candidates, args.jobs, backward=not args.forward_only)
     print(f"{counts['kernels']} kernels: {counts['compiled']} compiled, {counts['cached']} already cached "
           f"({time.perf_counter() - start:.0f} s)")
     return 0

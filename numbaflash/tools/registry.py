@@ -14,6 +14,7 @@ def registered_kernels() -> dict:
         "tile_gemm_bf16": (make_tile_gemm(True), TILE_GEMM_ARGTYPES, both),
     }
     kernels.update(forward_kernels())
+    kernels.update(backward_kernels())
     kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
 
@@ -30,4 +31,26 @@ def forward_kernels() -> dict:
             # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
             archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
             kernels[f"{kernel.__name__}_{family}"] = (kernel, kernel_argtypes(config), archs)
+    return kernels
+
+
+def backward_kernels() -> dict:
+    """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
+    prepare, main and dQ kernels, causal and not, both dtypes, for sm_80 and for Hopper (sm_90a),
+    which runs the same mma.sync backward. Named ``flash_<operation>_d<head dim>_m<block_m>
+    _n<block_n><tag>_<full|causal>_<f16|bf16>`` (every name holds "backward"); each kernel's
+    ``backward_key`` is (config, causal, bf16, operation), what ``configs.kernel_cubin`` takes."""
+    from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
+    from ..operations.families import BACKWARD_OPERATIONS
+
+    kernels = {}
+    for _, causal, config in shipped_backward_configs():
+        for bf16 in (False, True):
+            for operation in BACKWARD_OPERATIONS:
+                kernel = make_kernel(config, causal, bf16, operation)
+                kernel.backward_key = (config, causal, bf16, operation)
+                shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
+                kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+                name = f"flash_{operation}_{shape}_{kind}"
+                kernels[name] = (kernel, kernel_argtypes(config, operation), ("sm_80", "sm_90a"))
     return kernels
