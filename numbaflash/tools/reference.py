@@ -104,3 +104,90 @@ def compare_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.
         if not err_lse <= lse_tolerance(ref_lse):
             problems.append(f"LSE max abs error {err_lse:.2e} > {lse_tolerance(ref_lse):.2e}")
     return ratio, problems
+
+
+def attention_backward_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    rounding_dtype=None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients (dq, dk, dv) of ``sum(out * dout)`` for exact attention, in float64.
+
+    Shapes as ``attention_reference``; ``dout`` has q's shape. dk and dv of a kv head sum over its
+    query heads (GQA); rows that see no key get zero gradients. ``rounding_dtype`` rounds every
+    product and P, dS to that dtype, as a backward done in the input dtype would (the yardstick
+    of FlashAttention's criterion).
+    """
+    def rnd(x):
+        return x if rounding_dtype is None else x.astype(rounding_dtype).astype(np.float64)
+
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    group = hq // hkv
+    qf = np.asarray(q, np.float64).transpose(0, 2, 1, 3)  # (b, h, sq, d)
+    kf = np.repeat(np.asarray(k, np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (b, h, sk, d)
+    vf = np.repeat(np.asarray(v, np.float64), group, axis=2).transpose(0, 2, 1, 3)
+    dof = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)
+    s = rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale
+    if causal:
+        s = np.where(_visible(sq, sk), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m_safe)
+    denom = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = rnd(np.where(denom > 0, p / denom, 0.0))
+    out = rnd(p @ vf)
+    dv = rnd(p.transpose(0, 1, 3, 2) @ dof)
+    dp = rnd(dof @ vf.transpose(0, 1, 3, 2))
+    delta = (rnd(dof * out)).sum(axis=-1, keepdims=True)
+    ds = rnd(p * (dp - delta))
+    dq = rnd(ds @ kf) * scale
+    dk = rnd(ds.transpose(0, 1, 3, 2) @ qf) * scale
+
+    def per_kv_head(x):  # (b, hq, sk, d) -> (b, sk, hkv, d), summing each group
+        return x.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
+
+    return (np.ascontiguousarray(dq.transpose(0, 2, 1, 3)), np.ascontiguousarray(per_kv_head(dk)),
+            np.ascontiguousarray(per_kv_head(dv)))
+
+
+def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
+                                     grads: tuple[np.ndarray, np.ndarray, np.ndarray], *,
+                                     causal: bool = False,
+                                     softmax_scale: float | None = None) -> tuple[float, list[str]]:
+    """FlashAttention's criterion for (dq, dk, dv) against float64: for each, the max error is at
+    most twice that of the same backward done in the input dtype plus a rounding floor (2^-11 for
+    float16, 2^-8 for bfloat16, times max(1, the largest |gradient|) / 4); no NaN; dq exactly 0
+    on rows that see no key. Returns ``(worst ratio, problems)``, problems empty when all hold."""
+    kw = {"causal": causal, "softmax_scale": softmax_scale}
+    refs = attention_backward_reference(q, k, v, dout, **kw)
+    lows = attention_backward_reference(q, k, v, dout, rounding_dtype=q.dtype, **kw)
+    problems, worst = [], 0.0
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, lows, strict=True):
+        got = np.asarray(got).astype(np.float64)
+        if got.shape != ref.shape:
+            return math.inf, [f"{name} shape {got.shape}, expected {ref.shape}"]
+        if np.isnan(got).any():
+            problems.append(f"NaN in {name} ({int(np.isnan(got).sum())} elements)")
+        err = float(np.nanmax(np.abs(got - ref), initial=0.0))
+        err_low = float(np.abs(low - ref).max(initial=0.0))
+        largest = max(1.0, float(np.abs(ref).max(initial=0.0)))
+        floor = 2.0 ** -(11 if q.dtype == np.float16 else 8) * largest / 4
+        ratio = err / (2 * err_low + floor)
+        worst = max(worst, ratio)
+        if not ratio <= 1:
+            problems.append(f"{name} max error {err:.3e} > 2 x {err_low:.3e} + {floor:.1e} "
+                            f"(ratio {ratio:.2f})")
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        no_key = ~_visible(sq, sk).any(axis=1)  # query rows that see no key
+        if not (np.asarray(grads[0])[:, no_key] == 0).all():
+            problems.append("dq of rows that see no key is not exactly 0")
+    return worst, problems

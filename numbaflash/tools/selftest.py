@@ -1,9 +1,13 @@
-"""Self-test on your GPU: ``python -m numbaflash.selftest [--cases N | --quick] [--seed S]``.
+"""Self-test on your GPU: ``python -m numbaflash.selftest [--cases N | --quick] [--seed S] [--backward]``.
 
 Randomised, reproducible cases against the float64 reference, with FlashAttention's criterion:
 max |out - ref| <= 2 x max |low - ref| + floor, where ``low`` is the same computation done in
 the input dtype. Every case draws its parameters and data from (seed, index) alone, so a failing
 case replays alone with ``--seed S --case I``. Exits 0 if all pass, 1 on a failure, 2 without GPU.
+
+``--backward`` tests the backward instead: the forward's output and LSE, then
+``flash_attention_backward`` (random dout, deterministic or not, with or without given dq/dk/dv),
+each of dq, dk, dv against float64 by the same criterion.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ..configs import (
     KernelConfig,
     forward_config,
 )
-from .reference import compare_with_reference
+from .reference import compare_gradients_with_reference, compare_with_reference
 
 DTYPE_NAMES = ("float16", "bfloat16")
 FAMILIES = ("sm90", "sm80")
@@ -220,6 +224,115 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
                           f"raised {type(exc).__name__}: {exc}")
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+    """One backward problem; everything, data included, follows from (seed, index)."""
+
+    seed: int
+    index: int
+    head_dim: int
+    causal: bool
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    kind: str  # "numpy" | "numba" | "torch"
+    amplitude: float
+    softmax_scale: float | None
+    deterministic: bool
+    use_outs: bool
+    family: str = "backward"
+
+    def describe(self) -> str:
+        scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
+        return (f"backward d{self.head_dim} {'causal' if self.causal else 'full'} {self.dtype} b{self.batch} "
+                f"sq{self.seqlen_q} sk{self.seqlen_k} h{self.heads_q}/{self.heads_kv} {self.kind} "
+                f"amp{self.amplitude:.3g} scale={scale} det={int(self.deterministic)} "
+                f"outs={int(self.use_outs)}")
+
+
+BACKWARD_BLOCK = 128  # rows of the backward's key blocks (the widest): "empty_ctas" shapes use it
+
+
+def draw_backward_case(seed: int, index: int, quick: bool = False) -> BackwardCase:
+    """The backward case ``index`` of run ``seed`` (pure, no GPU). Head dims, causality and dtypes
+    cycle; shapes are drawn as for the forward (ragged, equal, length 1, causal rows that see no
+    key), within half the forward's reference budget."""
+    from ..configs import SUPPORTED_HEAD_DIMS
+
+    combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (False, True) for t in DTYPE_NAMES]
+    head_dim, causal, dtype = combos[(index + seed) % len(combos)]
+    max_seq, cap, max_batch, max_hkv = LIMITS[quick]
+    cap //= 2
+    rng = np.random.default_rng([seed, index, 2])
+    batch = int(rng.integers(1, max_batch + 1))
+    heads_kv = int(rng.choice([1, *range(1, max_hkv + 1)]))
+    group = int(rng.choice(GROUPS[:4] if quick else GROUPS))
+    shape = rng.choice(["ragged", "same", "one", "empty_ctas"], p=[0.55, 0.15, 0.1, 0.2])
+    sq, sk = _log_uniform(rng, max_seq), _log_uniform(rng, max_seq)
+    if shape == "same":
+        sk = sq
+    elif shape == "one":
+        sq, sk = (1, sk) if rng.random() < 0.5 else (sq, 1)
+    elif shape == "empty_ctas" and causal:  # whole query blocks that see no key
+        sk = _log_uniform(rng, max(1, max_seq - 2 * BACKWARD_BLOCK - 64))
+        sq = min(max_seq, sk + 2 * BACKWARD_BLOCK + int(rng.integers(0, 64)))
+    while batch * heads_kv * group * sq * sk > cap:
+        if batch > 1:
+            batch = max(1, cap // (heads_kv * group * sq * sk))
+        elif group > 1 or heads_kv > 1:
+            group, heads_kv = (group // 2, heads_kv) if group > 1 else (group, heads_kv - 1)
+        else:
+            sq, sk = (sq // 2, sk) if sq >= sk else (sq, sk // 2)
+    big = rng.random() < 0.2
+    amplitude = float(rng.uniform(5.0, 10.0)) if big else 1.0
+    scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
+    return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
+                        str(rng.choice(KINDS, p=[0.5, 0.2, 0.3])), amplitude, scale,
+                        bool(rng.random() < 0.3), bool(rng.random() < 0.3))
+
+
+def run_backward_case(case: BackwardCase) -> CaseResult:
+    """Forward (output and LSE) then ``flash_attention_backward`` on the case; never raises."""
+    import numbaflash
+
+    start = time.perf_counter()
+    try:
+        rng = np.random.default_rng([case.seed, case.index, 3])
+        dtype = numpy_dtype(case.dtype)
+        q = rng.standard_normal((case.batch, case.seqlen_q, case.heads_q, case.head_dim)) * case.amplitude
+        k = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim)) * case.amplitude
+        v = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
+        dout = rng.standard_normal(q.shape)
+        q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+        kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
+        args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
+        dout_in = dout if kind == "numpy" else to_device(dout, kind)
+        out, lse = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
+                                              return_lse=True)
+        outs = {}
+        if case.use_outs:  # poisoned: unwritten elements show up as NaN
+            for name, like in (("dq", q), ("dk", k), ("dv", v)):
+                x = np.full(like.shape, np.nan, like.dtype)
+                outs[name] = x if kind == "numpy" else to_device(x, kind)
+        grads = numbaflash.flash_attention_backward(dout_in, *args, out, lse, causal=case.causal,
+                                                    softmax_scale=case.softmax_scale,
+                                                    deterministic=case.deterministic, **outs)
+        problems = []
+        if outs and any(g is not outs[n] for g, n in zip(grads, ("dq", "dk", "dv"), strict=True)):
+            problems.append("a result is not the given dq/dk/dv")
+        ratio, found = compare_gradients_with_reference(q, k, v, dout, tuple(to_host(g) for g in grads),
+                                                        causal=case.causal, softmax_scale=case.softmax_scale)
+        problems += found
+        note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
+        return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
+    except Exception as exc:
+        return CaseResult(case, False, math.inf, time.perf_counter() - start,
+                          f"raised {type(exc).__name__}: {exc}")
+
+
 def parse_case_list(text: str) -> list[int]:
     """'3' or '3,17,40' -> case indices."""
     try:
@@ -240,12 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", type=parse_case_list, action="append", default=[],
                    help="run only these case indices (repeatable, or a comma list)")
     p.add_argument("--family", choices=FAMILIES, default=None, help="test only this kernel family")
+    p.add_argument("--backward", action="store_true",
+                   help="test flash_attention_backward (dq, dk, dv) instead of the forward")
     p.add_argument("-v", "--verbose", action="store_true", help="print every case")
     return p
 
 
 def replay_command(args: argparse.Namespace, seed: int, index: int) -> str:
-    flags = (" --quick" if args.quick else "") + (f" --family {args.family}" if args.family else "")
+    flags = (" --quick" if args.quick else "") + (f" --family {args.family}" if args.family else "") + (
+        " --backward" if args.backward else "")
     return f"python -m numbaflash.selftest --seed {seed}{flags} --case {index}"
 
 
@@ -281,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     families = [args.family] if args.family else families
+    if args.backward:
+        families = ["backward"]
     seed = secrets.randbits(32) if args.seed is None else args.seed
     default_cases = 24 if args.quick else 100
     indices = sorted({i for group in args.case for i in group}) or range(args.cases or default_cases)
@@ -289,7 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     results = []
     for index in indices:
-        result = run_case(draw_case(seed, index, families, args.quick), capability)
+        if args.backward:
+            result = run_backward_case(draw_backward_case(seed, index, args.quick))
+        else:
+            result = run_case(draw_case(seed, index, families, args.quick), capability)
         results.append(result)
         if args.verbose or not result.ok:
             print(f"[{'ok' if result.ok else 'FAIL'}] case {index}: {result.case.describe()} "
