@@ -1,4 +1,5 @@
-"""Run NVIDIA compute-sanitizer over every forward kernel configuration that runs on this GPU.
+"""Run NVIDIA compute-sanitizer over every kernel configuration that runs on this GPU: the forward
+families' and the backward's (``BackwardConfig``: every GPU runs it).
 
     python benchmarks/sanitize.py [--tools memcheck,racecheck] [--configs 0,3 | WsConfig | shipped]
                                   [--jobs 8] [--timeout 600] [--log-dir DIR] [--sanitizer PATH]
@@ -8,7 +9,9 @@ Configs: shipped ones and autotune candidates of the families that run here, ind
 One job per (tool, config) runs ``compute-sanitizer --tool T ... python sanitize.py --worker
 --config-index I``: the worker forces the config and checks ``flash_attention`` on small ragged,
 fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) against the numpy
-reference. Logs go to ``--log-dir/{tool}_{index}.log``; a markdown table of error counts is
+reference; for a backward config, ``flash_attention_backward`` on the same shapes (both dtypes,
+causal or not, deterministic or not) against the float64 backward.
+Logs go to ``--log-dir/{tool}_{index}.log``; a markdown table of error counts is
 printed; exit 1 if any job found errors, timed out, crashed or computed a wrong result.
 """
 
@@ -34,7 +37,8 @@ import numpy as np
 
 from numbaflash import configs
 from numbaflash.configs import KernelConfig
-from numbaflash.operations.families import family_of
+from numbaflash.kernels.shapes import BackwardConfig
+from numbaflash.operations.families import SM80_BWD, family_of
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SCRIPT = Path(__file__).resolve()
@@ -69,12 +73,16 @@ def kernel_family(config: KernelConfig) -> str:
     return family_of(config).name
 
 
-def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig]:
-    """Shipped configs and candidates of the families that run on ``capability``, sorted by str."""
+def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | BackwardConfig]:
+    """Shipped configs and candidates of the families that run on ``capability``, then the
+    backward's (that fit its shared memory), sorted by str."""
     families = configs.runnable_families(capability)
     own_dims = configs.FAMILY_HEAD_DIMS  # each family's candidates at its own kernel's head dims
     found = {c for fam in families for d in own_dims[fam] for c in configs.CANDIDATES[(fam, d)]}
     found |= {c for fam, _, _, c in configs.shipped_configs() if fam in families}
+    limit = configs.max_shared_bytes(capability)
+    found |= {c for cs in configs.BACKWARD_CANDIDATES.values() for c in cs if c.shared_bytes <= limit}
+    found |= {c for _, _, c in configs.shipped_backward_configs() if c.shared_bytes <= limit}
     return sorted(found, key=str)
 
 
@@ -86,6 +94,7 @@ def select_indices(spec: str | None, config_list: list[KernelConfig]) -> list[in
         return list(range(len(config_list)))
     if spec == "shipped":
         shipped = {c for _, _, _, c in configs.shipped_configs()}
+        shipped |= {c for _, _, c in configs.shipped_backward_configs()}
         return [i for i, c in enumerate(config_list) if c in shipped]
     parts = [p.strip() for p in spec.split(",")]
     if all(p.isdigit() for p in parts):
@@ -205,6 +214,44 @@ def run_worker(config: KernelConfig) -> int:
     return WORKER_WRONG if failures else 0
 
 
+def run_backward_worker(config: BackwardConfig) -> int:
+    """The backward of ``config`` on every worker shape x dtype x causal x deterministic case
+    (device arrays; dq, dk, dv given and poisoned with NaN), checked against float64."""
+    import ml_dtypes
+    from numba import cuda
+
+    from numbaflash import flash_attention, flash_attention_backward
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_gradients_with_reference
+
+    capability = tuple(cuda.get_current_device().compute_capability)
+    rng = np.random.default_rng(0)
+    failures = 0
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        for b, sq, sk, hq, hkv in worker_shapes(config.block_n):
+            d = config.head_dim
+            q, dout = (rng.standard_normal((b, sq, hq, d)).astype(dtype) for _ in range(2))
+            k, v = (rng.standard_normal((b, sk, hkv, d)).astype(dtype) for _ in range(2))
+            device = [DeviceBuffer(x) for x in (q, k, v)]
+            for causal in (False, True):
+                out, lse = flash_attention(*device, causal=causal, return_lse=True)
+                for deterministic in (False, True):
+                    grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+                    with configs.force_config(capability, causal, config):
+                        flash_attention_backward(DeviceBuffer(dout), *device, out, lse, causal=causal,
+                                                 deterministic=deterministic, dq=grads[0], dk=grads[1],
+                                                 dv=grads[2])
+                    _, problems = compare_gradients_with_reference(
+                        q, k, v, dout, tuple(g.copy_to_host() for g in grads), causal=causal)
+                    for p in problems:
+                        print(f"WRONG {config} {np.dtype(dtype).name} (b, sq, sk, hq, hkv)="
+                              f"{(b, sq, sk, hq, hkv)} causal={causal} deterministic={deterministic}: {p}",
+                              flush=True)
+                    failures += bool(problems)
+    print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
+    return WORKER_WRONG if failures else 0
+
+
 # --------------------------------------------------------------------------- parent
 
 
@@ -287,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     config_list = runnable_configs(configs.FAMILY_CAPABILITY[arch])
     if args.worker:
         try:
-            return run_worker(config_list[args.config_index])
+            config = config_list[args.config_index]
+            return run_backward_worker(config) if family_of(config) is SM80_BWD else run_worker(config)
         except BaseException:
             traceback.print_exc()
             return WORKER_EXCEPTION

@@ -327,9 +327,13 @@ _B = BackwardConfig
 # that needs too much shared memory. The last, 64 keys and one Q stage (80.5 KB at d128), is what
 # d128 runs on GPUs of 99 KB a CTA (sm_86, sm_89, sm_120: the others need 113 KB or more); d256
 # has no tile that fits there (FlashAttention-2 needs an A100 or H100 for it too).
+# At head dims 64 and 128 the first is the same tile with two m-tiles a warp in every product
+# (key_tiles=2, dq_tiles=2): H100, 4k, fp16, 0.63 -> 0.72 (d128) and 0.57 -> 0.61 (d64) of SDPA
+# flash's backward (lab/NOTEBOOK.md, section R).
 BACKWARD_DEFAULTS: dict[int, list[BackwardConfig]] = {
-    **{d: [_B(d, block_m=64, block_n=128), _B(d, block_m=64, block_n=128, q_stages=1),
-           _B(d, block_m=64, block_n=64), _B(d, block_m=64, block_n=64, q_stages=1)]
+    **{d: ([_B(d, block_m=64, block_n=128, key_tiles=2, dq_tiles=2)] if d in (64, 128) else [])
+       + [_B(d, block_m=64, block_n=128), _B(d, block_m=64, block_n=128, q_stages=1),
+          _B(d, block_m=64, block_n=64), _B(d, block_m=64, block_n=64, q_stages=1)]
        for d in (32, 64, 96, 128)},
     256: [_B(256, block_m=64, block_n=64), _B(256, block_m=64, block_n=64, q_stages=1)],
 }
@@ -350,7 +354,8 @@ def _two_tiles(config: BackwardConfig) -> list[BackwardConfig]:
 # H100 at 4k, d128, 0.60 -> 0.68-0.69 of SDPA flash's backward) where the warps still split
 # evenly (not at head dims 32 and 96).
 BACKWARD_CANDIDATES: dict[int, list[BackwardConfig]] = {
-    d: defaults + [t for c in defaults for t in _two_tiles(c)] for d, defaults in BACKWARD_DEFAULTS.items()
+    d: list(dict.fromkeys(defaults + [t for c in defaults for t in _two_tiles(c)]))
+    for d, defaults in BACKWARD_DEFAULTS.items()
 }
 
 

@@ -6,6 +6,7 @@ staging; and what precompile and inspect list."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 import sys
 import types
@@ -344,10 +345,11 @@ def test_defaults_are_valid_and_in_order():
         for c in candidates:
             c.check()
             assert c.head_dim == d
-        assert candidates[0] == BackwardConfig(d, block_m=64, block_n=64 if d == 256 else 128)
+        two = {"key_tiles": 2, "dq_tiles": 2} if d in (64, 128) else {}  # the measured winners
+        assert candidates[0] == BackwardConfig(d, block_m=64, block_n=64 if d == 256 else 128, **two)
     assert set(configs.BACKWARD_DEFAULTS) == set(configs.SUPPORTED_HEAD_DIMS)
     for d in (32, 64, 96, 128):
-        assert configs.BACKWARD_DEFAULTS[d][:3] == [
+        assert configs.BACKWARD_DEFAULTS[d][-4:-1] == [
             BackwardConfig(d, block_m=64, block_n=128),
             BackwardConfig(d, block_m=64, block_n=128, q_stages=1),
             BackwardConfig(d, block_m=64, block_n=64)]
@@ -359,7 +361,11 @@ def test_defaults_are_valid_and_in_order():
         for c in candidates:
             c.check()
         two = [c for c in candidates if c.key_tiles == 2]
-        assert len(two) == (0 if d in (32, 96) else len(configs.BACKWARD_DEFAULTS[d]))
+        if d in (32, 96):
+            assert not two
+        else:  # every default's two-tile twin
+            twins = {dataclasses.replace(c, key_tiles=2, dq_tiles=2) for c in configs.BACKWARD_DEFAULTS[d]}
+            assert twins == set(two)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -367,9 +373,9 @@ def test_config_by_shared_memory(causal, fresh_choice):
     d128 = configs.BACKWARD_DEFAULTS[128]
     assert configs.backward_config(HOPPER, 128, causal) == d128[0]  # 161 KB
     assert configs.backward_config(AMPERE, 128, causal) == d128[0]  # 163 KB a CTA
-    assert configs.backward_config(SM86, 128, causal) == d128[3]  # 99 KB: 64 x 64, one Q stage
-    assert configs.backward_config(AMPERE, 128, causal, shared_limit=140_000) == d128[1]
-    assert configs.backward_config(AMPERE, 128, causal, shared_limit=120_000) == d128[2]
+    assert configs.backward_config(SM86, 128, causal) == d128[-1]  # 99 KB: 64 x 64, one Q stage
+    assert configs.backward_config(AMPERE, 128, causal, shared_limit=140_000) == d128[2]
+    assert configs.backward_config(AMPERE, 128, causal, shared_limit=120_000) == d128[3]
     assert configs.backward_config(AMPERE, 256, causal) == configs.BACKWARD_DEFAULTS[256][1]
     assert configs.backward_config(HOPPER, 256, causal) == configs.BACKWARD_DEFAULTS[256][0]
     with pytest.raises(RuntimeError, match=r"no backward config for head_dim 256 fits in 101376 bytes of "
@@ -441,7 +447,7 @@ def test_shipped_backward_configs():
         for causal in (False, True):
             for cap in (AMPERE, HOPPER):
                 assert (d, causal, configs.backward_config(cap, d, causal)) in shipped
-    assert (128, False, configs.BACKWARD_DEFAULTS[128][3]) in shipped  # what 99 KB GPUs run
+    assert (128, False, configs.BACKWARD_DEFAULTS[128][-1]) in shipped  # what 99 KB GPUs run
 
 
 # ------------------------------------------------------------------ loading and launching (faked)

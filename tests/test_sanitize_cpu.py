@@ -120,6 +120,9 @@ def test_runnable_configs(capability, families):
     assert any(isinstance(c, ForwardConfig) for c in got)
     assert any(isinstance(c, WsConfig) for c in got) == ("sm90" in families)
     expected = {c for fam in families for d in FAMILY_HEAD_DIMS[fam] for c in CANDIDATES[(fam, d)]} | shipped
+    limit = configs.max_shared_bytes(capability)  # and the backward's, every GPU runs them
+    expected |= {c for cs in configs.BACKWARD_CANDIDATES.values() for c in cs if c.shared_bytes <= limit}
+    assert {c for _, _, c in configs.shipped_backward_configs() if c.shared_bytes <= limit} <= expected
     assert set(got) == expected
 
 
@@ -134,17 +137,19 @@ def test_select_indices():
     with pytest.raises(ValueError, match="out of range"):
         san.select_indices(str(len(cl)), cl)
     shipped = [cl[i] for i in san.select_indices("shipped", cl)]
-    assert set(shipped) == {c for _, _, _, c in san.configs.shipped_configs()}
+    assert set(shipped) == ({c for _, _, _, c in san.configs.shipped_configs()}
+                            | {c for _, _, c in san.configs.shipped_backward_configs()})
     assert len(shipped) < len(cl)
 
 
 def test_worker_shapes_cover_the_edges():
     for config in san.runnable_configs((9, 0)):
-        shapes = san.worker_shapes(config.block_m)
-        assert any(sq >= sk + 2 * config.block_m for _, sq, sk, _, _ in shapes)  # fully masked CTAs
+        rows = config.block_n if isinstance(config, san.BackwardConfig) else config.block_m  # CTA blocks
+        shapes = san.worker_shapes(rows)
+        assert any(sq >= sk + 2 * rows for _, sq, sk, _, _ in shapes)  # fully masked CTAs / query blocks
         assert any(sq < sk for _, sq, sk, _, _ in shapes)
         assert any(hq > hkv > 1 for *_, hq, hkv in shapes) and any(hkv == 1 for *_, hkv in shapes)
-        assert any(sq % config.block_m and sk % 16 for _, sq, sk, _, _ in shapes)  # ragged
+        assert any(sq % rows and sk % 16 for _, sq, sk, _, _ in shapes)  # ragged
         assert all(b == 2 for b, *_ in shapes)
 
 
@@ -272,9 +277,9 @@ def test_main_with_fake_sanitizer(tmp_path, monkeypatch, capsys):
     assert rc == 1
     assert "GPU: Fake H100" in out and "Version 2099.1.0" in out and str(logs) in out
     cl = san.runnable_configs((9, 0))
-    assert f"| 0 | {cl[0]} | sm80 | {cl[0].head_dim} | 0 | 0 |" in out
-    assert f"| 1 | {cl[1]} | sm80 | {cl[1].head_dim} | 2 | 0 |" in out
-    assert f"| 2 | {cl[2]} | sm80 | {cl[2].head_dim} | CRASH rc=0 | TIMEOUT |" in out
+    assert f"| 0 | {cl[0]} | {san.kernel_family(cl[0])} | {cl[0].head_dim} | 0 | 0 |" in out
+    assert f"| 1 | {cl[1]} | {san.kernel_family(cl[1])} | {cl[1].head_dim} | 2 | 0 |" in out
+    assert f"| 2 | {cl[2]} | {san.kernel_family(cl[2])} | {cl[2].head_dim} | CRASH rc=0 | TIMEOUT |" in out
     assert out.rstrip().endswith("sanitizer: 6 jobs, 2 errors (3 jobs failed)")
     assert sorted(p.name for p in logs.iterdir()) == sorted(
         f"{t}_{i}.log" for t in ("memcheck", "synccheck") for i in range(3))
