@@ -1,0 +1,117 @@
+"""Backward speed of record: numbaflash's ``flash_attention_backward`` beside PyTorch SDPA's flash
+(FlashAttention-2) and cuDNN backward, and forward + backward through autograd, in one process
+(needs a GPU and PyTorch with CUDA).
+
+    python benchmarks/backward_speed.py [--seqlens 1k,4k,16k] [--head-dims 64,128]
+                                        [--dtypes fp16,bf16] [--causal both] [--tokens 65536]
+
+Each problem keeps batch * seqlen = ``--tokens`` and heads * head_dim = 2048 (the forward bench's
+workload). Every implementation is timed on the same random tensors: the median of ``--iters``
+CUDA-event-timed calls after ``--warmup`` calls. TFLOP/s counts the backward as 2.5 x the
+forward's 4 * batch * heads * seqlen^2 * head_dim FLOPs (half with causal masking), as
+FlashAttention does; forward + backward counts 3.5 x. Ratios above 1: numbaflash is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+import numbaflash
+
+
+def seqlen(text: str) -> int:
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def timed_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sdpa_backward(backend, q, k, v, dout, causal):
+    """(backward call, forward + backward call) of SDPA with ``backend``, on (b, h, s, d) views."""
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    dot = dout.transpose(1, 2)
+    with sdpa_kernel(backend):
+        out = sdpa(qt, kt, vt, is_causal=causal)
+
+    def backward():
+        torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
+
+    def both():
+        with sdpa_kernel(backend):
+            o = sdpa(qt, kt, vt, is_causal=causal)
+        torch.autograd.grad(o, (qt, kt, vt), dot)
+
+    return backward, both
+
+
+def measure(dtype: torch.dtype, d: int, s: int, causal: bool, tokens: int, warmup: int, iters: int) -> str:
+    """One table row: numbaflash's backward and forward + backward beside SDPA flash and cuDNN."""
+    b, h = max(1, tokens // s), 2048 // d
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    ours = timed_ms(lambda: numbaflash.flash_attention_backward(dout, q, k, v, out, lse, causal=causal),
+                    warmup, iters)
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def our_both():
+        o = numbaflash.flash_attention(qg, kg, vg, causal=causal)
+        torch.autograd.grad(o, (qg, kg, vg), dout)
+
+    ours_both = timed_ms(our_both, warmup, iters)
+    cells = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            bwd, both = sdpa_backward(backend, q, k, v, dout, causal)
+            cells.append((timed_ms(bwd, warmup, iters), timed_ms(both, warmup, iters)))
+        except RuntimeError:
+            cells.append((float("nan"), float("nan")))
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    (fb, fboth), (cb, cboth) = cells
+    tf = [2.5 * flops / ms / 1e9 for ms in (ours, fb, cb)]
+    name = "fp16" if dtype == torch.float16 else "bf16"
+    return (f"| {name} | {d} | {s} | {'yes' if causal else 'no'} | {tf[0]:.0f} | {tf[1]:.0f} | {tf[2]:.0f} | "
+            f"{fb / ours:.2f} | {cb / ours:.2f} | {fboth / ours_both:.2f} | {cboth / ours_both:.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqlens", default="1k,4k,16k")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--dtypes", default="fp16,bf16")
+    p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    print(f"GPU: {torch.cuda.get_device_name()}; numbaflash {numbaflash.__version__}, "
+          f"torch {torch.__version__}")
+    print("| dtype | d | seqlen | causal | numbaflash bwd TF/s | flash bwd | cudnn bwd | vs flash | vs cudnn "
+          "| fwd+bwd vs flash | fwd+bwd vs cudnn |")
+    print("|---|--:|--:|:--|--:|--:|--:|--:|--:|--:|--:|")
+    for dname in args.dtypes.split(","):
+        for d in (int(x) for x in args.head_dims.split(",")):
+            for s in (seqlen(x) for x in args.seqlens.split(",")):
+                for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
+                    row = measure(dtypes[dname], d, s, causal, args.tokens, args.warmup, args.iters)
+                    print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
