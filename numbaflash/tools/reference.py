@@ -163,9 +163,16 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
                                      causal: bool = False,
                                      softmax_scale: float | None = None) -> tuple[float, list[str]]:
     """FlashAttention's criterion for (dq, dk, dv) against float64: for each, the max error is at
-    most twice that of the same backward done in the input dtype plus a rounding floor (2^-11 for
-    float16, 2^-8 for bfloat16, times max(1, the largest |gradient|) / 4); no NaN; dq exactly 0
-    on rows that see no key. Returns ``(worst ratio, problems)``, problems empty when all hold."""
+    most twice that of the same backward done in the input dtype plus a floor of one unit in the
+    last place of the largest |gradient| (2^-10 for float16, 2^-7 for bfloat16, times max(1, that
+    gradient)); no NaN; dq exactly 0 on rows that see no key. Returns ``(worst ratio, problems)``,
+    problems empty when all hold.
+
+    The floor is one ulp, not the forward's quarter of one (``compare_with_reference``): the
+    kernels recompute P from the forward's LSE, so where the input-dtype computation is exact
+    (one key: P is exactly 1 there, and dv a sum of a few dout values) a P of 1 - 2^-11 still
+    moves a gradient by up to one ulp (H100, 15 of 300 self-test cases, all with seqlen_k = 1:
+    lab/NOTEBOOK.md, section R)."""
     kw = {"causal": causal, "softmax_scale": softmax_scale}
     refs = attention_backward_reference(q, k, v, dout, **kw)
     lows = attention_backward_reference(q, k, v, dout, rounding_dtype=q.dtype, **kw)
@@ -179,7 +186,7 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
         err = float(np.nanmax(np.abs(got - ref), initial=0.0))
         err_low = float(np.abs(low - ref).max(initial=0.0))
         largest = max(1.0, float(np.abs(ref).max(initial=0.0)))
-        floor = 2.0 ** -(11 if q.dtype == np.float16 else 8) * largest / 4
+        floor = 2.0 ** -(10 if q.dtype == np.float16 else 7) * largest
         ratio = err / (2 * err_low + floor)
         worst = max(worst, ratio)
         if not ratio <= 1:
