@@ -329,7 +329,7 @@ _B = BackwardConfig
 # has no tile that fits there (FlashAttention-2 needs an A100 or H100 for it too).
 # At head dims 64 and 128 the first is the same tile with two m-tiles a warp in every product
 # (key_tiles=2, dq_tiles=2): H100, 4k, fp16, 0.63 -> 0.72 (d128) and 0.57 -> 0.61 (d64) of SDPA
-# flash's backward (lab/NOTEBOOK.md, section R).
+# flash's backward (lab/NOTEBOOK.md, section BW).
 BACKWARD_DEFAULTS: dict[int, list[BackwardConfig]] = {
     **{d: ([_B(d, block_m=64, block_n=128, key_tiles=2, dq_tiles=2)] if d in (64, 128) else [])
        + [_B(d, block_m=64, block_n=128), _B(d, block_m=64, block_n=128, q_stages=1),
