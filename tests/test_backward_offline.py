@@ -1,0 +1,39 @@
+"""The backward's main kernel, compiled offline (no GPU) through the kernel cache for the
+configs an H100 and an A100 dispatch: tensor-core, ldmatrix, cp.async and dQ reduction
+instructions present, fully inlined, nothing in local memory. One dtype each (the other
+differs only in its conversions); ``python -m numbaflash.inspect backward`` lists every
+shipped backward kernel of both dtypes."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbaflash import configs
+from numbaflash.configs import kernel_cubin
+from numbaflash.tools.inspect import report_from_cubin
+
+CASES = [  # (config, causal, bf16, arch): the H100's choice per head dim, causal, fp16 ...
+    *[(configs.backward_config((9, 0), d, True), True, False, "sm_90a") for d in configs.SUPPORTED_HEAD_DIMS],
+    # ... and the A100's d128 and d256 (one Q stage there), non-causal, bf16, for sm_80
+    *[(configs.backward_config((8, 0), d, False), False, True, "sm_80") for d in (128, 256)],
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"d{c[0].head_dim}{c[0].tag}-{c[3]}")
+def report(request):
+    config, causal, bf16, arch = request.param
+    entry = kernel_cubin(config, causal, bf16, arch, operation="backward")
+    return report_from_cubin(entry.cubin, entry.entry_name, arch)
+
+
+def test_instructions(report):
+    for op in ("HMMA", "LDSM", "LDGSTS", "MUFU"):
+        assert report.count(op) > 0, f"no {op} in SASS"
+    assert report.count("RED") + report.count("REDG") > 0, "no red.global.add (RED on sm_80, REDG on sm_90)"
+
+
+def test_no_local_memory_spills_or_calls(report):
+    assert report.local_bytes == 0 and report.stack_bytes == 0, (report.local_bytes, report.stack_bytes)
+    assert report.spill_instructions == 0, f"{report.spill_instructions} LDL/STL"
+    assert report.calls == 0, "a helper was not inlined"
+    assert report.registers <= 255
