@@ -3,6 +3,7 @@
     python benchmarks/ncu_profile.py --seqlen 4096 --head-dim 128
     python benchmarks/ncu_profile.py --seqlen 4096 --head-dim 64 --causal --impls numbaflash,flash,cudnn
     python benchmarks/ncu_profile.py --from-csv saved_numbaflash.csv   # re-read a saved ncu CSV
+    python benchmarks/ncu_profile.py --backward --head-dim 128 --impls numbaflash,flash   # the backward
 
 For each implementation the script runs ``ncu`` on itself in ``--driver`` mode: the driver
 builds one problem (torch CUDA tensors, same workload as ``python -m numbaflash.bench``:
@@ -239,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="default 65536 // seqlen")
     p.add_argument("--heads", type=int, default=None, help="default 2048 // head_dim")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--backward", action="store_true",
+                   help="profile the backward: numbaflash's flash_attention_backward (prepare, main, dQ "
+                        "kernels), SDPA's through autograd")
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     p.add_argument("--impls", default="numbaflash,flash",
                    help=f"comma-separated from {', '.join(IMPLS)} (default numbaflash,flash)")
@@ -272,6 +276,8 @@ def driver_args(args: argparse.Namespace, impl: str) -> list[str]:
         out += ["--heads", str(args.heads)]
     if args.causal:
         out.append("--causal")
+    if args.backward:
+        out.append("--backward")
     return out
 
 
@@ -297,15 +303,36 @@ def run_driver(args: argparse.Namespace) -> int:
     shape = (batch, args.seqlen, heads, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
     out = torch.empty_like(q)
-    if args.impl == "numbaflash":
+    if args.impl == "numbaflash" and args.backward:
+        from numbaflash import flash_attention, flash_attention_backward
+
+        dout = torch.randn(shape, device="cuda", dtype=dtype)
+        out, lse = flash_attention(q, k, v, causal=args.causal, return_lse=True)
+
+        def call() -> None:
+            flash_attention_backward(dout, q, k, v, out, lse, causal=args.causal)
+
+        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    elif args.impl == "numbaflash":
         from numbaflash import flash_attention
         from numbaflash.tools.bench import family_context
 
         def call() -> None:
             flash_attention(q, k, v, causal=args.causal, out=out)
 
-        ctx: contextlib.AbstractContextManager = family_context(args.family, args.head_dim, args.causal,
-                                                                args.seqlen)
+        ctx = family_context(args.family, args.head_dim, args.causal, args.seqlen)
+    elif args.backward:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        dout = torch.randn(shape, device="cuda", dtype=dtype).transpose(1, 2)
+        ctx = sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[args.impl]))
+        with ctx:
+            result = sdpa(qt, kt, vt, is_causal=args.causal)
+
+        def call() -> None:
+            torch.autograd.grad(result, (qt, kt, vt), dout, retain_graph=True)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -326,7 +353,8 @@ def run_driver(args: argparse.Namespace) -> int:
         torch.cuda.nvtx.range_pop()
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-    print(f"driver: {args.impl} {shape} causal={args.causal} {args.dtype} done", file=sys.stderr)
+    what = "backward" if args.backward else "forward"
+    print(f"driver: {args.impl} {what} {shape} causal={args.causal} {args.dtype} done", file=sys.stderr)
     return 0
 
 

@@ -451,6 +451,10 @@ def test_metric_selection_and_command():
     assert dargs[dargs.index("--family") + 1] == "auto"  # the driver forces what the parent was told
     forced = ncu.driver_args(ncu.build_parser().parse_args(["--family", "sm80"]), "numbaflash")
     assert ncu.build_parser().parse_args(forced).family == "sm80"
+    assert "--backward" not in dargs  # the forward unless asked
+    backward = ncu.driver_args(ncu.build_parser().parse_args(["--backward", "--causal"]), "numbaflash")
+    parsed = ncu.build_parser().parse_args(backward)
+    assert parsed.backward and parsed.causal and parsed.driver
 
 
 def test_failed_metrics():
