@@ -116,7 +116,6 @@ def tune_forward(args: argparse.Namespace, cap: tuple[int, int], table: dict) ->
             key = configs.table_key(args.key or family, d, causal, args.short, args.long)
             forced = configs.table_key(configs.arch_family(cap), d, causal)  # what OVERRIDES reads
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
-            best = None
             cands = [c for c in configs.CANDIDATES[(family, d)]
                      if not (args.only and configs.config_to_json(c)["kernel"] != args.only)
                      and (not args.match or any(m in str(c) for m in args.match))]
@@ -135,15 +134,7 @@ def tune_forward(args: argparse.Namespace, cap: tuple[int, int], table: dict) ->
                         timed[cand] = None
                         continue
                     timed.setdefault(cand, []).append(ms)
-            for cand, runs in timed.items():
-                if not runs:
-                    continue
-                tflops = flops / statistics.fmean(runs) / 1e9
-                rounds = ", ".join(f"{flops / m / 1e9:.1f}" for m in runs)
-                per_round = f"  (rounds: {rounds})" if len(runs) > 1 else ""
-                print(f"{key:>18} {tflops:7.1f} TFLOP/s  {cand}{per_round}")
-                if best is None or tflops > best[1]:
-                    best = (cand, tflops)
+            best = best_of(key, timed, flops)
             configs.OVERRIDES.pop(forced, None)
             if best:
                 cand, tf = best

@@ -29,17 +29,10 @@ def seqlen(text: str) -> int:
 
 
 def timed_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median of ``iters`` CUDA-event-timed calls of ``fn`` after ``warmup`` (``tools.bench``'s timer)."""
+    from numbaflash.tools.bench import Device, time_with_events
+
+    return statistics.median(time_with_events(Device(torch), [fn], warmup, iters))
 
 
 def sdpa_backward(backend, q, k, v, dout, causal):

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+import numbaflash
+
 
 def attention_formula(q, k, v, causal=False, softmax_scale=None, dtype=torch.float64):
     """(out, lse) of ``softmax(Q Kᵀ · scale) V`` computed in ``dtype``, differentiable.
@@ -73,3 +75,24 @@ def reference_backward(dout, q, k, v, out, lse, causal, softmax_scale, determini
         dk = dk.reshape(b, hkv, group, sk, d).sum(2)
         dv = dv.reshape(b, hkv, group, sk, d).sum(2)
     return tuple(g.transpose(1, 2).to(x.dtype).contiguous() for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block for the torch.compile tests: GQA causal attention through
+    numbaflash (q, k, v as views of one projection), then an MLP."""
+
+    def __init__(self, dim, heads, kv_heads, dtype=torch.bfloat16):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim, dtype=dtype), torch.nn.LayerNorm(dim, dtype=dtype)
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False, dtype=dtype)
+        self.proj = torch.nn.Linear(dim, dim, bias=False, dtype=dtype)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim, dtype=dtype), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim, dtype=dtype))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
+        x = x + self.proj(numbaflash.flash_attention(q, k, v, causal=True).reshape(b, s, -1))
+        return x + self.mlp(self.norm2(x))

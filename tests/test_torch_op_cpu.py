@@ -22,7 +22,12 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch
 
 import numbaflash  # noqa: E402
 from numbaflash import api, operands, torch_ops  # noqa: E402
-from tests._torch_attention import attention_formula, reference_backward, reference_forward  # noqa: E402
+from tests._torch_attention import (  # noqa: E402
+    Block,
+    attention_formula,
+    reference_backward,
+    reference_forward,
+)
 
 EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
@@ -253,26 +258,6 @@ def test_opcheck(reference_ops, shape_q, shape_k, causal, softmax_scale, dtype):
                           (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, scale, False))
 
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block: GQA causal attention through numbaflash, then an MLP."""
-
-    def __init__(self, dim=128, heads=4, kv_heads=2, dtype=torch.bfloat16):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.norm1, self.norm2 = torch.nn.LayerNorm(dim, dtype=dtype), torch.nn.LayerNorm(dim, dtype=dtype)
-        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False, dtype=dtype)
-        self.proj = torch.nn.Linear(dim, dim, bias=False, dtype=dtype)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim, dtype=dtype), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * dim, dim, dtype=dtype))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
-        x = x + self.proj(numbaflash.flash_attention(q, k, v, causal=True).reshape(b, s, -1))
-        return x + self.mlp(self.norm2(x))
-
-
 def _first_torch_call_is_traced(monkeypatch):
     """Forget that torch tensors were seen, so that torch.compile traces the first call
     (the type lookup's miss and the import of ``torch_ops``)."""
@@ -289,7 +274,7 @@ def test_compiled_block_has_no_graph_break_no_warning_and_trains(reference_ops, 
 
     _first_torch_call_is_traced(monkeypatch)
     torch.manual_seed(0)
-    block = Block()
+    block = Block(dim=128, heads=4, kv_heads=2)
     x = torch.randn(2, 24, 128, dtype=torch.bfloat16)
     target = torch.randn(2, 24, 128, dtype=torch.bfloat16)
     explained = torch._dynamo.explain(block)(x)

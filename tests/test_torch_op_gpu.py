@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch-op tests need it")
 
 import numbaflash  # noqa: E402
-from tests._torch_attention import attention_formula  # noqa: E402
+from tests._torch_attention import Block, attention_formula  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # Rounding unit of each dtype: the floor of the error criterion (as tools/reference.py's).
@@ -184,27 +184,6 @@ def test_deterministic_backward_is_bit_identical(cuda):
 
 # torch.compile ----------------------------------------------------------------------------------
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block: GQA causal attention through numbaflash (q, k, v as views
-    of one projection), then an MLP."""
-
-    def __init__(self, dim=512, heads=8, kv_heads=2, dtype=torch.bfloat16):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.norm1, self.norm2 = torch.nn.LayerNorm(dim, dtype=dtype), torch.nn.LayerNorm(dim, dtype=dtype)
-        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False, dtype=dtype)
-        self.proj = torch.nn.Linear(dim, dim, bias=False, dtype=dtype)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim, dtype=dtype), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * dim, dim, dtype=dtype))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
-        x = x + self.proj(numbaflash.flash_attention(q, k, v, causal=True).reshape(b, s, -1))
-        return x + self.mlp(self.norm2(x))
-
-
 @pytest.mark.gpu
 def test_compiled_transformer_block_trains(cuda, caplog):
     """torch.compile(fullgraph=True) (inductor) of the block: one graph and no graph break
@@ -215,7 +194,7 @@ def test_compiled_transformer_block_trains(cuda, caplog):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    block = Block().cuda()
+    block = Block(dim=512, heads=8, kv_heads=2).cuda()
     x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
     target = torch.randn_like(x)
     explained = torch._dynamo.explain(block)(x)

@@ -33,17 +33,33 @@ def attention_reference(
     Returns ``(out, lse)``: out (batch, seqlen_q, heads_q, head_dim) float64 (values of
     ``rounding_dtype`` if given), lse (batch, heads_q, seqlen_q) float64.
     """
-    def rnd(x):
-        return x if rounding_dtype is None else x.astype(rounding_dtype).astype(np.float64)
+    rnd = _rounding(rounding_dtype)
+    _, _, vf, probs, lse, _ = _probabilities(q, k, v, causal, softmax_scale, rnd)
+    out = rnd(probs @ vf).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(out), lse
 
-    b, sq, hq, d = q.shape
+
+def _rounding(dtype):
+    """x -> x rounded to ``dtype`` (as float64), or x itself for None."""
+    def rnd(x):
+        return x if dtype is None else x.astype(dtype).astype(np.float64)
+
+    return rnd
+
+
+def _probabilities(q, k, v, causal: bool, softmax_scale: float | None, rnd):
+    """What the forward and backward references share, in float64: ``(qf, kf, vf, probs, lse,
+    scale)`` with qf (b, h, seqlen_q, d), kf and vf (b, h, seqlen_k, d) repeated over each GQA
+    group, probs = softmax(rnd(Q Kᵀ) · scale) rounded by ``rnd`` (0 on rows that see no key, whose
+    LSE is -inf), lse (b, h, seqlen_q)."""
+    _, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
     group = hq // hkv
-    qf = np.asarray(q, np.float64).transpose(0, 2, 1, 3)  # (b, h, sq, d)
-    kf = np.repeat(np.asarray(k, np.float64), group, axis=2).transpose(0, 2, 3, 1)  # (b, h, d, sk)
-    vf = np.repeat(np.asarray(v, np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (b, h, sk, d)
-    s = rnd(qf @ kf) * scale
+    qf = np.asarray(q, np.float64).transpose(0, 2, 1, 3)
+    kf = np.repeat(np.asarray(k, np.float64), group, axis=2).transpose(0, 2, 1, 3)
+    vf = np.repeat(np.asarray(v, np.float64), group, axis=2).transpose(0, 2, 1, 3)
+    s = rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale
     if causal:
         s = np.where(_visible(sq, sk), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -53,8 +69,7 @@ def attention_reference(
     with np.errstate(divide="ignore", invalid="ignore"):
         probs = rnd(np.where(denom > 0, p / denom, 0.0))
         lse = np.where(denom > 0, np.log(denom) + m_safe, -np.inf)[..., 0]
-    out = rnd(probs @ vf).transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(out), lse
+    return qf, kf, vf, probs, lse, scale
 
 
 def lse_tolerance(ref_lse: np.ndarray) -> float:
@@ -123,26 +138,12 @@ def attention_backward_reference(
     product and P, dS to that dtype, as a backward done in the input dtype would (the yardstick
     of FlashAttention's criterion).
     """
-    def rnd(x):
-        return x if rounding_dtype is None else x.astype(rounding_dtype).astype(np.float64)
-
-    b, sq, hq, d = q.shape
+    rnd = _rounding(rounding_dtype)
+    b, _, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
     group = hq // hkv
-    qf = np.asarray(q, np.float64).transpose(0, 2, 1, 3)  # (b, h, sq, d)
-    kf = np.repeat(np.asarray(k, np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (b, h, sk, d)
-    vf = np.repeat(np.asarray(v, np.float64), group, axis=2).transpose(0, 2, 1, 3)
+    qf, kf, vf, p, _, scale = _probabilities(q, k, v, causal, softmax_scale, rnd)
     dof = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)
-    s = rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale
-    if causal:
-        s = np.where(_visible(sq, sk), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m_safe)
-    denom = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = rnd(np.where(denom > 0, p / denom, 0.0))
     out = rnd(p @ vf)
     dv = rnd(p.transpose(0, 1, 3, 2) @ dof)
     dp = rnd(dof @ vf.transpose(0, 1, 3, 2))

@@ -109,13 +109,13 @@ def _log_uniform(rng: np.random.Generator, high: int) -> int:
     return int(min(high, max(1, round(math.exp(rng.uniform(0.0, math.log(high + 0.5)))))))
 
 
-def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = False) -> Case:
-    """The case ``index`` of run ``seed``: pure (no GPU), independent of the other indices."""
-    combos = strata(families)
-    family, head_dim, causal, dtype = combos[(index + seed) % len(combos)]
-    max_seq, cap, max_batch, max_hkv = LIMITS[quick]
-    rng = np.random.default_rng([seed, index])
-    span = list(SPANS)[int(np.random.default_rng([seed, index, 1]).integers(0, len(SPANS)))]  # own stream
+def draw_shape(rng: np.random.Generator, causal: bool, quick: bool, cap: int,
+               block_rows) -> tuple[int, int, int, int, int]:
+    """(batch, heads_kv, group, seqlen_q, seqlen_k) of a case: ragged (55%), equal lengths (15%),
+    one length 1 (10%), or (causal) whole blocks of ``block_rows()`` query rows that see no key
+    (20%); then shrunk until batch * heads_q * seqlen_q * seqlen_k is at most ``cap`` (the float64
+    reference stays affordable)."""
+    max_seq, _, max_batch, max_hkv = LIMITS[quick]
     batch = int(rng.integers(1, max_batch + 1))
     heads_kv = int(rng.choice([1, *range(1, max_hkv + 1)]))
     group = int(rng.choice(GROUPS[:4] if quick else GROUPS))
@@ -125,17 +125,29 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
         sk = sq
     elif shape == "one":
         sq, sk = (1, sk) if rng.random() < 0.5 else (sq, 1)
-    elif shape == "empty_ctas" and causal:  # whole CTAs whose rows see no key
-        bm = block_m(family, head_dim, causal, span)
+    elif shape == "empty_ctas" and causal:  # whole blocks whose rows see no key
+        bm = block_rows()
         sk = _log_uniform(rng, max(1, max_seq - 2 * bm - 64))
         sq = min(max_seq, sk + 2 * bm + int(rng.integers(0, 64)))
-    while batch * heads_kv * group * sq * sk > cap:  # keep the float64 reference affordable
+    while batch * heads_kv * group * sq * sk > cap:
         if batch > 1:
             batch = max(1, cap // (heads_kv * group * sq * sk))
         elif group > 1 or heads_kv > 1:
             group, heads_kv = (group // 2, heads_kv) if group > 1 else (group, heads_kv - 1)
         else:
             sq, sk = (sq // 2, sk) if sq >= sk else (sq, sk // 2)
+    return batch, heads_kv, group, sq, sk
+
+
+def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = False) -> Case:
+    """The case ``index`` of run ``seed``: pure (no GPU), independent of the other indices."""
+    combos = strata(families)
+    family, head_dim, causal, dtype = combos[(index + seed) % len(combos)]
+    cap = LIMITS[quick][1]
+    rng = np.random.default_rng([seed, index])
+    span = list(SPANS)[int(np.random.default_rng([seed, index, 1]).integers(0, len(SPANS)))]  # own stream
+    batch, heads_kv, group, sq, sk = draw_shape(rng, causal, quick, cap,
+                                                lambda: block_m(family, head_dim, causal, span))
     big = rng.random() < 0.2
     amplitude = float(rng.uniform(10.0, 20.0 if dtype == "float16" else 30.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
@@ -264,28 +276,9 @@ def draw_backward_case(seed: int, index: int, quick: bool = False) -> BackwardCa
 
     combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (False, True) for t in DTYPE_NAMES]
     head_dim, causal, dtype = combos[(index + seed) % len(combos)]
-    max_seq, cap, max_batch, max_hkv = LIMITS[quick]
-    cap //= 2
     rng = np.random.default_rng([seed, index, 2])
-    batch = int(rng.integers(1, max_batch + 1))
-    heads_kv = int(rng.choice([1, *range(1, max_hkv + 1)]))
-    group = int(rng.choice(GROUPS[:4] if quick else GROUPS))
-    shape = rng.choice(["ragged", "same", "one", "empty_ctas"], p=[0.55, 0.15, 0.1, 0.2])
-    sq, sk = _log_uniform(rng, max_seq), _log_uniform(rng, max_seq)
-    if shape == "same":
-        sk = sq
-    elif shape == "one":
-        sq, sk = (1, sk) if rng.random() < 0.5 else (sq, 1)
-    elif shape == "empty_ctas" and causal:  # whole query blocks that see no key
-        sk = _log_uniform(rng, max(1, max_seq - 2 * BACKWARD_BLOCK - 64))
-        sq = min(max_seq, sk + 2 * BACKWARD_BLOCK + int(rng.integers(0, 64)))
-    while batch * heads_kv * group * sq * sk > cap:
-        if batch > 1:
-            batch = max(1, cap // (heads_kv * group * sq * sk))
-        elif group > 1 or heads_kv > 1:
-            group, heads_kv = (group // 2, heads_kv) if group > 1 else (group, heads_kv - 1)
-        else:
-            sq, sk = (sq // 2, sk) if sq >= sk else (sq, sk // 2)
+    cap = LIMITS[quick][1] // 2  # the backward reference costs about twice the forward's
+    batch, heads_kv, group, sq, sk = draw_shape(rng, causal, quick, cap, lambda: BACKWARD_BLOCK)
     big = rng.random() < 0.2
     amplitude = float(rng.uniform(5.0, 10.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
