@@ -327,9 +327,9 @@ def run_driver(args: argparse.Namespace) -> int:
 
         qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
         dout = torch.randn(shape, device="cuda", dtype=dtype).transpose(1, 2)
-        ctx = sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[args.impl]))
-        with ctx:
+        with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[args.impl])):
             result = sdpa(qt, kt, vt, is_causal=args.causal)
+        ctx = sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[args.impl]))  # a context manager enters once
 
         def call() -> None:
             torch.autograd.grad(result, (qt, kt, vt), dout, retain_graph=True)

@@ -317,6 +317,23 @@ def test_workspace_layout():
         workspace_layout(1, 1, 100, 64, 256)
 
 
+ALL_BACKWARD_CANDIDATES = sorted({c for cs in configs.BACKWARD_CANDIDATES.values() for c in cs}, key=str)
+
+
+@pytest.mark.parametrize("config", ALL_BACKWARD_CANDIDATES, ids=str)
+def test_dq_fragment_order_covers_the_query_block_once(config):
+    """The dQ accumulator's fragment order (what the main kernel adds, what the dQ kernel reads
+    back) maps the threads' elements onto the block_m x head_dim block one to one, and one
+    element index over a warp's 32 lanes is 32 consecutive floats."""
+    n = config.dq_fragment_elements
+    assert n * config.threads == config.block_m * config.head_dim
+    seen = {config.dq_position(tid, i) for tid in range(config.threads) for i in range(n)}
+    assert seen == {(r, c) for r in range(config.block_m) for c in range(config.head_dim)}
+    # the lane pairs of an m16n8 C fragment: element i and i + 1 (i even) are adjacent columns
+    row, col = config.dq_position(37, 6)
+    assert config.dq_position(37, 7) == (row, col + 1)
+
+
 def test_grids():
     rows_grid, main_grid = backward_grids(200, 300, 8, 2, 3, 128)
     assert rows_grid == (4, 8, 3) and main_grid == (3, 2, 3)
@@ -541,7 +558,7 @@ def test_device_call_launches_prep_main_dq_with_the_abi(fake_gpu, deterministic)
     rows = 256
     assert prep[1:5] == ((rows // 64, 8, 3), 128, 0, 0)
     assert main[1:5] == ((-(-300 // config.block_n), 2, 3), config.threads, 0, config.shared_bytes)
-    assert dqk[1:5] == ((rows // 64, 8, 3), 128, 0, 0)
+    assert dqk[1:5] == ((rows // config.block_m, 8, 3), config.threads, 0, 0)
     lay = workspace_layout(3, 8, 200, 64, config.block_m)
     base = main[5][6][0]  # lse_log2: the workspace's first part
     ws = lay.at(base)

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch-op tests need it")
 
 import numbaflash  # noqa: E402
+import numbaflash.torch_ops  # noqa: E402,F401  (registers torch.ops.numbaflash.*, as a first torch call would)
 from tests._torch_attention import Block, attention_formula  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}

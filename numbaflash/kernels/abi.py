@@ -35,7 +35,8 @@ _I32_ARRAY = "array(int32, 1d, C)"
 # The backward (``backward_mma``): three kernels over one float32 workspace per call, laid out
 # (batch, heads_q, rows) with rows = seqlen_q rounded up to BACKWARD_ROW_ALIGN: the LSE in log2
 # units (+inf on rows that see no key and on padding), D = rowsum(dO ∘ O), and the dQ
-# accumulator (batch, heads_q, rows, head_dim); plus one int32 turn counter per (batch, head,
+# accumulator (batch, heads_q, rows, head_dim), each block of block_m rows in the main kernel's
+# fragment order (``BackwardConfig.dq_position``); plus one int32 turn counter per (batch, head,
 # query block) for deterministic dQ.
 BACKWARD_ROW_ALIGN = 128
 
@@ -63,7 +64,8 @@ BACKWARD_ABI = (
     "bool",  # deterministic: add each query block's dQ in key-block order
 )
 
-# 3. dQ = the accumulator, scaled, in the input dtype. Grid (rows // 64, heads_q, batch), 128 threads.
+# 3. dQ = the accumulator, scaled, in the input dtype. Grid (rows // block_m, heads_q, batch),
+#    config.threads (the main kernel's, whose fragment order it reads).
 BACKWARD_DQ_ABI = (
     _F32_ARRAY, _U16_ARRAY,  # dq_accum, dq (output)
     "int64", "int64", "int64",  # dq strides: batch, seq, head (elements)

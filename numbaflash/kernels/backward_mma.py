@@ -199,33 +199,47 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
 
 
 def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The dQ kernel (``BACKWARD_DQ_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads;
-    each thread converts pairs of columns."""
+    """The dQ kernel (``BACKWARD_DQ_ARGTYPES``): grid (rows // block_m, heads_q, batch),
+    ``config.threads`` threads. Thread ``tid`` reads back the accumulator elements that thread
+    ``tid`` of the main kernel added (fragment order, ``BackwardConfig.dq_position``: coalesced
+    loads) and stores them scaled, as 16-bit pairs, at their rows and columns."""
     config.check()
     D = config.head_dim
+    BM = config.block_m
+    THREADS = config.threads
+    QR = config.dq_row_warps
+    QMT = BM // (16 * QR)
+    DQ_COLS = D // config.dq_col_warps
+    DQ_N = DQ_COLS // 8
     BF16 = bf16
-    PAIRS = D // 2
 
     def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale):
-        tid = cuda.threadIdx.x
+        tid = cuda.threadIdx.x & 1023
+        warp = tid // 32
+        lane = tid % 32
         head = int64(cuda.blockIdx.y)
         batch = int64(cuda.blockIdx.z)
-        row_base = int64(cuda.blockIdx.x) * PREP_ROWS
-        acc_base = ((batch * heads_q + head) * rows + row_base) * D
-        for i in range(tid, PREP_ROWS * PAIRS, PREP_THREADS):
-            r = i // PAIRS
-            c = 2 * (i % PAIRS)
-            row = row_base + r
-            if row < seqlen_q:
-                at = acc_base + r * D + c
-                packed = pack_16bit(dq_acc[at] * scale, dq_acc[at + 1] * scale, BF16)
-                out = batch * dq_sb + row * dq_ss + head * dq_sh + c
-                dq[out] = uint16(packed & 0xFFFF)
-                dq[out + 1] = uint16(packed >> 16)
+        m0 = int64(cuda.blockIdx.x) * BM
+        at = ((batch * heads_q + head) * rows + m0) * D + tid
+        row0 = m0 + (warp % QR) * 16 * QMT + lane // 4
+        col0 = (warp // QR) * DQ_COLS + 2 * (lane % 4)
+        out0 = batch * dq_sb + head * dq_sh + col0
+        for mt in range(QMT):
+            for j in range(DQ_N):
+                for r in range(2):
+                    i = (mt * DQ_N + j) * 4 + 2 * r
+                    lo = dq_acc[at + i * THREADS] * scale
+                    hi = dq_acc[at + (i + 1) * THREADS] * scale
+                    row = row0 + 16 * mt + 8 * r
+                    if row < seqlen_q:
+                        packed = pack_16bit(lo, hi, BF16)
+                        out = out0 + row * dq_ss + 8 * j
+                        dq[out] = uint16(packed & 0xFFFF)
+                        dq[out + 1] = uint16(packed >> 16)
 
     kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
-    backward_dq.__name__ = f"flash_backward_dq_d{D}_{kind}"
-    backward_dq.launch_bounds = (PREP_THREADS, 1)
+    backward_dq.__name__ = f"flash_backward_dq_d{D}_m{BM}{config.tag}_{kind}"
+    backward_dq.launch_bounds = (THREADS, 1)
     return backward_dq
 
 
@@ -340,20 +354,16 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     dq_product = unroll(dq_step, BN // 16)
 
     @cuda.jit(device=True, forceinline=True)
-    def add_dq(ds_tile, sk, dq_row_at, part, lane, frags, offsets, acc_q):
-        """dQ of this step for the warp's part, added into the accumulator rows at byte address
-        ``dq_row_at`` (row ``part.row0``, column 0) with red.global.add.f32."""
+    def add_dq(ds_tile, sk, dq_at, frags, offsets, acc_q):
+        """dQ of this step for the warp's part, added with red.global.add.f32 into the query
+        block's accumulator in fragment order (``BackwardConfig.dq_position``): element ``i`` of
+        the thread's fragment at byte address ``dq_at`` (the block's start + 4 tid) + 4 i threads."""
         zero_fragments(acc_q, QMT, DQ_N)
         dq_product(DqProduct(acc_q, ds_tile, sk, frags, offsets))
-        g = lane // 4
-        t = lane % 4
         for mt in range(QMT):
-            for r in range(2):
-                row_at = dq_row_at + (16 * mt + g + 8 * r) * (D * 4)
-                for j in range(DQ_N):
-                    at = row_at + (part.col0 + 8 * j + 2 * t) * 4
-                    ptx.red_global_add_f32(at, acc_q[mt, j, 2 * r])
-                    ptx.red_global_add_f32(at + 4, acc_q[mt, j, 2 * r + 1])
+            for j in range(DQ_N):
+                for e in range(4):
+                    ptx.red_global_add_f32(dq_at + ((mt * DQ_N + j) * 4 + e) * (THREADS * 4), acc_q[mt, j, e])
 
     @cuda.jit(device=True, forceinline=True)
     def load_step(sbase, stage, q_rows, do_rows, m0, lse2_at, delta_at, tid):
@@ -448,28 +458,32 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         acc_dp = cuda.local.array((KMT, S_N, 4), float32)
         acc_q = cuda.local.array((QMT, DQ_N, 4), float32)
 
+        # The walk: query blocks m_first .. m_blocks - 1 of each query head of the group in turn;
+        # (head, m_block) is this step's, (head1, m1) the next one's, each advanced by one
+        # comparison a step (no division).
+        head = kv_head * group
+        m_block = m_first
         if steps > 0:
-            head = kv_head * group
             bh = batch * heads_q + head
-            q_rows = global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
-            do_rows = global_rows(do, batch * do_sb + head * do_sh, do_ss, seqlen_q)
-            m0 = m_first * BM
-            load_step(sbase, 0, q_rows, do_rows, m0, lse2_base + (bh * rows + m0) * 4,
-                      delta_base + (bh * rows + m0) * 4, tid)
+            m0 = m_block * BM
+            load_step(sbase, 0, global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q),
+                      global_rows(do, batch * do_sb + head * do_sh, do_ss, seqlen_q), m0,
+                      lse2_base + (bh * rows + m0) * 4, delta_base + (bh * rows + m0) * 4, tid)
         for step in range(steps):
             stage = step % STAGES
-            head = kv_head * group + step // per_head
-            m_block = m_first + step % per_head
             m0 = m_block * BM
             bh = batch * heads_q + head
+            head1 = head
+            m1 = m_block + 1
+            if m1 == m_blocks:
+                head1 = head + 1
+                m1 = m_first
             if STAGES == 2:
                 if step + 1 < steps:
-                    head1 = kv_head * group + (step + 1) // per_head
-                    bh1 = batch * heads_q + head1
-                    m1 = (m_first + (step + 1) % per_head) * BM
+                    row1 = (batch * heads_q + head1) * rows + m1 * BM
                     load_step(sbase, 1 - stage, global_rows(q, batch * q_sb + head1 * q_sh, q_ss, seqlen_q),
-                              global_rows(do, batch * do_sb + head1 * do_sh, do_ss, seqlen_q), m1,
-                              lse2_base + (bh1 * rows + m1) * 4, delta_base + (bh1 * rows + m1) * 4, tid)
+                              global_rows(do, batch * do_sb + head1 * do_sh, do_ss, seqlen_q), m1 * BM,
+                              lse2_base + row1 * 4, delta_base + row1 * 4, tid)
                     ptx.cp_async_wait_group_1()
                 else:
                     ptx.cp_async_wait_group_0()
@@ -506,14 +520,15 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                     while ptx.ld_acquire_gpu_s32(counter_at) != n_block:
                         pass
                 cuda.syncthreads()
-            dq_row_at = dq_base + ((bh * rows + m0 + q_part.row0) * D) * 4
-            add_dq(sbase + SDS, sk, dq_row_at, q_part, lane, frags, offsets, acc_q)
+            add_dq(sbase + SDS, sk, dq_base + ((bh * rows + m0) * D + tid) * 4, frags, offsets, acc_q)
             if deterministic:
                 cuda.threadfence()
                 cuda.syncthreads()
                 if tid == 0:
                     ptx.red_release_gpu_add_s32(counter_at, int32(1))
             cuda.syncthreads()  # every warp is done with this step's tiles
+            head = head1
+            m_block = m1
 
         # Epilogue: dK (scaled) and dV through the K and V tiles, 16-byte stores.
         drain_copies()

@@ -291,6 +291,29 @@ class BackwardConfig:
         return 128 if self.head_dim % 64 == 0 else 64
 
     @property
+    def dq_fragment_elements(self) -> int:
+        """dQ accumulator elements each thread holds for one query block (``dq_position``)."""
+        return self.block_m * self.head_dim // self.threads
+
+    def dq_position(self, tid: int, i: int) -> tuple[int, int]:
+        """(row, column) in a query block of dQ of element ``i`` of thread ``tid``'s accumulator
+        fragment in the main kernel's dQ product (an m16n8k16 C fragment: ``i`` = 4 (m-tile x
+        n-tiles + n-tile) + 2 (row half) + column pair element).
+
+        The dQ accumulator stores a query block's ``block_m x head_dim`` floats in fragment
+        order, element ``i`` of thread ``tid`` at ``i * threads + tid``: a warp's
+        ``red.global.add.f32`` of one ``i`` then covers 32 consecutive floats (one 128-byte
+        line), where the row-major order would touch 8 rows. The dQ kernel reads it back with
+        this map, which is a bijection onto the block (``tests/test_backward_api_cpu.py``)."""
+        warp, lane = divmod(tid, 32)
+        n_tiles = self.head_dim // self.dq_col_warps // 8
+        tile, e = divmod(i, 4)
+        mt, j = divmod(tile, n_tiles)
+        row0 = (warp % self.dq_row_warps) * 16 * self.dq_tiles
+        col0 = (warp // self.dq_row_warps) * (self.head_dim // self.dq_col_warps)
+        return row0 + 16 * mt + lane // 4 + 8 * (e // 2), col0 + 8 * j + 2 * (lane % 4) + e % 2
+
+    @property
     def shared_layout(self) -> dict[str, int]:
         """Byte offsets of the shared tiles: K, V (``block_n`` rows), the Pᵀ and dSᵀ tiles
         (``block_n`` rows of ``block_m`` 16-bit columns), then per stage Q and dO (``block_m``

@@ -8,8 +8,8 @@ One call launches three kernels on the caller's stream, in this order:
    the dQ accumulator and the turn counters. Grid (rows // 64, heads_q, batch), 128 threads.
 2. main (``backward``): dK and dV of one key block per CTA, dQ added into the accumulator.
    Grid (ceil(seqlen_k / block_n), heads_kv, batch), ``config.threads``, ``config.shared_bytes``.
-3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (rows // 64,
-   heads_q, batch), 128 threads.
+3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (rows // block_m,
+   heads_q, batch), ``config.threads``.
 
 rows = seqlen_q rounded up to ``BACKWARD_ROW_ALIGN``. The grid is not folded as the forward's
 is: y and z are the head and the batch, each at most 65535 (``check_backward_grid``).
@@ -28,15 +28,16 @@ from .launch_forward import MAX_GRID_X, MAX_GRID_YZ
 if TYPE_CHECKING:
     from ..operands import Operand
 
-ROW_BLOCK = 64  # query rows per CTA of the prepare and dQ kernels
-ROW_THREADS = 128  # threads per CTA of the prepare and dQ kernels
+ROW_BLOCK = 64  # query rows per CTA of the prepare kernel (the dQ kernel's block_m: as many CTAs or fewer)
+ROW_THREADS = 128  # threads per CTA of the prepare kernel
 SMALLEST_BLOCK_N = 16  # the narrowest key block any BackwardConfig may have (a 16-key mma tile)
 
 
 class Workspace(NamedTuple):
     """Where one call's float32 workspace sits, each part as ``(device pointer, elements)``,
     flat 1-D: the LSE in log2 units and D, (batch, heads_q, rows) float32 each; the dQ
-    accumulator, (batch, heads_q, rows, head_dim) float32; the turn counters, (batch, heads_q,
+    accumulator, (batch, heads_q, rows, head_dim) float32, each query block in the main kernel's
+    fragment order (``BackwardConfig.dq_position``); the turn counters, (batch, heads_q,
     rows // block_m) int32."""
 
     lse_log2: tuple[int, int]
@@ -184,14 +185,17 @@ def launch_backward_main(config) -> Launch:
 
 def launch_backward_dq(config) -> Launch:
     """The launch of the dQ kernel (``BACKWARD_DQ_ABI``): the accumulator, scaled, into dq (by
-    pointer and strides)."""
+    pointer and strides); one CTA of the main kernel's ``threads`` per query block (it reads the
+    accumulator in the main kernel's fragment order)."""
+
+    block_m, threads = config.block_m, config.threads
 
     def launch(launcher, call: BackwardCall, gpu: Any) -> None:
         dq = call.dq
         batch, seqlen_q, heads_q, _ = call.q.shape
-        grid = (call.rows // ROW_BLOCK, heads_q, batch)
+        grid = (call.rows // block_m, heads_q, batch)
         s = dq.strides
-        launcher(grid, ROW_THREADS, call.stream, 0,
+        launcher(grid, threads, call.stream, 0,
                  call.workspace.dq_accum, (dq.pointer, dq.span), s[0], s[1], s[2],
                  seqlen_q, call.rows, heads_q, call.scale)
 
