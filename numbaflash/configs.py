@@ -353,8 +353,11 @@ def _two_tiles(config: BackwardConfig) -> list[BackwardConfig]:
 # each with two 16-row m-tiles a warp in Sᵀ/dPᵀ/dK/dV and in dQ (key_tiles=2, dq_tiles=2: on an
 # H100 at 4k, d128, 0.60 -> 0.68-0.69 of SDPA flash's backward) where the warps still split
 # evenly (not at head dims 32 and 96).
+# At head dim 64 also FlashAttention-2's d64 tile: 128 query rows a step (its kBlockM 128 with
+# 2 x 4 warps over S and dP, 4 x 2 over dK/dV and dQ, which key_tiles=2 and dq_tiles=2 give).
 BACKWARD_CANDIDATES: dict[int, list[BackwardConfig]] = {
-    d: list(dict.fromkeys(defaults + [t for c in defaults for t in _two_tiles(c)]))
+    d: list(dict.fromkeys(defaults + [t for c in defaults for t in _two_tiles(c)]
+                          + ([_B(64, block_m=128, block_n=128, key_tiles=2, dq_tiles=2)] if d == 64 else [])))
     for d, defaults in BACKWARD_DEFAULTS.items()
 }
 

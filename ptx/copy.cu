@@ -51,6 +51,12 @@ extern "C" __device__ void st_shared_v4_b32(unsigned addr, const unsigned* r) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
                :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
+// 32-bit load of a float from shared memory (a byte address in the shared window).
+extern "C" __device__ float ld_shared_f32(unsigned addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
 // 32-bit store to shared memory (one packed pair of 16-bit values).
 extern "C" __device__ void st_shared_b32(unsigned addr, unsigned v) {
   asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");

@@ -190,11 +190,12 @@ VEC4_ARGTYPES = (
 )
 
 
-def shared_address_kernel(values, out16, out32, outf, out64, addresses):
+def shared_address_kernel(values, out16, out32, outf, out64, addresses, loaded):
     """Launch [1, 32]. One 128-byte shared array of each dtype (u16, u32, f32, u64), poisoned;
     lane l writes ``values[k, l]`` with st.shared.b32 at byte 4*l of array k (address from the
     matching ``shared_address_*``); arrays are read back with plain loads. Lane 0 records the
-    four base addresses and the address of ``a16[8:]`` in ``addresses``."""
+    four base addresses and the address of ``a16[8:]`` in ``addresses``; lane l also reads
+    float (7 l) % 32 of the f32 array back with ld_shared_f32 into ``loaded``."""
     a16 = cuda.shared.array(64, uint16, alignment=16)
     a32 = cuda.shared.array(32, uint32, alignment=16)
     af = cuda.shared.array(32, float32, alignment=16)
@@ -216,6 +217,7 @@ def shared_address_kernel(values, out16, out32, outf, out64, addresses):
     ptx.st_shared_b32(bf + lane * 4, values[2, lane])
     ptx.st_shared_b32(b64 + lane * 4, values[3, lane])
     cuda.syncthreads()
+    loaded[lane] = ptx.ld_shared_f32(bf + ((7 * lane) % 32) * 4)
     out16[2 * lane] = a16[2 * lane]
     out16[2 * lane + 1] = a16[2 * lane + 1]
     out32[lane] = a32[lane]
@@ -232,7 +234,7 @@ def shared_address_kernel(values, out16, out32, outf, out64, addresses):
 
 SHARED_ADDRESS_ARGTYPES = (
     types.uint32[:, ::1], types.uint16[::1], types.uint32[::1], types.float32[::1],
-    types.uint64[::1], types.uint32[::1],
+    types.uint64[::1], types.uint32[::1], types.float32[::1],
 )
 
 

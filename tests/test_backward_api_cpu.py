@@ -380,8 +380,10 @@ def test_defaults_are_valid_and_in_order():
         two = [c for c in candidates if c.key_tiles == 2]
         if d in (32, 96):
             assert not two
-        else:  # every default's two-tile twin
+        else:  # every default's two-tile twin, and at d64 FlashAttention-2's 128-row tile
             twins = {dataclasses.replace(c, key_tiles=2, dq_tiles=2) for c in configs.BACKWARD_DEFAULTS[d]}
+            if d == 64:
+                twins.add(BackwardConfig(64, block_m=128, block_n=128, key_tiles=2, dq_tiles=2))
             assert twins == set(two)
 
 
@@ -430,10 +432,11 @@ def test_a_forward_config_under_a_backward_key_is_an_error(table_with, fresh_cho
 def test_force_config_with_a_backward_config(fresh_choice):
     forced = BackwardConfig(64, block_m=64, block_n=64, num_warps=4)
     forward_before = configs.forward_config(AMPERE, 64, True)
+    unforced = configs.backward_config(AMPERE, 64, False)
     with configs.force_config(AMPERE, True, forced):
         assert configs.OVERRIDES == {"sm80bwd/d64/causal": forced}
         assert configs.backward_config(AMPERE, 64, True) == forced
-        assert configs.backward_config(AMPERE, 64, False) == configs.BACKWARD_DEFAULTS[64][0]
+        assert configs.backward_config(AMPERE, 64, False) == unforced != forced
         assert configs.forward_config(AMPERE, 64, True) == forward_before
     with configs.force_config(HOPPER, False, forced):  # every GPU runs the mma.sync backward
         assert configs.backward_config(HOPPER, 64, False) == forced

@@ -234,7 +234,7 @@ def test_ld_st_shared_v4_and_st_global_v4(name):
 
 
 @gpu
-def test_shared_address_and_st_shared_b32():
+def test_shared_address_st_shared_b32_and_ld_shared_f32():
     rng = _rng("shared_address")
     values = rng.integers(0, 1 << 32, size=(4, 32), dtype=np.uint32)
     values[2] = rng.standard_normal(32).astype(np.float32).view(np.uint32)
@@ -243,11 +243,14 @@ def test_shared_address_and_st_shared_b32():
     outf = np.full(32, np.nan, np.float32)
     out64 = np.full(16, U32_POISON, np.uint64)
     addresses = np.full(5, U32_POISON, np.uint32)
-    res = _run("shared_address", 1, 32, values, out16, out32, outf, out64, addresses)
-    _, out16, out32, outf, out64, addresses = res
+    loaded = np.full(32, np.nan, np.float32)
+    res = _run("shared_address", 1, 32, values, out16, out32, outf, out64, addresses, loaded)
+    _, out16, out32, outf, out64, addresses, loaded = res
     np.testing.assert_array_equal(out16, values[0].view(np.uint16))  # low half at the lower address
     np.testing.assert_array_equal(out32, values[1])
     np.testing.assert_array_equal(outf.view(np.uint32), values[2])
+    # ld_shared_f32: lane l reads float (7 l) % 32 of the f32 array, bit for bit
+    np.testing.assert_array_equal(loaded.view(np.uint32), values[2][(7 * np.arange(32)) % 32])
     np.testing.assert_array_equal(out64, values[3].view(np.uint64))
     bases = addresses[:4].astype(np.int64)
     assert (bases % 16 == 0).all(), addresses

@@ -14,11 +14,13 @@ Three kernels over one float32 workspace (``abi.BACKWARD_ABI`` describes it):
      owns are keys, as in dK and dV);
    - ``gradient_of_scores``: Pᵀ = exp2(Sᵀ·scale·log2e − LSE₂) and dSᵀ = Pᵀ ∘ (dPᵀ − D), masked
      past the last key and after the causal diagonal, stored as 16-bit tiles in shared memory;
-   - ``accumulate_dkv``: dV += Pᵀ dO and dK += dSᵀ Q from those tiles;
+   - ``product_tn``: dV += Pᵀ dO from those tiles;
    - ``add_dq``: dQ_i += dS K, read transposed from the dSᵀ tile, added into the float32
-     accumulator with ``red.global.add.f32``; in deterministic mode CTAs take turns per query
-     block in key-block order (a counter per block, acquire/release), so the sums are
-     bit-identical from run to run.
+     accumulator with ``red.global.add.f32`` (in the dQ product's fragment order,
+     ``BackwardConfig.dq_position``); in deterministic mode CTAs take turns per query block in
+     key-block order (a counter per block, acquire/release), so the sums are bit-identical from
+     run to run;
+   - ``product_tn``: dK += dSᵀ Q (after dQ, so that its adds drain under the dK product).
 
    At the end dK is scaled by the softmax scale and dK, dV are written through shared memory
    with 16-byte stores.
@@ -83,8 +85,8 @@ BACKWARD_DQ_ARGTYPES = (
 
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
 WarpPart = namedtuple("WarpPart", ["row0", "col0"])
-# The tiles of one step of the walk (shared addresses): Q, dO, and the stage's LSE and D
-# (float32 element index into the dynamic shared array).
+# The tiles of one step of the walk (shared byte addresses): Q, dO, and the stage's LSE and D
+# rows (float32).
 StepTiles = namedtuple("StepTiles", ["q", "do", "lse", "delta"])
 # Fragment buffers a warp reuses: A fragments of every m-tile and one B pair.
 Frags = namedtuple("Frags", ["a", "b"])
@@ -93,8 +95,9 @@ Frags = namedtuple("Frags", ["a", "b"])
 # then a tile base + one of these + an immediate. Sᵀ/dPᵀ: ``nt_a[kb]`` (K, V rows, 16-column
 # block kb of a column block) and ``nt_b[kb]`` (Q, dO rows); dV/dK: ``tn_a[kb]`` (Pᵀ, dSᵀ rows)
 # and ``tn_b[j2]`` (dO, Q columns, transposed); dQ: ``dq_a[mt]`` (dSᵀ transposed) and
-# ``dq_b[j2]`` (K columns, transposed).
-Offsets = namedtuple("Offsets", ["nt_a", "nt_b", "tn_a", "tn_b", "dq_a", "dq_b"])
+# ``dq_b[j2]`` (K columns, transposed); the Pᵀ and dSᵀ stores: ``sts[j]`` (the lane's row of
+# the warp's first key m-tile, n-tile j's column pair).
+Offsets = namedtuple("Offsets", ["nt_a", "nt_b", "tn_a", "tn_b", "dq_a", "dq_b", "sts"])
 # The operands of one dV or dK product (``product_tn``) and of one dQ product (``dq_product``).
 TnProduct = namedtuple("TnProduct", ["acc", "a_tile", "b_tile", "frags", "offsets"])
 DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets"])
@@ -305,20 +308,34 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         product_nt(acc_dp, sv, tiles.do, frags, offsets)
 
     @cuda.jit(device=True, forceinline=True)
-    def gradient_of_scores(acc_s, acc_dp, smem_f, tiles, part, scale_log2, lane):
+    def gradient_of_scores(acc_s, acc_dp, tiles, part, scale_log2, lane):
         """Sᵀ -> Pᵀ and dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ − D) in place (each column: one query's LSE and D
-        from the stage's shared rows); masking is done on Sᵀ before."""
-        t = lane % 4
+        from the stage's shared rows, at the lane's first column + an immediate); masking is done
+        on Sᵀ before."""
+        first = uint32((part.col0 + 2 * (lane % 4)) * 4)
+        lse_at = tiles.lse + first
+        delta_at = tiles.delta + first
         for j in range(S_N):
             for e in range(2):
-                col = part.col0 + 8 * j + 2 * t + e
-                lse = smem_f[tiles.lse + col]
-                d = smem_f[tiles.delta + col]
+                lse = ptx.ld_shared_f32(lse_at + (8 * j + e) * 4)
+                d = ptx.ld_shared_f32(delta_at + (8 * j + e) * 4)
                 for mt in range(KMT):
                     for r in range(2):
                         p = ptx.exp2(acc_s[mt, j, 2 * r + e] * scale_log2 - lse)
                         acc_s[mt, j, 2 * r + e] = p
                         acc_dp[mt, j, 2 * r + e] = p * (acc_dp[mt, j, 2 * r + e] - d)
+
+    @cuda.jit(device=True, forceinline=True)
+    def store_scores(tile, acc, offsets):
+        """The warp's part of Pᵀ or dSᵀ (``acc[mt, j]``, keys x queries) as 16-bit pairs into a
+        swizzled keys x queries tile: the lane's address for n-tile j is ``tile + sts[j]``, and
+        the rows of m-tile mt and of the fragment's second half are immediates (the swizzle
+        phase of a row is the same 16 rows further)."""
+        for mt in range(KMT):
+            for r in range(2):
+                for j in range(S_N):
+                    packed = pack_16bit(acc[mt, j, 2 * r], acc[mt, j, 2 * r + 1], BF16)
+                    ptx.st_shared_b32(tile + offsets.sts[j] + (16 * mt + 8 * r) * PB, packed)
 
     @cuda.jit(device=True, forceinline=True)
     def tn_step(kt, st):
@@ -401,13 +418,15 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         for j2 in range(DQ_N // 2):
             chunk = q_part.col0 // 8 + 2 * j2 + lane // 16
             offsets.dq_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BN, RB), lane)
+        for j in range(S_N):
+            at = swizzled_offset(s_part.row0 + lane // 4, s_part.col0 // 8 + j, BN, PB) + 4 * (lane % 4)
+            offsets.sts[j] = keep_in_register(at, lane)
 
     def flash_backward(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                        do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
                        seqlen_q, seqlen_k, rows, heads_q, group, scale_log2, scale, deterministic):
         smem = cuda.shared.array(0, types.uint16)
-        smem_f = cuda.shared.array(0, types.float32)
         tid = cuda.threadIdx.x & 1023
         warp = tid // 32
         lane = tid % 32
@@ -446,7 +465,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
 
         offsets = Offsets(cuda.local.array(KB, uint32), cuda.local.array(KB, uint32),
                           cuda.local.array(4, uint32), cuda.local.array(KV_PAIRS, uint32),
-                          cuda.local.array(QMT, uint32), cuda.local.array(DQ_PAIRS, uint32))
+                          cuda.local.array(QMT, uint32), cuda.local.array(DQ_PAIRS, uint32),
+                          cuda.local.array(S_N, uint32))
         lane_offsets(offsets, s_part, kv_part, q_part, lane)
         frags = Frags(cuda.local.array((A_TILES, 4), uint32), cuda.local.array(4, uint32))
 
@@ -494,8 +514,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                               lse2_base + (bh * rows + m0) * 4, delta_base + (bh * rows + m0) * 4, tid)
                 ptx.cp_async_wait_group_0()
             cuda.syncthreads()  # this step's tiles have landed for everyone
-            off = stage * STAGE
-            tiles = StepTiles(sbase + SQ0 + off, sbase + SDO0 + off, (SLSE0 + off) // 4, (SDELTA0 + off) // 4)
+            at = sbase + stage * STAGE
+            tiles = StepTiles(at + SQ0, at + SDO0, at + SLSE0, at + SDELTA0)
 
             transposed_scores(acc_s, acc_dp, sk, sv, tiles, frags, offsets)
             key0 = n0 + s_part.row0
@@ -503,17 +523,14 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
             if key0 + 16 * KMT > seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + diag):
                 for mt in range(KMT):
                     mask_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, seqlen_k, diag, CAUSAL)
-            gradient_of_scores(acc_s, acc_dp, smem_f, tiles, s_part, scale_log2, lane)
-            for mt in range(KMT):
-                row0 = s_part.row0 + 16 * mt
-                one = float32(1.0)
-                store_fragment_rows(sbase + SP, acc_s[mt], S_N, BN, row0, s_part.col0, lane, BF16, PB, one)
-                store_fragment_rows(sbase + SDS, acc_dp[mt], S_N, BN, row0, s_part.col0, lane, BF16, PB, one)
+            gradient_of_scores(acc_s, acc_dp, tiles, s_part, scale_log2, lane)
+            store_scores(sbase + SP, acc_s, offsets)
+            store_scores(sbase + SDS, acc_dp, offsets)
             cuda.syncthreads()  # Pᵀ and dSᵀ are in shared memory for everyone
 
             product_tn(TnProduct(acc_dv, sbase + SP, tiles.do, frags, offsets))
-            product_tn(TnProduct(acc_dk, sbase + SDS, tiles.q, frags, offsets))
-
+            # dQ before dK (FlashAttention-2's order): its red.global adds drain while the dK
+            # product runs, instead of queueing in front of the next step's cp.async copies.
             counter_at = counter_base + (bh * counters_per_head + m_block) * 4
             if deterministic:  # wait for this query block's turn: key blocks add in order
                 if tid == 0:
@@ -526,6 +543,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                 cuda.syncthreads()
                 if tid == 0:
                     ptx.red_release_gpu_add_s32(counter_at, int32(1))
+            product_tn(TnProduct(acc_dk, sbase + SDS, tiles.q, frags, offsets))
             cuda.syncthreads()  # every warp is done with this step's tiles
             head = head1
             m_block = m1

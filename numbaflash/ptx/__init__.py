@@ -15,6 +15,7 @@ from .async_copy import (
     cp_async_wait_group_2,
     cp_async_wait_group_3,
     global_address,
+    ld_shared_f32,
     ld_shared_v4,
     shared_address_f32,
     shared_address_u16,
@@ -91,6 +92,7 @@ __all__ = [
     "shared_address_u64",
     "st_global_v4",
     "st_global_v4_at",
+    "ld_shared_f32",
     "st_shared_b32",
     "st_shared_v4",
 ]

@@ -34,6 +34,7 @@ cp_async_wait_group_3 = declare("copy", "cp_async_wait_group_3", types.void())
 _ld_shared_v4 = declare("copy", "ld_shared_v4_b32", types.void(u32p, _u32))
 _st_shared_v4 = declare("copy", "st_shared_v4_b32", types.void(_u32, u32p))
 st_shared_b32 = declare("copy", "st_shared_b32", types.void(_u32, _u32))
+ld_shared_f32 = declare("copy", "ld_shared_f32", types.float32(_u32))
 _st_global_v4 = declare("copy", "st_global_v4_b32", types.void(u16p, _i64, u32p))
 _st_global_v4_at = declare("copy", "st_global_v4_b32_at", types.void(_i64, u32p))
 
