@@ -1,7 +1,8 @@
 """The public API: validate a call, then route it to its operation (``operations.forward``).
 
 Every check runs before anything is compiled or launched; the device path then costs a few
-dictionary lookups and one launch (``operations.forward.run_device``).
+dictionary lookups and one launch (``operations.forward.run_device``). Torch tensors of a layout
+validated before skip to the per-call checks and the launch (``operations.forward.run_torch``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,13 @@ def _torch_route() -> list:
 def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any,
                            out: Any) -> Any:
     """``flash_attention`` without the torch routing: validate, then launch (what the custom op
-    runs on real tensors, and what every call that needs no autograd takes)."""
+    runs on real tensors, and what every call that needs no autograd takes). Torch tensors of a
+    layout validated before take ``forward.run_torch``: its per-call checks and the launch."""
+    if kind_of(q) == "torch":
+        done = forward.run_torch(q, k, v, causal, softmax_scale, return_lse, out)
+        if done is not None:
+            return done
+    default_scale = softmax_scale is None  # the plans' key holds None for it (as run_torch's does)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_shapes(qd, kd, vd)
     batch, seqlen_q, heads_q, head_dim = qd.shape
@@ -125,7 +132,8 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
     capability, device = gpu_state.GPU.current()
     if qd.on_device:
         check_same_device([qd, kd, vd] if od is None else [qd, kd, vd, od], device)
-        return forward.run_device(q, qd, kd, vd, od, out, causal, softmax_scale, return_lse,
+        return forward.run_device(q, qd, kd, vd, od, out, causal, softmax_scale,
+                                  None if default_scale else softmax_scale, return_lse,
                                   capability, device)
     return forward.run_numpy(q, k, v, out, qd.dtype_name, causal, softmax_scale, return_lse,
                              capability, device)

@@ -63,9 +63,12 @@ def dtype_name_of_numpy(dtype: np.dtype, name: str) -> str:
     raise TypeError(f"{name} must be float16 or bfloat16, got {dtype}")
 
 
-_KINDS: dict[type, str] = {np.ndarray: "numpy"}
-_TYPESTRS: dict[str, np.dtype] = {}  # type -> "numpy" | "torch" | "cai"
-_TORCH_DTYPES: dict = {}
+_KINDS: dict[type, str] = {np.ndarray: "numpy"}  # type -> "numpy" | "torch" | "cai"
+TORCH_TYPES: set[type] = set()  # the types kind_of has found to be torch's
+_TYPESTRS: dict[str, np.dtype] = {}  # CUDA array interface typestr -> its dtype
+_TORCH_DTYPES: dict = {}  # torch.float16 -> "float16", torch.bfloat16 -> "bfloat16", once torch is seen
+TORCH_DTYPE_NAMES = _TORCH_DTYPES
+FLOAT32: list = []  # [torch.float32], once torch is seen
 
 
 def kind_of(x: Any) -> str:
@@ -76,6 +79,7 @@ def kind_of(x: Any) -> str:
             kind = "numpy"
         elif type(x).__module__.split(".")[0] == "torch":
             kind = "torch"
+            TORCH_TYPES.add(type(x))
         elif hasattr(x, "__cuda_array_interface__"):
             kind = "cai"
         else:
@@ -91,6 +95,7 @@ def _torch():
     if not _TORCH:
         import torch
 
+        FLOAT32.append(torch.float32)
         _TORCH.append(torch)
     return _TORCH[0]
 
@@ -276,14 +281,14 @@ def stream_handle(q: Operand) -> int:
     """The stream to launch on: torch's current stream for torch inputs, else the stream the
     CUDA array interface names (None, or 1 = the legacy default stream: handle 0)."""
     if q.device is not None:  # torch (the only kind whose device is known)
-        return _torch_stream(q.device)
+        return torch_stream(q.device)
     return 0 if q.stream in (None, 1) else int(q.stream)
 
 
 _RAW_STREAM = None
 
 
-def _torch_stream(device: int) -> int:
+def torch_stream(device: int) -> int:
     """torch's current stream on ``device`` as a handle: its raw-stream query where this torch
     has it (what Triton calls per launch: a fraction of a microsecond), else the public API."""
     global _RAW_STREAM
@@ -297,7 +302,7 @@ def _torch_stream(device: int) -> int:
 def empty_like(ref: Any, shape: tuple[int, ...], dtype_name: str):
     """A new device array for the output, of the inputs' library where we know it."""
     if kind_of(ref) == "torch":
-        return _torch().empty(shape, dtype=ref.dtype, device=ref.device)
+        return ref.new_empty(shape)  # ref's dtype and device (torch.empty with keywords costs 2x)
     module = type(ref).__module__.split(".")[0]
     if module == "cupy":
         import cupy
@@ -311,8 +316,7 @@ def empty_like(ref: Any, shape: tuple[int, ...], dtype_name: str):
 
 def empty_lse(ref: Any, shape: tuple[int, ...]):
     if kind_of(ref) == "torch":
-        torch = _torch()
-        return torch.empty(shape, dtype=torch.float32, device=ref.device)
+        return ref.new_empty(shape, dtype=_torch().float32)
     if type(ref).__module__.split(".")[0] == "cupy":
         import cupy
 

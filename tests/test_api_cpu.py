@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -274,3 +275,290 @@ def test_device_buffer_rejects_other_than_16_bit_floats():
         DeviceBuffer.empty((2, 2), np.int8)
     with pytest.raises(TypeError, match="needs a numpy array"):
         DeviceBuffer()
+
+
+# ------------------------------------------------------------------ the device hot path (GPU faked)
+
+
+class Launches:
+    """A stand-in for the driver's ``cuLaunchKernel``: records each launch with the bytes of its
+    parameter buffer (the kernel's parameters as the driver would copy them)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def __call__(self, handle, gx, gy, gz, block, by, bz, shared, stream, pointers, extra) -> int:
+        self.seen.append((handle, (gx, gy, gz), block, shared, stream, pointers[0]))
+        return 0
+
+
+class FakeSlots:
+    """``runtime.map_slots.MapSlots``' interface: a slot per key, every lookup and use recorded."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.keys: list[tuple] = []
+        self.slot_of: dict[tuple, int] = {}
+        self.used_slots: list[tuple[int, int]] = []
+
+    def address(self, key, encode, stream):
+        self.keys.append(key)
+        slot = self.slot_of.setdefault(key, len(self.slot_of))
+        return (1 << 36) + 512 * slot, slot
+
+    def used(self, slot, stream):
+        self.used_slots.append((slot, stream))
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """A fresh GPU state on a pretend device 0 (sm_90 unless changed): kernels 'load' without
+    compiling, the real ``KernelLauncher`` packs every launch and hands it to ``Launches``, the
+    Hopper kernel's tensor maps go to ``FakeSlots``, and new CUDA-array-interface outputs are
+    ``FakeDeviceArray``s."""
+    import types
+
+    from numbaflash.runtime import launch as runtime_launch
+    from numbaflash.runtime import map_slots
+
+    state = device.GpuState()
+    monkeypatch.setattr(device, "GPU", state)
+    gpu = types.SimpleNamespace(capability=(9, 0), ordinal=0, loads=[], launches=Launches(),
+                                slots=FakeSlots(), streams=[7])
+    monkeypatch.setattr(state, "current", lambda: (gpu.capability, gpu.ordinal))
+    monkeypatch.setattr(state, "shared_limit", lambda ordinal: 227 * 1024)
+    monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
+    state.scratch[0] = 1 << 35
+
+    def loaded_kernel(config, causal, bf16, arch, operation="forward"):
+        gpu.loads.append((config, causal, bf16, arch))
+        return types.SimpleNamespace(handle=len(gpu.loads)), "entry"
+
+    monkeypatch.setattr(forward, "loaded_kernel", loaded_kernel)
+    driver = types.SimpleNamespace(cuLaunchKernel=gpu.launches)
+    monkeypatch.setattr(runtime_launch, "_libcuda", lambda: driver)
+    monkeypatch.setattr(runtime_launch, "set_dynamic_shared_limit", lambda handle, ordinal, nbytes: None)
+    monkeypatch.setattr(map_slots, "map_slots", lambda ordinal: gpu.slots)
+    monkeypatch.setattr(operands, "_RAW_STREAM", lambda ordinal: gpu.streams[-1])
+    for name, typestr in (("empty_like", "<f2"), ("empty_lse", "<f4")):  # new CAI arrays: fake ones
+        real = getattr(forward, name)
+        monkeypatch.setattr(forward, name, lambda ref, shape, *rest, real=real, typestr=typestr: (
+            real(ref, shape, *rest) if operands.kind_of(ref) == "torch" else FakeDeviceArray(shape, typestr)))
+    return gpu
+
+
+def parameters(config, launch) -> bytes:
+    """The parameter bytes of one recorded launch, by the family's parameter list."""
+    import ctypes
+
+    from numbaflash.operations import families
+    from numbaflash.runtime import launch as runtime_launch
+
+    abi = families.family_of(config).op("forward").abi
+    _, size = runtime_launch._packer(runtime_launch.param_layout(abi), len(abi))
+    return ctypes.string_at(launch[5], size)
+
+
+def packed(config, *args) -> bytes:
+    import ctypes
+
+    from numbaflash.operations import families
+    from numbaflash.runtime import launch as runtime_launch
+
+    abi = families.family_of(config).op("forward").abi
+    pack, size = runtime_launch._packer(runtime_launch.param_layout(abi), len(abi))
+    buffer = ctypes.create_string_buffer(size)
+    pack(buffer, *args)
+    return buffer.raw
+
+
+def sm80_arguments(config, q, k, v, o, lse, shape_q, shape_k, scale, write_lse):
+    """What the mma.sync forward kernel gets (``FORWARD_ABI``), for dense operands at these
+    pointers."""
+    (b, sq, hq, d), (_, sk, hkv, _) = shape_q, shape_k
+    sq_strides, sk_strides = (sq * hq * d, hq * d, d), (sk * hkv * d, hkv * d, d)
+    return ((q, b * sq * hq * d), (k, b * sk * hkv * d), (v, b * sk * hkv * d), (o, b * sq * hq * d), lse,
+            *sq_strides, *sk_strides, *sk_strides, *sq_strides, sq, sk, b, hq, hq // hkv,
+            np.float32(scale * np.log2(np.e)), write_lse)
+
+
+def pointer(array) -> int:
+    return array.__cuda_array_interface__["data"][0]
+
+
+def test_device_calls_of_one_layout_share_a_plan_and_launch_with_their_own_pointers(fake_device):
+    """The second call of a layout reuses the first's plan (no load, no new plan) and its
+    launch carries the second call's pointers and stream, with the same parameters otherwise."""
+    fake_device.capability = (8, 0)
+    config = configs_for((8, 0), 64, True)
+    shape_q, shape_k = (2, 100, 4, 64), (2, 120, 2, 64)
+    for stream in (7, 9):
+        q, k, v = fake_qkv(shape_q, shape_k)
+        out = FakeDeviceArray(shape_q)
+        q.__cuda_array_interface__["stream"] = stream
+        result = numbaflash.flash_attention(q, k, v, causal=True, softmax_scale=0.5, out=out)
+        assert result is out
+        launch = fake_device.launches.seen[-1]
+        assert launch[1:5] == ((-(-100 // config.block_m), 4, 2), config.threads, config.shared_bytes, stream)
+        expected = sm80_arguments(config, pointer(q), pointer(k), pointer(v), pointer(out),
+                                  (device.GPU.scratch[0], 1), shape_q, shape_k, 0.5, False)
+        assert parameters(config, launch) == packed(config, *expected)
+    assert len(fake_device.loads) == 1 and len(device.GPU.plans) == 1
+
+
+def configs_for(capability, head_dim, causal):
+    from numbaflash import configs
+
+    return configs.forward_config(capability, head_dim, causal, 227 * 1024 if capability == (9, 0) else None,
+                                  None)
+
+
+def test_hopper_plan_keys_its_tensor_maps_by_layout_and_pointers(fake_device):
+    shape = (1, 256, 2, 128)
+    calls = [fake_qkv(shape, shape) for _ in range(2)]
+    for q, k, v in calls:
+        numbaflash.flash_attention(q, k, v, causal=True)
+    first, second = fake_device.slots.keys
+    assert first[0] == second[0]  # one layout
+    assert first[1:4] == tuple(map(pointer, calls[0])) and second[1:4] == tuple(map(pointer, calls[1]))
+    assert [slot for slot, _ in fake_device.slots.used_slots] == [0, 1]
+    assert len(fake_device.launches.seen) == 2 and len(device.GPU.plans) == 1
+
+
+def test_plans_are_bounded(fake_device, monkeypatch):
+    monkeypatch.setattr(forward, "PLANS_KEPT", 2)
+    for seqlen in (64, 65, 66):
+        numbaflash.flash_attention(*fake_qkv((1, seqlen, 2, 64), (1, seqlen, 2, 64)))
+    assert len(device.GPU.plans) == 2
+
+
+def test_forced_configs_make_no_plans(fake_device):
+    from numbaflash import configs
+
+    forced = configs.forward_config((8, 0), 64, False)
+    with configs.force_config((9, 0), False, forced):
+        numbaflash.flash_attention(*fake_qkv())
+    assert not device.GPU.plans and len(fake_device.launches.seen) == 1
+
+
+# torch tensors on the pretend device: CPU tensors of a subclass (module ``torch.*``, so
+# operands.kind_of takes them for torch's) that say they are on CUDA device ``ordinal``
+
+
+@functools.cache
+def cuda_like_type(torch):
+    class CudaLike(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+        is_cuda = True
+
+        def get_device(self):
+            return self.ordinal
+
+    CudaLike.__module__ = "torch.testing_cuda_like"
+    return CudaLike
+
+
+def cuda_like(torch, shape, ordinal=0, dtype=None, offset=0):
+    base = torch.zeros(int(np.prod(shape)) + offset, dtype=dtype or torch.float16)
+    x = torch.Tensor._make_subclass(cuda_like_type(torch), base[offset:].view(shape))
+    x.ordinal = ordinal
+    return x
+
+
+@pytest.fixture
+def torch_qkv(fake_device):
+    torch = pytest.importorskip("torch")
+
+    def make(shape_q=(1, 64, 4, 64), shape_k=(1, 80, 2, 64), **kwargs):
+        return (cuda_like(torch, shape_q, **kwargs), cuda_like(torch, shape_k, **kwargs),
+                cuda_like(torch, shape_k, **kwargs))
+
+    return torch, make
+
+
+def direct(q, k, v, **kwargs):
+    from numbaflash.api import direct_flash_attention
+
+    args = {"causal": False, "softmax_scale": None, "return_lse": False, "out": None, **kwargs}
+    return direct_flash_attention(q, k, v, args["causal"], args["softmax_scale"], args["return_lse"],
+                                  args["out"])
+
+
+def test_torch_calls_of_a_known_layout_skip_describing(torch_qkv, fake_device, monkeypatch):
+    """A torch call whose layout has a plan is served by ``forward.run_torch``: the launch of the
+    full path, with the new call's pointers, stream, out and LSE."""
+    torch, make = torch_qkv
+    config = configs_for((9, 0), 64, True)
+    first = direct(*make(), causal=True, return_lse=True)
+    monkeypatch.setattr(numbaflash.api, "describe", None)  # the full path would fail now
+    fake_device.streams.append(11)
+    q, k, v = make()
+    out, lse = direct(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q.shape and out.dtype == torch.float16 and lse.shape == (1, 4, 64)
+    assert lse.dtype == torch.float32 and out.data_ptr() != first[0].data_ptr()
+    assert len(fake_device.launches.seen) == 2 and fake_device.launches.seen[1][4] == 11
+    assert fake_device.slots.keys[1][1:] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    assert config == fake_device.loads[0][0] and len(fake_device.loads) == 1
+
+
+def test_torch_fast_path_matches_the_full_path(torch_qkv, fake_device):
+    """The same call through the full path (CUDA-array-interface operands at the same pointers)
+    and through the plan (torch) launches with the same parameter bytes."""
+    torch, make = torch_qkv
+    fake_device.capability = (8, 0)
+    config = configs_for((8, 0), 64, False)
+    q, k, v = make()
+    out = cuda_like(torch, q.shape)
+    for _ in range(2):  # the full path, then the plan
+        direct(q, k, v, softmax_scale=0.25, out=out)
+    as_cai = [FakeDeviceArray(tuple(x.shape), pointer=x.data_ptr()) for x in (q, k, v, out)]
+    numbaflash.flash_attention(*as_cai[:3], softmax_scale=0.25, out=as_cai[3])
+    full, planned, cai = (parameters(config, launch) for launch in fake_device.launches.seen)
+    assert full == planned == cai
+    assert planned == packed(config, *sm80_arguments(config, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                     out.data_ptr(), (device.GPU.scratch[0], 1), q.shape,
+                                                     k.shape, 0.25, False))
+
+
+@pytest.mark.parametrize("bad", ["misaligned", "other device", "out overlaps k", "out partly q", "causal 1",
+                                 "scale True", "float32"])
+def test_torch_calls_of_a_known_layout_are_still_checked(torch_qkv, fake_device, monkeypatch, bad):
+    """A plan covers the layout only: what can differ between calls of one layout is checked on
+    every call, with the full path's messages."""
+    torch, make = torch_qkv
+    q, k, v = make()
+    out = cuda_like(torch, q.shape)
+    direct(q, k, v, causal=True, out=out)
+    with monkeypatch.context() as patch:  # the plan serves these: no describing
+        patch.setattr(numbaflash.api, "describe", None)
+        direct(q, k, v, causal=True, out=q)  # out may be q itself
+        direct(q, k, v, causal=True, out=out)
+    kwargs = {"causal": True, "out": out}
+    if bad == "misaligned":
+        q = make(offset=1)[0]
+        error, message = ValueError, "16-byte"
+    elif bad == "other device":
+        k = make(ordinal=1)[1]
+        error, message = ValueError, "current CUDA device"
+    elif bad == "out overlaps k":
+        kwargs["out"] = cuda_like(torch, q.shape)
+        kwargs["out"].data_ptr = lambda: k.data_ptr()
+        error, message = ValueError, "out shares memory with k"
+    elif bad == "out partly q":
+        kwargs["out"] = cuda_like(torch, q.shape)
+        kwargs["out"].data_ptr = lambda: q.data_ptr() + 16
+        error, message = ValueError, "out shares memory with q"
+    elif bad == "causal 1":
+        kwargs["causal"] = 1
+        error, message = TypeError, "causal must be a bool"
+    elif bad == "scale True":
+        kwargs["softmax_scale"] = True
+        error, message = TypeError, "softmax_scale must be a real number"
+    else:
+        q, k, v = make(dtype=torch.float32)
+        error, message = TypeError, "float16 or bfloat16"
+    with pytest.raises(error, match=message):
+        direct(q, k, v, **kwargs)
+    assert len(fake_device.launches.seen) == 3

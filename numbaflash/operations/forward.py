@@ -1,21 +1,36 @@
 """The forward operation: choose the config, load its kernel, launch it on device arrays, or
 run the numpy pipeline (``runtime.pipeline``) over host arrays.
 
-The hot path (device arrays, a kernel already loaded) is a dictionary lookup for the launcher
-(``GPU.ready``, keyed by device, head dim, causality, dtype and sequence span) and one launch.
+The hot path (device arrays of a layout seen before) is one dictionary lookup for the call's
+plan (``GPU.plans``, keyed by device, dtype, flags, scale, shapes and strides: the launch bound
+to everything but the memory and the stream), the per-call checks and one launch. On torch
+tensors (``run_torch``) the key is read straight off the tensors. A new layout picks its launcher
+from ``GPU.ready`` (keyed by device, head dim, causality, dtype and sequence span).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import configs
-from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
+from ..operands import (
+    FLOAT32,
+    TORCH_DTYPE_NAMES,
+    TORCH_TYPES,
+    Operand,
+    device_pointer,
+    empty_like,
+    empty_lse,
+    stream_handle,
+    torch_stream,
+)
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
+from . import launch_forward
 from .families import family_of
 from .launch_forward import ForwardCall
 
@@ -77,29 +92,141 @@ def loaded_kernel(config, causal: bool, bf16: bool, arch: str, operation: str = 
     return modules[key]
 
 
-def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None, out: Any,
-               causal: bool, scale: float, return_lse: bool, capability, device: int):
-    """The forward on device arrays: one launch on the inputs' stream."""
+class DevicePlan(NamedTuple):
+    """What a validated device call of one layout (``plan_key``) needs at launch, worked out
+    once: ``fire(stream, q, k, v, o, lse)`` (device pointers; ``ForwardLaunch.bind``), the device,
+    the output's shape, the LSE's shape when it is returned (else ``lse``: the scratch pointer
+    the kernel gets), and what the per-call checks of a given ``out`` read: the extents of q, k,
+    v and out in bytes, and whether out has q's strides (then it may be q itself)."""
+
+    fire: Callable[..., None]
+    device: int
+    shape: tuple[int, int, int, int]
+    lse_shape: tuple[int, int, int] | None
+    lse: int
+    spans: tuple[int, int, int, int]
+    out_strides_are_q: bool
+
+
+# Plans kept per process (the oldest go first): a decode loop whose key length grows makes a new
+# layout at each step, and the layers of one step share it.
+PLANS_KEPT = 1024
+
+
+def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None, return_lse: bool,
+             qd: Operand, kd: Operand, vd: Operand, od: Operand | None) -> tuple:
+    """The key of ``GPU.plans``: the device, the dtype, the flags, the scale as the caller gave
+    it (None or a float; ``run_torch`` builds the same key from torch's metadata), and the shapes
+    and strides of q, k, v and a given out."""
+    if od is None:
+        return (device, dtype_name, causal, scale_key, return_lse, qd.shape, qd.strides, kd.shape, kd.strides,
+                vd.shape, vd.strides)
+    return (device, dtype_name, causal, scale_key, return_lse, qd.shape, qd.strides, kd.shape, kd.strides,
+            vd.shape, vd.strides, od.shape, od.strides)
+
+
+def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causal: bool, scale: float,
+                scale_key: float | None, return_lse: bool, capability, device: int) -> DevicePlan:
+    """The plan of a validated device call: from ``GPU.plans``, else made (the config picked, its
+    kernel loaded, the launch bound) and kept there unless a config is forced."""
+    gpu = gpu_state.GPU
+    forced = bool(configs.OVERRIDES) or launch_forward.FOLD_GRID
+    key = plan_key(device, qd.dtype_name, causal, scale_key, return_lse, qd, kd, vd, od)
+    plan = None if forced else gpu.plans.get(key)
+    if plan is not None:
+        return plan
     batch, seqlen_q, heads_q, head_dim = qd.shape
     seqlen_k = kd.shape[1]
     bf16 = qd.dtype_name == "bfloat16"
     longest = seqlen_q if seqlen_q > seqlen_k else seqlen_k
-    ready = None if configs.OVERRIDES else gpu_state.GPU.ready.get(ready_key(device, head_dim, causal, bf16,
-                                                                              longest))
+    ready = None if forced else gpu.ready.get(ready_key(device, head_dim, causal, bf16, longest))
     launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest)
+    lse_shape = (batch, heads_q, seqlen_q)
+    lse = (0, batch * heads_q * seqlen_q) if return_lse else gpu.scratch_f32(device)
+    o = od or Operand("out", qd.shape, qd.dtype_name, True, None, _dense(qd.shape), 0)
+    call = ForwardCall(qd, kd, vd, o, lse, seqlen_k, kd.shape[2], np.float32(scale * LOG2_E), return_lse, 0,
+                       device)
+    plan = DevicePlan(launch.bind(launcher, call, gpu), device, qd.shape, lse_shape if return_lse else None,
+                      lse[0], (2 * qd.span, 2 * kd.span, 2 * vd.span, 2 * o.span), o.strides == qd.strides)
+    if not forced:
+        with gpu.lock:
+            if len(gpu.plans) >= PLANS_KEPT:
+                del gpu.plans[next(iter(gpu.plans))]
+            gpu.plans[key] = plan
+    return plan
+
+
+def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None, out: Any,
+               causal: bool, scale: float, scale_key: float | None, return_lse: bool, capability,
+               device: int):
+    """The forward on validated device arrays: one launch on the inputs' stream."""
+    plan = device_plan(qd, kd, vd, od, causal, scale, scale_key, return_lse, capability, device)
     if out is None:
         out = empty_like(q, qd.shape, qd.dtype_name)
-        od = Operand("out", qd.shape, qd.dtype_name, True, out, _dense(qd.shape), device_pointer(out))
-    if return_lse:
-        lse_obj = empty_lse(q, (batch, heads_q, seqlen_q))
-        lse = (device_pointer(lse_obj), batch * heads_q * seqlen_q)
+        o = device_pointer(out)
     else:
-        lse_obj, lse = None, gpu_state.GPU.scratch_f32(device)
-    scale_log2 = np.float32(scale * LOG2_E)
-    call = ForwardCall(qd, kd, vd, od, lse, seqlen_k, kd.shape[2], scale_log2, return_lse,
-                       stream_handle(qd), device)
-    launch(launcher, call, gpu_state.GPU)
+        o = od.pointer
+    if return_lse:
+        lse_obj = empty_lse(q, plan.lse_shape)
+        lse = device_pointer(lse_obj)
+    else:
+        lse_obj, lse = None, plan.lse
+    plan.fire(stream_handle(qd), qd.pointer, kd.pointer, vd.pointer, o, lse)
     return (out, lse_obj) if return_lse else out
+
+
+def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, out: Any):
+    """The forward on torch tensors whose layout was validated before (a plan in ``GPU.plans``):
+    the per-call checks (CUDA tensors of one dtype on the current device, 16-byte aligned
+    pointers, a given out overlapping k and v nowhere and q only as q itself), one allocation
+    and one launch. None where it cannot tell that the call is good: the full path
+    (``api.direct_flash_attention``) then runs and gives the errors."""
+    gpu = gpu_state.GPU
+    plans = gpu.plans
+    if (not plans or configs.OVERRIDES or launch_forward.FOLD_GRID
+            or (causal is not True and causal is not False)
+            or (return_lse is not True and return_lse is not False)
+            or (softmax_scale is not None and type(softmax_scale) is not float)):
+        return None
+    types = TORCH_TYPES
+    if type(k) not in types or type(v) not in types or not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return None
+    dtype = q.dtype
+    name = TORCH_DTYPE_NAMES.get(dtype)
+    device = q.get_device()
+    if (name is None or k.dtype is not dtype or v.dtype is not dtype or k.get_device() != device
+            or v.get_device() != device):
+        return None
+    key = (device, name, causal, softmax_scale, return_lse, q.shape, q.stride(), k.shape, k.stride(), v.shape,
+           v.stride())  # plan_key's
+    if out is not None:
+        if not (type(out) in types and out.is_cuda and out.dtype is dtype and out.get_device() == device):
+            return None
+        key = (*key, out.shape, out.stride())
+    plan = plans.get(key)
+    if plan is None or gpu.current()[1] != device:
+        return None
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if out is None:
+        if (qp | kp | vp) & 15:
+            return None
+        out = q.new_empty(plan.shape)
+        op = out.data_ptr()
+    else:
+        op = out.data_ptr()
+        if (qp | kp | vp | op) & 15:
+            return None
+        q_span, k_span, v_span, o_span = plan.spans
+        o_end = op + o_span
+        if ((kp < o_end and op < kp + k_span) or (vp < o_end and op < vp + v_span)
+                or (qp < o_end and op < qp + q_span and not (qp == op and plan.out_strides_are_q))):
+            return None
+    if return_lse:
+        lse_obj = q.new_empty(plan.lse_shape, dtype=FLOAT32[0])
+        plan.fire(torch_stream(device), qp, kp, vp, op, lse_obj.data_ptr())
+        return out, lse_obj
+    plan.fire(torch_stream(device), qp, kp, vp, op, plan.lse)
+    return out
 
 
 def _dense(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:

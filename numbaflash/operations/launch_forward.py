@@ -3,6 +3,7 @@ and scalars of one launch) to the kernel's parameter list (``kernels.abi``)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -55,24 +56,41 @@ def forward_grid(m_blocks: int, heads_q: int, batch: int) -> tuple[int, int, int
     return m_blocks, y, z
 
 
-def launch_sm80(config) -> Callable[[Any, ForwardCall, Any], None]:
+class ForwardLaunch:
+    """One config's launch. ``bind(launcher, call, gpu)`` works out everything of ``call`` but its
+    memory once and gives ``fire(stream, q, k, v, o, lse)``, which launches on that stream with
+    those device pointers any call of ``call``'s layout (shapes, strides, dtype, LSE size,
+    scalars, device): what the hot path keeps (``operations.forward.DevicePlan``). Called as
+    ``launch(launcher, call, gpu)``, it binds and fires ``call`` once."""
+
+    __slots__ = ("bind",)
+
+    def __init__(self, bind: Callable[[Any, ForwardCall, Any], Callable[..., None]]) -> None:
+        self.bind = bind
+
+    def __call__(self, launcher, call: ForwardCall, gpu: Any) -> None:
+        self.bind(launcher, call, gpu)(call.stream, call.q.pointer, call.k.pointer, call.v.pointer,
+                                       call.o.pointer, call.lse[0])
+
+
+def launch_sm80(config) -> ForwardLaunch:
     """The launch of the mma.sync kernel of ``config`` (``FORWARD_ABI``): pointers and strides of
     q, k, v, o; one CTA per query block, head and batch. What depends only on the config is
-    worked out here, once."""
+    worked out here, once; what depends on the layout, once per bind."""
     block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
 
-    def launch(launcher, call: ForwardCall, gpu: Any) -> None:
+    def bind(launcher, call: ForwardCall, gpu: Any) -> Callable[..., None]:
         q, k, v, o = call.q, call.k, call.v, call.o
         batch, seqlen_q, heads_q, _ = q.shape
         grid = forward_grid(-(-seqlen_q // block_m), heads_q, batch)
         qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides
-        launcher(grid, threads, call.stream, shared_bytes,
-                 (q.pointer, q.span), (k.pointer, k.span), (v.pointer, v.span), (o.pointer, o.span), call.lse,
-                 qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
-                 seqlen_q, call.seqlen_k, batch, heads_q, heads_q // call.heads_kv, call.scale_log2,
-                 call.write_lse)
+        return launcher.bind(grid, threads, shared_bytes, (q.pointer, q.span), (k.pointer, k.span),
+                             (v.pointer, v.span), (o.pointer, o.span), call.lse,
+                             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                             os_[0], os_[1], os_[2], seqlen_q, call.seqlen_k, batch, heads_q,
+                             heads_q // call.heads_kv, call.scale_log2, call.write_lse)
 
-    return launch
+    return ForwardLaunch(bind)
 
 
 def tma_strides(op: Operand) -> list[int]:
@@ -85,12 +103,29 @@ def tma_strides(op: Operand) -> list[int]:
     return [*reversed(strides), 2]
 
 
-def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, Any], None]:
+_MAP_LAYOUTS: dict[tuple, int] = {}  # (dtype, boxes, shapes and strides of q, k, v, o) -> its id
+_MAP_LAYOUT_IDS = itertools.count()
+MAP_LAYOUTS_KEPT = 4096
+
+
+def map_layout_id(layout: tuple) -> int:
+    """A small int standing for a tensor-map layout in the map slots' keys (one id for equal
+    layouts), so that a launch hashes five ints, not the shapes and strides. Ids are never
+    reused: forgetting the layouts (past ``MAP_LAYOUTS_KEPT``) costs misses, never a wrong map."""
+    found = _MAP_LAYOUTS.get(layout)
+    if found is None:
+        if len(_MAP_LAYOUTS) >= MAP_LAYOUTS_KEPT:
+            _MAP_LAYOUTS.clear()
+        found = _MAP_LAYOUTS.setdefault(layout, next(_MAP_LAYOUT_IDS))
+    return found
+
+
+def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
     """The launch of the warp-specialised Hopper kernel of ``config`` (``WS_ABI``): tensor maps
-    of q, k, v, out (cached in device memory by pointer, shape and strides:
-    ``runtime.map_slots``) and a persistent grid of at most one CTA per SM (``ctas``: fewer, for
-    tests that make each CTA walk many tiles). What depends only on the config is worked out
-    here, once."""
+    of q, k, v, out (cached in device memory by pointers and layout: ``runtime.map_slots``) and a
+    persistent grid of at most one CTA per SM (``ctas``: fewer, for tests that make each CTA walk
+    many tiles). What depends only on the config is worked out here, once; what depends on the
+    layout, once per bind."""
     from ..runtime.map_slots import map_slots
 
     block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
@@ -99,19 +134,20 @@ def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, 
     swizzle = f"{config.row_bytes}B"
     sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)
 
-    def launch(launcher, call: ForwardCall, gpu: Any) -> None:
+    def bind(launcher, call: ForwardCall, gpu: Any) -> Callable[..., None]:
         q, k, v, o = call.q, call.k, call.v, call.o
         batch, seqlen_q, heads_q, _ = q.shape
         dtype = "bf16" if q.dtype_name == "bfloat16" else "f16"
-        key = (dtype, rows, cols, q.pointer, q.shape, q.strides, k.pointer, k.shape, k.strides,
-               v.pointer, v.shape, v.strides, o.pointer, o.shape, o.strides)
+        layout = map_layout_id((dtype, rows, cols, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
+                                o.shape, o.strides))
+        maps_of = [(op.shape, tma_strides(op), (1, r, 1, cols))
+                   for op, r in zip((q, k, v, o), rows, strict=True)]
 
-        def encode():
+        def encode(*pointers: int):
             from ..runtime.tensor_map import encode_tensor_map
 
-            return np.stack([encode_tensor_map(op.pointer, op.shape, tma_strides(op), (1, r, 1, cols),
-                                               swizzle=swizzle, dtype=dtype)
-                             for op, r in zip((q, k, v, o), rows, strict=True)])
+            return np.stack([encode_tensor_map(pointer, shape, strides, box, swizzle=swizzle, dtype=dtype)
+                             for pointer, (shape, strides, box) in zip(pointers, maps_of, strict=True)])
 
         device = sms.get(call.device)
         if device is None:
@@ -119,14 +155,19 @@ def launch_sm90(config, ctas: int | None = None) -> Callable[[Any, ForwardCall, 
         sm_count, slots = device
         tiles = -(-seqlen_q // block_m) * heads_q * batch
         grid = (min(tiles, ctas or sm_count), 1, 1)
-        with slots.lock:
-            maps, slot = slots.address(key, encode, call.stream)
-            try:
-                launcher(grid, threads, call.stream, shared_bytes,
-                         (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16), call.lse,
-                         seqlen_q, call.seqlen_k, config.first_block_lead(seqlen_q), heads_q,
-                         heads_q // call.heads_kv, batch, call.scale_log2, call.write_lse)
-            finally:  # even after a failed launch: the slot's copy is on the stream
-                slots.used(slot, call.stream)
+        bound = launcher.bind(grid, threads, shared_bytes, (0, 16), (0, 16), (0, 16), (0, 16), call.lse,
+                              seqlen_q, call.seqlen_k, config.first_block_lead(seqlen_q), heads_q,
+                              heads_q // call.heads_kv, batch, call.scale_log2, call.write_lse)
+        lock, address, used = slots.lock, slots.address, slots.used
 
-    return launch
+        def fire(stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+            with lock:
+                maps, slot = address((layout, q, k, v, o), lambda: encode(q, k, v, o), stream)
+                try:
+                    bound(stream, maps, maps + 128, maps + 256, maps + 384, lse)
+                finally:  # even after a failed launch: the slot's copy is on the stream
+                    used(slot, stream)
+
+        return fire
+
+    return ForwardLaunch(bind)

@@ -44,6 +44,10 @@ class GpuState:
         # (ordinal, head_dim, causal, bf16, span) -> (launcher, config, launch): the forward's
         # hot-path lookup, filled while no config is forced
         self.ready: dict[tuple, Any] = {}
+        # forward call layouts (operations.forward.plan_key) -> operations.forward.DevicePlan:
+        # everything of a validated call but its memory and stream, filled while no config is forced
+        self.plans: dict[tuple, Any] = {}
+        self._usable: dict[int, tuple[int, int]] = {}  # ordinal -> capability, once found >= 8.0
         self.tensor_maps: dict[int, Any] = {}  # ordinal -> its runtime.map_slots.MapSlots
 
     # ------------------------------------------------------------------ driver
@@ -75,6 +79,13 @@ class GpuState:
         """(compute capability, ordinal) of the current device, with a context current on this
         thread. With no context current it makes device 0's primary context current, as Numba,
         PyTorch and CuPy do, so that arrays of any of them work with it."""
+        get = self._ctx_get_device
+        if get is not None:  # the hot path: one driver call, one lookup
+            device = ctypes.c_int()
+            if get(device) == 0:
+                cap = self._usable.get(device.value)
+                if cap is not None:
+                    return cap, device.value
         ordinal = self._current_ordinal()
         if ordinal is None:
             ordinal = self._make_primary_context_current()
@@ -86,6 +97,7 @@ class GpuState:
                 f"numbaflash needs compute capability >= 8.0 (sm_80, Ampere or newer); this GPU is "
                 f"sm_{cap[0]}{cap[1]}"
             )
+        self._usable[ordinal] = cap
         return cap, ordinal
 
     def _current_ordinal(self) -> int | None:
@@ -101,7 +113,7 @@ class GpuState:
             get.restype = ctypes.c_int
             self._ctx_get_device = get
         device = ctypes.c_int()
-        return device.value if get(ctypes.byref(device)) == 0 else None
+        return device.value if get(device) == 0 else None  # ctypes passes the int by reference
 
     def _make_primary_context_current(self) -> int:
         """Retain device 0's primary context (kept for the process) and make it current."""

@@ -115,6 +115,29 @@ def _packer(params: list[Param], nargs: int):
     return namespace["pack"], struct.calcsize(fmt)
 
 
+def _firer(words: Sequence[int]):
+    """``make(buffer, words, pointers, lock, launch, handle, gx, gy, gz, block, shared, failed)
+    -> fire(stream, p0, p1, ...)``: a launch that writes the device pointers ``p0, p1, ...`` into
+    the 64-bit words ``words`` of a parameter buffer already packed, then calls the driver
+    (generated once per parameter list, like ``_packer``)."""
+    names = [f"p{i}" for i in range(len(words))]
+    stores = "".join(f"            words[{w}] = {n}\n" for w, n in zip(words, names, strict=True))
+    source = (
+        "def make(buffer, words, pointers, lock, launch, handle, gx, gy, gz, block, shared, failed):\n"
+        f"    def fire(stream, {', '.join(names)}):\n"
+        "        with lock:\n"
+        f"{stores}"
+        "            err = launch(handle, gx, gy, gz, block, 1, 1, shared, stream, pointers, None)\n"
+        "        if err:\n"
+        "            failed(err)\n"
+        "    fire.buffer = buffer  # the parameters the pointers point into, kept alive\n"
+        "    return fire\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<numbaflash bound launch>", "exec"), namespace)  # noqa: S102
+    return namespace["make"]
+
+
 _LIBCUDA = None
 
 
@@ -160,6 +183,8 @@ class KernelLauncher:
         self._nargs = len(argtypes)
         self._pack, size = _packer(self.params, self._nargs)
         self._buffer = ctypes.create_string_buffer(max(size, 1))
+        self._words = -(-size // 8)  # the buffer of a bound launch, in 64-bit words
+        self._make_fire = None  # _firer(...) of the array arguments' data words, made on first bind
         base = ctypes.addressof(self._buffer)
         self._pointers = (ctypes.c_void_p * max(len(self.params), 1))(*(base + p.offset for p in self.params))
         self._launch = _libcuda().cuLaunchKernel
@@ -181,5 +206,31 @@ class KernelLauncher:
             err = self._launch(self.handle, grid[0], grid[1], grid[2], block, 1, 1, shared_bytes,
                                int(stream_handle), self._pointers, None)
         if err:
-            raise RuntimeError(f"{self.name}: cuLaunchKernel failed: {driver_error(err)} (grid {grid}, "
-                               f"{block} threads, {shared_bytes} bytes of shared memory)")
+            self._failed(err, grid, block, shared_bytes)
+
+    def _failed(self, err: int, grid: tuple[int, int, int], block: int, shared_bytes: int) -> None:
+        raise RuntimeError(f"{self.name}: cuLaunchKernel failed: {driver_error(err)} (grid {grid}, "
+                           f"{block} threads, {shared_bytes} bytes of shared memory)")
+
+    def bind(self, grid: tuple[int, int, int], block: int, shared_bytes: int, *args: Any):
+        """``fire(stream_handle, *pointers)``: this launch with every argument fixed but the stream
+        and the device pointers of the array arguments (one a launch, in parameter order; the
+        element counts given here stay). The parameters are packed here, once, into a buffer of
+        the bound launch's own; a fire writes the pointers into it and calls the driver. For
+        the calls of one layout (shapes, strides, scalars) that differ in their memory only.
+        Thread-safe like a call."""
+        if len(args) != self._nargs:
+            raise TypeError(f"{self.name}: expected {self._nargs} arguments, got {len(args)}")
+        if self._make_fire is None:
+            self._make_fire = _firer([p.offset // 8 for p in self.params if p.code == "Q"])  # data fields
+        buffer = ctypes.create_string_buffer(8 * max(self._words, 1))
+        self._pack(buffer, *args)
+        base = ctypes.addressof(buffer)
+        pointers = (ctypes.c_void_p * max(len(self.params), 1))(*(base + p.offset for p in self.params))
+        words = (ctypes.c_uint64 * max(self._words, 1)).from_buffer(buffer)
+
+        def failed(err: int) -> None:
+            self._failed(err, grid, block, shared_bytes)
+
+        return self._make_fire(buffer, words, pointers, threading.Lock(), self._launch, self.handle,
+                               grid[0], grid[1], grid[2], block, shared_bytes, failed)
