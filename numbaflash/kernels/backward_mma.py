@@ -285,6 +285,14 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, forceinline=True)
+    def mma_b_pair(acc, frags, m_tiles, j2):
+        """acc[mt, 2 j2] and acc[mt, 2 j2 + 1] += A_mt B for every m-tile: the A fragments of
+        ``frags.a`` times the two n-tiles of one B load (``frags.b``: registers 0-1, 2-3)."""
+        for mt in range(m_tiles):
+            mma(acc[mt, 2 * j2], frags.a[mt], frags.b[0:2])
+            mma(acc[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
+
+    @cuda.jit(device=True, forceinline=True)
     def product_nt(acc, a_tile, b_tile, frags, offsets):
         """acc[mt, j] += A Bᵀ over the head dim: A = the warp's key rows (+ 16 mt) of ``a_tile``
         (K or V, ldmatrix), B = its query rows (+ 8 j) of ``b_tile`` (Q or dO, non-transposed
@@ -295,9 +303,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                 ptx.ldmatrix_x4(frags.a[mt], a_tile + offsets.nt_a[kt % KB] + block * BN + 16 * mt * RB)
             for j2 in range(S_N // 2):
                 ptx.ldmatrix_x4(frags.b, b_tile + offsets.nt_b[kt % KB] + block * BM + 16 * j2 * RB)
-                for mt in range(KMT):
-                    mma(acc[mt, 2 * j2], frags.a[mt], frags.b[0:2])
-                    mma(acc[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
+                mma_b_pair(acc, frags, KMT, j2)
 
     @cuda.jit(device=True, forceinline=True)
     def transposed_scores(acc_s, acc_dp, sk, sv, tiles, frags, offsets):
@@ -345,9 +351,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
             ptx.ldmatrix_x4(st.frags.a[mt], at)
         for j2 in range(KV_N // 2):
             ptx.ldmatrix_x4_trans(st.frags.b, st.b_tile + st.offsets.tn_b[j2] + 16 * kt * RB)
-            for mt in range(KMT):
-                mma(st.acc[mt, 2 * j2], st.frags.a[mt], st.frags.b[0:2])
-                mma(st.acc[mt, 2 * j2 + 1], st.frags.a[mt], st.frags.b[2:4])
+            mma_b_pair(st.acc, st.frags, KMT, j2)
 
     # acc[mt, j] += A B over the ``block_m`` queries (a TnProduct): A = rows ``row0`` + 16 mt of a
     # keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0`` .. of
@@ -362,9 +366,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
             ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + st.offsets.dq_a[mt] + 16 * kt * PB)
         for j2 in range(DQ_N // 2):
             ptx.ldmatrix_x4_trans(st.frags.b, st.sk + st.offsets.dq_b[j2] + 16 * kt * RB)
-            for mt in range(QMT):
-                mma(st.acc[mt, 2 * j2], st.frags.a[mt], st.frags.b[0:2])
-                mma(st.acc[mt, 2 * j2 + 1], st.frags.a[mt], st.frags.b[2:4])
+            mma_b_pair(st.acc, st.frags, QMT, j2)
 
     # dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` .. of this step (a DqProduct): dS (from
     # the dSᵀ tile, by transposing ldmatrix) times K (transposing ldmatrix), over the block's keys.

@@ -41,6 +41,15 @@ GROUPS = (1, 2, 3, 4, 8)  # heads_q // heads_kv
 KINDS = ("numpy", "numba", "torch")
 
 
+def describe_problem(case: Any) -> str:
+    """The part of a forward or backward case's one-line description they share: family, head
+    dim, masking, dtype, shape, input kind, amplitude and scale."""
+    scale = "default" if case.softmax_scale is None else f"{case.softmax_scale:.4g}"
+    return (f"{case.family} d{case.head_dim} {'causal' if case.causal else 'full'} {case.dtype} "
+            f"b{case.batch} sq{case.seqlen_q} sk{case.seqlen_k} h{case.heads_q}/{case.heads_kv} "
+            f"{case.kind} amp{case.amplitude:.3g} scale={scale}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One test problem; everything, data included, follows from (seed, index)."""
@@ -67,11 +76,8 @@ class Case:
     span: str = ""
 
     def describe(self) -> str:
-        scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
-        return (f"{self.family} d{self.head_dim} {'causal' if self.causal else 'full'} {self.dtype} "
-                f"b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.heads_q}/{self.heads_kv} "
-                f"{self.kind} amp{self.amplitude:.3g} scale={scale} lse={int(self.return_lse)} "
-                f"out={int(self.use_out)}" + (f" {self.span}-config" if self.span else ""))
+        return (f"{describe_problem(self)} lse={int(self.return_lse)} out={int(self.use_out)}"
+                + (f" {self.span}-config" if self.span else ""))
 
 
 @dataclasses.dataclass
@@ -258,11 +264,7 @@ class BackwardCase:
     family: str = "backward"
 
     def describe(self) -> str:
-        scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
-        return (f"backward d{self.head_dim} {'causal' if self.causal else 'full'} {self.dtype} b{self.batch} "
-                f"sq{self.seqlen_q} sk{self.seqlen_k} h{self.heads_q}/{self.heads_kv} {self.kind} "
-                f"amp{self.amplitude:.3g} scale={scale} det={int(self.deterministic)} "
-                f"outs={int(self.use_outs)}")
+        return f"{describe_problem(self)} det={int(self.deterministic)} outs={int(self.use_outs)}"
 
 
 BACKWARD_BLOCK = 128  # rows of the backward's key blocks (the widest): "empty_ctas" shapes use it
