@@ -66,6 +66,12 @@ extern "C" __device__ void st_global_v4_b32(unsigned short* base, long long offs
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
                :: "l"(base + offset), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
+// 16-byte vector load from the global byte address addr through the read-only (non-coherent)
+// path: only for memory that no thread writes while the kernel runs.
+extern "C" __device__ void ld_global_nc_v4_b32_at(unsigned* r, long long addr) {
+  asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(addr));
+}
 // 16-byte vector store to the global byte address addr.
 extern "C" __device__ void st_global_v4_b32_at(long long addr, const unsigned* r) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"

@@ -190,6 +190,18 @@ VEC4_ARGTYPES = (
 )
 
 
+def ld_global_nc_kernel(src, load_chunk, out):
+    """Launch [1, 32]. Lane l loads 16-byte chunk ``load_chunk[l]`` of ``src`` (uint16) with
+    ``ld_global_nc_v4_at`` and stores it with ``st_global_v4_at`` at chunk l of ``out``."""
+    lane = cuda.threadIdx.x
+    regs = cuda.local.array(4, uint32)
+    ptx.ld_global_nc_v4_at(regs, ptx.global_address(src) + load_chunk[lane] * 16)
+    ptx.st_global_v4_at(ptx.global_address(out) + lane * 16, regs)
+
+
+LD_GLOBAL_NC_ARGTYPES = (types.uint16[::1], types.int32[::1], types.uint16[::1])
+
+
 def shared_address_kernel(values, out16, out32, outf, out64, addresses, loaded):
     """Launch [1, 32]. One 128-byte shared array of each dtype (u16, u32, f32, u64), poisoned;
     lane l writes ``values[k, l]`` with st.shared.b32 at byte 4*l of array k (address from the
@@ -355,6 +367,7 @@ KERNELS = {
     **{f"wait_group_{n}": (make_wait_group_kernel(n), WAIT_GROUP_ARGTYPES) for n in range(4)},
     "vec4": (_named(make_vec4_kernel(False), "vec4_kernel"), VEC4_ARGTYPES),
     "vec4_at": (_named(make_vec4_kernel(True), "vec4_at_kernel"), VEC4_ARGTYPES),
+    "ld_global_nc": (ld_global_nc_kernel, LD_GLOBAL_NC_ARGTYPES),
     "shared_address": (shared_address_kernel, SHARED_ADDRESS_ARGTYPES),
     "pack": (pack_kernel, PACK_ARGTYPES),
     "exp2": (exp2_kernel, EXP2_ARGTYPES),

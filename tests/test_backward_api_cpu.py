@@ -17,7 +17,7 @@ import pytest
 import numbaflash
 from numbaflash import configs, operands
 from numbaflash.kernels.abi import BACKWARD_ABI, BACKWARD_DQ_ABI, BACKWARD_PREP_ABI, BACKWARD_ROW_ALIGN
-from numbaflash.kernels.shapes import BackwardConfig
+from numbaflash.kernels.shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
 from numbaflash.operations import backward, families
 from numbaflash.operations.launch_backward import (
     backward_grids,
@@ -780,3 +780,15 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
         assert re.fullmatch(rf"flash_{operation}_{shape}_{kind}", name)
         assert types_ == argtypes[operation] and archs == ("sm_80", "sm_90a")
     assert {(c, causal) for c, causal, _, _ in made} == {(c, causal) for _, causal, c in shipped}
+
+
+@pytest.mark.parametrize("head_dim", range(32, 257, 32))
+def test_prep_split_covers_each_row_once(head_dim):
+    """The prepare kernel's threads of a row are a power of two that a shuffle tree sums, their
+    16-byte chunks cover the row once, and whole passes fill its CTA's rows."""
+    per_row, chunks, rows_per_pass = prep_split(head_dim)
+    assert per_row & (per_row - 1) == 0 and 1 <= per_row <= 32
+    assert per_row * chunks * 8 == head_dim
+    assert rows_per_pass * per_row == PREP_THREADS and PREP_ROWS % rows_per_pass == 0
+    covered = sorted(8 * (part + per_row * c) for part in range(per_row) for c in range(chunks))
+    assert covered == list(range(0, head_dim, 8))

@@ -4,7 +4,8 @@ Criterion (FlashAttention's, ``tools.reference.compare_gradients_with_reference`
 dq, dk, dv the max error is at most twice that of the same backward done in the input dtype,
 plus a rounding floor; no NaN; dq exactly 0 on rows that see no key. Every head dim, both
 dtypes, causal or not, GQA and MQA, seqlen_q far from seqlen_k, length 1, large inputs;
-deterministic mode bit-identical run to run; given dq/dk/dv written in place (poisoned first).
+deterministic mode bit-identical run to run; given dq/dk/dv written in place (poisoned first);
+every config autotune may pick, forced.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import numbaflash
+from numbaflash import configs
 from numbaflash.configs import SUPPORTED_HEAD_DIMS
 from numbaflash.tools.reference import compare_gradients_with_reference
 
@@ -124,3 +126,27 @@ def test_given_outputs_are_written_in_place(rng):
     grads, raw = run_backward(q, k, v, dout, True, outs=outs)
     assert all(g is outs[n] for g, n in zip(raw, ("dq", "dk", "dv"), strict=True))
     check(q, k, v, dout, True, grads)
+
+
+TUNABLE = sorted({c for cands in configs.BACKWARD_CANDIDATES.values() for c in cands}
+                 | {c for _, _, c in configs.shipped_backward_configs()}, key=str)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", TUNABLE, ids=str)
+def test_every_tunable_config(rng, cfg):
+    """Each backward config autotune may pick, and each shipped one, forced: correct on ragged GQA
+    shapes, non-causal in fp16 and causal in bf16 with whole query blocks that see no key
+    (seqlen_q = seqlen_k + 2 block_m + 17: zero dq there)."""
+    from numba import cuda
+
+    device_ = cuda.get_current_device()
+    if cfg.shared_bytes > device_.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
+        pytest.skip(f"{cfg} needs {cfg.shared_bytes} bytes of shared memory; this GPU allows "
+                    f"{device_.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN}")
+    masked_q = 45 + 2 * cfg.block_m + 17
+    for causal, dtype, sq, sk in ((False, np.float16, 211, 333), (True, ml_dtypes.bfloat16, masked_q, 45)):
+        q, k, v, dout = problem(rng, 2, sq, sk, 4, 2, cfg.head_dim, dtype)
+        with configs.force_config(tuple(device_.compute_capability), causal, cfg):
+            grads, _ = run_backward(q, k, v, dout, causal)
+        check(q, k, v, dout, causal, grads)

@@ -234,6 +234,17 @@ def test_ld_st_shared_v4_and_st_global_v4(name):
 
 
 @gpu
+def test_ld_global_nc_v4():
+    """Lane l's 16-byte read-only load of chunk ``load_chunk[l]`` lands, bit for bit, at chunk l."""
+    rng = _rng("ld_global_nc")
+    src = rng.integers(0, 1 << 16, size=64 * 8, dtype=np.uint16)
+    load_chunk = rng.permutation(64)[:32].astype(np.int32)
+    out = np.full(32 * 8, U16_POISON, np.uint16)
+    _, _, out = _run("ld_global_nc", 1, 32, src, load_chunk, out)
+    np.testing.assert_array_equal(out.reshape(32, 8), src.reshape(64, 8)[load_chunk])
+
+
+@gpu
 def test_shared_address_st_shared_b32_and_ld_shared_f32():
     rng = _rng("shared_address")
     values = rng.integers(0, 1 << 32, size=(4, 32), dtype=np.uint32)

@@ -231,6 +231,20 @@ class WsConfig:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
 
+PREP_ROWS = 64  # query rows per CTA of the backward's prepare kernel
+PREP_THREADS = 128  # threads per CTA of the prepare kernel
+
+
+def prep_split(head_dim: int) -> tuple[int, int, int]:
+    """How the backward's prepare kernel splits a query row of ``head_dim`` 16-bit values over its
+    threads: (threads per row, 16-byte chunks per thread, rows per pass of ``PREP_THREADS``).
+    The threads of a row are a power of two (a shuffle tree sums their parts), the largest that
+    divides the row's chunks, at most 32; a pass's rows divide ``PREP_ROWS``."""
+    chunks = head_dim // 8
+    per_row = min(chunks & -chunks, 32)
+    return per_row, chunks // per_row, PREP_THREADS // per_row
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
     """Compile-time shape of the mma.sync backward (``backward_mma``, FlashAttention-2's

@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from ..kernels.abi import BACKWARD_ROW_ALIGN
+from ..kernels.shapes import PREP_ROWS, PREP_THREADS
 from .launch_forward import MAX_GRID_X, MAX_GRID_YZ
 
 if TYPE_CHECKING:
     from ..operands import Operand
 
-ROW_BLOCK = 64  # query rows per CTA of the prepare kernel (the dQ kernel's block_m: as many CTAs or fewer)
-ROW_THREADS = 128  # threads per CTA of the prepare kernel
 SMALLEST_BLOCK_N = 16  # the narrowest key block any BackwardConfig may have (a 16-key mma tile)
 
 
@@ -95,7 +94,7 @@ def backward_grids(seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, ba
                    block_n: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid of the prepare and dQ kernels, grid of the main kernel); ValueError where either
     exceeds CUDA's grid (x at most 2^31 - 1, y and z at most 65535)."""
-    rows_grid = (backward_rows(seqlen_q) // ROW_BLOCK, heads_q, batch)
+    rows_grid = (backward_rows(seqlen_q) // PREP_ROWS, heads_q, batch)
     main_grid = (-(-seqlen_k // block_n), heads_kv, batch)
     for what, grid in (("prepare and dQ", rows_grid), ("main", main_grid)):
         if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
@@ -148,9 +147,9 @@ def launch_backward_prep(config) -> Launch:
     def launch(launcher, call: BackwardCall, gpu: Any) -> None:
         o, do, ws = call.out, call.dout, call.workspace
         batch, seqlen_q, heads_q, _ = call.q.shape
-        grid = (call.rows // ROW_BLOCK, heads_q, batch)
+        grid = (call.rows // PREP_ROWS, heads_q, batch)
         os_, ds = o.strides, do.strides
-        launcher(grid, ROW_THREADS, call.stream, 0,
+        launcher(grid, PREP_THREADS, call.stream, 0,
                  (o.pointer, o.span), (do.pointer, do.span), call.lse,
                  ws.delta, ws.lse_log2, ws.dq_accum, ws.counters,
                  os_[0], os_[1], os_[2], ds[0], ds[1], ds[2],

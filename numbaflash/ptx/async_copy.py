@@ -37,6 +37,7 @@ st_shared_b32 = declare("copy", "st_shared_b32", types.void(_u32, _u32))
 ld_shared_f32 = declare("copy", "ld_shared_f32", types.float32(_u32))
 _st_global_v4 = declare("copy", "st_global_v4_b32", types.void(u16p, _i64, u32p))
 _st_global_v4_at = declare("copy", "st_global_v4_b32_at", types.void(_i64, u32p))
+_ld_global_nc_v4_at = declare("copy", "ld_global_nc_v4_b32_at", types.void(u32p, _i64))
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -120,6 +121,14 @@ def st_global_v4(dst, dst_index, regs):
     """Store ``regs[0:4]`` (uint32) as 8 uint16 at ``dst[dst_index:]`` (global, 1-D;
     not bounds-checked)."""
     _st_global_v4(_ffi.from_buffer(dst), dst_index, _ffi.from_buffer(regs))
+
+
+@cuda.jit(device=True, forceinline=True)
+def ld_global_nc_v4_at(regs, src_address):
+    """Load 16 bytes at the global byte address ``src_address`` (int64, 16-byte aligned) into
+    ``regs[0:4]`` (uint32) through the read-only path: only for memory no thread writes while
+    the kernel runs."""
+    _ld_global_nc_v4_at(_ffi.from_buffer(regs), src_address)
 
 
 @cuda.jit(device=True, forceinline=True)
