@@ -7,9 +7,12 @@
 
 Each problem keeps batch * seqlen = ``--tokens`` and heads * head_dim = 2048 (the forward bench's
 workload). Every implementation is timed on the same random tensors: the median of ``--iters``
-CUDA-event-timed calls after ``--warmup`` calls. TFLOP/s counts the backward as 2.5 x the
-forward's 4 * batch * heads * seqlen^2 * head_dim FLOPs (half with causal masking), as
-FlashAttention does; forward + backward counts 3.5 x. Ratios above 1: numbaflash is faster.
+CUDA-event-timed calls in ``--rounds`` blocks interleaved with the other implementations', each
+block after ``--warmup`` calls and ``--warmup-ms`` of them (the clocks of an H100 step down for
+about a second after a heavy row, so whatever is timed first would pay for it). TFLOP/s counts
+the backward as 2.5 x the forward's 4 * batch * heads * seqlen^2 * head_dim FLOPs (half with
+causal masking), as FlashAttention does; forward + backward counts 3.5 x. Ratios above 1:
+numbaflash is faster.
 """
 
 from __future__ import annotations
@@ -53,30 +56,48 @@ def sdpa_backward(backend, q, k, v, dout, causal):
     return backward, both
 
 
-def measure(dtype: torch.dtype, d: int, s: int, causal: bool, tokens: int, warmup: int, iters: int) -> str:
+def interleaved_medians(calls: dict, warmup: int, iters: int, rounds: int, warmup_ms: float) -> dict:
+    """Median milliseconds of each call of ``calls`` (name: callable), timed in ``rounds`` blocks
+    of CUDA-event-timed calls, each block after ``warmup`` calls and at least ``warmup_ms`` of
+    them, the blocks interleaved forwards, then backwards (``tools.bench.round_orders``), so that
+    a clock step (the power limit after a heavy row) hits every implementation alike."""
+    from numbaflash.tools.bench import Device, round_orders, time_with_events
+
+    device = Device(torch)
+    per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    samples: dict = {name: [] for name in calls}
+    for r, order in enumerate(round_orders(list(calls), rounds)):
+        for name in order:
+            samples[name] += time_with_events(device, [calls[name]], warmup, per_round[r], warmup_ms)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def measure(dtype: torch.dtype, d: int, s: int, causal: bool, args: argparse.Namespace) -> str:
     """One table row: numbaflash's backward and forward + backward beside SDPA flash and cuDNN."""
-    b, h = max(1, tokens // s), 2048 // d
+    b, h = max(1, args.tokens // s), 2048 // d
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
     out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
-    ours = timed_ms(lambda: numbaflash.flash_attention_backward(dout, q, k, v, out, lse, causal=causal),
-                    warmup, iters)
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
     def our_both():
         o = numbaflash.flash_attention(qg, kg, vg, causal=causal)
         torch.autograd.grad(o, (qg, kg, vg), dout)
 
-    ours_both = timed_ms(our_both, warmup, iters)
-    cells = []
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+    calls = {"ours": lambda: numbaflash.flash_attention_backward(dout, q, k, v, out, lse, causal=causal),
+             "ours_both": our_both}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
-            bwd, both = sdpa_backward(backend, q, k, v, dout, causal)
-            cells.append((timed_ms(bwd, warmup, iters), timed_ms(both, warmup, iters)))
-        except RuntimeError:
-            cells.append((float("nan"), float("nan")))
+            backward, both = sdpa_backward(backend, q, k, v, dout, causal)
+            backward()
+        except RuntimeError:  # this backend does not take the problem: nan in its columns
+            continue
+        calls[name], calls[name + "_both"] = backward, both
+    ms = interleaved_medians(calls, args.warmup, args.iters, args.rounds, args.warmup_ms)
+    nan = float("nan")
+    ours, ours_both = ms["ours"], ms["ours_both"]
+    fb, fboth, cb, cboth = (ms.get(name, nan) for name in ("flash", "flash_both", "cudnn", "cudnn_both"))
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
-    (fb, fboth), (cb, cboth) = cells
-    tf = [2.5 * flops / ms / 1e9 for ms in (ours, fb, cb)]
+    tf = [2.5 * flops / t / 1e9 for t in (ours, fb, cb)]
     name = "fp16" if dtype == torch.float16 else "bf16"
     return (f"| {name} | {d} | {s} | {'yes' if causal else 'no'} | {tf[0]:.0f} | {tf[1]:.0f} | {tf[2]:.0f} | "
             f"{fb / ours:.2f} | {cb / ours:.2f} | {fboth / ours_both:.2f} | {cboth / ours_both:.2f} |")
@@ -89,8 +110,12 @@ def main() -> None:
     p.add_argument("--dtypes", default="fp16,bf16")
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before each timed block")
+    p.add_argument("--warmup-ms", type=float, default=250.0,
+                   help="and at least this long of them, so that the clocks settle (default 250)")
+    p.add_argument("--iters", type=int, default=21, help="timed calls per implementation")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed blocks per implementation, interleaved with the others' (default 3)")
     args = p.parse_args()
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     print(f"GPU: {torch.cuda.get_device_name()}; numbaflash {numbaflash.__version__}, "
@@ -102,7 +127,7 @@ def main() -> None:
         for d in (int(x) for x in args.head_dims.split(",")):
             for s in (seqlen(x) for x in args.seqlens.split(",")):
                 for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
-                    row = measure(dtypes[dname], d, s, causal, args.tokens, args.warmup, args.iters)
+                    row = measure(dtypes[dname], d, s, causal, args)
                     print(row, flush=True)
 
 

@@ -269,10 +269,10 @@ def test_numpy_lse_of_any_layout_is_accepted(no_compile):
 
 
 def test_grid_limits_checked_before_compiling(no_compile):
-    """The backward's grid is not folded: batch and heads are at most 65535 each."""
-    with pytest.raises(ValueError, match=r"exceeds the CUDA grid .* got heads_q 4, heads_kv 2, batch 65536"):
+    """The prepare and dQ grids are not folded: batch and heads_q are at most 65535 each."""
+    with pytest.raises(ValueError, match=r"exceeds the CUDA grid .* got heads_q 4, batch 65536"):
         call(device_inputs((65536, 8, 4, 64), (65536, 8, 2, 64)))
-    with pytest.raises(ValueError, match="heads_q 65536, heads_kv 1, batch 1"):
+    with pytest.raises(ValueError, match="heads_q 65536, batch 1"):
         call(device_inputs((1, 8, 65536, 64), (1, 8, 1, 64)))
     with pytest.raises(AssertionError, match="would compile"):
         call(device_inputs((65535, 8, 65535, 64), (65535, 8, 1, 64)))
@@ -336,14 +336,17 @@ def test_dq_fragment_order_covers_the_query_block_once(config):
 
 def test_grids():
     rows_grid, main_grid = backward_grids(200, 300, 8, 2, 3, 128)
-    assert rows_grid == (4, 8, 3) and main_grid == (3, 2, 3)
+    assert rows_grid == (4, 8, 3) and main_grid == (3 * 2 * 3, 1, 1)  # the main grid: one dimension
     assert backward_grids(1, 1, 1, 1, 1, 64) == ((2, 1, 1), (1, 1, 1))
-    with pytest.raises(ValueError, match="main grid"):
+    with pytest.raises(ValueError, match="main grid needs"):
         backward_grids(1, 16 * 2**31, 1, 1, 1, 16)
+    with pytest.raises(ValueError, match="main grid needs"):
+        backward_grids(1, 2**16, 1, 2**12, 2**12, 16)  # 2^12 blocks x 2^24 pairs
     with pytest.raises(ValueError, match="prepare and dQ grid"):
         backward_grids(1, 1, 65536, 1, 1, 128)
-    check_backward_grid(1, 2**31, 65535, 65535, 65535)  # the narrowest key block still fits
-    with pytest.raises(ValueError, match="exceeds the CUDA grid"):
+    check_backward_grid(1, 2**16, 65535, 256, 2047)  # the narrowest key block still fits
+    check_backward_grid(1, 1, 4096, 4096, 4096)  # heads_kv * batch > 65535: one dimension
+    with pytest.raises(ValueError, match="more than CUDA's"):
         check_backward_grid(1, 16 * 2**31, 1, 1, 1)
 
 
@@ -501,6 +504,7 @@ def fake_gpu(monkeypatch):
     gpu = types.SimpleNamespace(capability=HOPPER, limit=227 * 1024, loads=[], raised=[], runs={})
     monkeypatch.setattr(state, "current", lambda: (gpu.capability, 0))
     monkeypatch.setattr(state, "shared_limit", lambda ordinal: gpu.limit)
+    monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
 
     def loaded_kernel(config, causal, bf16, arch, operation):
         gpu.loads.append((config, causal, bf16, arch, operation))
@@ -560,7 +564,8 @@ def test_device_call_launches_prep_main_dq_with_the_abi(fake_gpu, deterministic)
     assert [launch[0] for launch in FakeLauncher.launches] == list(families.BACKWARD_OPERATIONS)
     rows = 256
     assert prep[1:5] == ((rows // 64, 8, 3), 128, 0, 0)
-    assert main[1:5] == ((-(-300 // config.block_n), 2, 3), config.threads, 0, config.shared_bytes)
+    key_blocks = -(-300 // config.block_n)
+    assert main[1:5] == ((key_blocks * 2 * 3, 1, 1), config.threads, 0, config.shared_bytes)
     assert dqk[1:5] == ((rows // config.block_m, 8, 3), config.threads, 0, 0)
     lay = workspace_layout(3, 8, 200, 64, config.block_m)
     base = main[5][6][0]  # lse_log2: the workspace's first part
@@ -576,9 +581,10 @@ def test_device_call_launches_prep_main_dq_with_the_abi(fake_gpu, deterministic)
                             (dk.pointer, k_span), (dv.pointer, k_span), ws.lse_log2, ws.delta, ws.dq_accum,
                             ws.counters)
     assert main[5][10:28] == (*dense_q, *dense_k, *dense_k, *dense_q, *dense_k, *dense_k)
-    assert main[5][28:] == (200, 300, rows, 8, 4, np.float32(0.25 * np.log2(np.e)), np.float32(0.25),
-                            deterministic)
-    assert type(main[5][33]) is np.float32 and type(main[5][34]) is np.float32
+    tail_pairs = min(2 * 3, -(-2 * 132 // key_blocks))  # two waves of the fake GPU's 132 SMs
+    assert main[5][28:] == (200, 300, rows, 8, 4, 2, tail_pairs, np.float32(0.25 * np.log2(np.e)),
+                            np.float32(0.25), deterministic)
+    assert type(main[5][35]) is np.float32 and type(main[5][36]) is np.float32
     assert dqk[5] == (ws.dq_accum, (dq.pointer, q_span), *dense_q, 200, rows, 8, np.float32(0.25))
 
 

@@ -52,14 +52,16 @@ BACKWARD_PREP_ABI = (
 )
 
 # 2. The main kernel: dK, dV of one key block, dQ added into the accumulator.
-#    Grid (ceil(seqlen_k / block_n), heads_kv, batch), config.threads, config.shared_bytes.
+#    Grid ceil(seqlen_k / block_n) * heads_kv * batch (one dimension; CTA -> key block and
+#    (batch, KV head) by ``blocks.key_block_of``), config.threads, config.shared_bytes.
 BACKWARD_ABI = (
     _U16_ARRAY, _U16_ARRAY, _U16_ARRAY, _U16_ARRAY,  # q, k, v, dout
     _U16_ARRAY, _U16_ARRAY,  # dk, dv (outputs)
     _F32_ARRAY, _F32_ARRAY, _F32_ARRAY, _I32_ARRAY,  # lse_log2, delta, dq_accum, counters
     *("int64",) * 18,  # batch, seq and head strides of q, k, v, dout, dk, dv (elements)
     "int64", "int64", "int64",  # seqlen_q, seqlen_k, rows
-    "int64", "int64",  # heads_q, heads_q // heads_kv
+    "int64", "int64", "int64",  # heads_q, heads_q // heads_kv, heads_kv
+    "int64",  # tail pairs: (batch, KV head) pairs launched interleaved at the end (causal only)
     "float32", "float32",  # softmax scale * log2(e), softmax scale
     "bool",  # deterministic: add each query block's dQ in key-block order
 )

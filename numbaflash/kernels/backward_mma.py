@@ -39,6 +39,7 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32
 
 from .. import ptx
+from .blocks import key_block_of
 from .common import FULL_MASK, NEG_INF, keep_in_register, unroll
 from .epilogue import store_rows_global
 from .shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
@@ -70,7 +71,8 @@ BACKWARD_ARGTYPES = (
     types.float32[::1], types.int32[::1],  # dq_acc, counters
     *(types.int64,) * 18,  # strides of q, k, v, dout, dk, dv
     types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
-    types.int64, types.int64,  # heads_q, group
+    types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
+    types.int64,  # tail pairs (blocks.key_block_of)
     types.float32, types.float32,  # scale * log2(e), scale
     types.boolean,  # deterministic
 )
@@ -278,8 +280,9 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
 
 
 def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The main backward kernel (``BACKWARD_ARGTYPES``): grid (ceil(seqlen_k / block_n),
-    heads_kv, batch), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory."""
+    """The main backward kernel (``BACKWARD_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv
+    * batch in one dimension (``blocks.key_block_of`` maps a CTA to its key block and (batch,
+    KV head)), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory."""
     config.check()
     D = config.head_dim
     BM = config.block_m
@@ -458,14 +461,19 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     def flash_backward(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                        do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-                       seqlen_q, seqlen_k, rows, heads_q, group, scale_log2, scale, deterministic):
+                       seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
+                       deterministic):
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x & 1023
         warp = tid // 32
         lane = tid % 32
-        n_block = int64(cuda.blockIdx.x)
-        kv_head = int64(cuda.blockIdx.y)
-        batch = int64(cuda.blockIdx.z)
+        # Launch order (blocks.key_block_of): causal, the last waves longest first. 32-bit
+        # division: the grid has at most 2^31 - 1 CTAs.
+        key_blocks = uint32((seqlen_k + BN - 1) // BN)
+        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+                                     tail_pairs if CAUSAL else 0)
+        kv_head = int64(uint32(pair) % uint32(heads_kv))
+        batch = int64(uint32(pair) // uint32(heads_kv))
         n0 = n_block * BN
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
         sbase = ptx.shared_address_u16(smem)

@@ -95,6 +95,30 @@ def unit_tile(u, h, m_blocks, heads_q, group, causal, grid):
 
 
 @cuda.jit(device=True, forceinline=True)
+def key_block_of(cta, key_blocks, pairs, tail_pairs):
+    """(key block, pair) of the backward's CTA number ``cta`` in launch order, for ``pairs``
+    (batch, KV head) pairs of ``key_blocks`` key blocks each (pair = batch * heads_kv + kv_head).
+
+    The first ``pairs - tail_pairs`` pairs launch one after the other, each pair's key blocks in
+    order 0, 1, ...: the CTAs that run together belong to a few heads and share their Q and dO in
+    L2. The last ``tail_pairs`` pairs launch interleaved, key block by key block (every tail
+    pair's block 0, then every block 1, ...). With causal masking key block n walks fewer query
+    blocks than block n - 1, so the launch ends on its shortest CTAs instead of starting a long
+    one when the other SMs are about to run out of work (longest first, for the last waves).
+
+    Invariants (``tests/test_backward_schedule_cpu.py``): a bijection of ``0 .. key_blocks *
+    pairs - 1`` onto (block, pair); each pair's blocks launch in increasing order (deterministic
+    mode's turns: a CTA waits only for CTAs launched before it); ``tail_pairs == 0`` is the plain
+    (block, pair) order."""
+    cta, key_blocks, pairs, tail_pairs = uint32(cta), uint32(key_blocks), uint32(pairs), uint32(tail_pairs)
+    head_ctas = (pairs - tail_pairs) * key_blocks  # the grid has at most 2^31 - 1 CTAs: 32 bits
+    if cta < head_ctas:
+        return int64(cta % key_blocks), int64(cta // key_blocks)
+    t = cta - head_ctas
+    return int64(t // tail_pairs), int64(pairs - tail_pairs + t % tail_pairs)
+
+
+@cuda.jit(device=True, forceinline=True)
 def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
     """KV tiles a query block starting at row ``m0`` reads; causal stops after the tile that
     holds the last row's diagonal (query i sees keys j <= i + diag)."""

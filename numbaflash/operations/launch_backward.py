@@ -7,12 +7,15 @@ One call launches three kernels on the caller's stream, in this order:
 1. prepare (``backward_prep``): D = rowsum(dO ∘ O) and the LSE in log2 units per row; zeroes
    the dQ accumulator and the turn counters. Grid (rows // 64, heads_q, batch), 128 threads.
 2. main (``backward``): dK and dV of one key block per CTA, dQ added into the accumulator.
-   Grid (ceil(seqlen_k / block_n), heads_kv, batch), ``config.threads``, ``config.shared_bytes``.
+   Grid ceil(seqlen_k / block_n) * heads_kv * batch in one dimension, in the launch order of
+   ``kernels.blocks.key_block_of`` (``backward_tail_pairs``), ``config.threads``,
+   ``config.shared_bytes``.
 3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (rows // block_m,
    heads_q, batch), ``config.threads``.
 
-rows = seqlen_q rounded up to ``BACKWARD_ROW_ALIGN``. The grid is not folded as the forward's
-is: y and z are the head and the batch, each at most 65535 (``check_backward_grid``).
+rows = seqlen_q rounded up to ``BACKWARD_ROW_ALIGN``. The prepare and dQ grids are not folded
+as the forward's is: y and z are the head and the batch, each at most 65535
+(``check_backward_grid``).
 """
 
 from __future__ import annotations
@@ -95,16 +98,27 @@ def backward_grids(seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, ba
     """(grid of the prepare and dQ kernels, grid of the main kernel); ValueError where either
     exceeds CUDA's grid (x at most 2^31 - 1, y and z at most 65535)."""
     rows_grid = (backward_rows(seqlen_q) // PREP_ROWS, heads_q, batch)
-    main_grid = (-(-seqlen_k // block_n), heads_kv, batch)
-    for what, grid in (("prepare and dQ", rows_grid), ("main", main_grid)):
-        if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
-            raise ValueError(
-                f"the backward's {what} grid {grid} (blocks, heads, batch) exceeds the CUDA grid "
-                f"({MAX_GRID_X} x {MAX_GRID_YZ} x {MAX_GRID_YZ} blocks): the backward needs heads_q, "
-                f"heads_kv and batch each at most {MAX_GRID_YZ}, got heads_q {heads_q}, heads_kv "
-                f"{heads_kv}, batch {batch}; split the call"
-            )
+    main_grid = (-(-seqlen_k // block_n) * heads_kv * batch, 1, 1)
+    if rows_grid[0] > MAX_GRID_X or rows_grid[1] > MAX_GRID_YZ or rows_grid[2] > MAX_GRID_YZ:
+        raise ValueError(
+            f"the backward's prepare and dQ grid {rows_grid} (blocks, heads, batch) exceeds the CUDA "
+            f"grid ({MAX_GRID_X} x {MAX_GRID_YZ} x {MAX_GRID_YZ} blocks): the backward needs heads_q and "
+            f"batch each at most {MAX_GRID_YZ}, got heads_q {heads_q}, batch {batch}; split the call"
+        )
+    if main_grid[0] > MAX_GRID_X:
+        raise ValueError(
+            f"the backward's main grid needs ceil(seqlen_k / {block_n}) * heads_kv * batch = "
+            f"{main_grid[0]} blocks, more than CUDA's {MAX_GRID_X}: got seqlen_k {seqlen_k}, heads_kv "
+            f"{heads_kv}, batch {batch}; split the call"
+        )
     return rows_grid, main_grid
+
+
+def backward_tail_pairs(key_blocks: int, pairs: int, sm_count: int) -> int:
+    """How many of the main kernel's (batch, KV head) pairs launch interleaved at its end
+    (``kernels.blocks.key_block_of``; the causal kernels only): enough for two waves of CTAs
+    (``2 * sm_count``), at most all of them."""
+    return min(pairs, -(-2 * sm_count // max(key_blocks, 1)))
 
 
 def check_backward_grid(seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, batch: int) -> None:
@@ -168,15 +182,16 @@ def launch_backward_main(config) -> Launch:
         q, k, v, do, dk, dv, ws = call.q, call.k, call.v, call.dout, call.dk, call.dv, call.workspace
         batch, seqlen_q, heads_q, _ = q.shape
         _, seqlen_k, heads_kv, _ = k.shape
-        grid = (-(-seqlen_k // block_n), heads_kv, batch)
+        key_blocks = -(-seqlen_k // block_n)
+        tail_pairs = backward_tail_pairs(key_blocks, heads_kv * batch, gpu.sm_count(call.device))
         qs, ks, vs, dos, dks, dvs = q.strides, k.strides, v.strides, do.strides, dk.strides, dv.strides
-        launcher(grid, threads, call.stream, shared_bytes,
+        launcher((key_blocks * heads_kv * batch, 1, 1), threads, call.stream, shared_bytes,
                  (q.pointer, q.span), (k.pointer, k.span), (v.pointer, v.span), (do.pointer, do.span),
                  (dk.pointer, dk.span), (dv.pointer, dv.span),
                  ws.lse_log2, ws.delta, ws.dq_accum, ws.counters,
                  qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                  dos[0], dos[1], dos[2], dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
-                 seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv,
+                 seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
                  call.scale_log2, call.scale, call.deterministic)
 
     return launch
