@@ -120,6 +120,17 @@ def test_deterministic_is_bit_identical(rng, causal):
 
 
 @gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_causal_launch_order_with_a_plain_head_and_an_interleaved_tail(rng, deterministic):
+    """Enough (batch, KV head) pairs that the main kernel's launch has both parts of
+    ``blocks.key_block_of``'s order: 24 pairs of 17 key blocks (128 keys), of which
+    ``ceil(2 * SMs / 17)`` (16 on a 132-SM H100) launch interleaved at the end."""
+    q, k, v, dout = problem(rng, 3, 300, 2100, 8, 8, 64, np.float16)
+    grads, _ = run_backward(q, k, v, dout, True, deterministic=deterministic)
+    check(q, k, v, dout, True, grads)
+
+
+@gpu
 def test_given_outputs_are_written_in_place(rng):
     q, k, v, dout = problem(rng, 1, 100, 80, 4, 2, 64, np.float16)
     outs = {name: device(np.full(x.shape, np.nan, x.dtype)) for name, x in (("dq", q), ("dk", k), ("dv", v))}
