@@ -100,7 +100,7 @@ def measure(dtype: torch.dtype, d: int, s: int, causal: bool, args: argparse.Nam
     tf = [2.5 * flops / t / 1e9 for t in (ours, fb, cb)]
     name = "fp16" if dtype == torch.float16 else "bf16"
     return (f"| {name} | {d} | {s} | {'yes' if causal else 'no'} | {tf[0]:.0f} | {tf[1]:.0f} | {tf[2]:.0f} | "
-            f"{fb / ours:.2f} | {cb / ours:.2f} | {fboth / ours_both:.2f} | {cboth / ours_both:.2f} |")
+            f"{fb / ours:.3f} | {cb / ours:.3f} | {fboth / ours_both:.3f} | {cboth / ours_both:.3f} |")
 
 
 def main() -> None:
