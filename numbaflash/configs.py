@@ -444,10 +444,14 @@ def kernel_argtypes(config: KernelConfig, operation: str = "forward") -> tuple:
 def kernel_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str, operation: str = "forward"):
     """The linked cubin (``runtime.cache.CacheEntry``) of a kernel for ``arch``: from the on-disk
     cache, or compiled and stored. The API and ``precompile`` both come here, so they agree on
-    the cache key."""
+    the cache key (a kernel that does not depend on ``causal``, ``KernelOp.masked``, is cached
+    once, as the non-causal one)."""
     from .runtime.cache import cached_cubin
+
+    op = family_of(config).op(operation)
+    causal = op.kernel_causal(causal)
 
     def build():  # imports Numba: only on a cache miss
         return make_kernel(config, causal, bf16, operation), kernel_argtypes(config, operation)
 
-    return cached_cubin(family_of(config).op(operation).cache_kind, config, causal, bf16, arch, build)
+    return cached_cubin(op.cache_kind, config, causal, bf16, arch, build)

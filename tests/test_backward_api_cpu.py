@@ -744,10 +744,15 @@ def test_precompile_lists_the_backward_kernels():
 
     for arch, cap in (("sm_80", AMPERE), ("sm_86", SM86), ("sm_90a", HOPPER)):
         items = precompile.backward_kernels_for(arch, candidates=False)
-        expected = {(configs.backward_config(cap, d, causal), causal, bf16, arch, op)
-                    for d in configs.BACKWARD_DEFAULTS for causal in (False, True)
-                    if not (cap == SM86 and d == 256) for bf16 in (False, True)
-                    for op in families.BACKWARD_OPERATIONS}
+        expected = set()
+        for d in configs.BACKWARD_DEFAULTS:
+            for causal in (False, True):
+                if cap == SM86 and d == 256:
+                    continue
+                config = configs.backward_config(cap, d, causal)
+                # the prepare and dQ kernels do not depend on causal: built once, as non-causal
+                expected |= {(config, causal and op == "backward", bf16, arch, op)
+                             for bf16 in (False, True) for op in families.BACKWARD_OPERATIONS}
         assert len(items) == len(expected) and set(items) == expected
         with_candidates = precompile.backward_kernels_for(arch, candidates=True)
         assert {item[0] for item in with_candidates} == {c for cs in configs.BACKWARD_CANDIDATES.values()
@@ -776,12 +781,15 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_mma", fake)
     kernels = registry.backward_kernels()
     shipped = configs.shipped_backward_configs()
-    assert len(kernels) == len(made) == 6 * len(shipped)
+    # a main kernel per (config, causal), one prepare and one dQ kernel per config; both dtypes
+    assert len(kernels) == len(made) == 2 * (len(shipped) + 2 * len({c for _, _, c in shipped}))
     argtypes = {"backward_prep": "prep", "backward": "main", "backward_dq": "dq"}
     for name, (kernel, types_, archs) in kernels.items():
         config, causal, bf16, operation = kernel.backward_key
         assert "backward" in name and "forward" not in name
-        kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+        assert not causal or operation == "backward"
+        masking = f"{'causal' if causal else 'full'}_" if operation == "backward" else ""
+        kind = masking + ("bf16" if bf16 else "f16")
         shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
         assert re.fullmatch(rf"flash_{operation}_{shape}_{kind}", name)
         assert types_ == argtypes[operation] and archs == ("sm_80", "sm_90a")

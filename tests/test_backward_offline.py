@@ -6,10 +6,13 @@ shipped backward kernel of both dtypes."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from numbaflash import configs
 from numbaflash.configs import kernel_cubin
+from numbaflash.operations import families
 from numbaflash.tools.inspect import report_from_cubin
 
 CASES = [  # (config, causal, bf16, arch): the H100's choice per head dim, causal, fp16 ...
@@ -37,3 +40,22 @@ def test_no_local_memory_spills_or_calls(report):
     assert report.spill_instructions == 0, f"{report.spill_instructions} LDL/STL"
     assert report.calls == 0, "a helper was not inlined"
     assert report.registers <= 255
+
+
+def test_prepare_and_dq_kernels_are_cached_once_for_causal_and_not(monkeypatch):
+    """Their code does not depend on causal masking (``KernelOp.masked``; the SASS of both builds
+    is identical): causal and non-causal calls share one cache entry and one loaded module."""
+    from numbaflash.runtime import cache
+
+    asked = []
+    monkeypatch.setattr(cache, "cached_cubin", lambda kind, config, causal, bf16, arch, build:
+                        asked.append((kind, causal)) or types.SimpleNamespace(cubin=b"", entry_name="e"))
+    config = configs.backward_config((9, 0), 128, True)
+    for causal in (False, True):
+        for op in families.BACKWARD_OPERATIONS:
+            configs.kernel_cubin(config, causal, False, "sm_90a", op)
+    assert asked == [("backward_prep", False), ("backward", False), ("backward_dq", False),
+                     ("backward_prep", False), ("backward", True), ("backward_dq", False)]
+    ops = families.SM80_BWD.ops
+    assert [op.masked for op in ops.values()] == [False, True, False]
+    assert all(op.masked for family in (families.SM80, families.SM90) for op in family.ops.values())

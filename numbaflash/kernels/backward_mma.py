@@ -153,7 +153,8 @@ def mask_transposed(s, n_tiles, key0, col0, lane, seqlen_k, diag, causal):
 
 
 def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The prep kernel (``BACKWARD_PREP_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads.
+    """The prep kernel (``BACKWARD_PREP_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads;
+    the same code with causal masking or not (``causal`` is not used: one kernel serves both).
     The threads of a row (``prep_split``) each load 16-byte chunks of O and dO (the loads of up
     to 8 passes issued before any sum), dot them and sum over a shuffle tree; then 16-byte
     stores zero the block's dQ accumulator."""
@@ -220,8 +221,7 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         if tid == 0 and row_base % BM == 0:
             counters[bh * counters_per_head + row_base // BM] = 0
 
-    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
-    backward_prep.__name__ = f"flash_backward_prep_d{D}_m{BM}_{kind}"
+    backward_prep.__name__ = f"flash_backward_prep_d{D}_m{BM}_{'bf16' if bf16 else 'f16'}"
     backward_prep.launch_bounds = (PREP_THREADS, 1)
     return backward_prep
 
@@ -273,8 +273,7 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         dq_rows = global_rows(dq, batch * dq_sb + head * dq_sh, dq_ss, seqlen_q)
         store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
 
-    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
-    backward_dq.__name__ = f"flash_backward_dq_d{D}_m{BM}{config.tag}_{kind}"
+    backward_dq.__name__ = f"flash_backward_dq_d{D}_m{BM}{config.tag}_{'bf16' if bf16 else 'f16'}"
     backward_dq.launch_bounds = (THREADS, 1)
     return backward_dq
 

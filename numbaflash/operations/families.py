@@ -36,10 +36,17 @@ class KernelOp:
     argtypes: str  # "module:NAME": the same parameter list as Numba types
     # (config) -> launch(launcher, call, gpu): what depends on the config alone is worked out once
     prepare_launch: Callable[[Any], Callable[..., None]]
+    # whether the kernel's code depends on causal masking; where it does not (the backward's
+    # prepare and dQ kernels), one kernel, built and cached as the non-causal one, serves both
+    masked: bool = True
+
+    def kernel_causal(self, causal: bool) -> bool:
+        """The ``causal`` this operation's kernel is built, cached and loaded with."""
+        return causal and self.masked
 
     def make_kernel(self, config: Any, causal: bool, bf16: bool):
         """The Python kernel function (imports Numba)."""
-        return _attribute(self.factory)(config, causal, bf16)
+        return _attribute(self.factory)(config, self.kernel_causal(causal), bf16)
 
     def numba_argtypes(self) -> tuple:
         return _attribute(self.argtypes)
@@ -77,11 +84,11 @@ SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", {
 # on every GPU from sm_80 on, Hopper included.
 SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer", {
     "backward_prep": KernelOp("backward_prep", BACKWARD_PREP_ABI, "backward_mma:make_backward_prep_kernel",
-                              "backward_mma:BACKWARD_PREP_ARGTYPES", launch_backward_prep),
+                              "backward_mma:BACKWARD_PREP_ARGTYPES", launch_backward_prep, masked=False),
     "backward": KernelOp("backward", BACKWARD_ABI, "backward_mma:make_backward_kernel",
                          "backward_mma:BACKWARD_ARGTYPES", launch_backward_main),
     "backward_dq": KernelOp("backward_dq", BACKWARD_DQ_ABI, "backward_mma:make_backward_dq_kernel",
-                            "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_dq),
+                            "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_dq, masked=False),
 })
 BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
 FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD)}

@@ -82,7 +82,7 @@ def loaded_kernel(config, causal: bool, bf16: bool, arch: str, operation: str = 
     """(cuda.core Kernel, entry name) of a kernel, loaded once per process (the loaded library
     serves every device; call with ``GPU.lock`` held)."""
     modules = gpu_state.GPU.modules
-    key = (config, causal, bf16, arch, operation)
+    key = (config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
     if key not in modules:
         from cuda.core import ObjectCode
 

@@ -57,9 +57,10 @@ def kernels_for(arch: str, candidates: bool) -> list[tuple]:
 def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
     """(config, causal, bf16, arch, operation) of every backward kernel a GPU of ``arch`` runs
     (each config's prepare, main and dQ kernels; the mma.sync backward runs on every GPU, Hopper
-    included), and with ``candidates`` those of every backward candidate."""
+    included), and with ``candidates`` those of every backward candidate; each once (the
+    prepare and dQ kernels serve causal and non-causal calls alike: ``KernelOp.masked``)."""
     from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config
-    from ..operations.families import BACKWARD_OPERATIONS
+    from ..operations.families import BACKWARD_OPERATIONS, family_of
 
     cap = capability_of(arch)
     items = []
@@ -71,9 +72,9 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
                 chosen = []
             if candidates:
                 chosen += [c for c in BACKWARD_CANDIDATES[head_dim] if c not in chosen]
-            items += [(config, causal, bf16, arch, operation) for config in chosen for bf16 in (False, True)
-                      for operation in BACKWARD_OPERATIONS]
-    return items
+            items += [(config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
+                      for config in chosen for bf16 in (False, True) for operation in BACKWARD_OPERATIONS]
+    return list(dict.fromkeys(items))
 
 
 def build_one(item: tuple) -> tuple[str, bool, float]:

@@ -38,19 +38,23 @@ def backward_kernels() -> dict:
     """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
     prepare, main and dQ kernels, causal and not, both dtypes, for sm_80 and for Hopper (sm_90a),
     which runs the same mma.sync backward. Named ``flash_<operation>_d<head dim>_m<block_m>
-    _n<block_n><tag>_<full|causal>_<f16|bf16>`` (every name holds "backward"); each kernel's
+    _n<block_n><tag>_<full|causal>_<f16|bf16>`` (every name holds "backward"; no ``<full|causal>``
+    for the prepare and dQ kernels, which serve both: ``KernelOp.masked``); each kernel's
     ``backward_key`` is (config, causal, bf16, operation), what ``configs.kernel_cubin`` takes."""
     from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
-    from ..operations.families import BACKWARD_OPERATIONS
+    from ..operations.families import BACKWARD_OPERATIONS, family_of
 
     kernels = {}
     for _, causal, config in shipped_backward_configs():
         for bf16 in (False, True):
             for operation in BACKWARD_OPERATIONS:
-                kernel = make_kernel(config, causal, bf16, operation)
-                kernel.backward_key = (config, causal, bf16, operation)
+                op = family_of(config).op(operation)
                 shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
-                kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
-                name = f"flash_{operation}_{shape}_{kind}"
+                kind = f"{'causal_' if causal else 'full_'}" if op.masked else ""
+                name = f"flash_{operation}_{shape}_{kind}{'bf16' if bf16 else 'f16'}"
+                if name in kernels:
+                    continue
+                kernel = make_kernel(config, causal, bf16, operation)
+                kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
                 kernels[name] = (kernel, kernel_argtypes(config, operation), ("sm_80", "sm_90a"))
     return kernels
