@@ -306,17 +306,26 @@ def test_cuda_graph_forward_without_autograd(cuda, given_out):
 def test_training_step_neither_syncs_nor_allocates_outside_torch(cuda):
     """After a warm-up, forward + backward through the op make no synchronising torch call
     (torch.cuda.set_sync_debug_mode("error")) and allocate device memory only through torch's
-    caching allocator: the driver's free memory plus torch's reserved memory does not move."""
+    caching allocator: the driver's free memory plus torch's reserved memory does not move.
+
+    The driver's free memory is the whole GPU's, so other processes on it (pytest-xdist's
+    workers) move it too: the check passes if any of three windows of 5 steps leaves it where it
+    was. Memory the op kept per step would move it in every window."""
     q, k, v = random_leaves((2, 600, 8, 64), (2, 600, 2, 64), torch.float16, seed=9)
     for _ in range(2):
         numbaflash.flash_attention(q, k, v, causal=True).sum().backward()
     torch.cuda.synchronize()
-    before = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(5):
-            numbaflash.flash_attention(q, k, v, causal=True).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() == before
+    moved = []
+    for _ in range(3):
+        before = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(5):
+                numbaflash.flash_attention(q, k, v, causal=True).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        moved.append(torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - before)
+        if moved[-1] == 0:
+            break
+    assert 0 in moved, f"device memory outside torch's allocator moved by {moved} bytes in each window"
