@@ -21,11 +21,13 @@ from .operands import (
     check_softmax_scale,
     describe,
     describe_gradient,
+    describe_index,
     describe_lse,
     kind_of,
 )
-from .operations import backward, forward
+from .operations import backward, decode, forward
 from .operations.launch_backward import check_backward_grid
+from .operations.launch_decode import MAX_SPLITS
 from .operations.launch_forward import forward_grid
 from .runtime import device as gpu_state
 
@@ -224,3 +226,93 @@ def flash_attention_backward(
                                    capability, device)
     return backward.run_numpy(dout, q, k, v, out, lse, (dq, dk, dv), causal, softmax_scale, deterministic,
                               capability, device)
+
+
+def flash_attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    cache_seqlens: Any,
+    *,
+    k_new: Any = None,
+    v_new: Any = None,
+    block_table: Any = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: Any = None,
+) -> Any:
+    """Attention of a few new query rows against a KV cache (FlashAttention's
+    ``flash_attn_with_kvcache``; WORK IN PROGRESS on branch wip/decode, not yet run on a GPU).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim) float16 or bfloat16 device array; seqlen_q
+            from 1 (decode) to a few (speculative decoding).
+        k_cache, v_cache: (batch, capacity, heads_kv, head_dim), q's dtype; with
+            ``block_table``, a paged cache (num_pages, page_size, heads_kv, head_dim).
+        cache_seqlens: int32 (batch,) device array: the valid rows of each sequence's cache.
+        k_new, v_new: optional (batch, seqlen_new, heads_kv, head_dim), q's dtype: written into
+            the cache in place at rows cache_seqlens[b] .. + seqlen_new, and attended to. The
+            caller advances ``cache_seqlens``. Rows past the cache's capacity are not written.
+        block_table: optional int32 (batch, max_pages): page i of sequence b is
+            ``block_table[b, i]``.
+        causal: query i (of seqlen_q) sees keys j <= L - seqlen_q + i, L = cache_seqlens[b] +
+            seqlen_new (bottom-right); else every key below L.
+        softmax_scale: default 1/sqrt(head_dim).
+        num_splits: CTAs that share one sequence's keys; 0 chooses from the shapes and the SM
+            count (never from ``cache_seqlens``' values, so a captured graph stays valid).
+        return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp.
+        out: optional output array like q.
+
+    Returns:
+        ``out`` (batch, seqlen_q, heads_q, head_dim), and the LSE with ``return_lse``.
+    """
+    qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
+    check_shapes(qd, kcd, vcd, paged=block_table is not None)
+    if not qd.on_device:
+        raise TypeError("flash_attention_with_kvcache takes device arrays (torch, CuPy, Numba), got numpy")
+    batch, seqlen_q, heads_q, head_dim = qd.shape
+    btd = None
+    if block_table is not None:
+        if not isinstance(getattr(block_table, "shape", None), tuple) and not hasattr(block_table, "shape"):
+            raise TypeError(f"block_table must be an int32 device array, got {type(block_table).__name__}")
+        shape = tuple(block_table.shape)
+        if len(shape) != 2 or shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, max_pages), "
+                             f"got {shape}")
+        btd = describe_index("block_table", block_table, shape)
+    seqd = describe_index("cache_seqlens", cache_seqlens, (batch,))
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    knd = vnd = None
+    if k_new is not None:
+        knd, vnd = describe("k_new", k_new), describe("v_new", v_new)
+        want = (batch, knd.shape[1] if len(knd.shape) == 4 else -1, kcd.shape[2], head_dim)
+        for op in (knd, vnd):
+            if op.shape != want or op.dtype_name != qd.dtype_name or not op.on_device:
+                raise ValueError(f"{op.name} must be a {qd.dtype_name} device array of shape (batch, "
+                                 f"seqlen_new, heads_kv, head_dim) = {want}, got {op.shape} {op.dtype_name}")
+        room = btd.shape[1] * kcd.shape[1] if btd is not None else kcd.shape[1]
+        if knd.shape[1] > room:
+            raise ValueError(f"k_new has {knd.shape[1]} rows, more than the cache holds a sequence ({room})")
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    softmax_scale = check_softmax_scale(softmax_scale, head_dim)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+    outd = None
+    if out is not None:
+        outd = describe("out", out)
+        check_like(outd, qd)
+    given = [op for op in (qd, kcd, vcd, knd, vnd, outd) if op is not None]
+    for op in given:
+        check_device_layout(op)
+    if outd is not None:
+        check_no_self_overlap(outd)
+        check_outputs_disjoint([outd], [op for op in given if op is not outd])
+    capability, device = gpu_state.GPU.current()
+    check_same_device([*given, seqd, *([btd] if btd is not None else [])], device)
+    result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale,
+                                    num_splits, return_lse, capability, device)
+    return (result, lse) if return_lse else result

@@ -455,3 +455,21 @@ def kernel_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str, oper
         return make_kernel(config, causal, bf16, operation), kernel_argtypes(config, operation)
 
     return cached_cubin(op.cache_kind, config, causal, bf16, arch, build)
+
+
+def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
+                  shared_limit: int | None = None):
+    """The decode kernel's config (WORK IN PROGRESS): 16 packed query rows a CTA, or 32 where
+    the query heads of a KV head times seqlen_q need more; 64 keys over 4 warps and a ring of 3,
+    else smaller, whichever first fits the GPU's shared memory a CTA."""
+    from .kernels.shapes import DecodeConfig
+
+    limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+    m_tiles = 1 if rows <= 16 else 2
+    tried = [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
+             for n, w in ((64, 4), (32, 2)) for s in (3, 2)]
+    for config in tried:
+        if config.shared_bytes <= limit:
+            return config
+    raise RuntimeError(f"no decode config for head_dim {head_dim} fits in {limit} bytes of shared memory "
+                       "a CTA")

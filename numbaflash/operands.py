@@ -153,7 +153,10 @@ def describe(name: str, x: Any) -> Operand:
                    int(cai["data"][0]), cai.get("stream"))
 
 
-def check_shapes(q: Operand, k: Operand, v: Operand) -> None:
+def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False) -> None:
+    """q (batch, seqlen_q, heads_q, head_dim) against k and v (batch, seqlen_k, heads_kv,
+    head_dim); ``paged``: k and v are a paged cache (num_pages, page_size, heads_kv, head_dim),
+    whose first dimension is not q's batch."""
     for op in (q, k, v):
         if len(op.shape) != 4:
             raise ValueError(
@@ -165,7 +168,7 @@ def check_shapes(q: Operand, k: Operand, v: Operand) -> None:
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     b, _, hq, d = q.shape
     bk, _, hkv, dk = k.shape
-    if bk != b:
+    if bk != b and not paged:
         raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
     if dk != d:
         raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
@@ -448,3 +451,36 @@ def check_outputs_disjoint(outs: list[Operand], inputs: list[Operand]) -> None:
                     f"{a.name} shares memory with {b.name}; the gradients must not overlap the inputs or "
                     f"each other: pass {a.name} with memory of its own (or None for a new array)"
                 )
+
+
+# ------------------------------------------------------------------ decode's index arrays
+
+
+def describe_index(name: str, x: Any, shape: tuple[int, ...]) -> Operand:
+    """An int32 device array of ``shape`` (cache_seqlens, block_table), its last dimension
+    contiguous, on a 4-byte boundary."""
+    kind = kind_of(x)
+    if kind == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"{name}: torch tensors must be on a CUDA device, got device {x.device}")
+        if x.dtype != _torch().int32:
+            raise TypeError(f"{name} must be int32, got {x.dtype}")
+        dims, strides, pointer, device = tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.get_device()
+    elif kind == "cai":
+        cai = x.__cuda_array_interface__
+        if np.dtype(cai["typestr"]) != np.int32:
+            raise TypeError(f"{name} must be int32, got {np.dtype(cai['typestr'])}")
+        dims = tuple(map(int, cai["shape"]))
+        byte_strides = cai.get("strides")
+        strides = (tuple(math.prod(dims[i + 1:]) for i in range(len(dims))) if byte_strides is None
+                   else tuple(int(s) // 4 for s in byte_strides))
+        pointer, device = int(cai["data"][0]), None
+    else:
+        raise TypeError(f"{name} must be an int32 device array (torch, CuPy, Numba), got {type(x).__name__}")
+    if dims != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {dims}")
+    if dims[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{name}: its last dimension must be contiguous, got strides {strides}")
+    if pointer % 4:
+        raise ValueError(f"{name} must start on a 4-byte boundary, got pointer {pointer:#x}")
+    return Operand(name, dims, "int32", True, x, strides, pointer, device=device)

@@ -375,3 +375,55 @@ class BackwardConfig:
                 raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Compile-time shape of the decode kernel (``decode_mma``, WORK IN PROGRESS): one CTA takes
+    ``rows`` packed query rows (the query heads of one KV head times seqlen_q) and one split of
+    the keys; ``block_n`` keys a tile stream through a ring of ``stages`` K and V tiles, and each
+    of the ``num_warps`` warps takes ``block_n / num_warps`` keys of a tile."""
+
+    head_dim: int
+    block_n: int = 64
+    num_warps: int = 4
+    m_tiles: int = 1  # 16-row m-tiles of packed query rows (every warp computes all of them)
+    stages: int = 3
+    paged: bool = False  # K and V through a block table
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def row_bytes(self) -> int:
+        return 128 if self.head_dim % 64 == 0 else 64
+
+    @property
+    def tag(self) -> str:
+        return f"_w{self.num_warps}_s{self.stages}" + ("_paged" if self.paged else "")
+
+    @property
+    def shared_bytes(self) -> int:
+        """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring."""
+        q_tile = self.rows * self.head_dim * 2
+        ring = self.stages * 2 * self.block_n * self.head_dim * 2
+        merge = self.num_warps * self.rows * (self.head_dim + 2) * 4
+        return q_tile + max(ring, merge)
+
+    def check(self) -> None:
+        d = self.head_dim
+        if d % 32 or not 32 <= d <= 256:
+            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {d}")
+        if self.num_warps not in (2, 4, 8) or self.block_n % (16 * self.num_warps):
+            raise ValueError(f"block_n must split into 16-key slices over num_warps (2, 4 or 8), got {self}")
+        if (self.block_n * d // 8) % self.threads:
+            raise ValueError(f"a tile's 16-byte chunks must divide over the threads, got {self}")
+        if self.m_tiles not in (1, 2) or not 2 <= self.stages <= 5:
+            raise ValueError(f"m_tiles must be 1 or 2 and stages 2 to 5, got {self}")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

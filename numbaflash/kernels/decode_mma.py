@@ -1,0 +1,430 @@
+"""Decode against a KV cache on tensor cores (cp.async + ldmatrix + mma.sync, sm_80+): WORK IN
+PROGRESS on branch wip/decode, compiled offline only, never run on a GPU yet.
+
+One CTA takes the packed query rows of one KV head (row r = query position r // group, query
+head kv_head * group + r % group: the query heads of a KV head, times seqlen_q, fill the rows of
+one tile, so K and V are read once per KV head) and one split of the keys (``decode_split``):
+``num_splits`` CTAs share a (batch, KV head) when batch x heads_kv leaves SMs idle.
+
+Key j of batch b comes from the cache when j < cache_seqlens[b], from the new rows (k_new,
+v_new) at j - cache_seqlens[b] when those are given, and is masked at or past the total length
+L = cache_seqlens[b] + seqlen_new; with causal masking query i sees keys j <= L - seqlen_q + i
+(bottom-right). A paged cache maps key j to row j % page_size of page block_table[b, j //
+page_size]. The CTA that loads a new row also writes it into the cache (once: row block 0).
+
+K and V tiles of ``block_n`` keys stream through a ring of ``stages`` swizzled shared tiles.
+Each warp takes ``block_n / num_warps`` keys of every tile: S = Q K_wᵀ, its own online softmax,
+O_w += P_w V_w. At the end the warps' (m, l, O) merge through shared memory (reusing the ring);
+with one split the CTA writes O in the input dtype (and the LSE), else float32 partials of O and
+their LSE, which ``make_decode_combine_kernel`` merges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+from numba import cuda, float32, int64, types, uint16, uint32, uint64
+
+from .. import ptx
+from .common import FULL_MASK, NEG_INF
+from .shapes import DecodeConfig
+from .smem import block_offset, ldmatrix_offsets, swizzled_offset
+from .softmax import (
+    exponentiate,
+    max_grew,
+    pack_16bit,
+    pack_p_fragments,
+    quad_sum,
+    rescale_rows,
+    scaled_row_maxes,
+)
+
+# One sequence's keys: batch b, its cache rows, its total length (cache + new rows), and its
+# block table (paged: capacity is the page size, pages the table's row length).
+Sequence = namedtuple("Sequence", ["b", "cache_len", "total", "block_table", "bt_stride", "capacity",
+                                   "pages"])
+# Where one head's key (or value) rows are, in bytes: the cache and the new rows, each as an
+# address and (batch or page, row) strides.
+KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb", "new_ss"])
+
+LOG2_E = float32(math.log2(math.e))
+LN2 = float32(math.log(2.0))
+
+DECODE_ARGTYPES = (
+    types.uint16[::1], types.uint16[::1], types.uint16[::1],  # q, k_cache, v_cache
+    types.uint16[::1], types.uint16[::1],  # k_new, v_new (length 1 when not given)
+    types.int32[::1], types.int32[::1],  # cache_seqlens, block_table (length 1 when not paged)
+    types.uint16[::1], types.float32[::1],  # out, lse (length 1 when not asked for)
+    types.float32[::1], types.float32[::1],  # o_part, lse_part (split partials; length 1 with one split)
+    *(types.int64,) * 18,  # strides (batch/page, seq, head) of q, k_cache, v_cache, k_new, v_new, out
+    types.int64, types.int64,  # seqlen_q, seqlen_new (0: nothing to append)
+    types.int64, types.int64,  # capacity (rows per batch; paged: page_size), block table row stride
+    types.int64,  # pages per sequence (paged; else 0)
+    types.int64, types.int64, types.int64,  # heads_kv, group, row blocks (ceil(group * seqlen_q / rows))
+    types.int64,  # num_splits
+    types.float32,  # softmax scale * log2(e)
+    types.boolean,  # write the LSE
+)
+
+DECODE_COMBINE_ARGTYPES = (
+    types.float32[::1], types.float32[::1],  # o_part, lse_part
+    types.uint16[::1], types.float32[::1],  # out, lse
+    types.int64, types.int64, types.int64,  # out strides (batch, seq, head)
+    types.int64, types.int64, types.int64,  # batch, seqlen_q, heads_q
+    types.int64,  # num_splits
+    types.boolean,  # write the LSE
+)
+
+
+@cuda.jit(device=True, forceinline=True)
+def decode_split(total_tiles, num_splits, split):
+    """Key tiles [first, last) of split ``split`` of ``num_splits``: ceil(total / splits)
+    consecutive tiles each, the last splits possibly empty (first >= last). From the device
+    value of the sequence's length, so that one launch (one captured graph) serves any length.
+    Invariant (``tests/test_decode_cpu.py``): the splits cover 0 .. total_tiles once, in order."""
+    per_split = (total_tiles + num_splits - 1) // num_splits
+    first = min(split * per_split, total_tiles)
+    return first, min(first + per_split, total_tiles)
+
+
+def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
+    """The decode kernel (``DECODE_ARGTYPES``): grid (num_splits, row_blocks * heads_kv, batch),
+    ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory."""
+    config.check()
+    D = config.head_dim
+    BN = config.block_n
+    BM = config.rows
+    MT = config.m_tiles
+    WARPS = config.num_warps
+    THREADS = config.threads
+    STAGES = config.stages
+    KW = BN // WARPS  # keys of a tile each warp takes
+    CPR = D // 8  # 16-byte chunks per row
+    RB = config.row_bytes
+    D_K_TILES = D // 16
+    D_N_TILES = D // 8
+    S_N_TILES = KW // 8
+    S_PAIRS = S_N_TILES // 2
+    P_K_TILES = KW // 16
+    O_PAIRS = D_N_TILES // 2
+    TILE_BYTES = BN * D * 2
+    STAGE_BYTES = 2 * TILE_BYTES  # K then V
+    SQ = 0
+    SRING = BM * D * 2
+    Q_CHUNKS = BM * CPR
+    KV_CHUNKS = BN * CPR
+    PAGED = config.paged
+    CAUSAL = causal
+    BF16 = bf16
+    mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
+
+    @cuda.jit(device=True, forceinline=True)
+    def wait_ring():
+        """Wait until at most STAGES - 2 copy groups are pending (the oldest tile has landed)."""
+        if STAGES == 2:
+            ptx.cp_async_wait_group_0()
+        elif STAGES == 3:
+            ptx.cp_async_wait_group_1()
+        elif STAGES == 4:
+            ptx.cp_async_wait_group_2()
+        else:
+            ptx.cp_async_wait_group_3()
+
+    @cuda.jit(device=True, forceinline=True)
+    def key_source(j, seq, src):
+        """(global byte address of key row j (``src``: KeyRows), whether it exists, the cache
+        address to write it to or 0): the cache below ``seq.cache_len``, the new rows up to
+        ``seq.total``."""
+        if j >= seq.total:
+            return src.cache, False, int64(0)
+        if PAGED:
+            page_of = j // seq.capacity  # capacity: the page size
+            page = int64(0)
+            if page_of < seq.pages:
+                page = int64(seq.block_table[uint64(seq.b * seq.bt_stride + page_of)])
+            cache_at = src.cache + page * src.cache_sb + (j - page_of * seq.capacity) * src.cache_ss
+            in_cache = page_of < seq.pages and page >= 0
+        else:
+            cache_at = src.cache + seq.b * src.cache_sb + j * src.cache_ss
+            in_cache = j < seq.capacity
+        if j < seq.cache_len:
+            return cache_at, True, int64(0)
+        new_at = src.new + seq.b * src.new_sb + (j - seq.cache_len) * src.new_ss
+        return new_at, True, cache_at if in_cache else int64(0)
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_kv_tile(dst, n0, seq, src, tid, append):
+        """cp.async of key rows n0 .. n0 + BN (K or V, one head) into a swizzled tile; rows past
+        ``total`` zero-filled. With ``append``, a new row is also copied into the cache."""
+        for i in range(KV_CHUNKS // THREADS):
+            idx = tid + i * THREADS
+            row = idx // CPR
+            chunk = idx % CPR
+            at, exists, to_cache = key_source(n0 + row, seq, src)
+            ptx.cp_async_16_zfill_at(dst + swizzled_offset(row, chunk, BN, RB), at + chunk * 16, exists)
+            if append and to_cache != 0:
+                scratch = cuda.local.array(4, uint32)
+                ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
+                ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_q_rows(dst, q_rows, kv_head, group, rows_total, r0, tid):
+        """cp.async of the packed query rows r0 .. r0 + BM (row r: position r // group, head
+        kv_head * group + r % group; ``q_rows``: (byte address of the batch's q, position
+        stride, head stride in bytes)) into a swizzled tile; rows past ``rows_total`` zero-filled."""
+        q_addr, q_ss, q_sh = q_rows
+        for i in range((Q_CHUNKS + THREADS - 1) // THREADS):
+            idx = tid + i * THREADS
+            if Q_CHUNKS % THREADS == 0 or idx < Q_CHUNKS:
+                row = idx // CPR
+                chunk = idx % CPR
+                r = r0 + row
+                exists = r < rows_total
+                pos = r // group
+                at = q_addr + pos * q_ss + (kv_head * group + r - pos * group) * q_sh + chunk * 16
+                ptx.cp_async_16_zfill_at(dst + swizzled_offset(row, chunk, BM, RB), at if exists else q_addr,
+                                         exists)
+
+    @cuda.jit(device=True, forceinline=True)
+    def scores(acc_s, sq, sk, w, a_offsets, k_offsets, a_frag, b_frag):
+        """S = Q K_wᵀ: every m-tile of the Q tile against this warp's KW keys of the K tile."""
+        for mt in range(MT):
+            for j in range(S_N_TILES):
+                for e in range(4):
+                    acc_s[mt, j, e] = 0.0
+        for kt in range(D_K_TILES):
+            for mt in range(MT):
+                ptx.ldmatrix_x4(a_frag[mt], sq + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
+            for j2 in range(S_PAIRS):
+                ptx.ldmatrix_x4(b_frag, sk + block_offset(k_offsets, kt, BN, RB) + (w * KW + j2 * 16) * RB)
+                for mt in range(MT):
+                    mma(acc_s[mt, 2 * j2], a_frag[mt], b_frag[0:2])
+                    mma(acc_s[mt, 2 * j2 + 1], a_frag[mt], b_frag[2:4])
+
+    @cuda.jit(device=True, forceinline=True)
+    def accumulate_pv(acc_o, p_frag, sv, w, v_offsets, b_frag):
+        """O_w += P_w V_w over this warp's KW keys of the V tile (transposing ldmatrix)."""
+        for kt in range(P_K_TILES):
+            for j2 in range(O_PAIRS):
+                at = sv + block_offset(v_offsets, j2, BN, RB) + (w * KW + kt * 16) * RB
+                ptx.ldmatrix_x4_trans(b_frag, at)
+                for mt in range(MT):
+                    mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
+                    mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
+
+    @cuda.jit(device=True, forceinline=True)
+    def mask(acc_s, key0, lane, total, limit):
+        """-inf on keys at or past ``total`` and, causal, past each fragment row's ``limit``."""
+        for mt in range(MT):
+            for j in range(S_N_TILES):
+                for e in range(4):
+                    key = key0 + 8 * j + 2 * (lane % 4) + e % 2
+                    if key >= total or (CAUSAL and key > limit[mt, e // 2]):
+                        acc_s[mt, j, e] = NEG_INF
+
+    def flash_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse, o_part,
+                     lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss, vc_sh,
+                     kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh, seqlen_q, seqlen_new,
+                     capacity, bt_stride, pages, heads_kv, group, row_blocks, num_splits, scale_log2,
+                     write_lse):
+        smem = cuda.shared.array(0, types.uint16)
+        smem_f = cuda.shared.array(0, float32)  # the same dynamic shared memory, as float32
+        tid = cuda.threadIdx.x & 1023
+        warp = tid // 32
+        lane = tid % 32
+        split = int64(cuda.blockIdx.x)
+        kv_head = int64(cuda.blockIdx.y) % heads_kv
+        row_block = int64(cuda.blockIdx.y) // heads_kv
+        b = int64(cuda.blockIdx.z)
+        rows_total = group * seqlen_q
+        r0 = row_block * BM
+        cache_len = int64(cache_seqlens[uint64(b)])
+        total = cache_len + seqlen_new
+        diag = total - seqlen_q  # query i sees keys j <= i + diag
+        first, last = decode_split((total + BN - 1) // BN, num_splits, split)
+        append = seqlen_new > 0 and row_block == 0
+
+        base = ptx.shared_address_u16(smem)
+        sq = base + SQ
+        q_addr = ptx.global_address(q)
+        seq = Sequence(b, cache_len, total, block_table, bt_stride, capacity, pages)
+        ks = KeyRows(ptx.global_address(k_cache) + kv_head * kc_sh * 2, kc_sb * 2, kc_ss * 2,
+                     ptx.global_address(k_new) + kv_head * kn_sh * 2, kn_sb * 2, kn_ss * 2)
+        vs = KeyRows(ptx.global_address(v_cache) + kv_head * vc_sh * 2, vc_sb * 2, vc_ss * 2,
+                     ptx.global_address(v_new) + kv_head * vn_sh * 2, vn_sb * 2, vn_ss * 2)
+
+        load_q_rows(sq, (q_addr + b * q_sb * 2, q_ss * 2, q_sh * 2), kv_head, group, rows_total, r0, tid)
+        ptx.cp_async_commit_group()
+        for s in range(STAGES - 1):  # the ring's first tiles
+            if first + s < last:
+                ring = base + SRING + s * STAGE_BYTES
+                n0 = (first + s) * BN
+                load_kv_tile(ring, n0, seq, ks, tid, append)
+                load_kv_tile(ring + TILE_BYTES, n0, seq, vs, tid, append)
+            ptx.cp_async_commit_group()
+
+        acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
+        for mt in range(MT):
+            for j in range(D_N_TILES):
+                for e in range(4):
+                    acc_o[mt, j, e] = 0.0
+        acc_s = cuda.local.array((MT, S_N_TILES, 4), float32)
+        a_frag = cuda.local.array((MT, 4), uint32)
+        p_frag = cuda.local.array((MT, P_K_TILES, 4), uint32)
+        b_frag = cuda.local.array(4, uint32)
+        m_run = cuda.local.array((MT, 2), float32)
+        l_run = cuda.local.array((MT, 2), float32)
+        mx = cuda.local.array((MT, 2), float32)
+        limit = cuda.local.array((MT, 2), int64)  # causal: the last key each fragment row sees
+        for mt in range(MT):
+            for r in range(2):
+                m_run[mt, r] = NEG_INF
+                l_run[mt, r] = 0.0
+                limit[mt, r] = diag + (r0 + 16 * mt + lane // 4 + 8 * r) // group
+        a_offsets = cuda.local.array(4, uint32)
+        ldmatrix_offsets(a_offsets, lane % 16, lane // 16, RB)
+        k_offsets = cuda.local.array(4, uint32)
+        ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
+
+        for t in range(first, last):
+            stage = (t - first) % STAGES
+            wait_ring()  # tile t (and Q) have landed ...
+            cuda.syncthreads()  # ... for everyone, and everyone is done with tile t - 1's stage
+            nxt = t + STAGES - 1
+            if nxt < last:
+                ring = base + SRING + ((nxt - first) % STAGES) * STAGE_BYTES
+                load_kv_tile(ring, nxt * BN, seq, ks, tid, append)
+                load_kv_tile(ring + TILE_BYTES, nxt * BN, seq, vs, tid, append)
+            ptx.cp_async_commit_group()
+            sk = base + SRING + stage * STAGE_BYTES
+            scores(acc_s, sq, sk, warp, a_offsets, k_offsets, a_frag, b_frag)
+            key0 = t * BN + warp * KW
+            if key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + r0 // group):
+                mask(acc_s, key0, lane, total, limit)
+            grow = False
+            for mt in range(MT):
+                scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], scale_log2)
+                grow = grow or max_grew(mx[mt], m_run[mt], float32(0.0))
+            if cuda.any_sync(FULL_MASK, grow):
+                for mt in range(MT):
+                    rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
+            for mt in range(MT):
+                exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
+                pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
+            accumulate_pv(acc_o, p_frag, sk + TILE_BYTES, warp, a_offsets, b_frag)
+
+        # Merge the warps: each writes its m, l (quad-summed) and unnormalised O (float32) into
+        # shared memory over the ring; then thread t merges 8 consecutive columns of rows.
+        ptx.cp_async_wait_group_0()
+        cuda.syncthreads()
+        o_at = SRING // 4  # float32 [WARPS][BM][D], indices of smem_f
+        ml_at = o_at + WARPS * BM * D  # float32 [WARPS][BM][2]: m (scaled log2), l
+        g = lane // 4
+        for mt in range(MT):
+            for r in range(2):
+                row = 16 * mt + g + 8 * r
+                l_sum = quad_sum(l_run[mt, r])
+                if lane % 4 == 0:
+                    smem_f[ml_at + (warp * BM + row) * 2] = m_run[mt, r]
+                    smem_f[ml_at + (warp * BM + row) * 2 + 1] = l_sum
+                for j in range(D_N_TILES):
+                    for e in range(2):
+                        col = 8 * j + 2 * (lane % 4) + e
+                        smem_f[o_at + (warp * BM + row) * D + col] = acc_o[mt, j, 2 * r + e]
+        cuda.syncthreads()
+        heads_q = heads_kv * group
+        for i in range((BM * CPR + THREADS - 1) // THREADS):
+            idx = tid + i * THREADS
+            row = idx // CPR
+            chunk = idx % CPR
+            r = r0 + row
+            if idx < BM * CPR and r < rows_total:
+                m_max = NEG_INF
+                for w in range(WARPS):
+                    m_max = max(m_max, smem_f[ml_at + (w * BM + row) * 2])
+                l_all = float32(0.0)
+                acc = cuda.local.array(8, float32)
+                for c in range(8):
+                    acc[c] = 0.0
+                if m_max != NEG_INF:
+                    for w in range(WARPS):
+                        weight = ptx.exp2(smem_f[ml_at + (w * BM + row) * 2] - m_max)
+                        l_all += weight * smem_f[ml_at + (w * BM + row) * 2 + 1]
+                        for c in range(8):
+                            acc[c] += weight * smem_f[o_at + (w * BM + row) * D + chunk * 8 + c]
+                inv = float32(1.0) / l_all if l_all > 0 else float32(0.0)
+                lse_value = (m_max + ptx.log2(l_all)) * LN2 if l_all > 0 else NEG_INF
+                pos = r // group
+                head = kv_head * group + r - pos * group
+                if num_splits == 1:
+                    packed = cuda.local.array(4, uint32)
+                    for c in range(4):
+                        packed[c] = pack_16bit(acc[2 * c] * inv, acc[2 * c + 1] * inv, BF16)
+                    at = ptx.global_address(out) + (b * o_sb + pos * o_ss + head * o_sh) * 2 + chunk * 16
+                    ptx.st_global_v4_at(at, packed)
+                    if write_lse and chunk == 0:
+                        lse[uint64((b * heads_q + head) * seqlen_q + pos)] = lse_value
+                else:
+                    row_id = (b * heads_q + head) * seqlen_q + pos
+                    part = (row_id * num_splits + split) * D + chunk * 8
+                    for c in range(8):
+                        o_part[uint64(part + c)] = acc[c] * inv
+                    if chunk == 0:
+                        lse_part[uint64(row_id * num_splits + split)] = lse_value
+
+    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+    flash_decode.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
+    flash_decode.launch_bounds = (THREADS, 1)
+    return flash_decode
+
+
+def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
+    """Merge the splits' float32 partials (``DECODE_COMBINE_ARGTYPES``): one warp per output row
+    (batch, position, query head), 4 warps a CTA, grid ceil(rows / 4); ``causal`` is unused."""
+    D = config.head_dim
+    PER_LANE = (D + 31) // 32
+    BF16 = bf16
+
+    def decode_combine(o_part, lse_part, out, lse, o_sb, o_ss, o_sh, batch, seqlen_q, heads_q, num_splits,
+                       write_lse):
+        tid = cuda.threadIdx.x & 1023
+        lane = tid % 32
+        row_id = int64(cuda.blockIdx.x) * 4 + tid // 32  # (b * heads_q + head) * seqlen_q + pos
+        if row_id >= batch * heads_q * seqlen_q:
+            return
+        pos = row_id % seqlen_q
+        head = (row_id // seqlen_q) % heads_q
+        b = row_id // (seqlen_q * heads_q)
+        m_max = NEG_INF
+        for s in range(num_splits):
+            m_max = max(m_max, lse_part[uint64(row_id * num_splits + s)])
+        acc = cuda.local.array(PER_LANE, float32)
+        for c in range(PER_LANE):
+            acc[c] = 0.0
+        total = float32(0.0)
+        if m_max != NEG_INF:
+            for s in range(num_splits):
+                value = lse_part[uint64(row_id * num_splits + s)]
+                if value != NEG_INF:
+                    weight = ptx.exp2((value - m_max) * LOG2_E)
+                    total += weight
+                    for c in range(PER_LANE):
+                        col = lane + 32 * c
+                        if col < D:
+                            acc[c] += weight * o_part[uint64((row_id * num_splits + s) * D + col)]
+        inv = float32(1.0) / total if total > 0 else float32(0.0)
+        base = b * o_sb + pos * o_ss + head * o_sh
+        for c in range(PER_LANE):
+            col = lane + 32 * c
+            if col < D:
+                packed = pack_16bit(acc[c] * inv, float32(0.0), BF16)
+                out[uint64(base + col)] = uint16(packed & uint32(0xFFFF))
+        if write_lse and lane == 0:
+            lse[uint64((b * heads_q + head) * seqlen_q + pos)] = (
+                m_max + ptx.log2(total) * LN2 if total > 0 else NEG_INF)
+
+    decode_combine.__name__ = f"flash_decode_combine_d{D}_{'bf16' if bf16 else 'f16'}"
+    decode_combine.launch_bounds = (128, 1)
+    return decode_combine
+

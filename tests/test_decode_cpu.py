@@ -1,0 +1,169 @@
+"""The decode kernel's pure pieces on CPU (WORK IN PROGRESS, branch wip/decode): the split of a
+sequence's key tiles (``kernels.decode_mma.decode_split``) and the configs' shared memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbaflash.kernels import decode_mma
+from numbaflash.kernels.shapes import DecodeConfig
+
+decode_split = decode_mma.decode_split.py_func
+
+
+@pytest.mark.parametrize("tiles", [0, 1, 2, 7, 64, 513])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 32, 100])
+def test_splits_cover_every_tile_once_in_order(tiles, splits):
+    ranges = [decode_split(tiles, splits, s) for s in range(splits)]
+    covered = [t for first, last in ranges for t in range(first, last)]
+    assert covered == list(range(tiles))
+    assert all(0 <= first <= last <= tiles for first, last in ranges)
+    sizes = [last - first for first, last in ranges if last > first]
+    assert not sizes or max(sizes) - min(sizes[:-1] or sizes) <= 0  # equal but the last
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("m_tiles", [1, 2])
+def test_configs_fit_and_the_merge_fits_over_the_ring(head_dim, m_tiles):
+    config = DecodeConfig(head_dim, m_tiles=m_tiles)
+    config.check()
+    q_tile = config.rows * head_dim * 2
+    assert config.shared_bytes - q_tile >= config.num_warps * config.rows * (head_dim + 2) * 4
+
+
+# ------------------------------------------------------------------ the API's checks and launches
+
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import numbaflash  # noqa: E402
+from numbaflash.operations import decode as decode_op  # noqa: E402
+from numbaflash.operations.launch_decode import MAX_SPLITS, decode_splits  # noqa: E402
+from numbaflash.runtime import device  # noqa: E402
+from numbaflash.runtime import launch as runtime_launch  # noqa: E402
+
+
+class FakeDeviceArray:
+    """Just enough of ``__cuda_array_interface__`` to be a device array."""
+
+    next_pointer = 1 << 40
+
+    def __init__(self, shape, typestr="<f2", strides=None):
+        pointer = FakeDeviceArray.next_pointer
+        FakeDeviceArray.next_pointer += 1 << 30
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(typestr)
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (pointer, False),
+                                         "strides": strides, "version": 3}
+
+
+def inputs(batch=2, seqlen_q=1, heads_q=8, heads_kv=2, d=128, capacity=300, seqlen_new=0, paged=False):
+    x = {"q": FakeDeviceArray((batch, seqlen_q, heads_q, d)),
+         "cache_seqlens": FakeDeviceArray((batch,), "<i4")}
+    if paged:
+        x["k_cache"] = FakeDeviceArray((40, 16, heads_kv, d))
+        x["v_cache"] = FakeDeviceArray((40, 16, heads_kv, d))
+        x["block_table"] = FakeDeviceArray((batch, 20), "<i4")
+    else:
+        x["k_cache"] = FakeDeviceArray((batch, capacity, heads_kv, d))
+        x["v_cache"] = FakeDeviceArray((batch, capacity, heads_kv, d))
+    if seqlen_new:
+        x["k_new"] = FakeDeviceArray((batch, seqlen_new, heads_kv, d))
+        x["v_new"] = FakeDeviceArray((batch, seqlen_new, heads_kv, d))
+    return x
+
+
+def call(x, **kwargs):
+    x = dict(x)
+    return numbaflash.flash_attention_with_kvcache(x.pop("q"), x.pop("k_cache"), x.pop("v_cache"),
+                                                   x.pop("cache_seqlens"), **x, **kwargs)
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    def compile_(*args, **kwargs):
+        raise AssertionError("would compile a kernel")
+
+    monkeypatch.setattr(device.GPU, "current", lambda: ((9, 0), 0))
+    monkeypatch.setattr(decode_op, "decode_kernels", compile_)
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"cache_seqlens": FakeDeviceArray((2,), "<i8")}, TypeError, "cache_seqlens must be int32"),
+    ({"cache_seqlens": FakeDeviceArray((3,), "<i4")}, ValueError, r"cache_seqlens must have shape \(2,\)"),
+    ({"k_new": FakeDeviceArray((2, 3, 2, 128))}, ValueError, "k_new and v_new must be given together"),
+    ({"k_cache": FakeDeviceArray((2, 300, 3, 128)), "v_cache": FakeDeviceArray((2, 300, 3, 128))}, ValueError,
+     "multiple of heads of k/v"),
+    ({"k_cache": FakeDeviceArray((3, 300, 2, 128)), "v_cache": FakeDeviceArray((3, 300, 2, 128))}, ValueError,
+     "same batch size"),
+    ({"k_new": FakeDeviceArray((2, 301, 2, 128)), "v_new": FakeDeviceArray((2, 301, 2, 128))}, ValueError,
+     "more than the cache holds"),
+    ({"block_table": FakeDeviceArray((2, 20), "<f4")}, TypeError, "block_table must be int32"),
+    ({"block_table": FakeDeviceArray((3, 20), "<i4")}, ValueError, "block_table must have shape"),
+    ({"num_splits": MAX_SPLITS + 1}, ValueError, "num_splits must be an int"),
+    ({"num_splits": True}, ValueError, "num_splits must be an int"),
+    ({"causal": "yes"}, TypeError, "causal"),
+    ({"out": FakeDeviceArray((2, 1, 8, 64))}, ValueError, "out"),
+])
+def test_bad_inputs_are_rejected_before_compiling(no_compile, change, error, match):
+    with pytest.raises(error, match=match):
+        call({**inputs(), **change})
+
+
+def test_numpy_inputs_are_rejected(no_compile):
+    x = {name: np.zeros(a.shape, a.dtype) for name, a in inputs().items()}
+    with pytest.raises(TypeError):
+        call(x)
+
+
+def test_splits_from_shapes_only():
+    assert decode_splits(64, 8, 1, 32768, 64, 132) == 1  # 512 CTAs fill the GPU
+    assert decode_splits(1, 8, 1, 8192, 64, 132) == 17  # 8 CTAs: split until 132 slots are taken
+    assert decode_splits(1, 8, 1, 128, 64, 132) == 1  # 2 tiles: nothing to split
+    assert decode_splits(1, 1, 1, 1 << 20, 64, 132) == MAX_SPLITS  # capped for graph capture
+    for b, h, keys in ((1, 1, 64), (3, 2, 5000), (16, 8, 65536)):
+        s = decode_splits(b, h, 1, keys, 64, 132)
+        assert 1 <= s <= MAX_SPLITS and (s == 1 or -(-keys // 64) // s >= 4)
+
+
+class FakeLauncher:
+    launches: list = []
+
+    def __init__(self, kernel, argtypes, name="kernel"):
+        self.name, self.argtypes = name, argtypes
+
+    def __call__(self, grid, block, stream, shared_bytes, *args):
+        assert len(args) == len(self.argtypes), (self.name, len(args), len(self.argtypes))
+        FakeLauncher.launches.append((self.name, grid, block, shared_bytes, args))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    state = device.GpuState()
+    monkeypatch.setattr(device, "GPU", state)
+    monkeypatch.setattr(state, "current", lambda: ((9, 0), 0))
+    monkeypatch.setattr(state, "shared_limit", lambda ordinal: 227 * 1024)
+    monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
+    monkeypatch.setattr(state, "scratch_f32", lambda ordinal: (0xF000, 1))
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda config, causal, bf16, arch, operation:
+                        (types.SimpleNamespace(handle=1), operation))
+    monkeypatch.setattr(runtime_launch, "KernelLauncher", FakeLauncher)
+    monkeypatch.setattr(runtime_launch, "set_dynamic_shared_limit", lambda handle, ordinal, nbytes: None)
+    monkeypatch.setattr(decode_op, "empty_like", lambda ref, shape, dtype_name: FakeDeviceArray(shape))
+    monkeypatch.setattr(decode_op, "empty_lse", lambda ref, shape: FakeDeviceArray(shape, "<f4"))
+    monkeypatch.setattr(FakeLauncher, "launches", [])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_launches_match_the_abi(fake_gpu, paged, splits):
+    out, lse = call(inputs(seqlen_q=2, seqlen_new=2, paged=paged), num_splits=splits, return_lse=True)
+    assert out.shape == (2, 2, 8, 128) and lse.shape == (2, 8, 2)
+    names = [launch[0] for launch in FakeLauncher.launches]
+    assert names == ["decode", "decode_combine"] if splits > 1 else names[:1] == ["decode"]
+    _, grid, block, shared, args = FakeLauncher.launches[0]
+    rows = 4 * 2  # group 4 x seqlen_q 2: one row block of 16
+    assert grid == (splits, 1 * 2, 2) and block == 128 and rows <= 16
+    assert args[-3] == splits
+    assert args[-1] is (splits == 1)  # the decode kernel writes the LSE only without a combine
