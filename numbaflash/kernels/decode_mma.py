@@ -48,6 +48,10 @@ Sequence = namedtuple("Sequence", ["b", "cache_len", "total", "block_table", "bt
 # address and (batch or page, row) strides.
 KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb", "new_ss"])
 
+# Where one key row lives (``row_place``): below the total length, from the new rows, the
+# cache unit (batch, or page) and row in it, the row in the new rows, and room in the cache.
+RowPlace = namedtuple("RowPlace", ["exists", "from_new", "unit", "row", "new_row", "in_cache"])
+
 LOG2_E = float32(math.log2(math.e))
 LN2 = float32(math.log(2.0))
 
@@ -132,41 +136,66 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
             ptx.cp_async_wait_group_3()
 
     @cuda.jit(device=True, forceinline=True)
-    def key_source(j, seq, src):
-        """(global byte address of key row j (``src``: KeyRows), whether it exists, the cache
-        address to write it to or 0): the cache below ``seq.cache_len``, the new rows up to
-        ``seq.total``."""
-        if j >= seq.total:
-            return src.cache, False, int64(0)
+    def row_place(j, seq):
+        """Where key row j of ``seq`` lives (a RowPlace). 32-bit division by the page size: one
+        per row and tile, shared by K and V."""
         if PAGED:
-            page_of = j // seq.capacity  # capacity: the page size
-            page = int64(0)
-            if page_of < seq.pages:
-                page = int64(seq.block_table[uint64(seq.b * seq.bt_stride + page_of)])
-            cache_at = src.cache + page * src.cache_sb + (j - page_of * seq.capacity) * src.cache_ss
-            in_cache = page_of < seq.pages and page >= 0
+            size = uint32(seq.capacity)  # the page size
+            page_of = uint32(j) // size
+            row = int64(uint32(j) - page_of * size)
+            unit = int64(0)
+            if int64(page_of) < seq.pages:
+                unit = int64(seq.block_table[uint64(seq.b * seq.bt_stride + int64(page_of))])
+            in_cache = int64(page_of) < seq.pages and unit >= 0
         else:
-            cache_at = src.cache + seq.b * src.cache_sb + j * src.cache_ss
+            unit = seq.b
+            row = j
             in_cache = j < seq.capacity
-        if j < seq.cache_len:
-            return cache_at, True, int64(0)
-        new_at = src.new + seq.b * src.new_sb + (j - seq.cache_len) * src.new_ss
-        return new_at, True, cache_at if in_cache else int64(0)
+        return RowPlace(j < seq.total, j >= seq.cache_len, unit, row, j - seq.cache_len, in_cache)
 
     @cuda.jit(device=True, forceinline=True)
-    def load_kv_tile(dst, n0, seq, src, tid, append):
-        """cp.async of key rows n0 .. n0 + BN (K or V, one head) into a swizzled tile; rows past
-        ``total`` zero-filled. With ``append``, a new row is also copied into the cache."""
-        for i in range(KV_CHUNKS // THREADS):
-            idx = tid + i * THREADS
-            row = idx // CPR
-            chunk = idx % CPR
-            at, exists, to_cache = key_source(n0 + row, seq, src)
-            ptx.cp_async_16_zfill_at(dst + swizzled_offset(row, chunk, BN, RB), at + chunk * 16, exists)
-            if append and to_cache != 0:
-                scratch = cuda.local.array(4, uint32)
-                ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
-                ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
+    def row_address(src, place, b):
+        """(byte address to load key row ``place`` of ``src`` (KeyRows) from, the cache address
+        to write it to, or 0: only a new row that the cache has room for)."""
+        cache_at = src.cache + place.unit * src.cache_sb + place.row * src.cache_ss
+        if not place.exists:
+            return src.cache, int64(0)
+        if place.from_new:
+            new_at = src.new + b * src.new_sb + place.new_row * src.new_ss
+            return new_at, cache_at if place.in_cache else int64(0)
+        return cache_at, int64(0)
+
+    @cuda.jit(device=True, forceinline=True)
+    def copy_row_chunk(dst, row, chunk, src, place, b, append):
+        """cp.async of one 16-byte chunk of a key row into a swizzled tile (zero-filled past the
+        sequence); with ``append``, a new row's chunk is also copied into the cache."""
+        at, to_cache = row_address(src, place, b)
+        ptx.cp_async_16_zfill_at(dst + swizzled_offset(row, chunk, BN, RB), at + chunk * 16, place.exists)
+        if append and to_cache != 0:
+            scratch = cuda.local.array(4, uint32)
+            ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
+            ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_kv_tiles(dst, n0, seq, ks, vs, tid, append):
+        """cp.async of key rows n0 .. n0 + BN of K (into ``dst``) and V (``dst + TILE_BYTES``).
+        Where a row's chunks divide over the threads, a thread keeps one chunk position and
+        walks rows, placing each row once for K and V."""
+        if THREADS % CPR == 0 and BN % (THREADS // CPR) == 0:
+            per_pass = THREADS // CPR
+            chunk = tid % CPR
+            for i in range(BN // per_pass):
+                row = tid // CPR + i * per_pass
+                place = row_place(n0 + row, seq)
+                copy_row_chunk(dst, row, chunk, ks, place, seq.b, append)
+                copy_row_chunk(dst + TILE_BYTES, row, chunk, vs, place, seq.b, append)
+        else:
+            for i in range(KV_CHUNKS // THREADS):
+                idx = tid + i * THREADS
+                row = idx // CPR
+                place = row_place(n0 + row, seq)
+                copy_row_chunk(dst, row, idx % CPR, ks, place, seq.b, append)
+                copy_row_chunk(dst + TILE_BYTES, row, idx % CPR, vs, place, seq.b, append)
 
     @cuda.jit(device=True, forceinline=True)
     def load_q_rows(dst, q_rows, kv_head, group, rows_total, r0, tid):
@@ -260,8 +289,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
             if first + s < last:
                 ring = base + SRING + s * STAGE_BYTES
                 n0 = (first + s) * BN
-                load_kv_tile(ring, n0, seq, ks, tid, append)
-                load_kv_tile(ring + TILE_BYTES, n0, seq, vs, tid, append)
+                load_kv_tiles(ring, n0, seq, ks, vs, tid, append)
             ptx.cp_async_commit_group()
 
         acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
@@ -294,8 +322,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
             nxt = t + STAGES - 1
             if nxt < last:
                 ring = base + SRING + ((nxt - first) % STAGES) * STAGE_BYTES
-                load_kv_tile(ring, nxt * BN, seq, ks, tid, append)
-                load_kv_tile(ring + TILE_BYTES, nxt * BN, seq, vs, tid, append)
+                load_kv_tiles(ring, nxt * BN, seq, ks, vs, tid, append)
             ptx.cp_async_commit_group()
             sk = base + SRING + stage * STAGE_BYTES
             scores(acc_s, sq, sk, warp, a_offsets, k_offsets, a_frag, b_frag)

@@ -73,8 +73,9 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
     else:
         pages, capacity = 0, kcd.shape[1]
         max_keys = capacity
+    ctas_per_sm = max(1, gpu.shared_limit(device) // config.shared_bytes)  # shared memory bounds them
     splits = num_splits or decode_splits(batch, heads_kv, row_blocks, max_keys + seqlen_new, config.block_n,
-                                         gpu.sm_count(device))
+                                         gpu.sm_count(device), ctas_per_sm)
     scratch = gpu.scratch_f32(device)
     if outd is None:
         out = empty_like(qd.obj, qd.shape, qd.dtype_name)
