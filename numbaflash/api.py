@@ -265,9 +265,29 @@ def flash_attention_with_kvcache(
         return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp.
         out: optional output array like q.
 
+    On torch tensors under torch.compile (or fake tensors, a dispatch mode) the call goes
+    through the custom op ``numbaflash::flash_attention_with_kvcache`` (``torch_ops``), which
+    declares the in-place append (``mutates_args``), so a compiled decode step has no break.
+
     Returns:
         ``out`` (batch, seqlen_q, heads_q, head_dim), and the LSE with ``return_lse``.
     """
+    if kind_of(q) == "torch":  # torch.compile, fake tensors: the custom op
+        from .torch_ops import route_kvcache
+
+        routed = route_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                               softmax_scale, num_splits, return_lse, out)
+        if routed is not None:
+            return routed
+    return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                                               causal, softmax_scale, num_splits, return_lse, out)
+
+
+def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any,
+                                        v_new: Any, block_table: Any, causal: Any, softmax_scale: Any,
+                                        num_splits: Any, return_lse: Any, out: Any) -> Any:
+    """``flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
+    the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
     check_shapes(qd, kcd, vcd, paged=block_table is not None)
     if not qd.on_device:

@@ -150,3 +150,50 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     if out is not None:
         result = out.copy_(result)
     return (result, lse) if return_lse else result
+
+
+# ------------------------------------------------------------------ decode (WORK IN PROGRESS)
+
+
+def run_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor | None,
+                v_new: Tensor | None, block_table: Tensor | None, causal: bool, softmax_scale: float,
+                num_splits: int):
+    return api.direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                   block_table, causal, softmax_scale, num_splits, True, None)
+
+
+@torch.library.custom_op("numbaflash::flash_attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                                 k_new: Tensor | None, v_new: Tensor | None, block_table: Tensor | None,
+                                 causal: bool, softmax_scale: float,
+                                 num_splits: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of decode against the cache; k_new / v_new, when given, are written into the
+    cache in place (hence ``mutates_args``)."""
+    out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                           softmax_scale, num_splits)
+    return out, lse
+
+
+@flash_attention_with_kvcache.register_fake
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
+                  num_splits):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                  softmax_scale, num_splits, return_lse, out):
+    """``flash_attention_with_kvcache`` on torch tensors: None where the direct path serves the
+    call, else its result through the custom op (under torch.compile / export, fake or meta
+    tensors, a dispatch mode), so that a compiled decode step has no graph break."""
+    if not (_dynamo_compiling() or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    if out is not None:
+        raise RuntimeError("flash_attention_with_kvcache(): out= is not supported under torch.compile or a "
+                           "dispatch mode; use the returned tensor")
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    result, lse = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                                               causal, softmax_scale, int(num_splits))
+    return (result, lse) if return_lse else result

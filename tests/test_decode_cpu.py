@@ -167,3 +167,78 @@ def test_launches_match_the_abi(fake_gpu, paged, splits):
     assert grid == (splits, 1 * 2, 2) and block == 128 and rows <= 16
     assert args[-3] == splits
     assert args[-1] is (splits == 1)  # the decode kernel writes the LSE only without a combine
+
+
+# ------------------------------------------------------------------ the torch op (CPU, references)
+
+
+def reference_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
+                      num_splits):
+    """What the op returns, in float64 (contiguous caches only), appending k_new / v_new in place."""
+    from tests._torch_attention import reference_forward
+
+    torch = pytest.importorskip("torch")
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        if k_new is not None:
+            k_cache[b, n:n + k_new.shape[1]] = k_new[b]
+            v_cache[b, n:n + v_new.shape[1]] = v_new[b]
+            n += k_new.shape[1]
+        out, lse = reference_forward(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal,
+                                     softmax_scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def decode_tensors(torch, seqlen_new=1):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 8, 64, generator=gen).half()
+    kc, vc = (torch.randn(2, 40, 2, 64, generator=gen).half() for _ in range(2))
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    kn, vn = (torch.randn(2, seqlen_new, 2, 64, generator=gen).half() for _ in range(2))
+    return q, kc, vc, lens, kn, vn
+
+
+def test_kvcache_op_fake_kernel_and_opcheck(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from numbaflash import torch_ops
+
+    monkeypatch.setattr(torch_ops, "run_kvcache", reference_kvcache)
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 8, 128, dtype=torch.bfloat16, device="cuda")
+        kc = torch.empty(3, 100, 2, 128, dtype=torch.bfloat16, device="cuda")
+        lens = torch.empty(3, dtype=torch.int32, device="cuda")
+        out, lse = numbaflash.flash_attention_with_kvcache(q, kc, kc.clone(), lens, return_lse=True)
+        assert (out.shape, out.dtype) == (q.shape, q.dtype)
+        assert (tuple(lse.shape), lse.dtype) == ((3, 8, 4), torch.float32)
+    q, kc, vc, lens, kn, vn = decode_tensors(torch)
+    torch.library.opcheck(torch.ops.numbaflash.flash_attention_with_kvcache.default,
+                          (q, kc, vc, lens, kn, vn, None, True, 0.125, 0))
+
+
+def test_compiled_decode_step_has_no_graph_break(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from numbaflash import torch_ops
+
+    monkeypatch.setattr(torch_ops, "run_kvcache", reference_kvcache)
+    torch._dynamo.reset()
+
+    def step(q, kc, vc, lens, kn, vn):
+        out = numbaflash.flash_attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn)
+        lens.add_(1)
+        return out
+
+    q, kc, vc, lens, kn, vn = decode_tensors(torch)
+    explained = torch._dynamo.explain(step)(q, kc.clone(), vc.clone(), lens.clone(), kn, vn)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    eager_caches = (kc.clone(), vc.clone(), lens.clone())
+    got = compiled(q, kc, vc, lens, kn, vn)
+    want, _ = reference_kvcache(q, eager_caches[0], eager_caches[1], eager_caches[2], kn, vn, None, True,
+                                0.125, 0)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.equal(kc, eager_caches[0]) and torch.equal(lens, torch.tensor([6, 31], dtype=torch.int32))
