@@ -38,7 +38,7 @@ import numpy as np
 from numbaflash import configs
 from numbaflash.configs import KernelConfig
 from numbaflash.kernels.shapes import BackwardConfig
-from numbaflash.operations.families import SM80_BWD, family_of
+from numbaflash.operations.families import SM80_BWD, SM80_DEC, family_of
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SCRIPT = Path(__file__).resolve()
@@ -83,6 +83,7 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     limit = configs.max_shared_bytes(capability)
     found |= {c for cs in configs.BACKWARD_CANDIDATES.values() for c in cs if c.shared_bytes <= limit}
     found |= {c for _, _, c in configs.shipped_backward_configs() if c.shared_bytes <= limit}
+    found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
     return sorted(found, key=str)
 
 
@@ -95,6 +96,7 @@ def select_indices(spec: str | None, config_list: list[KernelConfig]) -> list[in
     if spec == "shipped":
         shipped = {c for _, _, _, c in configs.shipped_configs()}
         shipped |= {c for _, _, c in configs.shipped_backward_configs()}
+        shipped |= set(configs.shipped_decode_configs())
         return [i for i, c in enumerate(config_list) if c in shipped]
     parts = [p.strip() for p in spec.split(",")]
     if all(p.isdigit() for p in parts):
@@ -252,6 +254,71 @@ def run_backward_worker(config: BackwardConfig) -> int:
     return WORKER_WRONG if failures else 0
 
 
+def decode_cases(config) -> list[tuple[int, int]]:
+    """(group, seqlen_q) whose packed rows dispatch to ``config`` (16 rows, or 17 to 32)."""
+    return [(4, 1), (1, 3), (8, 2)] if config.m_tiles == 1 else [(8, 4), (4, 5)]
+
+
+def run_decode_worker(config) -> int:
+    """Decode on ``config``'s shapes: ragged cache lengths (1 to the capacity), with and without
+    appended rows, one and three splits, causal or not, both dtypes, contiguous or (its kind)
+    paged with shuffled pages; ``out`` poisoned with NaN; each sequence against float64."""
+    import ml_dtypes
+    from numba import cuda
+
+    from numbaflash import flash_attention_with_kvcache
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_with_reference
+
+    rng = np.random.default_rng(0)
+    batch, heads_kv, capacity, page = 3, 2, 200, 16
+    d = config.head_dim
+    failures = 0
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        for group, sq in decode_cases(config):
+            for n_new in (0, 2):
+                lens = np.array([1, 77, capacity - n_new], np.int32)
+                q = rng.standard_normal((batch, sq, heads_kv * group, d)).astype(dtype)
+                k_rows, v_rows = (rng.standard_normal((batch, capacity, heads_kv, d)).astype(dtype)
+                                  for _ in range(2))
+                new = [rng.standard_normal((batch, n_new, heads_kv, d)).astype(dtype) for _ in range(2)]
+                table = None
+                k_cache, v_cache = k_rows, v_rows
+                if config.paged:
+                    per_seq = capacity // page
+                    order = rng.permutation(batch * per_seq).astype(np.int32)
+                    table = order.reshape(batch, per_seq)
+                    k_cache = np.empty((batch * per_seq, page, heads_kv, d), dtype)
+                    v_cache = np.empty_like(k_cache)
+                    k_cache[table] = k_rows.reshape(batch, per_seq, page, heads_kv, d)
+                    v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, d)
+                for splits in (1, 3):
+                    for causal in (False, True):
+                        out = DeviceBuffer(np.full(q.shape, np.nan, dtype))
+                        kwargs = {"block_table": None if table is None else cuda.to_device(table),
+                                  "causal": causal, "num_splits": splits, "return_lse": True, "out": out}
+                        if n_new:
+                            kwargs.update(k_new=DeviceBuffer(new[0]), v_new=DeviceBuffer(new[1]))
+                        with configs.force_decode_config(config):
+                            _, lse = flash_attention_with_kvcache(DeviceBuffer(q), DeviceBuffer(k_cache),
+                                                                 DeviceBuffer(v_cache), cuda.to_device(lens),
+                                                                 **kwargs)
+                        got, lse = out.copy_to_host(), lse.copy_to_host()
+                        for b in range(batch):
+                            n = int(lens[b])
+                            keys = np.concatenate([k_rows[b, :n], new[0][b]])[None]
+                            values = np.concatenate([v_rows[b, :n], new[1][b]])[None]
+                            _, problems = compare_with_reference(q[b:b + 1], keys, values, got[b:b + 1],
+                                                                 lse[b:b + 1], causal=causal)
+                            for p in problems:
+                                print(f"WRONG {config} {np.dtype(dtype).name} group={group} sq={sq} "
+                                      f"new={n_new} splits={splits} causal={causal} batch {b}: {p}",
+                                      flush=True)
+                            failures += bool(problems)
+    print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
+    return WORKER_WRONG if failures else 0
+
+
 # --------------------------------------------------------------------------- parent
 
 
@@ -335,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         try:
             config = config_list[args.config_index]
+            if family_of(config) is SM80_DEC:
+                return run_decode_worker(config)
             return run_backward_worker(config) if family_of(config) is SM80_BWD else run_worker(config)
         except BaseException:
             traceback.print_exc()

@@ -457,6 +457,20 @@ def kernel_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str, oper
     return cached_cubin(op.cache_kind, config, causal, bf16, arch, build)
 
 
+DECODE_FORCED: list = []  # [a DecodeConfig] that decode_config returns for its head dim (force_decode_config)
+
+
+@contextlib.contextmanager
+def force_decode_config(config):
+    """Inside the block, decode calls of ``config.head_dim`` launch ``config`` (the sanitizer's and
+    the tests' way to run a config this GPU would not pick; its rows and paging must fit the call)."""
+    DECODE_FORCED.append(config)
+    try:
+        yield
+    finally:
+        DECODE_FORCED.remove(config)
+
+
 def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
                   shared_limit: int | None = None):
     """The decode kernel's config (WORK IN PROGRESS): 16 packed query rows a CTA, or 32 where
@@ -464,6 +478,8 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     else smaller, whichever first fits the GPU's shared memory a CTA."""
     from .kernels.shapes import DecodeConfig
 
+    if DECODE_FORCED and DECODE_FORCED[0].head_dim == head_dim:
+        return DECODE_FORCED[0]
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     m_tiles = 1 if rows <= 16 else 2
     tried = [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
@@ -473,3 +489,20 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
             return config
     raise RuntimeError(f"no decode config for head_dim {head_dim} fits in {limit} bytes of shared memory "
                        "a CTA")
+
+
+def shipped_decode_configs() -> list:
+    """Every decode config the representative GPUs can launch (WORK IN PROGRESS): each head dim,
+    16 or 32 packed rows, contiguous or paged, each once."""
+    shipped = []
+    for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
+        for d in SUPPORTED_HEAD_DIMS:
+            for rows in (16, 32):
+                for paged in (False, True):
+                    try:
+                        config = decode_config(cap, d, rows, paged)
+                    except RuntimeError:
+                        continue
+                    if config not in shipped:
+                        shipped.append(config)
+    return shipped
