@@ -12,6 +12,7 @@ from _benchmarks import load_benchmark
 
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WsConfig
+from numbaflash.kernels.shapes import DecodeConfig
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -123,6 +124,7 @@ def test_runnable_configs(capability, families):
     limit = configs.max_shared_bytes(capability)  # and the backward's, every GPU runs them
     expected |= {c for cs in configs.BACKWARD_CANDIDATES.values() for c in cs if c.shared_bytes <= limit}
     assert {c for _, _, c in configs.shipped_backward_configs() if c.shared_bytes <= limit} <= expected
+    expected |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}  # decode's
     assert set(got) == expected
 
 
@@ -138,12 +140,15 @@ def test_select_indices():
         san.select_indices(str(len(cl)), cl)
     shipped = [cl[i] for i in san.select_indices("shipped", cl)]
     assert set(shipped) == ({c for _, _, _, c in san.configs.shipped_configs()}
-                            | {c for _, _, c in san.configs.shipped_backward_configs()})
+                            | {c for _, _, c in san.configs.shipped_backward_configs()}
+                            | set(san.configs.shipped_decode_configs()))
     assert len(shipped) < len(cl)
 
 
 def test_worker_shapes_cover_the_edges():
     for config in san.runnable_configs((9, 0)):
+        if isinstance(config, DecodeConfig):  # decode_cases instead (test_decode_cases_dispatch)
+            continue
         rows = config.block_n if isinstance(config, san.BackwardConfig) else config.block_m  # CTA blocks
         shapes = san.worker_shapes(rows)
         assert any(sq >= sk + 2 * rows for _, sq, sk, _, _ in shapes)  # fully masked CTAs / query blocks
@@ -284,3 +289,11 @@ def test_main_with_fake_sanitizer(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in logs.iterdir()) == sorted(
         f"{t}_{i}.log" for t in ("memcheck", "synccheck") for i in range(3))
     assert "--worker --config-index 1 --arch sm90" in (logs / "memcheck_1.log").read_text()
+
+
+def test_decode_cases_dispatch_to_their_config():
+    """The decode worker's (group, seqlen_q) cases pack into the rows of the config they test."""
+    for config in configs.shipped_decode_configs():
+        for group, sq in san.decode_cases(config):
+            chosen = configs.decode_config((9, 0), config.head_dim, group * sq, config.paged)
+            assert chosen.m_tiles == config.m_tiles
