@@ -77,6 +77,29 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
     return list(dict.fromkeys(items))
 
 
+def decode_kernels_for(arch: str) -> list[tuple]:
+    """(config, causal, bf16, arch, operation) of every decode kernel a GPU of ``arch`` runs: the
+    attention kernel of each head dim, 16 or 32 packed rows, contiguous or paged, causal or not,
+    and each head dim's combine kernel (causal-free: ``KernelOp.masked``); each once."""
+    from ..configs import SUPPORTED_HEAD_DIMS, decode_config
+    from ..operations.families import DECODE_OPERATIONS, family_of
+
+    cap = capability_of(arch)
+    items = []
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        for rows in (16, 32):
+            for paged in (False, True):
+                try:
+                    config = decode_config(cap, head_dim, rows, paged)
+                except RuntimeError:
+                    continue
+                family = family_of(config)
+                items += [(config, family.op(operation).kernel_causal(causal), bf16, arch, operation)
+                          for operation in DECODE_OPERATIONS for causal in (False, True)
+                          for bf16 in (False, True)]
+    return list(dict.fromkeys(items))
+
+
 def build_one(item: tuple) -> tuple[str, bool, float]:
     """Compile one kernel into the cache (a worker process): (description, compiled, seconds).
     ``item``: (config, causal, bf16, arch), a forward kernel, or (config, causal, bf16, arch,
@@ -107,8 +130,9 @@ def progress(done: int, total: int, label: str, stream=sys.stderr) -> None:
 
 
 def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None = None,
-               backward: bool = True) -> dict:
-    """Fill the cache for ``arches`` (the forward kernels, and with ``backward`` the backward's);
+               backward: bool = True, decode: bool = True) -> dict:
+    """Fill the cache for ``arches`` (the forward kernels, with ``backward`` the backward's, with
+    ``decode`` the decode kernels);
     returns counts {"kernels", "compiled", "cached"}."""
     from ..runtime import cache
 
@@ -117,6 +141,8 @@ def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None
     items = [item for arch in arches for item in kernels_for(arch, candidates)]
     if backward:
         items += [item for arch in arches for item in backward_kernels_for(arch, candidates)]
+    if decode:
+        items += [item for arch in arches for item in decode_kernels_for(arch)]
     counts = {"kernels": len(items), "compiled": 0, "cached": 0}
     print(f"numbaflash.precompile: {len(items)} kernels for {', '.join(arches)} into {cache.cache_root()}",
           file=sys.stderr)
@@ -156,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also every candidate config (what autotune, tests and the sanitizer force)")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPU count)")
     parser.add_argument("--forward-only", action="store_true",
-                        help="only the forward kernels (not the backward's prepare, main and dQ kernels)")
+                        help="only the forward kernels (not the backward's or decode's)")
     parser.add_argument("--list", action="store_true", help="list the cache's entries and exit")
     parser.add_argument("--clear", action="store_true", help="remove entries of other versions and exit")
     parser.add_argument("--all", action="store_true", help="with --clear: remove every entry")
@@ -180,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     start = time.perf_counter()
-    counts = precompile(arches, args.candidates, args.jobs, backward=not args.forward_only)
+    counts = precompile(arches, args.candidates, args.jobs, backward=not args.forward_only,
+                        decode=not args.forward_only)
     print(f"{counts['kernels']} kernels: {counts['compiled']} compiled, {counts['cached']} already cached "
           f"({time.perf_counter() - start:.0f} s)")
     return 0
