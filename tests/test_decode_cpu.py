@@ -39,7 +39,12 @@ import numpy as np  # noqa: E402
 
 import numbaflash  # noqa: E402
 from numbaflash.operations import decode as decode_op  # noqa: E402
-from numbaflash.operations.launch_decode import MAX_SPLITS, decode_splits  # noqa: E402
+from numbaflash.operations.launch_decode import (  # noqa: E402
+    MAX_SPLITS,
+    decode_splits,
+    page_divider,
+    resident_ctas,
+)
 from numbaflash.runtime import device  # noqa: E402
 from numbaflash.runtime import launch as runtime_launch  # noqa: E402
 
@@ -118,13 +123,37 @@ def test_numpy_inputs_are_rejected(no_compile):
 
 
 def test_splits_from_shapes_only():
-    assert decode_splits(64, 8, 1, 32768, 64, 132) == 1  # 512 CTAs fill the GPU
-    assert decode_splits(1, 8, 1, 8192, 64, 132) == 17  # 8 CTAs: split until 132 slots are taken
-    assert decode_splits(1, 8, 1, 128, 64, 132) == 1  # 2 tiles: nothing to split
+    # 512 CTAs fill 264 slots (2 a SM): no split
+    assert decode_splits(64, 8, 1, 32768, 64, 132, 2) == 1
+    # 8 CTAs: 32 splits take 256 of 264 slots in one wave (33 is past MAX_SPLITS)
+    assert decode_splits(1, 8, 1, 8192, 64, 132, 2) == 32
+    # 64 CTAs: 4 splits fill one wave (5 would start a second, 20% full: measured 0.60x)
+    assert decode_splits(8, 8, 1, 8192, 64, 132, 2) == 4
+    assert decode_splits(32, 8, 1, 4096, 64, 132, 2) == 1  # 256 of 264 slots
+    assert decode_splits(1, 8, 1, 128, 64, 132, 2) == 1  # 2 tiles: nothing to split
     assert decode_splits(1, 1, 1, 1 << 20, 64, 132) == MAX_SPLITS  # capped for graph capture
-    for b, h, keys in ((1, 1, 64), (3, 2, 5000), (16, 8, 65536)):
-        s = decode_splits(b, h, 1, keys, 64, 132)
+    for b, h, keys, per_sm in ((1, 1, 64, 1), (3, 2, 5000, 2), (16, 8, 65536, 3), (5, 3, 20000, 4)):
+        s = decode_splits(b, h, 1, keys, 64, 132, per_sm)
         assert 1 <= s <= MAX_SPLITS and (s == 1 or -(-keys // 64) // s >= 4)
+
+
+@pytest.mark.parametrize("page_size", [*range(1, 300), 1000, 4096, 65535, 1 << 20])
+def test_page_divider_divides(page_size):
+    magic, shift = page_divider(page_size)
+    rng = np.random.default_rng(page_size)
+    keys = [*range(3 * page_size + 2), *(int(j) for j in rng.integers(0, 1 << 31, 200)), (1 << 31) - 1]
+    for j in keys:
+        assert (j * magic) >> shift == j // page_size and j * magic < 1 << 64
+
+
+def test_resident_ctas():
+    # d128 decode on an H100: 168 registers, 100 KB: shared memory allows 2, registers 3
+    assert resident_ctas(128, 168, 100 * 1024, 227 * 1024) == 2
+    assert resident_ctas(128, 168, 50 * 1024, 227 * 1024) == 3  # then registers bound it
+    assert resident_ctas(128, 255, 34 * 1024, 227 * 1024) == 2  # 256 registers a thread: 2 x 4 warps
+    assert resident_ctas(128, 32, 1024, 227 * 1024) == 16  # 2048 threads
+    assert resident_ctas(128, 64, 1024, 227 * 1024) == 8  # 64 registers: 8 CTAs
+    assert resident_ctas(256, 255, 200 * 1024, 99 * 1024) == 1  # never below one
 
 
 class FakeLauncher:
@@ -150,6 +179,7 @@ def fake_gpu(monkeypatch):
                         (types.SimpleNamespace(handle=1), operation))
     monkeypatch.setattr(runtime_launch, "KernelLauncher", FakeLauncher)
     monkeypatch.setattr(runtime_launch, "set_dynamic_shared_limit", lambda handle, ordinal, nbytes: None)
+    monkeypatch.setattr(runtime_launch, "kernel_registers", lambda handle, ordinal: 168)
     monkeypatch.setattr(decode_op, "empty_like", lambda ref, shape, dtype_name: FakeDeviceArray(shape))
     monkeypatch.setattr(decode_op, "empty_lse", lambda ref, shape: FakeDeviceArray(shape, "<f4"))
     monkeypatch.setattr(FakeLauncher, "launches", [])

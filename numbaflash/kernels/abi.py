@@ -86,6 +86,7 @@ DECODE_ABI = (
     *("int64",) * 18,  # strides (batch or page, seq, head) of q, k_cache, v_cache, k_new, v_new, out
     "int64", "int64",  # seqlen_q, seqlen_new
     "int64", "int64", "int64",  # capacity (paged: page_size), block-table row stride, pages a sequence
+    "int64", "int64",  # paged: the page size's divider (magic, shift), else 0
     "int64", "int64", "int64",  # heads_kv, group, row blocks
     "int64",  # num_splits
     "float32", "bool",  # softmax scale * log2(e), write lse

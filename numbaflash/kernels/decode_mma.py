@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 
-from numba import cuda, float32, int64, types, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
 from .common import FULL_MASK, NEG_INF
@@ -43,7 +43,7 @@ from .softmax import (
 # One sequence's keys: batch b, its cache rows, its total length (cache + new rows), and its
 # block table (paged: capacity is the page size, pages the table's row length).
 Sequence = namedtuple("Sequence", ["b", "cache_len", "total", "block_table", "bt_stride", "capacity",
-                                   "pages"])
+                                   "pages", "page_magic", "page_shift"])
 # Where one head's key (or value) rows are, in bytes: the cache and the new rows, each as an
 # address and (batch or page, row) strides.
 KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb", "new_ss"])
@@ -65,6 +65,7 @@ DECODE_ARGTYPES = (
     types.int64, types.int64,  # seqlen_q, seqlen_new (0: nothing to append)
     types.int64, types.int64,  # capacity (rows per batch; paged: page_size), block table row stride
     types.int64,  # pages per sequence (paged; else 0)
+    types.int64, types.int64,  # paged: the page size's divider (``launch_decode.page_divider``), else 0
     types.int64, types.int64, types.int64,  # heads_kv, group, row blocks (ceil(group * seqlen_q / rows))
     types.int64,  # num_splits
     types.float32,  # softmax scale * log2(e)
@@ -118,6 +119,12 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     SRING = BM * D * 2
     Q_CHUNKS = BM * CPR
     KV_CHUNKS = BN * CPR
+    # A thread's 16-byte chunks of a K (or V) tile: where its chunks divide the rows, one chunk
+    # column and every (THREADS / CPR)-th row (ROW_WALK), else consecutive chunk indices.
+    ROW_WALK = THREADS % CPR == 0 and BN % (THREADS // CPR) == 0
+    SLOTS = BN // (THREADS // CPR) if ROW_WALK else KV_CHUNKS // THREADS
+    # Q's fragments stay in registers across the walk where they are few (d <= 128 at 16 rows).
+    Q_REGS = MT * D_K_TILES <= 8
     PAGED = config.paged
     CAUSAL = causal
     BF16 = bf16
@@ -136,13 +143,67 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
             ptx.cp_async_wait_group_3()
 
     @cuda.jit(device=True, forceinline=True)
+    def page_index(j, seq):
+        """j // page size (0 <= j < 2**31) by a multiply and a shift (``page_divider``)."""
+        return int64((uint64(j) * uint64(seq.page_magic)) >> uint64(seq.page_shift))
+
+    @cuda.jit(device=True, forceinline=True)
+    def slot_of(i, tid):
+        """(row, chunk) of this thread's i-th chunk of a K or V tile (``SLOTS`` of them)."""
+        if ROW_WALK:
+            return tid // CPR + i * (THREADS // CPR), tid % CPR
+        idx = tid + i * THREADS
+        return idx // CPR, idx % CPR
+
+    @cuda.jit(device=True, forceinline=True)
+    def fetch_pages(pages_at, n0, seq, tid):
+        """Paged: the page (block-table entry) and the row in it of each key row this thread
+        copies of the tile at key n0, into ``pages_at`` (SLOTS x 2 int32). Issued a tile ahead
+        of its copies, so that the block table's latency hides under a tile of work."""
+        if PAGED:
+            for i in range(SLOTS):
+                row, _ = slot_of(i, tid)
+                j = n0 + row
+                page_of = page_index(j, seq)
+                unit = int64(0)
+                if page_of < seq.pages:
+                    unit = int64(seq.block_table[uint64(seq.b * seq.bt_stride + page_of)])
+                pages_at[i, 0] = int32(unit)
+                pages_at[i, 1] = int32(j - page_of * seq.capacity)
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_cached_tiles(dst, n0, seq, ks, vs, tid, pages_at):
+        """cp.async of key rows n0 .. n0 + BN of K and V, all below the sequence's cache length
+        (no masking, no new rows): contiguous, row n0 + r of batch b; paged, the rows
+        ``fetch_pages`` placed (a negative table entry reads page 0, never out of bounds)."""
+        for i in range(SLOTS):
+            row, chunk = slot_of(i, tid)
+            if PAGED:
+                unit = int64(max(pages_at[i, 0], 0))
+                r = int64(pages_at[i, 1])
+            else:
+                unit = seq.b
+                r = n0 + row
+            at = dst + swizzled_offset(row, chunk, BN, RB)
+            ptx.cp_async_16_at(at, ks.cache + unit * ks.cache_sb + r * ks.cache_ss + chunk * 16)
+            ptx.cp_async_16_at(at + TILE_BYTES, vs.cache + unit * vs.cache_sb + r * vs.cache_ss + chunk * 16)
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_tiles(dst, n0, seq, ks, vs, tid, append, pages_at):
+        """K and V rows n0 .. n0 + BN: the plain copy where every row is a cached one, else
+        row by row (masking past the length, new rows from k_new and v_new, appending)."""
+        if n0 + BN <= seq.cache_len:
+            load_cached_tiles(dst, n0, seq, ks, vs, tid, pages_at)
+        else:
+            load_kv_tiles(dst, n0, seq, ks, vs, tid, append)
+
+    @cuda.jit(device=True, forceinline=True)
     def row_place(j, seq):
         """Where key row j of ``seq`` lives (a RowPlace). 32-bit division by the page size: one
         per row and tile, shared by K and V."""
         if PAGED:
-            size = uint32(seq.capacity)  # the page size
-            page_of = uint32(j) // size
-            row = int64(uint32(j) - page_of * size)
+            page_of = page_index(j, seq)
+            row = int64(j - page_of * seq.capacity)
             unit = int64(0)
             if int64(page_of) < seq.pages:
                 unit = int64(seq.block_table[uint64(seq.b * seq.bt_stride + int64(page_of))])
@@ -178,24 +239,14 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, forceinline=True)
     def load_kv_tiles(dst, n0, seq, ks, vs, tid, append):
-        """cp.async of key rows n0 .. n0 + BN of K (into ``dst``) and V (``dst + TILE_BYTES``).
-        Where a row's chunks divide over the threads, a thread keeps one chunk position and
-        walks rows, placing each row once for K and V."""
-        if THREADS % CPR == 0 and BN % (THREADS // CPR) == 0:
-            per_pass = THREADS // CPR
-            chunk = tid % CPR
-            for i in range(BN // per_pass):
-                row = tid // CPR + i * per_pass
-                place = row_place(n0 + row, seq)
-                copy_row_chunk(dst, row, chunk, ks, place, seq.b, append)
-                copy_row_chunk(dst + TILE_BYTES, row, chunk, vs, place, seq.b, append)
-        else:
-            for i in range(KV_CHUNKS // THREADS):
-                idx = tid + i * THREADS
-                row = idx // CPR
-                place = row_place(n0 + row, seq)
-                copy_row_chunk(dst, row, idx % CPR, ks, place, seq.b, append)
-                copy_row_chunk(dst + TILE_BYTES, row, idx % CPR, vs, place, seq.b, append)
+        """cp.async of key rows n0 .. n0 + BN of K (into ``dst``) and V (``dst + TILE_BYTES``),
+        each row placed once for K and V: rows past the length zero-filled, new rows from k_new
+        and v_new (and, with ``append``, copied into the cache)."""
+        for i in range(SLOTS):
+            row, chunk = slot_of(i, tid)
+            place = row_place(n0 + row, seq)
+            copy_row_chunk(dst, row, chunk, ks, place, seq.b, append)
+            copy_row_chunk(dst + TILE_BYTES, row, chunk, vs, place, seq.b, append)
 
     @cuda.jit(device=True, forceinline=True)
     def load_q_rows(dst, q_rows, kv_head, group, rows_total, r0, tid):
@@ -216,20 +267,30 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                                          exists)
 
     @cuda.jit(device=True, forceinline=True)
-    def scores(acc_s, sq, sk, w, a_offsets, k_offsets, a_frag, b_frag):
-        """S = Q K_wᵀ: every m-tile of the Q tile against this warp's KW keys of the K tile."""
+    def load_q_fragments(q_frag, sq, a_offsets):
+        """Every m-tile and k-tile of the Q tile into registers (``Q_REGS``)."""
+        for kt in range(D_K_TILES):
+            for mt in range(MT):
+                ptx.ldmatrix_x4(q_frag[mt, kt], sq + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
+
+    @cuda.jit(device=True, forceinline=True)
+    def scores(acc_s, sq, sk, w, a_offsets, k_offsets, q_frag, b_frag):
+        """S = Q K_wᵀ: every m-tile of the Q tile (from registers with ``Q_REGS``, else from
+        shared memory k-tile by k-tile) against this warp's KW keys of the K tile."""
         for mt in range(MT):
             for j in range(S_N_TILES):
                 for e in range(4):
                     acc_s[mt, j, e] = 0.0
         for kt in range(D_K_TILES):
-            for mt in range(MT):
-                ptx.ldmatrix_x4(a_frag[mt], sq + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
+            qk = kt if Q_REGS else 0
+            if not Q_REGS:
+                for mt in range(MT):
+                    ptx.ldmatrix_x4(q_frag[mt, 0], sq + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
             for j2 in range(S_PAIRS):
                 ptx.ldmatrix_x4(b_frag, sk + block_offset(k_offsets, kt, BN, RB) + (w * KW + j2 * 16) * RB)
                 for mt in range(MT):
-                    mma(acc_s[mt, 2 * j2], a_frag[mt], b_frag[0:2])
-                    mma(acc_s[mt, 2 * j2 + 1], a_frag[mt], b_frag[2:4])
+                    mma(acc_s[mt, 2 * j2], q_frag[mt, qk], b_frag[0:2])
+                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qk], b_frag[2:4])
 
     @cuda.jit(device=True, forceinline=True)
     def accumulate_pv(acc_o, p_frag, sv, w, v_offsets, b_frag):
@@ -255,8 +316,8 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     def flash_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse, o_part,
                      lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss, vc_sh,
                      kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh, seqlen_q, seqlen_new,
-                     capacity, bt_stride, pages, heads_kv, group, row_blocks, num_splits, scale_log2,
-                     write_lse):
+                     capacity, bt_stride, pages, page_magic, page_shift, heads_kv, group, row_blocks,
+                     num_splits, scale_log2, write_lse):
         smem = cuda.shared.array(0, types.uint16)
         smem_f = cuda.shared.array(0, float32)  # the same dynamic shared memory, as float32
         tid = cuda.threadIdx.x & 1023
@@ -277,20 +338,24 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
         base = ptx.shared_address_u16(smem)
         sq = base + SQ
         q_addr = ptx.global_address(q)
-        seq = Sequence(b, cache_len, total, block_table, bt_stride, capacity, pages)
+        seq = Sequence(b, cache_len, total, block_table, bt_stride, capacity, pages, page_magic, page_shift)
         ks = KeyRows(ptx.global_address(k_cache) + kv_head * kc_sh * 2, kc_sb * 2, kc_ss * 2,
                      ptx.global_address(k_new) + kv_head * kn_sh * 2, kn_sb * 2, kn_ss * 2)
         vs = KeyRows(ptx.global_address(v_cache) + kv_head * vc_sh * 2, vc_sb * 2, vc_ss * 2,
                      ptx.global_address(v_new) + kv_head * vn_sh * 2, vn_sb * 2, vn_ss * 2)
 
+        # Q goes in the first tile's copy group: the walk's first wait covers both.
         load_q_rows(sq, (q_addr + b * q_sb * 2, q_ss * 2, q_sh * 2), kv_head, group, rows_total, r0, tid)
-        ptx.cp_async_commit_group()
+        pages_at = cuda.local.array((SLOTS, 2), int32)
         for s in range(STAGES - 1):  # the ring's first tiles
             if first + s < last:
                 ring = base + SRING + s * STAGE_BYTES
                 n0 = (first + s) * BN
-                load_kv_tiles(ring, n0, seq, ks, vs, tid, append)
+                fetch_pages(pages_at, n0, seq, tid)
+                load_tiles(ring, n0, seq, ks, vs, tid, append, pages_at)
             ptx.cp_async_commit_group()
+        if first + STAGES - 1 < last:
+            fetch_pages(pages_at, (first + STAGES - 1) * BN, seq, tid)
 
         acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
         for mt in range(MT):
@@ -298,7 +363,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                 for e in range(4):
                     acc_o[mt, j, e] = 0.0
         acc_s = cuda.local.array((MT, S_N_TILES, 4), float32)
-        a_frag = cuda.local.array((MT, 4), uint32)
+        q_frag = cuda.local.array((MT, D_K_TILES if Q_REGS else 1, 4), uint32)
         p_frag = cuda.local.array((MT, P_K_TILES, 4), uint32)
         b_frag = cuda.local.array(4, uint32)
         m_run = cuda.local.array((MT, 2), float32)
@@ -319,13 +384,17 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
             stage = (t - first) % STAGES
             wait_ring()  # tile t (and Q) have landed ...
             cuda.syncthreads()  # ... for everyone, and everyone is done with tile t - 1's stage
+            if Q_REGS and t == first:
+                load_q_fragments(q_frag, sq, a_offsets)
             nxt = t + STAGES - 1
             if nxt < last:
                 ring = base + SRING + ((nxt - first) % STAGES) * STAGE_BYTES
-                load_kv_tiles(ring, nxt * BN, seq, ks, vs, tid, append)
+                load_tiles(ring, nxt * BN, seq, ks, vs, tid, append, pages_at)
+                if nxt + 1 < last:
+                    fetch_pages(pages_at, (nxt + 1) * BN, seq, tid)
             ptx.cp_async_commit_group()
             sk = base + SRING + stage * STAGE_BYTES
-            scores(acc_s, sq, sk, warp, a_offsets, k_offsets, a_frag, b_frag)
+            scores(acc_s, sq, sk, warp, a_offsets, k_offsets, q_frag, b_frag)
             key0 = t * BN + warp * KW
             if key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + r0 // group):
                 mask(acc_s, key0, lane, total, limit)

@@ -16,7 +16,7 @@ from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
 from .families import DECODE_OPERATIONS, family_of
 from .forward import loaded_kernel
-from .launch_decode import DecodeCall, Launch, decode_splits
+from .launch_decode import DecodeCall, Launch, decode_splits, resident_ctas
 
 LOG2_E = math.log2(math.e)
 
@@ -25,6 +25,7 @@ class DecodeKernels(NamedTuple):
     config: Any  # kernels.shapes.DecodeConfig
     decode: tuple[Any, Launch]
     combine: tuple[Any, Launch]
+    ctas_per_sm: int  # decode CTAs an SM holds at once (registers and shared memory)
 
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
@@ -35,20 +36,23 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
     key = ("decode", config, causal, bf16, capability, device)
     ready = gpu.launchers.get(key)
     if ready is None:
-        from ..runtime.launch import KernelLauncher, set_dynamic_shared_limit
+        from ..runtime.launch import KernelLauncher, kernel_registers, set_dynamic_shared_limit
 
         family = family_of(config)
         with gpu.lock:
             ready = gpu.launchers.get(key)
             if ready is None:
                 parts = []
+                ctas_per_sm = 1
                 for operation in DECODE_OPERATIONS:
                     op = family.op(operation)
                     kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), operation)
                     if operation == "decode":
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
+                        ctas_per_sm = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
+                                                    config.shared_bytes, gpu.shared_limit(device))
                     parts.append((KernelLauncher(kernel, op.abi, name), op.prepare_launch(config)))
-                ready = gpu.launchers[key] = DecodeKernels(config, *parts)
+                ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm)
     return ready
 
 
@@ -73,9 +77,8 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
     else:
         pages, capacity = 0, kcd.shape[1]
         max_keys = capacity
-    ctas_per_sm = max(1, gpu.shared_limit(device) // config.shared_bytes)  # shared memory bounds them
     splits = num_splits or decode_splits(batch, heads_kv, row_blocks, max_keys + seqlen_new, config.block_n,
-                                         gpu.sm_count(device), ctas_per_sm)
+                                         gpu.sm_count(device), kernels.ctas_per_sm)
     scratch = gpu.scratch_f32(device)
     if outd is None:
         out = empty_like(qd.obj, qd.shape, qd.dtype_name)

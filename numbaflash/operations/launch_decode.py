@@ -11,6 +11,7 @@ the split count from the shapes alone (``decode_splits``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,22 +24,56 @@ MAX_SPLITS = 32  # a fixed ceiling, so that a captured graph's scratch never gro
 MIN_TILES_PER_SPLIT = 4  # keys a split reads at the least, in tiles: below, the merge costs more
 
 
+def resident_ctas(threads: int, registers: int, shared_bytes: int, shared_limit: int,
+                  sm_registers: int = 65536, sm_threads: int = 2048, max_ctas: int = 32) -> int:
+    """CTAs of a kernel one SM holds at once: the least of what its threads, its registers
+    (``registers`` a thread, allocated 256 a warp) and its shared memory allow (``shared_limit``:
+    the most one CTA may take, the SM's total less the 1 KB the GPU keeps for each CTA)."""
+    by_threads = sm_threads // threads
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = (sm_registers // per_warp) // max(1, threads // 32)
+    by_shared = (shared_limit + 1024) // (shared_bytes + 1024)
+    return max(1, min(by_threads, by_registers, by_shared, max_ctas))
+
+
 def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, block_n: int, sm_count: int,
                   ctas_per_sm: int = 1) -> int:
     """How many CTAs share the keys of one (batch, KV head, row block), from the shapes only
     (never from ``cache_seqlens``' values: a captured graph stays right when they change).
 
-    Enough splits for the launch to fill every CTA slot of the GPU once (``sm_count *
-    ctas_per_sm``), at most ``MAX_SPLITS``, and no more than leaves each split
-    ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` of the longest possible sequence (``max_keys``:
-    the cache's capacity plus the new rows)."""
+    Every CTA streams about as many keys, so a launch of n CTAs over s = ``sm_count *
+    ctas_per_sm`` slots takes ceil(n / s) waves and keeps the HBM busy for the fraction
+    (n / s) / ceil(n / s) of them. The split counts allowed: at most ``MAX_SPLITS``, each split
+    at least ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` of the longest sequence (``max_keys``),
+    each count changing the tiles a split reads. One split where the (batch, KV head, row block)
+    CTAs fill 80% of the slots; the most allowed where even those leave slots empty; else the
+    fewest whose waves are within 85% of the best (FlashAttention-2's rule; measured in the lab
+    notebook, DEC.1)."""
     ctas = batch * heads_kv * row_blocks
     slots = sm_count * ctas_per_sm
-    if ctas >= slots:
+    if ctas >= 0.8 * slots:
         return 1
     tiles = -(-max_keys // block_n)
-    by_keys = max(1, tiles // MIN_TILES_PER_SPLIT)
-    return max(1, min(MAX_SPLITS, -(-slots // ctas), by_keys))
+    most = max(1, min(MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
+    if ctas * most <= slots:
+        return most
+    candidates = [s for s in range(1, most + 1) if s == 1 or -(-tiles // s) < -(-tiles // (s - 1))]
+    waves = {s: ctas * s / slots for s in candidates}
+    efficiency = {s: w / math.ceil(w) for s, w in waves.items()}
+    best = max(efficiency.values())
+    return min(s for s in candidates if efficiency[s] >= 0.85 * best)
+
+
+def page_divider(page_size: int) -> tuple[int, int]:
+    """(magic, shift) with j // page_size == (j * magic) >> shift for every 0 <= j < 2**32:
+    the kernel's division of a key index by the page size, a multiply and a shift (as a
+    compiler does for a constant divisor). magic = ceil(2**(32 + l) / page_size), l =
+    ceil(log2(page_size)); exact because magic * page_size - 2**(32 + l) < page_size <= 2**l
+    (Granlund and Montgomery). The kernel's 64-bit product needs j < 2**31 (magic <= 2**33)."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    shift = 32 + (page_size - 1).bit_length()
+    return -(-(1 << shift) // page_size), shift
 
 
 class DecodeCall(NamedTuple):
@@ -94,6 +129,7 @@ def launch_decode(config) -> Launch:
                  *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
                  *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
                  seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
+                 *(page_divider(call.capacity) if call.block_table else (0, 0)),
                  heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
                  call.write_lse and call.num_splits == 1)
 

@@ -36,6 +36,17 @@ def set_dynamic_shared_limit(kernel_handle, device: int, nbytes: int) -> None:
         raise RuntimeError(f"cannot allow {nbytes} bytes of dynamic shared memory on device {device}: {err}")
 
 
+def kernel_registers(kernel_handle, device: int) -> int:
+    """Registers a thread of a loaded kernel (``CUkernel``) takes on device ``device``."""
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+    err, value = driver.cuKernelGetAttribute(attr, kernel_handle, device)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot read the registers of a kernel on device {device}: {err}")
+    return int(value)
+
+
 def raise_dynamic_shared_limit(kernel, argtypes, nbytes: int) -> None:
     """``set_dynamic_shared_limit`` for a Numba kernel's overload on the current device."""
     if nbytes <= DEFAULT_SHARED_LIMIT:
