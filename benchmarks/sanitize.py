@@ -271,7 +271,7 @@ def run_decode_worker(config) -> int:
     from numbaflash.tools.reference import compare_with_reference
 
     rng = np.random.default_rng(0)
-    batch, heads_kv, capacity, page = 3, 2, 200, 16
+    batch, heads_kv, capacity, page = 3, 2, 208, 16
     d = config.head_dim
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):

@@ -32,6 +32,9 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                    causal: bool, bf16: bool) -> DecodeKernels:
     """The config and the two loaded kernels of this problem on the current device."""
     gpu = gpu_state.GPU
+    ready = gpu.launchers.get(("decode", capability, device, head_dim, rows > 16, paged, causal, bf16))
+    if ready is not None and not configs.DECODE_FORCED:
+        return ready
     config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device))
     key = ("decode", config, causal, bf16, capability, device)
     ready = gpu.launchers.get(key)
@@ -53,6 +56,8 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                                                     config.shared_bytes, gpu.shared_limit(device))
                     parts.append((KernelLauncher(kernel, op.abi, name), op.prepare_launch(config)))
                 ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm)
+    if not configs.DECODE_FORCED:  # the problem's own config: found by the shapes next time
+        gpu.launchers[("decode", capability, device, head_dim, rows > 16, paged, causal, bf16)] = ready
     return ready
 
 

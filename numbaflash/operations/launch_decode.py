@@ -11,6 +11,7 @@ the split count from the shapes alone (``decode_splits``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -64,6 +65,7 @@ def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, blo
     return min(s for s in candidates if efficiency[s] >= 0.85 * best)
 
 
+@functools.lru_cache(maxsize=64)
 def page_divider(page_size: int) -> tuple[int, int]:
     """(magic, shift) with j // page_size == (j * magic) >> shift for every 0 <= j < 2**32:
     the kernel's division of a key index by the page size, a multiply and a shift (as a
