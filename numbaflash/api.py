@@ -244,7 +244,7 @@ def flash_attention_with_kvcache(
     out: Any = None,
 ) -> Any:
     """Attention of a few new query rows against a KV cache (FlashAttention's
-    ``flash_attn_with_kvcache``; WORK IN PROGRESS on branch wip/decode, not yet run on a GPU).
+    ``flash_attn_with_kvcache``).
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim) float16 or bfloat16 device array; seqlen_q

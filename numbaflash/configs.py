@@ -473,7 +473,7 @@ def force_decode_config(config):
 
 def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
                   shared_limit: int | None = None):
-    """The decode kernel's config (WORK IN PROGRESS): 16 packed query rows a CTA, or 32 where
+    """The decode kernel's config: 16 packed query rows a CTA, or 32 where
     the query heads of a KV head times seqlen_q need more; 64 keys over 4 warps and a ring of 3,
     else smaller, whichever first fits the GPU's shared memory a CTA."""
     from .kernels.shapes import DecodeConfig
@@ -492,7 +492,7 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
 
 
 def shipped_decode_configs() -> list:
-    """Every decode config the representative GPUs can launch (WORK IN PROGRESS): each head dim,
+    """Every decode config the representative GPUs can launch: each head dim,
     16 or 32 packed rows, contiguous or paged, each once."""
     shipped = []
     for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):

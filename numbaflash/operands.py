@@ -432,7 +432,7 @@ def shares_memory(a: Operand, b: Operand) -> bool:
     """Whether two operands of the same kind have an element in the same memory (exactly, within
     ``OVERLAP_WORK``; beyond it, whether their extents overlap). Device operands whose address
     ranges are apart (the usual case) are told apart without numpy."""
-    if a.on_device and b.on_device and all(st >= 0 for st in (*a.strides, *b.strides)):
+    if a.on_device and b.on_device and min(a.strides) >= 0 and min(b.strides) >= 0:
         a_end = a.pointer + a.span * (4 if a.dtype_name == "float32" else 2)
         b_end = b.pointer + b.span * (4 if b.dtype_name == "float32" else 2)
         if a_end <= b.pointer or b_end <= a.pointer:

@@ -152,7 +152,7 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     return (result, lse) if return_lse else result
 
 
-# ------------------------------------------------------------------ decode (WORK IN PROGRESS)
+# ------------------------------------------------------------------ decode
 
 
 def run_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor | None,

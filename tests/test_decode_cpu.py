@@ -1,5 +1,6 @@
-"""The decode kernel's pure pieces on CPU (WORK IN PROGRESS, branch wip/decode): the split of a
-sequence's key tiles (``kernels.decode_mma.decode_split``) and the configs' shared memory."""
+"""Decode on CPU: the split of a sequence's key tiles (``kernels.decode_mma.decode_split``), the
+split count, the page divider and residency, the configs, the checks of bad input (nothing
+compiled), the launches against the ABI, and the torch op against a float64 reference."""
 
 from __future__ import annotations
 

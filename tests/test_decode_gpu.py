@@ -1,4 +1,4 @@
-"""Decode against a KV cache on the GPU (WORK IN PROGRESS, branch wip/decode; not yet run): every
+"""Decode against a KV cache on the GPU: every
 sequence of a batch against the float64 reference of its own keys (the cache's first
 cache_seqlens[b] rows, then the new rows), ragged lengths from 1 to the full capacity, paged
 caches with shuffled pages, in-place append checked row by row (and nothing else written), GQA,

@@ -75,7 +75,7 @@ BACKWARD_DQ_ABI = (
     "float32",  # softmax scale
 )
 
-# Decode against a KV cache (``decode_mma``, WORK IN PROGRESS): the attention kernel, then, with
+# Decode against a KV cache (``decode_mma``): the attention kernel, then, with
 # more than one split, the combine kernel.
 DECODE_ABI = (
     _U16_ARRAY, _U16_ARRAY, _U16_ARRAY,  # q, k_cache, v_cache

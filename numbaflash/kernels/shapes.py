@@ -379,7 +379,7 @@ class BackwardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Compile-time shape of the decode kernel (``decode_mma``, WORK IN PROGRESS): one CTA takes
+    """Compile-time shape of the decode kernel (``decode_mma``): one CTA takes
     ``rows`` packed query rows (the query heads of one KV head times seqlen_q) and one split of
     the keys; ``block_n`` keys a tile stream through a ring of ``stages`` K and V tiles, and each
     of the ``num_warps`` warps takes ``block_n / num_warps`` keys of a tile."""

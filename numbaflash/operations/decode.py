@@ -1,4 +1,4 @@
-"""Decode against a KV cache on device arrays (WORK IN PROGRESS, branch wip/decode): the config
+"""Decode against a KV cache on device arrays: the config
 (``configs.decode_config``), its two kernels loaded once per device (``GPU.launchers``), the
 split count (``launch_decode.decode_splits``), the output and the split scratch from the inputs'
 library, and the launches on the inputs' stream."""

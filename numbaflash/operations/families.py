@@ -100,7 +100,7 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
                             "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_dq, masked=False),
 })
 BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
-# Decode against a KV cache (WORK IN PROGRESS): the attention kernel, then (more than one split)
+# Decode against a KV cache: the attention kernel, then (more than one split)
 # the combine kernel, which does not depend on causal masking.
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer", {
     "decode": KernelOp("decode", DECODE_ABI, "decode_mma:make_decode_kernel", "decode_mma:DECODE_ARGTYPES",

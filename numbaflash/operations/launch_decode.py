@@ -1,6 +1,6 @@
-"""The decode kernels' launches (WORK IN PROGRESS, branch wip/decode): from a ``DecodeCall`` to
-the parameter lists of ``kernels.abi.DECODE_ABI`` and ``DECODE_COMBINE_ABI``, and the choice of
-the split count from the shapes alone (``decode_splits``).
+"""The decode kernels' launches: from a ``DecodeCall`` to the parameter lists of
+``kernels.abi.DECODE_ABI`` and ``DECODE_COMBINE_ABI``, and the choice of the split count from the
+shapes alone (``decode_splits``).
 
 1. decode (``flash_decode``): grid (num_splits, row_blocks * heads_kv, batch), ``config.threads``,
    ``config.shared_bytes``. Row block rb of KV head h takes packed query rows rb * rows ..: the
