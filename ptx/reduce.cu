@@ -16,19 +16,3 @@ extern "C" __device__ int ld_acquire_gpu_s32(long long addr) {
 extern "C" __device__ void red_release_gpu_add_s32(long long addr, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(addr), "r"(v) : "memory");
 }
-// old = *addr; *addr += v at GPU scope with acquire and release order (the last of several CTAs
-// to arrive sees what every earlier one wrote before its own add).
-extern "C" __device__ int atom_acq_rel_gpu_add_s32(long long addr, int v) {
-  int r; asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(r) : "l"(addr), "r"(v) : "memory");
-  return r;
-}
-// 4 floats at the global byte address addr (16-byte aligned), cached in L2 only (ld.cg): never a
-// stale L1 line of memory that other CTAs of the running kernel wrote.
-extern "C" __device__ void ld_global_cg_v4_f32(float* r, long long addr) {
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "l"(addr) : "memory");
-}
-// One float at the global byte address addr, cached in L2 only (ld.cg).
-extern "C" __device__ float ld_global_cg_f32(long long addr) {
-  float r; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(addr) : "memory"); return r;
-}

@@ -7,7 +7,7 @@ types for offline compilation in ``KERNELS``. Launch shapes are given in the doc
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32, types, uint16, uint32
+from numba import cuda, float32, types, uint16, uint32
 
 from numbaflash import ptx
 from numbaflash.demos.tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
@@ -306,44 +306,6 @@ def turns_kernel(counter, order):
 TURNS_ARGTYPES = (types.int32[::1], types.int32[::1])
 
 
-def last_arrival_kernel(values, counters, sums, lasts):
-    """Launch [groups * arrivals, 32]: block b of group g = b // arrivals adds b to
-    values[b, 0:5], fences, and counts its arrival with ``atom_acq_rel_gpu_add_s32`` on
-    counters[g]; the block that arrives last reads the rows of every block of its group back
-    with ``ld_global_cg_v4_f32`` (columns 0-3) and ``ld_global_cg_f32`` (column 4), writes
-    their sums to sums[g], records itself in lasts[g] and resets the counter to 0."""
-    arrivals = values.shape[0] // counters.shape[0]
-    b = cuda.blockIdx.x
-    g = b // arrivals
-    flag = cuda.shared.array(1, int32)
-    if cuda.threadIdx.x < 5:
-        values[b, cuda.threadIdx.x] += float32(b)
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        old = ptx.atom_acq_rel_gpu_add_s32(ptx.global_address_i32(counters) + g * 4, 1)
-        flag[0] = 1 if old == arrivals - 1 else 0
-    cuda.syncthreads()
-    if flag[0] == 1 and cuda.threadIdx.x == 0:
-        total = cuda.local.array(5, float32)
-        regs = cuda.local.array(4, float32)
-        for c in range(5):
-            total[c] = 0.0
-        base = ptx.global_address_f32(values)
-        for other in range(g * arrivals, (g + 1) * arrivals):
-            ptx.ld_global_cg_v4_f32(regs, base + other * 8 * 4)
-            for c in range(4):
-                total[c] += regs[c]
-            total[4] += ptx.ld_global_cg_f32(base + (other * 8 + 4) * 4)
-        for c in range(5):
-            sums[g, c] = total[c]
-        lasts[g] = b
-        counters[g] = 0
-
-
-LAST_ARRIVAL_ARGTYPES = (types.float32[:, ::1], types.int32[::1], types.float32[:, ::1], types.int32[::1])
-
-
 def bits_to_f32_kernel(bits, out_f16, out_bf16):
     """Launch over bits.size threads: the 16-bit pattern bits[i] read as f16 and as bf16."""
     i = cuda.grid(1)
@@ -413,7 +375,6 @@ KERNELS = {
     "unroll": (unroll_kernel, EXP2_ARGTYPES),
     "red_add": (red_add_kernel, RED_ADD_ARGTYPES),
     "turns": (turns_kernel, TURNS_ARGTYPES),
-    "last_arrival": (last_arrival_kernel, LAST_ARRIVAL_ARGTYPES),
     "bits_to_f32": (bits_to_f32_kernel, BITS_TO_F32_ARGTYPES),
     "tile_gemm_f16": (make_tile_gemm(False), TILE_GEMM_ARGTYPES),
     "tile_gemm_bf16": (make_tile_gemm(True), TILE_GEMM_ARGTYPES),

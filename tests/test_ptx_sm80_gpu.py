@@ -469,25 +469,6 @@ def test_acquire_release_turns_pass_in_block_order():
 
 
 @gpu
-def test_last_arrival_reads_every_block_of_its_group():
-    """Blocks of a group count their arrivals (acq_rel atomic add); the last one reads the
-    others' rows through L2 (ld.global.cg) and sums them: the sums are exact, each group's
-    last block is one of its own, and every counter is back at 0."""
-    groups, arrivals = 24, 12
-    rng = _rng("last_arrival")
-    values = rng.integers(-64, 64, size=(groups * arrivals, 8)).astype(np.float32)
-    counters = np.zeros(groups, np.int32)
-    sums = np.full((groups, 5), np.nan, np.float32)
-    lasts = np.full(groups, -1, np.int32)
-    _, counters, sums, lasts = _run("last_arrival", groups * arrivals, 32, values, counters, sums, lasts)
-    blocks = np.arange(groups * arrivals, dtype=np.float32)[:, None]
-    want = (values[:, :5] + blocks).reshape(groups, arrivals, 5)
-    np.testing.assert_array_equal(sums, want.sum(axis=1))
-    assert all(g * arrivals <= lasts[g] < (g + 1) * arrivals for g in range(groups))
-    np.testing.assert_array_equal(counters, 0)
-
-
-@gpu
 def test_f32_from_16bit_bits_exact():
     bf16 = _bf16()
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

@@ -75,15 +75,14 @@ BACKWARD_DQ_ABI = (
     "float32",  # softmax scale
 )
 
-# Decode against a KV cache (``decode_mma``): one kernel; with more than one split the last
-# split of each (batch, KV head, row block) merges them.
+# Decode against a KV cache (``decode_mma``): the attention kernel, then, with
+# more than one split, the combine kernel.
 DECODE_ABI = (
     _U16_ARRAY, _U16_ARRAY, _U16_ARRAY,  # q, k_cache, v_cache
     _U16_ARRAY, _U16_ARRAY,  # k_new, v_new (1-element dummies when not given)
     _I32_ARRAY, _I32_ARRAY,  # cache_seqlens, block_table (dummy when not paged)
     _U16_ARRAY, _F32_ARRAY,  # out, lse (dummy when not asked for)
     _F32_ARRAY, _F32_ARRAY,  # o_part, lse_part (dummies with one split)
-    _I32_ARRAY,  # split arrival counters (zeroed before the launch; a dummy with one split)
     *("int64",) * 18,  # strides (batch or page, seq, head) of q, k_cache, v_cache, k_new, v_new, out
     "int64", "int64",  # seqlen_q, seqlen_new
     "int64", "int64", "int64",  # capacity (paged: page_size), block-table row stride, pages a sequence
@@ -91,4 +90,11 @@ DECODE_ABI = (
     "int64", "int64", "int64",  # heads_kv, group, row blocks
     "int64",  # num_splits
     "float32", "bool",  # softmax scale * log2(e), write lse
+)
+DECODE_COMBINE_ABI = (
+    _F32_ARRAY, _F32_ARRAY,  # o_part, lse_part
+    _U16_ARRAY, _F32_ARRAY,  # out, lse
+    "int64", "int64", "int64",  # out strides
+    "int64", "int64", "int64",  # batch, seqlen_q, heads_q
+    "int64", "bool",  # num_splits, write lse
 )

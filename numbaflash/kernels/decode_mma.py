@@ -17,9 +17,7 @@ K and V tiles of ``block_n`` keys stream through a ring of ``stages`` swizzled s
 Each warp takes ``block_n / num_warps`` keys of every tile: S = Q K_wᵀ, its own online softmax,
 O_w += P_w V_w. At the end the warps' (m, l, O) merge through shared memory (reusing the ring);
 with one split the CTA writes O in the input dtype (and the LSE), else float32 partials of O and
-their LSE; the splits of a (batch, KV head, row block) count their arrivals on a counter that
-the host zeroes before the launch, and the last to arrive merges them (``merge_splits``): one
-kernel a call, split or not.
+their LSE, which ``make_decode_combine_kernel`` merges.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 
-from numba import cuda, float32, int32, int64, types, uint32, uint64
+from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
 from .common import FULL_MASK, NEG_INF
@@ -54,9 +52,6 @@ KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb
 # Where one key row lives (``row_place``): below the total length, from the new rows, the
 # cache unit (batch, or page) and row in it, the row in the new rows, and room in the cache.
 RowPlace = namedtuple("RowPlace", ["exists", "from_new", "unit", "row", "new_row", "in_cache"])
-# The packed query rows of one CTA: batch, KV head, the GQA group, the first row, the rows in
-# all (group x seqlen_q), seqlen_q and heads_q.
-PackedRows = namedtuple("PackedRows", ["b", "kv_head", "group", "r0", "total", "seqlen_q", "heads_q"])
 
 LOG2_E = float32(math.log2(math.e))
 LN2 = float32(math.log(2.0))
@@ -67,7 +62,6 @@ DECODE_ARGTYPES = (
     types.int32[::1], types.int32[::1],  # cache_seqlens, block_table (length 1 when not paged)
     types.uint16[::1], types.float32[::1],  # out, lse (length 1 when not asked for)
     types.float32[::1], types.float32[::1],  # o_part, lse_part (split partials; length 1 with one split)
-    types.int32[::1],  # split arrival counters, one a (batch, KV head, row block), zero at launch
     *(types.int64,) * 18,  # strides (batch/page, seq, head) of q, k_cache, v_cache, k_new, v_new, out
     types.int64, types.int64,  # seqlen_q, seqlen_new (0: nothing to append)
     types.int64, types.int64,  # capacity (rows per batch; paged: page_size), block table row stride
@@ -78,6 +72,16 @@ DECODE_ARGTYPES = (
     types.float32,  # softmax scale * log2(e)
     types.boolean,  # write the LSE
 )
+
+DECODE_COMBINE_ARGTYPES = (
+    types.float32[::1], types.float32[::1],  # o_part, lse_part
+    types.uint16[::1], types.float32[::1],  # out, lse
+    types.int64, types.int64, types.int64,  # out strides (batch, seq, head)
+    types.int64, types.int64, types.int64,  # batch, seqlen_q, heads_q
+    types.int64,  # num_splits
+    types.boolean,  # write the LSE
+)
+
 
 @cuda.jit(device=True, forceinline=True)
 def decode_split(total_tiles, num_splits, split):
@@ -310,54 +314,8 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                     if key >= total or (CAUSAL and key > limit[mt, e // 2]):
                         acc_s[mt, j, e] = NEG_INF
 
-    @cuda.jit(device=True, forceinline=True)
-    def merge_splits(o_part, lse_part, out, lse, rows, num_splits, o_strides, write_lse, tid):
-        """The last split of a (batch, KV head, row block) to finish: every split's normalised
-        float32 O rows weighted by exp(LSE_split - LSE_max), renormalised, written in the
-        input dtype (and the merged LSE); thread t takes 8 consecutive columns of rows, as the
-        warps' merge does. Partials are read through L2 (``ld_global_cg``): other CTAs wrote them."""
-        o_sb, o_ss, o_sh = o_strides
-        o_base = ptx.global_address_f32(o_part)
-        lse_base = ptx.global_address_f32(lse_part)
-        acc = cuda.local.array(8, float32)
-        vals = cuda.local.array(4, float32)
-        packed = cuda.local.array(4, uint32)
-        for i in range((BM * CPR + THREADS - 1) // THREADS):
-            idx = tid + i * THREADS
-            row = idx // CPR
-            chunk = idx % CPR
-            r = rows.r0 + row
-            if idx < BM * CPR and r < rows.total:
-                pos = r // rows.group
-                head = rows.kv_head * rows.group + r - pos * rows.group
-                row_id = (rows.b * rows.heads_q + head) * rows.seqlen_q + pos
-                m_max = NEG_INF
-                for s in range(num_splits):
-                    m_max = max(m_max, ptx.ld_global_cg_f32(lse_base + (row_id * num_splits + s) * 4))
-                for c in range(8):
-                    acc[c] = 0.0
-                total = float32(0.0)
-                if m_max != NEG_INF:
-                    for s in range(num_splits):
-                        value = ptx.ld_global_cg_f32(lse_base + (row_id * num_splits + s) * 4)
-                        if value != NEG_INF:
-                            weight = ptx.exp2((value - m_max) * LOG2_E)
-                            total += weight
-                            at = o_base + ((row_id * num_splits + s) * D + chunk * 8) * 4
-                            for half in range(2):
-                                ptx.ld_global_cg_v4_f32(vals, at + half * 16)
-                                for c in range(4):
-                                    acc[4 * half + c] += weight * vals[c]
-                inv = float32(1.0) / total if total > 0 else float32(0.0)
-                for c in range(4):
-                    packed[c] = pack_16bit(acc[2 * c] * inv, acc[2 * c + 1] * inv, BF16)
-                at = ptx.global_address(out) + (rows.b * o_sb + pos * o_ss + head * o_sh) * 2 + chunk * 16
-                ptx.st_global_v4_at(at, packed)
-                if write_lse and chunk == 0:
-                    lse[uint64(row_id)] = m_max + ptx.log2(total) * LN2 if total > 0 else NEG_INF
-
     def flash_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse, o_part,
-                     lse_part, counters, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss, vc_sh,
+                     lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss, vc_sh,
                      kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh, seqlen_q, seqlen_new,
                      capacity, bt_stride, pages, page_magic, page_shift, heads_kv, group, row_blocks,
                      num_splits, scale_log2, write_lse):
@@ -511,24 +469,59 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                         o_part[uint64(part + c)] = acc[c] * inv
                     if chunk == 0:
                         lse_part[uint64(row_id * num_splits + split)] = lse_value
-        if num_splits > 1:
-            # The splits of a (batch, KV head, row block) count their arrivals; the last one
-            # merges every split's rows (``merge_splits``) and sets the counter back to 0.
-            cuda.threadfence()
-            cuda.syncthreads()
-            last = cuda.shared.array(1, int32)
-            unit = b * int64(cuda.gridDim.y) + int64(cuda.blockIdx.y)
-            if tid == 0:
-                arrived = ptx.atom_acq_rel_gpu_add_s32(ptx.global_address_i32(counters) + unit * 4, 1)
-                last[0] = 1 if arrived == num_splits - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 1:
-                rows = PackedRows(b, kv_head, group, r0, rows_total, seqlen_q, heads_q)
-                merge_splits(o_part, lse_part, out, lse, rows, num_splits, (o_sb, o_ss, o_sh), write_lse, tid)
-                if tid == 0:
-                    counters[uint64(unit)] = 0
 
     kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
     flash_decode.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
     flash_decode.launch_bounds = (THREADS, 1)
     return flash_decode
+
+
+def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
+    """Merge the splits' float32 partials (``DECODE_COMBINE_ARGTYPES``): one warp per output row
+    (batch, position, query head), 4 warps a CTA, grid ceil(rows / 4); ``causal`` is unused."""
+    D = config.head_dim
+    PER_LANE = (D + 31) // 32
+    BF16 = bf16
+
+    def decode_combine(o_part, lse_part, out, lse, o_sb, o_ss, o_sh, batch, seqlen_q, heads_q, num_splits,
+                       write_lse):
+        tid = cuda.threadIdx.x & 1023
+        lane = tid % 32
+        row_id = int64(cuda.blockIdx.x) * 4 + tid // 32  # (b * heads_q + head) * seqlen_q + pos
+        if row_id >= batch * heads_q * seqlen_q:
+            return
+        pos = row_id % seqlen_q
+        head = (row_id // seqlen_q) % heads_q
+        b = row_id // (seqlen_q * heads_q)
+        m_max = NEG_INF
+        for s in range(num_splits):
+            m_max = max(m_max, lse_part[uint64(row_id * num_splits + s)])
+        acc = cuda.local.array(PER_LANE, float32)
+        for c in range(PER_LANE):
+            acc[c] = 0.0
+        total = float32(0.0)
+        if m_max != NEG_INF:
+            for s in range(num_splits):
+                value = lse_part[uint64(row_id * num_splits + s)]
+                if value != NEG_INF:
+                    weight = ptx.exp2((value - m_max) * LOG2_E)
+                    total += weight
+                    for c in range(PER_LANE):
+                        col = lane + 32 * c
+                        if col < D:
+                            acc[c] += weight * o_part[uint64((row_id * num_splits + s) * D + col)]
+        inv = float32(1.0) / total if total > 0 else float32(0.0)
+        base = b * o_sb + pos * o_ss + head * o_sh
+        for c in range(PER_LANE):
+            col = lane + 32 * c
+            if col < D:
+                packed = pack_16bit(acc[c] * inv, float32(0.0), BF16)
+                out[uint64(base + col)] = uint16(packed & uint32(0xFFFF))
+        if write_lse and lane == 0:
+            lse[uint64((b * heads_q + head) * seqlen_q + pos)] = (
+                m_max + ptx.log2(total) * LN2 if total > 0 else NEG_INF)
+
+    decode_combine.__name__ = f"flash_decode_combine_d{D}_{'bf16' if bf16 else 'f16'}"
+    decode_combine.launch_bounds = (128, 1)
+    return decode_combine
+

@@ -24,12 +24,13 @@ LOG2_E = math.log2(math.e)
 class DecodeKernels(NamedTuple):
     config: Any  # kernels.shapes.DecodeConfig
     decode: tuple[Any, Launch]
+    combine: tuple[Any, Launch]
     ctas_per_sm: int  # decode CTAs an SM holds at once (registers and shared memory)
 
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
                    causal: bool, bf16: bool) -> DecodeKernels:
-    """The config and the loaded kernel of this problem on the current device."""
+    """The config and the two loaded kernels of this problem on the current device."""
     gpu = gpu_state.GPU
     ready = gpu.launchers.get(("decode", capability, device, head_dim, rows > 16, paged, causal, bf16))
     if ready is not None and not configs.DECODE_FORCED:
@@ -64,8 +65,7 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
                seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
                num_splits: int, return_lse: bool, capability: tuple[int, int],
                device: int) -> tuple[Any, Any]:
-    """Launch decode on the inputs' stream (after zeroing the split counters, split calls);
-    returns (out, lse or None)."""
+    """Launch decode (and combine) on the inputs' stream; returns (out, lse or None)."""
     gpu = gpu_state.GPU
     batch, seqlen_q, heads_q, head_dim = qd.shape
     heads_kv = kcd.shape[2]
@@ -92,23 +92,17 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
                        device=qd.device)
     lse = empty_lse(qd.obj, (batch, heads_q, seqlen_q)) if return_lse else None
     lse_arg = (device_pointer(lse), batch * heads_q * seqlen_q) if return_lse else scratch
-    o_part = lse_part = counters = scratch
-    stream = stream_handle(qd)
-    if splits > 1:  # the partials and the arrival counters, in one allocation of the inputs' library
+    o_part = lse_part = scratch
+    if splits > 1:
         n = batch * heads_q * seqlen_q * splits
-        units = batch * heads_kv * row_blocks
-        part = empty_lse(qd.obj, (n * (head_dim + 1) + units,))
+        part = empty_lse(qd.obj, (n * (head_dim + 1),))
         base = device_pointer(part)
         o_part, lse_part = (base, n * head_dim), (base + 4 * n * head_dim, n)
-        counters = (base + 4 * n * (head_dim + 1), units)
-        from ..runtime import launch as runtime_launch
-
-        runtime_launch.memset_d32_async(counters[0], 0, units, stream)
     table = None if btd is None else (btd.pointer, 1)
     call = DecodeCall(qd, kcd, vcd, knd, vnd, (seqd.pointer, batch), table,
                       btd.strides[0] if paged else 0, pages, capacity, outd, lse_arg, o_part, lse_part,
-                      counters, splits, row_blocks, np.float32(scale * LOG2_E), return_lse, stream,
+                      splits, row_blocks, np.float32(scale * LOG2_E), return_lse, stream_handle(qd),
                       scratch[0])
-    launcher, launch = kernels.decode
-    launch(launcher, call, gpu)
+    for launcher, launch in (kernels.decode, kernels.combine):
+        launch(launcher, call, gpu)
     return outd.obj, lse

@@ -20,12 +20,13 @@ from ..kernels.abi import (
     BACKWARD_DQ_ABI,
     BACKWARD_PREP_ABI,
     DECODE_ABI,
+    DECODE_COMBINE_ABI,
     FORWARD_ABI,
     WS_ABI,
 )
 from ..kernels.shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsConfig
 from .launch_backward import launch_backward_dq, launch_backward_main, launch_backward_prep
-from .launch_decode import launch_decode
+from .launch_decode import launch_decode, launch_decode_combine
 from .launch_forward import launch_sm80, launch_sm90
 
 
@@ -99,12 +100,15 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
                             "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_dq, masked=False),
 })
 BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
-# Decode against a KV cache: one kernel (split calls merge in it, ``decode_mma.merge_splits``).
+# Decode against a KV cache: the attention kernel, then (more than one split)
+# the combine kernel, which does not depend on causal masking.
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer", {
     "decode": KernelOp("decode", DECODE_ABI, "decode_mma:make_decode_kernel", "decode_mma:DECODE_ARGTYPES",
                        launch_decode),
+    "decode_combine": KernelOp("decode_combine", DECODE_COMBINE_ABI, "decode_mma:make_decode_combine_kernel",
+                               "decode_mma:DECODE_COMBINE_ARGTYPES", launch_decode_combine, masked=False),
 })
-DECODE_OPERATIONS = ("decode",)
+DECODE_OPERATIONS = ("decode", "decode_combine")
 FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM80_DEC)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
 _BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}

@@ -1,11 +1,12 @@
-"""The decode kernel's launch: from a ``DecodeCall`` to the parameter list of
-``kernels.abi.DECODE_ABI``, and the choice of the split count from the shapes alone
-(``decode_splits``).
+"""The decode kernels' launches: from a ``DecodeCall`` to the parameter lists of
+``kernels.abi.DECODE_ABI`` and ``DECODE_COMBINE_ABI``, and the choice of the split count from the
+shapes alone (``decode_splits``).
 
-decode (``flash_decode``): grid (num_splits, row_blocks * heads_kv, batch), ``config.threads``,
-``config.shared_bytes``. Row block rb of KV head h takes packed query rows rb * rows ..: the query
-heads of h times seqlen_q. With num_splits > 1 the caller has zeroed one int32 arrival counter a
-(batch, KV head, row block) in stream order before the launch (``counters``).
+1. decode (``flash_decode``): grid (num_splits, row_blocks * heads_kv, batch), ``config.threads``,
+   ``config.shared_bytes``. Row block rb of KV head h takes packed query rows rb * rows ..: the
+   query heads of h times seqlen_q.
+2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q / 4),
+   128 threads, one warp a row.
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ class DecodeCall(NamedTuple):
     lse: tuple[int, int]  # (pointer, elements) float32, or the scratch scalar
     o_part: tuple[int, int]
     lse_part: tuple[int, int]
-    counters: tuple[int, int]  # int32, zeroed (more than one split), or the scratch scalar
     num_splits: int
     row_blocks: int
     scale_log2: np.float32
@@ -127,12 +127,25 @@ def launch_decode(config) -> Launch:
                  (q.pointer, 1), (call.k_cache.pointer, 1), (call.v_cache.pointer, 1),
                  _array(call.k_new, call.scratch), _array(call.v_new, call.scratch),
                  call.cache_seqlens, call.block_table or (call.scratch, 1),
-                 (call.out.pointer, 1), call.lse, call.o_part, call.lse_part, call.counters,
+                 (call.out.pointer, 1), call.lse, call.o_part, call.lse_part,
                  *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
                  *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
                  seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
                  *(page_divider(call.capacity) if call.block_table else (0, 0)),
                  heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
-                 call.write_lse)
+                 call.write_lse and call.num_splits == 1)
+
+    return launch
+
+
+def launch_decode_combine(config) -> Launch:
+    def launch(launcher, call: DecodeCall, gpu: Any) -> None:
+        if call.num_splits == 1:
+            return
+        batch, seqlen_q, heads_q, _ = call.q.shape
+        rows = batch * heads_q * seqlen_q
+        launcher((-(-rows // 4), 1, 1), 128, call.stream, 0,
+                 call.o_part, call.lse_part, (call.out.pointer, 1), call.lse, *call.out.strides[:3],
+                 batch, seqlen_q, heads_q, call.num_splits, call.write_lse)
 
     return launch

@@ -47,20 +47,14 @@ from .matrix_load import (
 )
 from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
 from .reduce import (
-    atom_acq_rel_gpu_add_s32,
     global_address_f32,
     global_address_i32,
     ld_acquire_gpu_s32,
-    ld_global_cg_f32,
-    ld_global_cg_v4_f32,
     red_global_add_f32,
     red_release_gpu_add_s32,
 )
 
 __all__ = [
-    "atom_acq_rel_gpu_add_s32",
-    "ld_global_cg_f32",
-    "ld_global_cg_v4_f32",
     "cp_async_16",
     "cp_async_16_at",
     "cp_async_16_zfill",

@@ -1,9 +1,7 @@
 """Reductions into global memory and the acquire/release pair that orders them between CTAs
 (``ptx/reduce.cu``): the backward adds dQ into a float32 buffer with ``red_global_add_f32``,
 and in deterministic mode takes turns per query block with ``ld_acquire_gpu_s32`` /
-``red_release_gpu_add_s32`` on a counter. Decode's splits count their arrivals with
-``atom_acq_rel_gpu_add_s32``, and the last to arrive reads the others' partial results with
-``ld_global_cg_f32`` / ``ld_global_cg_v4_f32`` (L2, never a stale L1 line).
+``red_release_gpu_add_s32`` on a counter.
 
 Addresses are generic byte addresses of global memory (int64), from ``global_address_f32`` /
 ``global_address_i32`` plus an offset.
@@ -39,17 +37,3 @@ def global_address_f32(array):
 def global_address_i32(array):
     """Byte address (int64) of element 0 of an int32 device array."""
     return _address_i32(_ffi.from_buffer(array))
-
-atom_acq_rel_gpu_add_s32 = declare("reduce", "atom_acq_rel_gpu_add_s32", types.int32(_i64, types.int32))
-atom_acq_rel_gpu_add_s32.__doc__ = ("atom_acq_rel_gpu_add_s32(a, v) -> old *a; *a += v, acquire and release "
-                                    "order at GPU scope.")
-ld_global_cg_f32 = declare("reduce", "ld_global_cg_f32", types.float32(_i64))
-ld_global_cg_f32.__doc__ = "ld_global_cg_f32(address) -> float32 *address, cached in L2 only."
-_ld_global_cg_v4_f32 = declare("reduce", "ld_global_cg_v4_f32", types.void(f32p, _i64))
-
-
-@cuda.jit(device=True, forceinline=True)
-def ld_global_cg_v4_f32(regs, address):
-    """Load 4 float32 at the global byte address ``address`` (int64, 16-byte aligned) into
-    ``regs[0:4]``, cached in L2 only."""
-    _ld_global_cg_v4_f32(_ffi.from_buffer(regs), address)

@@ -36,14 +36,6 @@ def set_dynamic_shared_limit(kernel_handle, device: int, nbytes: int) -> None:
         raise RuntimeError(f"cannot allow {nbytes} bytes of dynamic shared memory on device {device}: {err}")
 
 
-def memset_d32_async(pointer: int, value: int, count: int, stream_handle: int) -> None:
-    """Set ``count`` 32-bit words at device ``pointer`` to ``value``, in stream order on
-    ``stream_handle`` (a memset node when the stream is being captured into a CUDA graph)."""
-    err = _libcuda().cuMemsetD32Async(pointer, value, count, stream_handle or None)
-    if err:
-        raise RuntimeError(f"cuMemsetD32Async of {count} words failed: {driver_error(err)}")
-
-
 def kernel_registers(kernel_handle, device: int) -> int:
     """Registers a thread of a loaded kernel (``CUkernel``) takes on device ``device``."""
     from cuda.bindings import driver
@@ -169,8 +161,6 @@ def _libcuda():
         lib.cuLaunchKernel.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
         lib.cuLaunchKernel.restype = ctypes.c_int
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, p]
-        lib.cuMemsetD32Async.restype = ctypes.c_int
         _LIBCUDA = lib
     return _LIBCUDA
 

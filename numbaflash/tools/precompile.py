@@ -78,8 +78,9 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
 
 
 def decode_kernels_for(arch: str) -> list[tuple]:
-    """(config, causal, bf16, arch, operation) of every decode kernel a GPU of ``arch`` runs: each
-    head dim, 16 or 32 packed rows, contiguous or paged, causal or not; each once."""
+    """(config, causal, bf16, arch, operation) of every decode kernel a GPU of ``arch`` runs: the
+    attention kernel of each head dim, 16 or 32 packed rows, contiguous or paged, causal or not,
+    and each head dim's combine kernel (causal-free: ``KernelOp.masked``); each once."""
     from ..configs import SUPPORTED_HEAD_DIMS, decode_config
     from ..operations.families import DECODE_OPERATIONS, family_of
 
