@@ -98,27 +98,30 @@ def test_decode_matches_reference(d, dtype, group, seqlen_q, paged, seqlen_new, 
 
 
 @pytest.mark.gpu
-def test_graph_replays_follow_cache_seqlens():
+@pytest.mark.parametrize("splits", [0, 4])
+def test_graph_replays_follow_cache_seqlens(splits):
     """A 32-step decode loop captured once: each replay appends one row and advances
-    cache_seqlens on the device; the outputs equal eager calls bit for bit."""
+    cache_seqlens on the device; the outputs equal eager calls bit for bit (with 4 splits the
+    graph also holds the zeroing of the split counters, and every replay merges again)."""
     batch, heads_kv, group, d, capacity = 2, 2, 4, 128, 256
     q, kc, vc, seqlens, new, _ = problem(7, batch, 1, heads_kv * group, heads_kv, d, capacity, 1,
                                          torch.float16, False)
     seqlens.fill_(10)
     kc_eager, vc_eager, lens_eager = kc.clone(), vc.clone(), seqlens.clone()
     out = torch.empty_like(q)
-    numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, k_new=new[0], v_new=new[1],
-                                            out=out)  # warm-up
+    numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, k_new=new[0], v_new=new[1], out=out,
+                                            num_splits=splits)  # warm-up
     kc.copy_(kc_eager)
     vc.copy_(vc_eager)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, k_new=new[0], v_new=new[1], out=out)
+        numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, k_new=new[0], v_new=new[1], out=out,
+                                                num_splits=splits)
         seqlens.add_(1)
     for _ in range(32):
         graph.replay()
         eager = numbaflash.flash_attention_with_kvcache(q, kc_eager, vc_eager, lens_eager, k_new=new[0],
-                                                        v_new=new[1])
+                                                        v_new=new[1], num_splits=splits)
         lens_eager.add_(1)
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
