@@ -279,6 +279,10 @@ def flash_attention_with_kvcache(
                                softmax_scale, num_splits, return_lse, out)
         if routed is not None:
             return routed
+        done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                                softmax_scale, num_splits, return_lse, out)
+        if done is not None:
+            return done
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, num_splits, return_lse, out)
 
@@ -318,6 +322,7 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
             raise ValueError(f"k_new has {knd.shape[1]} rows, more than the cache holds a sequence ({room})")
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
+    scale_key = softmax_scale  # as given: the plans' key (``decode.run_torch`` builds it the same way)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
@@ -333,6 +338,6 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         check_outputs_disjoint([outd], [op for op in given if op is not outd])
     capability, device = gpu_state.GPU.current()
     check_same_device([*given, seqd, *([btd] if btd is not None else [])], device)
-    result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale,
+    result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
                                     num_splits, return_lse, capability, device)
     return (result, lse) if return_lse else result

@@ -163,9 +163,19 @@ class FakeLauncher:
     def __init__(self, kernel, argtypes, name="kernel"):
         self.name, self.argtypes = name, argtypes
 
-    def __call__(self, grid, block, stream, shared_bytes, *args):
+    def bind(self, grid, block, shared_bytes, *args):
+        """KernelLauncher.bind's contract: fire(stream, *array pointers, in parameter order)."""
         assert len(args) == len(self.argtypes), (self.name, len(args), len(self.argtypes))
-        FakeLauncher.launches.append((self.name, grid, block, shared_bytes, args))
+        arrays = [i for i, name in enumerate(self.argtypes) if name.startswith("array")]
+
+        def fire(stream, *pointers):
+            assert len(pointers) == len(arrays), (self.name, len(pointers), len(arrays))
+            full = list(args)
+            for i, pointer in zip(arrays, pointers, strict=True):
+                full[i] = (pointer, args[i][1])
+            FakeLauncher.launches.append((self.name, grid, block, shared_bytes, tuple(full)))
+
+        return fire
 
 
 @pytest.fixture

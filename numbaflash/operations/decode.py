@@ -1,30 +1,46 @@
-"""Decode against a KV cache on device arrays: the config
-(``configs.decode_config``), its two kernels loaded once per device (``GPU.launchers``), the
-split count (``launch_decode.decode_splits``), the output and the split scratch from the inputs'
-library, and the launches on the inputs' stream."""
+"""Decode against a KV cache on device arrays: the config (``configs.decode_config``), its two
+kernels loaded once per device (``GPU.launchers``), the split count
+(``launch_decode.decode_splits``), the output and the split scratch from the inputs' library,
+and the launches on the inputs' stream.
+
+A validated call's layout (device, dtype, flags, scale as given, split request, shapes and
+strides of every operand) gets a plan once (``GPU.plans``, as the forward's): the launches bound
+with everything but the pointers. torch calls of a known layout then take ``run_torch``: the
+per-call checks, the allocations and the fires, no operand descriptions."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import configs
-from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
+from ..operands import (
+    FLOAT32,
+    TORCH_DTYPE_NAMES,
+    TORCH_TYPES,
+    Operand,
+    device_pointer,
+    empty_like,
+    empty_lse,
+    stream_handle,
+    torch_stream,
+)
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
 from .families import DECODE_OPERATIONS, family_of
-from .forward import loaded_kernel
-from .launch_decode import DecodeCall, Launch, decode_splits, resident_ctas
+from .forward import PLANS_KEPT, loaded_kernel
+from .launch_decode import MAX_SPLITS, Bind, DecodeCall, decode_splits, resident_ctas
 
 LOG2_E = math.log2(math.e)
 
 
 class DecodeKernels(NamedTuple):
     config: Any  # kernels.shapes.DecodeConfig
-    decode: tuple[Any, Launch]
-    combine: tuple[Any, Launch]
+    decode: tuple[Any, Bind]
+    combine: tuple[Any, Bind]
     ctas_per_sm: int  # decode CTAs an SM holds at once (registers and shared memory)
 
 
@@ -61,48 +77,205 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
     return ready
 
 
-def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd: Operand | None,
-               seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
-               num_splits: int, return_lse: bool, capability: tuple[int, int],
-               device: int) -> tuple[Any, Any]:
-    """Launch decode (and combine) on the inputs' stream; returns (out, lse or None)."""
+class DecodePlan(NamedTuple):
+    """What a validated decode call of one layout needs at launch, worked out once: the bound
+    launches (``fire(stream, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+    out, lse, o_part, lse_part)``, and with more than one split ``combine(stream, o_part,
+    lse_part, out, lse)``), the output's and the LSE's shapes, the split scratch (float32
+    elements, 0 with one split; lse_part's byte offset in it), the scratch scalar (what a
+    missing array points at), the extents in bytes of q, k_cache, v_cache, k_new and v_new (0
+    when absent) that a given out must not overlap, and a given out's own extent (its layout is
+    in the plan's key)."""
+
+    fire: Callable[..., None]
+    combine: Callable[..., None] | None
+    shape: tuple[int, int, int, int]
+    lse_shape: tuple[int, int, int] | None
+    parts: int
+    lse_part_at: int
+    scratch: int
+    spans: tuple[int, int, int, int, int]
+    out_span: int
+
+
+def _layout(op: Operand | None) -> tuple | None:
+    return None if op is None else (op.shape, op.strides)
+
+
+def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None, num_splits: int,
+             return_lse: bool, ops: tuple) -> tuple:
+    """The key of a decode plan in ``GPU.plans``: the device, the dtype, the flags, the scale as
+    the caller gave it (None or a float), the split request, and (shape, strides) of q,
+    k_cache, v_cache, cache_seqlens, k_new, v_new, block_table and out (None where absent);
+    ``run_torch`` builds the same key from torch's metadata."""
+    return ("decode", device, dtype_name, causal, scale_key, num_splits, return_lse, *map(_layout, ops))
+
+
+def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd: Operand | None,
+                seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
+                scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
+                device: int) -> DecodePlan:
+    """The plan of a validated call: from ``GPU.plans``, else made (config, kernels, split
+    count, bound launches) and kept there unless a config is forced."""
     gpu = gpu_state.GPU
+    forced = bool(configs.DECODE_FORCED)
+    key = plan_key(device, qd.dtype_name, causal, scale_key, num_splits, return_lse,
+                   (qd, kcd, vcd, seqd, knd, vnd, btd, outd))
+    plan = None if forced else gpu.plans.get(key)
+    if plan is not None:
+        return plan
     batch, seqlen_q, heads_q, head_dim = qd.shape
     heads_kv = kcd.shape[2]
-    group = heads_q // heads_kv
-    rows = group * seqlen_q
+    rows = heads_q // heads_kv * seqlen_q
     paged = btd is not None
     kernels = decode_kernels(capability, device, head_dim, rows, paged, causal, qd.dtype_name == "bfloat16")
     config = kernels.config
     row_blocks = -(-rows // config.rows)
     seqlen_new = knd.shape[1] if knd is not None else 0
-    if paged:
-        pages, capacity = btd.shape[1], kcd.shape[1]
-        max_keys = pages * capacity
-    else:
-        pages, capacity = 0, kcd.shape[1]
-        max_keys = capacity
+    pages, capacity = (btd.shape[1], kcd.shape[1]) if paged else (0, kcd.shape[1])
+    max_keys = pages * capacity if paged else capacity
     splits = num_splits or decode_splits(batch, heads_kv, row_blocks, max_keys + seqlen_new, config.block_n,
                                          gpu.sm_count(device), kernels.ctas_per_sm)
-    scratch = gpu.scratch_f32(device)
+    scratch = gpu.scratch_f32(device)[0]
+    lse_count = batch * heads_q * seqlen_q if return_lse else 1
+    n = batch * heads_q * seqlen_q * splits if splits > 1 else 0
+    out = outd or Operand("out", qd.shape, qd.dtype_name, True, None,
+                          (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), 0)
+    call = DecodeCall(qd, kcd, vcd, knd, vnd, (0, batch), (0, 1) if paged else None,
+                      btd.strides[0] if paged else 0, pages, capacity, out, (0, lse_count),
+                      (0, max(n * head_dim, 1)), (0, max(n, 1)), splits, row_blocks,
+                      np.float32(scale * LOG2_E), return_lse, 0, scratch)
+    (decode_launcher, bind_decode), (combine_launcher, bind_combine) = kernels.decode, kernels.combine
+    spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
+    plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),
+                      qd.shape, (batch, heads_q, seqlen_q) if return_lse else None, n * (head_dim + 1),
+                      4 * n * head_dim, scratch, spans, 2 * out.span)
+    if not forced:
+        with gpu.lock:
+            if len(gpu.plans) >= PLANS_KEPT:
+                del gpu.plans[next(iter(gpu.plans))]
+            gpu.plans[key] = plan
+    return plan
+
+
+def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd: Operand | None,
+               seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
+               scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
+               device: int) -> tuple[Any, Any]:
+    """Launch decode (and combine) on the inputs' stream; returns (out, lse or None)."""
+    plan = device_plan(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, scale, scale_key, num_splits,
+                       return_lse, capability, device)
     if outd is None:
         out = empty_like(qd.obj, qd.shape, qd.dtype_name)
-        outd = Operand("out", qd.shape, qd.dtype_name, True, out,
-                       (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), device_pointer(out),
-                       device=qd.device)
-    lse = empty_lse(qd.obj, (batch, heads_q, seqlen_q)) if return_lse else None
-    lse_arg = (device_pointer(lse), batch * heads_q * seqlen_q) if return_lse else scratch
-    o_part = lse_part = scratch
-    if splits > 1:
-        n = batch * heads_q * seqlen_q * splits
-        part = empty_lse(qd.obj, (n * (head_dim + 1),))
-        base = device_pointer(part)
-        o_part, lse_part = (base, n * head_dim), (base + 4 * n * head_dim, n)
-    table = None if btd is None else (btd.pointer, 1)
-    call = DecodeCall(qd, kcd, vcd, knd, vnd, (seqd.pointer, batch), table,
-                      btd.strides[0] if paged else 0, pages, capacity, outd, lse_arg, o_part, lse_part,
-                      splits, row_blocks, np.float32(scale * LOG2_E), return_lse, stream_handle(qd),
-                      scratch[0])
-    for launcher, launch in (kernels.decode, kernels.combine):
-        launch(launcher, call, gpu)
-    return outd.obj, lse
+        out_pointer = device_pointer(out)
+    else:
+        out, out_pointer = outd.obj, outd.pointer
+    lse = empty_lse(qd.obj, plan.lse_shape) if return_lse else None
+    lse_pointer = device_pointer(lse) if return_lse else plan.scratch
+    o_part = lse_part = plan.scratch
+    if plan.parts:
+        part = empty_lse(qd.obj, (plan.parts,))
+        o_part = device_pointer(part)
+        lse_part = o_part + plan.lse_part_at
+    none = plan.scratch
+    stream = stream_handle(qd)
+    plan.fire(stream, qd.pointer, kcd.pointer, vcd.pointer, knd.pointer if knd else none,
+              vnd.pointer if vnd else none, seqd.pointer, btd.pointer if btd else none, out_pointer,
+              lse_pointer, o_part, lse_part)
+    if plan.combine is not None:
+        plan.combine(stream, o_part, lse_part, out_pointer, lse_pointer)
+    return out, lse
+
+
+_INT32: list = []  # [torch.int32], once a torch call has come here
+
+
+def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any, v_new: Any,
+              block_table: Any, causal: Any, softmax_scale: Any, num_splits: Any, return_lse: Any, out: Any):
+    """Decode on torch tensors whose layout was validated before (a plan in ``GPU.plans``): the
+    per-call checks (CUDA tensors of the right dtypes on the current device, aligned pointers,
+    a given out overlapping no input), the allocations and the fires. None where it cannot tell
+    that the call is good: the full path (``api.direct_flash_attention_with_kvcache``) then runs
+    and gives the errors."""
+    gpu = gpu_state.GPU
+    plans = gpu.plans
+    if (not plans or configs.DECODE_FORCED or (causal is not True and causal is not False)
+            or (return_lse is not True and return_lse is not False) or type(num_splits) is not int
+            or not 0 <= num_splits <= MAX_SPLITS
+            or (softmax_scale is not None and type(softmax_scale) is not float)):
+        return None
+    types = TORCH_TYPES
+    if (type(q) not in types or type(k_cache) not in types or type(v_cache) not in types
+            or type(cache_seqlens) not in types):
+        return None
+    if not _INT32:
+        import torch
+
+        _INT32.append(torch.int32)
+    dtype = q.dtype
+    name = TORCH_DTYPE_NAMES.get(dtype)
+    device = q.get_device()
+    if (name is None or k_cache.dtype is not dtype or v_cache.dtype is not dtype or device < 0
+            or k_cache.get_device() != device or v_cache.get_device() != device
+            or cache_seqlens.dtype is not _INT32[0] or cache_seqlens.get_device() != device):
+        return None
+    layouts = [(q.shape, q.stride()), (k_cache.shape, k_cache.stride()), (v_cache.shape, v_cache.stride()),
+               (cache_seqlens.shape, cache_seqlens.stride())]
+    pointers = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()]
+    for x in (k_new, v_new):
+        if x is None:
+            layouts.append(None)
+            continue
+        if type(x) not in types or x.dtype is not dtype or x.get_device() != device:
+            return None
+        layouts.append((x.shape, x.stride()))
+        pointers.append(x.data_ptr())
+    if block_table is None:
+        layouts.append(None)
+    else:
+        if (type(block_table) not in types or block_table.dtype is not _INT32[0]
+                or block_table.get_device() != device):
+            return None
+        layouts.append((block_table.shape, block_table.stride()))
+    if out is not None:
+        if type(out) not in types or out.dtype is not dtype or out.get_device() != device:
+            return None
+        layouts.append((out.shape, out.stride()))
+    else:
+        layouts.append(None)
+    plan = plans.get(("decode", device, name, causal, softmax_scale, num_splits, return_lse, *layouts))
+    if plan is None or gpu.current()[1] != device:
+        return None
+    seq_pointer = cache_seqlens.data_ptr()
+    table_pointer = block_table.data_ptr() if block_table is not None else plan.scratch
+    aligned = 0
+    for pointer in pointers:
+        aligned |= pointer
+    if aligned & 15 or (seq_pointer | table_pointer) & 3:
+        return None
+    if out is None:
+        out = q.new_empty(plan.shape)
+        out_pointer = out.data_ptr()
+    else:
+        out_pointer = out.data_ptr()
+        end = out_pointer + plan.out_span
+        if out_pointer & 15 or any(p < end and out_pointer < p + span
+                                   for p, span in zip(pointers, plan.spans, strict=False)):
+            return None
+    lse = q.new_empty(plan.lse_shape, dtype=FLOAT32[0]) if return_lse else None
+    lse_pointer = lse.data_ptr() if return_lse else plan.scratch
+    o_part = lse_part = plan.scratch
+    part = None
+    if plan.parts:  # stream-ordered: torch reuses it only for work queued after these launches
+        part = q.new_empty((plan.parts,), dtype=FLOAT32[0])
+        o_part = part.data_ptr()
+        lse_part = o_part + plan.lse_part_at
+    none = plan.scratch
+    stream = torch_stream(device)
+    k_new_pointer = pointers[3] if k_new is not None else none
+    v_new_pointer = pointers[4] if v_new is not None else none
+    plan.fire(stream, pointers[0], pointers[1], pointers[2], k_new_pointer, v_new_pointer, seq_pointer,
+              table_pointer, out_pointer, lse_pointer, o_part, lse_part)
+    if plan.combine is not None:
+        plan.combine(stream, o_part, lse_part, out_pointer, lse_pointer)
+    return (out, lse) if return_lse else out

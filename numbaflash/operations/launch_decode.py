@@ -79,7 +79,9 @@ def page_divider(page_size: int) -> tuple[int, int]:
 
 
 class DecodeCall(NamedTuple):
-    """One decode call's operands (pointers and strides in elements) and scalars."""
+    """One layout of decode call, what its launches are bound with: operands (shapes and
+    strides in elements; their pointers are given at each fire), the element counts of the LSE
+    and split scratch, and scalars."""
 
     q: Operand
     k_cache: Operand
@@ -103,49 +105,50 @@ class DecodeCall(NamedTuple):
     scratch: int  # a device scalar: what a dummy array argument points at
 
 
-Launch = Callable[[Any, DecodeCall, Any], None]
-
-
-def _array(op: Operand | None, scratch: int) -> tuple[int, int]:
-    return (op.pointer, 1) if op is not None else (scratch, 1)
+# (launcher, call, gpu) -> fire(stream, *array pointers) of the call's layout, or None (a combine
+# with one split): the parameters are packed once (``KernelLauncher.bind``); a fire writes the
+# array pointers in parameter order and launches.
+Bind = Callable[[Any, DecodeCall, Any], "Callable[..., None] | None"]
 
 
 def _strides(op: Operand | None) -> tuple[int, int, int]:
     return tuple(op.strides[:3]) if op is not None else (0, 0, 0)
 
 
-def launch_decode(config) -> Launch:
+def launch_decode(config) -> Bind:
+    """decode's bind: fire(stream, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+    out, lse, o_part, lse_part); a missing array gets the scratch scalar's pointer."""
     threads, shared_bytes = config.threads, config.shared_bytes
 
-    def launch(launcher, call: DecodeCall, gpu: Any) -> None:
+    def bind(launcher, call: DecodeCall, gpu: Any):
         q = call.q
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = call.k_cache.shape[2]
         seqlen_new = call.k_new.shape[1] if call.k_new is not None else 0
         grid = (call.num_splits, call.row_blocks * heads_kv, batch)
-        launcher(grid, threads, call.stream, shared_bytes,
-                 (q.pointer, 1), (call.k_cache.pointer, 1), (call.v_cache.pointer, 1),
-                 _array(call.k_new, call.scratch), _array(call.v_new, call.scratch),
-                 call.cache_seqlens, call.block_table or (call.scratch, 1),
-                 (call.out.pointer, 1), call.lse, call.o_part, call.lse_part,
-                 *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
-                 *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
-                 seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
-                 *(page_divider(call.capacity) if call.block_table else (0, 0)),
-                 heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
-                 call.write_lse and call.num_splits == 1)
+        return launcher.bind(grid, threads, shared_bytes,
+                             (0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (0, batch), (0, 1), (0, 1),
+                             (0, call.lse[1]), (0, call.o_part[1]), (0, call.lse_part[1]),
+                             *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
+                             *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
+                             seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
+                             *(page_divider(call.capacity) if call.block_table else (0, 0)),
+                             heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
+                             call.write_lse and call.num_splits == 1)
 
-    return launch
+    return bind
 
 
-def launch_decode_combine(config) -> Launch:
-    def launch(launcher, call: DecodeCall, gpu: Any) -> None:
+def launch_decode_combine(config) -> Bind:
+    """combine's bind: fire(stream, o_part, lse_part, out, lse); None with one split."""
+
+    def bind(launcher, call: DecodeCall, gpu: Any):
         if call.num_splits == 1:
-            return
+            return None
         batch, seqlen_q, heads_q, _ = call.q.shape
         rows = batch * heads_q * seqlen_q
-        launcher((-(-rows // 4), 1, 1), 128, call.stream, 0,
-                 call.o_part, call.lse_part, (call.out.pointer, 1), call.lse, *call.out.strides[:3],
-                 batch, seqlen_q, heads_q, call.num_splits, call.write_lse)
+        return launcher.bind((-(-rows // 4), 1, 1), 128, 0, (0, call.o_part[1]), (0, call.lse_part[1]),
+                             (0, 1), (0, call.lse[1]), *call.out.strides[:3], batch, seqlen_q, heads_q,
+                             call.num_splits, call.write_lse)
 
-    return launch
+    return bind
