@@ -147,6 +147,12 @@ def test_page_divider_divides(page_size):
         assert (j * magic) >> shift == j // page_size and j * magic < 1 << 64
 
 
+def test_a_combine_warp_holds_every_split():
+    from numbaflash.kernels.decode_mma import SPLITS_PER_WARP
+
+    assert MAX_SPLITS <= SPLITS_PER_WARP  # lane s of the combine warp reads split s
+
+
 def test_resident_ctas():
     # d128 decode on an H100: 168 registers, 100 KB: shared memory allows 2, registers 3
     assert resident_ctas(128, 168, 100 * 1024, 227 * 1024) == 2

@@ -28,7 +28,7 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
-from .common import FULL_MASK, NEG_INF
+from .common import FULL_MASK, NEG_INF, unroll
 from .shapes import DecodeConfig
 from .smem import block_offset, ldmatrix_offsets, swizzled_offset
 from .softmax import (
@@ -52,6 +52,9 @@ KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb
 # Where one key row lives (``row_place``): below the total length, from the new rows, the
 # cache unit (batch, or page) and row in it, the row in the new rows, and room in the cache.
 RowPlace = namedtuple("RowPlace", ["exists", "from_new", "unit", "row", "new_row", "in_cache"])
+# One combine warp's row: its accumulator, the partials, this lane's split weight, the row's first
+# split (row_id * num_splits), the last split's index, the lane.
+CombineRow = namedtuple("CombineRow", ["acc", "o_part", "weight", "first", "last", "lane"])
 
 LOG2_E = float32(math.log2(math.e))
 LN2 = float32(math.log(2.0))
@@ -476,12 +479,33 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     return flash_decode
 
 
+# Splits one combine warp merges: lane s holds split s's LSE (``launch_decode.MAX_SPLITS`` <= this).
+SPLITS_PER_WARP = 32
+
+
 def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     """Merge the splits' float32 partials (``DECODE_COMBINE_ARGTYPES``): one warp per output row
-    (batch, position, query head), 4 warps a CTA, grid ceil(rows / 4); ``causal`` is unused."""
+    (batch, position, query head), 4 warps a CTA, grid ceil(rows / 4); ``causal`` is unused.
+
+    Lane s reads split s's LSE; the warp's max and the weights exp(LSE_s - max) come from
+    shuffles, and the O rows are summed over a fully unrolled loop of ``SPLITS_PER_WARP``
+    steps whose loads do not depend on each other (a step past the last split reads the last
+    split's row again with weight 0), so they are all in flight at once instead of one L2
+    round trip a split."""
     D = config.head_dim
     PER_LANE = (D + 31) // 32
     BF16 = bf16
+
+    @cuda.jit(device=True, forceinline=True)
+    def add_split(s, state):
+        """acc += weight_s * O_s (split s, or the last split with weight 0 past it); ``state``:
+        a ``CombineRow``."""
+        w = cuda.shfl_sync(FULL_MASK, state.weight, s)
+        at = (state.first + min(int64(s), state.last)) * D + state.lane
+        for c in range(PER_LANE):
+            state.acc[c] += w * state.o_part[uint64(at + 32 * c)]
+
+    add_splits = unroll(add_split, SPLITS_PER_WARP)
 
     def decode_combine(o_part, lse_part, out, lse, o_sb, o_ss, o_sh, batch, seqlen_q, heads_q, num_splits,
                        write_lse):
@@ -493,30 +517,24 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
         pos = row_id % seqlen_q
         head = (row_id // seqlen_q) % heads_q
         b = row_id // (seqlen_q * heads_q)
-        m_max = NEG_INF
-        for s in range(num_splits):
-            m_max = max(m_max, lse_part[uint64(row_id * num_splits + s)])
+        first = row_id * num_splits
+        mine = lse_part[uint64(first + lane)] if lane < num_splits else NEG_INF
+        m_max = mine
+        for step in (16, 8, 4, 2, 1):
+            m_max = max(m_max, cuda.shfl_xor_sync(FULL_MASK, m_max, step))
+        weight = ptx.exp2((mine - m_max) * LOG2_E) if mine != NEG_INF else float32(0.0)
+        total = weight
+        for step in (16, 8, 4, 2, 1):
+            total += cuda.shfl_xor_sync(FULL_MASK, total, step)
         acc = cuda.local.array(PER_LANE, float32)
         for c in range(PER_LANE):
             acc[c] = 0.0
-        total = float32(0.0)
-        if m_max != NEG_INF:
-            for s in range(num_splits):
-                value = lse_part[uint64(row_id * num_splits + s)]
-                if value != NEG_INF:
-                    weight = ptx.exp2((value - m_max) * LOG2_E)
-                    total += weight
-                    for c in range(PER_LANE):
-                        col = lane + 32 * c
-                        if col < D:
-                            acc[c] += weight * o_part[uint64((row_id * num_splits + s) * D + col)]
+        add_splits(CombineRow(acc, o_part, weight, first, num_splits - 1, lane))
         inv = float32(1.0) / total if total > 0 else float32(0.0)
         base = b * o_sb + pos * o_ss + head * o_sh
         for c in range(PER_LANE):
-            col = lane + 32 * c
-            if col < D:
-                packed = pack_16bit(acc[c] * inv, float32(0.0), BF16)
-                out[uint64(base + col)] = uint16(packed & uint32(0xFFFF))
+            packed = pack_16bit(acc[c] * inv, float32(0.0), BF16)
+            out[uint64(base + lane + 32 * c)] = uint16(packed & uint32(0xFFFF))
         if write_lse and lane == 0:
             lse[uint64((b * heads_q + head) * seqlen_q + pos)] = (
                 m_max + ptx.log2(total) * LN2 if total > 0 else NEG_INF)
@@ -524,4 +542,3 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     decode_combine.__name__ = f"flash_decode_combine_d{D}_{'bf16' if bf16 else 'f16'}"
     decode_combine.launch_bounds = (128, 1)
     return decode_combine
-
