@@ -267,7 +267,7 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
     o_part = lse_part = plan.scratch
     part = None
     if plan.parts:  # stream-ordered: torch reuses it only for work queued after these launches
-        part = q.new_empty((plan.parts,), dtype=FLOAT32[0])
+        part = q.new_empty((2 * plan.parts,))  # the float32 scratch as 16-bit elements: no dtype keyword
         o_part = part.data_ptr()
         lse_part = o_part + plan.lse_part_at
     none = plan.scratch
