@@ -473,15 +473,17 @@ def force_decode_config(config):
 
 def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
                   shared_limit: int | None = None):
-    """The decode kernel's config: 16 packed query rows a CTA, or 32 where
-    the query heads of a KV head times seqlen_q need more; 64 keys over 4 warps and a ring of 3,
-    else smaller, whichever first fits the GPU's shared memory a CTA."""
+    """The decode kernel's config: 16 packed query rows a CTA, or 32 where the query heads of a
+    KV head times seqlen_q need more and the head dim is at most 128 (at d256 a thread's O for
+    32 rows is 256 floats: 600 spill instructions, half the speed of two 16-row blocks that read
+    K and V twice, lab notebook DEC.3); 64 keys over 4 warps and a ring of 3, else smaller,
+    whichever first fits the GPU's shared memory a CTA."""
     from .kernels.shapes import DecodeConfig
 
     if DECODE_FORCED and DECODE_FORCED[0].head_dim == head_dim:
         return DECODE_FORCED[0]
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
-    m_tiles = 1 if rows <= 16 else 2
+    m_tiles = 1 if rows <= 16 or head_dim > 128 else 2
     tried = [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
              for n, w in ((64, 4), (32, 2)) for s in (3, 2)]
     for config in tried:

@@ -147,6 +147,16 @@ def test_page_divider_divides(page_size):
         assert (j * magic) >> shift == j // page_size and j * magic < 1 << 64
 
 
+def test_32_row_tiles_only_up_to_head_dim_128():
+    """At d256 the 32-row kernel spills (its O is 256 floats a thread): 16-row tiles instead."""
+    from numbaflash.configs import decode_config, shipped_decode_configs
+
+    assert decode_config((9, 0), 128, 32, False).m_tiles == 2
+    assert decode_config((9, 0), 256, 32, False).m_tiles == 1
+    assert decode_config((9, 0), 256, 128, True).m_tiles == 1
+    assert all(c.m_tiles == 1 for c in shipped_decode_configs() if c.head_dim > 128)
+
+
 def test_a_combine_warp_holds_every_split():
     from numbaflash.kernels.decode_mma import SPLITS_PER_WARP
 
