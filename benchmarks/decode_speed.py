@@ -20,9 +20,6 @@ is bottom-right and, with seqlen_q rows against thousands of keys, hides a handf
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import statistics
 import time
 
@@ -178,28 +175,10 @@ def host_table(args) -> None:
           f"({b}, {sk}, {hq}, {hkv}, {d}), fp16, {args.calls} calls")
     print(f"{'implementation':<26} {'back-to-back us/call':>21} {'one call, device busy, us':>26}")
     for name, call in calls.items():
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            call()
-        wall = (time.perf_counter() - start) / args.calls * 1e6
-        torch.cuda.synchronize()
-        busy = statistics.median(bench.time_host_issue(device, [call], min(args.calls, 500))) * 1e3
+        wall, busy = bench.host_cost_us(device, call, args.calls)
         print(f"{name:<26} {wall:>21.1f} {busy:>26.1f}", flush=True)
     if args.profile:
-        profiler = cProfile.Profile()
-        call = calls["numbaflash out="]
-        torch.cuda.synchronize()
-        profiler.enable()
-        for _ in range(args.calls):
-            call()
-        profiler.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-        print(text.getvalue())
+        print(bench.profile_calls(device, calls["numbaflash out="], args.calls))
 
 
 def main() -> None:

@@ -13,11 +13,6 @@ cProfile of numbaflash's calls, sorted by own time.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
-import statistics
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -25,17 +20,6 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import numbaflash
 from numbaflash.tools import bench
-
-
-def back_to_back_us(call, calls: int) -> float:
-    """Microseconds a call over ``calls`` back-to-back calls (synchronised before and after)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main() -> None:
@@ -52,11 +36,7 @@ def main() -> None:
     rows = []
 
     def measure(name, call):
-        for _ in range(20):
-            call()
-        wall = back_to_back_us(call, args.calls)
-        busy = statistics.median(bench.time_host_issue(device, [call], min(args.calls, 500))) * 1e3
-        rows.append((name, wall, busy))
+        rows.append((name, *bench.host_cost_us(device, call, args.calls)))
 
     # Each family at a head dim it runs without a forced config (the hot path a user gets):
     # on Hopper the sm90 kernel at --head-dim and the sm80 kernel at 32 (Hopper's own kernel
@@ -87,16 +67,7 @@ def main() -> None:
         print(f"{name:<26} {wall:>21.1f} {busy:>26.1f}")
 
     if args.profile:
-        profiler = cProfile.Profile()
-        torch.cuda.synchronize()
-        profiler.enable()
-        for _ in range(args.calls):
-            profiled()
-        profiler.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-        print(text.getvalue())
+        print(bench.profile_calls(device, profiled, args.calls))
 
 
 if __name__ == "__main__":

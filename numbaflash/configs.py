@@ -493,18 +493,26 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
                        "a CTA")
 
 
+def decode_configs_for(capability: tuple[int, int]) -> list:
+    """The decode configs a GPU of ``capability`` dispatches: each head dim, 16 or more packed
+    rows, contiguous or paged; each once, in that order."""
+    found = []
+    for d in SUPPORTED_HEAD_DIMS:
+        for rows in (16, 32):
+            for paged in (False, True):
+                try:
+                    config = decode_config(capability, d, rows, paged)
+                except RuntimeError:  # nothing of this head dim fits the GPU's shared memory
+                    continue
+                if config not in found:
+                    found.append(config)
+    return found
+
+
 def shipped_decode_configs() -> list:
-    """Every decode config the representative GPUs can launch: each head dim,
-    16 or 32 packed rows, contiguous or paged, each once."""
+    """Every decode config the representative GPUs can launch (``decode_configs_for`` each),
+    each once."""
     shipped = []
     for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
-        for d in SUPPORTED_HEAD_DIMS:
-            for rows in (16, 32):
-                for paged in (False, True):
-                    try:
-                        config = decode_config(cap, d, rows, paged)
-                    except RuntimeError:
-                        continue
-                    if config not in shipped:
-                        shipped.append(config)
+        shipped += [c for c in decode_configs_for(cap) if c not in shipped]
     return shipped

@@ -614,3 +614,22 @@ def test_bench_family_and_flex_options():
     assert bench.LABELS["flex"] == "flex"
     with pytest.raises(SystemExit):
         bench.parse_args(["--family", "sm70"])
+
+
+def test_host_cost_warms_up_then_times_back_to_back_and_one_by_one(monkeypatch):
+    """20 untimed calls, ``calls`` back-to-back between two synchronisations, then one call at a
+    time (at most 500) with the device busy; 2 ms of host clock a call reads 2000 µs both ways;
+    the profile lists the calls' own function."""
+    dev = _FakeDevice()
+    ticks = {"now": 0.0}
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: ticks["now"])
+    made = []
+
+    def call():
+        made.append(1)
+        ticks["now"] += 0.002
+
+    wall, busy = bench.host_cost_us(dev, call, 30)
+    assert len(made) == 20 + 30 + 30
+    assert abs(wall - 2000.0) < 1e-6 and abs(busy - 2000.0) < 1e-6
+    assert "call" in bench.profile_calls(dev, call, 5)

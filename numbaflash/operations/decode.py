@@ -141,10 +141,9 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     n = batch * heads_q * seqlen_q * splits if splits > 1 else 0
     out = outd or Operand("out", qd.shape, qd.dtype_name, True, None,
                           (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), 0)
-    call = DecodeCall(qd, kcd, vcd, knd, vnd, (0, batch), (0, 1) if paged else None,
-                      btd.strides[0] if paged else 0, pages, capacity, out, (0, lse_count),
-                      (0, max(n * head_dim, 1)), (0, max(n, 1)), splits, row_blocks,
-                      np.float32(scale * LOG2_E), return_lse, 0, scratch)
+    call = DecodeCall(qd, kcd, vcd, knd, vnd, paged, btd.strides[0] if paged else 0, pages, capacity,
+                      out, lse_count, max(n * head_dim, 1), max(n, 1), splits, row_blocks,
+                      np.float32(scale * LOG2_E), return_lse)
     (decode_launcher, bind_decode), (combine_launcher, bind_combine) = kernels.decode, kernels.combine
     spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
     plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),

@@ -88,21 +88,18 @@ class DecodeCall(NamedTuple):
     v_cache: Operand
     k_new: Operand | None
     v_new: Operand | None
-    cache_seqlens: tuple[int, int]  # (pointer, elements) int32
-    block_table: tuple[int, int] | None  # (pointer, elements) int32, or None (not paged)
+    paged: bool  # K and V through a block table
     block_table_stride: int
     pages: int  # pages a sequence (paged), else 0
     capacity: int  # rows a sequence (paged: page size)
     out: Operand
-    lse: tuple[int, int]  # (pointer, elements) float32, or the scratch scalar
-    o_part: tuple[int, int]
-    lse_part: tuple[int, int]
+    lse_elements: int  # float32 LSE elements (1: the scratch scalar, when none is returned)
+    o_part_elements: int  # float32 split scratch (1 with one split)
+    lse_part_elements: int
     num_splits: int
     row_blocks: int
     scale_log2: np.float32
     write_lse: bool
-    stream: int
-    scratch: int  # a device scalar: what a dummy array argument points at
 
 
 # (launcher, call, gpu) -> fire(stream, *array pointers) of the call's layout, or None (a combine
@@ -128,11 +125,11 @@ def launch_decode(config) -> Bind:
         grid = (call.num_splits, call.row_blocks * heads_kv, batch)
         return launcher.bind(grid, threads, shared_bytes,
                              (0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (0, batch), (0, 1), (0, 1),
-                             (0, call.lse[1]), (0, call.o_part[1]), (0, call.lse_part[1]),
+                             (0, call.lse_elements), (0, call.o_part_elements), (0, call.lse_part_elements),
                              *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
                              *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
                              seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
-                             *(page_divider(call.capacity) if call.block_table else (0, 0)),
+                             *(page_divider(call.capacity) if call.paged else (0, 0)),
                              heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
                              call.write_lse and call.num_splits == 1)
 
@@ -147,8 +144,8 @@ def launch_decode_combine(config) -> Bind:
             return None
         batch, seqlen_q, heads_q, _ = call.q.shape
         rows = batch * heads_q * seqlen_q
-        return launcher.bind((-(-rows // 4), 1, 1), 128, 0, (0, call.o_part[1]), (0, call.lse_part[1]),
-                             (0, 1), (0, call.lse[1]), *call.out.strides[:3], batch, seqlen_q, heads_q,
-                             call.num_splits, call.write_lse)
+        return launcher.bind((-(-rows // 4), 1, 1), 128, 0, (0, call.o_part_elements),
+                             (0, call.lse_part_elements), (0, 1), (0, call.lse_elements),
+                             *call.out.strides[:3], batch, seqlen_q, heads_q, call.num_splits, call.write_lse)
 
     return bind

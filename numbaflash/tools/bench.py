@@ -647,6 +647,46 @@ def time_host_issue(device: Device, calls: Sequence[Callable[[], Any]], repeats:
     return times
 
 
+def time_back_to_back_us(device: Device, call: Callable[[], Any], calls: int) -> float:
+    """Host microseconds a call over ``calls`` back-to-back calls, synchronised before and after
+    (the host-cost measure of ``benchmarks/launch_overhead.py`` and ``decode_speed.py --host``)."""
+    device.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    device.synchronize()
+    return elapsed / calls * 1e6
+
+
+def host_cost_us(device: Device, call: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """(back-to-back µs a call, median µs of one call with the device busy) after 20 untimed
+    calls: a call's host cost, two ways."""
+    for _ in range(20):
+        call()
+    wall = time_back_to_back_us(device, call, calls)
+    busy = statistics.median(time_host_issue(device, [call], min(calls, 500))) * 1e3
+    return wall, busy
+
+
+def profile_calls(device: Device, call: Callable[[], Any], calls: int, top: int = 25) -> str:
+    """A cProfile of ``calls`` back-to-back calls, the ``top`` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    device.synchronize()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    device.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 SANITY_ROUNDS = 3
 
 

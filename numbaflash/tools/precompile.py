@@ -79,24 +79,14 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
 
 def decode_kernels_for(arch: str) -> list[tuple]:
     """(config, causal, bf16, arch, operation) of every decode kernel a GPU of ``arch`` runs: the
-    attention kernel of each head dim, 16 or 32 packed rows, contiguous or paged, causal or not,
-    and each head dim's combine kernel (causal-free: ``KernelOp.masked``); each once."""
-    from ..configs import SUPPORTED_HEAD_DIMS, decode_config
+    attention kernel of each config it dispatches (``configs.decode_configs_for``), causal or
+    not, and each config's combine kernel (causal-free: ``KernelOp.masked``); each once."""
+    from ..configs import decode_configs_for
     from ..operations.families import DECODE_OPERATIONS, family_of
 
-    cap = capability_of(arch)
-    items = []
-    for head_dim in SUPPORTED_HEAD_DIMS:
-        for rows in (16, 32):
-            for paged in (False, True):
-                try:
-                    config = decode_config(cap, head_dim, rows, paged)
-                except RuntimeError:
-                    continue
-                family = family_of(config)
-                items += [(config, family.op(operation).kernel_causal(causal), bf16, arch, operation)
-                          for operation in DECODE_OPERATIONS for causal in (False, True)
-                          for bf16 in (False, True)]
+    items = [(config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
+             for config in decode_configs_for(capability_of(arch)) for operation in DECODE_OPERATIONS
+             for causal in (False, True) for bf16 in (False, True)]
     return list(dict.fromkeys(items))
 
 
