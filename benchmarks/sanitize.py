@@ -81,21 +81,26 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found = {c for fam in families for d in own_dims[fam] for c in configs.CANDIDATES[(fam, d)]}
     found |= {c for fam, _, _, c in configs.shipped_configs() if fam in families}
     limit = configs.max_shared_bytes(capability)
-    found |= {c for cs in configs.BACKWARD_CANDIDATES.values() for c in cs if c.shared_bytes <= limit}
-    found |= {c for _, _, c in configs.shipped_backward_configs() if c.shared_bytes <= limit}
+    found |= {configs.backward_for_target(c, capability) for cs in configs.BACKWARD_CANDIDATES.values()
+              for c in cs if c.shared_bytes <= limit}
+    found |= {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
+              if c.shared_bytes <= limit}
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
     return sorted(found, key=str)
 
 
-def select_indices(spec: str | None, config_list: list[KernelConfig]) -> list[int]:
+def select_indices(spec: str | None, config_list: list[KernelConfig],
+                   capability: tuple[int, int] = (9, 0)) -> list[int]:
     """``--configs``: all if empty, ``shipped`` for those the dispatcher can launch (the tuned
-    table and defaults, ``configs.shipped_configs``), a comma list of indices, else the configs
+    table and defaults, ``configs.shipped_configs``; the backward's as a GPU of ``capability``,
+    the one ``config_list`` is for, compiles them), a comma list of indices, else the configs
     whose str contains it."""
     if not spec:
         return list(range(len(config_list)))
     if spec == "shipped":
         shipped = {c for _, _, _, c in configs.shipped_configs()}
-        shipped |= {c for _, _, c in configs.shipped_backward_configs()}
+        shipped |= {configs.backward_for_target(c, capability)
+                    for _, _, c in configs.shipped_backward_configs()}
         shipped |= set(configs.shipped_decode_configs())
         return [i for i, c in enumerate(config_list) if c in shipped]
     parts = [p.strip() for p in spec.split(",")]
@@ -420,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a GPU, compute-sanitizer (--sanitizer PATH) and tools among " + ", ".join(TOOLS),
               file=sys.stderr)
         return 2
-    indices = select_indices(args.configs, config_list)
+    indices = select_indices(args.configs, config_list, configs.FAMILY_CAPABILITY[arch])
     if not indices:
         print(f"--configs {args.configs!r} matches none of the {len(config_list)} configs (--list)",
               file=sys.stderr)

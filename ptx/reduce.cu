@@ -16,3 +16,7 @@ extern "C" __device__ int ld_acquire_gpu_s32(long long addr) {
 extern "C" __device__ void red_release_gpu_add_s32(long long addr, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(addr), "r"(v) : "memory");
 }
+// addr[0..3] += (a, b, c, d), float32, addr 16-byte aligned, no result, relaxed (sm_90 on).
+extern "C" __device__ void red_global_add_v4_f32(long long addr, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}

@@ -5,6 +5,7 @@ entries untouched) and the choice of the winner."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -141,7 +142,7 @@ def test_recording_leaves_the_forward_entries_alone(table_now):
     assert json.loads(configs.TABLE_PATH.read_text()) == shipped  # recording writes nothing
     table_now(json.loads(json.dumps(table, indent=1) + "\n"))
     for (d, causal), cand in won.items():  # the dispatcher picks the winners up
-        assert configs.backward_config(HOPPER, d, causal) == cand
+        assert configs.backward_config(HOPPER, d, causal) == configs.backward_for_target(cand, HOPPER)
         assert configs.backward_config(SM86, d, causal) == cand  # both fit in 99 KB
     for (cap, d, causal), config in forward_before.items():
         assert configs.forward_config(cap, d, causal) == config
@@ -152,7 +153,7 @@ def test_a_winner_too_big_for_a_gpu_is_passed_over_there(table_now):
     table: dict = {}
     autotune.record_backward(table, big, False, 1.0)
     table_now(table)
-    assert configs.backward_config(HOPPER, 128, False) == big
+    assert configs.backward_config(HOPPER, 128, False) == configs.backward_for_target(big, HOPPER)
     assert configs.backward_config(SM86, 128, False).shared_bytes <= configs.max_shared_bytes(SM86)
 
 
@@ -195,6 +196,8 @@ def test_tune_backward_times_what_fits_and_passes(monkeypatch, capsys):
     def timed(fn, **kw):
         fn()
         config = configs.backward_config(HOPPER, 64, current["causal"])
+        assert config.dq_vector == 4  # what an H100 compiles
+        config = dataclasses.replace(config, dq_vector=1)
         forced_while_timed.append(config)
         return speed[config]
 

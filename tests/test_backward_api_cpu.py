@@ -29,6 +29,11 @@ from numbaflash.runtime import device
 from numbaflash.runtime import launch as runtime_launch
 
 HOPPER, AMPERE, SM86 = (9, 0), (8, 0), (8, 6)
+
+
+def hopper(config: BackwardConfig) -> BackwardConfig:
+    """``config`` as an H100 compiles it (the dQ accumulator added four floats at a time)."""
+    return dataclasses.replace(config, dq_vector=4)
 ABIS = {"backward_prep": BACKWARD_PREP_ABI, "backward": BACKWARD_ABI, "backward_dq": BACKWARD_DQ_ABI}
 
 
@@ -334,6 +339,36 @@ def test_dq_fragment_order_covers_the_query_block_once(config):
     assert config.dq_position(37, 7) == (row, col + 1)
 
 
+@pytest.mark.parametrize("config", ALL_BACKWARD_CANDIDATES, ids=str)
+@pytest.mark.parametrize("vector", [1, 4])
+def test_dq_accumulator_offsets_cover_the_block_once(config, vector):
+    """``dq_offset`` maps the threads' fragment elements onto the block's floats one to one; one
+    add instruction of a warp covers whole 128-byte lines: 32 consecutive floats (one each,
+    ``red.global.add.f32``) or 128 (four adjacent each, ``red.global.add.v4.f32``, 16-byte
+    aligned)."""
+    config = dataclasses.replace(config, dq_vector=vector)
+    n = config.dq_fragment_elements
+    offsets = [config.dq_offset(tid, i) for tid in range(config.threads) for i in range(n)]
+    assert sorted(offsets) == list(range(config.block_m * config.head_dim))
+    for i in range(0, n, vector):
+        first = [config.dq_offset(tid, i) for tid in range(32, 64)]  # warp 1's lanes
+        assert first == [first[0] + vector * lane for lane in range(32)] and first[0] % (32 * vector) == 0
+        for e in range(vector):
+            assert [config.dq_offset(tid, i + e) for tid in range(32, 64)] == [f + e for f in first]
+
+
+@pytest.mark.parametrize("capability, vector", [(AMPERE, 1), (SM86, 1), (HOPPER, 4), ((10, 0), 4)])
+def test_the_target_sets_the_dq_add_width(capability, vector, fresh_choice):
+    """Every config a GPU launches, chosen or forced, adds dQ four floats at a time from sm_90 on
+    (``red.global.add.v4.f32`` does not exist before) and one at a time before."""
+    assert configs.backward_config(capability, 64, True, shared_limit=10**6).dq_vector == vector
+    with configs.force_config(capability, False, BackwardConfig(64, block_n=64, dq_vector=4)):
+        assert configs.backward_config(capability, 64, False).dq_vector == vector
+    assert BackwardConfig(64, dq_vector=4).tag.endswith("_v4") and "_v" not in BackwardConfig(64).tag
+    with pytest.raises(ValueError, match="dq_vector must be 1 or 4"):
+        BackwardConfig(64, dq_vector=2).check()
+
+
 def test_grids():
     rows_grid, main_grid = backward_grids(200, 300, 8, 2, 3, 128)
     assert rows_grid == (4, 8, 3) and main_grid == (3 * 2 * 3, 1, 1)  # the main grid: one dimension
@@ -393,13 +428,13 @@ def test_defaults_are_valid_and_in_order():
 @pytest.mark.parametrize("causal", [False, True])
 def test_config_by_shared_memory(causal, fresh_choice):
     d128 = configs.BACKWARD_DEFAULTS[128]
-    assert configs.backward_config(HOPPER, 128, causal) == d128[0]  # 161 KB
+    assert configs.backward_config(HOPPER, 128, causal) == hopper(d128[0])  # 161 KB
     assert configs.backward_config(AMPERE, 128, causal) == d128[0]  # 163 KB a CTA
     assert configs.backward_config(SM86, 128, causal) == d128[-1]  # 99 KB: 64 x 64, one Q stage
     assert configs.backward_config(AMPERE, 128, causal, shared_limit=140_000) == d128[2]
     assert configs.backward_config(AMPERE, 128, causal, shared_limit=120_000) == d128[3]
     assert configs.backward_config(AMPERE, 256, causal) == configs.BACKWARD_DEFAULTS[256][1]
-    assert configs.backward_config(HOPPER, 256, causal) == configs.BACKWARD_DEFAULTS[256][0]
+    assert configs.backward_config(HOPPER, 256, causal) == hopper(configs.BACKWARD_DEFAULTS[256][0])
     with pytest.raises(RuntimeError, match=r"no backward config for head_dim 256 fits in 101376 bytes of "
                                            r"shared memory a CTA \(BackwardConfig\(.*\) needs 214016"):
         configs.backward_config(SM86, 256, causal)
@@ -414,9 +449,9 @@ def test_table_entries_under_their_own_keys(table_with, fresh_choice):
     assert configs.backward_table_key(128, True) == "sm80bwd/d128/causal"
     table_with({"sm80bwd/d128/causal": tuned, "sm80bwd/d64/full": too_big})
     configs._backward_choice.cache_clear()
-    assert configs.backward_config(HOPPER, 128, True) == tuned
-    assert configs.backward_config(HOPPER, 128, False) == configs.BACKWARD_DEFAULTS[128][0]
-    assert configs.backward_config(HOPPER, 64, False) == too_big
+    assert configs.backward_config(HOPPER, 128, True) == hopper(tuned)
+    assert configs.backward_config(HOPPER, 128, False) == hopper(configs.BACKWARD_DEFAULTS[128][0])
+    assert configs.backward_config(HOPPER, 64, False) == hopper(too_big)
     assert configs.backward_config(SM86, 64, False, shared_limit=too_big.shared_bytes - 1) == \
         configs.BACKWARD_DEFAULTS[64][0]
     assert configs.config_to_json(tuned)["kernel"] == "mma_bwd"
@@ -442,7 +477,7 @@ def test_force_config_with_a_backward_config(fresh_choice):
         assert configs.backward_config(AMPERE, 64, False) == unforced != forced
         assert configs.forward_config(AMPERE, 64, True) == forward_before
     with configs.force_config(HOPPER, False, forced):  # every GPU runs the mma.sync backward
-        assert configs.backward_config(HOPPER, 64, False) == forced
+        assert configs.backward_config(HOPPER, 64, False) == hopper(forced)
     assert configs.OVERRIDES == {}
 
 
@@ -544,7 +579,7 @@ def test_forced_config_loads_its_own_kernels_and_too_big_is_refused(fake_gpu):
     forced = BackwardConfig(64, block_m=64, block_n=64, num_warps=4)
     unforced = backward.backward_kernels(HOPPER, 0, 64, False, False)
     with configs.force_config(HOPPER, False, forced):
-        assert backward.backward_kernels(HOPPER, 0, 64, False, False).config == forced
+        assert backward.backward_kernels(HOPPER, 0, 64, False, False).config == hopper(forced)
     assert backward.backward_kernels(HOPPER, 0, 64, False, False) is unforced
     big = configs.BACKWARD_DEFAULTS[128][0]
     fake_gpu.limit = 99 * 1024
@@ -755,7 +790,8 @@ def test_precompile_lists_the_backward_kernels():
                              for bf16 in (False, True) for op in families.BACKWARD_OPERATIONS}
         assert len(items) == len(expected) and set(items) == expected
         with_candidates = precompile.backward_kernels_for(arch, candidates=True)
-        assert {item[0] for item in with_candidates} == {c for cs in configs.BACKWARD_CANDIDATES.values()
+        assert {item[0] for item in with_candidates} == {configs.backward_for_target(c, cap)
+                                                          for cs in configs.BACKWARD_CANDIDATES.values()
                                                           for c in cs}
         assert all(len(item) == 4 for item in precompile.kernels_for(arch, candidates=False))  # the forward's
 
@@ -792,8 +828,12 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
         kind = masking + ("bf16" if bf16 else "f16")
         shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
         assert re.fullmatch(rf"flash_{operation}_{shape}_{kind}", name)
-        assert types_ == argtypes[operation] and archs == ("sm_80", "sm_90a")
+        # each config for the target that compiles it: the H100's (dQ four floats at a time)
+        # for sm_90a, the A100's and smaller GPUs' for sm_80
+        assert types_ == argtypes[operation]
+        assert archs == (("sm_90a",) if config.dq_vector == 4 else ("sm_80",))
     assert {(c, causal) for c, causal, _, _ in made} == {(c, causal) for _, causal, c in shipped}
+    assert {c.head_dim for _, _, c in shipped if c.dq_vector == 4} == set(configs.SUPPORTED_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("head_dim", range(32, 257, 32))

@@ -456,6 +456,34 @@ def test_red_global_add_f32_sums_every_value():
     np.testing.assert_array_equal(out, want.astype(np.float32))
 
 
+@pytest.mark.hopper
+def test_red_global_add_v4_f32_adds_four_adjacent_floats():
+    """sm_90's vector red: thread i adds values[i, 0..3] into out[4 index[i] .. 4 index[i] + 3]
+    (16-byte aligned); many threads share each group of four, and each float ends as the sum of
+    its values (small integers: exact in any order). Not in ``_sm80_kernels`` (no sm_80 form)."""
+    from numba import cuda
+
+    from numbaflash import ptx
+
+    @cuda.jit
+    def red_add_v4_kernel(values, index, out):
+        i = cuda.grid(1)
+        if i < index.size:
+            ptx.red_global_add_v4_f32(ptx.global_address_f32(out) + index[i] * 16, values[i, 0],
+                                      values[i, 1], values[i, 2], values[i, 3])
+
+    rng = _rng("red_add_v4")
+    n, groups = 1 << 15, 29
+    values = rng.integers(-8, 9, (n, 4)).astype(np.float32)
+    index = rng.integers(0, groups, n).astype(np.int64)
+    start = rng.integers(-100, 100, 4 * groups).astype(np.float32)
+    dev = [cuda.to_device(a) for a in (values, index, start)]
+    red_add_v4_kernel[(n + 255) // 256, 256](*dev)
+    want = start.astype(np.float64).reshape(groups, 4)
+    np.add.at(want, index, values.astype(np.float64))
+    np.testing.assert_array_equal(dev[2].copy_to_host(), want.reshape(-1).astype(np.float32))
+
+
 @gpu
 def test_acquire_release_turns_pass_in_block_order():
     """Blocks wait for their turn on a counter (acquire load) and pass it on (release add): the

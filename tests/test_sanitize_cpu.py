@@ -122,8 +122,10 @@ def test_runnable_configs(capability, families):
     assert any(isinstance(c, WsConfig) for c in got) == ("sm90" in families)
     expected = {c for fam in families for d in FAMILY_HEAD_DIMS[fam] for c in CANDIDATES[(fam, d)]} | shipped
     limit = configs.max_shared_bytes(capability)  # and the backward's, every GPU runs them
-    expected |= {c for cs in configs.BACKWARD_CANDIDATES.values() for c in cs if c.shared_bytes <= limit}
-    assert {c for _, _, c in configs.shipped_backward_configs() if c.shared_bytes <= limit} <= expected
+    expected |= {configs.backward_for_target(c, capability) for cs in configs.BACKWARD_CANDIDATES.values()
+                 for c in cs if c.shared_bytes <= limit}
+    assert {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
+            if c.shared_bytes <= limit} <= expected
     expected |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}  # decode's
     assert set(got) == expected
 
@@ -138,9 +140,10 @@ def test_select_indices():
         i for i, c in enumerate(cl) if "head_dim=64, block_n=128" in str(c)]
     with pytest.raises(ValueError, match="out of range"):
         san.select_indices(str(len(cl)), cl)
-    shipped = [cl[i] for i in san.select_indices("shipped", cl)]
+    shipped = [cl[i] for i in san.select_indices("shipped", cl, (9, 0))]
     assert set(shipped) == ({c for _, _, _, c in san.configs.shipped_configs()}
-                            | {c for _, _, c in san.configs.shipped_backward_configs()}
+                            | {configs.backward_for_target(c, (9, 0))
+                               for _, _, c in san.configs.shipped_backward_configs()}
                             | set(san.configs.shipped_decode_configs()))
     assert len(shipped) < len(cl)
 

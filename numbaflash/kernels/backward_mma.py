@@ -16,10 +16,10 @@ Three kernels over one float32 workspace (``abi.BACKWARD_ABI`` describes it):
      past the last key and after the causal diagonal, stored as 16-bit tiles in shared memory;
    - ``product_tn``: dV += Pᵀ dO from those tiles;
    - ``add_dq``: dQ_i += dS K, read transposed from the dSᵀ tile, added into the float32
-     accumulator with ``red.global.add.f32`` (in the dQ product's fragment order,
-     ``BackwardConfig.dq_position``); in deterministic mode CTAs take turns per query block in
-     key-block order (a counter per block, acquire/release), so the sums are bit-identical from
-     run to run;
+     accumulator with ``red.global.add.f32`` (``.v4.f32`` on sm_90: ``dq_vector``), in the dQ
+     product's fragment order (``BackwardConfig.dq_offset``); in deterministic mode CTAs take
+     turns per query block in key-block order (a counter per block, acquire/release), so the
+     sums are bit-identical from run to run;
    - ``product_tn``: dK += dSᵀ Q (after dQ, so that its adds drain under the dK product).
 
    At the end dK is scaled by the softmax scale and dK, dV are written through shared memory
@@ -243,6 +243,7 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     RB = config.row_bytes
     CPR = D // 8
     STORE_ROWS = BM // config.num_warps  # rows each warp writes out
+    VEC = config.dq_vector
     TILE = BM * D  # 16-bit elements of the block's shared tile
     if TILE * 2 > 48 * 1024:
         raise ValueError(f"the dQ kernel's static shared tile ({BM} x {D} 16-bit) exceeds 48 KB: {config}")
@@ -257,12 +258,12 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         head = int64(cuda.blockIdx.y)
         batch = int64(cuda.blockIdx.z)
         m0 = int64(cuda.blockIdx.x) * BM
-        at = ((batch * heads_q + head) * rows + m0) * D + tid
+        at = ((batch * heads_q + head) * rows + m0) * D + VEC * tid
         acc = cuda.local.array((QMT, DQ_N, 4), float32)
         for mt in range(QMT):
             for j in range(DQ_N):
-                for e in range(4):
-                    acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e) * THREADS]
+                for e in range(4):  # config.dq_offset(tid, 4 (mt DQ_N + j) + e) in the block
+                    acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS + e % VEC]
         row0 = (warp % QR) * 16 * QMT
         col0 = (warp // QR) * DQ_COLS
         for mt in range(QMT):
@@ -313,6 +314,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     SQ0, SDO0 = layout["q"], layout["do"]
     SLSE0, SDELTA0, STAGE = layout["lse"], layout["delta"], layout["stage"]
     STORE_ROWS = BN // WARPS  # rows of dK and dV each warp writes out
+    DQ_VECTOR = config.dq_vector
     CAUSAL = causal
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
@@ -407,15 +409,22 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, forceinline=True)
     def add_dq(ds_tile, sk, dq_at, frags, offsets, acc_q):
-        """dQ of this step for the warp's part, added with red.global.add.f32 into the query
-        block's accumulator in fragment order (``BackwardConfig.dq_position``): element ``i`` of
-        the thread's fragment at byte address ``dq_at`` (the block's start + 4 tid) + 4 i threads."""
+        """dQ of this step for the warp's part, added into the query block's accumulator in
+        fragment order (``BackwardConfig.dq_offset``; ``dq_at``: the block's byte address + 4
+        dq_vector tid): with dq_vector 1 element ``i`` of the thread's fragment by
+        ``red.global.add.f32`` at ``dq_at`` + 4 i threads, with 4 the four floats of an n-tile
+        by one ``red.global.add.v4.f32`` at ``dq_at`` + 16 (i // 4) threads."""
         zero_fragments(acc_q, QMT, DQ_N)
         dq_product(DqProduct(acc_q, ds_tile, sk, frags, offsets))
         for mt in range(QMT):
             for j in range(DQ_N):
-                for e in range(4):
-                    ptx.red_global_add_f32(dq_at + ((mt * DQ_N + j) * 4 + e) * (THREADS * 4), acc_q[mt, j, e])
+                if DQ_VECTOR == 4:
+                    ptx.red_global_add_v4_f32(dq_at + (mt * DQ_N + j) * (THREADS * 16), acc_q[mt, j, 0],
+                                              acc_q[mt, j, 1], acc_q[mt, j, 2], acc_q[mt, j, 3])
+                else:
+                    for e in range(4):
+                        ptx.red_global_add_f32(dq_at + ((mt * DQ_N + j) * 4 + e) * (THREADS * 4),
+                                               acc_q[mt, j, e])
 
     @cuda.jit(device=True, forceinline=True)
     def load_step(sbase, stage, q_rows, do_rows, m0, lse2_at, delta_at, tid):
@@ -579,7 +588,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                     while ptx.ld_acquire_gpu_s32(counter_at) != n_block:
                         pass
                 cuda.syncthreads()
-            add_dq(sbase + SDS, sk, dq_base + ((bh * rows + m0) * D + tid) * 4, frags, offsets, acc_q)
+            add_dq(sbase + SDS, sk, dq_base + ((bh * rows + m0) * D + DQ_VECTOR * tid) * 4, frags, offsets,
+                   acc_q)
             if deterministic:
                 cuda.threadfence()
                 cuda.syncthreads()

@@ -269,12 +269,18 @@ class BackwardConfig:
     key_tiles: int = 1
     # 16-query m-tiles a warp owns in dQ (2: the warps split the head-dim columns more ways).
     dq_tiles: int = 1
+    # dQ accumulator floats a thread adds with one instruction: 1 (``red.global.add.f32``, every
+    # GPU) or 4 (``red.global.add.v4.f32``, sm_90 on). Not a tuning knob: the compile target
+    # sets it (``configs.backward_for_target``), and it sets the accumulator's order
+    # (``dq_offset``).
+    dq_vector: int = 1
 
     @property
     def tag(self) -> str:
         return (f"_w{self.num_warps}" + ("_s1" if self.q_stages == 1 else "")
                 + (f"_k{self.key_tiles}" if self.key_tiles != 1 else "")
-                + (f"_q{self.dq_tiles}" if self.dq_tiles != 1 else ""))
+                + (f"_q{self.dq_tiles}" if self.dq_tiles != 1 else "")
+                + (f"_v{self.dq_vector}" if self.dq_vector != 1 else ""))
 
     @property
     def threads(self) -> int:
@@ -315,10 +321,9 @@ class BackwardConfig:
         n-tiles + n-tile) + 2 (row half) + column pair element).
 
         The dQ accumulator stores a query block's ``block_m x head_dim`` floats in fragment
-        order, element ``i`` of thread ``tid`` at ``i * threads + tid``: a warp's
-        ``red.global.add.f32`` of one ``i`` then covers 32 consecutive floats (one 128-byte
-        line), where the row-major order would touch 8 rows. The dQ kernel reads it back with
-        this map, which is a bijection onto the block (``tests/test_backward_api_cpu.py``)."""
+        order (``dq_offset``), where the row-major order would have a warp's add touch 8 rows.
+        The dQ kernel reads it back with this map, which is a bijection onto the block
+        (``tests/test_backward_api_cpu.py``)."""
         warp, lane = divmod(tid, 32)
         n_tiles = self.head_dim // self.dq_col_warps // 8
         tile, e = divmod(i, 4)
@@ -326,6 +331,17 @@ class BackwardConfig:
         row0 = (warp % self.dq_row_warps) * 16 * self.dq_tiles
         col0 = (warp // self.dq_row_warps) * (self.head_dim // self.dq_col_warps)
         return row0 + 16 * mt + lane // 4 + 8 * (e // 2), col0 + 8 * j + 2 * (lane % 4) + e % 2
+
+    def dq_offset(self, tid: int, i: int) -> int:
+        """Offset in a query block's dQ accumulator (float32 elements) of element ``i`` of
+        thread ``tid``'s fragment (``dq_position``): ``i * threads + tid`` with ``dq_vector``
+        1, so that a warp's ``red.global.add.f32`` of one ``i`` covers one 128-byte line; with
+        ``dq_vector`` 4 the thread's four floats of an n-tile are adjacent, ``4 (i // 4) threads
+        + 4 tid + i % 4``, so that a warp's ``red.global.add.v4.f32`` covers four whole lines.
+        A bijection onto ``range(block_m * head_dim)`` (``tests/test_backward_api_cpu.py``)."""
+        if self.dq_vector == 1:
+            return i * self.threads + tid
+        return (i // 4) * 4 * self.threads + 4 * tid + i % 4
 
     @property
     def shared_layout(self) -> dict[str, int]:
@@ -363,6 +379,8 @@ class BackwardConfig:
             raise ValueError(f"block_m must split into whole dQ m-tiles over the warps, got {self}")
         if self.q_stages not in (1, 2):
             raise ValueError(f"q_stages must be 1 or 2, got {self}")
+        if self.dq_vector not in (1, 4):
+            raise ValueError(f"dq_vector must be 1 or 4, got {self}")
         for what, n, split in (("queries", self.block_m, self.col_warps), ("head_dim", d, self.col_warps),
                                ("dq head_dim", d, self.dq_col_warps)):
             if n % (16 * split):

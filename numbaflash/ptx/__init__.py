@@ -51,6 +51,7 @@ from .reduce import (
     global_address_i32,
     ld_acquire_gpu_s32,
     red_global_add_f32,
+    red_global_add_v4_f32,
     red_release_gpu_add_s32,
 )
 
@@ -86,6 +87,7 @@ __all__ = [
     "pack_f16x2",
     "reciprocal",
     "red_global_add_f32",
+    "red_global_add_v4_f32",
     "red_release_gpu_add_s32",
     "shared_address_f32",
     "shared_address_u16",

@@ -1,7 +1,8 @@
 """Reductions into global memory and the acquire/release pair that orders them between CTAs
-(``ptx/reduce.cu``): the backward adds dQ into a float32 buffer with ``red_global_add_f32``,
-and in deterministic mode takes turns per query block with ``ld_acquire_gpu_s32`` /
-``red_release_gpu_add_s32`` on a counter.
+(``ptx/reduce.cu``): the backward adds dQ into a float32 buffer with ``red_global_add_f32``
+(on sm_90 ``red_global_add_v4_f32``, four adjacent floats at once), and in deterministic mode
+takes turns per query block with ``ld_acquire_gpu_s32`` / ``red_release_gpu_add_s32`` on a
+counter.
 
 Addresses are generic byte addresses of global memory (int64), from ``global_address_f32`` /
 ``global_address_i32`` plus an offset.
@@ -21,6 +22,10 @@ _address_f32 = declare("reduce", "global_address_f32", _i64(f32p))
 _address_i32 = declare("reduce", "global_address_i32", _i64(types.CPointer(types.int32)))  # int*
 red_global_add_f32 = declare("reduce", "red_global_add_f32", types.void(_i64, types.float32))
 red_global_add_f32.__doc__ = "red_global_add_f32(address, v): *address += v (float32, global, relaxed)."
+red_global_add_v4_f32 = declare("reduce", "red_global_add_v4_f32",
+                                types.void(_i64, types.float32, types.float32, types.float32, types.float32))
+red_global_add_v4_f32.__doc__ = ("red_global_add_v4_f32(address, a, b, c, d): address[0..3] += (a, b, c, d) "
+                                 "(float32, 16-byte aligned, global, relaxed; sm_90 on).")
 ld_acquire_gpu_s32 = declare("reduce", "ld_acquire_gpu_s32", types.int32(_i64))
 ld_acquire_gpu_s32.__doc__ = "ld_acquire_gpu_s32(address) -> int32 *address, acquire order at GPU scope."
 red_release_gpu_add_s32 = declare("reduce", "red_release_gpu_add_s32", types.void(_i64, types.int32))

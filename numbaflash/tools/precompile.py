@@ -59,7 +59,7 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
     (each config's prepare, main and dQ kernels; the mma.sync backward runs on every GPU, Hopper
     included), and with ``candidates`` those of every backward candidate; each once (the
     prepare and dQ kernels serve causal and non-causal calls alike: ``KernelOp.masked``)."""
-    from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config
+    from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config, backward_for_target
     from ..operations.families import BACKWARD_OPERATIONS, family_of
 
     cap = capability_of(arch)
@@ -71,7 +71,8 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
             except RuntimeError:  # no tile of this head dim fits the GPU (d256 on 99 KB a CTA)
                 chosen = []
             if candidates:
-                chosen += [c for c in BACKWARD_CANDIDATES[head_dim] if c not in chosen]
+                chosen += [t for c in BACKWARD_CANDIDATES[head_dim]
+                           if (t := backward_for_target(c, cap)) not in chosen]
             items += [(config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
                       for config in chosen for bf16 in (False, True) for operation in BACKWARD_OPERATIONS]
     return list(dict.fromkeys(items))

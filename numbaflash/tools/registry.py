@@ -36,8 +36,9 @@ def forward_kernels() -> dict:
 
 def backward_kernels() -> dict:
     """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
-    prepare, main and dQ kernels, causal and not, both dtypes, for sm_80 and for Hopper (sm_90a),
-    which runs the same mma.sync backward. Named ``flash_<operation>_d<head dim>_m<block_m>
+    prepare, main and dQ kernels, causal and not, both dtypes, for the target that compiles
+    each (``configs.backward_for_target``): the A100's and smaller GPUs' for sm_80, the H100's
+    (the same mma.sync backward, dQ added four floats at a time) for sm_90a. Named ``flash_<operation>_d<head dim>_m<block_m>
     _n<block_n><tag>_<full|causal>_<f16|bf16>`` (every name holds "backward"; no ``<full|causal>``
     for the prepare and dQ kernels, which serve both: ``KernelOp.masked``); each kernel's
     ``backward_key`` is (config, causal, bf16, operation), what ``configs.kernel_cubin`` takes."""
@@ -56,5 +57,6 @@ def backward_kernels() -> dict:
                     continue
                 kernel = make_kernel(config, causal, bf16, operation)
                 kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
-                kernels[name] = (kernel, kernel_argtypes(config, operation), ("sm_80", "sm_90a"))
+                arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
+                kernels[name] = (kernel, kernel_argtypes(config, operation), (arch,))
     return kernels
