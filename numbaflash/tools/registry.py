@@ -38,10 +38,11 @@ def backward_kernels() -> dict:
     """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
     prepare, main and dQ kernels, causal and not, both dtypes, for the target that compiles
     each (``configs.backward_for_target``): the A100's and smaller GPUs' for sm_80, the H100's
-    (the same mma.sync backward, dQ added four floats at a time) for sm_90a. Named ``flash_<operation>_d<head dim>_m<block_m>
-    _n<block_n><tag>_<full|causal>_<f16|bf16>`` (every name holds "backward"; no ``<full|causal>``
-    for the prepare and dQ kernels, which serve both: ``KernelOp.masked``); each kernel's
-    ``backward_key`` is (config, causal, bf16, operation), what ``configs.kernel_cubin`` takes."""
+    (the same mma.sync backward, dQ added four floats at a time) for sm_90a. Named
+    ``flash_<operation>_d<head dim>_m<block_m>_n<block_n><tag>_<full|causal>_<f16|bf16>`` (every
+    name holds "backward"; no ``<full|causal>`` for the prepare and dQ kernels, which serve
+    both: ``KernelOp.masked``); each kernel's ``backward_key`` is (config, causal, bf16,
+    operation), what ``configs.kernel_cubin`` takes."""
     from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
     from ..operations.families import BACKWARD_OPERATIONS, family_of
 
