@@ -160,12 +160,13 @@ def summary_line(results: list[JobResult]) -> str:
 
 
 def check_result(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, out: np.ndarray,
-                 lse: np.ndarray | None) -> list[str]:
+                 lse: np.ndarray | None, **extras) -> list[str]:
     """What is wrong with one result (empty: nothing), by the criterion the tests and the
-    self-test use (``numbaflash.tools.reference.compare_with_reference``), plus no inf."""
+    self-test use (``numbaflash.tools.reference.compare_with_reference``), plus no inf.
+    ``extras``: the call's ``window_size`` and ``softcap``."""
     from numbaflash.tools.reference import compare_with_reference
 
-    _, problems = compare_with_reference(q, k, v, out, lse, causal=causal)
+    _, problems = compare_with_reference(q, k, v, out, lse, causal=causal, **extras)
     got = np.asarray(out, np.float64)
     if not np.isfinite(got).all():
         problems.append(f"{np.count_nonzero(~np.isfinite(got))} non-finite outputs")
@@ -181,18 +182,27 @@ def worker_shapes(block_m: int) -> list[tuple[int, int, int, int, int]]:
 # --------------------------------------------------------------------------- worker (under the sanitizer)
 
 
+# The mma.sync family's sliding-window and softcap kernels (issue 35), run on each of its configs
+# beside the plain ones: (window_size, softcap) of each extra case, causal and not.
+WINDOW_SOFTCAP_CASES = (((5, 0), 0.0), ((17, 3), 30.0), ((-1, -1), 50.0), ((0, -1), 0.0))
+
+
 def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.ndarray], device: list,
-             causal: bool, want_lse: bool) -> list[str]:
+             causal: bool, want_lse: bool, window_size: tuple[int, int] = (-1, -1),
+             softcap: float = 0.0) -> list[str]:
     """One ``flash_attention`` call on device arrays (``out`` poisoned with NaN), checked."""
     from numbaflash import flash_attention
     from numbaflash.runtime.buffers import DeviceBuffer
 
     q = host[0]
     out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
-    with configs.force_config(capability, causal, config):
-        res = flash_attention(*device, causal=causal, return_lse=want_lse, out=out)
+    # a window kernel runs the causal or the full config, whatever ``causal`` is: force both
+    forced = configs.force_config(capability, causal, config)
+    with forced, configs.force_config(capability, not causal, config):
+        res = flash_attention(*device, causal=causal, return_lse=want_lse, out=out, window_size=window_size,
+                              softcap=softcap)
     lse = res[1].copy_to_host() if want_lse else None
-    return check_result(*host, causal, out.copy_to_host(), lse)
+    return check_result(*host, causal, out.copy_to_host(), lse, window_size=window_size, softcap=softcap)
 
 
 def run_worker(config: KernelConfig) -> int:
@@ -210,13 +220,19 @@ def run_worker(config: KernelConfig) -> int:
             shapes = [(b, sq, hq, config.head_dim)] + [(b, sk, hkv, config.head_dim)] * 2
             host = [rng.standard_normal(s).astype(dtype) for s in shapes]
             device = [DeviceBuffer(x) for x in host]  # float16 and bfloat16 alike
+            extras = [((-1, -1), 0.0)]
+            if kernel_family(config) == "sm80":
+                extras += WINDOW_SOFTCAP_CASES
             for causal in (False, True):
                 for want_lse in (False, True):
-                    problems = run_case(config, capability, host, device, causal, want_lse)
-                    for p in problems:
-                        print(f"WRONG {config} {np.dtype(dtype).name} (b, sq, sk, hq, hkv)="
-                              f"{(b, sq, sk, hq, hkv)} causal={causal} lse={want_lse}: {p}", flush=True)
-                    failures += bool(problems)
+                    for window, softcap in extras:
+                        problems = run_case(config, capability, host, device, causal, want_lse, window,
+                                            softcap)
+                        for p in problems:
+                            print(f"WRONG {config} {np.dtype(dtype).name} (b, sq, sk, hq, hkv)="
+                                  f"{(b, sq, sk, hq, hkv)} causal={causal} lse={want_lse} window={window} "
+                                  f"softcap={softcap}: {p}", flush=True)
+                        failures += bool(problems)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 

@@ -7,7 +7,10 @@ validated before skip to the per-call checks and the launch (``operations.forwar
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
+
+import numpy as np
 
 from .operands import (
     check_device_layout,
@@ -18,7 +21,9 @@ from .operands import (
     check_outputs_disjoint,
     check_same_device,
     check_shapes,
+    check_softcap,
     check_softmax_scale,
+    check_window_size,
     describe,
     describe_gradient,
     describe_index,
@@ -39,6 +44,8 @@ def flash_attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     return_lse: bool = False,
     out: Any = None,
 ) -> Any:
@@ -57,6 +64,14 @@ def flash_attention(
         causal: (bool) mask keys after the diagonal, bottom-right aligned (query i sees key
             j iff j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
         softmax_scale: positive real scale of QKᵀ; default 1/sqrt(head_dim).
+        window_size: (left, right) ints, FlashAttention's sliding window: query i sees key j
+            iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 is
+            unbounded; ``causal=True`` sets right to 0. Rows that see no key give 0 (LSE -inf).
+            Key tiles wholly outside the window are never read: the cost follows the window.
+        softcap: float >= 0; when > 0 the scaled scores s = QKᵀ · scale become
+            softcap · tanh(s / softcap) before the softmax (Gemma 2, Grok); 0 turns it off.
+            A window or a softcap runs the mma.sync kernel on every GPU, Hopper included (its
+            own kernel does not have them yet), and has no backward yet (issue 35).
         return_lse: (bool) also return the float32 log-sum-exp, (batch, heads_q, seqlen_q);
             -inf for rows that see no key.
         out: optional output array (same shape and dtype as q, same kind as the inputs,
@@ -65,6 +80,7 @@ def flash_attention(
 
     Raises:
         TypeError, ValueError: bad input, before anything is compiled or launched.
+        NotImplementedError: a window or a softcap on torch tensors that need autograd.
         RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
@@ -76,10 +92,11 @@ def flash_attention(
     be combined with autograd.
     """
     if kind_of(q) == "torch":
-        routed = (_TORCH_ROUTE or _torch_route())[0](q, k, v, causal, softmax_scale, return_lse, out)
+        route = (_TORCH_ROUTE or _torch_route())[0]
+        routed = route(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
         if routed is not None:
             return routed
-    return direct_flash_attention(q, k, v, causal, softmax_scale, return_lse, out)
+    return direct_flash_attention(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
 
 
 _TORCH_ROUTE: list = []  # [torch_ops.route], once a torch tensor has reached the API
@@ -93,12 +110,12 @@ def _torch_route() -> list:
 
 
 def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any,
-                           out: Any) -> Any:
+                           out: Any, window_size: Any = (-1, -1), softcap: Any = 0.0) -> Any:
     """``flash_attention`` without the torch routing: validate, then launch (what the custom op
     runs on real tensors, and what every call that needs no autograd takes). Torch tensors of a
     layout validated before take ``forward.run_torch``: its per-call checks and the launch."""
     if kind_of(q) == "torch":
-        done = forward.run_torch(q, k, v, causal, softmax_scale, return_lse, out)
+        done = forward.run_torch(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
         if done is not None:
             return done
     default_scale = softmax_scale is None  # the plans' key holds None for it (as run_torch's does)
@@ -108,6 +125,8 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
+    window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap, softmax_scale)
     od = None
     if out is not None:
         od = describe("out", out)
@@ -136,9 +155,24 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
         check_same_device([qd, kd, vd] if od is None else [qd, kd, vd, od], device)
         return forward.run_device(q, qd, kd, vd, od, out, causal, softmax_scale,
                                   None if default_scale else softmax_scale, return_lse,
-                                  capability, device)
+                                  capability, device, window_size, softcap)
     return forward.run_numpy(q, k, v, out, qd.dtype_name, causal, softmax_scale, return_lse,
-                             capability, device)
+                             capability, device, window_size, softcap)
+
+
+def reject_backward_window_softcap(function: str, window_size: Any, softcap: Any) -> None:
+    """The backward has no sliding window or softcap yet (issue 35): anything but their defaults
+    raises ``NotImplementedError`` naming the option (bad values: the forward's TypeError or
+    ValueError), before anything is compiled or launched."""
+    window_size = check_window_size(window_size)
+    if window_size != (-1, -1):
+        raise NotImplementedError(f"{function}: window_size={window_size} is not supported by the backward "
+                                  "yet (issue 35; the forward supports it); only (-1, -1)")
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        check_softcap(softcap, 1.0)  # raises the forward's TypeError
+    if float(softcap) != 0:
+        raise NotImplementedError(f"{function}: softcap={float(softcap)!r} is not supported by the backward "
+                                  "yet (issue 35; the forward supports it); only 0")
 
 
 def flash_attention_backward(
@@ -155,6 +189,8 @@ def flash_attention_backward(
     dq: Any = None,
     dk: Any = None,
     dv: Any = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[Any, Any, Any]:
     """Gradients of ``O = softmax(Q Kᵀ · scale) V`` with respect to q, k and v, on tensor cores
     (FlashAttention-2's backward: the mma.sync kernels, which every GPU from sm_80 on runs).
@@ -185,9 +221,12 @@ def flash_attention_backward(
         dq, dk, dv: optional output arrays, like q, k and v (same kind, shape and dtype),
             writeable, with no element sharing memory with another, and sharing no memory with
             any input or each other. None: a new array (C-contiguous).
+        window_size, softcap: the forward's; only their defaults, (-1, -1) and 0.0, for now.
 
     Raises:
         TypeError, ValueError: bad input, before anything is compiled or launched.
+        NotImplementedError: a window or a softcap (no backward for them yet: issue 35), before
+            anything is compiled or launched.
         RuntimeError: no usable GPU of compute capability 8.0 or newer, or no backward tile of
             this head dim fits the GPU's shared memory (head_dim 256 on GPUs of 99 KB a CTA:
             sm_86, sm_89, sm_120).
@@ -198,6 +237,7 @@ def flash_attention_backward(
         KV head sum over its query heads. Rows that see no key (causal, seqlen_q > seqlen_k)
         get zero gradients, and give none to k and v.
     """
+    reject_backward_window_softcap("flash_attention_backward", window_size, softcap)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_shapes(qd, kd, vd)
     batch, seqlen_q, heads_q, head_dim = qd.shape

@@ -230,6 +230,38 @@ def check_softmax_scale(scale: Any, head_dim: int) -> float:
     return scale
 
 
+def check_window_size(window_size: Any) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)``: a pair (tuple or list) of ints (Python or numpy, not
+    bools), each -1 (unbounded) or >= 0 (FlashAttention's sliding window)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral)
+                   for x in window_size)):
+        raise TypeError("window_size must be a pair (left, right) of ints, each -1 (unbounded) or >= 0, got "
+                        f"{type(window_size).__name__} {window_size!r}")
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        raise ValueError("window_size must be (left, right) with each -1 (unbounded) or >= 0, got "
+                         f"({left}, {right})")
+    return left, right
+
+
+def check_softcap(softcap: Any, softmax_scale: float) -> float:
+    """``softcap`` as a float: a real number (not a bool or a string), 0 (off) or positive and
+    finite, such that the kernel's factors softcap·log2(e) and softmax_scale / softcap are normal
+    float32 values."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 for none), got {type(softcap).__name__} "
+                        f"{softcap!r}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be 0 (off) or a positive finite number, got {softcap!r}")
+    if softcap > 0 and not (_F32_TINY <= softcap * math.log2(math.e) <= _F32_MAX
+                            and _F32_TINY <= softmax_scale / softcap <= _F32_MAX):
+        raise ValueError(f"softcap * log2(e) and softmax_scale / softcap must be normal float32 values (the "
+                         f"kernel's factors), got softcap {softcap!r} with softmax_scale {softmax_scale!r}")
+    return softcap
+
+
 def check_no_self_overlap(op: Operand) -> None:
     """Distinct elements of ``op`` must be distinct memory (no stride 0, no overlapping rows):
     dimensions sorted by stride, each stride at least the extent of those inside it."""

@@ -4,7 +4,8 @@ kernels for torch.compile, and the routing that sends a torch call through them.
 Imported by ``api.flash_attention`` the first time a torch tensor reaches it (``import
 numbaflash`` never imports torch). Two ops under the ``numbaflash`` namespace:
 
-- ``numbaflash::flash_attention_forward(q, k, v, causal, softmax_scale) -> (out, lse)``
+- ``numbaflash::flash_attention_forward(q, k, v, causal, softmax_scale, window_left=-1,
+  window_right=-1, softcap=0.0) -> (out, lse)``
 - ``numbaflash::flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale,
   deterministic) -> (dq, dk, dv)``
 
@@ -15,7 +16,10 @@ messages. The forward's autograd saves q, k, v, out and lse; the backward is the
 (the mma.sync backward kernel on every GPU), deterministic when
 ``torch.are_deterministic_algorithms_enabled()`` was on at the forward. The LSE is marked
 non-differentiable: it does not require grad, and no gradient flows through it. There is no
-double backward (the backward op has no autograd formula).
+double backward (the backward op has no autograd formula). A sliding window or a softcap has no
+backward yet (issue 35): ``route`` refuses them with ``NotImplementedError`` when autograd would
+need one, before anything launches, and the autograd formula refuses them too; the op's forward
+runs them without grad (torch.compile, inference).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import api
-from .operands import Operand, check_flag, check_shapes, check_softmax_scale
+from .operands import Operand, check_flag, check_shapes, check_softcap, check_softmax_scale, check_window_size
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -48,8 +52,9 @@ def _check_like(name: str, x: Tensor, shape: tuple, dtype: torch.dtype) -> None:
 
 # The ops' implementations on real tensors. Module attributes, looked up at each call, so a
 # test can put a reference in their place on the CPU.
-def run_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float):
-    return api.direct_flash_attention(q, k, v, causal, softmax_scale, True, None)
+def run_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+    return api.direct_flash_attention(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
 
 
 def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
@@ -59,16 +64,24 @@ def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
 
 
 @torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
-def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                            softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """(out, lse): out like q (contiguous), lse float32 (batch, heads_q, seqlen_q)."""
-    out, lse = run_forward(q, k, v, causal, softmax_scale)
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
+                            window_left: int = -1, window_right: int = -1,
+                            softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(out, lse): out like q (contiguous), lse float32 (batch, heads_q, seqlen_q). The window
+    (``window_left``, ``window_right``; -1 unbounded) and ``softcap`` (0: off) as in
+    ``numbaflash.flash_attention``."""
+    if window_left == -1 and window_right == -1 and softcap == 0.0:
+        out, lse = run_forward(q, k, v, causal, softmax_scale)
+    else:
+        out, lse = run_forward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap)
     return out, lse
 
 
 @flash_attention_forward.register_fake
-def _forward_fake(q, k, v, causal, softmax_scale):
+def _forward_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
     check_tensors(q, k, v)
+    check_window_size((window_left, window_right))
+    check_softcap(softcap, softmax_scale)
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
@@ -93,15 +106,18 @@ def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, causal, softmax_scale = inputs[:5]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.window_size = (inputs[5], inputs[6]) if len(inputs) > 5 else (-1, -1)
+    ctx.softcap = inputs[7] if len(inputs) > 7 else 0.0
     ctx.deterministic = torch.are_deterministic_algorithms_enabled()
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    api.reject_backward_window_softcap("flash_attention (autograd)", ctx.window_size, ctx.softcap)
     q, k, v, out, lse = ctx.saved_tensors
     # The kernel reads dO in 16-byte row chunks: a gradient that is not a plain dense tensor
     # (expanded from a sum, a transposed view, an odd offset) becomes one first.
@@ -109,7 +125,7 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
         dout = dout.clone(memory_format=torch.contiguous_format)
     dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                           ctx.deterministic)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -120,7 +136,8 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out):
+def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out, window_size=(-1, -1),
+          softcap=0.0):
     """``flash_attention`` on torch tensors: None when the direct (eager, no autograd) path
     serves the call, else its result through the custom op. The op runs when autograd needs
     it (grad mode on and q, k or v requiring grad), under torch.compile / torch.export, on
@@ -135,6 +152,11 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    if type(softcap) is not float or softcap != 0.0 or window_size != (-1, -1):  # (not traced when default)
+        window_size = check_window_size(window_size)
+        softcap = check_softcap(softcap, softmax_scale)
+        if needs_grad:  # before anything launches: no backward for them yet
+            api.reject_backward_window_softcap("flash_attention (autograd)", window_size, softcap)
     if out is not None:
         if needs_grad:
             raise RuntimeError(
@@ -146,7 +168,10 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
             raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype "
                              f"{_DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
                              f"{_DTYPE_NAMES.get(out.dtype, out.dtype)}")
-    result, lse = flash_attention_forward(q, k, v, causal, softmax_scale)
+    if window_size == (-1, -1) and softcap == 0.0:
+        result, lse = flash_attention_forward(q, k, v, causal, softmax_scale)
+    else:
+        result, lse = flash_attention_forward(q, k, v, causal, softmax_scale, *window_size, softcap)
     if out is not None:
         result = out.copy_(result)
     return (result, lse) if return_lse else result

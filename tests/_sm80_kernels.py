@@ -271,6 +271,13 @@ def exp2_kernel(x, out):
 EXP2_ARGTYPES = (types.float32[::1], types.float32[::1])
 
 
+def tanh_kernel(x, out):
+    """Launch over x.size threads: out[i] = tanh.approx.f32(x[i])."""
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = ptx.tanh(x[i])
+
+
 def exp2_poly_kernel(x, out):
     """Launch over x.size threads: out[i] = ex2_poly3_f32(x[i]) (no MUFU)."""
     i = cuda.grid(1)
@@ -372,6 +379,7 @@ KERNELS = {
     "pack": (pack_kernel, PACK_ARGTYPES),
     "exp2": (exp2_kernel, EXP2_ARGTYPES),
     "exp2_poly": (exp2_poly_kernel, EXP2_ARGTYPES),
+    "tanh": (tanh_kernel, EXP2_ARGTYPES),
     "unroll": (unroll_kernel, EXP2_ARGTYPES),
     "red_add": (red_add_kernel, RED_ADD_ARGTYPES),
     "turns": (turns_kernel, TURNS_ARGTYPES),

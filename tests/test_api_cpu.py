@@ -376,12 +376,12 @@ def packed(config, *args) -> bytes:
 
 def sm80_arguments(config, q, k, v, o, lse, shape_q, shape_k, scale, write_lse):
     """What the mma.sync forward kernel gets (``FORWARD_ABI``), for dense operands at these
-    pointers."""
+    pointers, with no window and no softcap (their three parameters 0)."""
     (b, sq, hq, d), (_, sk, hkv, _) = shape_q, shape_k
     sq_strides, sk_strides = (sq * hq * d, hq * d, d), (sk * hkv * d, hkv * d, d)
     return ((q, b * sq * hq * d), (k, b * sk * hkv * d), (v, b * sk * hkv * d), (o, b * sq * hq * d), lse,
             *sq_strides, *sk_strides, *sk_strides, *sq_strides, sq, sk, b, hq, hq // hkv,
-            np.float32(scale * np.log2(np.e)), write_lse)
+            np.float32(scale * np.log2(np.e)), write_lse, 0, 0, np.float32(0.0))
 
 
 def pointer(array) -> int:

@@ -355,6 +355,30 @@ def test_exp2_approx_ftz():
 
 
 @gpu
+def test_tanh_approx():
+    """tanh.approx.f32 (softcapping's tanh): relative error at most 2^-10.9 (the PTX ISA gives
+    about 2^-11) where |tanh| is not tiny, absolute 2^-20 near 0; +-1 at +-inf, +-0 at +-0, NaN
+    at NaN."""
+    rng = _rng("tanh")
+    x = np.concatenate([rng.uniform(-10, 10, 8192), rng.uniform(-1e-3, 1e-3, 1024),
+                        rng.uniform(-200, 200, 1024),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 100.0, -100.0, 1e-30]]).astype(np.float32)
+    out = np.full(x.size, np.nan, np.float32)
+    _, out = _run("tanh", (x.size + 127) // 128, 128, x, out)
+    finite = np.isfinite(x)
+    ref = np.tanh(x[finite].astype(np.float64))
+    err = np.abs(out[finite] - ref)
+    big = np.abs(ref) >= 2.0**-10
+    rel = err[big] / np.abs(ref[big])
+    assert rel.max() <= 2.0**-10.9, f"max relative error {rel.max():.3g} = 2^{np.log2(rel.max()):.2f}"
+    assert err[~big].max() <= 2.0**-20
+    got = out[x.size - 8:]
+    assert got[0] == 0.0 and got[1] == 0.0 and np.signbit(got[1])
+    assert got[2] == 1.0 and got[3] == -1.0 and np.isnan(got[4])
+    assert abs(got[5] - 1.0) <= 2.0**-10.9 and abs(got[6] + 1.0) <= 2.0**-10.9
+
+
+@gpu
 def test_unroll_runs_every_step_once_in_order():
     x = np.array([-3.25], np.float32)
     out = np.full(K.UNROLL_STEPS, np.nan, np.float32)

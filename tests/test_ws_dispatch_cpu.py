@@ -154,7 +154,7 @@ def test_api_dispatch_passes_the_longer_sequence(monkeypatch, sq, sk):
     class Stop(Exception):
         pass
 
-    def fake_kernel(capability, device, head_dim, causal, bf16, seqlen=None):
+    def fake_kernel(capability, device, head_dim, causal, bf16, seqlen=None, operation="forward"):
         seen.append(seqlen)
         raise Stop
 

@@ -14,7 +14,9 @@ FORWARD_ABI = (
     *("int64",) * 12,  # batch, seq and head strides of q, k, v, o (elements)
     "int64", "int64",  # seqlen_q, seqlen_k
     "int64", "int64", "int64",  # batch, heads_q, heads_q // heads_kv
-    "float32", "bool",  # softmax scale * log2(e), write lse
+    "float32", "bool",  # softmax scale * log2(e) (softcap * log2(e) when capped), write lse
+    "int64", "int64",  # sliding window: left, right, each >= 0 (read by window kernels only)
+    "float32",  # softmax scale / softcap (read by softcap kernels only)
 )
 
 _U64_ARRAY = "array(uint64, 1d, C)"  # a 128-byte tensor map (16 words) in global memory

@@ -1,9 +1,11 @@
 """Which part of the problem a CTA owns, and which scores it must mask.
 
 A CTA computes one block of query rows of one (batch, head); it reads the KV tiles its rows
-can see (all of them, or, causal, those up to the diagonal) and masks scores only on tiles
-that cross the end of the keys or the diagonal. A persistent CTA (the Hopper kernel) walks a
-list of such blocks instead (``work_units``, ``unit_tile``, ``make_tile_walk``).
+can see (all of them, or, causal, those up to the diagonal, or, with a sliding window, those
+between its first row's lower edge and its last row's upper edge: ``band_kv_tiles``) and masks
+scores only on tiles that cross the end of the keys, the diagonal or an edge of the window. A
+persistent CTA (the Hopper kernel) walks a list of such blocks instead (``work_units``,
+``unit_tile``, ``make_tile_walk``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from .common import NEG_INF
 # Where one warp's score fragments sit, for masking: its first query row, the lane, the keys
 # that exist, and the causal diagonal (query i sees key j iff j <= i + diag).
 ScoreMask = namedtuple("ScoreMask", ["row_first", "lane", "seqlen_k", "diag"])
+# A sliding window (FlashAttention's ``window_size``), relative to each query row: query i sees
+# key j iff i + first <= j <= i + last and j < seqlen_k, where first = diag - left and last =
+# diag + right (diag = seqlen_k - seqlen_q); an unbounded side comes as a left or right so large
+# that it bounds nothing (``operations.forward.WINDOW_UNBOUNDED``).
+Band = namedtuple("Band", ["seqlen_k", "first", "last"])
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -146,6 +153,55 @@ def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
         for j in range(n_tiles):
             for e in range(2):
                 if j * 8 + e >= limit:
+                    s[j, 2 * half + e] = NEG_INF
+
+
+@cuda.jit(device=True, forceinline=True)
+def band_kv_tiles(m0, rows, block_n, band):
+    """(first, end): the KV tiles ``first .. end - 1`` that query rows ``m0 .. m0 + rows - 1``
+    read under the sliding window ``band`` (a Band), so the loop costs the window, not the keys.
+
+    Invariants (``tests/test_window_softcap_cpu.py``): every key that some row of the block sees
+    lies in a tile of the range; the first and the last tile of the range each hold a key that
+    some row sees (no tile is read for nothing at either end); a block whose rows see no key gets
+    an empty range (first == end), and then its rows give 0 and LSE -inf. ``rows`` >= 1."""
+    lo = max(m0 + band.first, 0)  # the first row's first key (keys below 0 do not exist)
+    hi = min(m0 + rows + band.last, band.seqlen_k)  # one past the last row's last key
+    first = lo // block_n
+    end = (hi + block_n - 1) // block_n if hi > lo else first
+    return first, end
+
+
+@cuda.jit(device=True, forceinline=True)
+def band_needs_mask(col0, block_n, row_first, rows, band):
+    """Whether the tile of ``block_n`` keys from ``col0`` holds a key that one of the rows
+    ``row_first .. row_first + rows - 1`` does not see (the tile crosses the end of the keys,
+    the window's upper edge for the first row, or its lower edge for the last row); where it
+    does not, every score of the tile is visible and ``mask_band`` may be skipped."""
+    return (col0 + block_n > band.seqlen_k or col0 + block_n - 1 > row_first + band.last
+            or col0 < row_first + rows - 1 + band.first)
+
+
+@cuda.jit(device=True, forceinline=True)
+def mask_band(s, n_tiles, col0, row0, lane, band):
+    """Set to -inf the scores of one 16-row m-tile (first query ``row0``, keys from ``col0``)
+    that the sliding window ``band`` hides: keys >= seqlen_k, after the row's upper edge
+    (j > i + last) or before its lower edge (j < i + first).
+
+    ``mask_scores``' row limits with a lower limit beside the upper one: each fragment row gets
+    two 32-bit limits on this lane's column index, so every score costs two compares with a
+    constant and one select."""
+    g = lane // 4
+    t = lane % 4
+    for half in range(2):
+        row = row0 + g + 8 * half
+        col = col0 + 2 * t  # this lane's columns col + 8j + c, c in {0, 1}
+        # the column indices 8j + c this row sees are [low, high); clamped to 32 bits
+        high = int32(max(min(min(band.seqlen_k, row + band.last + 1) - col, 1 << 30), -1))
+        low = int32(max(min(row + band.first - col, 1 << 30), -1))
+        for j in range(n_tiles):
+            for e in range(2):
+                if j * 8 + e >= high or j * 8 + e < low:
                     s[j, 2 * half + e] = NEG_INF
 
 

@@ -20,7 +20,9 @@ FORWARD_ARGTYPES = (
     types.int64, types.int64, types.int64,  # o strides
     types.int64, types.int64,  # seqlen_q, seqlen_k
     types.int64, types.int64, types.int64,  # batch, heads_q, heads_q // heads_kv
-    types.float32, types.boolean,  # softmax scale * log2(e), write lse
+    types.float32, types.boolean,  # softmax scale * log2(e) (softcap * log2(e) when capped), write lse
+    types.int64, types.int64,  # sliding window: left, right (read by window kernels only)
+    types.float32,  # softmax scale / softcap (read by softcap kernels only)
 )
 
 # The O rescale is skipped (warp-uniformly) unless some row max grew by more than this

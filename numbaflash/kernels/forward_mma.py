@@ -16,16 +16,32 @@ in between, so that ptxas interleaves a warp's MUFU work with its tensor-core wo
 
 Tiles are stored as 64-column blocks of 128-byte rows when head_dim is a multiple of 64, else
 (32, 96) as 32-column blocks of 64-byte rows (``smem``); head dims 32, 64, 96, 128, 256.
+
+Two compile-time variants (issue 35), built only when a call asks for them: ``window`` (a sliding
+window, FlashAttention's ``window_size``: the KV loop runs over the tiles between the block's
+window edges only, ``blocks.band_kv_tiles``, and edge tiles are masked by ``blocks.mask_band``;
+the window's sizes are kernel arguments) and ``softcap`` (scores become tanh(QKᵀ · scale /
+softcap) before the softmax, whose exponent factor is then softcap·log2(e): ``softmax.cap_scores``;
+the factor is a kernel argument). A kernel built without them compiles to the same code as
+before they existed: their arguments are never read.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda, float32, types, uint32
+from numba import cuda, float32, int64, types, uint32
 
 from .. import ptx
-from .blocks import mask_scores, query_block, visible_kv_tiles
+from .blocks import (
+    Band,
+    band_kv_tiles,
+    band_needs_mask,
+    mask_band,
+    mask_scores,
+    query_block,
+    visible_kv_tiles,
+)
 from .common import FULL_MASK, NEG_INF, THRESHOLD, keep_in_register, unroll
 from .epilogue import stage_output_rows, store_lse, store_rows_global
 from .shapes import ForwardConfig
@@ -38,6 +54,7 @@ from .smem import (
     load_a_fragments,
 )
 from .softmax import (
+    cap_scores,
     exponent_offsets,
     exponentiate,
     exponentiate_slice,
@@ -55,12 +72,20 @@ PvSlices = namedtuple("PvSlices", ["acc_s", "acc_o", "p_frag", "m_use", "row_sum
                                    "v_offsets", "b_frag"])
 
 
-def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
+def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
+                        softcap: bool = False):
     """Return the Python kernel function for ``config`` (jit it with ``common.FORWARD_ARGTYPES``).
 
-    Launch: grid ``api._forward_grid``, ``config.threads`` threads,
+    Launch: grid ``launch_forward.forward_grid``, ``config.threads`` threads,
     ``config.shared_bytes`` bytes of dynamic shared memory.
+
+    ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
+    ``causal`` must then be False: the window's right edge 0 is causal masking). ``softcap``:
+    scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, and ``scale_log2`` =
+    softcap·log2(e)). Kernels without them never read those arguments.
     """
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
     D = config.head_dim
     BM = config.block_m
@@ -72,7 +97,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     Q_RESIDENT = config.q_in_regs  # Q fragments in registers for the whole loop, else per k-slice
     DOUBLE_BUFFER = config.double_buffer
     EARLY_K = config.early_k
-    INTERLEAVE = config.interleave_pv
+    # With a softcap the interleaved softmax + PV spills (d64 128 x 128: 34 LDL/STL at sm_80, the
+    # tanh pass on top of a 255-register kernel): softcap kernels run the plain order instead.
+    INTERLEAVE = config.interleave_pv and not softcap
     D_K_TILES = D // 16  # k-tiles of the QKᵀ product
     D_N_TILES = D // 8  # n-tiles of the O accumulator
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
@@ -83,6 +110,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     O_STEPS = P_K_TILES * O_PAIRS  # V loads of one PV product (even: O_PAIRS is)
     Q_BUFFERS = 2 if DOUBLE_BUFFER else 1  # Q k-slice buffers when Q is not resident
     CAUSAL = causal
+    WINDOW = window
+    SOFTCAP = softcap
+    REVERSE = causal or window  # heaviest query blocks first (blocks.query_block)
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
@@ -252,12 +282,12 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
 
     def flash_forward(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                       o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
-                      write_lse):
+                      write_lse, window_left, window_right, cap_scale):
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x & 1023  # known to be in [0, 1024): its // and % are shifts and masks
         warp = tid // 32
         lane = tid % 32
-        m_block, head, batch, kv_head = query_block(heads_q, group, CAUSAL)
+        m_block, head, batch, kv_head = query_block(heads_q, group, REVERSE)
         if batch >= batch_size:  # past the last (batch, head) pair of a folded grid
             return
         m0 = m_block * BM
@@ -271,12 +301,17 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
+        kv_first = int64(0)  # the loop reads KV tiles kv_first .. kv_first + n_tiles - 1
+        band = Band(seqlen_k, diag - window_left, diag + window_right)  # read by WINDOW kernels only
+        if WINDOW:
+            kv_first, kv_end = band_kv_tiles(m0, min(BM, seqlen_q - m0), BN, band)
+            n_tiles = kv_end - kv_first
 
         # Prologue: Q and K_0 in flight together.
         copy_tile_async(sq, BM, q_rows, m0, CPR, tid, THREADS, RB)
         ptx.cp_async_commit_group()
         if n_tiles > 0:
-            copy_tile_async(sk, BN, k_rows, 0, CPR, tid, THREADS, RB)
+            copy_tile_async(sk, BN, k_rows, kv_first * BN, CPR, tid, THREADS, RB)
         ptx.cp_async_commit_group()
 
         acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
@@ -318,7 +353,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
             v_offsets[b] = keep_in_register(v_offsets[b], lane)
         mx = cuda.local.array((MT, 2), float32)
         for n_block in range(n_tiles):
-            n0 = n_block * BN
+            n0 = (kv_first + n_block) * BN
             # 0, but not provably so: the copies' per-pass shared addresses then stay base +
             # immediate instead of being hoisted out of the loop into registers (which spill).
             zero = uint32(n0 >> 62)
@@ -335,7 +370,14 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
                 if n_block + 1 < n_tiles:
                     copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
                 ptx.cp_async_commit_group()  # (empty on the last tile: the waits stay right)
-            if n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
+            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+                for mt in range(MT):
+                    cap_scores(acc_s[mt], S_N_TILES, cap_scale)
+            if WINDOW:
+                if band_needs_mask(n0, BN, row_first, 16 * MT, band):  # an edge of the window or the keys
+                    for mt in range(MT):
+                        mask_band(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, band)
+            elif n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
                 for mt in range(MT):  # keys past the end, and (causal) after the diagonal
                     mask_scores(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, seqlen_k, diag, CAUSAL)
             if INTERLEAVE:
@@ -366,8 +408,27 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool):
         o_rows = global_rows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
         store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch, RB)
 
-    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
-    flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{config.tag}_{kind}"
+    mask_kind = "window" if window else "causal" if causal else "full"
+    kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
+    tag = config.tag.replace("_ip", "") if config.interleave_pv and not INTERLEAVE else config.tag
+    flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{tag}_{kind}"
     # ptxas may use 65536 / (threads * min_ctas) registers a thread (at most 255).
     flash_forward.launch_bounds = (THREADS, config.min_ctas)
     return flash_forward
+
+
+# The variants' factories (``operations.families``: one kernel operation each, built on demand).
+def make_forward_window_kernel(config: ForwardConfig, causal: bool, bf16: bool):
+    """The sliding-window kernel of ``config`` (``causal`` is ignored: a window's right edge 0 is
+    causal masking; ``KernelOp.masked`` is False for it)."""
+    return make_forward_kernel(config, False, bf16, window=True)
+
+
+def make_forward_softcap_kernel(config: ForwardConfig, causal: bool, bf16: bool):
+    """The softcapped kernel of ``config``, causal or not."""
+    return make_forward_kernel(config, causal, bf16, softcap=True)
+
+
+def make_forward_window_softcap_kernel(config: ForwardConfig, causal: bool, bf16: bool):
+    """The sliding-window, softcapped kernel of ``config`` (``causal`` ignored, as for the window)."""
+    return make_forward_kernel(config, False, bf16, window=True, softcap=True)

@@ -15,6 +15,18 @@ from .common import FULL_MASK, NEG_INF
 
 
 @cuda.jit(device=True, forceinline=True)
+def cap_scores(s, n_tiles, cap_scale):
+    """Softcapping, in place: ``s = tanh(s · cap_scale)`` for one m-tile's raw scores (QKᵀ), with
+    cap_scale = softmax_scale / softcap. The kernel's exponent factor is then softcap·log2(e)
+    instead of softmax_scale·log2(e), so that exp2(s · that - m) is exp(softcap · tanh(QKᵀ ·
+    softmax_scale / softcap) - m): FlashAttention's softcap, applied to the scaled scores, at one
+    FMUL and one MUFU.TANH a score. Masking comes after (tanh(-inf) would be -1)."""
+    for j in range(n_tiles):
+        for e in range(4):
+            s[j, e] = ptx.tanh(s[j, e] * cap_scale)
+
+
+@cuda.jit(device=True, forceinline=True)
 def quad_max(x):
     """Max over the 4 lanes that share a fragment row."""
     x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))

@@ -80,10 +80,27 @@ class Family:
                                       f"(it has: {', '.join(self.ops)})") from None
 
 
+# The mma.sync forward, and its sliding-window and softcap variants (issue 35): one kernel operation
+# each, with the same parameters and launch, compiled only when a call asks for one
+# (``forward_operation``). A window kernel's right edge 0 is causal masking, so it is built and
+# cached once, as the non-causal one (``masked=False``).
 SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capability 8.0 or newer", {
     "forward": KernelOp("forward", FORWARD_ABI, "forward_mma:make_forward_kernel",
                         "common:FORWARD_ARGTYPES", launch_sm80),
+    "forward_window": KernelOp("forward_window", FORWARD_ABI, "forward_mma:make_forward_window_kernel",
+                               "common:FORWARD_ARGTYPES", launch_sm80, masked=False),
+    "forward_softcap": KernelOp("forward_softcap", FORWARD_ABI, "forward_mma:make_forward_softcap_kernel",
+                                "common:FORWARD_ARGTYPES", launch_sm80),
+    "forward_window_softcap": KernelOp("forward_window_softcap", FORWARD_ABI,
+                                       "forward_mma:make_forward_window_softcap_kernel",
+                                       "common:FORWARD_ARGTYPES", launch_sm80, masked=False),
 })
+
+
+def forward_operation(window: bool, softcap: bool) -> str:
+    """The forward kernel operation of a call: ``forward`` (no window, no softcap: every family
+    has it), else one of the sm80 family's variants, which only that family has."""
+    return "forward" + ("_window" if window else "") + ("_softcap" if softcap else "")
 SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", {
     "forward": KernelOp("forward_ws", WS_ABI, "forward_ws:make_forward_ws_kernel",
                         "forward_ws:WS_ARGTYPES", launch_sm90),

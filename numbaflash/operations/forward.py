@@ -31,21 +31,83 @@ from ..operands import (
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
 from . import launch_forward
-from .families import family_of
+from .families import family_of, forward_operation
 from .launch_forward import ForwardCall
 
 LOG2_E = math.log2(math.e)
+# What a window kernel gets for a side given as -1 (unbounded): larger than any distance between
+# a query and a key, so that it bounds nothing (``kernels.blocks.Band``), and small enough that
+# the kernel's int64 sums of it and a row index cannot overflow.
+WINDOW_UNBOUNDED = 1 << 40
+
+
+class Variant(NamedTuple):
+    """Which forward kernel a call runs, and the arguments that depend on its window and softcap
+    (``variant_of``): the kernel operation (``families.forward_operation``), the ``causal`` its
+    config is chosen (and its kernel built) with, the window's sides as the kernel takes them
+    (each >= 0; ``WINDOW_UNBOUNDED`` for -1; 0 when there is no window), the kernel's exponent
+    factor (softmax_scale·log2(e), or with a softcap softcap·log2(e)) and softmax_scale / softcap
+    (0 without), both float32, and whether every row's keys end at its causal diagonal (the
+    window's right side is 0: the numpy pipeline then cuts each chunk's keys there)."""
+
+    operation: str
+    causal: bool
+    window_left: int
+    window_right: int
+    scale_log2: np.float32
+    cap_scale: np.float32
+    rows_end_at_diagonal: bool
+
+
+def effective_window(causal: bool, window_size: tuple[int, int], seqlen_q: int,
+                     seqlen_k: int) -> tuple[int, int]:
+    """The window a call masks with, FlashAttention's rule: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 meaning unbounded;
+    ``causal`` sets right to 0. A side that bounds no row of this problem becomes -1 (left >=
+    seqlen_k - 1: every row's lower edge is at or below key 0; right >= seqlen_q - 1: every row's
+    upper edge is at or past the last key), so that a window as wide as the problem runs the plain
+    or causal kernel. ``window_size`` (-1, -1) is returned as it is (causal: (-1, 0)), so calls
+    without a window run what they always ran."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if window_size == (-1, -1):
+        return left, right
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1:
+        right = -1
+    return left, right
+
+
+def variant_of(causal: bool, window_size: tuple[int, int], softcap: float, softmax_scale: float,
+               seqlen_q: int, seqlen_k: int) -> Variant:
+    """The kernel of a validated call (``effective_window``): no window left (-1, -1): the plain
+    kernel; (-1, 0): the causal one; any other: the window kernel (built once, as non-causal; its
+    config is the causal one where the window's right side is bounded, a band like the causal
+    triangle's edge); each with a softcap (> 0) or not."""
+    left, right = effective_window(causal, window_size, seqlen_q, seqlen_k)
+    window = (left, right) not in ((-1, -1), (-1, 0))
+    capped = softcap > 0
+    scale_log2 = np.float32((softcap if capped else softmax_scale) * LOG2_E)
+    cap_scale = np.float32(softmax_scale / softcap if capped else 0.0)
+    sides = (0, 0)
+    if window:
+        sides = (WINDOW_UNBOUNDED if left < 0 else left, WINDOW_UNBOUNDED if right < 0 else right)
+    return Variant(forward_operation(window, capped), right != -1, *sides, scale_log2, cap_scale, right == 0)
 
 
 
-def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, seqlen: int | None) -> tuple:
+def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, seqlen: int | None,
+              operation: str = "forward") -> tuple:
     """The key of ``GPU.ready``, the launchers of unforced configs: what picks the config on a
-    device (``configs.forward_config`` is memoised on the same inputs)."""
-    return device, head_dim, causal, bf16, configs.seqlen_span(seqlen)
+    device (``configs.forward_config`` is memoised on the same inputs), and the kernel operation
+    (a window or softcap variant: ``Variant.operation``)."""
+    return device, head_dim, causal, bf16, configs.seqlen_span(seqlen), operation
 
 
 def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool,
-                   seqlen: int | None = None):
+                   seqlen: int | None = None, operation: str = "forward"):
     """(launcher, config, launch) for this problem on the current device (ordinal ``device``).
 
     The config is the table's for this GPU, passing over entries that need more shared memory
@@ -53,12 +115,14 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     long-sequence entry by ``seqlen`` (the longer of seqlen_q and seqlen_k).
     The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
     there; it is loaded once per process, and its shared-memory limit is raised once per device.
+    ``operation``: a window or softcap variant (``Variant.operation``) runs the sm80 family's
+    config and kernel on every GPU (``configs.dispatch_family``).
     """
     gpu = gpu_state.GPU
     limit = gpu.shared_limit(device)
-    config = configs.forward_config(capability, head_dim, causal, limit, seqlen)
-    op = family_of(config).op("forward")
-    key = (config, causal, bf16, capability, device)
+    config = configs.forward_config(capability, head_dim, causal, limit, seqlen, operation != "forward")
+    op = family_of(config).op(operation)
+    key = (config, causal, bf16, capability, device, operation)
     ready = gpu.launchers.get(key)
     if ready is None:
         if config.shared_bytes > limit:  # only a forced config gets here (force_config)
@@ -69,12 +133,12 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
         with gpu.lock:
             ready = gpu.launchers.get(key)
             if ready is None:
-                kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability))
+                kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), operation)
                 set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
                 ready = (KernelLauncher(kernel, op.abi, name), config, op.prepare_launch(config))
                 gpu.launchers[key] = ready
     if not configs.OVERRIDES:  # the hot path's table (run_device) holds unforced configs only
-        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen)] = ready
+        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen, operation)] = ready
     return ready
 
 
@@ -114,24 +178,27 @@ PLANS_KEPT = 1024
 
 
 def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None, return_lse: bool,
-             qd: Operand, kd: Operand, vd: Operand, od: Operand | None) -> tuple:
+             qd: Operand, kd: Operand, vd: Operand, od: Operand | None,
+             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple:
     """The key of ``GPU.plans``: the device, the dtype, the flags, the scale as the caller gave
-    it (None or a float; ``run_torch`` builds the same key from torch's metadata), and the shapes
-    and strides of q, k, v and a given out."""
+    it (None or a float; ``run_torch`` builds the same key from torch's metadata), the window (a
+    tuple of two ints) and the softcap (a float) as validated, and the shapes and strides of q,
+    k, v and a given out."""
     if od is None:
-        return (device, dtype_name, causal, scale_key, return_lse, qd.shape, qd.strides, kd.shape, kd.strides,
-                vd.shape, vd.strides)
-    return (device, dtype_name, causal, scale_key, return_lse, qd.shape, qd.strides, kd.shape, kd.strides,
-            vd.shape, vd.strides, od.shape, od.strides)
+        return (device, dtype_name, causal, scale_key, return_lse, window_size, softcap, qd.shape, qd.strides,
+                kd.shape, kd.strides, vd.shape, vd.strides)
+    return (device, dtype_name, causal, scale_key, return_lse, window_size, softcap, qd.shape, qd.strides,
+            kd.shape, kd.strides, vd.shape, vd.strides, od.shape, od.strides)
 
 
 def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causal: bool, scale: float,
-                scale_key: float | None, return_lse: bool, capability, device: int) -> DevicePlan:
+                scale_key: float | None, return_lse: bool, capability, device: int,
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> DevicePlan:
     """The plan of a validated device call: from ``GPU.plans``, else made (the config picked, its
     kernel loaded, the launch bound) and kept there unless a config is forced."""
     gpu = gpu_state.GPU
     forced = bool(configs.OVERRIDES) or launch_forward.FOLD_GRID
-    key = plan_key(device, qd.dtype_name, causal, scale_key, return_lse, qd, kd, vd, od)
+    key = plan_key(device, qd.dtype_name, causal, scale_key, return_lse, qd, kd, vd, od, window_size, softcap)
     plan = None if forced else gpu.plans.get(key)
     if plan is not None:
         return plan
@@ -139,13 +206,17 @@ def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causa
     seqlen_k = kd.shape[1]
     bf16 = qd.dtype_name == "bfloat16"
     longest = seqlen_q if seqlen_q > seqlen_k else seqlen_k
-    ready = None if forced else gpu.ready.get(ready_key(device, head_dim, causal, bf16, longest))
-    launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest)
+    var = variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
+    causal = var.causal  # the kernel's (its config's) causal flag
+    ready = None if forced else gpu.ready.get(ready_key(device, head_dim, causal, bf16, longest,
+                                                        var.operation))
+    launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest,
+                                                       var.operation)
     lse_shape = (batch, heads_q, seqlen_q)
     lse = (0, batch * heads_q * seqlen_q) if return_lse else gpu.scratch_f32(device)
     o = od or Operand("out", qd.shape, qd.dtype_name, True, None, _dense(qd.shape), 0)
-    call = ForwardCall(qd, kd, vd, o, lse, seqlen_k, kd.shape[2], np.float32(scale * LOG2_E), return_lse, 0,
-                       device)
+    call = ForwardCall(qd, kd, vd, o, lse, seqlen_k, kd.shape[2], var.scale_log2, return_lse, 0, device,
+                       var.window_left, var.window_right, var.cap_scale)
     plan = DevicePlan(launch.bind(launcher, call, gpu), device, qd.shape, lse_shape if return_lse else None,
                       lse[0], (2 * qd.span, 2 * kd.span, 2 * vd.span, 2 * o.span), o.strides == qd.strides)
     if not forced:
@@ -158,9 +229,10 @@ def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causa
 
 def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None, out: Any,
                causal: bool, scale: float, scale_key: float | None, return_lse: bool, capability,
-               device: int):
+               device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """The forward on validated device arrays: one launch on the inputs' stream."""
-    plan = device_plan(qd, kd, vd, od, causal, scale, scale_key, return_lse, capability, device)
+    plan = device_plan(qd, kd, vd, od, causal, scale, scale_key, return_lse, capability, device, window_size,
+                       softcap)
     if out is None:
         out = empty_like(q, qd.shape, qd.dtype_name)
         o = device_pointer(out)
@@ -175,18 +247,22 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
     return (out, lse_obj) if return_lse else out
 
 
-def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, out: Any):
+def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, out: Any,
+              window_size: Any = (-1, -1), softcap: Any = 0.0):
     """The forward on torch tensors whose layout was validated before (a plan in ``GPU.plans``):
     the per-call checks (CUDA tensors of one dtype on the current device, 16-byte aligned
     pointers, a given out overlapping k and v nowhere and q only as q itself), one allocation
     and one launch. None where it cannot tell that the call is good: the full path
-    (``api.direct_flash_attention``) then runs and gives the errors."""
+    (``api.direct_flash_attention``) then runs and gives the errors. A window or softcap of
+    another type than the validated ones (a tuple of two ints, a float) takes the full path too."""
     gpu = gpu_state.GPU
     plans = gpu.plans
     if (not plans or configs.OVERRIDES or launch_forward.FOLD_GRID
             or (causal is not True and causal is not False)
             or (return_lse is not True and return_lse is not False)
-            or (softmax_scale is not None and type(softmax_scale) is not float)):
+            or (softmax_scale is not None and type(softmax_scale) is not float)
+            or type(softcap) is not float or type(window_size) is not tuple or len(window_size) != 2
+            or type(window_size[0]) is not int or type(window_size[1]) is not int):
         return None
     types = TORCH_TYPES
     if type(k) not in types or type(v) not in types or not (q.is_cuda and k.is_cuda and v.is_cuda):
@@ -197,8 +273,8 @@ def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_ls
     if (name is None or k.dtype is not dtype or v.dtype is not dtype or k.get_device() != device
             or v.get_device() != device):
         return None
-    key = (device, name, causal, softmax_scale, return_lse, q.shape, q.stride(), k.shape, k.stride(), v.shape,
-           v.stride())  # plan_key's
+    key = (device, name, causal, softmax_scale, return_lse, window_size, softcap, q.shape, q.stride(),
+           k.shape, k.stride(), v.shape, v.stride())  # plan_key's
     if out is not None:
         if not (type(out) in types and out.is_cuda and out.dtype is dtype and out.get_device() == device):
             return None
@@ -236,16 +312,23 @@ def _dense(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
 
 
 def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | None, dtype_name: str,
-              causal: bool, scale: float, return_lse: bool, capability, device: int):
+              causal: bool, scale: float, return_lse: bool, capability, device: int,
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """The forward on numpy arrays: the chunked pipeline over pinned staging buffers and several
     streams. Results go to pooled pinned memory (the copy engines write them in place), or
-    straight into ``out`` unless it shares memory with an input (then via a copy)."""
+    straight into ``out`` unless it shares memory with an input (then via a copy).
+
+    A chunk of query rows r0 .. r1 - 1 is a problem of its own whose keys end where the last row's
+    diagonal does when every row's keys do (causal, or a window whose right side is 0); the
+    window's rule is relative to each row's diagonal, so it holds in the chunk unchanged."""
     from ..runtime.pipeline import pinned_empty, run_numpy_forward
 
     batch, seqlen_q, heads_q, head_dim = q.shape
-    launcher, config, launch = forward_kernel(capability, device, head_dim, causal, dtype_name == "bfloat16",
-                                              max(seqlen_q, k.shape[1]))
-    scale_log2 = np.float32(scale * LOG2_E)
+    var = variant_of(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
+    bf16 = dtype_name == "bfloat16"
+    launcher, config, launch = forward_kernel(capability, device, head_dim, var.causal, bf16,
+                                              max(seqlen_q, k.shape[1]), var.operation)
+    scale_log2 = var.scale_log2
     direct = out is not None and not any(np.may_share_memory(out, x) for x in (q, k, v))
     result = out if direct else pinned_empty(q.shape, q.dtype)
     lse_host = pinned_empty((batch, heads_q, seqlen_q), np.float32) if return_lse else None
@@ -259,10 +342,12 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
                    else gpu_state.GPU.scratch_f32(device))
         call = ForwardCall(dense("q", lay.q_shape, lay.q), dense("k", lay.kv_shape, lay.k),
                            dense("v", lay.kv_shape, lay.v), dense("out", lay.q_shape, lay.o), lse_arg,
-                           sub.seqlen_k, sub.heads_kv, scale_log2, return_lse, stream, device)
+                           sub.seqlen_k, sub.heads_kv, scale_log2, return_lse, stream, device,
+                           var.window_left, var.window_right, var.cap_scale)
         launch(launcher, call, gpu_state.GPU)
 
-    run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk, causal, config.block_m)
+    run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk, var.rows_end_at_diagonal,
+                      config.block_m)
     if out is not None and not direct:
         out[...] = result
         result = out

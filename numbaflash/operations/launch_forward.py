@@ -22,7 +22,9 @@ FOLD_GRID = False
 class ForwardCall(NamedTuple):
     """One forward launch: q, k, v, out as operands (pointers and strides), the LSE as
     ``(pointer, elements)`` (a scratch scalar when ``write_lse`` is False), the keys and KV heads
-    the kernel sees, and the stream."""
+    the kernel sees, and the stream; for the mma.sync family's window and softcap kernels, the
+    window's sides (each >= 0; ``forward.WINDOW_UNBOUNDED`` for -1) and softmax_scale / softcap
+    (``scale_log2`` is then softcap·log2(e)). Other kernels do not read those three."""
 
     q: Operand
     k: Operand
@@ -35,6 +37,9 @@ class ForwardCall(NamedTuple):
     write_lse: bool
     stream: int
     device: int
+    window_left: int = 0
+    window_right: int = 0
+    cap_scale: np.float32 = np.float32(0.0)
 
 
 def forward_grid(m_blocks: int, heads_q: int, batch: int) -> tuple[int, int, int]:
@@ -74,8 +79,9 @@ class ForwardLaunch:
 
 
 def launch_sm80(config) -> ForwardLaunch:
-    """The launch of the mma.sync kernel of ``config`` (``FORWARD_ABI``): pointers and strides of
-    q, k, v, o; one CTA per query block, head and batch. What depends only on the config is
+    """The launch of the mma.sync kernel of ``config`` (``FORWARD_ABI``; every variant of it, window
+    and softcap included): pointers and strides of q, k, v, o; one CTA per query block, head and
+    batch. What depends only on the config is
     worked out here, once; what depends on the layout, once per bind."""
     block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
 
@@ -88,7 +94,8 @@ def launch_sm80(config) -> ForwardLaunch:
                              (v.pointer, v.span), (o.pointer, o.span), call.lse,
                              qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                              os_[0], os_[1], os_[2], seqlen_q, call.seqlen_k, batch, heads_q,
-                             heads_q // call.heads_kv, call.scale_log2, call.write_lse)
+                             heads_q // call.heads_kv, call.scale_log2, call.write_lse, call.window_left,
+                             call.window_right, call.cap_scale)
 
     return ForwardLaunch(bind)
 

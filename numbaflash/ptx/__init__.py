@@ -1,7 +1,7 @@
 """PTX bindings: every instruction Numba cannot express, as a device function.
 
 Kernels import from here and never see cffi, raw pointers or address spaces.
-Families: async_copy, matrix_load, mma, convert, reduce (sm_80+); hopper (sm_90a).
+Families: async_copy, matrix_load, mma, convert, math, reduce (sm_80+); hopper (sm_90a).
 """
 
 from .async_copy import (
@@ -37,6 +37,7 @@ from .convert import (
     pack_f16x2,
     reciprocal,
 )
+from .math import tanh
 from .matrix_load import (
     ldmatrix_x1,
     ldmatrix_x1_trans,
@@ -99,6 +100,7 @@ __all__ = [
     "ld_shared_f32",
     "st_shared_b32",
     "st_shared_v4",
+    "tanh",
 ]
 
 # Hopper (sm_90a): wgmma and matrix descriptors, mbarrier, TMA, stmatrix, proxy fences, setmaxnreg.

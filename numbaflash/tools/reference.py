@@ -12,6 +12,23 @@ def _visible(sq: int, sk: int) -> np.ndarray:
     return np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
 
 
+def visible_keys(sq: int, sk: int, causal: bool = False,
+                 window_size: tuple[int, int] = (-1, -1)) -> np.ndarray:
+    """(sq, sk) bool: FlashAttention's rule, written out directly: query i sees key j iff
+    i + sk - sq - left <= j <= i + sk - sq + right, -1 meaning unbounded, causal setting right
+    to 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    seen = np.ones((sq, sk), bool)
+    if left >= 0:
+        seen &= j >= i + sk - sq - left
+    if right >= 0:
+        seen &= j <= i + sk - sq + right
+    return seen
+
+
 def attention_reference(
     q: np.ndarray,
     k: np.ndarray,
@@ -20,11 +37,15 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     rounding_dtype=None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention in float64.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
     heads_q a multiple of heads_kv. Rows with no visible key give 0 and LSE -inf.
+    ``window_size`` and ``softcap`` as ``numbaflash.flash_attention`` (``visible_keys``; the
+    scaled scores s become softcap · tanh(s / softcap), rounded by ``rounding_dtype``).
 
     ``rounding_dtype`` (e.g. ``np.float16`` or ``ml_dtypes.bfloat16``) rounds the scores,
     the probabilities and the output to that dtype, as a computation done in the input
@@ -34,7 +55,7 @@ def attention_reference(
     ``rounding_dtype`` if given), lse (batch, heads_q, seqlen_q) float64.
     """
     rnd = _rounding(rounding_dtype)
-    _, _, vf, probs, lse, _ = _probabilities(q, k, v, causal, softmax_scale, rnd)
+    _, _, vf, probs, lse, _ = _probabilities(q, k, v, causal, softmax_scale, rnd, window_size, softcap)
     out = rnd(probs @ vf).transpose(0, 2, 1, 3)
     return np.ascontiguousarray(out), lse
 
@@ -47,7 +68,8 @@ def _rounding(dtype):
     return rnd
 
 
-def _probabilities(q, k, v, causal: bool, softmax_scale: float | None, rnd):
+def _probabilities(q, k, v, causal: bool, softmax_scale: float | None, rnd,
+                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """What the forward and backward references share, in float64: ``(qf, kf, vf, probs, lse,
     scale)`` with qf (b, h, seqlen_q, d), kf and vf (b, h, seqlen_k, d) repeated over each GQA
     group, probs = softmax(rnd(Q Kᵀ) · scale) rounded by ``rnd`` (0 on rows that see no key, whose
@@ -60,8 +82,10 @@ def _probabilities(q, k, v, causal: bool, softmax_scale: float | None, rnd):
     kf = np.repeat(np.asarray(k, np.float64), group, axis=2).transpose(0, 2, 1, 3)
     vf = np.repeat(np.asarray(v, np.float64), group, axis=2).transpose(0, 2, 1, 3)
     s = rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale
-    if causal:
-        s = np.where(_visible(sq, sk), s, -np.inf)
+    if softcap > 0:
+        s = rnd(softcap * np.tanh(s / softcap))
+    if causal or tuple(window_size) != (-1, -1):
+        s = np.where(visible_keys(sq, sk, causal, window_size), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)
@@ -81,7 +105,8 @@ def lse_tolerance(ref_lse: np.ndarray) -> float:
 
 def compare_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                            lse: np.ndarray | None = None, *, causal: bool = False,
-                           softmax_scale: float | None = None) -> tuple[float, list[str]]:
+                           softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0) -> tuple[float, list[str]]:
     """FlashAttention's criterion: ``(ratio, problems)`` of a result against float64.
 
     ``out`` (batch, seqlen_q, heads_q, head_dim) and ``lse`` (batch, heads_q, seqlen_q), any
@@ -89,9 +114,9 @@ def compare_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.
     twice that of the same computation done in the input dtype, plus a rounding floor
     (``ratio`` = error / that bound, <= 1 passes); no NaN; rows that see no key exactly 0;
     LSE -inf exactly on those rows and within ``lse_tolerance`` elsewhere. ``problems`` is
-    empty when everything holds.
+    empty when everything holds. ``window_size`` and ``softcap``: as ``attention_reference``.
     """
-    kw = {"causal": causal, "softmax_scale": softmax_scale}
+    kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
     ref, ref_lse = attention_reference(q, k, v, **kw)
     out = np.asarray(out).astype(np.float64)
     if out.shape != ref.shape:

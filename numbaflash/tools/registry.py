@@ -14,6 +14,7 @@ def registered_kernels() -> dict:
         "tile_gemm_bf16": (make_tile_gemm(True), TILE_GEMM_ARGTYPES, both),
     }
     kernels.update(forward_kernels())
+    kernels.update(forward_variant_kernels())
     kernels.update(backward_kernels())
     kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
@@ -31,6 +32,31 @@ def forward_kernels() -> dict:
             # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
             archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
             kernels[f"{kernel.__name__}_{family}"] = (kernel, kernel_argtypes(config), archs)
+    return kernels
+
+
+def forward_variant_kernels() -> dict:
+    """The mma.sync forward's sliding-window and softcap kernels (issue 35) of every shipped
+    sm80-family config, both dtypes, for sm_80 and for Hopper (sm_90a), which runs them too
+    (window and softcap calls go to the mma.sync kernel on every GPU). Compiled on demand by the
+    API, not by ``precompile``; named like the plain kernels with ``window`` in place of
+    ``full|causal`` and ``_softcap`` after it (``..._window_softcap_f16_sm80``). Each kernel's
+    ``forward_key`` is (config, causal, bf16, operation), what ``configs.kernel_cubin`` takes."""
+    from ..configs import kernel_argtypes, make_kernel, shipped_configs
+    from ..operations.families import family_of
+
+    kernels = {}
+    for family, _, causal, config in shipped_configs():
+        if family != "sm80":
+            continue
+        for operation in ("forward_window", "forward_softcap", "forward_window_softcap"):
+            op = family_of(config).op(operation)
+            for bf16 in (False, True):
+                kernel = make_kernel(config, causal, bf16, operation)
+                name = f"{kernel.__name__}_{family}"
+                if name not in kernels:
+                    kernel.forward_key = (config, op.kernel_causal(causal), bf16, operation)
+                    kernels[name] = (kernel, kernel_argtypes(config, operation), ("sm_80", "sm_90a"))
     return kernels
 
 

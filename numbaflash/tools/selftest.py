@@ -74,10 +74,16 @@ class Case:
     # ``configs.SHORT_SEQLEN``, ``LONG_SEQLEN``), whatever the case's lengths: each is tested on
     # every kind of shape.
     span: str = ""
+    # A sliding window and a softcap (issue 35), drawn for some of the mma.sync family's cases
+    # (``draw_window_softcap``); (-1, -1) and 0.0: none.
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
 
     def describe(self) -> str:
         return (f"{describe_problem(self)} lse={int(self.return_lse)} out={int(self.use_out)}"
-                + (f" {self.span}-config" if self.span else ""))
+                + (f" {self.span}-config" if self.span else "")
+                + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
+                + (f" softcap={self.softcap:g}" if self.softcap else ""))
 
 
 @dataclasses.dataclass
@@ -157,9 +163,39 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     big = rng.random() < 0.2
     amplitude = float(rng.uniform(10.0, 20.0 if dtype == "float16" else 30.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
+    window, softcap = draw_window_softcap(seed, index, sq, sk) if family == "sm80" else ((-1, -1), 0.0)
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 str(rng.choice(KINDS, p=[0.7, 0.15, 0.15])), amplitude, scale,
-                bool(rng.random() < 0.5), bool(rng.random() < 0.3), span)
+                bool(rng.random() < 0.5), bool(rng.random() < 0.3), span, window, softcap)
+
+
+WINDOW_SOFTCAP_SHARE = 0.3  # of the sm80 family's cases, those with a window, a softcap or both
+
+
+def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int) -> tuple[tuple[int, int], float]:
+    """(window_size, softcap) of an sm80-family case, from a stream of its own (the rest of the case
+    is drawn as before): none for most; else a window (sizes 0, 1, 127, 4096, about the lengths,
+    or random; asymmetric; a side -1 sometimes), a softcap (30, 50 or random), or both."""
+    rng = np.random.default_rng([seed, index, 2])
+    if rng.random() >= WINDOW_SOFTCAP_SHARE:
+        return (-1, -1), 0.0
+    what = rng.choice(["window", "softcap", "both"], p=[0.45, 0.25, 0.3])
+    window, softcap = (-1, -1), 0.0
+    if what != "softcap":
+        def side() -> int:
+            pick = rng.choice(["small", "fixed", "lengths", "unbounded"], p=[0.35, 0.3, 0.2, 0.15])
+            if pick == "small":
+                return int(rng.integers(0, 64))
+            if pick == "fixed":
+                return int(rng.choice([0, 1, 127, 4096]))
+            if pick == "lengths":
+                return int(rng.integers(0, max(seqlen_q, seqlen_k) + 1))
+            return -1
+
+        window = (side(), side())
+    if what != "window":
+        softcap = float(rng.choice([30.0, 50.0, float(rng.uniform(2.0, 80.0))]))
+    return window, softcap
 
 
 def numpy_dtype(name: str) -> Any:
@@ -226,14 +262,17 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         if case.use_out:
             out = np.full(q.shape, np.nan, q.dtype)  # poison: unwritten elements show up as NaN
             out = out if kind == "numpy" else to_device(out, kind)
+        extras = {"window_size": case.window_size, "softcap": case.softcap}
         config = case_config(case.family, case.head_dim, case.causal, case.span)
-        with force_config(capability, case.causal, config):
+        # a window kernel takes the causal or the full config, whatever the case's causal flag
+        other = case_config(case.family, case.head_dim, not case.causal, case.span)
+        with force_config(capability, case.causal, config), force_config(capability, not case.causal, other):
             result = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
-                                                return_lse=case.return_lse, out=out)
+                                                return_lse=case.return_lse, out=out, **extras)
         got, lse = result if case.return_lse else (result, None)
         problems = [] if out is None or got is out else ["the result is not the given out"]
         ratio, found = compare_with_reference(q, k, v, to_host(got), None if lse is None else to_host(lse),
-                                             causal=case.causal, softmax_scale=case.softmax_scale)
+                                             causal=case.causal, softmax_scale=case.softmax_scale, **extras)
         problems += found
         note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)

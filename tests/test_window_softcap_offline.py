@@ -1,0 +1,35 @@
+"""The mma.sync forward's sliding-window and softcap kernels (issue 35), compiled offline (no GPU)
+for sm_80 and for Hopper (sm_90a), which runs them too: fully inlined, nothing in local memory.
+One window + softcap kernel per head dim (the config of the shipped table, as the registry names
+it), and the softcap kernels of the d64 config (whose interleaved softmax the softcap turns off:
+it spilled); every variant is in ``python -m numbaflash.inspect window`` / ``softcap``."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbaflash.configs import kernel_cubin
+from numbaflash.tools.inspect import report_from_cubin
+from numbaflash.tools.registry import forward_variant_kernels
+
+KERNELS = forward_variant_kernels()
+WINDOW_SOFTCAP = {next(n for n in KERNELS if n.startswith(f"flash_forward_d{d}_")
+                       and n.endswith("_window_softcap_f16_sm80")) for d in (32, 64, 96, 128, 256)}
+D64_SOFTCAP = {n for n in KERNELS
+               if n.startswith("flash_forward_d64_") and "softcap_bf16" in n and "window" not in n}
+CHOSEN = sorted(WINDOW_SOFTCAP | D64_SOFTCAP)
+CASES = [(name, arch) for name in CHOSEN for arch in ("sm_80", "sm_90a")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def report(request):
+    name, arch = request.param
+    config, causal, bf16, operation = KERNELS[name][0].forward_key
+    return report_from_cubin(kernel_cubin(config, causal, bf16, arch, operation).cubin, name, arch)
+
+
+def test_no_local_memory_spills_or_calls(report):
+    assert report.local_bytes == 0 and report.stack_bytes == 0, (report.local_bytes, report.stack_bytes)
+    assert report.spill_instructions == 0, f"{report.spill_instructions} LDL/STL"
+    assert report.calls == 0, "a helper was not inlined"
+    assert report.count("HMMA") > 0 and report.count("LDGSTS") > 0 and report.count("MUFU") > 0
