@@ -486,8 +486,8 @@ def check_outputs_disjoint(outs: list[Operand], inputs: list[Operand]) -> None:
         for b in (*outs[i + 1:], *inputs):
             if shares_memory(a, b):
                 raise ValueError(
-                    f"{a.name} shares memory with {b.name}; the gradients must not overlap the inputs or "
-                    f"each other: pass {a.name} with memory of its own (or None for a new array)"
+                    f"{a.name} shares memory with {b.name}; an output must not overlap the inputs or the "
+                    f"other outputs: pass {a.name} with memory of its own (or None for a new array)"
                 )
 
 
