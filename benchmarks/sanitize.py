@@ -10,7 +10,8 @@ One job per (tool, config) runs ``compute-sanitizer --tool T ... python sanitize
 --config-index I``: the worker forces the config and checks ``flash_attention`` on small ragged,
 fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) against the numpy
 reference; for a backward config, ``flash_attention_backward`` on the same shapes (both dtypes,
-causal or not, deterministic or not) against the float64 backward.
+causal or not, deterministic or not, plus a window case and a softcap case) against the float64
+backward.
 Logs go to ``--log-dir/{tool}_{index}.log``; a markdown table of error counts is
 printed; exit 1 if any job found errors, timed out, crashed or computed a wrong result.
 """
@@ -271,8 +272,30 @@ def run_backward_worker(config: BackwardConfig) -> int:
                               f"{(b, sq, sk, hq, hkv)} causal={causal} deterministic={deterministic}: {p}",
                               flush=True)
                     failures += bool(problems)
+            # The main kernel's window and softcap variants (issue 35): one case each
+            for window, softcap, deterministic in BACKWARD_WINDOW_SOFTCAP_CASES:
+                extras = {"window_size": window, "softcap": softcap}
+                out, lse = flash_attention(*device, return_lse=True, **extras)
+                grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+                # a window runs the causal or the full config, whatever ``causal`` is: force both
+                forced = (configs.force_config(capability, c, config) for c in (False, True))
+                with next(forced), next(forced):
+                    flash_attention_backward(DeviceBuffer(dout), *device, out, lse, dq=grads[0], dk=grads[1],
+                                             dv=grads[2], deterministic=deterministic, **extras)
+                _, problems = compare_gradients_with_reference(
+                    q, k, v, dout, tuple(g.copy_to_host() for g in grads), **extras)
+                for p in problems:
+                    print(f"WRONG {config} {np.dtype(dtype).name} (b, sq, sk, hq, hkv)="
+                          f"{(b, sq, sk, hq, hkv)} window={window} softcap={softcap} "
+                          f"deterministic={deterministic}: {p}", flush=True)
+                failures += bool(problems)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
+
+
+# The backward's window and softcap variants, run on each backward config beside the plain cases:
+# (window_size, softcap, deterministic); the window's turns in deterministic mode.
+BACKWARD_WINDOW_SOFTCAP_CASES = (((17, 3), 0.0, True), ((-1, -1), 30.0, False))
 
 
 def decode_cases(config) -> list[tuple[int, int]]:

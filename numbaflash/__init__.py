@@ -1,8 +1,13 @@
 """numbaflash: FlashAttention in pure Python with Numba CUDA."""
 
-from .api import flash_attention, flash_attention_backward, flash_attention_with_kvcache
+from .api import (
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_varlen,
+    flash_attention_with_kvcache,
+)
 from .runtime.pipeline import release_staging
 
 __version__ = "0.1.0"
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_with_kvcache", "release_staging",
-           "__version__"]
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
+           "flash_attention_with_kvcache", "release_staging", "__version__"]

@@ -7,10 +7,7 @@ validated before skip to the per-call checks and the launch (``operations.forwar
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
-
-import numpy as np
 
 from .operands import (
     check_device_layout,
@@ -71,7 +68,8 @@ def flash_attention(
         softcap: float >= 0; when > 0 the scaled scores s = QKᵀ · scale become
             softcap · tanh(s / softcap) before the softmax (Gemma 2, Grok); 0 turns it off.
             A window or a softcap runs the mma.sync kernel on every GPU, Hopper included (its
-            own kernel does not have them yet), and has no backward yet (issue 35).
+            own kernel does not have them yet); both have a backward
+            (``flash_attention_backward``, and autograd on torch tensors).
         return_lse: (bool) also return the float32 log-sum-exp, (batch, heads_q, seqlen_q);
             -inf for rows that see no key.
         out: optional output array (same shape and dtype as q, same kind as the inputs,
@@ -80,7 +78,6 @@ def flash_attention(
 
     Raises:
         TypeError, ValueError: bad input, before anything is compiled or launched.
-        NotImplementedError: a window or a softcap on torch tensors that need autograd.
         RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
@@ -160,21 +157,6 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
                              capability, device, window_size, softcap)
 
 
-def reject_backward_window_softcap(function: str, window_size: Any, softcap: Any) -> None:
-    """The backward has no sliding window or softcap yet (issue 35): anything but their defaults
-    raises ``NotImplementedError`` naming the option (bad values: the forward's TypeError or
-    ValueError), before anything is compiled or launched."""
-    window_size = check_window_size(window_size)
-    if window_size != (-1, -1):
-        raise NotImplementedError(f"{function}: window_size={window_size} is not supported by the backward "
-                                  "yet (issue 35; the forward supports it); only (-1, -1)")
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        check_softcap(softcap, 1.0)  # raises the forward's TypeError
-    if float(softcap) != 0:
-        raise NotImplementedError(f"{function}: softcap={float(softcap)!r} is not supported by the backward "
-                                  "yet (issue 35; the forward supports it); only 0")
-
-
 def flash_attention_backward(
     dout: Any,
     q: Any,
@@ -221,11 +203,16 @@ def flash_attention_backward(
         dq, dk, dv: optional output arrays, like q, k and v (same kind, shape and dtype),
             writeable, with no element sharing memory with another, and sharing no memory with
             any input or each other. None: a new array (C-contiguous).
-        window_size, softcap: the forward's; only their defaults, (-1, -1) and 0.0, for now.
+        window_size: the forward's (left, right) sliding window, FlashAttention's rule (query i
+            sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+            right; -1 unbounded; ``causal`` sets right to 0). A key block's work covers only
+            the query blocks that see it; keys no query sees get dk = dv = 0.
+        softcap: the forward's (0: off; > 0: scores softcap · tanh(QKᵀ · scale / softcap)); the
+            gradients go through the tanh. ``lse`` must be the forward's of the same window and
+            softcap.
 
     Raises:
-        TypeError, ValueError: bad input, before anything is compiled or launched.
-        NotImplementedError: a window or a softcap (no backward for them yet: issue 35), before
+        TypeError, ValueError: bad input (window and softcap: the forward's checks), before
             anything is compiled or launched.
         RuntimeError: no usable GPU of compute capability 8.0 or newer, or no backward tile of
             this head dim fits the GPU's shared memory (head_dim 256 on GPUs of 99 KB a CTA:
@@ -237,7 +224,7 @@ def flash_attention_backward(
         KV head sum over its query heads. Rows that see no key (causal, seqlen_q > seqlen_k)
         get zero gradients, and give none to k and v.
     """
-    reject_backward_window_softcap("flash_attention_backward", window_size, softcap)
+    window_size = check_window_size(window_size)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_shapes(qd, kd, vd)
     batch, seqlen_q, heads_q, head_dim = qd.shape
@@ -249,6 +236,7 @@ def flash_attention_backward(
     causal = check_flag("causal", causal)
     deterministic = check_flag("deterministic", deterministic)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
+    softcap = check_softcap(softcap, softmax_scale)
     grads = (None if dq is None else describe_gradient("dq", dq, qd),
              None if dk is None else describe_gradient("dk", dk, kd),
              None if dv is None else describe_gradient("dv", dv, vd))
@@ -263,9 +251,9 @@ def flash_attention_backward(
     if qd.on_device:
         check_same_device([*inputs, *given], device)
         return backward.run_device(dod, qd, kd, vd, od, lsed, grads, causal, softmax_scale, deterministic,
-                                   capability, device)
+                                   capability, device, window_size, softcap)
     return backward.run_numpy(dout, q, k, v, out, lse, (dq, dk, dv), causal, softmax_scale, deterministic,
-                              capability, device)
+                              capability, device, window_size, softcap)
 
 
 def flash_attention_with_kvcache(
@@ -381,3 +369,62 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
                                     num_splits, return_lse, capability, device)
     return (result, lse) if return_lse else result
+
+
+def flash_attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    out: Any = None,
+) -> Any:
+    """Attention over a packed batch of sequences of different lengths (FlashAttention's
+    ``flash_attn_varlen_func``), each sequence attending to its own keys only.
+
+    Args:
+        q: (total_q, heads_q, head_dim) float16 or bfloat16: the sequences' query rows, packed.
+        k, v: (total_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv (GQA /
+            MQA); head_dim 32, 64, 96, 128 or 256. All numpy arrays or all device arrays (torch
+            CUDA tensors, CuPy, Numba device arrays), as for ``flash_attention``.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative offsets: sequence b owns query
+            rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and key rows cu_seqlens_k[b] ..
+            cu_seqlens_k[b + 1] - 1 (empty sequences allowed). Device arrays for device inputs
+            (their values are never read on the host: the call can be captured in a CUDA graph),
+            numpy arrays for numpy inputs (then checked: start at 0, non-decreasing, end at
+            total, no sequence longer than the maxima).
+        max_seqlen_q, max_seqlen_k: positive ints, at least every sequence's length (the grid
+            covers max_seqlen_q query rows a sequence; not checked on device offsets).
+        causal, softmax_scale, window_size, softcap: as for ``flash_attention``, per sequence
+            (bottom-right: query i of a sequence sees key j iff j <= i + seqlen_k - seqlen_q with
+            that sequence's own lengths).
+        return_lse: also return the float32 LSE, (heads_q, total_q); -inf on rows that see no key.
+        out: optional output like q.
+
+    Runs the mma.sync kernel on every GPU, Hopper included (the Hopper kernel's persistent varlen
+    schedule is a later step of issue 35); no backward yet: torch tensors that need autograd raise
+    ``NotImplementedError`` before anything launches.
+
+    Returns:
+        ``out`` (total_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
+    """
+    from .operations.varlen import direct_flash_attention_varlen
+
+    if kind_of(q) == "torch":
+        from .torch_ops import route_varlen
+
+        routed = route_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                              softmax_scale, window_size, softcap, return_lse, out)
+        if routed is not None:
+            return routed
+    return direct_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         causal,
+                                         softmax_scale, window_size, softcap, return_lse, out)

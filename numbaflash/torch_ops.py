@@ -7,7 +7,7 @@ numbaflash`` never imports torch). Two ops under the ``numbaflash`` namespace:
 - ``numbaflash::flash_attention_forward(q, k, v, causal, softmax_scale, window_left=-1,
   window_right=-1, softcap=0.0) -> (out, lse)``
 - ``numbaflash::flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale,
-  deterministic) -> (dq, dk, dv)``
+  deterministic, window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``
 
 Both return new contiguous tensors (``mutates_args=()``), made by ``torch.empty`` on the
 inputs' device, as the eager API does, so they capture in CUDA graphs; their fake kernels give
@@ -16,10 +16,9 @@ messages. The forward's autograd saves q, k, v, out and lse; the backward is the
 (the mma.sync backward kernel on every GPU), deterministic when
 ``torch.are_deterministic_algorithms_enabled()`` was on at the forward. The LSE is marked
 non-differentiable: it does not require grad, and no gradient flows through it. There is no
-double backward (the backward op has no autograd formula). A sliding window or a softcap has no
-backward yet (issue 35): ``route`` refuses them with ``NotImplementedError`` when autograd would
-need one, before anything launches, and the autograd formula refuses them too; the op's forward
-runs them without grad (torch.compile, inference).
+double backward (the backward op has no autograd formula). A sliding window and a softcap
+(issue 35) go through both ops: the forward's are saved and passed to the backward op. Calls
+without them pass the ops' original arguments only.
 """
 
 from __future__ import annotations
@@ -58,9 +57,10 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: fl
 
 
 def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                 softmax_scale: float, deterministic: bool):
+                 softmax_scale: float, deterministic: bool, window_size: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0):
     return api.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                        deterministic=deterministic)
+                                        deterministic=deterministic, window_size=window_size, softcap=softcap)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
@@ -88,16 +88,24 @@ def _forward_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-
 
 @torch.library.custom_op("numbaflash::flash_attention_backward", mutates_args=())
 def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             causal: bool, softmax_scale: float,
-                             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), each like its input (contiguous)."""
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+                             causal: bool, softmax_scale: float, deterministic: bool,
+                             window_left: int = -1, window_right: int = -1,
+                             softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), each like its input (contiguous); the window and softcap as the forward's."""
+    if window_left == -1 and window_right == -1 and softcap == 0.0:
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+    else:
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                                  (window_left, window_right), softcap)
     return dq, dk, dv
 
 
 @flash_attention_backward.register_fake
-def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left=-1,
+                   window_right=-1, softcap=0.0):
     check_tensors(q, k, v)
+    check_window_size((window_left, window_right))
+    check_softcap(softcap, softmax_scale)
     _check_like("dout", dout, q.shape, q.dtype)
     _check_like("out", out, q.shape, q.dtype)
     batch, seqlen_q, heads_q, _ = q.shape
@@ -117,14 +125,17 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    api.reject_backward_window_softcap("flash_attention (autograd)", ctx.window_size, ctx.softcap)
     q, k, v, out, lse = ctx.saved_tensors
     # The kernel reads dO in 16-byte row chunks: a gradient that is not a plain dense tensor
     # (expanded from a sum, a transposed view, an odd offset) becomes one first.
     if not dout.is_contiguous() or dout.storage_offset() % 8:
         dout = dout.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                          ctx.deterministic)
+    if ctx.window_size == (-1, -1) and ctx.softcap == 0.0:
+        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                              ctx.deterministic)
+    else:
+        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                              ctx.deterministic, *ctx.window_size, ctx.softcap)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -155,8 +166,6 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     if type(softcap) is not float or softcap != 0.0 or window_size != (-1, -1):  # (not traced when default)
         window_size = check_window_size(window_size)
         softcap = check_softcap(softcap, softmax_scale)
-        if needs_grad:  # before anything launches: no backward for them yet
-            api.reject_backward_window_softcap("flash_attention (autograd)", window_size, softcap)
     if out is not None:
         if needs_grad:
             raise RuntimeError(
@@ -221,4 +230,80 @@ def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, bloc
     softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
     result, lse = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, int(num_splits))
+    return (result, lse) if return_lse else result
+
+
+# ------------------------------------------------------------------ packed variable-length forward
+
+
+def run_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, causal: bool, softmax_scale: float, window_size: tuple[int, int],
+               softcap: float):
+    from .operations.varlen import direct_flash_attention_varlen
+
+    return direct_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         causal,
+                                         softmax_scale, window_size, softcap, True, None)
+
+
+@torch.library.custom_op("numbaflash::flash_attention_varlen_forward", mutates_args=())
+def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                   cu_seqlens_k: Tensor,
+                                   max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                                   window_left: int = -1, window_right: int = -1,
+                                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(out, lse): out like q (total_q, heads_q, head_dim), contiguous; lse float32 (heads_q,
+    total_q). No autograd formula yet (issue 35)."""
+    out, lse = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          softmax_scale,
+                          (window_left, window_right), softcap)
+    return out, lse
+
+
+@flash_attention_varlen_forward.register_fake
+def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                 window_left=-1, window_right=-1, softcap=0.0):
+    from .operations.varlen import check_offsets_shape, check_packed_shapes, packed
+
+    operands = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        dtype_name = _DTYPE_NAMES.get(x.dtype)
+        if dtype_name is None:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
+        operands.append(Operand(name, tuple(x.shape), dtype_name, True, None))
+    check_packed_shapes(*operands)
+    check_shapes(*(packed(op) for op in operands))
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        check_offsets_shape(name, tuple(cu.shape), "int32")
+    check_window_size((window_left, window_right))
+    check_softcap(softcap, softmax_scale)
+    total_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
+
+
+def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                 softmax_scale,
+                 window_size, softcap, return_lse, out):
+    """``flash_attention_varlen`` on torch tensors: ``NotImplementedError`` when autograd would
+    need a backward (issue 35), before anything launches; None where the direct path serves the
+    call; else the custom op (torch.compile / export, fake or meta tensors, a dispatch mode)."""
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError(
+            "flash_attention_varlen has no backward yet (issue 35): call it on tensors that do not require "
+            "grad, or under torch.no_grad()")
+    if not (_dynamo_compiling() or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    if out is not None:
+        raise RuntimeError("flash_attention_varlen(): out= is not supported under torch.compile or a "
+                           "dispatch mode; use the returned tensor")
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap, softmax_scale)
+    result, lse = flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                 int(max_seqlen_k), causal, softmax_scale, *window_size,
+                                                     softcap)
     return (result, lse) if return_lse else result

@@ -485,7 +485,8 @@ def test_the_family_record():
     config = BackwardConfig(128)
     family = families.family_of(config)
     assert family is families.SM80_BWD and family.name == "sm80bwd" and family.table_kind == "mma_bwd"
-    assert tuple(family.ops) == families.BACKWARD_OPERATIONS == ("backward_prep", "backward", "backward_dq")
+    assert families.BACKWARD_OPERATIONS == ("backward_prep", "backward", "backward_dq")
+    assert tuple(family.ops) == (*families.BACKWARD_OPERATIONS, *families.BACKWARD_VARIANTS)
     for operation, abi in ABIS.items():
         op = family.op(operation)
         assert op.abi == abi and op.cache_kind == operation
@@ -618,7 +619,7 @@ def test_device_call_launches_prep_main_dq_with_the_abi(fake_gpu, deterministic)
     assert main[5][10:28] == (*dense_q, *dense_k, *dense_k, *dense_q, *dense_k, *dense_k)
     tail_pairs = min(2 * 3, -(-2 * 132 // key_blocks))  # two waves of the fake GPU's 132 SMs
     assert main[5][28:] == (200, 300, rows, 8, 4, 2, tail_pairs, np.float32(0.25 * np.log2(np.e)),
-                            np.float32(0.25), deterministic)
+                            np.float32(0.25), deterministic, 0, 0, np.float32(0.0))  # no window, no cap
     assert type(main[5][35]) is np.float32 and type(main[5][36]) is np.float32
     assert dqk[5] == (ws.dq_accum, (dq.pointer, q_span), *dense_q, 200, rows, 8, np.float32(0.25))
 

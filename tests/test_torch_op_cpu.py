@@ -85,7 +85,8 @@ def test_ops_are_registered_with_their_schemas():
         "-> (Tensor, Tensor)")
     assert str(bwd._schema) == (
         "numbaflash::flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
-        "Tensor lse, bool causal, float softmax_scale, bool deterministic) -> (Tensor, Tensor, Tensor)")
+        "Tensor lse, bool causal, float softmax_scale, bool deterministic, SymInt window_left=-1, "
+        "SymInt window_right=-1, float softcap=0.) -> (Tensor, Tensor, Tensor)")
     assert not fwd._schema.is_mutable and not bwd._schema.is_mutable
 
 

@@ -135,7 +135,7 @@ def test_plain_and_variant_calls_of_one_layout(rng, dtype):
 
 def test_torch_window_and_softcap(rng):
     """torch CUDA tensors: zero copy without grad (the direct path and, under a dispatch mode,
-    the op); with grad refused before anything launches (no backward yet, issue 35)."""
+    the op); with grad the backward runs (its accuracy: tests/test_backward_window_gpu.py)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
@@ -151,5 +151,6 @@ def test_torch_window_and_softcap(rng):
     _, problems = compare_with_reference(q, k, v, out.cpu().numpy(), lse.cpu().numpy(), causal=True,
                                          softmax_scale=0.125, window_size=(64, -1), softcap=50.0)
     assert not problems, "; ".join(problems)
-    with pytest.raises(NotImplementedError, match="issue 35"):
-        numbaflash.flash_attention(tq.requires_grad_(), tk, tv, window_size=(64, 0))
+    tq.requires_grad_()
+    numbaflash.flash_attention(tq, tk, tv, window_size=(64, 0)).float().sum().backward()
+    assert tq.grad is not None and bool(torch.isfinite(tq.grad).all())

@@ -19,6 +19,16 @@ FORWARD_ABI = (
     "float32",  # softmax scale / softcap (read by softcap kernels only)
 )
 
+# The mma.sync forward's packed variable-length kernels (``common.VARLEN_ARGTYPES``): the same,
+# then the sequences' cumulative offsets and the LSE's head stride. Grid (query blocks of
+# max_seqlen_q, heads_q, batch); q, k, v, o are (1, total, heads, head_dim) views whose batch
+# strides the kernel never reads, seqlen_q and seqlen_k the maxima; the LSE is (heads_q, total_q).
+VARLEN_FORWARD_ABI = (
+    *FORWARD_ABI,
+    "array(int32, 1d, C)", "array(int32, 1d, C)",  # cu_seqlens_q, cu_seqlens_k (batch + 1,)
+    "int64",  # total_q (the LSE's head stride)
+)
+
 _U64_ARRAY = "array(uint64, 1d, C)"  # a 128-byte tensor map (16 words) in global memory
 
 # The warp-specialised Hopper kernel (``forward_ws.WS_ARGTYPES``): tensor maps instead of
@@ -64,8 +74,10 @@ BACKWARD_ABI = (
     "int64", "int64", "int64",  # seqlen_q, seqlen_k, rows
     "int64", "int64", "int64",  # heads_q, heads_q // heads_kv, heads_kv
     "int64",  # tail pairs: (batch, KV head) pairs launched interleaved at the end (causal only)
-    "float32", "float32",  # softmax scale * log2(e), softmax scale
+    "float32", "float32",  # softmax scale * log2(e) (softcap * log2(e) when capped), softmax scale
     "bool",  # deterministic: add each query block's dQ in key-block order
+    "int64", "int64",  # sliding window: left, right, each >= 0 (read by window kernels only)
+    "float32",  # softmax scale / softcap (read by softcap kernels only)
 )
 
 # 3. dQ = the accumulator, scaled, in the input dtype. Grid (rows // block_m, heads_q, batch),

@@ -26,6 +26,16 @@ Three kernels over one float32 workspace (``abi.BACKWARD_ABI`` describes it):
    with 16-byte stores.
 3. ``dq``: dQ = scale · accumulator, in the input dtype.
 
+Two compile-time variants of the main kernel (issue 35), built only when a call asks for them, as
+the forward's: ``window`` (FlashAttention's sliding window: a key block's CTA walks only the query
+blocks whose rows see one of its keys, ``blocks.band_query_blocks``, and masks the scores of tiles
+on an edge of the window, ``mask_band_transposed``; the window's sides are kernel arguments) and
+``softcap`` (Sᵀ becomes t = tanh(Sᵀ · scale / softcap), the scores softcap · t, so the exponent
+factor is softcap·log2(e), and dSᵀ gets the tanh's derivative: dSᵀ = Pᵀ ∘ (dPᵀ − D) ∘ (1 − t²),
+scaled by the softmax scale afterwards as before). The prepare and dQ kernels serve every variant.
+A main kernel built without them compiles to the same code as before they existed: their
+arguments are never read.
+
 Every product is an m16n8k16 mma.sync; the warps split each product their own way
 (``shapes.BackwardConfig``). Tiles use the swizzled layouts of ``smem``; the Pᵀ and dSᵀ tiles
 are ``block_n`` rows of ``block_m`` 16-bit columns in 128-byte column blocks.
@@ -39,7 +49,7 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32
 
 from .. import ptx
-from .blocks import key_block_of
+from .blocks import Band, band_kv_tiles, band_needs_mask, band_query_blocks, key_block_of
 from .common import FULL_MASK, NEG_INF, keep_in_register, unroll
 from .epilogue import store_rows_global
 from .shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
@@ -73,8 +83,10 @@ BACKWARD_ARGTYPES = (
     types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
     types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
     types.int64,  # tail pairs (blocks.key_block_of)
-    types.float32, types.float32,  # scale * log2(e), scale
+    types.float32, types.float32,  # scale * log2(e) (softcap * log2(e) when capped), scale
     types.boolean,  # deterministic
+    types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
+    types.float32,  # softmax scale / softcap (read by softcap kernels only)
 )
 BACKWARD_DQ_ARGTYPES = (
     types.float32[::1], types.uint16[::1],  # dq_acc, dq
@@ -149,6 +161,28 @@ def mask_transposed(s, n_tiles, key0, col0, lane, seqlen_k, diag, causal):
         for j in range(n_tiles):
             for e in range(2):
                 if j * 8 + e < limit:
+                    s[j, 2 * half + e] = NEG_INF
+
+
+@cuda.jit(device=True, forceinline=True)
+def mask_band_transposed(s, n_tiles, key0, col0, lane, band):
+    """``mask_transposed`` under a sliding window ``band`` (a ``blocks.Band``): set to -inf the
+    scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns: queries ``col0`` + 8j
+    + 2t + e) whose key is past the last or outside the query's window (query i sees key j iff
+    i + first <= j <= i + last, i.e. j - last <= i <= j - first). Two 32-bit limits a row on the
+    lane's column index: the queries that see the row's key are columns [low, high)."""
+    g = lane // 4
+    t = lane % 4
+    for half in range(2):
+        key = key0 + g + 8 * half
+        col = col0 + 2 * t
+        low = int32(max(min(key - band.last - col, 1 << 30), -1))
+        high = int32(max(min(key - band.first + 1 - col, 1 << 30), -1))
+        if key >= band.seqlen_k:
+            high = int32(-1)
+        for j in range(n_tiles):
+            for e in range(2):
+                if j * 8 + e < low or j * 8 + e >= high:
                     s[j, 2 * half + e] = NEG_INF
 
 
@@ -279,10 +313,18 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     return backward_dq
 
 
-def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, window: bool = False,
+                         softcap: bool = False):
     """The main backward kernel (``BACKWARD_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv
     * batch in one dimension (``blocks.key_block_of`` maps a CTA to its key block and (batch,
-    KV head)), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory."""
+    KV head)), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory.
+
+    ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
+    ``causal`` must then be False: the window's right edge 0 is causal masking). ``softcap``:
+    scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, ``scale_log2`` =
+    softcap·log2(e), as the forward's). Kernels without them never read those arguments."""
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
     D = config.head_dim
     BM = config.block_m
@@ -316,6 +358,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
     STORE_ROWS = BN // WARPS  # rows of dK and dV each warp writes out
     DQ_VECTOR = config.dq_vector
     CAUSAL = causal
+    WINDOW = window
+    SOFTCAP = softcap
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
@@ -362,9 +406,15 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                 d = ptx.ld_shared_f32(delta_at + (8 * j + e) * 4)
                 for mt in range(KMT):
                     for r in range(2):
-                        p = ptx.exp2(acc_s[mt, j, 2 * r + e] * scale_log2 - lse)
+                        s = acc_s[mt, j, 2 * r + e]
+                        p = ptx.exp2(s * scale_log2 - lse)
                         acc_s[mt, j, 2 * r + e] = p
-                        acc_dp[mt, j, 2 * r + e] = p * (acc_dp[mt, j, 2 * r + e] - d)
+                        if SOFTCAP:  # s = t = tanh(.), the score softcap·t: d(score)/d(QKᵀ·scale) = 1 - t²
+                            # (a masked t is -inf, its P 0: the max keeps 0 · -inf from making a NaN)
+                            slope = max(float32(1.0) - s * s, float32(0.0))
+                            acc_dp[mt, j, 2 * r + e] = p * (acc_dp[mt, j, 2 * r + e] - d) * slope
+                        else:
+                            acc_dp[mt, j, 2 * r + e] = p * (acc_dp[mt, j, 2 * r + e] - d)
 
     @cuda.jit(device=True, forceinline=True)
     def store_scores(tile, acc, offsets):
@@ -470,7 +520,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                        do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
                        seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
-                       deterministic):
+                       deterministic, window_left, window_right, cap_scale):
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x & 1023
         warp = tid // 32
@@ -479,7 +529,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         # division: the grid has at most 2^31 - 1 CTAs.
         key_blocks = uint32((seqlen_k + BN - 1) // BN)
         n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
-                                     tail_pairs if CAUSAL else 0)
+                                     tail_pairs if CAUSAL or WINDOW else 0)
         kv_head = int64(uint32(pair) % uint32(heads_kv))
         batch = int64(uint32(pair) // uint32(heads_kv))
         n0 = n_block * BN
@@ -498,6 +548,9 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         m_first = int64(0)
         if CAUSAL:
             m_first = max(n0 - diag, 0) // BM  # the first query block that sees a key of the block
+        band = Band(seqlen_k, diag - window_left, diag + window_right)  # read by WINDOW kernels only
+        if WINDOW:  # only the query blocks whose rows see a key of the block: m_first .. m_blocks - 1
+            m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
         per_head = max(m_blocks - m_first, 0)
         steps = group * per_head
         lse2_base = ptx.global_address_f32(lse2)
@@ -571,7 +624,16 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
             transposed_scores(acc_s, acc_dp, sk, sv, tiles, frags, offsets)
             key0 = n0 + s_part.row0
             q0 = m0 + s_part.col0
-            if key0 + 16 * KMT > seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + diag):
+            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+                for mt in range(KMT):
+                    for j in range(S_N):
+                        for e in range(4):
+                            acc_s[mt, j, e] = ptx.tanh(acc_s[mt, j, e] * cap_scale)
+            if WINDOW:
+                if band_needs_mask(key0, 16 * KMT, q0, SQ, band):  # keys x queries: an edge or the keys' end
+                    for mt in range(KMT):
+                        mask_band_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, band)
+            elif key0 + 16 * KMT > seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + diag):
                 for mt in range(KMT):
                     mask_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, seqlen_k, diag, CAUSAL)
             gradient_of_scores(acc_s, acc_dp, tiles, s_part, scale_log2, lane)
@@ -584,8 +646,14 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
             # product runs, instead of queueing in front of the next step's cp.async copies.
             counter_at = counter_base + (bh * counters_per_head + m_block) * 4
             if deterministic:  # wait for this query block's turn: key blocks add in order
+                # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
+                # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
+                # of band_query_blocks): this block's turn is its place in that range.
+                turn = n_block
+                if WINDOW:
+                    turn = n_block - band_kv_tiles(m0, min(BM, seqlen_q - m0), BN, band)[0]
                 if tid == 0:
-                    while ptx.ld_acquire_gpu_s32(counter_at) != n_block:
+                    while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                         pass
                 cuda.syncthreads()
             add_dq(sbase + SDS, sk, dq_base + ((bh * rows + m0) * D + DQ_VECTOR * tid) * 4, frags, offsets,
@@ -614,7 +682,26 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         store_rows_global(dk_rows, n0 + first, sk, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
         store_rows_global(dv_rows, n0 + first, sv, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
 
-    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+    mask_kind = "window" if window else "causal" if causal else "full"
+    kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
     flash_backward.__name__ = f"flash_backward_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
     flash_backward.launch_bounds = (THREADS, 1)
     return flash_backward
+
+
+# The variants' factories (``operations.families``: one kernel operation each, built on demand).
+def make_backward_window_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The sliding-window main kernel of ``config`` (``causal`` is ignored: a window's right edge 0
+    is causal masking; ``KernelOp.masked`` is False for it)."""
+    return make_backward_kernel(config, False, bf16, window=True)
+
+
+def make_backward_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The softcapped main kernel of ``config``, causal or not."""
+    return make_backward_kernel(config, causal, bf16, softcap=True)
+
+
+def make_backward_window_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The sliding-window, softcapped main kernel of ``config`` (``causal`` ignored, as for the
+    window)."""
+    return make_backward_kernel(config, False, bf16, window=True, softcap=True)

@@ -173,6 +173,30 @@ def band_kv_tiles(m0, rows, block_n, band):
 
 
 @cuda.jit(device=True, forceinline=True)
+def band_query_blocks(n0, keys, block_m, seqlen_q, band):
+    """(first, end): the query blocks ``first .. end - 1`` (of ``block_m`` rows, block m from row
+    m * block_m) whose rows see one of the keys ``n0 .. n0 + keys - 1`` under the sliding window
+    ``band`` (a Band): the backward's walk for one key block, so that it costs the window.
+
+    Query i sees key j iff j - last <= i <= j - first (and i < seqlen_q, j < seqlen_k), so the
+    rows that see a key of the block are ``n0 - last .. n0 + keys - 1 - first``, clipped to the
+    rows that exist: one range, since each key's rows are a range that moves by one a key.
+
+    Invariants (``tests/test_backward_window_cpu.py``): every query row that sees a key of the
+    block lies in a block of the range; the first and the last block of the range each hold such
+    a row; a key block no row sees gets an empty range (first == end: its dK and dV are 0); and
+    it is the inverse of ``band_kv_tiles``: query block m is in key block n's range iff key tile
+    n is in query block m's range (each with its real extent, ``keys`` and ``rows`` >= 1), so the
+    key blocks that visit a query block are the consecutive ones from its ``band_kv_tiles`` first
+    (deterministic mode's turns)."""
+    lo = max(n0 - band.last, 0)  # the first row that sees the block's first key
+    hi = min(n0 + keys - band.first, seqlen_q)  # one past the last row that sees its last key
+    first = lo // block_m
+    end = (hi + block_m - 1) // block_m if hi > lo else first
+    return first, end
+
+
+@cuda.jit(device=True, forceinline=True)
 def band_needs_mask(col0, block_n, row_first, rows, band):
     """Whether the tile of ``block_n`` keys from ``col0`` holds a key that one of the rows
     ``row_first .. row_first + rows - 1`` does not see (the tile crosses the end of the keys,

@@ -24,6 +24,12 @@ FORWARD_ARGTYPES = (
     types.int64, types.int64,  # sliding window: left, right (read by window kernels only)
     types.float32,  # softmax scale / softcap (read by softcap kernels only)
 )
+# The packed variable-length kernels (``forward_mma``, ``varlen=True``): the same, then the sequences.
+VARLEN_ARGTYPES = (
+    *FORWARD_ARGTYPES,
+    types.int32[::1], types.int32[::1],  # cu_seqlens_q, cu_seqlens_k (batch + 1,)
+    types.int64,  # the LSE's head stride: total_q
+)
 
 # The O rescale is skipped (warp-uniformly) unless some row max grew by more than this
 # (log2 units). A stale max keeps P below 2^threshold, but P's largest entries then round

@@ -24,6 +24,15 @@ the window's sizes are kernel arguments) and ``softcap`` (scores become tanh(QK�
 softcap) before the softmax, whose exponent factor is then softcap·log2(e): ``softmax.cap_scores``;
 the factor is a kernel argument). A kernel built without them compiles to the same code as
 before they existed: their arguments are never read.
+
+A third, ``varlen`` (packed variable-length batches, ``flash_attention_varlen``), is a kernel of its
+own parameter list (``VARLEN_ARGTYPES``): the plain parameters, then the int32 cumulative offsets
+of the sequences' queries and keys (batch + 1,) and the LSE's head stride (total_q). It calls the
+same body as a device function, with a ``Sequences`` record in the ``batch_size`` slot: grid z is
+the sequence, whose rows start at ``cu_seqlens_q[b]`` (two int32 loads each for q and k), and
+whose own lengths replace seqlen_q and seqlen_k (so masks, causal diagonal and window are per
+sequence, and no tile reads or writes a row of another sequence); a query block past its
+sequence's end returns at once. The LSE is (heads_q, total_q). The other builds never see it.
 """
 
 from __future__ import annotations
@@ -70,10 +79,13 @@ from .softmax import (
 # and V's tile, ldmatrix offsets and fragment buffer.
 PvSlices = namedtuple("PvSlices", ["acc_s", "acc_o", "p_frag", "m_use", "row_sum", "scale_log2", "v_tile",
                                    "v_offsets", "b_frag"])
+# What a varlen kernel passes in the body's ``batch_size`` slot: the number of sequences, the
+# int32 cumulative offsets of their queries and keys (count + 1,), and the LSE's head stride.
+Sequences = namedtuple("Sequences", ["count", "cu_seqlens_q", "cu_seqlens_k", "lse_head_stride"])
 
 
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
-                        softcap: bool = False):
+                        softcap: bool = False, varlen: bool = False):
     """Return the Python kernel function for ``config`` (jit it with ``common.FORWARD_ARGTYPES``).
 
     Launch: grid ``launch_forward.forward_grid``, ``config.threads`` threads,
@@ -82,7 +94,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
     ``causal`` must then be False: the window's right edge 0 is causal masking). ``softcap``:
     scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, and ``scale_log2`` =
-    softcap·log2(e)). Kernels without them never read those arguments.
+    softcap·log2(e)). Kernels without them never read those arguments. ``varlen``: the packed
+    variable-length kernel (jit it with ``common.VARLEN_ARGTYPES``; grid
+    ``launch_forward.forward_grid(query blocks of max_seqlen_q, heads_q, batch)``).
     """
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
@@ -112,6 +126,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     CAUSAL = causal
     WINDOW = window
     SOFTCAP = softcap
+    VARLEN = varlen
     REVERSE = causal or window  # heaviest query blocks first (blocks.query_block)
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
@@ -288,7 +303,17 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         warp = tid // 32
         lane = tid % 32
         m_block, head, batch, kv_head = query_block(heads_q, group, REVERSE)
-        if batch >= batch_size:  # past the last (batch, head) pair of a folded grid
+        if VARLEN:  # batch_size is a Sequences record: this CTA's sequence and its own lengths
+            seqs = batch_size
+            if batch >= seqs.count:
+                return
+            start_q = int64(seqs.cu_seqlens_q[batch])
+            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
+            if m_block * BM >= seqlen_q:  # past this sequence's queries (or an empty sequence)
+                return
+            start_k = int64(seqs.cu_seqlens_k[batch])
+            seqlen_k = int64(seqs.cu_seqlens_k[batch + 1]) - start_k
+        elif batch >= batch_size:  # past the last (batch, head) pair of a folded grid
             return
         m0 = m_block * BM
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
@@ -296,9 +321,14 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         sq = ptx.shared_address_u16(smem)
         sk = sq + BM * D * 2
         sv = sk + BN * D * 2
-        q_rows = global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
-        k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
-        v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
+        if VARLEN:  # rows from the sequence's first (a Sequences record holds no batch strides)
+            q_rows = global_rows(q, start_q * q_ss + head * q_sh, q_ss, seqlen_q)
+            k_rows = global_rows(k, start_k * k_ss + kv_head * k_sh, k_ss, seqlen_k)
+            v_rows = global_rows(v, start_k * v_ss + kv_head * v_sh, v_ss, seqlen_k)
+        else:
+            q_rows = global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
+            k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
+            v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
         kv_first = int64(0)  # the loop reads KV tiles kv_first .. kv_first + n_tiles - 1
@@ -401,20 +431,42 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         for mt in range(MT):
             stage_output_rows(sq, acc_o[mt], D_N_TILES, BM, warp_row + 16 * mt, l_run[mt], lane, BF16, RB)
             if write_lse:
-                lse_base = (batch * heads_q + head) * seqlen_q
+                if VARLEN:  # the LSE is (heads_q, total_q): rows at the sequence's global index
+                    lse_base = head * seqs.lse_head_stride + start_q
+                else:
+                    lse_base = (batch * heads_q + head) * seqlen_q
                 store_lse(lse, lse_base, row_first + 16 * mt, seqlen_q, m_run[mt], l_run[mt], lane)
         cuda.syncwarp()
         scratch = cuda.local.array(4, uint32)
-        o_rows = global_rows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
+        if VARLEN:
+            o_rows = global_rows(o, start_q * o_ss + head * o_sh, o_ss, seqlen_q)
+        else:
+            o_rows = global_rows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
         store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch, RB)
 
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
+    if varlen:
+        kind = f"varlen_{kind}"
     tag = config.tag.replace("_ip", "") if config.interleave_pv and not INTERLEAVE else config.tag
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{tag}_{kind}"
     # ptxas may use 65536 / (threads * min_ctas) registers a thread (at most 255).
     flash_forward.launch_bounds = (THREADS, config.min_ctas)
-    return flash_forward
+    if not VARLEN:
+        return flash_forward
+    body = cuda.jit(device=True, forceinline=True)(flash_forward)
+
+    def flash_forward_varlen(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
+                             o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
+                             write_lse, window_left, window_right, cap_scale, cu_seqlens_q, cu_seqlens_k,
+                             lse_head_stride):
+        body(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
+             seqlen_q, seqlen_k, Sequences(batch_size, cu_seqlens_q, cu_seqlens_k, lse_head_stride), heads_q,
+             group, scale_log2, write_lse, window_left, window_right, cap_scale)
+
+    flash_forward_varlen.__name__ = flash_forward.__name__
+    flash_forward_varlen.launch_bounds = flash_forward.launch_bounds
+    return flash_forward_varlen
 
 
 # The variants' factories (``operations.families``: one kernel operation each, built on demand).
@@ -432,3 +484,25 @@ def make_forward_softcap_kernel(config: ForwardConfig, causal: bool, bf16: bool)
 def make_forward_window_softcap_kernel(config: ForwardConfig, causal: bool, bf16: bool):
     """The sliding-window, softcapped kernel of ``config`` (``causal`` ignored, as for the window)."""
     return make_forward_kernel(config, False, bf16, window=True, softcap=True)
+
+
+def make_forward_varlen_kernel(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
+                               softcap: bool = False):
+    """The packed variable-length kernel of ``config`` (``VARLEN_ARGTYPES``), causal or not."""
+    return make_forward_kernel(config, False if window else causal, bf16, window=window, softcap=softcap,
+                               varlen=True)
+
+
+def make_forward_varlen_window_kernel(config: ForwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length sliding-window kernel (``causal`` ignored, as for the window)."""
+    return make_forward_varlen_kernel(config, False, bf16, window=True)
+
+
+def make_forward_varlen_softcap_kernel(config: ForwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length softcapped kernel, causal or not."""
+    return make_forward_varlen_kernel(config, causal, bf16, softcap=True)
+
+
+def make_forward_varlen_window_softcap_kernel(config: ForwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length sliding-window, softcapped kernel (``causal`` ignored)."""
+    return make_forward_varlen_kernel(config, False, bf16, window=True, softcap=True)

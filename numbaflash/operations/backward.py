@@ -2,8 +2,14 @@
 launch them on device arrays, or stage numpy arrays through page-locked memory and run them.
 
 After the first call on a device, the device path is a dictionary lookup for the launchers
-(``GPU.launchers``, keyed by device, head dim, causality and dtype), one workspace allocation of
-the inputs' library, and three launches on the inputs' stream (``launch_backward``).
+(``GPU.launchers``, keyed by device, head dim, causality, dtype and the main kernel's operation),
+one workspace allocation of the inputs' library, and three launches on the inputs' stream
+(``launch_backward``).
+
+A sliding window or a softcap (issue 35) runs a variant of the main kernel (``backward_variant``:
+the forward's ``variant_of``, so that both passes agree on the window a call masks with and on the
+kernel arguments); the config is the one the same call without them would choose (causal where
+the window's right side is bounded, as the forward's).
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from .. import configs
 from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
-from .families import BACKWARD_OPERATIONS, family_of
-from .forward import loaded_kernel
+from .families import BACKWARD_OPERATIONS, backward_operation, family_of
+from .forward import Variant, loaded_kernel, variant_of
 from .launch_backward import BackwardCall, Launch, workspace_layout
 
 LOG2_E = math.log2(math.e)
@@ -34,14 +40,26 @@ class BackwardKernels(NamedTuple):
     dq: tuple[Any, Launch]
 
 
-def ready_key(device: int, head_dim: int, causal: bool, bf16: bool) -> tuple:
+def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, operation: str = "backward") -> tuple:
     """The key in ``GPU.launchers`` of the kernels an unforced call runs: what picks the config on
-    a device (``configs.backward_config`` is memoised on the same inputs)."""
-    return "backward", device, head_dim, causal, bf16
+    a device (``configs.backward_config`` is memoised on the same inputs), and the main kernel's
+    operation (``backward_variant``)."""
+    return "backward", device, head_dim, causal, bf16, operation
+
+
+def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
+                     seqlen_q: int, seqlen_k: int) -> tuple[str, Variant]:
+    """(main kernel operation, the forward's ``Variant``) of a validated call: the forward's
+    choice (``forward.variant_of``: the effective window, the config's causal flag, the window's
+    sides and the softcap's factors as kernel arguments) with the backward's kernel operation
+    (``families.backward_operation``): ``backward`` for no window and no softcap."""
+    var = variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
+    window = var.operation.startswith("forward_window")
+    return backward_operation(window, softcap > 0), var
 
 
 def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
-                     bf16: bool) -> BackwardKernels:
+                     bf16: bool, operation: str = "backward") -> BackwardKernels:
     """The config and the three loaded kernels of this problem on the current device (ordinal
     ``device``).
 
@@ -49,16 +67,17 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     (``configs.backward_config``). Each kernel's cubin comes from the on-disk kernel cache or is
     compiled for the device's own target (``arch_of``: ``sm_90a`` on Hopper, ``sm_86`` on an
     sm_86 GPU, as the sm80 forward) and stored; it is loaded once per process, and the main
-    kernel's shared-memory limit is raised once per device.
+    kernel's shared-memory limit is raised once per device. ``operation``: the main kernel's
+    (``backward_variant``; window and softcap variants are compiled on demand).
     """
     gpu = gpu_state.GPU
     if not configs.OVERRIDES:
-        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16))
+        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16, operation))
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
     config = configs.backward_config(capability, head_dim, causal, limit)
-    key = ("backward", config, causal, bf16, capability, device)
+    key = ("backward", config, causal, bf16, capability, device, operation)
     ready = gpu.launchers.get(key)
     if ready is None:
         if config.shared_bytes > limit:  # only a forced config gets here (force_config)
@@ -71,15 +90,16 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
             ready = gpu.launchers.get(key)
             if ready is None:
                 parts = []
-                for operation in BACKWARD_OPERATIONS:
-                    op = family.op(operation)
-                    kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), operation)
-                    if operation == "backward":
+                for part in BACKWARD_OPERATIONS:
+                    part = operation if part == "backward" else part
+                    op = family.op(part)
+                    kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
+                    if part == operation:
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
                     parts.append((KernelLauncher(kernel, op.abi, name), op.prepare_launch(config)))
                 ready = gpu.launchers[key] = BackwardKernels(config, *parts)
     if not configs.OVERRIDES:  # the hot path's entry holds unforced configs only
-        gpu.launchers[ready_key(device, head_dim, causal, bf16)] = ready
+        gpu.launchers[ready_key(device, head_dim, causal, bf16, operation)] = ready
     return ready
 
 
@@ -108,21 +128,26 @@ def _gradient(given: Operand | None, ref: Operand, name: str) -> tuple[Any, Oper
 
 def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand, lsed: Operand,
                grads: tuple[Operand | None, Operand | None, Operand | None], causal: bool, scale: float,
-               deterministic: bool, capability: tuple[int, int], device: int) -> tuple[Any, Any, Any]:
+               deterministic: bool, capability: tuple[int, int], device: int,
+               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[Any, Any, Any]:
     """The backward on device arrays: a workspace of the inputs' library (``torch.empty`` for
     torch, so that the caching allocator and CUDA-graph capture work; ``cupy.empty``; a Numba
     device array otherwise), then the three launches on the inputs' stream. ``grads``: the
-    operands of the given dq, dk, dv (None: a new array like q, k or v). Returns (dq, dk, dv)."""
+    operands of the given dq, dk, dv (None: a new array like q, k or v); ``window_size`` and
+    ``softcap`` validated as the forward's. Returns (dq, dk, dv)."""
     batch, seqlen_q, heads_q, head_dim = qd.shape
-    kernels = backward_kernels(capability, device, head_dim, causal, qd.dtype_name == "bfloat16")
+    operation, var = backward_variant(causal, window_size, softcap, scale, seqlen_q, kd.shape[1])
+    kernels = backward_kernels(capability, device, head_dim, var.causal, qd.dtype_name == "bfloat16",
+                               operation)
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
     layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
     workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare kernel initialises it
     call = BackwardCall(dod, qd, kd, vd, od, dqd, dkd, dvd, (lsed.pointer, batch * heads_q * seqlen_q),
-                        layout.at(device_pointer(workspace)), layout.rows, np.float32(scale * LOG2_E),
-                        np.float32(scale), deterministic, stream_handle(qd), device)
+                        layout.at(device_pointer(workspace)), layout.rows, var.scale_log2,
+                        np.float32(scale), deterministic, stream_handle(qd), device, var.window_left,
+                        var.window_right, var.cap_scale)
     launch_all(kernels, call)
     return dq, dk, dv
 
@@ -163,7 +188,8 @@ def _driver_call(result, what: str):
 def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
               lse: np.ndarray, grads: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None],
               causal: bool, scale: float, deterministic: bool, capability: tuple[int, int],
-              device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              device: int, window_size: tuple[int, int] = (-1, -1),
+              softcap: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The backward on numpy arrays, staged synchronously: the inputs are gathered into one block
     of page-locked memory (``runtime.pipeline.pinned_empty``, from the pooled pinned memory) and
     copied to one device allocation in one copy; the three kernels run on a stream of their own;
@@ -175,7 +201,8 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
-    kernels = backward_kernels(capability, device, head_dim, causal, dtype_name == "bfloat16")
+    operation, var = backward_variant(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
+    kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16", operation)
     ws = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}
@@ -201,8 +228,9 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
 
         call = BackwardCall(dense("dout"), dense("q"), dense("k"), dense("v"), dense("out"), dense("dq"),
                             dense("dk"), dense("dv"), (base + lay.offsets["lse"], lse.size),
-                            ws.at(base + lay.total - 4 * ws.total), ws.rows, np.float32(scale * LOG2_E),
-                            np.float32(scale), deterministic, int(stream), device)
+                            ws.at(base + lay.total - 4 * ws.total), ws.rows, var.scale_log2,
+                            np.float32(scale), deterministic, int(stream), device, var.window_left,
+                            var.window_right, var.cap_scale)
         launch_all(kernels, call)
         _driver_call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + lay.inputs, lay.grads, stream),
                      "copying the gradients to the host")

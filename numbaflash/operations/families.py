@@ -22,12 +22,13 @@ from ..kernels.abi import (
     DECODE_ABI,
     DECODE_COMBINE_ABI,
     FORWARD_ABI,
+    VARLEN_FORWARD_ABI,
     WS_ABI,
 )
 from ..kernels.shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsConfig
 from .launch_backward import launch_backward_dq, launch_backward_main, launch_backward_prep
 from .launch_decode import launch_decode, launch_decode_combine
-from .launch_forward import launch_sm80, launch_sm90
+from .launch_forward import launch_sm80, launch_sm80_varlen, launch_sm90
 
 
 def _attribute(spec: str) -> Any:
@@ -94,13 +95,21 @@ SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capabilit
     "forward_window_softcap": KernelOp("forward_window_softcap", FORWARD_ABI,
                                        "forward_mma:make_forward_window_softcap_kernel",
                                        "common:FORWARD_ARGTYPES", launch_sm80, masked=False),
+    # Packed variable-length batches (``flash_attention_varlen``): a parameter list of their own
+    # (``VARLEN_FORWARD_ABI``), each plain, window and softcap variant, built on demand.
+    **{f"forward_varlen{v}": KernelOp(f"forward_varlen{v}", VARLEN_FORWARD_ABI,
+                                      f"forward_mma:make_forward_varlen{v}_kernel",
+                                      "common:VARLEN_ARGTYPES", launch_sm80_varlen, masked="window" not in v)
+       for v in ("", "_window", "_softcap", "_window_softcap")},
 })
 
 
-def forward_operation(window: bool, softcap: bool) -> str:
+def forward_operation(window: bool, softcap: bool, varlen: bool = False) -> str:
     """The forward kernel operation of a call: ``forward`` (no window, no softcap: every family
-    has it), else one of the sm80 family's variants, which only that family has."""
-    return "forward" + ("_window" if window else "") + ("_softcap" if softcap else "")
+    has it), else one of the sm80 family's variants, which only that family has; ``varlen``: a
+    packed variable-length kernel (``forward_varlen[_window][_softcap]``, sm80 family only)."""
+    return ("forward" + ("_varlen" if varlen else "") + ("_window" if window else "")
+            + ("_softcap" if softcap else ""))
 SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", {
     "forward": KernelOp("forward_ws", WS_ABI, "forward_ws:make_forward_ws_kernel",
                         "forward_ws:WS_ARGTYPES", launch_sm90),
@@ -115,8 +124,26 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
                          "backward_mma:BACKWARD_ARGTYPES", launch_backward_main),
     "backward_dq": KernelOp("backward_dq", BACKWARD_DQ_ABI, "backward_mma:make_backward_dq_kernel",
                             "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_dq, masked=False),
+    # The main kernel's sliding-window and softcap variants (issue 35), as the forward's: the same
+    # parameters and launch, built on demand (``backward_operation``); a window kernel is built
+    # and cached once, as the non-causal one.
+    "backward_window": KernelOp("backward_window", BACKWARD_ABI, "backward_mma:make_backward_window_kernel",
+                                "backward_mma:BACKWARD_ARGTYPES", launch_backward_main, masked=False),
+    "backward_softcap": KernelOp("backward_softcap", BACKWARD_ABI,
+                                 "backward_mma:make_backward_softcap_kernel",
+                                 "backward_mma:BACKWARD_ARGTYPES", launch_backward_main),
+    "backward_window_softcap": KernelOp("backward_window_softcap", BACKWARD_ABI,
+                                        "backward_mma:make_backward_window_softcap_kernel",
+                                        "backward_mma:BACKWARD_ARGTYPES", launch_backward_main, masked=False),
 })
 BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
+BACKWARD_VARIANTS = ("backward_window", "backward_softcap", "backward_window_softcap")
+
+
+def backward_operation(window: bool, softcap: bool) -> str:
+    """The main backward kernel operation of a call: ``backward``, or a window or softcap variant
+    (the prepare and dQ kernels serve them all)."""
+    return "backward" + ("_window" if window else "") + ("_softcap" if softcap else "")
 # Decode against a KV cache: the attention kernel, then (more than one split)
 # the combine kernel, which does not depend on causal masking.
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer", {

@@ -143,11 +143,16 @@ class BackwardCall(NamedTuple):
     lse: tuple[int, int]
     workspace: Workspace
     rows: int  # seqlen_q rounded up to BACKWARD_ROW_ALIGN
-    scale_log2: np.float32  # softmax scale * log2(e)
+    scale_log2: np.float32  # softmax scale * log2(e) (softcap * log2(e) with a softcap)
     scale: np.float32  # softmax scale
     deterministic: bool
     stream: int
     device: int
+    # A window kernel's sides (each >= 0, ``forward.WINDOW_UNBOUNDED`` for -1) and a softcap
+    # kernel's softmax_scale / softcap (``forward.variant_of``); other kernels never read them.
+    window_left: int = 0
+    window_right: int = 0
+    cap_scale: np.float32 = np.float32(0.0)
 
 
 Launch = Callable[[Any, BackwardCall, Any], None]
@@ -192,7 +197,8 @@ def launch_backward_main(config) -> Launch:
                  qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                  dos[0], dos[1], dos[2], dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
                  seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
-                 call.scale_log2, call.scale, call.deterministic)
+                 call.scale_log2, call.scale, call.deterministic, call.window_left, call.window_right,
+                 call.cap_scale)
 
     return launch
 

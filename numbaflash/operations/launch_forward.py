@@ -100,6 +100,57 @@ def launch_sm80(config) -> ForwardLaunch:
     return ForwardLaunch(bind)
 
 
+class VarlenCall(NamedTuple):
+    """One packed variable-length forward launch (``flash_attention_varlen``): ``call`` holds q,
+    k, v, out as (1, total, heads, head_dim) operands (their batch strides are never read), the
+    LSE (``(pointer, heads_q * total_q)``, or the scratch scalar), max_seqlen_k as its seqlen_k,
+    and the scalars; ``cu_seqlens_q`` / ``cu_seqlens_k`` are the int32 offsets as ``(pointer,
+    batch + 1)``, ``batch`` the number of sequences, ``max_seqlen_q`` what the grid covers."""
+
+    call: ForwardCall
+    cu_seqlens_q: tuple[int, int]
+    cu_seqlens_k: tuple[int, int]
+    batch: int
+    max_seqlen_q: int
+
+
+def varlen_grid(block_m: int, max_seqlen_q: int, heads_q: int, batch: int) -> tuple[int, int, int]:
+    """The packed variable-length launch's grid: ceil(max_seqlen_q / block_m) query blocks x heads
+    x sequences (``forward_grid``); a CTA whose block lies past its own sequence's end returns."""
+    return forward_grid(-(-max_seqlen_q // block_m), heads_q, batch)
+
+
+def launch_sm80_varlen(config) -> Callable[..., Any]:
+    """The launch of the mma.sync packed variable-length kernel of ``config``
+    (``VARLEN_FORWARD_ABI``): ``bind(launcher, varlen_call, gpu)`` gives ``fire(stream, q, k, v, o,
+    lse, cu_seqlens_q, cu_seqlens_k)`` for every call of that layout (device pointers); the
+    returned callable binds and fires one ``VarlenCall`` at once."""
+    block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
+
+    def bind(launcher, vcall: VarlenCall, gpu: Any) -> Callable[..., None]:
+        call = vcall.call
+        q, k, v, o = call.q, call.k, call.v, call.o
+        _, total_q, heads_q, _ = q.shape
+        grid = varlen_grid(block_m, vcall.max_seqlen_q, heads_q, vcall.batch)
+        qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides
+        return launcher.bind(grid, threads, shared_bytes, (q.pointer, q.span), (k.pointer, k.span),
+                             (v.pointer, v.span), (o.pointer, o.span), call.lse,
+                             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                             os_[0], os_[1], os_[2], vcall.max_seqlen_q, call.seqlen_k, vcall.batch, heads_q,
+                             heads_q // call.heads_kv, call.scale_log2, call.write_lse, call.window_left,
+                             call.window_right, call.cap_scale, vcall.cu_seqlens_q, vcall.cu_seqlens_k,
+                             total_q)
+
+    def launch(launcher, vcall: VarlenCall, gpu: Any) -> None:
+        call = vcall.call
+        fire = bind(launcher, vcall, gpu)
+        fire(call.stream, call.q.pointer, call.k.pointer, call.v.pointer, call.o.pointer, call.lse[0],
+             vcall.cu_seqlens_q[0], vcall.cu_seqlens_k[0])
+
+    launch.bind = bind
+    return launch
+
+
 def tma_strides(op: Operand) -> list[int]:
     """Byte strides for a tensor map: a size-1 dimension's stride is never used, so a 0 there
     (broadcast) becomes the extent of the dimensions inside it."""

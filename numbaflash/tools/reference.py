@@ -155,25 +155,33 @@ def attention_backward_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     rounding_dtype=None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients (dq, dk, dv) of ``sum(out * dout)`` for exact attention, in float64.
 
     Shapes as ``attention_reference``; ``dout`` has q's shape. dk and dv of a kv head sum over its
-    query heads (GQA); rows that see no key get zero gradients. ``rounding_dtype`` rounds every
-    product and P, dS to that dtype, as a backward done in the input dtype would (the yardstick
-    of FlashAttention's criterion).
+    query heads (GQA); rows that see no key get zero gradients, keys that no row sees get zero dk
+    and dv. ``rounding_dtype`` rounds every product and P, dS to that dtype, as a backward done in
+    the input dtype would (the yardstick of FlashAttention's criterion). ``window_size`` and
+    ``softcap`` as ``attention_reference``: with a softcap the gradient goes through the tanh,
+    dS = P ∘ (dP − D) ∘ (1 − t²) with t = tanh(QKᵀ · scale / softcap).
     """
     rnd = _rounding(rounding_dtype)
     b, _, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    qf, kf, vf, p, _, scale = _probabilities(q, k, v, causal, softmax_scale, rnd)
+    qf, kf, vf, p, _, scale = _probabilities(q, k, v, causal, softmax_scale, rnd, window_size, softcap)
     dof = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)
     out = rnd(p @ vf)
     dv = rnd(p.transpose(0, 1, 3, 2) @ dof)
     dp = rnd(dof @ vf.transpose(0, 1, 3, 2))
     delta = (rnd(dof * out)).sum(axis=-1, keepdims=True)
-    ds = rnd(p * (dp - delta))
+    if softcap > 0:  # d(softcap · tanh(s / softcap)) / ds = 1 - t² (P is 0 where the window hides)
+        t = np.tanh(rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale / softcap)
+        ds = rnd(p * (dp - delta) * (1.0 - t * t))
+    else:
+        ds = rnd(p * (dp - delta))
     dq = rnd(ds @ kf) * scale
     dk = rnd(ds.transpose(0, 1, 3, 2) @ qf) * scale
 
@@ -187,7 +195,9 @@ def attention_backward_reference(
 def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
                                      grads: tuple[np.ndarray, np.ndarray, np.ndarray], *,
                                      causal: bool = False,
-                                     softmax_scale: float | None = None) -> tuple[float, list[str]]:
+                                     softmax_scale: float | None = None,
+                                     window_size: tuple[int, int] = (-1, -1),
+                                     softcap: float = 0.0) -> tuple[float, list[str]]:
     """FlashAttention's criterion for (dq, dk, dv) against float64: for each, the max error is at
     most twice that of the same backward done in the input dtype plus a floor of one unit in the
     last place of the largest |gradient| (2^-10 for float16, 2^-7 for bfloat16, times max(1, that
@@ -198,8 +208,9 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
     kernels recompute P from the forward's LSE, so where the input-dtype computation is exact
     (one key: P is exactly 1 there, and dv a sum of a few dout values) a P of 1 - 2^-11 still
     moves a gradient by up to one ulp (H100, 15 of 300 self-test cases, all with seqlen_k = 1:
-    lab/NOTEBOOK.md, section BW)."""
-    kw = {"causal": causal, "softmax_scale": softmax_scale}
+    lab/NOTEBOOK.md, section BW). ``window_size`` and ``softcap``: as ``attention_reference``;
+    dk and dv are then also exactly 0 on keys that no row sees."""
+    kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
     refs = attention_backward_reference(q, k, v, dout, **kw)
     lows = attention_backward_reference(q, k, v, dout, rounding_dtype=q.dtype, **kw)
     problems, worst = [], 0.0
@@ -218,9 +229,34 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
         if not ratio <= 1:
             problems.append(f"{name} max error {err:.3e} > 2 x {err_low:.3e} + {floor:.1e} "
                             f"(ratio {ratio:.2f})")
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        no_key = ~_visible(sq, sk).any(axis=1)  # query rows that see no key
+    if causal or tuple(window_size) != (-1, -1):
+        seen = visible_keys(q.shape[1], k.shape[1], causal, window_size)
+        no_key = ~seen.any(axis=1)  # query rows that see no key
         if not (np.asarray(grads[0])[:, no_key] == 0).all():
             problems.append("dq of rows that see no key is not exactly 0")
+        unseen = ~seen.any(axis=0)  # keys that no row sees
+        dk, dv = np.asarray(grads[1]), np.asarray(grads[2])
+        if not ((dk[:, unseen] == 0).all() and (dv[:, unseen] == 0).all()):
+            problems.append("dk or dv of keys that no row sees is not exactly 0")
     return worst, problems
+
+
+def varlen_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
+                               cu_seqlens_k: np.ndarray, **options) -> tuple[np.ndarray, np.ndarray]:
+    """Exact attention of a packed batch (``numbaflash.flash_attention_varlen``) in float64: each
+    sequence through ``attention_reference`` on its own (``options``: its keywords).
+
+    q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_*: (batch + 1,)
+    offsets. Returns ``(out, lse)``: out (total_q, heads_q, head_dim) float64, lse (heads_q,
+    total_q) float64; a sequence without keys gives 0 and LSE -inf, an empty one nothing."""
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        o, s = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **options)
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = s[0]
+    return out, lse

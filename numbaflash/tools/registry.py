@@ -15,7 +15,9 @@ def registered_kernels() -> dict:
     }
     kernels.update(forward_kernels())
     kernels.update(forward_variant_kernels())
+    kernels.update(forward_varlen_kernels())
     kernels.update(backward_kernels())
+    kernels.update(backward_variant_kernels())
     kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
 
@@ -60,6 +62,32 @@ def forward_variant_kernels() -> dict:
     return kernels
 
 
+def forward_varlen_kernels() -> dict:
+    """The mma.sync forward's packed variable-length kernels (``flash_attention_varlen``) of every
+    shipped sm80-family config: plain (full and causal), window, softcap and window + softcap, both
+    dtypes, for sm_80 and sm_90a (Hopper runs them too). Compiled on demand, not by
+    ``precompile``; named like the plain kernels with ``varlen_`` before ``full|causal|window``
+    (``..._varlen_causal_f16_sm80``); ``forward_key`` is (config, causal, bf16, operation)."""
+    from ..configs import kernel_argtypes, make_kernel, shipped_configs
+    from ..operations.families import family_of, forward_operation
+
+    kernels = {}
+    for family, _, causal, config in shipped_configs():
+        if family != "sm80":
+            continue
+        for window in (False, True):
+            for softcap in (False, True):
+                operation = forward_operation(window, softcap, varlen=True)
+                op = family_of(config).op(operation)
+                for bf16 in (False, True):
+                    kernel = make_kernel(config, causal, bf16, operation)
+                    name = f"{kernel.__name__}_{family}"
+                    if name not in kernels:
+                        kernel.forward_key = (config, op.kernel_causal(causal), bf16, operation)
+                        kernels[name] = (kernel, kernel_argtypes(config, operation), ("sm_80", "sm_90a"))
+    return kernels
+
+
 def backward_kernels() -> dict:
     """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
     prepare, main and dQ kernels, causal and not, both dtypes, for the target that compiles
@@ -86,4 +114,28 @@ def backward_kernels() -> dict:
                 kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
                 arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
                 kernels[name] = (kernel, kernel_argtypes(config, operation), (arch,))
+    return kernels
+
+
+def backward_variant_kernels() -> dict:
+    """The backward main kernel's sliding-window and softcap variants (issue 35) of every shipped
+    backward config, both dtypes, for the target that compiles each (as ``backward_kernels``).
+    Compiled on demand by the API, not by ``precompile``; named like the plain main kernels with
+    ``window`` in place of ``full|causal`` and ``_softcap`` after it
+    (``flash_backward_d128_m64_n128_k2_q2_window_softcap_f16``); each kernel's ``backward_key``
+    is (config, causal, bf16, operation)."""
+    from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
+    from ..operations.families import BACKWARD_VARIANTS, family_of
+
+    kernels = {}
+    for _, causal, config in shipped_backward_configs():
+        for bf16 in (False, True):
+            for operation in BACKWARD_VARIANTS:
+                op = family_of(config).op(operation)
+                kernel = make_kernel(config, causal, bf16, operation)
+                if kernel.__name__ in kernels:
+                    continue
+                kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
+                arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
+                kernels[kernel.__name__] = (kernel, kernel_argtypes(config, operation), (arch,))
     return kernels

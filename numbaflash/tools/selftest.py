@@ -172,11 +172,13 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
 WINDOW_SOFTCAP_SHARE = 0.3  # of the sm80 family's cases, those with a window, a softcap or both
 
 
-def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int) -> tuple[tuple[int, int], float]:
+def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int,
+                        stream: int = 2) -> tuple[tuple[int, int], float]:
     """(window_size, softcap) of an sm80-family case, from a stream of its own (the rest of the case
     is drawn as before): none for most; else a window (sizes 0, 1, 127, 4096, about the lengths,
-    or random; asymmetric; a side -1 sometimes), a softcap (30, 50 or random), or both."""
-    rng = np.random.default_rng([seed, index, 2])
+    or random; asymmetric; a side -1 sometimes), a softcap (30, 50 or random), or both.
+    ``stream``: the random stream's tag (the backward's cases draw theirs from tag 4)."""
+    rng = np.random.default_rng([seed, index, stream])
     if rng.random() >= WINDOW_SOFTCAP_SHARE:
         return (-1, -1), 0.0
     what = rng.choice(["window", "softcap", "both"], p=[0.45, 0.25, 0.3])
@@ -301,9 +303,14 @@ class BackwardCase:
     deterministic: bool
     use_outs: bool
     family: str = "backward"
+    # A sliding window and a softcap (issue 35), in about 30% of the cases (``draw_window_softcap``)
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
 
     def describe(self) -> str:
-        return f"{describe_problem(self)} det={int(self.deterministic)} outs={int(self.use_outs)}"
+        return (f"{describe_problem(self)} det={int(self.deterministic)} outs={int(self.use_outs)}"
+                + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
+                + (f" softcap={self.softcap:g}" if self.softcap else ""))
 
 
 BACKWARD_BLOCK = 128  # rows of the backward's key blocks (the widest): "empty_ctas" shapes use it
@@ -323,9 +330,11 @@ def draw_backward_case(seed: int, index: int, quick: bool = False) -> BackwardCa
     big = rng.random() < 0.2
     amplitude = float(rng.uniform(5.0, 10.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
+    window, softcap = draw_window_softcap(seed, index, sq, sk, stream=4)
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                         str(rng.choice(KINDS, p=[0.5, 0.2, 0.3])), amplitude, scale,
-                        bool(rng.random() < 0.3), bool(rng.random() < 0.3))
+                        bool(rng.random() < 0.3), bool(rng.random() < 0.3), window_size=window,
+                        softcap=softcap)
 
 
 def run_backward_case(case: BackwardCase) -> CaseResult:
@@ -344,8 +353,9 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
         kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         dout_in = dout if kind == "numpy" else to_device(dout, kind)
+        extras = {"window_size": case.window_size, "softcap": case.softcap}
         out, lse = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
-                                              return_lse=True)
+                                              return_lse=True, **extras)
         outs = {}
         if case.use_outs:  # poisoned: unwritten elements show up as NaN
             for name, like in (("dq", q), ("dk", k), ("dv", v)):
@@ -353,12 +363,13 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
                 outs[name] = x if kind == "numpy" else to_device(x, kind)
         grads = numbaflash.flash_attention_backward(dout_in, *args, out, lse, causal=case.causal,
                                                     softmax_scale=case.softmax_scale,
-                                                    deterministic=case.deterministic, **outs)
+                                                    deterministic=case.deterministic, **outs, **extras)
         problems = []
         if outs and any(g is not outs[n] for g, n in zip(grads, ("dq", "dk", "dv"), strict=True)):
             problems.append("a result is not the given dq/dk/dv")
         ratio, found = compare_gradients_with_reference(q, k, v, dout, tuple(to_host(g) for g in grads),
-                                                        causal=case.causal, softmax_scale=case.softmax_scale)
+                                                        causal=case.causal, softmax_scale=case.softmax_scale,
+                                                        **extras)
         problems += found
         note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
