@@ -9,9 +9,10 @@ Configs: shipped ones and autotune candidates of the families that run here, ind
 One job per (tool, config) runs ``compute-sanitizer --tool T ... python sanitize.py --worker
 --config-index I``: the worker forces the config and checks ``flash_attention`` on small ragged,
 fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) against the numpy
-reference; for a backward config, ``flash_attention_backward`` on the same shapes (both dtypes,
-causal or not, deterministic or not, plus a window case and a softcap case) against the float64
-backward.
+reference, and for a mma.sync config also its window and softcap kernels and
+``flash_attention_varlen`` on three packed sequences (``varlen_lengths``); for a backward
+config, ``flash_attention_backward`` on the same shapes (both dtypes, causal or not,
+deterministic or not, plus a window case and a softcap case) against the float64 backward.
 Logs go to ``--log-dir/{tool}_{index}.log``; a markdown table of error counts is
 printed; exit 1 if any job found errors, timed out, crashed or computed a wrong result.
 """
@@ -206,8 +207,73 @@ def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.nd
     return check_result(*host, causal, out.copy_to_host(), lse, window_size=window_size, softcap=softcap)
 
 
+# The mma.sync family's packed variable-length kernels, run on each of its configs: (causal,
+# window_size, softcap) of each call on the ``varlen_lengths`` sequences (the plain and causal
+# kernels, and the window + softcap one).
+VARLEN_CASES = ((False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (17, 3), 30.0))
+
+
+def varlen_lengths(block_m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(seqlens_q, seqlens_k) of the worker's varlen case: three sequences, one with keys and no
+    query row, one query row with no key (0 and LSE -inf), and a ragged one with whole causal
+    blocks that see no key (seqlen_q >= seqlen_k + 2 block_m), as the dense worker shapes."""
+    return (0, 1, 30 + 2 * block_m + 13), (5, 0, 30)
+
+
+def run_varlen_case(config: KernelConfig, capability: tuple[int, int], host: list[np.ndarray], device: list,
+                    causal: bool, want_lse: bool, window_size: tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0) -> list[str]:
+    """One ``flash_attention_varlen`` call on device arrays (host: q, k, v, cu_seqlens_q,
+    cu_seqlens_k; ``out`` poisoned with NaN), the config forced causal and not, checked per
+    sequence."""
+    from numbaflash import flash_attention_varlen
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_varlen_with_reference
+
+    q, k, v, cu_q, cu_k = host
+    out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
+    max_q, max_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+    forced = configs.force_config(capability, causal, config)
+    with forced, configs.force_config(capability, not causal, config):
+        res = flash_attention_varlen(*device, max_q, max_k, causal=causal, return_lse=want_lse, out=out,
+                                     window_size=window_size, softcap=softcap)
+    lse = res[1].copy_to_host() if want_lse else None
+    got = out.copy_to_host()
+    _, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, got, lse, causal=causal,
+                                                window_size=window_size, softcap=softcap)
+    if not np.isfinite(np.asarray(got, np.float64)).all():
+        problems.append(f"{np.count_nonzero(~np.isfinite(np.asarray(got, np.float64)))} non-finite outputs")
+    return problems
+
+
+def run_varlen_worker(config: KernelConfig, capability: tuple[int, int], dtype, rng) -> int:
+    """``VARLEN_CASES`` x LSE on and off on ``config`` (GQA, heads 4/2); the wrong results."""
+    from numba import cuda
+
+    from numbaflash.runtime.buffers import DeviceBuffer
+
+    lengths_q, lengths_k = varlen_lengths(config.block_m)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    d = config.head_dim
+    q = rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype)
+    k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype) for _ in range(2))
+    host = [q, k, v, cu_q, cu_k]
+    device = [DeviceBuffer(x) for x in (q, k, v)] + [cuda.to_device(cu_q), cuda.to_device(cu_k)]
+    failures = 0
+    for causal, window, softcap in VARLEN_CASES:
+        for want_lse in (False, True):
+            problems = run_varlen_case(config, capability, host, device, causal, want_lse, window, softcap)
+            for p in problems:
+                print(f"WRONG {config} {np.dtype(dtype).name} varlen seqlens_q={lengths_q} "
+                      f"seqlens_k={lengths_k} causal={causal} lse={want_lse} window={window} "
+                      f"softcap={softcap}: {p}", flush=True)
+            failures += bool(problems)
+    return failures
+
+
 def run_worker(config: KernelConfig) -> int:
-    """Every shape x dtype x causal x LSE case on ``config``; 0, or WORKER_WRONG with messages."""
+    """Every shape x dtype x causal x LSE case on ``config`` (and, on a mma.sync config, the
+    varlen cases); 0, or WORKER_WRONG with messages."""
     import ml_dtypes
     from numba import cuda
 
@@ -234,6 +300,8 @@ def run_worker(config: KernelConfig) -> int:
                                   f"{(b, sq, sk, hq, hkv)} causal={causal} lse={want_lse} window={window} "
                                   f"softcap={softcap}: {p}", flush=True)
                         failures += bool(problems)
+        if kernel_family(config) == "sm80":
+            failures += run_varlen_worker(config, capability, dtype, rng)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 

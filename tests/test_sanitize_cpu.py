@@ -161,6 +161,76 @@ def test_worker_shapes_cover_the_edges():
         assert all(b == 2 for b, *_ in shapes)
 
 
+def test_varlen_case_covers_the_edges():
+    """Every mma.sync config's varlen case: three sequences, one with keys and no query row, one
+    query row with no key, a ragged one with whole causal blocks that see no key; the plain, the
+    causal and a window + softcap kernel."""
+    sm80 = [c for c in san.runnable_configs((9, 0)) if isinstance(c, ForwardConfig)]
+    assert sm80
+    for config in sm80:
+        lengths_q, lengths_k = san.varlen_lengths(config.block_m)
+        pairs = list(zip(lengths_q, lengths_k, strict=True))
+        assert len(pairs) == 3 and sum(lengths_q) >= 1 and sum(lengths_k) >= 1
+        assert (0, 5) in pairs and (1, 0) in pairs
+        sq, sk = pairs[2]
+        assert sq >= sk + 2 * config.block_m and sq % config.block_m and sk % 16
+    assert {causal for causal, _, _ in san.VARLEN_CASES} == {False, True}
+    assert any(window != (-1, -1) and softcap > 0 for _, window, softcap in san.VARLEN_CASES)
+    assert ((False, (-1, -1), 0.0) in san.VARLEN_CASES) and ((True, (-1, -1), 0.0) in san.VARLEN_CASES)
+
+
+class _HostBuffer:
+    """A stand-in for a device array: a numpy array with ``copy_to_host``."""
+
+    def __init__(self, array):
+        self.array = np.array(array)
+
+    def copy_to_host(self):
+        return self.array.copy()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_varlen_worker_with_a_stand_in(monkeypatch, capsys, broken):
+    """The worker's varlen calls (no GPU: host stand-ins for the device arrays and the kernel):
+    each gets the case's offsets, maxima and options and a NaN-poisoned out, the config forced
+    causal and not; a float64 result passes, an unwritten row of the keyless sequence is WRONG."""
+    import numba.cuda
+
+    import numbaflash
+    import numbaflash.runtime.buffers
+    from numbaflash.tools.reference import varlen_attention_reference
+
+    config = next(c for c in san.runnable_configs((9, 0)) if isinstance(c, ForwardConfig))
+    seen = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse, out, window_size, softcap):
+        q, k, v, cu_q, cu_k = (x.array if isinstance(x, _HostBuffer) else x for x in (q, k, v, cu_q, cu_k))
+        assert np.isnan(out.array.astype(np.float32)).all()
+        assert (max_q, max_k) == (int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+        for either in (False, True):  # what the varlen kernel of either kind would launch
+            assert configs.forward_config((9, 0), config.head_dim, either, window_or_softcap=True) == config
+        seen.append((causal, window_size, softcap, return_lse))
+        options = {"causal": causal, "window_size": window_size, "softcap": softcap}
+        got, _ = varlen_attention_reference(q, k, v, cu_q, cu_k, rounding_dtype=q.dtype, **options)
+        _, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, **options)
+        if broken:
+            got[int(cu_q[1])] = np.nan  # sequence 1: one query row, no key
+        out.array[...] = got.astype(q.dtype)
+        return (out, _HostBuffer(lse.astype(np.float32))) if return_lse else out
+
+    monkeypatch.setattr(numbaflash.runtime.buffers, "DeviceBuffer", _HostBuffer)
+    monkeypatch.setattr(numba.cuda, "to_device", _HostBuffer)
+    monkeypatch.setattr(numbaflash, "flash_attention_varlen", stand_in)
+    failures = san.run_varlen_worker(config, (9, 0), np.float16, np.random.default_rng(0))
+    assert sorted(seen) == sorted((c, w, s, lse) for c, w, s in san.VARLEN_CASES for lse in (False, True))
+    printed = capsys.readouterr().out
+    if broken:  # every call wrong, with two problems: the keyless row, and a non-finite output
+        assert failures == 2 * len(san.VARLEN_CASES) and printed.count("WRONG") == 2 * failures
+        assert "sequence 1 (seqlen_q 1, seqlen_k 0)" in printed and "non-finite" in printed
+    else:
+        assert failures == 0 and printed == ""
+
+
 def test_job_command():
     cmd = san.job_command("/cs", "racecheck", 7, "sm90", 20)
     assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "1", "--print-limit", "20"]

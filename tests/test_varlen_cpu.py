@@ -9,7 +9,11 @@ import pytest
 from numbaflash import flash_attention_varlen
 from numbaflash.operations.launch_forward import varlen_grid
 from numbaflash.operations.varlen import check_host_offsets, check_max_seqlen, check_offsets_shape
-from numbaflash.tools.reference import attention_reference, varlen_attention_reference
+from numbaflash.tools.reference import (
+    attention_reference,
+    compare_varlen_with_reference,
+    varlen_attention_reference,
+)
 
 
 def _inputs(lengths_q=(3, 5), lengths_k=(4, 2), heads=(2, 1), d=64):
@@ -78,6 +82,52 @@ def test_reference_is_per_sequence():
     np.testing.assert_array_equal(out[0:3], o0[0])
     np.testing.assert_array_equal(lse[:, 0:3], l0[0])
     assert (out[3:] == 0).all() and np.isneginf(lse[:, 3:]).all()  # the last sequence has no keys
+
+
+def _as_kernel(q, k, v, cu_q, cu_k, **options):
+    """What a kernel that computes in q's dtype would give: out rounded, LSE in float32."""
+    out, _ = varlen_attention_reference(q, k, v, cu_q, cu_k, rounding_dtype=q.dtype, **options)
+    _, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, **options)
+    return out.astype(q.dtype), lse.astype(np.float32)
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (2, 1), "softcap": 30.0},
+                                     {"softmax_scale": 0.3}])
+def test_compare_varlen_accepts_the_reference(options):
+    q, k, v, cu_q, cu_k = _inputs((3, 0, 5, 1), (4, 2, 0, 1))
+    out, lse = _as_kernel(q, k, v, cu_q, cu_k, **options)
+    ratio, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, out, lse, **options)
+    assert problems == [] and 0 <= ratio <= 1
+    assert compare_varlen_with_reference(q, k, v, cu_q, cu_k, out, None, **options)[1] == []
+
+
+def test_compare_varlen_names_the_wrong_sequence():
+    q, k, v, cu_q, cu_k = _inputs((3, 0, 5, 1), (4, 2, 0, 1))  # sequence 2: 5 rows, no key
+    out, lse = _as_kernel(q, k, v, cu_q, cu_k, causal=True)
+
+    def problems(o=out, s=lse):
+        return compare_varlen_with_reference(q, k, v, cu_q, cu_k, o, s, causal=True)[1]
+
+    bad = out.copy()
+    bad[3, 1, 0] = np.nan  # the first row of sequence 2, which has no key
+    assert problems(bad) == ["sequence 2 (seqlen_q 5, seqlen_k 0): rows of a sequence without keys are "
+                             "not exactly 0"]
+    bad = out.copy()
+    bad[8, 0] += 0.5  # sequence 3, one row, one key
+    found = problems(bad)
+    assert len(found) == 1 and found[0].startswith("sequence 3 (seqlen_q 1, seqlen_k 1): max error")
+    bad = out.copy()
+    bad[0, 0, 0] = np.nan
+    assert any(p.startswith("sequence 0") and "NaN" in p for p in problems(bad))
+    bad_lse = lse.copy()
+    bad_lse[1, 4] = 0.0
+    assert problems(out, bad_lse) == [
+        "sequence 2 (seqlen_q 5, seqlen_k 0): LSE of a sequence without keys is not -inf"]
+    bad_lse = lse.copy()
+    bad_lse[0, 1] += 1.0
+    assert any(p.startswith("sequence 0") and "LSE max abs error" in p for p in problems(out, bad_lse))
+    assert "output shape" in problems(out[:-1])[0]
+    assert "LSE shape" in problems(out, lse.T)[0]
 
 
 def test_import_pulls_neither_torch_nor_numba():

@@ -260,3 +260,39 @@ def varlen_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_s
         out[q0:q1] = o[0]
         lse[:, q0:q1] = s[0]
     return out, lse
+
+
+def compare_varlen_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
+                                  cu_seqlens_k: np.ndarray, out: np.ndarray, lse: np.ndarray | None = None,
+                                  **options) -> tuple[float, list[str]]:
+    """``compare_with_reference`` on each sequence of a packed batch (as
+    ``varlen_attention_reference`` computes it): ``(worst ratio, problems)``, each problem naming
+    its sequence. ``out`` (total_q, heads_q, head_dim) and ``lse`` (heads_q, total_q), any float
+    dtype; a sequence without keys must give exactly 0 (so no NaN) and LSE -inf; an empty one
+    owns no row. ``options``: ``compare_with_reference``'s keywords."""
+    out = np.asarray(out).astype(np.float64)
+    if out.shape != q.shape:
+        return math.inf, [f"output shape {out.shape}, expected {q.shape}"]
+    if lse is not None:
+        lse = np.asarray(lse, np.float64)
+        if lse.shape != (q.shape[1], q.shape[0]):
+            return math.inf, [f"LSE shape {lse.shape}, expected {(q.shape[1], q.shape[0])}"]
+    worst, problems = 0.0, []
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if q1 == q0:
+            continue
+        rows, rows_lse = out[q0:q1], None if lse is None else lse[:, q0:q1]
+        if k1 == k0:
+            ratio, found = 0.0, []
+            if not (rows == 0).all():
+                found.append("rows of a sequence without keys are not exactly 0")
+            if rows_lse is not None and not np.isneginf(rows_lse).all():
+                found.append("LSE of a sequence without keys is not -inf")
+        else:
+            ratio, found = compare_with_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], rows[None],
+                                                  None if rows_lse is None else rows_lse[None], **options)
+        worst = max(worst, ratio)
+        problems += [f"sequence {b} (seqlen_q {q1 - q0}, seqlen_k {k1 - k0}): {p}" for p in found]
+    return worst, problems

@@ -4,6 +4,8 @@ Randomised, reproducible cases against the float64 reference, with FlashAttentio
 max |out - ref| <= 2 x max |low - ref| + floor, where ``low`` is the same computation done in
 the input dtype. Every case draws its parameters and data from (seed, index) alone, so a failing
 case replays alone with ``--seed S --case I``. Exits 0 if all pass, 1 on a failure, 2 without GPU.
+About a fifth of the mma.sync family's cases run ``flash_attention_varlen`` instead, on 1 to 6
+packed sequences of their own lengths (``draw_varlen``), each sequence checked the same way.
 
 ``--backward`` tests the backward instead: the forward's output and LSE, then
 ``flash_attention_backward`` (random dout, deterministic or not, with or without given dq/dk/dv),
@@ -31,7 +33,11 @@ from ..configs import (
     KernelConfig,
     forward_config,
 )
-from .reference import compare_gradients_with_reference, compare_with_reference
+from .reference import (
+    compare_gradients_with_reference,
+    compare_varlen_with_reference,
+    compare_with_reference,
+)
 
 DTYPE_NAMES = ("float16", "bfloat16")
 FAMILIES = ("sm90", "sm80")
@@ -78,12 +84,24 @@ class Case:
     # (``draw_window_softcap``); (-1, -1) and 0.0: none.
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
+    # A packed variable-length case (``flash_attention_varlen``), drawn for some of the mma.sync
+    # family's cases (``draw_varlen``): each sequence's query and key lengths; () for a dense
+    # case. Then ``batch`` is the number of sequences and ``seqlen_q`` / ``seqlen_k`` the
+    # max_seqlen_q / max_seqlen_k passed (at least every length, at times more).
+    seqlens_q: tuple[int, ...] = ()
+    seqlens_k: tuple[int, ...] = ()
+
+    @property
+    def varlen(self) -> bool:
+        return bool(self.seqlens_q)
 
     def describe(self) -> str:
         return (f"{describe_problem(self)} lse={int(self.return_lse)} out={int(self.use_out)}"
                 + (f" {self.span}-config" if self.span else "")
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
-                + (f" softcap={self.softcap:g}" if self.softcap else ""))
+                + (f" softcap={self.softcap:g}" if self.softcap else "")
+                + (f" varlen seqlens_q={','.join(map(str, self.seqlens_q))} "
+                   f"seqlens_k={','.join(map(str, self.seqlens_k))}" if self.varlen else ""))
 
 
 @dataclasses.dataclass
@@ -163,10 +181,17 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     big = rng.random() < 0.2
     amplitude = float(rng.uniform(10.0, 20.0 if dtype == "float16" else 30.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
+    lengths = draw_varlen(seed, index, heads_kv * group, quick) if family == "sm80" else None
+    if lengths is not None:  # the packed sequences replace the dense shape; heads as drawn
+        seqlens_q, seqlens_k, sq, sk = lengths
+        batch = len(seqlens_q)
+    else:
+        seqlens_q = seqlens_k = ()
     window, softcap = draw_window_softcap(seed, index, sq, sk) if family == "sm80" else ((-1, -1), 0.0)
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 str(rng.choice(KINDS, p=[0.7, 0.15, 0.15])), amplitude, scale,
-                bool(rng.random() < 0.5), bool(rng.random() < 0.3), span, window, softcap)
+                bool(rng.random() < 0.5), bool(rng.random() < 0.3), span, window, softcap, seqlens_q,
+                seqlens_k)
 
 
 WINDOW_SOFTCAP_SHARE = 0.3  # of the sm80 family's cases, those with a window, a softcap or both
@@ -200,6 +225,71 @@ def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int,
     return window, softcap
 
 
+VARLEN_SHARE = 0.2  # of the sm80 family's cases, those run through flash_attention_varlen
+VARLEN_MAX_SEQUENCES = 6
+
+
+def draw_varlen(seed: int, index: int, heads_q: int, quick: bool = False,
+                stream: int = 5) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | None:
+    """(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen case, or None for a dense
+    one, from a stream of its own (the rest of the case is drawn as before): 1 to 6 sequences,
+    each length 0, 1, below 64, about a multiple of 64 (one off or on it), or log-uniform up to
+    the longest seqlen of ``LIMITS``; a sequence's key length its query length or drawn apart.
+    At least one query row and one key row in all; then the longest products halved until
+    heads_q * sum(seqlen_q * seqlen_k) is within the reference budget (``LIMITS``). The maxima
+    passed are the longest lengths (at least 1), at times more (the grid's extra blocks and
+    the window's bounds must not care)."""
+    rng = np.random.default_rng([seed, index, stream])
+    if rng.random() >= VARLEN_SHARE:
+        return None
+    max_seq, cap = LIMITS[quick][:2]
+
+    def length() -> int:
+        pick = rng.choice(["zero", "one", "small", "tile", "any"], p=[0.15, 0.15, 0.2, 0.15, 0.35])
+        if pick == "zero":
+            return 0
+        if pick == "one":
+            return 1
+        if pick == "small":
+            return int(rng.integers(2, 64))
+        if pick == "tile":
+            return int(min(max_seq, 64 * int(rng.integers(1, 5)) + int(rng.integers(-1, 2))))
+        return _log_uniform(rng, max_seq)
+
+    count = int(rng.integers(1, VARLEN_MAX_SEQUENCES + 1))
+    seqlens_q = [length() for _ in range(count)]
+    seqlens_k = [n if rng.random() < 0.4 else length() for n in seqlens_q]
+    for lengths in (seqlens_q, seqlens_k):  # the packed arrays are never empty
+        if not any(lengths):
+            lengths[int(rng.integers(0, count))] = int(rng.integers(1, 64))
+    while heads_q * sum(a * b for a, b in zip(seqlens_q, seqlens_k, strict=True)) > cap:
+        b = max(range(count), key=lambda i: seqlens_q[i] * seqlens_k[i])
+        if seqlens_q[b] >= seqlens_k[b]:
+            seqlens_q[b] //= 2
+        else:
+            seqlens_k[b] //= 2
+    max_q, max_k = max(1, *seqlens_q), max(1, *seqlens_k)
+    if rng.random() < 0.25:  # maxima above the longest sequence
+        max_q = min(max_seq, max_q + int(rng.integers(1, 200)))
+        max_k = min(max_seq, max_k + int(rng.integers(0, 200)))
+    return tuple(seqlens_q), tuple(seqlens_k), max_q, max_k
+
+
+def reference_cost(case: Any) -> int:
+    """What the float64 reference of a case costs, in score elements: batch * heads_q * seqlen_q
+    * seqlen_k, or heads_q * sum(seqlen_q * seqlen_k) over a varlen case's sequences (at most
+    ``LIMITS``' cap)."""
+    if getattr(case, "seqlens_q", ()):
+        return case.heads_q * sum(a * b for a, b in zip(case.seqlens_q, case.seqlens_k, strict=True))
+    return case.batch * case.heads_q * case.seqlen_q * case.seqlen_k
+
+
+def varlen_offsets(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """cu_seqlens_q, cu_seqlens_k of a varlen case: int32 (batch + 1,) numpy arrays."""
+    return tuple(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+                 for n in (case.seqlens_q, case.seqlens_k))
+
+
 def numpy_dtype(name: str) -> Any:
     if name == "float16":
         return np.float16
@@ -209,12 +299,17 @@ def numpy_dtype(name: str) -> Any:
 
 
 def make_inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q, k, v as numpy arrays of the case's dtype."""
+    """q, k, v as numpy arrays of the case's dtype: (batch, seqlen, heads, head_dim), or packed
+    (total, heads, head_dim) for a varlen case."""
     rng = np.random.default_rng([case.seed, case.index, 1])
     dtype = numpy_dtype(case.dtype)
-    q = rng.standard_normal((case.batch, case.seqlen_q, case.heads_q, case.head_dim)) * case.amplitude
-    k = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim)) * case.amplitude
-    v = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
+    if case.varlen:
+        rows_q, rows_k = (sum(case.seqlens_q),), (sum(case.seqlens_k),)
+    else:
+        rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
+    q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
+    k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
+    v = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim))
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
@@ -227,16 +322,19 @@ def _torch() -> Any:
 
 
 def to_device(x: np.ndarray, kind: str) -> Any:
-    """``x`` as a torch CUDA tensor or a Numba device array (a DeviceBuffer for bfloat16)."""
+    """``x`` as a torch CUDA tensor or a Numba device array (a DeviceBuffer for bfloat16); int32
+    (varlen offsets) as they are."""
     if kind == "torch":
         torch = _torch()
+        if x.dtype == np.int32:
+            return torch.from_numpy(np.ascontiguousarray(x)).cuda()
         tdtype = torch.float16 if x.dtype == np.float16 else torch.bfloat16
         return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(tdtype).cuda()
     from numba import cuda
 
     from ..runtime.buffers import DeviceBuffer
 
-    return cuda.to_device(x) if x.dtype == np.float16 else DeviceBuffer(x)
+    return cuda.to_device(x) if x.dtype in (np.float16, np.int32) else DeviceBuffer(x)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -251,7 +349,9 @@ def to_host(x: Any) -> np.ndarray:
 
 
 def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
-    """Run one case on the current GPU with its family's shipped config forced; never raises."""
+    """Run one case on the current GPU with its family's shipped config forced; never raises.
+    A varlen case calls ``flash_attention_varlen`` (numpy offsets for numpy inputs, device ones
+    of the same kind otherwise) and checks each sequence (``compare_varlen_with_reference``)."""
     import numbaflash
     from numbaflash.configs import force_config
 
@@ -268,13 +368,23 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         config = case_config(case.family, case.head_dim, case.causal, case.span)
         # a window kernel takes the causal or the full config, whatever the case's causal flag
         other = case_config(case.family, case.head_dim, not case.causal, case.span)
+        options = {"causal": case.causal, "softmax_scale": case.softmax_scale, **extras}
+        if case.varlen:
+            offsets = varlen_offsets(case)
+            offsets_in = offsets if kind == "numpy" else tuple(to_device(x, kind) for x in offsets)
         with force_config(capability, case.causal, config), force_config(capability, not case.causal, other):
-            result = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
-                                                return_lse=case.return_lse, out=out, **extras)
+            if case.varlen:
+                result = numbaflash.flash_attention_varlen(*args, *offsets_in, case.seqlen_q, case.seqlen_k,
+                                                           return_lse=case.return_lse, out=out, **options)
+            else:
+                result = numbaflash.flash_attention(*args, return_lse=case.return_lse, out=out, **options)
         got, lse = result if case.return_lse else (result, None)
         problems = [] if out is None or got is out else ["the result is not the given out"]
-        ratio, found = compare_with_reference(q, k, v, to_host(got), None if lse is None else to_host(lse),
-                                             causal=case.causal, softmax_scale=case.softmax_scale, **extras)
+        got, lse = to_host(got), None if lse is None else to_host(lse)
+        if case.varlen:
+            ratio, found = compare_varlen_with_reference(q, k, v, *offsets, got, lse, **options)
+        else:
+            ratio, found = compare_with_reference(q, k, v, got, lse, **options)
         problems += found
         note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
@@ -463,7 +573,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for family in families:
         rs = [r for r in results if r.case.family == family]
         worst = max((r.ratio for r in rs), default=0.0)
-        print(f"{family}: {len(rs)} cases, {sum(r.ok for r in rs)} passed, {sum(not r.ok for r in rs)} "
+        varlen = sum(getattr(r.case, "varlen", False) for r in rs)
+        print(f"{family}: {len(rs)} cases" + (f" ({varlen} varlen)" if varlen else "")
+              + f", {sum(r.ok for r in rs)} passed, {sum(not r.ok for r in rs)} "
               f"failed, worst error ratio {worst:.3f}, {sum(r.seconds for r in rs):.1f}s")
     failed = [r for r in results if not r.ok]
     for r in failed:
