@@ -12,7 +12,8 @@ fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) agains
 reference, and for a mma.sync config also its window and softcap kernels and
 ``flash_attention_varlen`` on three packed sequences (``varlen_lengths``); for a backward
 config, ``flash_attention_backward`` on the same shapes (both dtypes, causal or not,
-deterministic or not, plus a window case and a softcap case) against the float64 backward.
+deterministic or not, plus a window case and a softcap case) against the float64 backward, and
+one ``flash_attention_varlen_backward`` case a dtype on the ``varlen_lengths`` sequences.
 Logs go to ``--log-dir/{tool}_{index}.log``; a markdown table of error counts is
 printed; exit 1 if any job found errors, timed out, crashed or computed a wrong result.
 """
@@ -357,8 +358,43 @@ def run_backward_worker(config: BackwardConfig) -> int:
                           f"{(b, sq, sk, hq, hkv)} window={window} softcap={softcap} "
                           f"deterministic={deterministic}: {p}", flush=True)
                 failures += bool(problems)
+        # The packed variable-length backward: one case a dtype (causal for bfloat16)
+        failures += run_varlen_backward_case(config, capability, dtype, rng, causal=dtype is not np.float16)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
+
+
+def run_varlen_backward_case(config: BackwardConfig, capability: tuple[int, int], dtype, rng,
+                             causal: bool) -> int:
+    """One ``flash_attention_varlen_backward`` call on ``config`` (forced), deterministic, on the
+    ``varlen_lengths`` sequences of its block_m (keys and no query row, a query row and no key, a
+    ragged one), GQA 4/2, device arrays, dq, dk, dv given and poisoned with NaN; 1 if wrong."""
+    from numba import cuda
+
+    from numbaflash import flash_attention_varlen, flash_attention_varlen_backward
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_varlen_gradients_with_reference
+
+    lengths_q, lengths_k = varlen_lengths(config.block_m)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    d = config.head_dim
+    q, dout = (rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype) for _ in range(2))
+    device = [DeviceBuffer(x) for x in (q, k, v)]
+    offsets = [cuda.to_device(cu_q), cuda.to_device(cu_k), max_q, max_k]
+    out, lse = flash_attention_varlen(*device, *offsets, causal=causal, return_lse=True)
+    grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+    with configs.force_config(capability, causal, config):
+        flash_attention_varlen_backward(DeviceBuffer(dout), *device, out, lse, *offsets, causal=causal,
+                                        deterministic=True, dq=grads[0], dk=grads[1], dv=grads[2])
+    host_grads = tuple(g.copy_to_host() for g in grads)
+    _, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, host_grads,
+                                                          causal=causal)
+    for p in problems:
+        print(f"WRONG {config} {np.dtype(dtype).name} varlen seqlens_q={lengths_q} seqlens_k={lengths_k} "
+              f"causal={causal} deterministic=True: {p}", flush=True)
+    return int(bool(problems))
 
 
 # The backward's window and softcap variants, run on each backward config beside the plain cases:

@@ -410,8 +410,8 @@ def flash_attention_varlen(
         out: optional output like q.
 
     Runs the mma.sync kernel on every GPU, Hopper included (the Hopper kernel's persistent varlen
-    schedule is a later step of issue 35); no backward yet: torch tensors that need autograd raise
-    ``NotImplementedError`` before anything launches.
+    schedule is a later step of issue 35). Torch tensors that require grad train through the
+    varlen torch op (its backward: ``flash_attention_varlen_backward``); ``out=`` then raises.
 
     Returns:
         ``out`` (total_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
@@ -428,3 +428,57 @@ def flash_attention_varlen(
     return direct_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          causal,
                                          softmax_scale, window_size, softcap, return_lse, out)
+
+
+def flash_attention_varlen_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+) -> tuple[Any, Any, Any]:
+    """Gradients of ``flash_attention_varlen`` with respect to q, k and v (the mma.sync backward's
+    packed variable-length build, on every GPU from sm_80 on).
+
+    Args:
+        dout: (total_q, heads_q, head_dim), q's dtype: the gradient of the loss with respect to out.
+        q: (total_q, heads_q, head_dim) float16 or bfloat16; k, v: (total_k, heads_kv, head_dim),
+            as given to the forward (all numpy arrays or all device arrays, as there).
+        out: (total_q, heads_q, head_dim): the forward's output.
+        lse: (heads_q, total_q) float32: the forward's LSE (``return_lse=True``), C-contiguous on
+            the device for device inputs.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the forward's (int32 (batch + 1,)
+            offsets; device arrays never read on the host: CUDA-graph safe).
+        causal, softmax_scale, window_size, softcap: the forward's, per sequence.
+        deterministic: (bool) bit-identical gradients from run to run (each query block's dQ
+            summed over its key blocks in one order).
+        dq, dk, dv: optional outputs like q, k, v (as for ``flash_attention_backward``).
+
+    Raises:
+        TypeError, ValueError: bad input (the varlen forward's checks, the backward's for dout,
+            out, lse and the gradients), before anything is compiled or launched.
+
+    Returns:
+        ``(dq, dk, dv)`` packed like q, k, v in q's dtype; each sequence's are those of a dense
+        backward on that sequence alone (bit for bit in deterministic mode); keys of a sequence
+        without queries get zero dk and dv. With GQA / MQA dk and dv sum over a KV head's group.
+    """
+    from .operations.varlen_backward import direct_flash_attention_varlen_backward
+
+    return direct_flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                                                  window_size, softcap, deterministic, dq, dk, dv)

@@ -264,9 +264,13 @@ def check_softcap(softcap: Any, softmax_scale: float) -> float:
 
 def check_no_self_overlap(op: Operand) -> None:
     """Distinct elements of ``op`` must be distinct memory (no stride 0, no overlapping rows):
-    dimensions sorted by stride, each stride at least the extent of those inside it."""
-    b, s, h, d = op.shape
-    if op.strides == (s * h * d, h * d, d, 1):  # C-contiguous: nothing to sort
+    dimensions sorted by stride, each stride at least the extent of those inside it. Any rank
+    (the packed varlen layouts are 3-D)."""
+    contiguous, size = [], 1
+    for n in reversed(op.shape):
+        contiguous.insert(0, size)
+        size *= n
+    if tuple(op.strides) == tuple(contiguous):  # C-contiguous: nothing to sort
         return
     extent = 1
     for n, stride in sorted(((n, abs(st)) for n, st in zip(op.shape, op.strides, strict=True) if n > 1),
@@ -378,7 +382,8 @@ def check_like(op: Operand, ref: Operand) -> None:
                          f"got {op.shape} {op.dtype_name}")
 
 
-def describe_lse(x: Any, shape: tuple[int, int, int], on_device: bool) -> Operand:
+def describe_lse(x: Any, shape: tuple[int, ...], on_device: bool,
+                 what: str = "(batch, heads_q, seqlen_q)") -> Operand:
     """The forward's log-sum-exp as an operand: float32 of ``shape`` (batch, heads_q, seqlen_q),
     a numpy array when the other inputs are (any layout: it is copied), else a C-contiguous
     device array (the kernel reads it flat) on a 4-byte boundary."""
@@ -416,9 +421,9 @@ def describe_lse(x: Any, shape: tuple[int, int, int], on_device: bool) -> Operan
         raise TypeError(f"lse must be float32 (what flash_attention(..., return_lse=True) returns), "
                         f"got {dtype}")
     if dims != tuple(shape):
-        raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = {tuple(shape)}, got {dims}")
+        raise ValueError(f"lse must have shape {what} = {tuple(shape)}, got {dims}")
     if on:
-        dense = (shape[1] * shape[2], shape[2], 1)
+        dense = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         if any(n > 1 and st != want for n, st, want in zip(dims, strides, dense, strict=True)):
             raise ValueError(f"lse must be C-contiguous (strides {dense} in elements), got strides "
                              f"{strides}; pass a contiguous copy")

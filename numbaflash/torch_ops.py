@@ -18,7 +18,10 @@ messages. The forward's autograd saves q, k, v, out and lse; the backward is the
 non-differentiable: it does not require grad, and no gradient flows through it. There is no
 double backward (the backward op has no autograd formula). A sliding window and a softcap
 (issue 35) go through both ops: the forward's are saved and passed to the backward op. Calls
-without them pass the ops' original arguments only.
+without them pass the ops' original arguments only. The packed variable-length forward op
+(``numbaflash::flash_attention_varlen_forward``) has the same kind of autograd: its backward is
+``numbaflash::flash_attention_varlen_backward`` (with a fake kernel), which saves the offsets
+and maxima with q, k, v, out and lse.
 """
 
 from __future__ import annotations
@@ -253,7 +256,7 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
                                    window_left: int = -1, window_right: int = -1,
                                    softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (total_q, heads_q, head_dim), contiguous; lse float32 (heads_q,
-    total_q). No autograd formula yet (issue 35)."""
+    total_q). Autograd: the varlen backward op."""
     out, lse = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                           softmax_scale,
                           (window_left, window_right), softcap)
@@ -283,19 +286,82 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
+def run_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                        causal: bool, softmax_scale: float, deterministic: bool, window_size: tuple[int, int],
+                        softcap: float):
+    from .operations.varlen_backward import direct_flash_attention_varlen_backward
+
+    return direct_flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                                                  window_size, softcap, deterministic)
+
+
+@torch.library.custom_op("numbaflash::flash_attention_varlen_backward", mutates_args=())
+def flash_attention_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                                    max_seqlen_k: int, causal: bool, softmax_scale: float,
+                                    deterministic: bool, window_left: int = -1, window_right: int = -1,
+                                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the packed variable-length attention, each like its input (contiguous)."""
+    dq, dk, dv = run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, causal, softmax_scale, deterministic,
+                                     (window_left, window_right), softcap)
+    return dq, dk, dv
+
+
+@flash_attention_varlen_backward.register_fake
+def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0):
+    _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                 window_left, window_right, softcap)
+    _check_like("dout", dout, q.shape, q.dtype)
+    _check_like("out", out, q.shape, q.dtype)
+    total_q, heads_q, _ = q.shape
+    _check_like("lse", lse, (heads_q, total_q), torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale = inputs[:9]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.window_size = (inputs[9], inputs[10]) if len(inputs) > 10 else (-1, -1)
+    ctx.softcap = inputs[11] if len(inputs) > 11 else 0.0
+    ctx.deterministic = torch.are_deterministic_algorithms_enabled()
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if not dout.is_contiguous() or dout.storage_offset() % 8:  # 16-byte row chunks (as the dense op's)
+        dout = dout.clone(memory_format=torch.contiguous_format)
+    dq, dk, dv = flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                 ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
+                                                 ctx.softmax_scale, ctx.deterministic, *ctx.window_size,
+                                                 ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+flash_attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
 def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  softmax_scale,
                  window_size, softcap, return_lse, out):
-    """``flash_attention_varlen`` on torch tensors: ``NotImplementedError`` when autograd would
-    need a backward (issue 35), before anything launches; None where the direct path serves the
-    call; else the custom op (torch.compile / export, fake or meta tensors, a dispatch mode)."""
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError(
-            "flash_attention_varlen has no backward yet (issue 35): call it on tensors that do not require "
-            "grad, or under torch.no_grad()")
-    if not (_dynamo_compiling() or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+    """``flash_attention_varlen`` on torch tensors: None where the direct path serves the call;
+    else the custom op, whose autograd runs the varlen backward (grad mode on and q, k or v
+    requiring grad; torch.compile / export, fake or meta tensors, a dispatch mode)."""
+    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
     if out is not None:
+        if needs_grad:
+            raise RuntimeError(
+                "flash_attention_varlen(): out= does not support automatic differentiation, but q, k or v "
+                "requires grad; call it without out= (or under torch.no_grad())")
         raise RuntimeError("flash_attention_varlen(): out= is not supported under torch.compile or a "
                            "dispatch mode; use the returned tensor")
     causal = check_flag("causal", causal)

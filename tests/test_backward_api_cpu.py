@@ -486,7 +486,9 @@ def test_the_family_record():
     family = families.family_of(config)
     assert family is families.SM80_BWD and family.name == "sm80bwd" and family.table_kind == "mma_bwd"
     assert families.BACKWARD_OPERATIONS == ("backward_prep", "backward", "backward_dq")
-    assert tuple(family.ops) == (*families.BACKWARD_OPERATIONS, *families.BACKWARD_VARIANTS)
+    varlen = ("backward_varlen_prep", "backward_varlen_dq", "backward_varlen", "backward_varlen_window",
+              "backward_varlen_softcap", "backward_varlen_window_softcap")
+    assert tuple(family.ops) == (*families.BACKWARD_OPERATIONS, *families.BACKWARD_VARIANTS, *varlen)
     for operation, abi in ABIS.items():
         op = family.op(operation)
         assert op.abi == abi and op.cache_kind == operation

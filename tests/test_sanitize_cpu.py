@@ -12,7 +12,7 @@ from _benchmarks import load_benchmark
 
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WsConfig
-from numbaflash.kernels.shapes import DecodeConfig
+from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -370,3 +370,49 @@ def test_decode_cases_dispatch_to_their_config():
         for group, sq in san.decode_cases(config):
             chosen = configs.decode_config((9, 0), config.head_dim, group * sq, config.paged)
             assert chosen.m_tiles == config.m_tiles
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_varlen_backward_case_with_a_stand_in(monkeypatch, capsys, broken):
+    """The backward worker's varlen case (no GPU: host stand-ins for the device arrays and both
+    passes): the backward gets the offsets, maxima, deterministic mode and NaN-poisoned dq, dk,
+    dv with the config forced; float64 gradients pass, an unwritten dk row of the sequence with
+    keys and no query row is WRONG."""
+    import numba.cuda
+
+    import numbaflash
+    import numbaflash.runtime.buffers
+    from numbaflash.tools.reference import varlen_attention_backward_reference, varlen_attention_reference
+
+    config = next(c for c in san.runnable_configs((9, 0)) if isinstance(c, BackwardConfig))
+    seen = []
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse):
+        q, k, v, cu_q, cu_k = (x.array for x in (q, k, v, cu_q, cu_k))
+        out, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=causal)
+        return _HostBuffer(out.astype(q.dtype)), _HostBuffer(lse.astype(np.float32))
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, deterministic, dq, dk, dv):
+        dout, q, k, v, cu_q, cu_k = (x.array for x in (dout, q, k, v, cu_q, cu_k))
+        assert all(np.isnan(g.array.astype(np.float32)).all() for g in (dq, dk, dv))
+        assert (max_q, max_k) == (int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+        assert config in configs.OVERRIDES.values()  # forced
+        seen.append((causal, deterministic))
+        grads = varlen_attention_backward_reference(q, k, v, dout, cu_q, cu_k, causal=causal)
+        for g, ref in zip((dq, dk, dv), grads, strict=True):
+            g.array[...] = ref.astype(q.dtype)
+        if broken:
+            dk.array[0] = np.nan  # sequence 0: keys, no query row
+        return dq, dk, dv
+
+    monkeypatch.setattr(numbaflash.runtime.buffers, "DeviceBuffer", _HostBuffer)
+    monkeypatch.setattr(numba.cuda, "to_device", _HostBuffer)
+    monkeypatch.setattr(numbaflash, "flash_attention_varlen", forward)
+    monkeypatch.setattr(numbaflash, "flash_attention_varlen_backward", backward)
+    failures = san.run_varlen_backward_case(config, (9, 0), np.float16, np.random.default_rng(0), causal=True)
+    assert seen == [(True, True)]
+    printed = capsys.readouterr().out
+    if broken:
+        assert failures == 1 and "sequence 0 (seqlen_q 0, seqlen_k 5)" in printed
+    else:
+        assert failures == 0 and printed == ""

@@ -139,12 +139,23 @@ def test_import_pulls_neither_torch_nor_numba():
         "False", "False"]
 
 
-def test_torch_requires_grad_refused_before_launch():
+def test_torch_requires_grad_goes_through_the_op(monkeypatch):
+    """With autograd on, the call runs the varlen op (whose backward is the varlen backward op:
+    tests/test_varlen_backward_cpu.py), not the direct path."""
     torch = pytest.importorskip("torch")
+    from numbaflash import torch_ops
+
+    seen = []
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_size, softcap):
+        seen.append((max_q, max_k))
+        return torch.zeros_like(q), torch.zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    monkeypatch.setattr(torch_ops, "run_varlen", forward)
     q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in _inputs())
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="issue 35"):
-        flash_attention_varlen(q, k, v, cu_q, cu_k, 5, 4)
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, 5, 4)
+    assert seen == [(5, 4)] and out.requires_grad
 
 
 def test_torch_fake_shapes():

@@ -89,6 +89,45 @@ BACKWARD_DQ_ABI = (
     "float32",  # softmax scale
 )
 
+# The packed variable-length backward (``flash_attention_varlen_backward``): each of the three
+# kernels' parameters, then the sequences: cu_seqlens_q, cu_seqlens_k (int32, batch + 1) and
+# total_q (the forward's LSE is (heads_q, total_q)). Operands are (1, total, heads, head_dim)
+# views whose batch strides are never read; seqlen_q and seqlen_k are the maxima, rows is
+# ``varlen_workspace_rows``. Grids: prepare (backward_rows(max_seqlen_q) // 64, heads_q, batch),
+# main ceil(max_seqlen_k / block_n) * heads_kv * batch, dQ (backward_rows(max_seqlen_q) //
+# block_m, heads_q, batch); CTAs past their own sequence's rows return at once.
+#
+# The workspace is (heads_q, rows) per part (dQ accumulator: (heads_q, rows, head_dim); counters:
+# (heads_q, rows // block_m)); sequence b's rows start at ``varlen_row_offset(cu_seqlens_q[b],
+# b)``, a multiple of BACKWARD_ROW_ALIGN, and span ``varlen_padded_rows`` of its length, so no
+# query block holds rows of two sequences (FlashAttention's padding: total_q + 128 * batch rows).
+_SEQUENCES_ABI = (_I32_ARRAY, _I32_ARRAY, "int64")
+VARLEN_BACKWARD_PREP_ABI = (*BACKWARD_PREP_ABI, *_SEQUENCES_ABI)
+VARLEN_BACKWARD_ABI = (*BACKWARD_ABI, *_SEQUENCES_ABI)
+VARLEN_BACKWARD_DQ_ABI = (*BACKWARD_DQ_ABI, *_SEQUENCES_ABI)
+
+
+def varlen_row_offset(start_q, b):
+    """The workspace row (within a head) of sequence ``b``'s first query, whose packed row is
+    ``start_q`` (= cu_seqlens_q[b]): (start_q + ALIGN * b) rounded down to a multiple of ALIGN
+    (``BACKWARD_ROW_ALIGN``). Pure arithmetic on non-negative ints, shared by the host (tests)
+    and the kernels (jitted as a device function). Sequence b + 1 starts at least
+    ``varlen_padded_rows`` of b's length later: the regions never overlap."""
+    return (start_q + BACKWARD_ROW_ALIGN * b) // BACKWARD_ROW_ALIGN * BACKWARD_ROW_ALIGN
+
+
+def varlen_padded_rows(seqlen_q):
+    """The workspace rows a sequence of ``seqlen_q`` queries owns: its length rounded up to
+    ``BACKWARD_ROW_ALIGN`` (0 for an empty sequence)."""
+    return (seqlen_q + BACKWARD_ROW_ALIGN - 1) // BACKWARD_ROW_ALIGN * BACKWARD_ROW_ALIGN
+
+
+def varlen_workspace_rows(total_q: int, batch: int) -> int:
+    """The workspace rows per head of a packed call: total_q + ALIGN * batch, rounded up to
+    ALIGN; every sequence's region (``varlen_row_offset`` .. + ``varlen_padded_rows``) ends
+    within it."""
+    return varlen_padded_rows(total_q + BACKWARD_ROW_ALIGN * batch)
+
 # Decode against a KV cache (``decode_mma``): the attention kernel, then, with
 # more than one split, the combine kernel.
 DECODE_ABI = (

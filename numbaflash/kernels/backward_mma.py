@@ -36,6 +36,16 @@ scaled by the softmax scale afterwards as before). The prepare and dQ kernels se
 A main kernel built without them compiles to the same code as before they existed: their
 arguments are never read.
 
+A ``varlen`` build of each of the three kernels (``flash_attention_varlen_backward``) has its own
+parameter list (``VARLEN_BACKWARD_*_ARGTYPES``: the plain parameters, then cu_seqlens_q,
+cu_seqlens_k and total_q): a thin kernel calls the same body as a device function with a
+``Sequences`` record in a batch-stride slot that the varlen body never reads as a stride (o_sb,
+q_sb, dq_sb). Each CTA takes its sequence from the grid (z, or the (batch, KV head) pair of the
+main kernel), reads its bounds from the offsets, returns at once past its sequence's end, and
+uses the sequence's own lengths (masks, causal diagonal, window: the variants combine); its
+workspace rows start at ``abi.varlen_row_offset`` (whole 128-row blocks per sequence). The plain
+builds compile to the same code as before.
+
 Every product is an m16n8k16 mma.sync; the warps split each product their own way
 (``shapes.BackwardConfig``). Tiles use the swizzled layouts of ``smem``; the Pᵀ and dSᵀ tiles
 are ``block_n`` rows of ``block_m`` 16-bit columns in 128-byte column blocks.
@@ -49,9 +59,11 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32
 
 from .. import ptx
+from . import abi
 from .blocks import Band, band_kv_tiles, band_needs_mask, band_query_blocks, key_block_of
 from .common import FULL_MASK, NEG_INF, keep_in_register, unroll
 from .epilogue import store_rows_global
+from .forward_mma import Sequences
 from .shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
 from .smem import (
     copy_tile_async,
@@ -64,6 +76,10 @@ from .softmax import pack_16bit
 
 LOG2_E = 1.4426950408889634
 INF = float32(math.inf)
+# The packed variable-length workspace (``abi.varlen_row_offset``): a sequence's first row and its
+# padded rows, on the device.
+varlen_row_offset = cuda.jit(device=True, forceinline=True)(abi.varlen_row_offset)
+varlen_padded_rows = cuda.jit(device=True, forceinline=True)(abi.varlen_padded_rows)
 
 BACKWARD_PREP_ARGTYPES = (
     types.uint16[::1], types.uint16[::1], types.float32[::1],  # out, dout, lse
@@ -94,6 +110,12 @@ BACKWARD_DQ_ARGTYPES = (
     types.int64, types.int64, types.int64,  # seqlen_q, rows, heads_q
     types.float32,  # scale
 )
+# The packed variable-length builds (``varlen=True``): the same parameters, then the sequences
+# (``abi.VARLEN_BACKWARD_*_ABI``): the int32 offsets of their queries and keys and total_q.
+_SEQUENCES = (types.int32[::1], types.int32[::1], types.int64)
+VARLEN_BACKWARD_PREP_ARGTYPES = (*BACKWARD_PREP_ARGTYPES, *_SEQUENCES)
+VARLEN_BACKWARD_ARGTYPES = (*BACKWARD_ARGTYPES, *_SEQUENCES)
+VARLEN_BACKWARD_DQ_ARGTYPES = (*BACKWARD_DQ_ARGTYPES, *_SEQUENCES)
 
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
 WarpPart = namedtuple("WarpPart", ["row0", "col0"])
@@ -186,15 +208,20 @@ def mask_band_transposed(s, n_tiles, key0, col0, lane, band):
                     s[j, 2 * half + e] = NEG_INF
 
 
-def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
     """The prep kernel (``BACKWARD_PREP_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads;
     the same code with causal masking or not (``causal`` is not used: one kernel serves both).
     The threads of a row (``prep_split``) each load 16-byte chunks of O and dO (the loads of up
     to 8 passes issued before any sum), dot them and sum over a shuffle tree; then 16-byte
-    stores zero the block's dQ accumulator."""
+    stores zero the block's dQ accumulator.
+
+    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_PREP_ARGTYPES``; grid
+    (backward_rows(max_seqlen_q) // 64, heads_q, batch)): a ``Sequences`` record in the ``o_sb``
+    slot; a block past its sequence's padded rows (``varlen_padded_rows``) returns."""
     config.check()
     D = config.head_dim
     BM = config.block_m
+    VARLEN = varlen
     TPR, PER, RPP = prep_split(D)
     PASSES = PREP_ROWS // RPP
     GROUP = min(PASSES, 8)  # passes whose loads are in flight together (unrolled: registers)
@@ -211,8 +238,18 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         bh = batch * heads_q + head
         row_base = x * PREP_ROWS
         part = tid % TPR
-        o_at = ptx.global_address(o) + 2 * (batch * o_sb + head * o_sh) + 16 * part
-        do_at = ptx.global_address(do) + 2 * (batch * do_sb + head * do_sh) + 16 * part
+        if VARLEN:  # o_sb is a Sequences record: this sequence's rows and its workspace rows
+            seqs = o_sb
+            start_q = int64(seqs.cu_seqlens_q[batch])
+            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
+            if row_base >= varlen_padded_rows(seqlen_q):  # past the sequence's workspace rows
+                return
+            ws_row0 = head * rows + varlen_row_offset(start_q, batch)  # the sequence's row 0
+            o_at = ptx.global_address(o) + 2 * (start_q * o_ss + head * o_sh) + 16 * part
+            do_at = ptx.global_address(do) + 2 * (start_q * do_ss + head * do_sh) + 16 * part
+        else:
+            o_at = ptx.global_address(o) + 2 * (batch * o_sb + head * o_sh) + 16 * part
+            do_at = ptx.global_address(do) + 2 * (batch * do_sb + head * do_sh) + 16 * part
         ov = cuda.local.array((GROUP, PER, 4), uint32)
         dov = cuda.local.array((GROUP, PER, 4), uint32)
         for g in range(PASSES // GROUP):
@@ -238,37 +275,67 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
                 for offset in SHUFFLES:
                     acc += cuda.shfl_xor_sync(FULL_MASK, acc, offset)
                 if part == 0:
-                    at = bh * rows + row
+                    if VARLEN:
+                        at = ws_row0 + row
+                    else:
+                        at = bh * rows + row
                     delta[at] = acc
                     value = INF
                     if row < seqlen_q:
-                        forward = lse[bh * seqlen_q + row]
+                        if VARLEN:  # the LSE is (heads_q, total_q)
+                            forward = lse[head * seqs.lse_head_stride + start_q + row]
+                        else:
+                            forward = lse[bh * seqlen_q + row]
                         if forward != NEG_INF:
                             value = forward * float32(LOG2_E)
                     lse2[at] = value
         zeros = cuda.local.array(4, uint32)
         for w in range(4):
             zeros[w] = 0
-        zero_at = ptx.global_address_f32(dq_acc) + 4 * (bh * rows + row_base) * D + 16 * tid
+        if VARLEN:
+            zero_at = ptx.global_address_f32(dq_acc) + 4 * (ws_row0 + row_base) * D + 16 * tid
+        else:
+            zero_at = ptx.global_address_f32(dq_acc) + 4 * (bh * rows + row_base) * D + 16 * tid
         for i in range(ZERO_STORES):
             ptx.st_global_v4_at(zero_at + 16 * PREP_THREADS * i, zeros)
         if tid == 0 and row_base % BM == 0:
-            counters[bh * counters_per_head + row_base // BM] = 0
+            if VARLEN:  # rows and the sequence's row offset are multiples of block_m
+                counters[(ws_row0 + row_base) // BM] = 0
+            else:
+                counters[bh * counters_per_head + row_base // BM] = 0
 
-    backward_prep.__name__ = f"flash_backward_prep_d{D}_m{BM}_{'bf16' if bf16 else 'f16'}"
+    backward_prep.__name__ = (f"flash_backward_prep_d{D}_m{BM}_{'varlen_' if varlen else ''}"
+                              f"{'bf16' if bf16 else 'f16'}")
     backward_prep.launch_bounds = (PREP_THREADS, 1)
-    return backward_prep
+    if not VARLEN:
+        return backward_prep
+    body = cuda.jit(device=True, forceinline=True)(backward_prep)
+
+    def backward_prep_varlen(o, do, lse, delta, lse2, dq_acc, counters, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh,
+                             seqlen_q, rows, heads_q, counters_per_head, cu_seqlens_q, cu_seqlens_k, total_q):
+        seqs = Sequences(int64(cuda.gridDim.z), cu_seqlens_q, cu_seqlens_k, total_q)
+        body(o, do, lse, delta, lse2, dq_acc, counters, seqs, o_ss, o_sh, do_sb, do_ss, do_sh, seqlen_q, rows,
+             heads_q, counters_per_head)
+
+    backward_prep_varlen.__name__ = backward_prep.__name__
+    backward_prep_varlen.launch_bounds = backward_prep.launch_bounds
+    return backward_prep_varlen
 
 
-def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
     """The dQ kernel (``BACKWARD_DQ_ARGTYPES``): grid (rows // block_m, heads_q, batch),
     ``config.threads`` threads. Thread ``tid`` reads back the accumulator elements that thread
     ``tid`` of the main kernel added (fragment order, ``BackwardConfig.dq_position``: coalesced
     loads), stores them scaled, as 16-bit pairs, into a swizzled shared tile of the block, and the
-    warps then write the block's rows with 16-byte stores."""
+    warps then write the block's rows with 16-byte stores.
+
+    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_DQ_ARGTYPES``; grid
+    (backward_rows(max_seqlen_q) // block_m, heads_q, batch)): a ``Sequences`` record in the
+    ``dq_sb`` slot; a block past its sequence's end returns."""
     config.check()
     D = config.head_dim
     BM = config.block_m
+    VARLEN = varlen
     THREADS = config.threads
     QR = config.dq_row_warps
     QMT = BM // (16 * QR)
@@ -292,7 +359,15 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         head = int64(cuda.blockIdx.y)
         batch = int64(cuda.blockIdx.z)
         m0 = int64(cuda.blockIdx.x) * BM
-        at = ((batch * heads_q + head) * rows + m0) * D + VEC * tid
+        if VARLEN:  # dq_sb is a Sequences record
+            seqs = dq_sb
+            start_q = int64(seqs.cu_seqlens_q[batch])
+            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
+            if m0 >= seqlen_q:
+                return
+            at = (head * rows + varlen_row_offset(start_q, batch) + m0) * D + VEC * tid
+        else:
+            at = ((batch * heads_q + head) * rows + m0) * D + VEC * tid
         acc = cuda.local.array((QMT, DQ_N, 4), float32)
         for mt in range(QMT):
             for j in range(DQ_N):
@@ -305,16 +380,31 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
         cuda.syncthreads()
         scratch = cuda.local.array(4, uint32)
         first = warp * STORE_ROWS
-        dq_rows = global_rows(dq, batch * dq_sb + head * dq_sh, dq_ss, seqlen_q)
+        if VARLEN:
+            dq_rows = global_rows(dq, start_q * dq_ss + head * dq_sh, dq_ss, seqlen_q)
+        else:
+            dq_rows = global_rows(dq, batch * dq_sb + head * dq_sh, dq_ss, seqlen_q)
         store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
 
-    backward_dq.__name__ = f"flash_backward_dq_d{D}_m{BM}{config.tag}_{'bf16' if bf16 else 'f16'}"
+    backward_dq.__name__ = (f"flash_backward_dq_d{D}_m{BM}{config.tag}_{'varlen_' if varlen else ''}"
+                            f"{'bf16' if bf16 else 'f16'}")
     backward_dq.launch_bounds = (THREADS, 1)
-    return backward_dq
+    if not VARLEN:
+        return backward_dq
+    body = cuda.jit(device=True, forceinline=True)(backward_dq)
+
+    def backward_dq_varlen(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, cu_seqlens_q,
+                           cu_seqlens_k, total_q):
+        seqs = Sequences(int64(cuda.gridDim.z), cu_seqlens_q, cu_seqlens_k, total_q)
+        body(dq_acc, dq, seqs, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale)
+
+    backward_dq_varlen.__name__ = backward_dq.__name__
+    backward_dq_varlen.launch_bounds = backward_dq.launch_bounds
+    return backward_dq_varlen
 
 
 def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, window: bool = False,
-                         softcap: bool = False):
+                         softcap: bool = False, varlen: bool = False):
     """The main backward kernel (``BACKWARD_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv
     * batch in one dimension (``blocks.key_block_of`` maps a CTA to its key block and (batch,
     KV head)), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory.
@@ -322,7 +412,14 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
     ``causal`` must then be False: the window's right edge 0 is causal masking). ``softcap``:
     scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, ``scale_log2`` =
-    softcap·log2(e), as the forward's). Kernels without them never read those arguments."""
+    softcap·log2(e), as the forward's). Kernels without them never read those arguments.
+
+    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_ARGTYPES``: the same parameters,
+    then cu_seqlens_q, cu_seqlens_k and total_q; seqlen_q and seqlen_k the maxima, rows the padded
+    total ``varlen_workspace_rows``): a ``Sequences`` record in the ``q_sb`` slot; the grid's
+    third factor is the sequence; a key block past its sequence's keys returns at once; the
+    sequence's own lengths replace seqlen_q and seqlen_k (masks, causal diagonal, window); its
+    workspace rows start at ``varlen_row_offset``."""
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
@@ -360,6 +457,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     CAUSAL = causal
     WINDOW = window
     SOFTCAP = softcap
+    VARLEN = varlen
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
@@ -533,13 +631,30 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         kv_head = int64(uint32(pair) % uint32(heads_kv))
         batch = int64(uint32(pair) // uint32(heads_kv))
         n0 = n_block * BN
+        if VARLEN:  # q_sb is a Sequences record: this sequence's rows and lengths
+            seqs = q_sb
+            start_k = int64(seqs.cu_seqlens_k[batch])
+            seqlen_k = int64(seqs.cu_seqlens_k[batch + 1]) - start_k
+            if n0 >= seqlen_k:  # past this sequence's keys (or no keys at all)
+                return
+            start_q = int64(seqs.cu_seqlens_q[batch])
+            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
+            ws_row0 = varlen_row_offset(start_q, batch)  # the sequence's row 0 in the workspace
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
         sbase = ptx.shared_address_u16(smem)
         sk = sbase + SK
         sv = sbase + SV
 
-        k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
-        v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
+        if VARLEN:
+            q_b0 = start_q * q_ss
+            do_b0 = start_q * do_ss
+            k_rows = global_rows(k, start_k * k_ss + kv_head * k_sh, k_ss, seqlen_k)
+            v_rows = global_rows(v, start_k * v_ss + kv_head * v_sh, v_ss, seqlen_k)
+        else:
+            q_b0 = batch * q_sb
+            do_b0 = batch * do_sb
+            k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
+            v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
         copy_tile_async(sk, BN, k_rows, n0, CPR, tid, THREADS, RB)
         copy_tile_async(sv, BN, v_rows, n0, CPR, tid, THREADS, RB)
         ptx.cp_async_commit_group()
@@ -589,14 +704,22 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         m_block = m_blocks - 1
         if steps > 0:
             bh = batch * heads_q + head
+            if VARLEN:  # the workspace row of (head, the sequence's row 0), as bh * rows is
+                bh_rows = head * rows + ws_row0
+            else:
+                bh_rows = bh * rows
             m0 = m_block * BM
-            load_step(sbase, 0, global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q),
-                      global_rows(do, batch * do_sb + head * do_sh, do_ss, seqlen_q), m0,
-                      lse2_base + (bh * rows + m0) * 4, delta_base + (bh * rows + m0) * 4, tid)
+            load_step(sbase, 0, global_rows(q, q_b0 + head * q_sh, q_ss, seqlen_q),
+                      global_rows(do, do_b0 + head * do_sh, do_ss, seqlen_q), m0,
+                      lse2_base + (bh_rows + m0) * 4, delta_base + (bh_rows + m0) * 4, tid)
         for step in range(steps):
             stage = step % STAGES
             m0 = m_block * BM
             bh = batch * heads_q + head
+            if VARLEN:
+                bh_rows = head * rows + ws_row0
+            else:
+                bh_rows = bh * rows
             head1 = head
             m1 = m_block - 1
             if m1 < m_first:
@@ -604,18 +727,21 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
                 m1 = m_blocks - 1
             if STAGES == 2:
                 if step + 1 < steps:
-                    row1 = (batch * heads_q + head1) * rows + m1 * BM
-                    load_step(sbase, 1 - stage, global_rows(q, batch * q_sb + head1 * q_sh, q_ss, seqlen_q),
-                              global_rows(do, batch * do_sb + head1 * do_sh, do_ss, seqlen_q), m1 * BM,
+                    if VARLEN:
+                        row1 = head1 * rows + ws_row0 + m1 * BM
+                    else:
+                        row1 = (batch * heads_q + head1) * rows + m1 * BM
+                    load_step(sbase, 1 - stage, global_rows(q, q_b0 + head1 * q_sh, q_ss, seqlen_q),
+                              global_rows(do, do_b0 + head1 * do_sh, do_ss, seqlen_q), m1 * BM,
                               lse2_base + row1 * 4, delta_base + row1 * 4, tid)
                     ptx.cp_async_wait_group_1()
                 else:
                     ptx.cp_async_wait_group_0()
             else:
                 if step > 0:
-                    load_step(sbase, 0, global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q),
-                              global_rows(do, batch * do_sb + head * do_sh, do_ss, seqlen_q), m0,
-                              lse2_base + (bh * rows + m0) * 4, delta_base + (bh * rows + m0) * 4, tid)
+                    load_step(sbase, 0, global_rows(q, q_b0 + head * q_sh, q_ss, seqlen_q),
+                              global_rows(do, do_b0 + head * do_sh, do_ss, seqlen_q), m0,
+                              lse2_base + (bh_rows + m0) * 4, delta_base + (bh_rows + m0) * 4, tid)
                 ptx.cp_async_wait_group_0()
             cuda.syncthreads()  # this step's tiles have landed for everyone
             at = sbase + stage * STAGE
@@ -644,7 +770,10 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
             product_tn(TnProduct(acc_dv, sbase + SP, tiles.do, frags, offsets))
             # dQ before dK (FlashAttention-2's order): its red.global adds drain while the dK
             # product runs, instead of queueing in front of the next step's cp.async copies.
-            counter_at = counter_base + (bh * counters_per_head + m_block) * 4
+            if VARLEN:  # rows and ws_row0 are multiples of block_m
+                counter_at = counter_base + ((bh_rows + m0) // BM) * 4
+            else:
+                counter_at = counter_base + (bh * counters_per_head + m_block) * 4
             if deterministic:  # wait for this query block's turn: key blocks add in order
                 # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
                 # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
@@ -656,7 +785,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
                     while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                         pass
                 cuda.syncthreads()
-            add_dq(sbase + SDS, sk, dq_base + ((bh * rows + m0) * D + DQ_VECTOR * tid) * 4, frags, offsets,
+            add_dq(sbase + SDS, sk, dq_base + ((bh_rows + m0) * D + DQ_VECTOR * tid) * 4, frags, offsets,
                    acc_q)
             if deterministic:
                 cuda.threadfence()
@@ -677,16 +806,40 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         cuda.syncthreads()
         scratch = cuda.local.array(4, uint32)
         first = warp * STORE_ROWS
-        dk_rows = global_rows(dk, batch * dk_sb + kv_head * dk_sh, dk_ss, seqlen_k)
-        dv_rows = global_rows(dv, batch * dv_sb + kv_head * dv_sh, dv_ss, seqlen_k)
+        if VARLEN:
+            dk_rows = global_rows(dk, start_k * dk_ss + kv_head * dk_sh, dk_ss, seqlen_k)
+            dv_rows = global_rows(dv, start_k * dv_ss + kv_head * dv_sh, dv_ss, seqlen_k)
+        else:
+            dk_rows = global_rows(dk, batch * dk_sb + kv_head * dk_sh, dk_ss, seqlen_k)
+            dv_rows = global_rows(dv, batch * dv_sb + kv_head * dv_sh, dv_ss, seqlen_k)
         store_rows_global(dk_rows, n0 + first, sk, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
         store_rows_global(dv_rows, n0 + first, sv, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
 
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
+    if varlen:
+        kind = f"varlen_{kind}"
     flash_backward.__name__ = f"flash_backward_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
     flash_backward.launch_bounds = (THREADS, 1)
-    return flash_backward
+    if not VARLEN:
+        return flash_backward
+    body = cuda.jit(device=True, forceinline=True)(flash_backward)
+
+    def flash_backward_varlen(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
+                              q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
+                              do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+                              seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2,
+                              scale, deterministic, window_left, window_right, cap_scale, cu_seqlens_q,
+                              cu_seqlens_k, total_q):
+        seqs = Sequences(int64(0), cu_seqlens_q, cu_seqlens_k, total_q)  # count unused: the grid is exact
+        body(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters, seqs, q_ss, q_sh, k_sb, k_ss, k_sh,
+             v_sb, v_ss, v_sh, do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+             seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
+             deterministic, window_left, window_right, cap_scale)
+
+    flash_backward_varlen.__name__ = flash_backward.__name__
+    flash_backward_varlen.launch_bounds = flash_backward.launch_bounds
+    return flash_backward_varlen
 
 
 # The variants' factories (``operations.families``: one kernel operation each, built on demand).
@@ -705,3 +858,35 @@ def make_backward_window_softcap_kernel(config: BackwardConfig, causal: bool, bf
     """The sliding-window, softcapped main kernel of ``config`` (``causal`` ignored, as for the
     window)."""
     return make_backward_kernel(config, False, bf16, window=True, softcap=True)
+
+
+# The packed variable-length builds (``flash_attention_varlen_backward``): their own prepare and dQ
+# kernels, and the main kernel's plain, window and softcap variants.
+def make_backward_varlen_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length prepare kernel (``VARLEN_BACKWARD_PREP_ARGTYPES``)."""
+    return make_backward_prep_kernel(config, False, bf16, varlen=True)
+
+
+def make_backward_varlen_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length dQ kernel (``VARLEN_BACKWARD_DQ_ARGTYPES``)."""
+    return make_backward_dq_kernel(config, False, bf16, varlen=True)
+
+
+def make_backward_varlen_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length main kernel (``VARLEN_BACKWARD_ARGTYPES``), causal or not."""
+    return make_backward_kernel(config, causal, bf16, varlen=True)
+
+
+def make_backward_varlen_window_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length sliding-window main kernel (``causal`` ignored)."""
+    return make_backward_kernel(config, False, bf16, window=True, varlen=True)
+
+
+def make_backward_varlen_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length softcapped main kernel, causal or not."""
+    return make_backward_kernel(config, causal, bf16, softcap=True, varlen=True)
+
+
+def make_backward_varlen_window_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
+    """The packed variable-length sliding-window, softcapped main kernel (``causal`` ignored)."""
+    return make_backward_kernel(config, False, bf16, window=True, softcap=True, varlen=True)

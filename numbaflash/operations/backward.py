@@ -23,7 +23,7 @@ from .. import configs
 from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
-from .families import BACKWARD_OPERATIONS, backward_operation, family_of
+from .families import BACKWARD_OPERATIONS, VARLEN_BACKWARD_OPERATIONS, backward_operation, family_of
 from .forward import Variant, loaded_kernel, variant_of
 from .launch_backward import BackwardCall, Launch, workspace_layout
 
@@ -68,7 +68,9 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     compiled for the device's own target (``arch_of``: ``sm_90a`` on Hopper, ``sm_86`` on an
     sm_86 GPU, as the sm80 forward) and stored; it is loaded once per process, and the main
     kernel's shared-memory limit is raised once per device. ``operation``: the main kernel's
-    (``backward_variant``; window and softcap variants are compiled on demand).
+    (``backward_variant``; window and softcap variants are compiled on demand); a
+    ``backward_varlen...`` operation loads the varlen builds of all three kernels
+    (``VARLEN_BACKWARD_OPERATIONS``) with the same config.
     """
     gpu = gpu_state.GPU
     if not configs.OVERRIDES:
@@ -90,8 +92,9 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
             ready = gpu.launchers.get(key)
             if ready is None:
                 parts = []
-                for part in BACKWARD_OPERATIONS:
-                    part = operation if part == "backward" else part
+                varlen = operation.startswith("backward_varlen")  # the varlen builds of all three
+                for part in VARLEN_BACKWARD_OPERATIONS if varlen else BACKWARD_OPERATIONS:
+                    part = operation if part in ("backward", "backward_varlen") else part
                     op = family.op(part)
                     kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
                     if part == operation:

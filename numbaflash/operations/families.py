@@ -22,11 +22,21 @@ from ..kernels.abi import (
     DECODE_ABI,
     DECODE_COMBINE_ABI,
     FORWARD_ABI,
+    VARLEN_BACKWARD_ABI,
+    VARLEN_BACKWARD_DQ_ABI,
+    VARLEN_BACKWARD_PREP_ABI,
     VARLEN_FORWARD_ABI,
     WS_ABI,
 )
 from ..kernels.shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsConfig
-from .launch_backward import launch_backward_dq, launch_backward_main, launch_backward_prep
+from .launch_backward import (
+    launch_backward_dq,
+    launch_backward_main,
+    launch_backward_prep,
+    launch_varlen_backward_dq,
+    launch_varlen_backward_main,
+    launch_varlen_backward_prep,
+)
 from .launch_decode import launch_decode, launch_decode_combine
 from .launch_forward import launch_sm80, launch_sm80_varlen, launch_sm90
 
@@ -135,15 +145,37 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
     "backward_window_softcap": KernelOp("backward_window_softcap", BACKWARD_ABI,
                                         "backward_mma:make_backward_window_softcap_kernel",
                                         "backward_mma:BACKWARD_ARGTYPES", launch_backward_main, masked=False),
+    # Packed variable-length batches (``flash_attention_varlen_backward``): prepare, main (plain,
+    # window, softcap, both) and dQ kernels of their own parameter lists (``VARLEN_BACKWARD_*_ABI``),
+    # built on demand.
+    "backward_varlen_prep": KernelOp("backward_varlen_prep", VARLEN_BACKWARD_PREP_ABI,
+                                     "backward_mma:make_backward_varlen_prep_kernel",
+                                     "backward_mma:VARLEN_BACKWARD_PREP_ARGTYPES",
+                                     launch_varlen_backward_prep,
+                                     masked=False),
+    "backward_varlen_dq": KernelOp("backward_varlen_dq", VARLEN_BACKWARD_DQ_ABI,
+                                   "backward_mma:make_backward_varlen_dq_kernel",
+                                   "backward_mma:VARLEN_BACKWARD_DQ_ARGTYPES", launch_varlen_backward_dq,
+                                   masked=False),
+    **{f"backward_varlen{v}": KernelOp(f"backward_varlen{v}", VARLEN_BACKWARD_ABI,
+                                       f"backward_mma:make_backward_varlen{v}_kernel",
+                                       "backward_mma:VARLEN_BACKWARD_ARGTYPES", launch_varlen_backward_main,
+                                       masked="window" not in v)
+       for v in ("", "_window", "_softcap", "_window_softcap")},
 })
 BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
 BACKWARD_VARIANTS = ("backward_window", "backward_softcap", "backward_window_softcap")
+# The packed variable-length call's three kernels, in launch order ("backward_varlen": the main
+# kernel, or its window / softcap variant: ``backward_operation(..., varlen=True)``).
+VARLEN_BACKWARD_OPERATIONS = ("backward_varlen_prep", "backward_varlen", "backward_varlen_dq")
 
 
-def backward_operation(window: bool, softcap: bool) -> str:
+def backward_operation(window: bool, softcap: bool, varlen: bool = False) -> str:
     """The main backward kernel operation of a call: ``backward``, or a window or softcap variant
-    (the prepare and dQ kernels serve them all)."""
-    return "backward" + ("_window" if window else "") + ("_softcap" if softcap else "")
+    (the prepare and dQ kernels serve them all); ``varlen``: the packed variable-length main
+    kernel (``backward_varlen[_window][_softcap]``)."""
+    return ("backward" + ("_varlen" if varlen else "") + ("_window" if window else "")
+            + ("_softcap" if softcap else ""))
 # Decode against a KV cache: the attention kernel, then (more than one split)
 # the combine kernel, which does not depend on causal masking.
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer", {

@@ -13,6 +13,11 @@ One call launches three kernels on the caller's stream, in this order:
 3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (rows // block_m,
    heads_q, batch), ``config.threads``.
 
+A packed variable-length call (``VarlenBackwardCall``) launches the varlen builds of the three
+(``launch_varlen_backward_*``) over grids of the maxima, with a workspace of
+``varlen_workspace_layout`` (each sequence's rows from ``abi.varlen_row_offset``, padded to
+whole 128-row blocks).
+
 rows = seqlen_q rounded up to ``BACKWARD_ROW_ALIGN``. The prepare and dQ grids are not folded
 as the forward's is: y and z are the head and the batch, each at most 65535
 (``check_backward_grid``).
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..kernels.abi import BACKWARD_ROW_ALIGN
+from ..kernels.abi import BACKWARD_ROW_ALIGN, varlen_workspace_rows
 from ..kernels.shapes import PREP_ROWS, PREP_THREADS
 from .launch_forward import MAX_GRID_X, MAX_GRID_YZ
 
@@ -199,6 +204,102 @@ def launch_backward_main(config) -> Launch:
                  seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
                  call.scale_log2, call.scale, call.deterministic, call.window_left, call.window_right,
                  call.cap_scale)
+
+    return launch
+
+
+class VarlenBackwardCall(NamedTuple):
+    """One packed variable-length backward call (``flash_attention_varlen_backward``): ``call``
+    holds dout, q, k, v, out, dq, dk, dv as (1, total, heads, head_dim) operands (batch strides
+    never read), the LSE as ``(pointer, heads_q * total_q)``, the workspace of
+    ``varlen_workspace_layout`` and its ``rows``; ``cu_seqlens_q`` / ``cu_seqlens_k`` the int32
+    offsets as ``(pointer, batch + 1)``; the maxima span the grids."""
+
+    call: BackwardCall
+    cu_seqlens_q: tuple[int, int]
+    cu_seqlens_k: tuple[int, int]
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def varlen_workspace_layout(total_q: int, batch: int, heads_q: int, head_dim: int,
+                            block_m: int) -> WorkspaceLayout:
+    """The workspace of a packed call: ``workspace_layout`` of one "batch" of
+    ``abi.varlen_workspace_rows(total_q, batch)`` rows per head (sequence b's rows from
+    ``abi.varlen_row_offset(cu_seqlens_q[b], b)``, each padded to whole blocks)."""
+    rows = varlen_workspace_rows(total_q, batch)
+    return workspace_layout(1, heads_q, rows, head_dim, block_m)
+
+
+def varlen_backward_grids(max_seqlen_q: int, max_seqlen_k: int, heads_q: int, heads_kv: int, batch: int,
+                          block_n: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid of the varlen prepare kernel, grid of the varlen main kernel): ``backward_grids`` of
+    the maxima, with its checks (the dQ kernel's grid is the prepare's with block_m rows a CTA)."""
+    return backward_grids(max_seqlen_q, max_seqlen_k, heads_q, heads_kv, batch, block_n)
+
+
+def launch_varlen_backward_prep(config) -> Callable[..., None]:
+    """The launch of the varlen prepare kernel (``VARLEN_BACKWARD_PREP_ABI``)."""
+    block_m = config.block_m
+
+    def launch(launcher, vcall: VarlenBackwardCall, gpu: Any) -> None:
+        call = vcall.call
+        o, do, ws = call.out, call.dout, call.workspace
+        _, total_q, heads_q, _ = call.q.shape
+        grid = (backward_rows(vcall.max_seqlen_q) // PREP_ROWS, heads_q, vcall.batch)
+        os_, ds = o.strides, do.strides
+        launcher(grid, PREP_THREADS, call.stream, 0,
+                 (o.pointer, o.span), (do.pointer, do.span), call.lse,
+                 ws.delta, ws.lse_log2, ws.dq_accum, ws.counters,
+                 os_[0], os_[1], os_[2], ds[0], ds[1], ds[2],
+                 vcall.max_seqlen_q, call.rows, heads_q, call.rows // block_m,
+                 vcall.cu_seqlens_q, vcall.cu_seqlens_k, total_q)
+
+    return launch
+
+
+def launch_varlen_backward_main(config) -> Callable[..., None]:
+    """The launch of the varlen main kernel (``VARLEN_BACKWARD_ABI``): ceil(max_seqlen_k /
+    block_n) key blocks x heads_kv x sequences, in ``key_block_of``'s order."""
+    block_n, threads, shared_bytes = config.block_n, config.threads, config.shared_bytes
+
+    def launch(launcher, vcall: VarlenBackwardCall, gpu: Any) -> None:
+        call = vcall.call
+        q, k, v, do, dk, dv, ws = call.q, call.k, call.v, call.dout, call.dk, call.dv, call.workspace
+        _, total_q, heads_q, _ = q.shape
+        heads_kv = k.shape[2]
+        key_blocks = -(-vcall.max_seqlen_k // block_n)
+        pairs = heads_kv * vcall.batch
+        tail_pairs = backward_tail_pairs(key_blocks, pairs, gpu.sm_count(call.device))
+        qs, ks, vs, dos, dks, dvs = q.strides, k.strides, v.strides, do.strides, dk.strides, dv.strides
+        launcher((key_blocks * pairs, 1, 1), threads, call.stream, shared_bytes,
+                 (q.pointer, q.span), (k.pointer, k.span), (v.pointer, v.span), (do.pointer, do.span),
+                 (dk.pointer, dk.span), (dv.pointer, dv.span),
+                 ws.lse_log2, ws.delta, ws.dq_accum, ws.counters,
+                 qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                 dos[0], dos[1], dos[2], dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
+                 vcall.max_seqlen_q, vcall.max_seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv,
+                 tail_pairs, call.scale_log2, call.scale, call.deterministic, call.window_left,
+                 call.window_right, call.cap_scale, vcall.cu_seqlens_q, vcall.cu_seqlens_k, total_q)
+
+    return launch
+
+
+def launch_varlen_backward_dq(config) -> Callable[..., None]:
+    """The launch of the varlen dQ kernel (``VARLEN_BACKWARD_DQ_ABI``)."""
+    block_m, threads = config.block_m, config.threads
+
+    def launch(launcher, vcall: VarlenBackwardCall, gpu: Any) -> None:
+        call = vcall.call
+        dq = call.dq
+        _, total_q, heads_q, _ = call.q.shape
+        grid = (backward_rows(vcall.max_seqlen_q) // block_m, heads_q, vcall.batch)
+        s = dq.strides
+        launcher(grid, threads, call.stream, 0,
+                 call.workspace.dq_accum, (dq.pointer, dq.span), s[0], s[1], s[2],
+                 vcall.max_seqlen_q, call.rows, heads_q, call.scale, vcall.cu_seqlens_q, vcall.cu_seqlens_k,
+                 total_q)
 
     return launch
 

@@ -296,3 +296,57 @@ def compare_varlen_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, c
         worst = max(worst, ratio)
         problems += [f"sequence {b} (seqlen_q {q1 - q0}, seqlen_k {k1 - k0}): {p}" for p in found]
     return worst, problems
+
+
+def varlen_attention_backward_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
+                                        cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray,
+                                        **options) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float64 gradients (dq, dk, dv) of a packed batch: ``attention_backward_reference`` on each
+    sequence alone. q, dout (total_q, heads_q, d), k, v (total_k, heads_kv, d); returns dq like q
+    and dk, dv like k (float64). A sequence without keys gives dq = 0, one without queries dk =
+    dv = 0. ``options``: ``attention_backward_reference``'s keywords."""
+    dq = np.zeros(q.shape, np.float64)
+    dk = np.zeros(k.shape, np.float64)
+    dv = np.zeros(v.shape, np.float64)
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        g = attention_backward_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1],
+                                         **options)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def compare_varlen_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
+                                            cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray,
+                                            grads: tuple[np.ndarray, np.ndarray, np.ndarray],
+                                            **options) -> tuple[float, list[str]]:
+    """``compare_gradients_with_reference`` (FlashAttention's criterion) on each sequence of a
+    packed batch: ``(worst ratio, problems)``, each problem naming its sequence. ``grads``: packed
+    dq (total_q, heads_q, d), dk and dv (total_k, heads_kv, d), any float dtype. Gradients with no
+    counterpart must be exactly 0: dq of a sequence without keys, dk and dv of one without
+    queries. ``options``: ``compare_gradients_with_reference``'s keywords."""
+    grads = tuple(np.asarray(g).astype(np.float64) for g in grads)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
+        if got.shape != ref.shape:
+            return math.inf, [f"{name} shape {got.shape}, expected {ref.shape}"]
+    worst, problems = 0.0, []
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        dq, dk, dv = grads[0][q0:q1], grads[1][k0:k1], grads[2][k0:k1]
+        ratio, found = 0.0, []
+        if q1 == q0 or k1 == k0:
+            for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+                if not (g == 0).all():
+                    found.append(f"{name} of a sequence without {'keys' if k1 == k0 else 'queries'} is not "
+                                 f"exactly 0")
+        else:
+            ratio, found = compare_gradients_with_reference(
+                q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1],
+                (dq[None], dk[None], dv[None]), **options)
+        worst = max(worst, ratio)
+        problems += [f"sequence {b} (seqlen_q {q1 - q0}, seqlen_k {k1 - k0}): {p}" for p in found]
+    return worst, problems

@@ -18,6 +18,7 @@ def registered_kernels() -> dict:
     kernels.update(forward_varlen_kernels())
     kernels.update(backward_kernels())
     kernels.update(backward_variant_kernels())
+    kernels.update(backward_varlen_kernels())
     kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
 
@@ -138,4 +139,33 @@ def backward_variant_kernels() -> dict:
                 kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
                 arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
                 kernels[kernel.__name__] = (kernel, kernel_argtypes(config, operation), (arch,))
+    return kernels
+
+
+def backward_varlen_kernels() -> dict:
+    """The backward's packed variable-length kernels (``flash_attention_varlen_backward``) of every
+    shipped backward config: prepare, dQ, and the main kernel plain (full and causal), window,
+    softcap and window + softcap, both dtypes, for the target that compiles each (as
+    ``backward_kernels``). Compiled on demand, not by ``precompile``; named like the plain kernels
+    with ``varlen_`` before ``full|causal|window`` (and before the dtype for the prepare and dQ
+    kernels); ``backward_key`` is (config, causal, bf16, operation)."""
+    from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
+    from ..operations.families import backward_operation, family_of
+
+    operations = ["backward_varlen_prep", "backward_varlen_dq"]
+    operations += [backward_operation(w, s, varlen=True) for w in (False, True) for s in (False, True)]
+    kernels = {}
+    for _, causal, config in shipped_backward_configs():
+        for bf16 in (False, True):
+            for operation in operations:
+                op = family_of(config).op(operation)
+                kernel = make_kernel(config, causal, bf16, operation)
+                name = kernel.__name__
+                if not op.masked and "prep" in operation:  # the prepare kernel's name has no tag
+                    name = f"{name}{config.tag}"
+                if name in kernels:
+                    continue
+                kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
+                arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
+                kernels[name] = (kernel, kernel_argtypes(config, operation), (arch,))
     return kernels

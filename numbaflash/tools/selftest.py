@@ -35,6 +35,7 @@ from ..configs import (
 )
 from .reference import (
     compare_gradients_with_reference,
+    compare_varlen_gradients_with_reference,
     compare_varlen_with_reference,
     compare_with_reference,
 )
@@ -230,7 +231,8 @@ VARLEN_MAX_SEQUENCES = 6
 
 
 def draw_varlen(seed: int, index: int, heads_q: int, quick: bool = False,
-                stream: int = 5) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | None:
+                stream: int = 5,
+                cap: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | None:
     """(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen case, or None for a dense
     one, from a stream of its own (the rest of the case is drawn as before): 1 to 6 sequences,
     each length 0, 1, below 64, about a multiple of 64 (one off or on it), or log-uniform up to
@@ -238,11 +240,11 @@ def draw_varlen(seed: int, index: int, heads_q: int, quick: bool = False,
     At least one query row and one key row in all; then the longest products halved until
     heads_q * sum(seqlen_q * seqlen_k) is within the reference budget (``LIMITS``). The maxima
     passed are the longest lengths (at least 1), at times more (the grid's extra blocks and
-    the window's bounds must not care)."""
+    the window's bounds must not care). ``cap``: another reference budget (the backward's)."""
     rng = np.random.default_rng([seed, index, stream])
     if rng.random() >= VARLEN_SHARE:
         return None
-    max_seq, cap = LIMITS[quick][:2]
+    max_seq, cap = LIMITS[quick][0], cap or LIMITS[quick][1]
 
     def length() -> int:
         pick = rng.choice(["zero", "one", "small", "tile", "any"], p=[0.15, 0.15, 0.2, 0.15, 0.35])
@@ -416,11 +418,22 @@ class BackwardCase:
     # A sliding window and a softcap (issue 35), in about 30% of the cases (``draw_window_softcap``)
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
+    # A packed variable-length case (``flash_attention_varlen_backward``, ``draw_varlen``): as the
+    # forward's ``Case``: each sequence's lengths, ``batch`` the sequences, seqlen_q / seqlen_k the
+    # maxima passed; () for a dense case.
+    seqlens_q: tuple[int, ...] = ()
+    seqlens_k: tuple[int, ...] = ()
+
+    @property
+    def varlen(self) -> bool:
+        return bool(self.seqlens_q)
 
     def describe(self) -> str:
         return (f"{describe_problem(self)} det={int(self.deterministic)} outs={int(self.use_outs)}"
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
-                + (f" softcap={self.softcap:g}" if self.softcap else ""))
+                + (f" softcap={self.softcap:g}" if self.softcap else "")
+                + (f" varlen seqlens_q={','.join(map(str, self.seqlens_q))} "
+                   f"seqlens_k={','.join(map(str, self.seqlens_k))}" if self.varlen else ""))
 
 
 BACKWARD_BLOCK = 128  # rows of the backward's key blocks (the widest): "empty_ctas" shapes use it
@@ -441,10 +454,16 @@ def draw_backward_case(seed: int, index: int, quick: bool = False) -> BackwardCa
     amplitude = float(rng.uniform(5.0, 10.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
     window, softcap = draw_window_softcap(seed, index, sq, sk, stream=4)
+    # About a fifth of the cases run the packed variable-length backward (a stream of their own).
+    lengths = draw_varlen(seed, index, heads_kv * group, quick, stream=6, cap=cap)
+    seqlens_q, seqlens_k = (), ()
+    if lengths is not None:
+        seqlens_q, seqlens_k, sq, sk = lengths
+        batch = len(seqlens_q)
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                         str(rng.choice(KINDS, p=[0.5, 0.2, 0.3])), amplitude, scale,
                         bool(rng.random() < 0.3), bool(rng.random() < 0.3), window_size=window,
-                        softcap=softcap)
+                        softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
 
 
 def run_backward_case(case: BackwardCase) -> CaseResult:
@@ -455,31 +474,55 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
     try:
         rng = np.random.default_rng([case.seed, case.index, 3])
         dtype = numpy_dtype(case.dtype)
-        q = rng.standard_normal((case.batch, case.seqlen_q, case.heads_q, case.head_dim)) * case.amplitude
-        k = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim)) * case.amplitude
-        v = rng.standard_normal((case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
+        if case.varlen:  # packed (total, heads, head_dim)
+            rows_q, rows_k = (sum(case.seqlens_q),), (sum(case.seqlens_k),)
+        else:
+            rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
+        q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
+        k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
+        v = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim))
         dout = rng.standard_normal(q.shape)
         q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
         kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         dout_in = dout if kind == "numpy" else to_device(dout, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}
-        out, lse = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
-                                              return_lse=True, **extras)
+        if case.varlen:
+            offsets = varlen_offsets(case)
+            offsets_in = offsets if kind == "numpy" else tuple(to_device(x, kind) for x in offsets)
+            sequences = (*offsets_in, case.seqlen_q, case.seqlen_k)
+            out, lse = numbaflash.flash_attention_varlen(*args, *sequences, causal=case.causal,
+                                                         softmax_scale=case.softmax_scale, return_lse=True,
+                                                         **extras)
+        else:
+            out, lse = numbaflash.flash_attention(*args, causal=case.causal, softmax_scale=case.softmax_scale,
+                                                  return_lse=True, **extras)
         outs = {}
         if case.use_outs:  # poisoned: unwritten elements show up as NaN
             for name, like in (("dq", q), ("dk", k), ("dv", v)):
                 x = np.full(like.shape, np.nan, like.dtype)
                 outs[name] = x if kind == "numpy" else to_device(x, kind)
-        grads = numbaflash.flash_attention_backward(dout_in, *args, out, lse, causal=case.causal,
-                                                    softmax_scale=case.softmax_scale,
-                                                    deterministic=case.deterministic, **outs, **extras)
+        if case.varlen:
+            grads = numbaflash.flash_attention_varlen_backward(dout_in, *args, out, lse, *sequences,
+                                                               causal=case.causal,
+                                                               softmax_scale=case.softmax_scale,
+                                                               deterministic=case.deterministic, **outs,
+                                                               **extras)
+        else:
+            grads = numbaflash.flash_attention_backward(dout_in, *args, out, lse, causal=case.causal,
+                                                        softmax_scale=case.softmax_scale,
+                                                        deterministic=case.deterministic, **outs, **extras)
         problems = []
         if outs and any(g is not outs[n] for g, n in zip(grads, ("dq", "dk", "dv"), strict=True)):
             problems.append("a result is not the given dq/dk/dv")
-        ratio, found = compare_gradients_with_reference(q, k, v, dout, tuple(to_host(g) for g in grads),
-                                                        causal=case.causal, softmax_scale=case.softmax_scale,
-                                                        **extras)
+        host_grads = tuple(to_host(g) for g in grads)
+        if case.varlen:
+            ratio, found = compare_varlen_gradients_with_reference(q, k, v, dout, *offsets, host_grads,
+                                                                   causal=case.causal,
+                                                                   softmax_scale=case.softmax_scale, **extras)
+        else:
+            ratio, found = compare_gradients_with_reference(q, k, v, dout, host_grads, causal=case.causal,
+                                                            softmax_scale=case.softmax_scale, **extras)
         problems += found
         note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
