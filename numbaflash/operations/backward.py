@@ -14,6 +14,7 @@ the window's right side is bounded, as the forward's).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -26,6 +27,9 @@ from ..runtime.compiler import arch_of
 from .families import BACKWARD_OPERATIONS, VARLEN_BACKWARD_OPERATIONS, backward_operation, family_of
 from .forward import Variant, loaded_kernel, variant_of
 from .launch_backward import BackwardCall, Launch, workspace_layout
+
+# driver calls of the numpy path, failures named for this operation
+_call = functools.partial(gpu_state.driver_call, operation="backward")
 
 LOG2_E = math.log2(math.e)
 
@@ -180,14 +184,6 @@ def host_layout(shapes: dict[str, tuple[int, ...]], itemsizes: dict[str, int],
     return HostLayout(offsets, inputs, at - inputs, at + workspace_bytes)
 
 
-def _driver_call(result, what: str):
-    from cuda.bindings import driver
-
-    if result[0] != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"numbaflash backward: {what} failed: {result[0].name}")
-    return result[1] if len(result) == 2 else None
-
-
 def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
               lse: np.ndarray, grads: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None],
               causal: bool, scale: float, deterministic: bool, capability: tuple[int, int],
@@ -217,12 +213,12 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
         view = staged[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
         np.copyto(view, x)
     results = pinned_empty((lay.grads,), np.uint8)
-    stream = _driver_call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+    stream = _call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
                           "creating a stream")
     base = 0
     try:
-        base = int(_driver_call(driver.cuMemAlloc(lay.total), f"allocating {lay.total} device bytes"))
-        _driver_call(driver.cuMemcpyHtoDAsync(base, staged.ctypes.data, lay.inputs, stream),
+        base = int(_call(driver.cuMemAlloc(lay.total), f"allocating {lay.total} device bytes"))
+        _call(driver.cuMemcpyHtoDAsync(base, staged.ctypes.data, lay.inputs, stream),
                      "copying the inputs to the device")
 
         def dense(name: str) -> Operand:
@@ -235,9 +231,9 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
                             np.float32(scale), deterministic, int(stream), device, var.window_left,
                             var.window_right, var.cap_scale)
         launch_all(kernels, call)
-        _driver_call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + lay.inputs, lay.grads, stream),
+        _call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + lay.inputs, lay.grads, stream),
                      "copying the gradients to the host")
-        _driver_call(driver.cuStreamSynchronize(stream), "running the backward")
+        _call(driver.cuStreamSynchronize(stream), "running the backward")
     finally:
         driver.cuStreamSynchronize(stream)  # after a failure too: nothing may still use the memory
         if base:

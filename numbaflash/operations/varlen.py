@@ -13,6 +13,7 @@ values on the host (CUDA-graph safe). The LSE is (heads_q, total_q).
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any
 
@@ -31,6 +32,9 @@ from ..runtime import device as gpu_state
 from .families import forward_operation
 from .forward import forward_kernel, variant_of
 from .launch_forward import ForwardCall, VarlenCall
+
+# driver calls of the numpy path, failures named for this operation
+_call = functools.partial(gpu_state.driver_call, operation="varlen forward")
 
 
 def check_max_seqlen(name: str, value: Any) -> int:
@@ -107,6 +111,25 @@ def offsets_operand(name: str, cu: Any, on_device: bool) -> tuple[int, Any]:
     return check_offsets_shape(name, cu.shape, cu.dtype), np.ascontiguousarray(cu)
 
 
+def check_sequences(cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
+                    total_q: int, total_k: int, on_device: bool) -> tuple[int, Any, Any, int, int]:
+    """The varlen calls' (forward and backward) checks of the sequence description: ``(batch,
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, the offsets as ``offsets_operand``
+    gives them. Both offset arrays of one length; host offsets (numpy inputs) also checked
+    against the totals and the maxima (``check_host_offsets``); device ones are never read."""
+    batch_q, cuq = offsets_operand("cu_seqlens_q", cu_seqlens_q, on_device)
+    batch_k, cuk = offsets_operand("cu_seqlens_k", cu_seqlens_k, on_device)
+    if batch_q != batch_k:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{batch_q + 1} and {batch_k + 1}")
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if not on_device:
+        check_host_offsets("cu_seqlens_q", cuq, total_q, max_q, "max_seqlen_q")
+        check_host_offsets("cu_seqlens_k", cuk, total_k, max_k, "max_seqlen_k")
+    return batch_q, cuq, cuk, max_q, max_k
+
+
 def varlen_kernel(capability, device: int, head_dim: int, bf16: bool, causal: bool, window_size,
                   softcap: float, scale: float, max_q: int, max_k: int):
     """(variant, (launcher, config, launch)) of a varlen call: the sm80 family's kernel on every
@@ -142,14 +165,6 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, cuq: Operand, cuk:
     return (out, lse_obj) if return_lse else out
 
 
-def _driver_call(result, what: str):
-    from cuda.bindings import driver
-
-    if result[0] != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"numbaflash varlen forward: {what} failed: {result[0].name}")
-    return result[1] if len(result) == 2 else None
-
-
 def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray, max_q: int,
               max_k: int, out: np.ndarray | None, causal: bool, scale: float, return_lse: bool, capability,
               device: int, window_size: tuple[int, int], softcap: float):
@@ -179,13 +194,13 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_
         view = staged[offsets[name]:offsets[name] + x.nbytes].view(x.dtype).reshape(x.shape)
         np.copyto(view, x)
     results = pinned_empty((out_bytes + lse_bytes,), np.uint8)
-    stream = _driver_call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+    stream = _call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
                           "creating a stream")
     base = 0
     try:
         total = in_bytes + out_bytes + lse_bytes
-        base = int(_driver_call(driver.cuMemAlloc(total), f"allocating {total} device bytes"))
-        _driver_call(driver.cuMemcpyHtoDAsync(base, staged.ctypes.data, in_bytes, stream),
+        base = int(_call(driver.cuMemAlloc(total), f"allocating {total} device bytes"))
+        _call(driver.cuMemcpyHtoDAsync(base, staged.ctypes.data, in_bytes, stream),
                      "copying the inputs to the device")
 
         def dense(name: str, shape: tuple[int, int, int], at: int) -> Operand:
@@ -201,9 +216,9 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_
                            var.window_left, var.window_right, var.cap_scale)
         cu_q_at, cu_k_at = (base + offsets["cu_q"], batch + 1), (base + offsets["cu_k"], batch + 1)
         launch(launcher, VarlenCall(call, cu_q_at, cu_k_at, batch, max_q), gpu_state.GPU)
-        _driver_call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + in_bytes, out_bytes + lse_bytes,
+        _call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + in_bytes, out_bytes + lse_bytes,
                                               stream), "copying the output to the host")
-        _driver_call(driver.cuStreamSynchronize(stream), "running the varlen forward")
+        _call(driver.cuStreamSynchronize(stream), "running the varlen forward")
     finally:
         driver.cuStreamSynchronize(stream)  # after a failure too: nothing may still use the memory
         if base:
@@ -244,17 +259,8 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
     check_shapes(packed(qd), packed(kd), packed(vd))  # dtypes, head dims, GQA, where the inputs live
     total_q, heads_q, head_dim = qd.shape
     total_k = kd.shape[0]
-    batch_q, cuq = offsets_operand("cu_seqlens_q", cu_seqlens_q, qd.on_device)
-    batch_k, cuk = offsets_operand("cu_seqlens_k", cu_seqlens_k, qd.on_device)
-    if batch_q != batch_k:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{batch_q + 1} and {batch_k + 1}")
-    batch = batch_q
-    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    if not qd.on_device:
-        check_host_offsets("cu_seqlens_q", cuq, total_q, max_q, "max_seqlen_q")
-        check_host_offsets("cu_seqlens_k", cuk, total_k, max_k, "max_seqlen_k")
+    batch, cuq, cuk, max_q, max_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                    total_q, total_k, qd.on_device)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)

@@ -18,6 +18,7 @@ sequences.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -30,6 +31,9 @@ from .families import backward_operation
 from .forward import variant_of
 from .launch_backward import BackwardCall, VarlenBackwardCall, varlen_workspace_layout
 from .varlen import packed
+
+# driver calls of the numpy path, failures named for this operation
+_call = functools.partial(gpu_state.driver_call, operation="varlen backward")
 
 
 def varlen_backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
@@ -89,14 +93,6 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     return dq, dk, dv
 
 
-def _driver_call(result, what: str):
-    from cuda.bindings import driver
-
-    if result[0] != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"numbaflash varlen backward: {what} failed: {result[0].name}")
-    return result[1] if len(result) == 2 else None
-
-
 def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
               lse: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray, max_q: int, max_k: int,
               grads: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None], causal: bool,
@@ -134,12 +130,12 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
         view = staged[offsets[name]:offsets[name] + x.nbytes].view(x.dtype).reshape(x.shape)
         np.copyto(view, x)
     results = pinned_empty((grad_bytes,), np.uint8)
-    stream = _driver_call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+    stream = _call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
                           "creating a stream")
     base = 0
     try:
-        base = int(_driver_call(driver.cuMemAlloc(total), f"allocating {total} device bytes"))
-        _driver_call(driver.cuMemcpyHtoDAsync(base, staged.ctypes.data, in_bytes, stream),
+        base = int(_call(driver.cuMemAlloc(total), f"allocating {total} device bytes"))
+        _call(driver.cuMemcpyHtoDAsync(base, staged.ctypes.data, in_bytes, stream),
                      "copying the inputs to the device")
 
         def dense(name: str, shape: tuple[int, int, int]) -> Operand:
@@ -153,9 +149,9 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
                             int(stream), device, var.window_left, var.window_right, var.cap_scale)
         launch_varlen(kernels, VarlenBackwardCall(call, (base + offsets["cu_q"], batch + 1),
                                                   (base + offsets["cu_k"], batch + 1), batch, max_q, max_k))
-        _driver_call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + in_bytes, grad_bytes, stream),
+        _call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + in_bytes, grad_bytes, stream),
                      "copying the gradients to the host")
-        _driver_call(driver.cuStreamSynchronize(stream), "running the varlen backward")
+        _call(driver.cuStreamSynchronize(stream), "running the varlen backward")
     finally:
         driver.cuStreamSynchronize(stream)  # after a failure too: nothing may still use the memory
         if base:
@@ -196,7 +192,7 @@ def direct_flash_attention_varlen_backward(dout: Any, q: Any, k: Any, v: Any, ou
         describe_lse,
     )
     from .launch_backward import check_backward_grid
-    from .varlen import check_host_offsets, check_max_seqlen, check_packed_shapes, offsets_operand
+    from .varlen import check_packed_shapes, check_sequences
 
     window_size = check_window_size(window_size)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
@@ -208,17 +204,8 @@ def direct_flash_attention_varlen_backward(dout: Any, q: Any, k: Any, v: Any, ou
     check_like(dod, qd)
     check_like(od, qd)
     lsed = describe_lse(lse, (heads_q, total_q), qd.on_device, "(heads_q, total_q)")
-    batch_q, cuq = offsets_operand("cu_seqlens_q", cu_seqlens_q, qd.on_device)
-    batch_k, cuk = offsets_operand("cu_seqlens_k", cu_seqlens_k, qd.on_device)
-    if batch_q != batch_k:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{batch_q + 1} and {batch_k + 1}")
-    batch = batch_q
-    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    if not qd.on_device:
-        check_host_offsets("cu_seqlens_q", cuq, total_q, max_q, "max_seqlen_q")
-        check_host_offsets("cu_seqlens_k", cuk, total_k, max_k, "max_seqlen_k")
+    batch, cuq, cuk, max_q, max_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                    total_q, total_k, qd.on_device)
     causal = check_flag("causal", causal)
     deterministic = check_flag("deterministic", deterministic)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)

@@ -26,6 +26,17 @@ def load_driver():
     return driver
 
 
+def driver_call(result, what: str, operation: str):
+    """The value of a ``cuda.bindings`` driver call's result tuple, or RuntimeError naming the
+    operation and the step that failed (the numpy paths of the backward and the varlen calls, which
+    run on a stream of their own)."""
+    from cuda.bindings import driver
+
+    if result[0] != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"numbaflash {operation}: {what} failed: {result[0].name}")
+    return result[1] if len(result) == 2 else None
+
+
 class GpuState:
     """The process's GPU state. Every cache is keyed by device ordinal (or by kernel and
     ordinal); ``lock`` guards loading, compiling and allocating (the hot path only reads)."""
