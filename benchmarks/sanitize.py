@@ -9,7 +9,7 @@ Configs: shipped ones and autotune candidates of the families that run here, ind
 One job per (tool, config) runs ``compute-sanitizer --tool T ... python sanitize.py --worker
 --config-index I``: the worker forces the config and checks ``flash_attention`` on small ragged,
 fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) against the numpy
-reference, and for a mma.sync config also its window and softcap kernels and
+reference, also its window and softcap kernels, and for a mma.sync config
 ``flash_attention_varlen`` on three packed sequences (``varlen_lengths``); for a backward
 config, ``flash_attention_backward`` on the same shapes (both dtypes, causal or not,
 deterministic or not, plus a window case and a softcap case) against the float64 backward, and
@@ -185,7 +185,7 @@ def worker_shapes(block_m: int) -> list[tuple[int, int, int, int, int]]:
 # --------------------------------------------------------------------------- worker (under the sanitizer)
 
 
-# The mma.sync family's sliding-window and softcap kernels (issue 35), run on each of its configs
+# The sliding-window and softcap kernels (issue 35) of both forward families, run on each config
 # beside the plain ones: (window_size, softcap) of each extra case, causal and not.
 WINDOW_SOFTCAP_CASES = (((5, 0), 0.0), ((17, 3), 30.0), ((-1, -1), 50.0), ((0, -1), 0.0))
 
@@ -288,9 +288,7 @@ def run_worker(config: KernelConfig) -> int:
             shapes = [(b, sq, hq, config.head_dim)] + [(b, sk, hkv, config.head_dim)] * 2
             host = [rng.standard_normal(s).astype(dtype) for s in shapes]
             device = [DeviceBuffer(x) for x in host]  # float16 and bfloat16 alike
-            extras = [((-1, -1), 0.0)]
-            if kernel_family(config) == "sm80":
-                extras += WINDOW_SOFTCAP_CASES
+            extras = [((-1, -1), 0.0), *WINDOW_SOFTCAP_CASES]
             for causal in (False, True):
                 for want_lse in (False, True):
                     for window, softcap in extras:

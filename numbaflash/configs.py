@@ -147,13 +147,14 @@ def arch_family(capability: tuple[int, int]) -> str:
     return "sm90" if tuple(capability)[0] == 9 else "sm80"
 
 
-def dispatch_family(capability: tuple[int, int], head_dim: int, window_or_softcap: bool = False) -> str:
+def dispatch_family(capability: tuple[int, int], head_dim: int, operation: str = "forward") -> str:
     """The family whose kernel runs ``head_dim`` on this GPU: its own, or 'sm80' (the mma.sync
-    kernel runs everywhere) where its own kernel lacks the head dim (Hopper at 32) or the call
-    has a sliding window or a softcap (``window_or_softcap``: only the mma.sync family has those
-    kernels; Hopper's own kernel does not, yet: issue 35)."""
+    kernel runs everywhere) where its own kernel lacks the head dim (Hopper at 32) or the kernel
+    operation of the call (``families.forward_operation``: Hopper's own kernel has the window
+    and softcap variants, not yet the packed variable-length ones)."""
     family = arch_family(capability)
-    return family if head_dim in FAMILY_HEAD_DIMS[family] and not window_or_softcap else "sm80"
+    own = head_dim in FAMILY_HEAD_DIMS[family] and operation in FAMILIES[family].ops
+    return family if own else "sm80"
 
 
 # A problem whose seqlen_q and seqlen_k are both at most SHORT_SEQLEN first looks for a
@@ -199,7 +200,7 @@ def max_shared_bytes(capability: tuple[int, int]) -> int:
 
 def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
                    shared_limit: int | None = None, seqlen: int | None = None,
-                   window_or_softcap: bool = False) -> KernelConfig:
+                   operation: str = "forward") -> KernelConfig:
     """The configuration to launch for this GPU and problem: a forced one (``force_config``),
     else the tuned table's or the default of ``dispatch_family``. In the sm80 family a GPU's
     own entry (e.g. ``sm86/d128/full``, from an autotune run on that GPU) comes before the
@@ -215,18 +216,17 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     ``SHORT_SEQLEN``, each key's ``/short`` entry comes before it, and at least ``LONG_SEQLEN``,
     its ``/long`` entry. None: the plain entry.
 
-    ``window_or_softcap``: the call has a sliding window or a softcap, which only the sm80 family
-    runs (``dispatch_family``): its config, on every GPU (a forced config of another family is
-    passed over).
+    ``operation``: the call's kernel operation (``families.forward_operation``); where the GPU's
+    own family lacks it (``dispatch_family``), the sm80 family's config (a forced config of a
+    family that lacks it is passed over).
     """
     if OVERRIDES:
         forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
-        if forced is not None and not (window_or_softcap and family_of(forced).name != "sm80"):
+        if forced is not None and operation in family_of(forced).ops:
             return forced
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     span = seqlen_span(seqlen)
-    return _table_choice(tuple(capability), head_dim, causal, limit, "/" + span if span else "",
-                         window_or_softcap)
+    return _table_choice(tuple(capability), head_dim, causal, limit, "/" + span if span else "", operation)
 
 
 def seqlen_span(seqlen: int | None) -> str:
@@ -239,9 +239,9 @@ def seqlen_span(seqlen: int | None) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _table_choice(capability: tuple[int, int], head_dim: int, causal: bool, limit: int,
-                  span: str, window_or_softcap: bool = False) -> KernelConfig:
+                  span: str, operation: str = "forward") -> KernelConfig:
     """``forward_config`` without a forced config (the table is read once per process)."""
-    family = dispatch_family(capability, head_dim, window_or_softcap)
+    family = dispatch_family(capability, head_dim, operation)
     keys = [table_key(family, head_dim, causal)]
     if family == "sm80":
         keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
@@ -251,7 +251,7 @@ def _table_choice(capability: tuple[int, int], head_dim: int, causal: bool, limi
         if key in _table():
             config = config_from_json(_table()[key])
             # (on Hopper the GPU's own key, sm90/..., may hold another family's config)
-            if config.shared_bytes <= limit and (not window_or_softcap or family_of(config).name == "sm80"):
+            if config.shared_bytes <= limit and operation in family_of(config).ops:
                 return config
     config = DEFAULTS[(family, head_dim)]
     if config.shared_bytes > limit:

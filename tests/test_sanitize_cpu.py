@@ -208,7 +208,8 @@ def test_varlen_worker_with_a_stand_in(monkeypatch, capsys, broken):
         assert np.isnan(out.array.astype(np.float32)).all()
         assert (max_q, max_k) == (int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
         for either in (False, True):  # what the varlen kernel of either kind would launch
-            assert configs.forward_config((9, 0), config.head_dim, either, window_or_softcap=True) == config
+            chosen = configs.forward_config((9, 0), config.head_dim, either, operation="forward_varlen")
+            assert chosen == config
         seen.append((causal, window_size, softcap, return_lse))
         options = {"causal": causal, "window_size": window_size, "softcap": softcap}
         got, _ = varlen_attention_reference(q, k, v, cu_q, cu_k, rounding_dtype=q.dtype, **options)

@@ -271,23 +271,32 @@ def test_mask_band_matches_the_rule(sq, sk, window):
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
-def test_window_or_softcap_dispatch_the_mma_sync_family(capability):
+def test_window_and_softcap_run_the_gpus_own_family_varlen_the_mma_sync_one(capability):
+    """Both forward families have the window and softcap kernels: a call with either runs its
+    GPU's own family where that family has the head dim; the packed variable-length kernels are
+    the mma.sync family's alone, on every GPU."""
+    own = configs.arch_family(capability)
     for d in configs.SUPPORTED_HEAD_DIMS:
-        assert configs.dispatch_family(capability, d, True) == "sm80"
-        for causal in (False, True):
-            config = configs.forward_config(capability, d, causal, window_or_softcap=True)
-            assert family_of(config) is SM80
-    assert configs.dispatch_family((9, 0), 128) == "sm90"  # without: unchanged
+        expected = own if d in configs.FAMILY_HEAD_DIMS[own] else "sm80"
+        for op in ("forward", "forward_window", "forward_softcap", "forward_window_softcap"):
+            assert configs.dispatch_family(capability, d, op) == expected, (d, op)
+            for causal in (False, True):
+                config = configs.forward_config(capability, d, causal, operation=op)
+                assert family_of(config).name == expected and op in family_of(config).ops
+        for op in ("forward_varlen", "forward_varlen_window", "forward_varlen_softcap"):
+            assert configs.dispatch_family(capability, d, op) == "sm80"
+            assert family_of(configs.forward_config(capability, d, True, operation=op)) is SM80
 
 
-def test_forced_hopper_config_is_passed_over_for_window_calls():
+def test_forced_hopper_config_is_passed_over_for_varlen_calls_only():
     ws = configs.forward_config((9, 0), 128, False)
     with configs.force_config((9, 0), False, ws):
         assert configs.forward_config((9, 0), 128, False) == ws
-        assert family_of(configs.forward_config((9, 0), 128, False, window_or_softcap=True)) is SM80
+        assert configs.forward_config((9, 0), 128, False, operation="forward_window_softcap") == ws
+        assert family_of(configs.forward_config((9, 0), 128, False, operation="forward_varlen")) is SM80
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+@pytest.mark.parametrize(("capability", "head_dim"), [((9, 0), 32), ((8, 0), 64)])
 @pytest.mark.parametrize(("causal", "window", "softcap", "operation", "sides"), [
     (False, (64, 0), 0.0, "forward_window", (64, 0)),
     (True, (64, -1), 0.0, "forward_window", (64, 0)),
@@ -295,10 +304,12 @@ def test_forced_hopper_config_is_passed_over_for_window_calls():
     (False, (-1, -1), 30.0, "forward_softcap", (0, 0)),
     (True, (10, 10), 50.0, "forward_window_softcap", (10, 0)),
 ])
-def test_window_and_softcap_launch(fake_device, capability, causal, window, softcap, operation, sides):  # noqa: F811
-    """The call loads its variant of the mma.sync kernel (on Hopper too) and launches it with the
-    window's sides and the softcap's factors after the plain kernel's parameters; a second call
-    of the layout reuses the plan."""
+def test_window_and_softcap_launch(fake_device, capability, head_dim, causal, window, softcap, operation,  # noqa: F811
+                                  sides):
+    """The call loads its variant of the mma.sync kernel (on Hopper at head dim 32, which only
+    that family has; Hopper's own head dims run the sm90 variant: GPU tests) and launches it with
+    the window's sides and the softcap's factors after the plain kernel's parameters; a second
+    call of the layout reuses the plan."""
     loads = []
     real = forward.loaded_kernel
 
@@ -309,7 +320,7 @@ def test_window_and_softcap_launch(fake_device, capability, causal, window, soft
     forward.loaded_kernel = loaded_kernel
     try:
         fake_device.capability = capability
-        shape_q, shape_k = (2, 200, 4, 64), (2, 300, 2, 64)
+        shape_q, shape_k = (2, 200, 4, head_dim), (2, 300, 2, head_dim)
         for _ in range(2):
             q, k, v = fake_qkv(shape_q, shape_k)
             out = FakeDeviceArray(shape_q)

@@ -2,8 +2,9 @@
 forward GPU tests' criterion (``compare_with_reference``: FlashAttention's, error at most twice
 that of the same computation in the input dtype; rows that see no key exactly 0, LSE -inf).
 
-Every call goes through the dispatcher unforced: a window or a softcap runs the mma.sync kernel
-on every GPU (on Hopper too, at every head dim), with the config the table gives it. Outputs are
+Every call goes through the dispatcher unforced: a window or a softcap runs the GPU's own kernel
+family with the config the table gives it (on Hopper the TMA kernel at head dims 64, 96, 128 and
+256, the mma.sync kernel at 32; the sanitizer runs each family's variants on every config). Outputs are
 poisoned with NaN (``out=``), so an element the kernel never writes fails. Inputs are fresh random
 draws per test (``rng``: seeded by the test id).
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import pytest
 
 from numbaflash.kernels import blocks
@@ -99,12 +100,13 @@ def test_first_block_lead_ends_the_blocks_at_seqlen_q(consumers):
         assert 0 <= m_blocks * block_m - lead - seqlen < 64, (seqlen, lead)
 
 
-def walk_turns(monkeypatch, problem, block_m, block_n, causal, grid):
+def walk_turns(monkeypatch, problem, block_m, block_n, causal, grid, window=False):
     """Every CTA's (TileTurn, kv count returned) list, from ``blocks.make_tile_walk`` run on CPU:
     its device callees are swapped for their Python bodies, ``cuda`` for the CTA's indices."""
     import types
 
-    for name in ("work_units", "unit_tile", "visible_kv_tiles", "block_kv_tiles", "block_first_row"):
+    for name in ("work_units", "unit_tile", "visible_kv_tiles", "block_kv_tiles", "block_first_row",
+                 "block_visible_tiles", "block_band_tiles", "band_kv_tiles"):
         monkeypatch.setattr(blocks, name, getattr(blocks, name).py_func)
     turns = {}
 
@@ -112,7 +114,7 @@ def walk_turns(monkeypatch, problem, block_m, block_n, causal, grid):
         turns[cta].append(turn)
         return int(turn.kv0) + int(turn.n_tiles)  # as both roles do
 
-    walk = blocks.make_tile_walk(on_tile, block_m, block_n, causal).py_func
+    walk = blocks.make_tile_walk(on_tile, block_m, block_n, causal, window).py_func
     for cta in range(grid):
         turns[cta] = []
         monkeypatch.setattr(blocks, "cuda", types.SimpleNamespace(blockIdx=types.SimpleNamespace(x=cta),
@@ -131,7 +133,7 @@ def test_tile_walk_counts_the_rings_alike(monkeypatch, causal, seqlen_q, seqlen_
     the KV tiles it can see."""
     block_m, block_n, heads_q, group, batch = 192, 128, 4, 2, 2
     m_blocks = -(-seqlen_q // block_m)
-    problem = blocks.Problem(seqlen_q, seqlen_k, heads_q, group, batch, m_blocks, lead)
+    problem = blocks.Problem(seqlen_q, seqlen_k, heads_q, group, batch, m_blocks, lead, 0, 0)
     turns = walk_turns(monkeypatch, problem, block_m, block_n, causal, grid)
     seen = []
     for cta_turns in turns.values():
@@ -140,7 +142,42 @@ def test_tile_walk_counts_the_rings_alike(monkeypatch, causal, seqlen_q, seqlen_
             assert int(turn.round_q) == q_count and int(turn.kv0) == kv
             row0 = int(turn.tile.m_block) * block_m - lead
             last_key = seqlen_k if not causal else min(seqlen_k, row0 + block_m + seqlen_k - seqlen_q)
-            assert int(turn.n_tiles) == max(-(-last_key // block_n), 0)
+            assert int(turn.n_tiles) == max(-(-last_key // block_n), 0) and int(turn.kv_first) == 0
+            kv += int(turn.n_tiles)
+            seen.append(tuple(int(x) for x in turn.tile))
+    expected = {(mb, h, b, h // group)
+                for mb in range(m_blocks) for h in range(heads_q) for b in range(batch)}
+    assert len(seen) == len(expected) and set(seen) == expected
+
+
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k", "left", "right", "grid"),
+                         [(1000, 1000, 300, 0, 3), (300, 2000, 0, 0, 5), (2000, 300, 64, 7, 4),
+                          (777, 1500, 1 << 40, 0, 2), (1000, 1000, 5, 1 << 40, 6)])
+def test_tile_walk_of_a_window_reads_the_band(monkeypatch, seqlen_q, seqlen_k, left, right, grid):
+    """A sliding-window kernel's walk: one block a unit (non-causal order), each block reading the
+    KV tiles from the first to the last that one of its rows (those below seqlen_q) sees, counted
+    alike in the rings; blocks no row of which sees a key read none."""
+    block_m, block_n, heads_q, group, batch = 128, 128, 2, 2, 2
+    m_blocks = -(-seqlen_q // block_m)
+    diag = seqlen_k - seqlen_q
+    # (the edges are int64 in the kernel, as here; the first row an int32)
+    problem = blocks.Problem(seqlen_q, seqlen_k, heads_q, group, batch, m_blocks, 0, np.int64(diag - left),
+                             np.int64(diag + right))
+    turns = walk_turns(monkeypatch, problem, block_m, block_n, False, grid, window=True)
+    seen = []
+    for cta_turns in turns.values():
+        kv = 0
+        for q_count, turn in enumerate(cta_turns):
+            assert int(turn.round_q) == q_count and int(turn.kv0) == kv
+            m0 = int(turn.tile.m_block) * block_m
+            rows = range(m0, min(seqlen_q, m0 + block_m))
+            keys = [j for i in rows
+                    for j in range(max(0, i + diag - left), min(seqlen_k, i + diag + right + 1))]
+            if keys:
+                assert int(turn.kv_first) == min(keys) // block_n
+                assert int(turn.kv_first) + int(turn.n_tiles) == max(keys) // block_n + 1
+            else:
+                assert int(turn.n_tiles) == 0
             kv += int(turn.n_tiles)
             seen.append(tuple(int(x) for x in turn.tile))
     expected = {(mb, h, b, h // group)

@@ -39,7 +39,9 @@ WS_ABI = (
     "int32", "int32",  # seqlen_q, seqlen_k
     "int32",  # rows the first query block starts before row 0
     "int32", "int32", "int32",  # heads_q, heads_q // heads_kv, batch
-    "float32", "bool",  # softmax scale * log2(e), write lse
+    "float32", "bool",  # softmax scale * log2(e) (softcap * log2(e) when capped), write lse
+    "int64", "int64",  # sliding window: left, right, each >= 0 (read by window kernels only)
+    "float32",  # softmax scale / softcap (read by softcap kernels only)
 )
 
 _I32_ARRAY = "array(int32, 1d, C)"

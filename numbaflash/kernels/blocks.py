@@ -55,12 +55,15 @@ def query_block(heads_q, group, reverse):
 # One query block of the persistent kernel's work list: block, head, batch and the kv head.
 Tile = namedtuple("Tile", ["m_block", "head", "batch", "kv_head"])
 # The sizes of a persistent launch's work: query block m starts at row m * block_m - lead (the
-# first block may start before row 0, whose rows are zeros), and there are m_blocks of them.
-Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks", "lead"])
+# first block may start before row 0, whose rows are zeros), and there are m_blocks of them;
+# ``first`` and ``last``: a sliding window's edges (a Band's; read by window kernels only).
+Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks", "lead",
+                                 "first", "last"])
 # One query block of a persistent CTA's walk and where it sits in the rings that every role counts
 # alike: its first KV ring use (the KV tiles of the CTA's earlier blocks), its Q ring use (the
-# number of earlier blocks) and the KV tiles it reads.
-TileTurn = namedtuple("TileTurn", ["tile", "kv0", "round_q", "n_tiles"])
+# number of earlier blocks), and the KV tiles it reads: n_tiles of them from tile kv_first (0
+# but with a sliding window).
+TileTurn = namedtuple("TileTurn", ["tile", "kv0", "round_q", "n_tiles", "kv_first"])
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -252,14 +255,35 @@ def block_kv_tiles(tile, problem, block_m, block_n, causal):
     return max(n, 0)
 
 
-def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool):
+@cuda.jit(device=True, forceinline=True)
+def block_visible_tiles(tile, problem, block_m, block_n, causal):
+    """(first, count): the KV tiles ``tile``'s query block reads, from tile 0 (``block_kv_tiles``)."""
+    return int32(0), block_kv_tiles(tile, problem, block_m, block_n, causal)
+
+
+@cuda.jit(device=True, forceinline=True)
+def block_band_tiles(tile, problem, block_m, block_n, causal):
+    """(first, count): the KV tiles ``tile``'s query block reads under the sliding window of
+    ``problem`` (``band_kv_tiles`` over the block's rows that exist; ``causal`` is unused: a
+    window kernel's right edge is its causal masking)."""
+    m0 = block_first_row(tile, problem, block_m)
+    rows = min(block_m, problem.seqlen_q - m0)  # >= 1: blocks start below seqlen_q
+    first, end = band_kv_tiles(m0, rows, block_n, Band(problem.seqlen_k, problem.first, problem.last))
+    return int32(first), int32(end - first)
+
+
+def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool, window: bool = False):
     """A device function ``walk(ctx, problem)``: this CTA of a persistent grid takes work units
     blockIdx.x, + gridDim.x, ... (``work_units``) and calls ``kv = on_tile(ctx, turn)`` for each
     query block of each, in order, with its ``TileTurn``; ``ctx`` is whatever ``on_tile`` needs.
     The producer and the consumers of a CTA walk the same list, so they count the Q ring alike;
     ``on_tile`` returns the KV ring count after the block, ``turn.kv0 + turn.n_tiles`` (the
-    producer counts its loads one by one, a consumer adds the block's tiles)."""
+    producer counts its loads one by one, a consumer adds the block's tiles). ``window``: a
+    sliding-window kernel (built non-causal: one query block a unit, each costing about the
+    window), whose blocks read the tiles of ``block_band_tiles``."""
     tiles_per_unit = 2 if causal else 1  # query blocks per work unit
+
+    block_tiles = block_band_tiles if window else block_visible_tiles
 
     @cuda.jit(device=True, forceinline=True)
     def walk(ctx, problem):
@@ -273,8 +297,8 @@ def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool):
                 tile, present = unit_tile(u, h, m_blocks, heads_q, problem.group, causal, cuda.gridDim.x)
                 if not present:
                     continue
-                n_tiles = block_kv_tiles(tile, problem, block_m, block_n, causal)
-                kv = on_tile(ctx, TileTurn(tile, kv, round_q, n_tiles))
+                kv_first, n_tiles = block_tiles(tile, problem, block_m, block_n, causal)
+                kv = on_tile(ctx, TileTurn(tile, kv, round_q, n_tiles, kv_first))
                 round_q += uint32(1)
 
     return walk

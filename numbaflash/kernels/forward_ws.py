@@ -62,11 +62,21 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda, float32, int32, types, uint32
+from numba import cuda, float32, int32, int64, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
-from .blocks import Problem, ScoreMask, block_first_row, make_tile_walk, mask_if_needed, visible_kv_tiles
+from .blocks import (
+    Band,
+    Problem,
+    ScoreMask,
+    band_needs_mask,
+    block_first_row,
+    make_tile_walk,
+    mask_band,
+    mask_if_needed,
+    visible_kv_tiles,
+)
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse
 from .ring import RingBarriers, make_ring
@@ -74,6 +84,7 @@ from .shapes import WARPGROUP_ROWS, WsConfig
 from .smem import swizzle_phase
 from .softmax import (
     adopt_row_max,
+    cap_scores,
     exponentiate,
     max_grew,
     pack_16bit,
@@ -90,7 +101,9 @@ WS_ARGTYPES = (
     types.int32, types.int32,  # seqlen_q, seqlen_k
     types.int32,  # row lead: rows the first query block starts before row 0 (WsConfig.first_block_lead)
     types.int32, types.int32, types.int32,  # heads_q, heads_q // heads_kv, batch
-    types.float32, types.boolean,  # softmax scale * log2(e), write lse
+    types.float32, types.boolean,  # softmax scale * log2(e) (softcap * log2(e) when capped), write lse
+    types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
+    types.float32,  # softmax scale / softcap (read by softcap kernels only)
 )
 # The same parameter list as Numba type names, for runtime.launch.KernelLauncher.
 WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
@@ -112,11 +125,16 @@ Accumulators = namedtuple("Accumulators", ["s", "o", "p", "regs"])
 # wgmma descriptors: this warpgroup's Q rows (K-major), K stage 0 (K-major) and V stage 0
 # (MN-major: head-dim blocks block_n * row_bytes bytes apart); a tile's Q buffer is added to q.
 Descriptors = namedtuple("Descriptors", ["q", "k", "v"])
-# What a consumer reads and writes besides its registers, and the softmax scale.
-Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2"])
+# What a consumer reads and writes besides its registers, the exponent factor (softmax scale, or
+# the softcap, times log2(e)) and softmax scale / softcap (softcap kernels).
+Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2", "cap_scale"])
+# How a warp turns a tile's raw scores into probabilities: where its rows sit (a ScoreMask), the
+# sliding window (a Band; window kernels), the exponent factor and softmax scale / softcap.
+Scoring = namedtuple("Scoring", ["at", "band", "scale_log2", "cap_scale"])
 # One query tile in a consumer's hands: the tile, its first ring positions (KV, Q), the KV tiles
-# the block reads and the first n_own of them, which this warpgroup's rows see (the rest it skips).
-TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles", "n_own"])
+# the block reads (from tile kv_first) and the first n_own of them, which this warpgroup's rows
+# see (the rest it skips).
+TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles", "n_own", "kv_first"])
 # Where a consumer warp sits: consumer warpgroup (0 .. consumers - 1), warp in it, lane, thread in it.
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 # A consumer warp's whole state, as its tile walk hands it from tile to tile.
@@ -174,9 +192,10 @@ def make_tile_loads(config: WsConfig):
 
 # ---------------------------------------------------------------------------------- producer
 
-def make_producer(config: WsConfig, causal: bool, rings: Rings) -> Producer:
+def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = False) -> Producer:
     """The producer thread: for each tile of the walk, its Q, then K_j and V_j of each of its KV
-    tiles, each into the next stage of its ring once the consumers have released it."""
+    tiles (from the block's first, ``TileTurn.kv_first``), each into the next stage of its ring
+    once the consumers have released it."""
     BM, BN = config.block_m, config.block_n
     Q_BYTES, KV_BYTES = config.tile_bytes["q"], config.tile_bytes["kv"]
     O_IN_V = config.o_in_v
@@ -211,16 +230,17 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings) -> Producer:
             stage = kv_ring.offset(s)
             kv_ring.wait_empty(bars.k, load)
             kv_ring.arm(bars.k, s, KV_BYTES)
-            load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), j * BN, tile.kv_head, tile.batch, BN)
+            n0 = (turn.kv_first + j) * BN  # the tile's first key
+            load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), n0, tile.kv_head, tile.batch, BN)
             if j == 0:
                 wait_o_stored(bars, round_q)
             kv_ring.wait_empty(bars.v, load)
             kv_ring.arm(bars.v, s, KV_BYTES)
-            load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), j * BN, tile.kv_head, tile.batch, BN)
+            load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), n0, tile.kv_head, tile.batch, BN)
             load = kv_ring.advance(load, 1)
         return load
 
-    walk = make_tile_walk(produce_tile, BM, BN, causal)
+    walk = make_tile_walk(produce_tile, BM, BN, causal, window)
 
     @cuda.jit(device=True, forceinline=True)
     def produce(state):
@@ -232,16 +252,19 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings) -> Producer:
 
 # ---------------------------------------------------------------------------------- consumer steps
 
-def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> ConsumerSteps:
+def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings, window: bool = False,
+                        softcap: bool = False) -> ConsumerSteps:
     """A consumer warpgroup's KV loop over one query tile, its GEMMs overlapped,
     with the ping-pong turns, the online softmax and the ring releases; and its pass over the
-    KV tiles it skips."""
+    KV tiles it skips. ``window``: scores outside the sliding window are masked (on the tiles that
+    cross an edge); ``softcap``: scores are capped by tanh before the softmax."""
     BN = config.block_n
     D_N_TILES = config.head_dim // 8  # 8-column tiles of the O accumulator
     S_N_TILES = BN // 8
     P_K_STEPS = BN // 16
     CONSUMERS = config.consumers
     CAUSAL, BF16 = causal, bf16
+    WINDOW, SOFTCAP = window, softcap
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
     q_ring, kv_ring, _ = rings
@@ -276,16 +299,23 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
             scale_o_rows(acc_o, D_N_TILES, r, stats.alpha[r])
 
     @cuda.jit(device=True, forceinline=True)
-    def softmax_scores(acc_s, stats, n0, at, scale_log2):
-        """Scores of the KV tile at key n0 -> probabilities in place (masked, exponentiated
-        against the new row maxes; row sums updated). True if the maxes moved: then O must
-        be rescaled by ``stats.alpha`` (warp-uniform)."""
-        mask_if_needed(acc_s, S_N_TILES, n0, BN, at, CAUSAL)
-        scaled_row_maxes(acc_s, S_N_TILES, stats.mx, scale_log2)
+    def softmax_scores(acc_s, stats, n0, sc):
+        """Scores of the KV tile at key n0 -> probabilities in place (capped, masked,
+        exponentiated against the new row maxes; row sums updated). True if the maxes moved:
+        then O must be rescaled by ``stats.alpha`` (warp-uniform)."""
+        at = sc.at
+        if SOFTCAP:
+            cap_scores(acc_s, S_N_TILES, sc.cap_scale)
+        if WINDOW:
+            if band_needs_mask(n0, BN, at.row_first, 16, sc.band):  # an edge of the window or the keys
+                mask_band(acc_s, S_N_TILES, n0, at.row_first, at.lane, sc.band)
+        else:
+            mask_if_needed(acc_s, S_N_TILES, n0, BN, at, CAUSAL)
+        scaled_row_maxes(acc_s, S_N_TILES, stats.mx, sc.scale_log2)
         grew = cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD))
         if grew:
             adopt_maxes(stats)
-        exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, scale_log2)
+        exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, sc.scale_log2)
         return grew
 
     # ------------------------------------------------------------------ KV loops
@@ -337,21 +367,22 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         retire_pv(acc.o, bars, i, seat)
 
     @cuda.jit(device=True, forceinline=True)
-    def attend_overlapped(acc, stats, bars, descs, work, seat, at, scale_log2):
+    def attend_overlapped(acc, stats, bars, descs, work, seat, sc):
         """S_{j} and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while
         PV_{j-1} is in flight; O is rescaled once PV_{j-1} has completed. With ping-pong only
         these paired issues take turns (the first S and the last PV of a tile do not). Q is
         released before the last PV; the tiles past ``n_own`` are skipped once it has completed."""
         acc_s, acc_o, p_frag = acc.s, acc.o, acc.p
         kv0, n_tiles = work.kv0, work.n_own
+        n_first = work.kv_first * BN  # the block's first key
         if n_tiles > 0:
             first_s(acc_s, bars, descs, kv0, seat)
-            softmax_scores(acc_s, stats, 0, at, scale_log2)  # no PV yet: nothing to rescale
+            softmax_scores(acc_s, stats, n_first, sc)  # no PV yet: nothing to rescale
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             for j in range(1, n_tiles):
                 i = kv0 + uint32(j)
                 paired_issue(acc, bars, descs, i, seat, ONE if j > 1 else ZERO)
-                grew = softmax_scores(acc_s, stats, j * BN, at, scale_log2)
+                grew = softmax_scores(acc_s, stats, n_first + j * BN, sc)
                 retire_pv(acc_o, bars, i - ONE, seat)
                 if grew:
                     rescale_o(acc_o, stats)
@@ -472,7 +503,8 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
 
 # ---------------------------------------------------------------------------------- consumer
 
-def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> Consumer:
+def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, window: bool = False,
+                  softcap: bool = False) -> Consumer:
     """A consumer warp: for each tile of the walk, its warpgroup's 64 rows (S, softmax and PV over
     the KV tiles they see, then the epilogue), or a pass over the tile that keeps the rings and
     turns in step."""
@@ -494,7 +526,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
     SKIP_MASKED = CAUSAL and CONSUMERS == 3
     LEAD_ROWS = SKIP_MASKED  # the first block may start before row 0 (WsConfig.first_block_lead)
     q_ring, kv_ring, _ = rings
-    steps = make_consumer_steps(config, causal, bf16, rings)
+    steps = make_consumer_steps(config, causal, bf16, rings, window, softcap)
     epilogue = make_epilogue(config, bf16, rings)
     # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
     desc_k_major = hp.smem_descriptor_k_sw128 if RB == 128 else hp.smem_descriptor_k_sw64
@@ -536,10 +568,12 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
             fence_o(acc.o)  # keeps this a branch: speculated, it is 128 selects on every tile
         reset_stats(stats)
         at = tile_mask(work.tile, io.problem, seat)
+        problem = io.problem
+        sc = Scoring(at, Band(problem.seqlen_k, problem.first, problem.last), io.scale_log2, io.cap_scale)
         q_ring.wait_full(io.bars.q, work.round_q)
         q_at = q_ring.offset(q_ring.slot(work.round_q))
         tile_descs = Descriptors(hp.descriptor_add(descs.q, q_at), descs.k, descs.v)
-        steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, at, io.scale_log2)
+        steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, sc)
         epilogue.finish_tile(acc.o, stats, io, work.tile, at, work.round_q, seat, acc.regs)
 
     @cuda.jit(device=True, forceinline=True)
@@ -561,13 +595,14 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
         first_row = block_first_row(turn.tile, problem, BM) + seat.wg * WG_ROWS
         if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
             n_own = own_kv_tiles(first_row, turn.n_tiles, problem) if SKIP_MASKED else turn.n_tiles
-            work = TileWork(turn.tile, uint32(turn.kv0), uint32(turn.round_q), turn.n_tiles, n_own)
+            work = TileWork(turn.tile, uint32(turn.kv0), uint32(turn.round_q), turn.n_tiles, n_own,
+                            turn.kv_first)
             attend_tile(state.acc, state.stats, state.descs, state.io, work, seat)
         else:  # every row of this warpgroup lies past seqlen_q
             pass_over_tile(state.io.bars, turn, seat)
         return kv_ring.advance(turn.kv0, turn.n_tiles)  # after the branch: the ring positions stay uniform
 
-    walk = make_tile_walk(consume_tile, BM, BN, causal)
+    walk = make_tile_walk(consume_tile, BM, BN, causal, window)
 
     @cuda.jit(device=True, forceinline=True)
     def consume(io, seat):
@@ -594,9 +629,19 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings) -> C
 
 # ---------------------------------------------------------------------------------- kernel
 
-def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
+def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: bool = False,
+                           softcap: bool = False):
     """Return the Python kernel function for ``config`` (jit it with ``WS_ARGTYPES`` and
-    ``launch_bounds=(config.threads, 1)``; grid: persistent, at most one CTA per SM)."""
+    ``launch_bounds=(config.threads, 1)``; grid: persistent, at most one CTA per SM).
+
+    ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
+    ``causal`` must then be False: the window's right edge 0 is causal masking): each query block
+    reads only the KV tiles between its window edges (``blocks.block_band_tiles``), and the tiles
+    that cross an edge are masked (``blocks.mask_band``). ``softcap``: scores capped by tanh
+    (``cap_scale`` argument = softmax_scale / softcap, and ``scale_log2`` = softcap·log2(e);
+    ``softmax.cap_scores``). Kernels without them never read those arguments."""
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
     D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
     CONSUMERS = config.consumers
@@ -617,11 +662,11 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     rings = make_rings(config)
     q_ring, kv_ring, _ = rings
-    producer = make_producer(config, causal, rings)
-    consumer = make_consumer(config, causal, bf16, rings)
+    producer = make_producer(config, causal, rings, window)
+    consumer = make_consumer(config, causal, bf16, rings, window, softcap)
 
     def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
-                         batch_size, scale_log2, write_lse):
+                         batch_size, scale_log2, write_lse, window_left, window_right, cap_scale):
         smem = cuda.shared.array(0, types.uint16)
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
@@ -636,8 +681,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
         o_empty = b + O_EMPTY_AT
         bars = Barriers(q, k, v, RingBarriers(o_empty, o_empty))
         maps = Maps(map_q, map_k, map_v, map_o)
+        diag = int64(seqlen_k - seqlen_q)  # query i sees keys j <= i + diag (causal)
         problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM),
-                          row_lead if LEAD_ROWS else int32(0))
+                          row_lead if LEAD_ROWS else int32(0), diag - window_left, diag + window_right)
         consumer_warps = CONSUMERS * WARPGROUP // 32
         # Q is released by every consumer warp, or (O staged in Q) by each warpgroup's storer.
         q_releases = CONSUMERS if O_IN_Q else consumer_warps
@@ -671,13 +717,30 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool):
                 wg = uint32(cuda.shfl_sync(FULL_MASK, int32(wg), 0))
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
-            consumer.consume(Io(maps, bars, tiles, problem, lse, write_lse, scale_log2), seat)
+            consumer.consume(Io(maps, bars, tiles, problem, lse, write_lse, scale_log2, cap_scale), seat)
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}"
         f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
-        f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+        f"{'window' if window else 'causal' if causal else 'full'}{'_softcap' if softcap else ''}_"
+        f"{'bf16' if bf16 else 'f16'}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.
     flash_forward_ws.launch_bounds = (config.threads, 1)
     return flash_forward_ws
+
+
+def make_forward_ws_window_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """The sliding-window kernel of ``config`` (``causal`` is ignored: a window's right edge 0 is
+    causal masking)."""
+    return make_forward_ws_kernel(config, False, bf16, window=True)
+
+
+def make_forward_ws_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """The softcapped kernel of ``config``, causal or not."""
+    return make_forward_ws_kernel(config, causal, bf16, softcap=True)
+
+
+def make_forward_ws_window_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """The sliding-window, softcapped kernel of ``config`` (``causal`` ignored, as for the window)."""
+    return make_forward_ws_kernel(config, False, bf16, window=True, softcap=True)

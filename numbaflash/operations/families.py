@@ -116,13 +116,17 @@ SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capabilit
 
 def forward_operation(window: bool, softcap: bool, varlen: bool = False) -> str:
     """The forward kernel operation of a call: ``forward`` (no window, no softcap: every family
-    has it), else one of the sm80 family's variants, which only that family has; ``varlen``: a
-    packed variable-length kernel (``forward_varlen[_window][_softcap]``, sm80 family only)."""
+    has it), else a window or softcap variant (both forward families have them); ``varlen``: a
+    packed variable-length kernel (``forward_varlen[_window][_softcap]``, sm80 family only). A
+    call whose operation its GPU's family lacks runs the sm80 family (``configs.dispatch_family``)."""
     return ("forward" + ("_varlen" if varlen else "") + ("_window" if window else "")
             + ("_softcap" if softcap else ""))
+# The Hopper kernel and its sliding-window and softcap variants (issue 35), as the sm80 family's:
+# one parameter list and launch, the variants built on demand, a window kernel once (non-causal).
 SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", {
-    "forward": KernelOp("forward_ws", WS_ABI, "forward_ws:make_forward_ws_kernel",
-                        "forward_ws:WS_ARGTYPES", launch_sm90),
+    f"forward{v}": KernelOp(f"forward_ws{v}", WS_ABI, f"forward_ws:make_forward_ws{v}_kernel",
+                            "forward_ws:WS_ARGTYPES", launch_sm90, masked="window" not in v)
+    for v in ("", "_window", "_softcap", "_window_softcap")
 })
 # The mma.sync backward (FlashAttention-2's algorithm): three kernels a call, run in this order
 # (``operations.backward``). Compiled for the GPU's own target like the sm80 forward, so it runs

@@ -115,12 +115,12 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     long-sequence entry by ``seqlen`` (the longer of seqlen_q and seqlen_k).
     The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
     there; it is loaded once per process, and its shared-memory limit is raised once per device.
-    ``operation``: a window or softcap variant (``Variant.operation``) runs the sm80 family's
-    config and kernel on every GPU (``configs.dispatch_family``).
+    ``operation``: a window or softcap variant (``Variant.operation``), or a varlen kernel; where
+    the GPU's own family lacks it, the sm80 family's config and kernel run (``configs.dispatch_family``).
     """
     gpu = gpu_state.GPU
     limit = gpu.shared_limit(device)
-    config = configs.forward_config(capability, head_dim, causal, limit, seqlen, operation != "forward")
+    config = configs.forward_config(capability, head_dim, causal, limit, seqlen, operation)
     op = family_of(config).op(operation)
     key = (config, causal, bf16, capability, device, operation)
     ready = gpu.launchers.get(key)

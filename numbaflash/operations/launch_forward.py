@@ -215,7 +215,8 @@ def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
         grid = (min(tiles, ctas or sm_count), 1, 1)
         bound = launcher.bind(grid, threads, shared_bytes, (0, 16), (0, 16), (0, 16), (0, 16), call.lse,
                               seqlen_q, call.seqlen_k, config.first_block_lead(seqlen_q), heads_q,
-                              heads_q // call.heads_kv, batch, call.scale_log2, call.write_lse)
+                              heads_q // call.heads_kv, batch, call.scale_log2, call.write_lse,
+                              call.window_left, call.window_right, call.cap_scale)
         lock, address, used = slots.lock, slots.address, slots.used
 
         def fire(stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:

@@ -133,7 +133,7 @@ def check_sequences(cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max
 def varlen_kernel(capability, device: int, head_dim: int, bf16: bool, causal: bool, window_size,
                   softcap: float, scale: float, max_q: int, max_k: int):
     """(variant, (launcher, config, launch)) of a varlen call: the sm80 family's kernel on every
-    GPU (``forward_config`` with a non-``forward`` operation), picked by the longer maximum."""
+    GPU (``forward_config`` with an operation only that family has), picked by the longer maximum."""
     var = variant_of(causal, window_size, softcap, scale, max_q, max_k)
     operation = forward_operation("_window" in var.operation, softcap > 0, varlen=True)
     return var, forward_kernel(capability, device, head_dim, var.causal, bf16, max(max_q, max_k), operation)

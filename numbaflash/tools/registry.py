@@ -39,19 +39,18 @@ def forward_kernels() -> dict:
 
 
 def forward_variant_kernels() -> dict:
-    """The mma.sync forward's sliding-window and softcap kernels (issue 35) of every shipped
-    sm80-family config, both dtypes, for sm_80 and for Hopper (sm_90a), which runs them too
-    (window and softcap calls go to the mma.sync kernel on every GPU). Compiled on demand by the
+    """The sliding-window and softcap kernels (issue 35) of every shipped forward config, both
+    dtypes: the mma.sync family's for sm_80 and for Hopper (sm_90a), which runs them at the head
+    dims its own kernel lacks, and the Hopper kernel's for sm_90a. Compiled on demand by the
     API, not by ``precompile``; named like the plain kernels with ``window`` in place of
     ``full|causal`` and ``_softcap`` after it (``..._window_softcap_f16_sm80``). Each kernel's
     ``forward_key`` is (config, causal, bf16, operation), what ``configs.kernel_cubin`` takes."""
-    from ..configs import kernel_argtypes, make_kernel, shipped_configs
+    from ..configs import FAMILY_ARCH, kernel_argtypes, make_kernel, shipped_configs
     from ..operations.families import family_of
 
     kernels = {}
     for family, _, causal, config in shipped_configs():
-        if family != "sm80":
-            continue
+        archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
         for operation in ("forward_window", "forward_softcap", "forward_window_softcap"):
             op = family_of(config).op(operation)
             for bf16 in (False, True):
@@ -59,7 +58,7 @@ def forward_variant_kernels() -> dict:
                 name = f"{kernel.__name__}_{family}"
                 if name not in kernels:
                     kernel.forward_key = (config, op.kernel_causal(causal), bf16, operation)
-                    kernels[name] = (kernel, kernel_argtypes(config, operation), ("sm_80", "sm_90a"))
+                    kernels[name] = (kernel, kernel_argtypes(config, operation), archs)
     return kernels
 
 

@@ -1,4 +1,4 @@
-"""Self-test on your GPU: ``python -m numbaflash.selftest [--cases N | --quick] [--seed S] [--backward]``.
+"""GPU self-test: ``python -m numbaflash.selftest [--cases N|--quick] [--seed S] [--backward] [--variants]``.
 
 Randomised, reproducible cases against the float64 reference, with FlashAttention's criterion:
 max |out - ref| <= 2 x max |low - ref| + floor, where ``low`` is the same computation done in
@@ -10,6 +10,11 @@ packed sequences of their own lengths (``draw_varlen``), each sequence checked t
 ``--backward`` tests the backward instead: the forward's output and LSE, then
 ``flash_attention_backward`` (random dout, deterministic or not, with or without given dq/dk/dv),
 each of dq, dk, dv against float64 by the same criterion.
+
+``--variants`` (forward or backward) makes every case a varlen, sliding-window or softcap case (or
+several of them): about a third varlen, the rest and half the varlen ones a window, a softcap or
+both (``variant_shares``), cycling through the families that have these kernels
+(``VARLEN_FAMILIES``, ``WINDOW_SOFTCAP_FAMILIES``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ FAMILIES = ("sm90", "sm80")
 LIMITS = {False: (4096, 2 * 10**7, 4, 4), True: (640, 2 * 10**6, 2, 2)}
 GROUPS = (1, 2, 3, 4, 8)  # heads_q // heads_kv
 KINDS = ("numpy", "numba", "torch")
+# The forward families whose kernels take a window and a softcap, and those with a varlen kernel
+# (the backward has both): only their cases draw these (all of them with --variants).
+WINDOW_SOFTCAP_FAMILIES = ("sm80", "sm90")
+VARLEN_FAMILIES = ("sm80",)
 
 
 def describe_problem(case: Any) -> str:
@@ -81,12 +90,12 @@ class Case:
     # ``configs.SHORT_SEQLEN``, ``LONG_SEQLEN``), whatever the case's lengths: each is tested on
     # every kind of shape.
     span: str = ""
-    # A sliding window and a softcap (issue 35), drawn for some of the mma.sync family's cases
-    # (``draw_window_softcap``); (-1, -1) and 0.0: none.
+    # A sliding window and a softcap (issue 35), drawn for some of the cases of the
+    # ``WINDOW_SOFTCAP_FAMILIES`` (``draw_window_softcap``); (-1, -1) and 0.0: none.
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
-    # A packed variable-length case (``flash_attention_varlen``), drawn for some of the mma.sync
-    # family's cases (``draw_varlen``): each sequence's query and key lengths; () for a dense
+    # A packed variable-length case (``flash_attention_varlen``), drawn for some of the cases of
+    # the ``VARLEN_FAMILIES`` (``draw_varlen``): each sequence's query and key lengths; () for a dense
     # case. Then ``batch`` is the number of sequences and ``seqlen_q`` / ``seqlen_k`` the
     # max_seqlen_q / max_seqlen_k passed (at least every length, at times more).
     seqlens_q: tuple[int, ...] = ()
@@ -95,6 +104,11 @@ class Case:
     @property
     def varlen(self) -> bool:
         return bool(self.seqlens_q)
+
+    @property
+    def variant(self) -> bool:
+        """Varlen, a window or a softcap: what every case of ``--variants`` is."""
+        return self.varlen or self.window_size != (-1, -1) or self.softcap > 0
 
     def describe(self) -> str:
         return (f"{describe_problem(self)} lse={int(self.return_lse)} out={int(self.use_out)}"
@@ -170,9 +184,18 @@ def draw_shape(rng: np.random.Generator, causal: bool, quick: bool, cap: int,
     return batch, heads_kv, group, sq, sk
 
 
-def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = False) -> Case:
-    """The case ``index`` of run ``seed``: pure (no GPU), independent of the other indices."""
-    combos = strata(families)
+def variant_families(families: Sequence[str]) -> list[str]:
+    """Those of ``families`` with a window/softcap or a varlen kernel: the strata of ``--variants``."""
+    return [f for f in families if f in WINDOW_SOFTCAP_FAMILIES or f in VARLEN_FAMILIES]
+
+
+def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = False,
+              variants: bool = False) -> Case:
+    """The case ``index`` of run ``seed``: pure (no GPU), independent of the other indices.
+    ``variants``: only the families with variant kernels, every case varlen, windowed or softcapped."""
+    combos = strata(variant_families(families) if variants else families)
+    if not combos:
+        raise ValueError(f"no family of {list(families)} has window/softcap or varlen kernels")
     family, head_dim, causal, dtype = combos[(index + seed) % len(combos)]
     cap = LIMITS[quick][1]
     rng = np.random.default_rng([seed, index])
@@ -182,30 +205,50 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     big = rng.random() < 0.2
     amplitude = float(rng.uniform(10.0, 20.0 if dtype == "float16" else 30.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
-    lengths = draw_varlen(seed, index, heads_kv * group, quick) if family == "sm80" else None
+    varlen_share, window_share = variant_shares(seed, index, family in VARLEN_FAMILIES,
+                                                family in WINDOW_SOFTCAP_FAMILIES, variants)
+    lengths = draw_varlen(seed, index, heads_kv * group, quick, share=varlen_share)
     if lengths is not None:  # the packed sequences replace the dense shape; heads as drawn
         seqlens_q, seqlens_k, sq, sk = lengths
         batch = len(seqlens_q)
     else:
         seqlens_q = seqlens_k = ()
-    window, softcap = draw_window_softcap(seed, index, sq, sk) if family == "sm80" else ((-1, -1), 0.0)
+    window, softcap = draw_window_softcap(seed, index, sq, sk, share=window_share)
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 str(rng.choice(KINDS, p=[0.7, 0.15, 0.15])), amplitude, scale,
                 bool(rng.random() < 0.5), bool(rng.random() < 0.3), span, window, softcap, seqlens_q,
                 seqlens_k)
 
 
-WINDOW_SOFTCAP_SHARE = 0.3  # of the sm80 family's cases, those with a window, a softcap or both
+WINDOW_SOFTCAP_SHARE = 0.3  # of the WINDOW_SOFTCAP_FAMILIES' cases, those with a window, a softcap or both
+VARIANTS_VARLEN_SHARE = 1 / 3  # with --variants: of the cases of families with both kinds, the varlen ones
 
 
-def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int,
-                        stream: int = 2) -> tuple[tuple[int, int], float]:
-    """(window_size, softcap) of an sm80-family case, from a stream of its own (the rest of the case
-    is drawn as before): none for most; else a window (sizes 0, 1, 127, 4096, about the lengths,
-    or random; asymmetric; a side -1 sometimes), a softcap (30, 50 or random), or both.
-    ``stream``: the random stream's tag (the backward's cases draw theirs from tag 4)."""
+def variant_shares(seed: int, index: int, varlen: bool, window_softcap: bool, variants: bool,
+                   stream: int = 7) -> tuple[float, float]:
+    """The chances that ``draw_varlen`` and ``draw_window_softcap`` draw a varlen case and a
+    window/softcap, for a case whose family has these kernels (``varlen``, ``window_softcap``):
+    ``VARLEN_SHARE`` and ``WINDOW_SOFTCAP_SHARE``, or with ``variants`` 1 or 0 each, at least one 1
+    (where the family has either), from a stream of its own: ``VARIANTS_VARLEN_SHARE`` varlen (half
+    of them with a window/softcap too), the others a window, a softcap or both. ``stream``: the
+    random stream's tag (the backward's cases draw theirs from tag 8)."""
+    if not variants:
+        return VARLEN_SHARE if varlen else 0.0, WINDOW_SOFTCAP_SHARE if window_softcap else 0.0
     rng = np.random.default_rng([seed, index, stream])
-    if rng.random() >= WINDOW_SOFTCAP_SHARE:
+    with_varlen = varlen and (not window_softcap or rng.random() < VARIANTS_VARLEN_SHARE)
+    with_window = window_softcap and (not with_varlen or rng.random() < 0.5)
+    return float(with_varlen), float(with_window)
+
+
+def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int, stream: int = 2,
+                        share: float = WINDOW_SOFTCAP_SHARE) -> tuple[tuple[int, int], float]:
+    """(window_size, softcap) of a case, from a stream of its own (the rest of the case is drawn as
+    before): none for all but ``share`` of them; else a window (sizes 0, 1, 127, 4096, about the
+    lengths, or random; asymmetric; a side -1 sometimes, both only below a share of 1), a softcap
+    (30, 50 or random), or both. ``stream``: the random stream's tag (the backward's cases draw
+    theirs from tag 4)."""
+    rng = np.random.default_rng([seed, index, stream])
+    if rng.random() >= share:
         return (-1, -1), 0.0
     what = rng.choice(["window", "softcap", "both"], p=[0.45, 0.25, 0.3])
     window, softcap = (-1, -1), 0.0
@@ -221,28 +264,31 @@ def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int,
             return -1
 
         window = (side(), side())
+        while window == (-1, -1) and share >= 1:  # a case that must have a window bounds a side
+            window = (side(), side())
     if what != "window":
         softcap = float(rng.choice([30.0, 50.0, float(rng.uniform(2.0, 80.0))]))
     return window, softcap
 
 
-VARLEN_SHARE = 0.2  # of the sm80 family's cases, those run through flash_attention_varlen
+VARLEN_SHARE = 0.2  # of the VARLEN_FAMILIES' cases, those run through flash_attention_varlen
 VARLEN_MAX_SEQUENCES = 6
 
 
-def draw_varlen(seed: int, index: int, heads_q: int, quick: bool = False,
-                stream: int = 5,
-                cap: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | None:
-    """(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen case, or None for a dense
-    one, from a stream of its own (the rest of the case is drawn as before): 1 to 6 sequences,
-    each length 0, 1, below 64, about a multiple of 64 (one off or on it), or log-uniform up to
-    the longest seqlen of ``LIMITS``; a sequence's key length its query length or drawn apart.
+def draw_varlen(seed: int, index: int, heads_q: int, quick: bool = False, stream: int = 5,
+                cap: int | None = None,
+                share: float = VARLEN_SHARE) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | None:
+    """(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen case (``share`` of them), or
+    None for a dense one, from a stream of its own (the rest of the case is drawn as before): 1 to
+    6 sequences, each length 0, 1, below 64, about a multiple of 64 (one off or on it), or
+    log-uniform up to the longest seqlen of ``LIMITS``; a sequence's key length its query length
+    or drawn apart.
     At least one query row and one key row in all; then the longest products halved until
     heads_q * sum(seqlen_q * seqlen_k) is within the reference budget (``LIMITS``). The maxima
     passed are the longest lengths (at least 1), at times more (the grid's extra blocks and
     the window's bounds must not care). ``cap``: another reference budget (the backward's)."""
     rng = np.random.default_rng([seed, index, stream])
-    if rng.random() >= VARLEN_SHARE:
+    if rng.random() >= share:
         return None
     max_seq, cap = LIMITS[quick][0], cap or LIMITS[quick][1]
 
@@ -424,9 +470,8 @@ class BackwardCase:
     seqlens_q: tuple[int, ...] = ()
     seqlens_k: tuple[int, ...] = ()
 
-    @property
-    def varlen(self) -> bool:
-        return bool(self.seqlens_q)
+    varlen = Case.varlen
+    variant = Case.variant
 
     def describe(self) -> str:
         return (f"{describe_problem(self)} det={int(self.deterministic)} outs={int(self.use_outs)}"
@@ -439,10 +484,11 @@ class BackwardCase:
 BACKWARD_BLOCK = 128  # rows of the backward's key blocks (the widest): "empty_ctas" shapes use it
 
 
-def draw_backward_case(seed: int, index: int, quick: bool = False) -> BackwardCase:
+def draw_backward_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> BackwardCase:
     """The backward case ``index`` of run ``seed`` (pure, no GPU). Head dims, causality and dtypes
     cycle; shapes are drawn as for the forward (ragged, equal, length 1, causal rows that see no
-    key), within half the forward's reference budget."""
+    key), within half the forward's reference budget. ``variants``: every case varlen, windowed
+    or softcapped (``variant_shares``)."""
     from ..configs import SUPPORTED_HEAD_DIMS
 
     combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (False, True) for t in DTYPE_NAMES]
@@ -453,9 +499,10 @@ def draw_backward_case(seed: int, index: int, quick: bool = False) -> BackwardCa
     big = rng.random() < 0.2
     amplitude = float(rng.uniform(5.0, 10.0)) if big else 1.0
     scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.25 else None
-    window, softcap = draw_window_softcap(seed, index, sq, sk, stream=4)
+    varlen_share, window_share = variant_shares(seed, index, True, True, variants, stream=8)
+    window, softcap = draw_window_softcap(seed, index, sq, sk, stream=4, share=window_share)
     # About a fifth of the cases run the packed variable-length backward (a stream of their own).
-    lengths = draw_varlen(seed, index, heads_kv * group, quick, stream=6, cap=cap)
+    lengths = draw_varlen(seed, index, heads_kv * group, quick, stream=6, cap=cap, share=varlen_share)
     seqlens_q, seqlens_k = (), ()
     if lengths is not None:
         seqlens_q, seqlens_k, sq, sk = lengths
@@ -553,13 +600,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", choices=FAMILIES, default=None, help="test only this kernel family")
     p.add_argument("--backward", action="store_true",
                    help="test flash_attention_backward (dq, dk, dv) instead of the forward")
+    p.add_argument("--variants", action="store_true",
+                   help="make every case varlen, sliding-window or softcap (or several), on the "
+                        "families with those kernels; with --backward too")
     p.add_argument("-v", "--verbose", action="store_true", help="print every case")
     return p
 
 
 def replay_command(args: argparse.Namespace, seed: int, index: int) -> str:
     flags = (" --quick" if args.quick else "") + (f" --family {args.family}" if args.family else "") + (
-        " --backward" if args.backward else "")
+        " --backward" if args.backward else "") + (" --variants" if args.variants else "")
     return f"python -m numbaflash.selftest --seed {seed}{flags} --case {index}"
 
 
@@ -595,20 +645,26 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     families = [args.family] if args.family else families
+    if args.variants and not args.backward:
+        families = variant_families(families)
+        if not families:
+            print(f"numbaflash self-test: --variants: {args.family} has no window/softcap or varlen kernels "
+                  f"(they are in {sorted({*WINDOW_SOFTCAP_FAMILIES, *VARLEN_FAMILIES})})", file=sys.stderr)
+            return 2
     if args.backward:
         families = ["backward"]
     seed = secrets.randbits(32) if args.seed is None else args.seed
     default_cases = 24 if args.quick else 100
     indices = sorted({i for group in args.case for i in group}) or range(args.cases or default_cases)
     print(f"GPU: {name}, compute capability {capability[0]}.{capability[1]}; {_versions()}")
-    print(f"seed {seed} (replay: --seed {seed}); families {', '.join(families)}; {len(indices)} cases",
-          flush=True)
+    print(f"seed {seed} (replay: --seed {seed}); families {', '.join(families)}; {len(indices)} "
+          f"{'variant (varlen/window/softcap) ' if args.variants else ''}cases", flush=True)
     results = []
     for index in indices:
         if args.backward:
-            result = run_backward_case(draw_backward_case(seed, index, args.quick))
+            result = run_backward_case(draw_backward_case(seed, index, args.quick, args.variants))
         else:
-            result = run_case(draw_case(seed, index, families, args.quick), capability)
+            result = run_case(draw_case(seed, index, families, args.quick, args.variants), capability)
         results.append(result)
         if args.verbose or not result.ok:
             print(f"[{'ok' if result.ok else 'FAIL'}] case {index}: {result.case.describe()} "
@@ -616,8 +672,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for family in families:
         rs = [r for r in results if r.case.family == family]
         worst = max((r.ratio for r in rs), default=0.0)
-        varlen = sum(getattr(r.case, "varlen", False) for r in rs)
-        print(f"{family}: {len(rs)} cases" + (f" ({varlen} varlen)" if varlen else "")
+        varlen = sum(r.case.varlen for r in rs)
+        windowed = sum(r.case.window_size != (-1, -1) or r.case.softcap > 0 for r in rs)
+        print(f"{family}: {len(rs)} cases" + (f" ({varlen} varlen, {windowed} window/softcap)"
+                                               if varlen or windowed else "")
               + f", {sum(r.ok for r in rs)} passed, {sum(not r.ok for r in rs)} "
               f"failed, worst error ratio {worst:.3f}, {sum(r.seconds for r in rs):.1f}s")
     failed = [r for r in results if not r.ok]

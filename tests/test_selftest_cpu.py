@@ -1,0 +1,209 @@
+"""The self-test's ``--variants`` mode (issue 35: every case varlen, windowed or softcapped) and the
+default mode's draws, pinned: all without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import types
+
+import pytest
+
+from numbaflash.tools import selftest
+
+BOTH = ["sm90", "sm80"]
+SEEDS = (0, 1, 12345, 2**32 - 1)
+
+
+def _is_variant(c) -> bool:
+    return c.varlen or c.window_size != (-1, -1) or c.softcap > 0
+
+
+def _variant_cases(quick: bool) -> dict[str, list]:
+    runs = [(s, i) for s in SEEDS for i in range(300)]
+    return {"forward": [selftest.draw_case(s, i, BOTH, quick, variants=True) for s, i in runs],
+            "backward": [selftest.draw_backward_case(s, i, quick, variants=True) for s, i in runs]}
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_variants_case_is_varlen_windowed_or_softcapped(quick):
+    """300 cases of a few seeds, forward and backward: each a variant, with a spread of them: about
+    a third varlen, windows and softcaps often, combined, the side() sizes and one side unbounded."""
+    for name, cases in _variant_cases(quick).items():
+        assert all(_is_variant(c) and c.variant for c in cases), name
+        n = len(cases)
+        varlen = [c for c in cases if c.varlen]
+        window = [c for c in cases if c.window_size != (-1, -1)]
+        softcap = [c for c in cases if c.softcap > 0]
+        mma = [c for c in cases if name == "backward" or c.family in selftest.VARLEN_FAMILIES]
+        assert 0.25 <= len(varlen) / len(mma) <= 0.45, name  # of the cases whose family has varlen
+        assert len(window) / n >= 0.5 and len(softcap) / n >= 0.3, name
+        assert any(c.window_size != (-1, -1) or c.softcap for c in varlen), name  # combined
+        assert any(not (c.window_size != (-1, -1) or c.softcap) for c in varlen), name  # varlen alone
+        assert any(c.window_size != (-1, -1) and c.softcap for c in cases), name
+        sides = {x for c in window for x in c.window_size}
+        assert {0, 1, 127, 4096, -1} <= sides, name
+        assert any(-1 in c.window_size for c in window), name
+        assert {30.0, 50.0} <= {c.softcap for c in softcap} and len({c.softcap for c in softcap}) > 10, name
+        assert any(c.amplitude > 1 for c in cases) and any(c.amplitude == 1 for c in cases), name
+        assert {c.dtype for c in cases} == set(selftest.DTYPE_NAMES) and {c.causal for c in cases} == {
+            False, True}, name
+        max_seq, cap = selftest.LIMITS[quick][:2]
+        for c in cases:
+            assert selftest.reference_cost(c) <= cap and 1 <= c.seqlen_q <= max_seq, c.describe()
+
+
+def test_variants_draw_only_the_families_with_those_kernels(monkeypatch):
+    """The strata hold only the families named in ``WINDOW_SOFTCAP_FAMILIES`` / ``VARLEN_FAMILIES``;
+    a family with window/softcap kernels but no varlen one (the Hopper kernel) draws only windows
+    and softcaps."""
+    assert selftest.WINDOW_SOFTCAP_FAMILIES == ("sm80", "sm90") and selftest.VARLEN_FAMILIES == ("sm80",)
+    assert {selftest.draw_case(3, i, BOTH).family for i in range(300)} == set(BOTH)  # default: both
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))  # a family with neither
+    assert selftest.variant_families(BOTH) == ["sm80"]
+    assert {selftest.draw_case(3, i, BOTH, variants=True).family for i in range(300)} == {"sm80"}
+    with pytest.raises(ValueError, match="window/softcap or varlen"):
+        selftest.draw_case(3, 0, ["sm90"], variants=True)
+
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80", "sm90"))  # as shipped
+    cases = [selftest.draw_case(s, i, BOTH, variants=True) for s in SEEDS for i in range(300)]
+    assert {c.family for c in cases} == set(BOTH) and all(_is_variant(c) for c in cases)
+    hopper = [c for c in cases if c.family == "sm90"]
+    assert not any(c.varlen for c in hopper) and any(c.softcap for c in hopper)
+    assert any(c.varlen for c in cases if c.family == "sm80")
+    default = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]
+    assert any(c.window_size != (-1, -1) for c in default if c.family == "sm90")
+    assert not any(c.varlen for c in default if c.family == "sm90")
+
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ())
+    cases = [selftest.draw_case(1, i, BOTH, variants=True) for i in range(200)]
+    assert all(c.varlen and c.window_size == (-1, -1) and not c.softcap for c in cases)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_variants_draws_are_reproducible(quick):
+    """Pure in (seed, index, flags): any order gives the same case; the flag changes the case."""
+    for draw in (lambda s, i: selftest.draw_case(s, i, BOTH, quick, variants=True),
+                 lambda s, i: selftest.draw_backward_case(s, i, quick, variants=True)):
+        forward = [draw(7, i) for i in range(100)]
+        assert forward == [draw(7, i) for i in reversed(range(100))][::-1]
+        assert [dataclasses.astuple(c)[1:] for c in forward] != [
+            dataclasses.astuple(draw(8, i))[1:] for i in range(100)]
+    assert [selftest.draw_case(7, i, BOTH, quick) for i in range(100)] != [
+        selftest.draw_case(7, i, BOTH, quick, variants=True) for i in range(100)]
+
+
+# Drawn by the code before --variants (commit d6060f9): the default mode must keep them bit for bit.
+PINNED_FORWARD = {
+    (0, 0, False, ("sm90", "sm80")): (0, 0, "sm90", 64, False, "float16", 4, 1, 867, 9, 3, "numba", 1.0, None,
+                                      False, False, "long", (-1, -1), 0.0, (), ()),
+    (0, 16, False, ("sm90", "sm80")): (0, 16, "sm80", 32, False, "float16", 1, 1, 5, 6, 3, "numpy",
+                                       19.10036252566995, 0.11466969134690755, True, False, "", (-1, -1), 0.0,
+                                       (), ()),
+    (0, 17, False, ("sm90", "sm80")): (0, 17, "sm80", 32, False, "bfloat16", 5, 62, 157, 3, 1, "numba", 1.0,
+                                       None, True, False, "short", (0, 49), 50.0, (0, 1, 45, 1, 62),
+                                       (42, 1, 157, 1, 62)),
+    (0, 18, False, ("sm90", "sm80")): (0, 18, "sm80", 32, True, "float16", 2, 10, 29, 32, 4, "numpy", 1.0,
+                                       None, True, True, "", (-1, -1), 68.16304261635715, (), ()),
+    (0, 24, False, ("sm90", "sm80")): (0, 24, "sm80", 96, False, "float16", 5, 256, 192, 4, 1, "torch", 1.0,
+                                       0.2318038642865227, False, False, "long", (4096, 127), 0.0,
+                                       (32, 256, 0, 50, 1), (40, 8, 192, 3, 1)),
+    (1, 5, True, ("sm80",)): (1, 5, "sm80", 64, True, "float16", 4, 57, 57, 2, 1, "torch", 1.0, None, False,
+                              False, "short", (18, 127), 0.0, (57, 53, 9, 0), (57, 53, 9, 1)),
+}
+PINNED_BACKWARD = {
+    (0, 0, False): (0, 0, 32, False, "float16", 1, 1, 245, 6, 3, "numpy", 1.0, None, False, False, "backward",
+                    (-1, -1), 0.0, (), ()),
+    (0, 1, False): (0, 1, 32, False, "bfloat16", 1, 65, 92, 8, 4, "numpy", 1.0, 0.0767620780590346, False,
+                    False, "backward", (127, 33), 0.0, (18,), (18,)),
+    (0, 9, False): (0, 9, 96, False, "bfloat16", 4, 20, 44, 4, 4, "numpy", 1.0, 0.20281970355263237, False,
+                    True, "backward", (-1, -1), 30.0, (9, 1, 20, 1), (9, 1, 1, 44)),
+    (0, 11, False): (0, 11, 96, True, "bfloat16", 1, 2430, 403, 6, 2, "numpy", 1.0, 0.1997929696675276, False,
+                     True, "backward", (0, 4096), 30.0, (), ()),
+    (1, 3, True): (1, 3, 64, False, "float16", 1, 50, 578, 1, 1, "numpy", 1.0, 0.07756114817791994, True,
+                   False, "backward", (22, -1), 0.0, (), ()),
+}
+# sha256 (first 16 hex digits) of the repr of every field of 300 cases x seeds 0, 1 x quick or not,
+# forward (block_m fixed at 128, so that a retuned config does not move it) and backward.
+PINNED_DIGESTS = ("721014eb539fc133", "c288861f867eb913")
+
+
+def test_default_mode_draws_are_unchanged(monkeypatch):
+    """The default mode draws what it drew before ``--variants`` (with the families of then: only
+    sm80 had windows and softcaps), and with the Hopper kernel's windows and softcaps every case
+    is the same but for the window and softcap of its sm90 cases."""
+    shipped = selftest.WINDOW_SOFTCAP_FAMILIES
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))
+    then = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", shipped)
+    now = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]
+    for a, b in zip(then, now, strict=True):
+        same = a == b if a.family == "sm80" else dataclasses.replace(a, window_size=b.window_size,
+                                                                     softcap=b.softcap) == b
+        assert same, (a, b)
+    assert any(a != b for a, b in zip(then, now, strict=True))
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))
+    for (seed, index, quick, families), want in PINNED_FORWARD.items():
+        assert dataclasses.astuple(selftest.draw_case(seed, index, list(families), quick)) == want
+    for (seed, index, quick), want in PINNED_BACKWARD.items():
+        assert dataclasses.astuple(selftest.draw_backward_case(seed, index, quick)) == want
+
+    def digest(cases):
+        return hashlib.sha256(repr([dataclasses.astuple(c) for c in cases]).encode()).hexdigest()[:16]
+
+    monkeypatch.setattr(selftest, "block_m", lambda *args: 128)
+    runs = [(s, i, q) for s in (0, 1) for q in (False, True) for i in range(300)]
+    assert (digest([selftest.draw_case(s, i, BOTH, q) for s, i, q in runs]),
+            digest([selftest.draw_backward_case(s, i, q) for s, i, q in runs])) == PINNED_DIGESTS
+
+
+def test_parser_and_replay_command_carry_variants():
+    parser = selftest.build_parser()
+    assert not parser.parse_args([]).variants
+    args = parser.parse_args(["--variants", "--backward", "--quick", "--cases", "300"])
+    assert args.variants and args.backward and args.quick and args.cases == 300
+    assert selftest.replay_command(args, 77, 4) == (
+        "python -m numbaflash.selftest --seed 77 --quick --backward --variants --case 4")
+    args = parser.parse_args(["--variants", "--family", "sm80"])
+    assert selftest.replay_command(args, 3, 9) == (
+        "python -m numbaflash.selftest --seed 3 --family sm80 --variants --case 9")
+    assert "--variants" in parser.format_help()
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """``main`` on a stand-in sm_90 GPU whose cases are not run: case 2 fails, the others pass."""
+    import numba.cuda
+
+    device = types.SimpleNamespace(compute_capability=(9, 0), name=b"Stand-in H100")
+    monkeypatch.setattr(numba.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(numba.cuda, "get_current_device", lambda: device)
+    drawn = []
+
+    def run(case, *_):
+        drawn.append(case)
+        return selftest.CaseResult(case, case.index != 2, 0.5, 0.0, "" if case.index != 2 else "stand-in")
+
+    monkeypatch.setattr(selftest, "run_case", run)
+    monkeypatch.setattr(selftest, "run_backward_case", run)
+    return drawn
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_main_with_variants(fake_hopper, capsys, backward):
+    argv = ["--variants", "--quick", "--seed", "5", "--cases", "30"] + (["--backward"] if backward else [])
+    assert selftest.main(argv) == 1
+    text = capsys.readouterr().out
+    assert len(fake_hopper) == 30 and all(_is_variant(c) for c in fake_hopper)
+    assert {c.family for c in fake_hopper} == ({"backward"} if backward else set(BOTH))
+    assert fake_hopper[3] == (selftest.draw_backward_case(5, 3, True, True) if backward
+                              else selftest.draw_case(5, 3, BOTH, True, True))
+    assert "30 variant (varlen/window/softcap) cases" in text and "window/softcap)" in text
+    assert (f"replay: python -m numbaflash.selftest --seed 5 --quick{' --backward' if backward else ''} "
+            "--variants --case 2") in text
+
+
+def test_main_with_variants_on_a_family_without_them(fake_hopper, capsys, monkeypatch):
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))  # a family with neither
+    assert selftest.main(["--variants", "--family", "sm90", "--quick", "--seed", "5"]) == 2
+    assert "sm90 has no window/softcap or varlen kernels" in capsys.readouterr().err and not fake_hopper
