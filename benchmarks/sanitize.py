@@ -9,8 +9,8 @@ Configs: shipped ones and autotune candidates of the families that run here, ind
 One job per (tool, config) runs ``compute-sanitizer --tool T ... python sanitize.py --worker
 --config-index I``: the worker forces the config and checks ``flash_attention`` on small ragged,
 fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) against the numpy
-reference, also its window and softcap kernels, and for a mma.sync config
-``flash_attention_varlen`` on three packed sequences (``varlen_lengths``); for a backward
+reference, also its window and softcap kernels and ``flash_attention_varlen`` on three packed
+sequences (``varlen_lengths``); for a backward
 config, ``flash_attention_backward`` on the same shapes (both dtypes, causal or not,
 deterministic or not, plus a window case and a softcap case) against the float64 backward, and
 one ``flash_attention_varlen_backward`` case a dtype on the ``varlen_lengths`` sequences.
@@ -273,8 +273,8 @@ def run_varlen_worker(config: KernelConfig, capability: tuple[int, int], dtype, 
 
 
 def run_worker(config: KernelConfig) -> int:
-    """Every shape x dtype x causal x LSE case on ``config`` (and, on a mma.sync config, the
-    varlen cases); 0, or WORKER_WRONG with messages."""
+    """Every shape x dtype x causal x LSE case on ``config``, its window and softcap cases, and the
+    varlen cases; 0, or WORKER_WRONG with messages."""
     import ml_dtypes
     from numba import cuda
 
@@ -299,8 +299,7 @@ def run_worker(config: KernelConfig) -> int:
                                   f"{(b, sq, sk, hq, hkv)} causal={causal} lse={want_lse} window={window} "
                                   f"softcap={softcap}: {p}", flush=True)
                         failures += bool(problems)
-        if kernel_family(config) == "sm80":
-            failures += run_varlen_worker(config, capability, dtype, rng)
+        failures += run_varlen_worker(config, capability, dtype, rng)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 

@@ -4,10 +4,9 @@ with CUDA): packed variable-length batches, a sliding window and softcap.
     python benchmarks/variants_speed.py [--dtypes fp16,bf16] [--parts varlen,window,softcap]
 
 - ``varlen``: 16 sequences, lengths drawn uniformly from 128 to 4096 (seed 0), head dim 128, 16
-  heads, causal and not, forward: ``flash_attention_varlen`` beside SDPA on a jagged nested tensor
-  (PyTorch routes it to FlashAttention-2's varlen kernel) and beside our dense calls on each
-  sequence alone (one call a sequence: the default dispatch, and the mma.sync kernel the varlen
-  call runs, forced).
+  heads, causal and not, forward, and forward + backward through autograd: ``flash_attention_varlen``
+  beside SDPA on a jagged nested tensor (PyTorch routes it to FlashAttention-2's varlen kernel)
+  and beside our dense calls on each sequence alone (one call a sequence, the default dispatch).
 - ``window``: 32k tokens (batch 1), head dim 128, 16 heads, window (4096, 0): forward and
   forward + backward beside FlexAttention (``torch.compile``d) with the equivalent sliding-window
   block mask, and beside our dense call of the same 32k queries over 4096 keys (the window's cost
@@ -30,16 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import numbaflash
-from numbaflash import configs
 
 HEADS, D = 16, 128
-
-
-def sm80_forced(causal: bool, window: bool = False):
-    """A context in which a dense call runs the mma.sync config a varlen call gets."""
-    cap = tuple(torch.cuda.get_device_capability())
-    config = configs.forward_config(cap, D, causal, operation="forward_varlen")
-    return configs.force_config(cap, causal, config)
 
 
 def varlen_rows(dtype, args) -> list[str]:
@@ -51,11 +42,19 @@ def varlen_rows(dtype, args) -> list[str]:
     cu_t = torch.tensor(cu, device="cuda")
     offsets = cu_t.long()
     nq, nk, nv = (torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in (q, k, v))
+    dout = torch.randn_like(q)
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    ngq, ngk, ngv = (torch.nested.nested_tensor_from_jagged(x.detach(), offsets).requires_grad_()
+                     for x in (q, k, v))
+    ngq, ngk, ngv = (x.transpose(1, 2) for x in (ngq, ngk, ngv))
+    ndout = torch.nested.nested_tensor_from_jagged(dout, offsets).transpose(1, 2)
     rows = []
     for causal in (False, True):
         pairs = sum(int(n) * (int(n) + 1) // 2 if causal else int(n) ** 2 for n in lengths)
         flops = 4 * HEADS * D * pairs
         dense = [(q[a:b][None], k[a:b][None], v[a:b][None]) for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        dense_g = [(tuple(x[a:b][None].detach().requires_grad_() for x in (q, k, v)), dout[a:b][None])
+                   for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
         def ours(causal=causal):
             numbaflash.flash_attention_varlen(q, k, v, cu_t, cu_t, int(lengths.max()), int(lengths.max()),
@@ -69,20 +68,34 @@ def varlen_rows(dtype, args) -> list[str]:
             for x in dense:
                 numbaflash.flash_attention(*x, causal=causal)
 
-        def dense_sm80(causal=causal, dense=dense):
-            with sm80_forced(causal):
-                for x in dense:
-                    numbaflash.flash_attention(*x, causal=causal)
+        def ours_both(causal=causal):
+            longest = int(lengths.max())
+            o = numbaflash.flash_attention_varlen(qg, kg, vg, cu_t, cu_t, longest, longest, causal=causal)
+            torch.autograd.grad(o, (qg, kg, vg), dout)
 
-        calls = {"ours": ours, "nested": nested, "dense": dense_default, "dense80": dense_sm80}
+        def nested_both(causal=causal):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = sdpa(ngq, ngk, ngv, is_causal=causal)
+            torch.autograd.grad(o, (ngq, ngk, ngv), ndout)
+
+        def dense_both(causal=causal, dense_g=dense_g):
+            for x, d in dense_g:
+                o = numbaflash.flash_attention(*x, causal=causal)
+                torch.autograd.grad(o, x, d)
+
+        calls = {"ours": ours, "nested": nested, "dense": dense_default, "ours_both": ours_both,
+                 "nested_both": nested_both, "dense_both": dense_both}
         if not runs(nested):
             del calls["nested"]
+        if not runs(nested_both):
+            del calls["nested_both"]
         ms = interleaved_medians(calls, args.warmup, args.iters, args.rounds, args.warmup_ms)
         ref = ms.get("nested", float("nan"))
+        ref_both = ms.get("nested_both", float("nan"))
         rows.append(f"| varlen | {name_of(dtype)} | {'yes' if causal else 'no'} | "
                     f"{flops / ms['ours'] / 1e9:.0f} | {ms['ours']:.3f} | {ref / ms['ours']:.3f} | "
-                    f"{ms['dense'] / ms['ours']:.3f} | "
-                    f"{ms['dense80'] / ms['ours']:.3f} |")
+                    f"{ms['dense'] / ms['ours']:.3f} | {ms['ours_both']:.3f} | "
+                    f"{ref_both / ms['ours_both']:.3f} | {ms['dense_both'] / ms['ours_both']:.3f} |")
     return rows
 
 
@@ -183,7 +196,7 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}; numbaflash {numbaflash.__version__}, "
           f"torch {torch.__version__}")
     print("varlen: | part | dtype | causal | ours TF/s (useful) | ours ms | vs SDPA nested (FA2 varlen) | "
-          "vs our dense calls | vs our dense calls on the mma.sync kernel |")
+          "vs our dense calls | fwd+bwd ms | fwd+bwd vs SDPA nested | fwd+bwd vs our dense calls |")
     parts = {"varlen": varlen_rows, "window": window_rows, "softcap": softcap_rows}
     for part in args.parts.split(","):
         for dname in args.dtypes.split(","):

@@ -67,9 +67,9 @@ def flash_attention(
             Key tiles wholly outside the window are never read: the cost follows the window.
         softcap: float >= 0; when > 0 the scaled scores s = QKᵀ · scale become
             softcap · tanh(s / softcap) before the softmax (Gemma 2, Grok); 0 turns it off.
-            A window or a softcap runs the mma.sync kernel on every GPU, Hopper included (its
-            own kernel does not have them yet); both have a backward
-            (``flash_attention_backward``, and autograd on torch tensors).
+            Both run the GPU's own kernel (on Hopper the TMA kernel at head dims 64, 96, 128
+            and 256); both have a backward (``flash_attention_backward``, and autograd on
+            torch tensors: the mma.sync backward on every GPU).
         return_lse: (bool) also return the float32 log-sum-exp, (batch, heads_q, seqlen_q);
             -inf for rows that see no key.
         out: optional output array (same shape and dtype as q, same kind as the inputs,
@@ -409,9 +409,11 @@ def flash_attention_varlen(
         return_lse: also return the float32 LSE, (heads_q, total_q); -inf on rows that see no key.
         out: optional output like q.
 
-    Runs the mma.sync kernel on every GPU, Hopper included (the Hopper kernel's persistent varlen
-    schedule is a later step of issue 35). Torch tensors that require grad train through the
-    varlen torch op (its backward: ``flash_attention_varlen_backward``); ``out=`` then raises.
+    Runs the GPU's own kernel: on Hopper at head dims 64, 96, 128 and 256 the TMA kernel, whose
+    persistent schedule walks only the blocks that lie in a sequence; elsewhere the mma.sync
+    kernel, one CTA per block of max_seqlen_q (those past a sequence's end exit at once). Torch
+    tensors that require grad train through the varlen torch op (its backward:
+    ``flash_attention_varlen_backward``); ``out=`` then raises.
 
     Returns:
         ``out`` (total_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.

@@ -54,18 +54,22 @@ def test_every_variants_case_is_varlen_windowed_or_softcapped(quick):
 
 
 def test_variants_draw_only_the_families_with_those_kernels(monkeypatch):
-    """The strata hold only the families named in ``WINDOW_SOFTCAP_FAMILIES`` / ``VARLEN_FAMILIES``;
-    a family with window/softcap kernels but no varlen one (the Hopper kernel) draws only windows
-    and softcaps."""
-    assert selftest.WINDOW_SOFTCAP_FAMILIES == ("sm80", "sm90") and selftest.VARLEN_FAMILIES == ("sm80",)
+    """The strata hold only the families named in ``WINDOW_SOFTCAP_FAMILIES`` / ``VARLEN_FAMILIES``
+    (as shipped: both families have every variant); a family with window/softcap kernels but no
+    varlen one draws only windows and softcaps."""
+    assert selftest.WINDOW_SOFTCAP_FAMILIES == selftest.VARLEN_FAMILIES == ("sm80", "sm90")
+    shipped = [selftest.draw_case(s, i, BOTH, variants=True) for s in SEEDS for i in range(300)]
+    assert all(_is_variant(c) for c in shipped)
+    assert all(any(c.varlen for c in shipped if c.family == f) for f in BOTH)
     assert {selftest.draw_case(3, i, BOTH).family for i in range(300)} == set(BOTH)  # default: both
+    monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))  # a family with neither
     assert selftest.variant_families(BOTH) == ["sm80"]
     assert {selftest.draw_case(3, i, BOTH, variants=True).family for i in range(300)} == {"sm80"}
     with pytest.raises(ValueError, match="window/softcap or varlen"):
         selftest.draw_case(3, 0, ["sm90"], variants=True)
 
-    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80", "sm90"))  # as shipped
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80", "sm90"))  # sm90: no varlen
     cases = [selftest.draw_case(s, i, BOTH, variants=True) for s in SEEDS for i in range(300)]
     assert {c.family for c in cases} == set(BOTH) and all(_is_variant(c) for c in cases)
     hopper = [c for c in cases if c.family == "sm90"]
@@ -130,19 +134,23 @@ PINNED_DIGESTS = ("721014eb539fc133", "c288861f867eb913")
 
 def test_default_mode_draws_are_unchanged(monkeypatch):
     """The default mode draws what it drew before ``--variants`` (with the families of then: only
-    sm80 had windows and softcaps), and with the Hopper kernel's windows and softcaps every case
-    is the same but for the window and softcap of its sm90 cases."""
-    shipped = selftest.WINDOW_SOFTCAP_FAMILIES
+    sm80 had windows, softcaps and varlen), and with the Hopper kernel's every case is the same but
+    for the window, softcap and packed sequences (which replace the dense shape) of its sm90 cases."""
+    shipped = selftest.WINDOW_SOFTCAP_FAMILIES, selftest.VARLEN_FAMILIES
     monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))
+    monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     then = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]
-    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", shipped)
+    monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", shipped[0])
+    monkeypatch.setattr(selftest, "VARLEN_FAMILIES", shipped[1])
     now = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]
+    variant_fields = ("window_size", "softcap", "batch", "seqlen_q", "seqlen_k", "seqlens_q", "seqlens_k")
     for a, b in zip(then, now, strict=True):
-        same = a == b if a.family == "sm80" else dataclasses.replace(a, window_size=b.window_size,
-                                                                     softcap=b.softcap) == b
-        assert same, (a, b)
+        if a.family == "sm90":
+            a = dataclasses.replace(a, **{f: getattr(b, f) for f in variant_fields})
+        assert a == b, (a, b)
     assert any(a != b for a, b in zip(then, now, strict=True))
     monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))
+    monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     for (seed, index, quick, families), want in PINNED_FORWARD.items():
         assert dataclasses.astuple(selftest.draw_case(seed, index, list(families), quick)) == want
     for (seed, index, quick), want in PINNED_BACKWARD.items():
@@ -205,5 +213,6 @@ def test_main_with_variants(fake_hopper, capsys, backward):
 
 def test_main_with_variants_on_a_family_without_them(fake_hopper, capsys, monkeypatch):
     monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))  # a family with neither
+    monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     assert selftest.main(["--variants", "--family", "sm90", "--quick", "--seed", "5"]) == 2
     assert "sm90 has no window/softcap or varlen kernels" in capsys.readouterr().err and not fake_hopper

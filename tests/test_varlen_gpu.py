@@ -95,3 +95,26 @@ def test_torch_and_poisoned_out():
     compiled = torch.compile(lambda *a: numbaflash.flash_attention_varlen(*a, 130, 200, causal=True),
                              fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, cu_q, cu_k), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_past_the_last_sequence_stay_untouched(d, causal):
+    """Device offsets that end before the packed length (not read on the host, so not checked):
+    the rows past the last sequence are nobody's, and no tile writes them, though the Hopper
+    kernel's tiles load them (its stores stop at each sequence's end)."""
+    torch = pytest.importorskip("torch")
+    lengths = (130, 5, 77)
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x).cuda()
+                           for x in _packed(lengths, lengths, (4, 2), d, np.float16))
+    pad = 200  # rows past the last sequence, in every tensor
+    q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], device="cuda", dtype=x.dtype)])
+               for x in (q, k, v))
+    out = torch.full_like(q, float("nan"))
+    numbaflash.flash_attention_varlen(q, k, v, cu_q, cu_k, 130, 130, causal=causal, out=out)
+    total = int(cu_q[-1])
+    assert torch.isnan(out[total:]).all(), "rows past the last sequence were written"
+    assert torch.isfinite(out[:total]).all()
+    reference, _ = (numbaflash.flash_attention_varlen(q[:total], k[:total], v[:total], cu_q, cu_k, 130, 130,
+                                                      causal=causal, return_lse=True))
+    torch.testing.assert_close(out[:total], reference, rtol=0, atol=0)

@@ -271,29 +271,28 @@ def test_mask_band_matches_the_rule(sq, sk, window):
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
-def test_window_and_softcap_run_the_gpus_own_family_varlen_the_mma_sync_one(capability):
-    """Both forward families have the window and softcap kernels: a call with either runs its
-    GPU's own family where that family has the head dim; the packed variable-length kernels are
-    the mma.sync family's alone, on every GPU."""
+def test_every_forward_operation_runs_the_gpus_own_family(capability):
+    """Both forward families have the window, softcap and packed variable-length kernels: a call
+    with any runs its GPU's own family where that family has the head dim (Hopper: not 32)."""
     own = configs.arch_family(capability)
+    ops = [forward_operation(w, c, v) for v in (False, True) for w in (False, True) for c in (False, True)]
     for d in configs.SUPPORTED_HEAD_DIMS:
         expected = own if d in configs.FAMILY_HEAD_DIMS[own] else "sm80"
-        for op in ("forward", "forward_window", "forward_softcap", "forward_window_softcap"):
+        for op in ops:
             assert configs.dispatch_family(capability, d, op) == expected, (d, op)
             for causal in (False, True):
                 config = configs.forward_config(capability, d, causal, operation=op)
                 assert family_of(config).name == expected and op in family_of(config).ops
-        for op in ("forward_varlen", "forward_varlen_window", "forward_varlen_softcap"):
-            assert configs.dispatch_family(capability, d, op) == "sm80"
-            assert family_of(configs.forward_config(capability, d, True, operation=op)) is SM80
 
 
-def test_forced_hopper_config_is_passed_over_for_varlen_calls_only():
+def test_a_forced_config_serves_every_operation_its_family_has():
+    """A forced config (``force_config``) serves every kernel operation of its family, and is
+    passed over for one it lacks (then the sm80 family's config runs)."""
     ws = configs.forward_config((9, 0), 128, False)
     with configs.force_config((9, 0), False, ws):
-        assert configs.forward_config((9, 0), 128, False) == ws
-        assert configs.forward_config((9, 0), 128, False, operation="forward_window_softcap") == ws
-        assert family_of(configs.forward_config((9, 0), 128, False, operation="forward_varlen")) is SM80
+        for op in ("forward", "forward_window_softcap", "forward_varlen", "forward_varlen_softcap"):
+            assert configs.forward_config((9, 0), 128, False, operation=op) == ws
+        assert family_of(configs.forward_config((9, 0), 128, False, operation="backward")) is SM80
 
 
 @pytest.mark.parametrize(("capability", "head_dim"), [((9, 0), 32), ((8, 0), 64)])

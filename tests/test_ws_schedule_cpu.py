@@ -100,13 +100,13 @@ def test_first_block_lead_ends_the_blocks_at_seqlen_q(consumers):
         assert 0 <= m_blocks * block_m - lead - seqlen < 64, (seqlen, lead)
 
 
-def walk_turns(monkeypatch, problem, block_m, block_n, causal, grid, window=False):
+def walk_turns(monkeypatch, problem, block_m, block_n, causal, grid, window=False, seqs=None):
     """Every CTA's (TileTurn, kv count returned) list, from ``blocks.make_tile_walk`` run on CPU:
     its device callees are swapped for their Python bodies, ``cuda`` for the CTA's indices."""
     import types
 
     for name in ("work_units", "unit_tile", "visible_kv_tiles", "block_kv_tiles", "block_first_row",
-                 "block_visible_tiles", "block_band_tiles", "band_kv_tiles"):
+                 "block_visible_tiles", "block_band_tiles", "band_kv_tiles", "sequence_place", "call_place"):
         monkeypatch.setattr(blocks, name, getattr(blocks, name).py_func)
     turns = {}
 
@@ -114,12 +114,12 @@ def walk_turns(monkeypatch, problem, block_m, block_n, causal, grid, window=Fals
         turns[cta].append(turn)
         return int(turn.kv0) + int(turn.n_tiles)  # as both roles do
 
-    walk = blocks.make_tile_walk(on_tile, block_m, block_n, causal, window).py_func
+    walk = blocks.make_tile_walk(on_tile, block_m, block_n, causal, window, seqs is not None).py_func
     for cta in range(grid):
         turns[cta] = []
         monkeypatch.setattr(blocks, "cuda", types.SimpleNamespace(blockIdx=types.SimpleNamespace(x=cta),
                                                                   gridDim=types.SimpleNamespace(x=grid)))
-        walk(cta, problem)
+        walk(cta, problem, seqs)
     return turns
 
 
@@ -182,4 +182,54 @@ def test_tile_walk_of_a_window_reads_the_band(monkeypatch, seqlen_q, seqlen_k, l
             seen.append(tuple(int(x) for x in turn.tile))
     expected = {(mb, h, b, h // group)
                 for mb in range(m_blocks) for h in range(heads_q) for b in range(batch)}
+    assert len(seen) == len(expected) and set(seen) == expected
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("grid", [1, 4, 7])
+def test_tile_walk_of_packed_sequences_visits_only_their_blocks(monkeypatch, causal, window, grid):
+    """Packed sequences (the varlen kernels): over ceil(max_seqlen_q / block_m) blocks of every
+    (sequence, head), the walk hands the roles exactly the blocks that start below their own
+    sequence's length (none of an empty one), each with its sequence's offsets, lengths, diagonal
+    and window edges, and the KV tiles of its own keys; the ring counts stay as in a dense walk."""
+    block_m, block_n, heads_q, group = 128, 128, 2, 2
+    lengths_q, lengths_k = [0, 1, 300, 129, 128, 5], [7, 0, 200, 400, 128, 1]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    left, right = (np.int64(37), np.int64(0)) if window else (np.int64(0), np.int64(0))
+    max_q = max(lengths_q)
+    m_blocks = -(-max_q // block_m)
+    problem = blocks.Problem(np.int32(max_q), np.int32(max(lengths_k)), heads_q, group, len(lengths_q),
+                             m_blocks, np.int32(0), np.int64(0), np.int64(0))
+    seqs = blocks.PackedSequences(cu_q, cu_k, left, right)
+    turns = walk_turns(monkeypatch, problem, block_m, block_n, causal and not window, grid, window, seqs)
+    seen = []
+    for cta_turns in turns.values():
+        kv = 0
+        for q_count, turn in enumerate(cta_turns):
+            assert int(turn.round_q) == q_count and int(turn.kv0) == kv
+            b, place = int(turn.tile.batch), turn.place
+            sq, sk = lengths_q[b], lengths_k[b]
+            assert (int(place.start_q), int(place.start_k), int(place.batch)) == (cu_q[b], cu_k[b], 0)
+            assert (int(place.problem.seqlen_q), int(place.problem.seqlen_k)) == (sq, sk)
+            assert int(place.problem.first) == sk - sq - left and int(place.problem.last) == sk - sq + right
+            m0 = int(turn.tile.m_block) * block_m
+            assert m0 < sq
+            rows = range(m0, min(sq, m0 + block_m))
+            if window:
+                keys = [j for i in rows
+                        for j in range(max(0, i + sk - sq - left), min(sk, i + sk - sq + right + 1))]
+            elif causal:
+                keys = [j for i in rows for j in range(0, min(sk, i + sk - sq + 1))]
+            else:
+                keys = list(range(sk))
+            if keys:
+                assert int(turn.kv_first) == min(keys) // block_n
+                assert int(turn.kv_first) + int(turn.n_tiles) == max(keys) // block_n + 1
+            else:
+                assert int(turn.n_tiles) == 0
+            kv += int(turn.n_tiles)
+            seen.append((int(turn.tile.m_block), int(turn.tile.head), b))
+    expected = {(m, h, b)
+                for b, n in enumerate(lengths_q) for m in range(-(-n // block_m)) for h in range(heads_q)}
     assert len(seen) == len(expected) and set(seen) == expected

@@ -46,6 +46,16 @@ WS_ABI = (
 
 _I32_ARRAY = "array(int32, 1d, C)"
 
+# The Hopper kernel's packed variable-length builds (``forward_ws.VARLEN_WS_ARGTYPES``): the same,
+# then the offsets, the LSE's head stride (total_q), and out as a flat 16-bit array with its row
+# and head strides (elements), where the threads store O.
+VARLEN_WS_ABI = (
+    *WS_ABI,
+    _I32_ARRAY, _I32_ARRAY,  # cu_seqlens_q, cu_seqlens_k (batch + 1,)
+    "int64",  # total_q
+    _U16_ARRAY, "int64", "int64",  # out, its row and head strides
+)
+
 # The backward (``backward_mma``): three kernels over one float32 workspace per call, laid out
 # (batch, heads_q, rows) with rows = seqlen_q rounded up to BACKWARD_ROW_ALIGN: the LSE in log2
 # units (+inf on rows that see no key and on padding), D = rowsum(dO ∘ O), and the dQ

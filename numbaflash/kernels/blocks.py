@@ -59,11 +59,19 @@ Tile = namedtuple("Tile", ["m_block", "head", "batch", "kv_head"])
 # ``first`` and ``last``: a sliding window's edges (a Band's; read by window kernels only).
 Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "heads_q", "group", "batch", "m_blocks", "lead",
                                  "first", "last"])
+# Where a query block's sequence sits: its problem (the call's, or for packed sequences the
+# sequence's own: lengths, diagonal and window edges), its first query and key rows in the tensors
+# (0, or the sequence's offsets), and the batch coordinate of the tensor maps (0 when packed).
+Place = namedtuple("Place", ["problem", "start_q", "start_k", "batch"])
+# Packed variable-length sequences, as a persistent walk reads them: the int32 offsets (batch + 1,)
+# and the window's sides (each >= 0; the sequences' own diagonals place it).
+PackedSequences = namedtuple("PackedSequences",
+                             ["cu_seqlens_q", "cu_seqlens_k", "window_left", "window_right"])
 # One query block of a persistent CTA's walk and where it sits in the rings that every role counts
 # alike: its first KV ring use (the KV tiles of the CTA's earlier blocks), its Q ring use (the
-# number of earlier blocks), and the KV tiles it reads: n_tiles of them from tile kv_first (0
-# but with a sliding window).
-TileTurn = namedtuple("TileTurn", ["tile", "kv0", "round_q", "n_tiles", "kv_first"])
+# number of earlier blocks), the KV tiles it reads (n_tiles of them from tile kv_first: 0 but with
+# a sliding window), and its Place.
+TileTurn = namedtuple("TileTurn", ["tile", "kv0", "round_q", "n_tiles", "kv_first", "place"])
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -272,21 +280,47 @@ def block_band_tiles(tile, problem, block_m, block_n, causal):
     return int32(first), int32(end - first)
 
 
-def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool, window: bool = False):
-    """A device function ``walk(ctx, problem)``: this CTA of a persistent grid takes work units
+@cuda.jit(device=True, forceinline=True)
+def sequence_place(tile, problem, seqs):
+    """The Place of ``tile``'s packed sequence (``tile.batch``: its index): its offsets and lengths
+    from ``seqs`` (a PackedSequences; four int32 loads), its own diagonal and window edges."""
+    b = tile.batch
+    start_q = int32(seqs.cu_seqlens_q[b])
+    start_k = int32(seqs.cu_seqlens_k[b])
+    seqlen_q = int32(seqs.cu_seqlens_q[b + uint32(1)]) - start_q
+    seqlen_k = int32(seqs.cu_seqlens_k[b + uint32(1)]) - start_k
+    diag = int64(seqlen_k - seqlen_q)
+    own = Problem(seqlen_q, seqlen_k, problem.heads_q, problem.group, problem.batch, problem.m_blocks,
+                  int32(0), diag - seqs.window_left, diag + seqs.window_right)
+    return Place(own, start_q, start_k, int32(0))
+
+
+@cuda.jit(device=True, forceinline=True)
+def call_place(tile, problem, seqs):
+    """The Place of a block of a dense call (``seqs`` unused): the call's problem, its batch."""
+    return Place(problem, int32(0), int32(0), int32(tile.batch))
+
+
+def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool, window: bool = False,
+                   varlen: bool = False):
+    """A device function ``walk(ctx, problem, seqs)``: this CTA of a persistent grid takes work units
     blockIdx.x, + gridDim.x, ... (``work_units``) and calls ``kv = on_tile(ctx, turn)`` for each
     query block of each, in order, with its ``TileTurn``; ``ctx`` is whatever ``on_tile`` needs.
     The producer and the consumers of a CTA walk the same list, so they count the Q ring alike;
     ``on_tile`` returns the KV ring count after the block, ``turn.kv0 + turn.n_tiles`` (the
     producer counts its loads one by one, a consumer adds the block's tiles). ``window``: a
     sliding-window kernel (built non-causal: one query block a unit, each costing about the
-    window), whose blocks read the tiles of ``block_band_tiles``."""
+    window), whose blocks read the tiles of ``block_band_tiles``. ``varlen``: packed sequences
+    (``seqs``, a PackedSequences; unused otherwise): ``problem`` counts ceil(max_seqlen_q /
+    block_m) blocks of every sequence, and the blocks past a sequence's own end (all of an empty
+    one) are passed over before any role touches a ring, so the walk visits only real blocks."""
     tiles_per_unit = 2 if causal else 1  # query blocks per work unit
 
     block_tiles = block_band_tiles if window else block_visible_tiles
+    place_of = sequence_place if varlen else call_place
 
     @cuda.jit(device=True, forceinline=True)
-    def walk(ctx, problem):
+    def walk(ctx, problem, seqs):
         # Numba widens uint32 sums to 64 bits: the counts are uint64 from the start, so that a
         # TileTurn has one type (the rings cut them back to 32 bits).
         kv = uint64(0)  # KV tiles of the blocks before: the KV ring position
@@ -297,8 +331,11 @@ def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool, window: bo
                 tile, present = unit_tile(u, h, m_blocks, heads_q, problem.group, causal, cuda.gridDim.x)
                 if not present:
                     continue
-                kv_first, n_tiles = block_tiles(tile, problem, block_m, block_n, causal)
-                kv = on_tile(ctx, TileTurn(tile, kv, round_q, n_tiles, kv_first))
+                place = place_of(tile, problem, seqs)
+                if varlen and int32(tile.m_block * uint32(block_m)) >= place.problem.seqlen_q:
+                    continue  # past its sequence's end (varlen: a compile-time constant)
+                kv_first, n_tiles = block_tiles(tile, place.problem, block_m, block_n, causal)
+                kv = on_tile(ctx, TileTurn(tile, kv, round_q, n_tiles, kv_first, place))
                 round_q += uint32(1)
 
     return walk

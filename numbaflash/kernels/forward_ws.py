@@ -68,6 +68,7 @@ from .. import ptx
 from ..ptx import hopper as hp
 from .blocks import (
     Band,
+    PackedSequences,
     Problem,
     ScoreMask,
     band_needs_mask,
@@ -78,10 +79,10 @@ from .blocks import (
     visible_kv_tiles,
 )
 from .common import FULL_MASK, NEG_INF, THRESHOLD
-from .epilogue import store_lse
+from .epilogue import store_lse, store_rows_global
 from .ring import RingBarriers, make_ring
 from .shapes import WARPGROUP_ROWS, WsConfig
-from .smem import swizzle_phase
+from .smem import global_rows, swizzle_phase
 from .softmax import (
     adopt_row_max,
     cap_scores,
@@ -107,7 +108,22 @@ WS_ARGTYPES = (
 )
 # The same parameter list as Numba type names, for runtime.launch.KernelLauncher.
 WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
+# The packed variable-length kernels (``flash_attention_varlen``): the same, the maps over (1, total,
+# heads, head_dim) views and seqlen_q / seqlen_k the maxima, then the offsets, the LSE's head
+# stride, and out as a flat array with its row and head strides (elements): a sequence's O rows
+# are stored by the threads, never past its end (a TMA store would clip only at total_q).
+VARLEN_WS_ARGTYPES = (
+    *WS_ARGTYPES,
+    types.int32[::1], types.int32[::1],  # cu_seqlens_q, cu_seqlens_k (batch + 1,)
+    types.int64,  # total_q: the LSE's head stride
+    types.uint16[::1], types.int64, types.int64,  # out, its row and head strides
+)
+VARLEN_WS_ABI = tuple(str(t) for t in VARLEN_WS_ARGTYPES)
 
+# The kernel's parameters of every build (``WS_ARGTYPES``), as the body (``run_cta``) takes them.
+WsParams = namedtuple("WsParams", ["map_q", "map_k", "map_v", "map_o", "lse", "seqlen_q", "seqlen_k",
+                                   "row_lead", "heads_q", "group", "batch_size", "scale_log2", "write_lse",
+                                   "window_left", "window_right", "cap_scale"])
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and o.
 Maps = namedtuple("Maps", ["q", "k", "v", "o"])
 # mbarriers of the Q, K and V rings (``ring.RingBarriers``), and of the O staging tile in the V
@@ -126,21 +142,26 @@ Accumulators = namedtuple("Accumulators", ["s", "o", "p", "regs"])
 # (MN-major: head-dim blocks block_n * row_bytes bytes apart); a tile's Q buffer is added to q.
 Descriptors = namedtuple("Descriptors", ["q", "k", "v"])
 # What a consumer reads and writes besides its registers, the exponent factor (softmax scale, or
-# the softcap, times log2(e)) and softmax scale / softcap (softcap kernels).
-Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2", "cap_scale"])
+# the softcap, times log2(e)), softmax scale / softcap (softcap kernels), and for packed sequences
+# (varlen kernels; else unused) the PackedSequences and the PackedOut.
+Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2", "cap_scale",
+                       "seqs", "out"])
+# Where a varlen kernel's threads store O and the LSE: out (flat 16-bit), its row and head strides
+# (elements), and the LSE's head stride (total_q).
+PackedOut = namedtuple("PackedOut", ["o", "row_stride", "head_stride", "lse_head_stride"])
 # How a warp turns a tile's raw scores into probabilities: where its rows sit (a ScoreMask), the
 # sliding window (a Band; window kernels), the exponent factor and softmax scale / softcap.
 Scoring = namedtuple("Scoring", ["at", "band", "scale_log2", "cap_scale"])
 # One query tile in a consumer's hands: the tile, its first ring positions (KV, Q), the KV tiles
 # the block reads (from tile kv_first) and the first n_own of them, which this warpgroup's rows
-# see (the rest it skips).
-TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles", "n_own", "kv_first"])
+# see (the rest it skips), and its place (``blocks.Place``: its problem, first rows, batch).
+TileWork = namedtuple("TileWork", ["tile", "kv0", "round_q", "n_tiles", "n_own", "kv_first", "place"])
 # Where a consumer warp sits: consumer warpgroup (0 .. consumers - 1), warp in it, lane, thread in it.
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 # A consumer warp's whole state, as its tile walk hands it from tile to tile.
 ConsumerState = namedtuple("ConsumerState", ["acc", "stats", "descs", "io", "seat"])
 # What the producer thread reads and writes.
-ProducerState = namedtuple("ProducerState", ["maps", "bars", "tiles", "problem"])
+ProducerState = namedtuple("ProducerState", ["maps", "bars", "tiles", "problem", "seqs"])
 
 # The rings of one kernel (``ring.RingSteps`` each): Q buffers, the K and V stages (two rings
 # in step: one count, one set of steps), and the O tile staged in the V ring (o_in_v).
@@ -192,7 +213,8 @@ def make_tile_loads(config: WsConfig):
 
 # ---------------------------------------------------------------------------------- producer
 
-def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = False) -> Producer:
+def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = False,
+                  varlen: bool = False) -> Producer:
     """The producer thread: for each tile of the walk, its Q, then K_j and V_j of each of its KV
     tiles (from the block's first, ``TileTurn.kv_first``), each into the next stage of its ring
     once the consumers have released it."""
@@ -215,37 +237,38 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = F
     def produce_tile(state, turn):
         """Q of one tile, then K_j and V_j of each of its KV tiles; returns the KV ring count
         after them."""
-        maps, bars, tiles, problem = state
-        tile, n_tiles, round_q = turn.tile, turn.n_tiles, turn.round_q
+        maps, bars, tiles = state.maps, state.bars, state.tiles
+        tile, n_tiles, round_q, place = turn.tile, turn.n_tiles, turn.round_q, turn.place
         if n_tiles == 0:
             wait_o_stored(bars, round_q)
         q_slot = q_ring.slot(round_q)
         q_ring.wait_empty(bars.q, round_q)  # consumers are done with this Q buffer
         q_ring.arm(bars.q, q_slot, Q_BYTES)
         load_tile(tiles.q + q_ring.offset(q_slot), maps.q, q_ring.full(bars.q, q_slot),
-                  block_first_row(tile, problem, BM), tile.head, tile.batch, BM)  # rows < 0: zeros
+                  place.start_q + block_first_row(tile, place.problem, BM), tile.head, place.batch,
+                  BM)  # rows < 0: zeros
         load = turn.kv0  # KV loads issued so far (all tiles): the ring position
         for j in range(n_tiles):
             s = kv_ring.slot(load)
             stage = kv_ring.offset(s)
             kv_ring.wait_empty(bars.k, load)
             kv_ring.arm(bars.k, s, KV_BYTES)
-            n0 = (turn.kv_first + j) * BN  # the tile's first key
-            load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), n0, tile.kv_head, tile.batch, BN)
+            n0 = place.start_k + (turn.kv_first + j) * BN  # the tile's first key row
+            load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), n0, tile.kv_head, place.batch, BN)
             if j == 0:
                 wait_o_stored(bars, round_q)
             kv_ring.wait_empty(bars.v, load)
             kv_ring.arm(bars.v, s, KV_BYTES)
-            load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), n0, tile.kv_head, tile.batch, BN)
+            load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), n0, tile.kv_head, place.batch, BN)
             load = kv_ring.advance(load, 1)
         return load
 
-    walk = make_tile_walk(produce_tile, BM, BN, causal, window)
+    walk = make_tile_walk(produce_tile, BM, BN, causal, window, varlen)
 
     @cuda.jit(device=True, forceinline=True)
     def produce(state):
         """One thread: every tile of this CTA."""
-        walk(state, state.problem)
+        walk(state, state.problem, state.seqs)
 
     return Producer(produce)
 
@@ -414,7 +437,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
 
 # ---------------------------------------------------------------------------------- epilogue
 
-def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
+def make_epilogue(config: WsConfig, bf16: bool, rings: Rings, varlen: bool = False) -> Epilogue:
     """A consumer warpgroup's end of a query tile: O normalised, staged in shared memory by
     stmatrix and stored by TMA (in its own tile, the Q buffer or the V ring), then the LSE."""
     D, BM = config.head_dim, config.block_m
@@ -428,6 +451,8 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
     V_READ_BARRIER = EPILOGUE_BARRIER + config.consumers  # o_in_v: every consumer is done reading V
     BF16 = bf16
     O_IN_Q, O_IN_V = config.o_in_q, config.o_in_v
+    VARLEN = varlen
+    ROW_CHUNKS = D * 2 // 16  # 16-byte chunks of an O row
     q_ring = rings.q
 
     @cuda.jit(device=True, forceinline=True)
@@ -458,11 +483,12 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
             hp.stmatrix_x4(uint32(address), regs)
 
     @cuda.jit(device=True, forceinline=True)
-    def store_o(acc_o, stats, tile_o, maps, tile, problem, seat, regs, o_read):
+    def store_o(acc_o, stats, tile_o, io, tile, place, seat, regs, o_read):
         """Normalised O -> shared (stmatrix) -> global (TMA store of this warpgroup's rows;
-        the map clips rows past seqlen_q). With O staged in the Q buffer or the V ring, the
-        storer arrives on ``o_read`` (the Q buffer's empty barrier, or O empty) once the store
-        has read the tile."""
+        the map clips rows past seqlen_q; varlen: each warp stores its own 16 rows with 16-byte
+        stores, none past its sequence's end). With O staged in the Q buffer or the V ring, the
+        storer arrives on ``o_read`` (the Q buffer's empty barrier, or O empty) once the stores
+        have read the tile."""
         normalise_o(acc_o, stats)
         barrier = EPILOGUE_BARRIER + seat.wg
         if seat.thread == 0:
@@ -472,31 +498,47 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
         else:
             hp.named_barrier_sync(barrier, WARPGROUP)
         stage_o(tile_o, acc_o, seat, regs)
-        hp.fence_proxy_async_shared_cta()  # stmatrix writes -> visible to the TMA store
-        hp.named_barrier_sync(barrier, WARPGROUP)
-        if seat.thread == 0:
-            row0 = block_first_row(tile, problem, BM) + seat.wg * WG_ROWS
-            for c in range(D_CHUNKS):
-                hp.tma_store_4d(maps.o, tile_o + c * BM * RB + seat.wg * WG_ROWS * RB, int32(c * BOX),
-                                int32(tile.head), int32(row0), int32(tile.batch))
-            hp.tma_store_commit_group()
+        if VARLEN:  # the warp's own rows, back from shared memory (its stmatrix wrote them)
+            cuda.syncwarp()
+            out, rows = io.out, seat.wg * WG_ROWS + seat.warp * 16  # the warp's first row in the tile
+            first = place.start_q * out.row_stride + tile.head * out.head_stride  # (sequence, head) row 0
+            dst = global_rows(out.o, first, out.row_stride, place.problem.seqlen_q)
+            store_rows_global(dst, block_first_row(tile, place.problem, BM) + rows, tile_o, BM, rows, 16,
+                              ROW_CHUNKS, seat.lane, regs, RB)
             if O_IN_Q or O_IN_V:
-                hp.tma_store_wait_group_read_0()  # the next Q (V) may land here now
-                hp.mbarrier_arrive(o_read)  # one arrival per consumer warpgroup
+                hp.named_barrier_sync(barrier, WARPGROUP)  # every warp has read its rows
+                if seat.thread == 0:
+                    hp.mbarrier_arrive(o_read)  # one arrival per consumer warpgroup
+        else:
+            hp.fence_proxy_async_shared_cta()  # stmatrix writes -> visible to the TMA store
+            hp.named_barrier_sync(barrier, WARPGROUP)
+            if seat.thread == 0:
+                row0 = block_first_row(tile, place.problem, BM) + seat.wg * WG_ROWS
+                for c in range(D_CHUNKS):
+                    hp.tma_store_4d(io.maps.o, tile_o + c * BM * RB + seat.wg * WG_ROWS * RB, int32(c * BOX),
+                                    int32(tile.head), int32(row0), int32(tile.batch))
+                hp.tma_store_commit_group()
+                if O_IN_Q or O_IN_V:
+                    hp.tma_store_wait_group_read_0()  # the next Q (V) may land here now
+                    hp.mbarrier_arrive(o_read)  # one arrival per consumer warpgroup
 
     @cuda.jit(device=True, forceinline=True)
-    def finish_tile(acc_o, stats, io, tile, at, round_q, seat, regs):
-        """The epilogue of a query tile: O normalised and stored, then the LSE."""
+    def finish_tile(acc_o, stats, io, tile, place, at, round_q, seat, regs):
+        """The epilogue of a query tile: O normalised and stored, then the LSE ((batch, heads_q,
+        seqlen_q), or varlen (heads_q, total_q))."""
         if O_IN_Q:
             q_slot = q_ring.slot(round_q)
-            store_o(acc_o, stats, io.tiles.q + q_ring.offset(q_slot), io.maps, tile, io.problem, seat, regs,
+            store_o(acc_o, stats, io.tiles.q + q_ring.offset(q_slot), io, tile, place, seat, regs,
                     q_ring.empty(io.bars.q, q_slot))
         else:
-            store_o(acc_o, stats, io.tiles.o, io.maps, tile, io.problem, seat, regs, io.bars.o.empty)
+            store_o(acc_o, stats, io.tiles.o, io, tile, place, seat, regs, io.bars.o.empty)
         if io.write_lse:
-            problem = io.problem
-            store_lse(io.lse, (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q, at.row_first,
-                      problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
+            problem = place.problem
+            if VARLEN:
+                base = tile.head * io.out.lse_head_stride + place.start_q
+            else:
+                base = (tile.batch * problem.heads_q + tile.head) * problem.seqlen_q
+            store_lse(io.lse, base, at.row_first, problem.seqlen_q, stats.m_run, stats.l_run, seat.lane)
 
     return Epilogue(finish_tile)
 
@@ -504,7 +546,7 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings) -> Epilogue:
 # ---------------------------------------------------------------------------------- consumer
 
 def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, window: bool = False,
-                  softcap: bool = False) -> Consumer:
+                  softcap: bool = False, varlen: bool = False) -> Consumer:
     """A consumer warp: for each tile of the walk, its warpgroup's 64 rows (S, softmax and PV over
     the KV tiles they see, then the epilogue), or a pass over the tile that keeps the rings and
     turns in step."""
@@ -527,7 +569,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     LEAD_ROWS = SKIP_MASKED  # the first block may start before row 0 (WsConfig.first_block_lead)
     q_ring, kv_ring, _ = rings
     steps = make_consumer_steps(config, causal, bf16, rings, window, softcap)
-    epilogue = make_epilogue(config, bf16, rings)
+    epilogue = make_epilogue(config, bf16, rings, varlen)
     # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
     desc_k_major = hp.smem_descriptor_k_sw128 if RB == 128 else hp.smem_descriptor_k_sw64
     desc_mn_major = hp.smem_descriptor_mn_sw128 if RB == 128 else hp.smem_descriptor_mn_sw64
@@ -567,14 +609,14 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
             zero_o(acc.o)
             fence_o(acc.o)  # keeps this a branch: speculated, it is 128 selects on every tile
         reset_stats(stats)
-        at = tile_mask(work.tile, io.problem, seat)
-        problem = io.problem
+        problem = work.place.problem
+        at = tile_mask(work.tile, problem, seat)
         sc = Scoring(at, Band(problem.seqlen_k, problem.first, problem.last), io.scale_log2, io.cap_scale)
         q_ring.wait_full(io.bars.q, work.round_q)
         q_at = q_ring.offset(q_ring.slot(work.round_q))
         tile_descs = Descriptors(hp.descriptor_add(descs.q, q_at), descs.k, descs.v)
         steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, sc)
-        epilogue.finish_tile(acc.o, stats, io, work.tile, at, work.round_q, seat, acc.regs)
+        epilogue.finish_tile(acc.o, stats, io, work.tile, work.place, at, work.round_q, seat, acc.regs)
 
     @cuda.jit(device=True, forceinline=True)
     def pass_over_tile(bars, turn, seat):
@@ -591,18 +633,18 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     @cuda.jit(device=True, forceinline=True)
     def consume_tile(state, turn):
         """One tile of the walk for this warp; returns the KV ring count after it."""
-        seat, problem = state.seat, state.io.problem
+        seat, problem = state.seat, turn.place.problem
         first_row = block_first_row(turn.tile, problem, BM) + seat.wg * WG_ROWS
         if not SKIP_IDLE or ((not LEAD_ROWS or first_row >= 0) and first_row < problem.seqlen_q):
             n_own = own_kv_tiles(first_row, turn.n_tiles, problem) if SKIP_MASKED else turn.n_tiles
             work = TileWork(turn.tile, uint32(turn.kv0), uint32(turn.round_q), turn.n_tiles, n_own,
-                            turn.kv_first)
+                            turn.kv_first, turn.place)
             attend_tile(state.acc, state.stats, state.descs, state.io, work, seat)
         else:  # every row of this warpgroup lies past seqlen_q
             pass_over_tile(state.io.bars, turn, seat)
         return kv_ring.advance(turn.kv0, turn.n_tiles)  # after the branch: the ring positions stay uniform
 
-    walk = make_tile_walk(consume_tile, BM, BN, causal, window)
+    walk = make_tile_walk(consume_tile, BM, BN, causal, window, varlen)
 
     @cuda.jit(device=True, forceinline=True)
     def consume(io, seat):
@@ -618,7 +660,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
                             desc_mn_major(tiles.v, BN * RB))
         if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
-        walk(ConsumerState(acc, stats, descs, io, seat), io.problem)
+        walk(ConsumerState(acc, stats, descs, io, seat), io.problem, io.seqs)
         if PINGPONG and seat.wg == 0:
             hp.named_barrier_sync(TURN_BARRIER, 2 * WARPGROUP)  # the last consumer's last hand-over
         if seat.thread == 0:
@@ -630,16 +672,21 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
 # ---------------------------------------------------------------------------------- kernel
 
 def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: bool = False,
-                           softcap: bool = False):
-    """Return the Python kernel function for ``config`` (jit it with ``WS_ARGTYPES`` and
-    ``launch_bounds=(config.threads, 1)``; grid: persistent, at most one CTA per SM).
+                           softcap: bool = False, varlen: bool = False):
+    """Return the Python kernel function for ``config`` (jit it with ``WS_ARGTYPES``, or
+    ``VARLEN_WS_ARGTYPES``, and ``launch_bounds=(config.threads, 1)``; grid: persistent, at most
+    one CTA per SM).
 
     ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
     ``causal`` must then be False: the window's right edge 0 is causal masking): each query block
     reads only the KV tiles between its window edges (``blocks.block_band_tiles``), and the tiles
     that cross an edge are masked (``blocks.mask_band``). ``softcap``: scores capped by tanh
     (``cap_scale`` argument = softmax_scale / softcap, and ``scale_log2`` = softcap·log2(e);
-    ``softmax.cap_scores``). Kernels without them never read those arguments."""
+    ``softmax.cap_scores``). Kernels without them never read those arguments. ``varlen``: packed
+    sequences (``flash_attention_varlen``): the walk reads each block's sequence from the offsets
+    and passes over the blocks past its end (``blocks.sequence_place``), the tensor maps are over
+    (1, total, heads, head_dim) views, and the threads store O (no TMA store: it would clip only at
+    total_q) and the (heads_q, total_q) LSE; seqlen_q and seqlen_k are the maxima."""
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
@@ -655,18 +702,20 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     # Causal, 192-row tiles: the blocks end at seqlen_q (the first starts up to 128 rows before
     # row 0), so a ragged block is the first, which sees the fewest keys, not the last and
     # heaviest, where its lone warpgroup would run the block's every tile while the others wait.
-    LEAD_ROWS = causal and CONSUMERS == 3
+    LEAD_ROWS = causal and CONSUMERS == 3 and not varlen  # (packed sequences: no lead)
     SKIP_IDLE = CONSUMERS == 3  # (make_consumer)
     O_IN_Q = config.o_in_q
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     rings = make_rings(config)
     q_ring, kv_ring, _ = rings
-    producer = make_producer(config, causal, rings, window)
-    consumer = make_consumer(config, causal, bf16, rings, window, softcap)
+    producer = make_producer(config, causal, rings, window, varlen)
+    consumer = make_consumer(config, causal, bf16, rings, window, softcap, varlen)
 
-    def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
-                         batch_size, scale_log2, write_lse, window_left, window_right, cap_scale):
+    @cuda.jit(device=True, forceinline=True)
+    def run_cta(params, seqs, out):
+        """The kernel's body (``params``: a WsParams); ``seqs`` and ``out``: a PackedSequences and
+        a PackedOut (varlen), or unused placeholders."""
         smem = cuda.shared.array(0, types.uint16)
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
@@ -680,10 +729,11 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
         v = RingBarriers(b + V_FULL_AT, b + V_EMPTY_AT)
         o_empty = b + O_EMPTY_AT
         bars = Barriers(q, k, v, RingBarriers(o_empty, o_empty))
-        maps = Maps(map_q, map_k, map_v, map_o)
-        diag = int64(seqlen_k - seqlen_q)  # query i sees keys j <= i + diag (causal)
-        problem = Problem(seqlen_q, seqlen_k, heads_q, group, batch_size, int32((seqlen_q + BM - 1) // BM),
-                          row_lead if LEAD_ROWS else int32(0), diag - window_left, diag + window_right)
+        maps = Maps(params.map_q, params.map_k, params.map_v, params.map_o)
+        diag = int64(params.seqlen_k - params.seqlen_q)  # query i sees keys j <= i + diag (causal)
+        problem = Problem(params.seqlen_q, params.seqlen_k, params.heads_q, params.group, params.batch_size,
+                          int32((params.seqlen_q + BM - 1) // BM), params.row_lead if LEAD_ROWS else int32(0),
+                          diag - params.window_left, diag + params.window_right)
         consumer_warps = CONSUMERS * WARPGROUP // 32
         # Q is released by every consumer warp, or (O staged in Q) by each warpgroup's storer.
         q_releases = CONSUMERS if O_IN_Q else consumer_warps
@@ -698,16 +748,16 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
                 hp.mbarrier_init(kv_ring.empty(bars.v, s), consumer_warps)
             hp.mbarrier_init(bars.o.empty, CONSUMERS)  # each warpgroup's storer (o_in_v)
             hp.fence_mbarrier_init()
-            hp.tma_prefetch_descriptor(map_q)
-            hp.tma_prefetch_descriptor(map_k)
-            hp.tma_prefetch_descriptor(map_v)
-            hp.tma_prefetch_descriptor(map_o)
+            hp.tma_prefetch_descriptor(params.map_q)
+            hp.tma_prefetch_descriptor(params.map_k)
+            hp.tma_prefetch_descriptor(params.map_v)
+            hp.tma_prefetch_descriptor(params.map_o)
         cuda.syncthreads()  # the last CTA-wide barrier: the roles part here
         warpgroup = tid // WARPGROUP
         if warpgroup == 0:
             lower_registers()
             if tid == 0:
-                producer.produce(ProducerState(maps, bars, tiles, problem))
+                producer.produce(ProducerState(maps, bars, tiles, problem, seqs))
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
@@ -717,12 +767,30 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
                 wg = uint32(cuda.shfl_sync(FULL_MASK, int32(wg), 0))
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
-            consumer.consume(Io(maps, bars, tiles, problem, lse, write_lse, scale_log2, cap_scale), seat)
+            io = Io(maps, bars, tiles, problem, params.lse, params.write_lse, params.scale_log2,
+                    params.cap_scale, seqs, out)
+            consumer.consume(io, seat)
+
+    if varlen:
+        def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
+                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale,
+                             cu_seqlens_q, cu_seqlens_k, total_q, o, o_row_stride, o_head_stride):
+            run_cta(WsParams(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
+                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale),
+                    PackedSequences(cu_seqlens_q, cu_seqlens_k, window_left, window_right),
+                    PackedOut(o, o_row_stride, o_head_stride, total_q))
+    else:
+        def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
+                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale):
+            run_cta(WsParams(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
+                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale),
+                    int32(0), int32(0))
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}"
         f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
-        f"{'window' if window else 'causal' if causal else 'full'}{'_softcap' if softcap else ''}_"
+        f"{'varlen_' if varlen else ''}{'window' if window else 'causal' if causal else 'full'}"
+        f"{'_softcap' if softcap else ''}_"
         f"{'bf16' if bf16 else 'f16'}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.
@@ -744,3 +812,26 @@ def make_forward_ws_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
 def make_forward_ws_window_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
     """The sliding-window, softcapped kernel of ``config`` (``causal`` ignored, as for the window)."""
     return make_forward_ws_kernel(config, False, bf16, window=True, softcap=True)
+
+
+def make_forward_ws_varlen_kernel(config: WsConfig, causal: bool, bf16: bool, window: bool = False,
+                                  softcap: bool = False):
+    """The packed variable-length kernel of ``config`` (``VARLEN_WS_ARGTYPES``), plain or causal, or
+    with a window (``causal`` then ignored) and / or a softcap."""
+    return make_forward_ws_kernel(config, False if window else causal, bf16, window=window, softcap=softcap,
+                                  varlen=True)
+
+
+def make_forward_ws_varlen_window_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """The packed variable-length sliding-window kernel (``causal`` ignored, as for the window)."""
+    return make_forward_ws_varlen_kernel(config, False, bf16, window=True)
+
+
+def make_forward_ws_varlen_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """The packed variable-length softcapped kernel, causal or not."""
+    return make_forward_ws_varlen_kernel(config, causal, bf16, softcap=True)
+
+
+def make_forward_ws_varlen_window_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
+    """The packed variable-length sliding-window, softcapped kernel (``causal`` ignored)."""
+    return make_forward_ws_varlen_kernel(config, False, bf16, window=True, softcap=True)

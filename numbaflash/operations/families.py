@@ -26,6 +26,7 @@ from ..kernels.abi import (
     VARLEN_BACKWARD_DQ_ABI,
     VARLEN_BACKWARD_PREP_ABI,
     VARLEN_FORWARD_ABI,
+    VARLEN_WS_ABI,
     WS_ABI,
 )
 from ..kernels.shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsConfig
@@ -38,7 +39,7 @@ from .launch_backward import (
     launch_varlen_backward_prep,
 )
 from .launch_decode import launch_decode, launch_decode_combine
-from .launch_forward import launch_sm80, launch_sm80_varlen, launch_sm90
+from .launch_forward import launch_sm80, launch_sm80_varlen, launch_sm90, launch_sm90_varlen
 
 
 def _attribute(spec: str) -> Any:
@@ -116,17 +117,23 @@ SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capabilit
 
 def forward_operation(window: bool, softcap: bool, varlen: bool = False) -> str:
     """The forward kernel operation of a call: ``forward`` (no window, no softcap: every family
-    has it), else a window or softcap variant (both forward families have them); ``varlen``: a
-    packed variable-length kernel (``forward_varlen[_window][_softcap]``, sm80 family only). A
-    call whose operation its GPU's family lacks runs the sm80 family (``configs.dispatch_family``)."""
+    has it), else a window or softcap variant; ``varlen``: a packed variable-length kernel
+    (``forward_varlen[_window][_softcap]``); both forward families have them all. A call whose
+    operation its GPU's family lacks runs the sm80 family (``configs.dispatch_family``)."""
     return ("forward" + ("_varlen" if varlen else "") + ("_window" if window else "")
             + ("_softcap" if softcap else ""))
 # The Hopper kernel and its sliding-window and softcap variants (issue 35), as the sm80 family's:
-# one parameter list and launch, the variants built on demand, a window kernel once (non-causal).
+# one parameter list and launch, the variants built on demand, a window kernel once (non-causal);
+# and its packed variable-length builds (``VARLEN_WS_ABI``), each plain, window and softcap.
 SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", {
-    f"forward{v}": KernelOp(f"forward_ws{v}", WS_ABI, f"forward_ws:make_forward_ws{v}_kernel",
-                            "forward_ws:WS_ARGTYPES", launch_sm90, masked="window" not in v)
-    for v in ("", "_window", "_softcap", "_window_softcap")
+    **{f"forward{v}": KernelOp(f"forward_ws{v}", WS_ABI, f"forward_ws:make_forward_ws{v}_kernel",
+                               "forward_ws:WS_ARGTYPES", launch_sm90, masked="window" not in v)
+       for v in ("", "_window", "_softcap", "_window_softcap")},
+    **{f"forward_varlen{v}": KernelOp(f"forward_ws_varlen{v}", VARLEN_WS_ABI,
+                                      f"forward_ws:make_forward_ws_varlen{v}_kernel",
+                                      "forward_ws:VARLEN_WS_ARGTYPES", launch_sm90_varlen,
+                                      masked="window" not in v)
+       for v in ("", "_window", "_softcap", "_window_softcap")},
 })
 # The mma.sync backward (FlashAttention-2's algorithm): three kernels a call, run in this order
 # (``operations.backward``). Compiled for the GPU's own target like the sm80 forward, so it runs

@@ -178,39 +178,52 @@ def map_layout_id(layout: tuple) -> int:
     return found
 
 
+def _tensor_maps(config):
+    """What the Hopper kernels' launches share: ``maps_of(call, gpu)`` gives (the device's SM
+    count, the layout's id, its map slots, ``encode(q, k, v, o)``: the four tensor maps of q, k,
+    v, out as uint64 words for those pointers)."""
+    from ..runtime.map_slots import map_slots
+
+    rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
+    cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
+    swizzle = f"{config.row_bytes}B"
+    sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)
+
+    def maps_of(call: ForwardCall, gpu: Any):
+        q, k, v, o = call.q, call.k, call.v, call.o
+        dtype = "bf16" if q.dtype_name == "bfloat16" else "f16"
+        layout = map_layout_id((dtype, rows, cols, q.shape, q.strides, k.shape, k.strides, v.shape,
+                                v.strides, o.shape, o.strides))
+        boxes = [(op.shape, tma_strides(op), (1, r, 1, cols))
+                 for op, r in zip((q, k, v, o), rows, strict=True)]
+
+        def encode(*pointers: int):
+            from ..runtime.tensor_map import encode_tensor_map
+
+            return np.stack([encode_tensor_map(pointer, shape, strides, box, swizzle=swizzle, dtype=dtype)
+                             for pointer, (shape, strides, box) in zip(pointers, boxes, strict=True)])
+
+        device = sms.get(call.device)
+        if device is None:
+            device = sms[call.device] = (gpu.sm_count(call.device), map_slots(call.device))
+        sm_count, slots = device
+        return sm_count, layout, slots, encode
+
+    return maps_of
+
+
 def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
     """The launch of the warp-specialised Hopper kernel of ``config`` (``WS_ABI``): tensor maps
     of q, k, v, out (cached in device memory by pointers and layout: ``runtime.map_slots``) and a
     persistent grid of at most one CTA per SM (``ctas``: fewer, for tests that make each CTA walk
     many tiles). What depends only on the config is worked out here, once; what depends on the
     layout, once per bind."""
-    from ..runtime.map_slots import map_slots
-
     block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
-    rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
-    cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
-    swizzle = f"{config.row_bytes}B"
-    sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)
+    maps_of = _tensor_maps(config)
 
     def bind(launcher, call: ForwardCall, gpu: Any) -> Callable[..., None]:
-        q, k, v, o = call.q, call.k, call.v, call.o
-        batch, seqlen_q, heads_q, _ = q.shape
-        dtype = "bf16" if q.dtype_name == "bfloat16" else "f16"
-        layout = map_layout_id((dtype, rows, cols, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
-                                o.shape, o.strides))
-        maps_of = [(op.shape, tma_strides(op), (1, r, 1, cols))
-                   for op, r in zip((q, k, v, o), rows, strict=True)]
-
-        def encode(*pointers: int):
-            from ..runtime.tensor_map import encode_tensor_map
-
-            return np.stack([encode_tensor_map(pointer, shape, strides, box, swizzle=swizzle, dtype=dtype)
-                             for pointer, (shape, strides, box) in zip(pointers, maps_of, strict=True)])
-
-        device = sms.get(call.device)
-        if device is None:
-            device = sms[call.device] = (gpu.sm_count(call.device), map_slots(call.device))
-        sm_count, slots = device
+        batch, seqlen_q, heads_q, _ = call.q.shape
+        sm_count, layout, slots, encode = maps_of(call, gpu)
         tiles = -(-seqlen_q // block_m) * heads_q * batch
         grid = (min(tiles, ctas or sm_count), 1, 1)
         bound = launcher.bind(grid, threads, shared_bytes, (0, 16), (0, 16), (0, 16), (0, 16), call.lse,
@@ -230,3 +243,48 @@ def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
         return fire
 
     return ForwardLaunch(bind)
+
+
+def launch_sm90_varlen(config, ctas: int | None = None) -> Callable[..., Any]:
+    """The launch of the Hopper kernel's packed variable-length build of ``config``
+    (``VARLEN_WS_ABI``), as ``launch_sm80_varlen``'s: ``bind(launcher, varlen_call, gpu)`` gives
+    ``fire(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)``, and the returned callable binds
+    and fires one ``VarlenCall``. Tensor maps over the (1, total, heads, head_dim) views; a
+    persistent grid over ceil(max_seqlen_q / block_m) blocks of every (sequence, head), whose
+    blocks past a sequence's end the kernel passes over; out also as a flat array with its row and
+    head strides, where the threads store O."""
+    block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
+    maps_of = _tensor_maps(config)
+
+    def bind(launcher, vcall: VarlenCall, gpu: Any) -> Callable[..., None]:
+        call = vcall.call
+        _, total_q, heads_q, _ = call.q.shape
+        sm_count, layout, slots, encode = maps_of(call, gpu)
+        tiles = -(-vcall.max_seqlen_q // block_m) * heads_q * vcall.batch
+        grid = (max(1, min(tiles, ctas or sm_count)), 1, 1)
+        o = call.o
+        bound = launcher.bind(grid, threads, shared_bytes, (0, 16), (0, 16), (0, 16), (0, 16), call.lse,
+                              vcall.max_seqlen_q, call.seqlen_k, 0, heads_q, heads_q // call.heads_kv,
+                              vcall.batch, call.scale_log2, call.write_lse, call.window_left,
+                              call.window_right, call.cap_scale, vcall.cu_seqlens_q, vcall.cu_seqlens_k,
+                              total_q, (o.pointer, o.span), o.strides[1], o.strides[2])
+        lock, address, used = slots.lock, slots.address, slots.used
+
+        def fire(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_q: int, cu_k: int) -> None:
+            with lock:
+                maps, slot = address((layout, q, k, v, o), lambda: encode(q, k, v, o), stream)
+                try:
+                    bound(stream, maps, maps + 128, maps + 256, maps + 384, lse, cu_q, cu_k, o)
+                finally:  # even after a failed launch: the slot's copy is on the stream
+                    used(slot, stream)
+
+        return fire
+
+    def launch(launcher, vcall: VarlenCall, gpu: Any) -> None:
+        call = vcall.call
+        fire = bind(launcher, vcall, gpu)
+        fire(call.stream, call.q.pointer, call.k.pointer, call.v.pointer, call.o.pointer, call.lse[0],
+             vcall.cu_seqlens_q[0], vcall.cu_seqlens_k[0])
+
+    launch.bind = bind
+    return launch

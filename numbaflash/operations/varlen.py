@@ -1,7 +1,7 @@
 """The packed variable-length forward (``api.flash_attention_varlen``): checks of the offsets,
-then one launch of the mma.sync family's varlen kernel (on every GPU, Hopper included: the
-warp-specialised kernel has no varlen schedule yet), on device arrays or on numpy arrays staged
-through page-locked memory.
+then one launch of the GPU's own family's varlen kernel (the Hopper kernel on sm_90 at head dims
+64, 96, 128 and 256: a persistent walk over the real blocks; else the mma.sync kernel), on device
+arrays or on numpy arrays staged through page-locked memory.
 
 The sequences are packed along the first dimension: sequence b owns query rows
 ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of q (total_q, heads_q, head_dim) and key rows
@@ -132,8 +132,9 @@ def check_sequences(cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max
 
 def varlen_kernel(capability, device: int, head_dim: int, bf16: bool, causal: bool, window_size,
                   softcap: float, scale: float, max_q: int, max_k: int):
-    """(variant, (launcher, config, launch)) of a varlen call: the sm80 family's kernel on every
-    GPU (``forward_config`` with an operation only that family has), picked by the longer maximum."""
+    """(variant, (launcher, config, launch)) of a varlen call: the GPU's own family's varlen kernel
+    where it has the head dim, else the sm80 family's (``forward_config`` with the varlen
+    operation), the config picked by the longer maximum."""
     var = variant_of(causal, window_size, softcap, scale, max_q, max_k)
     operation = forward_operation("_window" in var.operation, softcap > 0, varlen=True)
     return var, forward_kernel(capability, device, head_dim, var.causal, bf16, max(max_q, max_k), operation)

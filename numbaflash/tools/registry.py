@@ -63,18 +63,18 @@ def forward_variant_kernels() -> dict:
 
 
 def forward_varlen_kernels() -> dict:
-    """The mma.sync forward's packed variable-length kernels (``flash_attention_varlen``) of every
-    shipped sm80-family config: plain (full and causal), window, softcap and window + softcap, both
-    dtypes, for sm_80 and sm_90a (Hopper runs them too). Compiled on demand, not by
-    ``precompile``; named like the plain kernels with ``varlen_`` before ``full|causal|window``
-    (``..._varlen_causal_f16_sm80``); ``forward_key`` is (config, causal, bf16, operation)."""
-    from ..configs import kernel_argtypes, make_kernel, shipped_configs
+    """The packed variable-length kernels (``flash_attention_varlen``) of every shipped forward
+    config: plain (full and causal), window, softcap and window + softcap, both dtypes; the
+    mma.sync family's for sm_80 and sm_90a (Hopper runs them at head dim 32), the Hopper kernel's
+    for sm_90a. Compiled on demand, not by ``precompile``; named like the plain kernels with
+    ``varlen_`` before ``full|causal|window`` (``..._varlen_causal_f16_sm80``); ``forward_key`` is
+    (config, causal, bf16, operation)."""
+    from ..configs import FAMILY_ARCH, kernel_argtypes, make_kernel, shipped_configs
     from ..operations.families import family_of, forward_operation
 
     kernels = {}
     for family, _, causal, config in shipped_configs():
-        if family != "sm80":
-            continue
+        archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
         for window in (False, True):
             for softcap in (False, True):
                 operation = forward_operation(window, softcap, varlen=True)
@@ -84,7 +84,7 @@ def forward_varlen_kernels() -> dict:
                     name = f"{kernel.__name__}_{family}"
                     if name not in kernels:
                         kernel.forward_key = (config, op.kernel_causal(causal), bf16, operation)
-                        kernels[name] = (kernel, kernel_argtypes(config, operation), ("sm_80", "sm_90a"))
+                        kernels[name] = (kernel, kernel_argtypes(config, operation), archs)
     return kernels
 
 

@@ -54,7 +54,7 @@ KINDS = ("numpy", "numba", "torch")
 # The forward families whose kernels take a window and a softcap, and those with a varlen kernel
 # (the backward has both): only their cases draw these (all of them with --variants).
 WINDOW_SOFTCAP_FAMILIES = ("sm80", "sm90")
-VARLEN_FAMILIES = ("sm80",)
+VARLEN_FAMILIES = ("sm80", "sm90")
 
 
 def describe_problem(case: Any) -> str:
