@@ -229,6 +229,13 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     return _table_choice(tuple(capability), head_dim, causal, limit, "/" + span if span else "", operation)
 
 
+# A call with a sliding window or packed sequences (its kernel operation names them) first looks
+# for a ``<key>/window`` or ``<key>/varlen`` entry (each span's, then the plain one's): where a
+# variant's extra registers spill the plain call's config (d256 128 x 80 on Hopper), it runs
+# another.
+VARIANT_KEYS = ("varlen", "window")
+
+
 def seqlen_span(seqlen: int | None) -> str:
     """Which table entries a problem whose longer sequence is ``seqlen`` reads first: "short"
     (at most ``SHORT_SEQLEN``), "long" (at least ``LONG_SEQLEN``) or "" (None: the plain entry)."""
@@ -247,6 +254,8 @@ def _table_choice(capability: tuple[int, int], head_dim: int, causal: bool, limi
         keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
     if span:
         keys = [k for key in keys for k in (key + span, key)]
+    variants = [f"/{v}" for v in VARIANT_KEYS if v in operation]
+    keys = [key + v for key in keys for v in variants] + keys
     for key in keys:
         if key in _table():
             config = config_from_json(_table()[key])
@@ -266,10 +275,10 @@ FAMILY_CAPABILITY = {"sm80": (8, 0), "sm90": (9, 0)}  # a representative GPU of 
 SMALL_SHARED_CAPABILITIES = ((8, 6),)
 
 
-def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
-    """Every (family, head dim, causal, config) the dispatcher can launch (each family at its
-    own head dims: the others run the sm80 family's config), including the sm80 family's
-    configs for GPUs of 99 KB of shared memory a CTA where they differ, and each family's
+def shipped_configs(operation: str = "forward") -> list[tuple[str, int, bool, KernelConfig]]:
+    """Every (family, head dim, causal, config) the dispatcher can launch for ``operation`` (each
+    family at its own head dims: the others run the sm80 family's config), including the sm80
+    family's configs for GPUs of 99 KB of shared memory a CTA where they differ, and each family's
     short- and long-sequence configs (``SHORT_SEQLEN``, ``LONG_SEQLEN``) where they differ."""
     # (family, GPU capability, seqlen) of each dispatch that may pick its own configs
     points = [(family, cap, None) for family, cap in FAMILY_CAPABILITY.items()]
@@ -280,7 +289,7 @@ def shipped_configs() -> list[tuple[str, int, bool, KernelConfig]]:
     for family, cap, seqlen in points:
         for d in FAMILY_HEAD_DIMS[family]:
             for causal in (False, True):
-                item = (family, d, causal, forward_config(cap, d, causal, seqlen=seqlen))
+                item = (family, d, causal, forward_config(cap, d, causal, seqlen=seqlen, operation=operation))
                 if item not in shipped:
                     shipped.append(item)
     return shipped

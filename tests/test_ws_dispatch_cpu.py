@@ -165,3 +165,20 @@ def test_api_dispatch_passes_the_longer_sequence(monkeypatch, sq, sk):
     with pytest.raises(Stop):
         numbaflash.flash_attention(q, k, k, causal=True)
     assert seen == [max(sq, sk)]
+
+
+def test_window_and_varlen_calls_read_their_variant_entries_first():
+    """``<key>/window`` and ``<key>/varlen`` entries serve calls whose kernel operation has a
+    window or packed sequences: at d256 the non-causal 128 x 80 tile spills with either (2 words
+    of local memory), so those calls run the causal 128 x 64 tile; the softcap alone keeps 128 x 80."""
+    full, causal = configs.forward_config(HOPPER, 256, False), configs.forward_config(HOPPER, 256, True)
+    assert (full.block_n, causal.block_n) == (80, 64)
+    for op in ("forward_window", "forward_window_softcap", "forward_varlen", "forward_varlen_softcap",
+               "forward_varlen_window", "forward_varlen_window_softcap"):
+        for seqlen in (None, 1024, 16384):
+            assert configs.forward_config(HOPPER, 256, False, seqlen=seqlen, operation=op) == causal, op
+    assert configs.forward_config(HOPPER, 256, False, operation="forward_softcap") == full
+    for d in (64, 96, 128):  # no variant entries: the plain call's config
+        for op in ("forward_window", "forward_varlen"):
+            plain = configs.forward_config(HOPPER, d, False)
+            assert configs.forward_config(HOPPER, d, False, operation=op) == plain

@@ -39,19 +39,38 @@ def forward_kernels() -> dict:
 
 
 def forward_variant_kernels() -> dict:
-    """The sliding-window and softcap kernels (issue 35) of every shipped forward config, both
-    dtypes: the mma.sync family's for sm_80 and for Hopper (sm_90a), which runs them at the head
-    dims its own kernel lacks, and the Hopper kernel's for sm_90a. Compiled on demand by the
-    API, not by ``precompile``; named like the plain kernels with ``window`` in place of
-    ``full|causal`` and ``_softcap`` after it (``..._window_softcap_f16_sm80``). Each kernel's
-    ``forward_key`` is (config, causal, bf16, operation), what ``configs.kernel_cubin`` takes."""
+    """The sliding-window and softcap kernels (issue 35) of every forward config the dispatcher
+    picks for them (``shipped_configs(operation)``), both dtypes: the mma.sync family's for sm_80
+    and for Hopper (sm_90a), which runs them at the head dims its own kernel lacks, and the Hopper
+    kernel's for sm_90a. Compiled on demand by the API, not by ``precompile``; named like the plain
+    kernels with ``window`` in place of ``full|causal`` and ``_softcap`` after it
+    (``..._window_softcap_f16_sm80``). Each kernel's ``forward_key`` is (config, causal, bf16,
+    operation), what ``configs.kernel_cubin`` takes."""
+    return _operation_kernels(("forward_window", "forward_softcap", "forward_window_softcap"))
+
+
+def forward_varlen_kernels() -> dict:
+    """The packed variable-length kernels (``flash_attention_varlen``) of every forward config the
+    dispatcher picks for them: plain (full and causal), window, softcap and window + softcap, both
+    dtypes, for the targets of ``forward_variant_kernels``. Compiled on demand, not by
+    ``precompile``; named like the plain kernels with ``varlen_`` before ``full|causal|window``
+    (``..._varlen_causal_f16_sm80``); ``forward_key`` is (config, causal, bf16, operation)."""
+    from ..operations.families import forward_operation
+
+    return _operation_kernels(tuple(forward_operation(w, c, varlen=True) for w in (False, True)
+                                    for c in (False, True)))
+
+
+def _operation_kernels(operations: tuple[str, ...]) -> dict:
+    """name -> (kernel, argument types, targets) of ``operations``' kernels, each on the configs the
+    dispatcher picks for it (a window kernel is built once, as non-causal)."""
     from ..configs import FAMILY_ARCH, kernel_argtypes, make_kernel, shipped_configs
     from ..operations.families import family_of
 
     kernels = {}
-    for family, _, causal, config in shipped_configs():
-        archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
-        for operation in ("forward_window", "forward_softcap", "forward_window_softcap"):
+    for operation in operations:
+        for family, _, causal, config in shipped_configs(operation):
+            archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
             op = family_of(config).op(operation)
             for bf16 in (False, True):
                 kernel = make_kernel(config, causal, bf16, operation)
@@ -59,32 +78,6 @@ def forward_variant_kernels() -> dict:
                 if name not in kernels:
                     kernel.forward_key = (config, op.kernel_causal(causal), bf16, operation)
                     kernels[name] = (kernel, kernel_argtypes(config, operation), archs)
-    return kernels
-
-
-def forward_varlen_kernels() -> dict:
-    """The packed variable-length kernels (``flash_attention_varlen``) of every shipped forward
-    config: plain (full and causal), window, softcap and window + softcap, both dtypes; the
-    mma.sync family's for sm_80 and sm_90a (Hopper runs them at head dim 32), the Hopper kernel's
-    for sm_90a. Compiled on demand, not by ``precompile``; named like the plain kernels with
-    ``varlen_`` before ``full|causal|window`` (``..._varlen_causal_f16_sm80``); ``forward_key`` is
-    (config, causal, bf16, operation)."""
-    from ..configs import FAMILY_ARCH, kernel_argtypes, make_kernel, shipped_configs
-    from ..operations.families import family_of, forward_operation
-
-    kernels = {}
-    for family, _, causal, config in shipped_configs():
-        archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
-        for window in (False, True):
-            for softcap in (False, True):
-                operation = forward_operation(window, softcap, varlen=True)
-                op = family_of(config).op(operation)
-                for bf16 in (False, True):
-                    kernel = make_kernel(config, causal, bf16, operation)
-                    name = f"{kernel.__name__}_{family}"
-                    if name not in kernels:
-                        kernel.forward_key = (config, op.kernel_causal(causal), bf16, operation)
-                        kernels[name] = (kernel, kernel_argtypes(config, operation), archs)
     return kernels
 
 
