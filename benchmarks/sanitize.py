@@ -399,6 +399,12 @@ def run_varlen_backward_case(config: BackwardConfig, capability: tuple[int, int]
 BACKWARD_WINDOW_SOFTCAP_CASES = (((17, 3), 0.0, True), ((-1, -1), 30.0, False))
 
 
+# The decode kernel's window and softcap variants, run on each decode config beside the plain cases:
+# (window_size, softcap, causal); the window leaves most of the cache's tiles unread and, with
+# three splits, splits with no tile (their partials empty).
+DECODE_WINDOW_SOFTCAP_CASES = (((33, 2), 0.0, False), ((-1, -1), 30.0, True))
+
+
 def decode_cases(config) -> list[tuple[int, int]]:
     """(group, seqlen_q) whose packed rows dispatch to ``config`` (16 rows, or 17 to 32)."""
     return [(4, 1), (1, 3), (8, 2)] if config.m_tiles == 1 else [(8, 4), (4, 5)]
@@ -406,8 +412,9 @@ def decode_cases(config) -> list[tuple[int, int]]:
 
 def run_decode_worker(config) -> int:
     """Decode on ``config``'s shapes: ragged cache lengths (1 to the capacity), with and without
-    appended rows, one and three splits, causal or not, both dtypes, contiguous or (its kind)
-    paged with shuffled pages; ``out`` poisoned with NaN; each sequence against float64."""
+    appended rows, one and three splits, causal or not, and a window and a softcap case
+    (``DECODE_WINDOW_SOFTCAP_CASES``), both dtypes, contiguous or (its kind) paged with shuffled
+    pages; ``out`` poisoned with NaN; each sequence against float64."""
     import ml_dtypes
     from numba import cuda
 
@@ -437,11 +444,13 @@ def run_decode_worker(config) -> int:
                     v_cache = np.empty_like(k_cache)
                     k_cache[table] = k_rows.reshape(batch, per_seq, page, heads_kv, d)
                     v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, d)
+                cases = (((-1, -1), 0.0, False), ((-1, -1), 0.0, True), *DECODE_WINDOW_SOFTCAP_CASES)
                 for splits in (1, 3):
-                    for causal in (False, True):
+                    for window, softcap, causal in cases:
                         out = DeviceBuffer(np.full(q.shape, np.nan, dtype))
                         kwargs = {"block_table": None if table is None else cuda.to_device(table),
-                                  "causal": causal, "num_splits": splits, "return_lse": True, "out": out}
+                                  "causal": causal, "num_splits": splits, "return_lse": True, "out": out,
+                                  "window_size": window, "softcap": softcap}
                         if n_new:
                             kwargs.update(k_new=DeviceBuffer(new[0]), v_new=DeviceBuffer(new[1]))
                         with configs.force_decode_config(config):
@@ -454,11 +463,12 @@ def run_decode_worker(config) -> int:
                             keys = np.concatenate([k_rows[b, :n], new[0][b]])[None]
                             values = np.concatenate([v_rows[b, :n], new[1][b]])[None]
                             _, problems = compare_with_reference(q[b:b + 1], keys, values, got[b:b + 1],
-                                                                 lse[b:b + 1], causal=causal)
+                                                                 lse[b:b + 1], causal=causal,
+                                                                 window_size=window, softcap=softcap)
                             for p in problems:
                                 print(f"WRONG {config} {np.dtype(dtype).name} group={group} sq={sq} "
-                                      f"new={n_new} splits={splits} causal={causal} batch {b}: {p}",
-                                      flush=True)
+                                      f"new={n_new} splits={splits} causal={causal} window={window} "
+                                      f"softcap={softcap} batch {b}: {p}", flush=True)
                             failures += bool(problems)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0

@@ -267,6 +267,8 @@ def flash_attention_with_kvcache(
     block_table: Any = None,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     num_splits: int = 0,
     return_lse: bool = False,
     out: Any = None,
@@ -288,6 +290,16 @@ def flash_attention_with_kvcache(
         causal: query i (of seqlen_q) sees keys j <= L - seqlen_q + i, L = cache_seqlens[b] +
             seqlen_new (bottom-right); else every key below L.
         softmax_scale: default 1/sqrt(head_dim).
+        window_size: (left, right) ints, FlashAttention's sliding window: query i (of
+            seqlen_q) of sequence b sees key j iff i + L - seqlen_q - left <= j <= i + L -
+            seqlen_q + right, L = cache_seqlens[b] + seqlen_new (read on the device, so a
+            captured graph follows it); -1 is unbounded; ``causal=True`` sets right to 0. Key
+            tiles below a window are never read: the cost follows the window, not the cache
+            (the split count then divides the window's tiles). Rows that see no key give 0
+            (LSE -inf). The new rows are appended whether the window sees them or not.
+        softcap: float >= 0; when > 0 the scaled scores s = QKᵀ · scale become
+            softcap · tanh(s / softcap) before the softmax (Gemma 2, Grok); 0 turns it off.
+            A window or a softcap runs a variant of the decode kernel, compiled on first use.
         num_splits: CTAs that share one sequence's keys; 0 chooses from the shapes and the SM
             count (never from ``cache_seqlens``' values, so a captured graph stays valid).
         return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp.
@@ -297,27 +309,34 @@ def flash_attention_with_kvcache(
     through the custom op ``numbaflash::flash_attention_with_kvcache`` (``torch_ops``), which
     declares the in-place append (``mutates_args``), so a compiled decode step has no break.
 
+    Raises:
+        TypeError, ValueError: bad input (window and softcap: the forward's checks), before
+            anything is compiled or launched.
+
     Returns:
-        ``out`` (batch, seqlen_q, heads_q, head_dim), and the LSE with ``return_lse``.
+        ``out`` (batch, seqlen_q, heads_q, head_dim), and the float32 (batch, heads_q, seqlen_q)
+        LSE with ``return_lse``.
     """
     if kind_of(q) == "torch":  # torch.compile, fake tensors: the custom op
         from .torch_ops import route_kvcache
 
         routed = route_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                               softmax_scale, num_splits, return_lse, out)
+                               softmax_scale, num_splits, return_lse, out, window_size, softcap)
         if routed is not None:
             return routed
         done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                                softmax_scale, num_splits, return_lse, out)
+                                softmax_scale, num_splits, return_lse, out, window_size, softcap)
         if done is not None:
             return done
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                                               causal, softmax_scale, num_splits, return_lse, out)
+                                               causal, softmax_scale, num_splits, return_lse, out,
+                                               window_size, softcap)
 
 
 def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any,
                                         v_new: Any, block_table: Any, causal: Any, softmax_scale: Any,
-                                        num_splits: Any, return_lse: Any, out: Any) -> Any:
+                                        num_splits: Any, return_lse: Any, out: Any,
+                                        window_size: Any = (-1, -1), softcap: Any = 0.0) -> Any:
     """``flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
     the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
@@ -352,6 +371,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     return_lse = check_flag("return_lse", return_lse)
     scale_key = softmax_scale  # as given: the plans' key (``decode.run_torch`` builds it the same way)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
+    window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap, softmax_scale)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
     outd = None
@@ -367,7 +388,7 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     capability, device = gpu_state.GPU.current()
     check_same_device([*given, seqd, *([btd] if btd is not None else [])], device)
     result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
-                                    num_splits, return_lse, capability, device)
+                                    num_splits, return_lse, capability, device, window_size, softcap)
     return (result, lse) if return_lse else result
 
 

@@ -194,32 +194,40 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
 
 def run_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor | None,
                 v_new: Tensor | None, block_table: Tensor | None, causal: bool, softmax_scale: float,
-                num_splits: int):
+                num_splits: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     return api.direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                                   block_table, causal, softmax_scale, num_splits, True, None)
+                                                   block_table, causal, softmax_scale, num_splits, True, None,
+                                                   window_size, softcap)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
 def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                                  k_new: Tensor | None, v_new: Tensor | None, block_table: Tensor | None,
-                                 causal: bool, softmax_scale: float,
-                                 num_splits: int) -> tuple[Tensor, Tensor]:
+                                 causal: bool, softmax_scale: float, num_splits: int, window_left: int = -1,
+                                 window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """(out, lse) of decode against the cache; k_new / v_new, when given, are written into the
-    cache in place (hence ``mutates_args``)."""
-    out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                           softmax_scale, num_splits)
+    cache in place (hence ``mutates_args``). The window's sides and the softcap as
+    ``flash_attention_with_kvcache`` takes them (validated), passed on only when not the defaults."""
+    if window_left == -1 and window_right == -1 and softcap == 0.0:
+        out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                               softmax_scale, num_splits)
+    else:
+        out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                               softmax_scale, num_splits, (window_left, window_right), softcap)
     return out, lse
 
 
 @flash_attention_with_kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
-                  num_splits):
+                  num_splits, window_left=-1, window_right=-1, softcap=0.0):
+    check_window_size((window_left, window_right))
+    check_softcap(softcap, softmax_scale)
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
 def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                  softmax_scale, num_splits, return_lse, out):
+                  softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0):
     """``flash_attention_with_kvcache`` on torch tensors: None where the direct path serves the
     call, else its result through the custom op (under torch.compile / export, fake or meta
     tensors, a dispatch mode), so that a compiled decode step has no graph break."""
@@ -231,8 +239,15 @@ def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, bloc
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    result, lse = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                                               causal, softmax_scale, int(num_splits))
+    if type(softcap) is not float or softcap != 0.0 or window_size != (-1, -1):  # (not traced when default)
+        window_size = check_window_size(window_size)
+        softcap = check_softcap(softcap, softmax_scale)
+    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
+            int(num_splits))
+    if window_size == (-1, -1) and softcap == 0.0:
+        result, lse = flash_attention_with_kvcache(*args)
+    else:
+        result, lse = flash_attention_with_kvcache(*args, *window_size, softcap)
     return (result, lse) if return_lse else result
 
 

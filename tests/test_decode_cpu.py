@@ -299,3 +299,175 @@ def test_compiled_decode_step_has_no_graph_break(monkeypatch):
                                 0.125, 0)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert torch.equal(kc, eager_caches[0]) and torch.equal(lens, torch.tensor([6, 31], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ sliding window and softcap (issue 35)
+
+import math  # noqa: E402
+
+from numbaflash.kernels import abi  # noqa: E402
+from numbaflash.operations.families import SM80_DEC, decode_operation  # noqa: E402
+from numbaflash.operations.forward import WINDOW_UNBOUNDED  # noqa: E402
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"window_size": (3,)}, TypeError, r"window_size must be a pair \(left, right\) of ints.*tuple \(3,\)"),
+    ({"window_size": (1.5, 2)}, TypeError, r"window_size must be a pair .* got tuple \(1.5, 2\)"),
+    ({"window_size": (True, 2)}, TypeError, "window_size must be a pair"),
+    ({"window_size": 4}, TypeError, "got int 4"),
+    ({"window_size": (-2, 0)}, ValueError, r"each -1 \(unbounded\) or >= 0, got \(-2, 0\)"),
+    ({"window_size": (0, -5)}, ValueError, r"got \(0, -5\)"),
+    ({"softcap": -1.0}, ValueError, "softcap must be 0 .* got -1.0"),
+    ({"softcap": float("inf")}, ValueError, "softcap must be 0"),
+    ({"softcap": "30"}, TypeError, "softcap must be a real number"),
+    ({"softcap": True}, TypeError, "softcap must be a real number"),
+    ({"softcap": 1e-40}, ValueError, "normal float32 values"),
+])
+def test_bad_window_or_softcap_is_rejected_before_compiling(no_compile, change, error, match):
+    with pytest.raises(error, match=match):
+        call(inputs(), **change)
+
+
+def test_variant_abi_is_the_plain_one_and_the_window_and_softcap():
+    assert [str(t) for t in decode_mma.DECODE_ARGTYPES] == list(abi.DECODE_ABI)
+    assert [str(t) for t in decode_mma.DECODE_VARIANT_ARGTYPES] == list(abi.DECODE_VARIANT_ABI)
+    assert abi.DECODE_VARIANT_ABI == (*abi.DECODE_ABI, "int64", "int64", "float32")
+    for operation in ("decode_window", "decode_softcap", "decode_window_softcap"):
+        op = SM80_DEC.op(operation)
+        assert op.abi == abi.DECODE_VARIANT_ABI and op.masked == ("window" not in operation)
+    assert SM80_DEC.op("decode").abi == abi.DECODE_ABI
+    assert [decode_operation(w, s) for w in (False, True) for s in (False, True)] == [
+        "decode", "decode_softcap", "decode_window", "decode_window_softcap"]
+
+
+def _window_tiles(total, seqlen_q, group, r0, rows, block_n, left, right, monkeypatch):
+    from numbaflash.kernels import blocks
+
+    monkeypatch.setattr(decode_mma, "band_kv_tiles", blocks.band_kv_tiles.py_func)
+    return decode_mma.window_tiles.py_func(total, seqlen_q, group, r0, rows, block_n, left, right)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_window_tiles_hold_exactly_the_visible_keys_and_splits_cover_them(monkeypatch, seed):
+    """The kernel's key range of one row block (``window_tiles``): every key that one of its rows
+    sees (FlashAttention's rule with the sequence's own length) lies in it, its first and last
+    tiles each hold such a key, it is empty where no row sees a key, and the splits of the range
+    (``decode_split`` offset by its first tile) cover it once."""
+    rng = np.random.default_rng(seed)
+    block_n, rows_per_block = 64, 16
+    group = int(rng.choice([1, 2, 4, 8]))
+    seqlen_q = int(rng.integers(1, 17))
+    total = int(rng.choice([0, 1, 2, 63, 64, 65, int(rng.integers(1, 3000))]))
+    left = int(rng.choice([0, 1, 5, 127, int(rng.integers(0, 4000)), WINDOW_UNBOUNDED]))
+    right = int(rng.choice([0, 1, 3, int(rng.integers(0, 20)), WINDOW_UNBOUNDED]))
+    rows_total = group * seqlen_q
+    for r0 in range(0, rows_total, rows_per_block):
+        rows = min(rows_per_block, rows_total - r0)
+        first, end = _window_tiles(total, seqlen_q, group, r0, rows, block_n, left, right, monkeypatch)
+        seen = set()
+        for r in range(r0, r0 + rows):
+            i = r // group
+            lo, hi = max(i + total - seqlen_q - left, 0), min(i + total - seqlen_q + right, total - 1)
+            seen |= set(range(lo, hi + 1))
+        tiles = sorted({j // block_n for j in seen})
+        if not tiles:
+            assert first == end
+        else:
+            assert (first, end) == (tiles[0], tiles[-1] + 1)
+        for splits in (1, 3, 32):
+            covered = []
+            for s in range(splits):
+                a, b = decode_split(end - first, splits, s)
+                covered += range(first + a, first + b)
+            assert covered == list(range(first, end))
+
+
+def _calls(x, **kwargs):
+    """The decode launches of one call: (operation, grid, parameters)."""
+    FakeLauncher.launches.clear()
+    call(x, **kwargs)
+    return [(name, grid, args) for name, grid, _, _, args in FakeLauncher.launches]
+
+
+@pytest.mark.parametrize(("kwargs", "operation", "sides"), [
+    ({}, "decode", None),  # causal by default: the plain causal kernel
+    ({"causal": False}, "decode", None),
+    ({"window_size": (-1, -1), "softcap": 0.0}, "decode", None),
+    ({"window_size": (5, -1)}, "decode_window", (5, 0)),  # causal sets the right side to 0
+    ({"window_size": (5, -1), "causal": False}, "decode_window", (5, WINDOW_UNBOUNDED)),
+    ({"window_size": (0, 0), "causal": False}, "decode_window", (0, 0)),
+    ({"window_size": (-1, 0), "causal": False}, "decode", None),  # the causal kernel
+    ({"window_size": (299, 3), "causal": False}, "decode", None),  # wider than any sequence: plain
+    ({"window_size": (298, -1), "causal": False}, "decode_window", (298, WINDOW_UNBOUNDED)),
+    ({"window_size": (-1, 1), "causal": False}, "decode", None),  # right >= seqlen_q - 1: unbounded
+    ({"window_size": (-1, 0), "causal": False, "seqlen_q": 3}, "decode", None),  # causal at any seqlen_q
+    ({"window_size": (2, 1), "causal": False, "seqlen_q": 3}, "decode_window", (2, 1)),
+    ({"softcap": 30.0}, "decode_softcap", (0, 0)),
+    ({"softcap": 30, "window_size": (7, 0)}, "decode_window_softcap", (7, 0)),
+])
+def test_window_and_softcap_dispatch_and_arguments(fake_gpu, monkeypatch, kwargs, operation, sides):
+    kwargs = dict(kwargs)
+    built = []
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda config, causal, bf16, arch, op:
+                        built.append((op, causal)) or (types.SimpleNamespace(handle=1), op))
+    seqlen_q = kwargs.pop("seqlen_q", 2)
+    launches = _calls(inputs(seqlen_q=seqlen_q), num_splits=1, **kwargs)
+    assert [name for name, _, _ in launches] == [operation]
+    args = launches[0][2]
+    scale = 1 / math.sqrt(128)
+    softcap = float(kwargs.get("softcap", 0.0))
+    if operation == "decode":
+        assert len(args) == len(abi.DECODE_ABI)
+        assert args[-2] == np.float32(scale * math.log2(math.e))
+        causal = kwargs.get("causal", True) or kwargs.get("window_size") == (-1, 0)
+        assert built[0] == ("decode", causal)
+        return
+    assert len(args) == len(abi.DECODE_VARIANT_ABI)
+    assert tuple(args[-3:-1]) == sides
+    assert args[-5] == np.float32((softcap or scale) * math.log2(math.e))  # scale_log2
+    assert args[-1] == np.float32(scale / softcap if softcap else 0.0)
+    assert built[0] == (operation, "window" not in operation and kwargs.get("causal", True))
+
+
+def test_window_splits_follow_the_window_not_the_cache(fake_gpu):
+    """4 CTAs on 132 SMs: a 32768-row cache gets 32 splits, a window of 100 keys one (its tiles
+    are too few to share), both from the shapes alone."""
+    x = inputs(capacity=32768)
+    plain = _calls(x)
+    assert plain[0][1][0] == MAX_SPLITS and [n for n, _, _ in plain] == ["decode", "decode_combine"]
+    window = _calls(x, window_size=(100, 0))
+    assert window[0][0] == "decode_window" and window[0][1][0] == 1 and len(window) == 1
+    wide = _calls(x, window_size=(4000, 0))  # 64 tiles or so: 16 splits of 4 tiles
+    assert wide[0][0] == "decode_window" and wide[0][1][0] == decode_splits(2, 2, 1, 4001 + 64, 64, 132, 2)
+
+
+def test_plain_calls_keep_their_plans_apart_from_windowed_ones(fake_gpu):
+    x = inputs()
+    assert _calls(x)[0][0] == "decode"
+    assert _calls(x, window_size=(3, 0))[0][0] == "decode_window"
+    assert _calls(x, softcap=20.0)[0][0] == "decode_softcap"
+    assert _calls(x)[0][0] == "decode"
+
+
+def test_kvcache_op_takes_window_and_softcap(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from numbaflash import torch_ops
+
+    seen = []
+    monkeypatch.setattr(torch_ops, "run_kvcache", lambda *args: seen.append(args[10:]) or reference_kvcache(
+        *args[:10]))
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 8, 128, dtype=torch.bfloat16, device="cuda")
+        kc = torch.empty(3, 100, 2, 128, dtype=torch.bfloat16, device="cuda")
+        lens = torch.empty(3, dtype=torch.int32, device="cuda")
+        out = numbaflash.flash_attention_with_kvcache(q, kc, kc.clone(), lens, window_size=(8, 0),
+                                                      softcap=30.0)
+        assert out.shape == q.shape
+        with pytest.raises(ValueError, match="window_size"):
+            numbaflash.flash_attention_with_kvcache(q, kc, kc.clone(), lens, window_size=(-3, 0))
+    q, kc, vc, lens, kn, vn = decode_tensors(torch)
+    torch.library.opcheck(torch.ops.numbaflash.flash_attention_with_kvcache.default,
+                          (q, kc, vc, lens, kn, vn, None, True, 0.125, 0, 4, 0, 30.0))
+    assert seen and seen[-1] == ((4, 0), 30.0)

@@ -67,15 +67,15 @@ def test_sizes_within_bounds(quick):
 
 @pytest.mark.parametrize("quick", [False, True])
 def test_varlen_cases(quick):
-    """About a fifth of the sm80 cases are packed: 1 to 6 sequences of lengths 0, 1, ragged and
+    """About a fifth of each family's cases are packed: 1 to 6 sequences of lengths 0, 1, ragged and
     tile-sized, key lengths equal to or apart from the query lengths, within the reference budget,
     with every other parameter (GQA, causal, window, softcap, kind, LSE, out) as drawn."""
     max_seq, cap = selftest.LIMITS[quick][:2]
     cases = [selftest.draw_case(seed, i, BOTH, quick) for seed in (0, 1, 99) for i in range(400)]
-    assert not any(c.varlen for c in cases if c.family == "sm90")
-    sm80 = [c for c in cases if c.family == "sm80"]
-    varlen = [c for c in sm80 if c.varlen]
-    assert 0.15 <= len(varlen) / len(sm80) <= 0.25
+    for family in BOTH:
+        own = [c for c in cases if c.family == family]
+        assert 0.15 <= sum(c.varlen for c in own) / len(own) <= 0.25, family
+    varlen = [c for c in cases if c.varlen]
     for c in varlen:
         assert len(c.seqlens_q) == len(c.seqlens_k) == c.batch, c.describe()
         assert sum(c.seqlens_q) >= 1 and sum(c.seqlens_k) >= 1, c.describe()  # never an empty array

@@ -10,15 +10,35 @@ import pytest
 
 from numbaflash.configs import kernel_cubin
 from numbaflash.tools.inspect import report_from_cubin
-from numbaflash.tools.registry import forward_variant_kernels
+from numbaflash.tools.registry import forward_variant_kernels, forward_varlen_kernels
 
-KERNELS = forward_variant_kernels()
+KERNELS = {**forward_variant_kernels(), **forward_varlen_kernels()}
 WINDOW_SOFTCAP = {next(n for n in KERNELS if n.startswith(f"flash_forward_d{d}_")
                        and n.endswith("_window_softcap_f16_sm80")) for d in (32, 64, 96, 128, 256)}
 D64_SOFTCAP = {n for n in KERNELS
                if n.startswith("flash_forward_d64_") and "softcap_bf16" in n and "window" not in n}
 CHOSEN = sorted(WINDOW_SOFTCAP | D64_SOFTCAP)
 CASES = [(name, arch) for name in CHOSEN for arch in ("sm_80", "sm_90a")]
+# The Hopper kernel's variants with the fewest registers to spare: packed sequences with a window
+# and a softcap at d64 (three consumer warpgroups, 160 registers each), d128's 128 x 176 tile with O
+# staged in V, and d256 (O 128 registers a thread); all 108 are in ``inspect`` (sm_90a, ``ws``).
+HOPPER = sorted(n for n in KERNELS if n.startswith("flash_forward_ws_") and "varlen_window_softcap_f16" in n
+                and any(t in n for t in ("_d64_m192_n128_s2_pp_", "_d128_m128_n176_", "_d256_")))
+
+
+@pytest.fixture(scope="module", params=HOPPER)
+def hopper_report(request):
+    config, causal, bf16, operation = KERNELS[request.param][0].forward_key
+    return report_from_cubin(kernel_cubin(config, causal, bf16, "sm_90a", operation).cubin, request.param,
+                             "sm_90a")
+
+
+def test_hopper_variants_do_not_spill(hopper_report):
+    assert len(HOPPER) == 3
+    report = hopper_report
+    assert report.local_bytes == 0 and report.stack_bytes == 0, (report.local_bytes, report.stack_bytes)
+    assert report.spill_instructions == 0 and report.calls == 0
+    assert report.count("HGMMA") > 0 and report.count("UTMALDG") > 0 and report.count("MUFU") > 0
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")

@@ -156,6 +156,13 @@ DECODE_ABI = (
     "int64",  # num_splits
     "float32", "bool",  # softmax scale * log2(e), write lse
 )
+# The decode kernel's window and softcap variants (``decode_mma.DECODE_VARIANT_ARGTYPES``): the
+# same, then the window's sides and the softcap's factor. The plain kernel keeps DECODE_ABI.
+DECODE_VARIANT_ABI = (
+    *DECODE_ABI,
+    "int64", "int64",  # sliding window: left, right, each >= 0 (read by window kernels only)
+    "float32",  # softmax scale / softcap (read by softcap kernels only; scale_log2 is softcap * log2(e))
+)
 DECODE_COMBINE_ABI = (
     _F32_ARRAY, _F32_ARRAY,  # o_part, lse_part
     _U16_ARRAY, _F32_ARRAY,  # out, lse

@@ -18,6 +18,15 @@ Each warp takes ``block_n / num_warps`` keys of every tile: S = Q K_wᵀ, its ow
 O_w += P_w V_w. At the end the warps' (m, l, O) merge through shared memory (reusing the ring);
 with one split the CTA writes O in the input dtype (and the LSE), else float32 partials of O and
 their LSE, which ``make_decode_combine_kernel`` merges.
+
+Two compile-time variants (issue 35), built only when a call asks for them, with the parameters
+of ``DECODE_VARIANT_ARGTYPES`` (the plain kernel's, then the window's sides and the softcap's
+factor): ``window`` (FlashAttention's sliding window: query i sees key j iff i + L - seqlen_q -
+left <= j <= i + L - seqlen_q + right; a CTA reads only the key tiles its rows' windows reach,
+``blocks.band_kv_tiles`` on the device from L, and its splits share those tiles only, so the cost
+follows the window, not the cache; the new rows are appended into the cache by a pass of their
+own, since the walk may skip their tiles) and ``softcap`` (scores tanh(QKᵀ · scale / softcap)
+before the softmax, ``softmax.cap_scores``, whose exponent factor is then softcap·log2(e)).
 """
 
 from __future__ import annotations
@@ -28,10 +37,12 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
+from .blocks import Band, band_kv_tiles
 from .common import FULL_MASK, NEG_INF, unroll
 from .shapes import DecodeConfig
 from .smem import block_offset, ldmatrix_offsets, swizzled_offset
 from .softmax import (
+    cap_scores,
     exponentiate,
     max_grew,
     pack_16bit,
@@ -76,6 +87,23 @@ DECODE_ARGTYPES = (
     types.boolean,  # write the LSE
 )
 
+# The window and softcap variants (``make_decode_variant_kernel``): the same, then the window's
+# sides (each >= 0, ``operations.forward.WINDOW_UNBOUNDED`` for an unbounded side; read by window
+# kernels only) and softmax_scale / softcap (read by softcap kernels only).
+DECODE_VARIANT_ARGTYPES = (
+    *DECODE_ARGTYPES,
+    types.int64, types.int64,  # window left, right
+    types.float32,  # softmax scale / softcap
+)
+
+# The plain kernel's parameters (``DECODE_ARGTYPES``), as the body (``run_decode``) takes them.
+DecodeParams = namedtuple("DecodeParams", [
+    "q", "k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", "block_table", "out", "lse", "o_part",
+    "lse_part", "q_sb", "q_ss", "q_sh", "kc_sb", "kc_ss", "kc_sh", "vc_sb", "vc_ss", "vc_sh", "kn_sb",
+    "kn_ss", "kn_sh", "vn_sb", "vn_ss", "vn_sh", "o_sb", "o_ss", "o_sh", "seqlen_q", "seqlen_new", "capacity",
+    "bt_stride", "pages", "page_magic", "page_shift", "heads_kv", "group", "row_blocks", "num_splits",
+    "scale_log2", "write_lse"])
+
 DECODE_COMBINE_ARGTYPES = (
     types.float32[::1], types.float32[::1],  # o_part, lse_part
     types.uint16[::1], types.float32[::1],  # out, lse
@@ -97,9 +125,30 @@ def decode_split(total_tiles, num_splits, split):
     return first, min(first + per_split, total_tiles)
 
 
-def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
+@cuda.jit(device=True, forceinline=True)
+def window_tiles(total, seqlen_q, group, r0, rows, block_n, window_left, window_right):
+    """Key tiles [first, end) that the packed query rows r0 .. r0 + rows - 1 (row r: query
+    r // group; ``rows`` >= 1) of a sequence of ``total`` keys see under the sliding window
+    (``window_left``, ``window_right``, each >= 0): ``blocks.band_kv_tiles`` over the block's
+    queries, the window placed at the sequence's diagonal total - seqlen_q. Invariants
+    (``tests/test_decode_cpu.py``): every key some row sees is in the range, its first and last
+    tiles each hold one, and a block whose rows see no key gets an empty range."""
+    pos_first = r0 // group
+    pos_last = (r0 + rows - 1) // group
+    diag = total - seqlen_q
+    return band_kv_tiles(pos_first, pos_last - pos_first + 1, block_n,
+                         Band(total, diag - window_left, diag + window_right))
+
+
+def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,
+                       softcap: bool = False):
     """The decode kernel (``DECODE_ARGTYPES``): grid (num_splits, row_blocks * heads_kv, batch),
-    ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory."""
+    ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory. ``window`` or
+    ``softcap``: a variant (``DECODE_VARIANT_ARGTYPES``: window_left, window_right, cap_scale
+    after the plain parameters; ``scale_log2`` is then softcap·log2(e) with a softcap); a window
+    kernel's ``causal`` must be False (its right side 0 is causal masking)."""
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
     D = config.head_dim
     BN = config.block_n
@@ -131,6 +180,9 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     Q_REGS = MT * D_K_TILES <= 8
     PAGED = config.paged
     CAUSAL = causal
+    WINDOW = window
+    SOFTCAP = softcap
+    VARIANT = window or softcap
     BF16 = bf16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
@@ -317,39 +369,80 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                     if key >= total or (CAUSAL and key > limit[mt, e // 2]):
                         acc_s[mt, j, e] = NEG_INF
 
-    def flash_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse, o_part,
-                     lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss, vc_sh,
-                     kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh, seqlen_q, seqlen_new,
-                     capacity, bt_stride, pages, page_magic, page_shift, heads_kv, group, row_blocks,
-                     num_splits, scale_log2, write_lse):
+    @cuda.jit(device=True, forceinline=True)
+    def mask_window(acc_s, key0, lane, total, limit, lower):
+        """Window kernels: -inf on keys at or past ``total``, past each fragment row's upper edge
+        ``limit`` or before its lower edge ``lower``."""
+        for mt in range(MT):
+            for j in range(S_N_TILES):
+                for e in range(4):
+                    key = key0 + 8 * j + 2 * (lane % 4) + e % 2
+                    if key >= total or key > limit[mt, e // 2] or key < lower[mt, e // 2]:
+                        acc_s[mt, j, e] = NEG_INF
+
+    @cuda.jit(device=True, forceinline=True)
+    def append_new_rows(seq, ks, vs, seqlen_new, split, num_splits, tid):
+        """Window kernels (row block 0): write this split's new rows (split, split + num_splits,
+        ...) of k_new and v_new into the cache (where it has room), 16 bytes a thread at a time.
+        The walk does not append there: it may skip the tiles of new rows below the window."""
+        mine = (seqlen_new - split + num_splits - 1) // num_splits
+        scratch = cuda.local.array(4, uint32)
+        for idx in range(tid, mine * CPR, THREADS):
+            chunk = idx % CPR
+            place = row_place(seq.cache_len + split + (idx // CPR) * num_splits, seq)
+            at, to_cache = row_address(ks, place, seq.b)
+            if to_cache != 0:
+                ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
+                ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
+            at, to_cache = row_address(vs, place, seq.b)
+            if to_cache != 0:
+                ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
+                ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
+
+    @cuda.jit(device=True, forceinline=True)
+    def run_decode(p, window_left, window_right, cap_scale):
+        """The kernel's body: ``p`` a DecodeParams (the plain kernel's parameters); the window's
+        sides and softmax_scale / softcap (read by the variants only)."""
         smem = cuda.shared.array(0, types.uint16)
         smem_f = cuda.shared.array(0, float32)  # the same dynamic shared memory, as float32
         tid = cuda.threadIdx.x & 1023
         warp = tid // 32
         lane = tid % 32
         split = int64(cuda.blockIdx.x)
-        kv_head = int64(cuda.blockIdx.y) % heads_kv
-        row_block = int64(cuda.blockIdx.y) // heads_kv
+        kv_head = int64(cuda.blockIdx.y) % p.heads_kv
+        row_block = int64(cuda.blockIdx.y) // p.heads_kv
         b = int64(cuda.blockIdx.z)
-        rows_total = group * seqlen_q
+        rows_total = p.group * p.seqlen_q
         r0 = row_block * BM
-        cache_len = int64(cache_seqlens[uint64(b)])
-        total = cache_len + seqlen_new
-        diag = total - seqlen_q  # query i sees keys j <= i + diag
-        first, last = decode_split((total + BN - 1) // BN, num_splits, split)
-        append = seqlen_new > 0 and row_block == 0
+        cache_len = int64(p.cache_seqlens[uint64(b)])
+        total = cache_len + p.seqlen_new
+        diag = total - p.seqlen_q  # query i sees keys j <= i + diag
+        if WINDOW:  # the key tiles the rows' windows reach, from this sequence's length, split
+            pos_last = (min(r0 + BM, rows_total) - 1) // p.group  # the block's last query
+            kv_first, kv_end = window_tiles(total, p.seqlen_q, p.group, r0, min(BM, rows_total - r0), BN,
+                                            window_left, window_right)
+            first, last = decode_split(kv_end - kv_first, p.num_splits, split)
+            first += kv_first
+            last += kv_first
+        else:
+            first, last = decode_split((total + BN - 1) // BN, p.num_splits, split)
+        append = p.seqlen_new > 0 and row_block == 0 and not WINDOW
 
         base = ptx.shared_address_u16(smem)
         sq = base + SQ
-        q_addr = ptx.global_address(q)
-        seq = Sequence(b, cache_len, total, block_table, bt_stride, capacity, pages, page_magic, page_shift)
-        ks = KeyRows(ptx.global_address(k_cache) + kv_head * kc_sh * 2, kc_sb * 2, kc_ss * 2,
-                     ptx.global_address(k_new) + kv_head * kn_sh * 2, kn_sb * 2, kn_ss * 2)
-        vs = KeyRows(ptx.global_address(v_cache) + kv_head * vc_sh * 2, vc_sb * 2, vc_ss * 2,
-                     ptx.global_address(v_new) + kv_head * vn_sh * 2, vn_sb * 2, vn_ss * 2)
+        q_addr = ptx.global_address(p.q)
+        seq = Sequence(b, cache_len, total, p.block_table, p.bt_stride, p.capacity, p.pages, p.page_magic,
+                       p.page_shift)
+        ks = KeyRows(ptx.global_address(p.k_cache) + kv_head * p.kc_sh * 2, p.kc_sb * 2, p.kc_ss * 2,
+                     ptx.global_address(p.k_new) + kv_head * p.kn_sh * 2, p.kn_sb * 2, p.kn_ss * 2)
+        vs = KeyRows(ptx.global_address(p.v_cache) + kv_head * p.vc_sh * 2, p.vc_sb * 2, p.vc_ss * 2,
+                     ptx.global_address(p.v_new) + kv_head * p.vn_sh * 2, p.vn_sb * 2, p.vn_ss * 2)
 
+        if WINDOW and p.seqlen_new > 0 and row_block == 0:
+            append_new_rows(seq, ks, vs, p.seqlen_new, split, p.num_splits, tid)
         # Q goes in the first tile's copy group: the walk's first wait covers both.
-        load_q_rows(sq, (q_addr + b * q_sb * 2, q_ss * 2, q_sh * 2), kv_head, group, rows_total, r0, tid)
+        load_q_rows(sq, (q_addr + b * p.q_sb * 2, p.q_ss * 2, p.q_sh * 2), kv_head, p.group, rows_total, r0,
+                    tid)
         pages_at = cuda.local.array((SLOTS, 2), int32)
         for s in range(STAGES - 1):  # the ring's first tiles
             if first + s < last:
@@ -374,11 +467,15 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
         l_run = cuda.local.array((MT, 2), float32)
         mx = cuda.local.array((MT, 2), float32)
         limit = cuda.local.array((MT, 2), int64)  # causal: the last key each fragment row sees
+        lower = cuda.local.array((MT, 2), int64)  # window: the first key each fragment row sees
         for mt in range(MT):
             for r in range(2):
                 m_run[mt, r] = NEG_INF
                 l_run[mt, r] = 0.0
-                limit[mt, r] = diag + (r0 + 16 * mt + lane // 4 + 8 * r) // group
+                limit[mt, r] = diag + (r0 + 16 * mt + lane // 4 + 8 * r) // p.group
+                if WINDOW:
+                    lower[mt, r] = limit[mt, r] - window_left
+                    limit[mt, r] += window_right
         a_offsets = cuda.local.array(4, uint32)
         ldmatrix_offsets(a_offsets, lane % 16, lane // 16, RB)
         k_offsets = cuda.local.array(4, uint32)
@@ -400,17 +497,24 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
             sk = base + SRING + stage * STAGE_BYTES
             scores(acc_s, sq, sk, warp, a_offsets, k_offsets, q_frag, b_frag)
             key0 = t * BN + warp * KW
-            if key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + r0 // group):
+            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+                for mt in range(MT):
+                    cap_scores(acc_s[mt], S_N_TILES, cap_scale)
+            if WINDOW:  # the end of the keys, the first row's upper edge, the last row's lower edge
+                if (key0 + KW > total or key0 + KW - 1 > diag + r0 // p.group + window_right
+                        or key0 < diag + pos_last - window_left):
+                    mask_window(acc_s, key0, lane, total, limit, lower)
+            elif key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + r0 // p.group):
                 mask(acc_s, key0, lane, total, limit)
             grow = False
             for mt in range(MT):
-                scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], scale_log2)
+                scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], p.scale_log2)
                 grow = grow or max_grew(mx[mt], m_run[mt], float32(0.0))
             if cuda.any_sync(FULL_MASK, grow):
                 for mt in range(MT):
                     rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
             for mt in range(MT):
-                exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
+                exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], p.scale_log2)
                 pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
             accumulate_pv(acc_o, p_frag, sk + TILE_BYTES, warp, a_offsets, b_frag)
 
@@ -433,7 +537,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                         col = 8 * j + 2 * (lane % 4) + e
                         smem_f[o_at + (warp * BM + row) * D + col] = acc_o[mt, j, 2 * r + e]
         cuda.syncthreads()
-        heads_q = heads_kv * group
+        heads_q = p.heads_kv * p.group
         for i in range((BM * CPR + THREADS - 1) // THREADS):
             idx = tid + i * THREADS
             row = idx // CPR
@@ -455,28 +559,75 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                             acc[c] += weight * smem_f[o_at + (w * BM + row) * D + chunk * 8 + c]
                 inv = float32(1.0) / l_all if l_all > 0 else float32(0.0)
                 lse_value = (m_max + ptx.log2(l_all)) * LN2 if l_all > 0 else NEG_INF
-                pos = r // group
-                head = kv_head * group + r - pos * group
-                if num_splits == 1:
+                pos = r // p.group
+                head = kv_head * p.group + r - pos * p.group
+                if p.num_splits == 1:
                     packed = cuda.local.array(4, uint32)
                     for c in range(4):
                         packed[c] = pack_16bit(acc[2 * c] * inv, acc[2 * c + 1] * inv, BF16)
-                    at = ptx.global_address(out) + (b * o_sb + pos * o_ss + head * o_sh) * 2 + chunk * 16
+                    at = (ptx.global_address(p.out) + (b * p.o_sb + pos * p.o_ss + head * p.o_sh) * 2
+                          + chunk * 16)
                     ptx.st_global_v4_at(at, packed)
-                    if write_lse and chunk == 0:
-                        lse[uint64((b * heads_q + head) * seqlen_q + pos)] = lse_value
+                    if p.write_lse and chunk == 0:
+                        p.lse[uint64((b * heads_q + head) * p.seqlen_q + pos)] = lse_value
                 else:
-                    row_id = (b * heads_q + head) * seqlen_q + pos
-                    part = (row_id * num_splits + split) * D + chunk * 8
+                    row_id = (b * heads_q + head) * p.seqlen_q + pos
+                    part = (row_id * p.num_splits + split) * D + chunk * 8
                     for c in range(8):
-                        o_part[uint64(part + c)] = acc[c] * inv
+                        p.o_part[uint64(part + c)] = acc[c] * inv
                     if chunk == 0:
-                        lse_part[uint64(row_id * num_splits + split)] = lse_value
+                        p.lse_part[uint64(row_id * p.num_splits + split)] = lse_value
 
-    kind = f"{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
-    flash_decode.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
-    flash_decode.launch_bounds = (THREADS, 1)
-    return flash_decode
+    mask_kind = "window" if window else "causal" if causal else "full"
+    kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
+    name = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
+    if VARIANT:
+        def flash_decode_variant(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
+                                 o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
+                                 vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
+                                 seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
+                                 heads_kv, group, row_blocks, num_splits, scale_log2, write_lse,
+                                 window_left, window_right, cap_scale):
+            run_decode(DecodeParams(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
+                                    o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
+                                    vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
+                                    seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
+                                    heads_kv, group, row_blocks, num_splits, scale_log2, write_lse),
+                       window_left, window_right, cap_scale)
+
+        kernel = flash_decode_variant
+    else:  # the plain kernel keeps its parameter list (``DECODE_ARGTYPES``)
+        def flash_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
+                         o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
+                         vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
+                         seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
+                         heads_kv, group, row_blocks, num_splits, scale_log2, write_lse):
+            run_decode(DecodeParams(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
+                                    o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
+                                    vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
+                                    seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
+                                    heads_kv, group, row_blocks, num_splits, scale_log2, write_lse),
+                       int64(0), int64(0), float32(0.0))
+
+        kernel = flash_decode
+    kernel.__name__ = name
+    kernel.launch_bounds = (THREADS, 1)
+    return kernel
+
+
+def make_decode_window_kernel(config: DecodeConfig, causal: bool, bf16: bool):
+    """The sliding-window decode kernel (``causal`` ignored: a window's right side 0 is causal)."""
+    return make_decode_kernel(config, False, bf16, window=True)
+
+
+def make_decode_softcap_kernel(config: DecodeConfig, causal: bool, bf16: bool):
+    """The softcapped decode kernel, causal or not."""
+    return make_decode_kernel(config, causal, bf16, softcap=True)
+
+
+def make_decode_window_softcap_kernel(config: DecodeConfig, causal: bool, bf16: bool):
+    """The sliding-window, softcapped decode kernel (``causal`` ignored, as for the window)."""
+    return make_decode_kernel(config, False, bf16, window=True, softcap=True)
 
 
 # Splits one combine warp merges: lane s holds split s's LSE (``launch_decode.MAX_SPLITS`` <= this).

@@ -6,7 +6,11 @@ and the launches on the inputs' stream.
 A validated call's layout (device, dtype, flags, scale as given, split request, shapes and
 strides of every operand) gets a plan once (``GPU.plans``, as the forward's): the launches bound
 with everything but the pointers. torch calls of a known layout then take ``run_torch``: the
-per-call checks, the allocations and the fires, no operand descriptions."""
+per-call checks, the allocations and the fires, no operand descriptions.
+
+A sliding window or a softcap (issue 35) runs a variant of the decode kernel
+(``families.decode_operation``, ``decode_variant``): the window's rule is FlashAttention's with
+each sequence's own key count L = cache_seqlens[b] + seqlen_new, read on the device only."""
 
 from __future__ import annotations
 
@@ -30,11 +34,50 @@ from ..operands import (
 )
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
-from .families import DECODE_OPERATIONS, family_of
-from .forward import PLANS_KEPT, loaded_kernel
+from .families import decode_operation, family_of
+from .forward import PLANS_KEPT, WINDOW_UNBOUNDED, effective_window, loaded_kernel
 from .launch_decode import MAX_SPLITS, Bind, DecodeCall, decode_splits, resident_ctas
 
 LOG2_E = math.log2(math.e)
+
+
+class DecodeVariant(NamedTuple):
+    """Which decode kernel a validated call runs, and the arguments that depend on its window and
+    softcap (``decode_variant``): the kernel operation, the ``causal`` its kernel is built with,
+    the window's sides as the kernel takes them (each >= 0, ``WINDOW_UNBOUNDED`` for -1; 0
+    without a window), the exponent factor (softmax_scale·log2(e), or softcap·log2(e)),
+    softmax_scale / softcap (0 without), both float32, and the most keys one row block's windows
+    reach (None where the left side is unbounded): what the split count is chosen for."""
+
+    operation: str
+    causal: bool
+    window_left: int
+    window_right: int
+    scale_log2: np.float32
+    cap_scale: np.float32
+    window_keys: int | None
+
+
+def decode_variant(causal: bool, window_size: tuple[int, int], softcap: float, softmax_scale: float,
+                   seqlen_q: int, max_keys: int) -> DecodeVariant:
+    """The decode kernel of a validated call, from the shapes only. ``max_keys``: the most keys a
+    sequence may have (the cache's room a sequence plus seqlen_new), the ``seqlen_k`` of
+    ``forward.effective_window``: a side that bounds no row of any sequence becomes -1, so that
+    (-1, -1) runs the plain kernel, (-1, 0) the causal one, and any other window the window kernel
+    (built as non-causal); each with a softcap (> 0) or not. Query i of a sequence of L keys sees
+    keys L - seqlen_q + i - left .. L - seqlen_q + i + right, so a row block's keys lie in the
+    last left + seqlen_q keys of its sequence: ``window_keys``."""
+    left, right = effective_window(causal, window_size, seqlen_q, max_keys)
+    window = (left, right) not in ((-1, -1), (-1, 0))
+    capped = softcap > 0
+    scale_log2 = np.float32((softcap if capped else softmax_scale) * LOG2_E)
+    cap_scale = np.float32(softmax_scale / softcap if capped else 0.0)
+    sides = (0, 0)
+    if window:
+        sides = (WINDOW_UNBOUNDED if left < 0 else left, WINDOW_UNBOUNDED if right < 0 else right)
+    window_keys = left + seqlen_q if window and left >= 0 else None
+    return DecodeVariant(decode_operation(window, capped), right != -1 and not window, *sides, scale_log2,
+                         cap_scale, window_keys)
 
 
 class DecodeKernels(NamedTuple):
@@ -45,14 +88,16 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
-                   causal: bool, bf16: bool) -> DecodeKernels:
-    """The config and the two loaded kernels of this problem on the current device."""
+                   causal: bool, bf16: bool, operation: str = "decode") -> DecodeKernels:
+    """The config and the two loaded kernels of this problem on the current device: the attention
+    kernel of ``operation`` (``decode`` or a window or softcap variant) and the combine kernel."""
     gpu = gpu_state.GPU
-    ready = gpu.launchers.get(("decode", capability, device, head_dim, rows > 16, paged, causal, bf16))
+    short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, operation)
+    ready = gpu.launchers.get(short_key)
     if ready is not None and not configs.DECODE_FORCED:
         return ready
     config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device))
-    key = ("decode", config, causal, bf16, capability, device)
+    key = ("decode", config, causal, bf16, capability, device, operation)
     ready = gpu.launchers.get(key)
     if ready is None:
         from ..runtime.launch import KernelLauncher, kernel_registers, set_dynamic_shared_limit
@@ -63,17 +108,17 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
             if ready is None:
                 parts = []
                 ctas_per_sm = 1
-                for operation in DECODE_OPERATIONS:
-                    op = family.op(operation)
-                    kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), operation)
-                    if operation == "decode":
+                for part in (operation, "decode_combine"):
+                    op = family.op(part)
+                    kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
+                    if part == operation:
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
                         ctas_per_sm = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
                                                     config.shared_bytes, gpu.shared_limit(device))
                     parts.append((KernelLauncher(kernel, op.abi, name), op.prepare_launch(config)))
                 ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm)
     if not configs.DECODE_FORCED:  # the problem's own config: found by the shapes next time
-        gpu.launchers[("decode", capability, device, head_dim, rows > 16, paged, causal, bf16)] = ready
+        gpu.launchers[short_key] = ready
     return ready
 
 
@@ -103,24 +148,29 @@ def _layout(op: Operand | None) -> tuple | None:
 
 
 def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None, num_splits: int,
-             return_lse: bool, ops: tuple) -> tuple:
+             return_lse: bool, ops: tuple, window_size: tuple[int, int] = (-1, -1),
+             softcap: float = 0.0) -> tuple:
     """The key of a decode plan in ``GPU.plans``: the device, the dtype, the flags, the scale as
-    the caller gave it (None or a float), the split request, and (shape, strides) of q,
-    k_cache, v_cache, cache_seqlens, k_new, v_new, block_table and out (None where absent);
-    ``run_torch`` builds the same key from torch's metadata."""
-    return ("decode", device, dtype_name, causal, scale_key, num_splits, return_lse, *map(_layout, ops))
+    the caller gave it (None or a float), the split request, the window (a tuple of two ints) and
+    the softcap (a float) as validated, and (shape, strides) of q, k_cache, v_cache,
+    cache_seqlens, k_new, v_new, block_table and out (None where absent); ``run_torch`` builds
+    the same key from torch's metadata."""
+    return ("decode", device, dtype_name, causal, scale_key, num_splits, return_lse, window_size, softcap,
+            *map(_layout, ops))
 
 
 def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd: Operand | None,
                 seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
                 scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
-                device: int) -> DecodePlan:
-    """The plan of a validated call: from ``GPU.plans``, else made (config, kernels, split
-    count, bound launches) and kept there unless a config is forced."""
+                device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> DecodePlan:
+    """The plan of a validated call: from ``GPU.plans``, else made (variant, config, kernels,
+    split count, bound launches) and kept there unless a config is forced. With a window whose
+    left side is bounded, the split count is chosen for the keys a row block's windows reach
+    (``DecodeVariant.window_keys``, plus a tile for their alignment) instead of the cache's room."""
     gpu = gpu_state.GPU
     forced = bool(configs.DECODE_FORCED)
     key = plan_key(device, qd.dtype_name, causal, scale_key, num_splits, return_lse,
-                   (qd, kcd, vcd, seqd, knd, vnd, btd, outd))
+                   (qd, kcd, vcd, seqd, knd, vnd, btd, outd), window_size, softcap)
     plan = None if forced else gpu.plans.get(key)
     if plan is not None:
         return plan
@@ -128,13 +178,17 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     heads_kv = kcd.shape[2]
     rows = heads_q // heads_kv * seqlen_q
     paged = btd is not None
-    kernels = decode_kernels(capability, device, head_dim, rows, paged, causal, qd.dtype_name == "bfloat16")
-    config = kernels.config
-    row_blocks = -(-rows // config.rows)
     seqlen_new = knd.shape[1] if knd is not None else 0
     pages, capacity = (btd.shape[1], kcd.shape[1]) if paged else (0, kcd.shape[1])
-    max_keys = pages * capacity if paged else capacity
-    splits = num_splits or decode_splits(batch, heads_kv, row_blocks, max_keys + seqlen_new, config.block_n,
+    max_keys = (pages * capacity if paged else capacity) + seqlen_new
+    var = decode_variant(causal, window_size, softcap, scale, seqlen_q, max_keys)
+    bf16 = qd.dtype_name == "bfloat16"
+    kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, var.operation)
+    config = kernels.config
+    row_blocks = -(-rows // config.rows)
+    if var.window_keys is not None:
+        max_keys = min(max_keys, var.window_keys + config.block_n)
+    splits = num_splits or decode_splits(batch, heads_kv, row_blocks, max_keys, config.block_n,
                                          gpu.sm_count(device), kernels.ctas_per_sm)
     scratch = gpu.scratch_f32(device)[0]
     lse_count = batch * heads_q * seqlen_q if return_lse else 1
@@ -143,7 +197,7 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
                           (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), 0)
     call = DecodeCall(qd, kcd, vcd, knd, vnd, paged, btd.strides[0] if paged else 0, pages, capacity,
                       out, lse_count, max(n * head_dim, 1), max(n, 1), splits, row_blocks,
-                      np.float32(scale * LOG2_E), return_lse)
+                      var.scale_log2, return_lse, var.window_left, var.window_right, var.cap_scale)
     (decode_launcher, bind_decode), (combine_launcher, bind_combine) = kernels.decode, kernels.combine
     spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
     plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),
@@ -160,10 +214,10 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
 def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd: Operand | None,
                seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
                scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
-               device: int) -> tuple[Any, Any]:
+               device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[Any, Any]:
     """Launch decode (and combine) on the inputs' stream; returns (out, lse or None)."""
     plan = device_plan(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, scale, scale_key, num_splits,
-                       return_lse, capability, device)
+                       return_lse, capability, device, window_size, softcap)
     if outd is None:
         out = empty_like(qd.obj, qd.shape, qd.dtype_name)
         out_pointer = device_pointer(out)
@@ -190,18 +244,22 @@ _INT32: list = []  # [torch.int32], once a torch call has come here
 
 
 def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any, v_new: Any,
-              block_table: Any, causal: Any, softmax_scale: Any, num_splits: Any, return_lse: Any, out: Any):
+              block_table: Any, causal: Any, softmax_scale: Any, num_splits: Any, return_lse: Any, out: Any,
+              window_size: Any = (-1, -1), softcap: Any = 0.0):
     """Decode on torch tensors whose layout was validated before (a plan in ``GPU.plans``): the
     per-call checks (CUDA tensors of the right dtypes on the current device, aligned pointers,
     a given out overlapping no input), the allocations and the fires. None where it cannot tell
     that the call is good: the full path (``api.direct_flash_attention_with_kvcache``) then runs
-    and gives the errors."""
+    and gives the errors. A window or softcap of another type than the validated ones (a tuple
+    of two ints, a float) takes the full path too."""
     gpu = gpu_state.GPU
     plans = gpu.plans
     if (not plans or configs.DECODE_FORCED or (causal is not True and causal is not False)
             or (return_lse is not True and return_lse is not False) or type(num_splits) is not int
             or not 0 <= num_splits <= MAX_SPLITS
-            or (softmax_scale is not None and type(softmax_scale) is not float)):
+            or (softmax_scale is not None and type(softmax_scale) is not float)
+            or type(softcap) is not float or type(window_size) is not tuple or len(window_size) != 2
+            or type(window_size[0]) is not int or type(window_size[1]) is not int):
         return None
     types = TORCH_TYPES
     if (type(q) not in types or type(k_cache) not in types or type(v_cache) not in types
@@ -242,7 +300,8 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
         layouts.append((out.shape, out.stride()))
     else:
         layouts.append(None)
-    plan = plans.get(("decode", device, name, causal, softmax_scale, num_splits, return_lse, *layouts))
+    plan = plans.get(("decode", device, name, causal, softmax_scale, num_splits, return_lse, window_size,
+                      softcap, *layouts))
     if plan is None or gpu.current()[1] != device:
         return None
     seq_pointer = cache_seqlens.data_ptr()

@@ -21,6 +21,7 @@ from ..kernels.abi import (
     BACKWARD_PREP_ABI,
     DECODE_ABI,
     DECODE_COMBINE_ABI,
+    DECODE_VARIANT_ABI,
     FORWARD_ABI,
     VARLEN_BACKWARD_ABI,
     VARLEN_BACKWARD_DQ_ABI,
@@ -38,7 +39,7 @@ from .launch_backward import (
     launch_varlen_backward_main,
     launch_varlen_backward_prep,
 )
-from .launch_decode import launch_decode, launch_decode_combine
+from .launch_decode import launch_decode, launch_decode_combine, launch_decode_variant
 from .launch_forward import launch_sm80, launch_sm80_varlen, launch_sm90, launch_sm90_varlen
 
 
@@ -188,14 +189,29 @@ def backward_operation(window: bool, softcap: bool, varlen: bool = False) -> str
     return ("backward" + ("_varlen" if varlen else "") + ("_window" if window else "")
             + ("_softcap" if softcap else ""))
 # Decode against a KV cache: the attention kernel, then (more than one split)
-# the combine kernel, which does not depend on causal masking.
+# the combine kernel, which does not depend on causal masking. The attention kernel's sliding-window
+# and softcap variants (issue 35) take the plain parameters, then the window's sides and the
+# softcap's factor (``DECODE_VARIANT_ABI``), built on demand (``decode_operation``); a window
+# kernel is built and cached once, as the non-causal one. The combine kernel serves them all.
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer", {
     "decode": KernelOp("decode", DECODE_ABI, "decode_mma:make_decode_kernel", "decode_mma:DECODE_ARGTYPES",
                        launch_decode),
     "decode_combine": KernelOp("decode_combine", DECODE_COMBINE_ABI, "decode_mma:make_decode_combine_kernel",
                                "decode_mma:DECODE_COMBINE_ARGTYPES", launch_decode_combine, masked=False),
+    **{f"decode{v}": KernelOp(f"decode{v}", DECODE_VARIANT_ABI, f"decode_mma:make_decode{v}_kernel",
+                              "decode_mma:DECODE_VARIANT_ARGTYPES", launch_decode_variant,
+                              masked="window" not in v)
+       for v in ("_window", "_softcap", "_window_softcap")},
 })
-DECODE_OPERATIONS = ("decode", "decode_combine")
+DECODE_OPERATIONS = ("decode", "decode_combine")  # the plain call's two kernels, in launch order
+DECODE_VARIANTS = ("decode_window", "decode_softcap", "decode_window_softcap")
+
+
+def decode_operation(window: bool, softcap: bool) -> str:
+    """The decode attention kernel operation of a call: ``decode``, or a window or softcap variant
+    (``decode_window``, ``decode_softcap``, ``decode_window_softcap``); ``decode_combine`` merges
+    the splits of every one."""
+    return "decode" + ("_window" if window else "") + ("_softcap" if softcap else "")
 FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM80_DEC)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
 _BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}

@@ -4,7 +4,8 @@ shapes alone (``decode_splits``).
 
 1. decode (``flash_decode``): grid (num_splits, row_blocks * heads_kv, batch), ``config.threads``,
    ``config.shared_bytes``. Row block rb of KV head h takes packed query rows rb * rows ..: the
-   query heads of h times seqlen_q.
+   query heads of h times seqlen_q. Its window and softcap variants (``DECODE_VARIANT_ABI``):
+   the same launch, the window's sides and the softcap's factor after the plain parameters.
 2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q / 4),
    128 threads, one warp a row.
 """
@@ -98,8 +99,14 @@ class DecodeCall(NamedTuple):
     lse_part_elements: int
     num_splits: int
     row_blocks: int
-    scale_log2: np.float32
+    scale_log2: np.float32  # softmax_scale·log2(e), or with a softcap softcap·log2(e)
     write_lse: bool
+    # the variants' (read by ``launch_decode_variant`` only): the window's sides as the kernel takes
+    # them (each >= 0, ``forward.WINDOW_UNBOUNDED`` for -1; 0 without a window) and
+    # softmax_scale / softcap (0 without)
+    window_left: int = 0
+    window_right: int = 0
+    cap_scale: np.float32 = np.float32(0.0)
 
 
 # (launcher, call, gpu) -> fire(stream, *array pointers) of the call's layout, or None (a combine
@@ -112,26 +119,44 @@ def _strides(op: Operand | None) -> tuple[int, int, int]:
     return tuple(op.strides[:3]) if op is not None else (0, 0, 0)
 
 
+def decode_arguments(call: DecodeCall) -> tuple[tuple[int, int, int], tuple]:
+    """(grid, parameters) of the plain decode kernel (``DECODE_ABI``; arrays as (0, elements))."""
+    q = call.q
+    batch, seqlen_q, heads_q, _ = q.shape
+    heads_kv = call.k_cache.shape[2]
+    seqlen_new = call.k_new.shape[1] if call.k_new is not None else 0
+    grid = (call.num_splits, call.row_blocks * heads_kv, batch)
+    return grid, ((0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (0, batch), (0, 1), (0, 1),
+                  (0, call.lse_elements), (0, call.o_part_elements), (0, call.lse_part_elements),
+                  *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
+                  *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
+                  seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
+                  *(page_divider(call.capacity) if call.paged else (0, 0)),
+                  heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
+                  call.write_lse and call.num_splits == 1)
+
+
+def launch_decode_variant(config) -> Bind:
+    """The window and softcap variants' bind (``DECODE_VARIANT_ABI``): ``launch_decode``'s, then
+    the call's window sides and softcap factor."""
+    threads, shared_bytes = config.threads, config.shared_bytes
+
+    def bind(launcher, call: DecodeCall, gpu: Any):
+        grid, args = decode_arguments(call)
+        return launcher.bind(grid, threads, shared_bytes, *args, call.window_left, call.window_right,
+                             call.cap_scale)
+
+    return bind
+
+
 def launch_decode(config) -> Bind:
     """decode's bind: fire(stream, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
     out, lse, o_part, lse_part); a missing array gets the scratch scalar's pointer."""
     threads, shared_bytes = config.threads, config.shared_bytes
 
     def bind(launcher, call: DecodeCall, gpu: Any):
-        q = call.q
-        batch, seqlen_q, heads_q, _ = q.shape
-        heads_kv = call.k_cache.shape[2]
-        seqlen_new = call.k_new.shape[1] if call.k_new is not None else 0
-        grid = (call.num_splits, call.row_blocks * heads_kv, batch)
-        return launcher.bind(grid, threads, shared_bytes,
-                             (0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (0, batch), (0, 1), (0, 1),
-                             (0, call.lse_elements), (0, call.o_part_elements), (0, call.lse_part_elements),
-                             *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
-                             *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
-                             seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
-                             *(page_divider(call.capacity) if call.paged else (0, 0)),
-                             heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
-                             call.write_lse and call.num_splits == 1)
+        grid, args = decode_arguments(call)
+        return launcher.bind(grid, threads, shared_bytes, *args)
 
     return bind
 

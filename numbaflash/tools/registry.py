@@ -19,6 +19,7 @@ def registered_kernels() -> dict:
     kernels.update(backward_kernels())
     kernels.update(backward_variant_kernels())
     kernels.update(backward_varlen_kernels())
+    kernels.update(decode_variant_kernels())
     kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
 
@@ -160,4 +161,31 @@ def backward_varlen_kernels() -> dict:
                 kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
                 arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
                 kernels[name] = (kernel, kernel_argtypes(config, operation), (arch,))
+    return kernels
+
+
+def decode_variant_kernels() -> dict:
+    """The decode kernel's sliding-window and softcap variants (issue 35,
+    ``families.DECODE_VARIANTS``) of every shipped decode config (``configs.shipped_decode_configs``),
+    both dtypes, for sm_80 and Hopper (sm_90a), which run the same mma.sync kernel. Compiled on
+    demand by the API, not by ``precompile``; named like the plain decode kernels with ``window``
+    in place of ``full|causal`` and ``_softcap`` after it
+    (``flash_decode_d128_m16_n64_w4_s3_paged_window_softcap_f16``; a window kernel is built once,
+    as non-causal). Each kernel's ``decode_key`` is (config, causal, bf16, operation), what
+    ``configs.kernel_cubin`` takes."""
+    from ..configs import kernel_argtypes, make_kernel, shipped_decode_configs
+    from ..operations.families import DECODE_VARIANTS, family_of
+
+    kernels = {}
+    for config in shipped_decode_configs():
+        for operation in DECODE_VARIANTS:
+            op = family_of(config).op(operation)
+            for causal in (False, True):
+                for bf16 in (False, True):
+                    kernel = make_kernel(config, causal, bf16, operation)
+                    if kernel.__name__ in kernels:
+                        continue
+                    kernel.decode_key = (config, op.kernel_causal(causal), bf16, operation)
+                    argtypes = kernel_argtypes(config, operation)
+                    kernels[kernel.__name__] = (kernel, argtypes, ("sm_80", "sm_90a"))
     return kernels
