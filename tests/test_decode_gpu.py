@@ -50,6 +50,39 @@ def sequence_rows(cache, table, b, n):
     return rows[:n]
 
 
+def check_sequences(q, out, lse, before, new, seqlens, table, context="", **options):
+    """Each sequence's rows of ``out`` (and the LSE) against float64 on its own keys: the cache's
+    first cache_seqlens[b] rows (of ``before``), then the new rows (``options``: causal,
+    window_size, softcap)."""
+    for b in range(q.shape[0]):
+        n_old = int(seqlens[b])
+        keys = [sequence_rows(before[0], table, b, n_old)]
+        values = [sequence_rows(before[1], table, b, n_old)]
+        if new is not None:
+            keys.append(new[0][b])
+            values.append(new[1][b])
+        k_b, v_b = torch.cat(keys)[None], torch.cat(values)[None]
+        _, problems = compare_with_reference(host(q[b:b + 1]), host(k_b), host(v_b), host(out[b:b + 1]),
+                                             lse[b:b + 1].cpu().numpy(), **options)
+        assert not problems, f"batch {b} ({n_old} cached rows, {context}{options}): " + "; ".join(problems)
+
+
+def expected_caches(before, new, seqlens, table):
+    """The caches after appending ``new`` at each sequence's cache_seqlens[b]."""
+    expect_k, expect_v = before[0].clone(), before[1].clone()
+    if new is None:
+        return expect_k, expect_v
+    for b in range(seqlens.shape[0]):
+        for i in range(new[0].shape[1]):
+            j = int(seqlens[b]) + i
+            if table is None:
+                expect_k[b, j], expect_v[b, j] = new[0][b, i], new[1][b, i]
+            else:
+                page = int(table[b, j // PAGE])
+                expect_k[page, j % PAGE], expect_v[page, j % PAGE] = new[0][b, i], new[1][b, i]
+    return expect_k, expect_v
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -71,27 +104,9 @@ def test_decode_matches_reference(d, dtype, group, seqlen_q, paged, seqlen_new, 
         vc.copy_(before[1])
         out, lse = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, causal=causal, **kwargs)
         torch.cuda.synchronize()
-        for b in range(batch):
-            n_old = int(seqlens[b])
-            keys = [sequence_rows(before[0], table, b, n_old)]
-            values = [sequence_rows(before[1], table, b, n_old)]
-            if new is not None:
-                keys.append(new[0][b])
-                values.append(new[1][b])
-            k_b, v_b = torch.cat(keys)[None], torch.cat(values)[None]
-            _, problems = compare_with_reference(host(q[b:b + 1]), host(k_b), host(v_b), host(out[b:b + 1]),
-                                                 lse[b:b + 1].cpu().numpy(), causal=causal)
-            assert not problems, f"batch {b} ({n_old} cached rows, causal {causal}): " + "; ".join(problems)
+        check_sequences(q, out, lse, before, new, seqlens, table, causal=causal)
         if new is not None:  # the new rows are in the cache, and nothing else changed
-            expect_k, expect_v = before[0].clone(), before[1].clone()
-            for b in range(batch):
-                for i in range(seqlen_new):
-                    j = int(seqlens[b]) + i
-                    if table is None:
-                        expect_k[b, j], expect_v[b, j] = new[0][b, i], new[1][b, i]
-                    else:
-                        page = int(table[b, j // PAGE])
-                        expect_k[page, j % PAGE], expect_v[page, j % PAGE] = new[0][b, i], new[1][b, i]
+            expect_k, expect_v = expected_caches(before, new, seqlens, table)
             assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
         else:
             assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])

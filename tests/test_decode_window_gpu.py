@@ -19,7 +19,7 @@ from numbaflash.tools.reference import compare_with_reference
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("ml_dtypes")
-from tests.test_decode_gpu import DTYPES, PAGE, host, problem, sequence_rows  # noqa: E402
+from tests.test_decode_gpu import DTYPES, check_sequences, expected_caches, host, problem  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -27,22 +27,6 @@ pytestmark = pytest.mark.gpu
 # masking with a window (its right side 0).
 WINDOWS = [((0, 0), False), ((1, 1), False), ((127, 0), False), ((127, 3), False), ((3, 50), False),
            ((5, -1), False), ((-1, 2), False), ((0, -1), True), ((127, -1), True)]
-
-
-def expected_caches(before, new, seqlens, table):
-    """The caches after appending ``new`` at each sequence's cache_seqlens[b]."""
-    expect_k, expect_v = before[0].clone(), before[1].clone()
-    if new is None:
-        return expect_k, expect_v
-    for b in range(seqlens.shape[0]):
-        for i in range(new[0].shape[1]):
-            j = int(seqlens[b]) + i
-            if table is None:
-                expect_k[b, j], expect_v[b, j] = new[0][b, i], new[1][b, i]
-            else:
-                page = int(table[b, j // PAGE])
-                expect_k[page, j % PAGE], expect_v[page, j % PAGE] = new[0][b, i], new[1][b, i]
-    return expect_k, expect_v
 
 
 def run_and_check(q, kc, vc, seqlens, new, table, before, causal, window_size=(-1, -1), softcap=0.0,
@@ -59,19 +43,8 @@ def run_and_check(q, kc, vc, seqlens, new, table, before, causal, window_size=(-
     result, lse = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
     torch.cuda.synchronize()
     assert result is out
-    for b in range(q.shape[0]):
-        n_old = int(seqlens[b])
-        keys = [sequence_rows(before[0], table, b, n_old)]
-        values = [sequence_rows(before[1], table, b, n_old)]
-        if new is not None:
-            keys.append(new[0][b])
-            values.append(new[1][b])
-        k_b, v_b = torch.cat(keys)[None], torch.cat(values)[None]
-        _, problems = compare_with_reference(host(q[b:b + 1]), host(k_b), host(v_b), host(out[b:b + 1]),
-                                             lse[b:b + 1].cpu().numpy(), causal=causal,
-                                             window_size=window_size, softcap=softcap)
-        assert not problems, (f"batch {b} ({n_old} cached rows, window {window_size}, causal {causal}, "
-                              f"softcap {softcap}, splits {splits}): " + "; ".join(problems))
+    check_sequences(q, out, lse, before, new, seqlens, table, f"splits {splits}, ", causal=causal,
+                    window_size=window_size, softcap=softcap)
     expect_k, expect_v = expected_caches(before, new, seqlens, table)
     assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v), "the cache holds other rows than expected"
 

@@ -150,6 +150,18 @@ def test_tile_walk_counts_the_rings_alike(monkeypatch, causal, seqlen_q, seqlen_
     assert len(seen) == len(expected) and set(seen) == expected
 
 
+def check_band_tiles(turn, block_n, rows, seqlen_q, seqlen_k, left, right):
+    """``turn`` reads the KV tiles from the first to the last holding a key that one of ``rows``
+    sees under the window (left, right) at the diagonal seqlen_k - seqlen_q; none if none does."""
+    diag = seqlen_k - seqlen_q
+    keys = [j for i in rows for j in range(max(0, i + diag - left), min(seqlen_k, i + diag + right + 1))]
+    if keys:
+        assert int(turn.kv_first) == min(keys) // block_n
+        assert int(turn.kv_first) + int(turn.n_tiles) == max(keys) // block_n + 1
+    else:
+        assert int(turn.n_tiles) == 0
+
+
 @pytest.mark.parametrize(("seqlen_q", "seqlen_k", "left", "right", "grid"),
                          [(1000, 1000, 300, 0, 3), (300, 2000, 0, 0, 5), (2000, 300, 64, 7, 4),
                           (777, 1500, 1 << 40, 0, 2), (1000, 1000, 5, 1 << 40, 6)])
@@ -170,14 +182,8 @@ def test_tile_walk_of_a_window_reads_the_band(monkeypatch, seqlen_q, seqlen_k, l
         for q_count, turn in enumerate(cta_turns):
             assert int(turn.round_q) == q_count and int(turn.kv0) == kv
             m0 = int(turn.tile.m_block) * block_m
-            rows = range(m0, min(seqlen_q, m0 + block_m))
-            keys = [j for i in rows
-                    for j in range(max(0, i + diag - left), min(seqlen_k, i + diag + right + 1))]
-            if keys:
-                assert int(turn.kv_first) == min(keys) // block_n
-                assert int(turn.kv_first) + int(turn.n_tiles) == max(keys) // block_n + 1
-            else:
-                assert int(turn.n_tiles) == 0
+            check_band_tiles(turn, block_n, range(m0, min(seqlen_q, m0 + block_m)), seqlen_q, seqlen_k, left,
+                             right)
             kv += int(turn.n_tiles)
             seen.append(tuple(int(x) for x in turn.tile))
     expected = {(mb, h, b, h // group)
@@ -217,17 +223,9 @@ def test_tile_walk_of_packed_sequences_visits_only_their_blocks(monkeypatch, cau
             assert m0 < sq
             rows = range(m0, min(sq, m0 + block_m))
             if window:
-                keys = [j for i in rows
-                        for j in range(max(0, i + sk - sq - left), min(sk, i + sk - sq + right + 1))]
-            elif causal:
-                keys = [j for i in rows for j in range(0, min(sk, i + sk - sq + 1))]
-            else:
-                keys = list(range(sk))
-            if keys:
-                assert int(turn.kv_first) == min(keys) // block_n
-                assert int(turn.kv_first) + int(turn.n_tiles) == max(keys) // block_n + 1
-            else:
-                assert int(turn.n_tiles) == 0
+                check_band_tiles(turn, block_n, rows, sq, sk, left, right)
+            else:  # causal: right 0, left unbounded; else both unbounded
+                check_band_tiles(turn, block_n, rows, sq, sk, sk, 0 if causal else sk)
             kv += int(turn.n_tiles)
             seen.append((int(turn.tile.m_block), int(turn.tile.head), b))
     expected = {(m, h, b)

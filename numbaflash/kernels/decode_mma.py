@@ -87,9 +87,9 @@ DECODE_ARGTYPES = (
     types.boolean,  # write the LSE
 )
 
-# The window and softcap variants (``make_decode_variant_kernel``): the same, then the window's
-# sides (each >= 0, ``operations.forward.WINDOW_UNBOUNDED`` for an unbounded side; read by window
-# kernels only) and softmax_scale / softcap (read by softcap kernels only).
+# The window and softcap variants (``make_decode_kernel(..., window=, softcap=)``): the same, then
+# the window's sides (each >= 0, ``operations.forward.WINDOW_UNBOUNDED`` for an unbounded side;
+# read by window kernels only) and softmax_scale / softcap (read by softcap kernels only).
 DECODE_VARIANT_ARGTYPES = (
     *DECODE_ARGTYPES,
     types.int64, types.int64,  # window left, right

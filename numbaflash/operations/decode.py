@@ -35,7 +35,7 @@ from ..operands import (
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
 from .families import decode_operation, family_of
-from .forward import PLANS_KEPT, WINDOW_UNBOUNDED, effective_window, loaded_kernel
+from .forward import PLANS_KEPT, WINDOW_UNBOUNDED, loaded_kernel, variant_of
 from .launch_decode import MAX_SPLITS, Bind, DecodeCall, decode_splits, resident_ctas
 
 LOG2_E = math.log2(math.e)
@@ -66,18 +66,14 @@ def decode_variant(causal: bool, window_size: tuple[int, int], softcap: float, s
     (-1, -1) runs the plain kernel, (-1, 0) the causal one, and any other window the window kernel
     (built as non-causal); each with a softcap (> 0) or not. Query i of a sequence of L keys sees
     keys L - seqlen_q + i - left .. L - seqlen_q + i + right, so a row block's keys lie in the
-    last left + seqlen_q keys of its sequence: ``window_keys``."""
-    left, right = effective_window(causal, window_size, seqlen_q, max_keys)
-    window = (left, right) not in ((-1, -1), (-1, 0))
-    capped = softcap > 0
-    scale_log2 = np.float32((softcap if capped else softmax_scale) * LOG2_E)
-    cap_scale = np.float32(softmax_scale / softcap if capped else 0.0)
-    sides = (0, 0)
-    if window:
-        sides = (WINDOW_UNBOUNDED if left < 0 else left, WINDOW_UNBOUNDED if right < 0 else right)
-    window_keys = left + seqlen_q if window and left >= 0 else None
-    return DecodeVariant(decode_operation(window, capped), right != -1 and not window, *sides, scale_log2,
-                         cap_scale, window_keys)
+    last left + seqlen_q keys of its sequence: ``window_keys``. The forward's ``variant_of``
+    with the decode kernel's operation names."""
+    var = variant_of(causal, window_size, softcap, softmax_scale, seqlen_q, max_keys)
+    window = "_window" in var.operation
+    bounded = window and var.window_left != WINDOW_UNBOUNDED
+    return DecodeVariant(decode_operation(window, softcap > 0), var.causal and not window, var.window_left,
+                         var.window_right, var.scale_log2, var.cap_scale,
+                         var.window_left + seqlen_q if bounded else None)
 
 
 class DecodeKernels(NamedTuple):

@@ -114,17 +114,33 @@ class VarlenCall(NamedTuple):
     max_seqlen_q: int
 
 
+class VarlenLaunch:
+    """One config's packed variable-length launch, as ``ForwardLaunch``: ``bind(launcher,
+    varlen_call, gpu)`` gives ``fire(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)`` for
+    every call of that layout (device pointers); called, it binds and fires one ``VarlenCall``."""
+
+    __slots__ = ("bind",)
+
+    def __init__(self, bind: Callable[[Any, VarlenCall, Any], Callable[..., None]]) -> None:
+        self.bind = bind
+
+    def __call__(self, launcher, vcall: VarlenCall, gpu: Any) -> None:
+        call = vcall.call
+        self.bind(launcher, vcall, gpu)(call.stream, call.q.pointer, call.k.pointer, call.v.pointer,
+                                        call.o.pointer, call.lse[0], vcall.cu_seqlens_q[0],
+                                        vcall.cu_seqlens_k[0])
+
+
 def varlen_grid(block_m: int, max_seqlen_q: int, heads_q: int, batch: int) -> tuple[int, int, int]:
     """The packed variable-length launch's grid: ceil(max_seqlen_q / block_m) query blocks x heads
     x sequences (``forward_grid``); a CTA whose block lies past its own sequence's end returns."""
     return forward_grid(-(-max_seqlen_q // block_m), heads_q, batch)
 
 
-def launch_sm80_varlen(config) -> Callable[..., Any]:
+def launch_sm80_varlen(config) -> VarlenLaunch:
     """The launch of the mma.sync packed variable-length kernel of ``config``
-    (``VARLEN_FORWARD_ABI``): ``bind(launcher, varlen_call, gpu)`` gives ``fire(stream, q, k, v, o,
-    lse, cu_seqlens_q, cu_seqlens_k)`` for every call of that layout (device pointers); the
-    returned callable binds and fires one ``VarlenCall`` at once."""
+    (``VARLEN_FORWARD_ABI``; a ``VarlenLaunch``): one CTA per query block of max_seqlen_q, head and
+    sequence."""
     block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
 
     def bind(launcher, vcall: VarlenCall, gpu: Any) -> Callable[..., None]:
@@ -141,14 +157,7 @@ def launch_sm80_varlen(config) -> Callable[..., Any]:
                              call.window_right, call.cap_scale, vcall.cu_seqlens_q, vcall.cu_seqlens_k,
                              total_q)
 
-    def launch(launcher, vcall: VarlenCall, gpu: Any) -> None:
-        call = vcall.call
-        fire = bind(launcher, vcall, gpu)
-        fire(call.stream, call.q.pointer, call.k.pointer, call.v.pointer, call.o.pointer, call.lse[0],
-             vcall.cu_seqlens_q[0], vcall.cu_seqlens_k[0])
-
-    launch.bind = bind
-    return launch
+    return VarlenLaunch(bind)
 
 
 def tma_strides(op: Operand) -> list[int]:
@@ -245,11 +254,9 @@ def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
     return ForwardLaunch(bind)
 
 
-def launch_sm90_varlen(config, ctas: int | None = None) -> Callable[..., Any]:
+def launch_sm90_varlen(config, ctas: int | None = None) -> VarlenLaunch:
     """The launch of the Hopper kernel's packed variable-length build of ``config``
-    (``VARLEN_WS_ABI``), as ``launch_sm80_varlen``'s: ``bind(launcher, varlen_call, gpu)`` gives
-    ``fire(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)``, and the returned callable binds
-    and fires one ``VarlenCall``. Tensor maps over the (1, total, heads, head_dim) views; a
+    (``VARLEN_WS_ABI``; a ``VarlenLaunch``). Tensor maps over the (1, total, heads, head_dim) views; a
     persistent grid over ceil(max_seqlen_q / block_m) blocks of every (sequence, head), whose
     blocks past a sequence's end the kernel passes over; out also as a flat array with its row and
     head strides, where the threads store O."""
@@ -280,11 +287,4 @@ def launch_sm90_varlen(config, ctas: int | None = None) -> Callable[..., Any]:
 
         return fire
 
-    def launch(launcher, vcall: VarlenCall, gpu: Any) -> None:
-        call = vcall.call
-        fire = bind(launcher, vcall, gpu)
-        fire(call.stream, call.q.pointer, call.k.pointer, call.v.pointer, call.o.pointer, call.lse[0],
-             vcall.cu_seqlens_q[0], vcall.cu_seqlens_k[0])
-
-    launch.bind = bind
-    return launch
+    return VarlenLaunch(bind)
