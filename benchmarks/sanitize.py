@@ -41,7 +41,7 @@ import numpy as np
 from numbaflash import configs
 from numbaflash.configs import KernelConfig
 from numbaflash.kernels.shapes import BackwardConfig
-from numbaflash.operations.families import SM80_BWD, SM80_DEC, family_of
+from numbaflash.operations.families import SM80_BWD, SM80_DEC, SM90_BWD, family_of
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SCRIPT = Path(__file__).resolve()
@@ -87,7 +87,7 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {configs.backward_for_target(c, capability) for cs in configs.BACKWARD_CANDIDATES.values()
               for c in cs if c.shared_bytes <= limit}
     found |= {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
-              if c.shared_bytes <= limit}
+              if c.shared_bytes <= limit and configs.backward_runnable(c, capability)}
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
     return sorted(found, key=str)
 
@@ -559,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
             config = config_list[args.config_index]
             if family_of(config) is SM80_DEC:
                 return run_decode_worker(config)
-            return run_backward_worker(config) if family_of(config) is SM80_BWD else run_worker(config)
+            if family_of(config) in (SM80_BWD, SM90_BWD):
+                return run_backward_worker(config)
+            return run_worker(config)
         except BaseException:
             traceback.print_exc()
             return WORKER_EXCEPTION

@@ -18,8 +18,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .kernels.shapes import BackwardConfig, ForwardConfig, WsConfig
-from .operations.families import FAMILIES, SM80_BWD, family_of, family_of_table_kind
+from .kernels.shapes import BackwardConfig, ForwardConfig, WsBackwardConfig, WsConfig
+from .operations.families import FAMILIES, SM80_BWD, SM90_BWD, family_of, family_of_table_kind
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
@@ -139,7 +139,7 @@ CANDIDATES: dict[tuple[str, int], list[KernelConfig]] = {
     **{("sm90", d): _WS_CANDIDATES[d] + _SM80_CANDIDATES[d] for d in FAMILY_HEAD_DIMS["sm90"]},
 }
 # Set by benchmarks/autotune.py and tests to launch a given candidate: table key -> config.
-OVERRIDES: dict[str, KernelConfig | BackwardConfig] = {}
+OVERRIDES: dict[str, KernelConfig | BackwardConfig | WsBackwardConfig] = {}
 
 
 def arch_family(capability: tuple[int, int]) -> str:
@@ -309,13 +309,19 @@ def runnable_candidates(capability: tuple[int, int], head_dim: int) -> list[Kern
 
 @contextlib.contextmanager
 def force_config(capability: tuple[int, int], causal: bool,
-                 config: KernelConfig | BackwardConfig) -> Iterator[None]:
+                 config: KernelConfig | BackwardConfig | WsBackwardConfig) -> Iterator[None]:
     """Within the block, ``flash_attention`` on this GPU launches ``config`` for its head dim
     and ``causal`` (any family that runs here); for a ``BackwardConfig``,
-    ``flash_attention_backward`` does (every GPU runs it). Not thread-safe: for tests and tools."""
+    ``flash_attention_backward`` does (every GPU runs it), and for a ``WsBackwardConfig`` too
+    (Hopper only; not for packed variable-length calls, which run the mma.sync backward). Not
+    thread-safe: for tests and tools."""
     family = family_of(config)
     if family is SM80_BWD:
         key = backward_table_key(config.head_dim, causal)
+    elif family is SM90_BWD:
+        if not backward_runnable(config, capability):
+            raise ValueError(f"{config} needs {family.gpus}; this GPU is sm_{capability[0]}{capability[1]}")
+        key = backward_table_key(config.head_dim, causal, family.name)
     elif family.name not in runnable_families(capability):
         raise ValueError(f"{config} needs {family.gpus}; this GPU is sm_{capability[0]}{capability[1]}")
     else:
@@ -334,9 +340,12 @@ def force_config(capability: tuple[int, int], causal: bool,
 # ---------------------------------------------------------------------------- backward
 
 # The mma.sync backward (``operations.backward``): one family, run by every GPU from sm_80 on
-# (Hopper included until its own backward kernel exists). Its tuned entries sit in the same
-# table under their own keys (``backward_table_key``: ``sm80bwd/d128/causal``, ``"kernel":
-# "mma_bwd"``), written by autotune; entries missing from it use ``BACKWARD_DEFAULTS``.
+# (Hopper too, at the head dims and for the calls its own backward lacks: ``backward_dispatch_family``).
+# Its tuned entries sit in the same table under their own keys (``backward_table_key``:
+# ``sm80bwd/d128/causal``, ``"kernel": "mma_bwd"``), written by autotune; entries missing from it
+# use ``BACKWARD_DEFAULTS``. The warp-specialised Hopper backward (``WsBackwardConfig``, family
+# sm90bwd) runs head dims 64 and 128 on Hopper: entries ``sm90bwd/d128/causal`` (``"kernel":
+# "ws_bwd"``), else ``BACKWARD_WS_DEFAULTS``.
 BACKWARD_FAMILY = SM80_BWD.name
 _B = BackwardConfig
 # Per head dim, in order of preference: the first that fits the GPU's shared memory a CTA runs.
@@ -380,30 +389,74 @@ BACKWARD_CANDIDATES: dict[int, list[BackwardConfig]] = {
 }
 
 
-def backward_table_key(head_dim: int, causal: bool) -> str:
+# The Hopper backward (``WsBackwardConfig``), per head dim in order of preference: two consumer
+# warpgroups of 64 keys (128 keys a CTA) and a ring of two query blocks; at d64 128 query rows a
+# step (the warpgroups split dQ by rows), at d128 64 (they split dQ's head-dim columns). Head dims
+# without an entry run the mma.sync backward on Hopper (``backward_dispatch_family``).
+_WB = WsBackwardConfig
+BACKWARD_WS_DEFAULTS: dict[int, list[WsBackwardConfig]] = {
+    64: [_WB(64, block_m=128)],
+    128: [_WB(128, block_m=64)],
+}
+_BACKWARD_DEFAULTS_OF = {SM80_BWD.name: BACKWARD_DEFAULTS, SM90_BWD.name: BACKWARD_WS_DEFAULTS}
+
+
+def backward_table_key(head_dim: int, causal: bool, family: str = BACKWARD_FAMILY) -> str:
     """The tuned table's (and ``OVERRIDES``') key of the backward config for ``head_dim`` and
-    ``causal``: ``sm80bwd/d128/causal``."""
-    return table_key(BACKWARD_FAMILY, head_dim, causal)
+    ``causal``: ``sm80bwd/d128/causal`` (``family``: ``sm90bwd`` for the Hopper backward's)."""
+    return table_key(family, head_dim, causal)
+
+
+def backward_dispatch_family(capability: tuple[int, int], head_dim: int, operation: str = "backward") -> str:
+    """The backward family that runs ``head_dim`` on this GPU (``families.SM80_BWD.name`` or
+    ``SM90_BWD.name``), as ``dispatch_family`` for the forward: Hopper runs its own backward at the
+    head dims it has (``BACKWARD_WS_DEFAULTS``) for the kernel operations it has (``operation``:
+    the main kernel's, ``families.backward_operation``; not the packed variable-length ones),
+    every other call and GPU the mma.sync backward."""
+    if arch_family(capability) == "sm90" and head_dim in BACKWARD_WS_DEFAULTS and operation in SM90_BWD.ops:
+        return SM90_BWD.name
+    return SM80_BWD.name
+
+
+def backward_runnable(config: BackwardConfig | WsBackwardConfig, capability: tuple[int, int]) -> bool:
+    """Whether a GPU of ``capability`` runs ``config``'s kernels: the mma.sync backward's run on
+    every GPU, the Hopper backward's on sm_90 only."""
+    return family_of(config) is not SM90_BWD or arch_family(capability) == "sm90"
 
 
 def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
-                    shared_limit: int | None = None) -> BackwardConfig:
-    """The backward configuration to launch on this GPU: a forced one (``force_config`` with a
-    ``BackwardConfig``), else the tuned table's entry (``backward_table_key``), else the first of
-    ``BACKWARD_DEFAULTS[head_dim]``, each passed over where it needs more shared memory than the
-    GPU gives a CTA (``shared_limit``, by default ``max_shared_bytes(capability)``). A forced
-    config is returned as it is (the launch then fails with a message if it does not fit), apart
-    from what the target sets (``backward_for_target``).
+                    shared_limit: int | None = None,
+                    operation: str = "backward") -> BackwardConfig | WsBackwardConfig:
+    """The backward configuration to launch on this GPU for the main kernel ``operation``
+    (``families.backward_operation``): in the family of ``backward_dispatch_family``, a forced one
+    (``force_config``), else the tuned table's entry (``backward_table_key``), else the first of
+    the family's defaults (``BACKWARD_DEFAULTS[head_dim]``, ``BACKWARD_WS_DEFAULTS[head_dim]``),
+    each passed over where it needs more shared memory than the GPU gives a CTA (``shared_limit``,
+    by default ``max_shared_bytes(capability)``; where no Hopper config fits, the mma.sync
+    backward's choice). A forced ``BackwardConfig`` runs on any GPU (also where the Hopper backward
+    would), a forced ``WsBackwardConfig`` where its family runs this call. A forced config is
+    returned as it is (the launch then fails with a message if it does not fit), apart from what
+    the target sets on a ``BackwardConfig`` (``backward_for_target``).
 
     Raises:
         ValueError: a head dim with no backward configs.
         RuntimeError: no config of this head dim fits in ``shared_limit``.
     """
+    family = backward_dispatch_family(capability, head_dim, operation)
     if OVERRIDES:
+        if family != BACKWARD_FAMILY:
+            forced = OVERRIDES.get(backward_table_key(head_dim, causal, family))
+            if forced is not None:
+                return forced
         forced = OVERRIDES.get(backward_table_key(head_dim, causal))
         if forced is not None:
             return backward_for_target(forced, capability)
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+    if family != BACKWARD_FAMILY:
+        try:
+            return _backward_choice(head_dim, causal, limit, family)
+        except RuntimeError:  # no Hopper tile fits a lowered limit: the mma.sync backward's
+            pass
     return backward_for_target(_backward_choice(head_dim, causal, limit), capability)
 
 
@@ -411,25 +464,30 @@ def backward_for_target(config: BackwardConfig, capability: tuple[int, int]) -> 
     """``config`` as a GPU of ``capability`` compiles it: the dQ accumulator added four floats
     at a time (``dq_vector`` 4, ``red.global.add.v4.f32``) from sm_90 on, one at a time before.
     H100, bf16, main kernel: -0.5 to -0.8% at d64 4k and 16k without masking, no change at
-    d128 16k (lab/NOTEBOOK.md, BW.8 run 7 and BW.9)."""
+    d128 16k (lab/NOTEBOOK.md, BW.8 run 7 and BW.9). Any other family's config (the Hopper
+    backward's, which always adds four) is returned as it is."""
+    if family_of(config) is not SM80_BWD:
+        return config
     return dataclasses.replace(config, dq_vector=4 if tuple(capability)[0] >= 9 else 1)
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_choice(head_dim: int, causal: bool, limit: int) -> BackwardConfig:
-    """``backward_config`` without a forced config (the table is read once per process)."""
-    if head_dim not in BACKWARD_DEFAULTS:
-        raise ValueError(f"head_dim must be one of {tuple(BACKWARD_DEFAULTS)} for the backward, "
-                         f"got {head_dim}")
-    key = backward_table_key(head_dim, causal)
-    tried: list[BackwardConfig] = []
+def _backward_choice(head_dim: int, causal: bool, limit: int,
+                     family: str = BACKWARD_FAMILY) -> BackwardConfig | WsBackwardConfig:
+    """``backward_config`` of ``family`` without a forced config (the table is read once per
+    process)."""
+    defaults = _BACKWARD_DEFAULTS_OF[family]
+    if head_dim not in defaults:
+        raise ValueError(f"head_dim must be one of {tuple(defaults)} for the backward, got {head_dim}")
+    key = backward_table_key(head_dim, causal, family)
+    tried: list = []
     if key in _table():
         config = config_from_json(_table()[key])
-        if family_of(config) is not SM80_BWD or config.head_dim != head_dim:
-            raise ValueError(f"the tuned table's entry {key} must be a {SM80_BWD.table_kind} config of "
-                             f"head_dim {head_dim}, got {config}")
+        if family_of(config) is not FAMILIES[family] or config.head_dim != head_dim:
+            raise ValueError(f"the tuned table's entry {key} must be a {FAMILIES[family].table_kind} "
+                             f"config of head_dim {head_dim}, got {config}")
         tried.append(config)
-    tried += BACKWARD_DEFAULTS[head_dim]
+    tried += defaults[head_dim]
     for config in tried:
         if config.shared_bytes <= limit:
             return config
@@ -438,16 +496,20 @@ def _backward_choice(head_dim: int, causal: bool, limit: int) -> BackwardConfig:
                        f"a CTA ({needs})")
 
 
-def shipped_backward_configs() -> list[tuple[int, bool, BackwardConfig]]:
-    """Every (head dim, causal, config) the backward can launch unforced on the representative
-    GPUs (``FAMILY_CAPABILITY`` and ``SMALL_SHARED_CAPABILITIES``), each once; a GPU where no
-    config of a head dim fits adds nothing for it."""
+def shipped_backward_configs(
+        operation: str = "backward") -> list[tuple[int, bool, BackwardConfig | WsBackwardConfig]]:
+    """Every (head dim, causal, config) the backward can launch unforced for the main kernel
+    ``operation`` on the representative GPUs (``FAMILY_CAPABILITY`` and
+    ``SMALL_SHARED_CAPABILITIES``): the mma.sync backward's and, on Hopper, the Hopper backward's
+    (``backward_dispatch_family``; a ``backward_varlen...`` operation gives the mma.sync configs
+    Hopper runs packed calls with); each once; a GPU where no config of a head dim fits adds
+    nothing for it."""
     shipped = []
     for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
         for d in BACKWARD_DEFAULTS:
             for causal in (False, True):
                 try:
-                    item = (d, causal, backward_config(cap, d, causal))
+                    item = (d, causal, backward_config(cap, d, causal, operation=operation))
                 except RuntimeError:
                     continue
                 if item not in shipped:

@@ -25,6 +25,13 @@ extern "C" __device__ void tma_load_4d(unsigned dst, const unsigned long long* t
                :: "r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
+// Global -> shared bulk copy of `bytes` contiguous bytes (a multiple of 16; `src` and `dst`
+// 16-byte aligned), no tensor map; completion adds `bytes` to the mbarrier's tx count.
+extern "C" __device__ void bulk_load(unsigned dst, unsigned long long src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // Shared -> global tile stores, tracked by bulk async-groups (commit, then wait).
 extern "C" __device__ void tma_store_2d(const unsigned long long* tmap, unsigned src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
@@ -38,6 +45,13 @@ extern "C" __device__ void tma_store_4d(const unsigned long long* tmap, unsigned
                                         int c3) {
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
                :: "l"(tmap), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// Shared -> global bulk reduction: adds `bytes` bytes of float32 (a multiple of 16; both 16-byte
+// aligned) at shared `src` into global `dst` element by element (atomically per element), as a
+// bulk async-group (commit, then wait; .read: the source may be reused).
+extern "C" __device__ void bulk_reduce_add_f32(unsigned long long dst, unsigned src, unsigned bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
 extern "C" __device__ void cp_async_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until at most 0 committed bulk groups are pending (writes to global done).

@@ -8,7 +8,8 @@
 // B (and A in the _ss forms) is read from shared memory through a 64-bit matrix descriptor;
 // in the _rs forms A is 4 registers of packed 16-bit pairs (the m16n8k16 A-fragment layout,
 // one 16-row slice per warp). Suffix _tb: B is MN-major (transposed, imm-trans-b = 1);
-// without it both operands are K-major.
+// suffix _ta_tb (the _ss forms): A and B both MN-major (imm-trans-a = imm-trans-b = 1);
+// without them both operands are K-major.
 
 extern "C" __device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 extern "C" __device__ void wgmma_commit_group() {
@@ -70,12 +71,12 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 #define ACC_128 ACC64(0), ACC64(64)
 
 // A from shared memory: operands %NACC = desc_a, %NACC+1 = desc_b, %NACC+2 = scale_d.
-#define WGMMA_SS(NAME, N, AB, TB, NACC, IA, IB, IS)                                                \
+#define WGMMA_SS(NAME, N, AB, TA, TB, NACC, IA, IB, IS)                                            \
   extern "C" __device__ void NAME(float* d, unsigned long long desc_a, unsigned long long desc_b,   \
                                   unsigned scale_d) {                                              \
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %" IS ", 0; "                                     \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " REGS_##NACC        \
-                 ", %" IA ", %" IB ", p, 1, 1, 0, " #TB "; }"                                      \
+                 ", %" IA ", %" IB ", p, 1, 1, " #TA ", " #TB "; }"                               \
                  : ACC_##NACC : "l"(desc_a), "l"(desc_b), "r"(scale_d) : "memory");                 \
   }
 
@@ -99,10 +100,12 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 
 // Every variant of one N. I0..I5 are the operand numbers NACC..NACC+5 as strings.
 #define WGMMA_N(N, NACC, I0, I1, I2, I3, I4, I5)                                                   \
-  WGMMA_SS(wgmma_m64n##N##k16_f32_f16_ss, N, "f16", 0, NACC, I0, I1, I2)                          \
-  WGMMA_SS(wgmma_m64n##N##k16_f32_f16_ss_tb, N, "f16", 1, NACC, I0, I1, I2)                       \
-  WGMMA_SS(wgmma_m64n##N##k16_f32_bf16_ss, N, "bf16", 0, NACC, I0, I1, I2)                        \
-  WGMMA_SS(wgmma_m64n##N##k16_f32_bf16_ss_tb, N, "bf16", 1, NACC, I0, I1, I2)                     \
+  WGMMA_SS(wgmma_m64n##N##k16_f32_f16_ss, N, "f16", 0, 0, NACC, I0, I1, I2)                       \
+  WGMMA_SS(wgmma_m64n##N##k16_f32_f16_ss_tb, N, "f16", 0, 1, NACC, I0, I1, I2)                    \
+  WGMMA_SS(wgmma_m64n##N##k16_f32_f16_ss_ta_tb, N, "f16", 1, 1, NACC, I0, I1, I2)                 \
+  WGMMA_SS(wgmma_m64n##N##k16_f32_bf16_ss, N, "bf16", 0, 0, NACC, I0, I1, I2)                     \
+  WGMMA_SS(wgmma_m64n##N##k16_f32_bf16_ss_tb, N, "bf16", 0, 1, NACC, I0, I1, I2)                  \
+  WGMMA_SS(wgmma_m64n##N##k16_f32_bf16_ss_ta_tb, N, "bf16", 1, 1, NACC, I0, I1, I2)               \
   WGMMA_RS(wgmma_m64n##N##k16_f32_f16_rs, N, "f16", 0, NACC, I0, I1, I2, I3, I4, I5)              \
   WGMMA_RS(wgmma_m64n##N##k16_f32_f16_rs_tb, N, "f16", 1, NACC, I0, I1, I2, I3, I4, I5)           \
   WGMMA_RS(wgmma_m64n##N##k16_f32_bf16_rs, N, "bf16", 0, NACC, I0, I1, I2, I3, I4, I5)            \

@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import re
 import sys
+import threading
 import types
 
 import numpy as np
@@ -25,7 +26,7 @@ from numbaflash.operations.launch_backward import (
     check_backward_grid,
     workspace_layout,
 )
-from numbaflash.runtime import device
+from numbaflash.runtime import device, map_slots
 from numbaflash.runtime import launch as runtime_launch
 
 HOPPER, AMPERE, SM86 = (9, 0), (8, 0), (8, 6)
@@ -361,7 +362,8 @@ def test_dq_accumulator_offsets_cover_the_block_once(config, vector):
 def test_the_target_sets_the_dq_add_width(capability, vector, fresh_choice):
     """Every config a GPU launches, chosen or forced, adds dQ four floats at a time from sm_90 on
     (``red.global.add.v4.f32`` does not exist before) and one at a time before."""
-    assert configs.backward_config(capability, 64, True, shared_limit=10**6).dq_vector == vector
+    # (head dim 96: the mma.sync backward on every GPU; Hopper runs its own at 64 and 128)
+    assert configs.backward_config(capability, 96, True, shared_limit=10**6).dq_vector == vector
     with configs.force_config(capability, False, BackwardConfig(64, block_n=64, dq_vector=4)):
         assert configs.backward_config(capability, 64, False).dq_vector == vector
     assert BackwardConfig(64, dq_vector=4).tag.endswith("_v4") and "_v" not in BackwardConfig(64).tag
@@ -428,7 +430,9 @@ def test_defaults_are_valid_and_in_order():
 @pytest.mark.parametrize("causal", [False, True])
 def test_config_by_shared_memory(causal, fresh_choice):
     d128 = configs.BACKWARD_DEFAULTS[128]
-    assert configs.backward_config(HOPPER, 128, causal) == hopper(d128[0])  # 161 KB
+    assert configs.backward_config(HOPPER, 128, causal) == configs.BACKWARD_WS_DEFAULTS[128][0]  # its own
+    assert configs.backward_config(HOPPER, 128, causal, operation="backward_varlen") == \
+        hopper(d128[0])  # 161 KB
     assert configs.backward_config(AMPERE, 128, causal) == d128[0]  # 163 KB a CTA
     assert configs.backward_config(SM86, 128, causal) == d128[-1]  # 99 KB: 64 x 64, one Q stage
     assert configs.backward_config(AMPERE, 128, causal, shared_limit=140_000) == d128[2]
@@ -449,9 +453,12 @@ def test_table_entries_under_their_own_keys(table_with, fresh_choice):
     assert configs.backward_table_key(128, True) == "sm80bwd/d128/causal"
     table_with({"sm80bwd/d128/causal": tuned, "sm80bwd/d64/full": too_big})
     configs._backward_choice.cache_clear()
-    assert configs.backward_config(HOPPER, 128, True) == hopper(tuned)
-    assert configs.backward_config(HOPPER, 128, False) == hopper(configs.BACKWARD_DEFAULTS[128][0])
-    assert configs.backward_config(HOPPER, 64, False) == hopper(too_big)
+    # (on Hopper the packed variable-length calls run the mma.sync backward at every head dim)
+    varlen = "backward_varlen"
+    assert configs.backward_config(HOPPER, 128, True, operation=varlen) == hopper(tuned)
+    assert configs.backward_config(HOPPER, 128, False, operation=varlen) == \
+        hopper(configs.BACKWARD_DEFAULTS[128][0])
+    assert configs.backward_config(HOPPER, 64, False, operation=varlen) == hopper(too_big)
     assert configs.backward_config(SM86, 64, False, shared_limit=too_big.shared_bytes - 1) == \
         configs.BACKWARD_DEFAULTS[64][0]
     assert configs.config_to_json(tuned)["kernel"] == "mma_bwd"
@@ -533,6 +540,25 @@ class FakeLauncher:
             self.kernel.run(args)
 
 
+class FakeSlots:
+    """``runtime.map_slots.MapSlots``' interface: a slot per key (maps never encoded), every
+    lookup and use recorded."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.keys: list[tuple] = []
+        self.slot_of: dict[tuple, int] = {}
+        self.used_slots: list[tuple[int, int]] = []
+
+    def address(self, key, encode, stream):
+        self.keys.append(key)
+        slot = self.slot_of.setdefault(key, len(self.slot_of))
+        return (1 << 36) + 512 * slot, slot
+
+    def used(self, slot, stream):
+        self.used_slots.append((slot, stream))
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A fresh GPU state on a pretend device: kernels 'load' without compiling (recorded), launches
@@ -557,6 +583,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(backward, "empty_like", lambda ref, shape, dtype_name: FakeDeviceArray(shape))
     monkeypatch.setattr(backward, "empty_lse", lambda ref, shape: FakeDeviceArray(shape, "<f4"))
     monkeypatch.setattr(FakeLauncher, "launches", [])
+    gpu.slots = FakeSlots()  # the Hopper backward's tensor maps
+    monkeypatch.setattr(map_slots, "map_slots", lambda ordinal: gpu.slots)
     configs._backward_choice.cache_clear()
     yield gpu
     configs._backward_choice.cache_clear()
@@ -571,7 +599,10 @@ def test_kernels_load_once_for_the_gpus_own_target(fake_gpu, capability, arch):
     assert first.config == config
     assert fake_gpu.loads == [(config, True, False, arch, op) for op in families.BACKWARD_OPERATIONS]
     assert fake_gpu.raised == [(2, 0, config.shared_bytes)]  # the main kernel's limit, once
-    assert [launcher.abi for launcher, _ in (first.prep, first.main, first.dq)] == list(ABIS.values())
+    family = families.family_of(config)  # Hopper: its own backward at d128
+    assert family is (families.SM90_BWD if capability == HOPPER else families.SM80_BWD)
+    assert [launcher.abi for launcher, _ in (first.prep, first.main, first.dq)] == [
+        family.op(op).abi for op in families.BACKWARD_OPERATIONS]
     assert backward.backward_kernels(capability, 0, 128, True, False) is first
     assert len(fake_gpu.loads) == 3
     backward.backward_kernels(capability, 0, 128, True, True)  # bf16: three more kernels
@@ -593,10 +624,11 @@ def test_forced_config_loads_its_own_kernels_and_too_big_is_refused(fake_gpu):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_device_call_launches_prep_main_dq_with_the_abi(fake_gpu, deterministic):
+    fake_gpu.capability, fake_gpu.limit = AMPERE, configs.max_shared_bytes(AMPERE)  # the mma.sync backward
     q_shape, k_shape = (3, 200, 8, 64), (3, 300, 2, 64)
     inputs = device_inputs(q_shape, k_shape)
     dq, dk, dv = call(inputs, causal=True, softmax_scale=0.25, deterministic=deterministic)
-    config = configs.backward_config(HOPPER, 64, True)
+    config = configs.backward_config(AMPERE, 64, True)
     assert (dq.shape, dk.shape, dv.shape) == (q_shape, k_shape, k_shape)
     prep, main, dqk = FakeLauncher.launches
     assert [launch[0] for launch in FakeLauncher.launches] == list(families.BACKWARD_OPERATIONS)
@@ -793,9 +825,10 @@ def test_precompile_lists_the_backward_kernels():
                              for bf16 in (False, True) for op in families.BACKWARD_OPERATIONS}
         assert len(items) == len(expected) and set(items) == expected
         with_candidates = precompile.backward_kernels_for(arch, candidates=True)
+        # the candidates, and the chosen configs (on Hopper its own backward's at d64 and d128)
         assert {item[0] for item in with_candidates} == {configs.backward_for_target(c, cap)
                                                           for cs in configs.BACKWARD_CANDIDATES.values()
-                                                          for c in cs}
+                                                          for c in cs} | {item[0] for item in items}
         assert all(len(item) == 4 for item in precompile.kernels_for(arch, candidates=False))  # the forward's
 
 
@@ -818,6 +851,12 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     fake.make_backward_dq_kernel = factory("backward_dq")
     fake.BACKWARD_PREP_ARGTYPES, fake.BACKWARD_ARGTYPES, fake.BACKWARD_DQ_ARGTYPES = "prep", "main", "dq"
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_mma", fake)
+    fake_ws = types.ModuleType("numbaflash.kernels.backward_ws")  # the Hopper backward (sm90bwd)
+    fake_ws.make_backward_ws_prep_kernel = factory("backward_prep")
+    fake_ws.make_backward_ws_kernel = factory("backward")
+    fake_ws.make_backward_ws_dq_kernel = factory("backward_dq")
+    fake_ws.BACKWARD_WS_ARGTYPES = "ws_main"
+    monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_ws", fake_ws)
     kernels = registry.backward_kernels()
     shipped = configs.shipped_backward_configs()
     # a main kernel per (config, causal), one prepare and one dQ kernel per config; both dtypes
@@ -825,18 +864,26 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     argtypes = {"backward_prep": "prep", "backward": "main", "backward_dq": "dq"}
     for name, (kernel, types_, archs) in kernels.items():
         config, causal, bf16, operation = kernel.backward_key
+        family = families.family_of(config)
         assert "backward" in name and "forward" not in name
         assert not causal or operation == "backward"
         masking = f"{'causal' if causal else 'full'}_" if operation == "backward" else ""
         kind = masking + ("bf16" if bf16 else "f16")
         shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
-        assert re.fullmatch(rf"flash_{operation}_{shape}_{kind}", name)
+        assert re.fullmatch(rf"flash_{family.op(operation).cache_kind}_{shape}_{kind}", name)
         # each config for the target that compiles it: the H100's (dQ four floats at a time)
-        # for sm_90a, the A100's and smaller GPUs' for sm_80
+        # for sm_90a, the A100's and smaller GPUs' for sm_80; the Hopper backward's for sm_90a
+        if family is families.SM90_BWD:
+            assert "backward_ws" in name and archs == ("sm_90a",)
+            assert types_ == ("ws_main" if operation == "backward" else argtypes[operation])
+            continue
         assert types_ == argtypes[operation]
         assert archs == (("sm_90a",) if config.dq_vector == 4 else ("sm_80",))
     assert {(c, causal) for c, causal, _, _ in made} == {(c, causal) for _, causal, c in shipped}
-    assert {c.head_dim for _, _, c in shipped if c.dq_vector == 4} == set(configs.SUPPORTED_HEAD_DIMS)
+    mma = [c for _, _, c in shipped if families.family_of(c) is families.SM80_BWD]
+    own = {c.head_dim for _, _, c in shipped if families.family_of(c) is families.SM90_BWD}
+    assert own == set(configs.BACKWARD_WS_DEFAULTS)  # Hopper's own backward at d64 and d128
+    assert {c.head_dim for c in mma if c.dq_vector == 4} | own == set(configs.SUPPORTED_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("head_dim", range(32, 257, 32))

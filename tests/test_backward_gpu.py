@@ -152,6 +152,8 @@ def test_every_tunable_config(rng, cfg):
     from numba import cuda
 
     device_ = cuda.get_current_device()
+    if not configs.backward_runnable(cfg, tuple(device_.compute_capability)):
+        pytest.skip(f"{cfg} runs on Hopper only")
     if cfg.shared_bytes > device_.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
         pytest.skip(f"{cfg} needs {cfg.shared_bytes} bytes of shared memory; this GPU allows "
                     f"{device_.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN}")

@@ -15,8 +15,10 @@ from numbaflash.configs import kernel_cubin
 from numbaflash.operations import families
 from numbaflash.tools.inspect import report_from_cubin
 
-CASES = [  # (config, causal, bf16, arch): the H100's choice per head dim, causal, fp16 ...
-    *[(configs.backward_config((9, 0), d, True), True, False, "sm_90a") for d in configs.SUPPORTED_HEAD_DIMS],
+CASES = [  # (config, causal, bf16, arch): the H100's mma.sync choice per head dim, causal, fp16 (at d64
+    # and d128 what its packed variable-length calls run: the others run the Hopper backward) ...
+    *[(configs.backward_config((9, 0), d, True, operation="backward_varlen"), True, False, "sm_90a")
+      for d in configs.SUPPORTED_HEAD_DIMS],
     # ... and the A100's d128 and d256 (one Q stage there), non-causal, bf16, for sm_80
     *[(configs.backward_config((8, 0), d, False), False, True, "sm_80") for d in (128, 256)],
 ]
@@ -50,7 +52,7 @@ def test_prepare_and_dq_kernels_are_cached_once_for_causal_and_not(monkeypatch):
     asked = []
     monkeypatch.setattr(cache, "cached_cubin", lambda kind, config, causal, bf16, arch, build:
                         asked.append((kind, causal)) or types.SimpleNamespace(cubin=b"", entry_name="e"))
-    config = configs.backward_config((9, 0), 128, True)
+    config = configs.backward_config((9, 0), 96, True)  # the mma.sync backward's
     for causal in (False, True):
         for op in families.BACKWARD_OPERATIONS:
             configs.kernel_cubin(config, causal, False, "sm_90a", op)

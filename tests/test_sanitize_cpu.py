@@ -13,6 +13,7 @@ from _benchmarks import load_benchmark
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WsConfig
 from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig
+from numbaflash.operations.families import SM90_BWD, family_of
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -124,8 +125,15 @@ def test_runnable_configs(capability, families):
     limit = configs.max_shared_bytes(capability)  # and the backward's, every GPU runs them
     expected |= {configs.backward_for_target(c, capability) for cs in configs.BACKWARD_CANDIDATES.values()
                  for c in cs if c.shared_bytes <= limit}
-    assert {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
-            if c.shared_bytes <= limit} <= expected
+    # the shipped backward configs this GPU runs: the mma.sync ones (among the candidates) and, on
+    # Hopper only, the Hopper backward's
+    shipped_backward = {configs.backward_for_target(c, capability)
+                        for _, _, c in configs.shipped_backward_configs()
+                        if c.shared_bytes <= limit and configs.backward_runnable(c, capability)}
+    own = {c for c in shipped_backward if family_of(c) is SM90_BWD}
+    assert bool(own) == ("sm90" in families), own
+    assert shipped_backward - own <= expected
+    expected |= shipped_backward
     expected |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}  # decode's
     assert set(got) == expected
 

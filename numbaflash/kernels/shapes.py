@@ -395,6 +395,131 @@ class BackwardConfig:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
 
+class WsBackwardLayout(NamedTuple):
+    """Byte offsets of the Hopper backward's shared tiles from the aligned base: K and V (the
+    CTA's key block), the ring stages of Q and dO and of their rows' LSE and D, the two dSᵀ
+    buffers, then the mbarrier words: the K/V barrier, the ring's full then empty barriers."""
+
+    k: int
+    v: int
+    q: int  # stage s at q + s * q_stage
+    do: int
+    lse: int  # stage s at lse + s * rows_stage
+    delta: int
+    ds: int  # buffer b at ds + b * ds_bytes
+    dq: int  # the dQ staging tile of the bulk reduction (dq_bulk; else empty)
+    q_stage: int
+    rows_stage: int
+    ds_bytes: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WsBackwardConfig:
+    """Compile-time shape of the warp-specialised Hopper backward (``backward_ws``): one CTA per
+    block of ``block_n`` keys of one (batch, kv head) keeps dK and dV of the block in registers
+    (``consumers`` warpgroups of 64 keys each) while a producer warp streams the ``block_m``-row
+    query blocks that see it (Q, dO, their LSE and D) through a ring of ``stages``.
+
+    The dQ accumulator's order and the prepare and dQ kernels are the mma.sync backward's, for
+    the equivalent ``BackwardConfig`` (``dq_config``): the consumer warps hold dQ as that config's
+    warps do."""
+
+    head_dim: int
+    block_m: int = 64  # query rows per step of the walk (the N of Sᵀ and dPᵀ, the K of dV and dK)
+    stages: int = 2  # Q / dO ring depth
+    consumers: int = 2  # warpgroups of 64 keys: block_n = 64 x consumers
+    # dQ of a step into the float32 accumulator: staged in shared memory (fragment order) and added
+    # by one bulk reduction (``cp.reduce.async.bulk .add.f32``, the TMA unit's work), or by the
+    # threads' ``red.global.add.v4.f32`` (False; deterministic mode always uses these).
+    dq_bulk: bool = True
+
+    @property
+    def block_n(self) -> int:
+        return WARPGROUP_ROWS * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after ``setmaxnreg``: 24 x 128 + 240 x 256."""
+        return (24, 240)
+
+    @property
+    def row_bytes(self) -> int:
+        return 128
+
+    @property
+    def box_cols(self) -> int:
+        return 64
+
+    @property
+    def dq_split(self) -> str:
+        """How the consumer warpgroups split dQ = dS K: by rows ("m": 64 query rows each, when
+        block_m = 64 x consumers) or by head-dim columns ("n": block_m = 64)."""
+        return "m" if self.block_m == WARPGROUP_ROWS * self.consumers else "n"
+
+    @property
+    def tag(self) -> str:
+        return f"_s{self.stages}" + ("" if self.dq_bulk else "_red")
+
+    def dq_config(self) -> BackwardConfig:
+        """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this
+        kernel's consumer warps add in, and whose prepare and dQ kernels it shares."""
+        return BackwardConfig(self.head_dim, block_m=self.block_m, block_n=self.block_n,
+                              num_warps=4 * self.consumers, dq_vector=4)
+
+    @property
+    def layout(self) -> WsBackwardLayout:
+        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        kv = bn * d * 2
+        q_stage = bm * d * 2
+        rows_stage = bm * 4
+        ds_bytes = bn * bm * 2
+        k = 0
+        v = k + kv
+        q = v + kv
+        do = q + self.stages * q_stage
+        ds = do + self.stages * q_stage
+        dq = ds + 2 * ds_bytes
+        lse = dq + (bm * d * 4 if self.dq_bulk else 0)
+        delta = lse + self.stages * rows_stage
+        end = delta + self.stages * rows_stage
+        return WsBackwardLayout(k, v, q, do, lse, delta, ds, dq, q_stage, rows_stage, ds_bytes, end)
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one ring stage receives: Q, dO and their rows' LSE and D."""
+        lay = self.layout
+        return 2 * lay.q_stage + 2 * lay.rows_stage
+
+    @property
+    def barrier_words(self) -> int:
+        return 1 + 2 * self.stages
+
+    @property
+    def shared_bytes(self) -> int:
+        """The tiles, plus 1 KB to align the base (the mbarriers are a static array)."""
+        return self.layout.end + SMEM_ALIGN
+
+    def check(self) -> None:
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.consumers != 2:
+            raise ValueError(f"consumers must be 2, got {self.consumers}")
+        if self.block_m not in (64, 128):
+            raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
+        if self.block_m == 64 and self.head_dim % (64 * self.consumers):
+            raise ValueError(f"block_m 64 splits dQ's head-dim columns over the consumers in 64-column "
+                             f"blocks: head_dim must be a multiple of {64 * self.consumers}, got {self}")
+        if not 2 <= self.stages <= 3:
+            raise ValueError(f"stages must be 2 or 3, got {self.stages}")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Compile-time shape of the decode kernel (``decode_mma``): one CTA takes

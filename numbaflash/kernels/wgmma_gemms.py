@@ -65,3 +65,69 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
         hp.wgmma_commit_group()
 
     return AttentionGemms(issue_s, issue_pv, fence_s, fence_o)
+
+
+# The five GEMM steps of the Hopper backward (``backward_ws``), each issued asynchronously by one
+# warpgroup for its 64 keys (one commit group each):
+#   issue_scores(acc, desc_kv, desc_qdo)  Sᵀ = K Qᵀ or dPᵀ = V dOᵀ: wgmma SS m64n{block_m}k16, K or V
+#                                         rows and Q or dO rows from shared memory, both K-major
+#   issue_dkv(acc, frag, desc_mn)         dV += Pᵀ dO or dK += dSᵀ Q: wgmma RS m64n{head_dim}k16, Pᵀ or
+#                                         dSᵀ (16-bit) from registers, dO or Q MN-major
+#   issue_dq(acc, desc_ds, desc_k)        dQ = dS K: wgmma SS m64n{dq_n}k16 over the block's keys, the
+#                                         dSᵀ tile and K both MN-major (the first k-step overwrites dQ)
+# fence_scores / fence_dkv / fence_dq keep each accumulator's registers on their side of a wait.
+BackwardGemms = namedtuple("BackwardGemms", ["issue_scores", "issue_dkv", "issue_dq", "fence_scores",
+                                             "fence_dkv", "fence_dq"])
+
+
+def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf16: bool) -> BackwardGemms:
+    """The GEMM steps for key tiles of ``block_n`` rows, query tiles of ``block_m`` rows, and a dQ
+    product ``dq_n`` head-dim columns wide, all in 64-column blocks of 128-byte rows (128B
+    swizzle). A k-step of a K-major operand is 32 bytes of a row; of an MN-major one, 16 rows
+    (2048 bytes)."""
+    dtype = "bf16" if bf16 else "f16"
+    mma_scores = hp.wgmma_ss(block_m, dtype)
+    mma_dkv = hp.wgmma_rs(head_dim, dtype, trans_b=True)
+    mma_dq = hp.wgmma_ss(dq_n, dtype, trans_b=True, trans_a=True)
+    fence_scores = hp.wgmma_fence_operand(block_m)
+    fence_dkv = hp.wgmma_fence_operand(head_dim)
+    fence_dq = hp.wgmma_fence_operand(dq_n)
+    D_K_STEPS = head_dim // 16  # k-steps of Sᵀ and dPᵀ
+    M_K_STEPS = block_m // 16  # k-steps of dV and dK
+    N_K_STEPS = block_n // 16  # k-steps of dQ
+    BM, BN = block_m, block_n
+
+    @cuda.jit(device=True, forceinline=True)
+    def issue_scores(acc, desc_kv, desc_qdo):
+        """Start Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ) over the head dim (async; overwrites ``acc``)."""
+        fence_scores(acc)
+        hp.wgmma_fence()
+        for kk in range(D_K_STEPS):
+            block = (kk // 4) * 128  # the 64-column block's offset, in bytes per tile row
+            step = (kk % 4) * 32
+            mma_scores(acc, hp.descriptor_add(desc_kv, block * BN + step),
+                       hp.descriptor_add(desc_qdo, block * BM + step), 0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, forceinline=True)
+    def issue_dkv(acc, frag, desc_mn):
+        """Start dV += Pᵀ dO (or dK += dSᵀ Q) over the query block (async), the A fragments
+        ``frag[kk]`` from registers, B MN-major (16 query rows a k-step)."""
+        fence_dkv(acc)
+        hp.wgmma_fence()
+        for kk in range(M_K_STEPS):
+            mma_dkv(acc, frag[kk], hp.descriptor_add(desc_mn, kk * 2048), 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, forceinline=True)
+    def issue_dq(acc, desc_ds, desc_k):
+        """Start dQ = dS K over the key block (async; overwrites ``acc``): A the dSᵀ tile (keys x
+        queries, MN-major for dS), B the K tile (keys x head dim, MN-major), 16 keys a k-step."""
+        fence_dq(acc)
+        hp.wgmma_fence()
+        for kk in range(N_K_STEPS):
+            mma_dq(acc, hp.descriptor_add(desc_ds, kk * 2048), hp.descriptor_add(desc_k, kk * 2048),
+                   0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    return BackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)

@@ -38,7 +38,7 @@ class BackwardKernels(NamedTuple):
     """One config's three kernels on one device, each as (``KernelLauncher``, launch function),
     in launch order."""
 
-    config: Any  # kernels.shapes.BackwardConfig
+    config: Any  # kernels.shapes.BackwardConfig, or WsBackwardConfig (the Hopper backward)
     prep: tuple[Any, Launch]
     main: tuple[Any, Launch]
     dq: tuple[Any, Launch]
@@ -68,11 +68,15 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     ``device``).
 
     The config is the table's, else the first default that fits the device's shared memory a CTA
-    (``configs.backward_config``). Each kernel's cubin comes from the on-disk kernel cache or is
-    compiled for the device's own target (``arch_of``: ``sm_90a`` on Hopper, ``sm_86`` on an
-    sm_86 GPU, as the sm80 forward) and stored; it is loaded once per process, and the main
-    kernel's shared-memory limit is raised once per device. ``operation``: the main kernel's
-    (``backward_variant``; window and softcap variants are compiled on demand); a
+    (``configs.backward_config``, of the family ``configs.backward_dispatch_family`` picks: on
+    Hopper at head dims 64 and 128 the warp-specialised backward, whose prepare and dQ kernels are
+    the mma.sync ones of ``config.dq_config()``; it shares their workspace: its block_m rows a
+    step, the dQ accumulator in ``dq_config()``'s fragment order). Each kernel's cubin comes
+    from the on-disk kernel cache or is compiled for the device's own target (``arch_of``:
+    ``sm_90a`` on Hopper, ``sm_86`` on an sm_86 GPU, as the sm80 forward) and stored; it is
+    loaded once per process, and the main kernel's shared-memory limit is raised once per
+    device. ``operation``: the main kernel's (``backward_variant``; window and softcap variants
+    are compiled on demand); a
     ``backward_varlen...`` operation loads the varlen builds of all three kernels
     (``VARLEN_BACKWARD_OPERATIONS``) with the same config.
     """
@@ -82,7 +86,7 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
-    config = configs.backward_config(capability, head_dim, causal, limit)
+    config = configs.backward_config(capability, head_dim, causal, limit, operation)
     key = ("backward", config, causal, bf16, capability, device, operation)
     ready = gpu.launchers.get(key)
     if ready is None:

@@ -19,6 +19,7 @@ from ..kernels.abi import (
     BACKWARD_ABI,
     BACKWARD_DQ_ABI,
     BACKWARD_PREP_ABI,
+    BACKWARD_WS_ABI,
     DECODE_ABI,
     DECODE_COMBINE_ABI,
     DECODE_VARIANT_ABI,
@@ -30,11 +31,14 @@ from ..kernels.abi import (
     VARLEN_WS_ABI,
     WS_ABI,
 )
-from ..kernels.shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsConfig
+from ..kernels.shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsBackwardConfig, WsConfig
 from .launch_backward import (
     launch_backward_dq,
     launch_backward_main,
     launch_backward_prep,
+    launch_backward_ws_dq,
+    launch_backward_ws_main,
+    launch_backward_ws_prep,
     launch_varlen_backward_dq,
     launch_varlen_backward_main,
     launch_varlen_backward_prep,
@@ -78,7 +82,7 @@ class KernelOp:
 class Family:
     """A kernel family: its configs' class and its kernels, by operation."""
 
-    name: str  # "sm80" | "sm90" | "sm80bwd"
+    name: str  # "sm80" | "sm90" | "sm80bwd" | "sm90bwd" | "sm80dec"
     config_type: type
     table_kind: str  # the tuned table's "kernel" field for its configs
     arch: str  # the target it compiles for
@@ -175,6 +179,22 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
                                        masked="window" not in v)
        for v in ("", "_window", "_softcap", "_window_softcap")},
 })
+# The warp-specialised Hopper backward (``backward_ws``, FlashAttention-3's design): its main kernel
+# (plain, window, softcap, both: the mma.sync family's variants, one parameter list
+# ``BACKWARD_WS_ABI``) with the mma.sync prepare and dQ kernels of ``WsBackwardConfig.dq_config()``
+# (their parameter lists and launches, built for that config). No packed variable-length kernels:
+# those calls run the sm80bwd family on Hopper too (``configs.backward_dispatch_family``).
+SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", {
+    "backward_prep": KernelOp("backward_ws_prep", BACKWARD_PREP_ABI,
+                              "backward_ws:make_backward_ws_prep_kernel",
+                              "backward_mma:BACKWARD_PREP_ARGTYPES", launch_backward_ws_prep, masked=False),
+    "backward_dq": KernelOp("backward_ws_dq", BACKWARD_DQ_ABI, "backward_ws:make_backward_ws_dq_kernel",
+                            "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_ws_dq, masked=False),
+    **{f"backward{v}": KernelOp(f"backward_ws{v}", BACKWARD_WS_ABI, f"backward_ws:make_backward_ws{v}_kernel",
+                                "backward_ws:BACKWARD_WS_ARGTYPES", launch_backward_ws_main,
+                                masked="window" not in v)
+       for v in ("", "_window", "_softcap", "_window_softcap")},
+})
 BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
 BACKWARD_VARIANTS = ("backward_window", "backward_softcap", "backward_window_softcap")
 # The packed variable-length call's three kernels, in launch order ("backward_varlen": the main
@@ -212,7 +232,7 @@ def decode_operation(window: bool, softcap: bool) -> str:
     (``decode_window``, ``decode_softcap``, ``decode_window_softcap``); ``decode_combine`` merges
     the splits of every one."""
     return "decode" + ("_window" if window else "") + ("_softcap" if softcap else "")
-FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM80_DEC)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
 _BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}
 

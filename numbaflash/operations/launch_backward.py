@@ -13,6 +13,10 @@ One call launches three kernels on the caller's stream, in this order:
 3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (rows // block_m,
    heads_q, batch), ``config.threads``.
 
+On Hopper at head dims 64 and 128 the main kernel is the warp-specialised one
+(``launch_backward_ws_main``: tensor maps of q, k, v, dout instead of their pointers and strides,
+the same grid); its prepare and dQ kernels are the mma.sync ones of ``config.dq_config()``.
+
 A packed variable-length call (``VarlenBackwardCall``) launches the varlen builds of the three
 (``launch_varlen_backward_*``) over grids of the maxima, with a workspace of
 ``varlen_workspace_layout`` (each sequence's rows from ``abi.varlen_row_offset``, padded to
@@ -32,7 +36,7 @@ import numpy as np
 
 from ..kernels.abi import BACKWARD_ROW_ALIGN, varlen_workspace_rows
 from ..kernels.shapes import PREP_ROWS, PREP_THREADS
-from .launch_forward import MAX_GRID_X, MAX_GRID_YZ
+from .launch_forward import MAX_GRID_X, MAX_GRID_YZ, _tensor_maps
 
 if TYPE_CHECKING:
     from ..operands import Operand
@@ -208,6 +212,64 @@ def launch_backward_main(config) -> Launch:
     return launch
 
 
+class _MapOperands(NamedTuple):
+    """What ``launch_forward._tensor_maps`` reads of a call: the four operands its maps cover (the
+    backward's: q, k, v and dout, in the forward's ``o`` place) and the device."""
+
+    q: Operand
+    k: Operand
+    v: Operand
+    o: Operand
+    device: int
+
+
+def launch_backward_ws_main(config) -> Launch:
+    """The launch of the Hopper backward's main kernel (``BACKWARD_WS_ABI``): the grid, threads and
+    shared memory of ``launch_backward_main``; tensor maps of q, k, v, dout (boxes of block_m,
+    block_n, block_n, block_m rows, cached in device memory by pointers and layout as the Hopper
+    forward's: ``runtime.map_slots``) instead of their pointers and strides; dk, dv by pointer and
+    strides, the workspace, and the scalars."""
+    block_n, threads, shared_bytes = config.block_n, config.threads, config.shared_bytes
+    maps_of = _tensor_maps(config, (config.block_m, block_n, block_n, config.block_m))
+
+    def launch(launcher, call: BackwardCall, gpu: Any) -> None:
+        q, k, v, do, dk, dv, ws = call.q, call.k, call.v, call.dout, call.dk, call.dv, call.workspace
+        batch, seqlen_q, heads_q, _ = q.shape
+        _, seqlen_k, heads_kv, _ = k.shape
+        sm_count, layout, slots, encode = maps_of(_MapOperands(q, k, v, do, call.device), gpu)
+        key_blocks = -(-seqlen_k // block_n)
+        tail_pairs = backward_tail_pairs(key_blocks, heads_kv * batch, sm_count)
+        dks, dvs = dk.strides, dv.strides
+        pointers = (q.pointer, k.pointer, v.pointer, do.pointer)
+        with slots.lock:
+            maps, slot = slots.address((layout, *pointers), lambda: encode(*pointers), call.stream)
+            try:
+                launcher((key_blocks * heads_kv * batch, 1, 1), threads, call.stream, shared_bytes,
+                         (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16),
+                         (dk.pointer, dk.span), (dv.pointer, dv.span),
+                         ws.lse_log2, ws.delta, ws.dq_accum, ws.counters,
+                         dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
+                         seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
+                         call.scale_log2, call.scale, call.deterministic, call.window_left,
+                         call.window_right, call.cap_scale)
+            finally:  # even after a failed launch: the slot's copy is on the stream
+                slots.used(slot, call.stream)
+
+    return launch
+
+
+def _dq_config_launch(launch_of: Callable[[Any], Launch]) -> Callable[[Any], Launch]:
+    """``launch_of`` (the mma.sync prepare or dQ launch) applied to a Hopper backward config's
+    ``dq_config()``: the kernels it shares with the mma.sync backward."""
+
+    def prepare(config) -> Launch:
+        return launch_of(config.dq_config())
+
+    prepare.__name__ = prepare.__qualname__ = f"{launch_of.__name__}_of_dq_config"
+    return prepare
+
+
+
 class VarlenBackwardCall(NamedTuple):
     """One packed variable-length backward call (``flash_attention_varlen_backward``): ``call``
     holds dout, q, k, v, out, dq, dk, dv as (1, total, heads, head_dim) operands (batch strides
@@ -321,3 +383,8 @@ def launch_backward_dq(config) -> Launch:
                  seqlen_q, call.rows, heads_q, call.scale)
 
     return launch
+
+
+# The Hopper backward's prepare and dQ launches (family sm90bwd): the mma.sync ones of its dq_config().
+launch_backward_ws_prep = _dq_config_launch(launch_backward_prep)
+launch_backward_ws_dq = _dq_config_launch(launch_backward_dq)

@@ -187,13 +187,16 @@ def map_layout_id(layout: tuple) -> int:
     return found
 
 
-def _tensor_maps(config):
+def _tensor_maps(config, rows: tuple[int, int, int, int] | None = None):
     """What the Hopper kernels' launches share: ``maps_of(call, gpu)`` gives (the device's SM
     count, the layout's id, its map slots, ``encode(q, k, v, o)``: the four tensor maps of q, k,
-    v, out as uint64 words for those pointers)."""
+    v, out as uint64 words for those pointers). ``call`` needs q, k, v, o (operands) and device.
+    ``rows``: the boxes' rows of the four maps (by default the forward's: block_m, block_n,
+    block_n, 64; the backward's fourth map is dout's, of block_m rows)."""
     from ..runtime.map_slots import map_slots
 
-    rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
+    if rows is None:
+        rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
     cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
     swizzle = f"{config.row_bytes}B"
     sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)

@@ -59,20 +59,23 @@ def _check_shape(n: int, dtype: str) -> None:
         raise ValueError(f"wgmma input type must be one of {_DTYPES}, not {dtype!r}")
 
 
-def wgmma_ss(n: int, dtype: str = "f16", trans_b: bool = False):
+def wgmma_ss(n: int, dtype: str = "f16", trans_b: bool = False, trans_a: bool = False):
     """Device function ``mma(acc, desc_a, desc_b, scale_d)`` for wgmma m64nNk16, A and B from
     shared memory: ``acc[0:n/2]`` (float32, in place) = A(64x16) @ B(16xN) + (acc if scale_d).
 
     ``desc_a``/``desc_b`` are uint64 matrix descriptors (``smem_descriptor``); A is K-major,
-    B is K-major, or MN-major when ``trans_b``. ``scale_d`` is 0 (ignore acc) or 1.
+    or MN-major when ``trans_a`` (bound only together with ``trans_b``); B is K-major, or
+    MN-major when ``trans_b``. ``scale_d`` is 0 (ignore acc) or 1.
     """
     _check_shape(n, dtype)
-    return _wgmma_ss(n, dtype, bool(trans_b))
+    if trans_a and not trans_b:
+        raise ValueError("wgmma_ss binds an MN-major A only with an MN-major B (trans_a needs trans_b)")
+    return _wgmma_ss(n, dtype, bool(trans_b), bool(trans_a))
 
 
 @functools.cache
-def _wgmma_ss(n: int, dtype: str, trans_b: bool):
-    name = f"wgmma_m64n{n}k16_f32_{dtype}_ss" + ("_tb" if trans_b else "")
+def _wgmma_ss(n: int, dtype: str, trans_b: bool, trans_a: bool = False):
+    name = f"wgmma_m64n{n}k16_f32_{dtype}_ss" + ("_ta" if trans_a else "") + ("_tb" if trans_b else "")
     fn = declare("wgmma", name, _void(f32p, _u64, _u64, _u32))
 
     @cuda.jit(device=True, forceinline=True)
@@ -230,6 +233,8 @@ _prefetch_tensormap = declare("tma", "prefetch_tensormap", _void(u64p))
 _load_2d = declare("tma", "tma_load_2d", _void(_u32, u64p, _u32, _i32, _i32))
 _load_3d = declare("tma", "tma_load_3d", _void(_u32, u64p, _u32, _i32, _i32, _i32))
 _load_4d = declare("tma", "tma_load_4d", _void(_u32, u64p, _u32, _i32, _i32, _i32, _i32))
+_bulk_load = declare("tma", "bulk_load", _void(_u32, _u64, _u32, _u32))
+_bulk_reduce_add_f32 = declare("tma", "bulk_reduce_add_f32", _void(_u64, _u32, _u32))
 _store_2d = declare("tma", "tma_store_2d", _void(u64p, _u32, _i32, _i32))
 _store_3d = declare("tma", "tma_store_3d", _void(u64p, _u32, _i32, _i32, _i32))
 _store_4d = declare("tma", "tma_store_4d", _void(u64p, _u32, _i32, _i32, _i32, _i32))
@@ -264,6 +269,23 @@ def tma_load_3d(dst, tmap, bar, c0, c1, c2):
 def tma_load_4d(dst, tmap, bar, c0, c1, c2, c3):
     """4-D ``tma_load_2d``."""
     _load_4d(dst, _ffi.from_buffer(tmap), bar, c0, c1, c2, c3)
+
+
+@cuda.jit(device=True, forceinline=True)
+def bulk_load(dst, src, nbytes, bar):
+    """One thread copies ``nbytes`` contiguous bytes (a multiple of 16) from global byte address
+    ``src`` (uint64, 16-byte aligned) to shared address ``dst``; completion counts them on the
+    mbarrier at ``bar`` (arm it with expect_tx)."""
+    _bulk_load(dst, src, nbytes, bar)
+
+
+@cuda.jit(device=True, forceinline=True)
+def bulk_reduce_add_f32(dst, src, nbytes):
+    """One thread adds ``nbytes`` (a multiple of 16) of float32 at shared address ``src`` into
+    global byte address ``dst`` (uint64), element-wise and atomically per element, as a bulk
+    async-group: commit with ``tma_store_commit_group``; ``tma_store_wait_group_read_0`` before
+    the source is overwritten."""
+    _bulk_reduce_add_f32(dst, src, nbytes)
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -379,6 +401,8 @@ named_barrier_arrive.__doc__ = (
 
 __all__ = [
     "SWIZZLE_128B",
+    "bulk_load",
+    "bulk_reduce_add_f32",
     "SWIZZLE_32B",
     "SWIZZLE_64B",
     "SWIZZLE_NONE",

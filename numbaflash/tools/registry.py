@@ -82,13 +82,26 @@ def _operation_kernels(operations: tuple[str, ...]) -> dict:
     return kernels
 
 
+def _backward_arch(config) -> str:
+    """The target that compiles a shipped backward config: its family's (``sm_90a`` for the Hopper
+    backward's); for the mma.sync backward's, the H100's (dQ added four floats at a time) sm_90a,
+    the A100's and smaller GPUs' sm_80."""
+    from ..operations.families import SM80_BWD, family_of
+
+    if family_of(config) is not SM80_BWD:
+        return family_of(config).arch
+    return "sm_90a" if config.dq_vector == 4 else "sm_80"
+
+
 def backward_kernels() -> dict:
     """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
     prepare, main and dQ kernels, causal and not, both dtypes, for the target that compiles
     each (``configs.backward_for_target``): the A100's and smaller GPUs' for sm_80, the H100's
-    (the same mma.sync backward, dQ added four floats at a time) for sm_90a. Named
-    ``flash_<operation>_d<head dim>_m<block_m>_n<block_n><tag>_<full|causal>_<f16|bf16>`` (every
-    name holds "backward"; no ``<full|causal>`` for the prepare and dQ kernels, which serve
+    (the same mma.sync backward, dQ added four floats at a time) for sm_90a, and the Hopper
+    backward's (``WsBackwardConfig``, sm_90a). Named
+    ``flash_<cache kind>_d<head dim>_m<block_m>_n<block_n><tag>_<full|causal>_<f16|bf16>`` (the
+    cache kind is the operation for the mma.sync backward, ``backward_ws...`` for the Hopper
+    one's; every name holds "backward"; no ``<full|causal>`` for the prepare and dQ kernels, which serve
     both: ``KernelOp.masked``); each kernel's ``backward_key`` is (config, causal, bf16,
     operation), what ``configs.kernel_cubin`` takes."""
     from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
@@ -101,13 +114,12 @@ def backward_kernels() -> dict:
                 op = family_of(config).op(operation)
                 shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
                 kind = f"{'causal_' if causal else 'full_'}" if op.masked else ""
-                name = f"flash_{operation}_{shape}_{kind}{'bf16' if bf16 else 'f16'}"
+                name = f"flash_{op.cache_kind}_{shape}_{kind}{'bf16' if bf16 else 'f16'}"
                 if name in kernels:
                     continue
                 kernel = make_kernel(config, causal, bf16, operation)
                 kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
-                arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
-                kernels[name] = (kernel, kernel_argtypes(config, operation), (arch,))
+                kernels[name] = (kernel, kernel_argtypes(config, operation), (_backward_arch(config),))
     return kernels
 
 
@@ -130,8 +142,8 @@ def backward_variant_kernels() -> dict:
                 if kernel.__name__ in kernels:
                     continue
                 kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
-                arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
-                kernels[kernel.__name__] = (kernel, kernel_argtypes(config, operation), (arch,))
+                argtypes = kernel_argtypes(config, operation)
+                kernels[kernel.__name__] = (kernel, argtypes, (_backward_arch(config),))
     return kernels
 
 
@@ -139,16 +151,17 @@ def backward_varlen_kernels() -> dict:
     """The backward's packed variable-length kernels (``flash_attention_varlen_backward``) of every
     shipped backward config: prepare, dQ, and the main kernel plain (full and causal), window,
     softcap and window + softcap, both dtypes, for the target that compiles each (as
-    ``backward_kernels``). Compiled on demand, not by ``precompile``; named like the plain kernels
-    with ``varlen_`` before ``full|causal|window`` (and before the dtype for the prepare and dQ
-    kernels); ``backward_key`` is (config, causal, bf16, operation)."""
+    ``backward_kernels``; on Hopper the mma.sync configs it runs packed calls with:
+    ``configs.backward_dispatch_family``). Compiled on demand, not by ``precompile``; named like the
+    plain kernels with ``varlen_`` before ``full|causal|window`` (and before the dtype for the
+    prepare and dQ kernels); ``backward_key`` is (config, causal, bf16, operation)."""
     from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
     from ..operations.families import backward_operation, family_of
 
     operations = ["backward_varlen_prep", "backward_varlen_dq"]
     operations += [backward_operation(w, s, varlen=True) for w in (False, True) for s in (False, True)]
     kernels = {}
-    for _, causal, config in shipped_backward_configs():
+    for _, causal, config in shipped_backward_configs("backward_varlen"):
         for bf16 in (False, True):
             for operation in operations:
                 op = family_of(config).op(operation)
@@ -159,8 +172,7 @@ def backward_varlen_kernels() -> dict:
                 if name in kernels:
                     continue
                 kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
-                arch = "sm_90a" if config.dq_vector == 4 else "sm_80"
-                kernels[name] = (kernel, kernel_argtypes(config, operation), (arch,))
+                kernels[name] = (kernel, kernel_argtypes(config, operation), (_backward_arch(config),))
     return kernels
 
 

@@ -1,0 +1,473 @@
+"""FlashAttention backward for Hopper (sm_90a): TMA + mbarrier + wgmma with warp specialisation
+(FlashAttention-3's design, our own code).
+
+The main kernel of the backward (the prepare and dQ kernels are the mma.sync backward's, for the
+equivalent ``BackwardConfig``: ``WsBackwardConfig.dq_config``). One CTA per block of ``block_n``
+keys of one (batch, KV head), in ``blocks.key_block_of``'s launch order; it keeps that block's dK
+and dV in registers while it walks every query block of every query head of its group that sees
+the block (GQA sums there), as the mma.sync kernel does:
+
+* **Producer** (one thread of warpgroup 0, ``setmaxnreg.dec`` to 24): TMA loads K and V of the
+  block once, then per query block Q and dO (tensor maps) and their rows' LSE (log2 units) and D
+  (bulk copies from the workspace) into the next stage of a ring of ``stages``, once the
+  consumers have released it.
+* **Consumers** (two warpgroups of 64 keys each, ``setmaxnreg.inc`` to 240), per query block:
+
+      Sᵀ  = K Qᵀ       wgmma SS m64n{block_m}: keys x queries, so that a warp's rows are its keys
+      dPᵀ = V dOᵀ      wgmma SS, issued with Sᵀ
+      Pᵀ  = exp2(Sᵀ·scale·log2e − LSE₂), masked;  dSᵀ = Pᵀ ∘ (dPᵀ − D)   (registers)
+      dV += Pᵀ dO      wgmma RS: Pᵀ from registers (the accumulator is the A layout), dO MN-major
+      dQ  = dS K       wgmma SS over the block's keys: dSᵀ stored to shared memory by both
+                       warpgroups (a named barrier), read MN-major as dS; the warpgroups split dQ
+                       by query rows or head-dim columns (``WsBackwardConfig.dq_split``)
+      dK += dSᵀ Q      wgmma RS, issued after dQ so that it runs while dQ is added
+
+  dQ is added into the float32 accumulator in the mma.sync kernel's fragment order with
+  ``red.global.add.v4.f32`` (in key-block turns with ``deterministic``), then the stage is
+  released. dSᵀ has two buffers, so one warpgroup's next dSᵀ never overwrites the one the other
+  is still reading.
+* **Epilogue**: dK (times the softmax scale) and dV, 16-bit, staged in the K and V tiles and
+  stored with 16-byte stores, none past seqlen_k.
+
+Ragged lengths need no special path: TMA zero-fills rows past the end of Q, dO, K and V; the
+workspace's rows past seqlen_q have LSE₂ = +inf (P = 0) and D = 0; keys past seqlen_k and, causal,
+after a query's diagonal are masked. ``softcap`` and ``window`` are the mma.sync kernel's variants
+(the tanh's derivative in dSᵀ; the walk over the window's query blocks and band masks).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+from numba import cuda, float32, int32, int64, types, uint32
+
+from .. import ptx
+from ..ptx import hopper as hp
+from .backward_mma import (
+    make_backward_dq_kernel,
+    make_backward_prep_kernel,
+    mask_band_transposed,
+    mask_transposed,
+    store_fragment_rows,
+)
+from .blocks import Band, band_kv_tiles, band_needs_mask, band_query_blocks, key_block_of
+from .common import FULL_MASK
+from .epilogue import store_rows_global
+from .forward_ws import make_tile_loads
+from .ring import RingBarriers, make_ring
+from .shapes import WARPGROUP_ROWS, WsBackwardConfig
+from .smem import global_rows, swizzled_offset
+from .softmax import pack_16bit
+from .wgmma_gemms import make_backward_gemms
+
+BACKWARD_WS_ARGTYPES = (
+    types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, dout
+    types.uint16[::1], types.uint16[::1],  # dk, dv
+    types.float32[::1], types.float32[::1],  # lse2, delta
+    types.float32[::1], types.int32[::1],  # dq_acc, counters
+    *(types.int64,) * 6,  # strides of dk, dv
+    types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
+    types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
+    types.int64,  # tail pairs (blocks.key_block_of)
+    types.float32, types.float32,  # scale * log2(e) (softcap * log2(e) when capped), scale
+    types.boolean,  # deterministic
+    types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
+    types.float32,  # softmax scale / softcap (read by softcap kernels only)
+)
+
+# Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and dout.
+Maps = namedtuple("Maps", ["q", "k", "v", "do"])
+# Where one CTA works: its key block's first key, (batch, KV head), the query blocks it walks per
+# query head (m_first .. m_blocks - 1, walked downwards), the steps of the walk (group x blocks),
+# the causal diagonal, the window (a blocks.Band) and the workspace's rows per (batch, head).
+Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "m_first", "m_blocks", "steps", "diag",
+                             "band", "rows", "seqlen_q"])
+# Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q, dO, LSE and D, dSᵀ buffer 0, the
+# dQ staging tile (dq_bulk).
+Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds", "dq"])
+# A consumer warp's seat: its warpgroup, warp in it, lane, thread among the consumers (0 .. 255).
+Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
+# A consumer warp's registers: Sᵀ (then Pᵀ), dPᵀ (then dSᵀ), Pᵀ and dSᵀ as 16-bit A fragments,
+# dV, dK and this step's dQ.
+Accumulators = namedtuple("Accumulators", ["s", "dp", "p", "ds", "dv", "dk", "dq"])
+# wgmma descriptors: this warpgroup's K and V rows (K-major), ring stage 0's Q and dO (K-major, and
+# MN-major), dSᵀ buffer 0 as this warpgroup's A of dQ, and this warpgroup's B of dQ (K, MN-major).
+Descriptors = namedtuple("Descriptors", ["k", "v", "q", "do", "q_mn", "do_mn", "ds", "k_mn"])
+# The scalars a consumer reads: the exponent factor, softmax scale / softcap, deterministic mode.
+Scalars = namedtuple("Scalars", ["scale_log2", "cap_scale", "deterministic"])
+# The float32 workspace's byte addresses: dQ accumulator, turn counters.
+Workspace = namedtuple("Workspace", ["dq", "counters"])
+# What a consumer reads besides its registers: descriptors, tiles, the ring's barriers, its Block,
+# the Scalars and the Workspace.
+Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws"])
+# One step of the walk: its ring use, first query row, workspace row (bh * rows + m0), turn
+# counter's address and the count it must reach (deterministic mode).
+Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn"])
+
+WARPGROUP = 128  # threads
+DS_BARRIER = 1  # named barriers of the consumer warpgroups (bar.sync ids; 0 is syncthreads)
+DQ_BARRIER = 2
+ONE = uint32(1)
+
+
+def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, window: bool = False,
+                            softcap: bool = False):
+    """The main kernel (``BACKWARD_WS_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv * batch
+    in one dimension (``blocks.key_block_of``), ``config.threads`` threads, ``config.shared_bytes``
+    of dynamic shared memory; jit it with ``launch_bounds=(config.threads, 1)``.
+
+    ``window``: a sliding-window kernel (``causal`` must be False: the window's right edge 0 is
+    causal masking); ``softcap``: scores capped by tanh (``cap_scale`` = softmax scale / softcap,
+    ``scale_log2`` = softcap·log2(e)). Kernels without them never read those arguments."""
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
+    config.check()
+    D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
+    CONSUMERS = config.consumers
+    CONSUMER_THREADS = CONSUMERS * WARPGROUP
+    CONSUMER_WARPS = CONSUMER_THREADS // 32
+    lay = config.layout
+    STEP_BYTES = config.step_bytes
+    KV_BYTES = BN * D * 2
+    ROWS_BYTES = lay.rows_stage
+    S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
+    P_K = BM // 16  # k-steps of dV and dK
+    D_N = D // 8  # n-tiles of dK and dV
+    SPLIT_M = config.dq_split == "m"
+    DQ_N = D // 8 if SPLIT_M else D // 8 // CONSUMERS  # n-tiles of a warpgroup's dQ
+    DQ_COLS = DQ_N * 8
+    CPR = D // 8  # 16-byte chunks of a K / V row
+    STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
+    CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
+    DQ_BULK = config.dq_bulk
+    ring = make_ring(STAGES, lay.q_stage)
+    rows_ring = make_ring(STAGES, ROWS_BYTES)  # (offsets of the LSE and D stages)
+    kv_once = make_ring(1)
+    load_tile = make_tile_loads(config)
+    gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
+    BARRIER_WORDS = config.barrier_words
+    lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
+    raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
+
+    # ------------------------------------------------------------------ the walk (every role)
+
+    @cuda.jit(device=True, forceinline=True)
+    def next_block(head, m_block, blk):
+        """The step after (head, m_block): the next query block down, else the next head's top."""
+        m1 = m_block - 1
+        head1 = head
+        if m1 < blk.m_first:
+            head1 = head + 1
+            m1 = blk.m_blocks - 1
+        return head1, m1
+
+    # ------------------------------------------------------------------ producer
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce_steps(maps, bars, tiles, blk, lse2_base, delta_base, heads_q, group):
+        """The ring's loads: every step of the walk, each into the next stage once it is free."""
+        head = blk.kv_head * group
+        m_block = blk.m_blocks - 1
+        for step in range(blk.steps):
+            i = uint32(step)
+            s = ring.slot(i)
+            ring.wait_empty(bars, i)
+            full = ring.full(bars, s)
+            ring.arm(bars, s, STEP_BYTES)
+            m0 = m_block * BM
+            row0 = ((blk.batch * heads_q + head) * blk.rows + m0) * 4  # workspace byte offset
+            load_tile(tiles.q + ring.offset(s), maps.q, full, m0, head, blk.batch, BM)
+            load_tile(tiles.do + ring.offset(s), maps.do, full, m0, head, blk.batch, BM)
+            hp.bulk_load(tiles.lse + rows_ring.offset(s), lse2_base + row0, uint32(ROWS_BYTES), full)
+            hp.bulk_load(tiles.delta + rows_ring.offset(s), delta_base + row0, uint32(ROWS_BYTES), full)
+            head, m_block = next_block(head, m_block, blk)
+
+    # ------------------------------------------------------------------ consumer steps
+
+    @cuda.jit(device=True, forceinline=True)
+    def mask_scores(acc_s, blk, m0, seat, seqlen_k):
+        """Scores of keys past the last, causal after the diagonal, or outside the window: -inf
+        (only on tiles that hold one: the warp's 16 keys x the block's queries)."""
+        key0 = blk.n0 + seat.wg * WARPGROUP_ROWS + seat.warp * 16
+        if WINDOW:
+            if band_needs_mask(key0, 16, m0, BM, blk.band):
+                mask_band_transposed(acc_s, S_N, key0, m0, seat.lane, blk.band)
+        elif key0 + 16 > seqlen_k or (CAUSAL and key0 + 15 > m0 + blk.diag):
+            mask_transposed(acc_s, S_N, key0, m0, seat.lane, seqlen_k, blk.diag, CAUSAL)
+
+    @cuda.jit(device=True, forceinline=True)
+    def gradient_of_scores(acc, lse_at, delta_at, scale_log2):
+        """Sᵀ -> Pᵀ and dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ − D), each packed at once into the 16-bit A fragments
+        of dV and dK (``acc.p``, ``acc.ds``: k-step kt holds n-tiles 2 kt and 2 kt + 1, the m16k16 A
+        layout), so that no float32 copy outlives its k-step. Each column is a query, whose LSE₂
+        and D sit in the stage's rows (``lse_at``, ``delta_at``: the lane's first column)."""
+        acc_s, acc_dp = acc.s, acc.dp
+        for kt in range(P_K):
+            for half in range(2):
+                j = 2 * kt + half
+                for e in range(2):
+                    lse = ptx.ld_shared_f32(lse_at + (8 * j + e) * 4)
+                    d = ptx.ld_shared_f32(delta_at + (8 * j + e) * 4)
+                    for r in range(2):
+                        s = acc_s[j, 2 * r + e]
+                        p = ptx.exp2(s * scale_log2 - lse)
+                        acc_s[j, 2 * r + e] = p
+                        if SOFTCAP:  # s = t = tanh(.): d(score)/d(QKᵀ·scale) = 1 - t² (see backward_mma)
+                            slope = max(float32(1.0) - s * s, float32(0.0))
+                            acc_dp[j, 2 * r + e] = p * (acc_dp[j, 2 * r + e] - d) * slope
+                        else:
+                            acc_dp[j, 2 * r + e] = p * (acc_dp[j, 2 * r + e] - d)
+                for r in range(2):
+                    acc.p[kt, 2 * half + r] = pack_16bit(acc_s[j, 2 * r], acc_s[j, 2 * r + 1], BF16)
+                    acc.ds[kt, 2 * half + r] = pack_16bit(acc_dp[j, 2 * r], acc_dp[j, 2 * r + 1], BF16)
+
+    @cuda.jit(device=True, forceinline=True)
+    def store_ds(ds_tile, ds_frag, seat):
+        """This warp's dSᵀ (16 keys x the block's queries; its A fragments, whose word 2 half + r
+        of k-step kt is the pair of n-tile 2 kt + half, row half r) into the swizzled dSᵀ tile
+        (``block_n`` key rows of 128-byte column blocks of 64 queries)."""
+        g = seat.lane // 4
+        t = seat.lane % 4
+        for r in range(2):
+            key = seat.wg * WARPGROUP_ROWS + seat.warp * 16 + g + 8 * r
+            for j in range(S_N):
+                ptx.st_shared_b32(ds_tile + swizzled_offset(key, j, BN, 128) + 4 * t,
+                                  ds_frag[j // 2, 2 * (j % 2) + r])
+
+    @cuda.jit(device=True, forceinline=True)
+    def add_dq_atomic(acc_q, ws, row, seat, counter_at, turn, deterministic):
+        """This step's dQ into the query block's accumulator by the threads' ``red.global.add.v4``
+        (fragment order, four floats an n-tile); in deterministic mode once the key blocks before
+        this one have added theirs (``turn``: the count this block's counter must reach)."""
+        if deterministic:
+            if seat.thread == 0:
+                while ptx.ld_acquire_gpu_s32(counter_at) != turn:
+                    pass
+            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        dq_at = ws.dq + (row * D + 4 * seat.thread) * 4
+        for j in range(DQ_N):
+            ptx.red_global_add_v4_f32(dq_at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1],
+                                      acc_q[j, 2], acc_q[j, 3])
+        if deterministic:
+            cuda.threadfence()
+            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+            if seat.thread == 0:
+                ptx.red_release_gpu_add_s32(counter_at, int32(1))
+
+    @cuda.jit(device=True, forceinline=True)
+    def add_dq_bulk(acc_q, tile_dq, ws, row, seat):
+        """This step's dQ staged in shared memory in the accumulator's fragment order (16-byte
+        stores, thread after thread) and added by one bulk reduction, which thread 0 issues once
+        every consumer has staged its part; the staging tile is reused only after the reduction
+        has read it (thread 0 waits for that before the next step's dSᵀ barrier)."""
+        at = tile_dq + 16 * seat.thread
+        for j in range(DQ_N):
+            ptx.st_shared_v4_f32(at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1], acc_q[j, 2],
+                                 acc_q[j, 3])
+        hp.fence_proxy_async_shared_cta()
+        hp.named_barrier_sync(DQ_BARRIER, CONSUMER_THREADS)
+        if seat.thread == 0:
+            hp.bulk_reduce_add_f32(ws.dq + row * (D * 4), tile_dq, uint32(BM * D * 4))
+            hp.tma_store_commit_group()
+
+    @cuda.jit(device=True, forceinline=True)
+    def consume_step(acc, io, step, seat):
+        """One query block for this warpgroup: the five GEMMs, the gradient of the scores, dQ's
+        adds; the stage is released at the end."""
+        descs, tiles, bars, blk = io.descs, io.tiles, io.bars, io.blk
+        sc, ws = io.sc, io.ws
+        i, m0, row = step.i, step.m0, step.row
+        s = ring.slot(i)
+        q_at = ring.offset(s)
+        ring.wait_full(bars, i)
+        gemms.issue_scores(acc.s, descs.k, hp.descriptor_add(descs.q, q_at))
+        gemms.issue_scores(acc.dp, descs.v, hp.descriptor_add(descs.do, q_at))
+        hp.wgmma_wait_group_1()
+        gemms.fence_scores(acc.s)
+        if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+            for j in range(S_N):
+                for e in range(4):
+                    acc.s[j, e] = ptx.tanh(acc.s[j, e] * sc.cap_scale)
+        mask_scores(acc.s, blk, m0, seat, blk.band.seqlen_k)
+        hp.wgmma_wait_group_0()
+        gemms.fence_scores(acc.dp)
+        first = uint32(8 * (seat.lane % 4))  # the lane's first column, in bytes of float32
+        rows_at = rows_ring.offset(s) + first
+        gradient_of_scores(acc, tiles.lse + rows_at, tiles.delta + rows_at, sc.scale_log2)
+        gemms.issue_dkv(acc.dv, acc.p, hp.descriptor_add(descs.do_mn, q_at))
+        buffer = (i & ONE) * uint32(lay.ds_bytes)
+        store_ds(tiles.ds + buffer, acc.ds, seat)
+        hp.fence_proxy_async_shared_cta()
+        if DQ_BULK and seat.thread == 0:
+            hp.tma_store_wait_group_read_0()  # the last step's dQ reduction has read its staging tile
+        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # both warpgroups' dSᵀ are in place
+        gemms.issue_dq(acc.dq, hp.descriptor_add(descs.ds, buffer), descs.k_mn)
+        gemms.issue_dkv(acc.dk, acc.ds, hp.descriptor_add(descs.q_mn, q_at))
+        hp.wgmma_wait_group_1()  # dV and dQ done; dK may still run
+        gemms.fence_dq(acc.dq)
+        if DQ_BULK and not sc.deterministic:
+            add_dq_bulk(acc.dq, tiles.dq, ws, row, seat)
+        else:
+            add_dq_atomic(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
+        hp.wgmma_wait_group_0()
+        gemms.fence_dkv(acc.dk)
+        gemms.fence_dkv(acc.dv)
+        ring.release(bars, i, seat.lane)
+
+    @cuda.jit(device=True, forceinline=True)
+    def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
+        """Every step of the walk for this warpgroup; returns dK and dV (registers)."""
+        acc = Accumulators(cuda.local.array((S_N, 4), float32), cuda.local.array((S_N, 4), float32),
+                           cuda.local.array((P_K, 4), uint32), cuda.local.array((P_K, 4), uint32),
+                           cuda.local.array((D_N, 4), float32), cuda.local.array((D_N, 4), float32),
+                           cuda.local.array((DQ_N, 4), float32))
+        for j in range(D_N):
+            for e in range(4):
+                acc.dv[j, e] = 0.0
+                acc.dk[j, e] = 0.0
+        rows_at = seat.wg * WARPGROUP_ROWS * 128  # this warpgroup's 64 key rows
+        if SPLIT_M:  # dQ rows 64 wg ..: the dSᵀ tile's column block wg; every K column
+            ds_at = seat.wg * (BN * 128)
+            k_at = 0
+        else:  # dQ columns DQ_COLS wg ..: the whole dSᵀ tile; K's column blocks from DQ_COLS wg
+            ds_at = 0
+            k_at = seat.wg * (DQ_COLS // 64) * (BN * 128)
+        descs = Descriptors(hp.smem_descriptor_k_sw128(tiles.k + rows_at),
+                            hp.smem_descriptor_k_sw128(tiles.v + rows_at),
+                            hp.smem_descriptor_k_sw128(tiles.q), hp.smem_descriptor_k_sw128(tiles.do),
+                            hp.smem_descriptor_mn_sw128(tiles.q, BM * 128),
+                            hp.smem_descriptor_mn_sw128(tiles.do, BM * 128),
+                            hp.smem_descriptor_mn_sw128(tiles.ds + ds_at, BN * 128),
+                            hp.smem_descriptor_mn_sw128(tiles.k + k_at, BN * 128))
+        io = Io(descs, tiles, bars, blk, sc, ws)
+        kv_once.wait_full(kv_bar, uint32(0))
+        head = blk.kv_head * group
+        m_block = blk.m_blocks - 1
+        for step in range(blk.steps):
+            m0 = m_block * BM
+            bh = blk.batch * heads_q + head
+            turn = blk.n_block
+            if WINDOW:  # the key blocks that visit a query block are consecutive, from its first
+                turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
+            counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
+            consume_step(acc, io, Step(uint32(step), m0, bh * blk.rows + m0, counter_at, turn), seat)
+            head, m_block = next_block(head, m_block, blk)
+        return acc
+
+    # ------------------------------------------------------------------ epilogue
+
+    @cuda.jit(device=True, forceinline=True)
+    def store_dkv(acc, tiles, blk, seat, dk, dv, dk_strides, dv_strides, scale, seqlen_k):
+        """dK · scale and dV, 16-bit, through this warp's own 16 rows of the K and V tiles (every
+        GEMM that reads them is done: a barrier of both warpgroups first)."""
+        if DQ_BULK and seat.thread == 0:
+            hp.tma_store_wait_group_0()  # the last dQ reduction is done with its staging tile
+        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        row0 = seat.wg * WARPGROUP_ROWS + seat.warp * 16
+        store_fragment_rows(tiles.k, acc.dk, D_N, BN, row0, 0, seat.lane, BF16, 128, scale)
+        store_fragment_rows(tiles.v, acc.dv, D_N, BN, row0, 0, seat.lane, BF16, 128, float32(1.0))
+        cuda.syncwarp(FULL_MASK)
+        scratch = cuda.local.array(4, uint32)
+        dk_rows = global_rows(dk, blk.batch * dk_strides[0] + blk.kv_head * dk_strides[2], dk_strides[1],
+                              seqlen_k)
+        dv_rows = global_rows(dv, blk.batch * dv_strides[0] + blk.kv_head * dv_strides[2], dv_strides[1],
+                              seqlen_k)
+        store_rows_global(dk_rows, blk.n0 + row0, tiles.k, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
+        store_rows_global(dv_rows, blk.n0 + row0, tiles.v, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
+
+    # ------------------------------------------------------------------ kernel
+
+    def flash_backward_ws(map_q, map_k, map_v, map_do, dk, dv, lse2, delta, dq_acc, counters,
+                          dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+                          seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
+                          deterministic, window_left, window_right, cap_scale):
+        smem = cuda.shared.array(0, types.uint16)
+        bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
+        tid = cuda.threadIdx.x
+        key_blocks = uint32((seqlen_k + BN - 1) // BN)
+        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+                                     tail_pairs if CAUSAL or WINDOW else 0)
+        kv_head = int64(uint32(pair) % uint32(heads_kv))
+        batch = int64(uint32(pair) // uint32(heads_kv))
+        n0 = n_block * BN
+        diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
+        m_blocks = (seqlen_q + BM - 1) // BM
+        m_first = int64(0)
+        if CAUSAL:
+            m_first = max(n0 - diag, 0) // BM  # the first query block that sees a key of the block
+        band = Band(seqlen_k, diag - window_left, diag + window_right)  # read by WINDOW kernels only
+        if WINDOW:
+            m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
+        steps = group * max(m_blocks - m_first, 0)
+        blk = Block(n0, n_block, batch, kv_head, m_first, m_blocks, steps, diag, band, rows, seqlen_q)
+
+        base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
+        tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
+                      base + lay.delta, base + lay.ds, base + lay.dq)
+        b = ptx.shared_address_u64(bar_words)
+        kv_bar = RingBarriers(b, b)
+        bars = RingBarriers(b + 8, b + 8 + 8 * STAGES)
+        if tid == 0:
+            hp.mbarrier_init(kv_bar.full, 1)
+            for s in range(STAGES):
+                hp.mbarrier_init(ring.full(bars, s), 1)
+                hp.mbarrier_init(ring.empty(bars, s), CONSUMER_WARPS)
+            hp.fence_mbarrier_init()
+            hp.tma_prefetch_descriptor(map_q)
+            hp.tma_prefetch_descriptor(map_k)
+            hp.tma_prefetch_descriptor(map_v)
+            hp.tma_prefetch_descriptor(map_do)
+        cuda.syncthreads()  # the last CTA-wide barrier: the roles part here
+        if tid < WARPGROUP:
+            lower_registers()
+            if tid == 0:
+                maps = Maps(map_q, map_k, map_v, map_do)
+                kv_once.arm(kv_bar, 0, 2 * KV_BYTES)
+                load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
+                load_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
+                produce_steps(maps, bars, tiles, blk, ptx.global_address_f32(lse2),
+                              ptx.global_address_f32(delta), heads_q, group)
+        else:
+            raise_registers()
+            thread = uint32(tid - WARPGROUP)
+            seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
+                        thread)
+            sc = Scalars(scale_log2, cap_scale, deterministic)
+            ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters))
+            acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, rows // BM)
+            store_dkv(acc, tiles, blk, seat, dk, dv, (dk_sb, dk_ss, dk_sh), (dv_sb, dv_ss, dv_sh), scale,
+                      seqlen_k)
+
+    mask_kind = "window" if window else "causal" if causal else "full"
+    flash_backward_ws.__name__ = (f"flash_backward_ws_d{D}_m{BM}_n{BN}{config.tag}_{mask_kind}"
+                                  f"{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}")
+    flash_backward_ws.launch_bounds = (config.threads, 1)
+    return flash_backward_ws
+
+
+# The variants' factories (``operations.families``), as the mma.sync backward's.
+def make_backward_ws_window_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
+    """The sliding-window main kernel (``causal`` ignored: a window's right edge 0 is causal)."""
+    return make_backward_ws_kernel(config, False, bf16, window=True)
+
+
+def make_backward_ws_softcap_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
+    """The softcapped main kernel, causal or not."""
+    return make_backward_ws_kernel(config, causal, bf16, softcap=True)
+
+
+def make_backward_ws_window_softcap_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
+    """The sliding-window, softcapped main kernel (``causal`` ignored)."""
+    return make_backward_ws_kernel(config, False, bf16, window=True, softcap=True)
+
+
+# The prepare and dQ kernels: the mma.sync backward's, for the config whose fragment order the
+# consumer warps add dQ in (``WsBackwardConfig.dq_config``).
+def make_backward_ws_prep_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
+    """The prepare kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_PREP_ARGTYPES``)."""
+    return make_backward_prep_kernel(config.dq_config(), causal, bf16)
+
+
+def make_backward_ws_dq_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
+    """The dQ kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_DQ_ARGTYPES``)."""
+    return make_backward_dq_kernel(config.dq_config(), causal, bf16)
