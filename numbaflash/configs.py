@@ -407,13 +407,20 @@ def backward_table_key(head_dim: int, causal: bool, family: str = BACKWARD_FAMIL
     return table_key(family, head_dim, causal)
 
 
+# (head dim, main kernel operation) the Hopper backward leaves to the mma.sync one: its d64 build
+# with both a window and a softcap spills (4 LDL/STL: 128 query columns of Sᵀ, dPᵀ, their tanh and
+# the window's limits in registers beside dK and dV).
+WS_BACKWARD_LEFT_TO_MMA = frozenset({(64, "backward_window_softcap")})
+
+
 def backward_dispatch_family(capability: tuple[int, int], head_dim: int, operation: str = "backward") -> str:
     """The backward family that runs ``head_dim`` on this GPU (``families.SM80_BWD.name`` or
     ``SM90_BWD.name``), as ``dispatch_family`` for the forward: Hopper runs its own backward at the
     head dims it has (``BACKWARD_WS_DEFAULTS``) for the kernel operations it has (``operation``:
     the main kernel's, ``families.backward_operation``; not the packed variable-length ones),
     every other call and GPU the mma.sync backward."""
-    if arch_family(capability) == "sm90" and head_dim in BACKWARD_WS_DEFAULTS and operation in SM90_BWD.ops:
+    if (arch_family(capability) == "sm90" and head_dim in BACKWARD_WS_DEFAULTS and operation in SM90_BWD.ops
+            and (head_dim, operation) not in WS_BACKWARD_LEFT_TO_MMA):
         return SM90_BWD.name
     return SM80_BWD.name
 

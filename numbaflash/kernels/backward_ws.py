@@ -82,9 +82,8 @@ Maps = namedtuple("Maps", ["q", "k", "v", "do"])
 # the causal diagonal, the window (a blocks.Band) and the workspace's rows per (batch, head).
 Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "m_first", "m_blocks", "steps", "diag",
                              "band", "rows", "seqlen_q"])
-# Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q, dO, LSE and D, dSᵀ buffer 0, the
-# dQ staging tile (dq_bulk).
-Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds", "dq"])
+# Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q, dO, LSE and D, dSᵀ buffer 0.
+Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds"])
 # A consumer warp's seat: its warpgroup, warp in it, lane, thread among the consumers (0 .. 255).
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 # A consumer warp's registers: Sᵀ (then Pᵀ), dPᵀ (then dSᵀ), Pᵀ and dSᵀ as 16-bit A fragments,
@@ -105,8 +104,7 @@ Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws"])
 Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn"])
 
 WARPGROUP = 128  # threads
-DS_BARRIER = 1  # named barriers of the consumer warpgroups (bar.sync ids; 0 is syncthreads)
-DQ_BARRIER = 2
+DS_BARRIER = 1  # named barrier of the consumer warpgroups (bar.sync id; 0 is syncthreads)
 ONE = uint32(1)
 
 
@@ -139,7 +137,6 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     CPR = D // 8  # 16-byte chunks of a K / V row
     STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
-    DQ_BULK = config.dq_bulk
     ring = make_ring(STAGES, lay.q_stage)
     rows_ring = make_ring(STAGES, ROWS_BYTES)  # (offsets of the LSE and D stages)
     kv_once = make_ring(1)
@@ -235,7 +232,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                                   ds_frag[j // 2, 2 * (j % 2) + r])
 
     @cuda.jit(device=True, forceinline=True)
-    def add_dq_atomic(acc_q, ws, row, seat, counter_at, turn, deterministic):
+    def add_dq(acc_q, ws, row, seat, counter_at, turn, deterministic):
         """This step's dQ into the query block's accumulator by the threads' ``red.global.add.v4``
         (fragment order, four floats an n-tile); in deterministic mode once the key blocks before
         this one have added theirs (``turn``: the count this block's counter must reach)."""
@@ -253,22 +250,6 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
             if seat.thread == 0:
                 ptx.red_release_gpu_add_s32(counter_at, int32(1))
-
-    @cuda.jit(device=True, forceinline=True)
-    def add_dq_bulk(acc_q, tile_dq, ws, row, seat):
-        """This step's dQ staged in shared memory in the accumulator's fragment order (16-byte
-        stores, thread after thread) and added by one bulk reduction, which thread 0 issues once
-        every consumer has staged its part; the staging tile is reused only after the reduction
-        has read it (thread 0 waits for that before the next step's dSᵀ barrier)."""
-        at = tile_dq + 16 * seat.thread
-        for j in range(DQ_N):
-            ptx.st_shared_v4_f32(at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1], acc_q[j, 2],
-                                 acc_q[j, 3])
-        hp.fence_proxy_async_shared_cta()
-        hp.named_barrier_sync(DQ_BARRIER, CONSUMER_THREADS)
-        if seat.thread == 0:
-            hp.bulk_reduce_add_f32(ws.dq + row * (D * 4), tile_dq, uint32(BM * D * 4))
-            hp.tma_store_commit_group()
 
     @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
@@ -298,17 +279,12 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         buffer = (i & ONE) * uint32(lay.ds_bytes)
         store_ds(tiles.ds + buffer, acc.ds, seat)
         hp.fence_proxy_async_shared_cta()
-        if DQ_BULK and seat.thread == 0:
-            hp.tma_store_wait_group_read_0()  # the last step's dQ reduction has read its staging tile
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # both warpgroups' dSᵀ are in place
         gemms.issue_dq(acc.dq, hp.descriptor_add(descs.ds, buffer), descs.k_mn)
         gemms.issue_dkv(acc.dk, acc.ds, hp.descriptor_add(descs.q_mn, q_at))
         hp.wgmma_wait_group_1()  # dV and dQ done; dK may still run
         gemms.fence_dq(acc.dq)
-        if DQ_BULK and not sc.deterministic:
-            add_dq_bulk(acc.dq, tiles.dq, ws, row, seat)
-        else:
-            add_dq_atomic(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
+        add_dq(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
         hp.wgmma_wait_group_0()
         gemms.fence_dkv(acc.dk)
         gemms.fence_dkv(acc.dv)
@@ -360,8 +336,6 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     def store_dkv(acc, tiles, blk, seat, dk, dv, dk_strides, dv_strides, scale, seqlen_k):
         """dK · scale and dV, 16-bit, through this warp's own 16 rows of the K and V tiles (every
         GEMM that reads them is done: a barrier of both warpgroups first)."""
-        if DQ_BULK and seat.thread == 0:
-            hp.tma_store_wait_group_0()  # the last dQ reduction is done with its staging tile
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
         row0 = seat.wg * WARPGROUP_ROWS + seat.warp * 16
         store_fragment_rows(tiles.k, acc.dk, D_N, BN, row0, 0, seat.lane, BF16, 128, scale)
@@ -403,7 +377,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
 
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
-                      base + lay.delta, base + lay.ds, base + lay.dq)
+                      base + lay.delta, base + lay.ds)
         b = ptx.shared_address_u64(bar_words)
         kv_bar = RingBarriers(b, b)
         bars = RingBarriers(b + 8, b + 8 + 8 * STAGES)

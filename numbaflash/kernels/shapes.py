@@ -407,7 +407,6 @@ class WsBackwardLayout(NamedTuple):
     lse: int  # stage s at lse + s * rows_stage
     delta: int
     ds: int  # buffer b at ds + b * ds_bytes
-    dq: int  # the dQ staging tile of the bulk reduction (dq_bulk; else empty)
     q_stage: int
     rows_stage: int
     ds_bytes: int
@@ -429,10 +428,6 @@ class WsBackwardConfig:
     block_m: int = 64  # query rows per step of the walk (the N of Sᵀ and dPᵀ, the K of dV and dK)
     stages: int = 2  # Q / dO ring depth
     consumers: int = 2  # warpgroups of 64 keys: block_n = 64 x consumers
-    # dQ of a step into the float32 accumulator: staged in shared memory (fragment order) and added
-    # by one bulk reduction (``cp.reduce.async.bulk .add.f32``, the TMA unit's work), or by the
-    # threads' ``red.global.add.v4.f32`` (False; deterministic mode always uses these).
-    dq_bulk: bool = True
 
     @property
     def block_n(self) -> int:
@@ -463,7 +458,7 @@ class WsBackwardConfig:
 
     @property
     def tag(self) -> str:
-        return f"_s{self.stages}" + ("" if self.dq_bulk else "_red")
+        return f"_s{self.stages}"
 
     def dq_config(self) -> BackwardConfig:
         """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this
@@ -483,11 +478,10 @@ class WsBackwardConfig:
         q = v + kv
         do = q + self.stages * q_stage
         ds = do + self.stages * q_stage
-        dq = ds + 2 * ds_bytes
-        lse = dq + (bm * d * 4 if self.dq_bulk else 0)
+        lse = ds + 2 * ds_bytes
         delta = lse + self.stages * rows_stage
         end = delta + self.stages * rows_stage
-        return WsBackwardLayout(k, v, q, do, lse, delta, ds, dq, q_stage, rows_stage, ds_bytes, end)
+        return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end)
 
     @property
     def step_bytes(self) -> int:

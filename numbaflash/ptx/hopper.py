@@ -234,7 +234,6 @@ _load_2d = declare("tma", "tma_load_2d", _void(_u32, u64p, _u32, _i32, _i32))
 _load_3d = declare("tma", "tma_load_3d", _void(_u32, u64p, _u32, _i32, _i32, _i32))
 _load_4d = declare("tma", "tma_load_4d", _void(_u32, u64p, _u32, _i32, _i32, _i32, _i32))
 _bulk_load = declare("tma", "bulk_load", _void(_u32, _u64, _u32, _u32))
-_bulk_reduce_add_f32 = declare("tma", "bulk_reduce_add_f32", _void(_u64, _u32, _u32))
 _store_2d = declare("tma", "tma_store_2d", _void(u64p, _u32, _i32, _i32))
 _store_3d = declare("tma", "tma_store_3d", _void(u64p, _u32, _i32, _i32, _i32))
 _store_4d = declare("tma", "tma_store_4d", _void(u64p, _u32, _i32, _i32, _i32, _i32))
@@ -277,15 +276,6 @@ def bulk_load(dst, src, nbytes, bar):
     ``src`` (uint64, 16-byte aligned) to shared address ``dst``; completion counts them on the
     mbarrier at ``bar`` (arm it with expect_tx)."""
     _bulk_load(dst, src, nbytes, bar)
-
-
-@cuda.jit(device=True, forceinline=True)
-def bulk_reduce_add_f32(dst, src, nbytes):
-    """One thread adds ``nbytes`` (a multiple of 16) of float32 at shared address ``src`` into
-    global byte address ``dst`` (uint64), element-wise and atomically per element, as a bulk
-    async-group: commit with ``tma_store_commit_group``; ``tma_store_wait_group_read_0`` before
-    the source is overwritten."""
-    _bulk_reduce_add_f32(dst, src, nbytes)
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -402,7 +392,6 @@ named_barrier_arrive.__doc__ = (
 __all__ = [
     "SWIZZLE_128B",
     "bulk_load",
-    "bulk_reduce_add_f32",
     "SWIZZLE_32B",
     "SWIZZLE_64B",
     "SWIZZLE_NONE",

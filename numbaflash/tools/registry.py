@@ -134,9 +134,9 @@ def backward_variant_kernels() -> dict:
     from ..operations.families import BACKWARD_VARIANTS, family_of
 
     kernels = {}
-    for _, causal, config in shipped_backward_configs():
-        for bf16 in (False, True):
-            for operation in BACKWARD_VARIANTS:
+    for operation in BACKWARD_VARIANTS:  # each variant's dispatch (configs.backward_dispatch_family)
+        for _, causal, config in shipped_backward_configs(operation):
+            for bf16 in (False, True):
                 op = family_of(config).op(operation)
                 kernel = make_kernel(config, causal, bf16, operation)
                 if kernel.__name__ in kernels:

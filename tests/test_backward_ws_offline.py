@@ -1,0 +1,44 @@
+"""The Hopper backward's main kernel (``kernels/backward_ws.py``), compiled offline (no GPU) through
+the kernel cache for the configs an H100 dispatches: TMA loads (UTMALDG), the bulk copies of the
+LSE and D rows (UBLKCP), mbarrier waits (SYNCS) and wgmma
+(HGMMA), fully inlined, nothing in local memory. One dtype and causality a head dim (the others
+differ only in conversions and masks); ``python -m numbaflash.inspect backward_ws --arch sm_90a``
+lists every shipped build, variants included."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbaflash import configs
+from numbaflash.configs import kernel_cubin
+from numbaflash.kernels.shapes import WsBackwardConfig
+from numbaflash.tools.inspect import report_from_cubin
+
+CASES = [(configs.backward_config((9, 0), 128, True), True, True),
+         (configs.backward_config((9, 0), 64, False), False, False)]
+
+
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: f"d{c[0].head_dim}-{'causal' if c[1] else 'full'}")
+def report(request):
+    config, causal, bf16 = request.param
+    assert isinstance(config, WsBackwardConfig), config
+    entry = kernel_cubin(config, causal, bf16, "sm_90a", operation="backward")
+    return config, report_from_cubin(entry.cubin, entry.entry_name, "sm_90a")
+
+
+def test_instructions(report):
+    config, report = report
+    for op in ("HGMMA", "UTMALDG", "UBLKCP", "SYNCS", "MUFU", "REDG"):
+        assert report.count(op) > 0, f"no {op} in SASS"
+    # one wgmma per k-step: Sᵀ and dPᵀ over the head dim, dV and dK over the query block, dQ over
+    # the key block, each issued once in the step loop
+    d, bm, bn = config.head_dim, config.block_m, config.block_n
+    assert report.count("HGMMA") == 2 * d // 16 + 2 * bm // 16 + bn // 16
+
+
+def test_no_local_memory_spills_or_calls(report):
+    _, report = report
+    assert report.local_bytes == 0 and report.stack_bytes == 0, (report.local_bytes, report.stack_bytes)
+    assert report.spill_instructions == 0, f"{report.spill_instructions} LDL/STL"
+    assert report.calls == 0, "a helper was not inlined"
