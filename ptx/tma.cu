@@ -25,13 +25,6 @@ extern "C" __device__ void tma_load_4d(unsigned dst, const unsigned long long* t
                :: "r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
-// Global -> shared bulk copy of `bytes` contiguous bytes (a multiple of 16; `src` and `dst`
-// 16-byte aligned), no tensor map; completion adds `bytes` to the mbarrier's tx count.
-extern "C" __device__ void bulk_load(unsigned dst, unsigned long long src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 // Shared -> global tile stores, tracked by bulk async-groups (commit, then wait).
 extern "C" __device__ void tma_store_2d(const unsigned long long* tmap, unsigned src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"

@@ -92,7 +92,7 @@ def test_hopper_runs_its_own_backward_at_d64_and_d128(causal, fresh_choice):
         assert families.family_of(config) is families.SM90_BWD
         assert configs.backward_dispatch_family(HOPPER, d) == "sm90bwd"
         for variant in families.BACKWARD_VARIANTS:  # window and softcap: its own variants, but for
-            # the d64 window + softcap build, which spills (configs.WS_BACKWARD_LEFT_TO_MMA)
+            # the builds that spill (configs.WS_BACKWARD_LEFT_TO_MMA)
             chosen = configs.backward_config(HOPPER, d, causal, operation=variant)
             if (d, variant) in configs.WS_BACKWARD_LEFT_TO_MMA:
                 assert families.family_of(chosen) is families.SM80_BWD

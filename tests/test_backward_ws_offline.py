@@ -42,3 +42,31 @@ def test_no_local_memory_spills_or_calls(report):
     assert report.local_bytes == 0 and report.stack_bytes == 0, (report.local_bytes, report.stack_bytes)
     assert report.spill_instructions == 0, f"{report.spill_instructions} LDL/STL"
     assert report.calls == 0, "a helper was not inlined"
+
+
+def _shipped_variant_builds():
+    """Every (operation, head dim, causal) an H100 runs on the Hopper backward besides ``CASES``
+    (window kernels are built non-causal: their right edge 0 is causal)."""
+    from numbaflash.operations.families import BACKWARD_VARIANTS
+    builds = []
+    for operation in ("backward", *BACKWARD_VARIANTS):
+        for _, causal, config in configs.shipped_backward_configs(operation):
+            window = operation.startswith("backward_window")
+            if not isinstance(config, WsBackwardConfig) or (window and causal):
+                continue
+            if operation == "backward" and any(c == config and k == causal for c, k, _ in CASES):
+                continue
+            builds.append((operation, config, causal))
+    return builds
+
+
+@pytest.mark.parametrize("operation,config,causal", _shipped_variant_builds(),
+                         ids=lambda v: v if isinstance(v, str) else getattr(v, "head_dim", v))
+def test_every_shipped_build_keeps_to_registers(operation, config, causal):
+    """No shipped Hopper backward build spills (those that did run on the mma.sync backward:
+    ``configs.WS_BACKWARD_LEFT_TO_MMA``)."""
+    entry = kernel_cubin(config, causal, True, "sm_90a", operation=operation)
+    report = report_from_cubin(entry.cubin, entry.entry_name, "sm_90a")
+    assert report.local_bytes == 0 and report.spill_instructions == 0 and report.calls == 0, (
+        f"{entry.entry_name}: {report.spill_instructions} LDL/STL, {report.local_bytes} B local, "
+        f"{report.calls} CALL")

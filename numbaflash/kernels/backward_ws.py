@@ -8,9 +8,8 @@ and dV in registers while it walks every query block of every query head of its 
 the block (GQA sums there), as the mma.sync kernel does:
 
 * **Producer** (one thread of warpgroup 0, ``setmaxnreg.dec`` to 24): TMA loads K and V of the
-  block once, then per query block Q and dO (tensor maps) and their rows' LSE (log2 units) and D
-  (bulk copies from the workspace) into the next stage of a ring of ``stages``, once the
-  consumers have released it.
+  block once, then per query block Q and dO (tensor maps) into the next stage of a ring of
+  ``stages``, once the consumers have released it.
 * **Consumers** (two warpgroups of 64 keys each, ``setmaxnreg.inc`` to 240), per query block:
 
       Sᵀ  = K Qᵀ       wgmma SS m64n{block_m}: keys x queries, so that a warp's rows are its keys
@@ -21,6 +20,12 @@ the block (GQA sums there), as the mma.sync kernel does:
                        warpgroups (a named barrier), read MN-major as dS; the warpgroups split dQ
                        by query rows or head-dim columns (``WsBackwardConfig.dq_split``)
       dK += dSᵀ Q      wgmma RS, issued after dQ so that it runs while dQ is added
+
+  The query rows' LSE (log2 units) and D come from the workspace by the consumers' own cp.async,
+  one step ahead, into two buffers taken by step parity: written after the barrier that ends
+  the reads of the step before, read after the dSᵀ barrier of the step that wrote them. (Bulk
+  copies by the producer, handed over by the ring's mbarriers, are as correct, but
+  compute-sanitizer's racecheck does not follow that hand-over: it reported every row.)
 
   dQ is added into the float32 accumulator in the mma.sync kernel's fragment order with
   ``red.global.add.v4.f32`` (in key-block turns with ``deterministic``), then the stage is
@@ -82,7 +87,8 @@ Maps = namedtuple("Maps", ["q", "k", "v", "do"])
 # the causal diagonal, the window (a blocks.Band) and the workspace's rows per (batch, head).
 Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "m_first", "m_blocks", "steps", "diag",
                              "band", "rows", "seqlen_q"])
-# Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q, dO, LSE and D, dSᵀ buffer 0.
+# Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q and dO, rows buffer 0 of LSE and
+# D, dSᵀ buffer 0.
 Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds"])
 # A consumer warp's seat: its warpgroup, warp in it, lane, thread among the consumers (0 .. 255).
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
@@ -94,14 +100,17 @@ Accumulators = namedtuple("Accumulators", ["s", "dp", "p", "ds", "dv", "dk", "dq
 Descriptors = namedtuple("Descriptors", ["k", "v", "q", "do", "q_mn", "do_mn", "ds", "k_mn"])
 # The scalars a consumer reads: the exponent factor, softmax scale / softcap, deterministic mode.
 Scalars = namedtuple("Scalars", ["scale_log2", "cap_scale", "deterministic"])
-# The float32 workspace's byte addresses: dQ accumulator, turn counters.
-Workspace = namedtuple("Workspace", ["dq", "counters"])
+# The float32 workspace: the byte addresses of the dQ accumulator and the turn counters, the LSE₂
+# and D rows (arrays: their addresses are taken where ``stage_rows`` copies, from the kernel's
+# parameters, so that no register holds them through the step).
+Workspace = namedtuple("Workspace", ["dq", "counters", "lse2", "delta"])
 # What a consumer reads besides its registers: descriptors, tiles, the ring's barriers, its Block,
 # the Scalars and the Workspace.
 Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws"])
 # One step of the walk: its ring use, first query row, workspace row (bh * rows + m0), turn
-# counter's address and the count it must reach (deterministic mode).
-Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn"])
+# counter's address and the count it must reach (deterministic mode), the next step's workspace
+# row (-1 after the last step).
+Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn", "next_row"])
 
 WARPGROUP = 128  # threads
 DS_BARRIER = 1  # named barrier of the consumer warpgroups (bar.sync id; 0 is syncthreads)
@@ -128,6 +137,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     STEP_BYTES = config.step_bytes
     KV_BYTES = BN * D * 2
     ROWS_BYTES = lay.rows_stage
+    ROW_CHUNKS = ROWS_BYTES // 16  # 16-byte copies of a block's LSE (and of its D)
     S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
     P_K = BM // 16  # k-steps of dV and dK
     D_N = D // 8  # n-tiles of dK and dV
@@ -138,7 +148,6 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
     ring = make_ring(STAGES, lay.q_stage)
-    rows_ring = make_ring(STAGES, ROWS_BYTES)  # (offsets of the LSE and D stages)
     kv_once = make_ring(1)
     load_tile = make_tile_loads(config)
     gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
@@ -161,7 +170,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     # ------------------------------------------------------------------ producer
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_steps(maps, bars, tiles, blk, lse2_base, delta_base, heads_q, group):
+    def produce_steps(maps, bars, tiles, blk, group):
         """The ring's loads: every step of the walk, each into the next stage once it is free."""
         head = blk.kv_head * group
         m_block = blk.m_blocks - 1
@@ -172,14 +181,28 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             full = ring.full(bars, s)
             ring.arm(bars, s, STEP_BYTES)
             m0 = m_block * BM
-            row0 = ((blk.batch * heads_q + head) * blk.rows + m0) * 4  # workspace byte offset
             load_tile(tiles.q + ring.offset(s), maps.q, full, m0, head, blk.batch, BM)
             load_tile(tiles.do + ring.offset(s), maps.do, full, m0, head, blk.batch, BM)
-            hp.bulk_load(tiles.lse + rows_ring.offset(s), lse2_base + row0, uint32(ROWS_BYTES), full)
-            hp.bulk_load(tiles.delta + rows_ring.offset(s), delta_base + row0, uint32(ROWS_BYTES), full)
             head, m_block = next_block(head, m_block, blk)
 
     # ------------------------------------------------------------------ consumer steps
+
+    @cuda.jit(device=True, forceinline=True)
+    def stage_rows(tiles, ws, row, buffer, seat):
+        """Copy the LSE₂ and D of workspace rows ``row`` .. ``row + block_m - 1`` into rows buffer
+        ``buffer`` (cp.async, 16 bytes by each of the first block_m / 4 consumer threads from the
+        LSE₂, by the next block_m / 4 from D; one commit group per thread, waited for before the
+        consumers' next barrier)."""
+        c = seat.thread
+        at = buffer * uint32(ROWS_BYTES)
+        if c < ROW_CHUNKS:
+            ptx.cp_async_16_at(tiles.lse + at + c * uint32(16),
+                               ptx.global_address_f32(ws.lse2) + row * 4 + c * 16)
+        elif c < 2 * ROW_CHUNKS:
+            e = c - uint32(ROW_CHUNKS)
+            ptx.cp_async_16_at(tiles.delta + at + e * uint32(16),
+                               ptx.global_address_f32(ws.delta) + row * 4 + e * 16)
+        ptx.cp_async_commit_group()
 
     @cuda.jit(device=True, forceinline=True)
     def mask_scores(acc_s, blk, m0, seat, seqlen_k):
@@ -197,7 +220,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         """Sᵀ -> Pᵀ and dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ − D), each packed at once into the 16-bit A fragments
         of dV and dK (``acc.p``, ``acc.ds``: k-step kt holds n-tiles 2 kt and 2 kt + 1, the m16k16 A
         layout), so that no float32 copy outlives its k-step. Each column is a query, whose LSE₂
-        and D sit in the stage's rows (``lse_at``, ``delta_at``: the lane's first column)."""
+        and D sit in the step's rows buffer (``lse_at``, ``delta_at``: the lane's first column)."""
         acc_s, acc_dp = acc.s, acc.dp
         for kt in range(P_K):
             for half in range(2):
@@ -260,6 +283,9 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         i, m0, row = step.i, step.m0, step.row
         s = ring.slot(i)
         q_at = ring.offset(s)
+        parity = i & ONE
+        if step.next_row >= 0:  # the other buffer's last reads were before the previous step's barrier
+            stage_rows(tiles, ws, step.next_row, parity ^ ONE, seat)
         ring.wait_full(bars, i)
         gemms.issue_scores(acc.s, descs.k, hp.descriptor_add(descs.q, q_at))
         gemms.issue_scores(acc.dp, descs.v, hp.descriptor_add(descs.do, q_at))
@@ -273,13 +299,14 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         hp.wgmma_wait_group_0()
         gemms.fence_scores(acc.dp)
         first = uint32(8 * (seat.lane % 4))  # the lane's first column, in bytes of float32
-        rows_at = rows_ring.offset(s) + first
+        rows_at = parity * uint32(ROWS_BYTES) + first
         gradient_of_scores(acc, tiles.lse + rows_at, tiles.delta + rows_at, sc.scale_log2)
         gemms.issue_dkv(acc.dv, acc.p, hp.descriptor_add(descs.do_mn, q_at))
-        buffer = (i & ONE) * uint32(lay.ds_bytes)
+        buffer = parity * uint32(lay.ds_bytes)
         store_ds(tiles.ds + buffer, acc.ds, seat)
         hp.fence_proxy_async_shared_cta()
-        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # both warpgroups' dSᵀ are in place
+        ptx.cp_async_wait_group_0()  # the next step's rows
+        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # both warpgroups' dSᵀ, the next rows
         gemms.issue_dq(acc.dq, hp.descriptor_add(descs.ds, buffer), descs.k_mn)
         gemms.issue_dkv(acc.dk, acc.ds, hp.descriptor_add(descs.q_mn, q_at))
         hp.wgmma_wait_group_1()  # dV and dQ done; dK may still run
@@ -316,9 +343,13 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                             hp.smem_descriptor_mn_sw128(tiles.ds + ds_at, BN * 128),
                             hp.smem_descriptor_mn_sw128(tiles.k + k_at, BN * 128))
         io = Io(descs, tiles, bars, blk, sc, ws)
-        kv_once.wait_full(kv_bar, uint32(0))
         head = blk.kv_head * group
         m_block = blk.m_blocks - 1
+        if blk.steps > 0:  # the first step's rows, in buffer 0
+            stage_rows(tiles, ws, (blk.batch * heads_q + head) * blk.rows + m_block * BM, uint32(0), seat)
+            ptx.cp_async_wait_group_0()
+            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        kv_once.wait_full(kv_bar, uint32(0))
         for step in range(blk.steps):
             m0 = m_block * BM
             bh = blk.batch * heads_q + head
@@ -326,8 +357,13 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             if WINDOW:  # the key blocks that visit a query block are consecutive, from its first
                 turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
             counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
-            consume_step(acc, io, Step(uint32(step), m0, bh * blk.rows + m0, counter_at, turn), seat)
-            head, m_block = next_block(head, m_block, blk)
+            head1, m_block1 = next_block(head, m_block, blk)
+            next_row = int64(-1)
+            if step + 1 < blk.steps:
+                next_row = (blk.batch * heads_q + head1) * blk.rows + m_block1 * BM
+            row = bh * blk.rows + m0
+            consume_step(acc, io, Step(uint32(step), m0, row, counter_at, turn, next_row), seat)
+            head, m_block = head1, m_block1
         return acc
 
     # ------------------------------------------------------------------ epilogue
@@ -399,15 +435,14 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                 kv_once.arm(kv_bar, 0, 2 * KV_BYTES)
                 load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
                 load_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
-                produce_steps(maps, bars, tiles, blk, ptx.global_address_f32(lse2),
-                              ptx.global_address_f32(delta), heads_q, group)
+                produce_steps(maps, bars, tiles, blk, group)
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
             seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread)
             sc = Scalars(scale_log2, cap_scale, deterministic)
-            ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters))
+            ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters), lse2, delta)
             acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, rows // BM)
             store_dkv(acc, tiles, blk, seat, dk, dv, (dk_sb, dk_ss, dk_sh), (dv_sb, dv_ss, dv_sh), scale,
                       seqlen_k)

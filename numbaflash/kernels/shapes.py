@@ -397,14 +397,15 @@ class BackwardConfig:
 
 class WsBackwardLayout(NamedTuple):
     """Byte offsets of the Hopper backward's shared tiles from the aligned base: K and V (the
-    CTA's key block), the ring stages of Q and dO and of their rows' LSE and D, the two dSᵀ
-    buffers, then the mbarrier words: the K/V barrier, the ring's full then empty barriers."""
+    CTA's key block), the ring stages of Q and dO, the two dSᵀ buffers, the two buffers of the
+    query rows' LSE and D (written by the consumers, by step parity), then the mbarrier words: the
+    K/V barrier, the ring's full then empty barriers."""
 
     k: int
     v: int
     q: int  # stage s at q + s * q_stage
     do: int
-    lse: int  # stage s at lse + s * rows_stage
+    lse: int  # buffer b (step parity) at lse + b * rows_stage
     delta: int
     ds: int  # buffer b at ds + b * ds_bytes
     q_stage: int
@@ -418,7 +419,8 @@ class WsBackwardConfig:
     """Compile-time shape of the warp-specialised Hopper backward (``backward_ws``): one CTA per
     block of ``block_n`` keys of one (batch, kv head) keeps dK and dV of the block in registers
     (``consumers`` warpgroups of 64 keys each) while a producer warp streams the ``block_m``-row
-    query blocks that see it (Q, dO, their LSE and D) through a ring of ``stages``.
+    query blocks that see it (Q and dO) through a ring of ``stages``; the consumers stage the
+    blocks' LSE and D themselves.
 
     The dQ accumulator's order and the prepare and dQ kernels are the mma.sync backward's, for
     the equivalent ``BackwardConfig`` (``dq_config``): the consumer warps hold dQ as that config's
@@ -479,15 +481,14 @@ class WsBackwardConfig:
         do = q + self.stages * q_stage
         ds = do + self.stages * q_stage
         lse = ds + 2 * ds_bytes
-        delta = lse + self.stages * rows_stage
-        end = delta + self.stages * rows_stage
+        delta = lse + 2 * rows_stage
+        end = delta + 2 * rows_stage
         return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end)
 
     @property
     def step_bytes(self) -> int:
-        """Bytes one ring stage receives: Q, dO and their rows' LSE and D."""
-        lay = self.layout
-        return 2 * lay.q_stage + 2 * lay.rows_stage
+        """Bytes one ring stage receives: Q and dO."""
+        return 2 * self.layout.q_stage
 
     @property
     def barrier_words(self) -> int:

@@ -233,7 +233,6 @@ _prefetch_tensormap = declare("tma", "prefetch_tensormap", _void(u64p))
 _load_2d = declare("tma", "tma_load_2d", _void(_u32, u64p, _u32, _i32, _i32))
 _load_3d = declare("tma", "tma_load_3d", _void(_u32, u64p, _u32, _i32, _i32, _i32))
 _load_4d = declare("tma", "tma_load_4d", _void(_u32, u64p, _u32, _i32, _i32, _i32, _i32))
-_bulk_load = declare("tma", "bulk_load", _void(_u32, _u64, _u32, _u32))
 _store_2d = declare("tma", "tma_store_2d", _void(u64p, _u32, _i32, _i32))
 _store_3d = declare("tma", "tma_store_3d", _void(u64p, _u32, _i32, _i32, _i32))
 _store_4d = declare("tma", "tma_store_4d", _void(u64p, _u32, _i32, _i32, _i32, _i32))
@@ -268,14 +267,6 @@ def tma_load_3d(dst, tmap, bar, c0, c1, c2):
 def tma_load_4d(dst, tmap, bar, c0, c1, c2, c3):
     """4-D ``tma_load_2d``."""
     _load_4d(dst, _ffi.from_buffer(tmap), bar, c0, c1, c2, c3)
-
-
-@cuda.jit(device=True, forceinline=True)
-def bulk_load(dst, src, nbytes, bar):
-    """One thread copies ``nbytes`` contiguous bytes (a multiple of 16) from global byte address
-    ``src`` (uint64, 16-byte aligned) to shared address ``dst``; completion counts them on the
-    mbarrier at ``bar`` (arm it with expect_tx)."""
-    _bulk_load(dst, src, nbytes, bar)
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -391,7 +382,6 @@ named_barrier_arrive.__doc__ = (
 
 __all__ = [
     "SWIZZLE_128B",
-    "bulk_load",
     "SWIZZLE_32B",
     "SWIZZLE_64B",
     "SWIZZLE_NONE",
