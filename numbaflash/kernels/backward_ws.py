@@ -405,7 +405,10 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         m_first = int64(0)
         if CAUSAL:
             m_first = max(n0 - diag, 0) // BM  # the first query block that sees a key of the block
-        band = Band(seqlen_k, diag - window_left, diag + window_right)  # read by WINDOW kernels only
+        # read by WINDOW kernels only; 32-bit (fewer registers): the window's edges clamped to the
+        # rows and keys that exist (an unbounded side is 2^40), which sees the same keys
+        band = Band(int32(seqlen_k), int32(max(diag - window_left, -seqlen_q)),
+                    int32(min(diag + window_right, seqlen_k)))
         if WINDOW:
             m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
         steps = group * max(m_blocks - m_first, 0)
