@@ -167,6 +167,12 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             m1 = blk.m_blocks - 1
         return head1, m1
 
+    @cuda.jit(device=True, forceinline=True)
+    def workspace_row(blk, heads_q, head, m_block):
+        """The workspace row (LSE₂, D, dQ accumulator) of query block ``m_block``'s first query of
+        query head ``head`` of the block's batch."""
+        return (blk.batch * heads_q + head) * blk.rows + m_block * BM
+
     # ------------------------------------------------------------------ producer
 
     @cuda.jit(device=True, forceinline=True)
@@ -346,7 +352,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         head = blk.kv_head * group
         m_block = blk.m_blocks - 1
         if blk.steps > 0:  # the first step's rows, in buffer 0
-            stage_rows(tiles, ws, (blk.batch * heads_q + head) * blk.rows + m_block * BM, uint32(0), seat)
+            stage_rows(tiles, ws, workspace_row(blk, heads_q, head, m_block), uint32(0), seat)
             ptx.cp_async_wait_group_0()
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
         kv_once.wait_full(kv_bar, uint32(0))
@@ -360,8 +366,8 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             head1, m_block1 = next_block(head, m_block, blk)
             next_row = int64(-1)
             if step + 1 < blk.steps:
-                next_row = (blk.batch * heads_q + head1) * blk.rows + m_block1 * BM
-            row = bh * blk.rows + m0
+                next_row = workspace_row(blk, heads_q, head1, m_block1)
+            row = workspace_row(blk, heads_q, head, m_block)
             consume_step(acc, io, Step(uint32(step), m0, row, counter_at, turn, next_row), seat)
             head, m_block = head1, m_block1
         return acc
