@@ -492,7 +492,9 @@ class WsBackwardConfig:
 
     @property
     def barrier_words(self) -> int:
-        return 1 + 2 * self.stages
+        """The mbarriers: K and V's, then the ring's full and empty, then its tally (``backward_ws``:
+        a stage is free once its adds are counted), one a stage each."""
+        return 1 + 3 * self.stages
 
     @property
     def shared_bytes(self) -> int:
