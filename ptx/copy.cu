@@ -77,7 +77,3 @@ extern "C" __device__ void st_global_v4_b32_at(long long addr, const unsigned* r
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
                :: "l"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
-// 4-byte store of one 32-bit register to the global byte address addr (4-byte aligned).
-extern "C" __device__ void st_global_b32_at(long long addr, unsigned v) {
-  asm volatile("st.global.b32 [%0], %1;" :: "l"(addr), "r"(v) : "memory");
-}

@@ -20,19 +20,3 @@ extern "C" __device__ void red_release_gpu_add_s32(long long addr, int v) {
 extern "C" __device__ void red_global_add_v4_f32(long long addr, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
-// If *addr == compare, *addr = value; returns the old *addr (GPU scope, acquire-release order):
-// one thread of all that try wins a count's last value, and then sees what the CTAs that counted
-// to it wrote before.
-extern "C" __device__ int atom_cas_acq_rel_gpu_s32(long long addr, int compare, int value) {
-  int r; asm volatile("atom.acq_rel.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(r) : "l"(addr), "r"(compare), "r"(value) : "memory"); return r;
-}
-// r[0..3] = addr[0..3], float32, addr 16-byte aligned, cached in L2 only (.cg: not in the SM's
-// L1, so reads after an acquire see what other SMs reduced into L2).
-extern "C" __device__ void ld_global_cg_v4_f32_at(float* r, long long addr) {
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "l"(addr) : "memory");
-}
-// Drop the 128-byte L2 line at addr (128-byte aligned) without writing it back: its contents
-// become undefined (sm_80+). For scratch that no one reads again.
-extern "C" __device__ void discard_global_l2_128(long long addr) {
-  asm volatile("discard.global.L2 [%0], 128;" :: "l"(addr) : "memory");
-}

@@ -95,15 +95,14 @@ BACKWARD_ABI = (
 # 2'. The Hopper backward's main kernel (``backward_ws.BACKWARD_WS_ARGTYPES``, family sm90bwd): the
 #    same work and grid (``config.threads``: 384, ``config.shared_bytes``), tensor maps instead of
 #    q, k, v, dout's pointers and strides (4-D maps over (batch, seqlen, heads, head_dim), boxes
-#    (1, block_m | block_n, 1, 64) with 128B swizzle, as the Hopper forward's); it also writes dq
-#    (the last key block to add into a query block stores it), so there is no dQ kernel. Its
-#    prepare kernel is the mma.sync one (``BACKWARD_PREP_ABI``) of ``WsBackwardConfig.dq_config()``:
-#    the counters it zeroes count the key blocks done with each query block.
+#    (1, block_m | block_n, 1, 64) with 128B swizzle, as the Hopper forward's). Its prepare and dQ
+#    kernels are the mma.sync ones (``BACKWARD_PREP_ABI``, ``BACKWARD_DQ_ABI``) of
+#    ``WsBackwardConfig.dq_config()``.
 BACKWARD_WS_ABI = (
     _U64_ARRAY, _U64_ARRAY, _U64_ARRAY, _U64_ARRAY,  # maps of q, k, v, dout
-    _U16_ARRAY, _U16_ARRAY, _U16_ARRAY,  # dq, dk, dv (outputs)
+    _U16_ARRAY, _U16_ARRAY,  # dk, dv (outputs)
     _F32_ARRAY, _F32_ARRAY, _F32_ARRAY, _I32_ARRAY,  # lse_log2, delta, dq_accum, counters
-    *("int64",) * 9,  # batch, seq and head strides of dq, dk, dv (elements)
+    *("int64",) * 6,  # batch, seq and head strides of dk, dv (elements)
     "int64", "int64", "int64",  # seqlen_q, seqlen_k, rows
     "int64", "int64", "int64",  # heads_q, heads_q // heads_kv, heads_kv
     "int64",  # tail pairs (causal and window kernels)

@@ -1,8 +1,8 @@
 """FlashAttention backward for Hopper (sm_90a): TMA + mbarrier + wgmma with warp specialisation
 (FlashAttention-3's design, our own code).
 
-The main kernel of the backward, which also writes dQ (the prepare kernel is the mma.sync backward's,
-for the equivalent ``BackwardConfig``: ``WsBackwardConfig.dq_config``; there is no dQ kernel). One CTA per block of ``block_n``
+The main kernel of the backward (the prepare and dQ kernels are the mma.sync backward's, for the
+equivalent ``BackwardConfig``: ``WsBackwardConfig.dq_config``). One CTA per block of ``block_n``
 keys of one (batch, KV head), in ``blocks.key_block_of``'s launch order; it keeps that block's dK
 and dV in registers while it walks every query block of every query head of its group that sees
 the block (GQA sums there), as the mma.sync kernel does:
@@ -31,21 +31,8 @@ the block (GQA sums there), as the mma.sync kernel does:
   ``red.global.add.v4.f32`` (in key-block turns with ``deterministic``), then the stage is
   released. dSᵀ has two buffers, so one warpgroup's next dSᵀ never overwrites the one the other
   is still reading.
-* **Tally** (one thread of warpgroup 0's warp 1, ``count_steps``): each query block's int32
-  counter counts the key blocks done with it. Once the consumer warps have released a step's
-  stage (each after its dQ adds), the tally adds 1 to the step's block (release, GPU scope;
-  deterministic mode counts in its turns) and arrives on the stage's tally barrier, which the
-  producer waits for instead of the consumers' release: the consumers never wait for a count.
-* **dQ out** (``write_dq``, after the epilogue): at its end a CTA claims each block of its walk whose counter has
-  reached its count (``QueryBlock.count``, fixed by the masks) with a compare-and-swap to count
-  + 1, so that one CTA writes each block (the last to finish always finds it finished), reads
-  the sums back from L2, stores dQ times the softmax scale in the input dtype, and drops the
-  accumulator's lines from L2 unwritten. Query blocks whose rows see no key (causal or window
-  with seqlen_q > seqlen_k) get zeros from the CTAs of key block 0. This replaces the mma.sync
-  backward's dQ kernel, which read the whole accumulator back from memory. (Counting and storing
-  by the consumers themselves, a barrier or a release fence a step, cost 10-25%: notebook HB.7.)
 * **Epilogue**: dK (times the softmax scale) and dV, 16-bit, staged in the K and V tiles and
-  stored with 16-byte stores, none past seqlen_k; then dQ out.
+  stored with 16-byte stores, none past seqlen_k.
 
 Ragged lengths need no special path: TMA zero-fills rows past the end of Q, dO, K and V; the
 workspace's rows past seqlen_q have LSE₂ = +inf (P = 0) and D = 0; keys past seqlen_k and, causal,
@@ -62,6 +49,7 @@ from numba import cuda, float32, int32, int64, types, uint32
 from .. import ptx
 from ..ptx import hopper as hp
 from .backward_mma import (
+    make_backward_dq_kernel,
     make_backward_prep_kernel,
     mask_band_transposed,
     mask_transposed,
@@ -79,10 +67,10 @@ from .wgmma_gemms import make_backward_gemms
 
 BACKWARD_WS_ARGTYPES = (
     types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, dout
-    types.uint16[::1], types.uint16[::1], types.uint16[::1],  # dq, dk, dv
+    types.uint16[::1], types.uint16[::1],  # dk, dv
     types.float32[::1], types.float32[::1],  # lse2, delta
     types.float32[::1], types.int32[::1],  # dq_acc, counters
-    *(types.int64,) * 9,  # strides of dq, dk, dv
+    *(types.int64,) * 6,  # strides of dk, dv
     types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
     types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
     types.int64,  # tail pairs (blocks.key_block_of)
@@ -112,26 +100,20 @@ Accumulators = namedtuple("Accumulators", ["s", "dp", "p", "ds", "dv", "dk", "dq
 Descriptors = namedtuple("Descriptors", ["k", "v", "q", "do", "q_mn", "do_mn", "ds", "k_mn"])
 # The scalars a consumer reads: the exponent factor, softmax scale / softcap, deterministic mode.
 Scalars = namedtuple("Scalars", ["scale_log2", "cap_scale", "deterministic"])
-# The float32 workspace: the byte addresses of the dQ accumulator and the counters, the LSE₂
+# The float32 workspace: the byte addresses of the dQ accumulator and the turn counters, the LSE₂
 # and D rows (arrays: their addresses are taken where ``stage_rows`` copies, from the kernel's
-# parameters, so that no register holds them through the step); and dq, the output (the array,
-# for the same reason) and its element strides (batch, seq, head).
-Workspace = namedtuple("Workspace", ["dq", "counters", "lse2", "delta", "out", "out_sb", "out_ss", "out_sh"])
+# parameters, so that no register holds them through the step).
+Workspace = namedtuple("Workspace", ["dq", "counters", "lse2", "delta"])
 # What a consumer reads besides its registers: descriptors, tiles, the ring's barriers, its Block,
-# the Scalars, the Workspace, heads_q and the counters per (batch, head).
-Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws", "heads_q", "counters_per_head"])
-# A query block of one query head, as one key block sees it: its first row, query head, workspace
-# row (bh * rows + m0), counter's address, how many key blocks add into its dQ (``count``) and
-# this one's turn among them (deterministic mode: the counter value it waits for).
-QueryBlock = namedtuple("QueryBlock", ["m0", "head", "row", "counter_at", "count", "turn"])
-# One step of the walk: its ring use, query head and block, and whether a step follows (``more``).
-# Blocks are kept as (head, block), and their workspace rows and QueryBlock worked out where they
-# are used, so that few registers hold them through the step.
-Step = namedtuple("Step", ["i", "head", "m_block", "more"])
+# the Scalars and the Workspace.
+Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws"])
+# One step of the walk: its ring use, first query row, workspace row (bh * rows + m0), turn
+# counter's address and the count it must reach (deterministic mode), the next step's workspace
+# row (-1 after the last step).
+Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn", "next_row"])
 
 WARPGROUP = 128  # threads
 DS_BARRIER = 1  # named barrier of the consumer warpgroups (bar.sync id; 0 is syncthreads)
-TALLY_BARRIER = 2  # named barrier of the consumers and the tally's warp: every step counted
 ONE = uint32(1)
 
 
@@ -162,9 +144,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     SPLIT_M = config.dq_split == "m"
     DQ_N = D // 8 if SPLIT_M else D // 8 // CONSUMERS  # n-tiles of a warpgroup's dQ
     DQ_COLS = DQ_N * 8
-    CPR = D // 8  # 16-byte chunks of a K / V (and dQ) row
-    DQ_LINES = BM * D * 4 // 128  # 128-byte L2 lines of a query block's dQ accumulator
-    DQ_AT_ONCE = 2  # finished query blocks whose dQ the end pass reads at once
+    CPR = D // 8  # 16-byte chunks of a K / V row
     STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
     ring = make_ring(STAGES, lay.q_stage)
@@ -193,37 +173,17 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         query head ``head`` of the block's batch."""
         return (blk.batch * heads_q + head) * blk.rows + m_block * BM
 
-    @cuda.jit(device=True, forceinline=True)
-    def query_block(blk, ws, heads_q, counters_per_head, head, m_block):
-        """Query block ``m_block`` of query head ``head`` (a QueryBlock): the key blocks that add
-        into its dQ are consecutive, from the first that some row of it sees (key block 0
-        without a window), and this one's turn is its place among them."""
-        m0 = m_block * BM
-        bh = blk.batch * heads_q + head
-        counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
-        if WINDOW:
-            first, end = band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)
-            turn = blk.n_block - first
-            count = end - first
-        else:
-            turn = blk.n_block
-            count = (int64(blk.band.seqlen_k) + BN - 1) // BN  # every key block
-            if CAUSAL:  # key block n sees the block iff n0 <= m0 + BM - 1 + diag (>= 0 here)
-                count = min(count, (m0 + BM - 1 + blk.diag) // BN + 1)
-        return QueryBlock(m0, head, workspace_row(blk, heads_q, head, m_block), counter_at, count, turn)
-
     # ------------------------------------------------------------------ producer
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_steps(maps, bars, tally, tiles, blk, group):
-        """The ring's loads: every step of the walk, each into the next stage once it is free
-        (its last use released by the consumers and counted: ``count_steps``)."""
+    def produce_steps(maps, bars, tiles, blk, group):
+        """The ring's loads: every step of the walk, each into the next stage once it is free."""
         head = blk.kv_head * group
         m_block = blk.m_blocks - 1
         for step in range(blk.steps):
             i = uint32(step)
             s = ring.slot(i)
-            ring.wait_empty(RingBarriers(bars.full, tally), i)
+            ring.wait_empty(bars, i)
             full = ring.full(bars, s)
             ring.arm(bars, s, STEP_BYTES)
             m0 = m_block * BM
@@ -231,25 +191,6 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             load_tile(tiles.do + ring.offset(s), maps.do, full, m0, head, blk.batch, BM)
             head, m_block = next_block(head, m_block, blk)
 
-    @cuda.jit(device=True, forceinline=True)
-    def count_steps(bars, tally, blk, ws, heads_q, counters_per_head, group, deterministic):
-        """The tally (one thread of warpgroup 0's warp 1): once the consumers have released step
-        ``i``'s stage (every consumer warp arrives after its dQ adds to the step's query block),
-        add 1 to the block's counter (release, GPU scope: the adds are visible first; in
-        deterministic mode ``add_dq`` counts in its turns), then arrive on the stage's tally
-        barrier, which the producer waits for before it refills the stage: so the tally is never
-        a phase behind, and the consumers never wait for it."""
-        head = blk.kv_head * group
-        m_block = blk.m_blocks - 1
-        released = RingBarriers(bars.empty, tally)  # use i released: phase i // stages of empty
-        for step in range(blk.steps):
-            i = uint32(step)
-            ring.wait_full(released, i)
-            if not deterministic:
-                ptx.red_release_gpu_add_s32(
-                    query_block(blk, ws, heads_q, counters_per_head, head, m_block).counter_at, int32(1))
-            hp.mbarrier_arrive(tally + ring.slot(i) * uint32(8))
-            head, m_block = next_block(head, m_block, blk)
     # ------------------------------------------------------------------ consumer steps
 
     @cuda.jit(device=True, forceinline=True)
@@ -320,16 +261,16 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                                   ds_frag[j // 2, 2 * (j % 2) + r])
 
     @cuda.jit(device=True, forceinline=True)
-    def add_dq(acc_q, ws, qb, seat, deterministic):
+    def add_dq(acc_q, ws, row, seat, counter_at, turn, deterministic):
         """This step's dQ into the query block's accumulator by the threads' ``red.global.add.v4``
         (fragment order, four floats an n-tile); in deterministic mode once the key blocks before
-        this one have added theirs (``qb.turn``: the count the block's counter must reach)."""
+        this one have added theirs (``turn``: the count this block's counter must reach)."""
         if deterministic:
             if seat.thread == 0:
-                while ptx.ld_acquire_gpu_s32(qb.counter_at) != qb.turn:
+                while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                     pass
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-        dq_at = ws.dq + (qb.row * D + 4 * seat.thread) * 4
+        dq_at = ws.dq + (row * D + 4 * seat.thread) * 4
         for j in range(DQ_N):
             ptx.red_global_add_v4_f32(dq_at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1],
                                       acc_q[j, 2], acc_q[j, 3])
@@ -337,21 +278,20 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             cuda.threadfence()
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
             if seat.thread == 0:
-                ptx.red_release_gpu_add_s32(qb.counter_at, int32(1))
+                ptx.red_release_gpu_add_s32(counter_at, int32(1))
 
     @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
         """One query block for this warpgroup: the five GEMMs, the gradient of the scores, dQ's
-        adds; the stage is released at the end (after the adds: ``count_steps`` counts them)."""
+        adds; the stage is released at the end."""
         descs, tiles, bars, blk = io.descs, io.tiles, io.bars, io.blk
         sc, ws = io.sc, io.ws
-        i, m0 = step.i, step.m_block * BM
+        i, m0, row = step.i, step.m0, step.row
         s = ring.slot(i)
         q_at = ring.offset(s)
         parity = i & ONE
-        if step.more:  # the other buffer's last reads were before the previous step's barrier
-            head1, m_block1 = next_block(step.head, step.m_block, blk)
-            stage_rows(tiles, ws, workspace_row(blk, io.heads_q, head1, m_block1), parity ^ ONE, seat)
+        if step.next_row >= 0:  # the other buffer's last reads were before the previous step's barrier
+            stage_rows(tiles, ws, step.next_row, parity ^ ONE, seat)
         ring.wait_full(bars, i)
         gemms.issue_scores(acc.s, descs.k, hp.descriptor_add(descs.q, q_at))
         gemms.issue_scores(acc.dp, descs.v, hp.descriptor_add(descs.do, q_at))
@@ -377,8 +317,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         gemms.issue_dkv(acc.dk, acc.ds, hp.descriptor_add(descs.q_mn, q_at))
         hp.wgmma_wait_group_1()  # dV and dQ done; dK may still run
         gemms.fence_dq(acc.dq)
-        add_dq(acc.dq, ws, query_block(blk, ws, io.heads_q, io.counters_per_head, step.head, step.m_block), seat,
-               sc.deterministic)
+        add_dq(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
         hp.wgmma_wait_group_0()
         gemms.fence_dkv(acc.dk)
         gemms.fence_dkv(acc.dv)
@@ -409,7 +348,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                             hp.smem_descriptor_mn_sw128(tiles.do, BM * 128),
                             hp.smem_descriptor_mn_sw128(tiles.ds + ds_at, BN * 128),
                             hp.smem_descriptor_mn_sw128(tiles.k + k_at, BN * 128))
-        io = Io(descs, tiles, bars, blk, sc, ws, heads_q, counters_per_head)
+        io = Io(descs, tiles, bars, blk, sc, ws)
         head = blk.kv_head * group
         m_block = blk.m_blocks - 1
         if blk.steps > 0:  # the first step's rows, in buffer 0
@@ -418,8 +357,19 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
         kv_once.wait_full(kv_bar, uint32(0))
         for step in range(blk.steps):
-            consume_step(acc, io, Step(uint32(step), head, m_block, step + 1 < blk.steps), seat)
-            head, m_block = next_block(head, m_block, blk)
+            m0 = m_block * BM
+            bh = blk.batch * heads_q + head
+            turn = blk.n_block
+            if WINDOW:  # the key blocks that visit a query block are consecutive, from its first
+                turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
+            counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
+            head1, m_block1 = next_block(head, m_block, blk)
+            next_row = int64(-1)
+            if step + 1 < blk.steps:
+                next_row = workspace_row(blk, heads_q, head1, m_block1)
+            row = workspace_row(blk, heads_q, head, m_block)
+            consume_step(acc, io, Step(uint32(step), m0, row, counter_at, turn, next_row), seat)
+            head, m_block = head1, m_block1
         return acc
 
     # ------------------------------------------------------------------ epilogue
@@ -441,122 +391,14 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         store_rows_global(dk_rows, blk.n0 + row0, tiles.k, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
         store_rows_global(dv_rows, blk.n0 + row0, tiles.v, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
 
-    # ------------------------------------------------------------------ dQ out (the end pass)
-
-    @cuda.jit(device=True, forceinline=True)
-    def step_block(blk, group, s):
-        """(query head, query block) of step ``s`` of the walk (``next_block``'s order)."""
-        blocks = blk.m_blocks - blk.m_first
-        return blk.kv_head * group + s // blocks, blk.m_blocks - 1 - s % blocks
-
-    @cuda.jit(device=True, forceinline=True)
-    def load_dq(vals, ws, qb, seat):
-        """The thread's part of a finished block's dQ sums, read back from L2 at the places it
-        added to (its dQ fragments: ``vals``, (DQ_N, 4))."""
-        at = ws.dq + (qb.row * D + 4 * seat.thread) * 4
-        for j in range(DQ_N):
-            ptx.ld_global_cg_v4_f32_at(vals[j], at + j * (CONSUMER_THREADS * 16))
-
-    @cuda.jit(device=True, forceinline=True)
-    def store_dq(vals, ws, qb, blk, seat, scale):
-        """``load_dq``'s fragments times the softmax scale, in the input dtype, into dq: the
-        fragment's rows below seqlen_q, two columns a 4-byte store."""
-        row0 = qb.m0 + seat.warp * 16 + seat.lane // 4
-        col0 = 2 * (seat.lane % 4)
-        if SPLIT_M:  # the warpgroup's 64 rows, every column
-            row0 += seat.wg * WARPGROUP_ROWS
-        else:  # every row, the warpgroup's DQ_COLS columns
-            col0 += seat.wg * DQ_COLS
-        base = ptx.global_address(ws.out) + 2 * (blk.batch * ws.out_sb + qb.head * ws.out_sh + col0)
-        for r in range(2):
-            if row0 + 8 * r < blk.seqlen_q:
-                row_at = base + 2 * (row0 + 8 * r) * ws.out_ss
-                for j in range(DQ_N):
-                    ptx.st_global_b32_at(row_at + 16 * j, pack_16bit(vals[j, 2 * r] * scale,
-                                                                     vals[j, 2 * r + 1] * scale, BF16))
-
-    @cuda.jit(device=True, forceinline=True)
-    def drop_dq(ws, qb, seat):
-        """Drop a stored block's accumulator lines from L2 unwritten (no one reads them again)."""
-        block_at = ws.dq + qb.row * (D * 4)
-        for line in range(seat.thread, DQ_LINES, CONSUMER_THREADS):
-            ptx.discard_global_l2_128(block_at + line * 128)
-
-    @cuda.jit(device=True, forceinline=True)
-    def write_dq(ws, blk, seat, group, scale, heads_q, counters_per_head, masks):
-        """dQ of the finished query blocks of this CTA's walk (after its last step is counted):
-        in rounds of one step a consumer thread, each thread claims its step's block if the
-        block's counter has reached its count (CAS count -> count + 1: of the key blocks that
-        find it finished, one wins; the last to finish always does, so every block is written
-        once); the warps' claims gathered in ``masks`` (shared, one word a warp), then every
-        consumer thread stores its part of each claimed block, ``DQ_AT_ONCE`` blocks at a time
-        (their loads in flight together), and drops their lines."""
-        vals = cuda.local.array((DQ_AT_ONCE, DQ_N, 4), float32)
-        picked = cuda.local.array(DQ_AT_ONCE, int64)
-        for base in range(0, blk.steps, CONSUMER_THREADS):
-            s = base + seat.thread
-            mine = False
-            if s < blk.steps:
-                head, m_block = step_block(blk, group, s)
-                qb = query_block(blk, ws, heads_q, counters_per_head, head, m_block)
-                mine = ptx.atom_cas_acq_rel_gpu_s32(qb.counter_at, int32(qb.count), int32(qb.count + 1)) == qb.count
-            claims = cuda.ballot_sync(FULL_MASK, mine)
-            if seat.lane == 0:
-                masks[seat.thread // 32] = claims
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-            for w in range(CONSUMER_WARPS):
-                left = int64(masks[w])
-                while left != 0:
-                    for k in range(DQ_AT_ONCE):  # the next claimed steps, lowest lane first
-                        picked[k] = -1
-                        if left != 0:
-                            picked[k] = base + 32 * w + cuda.popc((left & -left) - 1)
-                            left &= left - 1
-                    for k in range(DQ_AT_ONCE):
-                        if picked[k] >= 0:
-                            head, m_block = step_block(blk, group, picked[k])
-                            load_dq(vals[k], ws, query_block(blk, ws, heads_q, counters_per_head, head, m_block),
-                                    seat)
-                    for k in range(DQ_AT_ONCE):
-                        if picked[k] >= 0:
-                            head, m_block = step_block(blk, group, picked[k])
-                            store_dq(vals[k], ws, query_block(blk, ws, heads_q, counters_per_head, head, m_block),
-                                     blk, seat, scale)
-                    hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # every read of them done
-                    for k in range(DQ_AT_ONCE):
-                        if picked[k] >= 0:
-                            head, m_block = step_block(blk, group, picked[k])
-                            drop_dq(ws, query_block(blk, ws, heads_q, counters_per_head, head, m_block), seat)
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # masks are rewritten next round
-
-    @cuda.jit(device=True, forceinline=True)
-    def zero_unseen_rows(ws, blk, seat, group):
-        """dQ = 0 on the query blocks before the first that key block 0 visits (``blk.m_first``
-        of a CTA of key block 0; causal or window only): their rows see no key (those rows come
-        first: i + seqlen_k - seqlen_q + right < 0), so no key block adds into them and no
-        last adder stores them. 16-byte stores by every consumer thread, each query head of the
-        group."""
-        rows = min(blk.m_first * BM, blk.seqlen_q)
-        chunks = rows * CPR  # of one query head
-        zeros = cuda.local.array(4, uint32)
-        for w in range(4):
-            zeros[w] = 0
-        for c in range(int64(seat.thread), chunks * group, CONSUMER_THREADS):
-            h = c // chunks
-            rest = c - h * chunks
-            at = (ptx.global_address(ws.out) + 2 * (blk.batch * ws.out_sb + (blk.kv_head * group + h) * ws.out_sh
-                                + (rest // CPR) * ws.out_ss) + 16 * (rest % CPR))
-            ptx.st_global_v4_at(at, zeros)
-
     # ------------------------------------------------------------------ kernel
 
-    def flash_backward_ws(map_q, map_k, map_v, map_do, dq, dk, dv, lse2, delta, dq_acc, counters,
-                          dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+    def flash_backward_ws(map_q, map_k, map_v, map_do, dk, dv, lse2, delta, dq_acc, counters,
+                          dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
                           seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
                           deterministic, window_left, window_right, cap_scale):
         smem = cuda.shared.array(0, types.uint16)
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
-        masks = cuda.shared.array(CONSUMER_WARPS, uint32)  # the end pass's claims
         tid = cuda.threadIdx.x
         key_blocks = uint32((seqlen_k + BN - 1) // BN)
         n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
@@ -584,13 +426,11 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         b = ptx.shared_address_u64(bar_words)
         kv_bar = RingBarriers(b, b)
         bars = RingBarriers(b + 8, b + 8 + 8 * STAGES)
-        tally = b + 8 + 16 * STAGES  # stage 0's tally barrier (count_steps)
         if tid == 0:
             hp.mbarrier_init(kv_bar.full, 1)
             for s in range(STAGES):
                 hp.mbarrier_init(ring.full(bars, s), 1)
                 hp.mbarrier_init(ring.empty(bars, s), CONSUMER_WARPS)
-                hp.mbarrier_init(tally + 8 * s, 1)
             hp.fence_mbarrier_init()
             hp.tma_prefetch_descriptor(map_q)
             hp.tma_prefetch_descriptor(map_k)
@@ -604,30 +444,17 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                 kv_once.arm(kv_bar, 0, 2 * KV_BYTES)
                 load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
                 load_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
-                produce_steps(maps, bars, tally, tiles, blk, group)
-            elif tid >= 32 and tid < 64:  # warp 1: its lane 0 tallies, then the warp tells write_dq all are
-                if tid == 32:
-                    count_steps(bars, tally, blk, Workspace(ptx.global_address_f32(dq_acc),
-                                                            ptx.global_address_i32(counters), lse2, delta, dq,
-                                                            dq_sb, dq_ss, dq_sh),
-                                heads_q, rows // BM, group, deterministic)
-                cuda.syncwarp(FULL_MASK)
-                hp.named_barrier_arrive(TALLY_BARRIER, CONSUMER_THREADS + 32)
+                produce_steps(maps, bars, tiles, blk, group)
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
             seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread)
             sc = Scalars(scale_log2, cap_scale, deterministic)
-            ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters), lse2, delta,
-                           dq, dq_sb, dq_ss, dq_sh)
+            ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters), lse2, delta)
             acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, rows // BM)
             store_dkv(acc, tiles, blk, seat, dk, dv, (dk_sb, dk_ss, dk_sh), (dv_sb, dv_ss, dv_sh), scale,
                       seqlen_k)
-            hp.named_barrier_sync(TALLY_BARRIER, CONSUMER_THREADS + 32)  # every step of this CTA counted
-            write_dq(ws, blk, seat, group, scale, heads_q, rows // BM, masks)
-            if (CAUSAL or WINDOW) and n_block == 0:
-                zero_unseen_rows(ws, blk, seat, group)
 
     mask_kind = "window" if window else "causal" if causal else "full"
     flash_backward_ws.__name__ = (f"flash_backward_ws_d{D}_m{BM}_n{BN}{config.tag}_{mask_kind}"
@@ -652,8 +479,13 @@ def make_backward_ws_window_softcap_kernel(config: WsBackwardConfig, causal: boo
     return make_backward_ws_kernel(config, False, bf16, window=True, softcap=True)
 
 
-# The prepare kernel: the mma.sync backward's, for the config whose fragment order the consumer
-# warps add dQ in (``WsBackwardConfig.dq_config``).
+# The prepare and dQ kernels: the mma.sync backward's, for the config whose fragment order the
+# consumer warps add dQ in (``WsBackwardConfig.dq_config``).
 def make_backward_ws_prep_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
     """The prepare kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_PREP_ARGTYPES``)."""
     return make_backward_prep_kernel(config.dq_config(), causal, bf16)
+
+
+def make_backward_ws_dq_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
+    """The dQ kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_DQ_ARGTYPES``)."""
+    return make_backward_dq_kernel(config.dq_config(), causal, bf16)

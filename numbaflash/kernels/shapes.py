@@ -492,9 +492,7 @@ class WsBackwardConfig:
 
     @property
     def barrier_words(self) -> int:
-        """The mbarriers: K and V's, then the ring's full and empty, then its tally (``backward_ws``:
-        a stage is free once its adds are counted), one a stage each."""
-        return 1 + 3 * self.stages
+        return 1 + 2 * self.stages
 
     @property
     def shared_bytes(self) -> int:

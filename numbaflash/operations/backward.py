@@ -1,10 +1,9 @@
-"""The backward operation: choose the config, load its kernels (prepare, main, dQ; the Hopper
-backward's main kernel writes dq itself, so it has two), and
+"""The backward operation: choose the config, load its three kernels (prepare, main, dQ), and
 launch them on device arrays, or stage numpy arrays through page-locked memory and run them.
 
 After the first call on a device, the device path is a dictionary lookup for the launchers
 (``GPU.launchers``, keyed by device, head dim, causality, dtype and the main kernel's operation),
-one workspace allocation of the inputs' library, and the launches on the inputs' stream
+one workspace allocation of the inputs' library, and three launches on the inputs' stream
 (``launch_backward``).
 
 A sliding window or a softcap (issue 35) runs a variant of the main kernel (``backward_variant``:
@@ -25,7 +24,7 @@ from .. import configs
 from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
-from .families import VARLEN_BACKWARD_OPERATIONS, backward_operation, backward_operations, family_of
+from .families import BACKWARD_OPERATIONS, VARLEN_BACKWARD_OPERATIONS, backward_operation, family_of
 from .forward import Variant, loaded_kernel, variant_of
 from .launch_backward import BackwardCall, Launch, workspace_layout
 
@@ -36,13 +35,13 @@ LOG2_E = math.log2(math.e)
 
 
 class BackwardKernels(NamedTuple):
-    """One config's kernels on one device, each as (``KernelLauncher``, launch function), in
-    launch order; ``dq`` is None for the Hopper backward, whose main kernel writes dq."""
+    """One config's three kernels on one device, each as (``KernelLauncher``, launch function),
+    in launch order."""
 
     config: Any  # kernels.shapes.BackwardConfig, or WsBackwardConfig (the Hopper backward)
     prep: tuple[Any, Launch]
     main: tuple[Any, Launch]
-    dq: tuple[Any, Launch] | None = None
+    dq: tuple[Any, Launch]
 
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, operation: str = "backward") -> tuple:
@@ -65,14 +64,14 @@ def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float,
 
 def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
                      bf16: bool, operation: str = "backward") -> BackwardKernels:
-    """The config and the loaded kernels of this problem on the current device (ordinal
-    ``device``): prepare, main and dQ, or prepare and main for the Hopper backward.
+    """The config and the three loaded kernels of this problem on the current device (ordinal
+    ``device``).
 
     The config is the table's, else the first default that fits the device's shared memory a CTA
     (``configs.backward_config``, of the family ``configs.backward_dispatch_family`` picks: on
-    Hopper at head dims 64 and 128 the warp-specialised backward, whose prepare kernel is the
-    mma.sync one of ``config.dq_config()`` and whose main kernel writes dq; it shares their
-    workspace: its block_m rows a step, the dQ accumulator in ``dq_config()``'s fragment order). Each kernel's cubin comes
+    Hopper at head dims 64 and 128 the warp-specialised backward, whose prepare and dQ kernels are
+    the mma.sync ones of ``config.dq_config()``; it shares their workspace: its block_m rows a
+    step, the dQ accumulator in ``dq_config()``'s fragment order). Each kernel's cubin comes
     from the on-disk kernel cache or is compiled for the device's own target (``arch_of``:
     ``sm_90a`` on Hopper, ``sm_86`` on an sm_86 GPU, as the sm80 forward) and stored; it is
     loaded once per process, and the main kernel's shared-memory limit is raised once per
@@ -102,7 +101,7 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
             if ready is None:
                 parts = []
                 varlen = operation.startswith("backward_varlen")  # the varlen builds of all three
-                for part in VARLEN_BACKWARD_OPERATIONS if varlen else backward_operations(family):
+                for part in VARLEN_BACKWARD_OPERATIONS if varlen else BACKWARD_OPERATIONS:
                     part = operation if part in ("backward", "backward_varlen") else part
                     op = family.op(part)
                     kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
@@ -116,13 +115,10 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
 
 
 def launch_all(kernels: BackwardKernels, call: BackwardCall) -> None:
-    """The kernels of one call (three, or two for the Hopper backward), in order, on
-    ``call.stream``."""
+    """The three kernels of one call, in order, on ``call.stream``."""
     gpu = gpu_state.GPU
-    for part in (kernels.prep, kernels.main, kernels.dq):
-        if part is not None:
-            launcher, launch = part
-            launch(launcher, call, gpu)
+    for launcher, launch in (kernels.prep, kernels.main, kernels.dq):
+        launch(launcher, call, gpu)
 
 
 def _dense(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -147,7 +143,7 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[Any, Any, Any]:
     """The backward on device arrays: a workspace of the inputs' library (``torch.empty`` for
     torch, so that the caching allocator and CUDA-graph capture work; ``cupy.empty``; a Numba
-    device array otherwise), then the launches on the inputs' stream. ``grads``: the
+    device array otherwise), then the three launches on the inputs' stream. ``grads``: the
     operands of the given dq, dk, dv (None: a new array like q, k or v); ``window_size`` and
     ``softcap`` validated as the forward's. Returns (dq, dk, dv)."""
     batch, seqlen_q, heads_q, head_dim = qd.shape
@@ -199,7 +195,7 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
               softcap: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The backward on numpy arrays, staged synchronously: the inputs are gathered into one block
     of page-locked memory (``runtime.pipeline.pinned_empty``, from the pooled pinned memory) and
-    copied to one device allocation in one copy; the kernels run on a stream of their own;
+    copied to one device allocation in one copy; the three kernels run on a stream of their own;
     dq, dk, dv come back in one copy into pooled pinned memory. Returns them there as numpy
     arrays, or writes them into the given ``grads`` (dq, dk, dv: None for a new array)."""
     from cuda.bindings import driver

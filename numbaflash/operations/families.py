@@ -36,6 +36,7 @@ from .launch_backward import (
     launch_backward_dq,
     launch_backward_main,
     launch_backward_prep,
+    launch_backward_ws_dq,
     launch_backward_ws_main,
     launch_backward_ws_prep,
     launch_varlen_backward_dq,
@@ -180,14 +181,15 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
 })
 # The warp-specialised Hopper backward (``backward_ws``, FlashAttention-3's design): its main kernel
 # (plain, window, softcap, both: the mma.sync family's variants, one parameter list
-# ``BACKWARD_WS_ABI``), which writes dq itself, after the mma.sync prepare kernel of
-# ``WsBackwardConfig.dq_config()`` (its parameter list and launch, built for that config); no dQ
-# kernel. No packed variable-length kernels: those calls run the sm80bwd family on Hopper too
-# (``configs.backward_dispatch_family``).
+# ``BACKWARD_WS_ABI``) with the mma.sync prepare and dQ kernels of ``WsBackwardConfig.dq_config()``
+# (their parameter lists and launches, built for that config). No packed variable-length kernels:
+# those calls run the sm80bwd family on Hopper too (``configs.backward_dispatch_family``).
 SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", {
     "backward_prep": KernelOp("backward_ws_prep", BACKWARD_PREP_ABI,
                               "backward_ws:make_backward_ws_prep_kernel",
                               "backward_mma:BACKWARD_PREP_ARGTYPES", launch_backward_ws_prep, masked=False),
+    "backward_dq": KernelOp("backward_ws_dq", BACKWARD_DQ_ABI, "backward_ws:make_backward_ws_dq_kernel",
+                            "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_ws_dq, masked=False),
     **{f"backward{v}": KernelOp(f"backward_ws{v}", BACKWARD_WS_ABI, f"backward_ws:make_backward_ws{v}_kernel",
                                 "backward_ws:BACKWARD_WS_ARGTYPES", launch_backward_ws_main,
                                 masked="window" not in v)
@@ -198,13 +200,6 @@ BACKWARD_VARIANTS = ("backward_window", "backward_softcap", "backward_window_sof
 # The packed variable-length call's three kernels, in launch order ("backward_varlen": the main
 # kernel, or its window / softcap variant: ``backward_operation(..., varlen=True)``).
 VARLEN_BACKWARD_OPERATIONS = ("backward_varlen_prep", "backward_varlen", "backward_varlen_dq")
-
-
-def backward_operations(family: Family) -> tuple[str, ...]:
-    """The kernels of one dense backward call of ``family``, in launch order: those of
-    ``BACKWARD_OPERATIONS`` it has (the Hopper backward has no dQ kernel: its main kernel writes
-    dq)."""
-    return tuple(op for op in BACKWARD_OPERATIONS if op in family.ops)
 
 
 def backward_operation(window: bool, softcap: bool, varlen: bool = False) -> str:

@@ -15,8 +15,7 @@ One call launches three kernels on the caller's stream, in this order:
 
 On Hopper at head dims 64 and 128 the main kernel is the warp-specialised one
 (``launch_backward_ws_main``: tensor maps of q, k, v, dout instead of their pointers and strides,
-the same grid), which also writes dq: that call launches two kernels, its prepare kernel being
-the mma.sync one of ``config.dq_config()``.
+the same grid); its prepare and dQ kernels are the mma.sync ones of ``config.dq_config()``.
 
 A packed variable-length call (``VarlenBackwardCall``) launches the varlen builds of the three
 (``launch_varlen_backward_*``) over grids of the maxima, with a workspace of
@@ -228,8 +227,8 @@ def launch_backward_ws_main(config) -> Launch:
     """The launch of the Hopper backward's main kernel (``BACKWARD_WS_ABI``): the grid, threads and
     shared memory of ``launch_backward_main``; tensor maps of q, k, v, dout (boxes of block_m,
     block_n, block_n, block_m rows, cached in device memory by pointers and layout as the Hopper
-    forward's: ``runtime.map_slots``) instead of their pointers and strides; dq, dk, dv by pointer
-    and strides, the workspace, and the scalars."""
+    forward's: ``runtime.map_slots``) instead of their pointers and strides; dk, dv by pointer and
+    strides, the workspace, and the scalars."""
     block_n, threads, shared_bytes = config.block_n, config.threads, config.shared_bytes
     maps_of = _tensor_maps(config, (config.block_m, block_n, block_n, config.block_m))
 
@@ -240,16 +239,16 @@ def launch_backward_ws_main(config) -> Launch:
         sm_count, layout, slots, encode = maps_of(_MapOperands(q, k, v, do, call.device), gpu)
         key_blocks = -(-seqlen_k // block_n)
         tail_pairs = backward_tail_pairs(key_blocks, heads_kv * batch, sm_count)
-        dq, dqs, dks, dvs = call.dq, call.dq.strides, dk.strides, dv.strides
+        dks, dvs = dk.strides, dv.strides
         pointers = (q.pointer, k.pointer, v.pointer, do.pointer)
         with slots.lock:
             maps, slot = slots.address((layout, *pointers), lambda: encode(*pointers), call.stream)
             try:
                 launcher((key_blocks * heads_kv * batch, 1, 1), threads, call.stream, shared_bytes,
                          (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16),
-                         (dq.pointer, dq.span), (dk.pointer, dk.span), (dv.pointer, dv.span),
+                         (dk.pointer, dk.span), (dv.pointer, dv.span),
                          ws.lse_log2, ws.delta, ws.dq_accum, ws.counters,
-                         dqs[0], dqs[1], dqs[2], dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
+                         dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
                          seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
                          call.scale_log2, call.scale, call.deterministic, call.window_left,
                          call.window_right, call.cap_scale)
@@ -260,14 +259,15 @@ def launch_backward_ws_main(config) -> Launch:
 
 
 def _dq_config_launch(launch_of: Callable[[Any], Launch]) -> Callable[[Any], Launch]:
-    """``launch_of`` (the mma.sync prepare launch) applied to a Hopper backward config's
-    ``dq_config()``: the kernel it shares with the mma.sync backward."""
+    """``launch_of`` (the mma.sync prepare or dQ launch) applied to a Hopper backward config's
+    ``dq_config()``: the kernels it shares with the mma.sync backward."""
 
     def prepare(config) -> Launch:
         return launch_of(config.dq_config())
 
     prepare.__name__ = prepare.__qualname__ = f"{launch_of.__name__}_of_dq_config"
     return prepare
+
 
 
 class VarlenBackwardCall(NamedTuple):
@@ -385,5 +385,6 @@ def launch_backward_dq(config) -> Launch:
     return launch
 
 
-# The Hopper backward's prepare launch (family sm90bwd): the mma.sync one of its dq_config().
+# The Hopper backward's prepare and dQ launches (family sm90bwd): the mma.sync ones of its dq_config().
 launch_backward_ws_prep = _dq_config_launch(launch_backward_prep)
+launch_backward_ws_dq = _dq_config_launch(launch_backward_dq)

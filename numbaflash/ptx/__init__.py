@@ -23,7 +23,6 @@ from .async_copy import (
     shared_address_u32,
     shared_address_u64,
     st_global_v4,
-    st_global_b32_at,
     st_global_v4_at,
     st_shared_b32,
     st_shared_v4,
@@ -49,19 +48,15 @@ from .matrix_load import (
 )
 from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
 from .reduce import (
-    atom_cas_acq_rel_gpu_s32,
-    discard_global_l2_128,
     global_address_f32,
     global_address_i32,
     ld_acquire_gpu_s32,
-    ld_global_cg_v4_f32_at,
     red_global_add_f32,
     red_global_add_v4_f32,
     red_release_gpu_add_s32,
 )
 
 __all__ = [
-    "atom_cas_acq_rel_gpu_s32",
     "cp_async_16",
     "cp_async_16_at",
     "cp_async_16_zfill",
@@ -71,7 +66,6 @@ __all__ = [
     "cp_async_wait_group_1",
     "cp_async_wait_group_2",
     "cp_async_wait_group_3",
-    "discard_global_l2_128",
     "exp2",
     "exp2_poly",
     "f32_from_bf16_bits",
@@ -80,7 +74,6 @@ __all__ = [
     "global_address_f32",
     "global_address_i32",
     "ld_acquire_gpu_s32",
-    "ld_global_cg_v4_f32_at",
     "ld_shared_v4",
     "log2",
     "ldmatrix_x1",
@@ -101,7 +94,6 @@ __all__ = [
     "shared_address_u16",
     "shared_address_u32",
     "shared_address_u64",
-    "st_global_b32_at",
     "st_global_v4",
     "st_global_v4_at",
     "ld_global_nc_v4_at",

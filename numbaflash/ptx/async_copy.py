@@ -37,9 +37,6 @@ st_shared_b32 = declare("copy", "st_shared_b32", types.void(_u32, _u32))
 ld_shared_f32 = declare("copy", "ld_shared_f32", types.float32(_u32))
 _st_global_v4 = declare("copy", "st_global_v4_b32", types.void(u16p, _i64, u32p))
 _st_global_v4_at = declare("copy", "st_global_v4_b32_at", types.void(_i64, u32p))
-st_global_b32_at = declare("copy", "st_global_b32_at", types.void(_i64, types.uint32))
-st_global_b32_at.__doc__ = ("st_global_b32_at(address, v): store the uint32 v (4 bytes) at the global byte "
-                            "address (int64, 4-byte aligned).")
 _ld_global_nc_v4_at = declare("copy", "ld_global_nc_v4_b32_at", types.void(u32p, _i64))
 
 

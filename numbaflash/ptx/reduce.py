@@ -2,10 +2,7 @@
 (``ptx/reduce.cu``): the backward adds dQ into a float32 buffer with ``red_global_add_f32``
 (on sm_90 ``red_global_add_v4_f32``, four adjacent floats at once), and in deterministic mode
 takes turns per query block with ``ld_acquire_gpu_s32`` / ``red_release_gpu_add_s32`` on a
-counter. The Hopper backward counts the key blocks done with each query block on the same
-counters (``red_release_gpu_add_s32``); at its end a CTA claims each finished block of its walk
-(``atom_cas_acq_rel_gpu_s32``: one CTA wins it), reads the sums back from L2
-(``ld_global_cg_v4_f32_at``) and drops their lines (``discard_global_l2_128``).
+counter.
 
 Addresses are generic byte addresses of global memory (int64), from ``global_address_f32`` /
 ``global_address_i32`` plus an offset.
@@ -33,14 +30,6 @@ ld_acquire_gpu_s32 = declare("reduce", "ld_acquire_gpu_s32", types.int32(_i64))
 ld_acquire_gpu_s32.__doc__ = "ld_acquire_gpu_s32(address) -> int32 *address, acquire order at GPU scope."
 red_release_gpu_add_s32 = declare("reduce", "red_release_gpu_add_s32", types.void(_i64, types.int32))
 red_release_gpu_add_s32.__doc__ = "red_release_gpu_add_s32(a, v): *a += v, release order at GPU scope."
-atom_cas_acq_rel_gpu_s32 = declare("reduce", "atom_cas_acq_rel_gpu_s32",
-                                   types.int32(_i64, types.int32, types.int32))
-atom_cas_acq_rel_gpu_s32.__doc__ = ("atom_cas_acq_rel_gpu_s32(a, compare, value) -> int32: if *a == compare, "
-                                    "*a = value; returns the old *a (acquire-release order at GPU scope).")
-_ld_global_cg_v4_f32_at = declare("reduce", "ld_global_cg_v4_f32_at", types.void(f32p, _i64))
-discard_global_l2_128 = declare("reduce", "discard_global_l2_128", types.void(_i64))
-discard_global_l2_128.__doc__ = ("discard_global_l2_128(address): drop the 128-byte L2 line at address (128-byte "
-                                 "aligned) without writing it back; its contents become undefined.")
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -53,11 +42,3 @@ def global_address_f32(array):
 def global_address_i32(array):
     """Byte address (int64) of element 0 of an int32 device array."""
     return _address_i32(_ffi.from_buffer(array))
-
-
-@cuda.jit(device=True, forceinline=True)
-def ld_global_cg_v4_f32_at(values, address):
-    """Load 4 float32 at the global byte address ``address`` (int64, 16-byte aligned) into
-    ``values[0:4]`` (a float32 local array or a row of one), from L2 (not the SM's L1): what
-    other CTAs reduced there, read after an acquire."""
-    _ld_global_cg_v4_f32_at(_ffi.from_buffer(values), address)

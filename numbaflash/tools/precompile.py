@@ -56,11 +56,11 @@ def kernels_for(arch: str, candidates: bool) -> list[tuple]:
 
 def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
     """(config, causal, bf16, arch, operation) of every backward kernel a GPU of ``arch`` runs
-    (each config's prepare, main and dQ kernels, the Hopper backward's prepare and main; the
-    mma.sync backward runs on every GPU, Hopper included), and with ``candidates`` those of every backward candidate; each once (the
+    (each config's prepare, main and dQ kernels; the mma.sync backward runs on every GPU, Hopper
+    included), and with ``candidates`` those of every backward candidate; each once (the
     prepare and dQ kernels serve causal and non-causal calls alike: ``KernelOp.masked``)."""
     from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config, backward_for_target
-    from ..operations.families import backward_operations, family_of
+    from ..operations.families import BACKWARD_OPERATIONS, family_of
 
     cap = capability_of(arch)
     items = []
@@ -74,8 +74,7 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
                 chosen += [t for c in BACKWARD_CANDIDATES[head_dim]
                            if (t := backward_for_target(c, cap)) not in chosen]
             items += [(config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
-                      for config in chosen for bf16 in (False, True)
-                      for operation in backward_operations(family_of(config))]
+                      for config in chosen for bf16 in (False, True) for operation in BACKWARD_OPERATIONS]
     return list(dict.fromkeys(items))
 
 

@@ -95,7 +95,7 @@ def _backward_arch(config) -> str:
 
 def backward_kernels() -> dict:
     """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
-    prepare, main and dQ kernels (the Hopper backward's prepare and main), causal and not, both dtypes, for the target that compiles
+    prepare, main and dQ kernels, causal and not, both dtypes, for the target that compiles
     each (``configs.backward_for_target``): the A100's and smaller GPUs' for sm_80, the H100's
     (the same mma.sync backward, dQ added four floats at a time) for sm_90a, and the Hopper
     backward's (``WsBackwardConfig``, sm_90a). Named
@@ -105,12 +105,12 @@ def backward_kernels() -> dict:
     both: ``KernelOp.masked``); each kernel's ``backward_key`` is (config, causal, bf16,
     operation), what ``configs.kernel_cubin`` takes."""
     from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
-    from ..operations.families import backward_operations, family_of
+    from ..operations.families import BACKWARD_OPERATIONS, family_of
 
     kernels = {}
     for _, causal, config in shipped_backward_configs():
         for bf16 in (False, True):
-            for operation in backward_operations(family_of(config)):
+            for operation in BACKWARD_OPERATIONS:
                 op = family_of(config).op(operation)
                 shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
                 kind = f"{'causal_' if causal else 'full_'}" if op.masked else ""
