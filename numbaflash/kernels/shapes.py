@@ -398,8 +398,9 @@ class BackwardConfig:
 class WsBackwardLayout(NamedTuple):
     """Byte offsets of the Hopper backward's shared tiles from the aligned base: K and V (the
     CTA's key block), the ring stages of Q and dO, the two dSᵀ buffers, the two buffers of the
-    query rows' LSE and D (written by the consumers, by step parity), then the mbarrier words: the
-    K/V barrier, the ring's full then empty barriers."""
+    query rows' LSE and D (written by the consumers, by step parity). The mbarriers are not here:
+    they are a static array of ``WsBackwardConfig.barrier_words`` words (the K/V barrier, the
+    ring's full then empty barriers)."""
 
     k: int
     v: int
