@@ -51,3 +51,63 @@ def test_tail_pairs_cover_two_waves(key_blocks, pairs, sms, expected):
     tail = backward_tail_pairs(key_blocks, pairs, sms)
     assert tail == expected
     assert tail == pairs or tail * key_blocks >= 2 * sms
+
+
+# ------------------------------------------------------------------ the Hopper backward's walk
+
+walk_start = blocks.walk_start.py_func
+walk_next = blocks.walk_next.py_func
+
+
+def walk(n_block, key_blocks, m_first, m_blocks, q_blocks, down, heads=2, rotate=True):
+    """(head, block) of each step of one key block's walk over ``heads`` query heads."""
+    start = walk_start(n_block, key_blocks, m_first, m_blocks, q_blocks, down, rotate)
+    head, m, seen = 0, start, []
+    for _ in range(heads * (m_blocks - m_first)):
+        seen.append((head, m))
+        head, m = walk_next(head, m, m_first, m_blocks, start, down)
+    assert (head, m) == (heads, start)
+    return seen
+
+
+@pytest.mark.parametrize("down,rotate", [(False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("m_first,m_blocks", [(0, 1), (0, 5), (3, 4), (2, 9), (7, 16)])
+@pytest.mark.parametrize("n_block,key_blocks,q_blocks", [(0, 4, 16), (3, 4, 16), (5, 8, 4), (31, 32, 16)])
+def test_walk_visits_each_block_of_each_head_once(down, rotate, m_first, m_blocks, n_block, key_blocks,
+                                                   q_blocks):
+    seen = walk(n_block, key_blocks, m_first, m_blocks, q_blocks, down, rotate=rotate)
+    if not rotate:  # from the range's first block up (causal and window kernels)
+        assert seen[0] == (0, m_first)
+    assert sorted(seen) == [(h, m) for h in range(2) for m in range(m_first, m_blocks)]
+    for h in range(2):  # each head's blocks in one run, in the walk's cyclic order
+        ms = [m for g, m in seen if g == h]
+        step = -1 if down else 1
+        for a, b in zip(ms, ms[1:], strict=False):
+            assert b == a + step or (b, a) in ((m_blocks - 1, m_first), (m_first, m_blocks - 1))
+
+
+def test_down_is_the_deterministic_walk():
+    assert walk(3, 8, 0, 6, 6, True, heads=1) == [(0, m) for m in range(5, -1, -1)]
+
+
+@pytest.mark.parametrize("blocks_q,blocks_k", [(16, 16), (8, 8), (32, 16)])
+def test_up_walks_start_apart(blocks_q, blocks_k):
+    """Without masking and at least as many query blocks as key blocks, each key block starts on
+    a block of its own; with causal masking (the range from the diagonal) each starts on its
+    diagonal: so no two key blocks of a head first reach a query block at the same step."""
+    starts = [walk_start(n, blocks_k, 0, blocks_q, blocks_q, False, True) for n in range(blocks_k)]
+    assert len(set(starts)) == blocks_k
+    ratio = blocks_q // blocks_k
+    for rotate in (True, False):  # causal: the range from the diagonal, either way
+        diagonal = [walk_start(n, blocks_k, n * ratio, blocks_q, blocks_q, False, rotate)
+                    for n in range(blocks_k)]
+        assert diagonal == [n * ratio for n in range(blocks_k)]
+    for first_block in (lambda n: 0, lambda n: n * ratio):  # full, causal
+        visits = {}  # query block -> the steps at which each key block reaches it
+        for n in range(blocks_k):
+            m_first = first_block(n)
+            for step, (_, m) in enumerate(walk(n, blocks_k, m_first, blocks_q, blocks_q, False, heads=1,
+                                               rotate=m_first == 0)):
+                visits.setdefault(m, []).append(step)
+        for m, steps in visits.items():
+            assert len(steps) == len(set(steps)), (m, steps)
