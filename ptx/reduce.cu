@@ -20,13 +20,3 @@ extern "C" __device__ void red_release_gpu_add_s32(long long addr, int v) {
 extern "C" __device__ void red_global_add_v4_f32(long long addr, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
-// addr[0..3] = (a, b, c, d), float32, addr 16-byte aligned (a plain store, for the first of a
-// buffer's additions: the lines need not be fetched or zeroed first).
-extern "C" __device__ void st_global_v4_f32(long long addr, float a, float b, float c, float d) {
-  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-}
-// Atomically: old = *addr; if (old == compare) *addr = value; returns old (int32, GPU scope,
-// relaxed: the caller orders what it does after by the value it got).
-extern "C" __device__ int atom_cas_gpu_s32(long long addr, int compare, int value) {
-  int r; asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(r) : "l"(addr), "r"(compare), "r"(value) : "memory"); return r;
-}

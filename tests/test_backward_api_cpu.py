@@ -319,9 +319,6 @@ def test_workspace_layout():
     for pointer, _ in ws:
         assert pointer % 512 == 0  # every part 16-byte aligned and more
     assert workspace_layout(1, 1, 1, 32, 128).counter_elements == 1
-    # the Hopper backward's: a state word per consumer warp and query block
-    assert workspace_layout(2, 3, 200, 64, 64, 8).counter_elements == 8 * 24
-    assert workspace_layout(2, 3, 200, 64, 64, 8).total == lay.total + 7 * 24
     with pytest.raises(ValueError, match="block_m \\(256\\) must divide the workspace's 128 rows"):
         workspace_layout(1, 1, 100, 64, 256)
 
@@ -853,7 +850,6 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     fake.make_backward_kernel = factory("backward")
     fake.make_backward_dq_kernel = factory("backward_dq")
     fake.BACKWARD_PREP_ARGTYPES, fake.BACKWARD_ARGTYPES, fake.BACKWARD_DQ_ARGTYPES = "prep", "main", "dq"
-    fake.BACKWARD_WS_DQ_ARGTYPES = "ws_dq"  # the Hopper backward's dQ kernel (block states)
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_mma", fake)
     fake_ws = types.ModuleType("numbaflash.kernels.backward_ws")  # the Hopper backward (sm90bwd)
     fake_ws.make_backward_ws_prep_kernel = factory("backward_prep")
@@ -879,8 +875,7 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
         # for sm_90a, the A100's and smaller GPUs' for sm_80; the Hopper backward's for sm_90a
         if family is families.SM90_BWD:
             assert "backward_ws" in name and archs == ("sm_90a",)
-            own_types = {"backward": "ws_main", "backward_dq": "ws_dq"}
-            assert types_ == own_types.get(operation, argtypes[operation])
+            assert types_ == ("ws_main" if operation == "backward" else argtypes[operation])
             continue
         assert types_ == argtypes[operation]
         assert archs == (("sm_90a",) if config.dq_vector == 4 else ("sm_80",))

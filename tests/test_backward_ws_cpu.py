@@ -55,19 +55,16 @@ def test_the_family_record():
         assert families.family_of(config) is family
     assert set(family.ops) == {*families.BACKWARD_OPERATIONS, *families.BACKWARD_VARIANTS}
     assert not any(op.startswith("backward_varlen") for op in family.ops)  # those run the mma.sync's
-    expected_abi = {"backward_prep": abi.BACKWARD_PREP_ABI, "backward_dq": abi.BACKWARD_WS_DQ_ABI}
-    assert abi.BACKWARD_WS_DQ_ABI == (*abi.BACKWARD_DQ_ABI, "array(int32, 1d, C)", "int64")  # + states
+    expected_abi = {"backward_prep": abi.BACKWARD_PREP_ABI, "backward_dq": abi.BACKWARD_DQ_ABI}
     for operation, op in family.ops.items():
         assert op.abi == expected_abi.get(operation, abi.BACKWARD_WS_ABI)
         assert op.cache_kind == operation.replace("backward", "backward_ws", 1)
         assert op.masked == (operation in ("backward", "backward_softcap"))
         module, name = op.factory.split(":")
         assert module == "backward_ws" and name.startswith("make_backward_ws")
-        # the prepare and dQ kernels are the mma.sync ones (the dQ kernel's built with block
-        # states): their Numba types too
-        assert op.argtypes == {abi.BACKWARD_WS_ABI: "backward_ws:BACKWARD_WS_ARGTYPES",
-                               abi.BACKWARD_WS_DQ_ABI: "backward_mma:BACKWARD_WS_DQ_ARGTYPES"}.get(
-                                   op.abi, families.SM80_BWD.op(operation).argtypes)
+        # the prepare and dQ kernels are the mma.sync ones: their Numba types too
+        assert op.argtypes == ("backward_ws:BACKWARD_WS_ARGTYPES" if op.abi == abi.BACKWARD_WS_ABI
+                               else families.SM80_BWD.op(operation).argtypes)
     # every factory and argument list the records name exists
     from numbaflash.kernels import backward_mma, backward_ws
 
@@ -371,14 +368,12 @@ def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: 
     key_blocks = -(-300 // config.block_n)
     assert main[1:5] == ((key_blocks * 2 * 3, 1, 1), 384, 0, config.shared_bytes)
     assert dqk[1:5] == ((rows // config.block_m, 8, 3), 256, 0, 0)
-    ws = workspace_layout(3, 8, 200, 64, config.block_m, config.counters_per_block).at(main[5][6][0])
-    assert ws.counters[1] == 3 * 8 * (rows // config.block_m) * 8  # a state word per consumer warp
+    ws = workspace_layout(3, 8, 200, 64, config.block_m).at(main[5][6][0])
     assert prep[5][3:7] == (ws.delta, ws.lse_log2, ws.dq_accum, ws.counters)
     assert prep[5][-1] == rows // config.block_m  # counters per (batch, head): the main kernel's blocks
     assert main[5][4:10] == ((dk.pointer, 3 * 300 * 2 * 64), (dv.pointer, 3 * 300 * 2 * 64), ws.lse_log2,
                              ws.delta, ws.dq_accum, ws.counters)
     assert dqk[5][0] == ws.dq_accum and dqk[5][1][0] == dq.pointer
-    assert dqk[5][-2:] == (ws.counters, rows // config.block_m)  # the blocks' states (counters)
     assert fake_gpu.slots.keys[-1][1:] == tuple(inputs[n].pointer for n in ("q", "k", "v", "dout"))
     assert fake_gpu.slots.used_slots == [(0, 0)]
     assert backward.ready_key(0, 64, True, False) in backward.gpu_state.GPU.launchers

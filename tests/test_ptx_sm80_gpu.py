@@ -509,42 +509,6 @@ def test_red_global_add_v4_f32_adds_four_adjacent_floats():
 
 
 @gpu
-def test_atom_cas_claims_each_word_once_and_the_winner_stores():
-    """Every thread claims one of ``words`` state words by ``atom_cas_gpu_s32`` (0 -> 1): exactly
-    one thread a word sees 0, every word ends at 1, and that thread's ``st_global_v4_f32`` of
-    (id, 2 id, -id, 0.5) is what the word's four floats hold (the Hopper backward's first dQ
-    addition into a block stores)."""
-    from numba import cuda
-
-    from numbaflash import ptx
-
-    @cuda.jit
-    def claim_kernel(word_of, states, out, wins):
-        i = cuda.grid(1)
-        if i < word_of.size:
-            w = word_of[i]
-            old = ptx.atom_cas_gpu_s32(ptx.global_address_i32(states) + w * 4, 0, 1)
-            wins[i] = old == 0
-            if old == 0:
-                f = float(i)
-                ptx.st_global_v4_f32(ptx.global_address_f32(out) + w * 16, f, 2.0 * f, -f, 0.5)
-
-    rng = _rng("atom_cas")
-    n, words = 1 << 14, 37
-    word_of = rng.integers(0, words, n).astype(np.int64)
-    dev = [cuda.to_device(a) for a in (word_of, np.zeros(words, np.int32),
-                                       np.full(4 * words, np.nan, np.float32), np.zeros(n, np.int32))]
-    claim_kernel[(n + 255) // 256, 256](*dev)
-    states, out, wins = (d.copy_to_host() for d in dev[1:])
-    np.testing.assert_array_equal(states, np.ones(words, np.int32))
-    winners = np.flatnonzero(wins)
-    assert sorted(word_of[winners].tolist()) == list(range(words))
-    want = np.empty((words, 4), np.float32)
-    want[word_of[winners]] = np.stack([winners, 2.0 * winners, -winners, np.full(words, 0.5)], axis=1)
-    np.testing.assert_array_equal(out.reshape(words, 4), want)
-
-
-@gpu
 def test_acquire_release_turns_pass_in_block_order():
     """Blocks wait for their turn on a counter (acquire load) and pass it on (release add): the
     order they recorded is 0, 1, 2, ... and the counter ends at the block count."""

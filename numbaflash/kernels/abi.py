@@ -96,9 +96,8 @@ BACKWARD_ABI = (
 #    same work and grid (``config.threads``: 384, ``config.shared_bytes``), tensor maps instead of
 #    q, k, v, dout's pointers and strides (4-D maps over (batch, seqlen, heads, head_dim), boxes
 #    (1, block_m | block_n, 1, 64) with 128B swizzle, as the Hopper forward's). Its prepare and dQ
-#    kernels are the mma.sync ones of ``WsBackwardConfig.dq_config()`` built for first stores
-#    (``BACKWARD_PREP_ABI``; ``BACKWARD_WS_DQ_ABI``): the prepare kernel zeroes the counters and
-#    leaves the accumulator, whose first write into each query block is a store.
+#    kernels are the mma.sync ones (``BACKWARD_PREP_ABI``, ``BACKWARD_DQ_ABI``) of
+#    ``WsBackwardConfig.dq_config()``.
 BACKWARD_WS_ABI = (
     _U64_ARRAY, _U64_ARRAY, _U64_ARRAY, _U64_ARRAY,  # maps of q, k, v, dout
     _U16_ARRAY, _U16_ARRAY,  # dk, dv (outputs)
@@ -121,11 +120,6 @@ BACKWARD_DQ_ABI = (
     "int64", "int64", "int64",  # seqlen_q, rows, heads_q
     "float32",  # softmax scale
 )
-
-# 3'. The Hopper backward's dQ kernel (``backward_mma.BACKWARD_WS_DQ_ARGTYPES``): the same, then the
-#    counters, each a query block's state (0: never written, so its dQ is 0 and the accumulator,
-#    which nobody zeroed, is not read), and the query blocks of one (batch, head) (rows // block_m).
-BACKWARD_WS_DQ_ABI = (*BACKWARD_DQ_ABI, _I32_ARRAY, "int64")
 
 # The packed variable-length backward (``flash_attention_varlen_backward``): each of the three
 # kernels' parameters, then the sequences: cu_seqlens_q, cu_seqlens_k (int32, batch + 1) and

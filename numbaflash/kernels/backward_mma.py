@@ -116,9 +116,6 @@ _SEQUENCES = (types.int32[::1], types.int32[::1], types.int64)
 VARLEN_BACKWARD_PREP_ARGTYPES = (*BACKWARD_PREP_ARGTYPES, *_SEQUENCES)
 VARLEN_BACKWARD_ARGTYPES = (*BACKWARD_ARGTYPES, *_SEQUENCES)
 VARLEN_BACKWARD_DQ_ARGTYPES = (*BACKWARD_DQ_ARGTYPES, *_SEQUENCES)
-# The Hopper backward's dQ kernel (``block_states``): the same, then the counters (the blocks'
-# state words) and the query blocks of one (batch, head) (``abi.BACKWARD_WS_DQ_ABI``).
-BACKWARD_WS_DQ_ARGTYPES = (*BACKWARD_DQ_ARGTYPES, types.int32[::1], types.int64)
 
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
 WarpPart = namedtuple("WarpPart", ["row0", "col0"])
@@ -211,17 +208,12 @@ def mask_band_transposed(s, n_tiles, key0, col0, lane, band):
                     s[j, 2 * half + e] = NEG_INF
 
 
-def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False,
-                              block_states: int = 0):
+def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
     """The prep kernel (``BACKWARD_PREP_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads;
     the same code with causal masking or not (``causal`` is not used: one kernel serves both).
     The threads of a row (``prep_split``) each load 16-byte chunks of O and dO (the loads of up
     to 8 passes issued before any sum), dot them and sum over a shuffle tree; then 16-byte
-    stores zero the block's dQ accumulator, and a query block's turn counter is zeroed.
-
-    ``block_states``: the Hopper backward's build (``backward_ws``), whose main kernel stores
-    its first write into each warp's part of a query block: the ``block_states`` state words of
-    each query block are zeroed, the accumulator is left as it is.
+    stores zero the block's dQ accumulator.
 
     ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_PREP_ARGTYPES``; grid
     (backward_rows(max_seqlen_q) // 64, heads_q, batch)): a ``Sequences`` record in the ``o_sb``
@@ -236,9 +228,6 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
     SHUFFLES = tuple(TPR >> i for i in range(1, TPR.bit_length()))  # TPR/2 .. 1
     ZERO_STORES = PREP_ROWS * D // 4 // PREP_THREADS  # 16-byte stores a thread
     BF16 = bf16
-    STATES = block_states
-    if not 0 <= STATES <= PREP_THREADS or (STATES and varlen):
-        raise ValueError(f"block_states must be 0 to {PREP_THREADS}, and 0 with varlen, got {block_states}")
 
     def backward_prep(o, do, lse, delta, lse2, dq_acc, counters, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh,
                       seqlen_q, rows, heads_q, counters_per_head):
@@ -300,10 +289,6 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
                         if forward != NEG_INF:
                             value = forward * float32(LOG2_E)
                     lse2[at] = value
-        if STATES:
-            if tid < STATES and row_base % BM == 0:
-                counters[(bh * counters_per_head + row_base // BM) * STATES + tid] = 0
-            return
         zeros = cuda.local.array(4, uint32)
         for w in range(4):
             zeros[w] = 0
@@ -320,7 +305,7 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
                 counters[bh * counters_per_head + row_base // BM] = 0
 
     backward_prep.__name__ = (f"flash_backward_prep_d{D}_m{BM}_{'varlen_' if varlen else ''}"
-                              f"{f'states{STATES}_' if STATES else ''}{'bf16' if bf16 else 'f16'}")
+                              f"{'bf16' if bf16 else 'f16'}")
     backward_prep.launch_bounds = (PREP_THREADS, 1)
     if not VARLEN:
         return backward_prep
@@ -337,8 +322,7 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
     return backward_prep_varlen
 
 
-def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False,
-                            block_states: int = 0):
+def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
     """The dQ kernel (``BACKWARD_DQ_ARGTYPES``): grid (rows // block_m, heads_q, batch),
     ``config.threads`` threads. Thread ``tid`` reads back the accumulator elements that thread
     ``tid`` of the main kernel added (fragment order, ``BackwardConfig.dq_position``: coalesced
@@ -347,19 +331,11 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
 
     ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_DQ_ARGTYPES``; grid
     (backward_rows(max_seqlen_q) // block_m, heads_q, batch)): a ``Sequences`` record in the
-    ``dq_sb`` slot; a block past its sequence's end returns.
-
-    ``block_states``: the Hopper backward's build (``BACKWARD_WS_DQ_ARGTYPES``: the counters and
-    the query blocks a (batch, head) follow), ``block_states`` state words a query block, whose
-    accumulator the prepare kernel leaves as it is: a block whose first word is still 0 was never
-    written (no key block sees it), and its dQ is 0 without reading the accumulator."""
+    ``dq_sb`` slot; a block past its sequence's end returns."""
     config.check()
     D = config.head_dim
     BM = config.block_m
     VARLEN = varlen
-    STATES = block_states
-    if STATES and varlen:
-        raise ValueError("the dQ kernel has no packed variable-length build with block states")
     THREADS = config.threads
     QR = config.dq_row_warps
     QMT = BM // (16 * QR)
@@ -374,9 +350,7 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
         raise ValueError(f"the dQ kernel's static shared tile ({BM} x {D} 16-bit) exceeds 48 KB: {config}")
     BF16 = bf16
 
-    @cuda.jit(device=True, forceinline=True)
-    def dq_block(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, touched):
-        """One query block's dQ; ``touched``: whether the main kernel added into the block (else 0)."""
+    def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale):
         smem = cuda.shared.array(TILE, uint16, alignment=128)
         tile = ptx.shared_address_u16(smem)
         tid = cuda.threadIdx.x & 1023
@@ -398,10 +372,7 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
         for mt in range(QMT):
             for j in range(DQ_N):
                 for e in range(4):  # config.dq_offset(tid, 4 (mt DQ_N + j) + e) in the block
-                    acc[mt, j, e] = 0.0
-                    if touched:
-                        at_e = at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS + e % VEC
-                        acc[mt, j, e] = dq_acc[at_e]
+                    acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS + e % VEC]
         row0 = (warp % QR) * 16 * QMT
         col0 = (warp // QR) * DQ_COLS
         for mt in range(QMT):
@@ -415,26 +386,21 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
             dq_rows = global_rows(dq, batch * dq_sb + head * dq_sh, dq_ss, seqlen_q)
         store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
 
-    if STATES:
-        def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, counters,
-                        counters_per_head):
-            block = (int64(cuda.blockIdx.z) * heads_q + int64(cuda.blockIdx.y)) * counters_per_head \
-                + int64(cuda.blockIdx.x)
-            dq_block(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale,
-                     counters[block * STATES] != 0)
-    elif VARLEN:
-        def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, cu_seqlens_q,
-                        cu_seqlens_k, total_q):
-            seqs = Sequences(int64(cuda.gridDim.z), cu_seqlens_q, cu_seqlens_k, total_q)
-            dq_block(dq_acc, dq, seqs, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, True)
-    else:
-        def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale):
-            dq_block(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, True)
-
     backward_dq.__name__ = (f"flash_backward_dq_d{D}_m{BM}{config.tag}_{'varlen_' if varlen else ''}"
-                            f"{f'states{STATES}_' if STATES else ''}{'bf16' if bf16 else 'f16'}")
+                            f"{'bf16' if bf16 else 'f16'}")
     backward_dq.launch_bounds = (THREADS, 1)
-    return backward_dq
+    if not VARLEN:
+        return backward_dq
+    body = cuda.jit(device=True, forceinline=True)(backward_dq)
+
+    def backward_dq_varlen(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, cu_seqlens_q,
+                           cu_seqlens_k, total_q):
+        seqs = Sequences(int64(cuda.gridDim.z), cu_seqlens_q, cu_seqlens_k, total_q)
+        body(dq_acc, dq, seqs, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale)
+
+    backward_dq_varlen.__name__ = backward_dq.__name__
+    backward_dq_varlen.launch_bounds = backward_dq.launch_bounds
+    return backward_dq_varlen
 
 
 def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, window: bool = False,

@@ -2,12 +2,10 @@
 (FlashAttention-3's design, our own code).
 
 The main kernel of the backward (the prepare and dQ kernels are the mma.sync backward's, for the
-equivalent ``BackwardConfig``: ``WsBackwardConfig.dq_config``, built for first stores). One CTA
-per block of ``block_n`` keys of one (batch, KV head), in ``blocks.key_block_of``'s launch order;
-it keeps that block's dK and dV in registers while it walks every query block of every query head
-of its group that sees the block (GQA sums there), from the block facing it upwards, wrapping
-around (``blocks.walk_start``; deterministic mode walks down from the last, as the mma.sync kernel
-does):
+equivalent ``BackwardConfig``: ``WsBackwardConfig.dq_config``). One CTA per block of ``block_n``
+keys of one (batch, KV head), in ``blocks.key_block_of``'s launch order; it keeps that block's dK
+and dV in registers while it walks every query block of every query head of its group that sees
+the block (GQA sums there), as the mma.sync kernel does:
 
 * **Producer** (one thread of warpgroup 0, ``setmaxnreg.dec`` to 24): TMA loads K and V of the
   block once, then per query block Q and dO (tensor maps) into the next stage of a ring of
@@ -29,16 +27,10 @@ does):
   copies by the producer, handed over by the ring's mbarriers, are as correct, but
   compute-sanitizer's racecheck does not follow that hand-over: it reported every row.)
 
-  dQ goes into the float32 accumulator in the mma.sync kernel's fragment order, which nobody
-  zeroes (zeroed lines would cross HBM twice: written by the prepare kernel, read back by the
-  first add): the first write into each warp's part of a query block stores
-  (``st.global.v4``), the rest add (``red.global.add.v4.f32``). Each part has a state word (0
-  not written, 1 being stored, 2 stored): lane 0 claims it by CAS before the dQ GEMM; the warp
-  stores if it found 0 and then publishes 2 (fence, release add), adds if it found 2, and waits
-  for 2 if it found 1, which the staggered walk makes rare. Deterministic mode adds in
-  key-block turns on the block's first word, and turn 0 stores. The dQ kernel writes 0 for a
-  block whose first word is still 0. The stage is then released. dSᵀ has two buffers, so one
-  warpgroup's next dSᵀ never overwrites the one the other is still reading.
+  dQ is added into the float32 accumulator in the mma.sync kernel's fragment order with
+  ``red.global.add.v4.f32`` (in key-block turns with ``deterministic``), then the stage is
+  released. dSᵀ has two buffers, so one warpgroup's next dSᵀ never overwrites the one the other
+  is still reading.
 * **Epilogue**: dK (times the softmax scale) and dV, 16-bit, staged in the K and V tiles and
   stored with 16-byte stores, none past seqlen_k.
 
@@ -63,15 +55,7 @@ from .backward_mma import (
     mask_transposed,
     store_fragment_rows,
 )
-from .blocks import (
-    Band,
-    band_kv_tiles,
-    band_needs_mask,
-    band_query_blocks,
-    key_block_of,
-    walk_next,
-    walk_start,
-)
+from .blocks import Band, band_kv_tiles, band_needs_mask, band_query_blocks, key_block_of
 from .common import FULL_MASK
 from .epilogue import store_rows_global
 from .forward_ws import make_tile_loads
@@ -99,11 +83,10 @@ BACKWARD_WS_ARGTYPES = (
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and dout.
 Maps = namedtuple("Maps", ["q", "k", "v", "do"])
 # Where one CTA works: its key block's first key, (batch, KV head), the query blocks it walks per
-# query head (m_first .. m_blocks - 1, from ``start``, down or up: ``blocks.walk_start``), the
-# steps of the walk (group x blocks), the causal diagonal, the window (a blocks.Band) and the
-# workspace's rows per (batch, head).
-Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "m_first", "m_blocks", "start", "down",
-                             "steps", "diag", "band", "rows", "seqlen_q"])
+# query head (m_first .. m_blocks - 1, walked downwards), the steps of the walk (group x blocks),
+# the causal diagonal, the window (a blocks.Band) and the workspace's rows per (batch, head).
+Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "m_first", "m_blocks", "steps", "diag",
+                             "band", "rows", "seqlen_q"])
 # Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q and dO, rows buffer 0 of LSE and
 # D, dSᵀ buffer 0.
 Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds"])
@@ -122,12 +105,12 @@ Scalars = namedtuple("Scalars", ["scale_log2", "cap_scale", "deterministic"])
 # parameters, so that no register holds them through the step).
 Workspace = namedtuple("Workspace", ["dq", "counters", "lse2", "delta"])
 # What a consumer reads besides its registers: descriptors, tiles, the ring's barriers, its Block,
-# the Scalars, the Workspace and the query heads (a kernel parameter).
-Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws", "heads_q"])
-# One step of the walk: its ring use, query head and block, the next step's workspace row (-1
-# after the last). The step's own workspace row is worked out where it is used, after the scores'
-# registers are gone (``workspace_row``).
-Step = namedtuple("Step", ["i", "head", "m_block", "next_row"])
+# the Scalars and the Workspace.
+Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws"])
+# One step of the walk: its ring use, first query row, workspace row (bh * rows + m0), turn
+# counter's address and the count it must reach (deterministic mode), the next step's workspace
+# row (-1 after the last step).
+Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn", "next_row"])
 
 WARPGROUP = 128  # threads
 DS_BARRIER = 1  # named barrier of the consumer warpgroups (bar.sync id; 0 is syncthreads)
@@ -164,15 +147,11 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     CPR = D // 8  # 16-byte chunks of a K / V row
     STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
-    # blocks.walk_start: only the plain build rotates its walk (a causal or window range is
-    # staggered by its mask; the softcap build has no register to spare for the start)
-    ROTATE = not (causal or window or softcap)
     ring = make_ring(STAGES, lay.q_stage)
     kv_once = make_ring(1)
     load_tile = make_tile_loads(config)
     gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
     BARRIER_WORDS = config.barrier_words
-    STATES = config.counters_per_block  # state words a query block: one a consumer warp
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
 
@@ -180,14 +159,13 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
 
     @cuda.jit(device=True, forceinline=True)
     def next_block(head, m_block, blk):
-        """The step after (head, m_block) (``blocks.walk_next``). Only the plain kernels without
-        a mask rotate their walks; the others start at an end of the range (``walk_start``),
-        spelt out here so that no register holds it (their builds have none to spare: the d64
-        causal and window and the d128 softcap builds spilled)."""
-        start = blk.start
-        if not ROTATE:
-            start = blk.m_blocks - 1 if blk.down else blk.m_first
-        return walk_next(head, m_block, blk.m_first, blk.m_blocks, start, blk.down)
+        """The step after (head, m_block): the next query block down, else the next head's top."""
+        m1 = m_block - 1
+        head1 = head
+        if m1 < blk.m_first:
+            head1 = head + 1
+            m1 = blk.m_blocks - 1
+        return head1, m1
 
     @cuda.jit(device=True, forceinline=True)
     def workspace_row(blk, heads_q, head, m_block):
@@ -200,8 +178,8 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     @cuda.jit(device=True, forceinline=True)
     def produce_steps(maps, bars, tiles, blk, group):
         """The ring's loads: every step of the walk, each into the next stage once it is free."""
-        head = int32(blk.kv_head * group)  # the walk in 32 bits (the producer has 24 registers)
-        m_block = blk.start
+        head = blk.kv_head * group
+        m_block = blk.m_blocks - 1
         for step in range(blk.steps):
             i = uint32(step)
             s = ring.slot(i)
@@ -283,76 +261,24 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                                   ds_frag[j // 2, 2 * (j % 2) + r])
 
     @cuda.jit(device=True, forceinline=True)
-    def state_word(ws, row, seat):
-        """The address of this warp's state word of the query block at workspace row ``row`` (a
-        multiple of block_m, as rows is); word 0 of a block is deterministic mode's counter."""
-        return ws.counters + ((row // BM) * STATES + seat.thread // uint32(32)) * 4
-
-    @cuda.jit(device=True, forceinline=True)
-    def claim(state_at, seat, deterministic):
-        """Lane 0's claim of its warp's part of this step's query block (not in deterministic
-        mode): state 0 -> 1 by CAS, issued before the dQ GEMM and read after it (``add_dq``);
-        returns the old state (2 for the other lanes and in deterministic mode)."""
-        old = int32(2)
-        if not deterministic and seat.lane == 0:
-            old = ptx.atom_cas_gpu_s32(state_at, int32(0), int32(1))
-        return old
-
-    @cuda.jit(device=True, forceinline=True)
-    def add_dq(acc_q, ws, blk, m0, row, seat, state_at, claimed, deterministic):
-        """This step's dQ into the query block's accumulator (fragment order, four floats an
-        n-tile), which the prepare kernel did not zero: the first write into each warp's part
-        stores (``st.global.v4``), the others add (``red.global.add.v4``). Without
-        ``deterministic`` the first is the warp whose ``claim`` found state 0; one that found 1
-        waits until the first has published (state 2, ``publish``). In deterministic mode the key
-        blocks take turns on the block's word 0 (it must reach ``turn``, this key block's place
-        among those that visit the query block from ``m0``), and turn 0 stores. Returns whether
-        this warp stored and must ``publish``."""
+    def add_dq(acc_q, ws, row, seat, counter_at, turn, deterministic):
+        """This step's dQ into the query block's accumulator by the threads' ``red.global.add.v4``
+        (fragment order, four floats an n-tile); in deterministic mode once the key blocks before
+        this one have added theirs (``turn``: the count this block's counter must reach)."""
         if deterministic:
-            turn = blk.n_block
-            if WINDOW:  # the key blocks that visit a query block are consecutive, from its first
-                turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
-            counter_at = ws.counters + (row // BM) * (STATES * 4)
             if seat.thread == 0:
                 while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                     pass
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-            first = turn == 0
-        else:
-            old = cuda.shfl_sync(FULL_MASK, claimed, 0)
-            first = old == 0
-            if old == 1:  # another CTA's warp is storing this part: wait until it has published
-                if seat.lane == 0:
-                    while ptx.ld_acquire_gpu_s32(state_at) != 2:
-                        pass
-                cuda.syncwarp(FULL_MASK)
         dq_at = ws.dq + (row * D + 4 * seat.thread) * 4
-        if first:
-            for j in range(DQ_N):
-                ptx.st_global_v4_f32(dq_at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1],
-                                     acc_q[j, 2], acc_q[j, 3])
-        else:
-            for j in range(DQ_N):
-                ptx.red_global_add_v4_f32(dq_at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1],
-                                          acc_q[j, 2], acc_q[j, 3])
+        for j in range(DQ_N):
+            ptx.red_global_add_v4_f32(dq_at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1],
+                                      acc_q[j, 2], acc_q[j, 3])
         if deterministic:
             cuda.threadfence()
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
             if seat.thread == 0:
                 ptx.red_release_gpu_add_s32(counter_at, int32(1))
-            first = False  # the counter is the state: nothing to publish
-        return first
-
-    @cuda.jit(device=True, forceinline=True)
-    def publish(state_at, seat):
-        """After this warp's first stores into its part of a block: state 1 -> 2 once they are
-        visible at GPU scope (every lane's fence, then lane 0's release add), so that the adds of
-        warps that find 2 land after them. Called after the step's dK GEMM, whose wait hides
-        part of the fence's."""
-        cuda.threadfence()
-        cuda.syncwarp(FULL_MASK)
-        if seat.lane == 0:
-            ptx.red_release_gpu_add_s32(state_at, int32(1))
 
     @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
@@ -360,8 +286,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         adds; the stage is released at the end."""
         descs, tiles, bars, blk = io.descs, io.tiles, io.bars, io.blk
         sc, ws = io.sc, io.ws
-        i = step.i
-        m0 = step.m_block * BM
+        i, m0, row = step.i, step.m0, step.row
         s = ring.slot(i)
         q_at = ring.offset(s)
         parity = i & ONE
@@ -388,23 +313,18 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         hp.fence_proxy_async_shared_cta()
         ptx.cp_async_wait_group_0()  # the next step's rows
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # both warpgroups' dSᵀ, the next rows
-        row = workspace_row(blk, io.heads_q, step.head, step.m_block)
-        state_at = state_word(ws, row, seat)
-        claimed = claim(state_at, seat, sc.deterministic)
         gemms.issue_dq(acc.dq, hp.descriptor_add(descs.ds, buffer), descs.k_mn)
         gemms.issue_dkv(acc.dk, acc.ds, hp.descriptor_add(descs.q_mn, q_at))
         hp.wgmma_wait_group_1()  # dV and dQ done; dK may still run
         gemms.fence_dq(acc.dq)
-        stored = add_dq(acc.dq, ws, blk, m0, row, seat, state_at, claimed, sc.deterministic)
+        add_dq(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
         hp.wgmma_wait_group_0()
         gemms.fence_dkv(acc.dk)
         gemms.fence_dkv(acc.dv)
-        if stored:
-            publish(state_at, seat)
         ring.release(bars, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
-    def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group):
+    def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
         """Every step of the walk for this warpgroup; returns dK and dV (registers)."""
         acc = Accumulators(cuda.local.array((S_N, 4), float32), cuda.local.array((S_N, 4), float32),
                            cuda.local.array((P_K, 4), uint32), cuda.local.array((P_K, 4), uint32),
@@ -428,20 +348,27 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                             hp.smem_descriptor_mn_sw128(tiles.do, BM * 128),
                             hp.smem_descriptor_mn_sw128(tiles.ds + ds_at, BN * 128),
                             hp.smem_descriptor_mn_sw128(tiles.k + k_at, BN * 128))
-        io = Io(descs, tiles, bars, blk, sc, ws, heads_q)
-        head = int32(blk.kv_head * group)  # the walk in 32 bits (the producer has 24 registers)
-        m_block = blk.start
+        io = Io(descs, tiles, bars, blk, sc, ws)
+        head = blk.kv_head * group
+        m_block = blk.m_blocks - 1
         if blk.steps > 0:  # the first step's rows, in buffer 0
             stage_rows(tiles, ws, workspace_row(blk, heads_q, head, m_block), uint32(0), seat)
             ptx.cp_async_wait_group_0()
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
         kv_once.wait_full(kv_bar, uint32(0))
         for step in range(blk.steps):
+            m0 = m_block * BM
+            bh = blk.batch * heads_q + head
+            turn = blk.n_block
+            if WINDOW:  # the key blocks that visit a query block are consecutive, from its first
+                turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
+            counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
             head1, m_block1 = next_block(head, m_block, blk)
             next_row = int64(-1)
             if step + 1 < blk.steps:
                 next_row = workspace_row(blk, heads_q, head1, m_block1)
-            consume_step(acc, io, Step(uint32(step), head, m_block, next_row), seat)
+            row = workspace_row(blk, heads_q, head, m_block)
+            consume_step(acc, io, Step(uint32(step), m0, row, counter_at, turn, next_row), seat)
             head, m_block = head1, m_block1
         return acc
 
@@ -490,12 +417,8 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                     int32(min(diag + window_right, seqlen_k)))
         if WINDOW:
             m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
-        steps = int32(group * max(m_blocks - m_first, 0))
-        start = walk_start(n_block, int64(key_blocks), m_first, m_blocks, (seqlen_q + BM - 1) // BM,
-                           deterministic, ROTATE)
-        blk = Block(n0, n_block, batch, kv_head, int32(m_first), int32(m_blocks), start, deterministic, steps,
-                    diag, band,
-                    rows, seqlen_q)
+        steps = group * max(m_blocks - m_first, 0)
+        blk = Block(n0, n_block, batch, kv_head, m_first, m_blocks, steps, diag, band, rows, seqlen_q)
 
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
@@ -529,7 +452,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                         thread)
             sc = Scalars(scale_log2, cap_scale, deterministic)
             ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters), lse2, delta)
-            acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group)
+            acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, rows // BM)
             store_dkv(acc, tiles, blk, seat, dk, dv, (dk_sb, dk_ss, dk_sh), (dv_sb, dv_ss, dv_sh), scale,
                       seqlen_k)
 
@@ -557,14 +480,12 @@ def make_backward_ws_window_softcap_kernel(config: WsBackwardConfig, causal: boo
 
 
 # The prepare and dQ kernels: the mma.sync backward's, for the config whose fragment order the
-# consumer warps add dQ in (``WsBackwardConfig.dq_config``), built with the blocks' state words.
+# consumer warps add dQ in (``WsBackwardConfig.dq_config``).
 def make_backward_ws_prep_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The prepare kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_PREP_ARGTYPES``) that
-    zeroes ``config.counters_per_block`` state words a query block and not the accumulator."""
-    return make_backward_prep_kernel(config.dq_config(), causal, bf16, block_states=config.counters_per_block)
+    """The prepare kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_PREP_ARGTYPES``)."""
+    return make_backward_prep_kernel(config.dq_config(), causal, bf16)
 
 
 def make_backward_ws_dq_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The dQ kernel of ``config.dq_config()`` built for first stores
-    (``backward_mma.BACKWARD_WS_DQ_ARGTYPES``): 0 where no key block wrote."""
-    return make_backward_dq_kernel(config.dq_config(), causal, bf16, block_states=config.counters_per_block)
+    """The dQ kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_DQ_ARGTYPES``)."""
+    return make_backward_dq_kernel(config.dq_config(), causal, bf16)

@@ -137,48 +137,6 @@ def key_block_of(cta, key_blocks, pairs, tail_pairs):
 
 
 @cuda.jit(device=True, forceinline=True)
-def walk_start(n_block, key_blocks, m_first, m_blocks, q_blocks, down, rotate):
-    """The first query block of the Hopper backward's walk for key block ``n_block`` of
-    ``key_blocks``, over its query blocks ``m_first .. m_blocks - 1`` (of ``q_blocks`` in all):
-    ``m_blocks - 1`` walking ``down`` (deterministic mode: every key block of a head is on the
-    same query block at the same step, so the turns follow one another); else, with ``rotate``
-    (the Hopper backward's plain kernel: no mask, no window, no softcap), the block facing the
-    key block (``n_block * q_blocks // key_blocks``) clamped into the range, and without it
-    ``m_first``.
-
-    Walking up from there staggers the key blocks of a head, so the first write into a query
-    block's dQ (which stores instead of adding, ``backward_ws``) is seldom raced by another key
-    block's: with causal masking or a window each range starts on the key block's own diagonal
-    band; without them every range is all the blocks, and each key block starts on a block of
-    its own wherever there are as many query blocks as key blocks."""
-    if down:
-        return int32(m_blocks - 1)
-    if not rotate:
-        return int32(m_first)
-    return int32(min(max(n_block * q_blocks // key_blocks, m_first), m_blocks - 1))
-
-
-@cuda.jit(device=True, forceinline=True)
-def walk_next(head, m_block, m_first, m_blocks, start, down):
-    """The step after (query head ``head``, query block ``m_block``) of a walk from ``start``
-    (``walk_start``) over ``m_first .. m_blocks - 1`` (not empty; every argument int32): the next
-    block down or up, wrapping around the range; back at ``start``, the next head's ``start``.
-
-    Invariants (``tests/test_backward_schedule_cpu.py``): from (h, start), ``m_blocks - m_first``
-    steps visit every block of the range once and end on (h + 1, start). Where ``start`` is the
-    end of the range the walk begins at (``m_first`` up, ``m_blocks - 1`` down) a caller may
-    pass it as that expression (the Hopper backward's masked kernels: no register)."""
-    m1 = m_block - 1 if down else m_block + 1
-    if m1 < m_first:
-        m1 = m_blocks - 1
-    elif m1 == m_blocks:
-        m1 = m_first
-    if m1 == start:
-        head += 1
-    return int32(head), int32(m1)  # the walk stays 32-bit (Numba widens int32 arithmetic)
-
-
-@cuda.jit(device=True, forceinline=True)
 def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
     """KV tiles a query block starting at row ``m0`` reads; causal stops after the tile that
     holds the last row's diagonal (query i sees keys j <= i + diag)."""

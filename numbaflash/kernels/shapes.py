@@ -287,11 +287,6 @@ class BackwardConfig:
         return 32 * self.num_warps
 
     @property
-    def counters_per_block(self) -> int:
-        """int32 words of the workspace a query block: deterministic mode's turn counter."""
-        return 1
-
-    @property
     def key_warps(self) -> int:
         """Warps along the keys in the S/dP and dK/dV products (16 keys or more each)."""
         return min(self.num_warps, self.block_n // (16 * self.key_tiles))
@@ -467,13 +462,6 @@ class WsBackwardConfig:
     @property
     def tag(self) -> str:
         return f"_s{self.stages}"
-
-    @property
-    def counters_per_block(self) -> int:
-        """int32 words of the workspace a query block: one per consumer warp, the state of the
-        warp's part of the block's dQ accumulator (0: not written, 1: being stored, 2: stored);
-        word 0 is also deterministic mode's turn counter. See ``backward_ws``."""
-        return 4 * self.consumers
 
     def dq_config(self) -> BackwardConfig:
         """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this

@@ -153,8 +153,7 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
-    layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m,
-                              kernels.config.counters_per_block)
+    layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
     workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare kernel initialises it
     call = BackwardCall(dod, qd, kd, vd, od, dqd, dkd, dvd, (lsed.pointer, batch * heads_q * seqlen_q),
                         layout.at(device_pointer(workspace)), layout.rows, var.scale_log2,
@@ -207,8 +206,7 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
     operation, var = backward_variant(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
     kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16", operation)
-    ws = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m,
-                          kernels.config.counters_per_block)
+    ws = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}
     itemsizes = {name: 4 if name == "lse" else 2 for name in shapes}

@@ -20,7 +20,6 @@ from ..kernels.abi import (
     BACKWARD_DQ_ABI,
     BACKWARD_PREP_ABI,
     BACKWARD_WS_ABI,
-    BACKWARD_WS_DQ_ABI,
     DECODE_ABI,
     DECODE_COMBINE_ABI,
     DECODE_VARIANT_ABI,
@@ -183,15 +182,14 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
 # The warp-specialised Hopper backward (``backward_ws``, FlashAttention-3's design): its main kernel
 # (plain, window, softcap, both: the mma.sync family's variants, one parameter list
 # ``BACKWARD_WS_ABI``) with the mma.sync prepare and dQ kernels of ``WsBackwardConfig.dq_config()``
-# built for first stores (the dQ kernel's parameters ``BACKWARD_WS_DQ_ABI``). No packed
-# variable-length kernels: those calls run the sm80bwd family on Hopper too
-# (``configs.backward_dispatch_family``).
+# (their parameter lists and launches, built for that config). No packed variable-length kernels:
+# those calls run the sm80bwd family on Hopper too (``configs.backward_dispatch_family``).
 SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", {
     "backward_prep": KernelOp("backward_ws_prep", BACKWARD_PREP_ABI,
                               "backward_ws:make_backward_ws_prep_kernel",
                               "backward_mma:BACKWARD_PREP_ARGTYPES", launch_backward_ws_prep, masked=False),
-    "backward_dq": KernelOp("backward_ws_dq", BACKWARD_WS_DQ_ABI, "backward_ws:make_backward_ws_dq_kernel",
-                            "backward_mma:BACKWARD_WS_DQ_ARGTYPES", launch_backward_ws_dq, masked=False),
+    "backward_dq": KernelOp("backward_ws_dq", BACKWARD_DQ_ABI, "backward_ws:make_backward_ws_dq_kernel",
+                            "backward_mma:BACKWARD_DQ_ARGTYPES", launch_backward_ws_dq, masked=False),
     **{f"backward{v}": KernelOp(f"backward_ws{v}", BACKWARD_WS_ABI, f"backward_ws:make_backward_ws{v}_kernel",
                                 "backward_ws:BACKWARD_WS_ARGTYPES", launch_backward_ws_main,
                                 masked="window" not in v)

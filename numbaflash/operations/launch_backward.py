@@ -68,7 +68,7 @@ class WorkspaceLayout(NamedTuple):
     counters: int
     row_elements: int  # batch * heads_q * rows: the length of lse_log2 and of delta
     accum_elements: int  # row_elements * head_dim
-    counter_elements: int  # batch * heads_q * (rows // block_m) * counters_per_block
+    counter_elements: int  # batch * heads_q * (rows // block_m)
     total: int
 
     def at(self, base: int) -> Workspace:
@@ -84,11 +84,9 @@ def backward_rows(seqlen_q: int) -> int:
     return -(-seqlen_q // BACKWARD_ROW_ALIGN) * BACKWARD_ROW_ALIGN
 
 
-def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, block_m: int,
-                     counters_per_block: int = 1) -> WorkspaceLayout:
+def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, block_m: int) -> WorkspaceLayout:
     """The workspace of a problem of q shape (batch, seqlen_q, heads_q, head_dim) for a config
-    of ``block_m`` query rows a step and ``counters_per_block`` int32 words a query block (the
-    config's ``counters_per_block``). Every part starts at a multiple of 512 bytes (rows is a
+    of ``block_m`` query rows a step. Every part starts at a multiple of 512 bytes (rows is a
     multiple of 128 rows of 4 bytes)."""
     rows = backward_rows(seqlen_q)
     if rows % block_m:
@@ -96,7 +94,7 @@ def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, blo
                          f"(seqlen_q rounded up to {BACKWARD_ROW_ALIGN})")
     row_elements = batch * heads_q * rows
     accum_elements = row_elements * head_dim
-    counter_elements = batch * heads_q * (rows // block_m) * counters_per_block
+    counter_elements = batch * heads_q * (rows // block_m)
     delta = row_elements
     dq_accum = 2 * row_elements
     counters = dq_accum + accum_elements
@@ -387,23 +385,6 @@ def launch_backward_dq(config) -> Launch:
     return launch
 
 
-# The Hopper backward's prepare launch (family sm90bwd): the mma.sync one of its dq_config().
+# The Hopper backward's prepare and dQ launches (family sm90bwd): the mma.sync ones of its dq_config().
 launch_backward_ws_prep = _dq_config_launch(launch_backward_prep)
-
-
-def launch_backward_ws_dq(config) -> Launch:
-    """The launch of the Hopper backward's dQ kernel (``BACKWARD_WS_DQ_ABI``): the mma.sync dQ
-    launch of ``config.dq_config()``, then the counters (the blocks' state words) and the query
-    blocks of one (batch, head)."""
-    block_m, threads = config.block_m, config.dq_config().threads
-
-    def launch(launcher, call: BackwardCall, gpu: Any) -> None:
-        dq, ws = call.dq, call.workspace
-        batch, seqlen_q, heads_q, _ = call.q.shape
-        grid = (call.rows // block_m, heads_q, batch)
-        s = dq.strides
-        launcher(grid, threads, call.stream, 0,
-                 ws.dq_accum, (dq.pointer, dq.span), s[0], s[1], s[2],
-                 seqlen_q, call.rows, heads_q, call.scale, ws.counters, call.rows // block_m)
-
-    return launch
+launch_backward_ws_dq = _dq_config_launch(launch_backward_dq)

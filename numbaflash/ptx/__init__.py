@@ -48,18 +48,15 @@ from .matrix_load import (
 )
 from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
 from .reduce import (
-    atom_cas_gpu_s32,
     global_address_f32,
     global_address_i32,
     ld_acquire_gpu_s32,
     red_global_add_f32,
     red_global_add_v4_f32,
     red_release_gpu_add_s32,
-    st_global_v4_f32,
 )
 
 __all__ = [
-    "atom_cas_gpu_s32",
     "cp_async_16",
     "cp_async_16_at",
     "cp_async_16_zfill",
@@ -99,7 +96,6 @@ __all__ = [
     "shared_address_u64",
     "st_global_v4",
     "st_global_v4_at",
-    "st_global_v4_f32",
     "ld_global_nc_v4_at",
     "ld_shared_f32",
     "st_shared_b32",

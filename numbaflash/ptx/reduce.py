@@ -2,8 +2,7 @@
 (``ptx/reduce.cu``): the backward adds dQ into a float32 buffer with ``red_global_add_f32``
 (on sm_90 ``red_global_add_v4_f32``, four adjacent floats at once), and in deterministic mode
 takes turns per query block with ``ld_acquire_gpu_s32`` / ``red_release_gpu_add_s32`` on a
-counter. The Hopper backward's first addition into a block stores instead
-(``st_global_v4_f32``), claimed by ``atom_cas_gpu_s32`` on a per-warp state word.
+counter.
 
 Addresses are generic byte addresses of global memory (int64), from ``global_address_f32`` /
 ``global_address_i32`` plus an offset.
@@ -31,13 +30,6 @@ ld_acquire_gpu_s32 = declare("reduce", "ld_acquire_gpu_s32", types.int32(_i64))
 ld_acquire_gpu_s32.__doc__ = "ld_acquire_gpu_s32(address) -> int32 *address, acquire order at GPU scope."
 red_release_gpu_add_s32 = declare("reduce", "red_release_gpu_add_s32", types.void(_i64, types.int32))
 red_release_gpu_add_s32.__doc__ = "red_release_gpu_add_s32(a, v): *a += v, release order at GPU scope."
-st_global_v4_f32 = declare("reduce", "st_global_v4_f32",
-                           types.void(_i64, types.float32, types.float32, types.float32, types.float32))
-st_global_v4_f32.__doc__ = ("st_global_v4_f32(address, a, b, c, d): address[0..3] = (a, b, c, d) "
-                            "(float32, 16-byte aligned, global).")
-atom_cas_gpu_s32 = declare("reduce", "atom_cas_gpu_s32", types.int32(_i64, types.int32, types.int32))
-atom_cas_gpu_s32.__doc__ = ("atom_cas_gpu_s32(address, compare, value) -> old: *address = value if it was "
-                            "compare, atomically (int32, GPU scope, relaxed).")
 
 
 @cuda.jit(device=True, forceinline=True)
