@@ -399,8 +399,8 @@ class WsBackwardLayout(NamedTuple):
     """Byte offsets of the Hopper backward's shared tiles from the aligned base: K and V (the
     CTA's key block), the ring stages of Q and dO, the two dSᵀ buffers, the two buffers of the
     query rows' LSE and D (written by the consumers, by step parity). The mbarriers are not here:
-    they are a static array of ``WsBackwardConfig.barrier_words`` words (the K/V full barrier, the
-    ring's full then empty barriers, the K/V empty barrier)."""
+    they are a static array of ``WsBackwardConfig.barrier_words`` words (the K/V barrier, the
+    ring's full then empty barriers)."""
 
     k: int
     v: int
@@ -493,7 +493,7 @@ class WsBackwardConfig:
 
     @property
     def barrier_words(self) -> int:
-        return 2 + 2 * self.stages
+        return 1 + 2 * self.stages
 
     @property
     def shared_bytes(self) -> int:
