@@ -309,16 +309,16 @@ def test_workspace_layout():
     lay = workspace_layout(2, 3, 200, 64, 64)
     n = 2 * 3 * 256
     assert lay.rows == 256 and lay.row_elements == n and lay.accum_elements == n * 64
-    assert lay.counter_elements == 2 * 3 * (256 // 64) + 1  # and the Hopper backward's schedule word
+    assert lay.counter_elements == 2 * 3 * (256 // 64)
     assert (lay.lse_log2, lay.delta, lay.dq_accum, lay.counters) == (0, n, 2 * n, 2 * n + 64 * n)
-    assert lay.total == 2 * n + 64 * n + 25
+    assert lay.total == 2 * n + 64 * n + 24
     ws = lay.at(1 << 32)
     assert ws.lse_log2 == (1 << 32, n) and ws.delta == ((1 << 32) + 4 * n, n)
     assert ws.dq_accum == ((1 << 32) + 8 * n, 64 * n)
-    assert ws.counters == ((1 << 32) + 4 * (2 * n + 64 * n), 25)
+    assert ws.counters == ((1 << 32) + 4 * (2 * n + 64 * n), 24)
     for pointer, _ in ws:
         assert pointer % 512 == 0  # every part 16-byte aligned and more
-    assert workspace_layout(1, 1, 1, 32, 128).counter_elements == 2
+    assert workspace_layout(1, 1, 1, 32, 128).counter_elements == 1
     with pytest.raises(ValueError, match="block_m \\(256\\) must divide the workspace's 128 rows"):
         workspace_layout(1, 1, 100, 64, 256)
 

@@ -44,8 +44,7 @@ def test_the_abi_matches_the_numba_signature():
     # the mma.sync main kernel's, with four tensor maps in place of q, k, v, dout and their strides
     assert abi.BACKWARD_WS_ABI[:4] == ("array(uint64, 1d, C)",) * 4
     assert abi.BACKWARD_WS_ABI[4:10] == abi.BACKWARD_ABI[4:10]
-    # ... and the (batch, KV head) pairs after the tail pairs (a persistent grid: not its size)
-    assert abi.BACKWARD_WS_ABI[10:] == (*abi.BACKWARD_ABI[22:35], "int64", *abi.BACKWARD_ABI[35:])
+    assert abi.BACKWARD_WS_ABI[10:] == abi.BACKWARD_ABI[22:]
 
 
 def test_the_family_record():
@@ -321,8 +320,8 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
                           ws.counters)
     assert args[10:16] == (*dk_strides[:3], *dv.strides[:3])
     tail_pairs = min(hkv * b, -(-2 * 132 // key_blocks))
-    assert args[16:] == (sq, sk, lay.rows, hq, hq // hkv, hkv, tail_pairs, hkv * b, np.float32(0.5),
-                         np.float32(0.25), True, 5, 7, np.float32(0.125))
+    assert args[16:] == (sq, sk, lay.rows, hq, hq // hkv, hkv, tail_pairs, np.float32(0.5), np.float32(0.25),
+                         True, 5, 7, np.float32(0.125))
     assert slots.keys[0][1:] == (q.pointer, k.pointer, v.pointer, do.pointer)
     assert slots.used_slots == [(0, 11)]
     assert [(p, box) for p, _, _, box, _, _ in encoded] == [
@@ -348,12 +347,6 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
     with pytest.raises(RuntimeError, match="launch failed"):
         launch(failing, call_._replace(stream=13), gpu)
     assert slots.used_slots[-1] == (1, 13)  # the slot's copy is on the stream: recorded anyway
-
-    # without deterministic mode the grid is persistent: at most one CTA an SM walks the units
-    launches.clear()
-    launch(Launcher(), call_._replace(deterministic=False), gpu)
-    units = key_blocks * hkv * b
-    assert launches[0][0] == (min(units, 132), 1, 1) and launches[0][4][23] == hkv * b
 
 
 def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: F811 (the fixture)

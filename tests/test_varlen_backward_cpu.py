@@ -70,7 +70,7 @@ def test_workspace_layout_of_a_packed_call():
         assert lay.rows == varlen_workspace_rows(total_q, batch) >= total_q + 128
         assert lay.row_elements == heads_q * lay.rows
         assert lay.accum_elements == heads_q * lay.rows * d
-        assert lay.counter_elements == heads_q * lay.rows // block_m + 1  # + the schedule word
+        assert lay.counter_elements == heads_q * lay.rows // block_m
         assert lay.total == 2 * lay.row_elements + lay.accum_elements + lay.counter_elements
     # FlashAttention's bound: at most total_q + 128 * batch rows (rounded up to 128).
     assert varlen_workspace_rows(total_q, batch) <= total_q + 128 * batch + 127

@@ -106,7 +106,6 @@ BACKWARD_WS_ABI = (
     "int64", "int64", "int64",  # seqlen_q, seqlen_k, rows
     "int64", "int64", "int64",  # heads_q, heads_q // heads_kv, heads_kv
     "int64",  # tail pairs (causal and window kernels)
-    "int64",  # (batch, KV head) pairs: the units are ceil(seqlen_k / block_n) x pairs
     "float32", "float32",  # softmax scale * log2(e) (softcap * log2(e) when capped), softmax scale
     "bool",  # deterministic
     "int64", "int64",  # sliding window: left, right, each >= 0 (read by window kernels only)

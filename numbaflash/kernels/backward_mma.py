@@ -213,8 +213,7 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
     the same code with causal masking or not (``causal`` is not used: one kernel serves both).
     The threads of a row (``prep_split``) each load 16-byte chunks of O and dO (the loads of up
     to 8 passes issued before any sum), dot them and sum over a shuffle tree; then 16-byte
-    stores zero the block's dQ accumulator and its turn counter (and block (0, 0, 0) the word after
-    the counters, the Hopper backward's schedule).
+    stores zero the block's dQ accumulator.
 
     ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_PREP_ARGTYPES``; grid
     (backward_rows(max_seqlen_q) // 64, heads_q, batch)): a ``Sequences`` record in the ``o_sb``
@@ -304,8 +303,6 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
                 counters[(ws_row0 + row_base) // BM] = 0
             else:
                 counters[bh * counters_per_head + row_base // BM] = 0
-                if bh == 0 and row_base == 0:  # the word after them: the Hopper backward's next unit
-                    counters[int64(cuda.gridDim.z) * heads_q * counters_per_head] = 0
 
     backward_prep.__name__ = (f"flash_backward_prep_d{D}_m{BM}_{'varlen_' if varlen else ''}"
                               f"{'bf16' if bf16 else 'f16'}")

@@ -2,18 +2,14 @@
 (FlashAttention-3's design, our own code).
 
 The main kernel of the backward (the prepare and dQ kernels are the mma.sync backward's, for the
-equivalent ``BackwardConfig``: ``WsBackwardConfig.dq_config``). A unit of work is a block of
-``block_n`` keys of one (batch, KV head); the units go in ``blocks.key_block_of``'s launch order
-to a persistent grid (one CTA an SM, unit u to CTA u mod grid; in deterministic mode a CTA a
-unit, as the turns wait on earlier units). For each of its units a CTA keeps the block's dK and
-dV in registers while it walks every query block of every query head of its group that sees the
-block (GQA sums there), as the mma.sync kernel does:
+equivalent ``BackwardConfig``: ``WsBackwardConfig.dq_config``). One CTA per block of ``block_n``
+keys of one (batch, KV head), in ``blocks.key_block_of``'s launch order; it keeps that block's dK
+and dV in registers while it walks every query block of every query head of its group that sees
+the block (GQA sums there), as the mma.sync kernel does:
 
-* **Producer** (one thread of warpgroup 0, ``setmaxnreg.dec`` to 24): per unit, TMA loads K and
-  V of the block (once the consumers have released the tiles the previous unit's epilogue
-  staged dK and dV in), then per query block Q and dO (tensor maps) into the next stage of a ring
-  of ``stages``, once the consumers have released it. The ring runs on across units, and a unit's
-  first ``stages`` Q and dO loads go before its K and V, under the previous unit's epilogue.
+* **Producer** (one thread of warpgroup 0, ``setmaxnreg.dec`` to 24): TMA loads K and V of the
+  block once, then per query block Q and dO (tensor maps) into the next stage of a ring of
+  ``stages``, once the consumers have released it.
 * **Consumers** (two warpgroups of 64 keys each, ``setmaxnreg.inc`` to 240), per query block:
 
       Sᵀ  = K Qᵀ       wgmma SS m64n{block_m}: keys x queries, so that a warp's rows are its keys
@@ -35,9 +31,8 @@ block (GQA sums there), as the mma.sync kernel does:
   ``red.global.add.v4.f32`` (in key-block turns with ``deterministic``), then the stage is
   released. dSᵀ has two buffers, so one warpgroup's next dSᵀ never overwrites the one the other
   is still reading.
-* **Epilogue** (per unit): dK (times the softmax scale) and dV, 16-bit, staged in the K and V
-  tiles and stored with 16-byte stores, none past seqlen_k; then each warp releases the tiles
-  (a proxy fence first: the next K and V come by TMA).
+* **Epilogue**: dK (times the softmax scale) and dV, 16-bit, staged in the K and V tiles and
+  stored with 16-byte stores, none past seqlen_k.
 
 Ragged lengths need no special path: TMA zero-fills rows past the end of Q, dO, K and V; the
 workspace's rows past seqlen_q have LSE₂ = +inf (P = 0) and D = 0; keys past seqlen_k and, causal,
@@ -78,7 +73,7 @@ BACKWARD_WS_ARGTYPES = (
     *(types.int64,) * 6,  # strides of dk, dv
     types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
     types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
-    types.int64, types.int64,  # tail pairs (blocks.key_block_of), (batch, KV head) pairs
+    types.int64,  # tail pairs (blocks.key_block_of)
     types.float32, types.float32,  # scale * log2(e) (softcap * log2(e) when capped), scale
     types.boolean,  # deterministic
     types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
@@ -116,11 +111,6 @@ Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws"])
 # counter's address and the count it must reach (deterministic mode), the next step's workspace
 # row (-1 after the last step).
 Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn", "next_row"])
-# The problem's sizes a CTA maps its units with (kernel parameters; ``unit_block``).
-Problem = namedtuple("Problem", ["seqlen_q", "seqlen_k", "rows", "group", "heads_kv", "tail_pairs", "pairs",
-                                 "window_left", "window_right"])
-# dK and dV (16-bit) and their (batch, seq, head) strides.
-Grads = namedtuple("Grads", ["dk", "dv", "dk_strides", "dv_strides"])
 
 WARPGROUP = 128  # threads
 DS_BARRIER = 1  # named barrier of the consumer warpgroups (bar.sync id; 0 is syncthreads)
@@ -129,10 +119,9 @@ ONE = uint32(1)
 
 def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, window: bool = False,
                             softcap: bool = False):
-    """The main kernel (``BACKWARD_WS_ARGTYPES``): a grid of at most ceil(seqlen_k / block_n) *
-    heads_kv * batch CTAs in one dimension, each walking units ``blockIdx.x``, ``+ gridDim.x``, ...
-    (``blocks.key_block_of``), ``config.threads`` threads, ``config.shared_bytes`` of dynamic
-    shared memory; jit it with ``launch_bounds=(config.threads, 1)``.
+    """The main kernel (``BACKWARD_WS_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv * batch
+    in one dimension (``blocks.key_block_of``), ``config.threads`` threads, ``config.shared_bytes``
+    of dynamic shared memory; jit it with ``launch_bounds=(config.threads, 1)``.
 
     ``window``: a sliding-window kernel (``causal`` must be False: the window's right edge 0 is
     causal masking); ``softcap``: scores capped by tanh (``cap_scale`` = softmax scale / softcap,
@@ -159,7 +148,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
     ring = make_ring(STAGES, lay.q_stage)
-    kv_ring = make_ring(2, lay.kv_stage)  # K and V: two buffers, units alternate
+    kv_once = make_ring(1)
     load_tile = make_tile_loads(config)
     gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
     BARRIER_WORDS = config.barrier_words
@@ -170,14 +159,13 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
 
     @cuda.jit(device=True, forceinline=True)
     def next_block(head, m_block, blk):
-        """The step after (head, m_block): the next query block down, else the next head's top
-        (32-bit: the producer has 24 registers)."""
+        """The step after (head, m_block): the next query block down, else the next head's top."""
         m1 = m_block - 1
         head1 = head
         if m1 < blk.m_first:
             head1 = head + 1
             m1 = blk.m_blocks - 1
-        return int32(head1), int32(m1)
+        return head1, m1
 
     @cuda.jit(device=True, forceinline=True)
     def workspace_row(blk, heads_q, head, m_block):
@@ -188,28 +176,12 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     # ------------------------------------------------------------------ producer
 
     @cuda.jit(device=True, forceinline=True)
-    def load_kv(maps, kv_bar, tiles, blk, unit, unit_ids, unit_id):
-        """This CTA's ``unit``-th key block's K and V, once the consumers have released the buffer
-        (the unit before last's epilogue staged dK and dV there, and they read its id); the unit's
-        id goes to the consumers first (``unit_ids``, by parity), before the barrier is armed."""
-        s = kv_ring.slot(unit)
-        kv_ring.wait_empty(kv_bar, unit)
-        unit_ids[s] = unit_id
-        kv_ring.arm(kv_bar, s, 2 * KV_BYTES)
-        full = kv_ring.full(kv_bar, s)
-        load_tile(tiles.k + kv_ring.offset(s), maps.k, full, blk.n0, blk.kv_head, blk.batch, BN)
-        load_tile(tiles.v + kv_ring.offset(s), maps.v, full, blk.n0, blk.kv_head, blk.batch, BN)
-
-    @cuda.jit(device=True, forceinline=True)
-    def produce_steps(maps, bars, kv_bar, tiles, blk, group, unit, i0, unit_ids, unit_id):
-        """One unit's loads: K and V, and every step of the walk into the next stage of the ring
-        once it is free (uses ``i0`` on). The first ``stages`` steps' Q and dO go before K and V,
-        so that they load while the previous unit's epilogue still holds the K and V tiles."""
-        head = int32(blk.kv_head * group)
-        m_block = int32(blk.m_blocks - 1)
-        load_kv(maps, kv_bar, tiles, blk, unit, unit_ids, unit_id)  # the buffer the unit before last released
+    def produce_steps(maps, bars, tiles, blk, group):
+        """The ring's loads: every step of the walk, each into the next stage once it is free."""
+        head = blk.kv_head * group
+        m_block = blk.m_blocks - 1
         for step in range(blk.steps):
-            i = uint32(i0 + uint32(step))
+            i = uint32(step)
             s = ring.slot(i)
             ring.wait_empty(bars, i)
             full = ring.full(bars, s)
@@ -352,10 +324,8 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         ring.release(bars, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
-    def consume(tiles, bars, blk, seat, sc, ws, heads_q, group, i0):
-        """Every step of one unit's walk for this warpgroup (ring uses ``i0`` on; its K and V have
-        landed); returns dK and dV (registers)."""
-        counters_per_head = blk.rows // BM
+    def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
+        """Every step of the walk for this warpgroup; returns dK and dV (registers)."""
         acc = Accumulators(cuda.local.array((S_N, 4), float32), cuda.local.array((S_N, 4), float32),
                            cuda.local.array((P_K, 4), uint32), cuda.local.array((P_K, 4), uint32),
                            cuda.local.array((D_N, 4), float32), cuda.local.array((D_N, 4), float32),
@@ -379,12 +349,13 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                             hp.smem_descriptor_mn_sw128(tiles.ds + ds_at, BN * 128),
                             hp.smem_descriptor_mn_sw128(tiles.k + k_at, BN * 128))
         io = Io(descs, tiles, bars, blk, sc, ws)
-        head = int32(blk.kv_head * group)
-        m_block = int32(blk.m_blocks - 1)
-        if blk.steps > 0:  # the first step's rows, in the buffer of i0's parity (K and V have landed)
-            stage_rows(tiles, ws, workspace_row(blk, heads_q, head, m_block), uint32(i0 & ONE), seat)
+        head = blk.kv_head * group
+        m_block = blk.m_blocks - 1
+        if blk.steps > 0:  # the first step's rows, in buffer 0
+            stage_rows(tiles, ws, workspace_row(blk, heads_q, head, m_block), uint32(0), seat)
             ptx.cp_async_wait_group_0()
             hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        kv_once.wait_full(kv_bar, uint32(0))
         for step in range(blk.steps):
             m0 = m_block * BM
             bh = blk.batch * heads_q + head
@@ -397,47 +368,44 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             if step + 1 < blk.steps:
                 next_row = workspace_row(blk, heads_q, head1, m_block1)
             row = workspace_row(blk, heads_q, head, m_block)
-            consume_step(acc, io, Step(uint32(i0 + uint32(step)), m0, row, counter_at, turn, next_row), seat)
+            consume_step(acc, io, Step(uint32(step), m0, row, counter_at, turn, next_row), seat)
             head, m_block = head1, m_block1
         return acc
 
     # ------------------------------------------------------------------ epilogue
 
     @cuda.jit(device=True, forceinline=True)
-    def store_dkv(acc, tiles, kv_bar, blk, seat, grads, scale, seqlen_k, unit):
+    def store_dkv(acc, tiles, blk, seat, dk, dv, dk_strides, dv_strides, scale, seqlen_k):
         """dK · scale and dV, 16-bit, through this warp's own 16 rows of the K and V tiles (every
-        GEMM that reads them is done: a barrier of both warpgroups first); then the warp releases
-        the tiles for the next unit's K and V."""
+        GEMM that reads them is done: a barrier of both warpgroups first)."""
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
         row0 = seat.wg * WARPGROUP_ROWS + seat.warp * 16
         store_fragment_rows(tiles.k, acc.dk, D_N, BN, row0, 0, seat.lane, BF16, 128, scale)
         store_fragment_rows(tiles.v, acc.dv, D_N, BN, row0, 0, seat.lane, BF16, 128, float32(1.0))
         cuda.syncwarp(FULL_MASK)
         scratch = cuda.local.array(4, uint32)
-        dk_strides, dv_strides = grads.dk_strides, grads.dv_strides
-        dk_rows = global_rows(grads.dk, blk.batch * dk_strides[0] + blk.kv_head * dk_strides[2],
-                              dk_strides[1], seqlen_k)
-        dv_rows = global_rows(grads.dv, blk.batch * dv_strides[0] + blk.kv_head * dv_strides[2],
-                              dv_strides[1], seqlen_k)
+        dk_rows = global_rows(dk, blk.batch * dk_strides[0] + blk.kv_head * dk_strides[2], dk_strides[1],
+                              seqlen_k)
+        dv_rows = global_rows(dv, blk.batch * dv_strides[0] + blk.kv_head * dv_strides[2], dv_strides[1],
+                              seqlen_k)
         store_rows_global(dk_rows, blk.n0 + row0, tiles.k, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
         store_rows_global(dv_rows, blk.n0 + row0, tiles.v, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
-        hp.fence_proxy_async_shared_cta()  # this warp's reads of the tiles, before the next TMA writes
-        cuda.syncwarp(FULL_MASK)
-        kv_ring.release(kv_bar, unit, seat.lane)
 
     # ------------------------------------------------------------------ kernel
 
-    @cuda.jit(device=True, forceinline=True)
-    def unit_block(unit_id, key_blocks, prob):
-        """The Block of launch-order unit ``unit_id`` (``blocks.key_block_of``) of Problem ``prob``."""
-        seqlen_q, seqlen_k, rows, group = prob.seqlen_q, prob.seqlen_k, prob.rows, prob.group
-        heads_kv, window_left, window_right = prob.heads_kv, prob.window_left, prob.window_right
-        tail_pairs = prob.tail_pairs if CAUSAL or WINDOW else 0
-        n_block, pair = key_block_of(unit_id, key_blocks, prob.pairs, tail_pairs)
-        kv_head = int32(uint32(pair) % uint32(heads_kv))  # 32-bit: a unit's registers live through it
-        batch = int32(uint32(pair) // uint32(heads_kv))
-        n_block = int32(n_block)
-        n0 = int32(n_block * BN)
+    def flash_backward_ws(map_q, map_k, map_v, map_do, dk, dv, lse2, delta, dq_acc, counters,
+                          dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+                          seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
+                          deterministic, window_left, window_right, cap_scale):
+        smem = cuda.shared.array(0, types.uint16)
+        bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
+        tid = cuda.threadIdx.x
+        key_blocks = uint32((seqlen_k + BN - 1) // BN)
+        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+                                     tail_pairs if CAUSAL or WINDOW else 0)
+        kv_head = int64(uint32(pair) % uint32(heads_kv))
+        batch = int64(uint32(pair) // uint32(heads_kv))
+        n0 = n_block * BN
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
         m_blocks = (seqlen_q + BM - 1) // BM
         m_first = int64(0)
@@ -449,30 +417,17 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                     int32(min(diag + window_right, seqlen_k)))
         if WINDOW:
             m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
-        steps = int32(group * max(m_blocks - m_first, 0))
-        return Block(n0, n_block, batch, kv_head, int32(m_first), int32(m_blocks), steps, diag, band, rows,
-                     seqlen_q)
+        steps = group * max(m_blocks - m_first, 0)
+        blk = Block(n0, n_block, batch, kv_head, m_first, m_blocks, steps, diag, band, rows, seqlen_q)
 
-    def flash_backward_ws(map_q, map_k, map_v, map_do, dk, dv, lse2, delta, dq_acc, counters,
-                          dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-                          seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, pairs, scale_log2,
-                          scale, deterministic, window_left, window_right, cap_scale):
-        smem = cuda.shared.array(0, types.uint16)
-        bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
-        unit_ids = cuda.shared.array(2, types.uint32)  # the unit of each K/V use, by parity
-        tid = cuda.threadIdx.x
-        key_blocks = uint32((seqlen_k + BN - 1) // BN)
-        units = key_blocks * uint32(pairs)  # the grid has at most 2^31 - 1 units: 32 bits
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
                       base + lay.delta, base + lay.ds)
         b = ptx.shared_address_u64(bar_words)
-        kv_bar = RingBarriers(b, b + 8 * (2 + 2 * STAGES))
-        bars = RingBarriers(b + 16, b + 16 + 8 * STAGES)
+        kv_bar = RingBarriers(b, b)
+        bars = RingBarriers(b + 8, b + 8 + 8 * STAGES)
         if tid == 0:
-            for s in range(2):
-                hp.mbarrier_init(kv_ring.full(kv_bar, s), 1)
-                hp.mbarrier_init(kv_ring.empty(kv_bar, s), CONSUMER_WARPS)
+            hp.mbarrier_init(kv_bar.full, 1)
             for s in range(STAGES):
                 hp.mbarrier_init(ring.full(bars, s), 1)
                 hp.mbarrier_init(ring.empty(bars, s), CONSUMER_WARPS)
@@ -482,28 +437,14 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             hp.tma_prefetch_descriptor(map_v)
             hp.tma_prefetch_descriptor(map_do)
         cuda.syncthreads()  # the last CTA-wide barrier: the roles part here
-        i0 = uint32(0)  # the ring's uses so far
-        unit = uint32(0)  # this CTA's units so far (the K/V barriers' uses)
-        prob = Problem(seqlen_q, seqlen_k, rows, group, heads_kv, tail_pairs, pairs, window_left,
-                       window_right)
         if tid < WARPGROUP:
             lower_registers()
             if tid == 0:
                 maps = Maps(map_q, map_k, map_v, map_do)
-                # the schedule word after the blocks' counters (zeroed by the prepare kernel)
-                next_at = (int64(pairs) // heads_kv) * heads_q * (rows // BM)
-                unit_id = uint32(cuda.blockIdx.x)  # the first unit: the launch order's
-                while unit_id < units:
-                    blk = unit_block(unit_id, key_blocks, prob)
-                    produce_steps(maps, bars, kv_bar, tiles, blk, group, unit, i0, unit_ids, unit_id)
-                    i0 = uint32(i0 + uint32(blk.steps))
-                    unit = uint32(unit + ONE)
-                    unit_id = units
-                    if not deterministic:  # the next unit nobody has taken (deterministic: a CTA a unit)
-                        unit_id = uint32(cuda.atomic.add(counters, next_at, 1)) + uint32(cuda.gridDim.x)
-                kv_ring.wait_empty(kv_bar, unit)  # the end: K and V's barrier completes with no copies
-                unit_ids[kv_ring.slot(unit)] = units
-                hp.mbarrier_arrive(kv_ring.full(kv_bar, kv_ring.slot(unit)))
+                kv_once.arm(kv_bar, 0, 2 * KV_BYTES)
+                load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
+                load_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
+                produce_steps(maps, bars, tiles, blk, group)
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
@@ -511,20 +452,9 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                         thread)
             sc = Scalars(scale_log2, cap_scale, deterministic)
             ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters), lse2, delta)
-            grads = Grads(dk, dv, (dk_sb, dk_ss, dk_sh), (dv_sb, dv_ss, dv_sh))
-            while True:
-                kv_ring.wait_full(kv_bar, unit)
-                unit_id = unit_ids[unit & ONE]
-                if unit_id >= units:
-                    break
-                blk = unit_block(unit_id, key_blocks, prob)
-                at = kv_ring.offset(kv_ring.slot(unit))  # this unit's K and V buffer
-                unit_tiles = Tiles(tiles.k + at, tiles.v + at, tiles.q, tiles.do, tiles.lse, tiles.delta,
-                                   tiles.ds)
-                acc = consume(unit_tiles, bars, blk, seat, sc, ws, heads_q, group, i0)
-                store_dkv(acc, unit_tiles, kv_bar, blk, seat, grads, scale, seqlen_k, unit)
-                i0 = uint32(i0 + uint32(blk.steps))
-                unit = uint32(unit + ONE)
+            acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, rows // BM)
+            store_dkv(acc, tiles, blk, seat, dk, dv, (dk_sb, dk_ss, dk_sh), (dv_sb, dv_ss, dv_sh), scale,
+                      seqlen_k)
 
     mask_kind = "window" if window else "causal" if causal else "full"
     flash_backward_ws.__name__ = (f"flash_backward_ws_d{D}_m{BM}_n{BN}{config.tag}_{mask_kind}"

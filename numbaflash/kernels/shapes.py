@@ -399,8 +399,8 @@ class WsBackwardLayout(NamedTuple):
     """Byte offsets of the Hopper backward's shared tiles from the aligned base: K and V (the
     CTA's key block), the ring stages of Q and dO, the two dSᵀ buffers, the two buffers of the
     query rows' LSE and D (written by the consumers, by step parity). The mbarriers are not here:
-    they are a static array of ``WsBackwardConfig.barrier_words`` words (the K/V full barrier, the
-    ring's full then empty barriers, the K/V empty barrier)."""
+    they are a static array of ``WsBackwardConfig.barrier_words`` words (the K/V barrier, the
+    ring's full then empty barriers)."""
 
     k: int
     v: int
@@ -412,7 +412,6 @@ class WsBackwardLayout(NamedTuple):
     q_stage: int
     rows_stage: int
     ds_bytes: int
-    kv_stage: int  # K and V of the other buffer at k + kv_stage, v + kv_stage (units alternate)
     end: int
 
 
@@ -484,9 +483,8 @@ class WsBackwardConfig:
         ds = do + self.stages * q_stage
         lse = ds + 2 * ds_bytes
         delta = lse + 2 * rows_stage
-        kv_stage = -(-(delta + 2 * rows_stage) // 1024) * 1024  # the second K and V (1024-aligned)
-        end = kv_stage + 2 * kv
-        return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, kv_stage, end)
+        end = delta + 2 * rows_stage
+        return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end)
 
     @property
     def step_bytes(self) -> int:
@@ -495,7 +493,7 @@ class WsBackwardConfig:
 
     @property
     def barrier_words(self) -> int:
-        return 4 + 2 * self.stages
+        return 1 + 2 * self.stages
 
     @property
     def shared_bytes(self) -> int:

@@ -68,7 +68,7 @@ class WorkspaceLayout(NamedTuple):
     counters: int
     row_elements: int  # batch * heads_q * rows: the length of lse_log2 and of delta
     accum_elements: int  # row_elements * head_dim
-    counter_elements: int  # batch * heads_q * (rows // block_m), then one schedule word
+    counter_elements: int  # batch * heads_q * (rows // block_m)
     total: int
 
     def at(self, base: int) -> Workspace:
@@ -94,7 +94,7 @@ def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, blo
                          f"(seqlen_q rounded up to {BACKWARD_ROW_ALIGN})")
     row_elements = batch * heads_q * rows
     accum_elements = row_elements * head_dim
-    counter_elements = batch * heads_q * (rows // block_m) + 1  # then the Hopper backward's next unit
+    counter_elements = batch * heads_q * (rows // block_m)
     delta = row_elements
     dq_accum = 2 * row_elements
     counters = dq_accum + accum_elements
@@ -238,24 +238,19 @@ def launch_backward_ws_main(config) -> Launch:
         _, seqlen_k, heads_kv, _ = k.shape
         sm_count, layout, slots, encode = maps_of(_MapOperands(q, k, v, do, call.device), gpu)
         key_blocks = -(-seqlen_k // block_n)
-        pairs = heads_kv * batch
-        tail_pairs = backward_tail_pairs(key_blocks, pairs, sm_count)
-        units = key_blocks * pairs
-        # persistent: one CTA an SM walks the units in launch order; deterministic mode's turns
-        # wait on earlier units, so there every unit gets its own CTA (none waits on one unlaunched)
-        grid = units if call.deterministic else min(units, sm_count)
+        tail_pairs = backward_tail_pairs(key_blocks, heads_kv * batch, sm_count)
         dks, dvs = dk.strides, dv.strides
         pointers = (q.pointer, k.pointer, v.pointer, do.pointer)
         with slots.lock:
             maps, slot = slots.address((layout, *pointers), lambda: encode(*pointers), call.stream)
             try:
-                launcher((grid, 1, 1), threads, call.stream, shared_bytes,
+                launcher((key_blocks * heads_kv * batch, 1, 1), threads, call.stream, shared_bytes,
                          (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16),
                          (dk.pointer, dk.span), (dv.pointer, dv.span),
                          ws.lse_log2, ws.delta, ws.dq_accum, ws.counters,
                          dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
                          seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
-                         pairs, call.scale_log2, call.scale, call.deterministic, call.window_left,
+                         call.scale_log2, call.scale, call.deterministic, call.window_left,
                          call.window_right, call.cap_scale)
             finally:  # even after a failed launch: the slot's copy is on the stream
                 slots.used(slot, call.stream)
