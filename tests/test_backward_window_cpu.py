@@ -177,6 +177,47 @@ def test_backward_reference_matches_torch_autograd(causal, window, softcap):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-9, atol=1e-12)
 
 
+def _softcap_gradients(q, k, v, dout, scale, cap, t_error=0.0, slope=True):
+    """Dense softcapped gradients (one head per kv head) in float64, t = tanh(QKᵀ·scale/cap)
+    times (1 + t_error) in the derivative, or no derivative at all (``slope`` False)."""
+    qf, kf, vf, dof = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+    t = np.tanh(qf @ kf.transpose(0, 1, 3, 2) * scale / cap)
+    p = np.exp(cap * t - (cap * t).max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = dof @ vf.transpose(0, 1, 3, 2)
+    delta = (dof * (p @ vf)).sum(-1, keepdims=True)
+    tb = t * (1 + t_error)
+    ds = p * (dp - delta) * ((1 - tb * tb) if slope else 1.0)
+    grads = (ds @ kf * scale, ds.transpose(0, 1, 3, 2) @ qf * scale, p.transpose(0, 1, 3, 2) @ dof)
+    return tuple(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in grads)
+
+
+def test_softcap_yardstick_rounds_t_and_still_rejects_wrong_slopes():
+    """FlashAttention's criterion with a softcap: the input-dtype yardstick rounds t = tanh(.) to
+    the dtype, as ``torch.tanh`` on float16 does in the autograd reference FlashAttention's own
+    tests use, so its error reflects t's rounding (near saturation 1 - t² loses digits). The
+    criterion still passes exact gradients and rejects a backward without the tanh's derivative
+    and one whose t is off by 2^-10 (twice tanh.approx's worst case)."""
+    from numbaflash.tools.reference import compare_gradients_with_reference
+    rng = np.random.default_rng(45)
+    b, s, h, d, scale, cap = 1, 7, 2, 64, 0.125, 4.0
+    q, k = (rng.normal(size=(b, s, h, d)) * 5.6 for _ in range(2))  # scores deep in saturation
+    v, dout = (rng.normal(size=(b, s, h, d)) for _ in range(2))
+    q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
+    kw = {"softmax_scale": scale, "softcap": cap}
+    exact = _softcap_gradients(q, k, v, dout, scale, cap)
+    for got, want in zip(exact, attention_backward_reference(q, k, v, dout, **kw), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    low = attention_backward_reference(q, k, v, dout, rounding_dtype=np.float16, **kw)
+    t = np.tanh(np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64)) * scale / cap)
+    assert np.abs(t).max() > 0.99  # the case tests saturation
+    assert compare_gradients_with_reference(q, k, v, dout, low, **kw)[0] <= 0.5
+    for wrong in (_softcap_gradients(q, k, v, dout, scale, cap, slope=False),
+                  _softcap_gradients(q, k, v, dout, scale, cap, t_error=2.0**-10)):
+        ratio, problems = compare_gradients_with_reference(q, k, v, dout, wrong, **kw)
+        assert ratio > 1 and problems
+
+
 # ------------------------------------------------------------------ the variant a call runs
 
 

@@ -45,7 +45,8 @@ def attention_reference(
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
     heads_q a multiple of heads_kv. Rows with no visible key give 0 and LSE -inf.
     ``window_size`` and ``softcap`` as ``numbaflash.flash_attention`` (``visible_keys``; the
-    scaled scores s become softcap · tanh(s / softcap), rounded by ``rounding_dtype``).
+    scaled scores s become softcap · tanh(s / softcap); ``rounding_dtype`` rounds the tanh's output
+    and the capped score, as ``torch.tanh`` and the product would in that dtype).
 
     ``rounding_dtype`` (e.g. ``np.float16`` or ``ml_dtypes.bfloat16``) rounds the scores,
     the probabilities and the output to that dtype, as a computation done in the input
@@ -82,8 +83,8 @@ def _probabilities(q, k, v, causal: bool, softmax_scale: float | None, rnd,
     kf = np.repeat(np.asarray(k, np.float64), group, axis=2).transpose(0, 2, 1, 3)
     vf = np.repeat(np.asarray(v, np.float64), group, axis=2).transpose(0, 2, 1, 3)
     s = rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale
-    if softcap > 0:
-        s = rnd(softcap * np.tanh(s / softcap))
+    if softcap > 0:  # tanh's output is a value of the dtype too (torch.tanh on float16 returns one)
+        s = rnd(softcap * rnd(np.tanh(s / softcap)))
     if causal or tuple(window_size) != (-1, -1):
         s = np.where(visible_keys(sq, sk, causal, window_size), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -165,7 +166,9 @@ def attention_backward_reference(
     and dv. ``rounding_dtype`` rounds every product and P, dS to that dtype, as a backward done in
     the input dtype would (the yardstick of FlashAttention's criterion). ``window_size`` and
     ``softcap`` as ``attention_reference``: with a softcap the gradient goes through the tanh,
-    dS = P ∘ (dP − D) ∘ (1 − t²) with t = tanh(QKᵀ · scale / softcap).
+    dS = P ∘ (dP − D) ∘ (1 − t²) with t = tanh(QKᵀ · scale / softcap), t rounded by
+    ``rounding_dtype`` as in the forward (the value autograd of a float16 computation keeps:
+    FlashAttention's tests build their input-dtype yardstick that way).
     """
     rnd = _rounding(rounding_dtype)
     b, _, hq, d = q.shape
@@ -178,7 +181,7 @@ def attention_backward_reference(
     dp = rnd(dof @ vf.transpose(0, 1, 3, 2))
     delta = (rnd(dof * out)).sum(axis=-1, keepdims=True)
     if softcap > 0:  # d(softcap · tanh(s / softcap)) / ds = 1 - t² (P is 0 where the window hides)
-        t = np.tanh(rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale / softcap)
+        t = rnd(np.tanh(rnd(qf @ kf.transpose(0, 1, 3, 2)) * scale / softcap))
         ds = rnd(p * (dp - delta) * (1.0 - t * t))
     else:
         ds = rnd(p * (dp - delta))
