@@ -159,6 +159,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     STAGES = config.stages
     KW = BN // WARPS  # keys of a tile each warp takes
     CPR = D // 8  # 16-byte chunks per row
+    OS = config.merge_row  # the warps' merge: floats from one O row to the next
     RB = config.row_bytes
     D_K_TILES = D // 16
     D_N_TILES = D // 8
@@ -519,23 +520,27 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
             accumulate_pv(acc_o, p_frag, sk + TILE_BYTES, warp, a_offsets, b_frag)
 
         # Merge the warps: each writes its m, l (quad-summed) and unnormalised O (float32) into
-        # shared memory over the ring; then thread t merges 8 consecutive columns of rows.
+        # shared memory over the ring; then thread t merges 8 consecutive columns of rows. Only
+        # rows that exist are written (4 of 16 at GQA 4 and seqlen_q 1), and O's rows are OS
+        # floats apart, 8 mod 32: the 8 rows of a store fall on 4 bank groups, not on one (a
+        # row stride of D made every O store an 8-way bank conflict, ncu, notebook DEC.4).
         ptx.cp_async_wait_group_0()
         cuda.syncthreads()
-        o_at = SRING // 4  # float32 [WARPS][BM][D], indices of smem_f
-        ml_at = o_at + WARPS * BM * D  # float32 [WARPS][BM][2]: m (scaled log2), l
+        o_at = SRING // 4  # float32 [WARPS][BM][OS], indices of smem_f
+        ml_at = o_at + WARPS * BM * OS  # float32 [WARPS][BM][2]: m (scaled log2), l
         g = lane // 4
         for mt in range(MT):
             for r in range(2):
                 row = 16 * mt + g + 8 * r
                 l_sum = quad_sum(l_run[mt, r])
-                if lane % 4 == 0:
-                    smem_f[ml_at + (warp * BM + row) * 2] = m_run[mt, r]
-                    smem_f[ml_at + (warp * BM + row) * 2 + 1] = l_sum
-                for j in range(D_N_TILES):
-                    for e in range(2):
-                        col = 8 * j + 2 * (lane % 4) + e
-                        smem_f[o_at + (warp * BM + row) * D + col] = acc_o[mt, j, 2 * r + e]
+                if r0 + row < rows_total:
+                    if lane % 4 == 0:
+                        smem_f[ml_at + (warp * BM + row) * 2] = m_run[mt, r]
+                        smem_f[ml_at + (warp * BM + row) * 2 + 1] = l_sum
+                    for j in range(D_N_TILES):
+                        for e in range(2):
+                            col = 8 * j + 2 * (lane % 4) + e
+                            smem_f[o_at + (warp * BM + row) * OS + col] = acc_o[mt, j, 2 * r + e]
         cuda.syncthreads()
         heads_q = p.heads_kv * p.group
         for i in range((BM * CPR + THREADS - 1) // THREADS):
@@ -556,7 +561,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                         weight = ptx.exp2(smem_f[ml_at + (w * BM + row) * 2] - m_max)
                         l_all += weight * smem_f[ml_at + (w * BM + row) * 2 + 1]
                         for c in range(8):
-                            acc[c] += weight * smem_f[o_at + (w * BM + row) * D + chunk * 8 + c]
+                            acc[c] += weight * smem_f[o_at + (w * BM + row) * OS + chunk * 8 + c]
                 inv = float32(1.0) / l_all if l_all > 0 else float32(0.0)
                 lse_value = (m_max + ptx.log2(l_all)) * LN2 if l_all > 0 else NEG_INF
                 pos = r // p.group

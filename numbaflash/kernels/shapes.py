@@ -547,11 +547,17 @@ class DecodeConfig:
         return f"_w{self.num_warps}_s{self.stages}" + ("_paged" if self.paged else "")
 
     @property
+    def merge_row(self) -> int:
+        """Floats from one O row to the next in the warps' merge: head_dim + 8, which is 8 mod 32
+        (head_dim is a multiple of 32), so a warp's stores of 8 rows spread over the banks."""
+        return self.head_dim + 8
+
+    @property
     def shared_bytes(self) -> int:
         """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring."""
         q_tile = self.rows * self.head_dim * 2
         ring = self.stages * 2 * self.block_n * self.head_dim * 2
-        merge = self.num_warps * self.rows * (self.head_dim + 2) * 4
+        merge = self.num_warps * self.rows * (self.merge_row + 2) * 4
         return q_tile + max(ring, merge)
 
     def check(self) -> None:
