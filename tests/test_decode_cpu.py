@@ -175,9 +175,11 @@ def test_resident_ctas():
 
 class FakeLauncher:
     launches: list = []
+    programmatic: dict = {}  # launcher name -> launched programmatically
 
-    def __init__(self, kernel, argtypes, name="kernel"):
+    def __init__(self, kernel, argtypes, name="kernel", programmatic=False):
         self.name, self.argtypes = name, argtypes
+        FakeLauncher.programmatic[name] = programmatic
 
     def bind(self, grid, block, shared_bytes, *args):
         """KernelLauncher.bind's contract: fire(stream, *array pointers, in parameter order)."""
@@ -224,6 +226,17 @@ def test_launches_match_the_abi(fake_gpu, paged, splits):
     assert grid == (splits, 1 * 2, 2) and block == 128 and rows <= 16
     assert args[-3] == splits
     assert args[-1] is (splits == 1)  # the decode kernel writes the LSE only without a combine
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((9, 0), True), ((8, 0), False), ((8, 9), False)])
+def test_combine_launches_programmatically_from_sm90(fake_gpu, monkeypatch, capability, expected):
+    """From sm_90 the combine kernel is launched with programmatic stream serialization (it may
+    start before the decode kernel ends and waits for it in ``ptx.grid_dependency_wait``);
+    the decode kernel never is (whatever ran before it in the stream must be done)."""
+    monkeypatch.setattr(device.GPU, "current", lambda: (capability, 0))
+    monkeypatch.setattr(FakeLauncher, "programmatic", {})
+    call(inputs(seqlen_q=2), num_splits=3)
+    assert FakeLauncher.programmatic == {"decode": False, "decode_combine": expected}
 
 
 # ------------------------------------------------------------------ the torch op (CPU, references)

@@ -8,8 +8,9 @@ import struct
 
 import numpy as np
 import pytest
-from numba import cuda, types
+from numba import cuda, int32, types
 
+from numbaflash import ptx
 from numbaflash.runtime.launch import KernelLauncher, _packer, param_layout
 
 
@@ -75,6 +76,75 @@ def test_launcher_passes_what_numba_passes():
     want = [11, 11, 30, -(2**40) - 3, 2**32 - 2, -7, 0.375, 1, 3064]
     np.testing.assert_array_equal(expected.copy_to_host(), want)
     np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+PDL_ARGTYPES = (types.int32[::1], types.int32[::1], types.int64)
+
+
+def _pdl_first(data, copy, spins):
+    """Signal the next kernel at once, spin ``spins`` dependent steps, then write ``data``."""
+    ptx.grid_launch_dependents()
+    i = cuda.grid(1)
+    acc = int32(i)
+    for k in range(spins):
+        acc = acc * int32(3) + int32(k)
+    if i < data.size:
+        data[i] = 3 * i + 1 if acc != int32(123456789) else 0
+
+
+def _pdl_second(data, copy, waits):
+    """Wait for the kernel before (unless ``waits`` is 0), then copy what it wrote."""
+    if waits:
+        ptx.grid_dependency_wait()
+    i = cuda.grid(1)
+    if i < data.size:
+        copy[i] = data[i]
+
+
+@pytest.mark.hopper
+def test_programmatic_launch_overlaps_and_waits_for_the_kernel_before():
+    """A kernel launched programmatically (``KernelLauncher(..., programmatic=True)``) after one
+    that signals its dependents at once and writes after about 0.7 ms of work: without
+    ``ptx.grid_dependency_wait`` it starts early and reads stale values (so the launch attribute
+    takes effect); with it, it reads every value the first kernel wrote, eagerly and in replays
+    of a CUDA graph captured from the same launches."""
+    torch = pytest.importorskip("torch")
+    first = cuda.jit(PDL_ARGTYPES)(_pdl_first)
+    second = cuda.jit(PDL_ARGTYPES)(_pdl_second)
+    launch_first = KernelLauncher.from_numba(first, PDL_ARGTYPES)
+    launch_second = KernelLauncher.from_numba(second, PDL_ARGTYPES, programmatic=True)
+    n, spins = 64 * 1024, 20_000  # about 0.7 ms of work
+    data = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    copy = torch.full((n,), -2, dtype=torch.int32, device="cuda")
+    want = 3 * torch.arange(n, dtype=torch.int32, device="cuda") + 1
+
+    def both(waits: int):  # on the current stream (the capture stream inside ``torch.cuda.graph``)
+        stream = torch.cuda.current_stream().cuda_stream
+        arrays = ((data.data_ptr(), n), (copy.data_ptr(), n))
+        launch_first((n // 256, 1, 1), 256, stream, 0, *arrays, spins)
+        launch_second((n // 256, 1, 1), 256, stream, 0, *arrays, waits)
+
+    both(1)  # the first launch of each kernel loads its module (lazy loading), in order
+    torch.cuda.synchronize()
+    assert torch.equal(copy, want)
+    data.fill_(-1)
+    both(0)
+    torch.cuda.synchronize()
+    assert torch.equal(data, want)
+    assert int((copy == -1).sum()) > 0  # started before the first kernel wrote
+    data.fill_(-1)
+    both(1)
+    torch.cuda.synchronize()
+    assert torch.equal(copy, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both(1)
+    for _ in range(3):
+        data.fill_(-1)
+        copy.fill_(-2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(copy, want)
 
 
 @pytest.mark.gpu

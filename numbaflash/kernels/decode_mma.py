@@ -519,6 +519,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                 pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
             accumulate_pv(acc_o, p_frag, sk + TILE_BYTES, warp, a_offsets, b_frag)
 
+        ptx.grid_launch_dependents()  # the combine kernel (sm_90: launched programmatically) may start
         # Merge the warps: each writes its m, l (quad-summed) and unnormalised O (float32) into
         # shared memory over the ring; then thread t merges 8 consecutive columns of rows. Only
         # rows that exist are written (4 of 16 at GQA 4 and seqlen_q 1), and O's rows are OS
@@ -647,7 +648,10 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     shuffles, and the O rows are summed over a fully unrolled loop of ``SPLITS_PER_WARP``
     steps whose loads do not depend on each other (a step past the last split reads the last
     split's row again with weight 0), so they are all in flight at once instead of one L2
-    round trip a split."""
+    round trip a split. On sm_90 it is launched programmatically (``KernelLauncher(...,
+    programmatic=True)``): its CTAs may be resident before the decode kernel ends (which lets
+    them start after its main loop, ``ptx.grid_launch_dependents``), and each waits for it
+    (``ptx.grid_dependency_wait``) before reading a partial."""
     D = config.head_dim
     PER_LANE = (D + 31) // 32
     BF16 = bf16
@@ -674,6 +678,7 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
         head = (row_id // seqlen_q) % heads_q
         b = row_id // (seqlen_q * heads_q)
         first = row_id * num_splits
+        ptx.grid_dependency_wait()  # on sm_90 this kernel may start before the decode kernel ends
         mine = lse_part[uint64(first + lane)] if lane < num_splits else NEG_INF
         m_max = mine
         for step in (16, 8, 4, 2, 1):

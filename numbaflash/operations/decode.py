@@ -111,7 +111,9 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
                         ctas_per_sm = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
                                                     config.shared_bytes, gpu.shared_limit(device))
-                    parts.append((KernelLauncher(kernel, op.abi, name), op.prepare_launch(config)))
+                    programmatic = part == "decode_combine" and capability >= (9, 0)  # see ptx/grid.cu
+                    launcher = KernelLauncher(kernel, op.abi, name, programmatic)
+                    parts.append((launcher, op.prepare_launch(config)))
                 ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm)
     if not configs.DECODE_FORCED:  # the problem's own config: found by the shapes next time
         gpu.launchers[short_key] = ready

@@ -1,7 +1,8 @@
 """PTX bindings: every instruction Numba cannot express, as a device function.
 
 Kernels import from here and never see cffi, raw pointers or address spaces.
-Families: async_copy, matrix_load, mma, convert, math, reduce (sm_80+); hopper (sm_90a).
+Families: async_copy, matrix_load, mma, convert, math, reduce (sm_80+); grid (sm_90+, no-ops
+below); hopper (sm_90a).
 """
 
 from .async_copy import (
@@ -37,6 +38,7 @@ from .convert import (
     pack_f16x2,
     reciprocal,
 )
+from .grid import grid_dependency_wait, grid_launch_dependents
 from .math import tanh
 from .matrix_load import (
     ldmatrix_x1,
@@ -73,6 +75,8 @@ __all__ = [
     "global_address",
     "global_address_f32",
     "global_address_i32",
+    "grid_dependency_wait",
+    "grid_launch_dependents",
     "ld_acquire_gpu_s32",
     "ld_shared_v4",
     "log2",

@@ -149,6 +149,45 @@ def _firer(words: Sequence[int]):
     return namespace["make"]
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id (int), padding to 8 bytes, a 64-byte value union (its first
+    int here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuLaunchKernelEx): grid, block, shared bytes, stream, attributes."""
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _programmatic_launch():
+    """A function with ``cuLaunchKernel``'s parameters that launches through ``cuLaunchKernelEx``
+    with programmatic stream serialization allowed (programmatic dependent launch, sm_90+): the
+    kernel may start while the stream's previous kernel finishes, and must call
+    ``ptx.grid_dependency_wait`` before it reads what that kernel wrote. Each function owns its
+    launch config, so the caller serialises its calls (a launcher's or a bound launch's lock)."""
+    attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(attrs=ctypes.pointer(attribute), num_attrs=1)
+    config_ref = ctypes.byref(config)
+    launch_ex = _libcuda().cuLaunchKernelEx
+
+    def launch(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        config.grid_x, config.grid_y, config.grid_z = gx, gy, gz
+        config.block_x, config.block_y, config.block_z = bx, by, bz
+        config.shared, config.stream = shared, stream
+        return launch_ex(config_ref, handle, params, extra)
+
+    launch.keep = (attribute, config)  # the structures the driver reads, kept alive
+    return launch
+
+
 _LIBCUDA = None
 
 
@@ -160,6 +199,8 @@ def _libcuda():
         p, u = ctypes.c_void_p, ctypes.c_uint
         lib.cuLaunchKernel.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
         lib.cuLaunchKernel.restype = ctypes.c_int
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), p, p, p]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         _LIBCUDA = lib
     return _LIBCUDA
@@ -183,10 +224,17 @@ class KernelLauncher:
     current one for stream 0). The caller keeps the memory alive until the kernel has run (as
     with any asynchronous launch). Thread-safe: the parameter buffer is held under a lock from
     packing until the driver has copied it.
+
+    ``programmatic=True`` (sm_90+) launches through ``cuLaunchKernelEx`` with programmatic stream
+    serialization allowed: the kernel may start before the stream's previous kernel ends (once
+    that one's CTAs have all called ``ptx.grid_launch_dependents`` or exited), and must call
+    ``ptx.grid_dependency_wait`` before it reads anything that kernel wrote.
     """
 
-    def __init__(self, kernel, argtypes: Sequence[Any], name: str = "kernel") -> None:
+    def __init__(self, kernel, argtypes: Sequence[Any], name: str = "kernel",
+                 programmatic: bool = False) -> None:
         self.name = name
+        self.programmatic = programmatic
         self.kernel = kernel  # kept alive: the handle below belongs to it
         # A CUkernel (context-independent, cuLibraryLoad) launches as a CUfunction.
         self.handle = int(kernel.handle)
@@ -198,15 +246,15 @@ class KernelLauncher:
         self._make_fire = None  # _firer(...) of the array arguments' data words, made on first bind
         base = ctypes.addressof(self._buffer)
         self._pointers = (ctypes.c_void_p * max(len(self.params), 1))(*(base + p.offset for p in self.params))
-        self._launch = _libcuda().cuLaunchKernel
+        self._launch = _programmatic_launch() if programmatic else _libcuda().cuLaunchKernel
         self._lock = threading.Lock()
 
     @classmethod
-    def from_numba(cls, kernel, argtypes: Sequence[Any]) -> KernelLauncher:
+    def from_numba(cls, kernel, argtypes: Sequence[Any], programmatic: bool = False) -> KernelLauncher:
         """The launcher of a ``cuda.jit`` kernel's overload for ``argtypes`` (compiled and
         loaded on the current device)."""
         cufunc = kernel.overloads[tuple(argtypes)]._codelibrary.get_cufunc()
-        return cls(cufunc.kernel, argtypes, cufunc.name)
+        return cls(cufunc.kernel, argtypes, cufunc.name, programmatic)
 
     def __call__(self, grid: tuple[int, int, int], block: int, stream_handle: int, shared_bytes: int,
                  *args: Any) -> None:
@@ -243,5 +291,6 @@ class KernelLauncher:
         def failed(err: int) -> None:
             self._failed(err, grid, block, shared_bytes)
 
-        return self._make_fire(buffer, words, pointers, threading.Lock(), self._launch, self.handle,
+        launch = _programmatic_launch() if self.programmatic else self._launch
+        return self._make_fire(buffer, words, pointers, threading.Lock(), launch, self.handle,
                                grid[0], grid[1], grid[2], block, shared_bytes, failed)
