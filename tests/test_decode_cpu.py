@@ -229,14 +229,14 @@ def test_launches_match_the_abi(fake_gpu, paged, splits):
 
 
 @pytest.mark.parametrize(("capability", "expected"), [((9, 0), True), ((8, 0), False), ((8, 9), False)])
-def test_combine_launches_programmatically_from_sm90(fake_gpu, monkeypatch, capability, expected):
-    """From sm_90 the combine kernel is launched with programmatic stream serialization (it may
-    start before the decode kernel ends and waits for it in ``ptx.grid_dependency_wait``);
-    the decode kernel never is (whatever ran before it in the stream must be done)."""
+def test_decode_launches_programmatically_from_sm90(fake_gpu, monkeypatch, capability, expected):
+    """From sm_90 both kernels are launched with programmatic stream serialization: each may
+    start before the kernel ahead of it in the stream ends and waits for it in
+    ``ptx.grid_dependency_wait`` before reading its inputs."""
     monkeypatch.setattr(device.GPU, "current", lambda: (capability, 0))
     monkeypatch.setattr(FakeLauncher, "programmatic", {})
     call(inputs(seqlen_q=2), num_splits=3)
-    assert FakeLauncher.programmatic == {"decode": False, "decode_combine": expected}
+    assert FakeLauncher.programmatic == {"decode": expected, "decode_combine": expected}
 
 
 # ------------------------------------------------------------------ the torch op (CPU, references)

@@ -415,6 +415,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         b = int64(cuda.blockIdx.z)
         rows_total = p.group * p.seqlen_q
         r0 = row_block * BM
+        ptx.grid_dependency_wait()  # sm_90 launches this kernel programmatically: inputs after this
         cache_len = int64(p.cache_seqlens[uint64(b)])
         total = cache_len + p.seqlen_new
         diag = total - p.seqlen_q  # query i sees keys j <= i + diag

@@ -111,7 +111,7 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
                         ctas_per_sm = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
                                                     config.shared_bytes, gpu.shared_limit(device))
-                    programmatic = part == "decode_combine" and capability >= (9, 0)  # see ptx/grid.cu
+                    programmatic = capability >= (9, 0)  # see ptx/grid.cu
                     launcher = KernelLauncher(kernel, op.abi, name, programmatic)
                     parts.append((launcher, op.prepare_launch(config)))
                 ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm)
