@@ -42,6 +42,7 @@ import numbaflash  # noqa: E402
 from numbaflash.operations import decode as decode_op  # noqa: E402
 from numbaflash.operations.launch_decode import (  # noqa: E402
     MAX_SPLITS,
+    SCRATCH_TAIL_ROWS,
     decode_splits,
     page_divider,
     resident_ctas,
@@ -163,6 +164,20 @@ def test_a_combine_warp_holds_every_split():
     assert MAX_SPLITS <= SPLITS_PER_WARP  # lane s of the combine warp reads split s
 
 
+def test_the_split_scratch_holds_every_combine_load():
+    """A combine warp loads SPLITS_PER_WARP splits of its row at constant offsets, past the row's
+    last split too: from the last row of a call with 2 splits, (SPLITS_PER_WARP - 2) rows of
+    head_dim floats past the partials. The scratch's LSEs and its tail cover that (the bind gives
+    the combine kernel the whole scratch: ``test_launches_match_the_abi``)."""
+    from numbaflash.kernels.decode_mma import SPLITS_PER_WARP
+
+    assert SCRATCH_TAIL_ROWS >= SPLITS_PER_WARP - 2
+    for rows, splits, d in ((1, 2, 256), (3, 5, 64), (4, 32, 128)):
+        n = rows * splits
+        last_read = ((rows - 1) * splits + SPLITS_PER_WARP - 1) * d + d - 1
+        assert last_read < n * (d + 1) + SCRATCH_TAIL_ROWS * d
+
+
 def test_resident_ctas():
     # d128 decode on an H100: 168 registers, 100 KB: shared memory allows 2, registers 3
     assert resident_ctas(128, 168, 100 * 1024, 227 * 1024) == 2
@@ -226,6 +241,11 @@ def test_launches_match_the_abi(fake_gpu, paged, splits):
     assert grid == (splits, 1 * 2, 2) and block == 128 and rows <= 16
     assert args[-3] == splits
     assert args[-1] is (splits == 1)  # the decode kernel writes the LSE only without a combine
+    if splits > 1:  # one combine warp per 32 columns of the 2 x 8 x 2 rows; it sees the whole scratch
+        _, grid, block, shared, args = FakeLauncher.launches[1]
+        n = 2 * 8 * 2 * splits
+        assert grid == (2 * 8 * 2 * (128 // 32) // 4, 1, 1) and block == 128
+        assert args[0][1] == n * (128 + 1) + SCRATCH_TAIL_ROWS * 128
 
 
 @pytest.mark.parametrize(("capability", "expected"), [((9, 0), True), ((8, 0), False), ((8, 9), False)])

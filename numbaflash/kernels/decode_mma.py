@@ -63,9 +63,9 @@ KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb
 # Where one key row lives (``row_place``): below the total length, from the new rows, the
 # cache unit (batch, or page) and row in it, the row in the new rows, and room in the cache.
 RowPlace = namedtuple("RowPlace", ["exists", "from_new", "unit", "row", "new_row", "in_cache"])
-# One combine warp's row: its accumulator, the partials, this lane's split weight, the row's first
-# split (row_id * num_splits), the last split's index, the lane.
-CombineRow = namedtuple("CombineRow", ["acc", "o_part", "weight", "first", "last", "lane"])
+# One combine warp's columns: its accumulator, the partials, this lane's split weight, the
+# element of the row's first split in this lane's column, the last split's index.
+CombineRow = namedtuple("CombineRow", ["acc", "o_part", "weight", "first", "last"])
 
 LOG2_E = float32(math.log2(math.e))
 LN2 = float32(math.log(2.0))
@@ -642,29 +642,34 @@ SPLITS_PER_WARP = 32
 
 
 def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """Merge the splits' float32 partials (``DECODE_COMBINE_ARGTYPES``): one warp per output row
-    (batch, position, query head), 4 warps a CTA, grid ceil(rows / 4); ``causal`` is unused.
+    """Merge the splits' float32 partials (``DECODE_COMBINE_ARGTYPES``): one warp per 32 columns
+    of an output row (batch, position, query head), lane c column c of them, 4 warps a CTA, grid
+    ceil(rows * head_dim / 128); ``causal`` is unused.
 
     Lane s reads split s's LSE; the warp's max and the weights exp(LSE_s - max) come from
-    shuffles, and the O rows are summed over a fully unrolled loop of ``SPLITS_PER_WARP``
-    steps whose loads do not depend on each other (a step past the last split reads the last
-    split's row again with weight 0), so they are all in flight at once instead of one L2
-    round trip a split. On sm_90 it is launched programmatically (``KernelLauncher(...,
-    programmatic=True)``): its CTAs may be resident before the decode kernel ends (which lets
-    them start after its main loop, ``ptx.grid_launch_dependents``), and each waits for it
-    (``ptx.grid_dependency_wait``) before reading a partial."""
+    shuffles, and the column is summed over a fully unrolled loop of ``SPLITS_PER_WARP`` steps
+    whose loads do not depend on each other, all in flight at once instead of one L2 round trip
+    a split. Step s loads split s's element at a constant offset from the row's first split (one
+    address register, 32 loads: about 40 registers) and keeps it only where s is a split of the
+    row; past the row's last split it reads the next rows' partials, their LSEs or the scratch's
+    tail (``launch_decode.SCRATCH_TAIL_ROWS`` rows of head_dim floats), and drops the value (a
+    select, so a NaN there never enters).
+    With so few registers a combine CTA fits on an SM beside two d128 decode CTAs: on sm_90 it
+    is launched programmatically (``KernelLauncher(..., programmatic=True)``), so its CTAs are
+    resident before the decode kernel ends (they may start after its main loop,
+    ``ptx.grid_launch_dependents``), and each waits for it (``ptx.grid_dependency_wait``) before
+    reading a partial."""
     D = config.head_dim
-    PER_LANE = (D + 31) // 32
+    GROUPS = D // 32  # warps a row
     BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
     def add_split(s, state):
-        """acc += weight_s * O_s (split s, or the last split with weight 0 past it); ``state``:
-        a ``CombineRow``."""
+        """acc[0] += weight_s * O_s[column] where s is one of the row's splits; ``state``: a
+        ``CombineRow`` (``first``: the element of the row's first split in this column)."""
         w = cuda.shfl_sync(FULL_MASK, state.weight, s)
-        at = (state.first + min(int64(s), state.last)) * D + state.lane
-        for c in range(PER_LANE):
-            state.acc[c] += w * state.o_part[uint64(at + 32 * c)]
+        value = state.o_part[uint64(state.first + s * D)]
+        state.acc[0] += w * (value if s <= state.last else float32(0.0))
 
     add_splits = unroll(add_split, SPLITS_PER_WARP)
 
@@ -672,9 +677,11 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
                        write_lse):
         tid = cuda.threadIdx.x & 1023
         lane = tid % 32
-        row_id = int64(cuda.blockIdx.x) * 4 + tid // 32  # (b * heads_q + head) * seqlen_q + pos
+        warp_id = int64(cuda.blockIdx.x) * 4 + tid // 32
+        row_id = warp_id // GROUPS  # (b * heads_q + head) * seqlen_q + pos
         if row_id >= batch * heads_q * seqlen_q:
             return
+        col = (warp_id % GROUPS) * 32 + lane
         pos = row_id % seqlen_q
         head = (row_id // seqlen_q) % heads_q
         b = row_id // (seqlen_q * heads_q)
@@ -688,16 +695,13 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
         total = weight
         for step in (16, 8, 4, 2, 1):
             total += cuda.shfl_xor_sync(FULL_MASK, total, step)
-        acc = cuda.local.array(PER_LANE, float32)
-        for c in range(PER_LANE):
-            acc[c] = 0.0
-        add_splits(CombineRow(acc, o_part, weight, first, num_splits - 1, lane))
+        acc = cuda.local.array(1, float32)
+        acc[0] = 0.0
+        add_splits(CombineRow(acc, o_part, weight, first * D + col, num_splits - 1))
         inv = float32(1.0) / total if total > 0 else float32(0.0)
-        base = b * o_sb + pos * o_ss + head * o_sh
-        for c in range(PER_LANE):
-            packed = pack_16bit(acc[c] * inv, float32(0.0), BF16)
-            out[uint64(base + lane + 32 * c)] = uint16(packed & uint32(0xFFFF))
-        if write_lse and lane == 0:
+        packed = pack_16bit(acc[0] * inv, float32(0.0), BF16)
+        out[uint64(b * o_sb + pos * o_ss + head * o_sh + col)] = uint16(packed & uint32(0xFFFF))
+        if write_lse and col == 0:
             lse[uint64((b * heads_q + head) * seqlen_q + pos)] = (
                 m_max + ptx.log2(total) * LN2 if total > 0 else NEG_INF)
 

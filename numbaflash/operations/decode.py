@@ -36,7 +36,7 @@ from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
 from .families import decode_operation, family_of
 from .forward import PLANS_KEPT, WINDOW_UNBOUNDED, loaded_kernel, variant_of
-from .launch_decode import MAX_SPLITS, Bind, DecodeCall, decode_splits, resident_ctas
+from .launch_decode import MAX_SPLITS, SCRATCH_TAIL_ROWS, Bind, DecodeCall, decode_splits, resident_ctas
 
 LOG2_E = math.log2(math.e)
 
@@ -199,7 +199,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     (decode_launcher, bind_decode), (combine_launcher, bind_combine) = kernels.decode, kernels.combine
     spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
     plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),
-                      qd.shape, (batch, heads_q, seqlen_q) if return_lse else None, n * (head_dim + 1),
+                      qd.shape, (batch, heads_q, seqlen_q) if return_lse else None,
+                      n * (head_dim + 1) + SCRATCH_TAIL_ROWS * head_dim if n else 0,
                       4 * n * head_dim, scratch, spans, 2 * out.span)
     if not forced:
         with gpu.lock:

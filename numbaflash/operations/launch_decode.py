@@ -6,8 +6,8 @@ shapes alone (``decode_splits``).
    ``config.shared_bytes``. Row block rb of KV head h takes packed query rows rb * rows ..: the
    query heads of h times seqlen_q. Its window and softcap variants (``DECODE_VARIANT_ABI``):
    the same launch, the window's sides and the softcap's factor after the plain parameters.
-2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q / 4),
-   128 threads, one warp a row.
+2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q *
+   head_dim / 128), 128 threads, one warp per 32 columns of a row.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from ..operands import Operand
 
 MAX_SPLITS = 32  # a fixed ceiling, so that a captured graph's scratch never grows (vLLM's cap)
+# Rows of head_dim float32 the split scratch holds past the partials and their LSEs: a combine
+# warp loads all SPLITS_PER_WARP (32) splits of its row at constant offsets, past its last split
+# too, and drops those values (``kernels.decode_mma.make_decode_combine_kernel``).
+SCRATCH_TAIL_ROWS = 32
 MIN_TILES_PER_SPLIT = 4  # keys a split reads at the least, in tiles: below, the merge costs more
 
 
@@ -168,8 +172,9 @@ def launch_decode_combine(config) -> Bind:
         if call.num_splits == 1:
             return None
         batch, seqlen_q, heads_q, _ = call.q.shape
-        rows = batch * heads_q * seqlen_q
-        return launcher.bind((-(-rows // 4), 1, 1), 128, 0, (0, call.o_part_elements),
+        warps = batch * heads_q * seqlen_q * (call.q.shape[3] // 32)
+        scratch = call.o_part_elements + call.lse_part_elements + SCRATCH_TAIL_ROWS * call.q.shape[3]
+        return launcher.bind((-(-warps // 4), 1, 1), 128, 0, (0, scratch),
                              (0, call.lse_part_elements), (0, 1), (0, call.lse_elements),
                              *call.out.strides[:3], batch, seqlen_q, heads_q, call.num_splits, call.write_lse)
 
