@@ -134,9 +134,28 @@ def test_splits_from_shapes_only():
     assert decode_splits(32, 8, 1, 4096, 64, 132, 2) == 1  # 256 of 264 slots
     assert decode_splits(1, 8, 1, 128, 64, 132, 2) == 1  # 2 tiles: nothing to split
     assert decode_splits(1, 1, 1, 1 << 20, 64, 132) == MAX_SPLITS  # capped for graph capture
+    # one CTA a SM (d128): 8 x 8192 keys in 2 splits, 1 x 8192 and 1 x 131072 in 16 (128 of 132 SMs)
+    assert decode_splits(8, 8, 1, 8192, 64, 132, 1) == 2
+    assert decode_splits(1, 8, 1, 8192, 64, 132, 1) == 16
+    assert decode_splits(1, 8, 1, 131072, 64, 132, 1) == 16
+    assert decode_splits(16, 8, 1, 8192, 64, 132, 1) == 1  # 128 CTAs: 97% of the SMs
     for b, h, keys, per_sm in ((1, 1, 64, 1), (3, 2, 5000, 2), (16, 8, 65536, 3), (5, 3, 20000, 4)):
         s = decode_splits(b, h, 1, keys, 64, 132, per_sm)
         assert 1 <= s <= MAX_SPLITS and (s == 1 or -(-keys // 64) // s >= 4)
+
+
+def test_streaming_ctas_keep_64_kb_in_flight_a_sm():
+    """d128 (64-key tiles, a ring of 3) has 64 KB of K and V on the way a CTA: one a SM; d64
+    (128 keys, a ring of 2) 32 KB: two; d32 16 KB: four, if the SM holds them."""
+    from numbaflash.kernels.shapes import DecodeConfig
+    from numbaflash.operations.launch_decode import streaming_ctas
+
+    d128, d64, d32 = DecodeConfig(128), DecodeConfig(64, block_n=128, stages=2), DecodeConfig(32)
+    assert (d128.bytes_in_flight, d64.bytes_in_flight, d32.bytes_in_flight) == (65536, 32768, 16384)
+    assert streaming_ctas(d128.bytes_in_flight, 2) == 1
+    assert streaming_ctas(d64.bytes_in_flight, 3) == 2
+    assert streaming_ctas(d32.bytes_in_flight, 3) == 3 and streaming_ctas(d32.bytes_in_flight, 8) == 4
+    assert streaming_ctas(DecodeConfig(256).bytes_in_flight, 1) == 1
 
 
 @pytest.mark.parametrize("page_size", [*range(1, 300), 1000, 4096, 65535, 1 << 20])
@@ -471,7 +490,7 @@ def test_window_splits_follow_the_window_not_the_cache(fake_gpu):
     window = _calls(x, window_size=(100, 0))
     assert window[0][0] == "decode_window" and window[0][1][0] == 1 and len(window) == 1
     wide = _calls(x, window_size=(4000, 0))  # 64 tiles or so: 16 splits of 4 tiles
-    assert wide[0][0] == "decode_window" and wide[0][1][0] == decode_splits(2, 2, 1, 4001 + 64, 64, 132, 2)
+    assert wide[0][0] == "decode_window" and wide[0][1][0] == decode_splits(2, 2, 1, 4001 + 64, 64, 132, 1)
 
 
 def test_plain_calls_keep_their_plans_apart_from_windowed_ones(fake_gpu):

@@ -553,6 +553,11 @@ class DecodeConfig:
         return self.head_dim + 8
 
     @property
+    def bytes_in_flight(self) -> int:
+        """K and V bytes a CTA has on the way while it computes a tile: the ring's other stages."""
+        return (self.stages - 1) * 2 * self.block_n * self.head_dim * 2
+
+    @property
     def shared_bytes(self) -> int:
         """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring."""
         q_tile = self.rows * self.head_dim * 2

@@ -36,7 +36,15 @@ from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
 from .families import decode_operation, family_of
 from .forward import PLANS_KEPT, WINDOW_UNBOUNDED, loaded_kernel, variant_of
-from .launch_decode import MAX_SPLITS, SCRATCH_TAIL_ROWS, Bind, DecodeCall, decode_splits, resident_ctas
+from .launch_decode import (
+    MAX_SPLITS,
+    SCRATCH_TAIL_ROWS,
+    Bind,
+    DecodeCall,
+    decode_splits,
+    resident_ctas,
+    streaming_ctas,
+)
 
 LOG2_E = math.log2(math.e)
 
@@ -80,7 +88,7 @@ class DecodeKernels(NamedTuple):
     config: Any  # kernels.shapes.DecodeConfig
     decode: tuple[Any, Bind]
     combine: tuple[Any, Bind]
-    ctas_per_sm: int  # decode CTAs an SM holds at once (registers and shared memory)
+    ctas_per_sm: int  # decode CTAs an SM runs at once: enough to stream, at most what it holds
 
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
@@ -109,8 +117,9 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                     kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
                     if part == operation:
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
-                        ctas_per_sm = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
-                                                    config.shared_bytes, gpu.shared_limit(device))
+                        resident = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
+                                                 config.shared_bytes, gpu.shared_limit(device))
+                        ctas_per_sm = streaming_ctas(config.bytes_in_flight, resident)
                     programmatic = capability >= (9, 0)  # see ptx/grid.cu
                     launcher = KernelLauncher(kernel, op.abi, name, programmatic)
                     parts.append((launcher, op.prepare_launch(config)))

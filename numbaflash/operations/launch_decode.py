@@ -27,7 +27,9 @@ MAX_SPLITS = 32  # a fixed ceiling, so that a captured graph's scratch never gro
 # warp loads all SPLITS_PER_WARP (32) splits of its row at constant offsets, past its last split
 # too, and drops those values (``kernels.decode_mma.make_decode_combine_kernel``).
 SCRATCH_TAIL_ROWS = 32
-MIN_TILES_PER_SPLIT = 4  # keys a split reads at the least, in tiles: below, the merge costs more
+MIN_TILES_PER_SPLIT = 4
+# K and V bytes on the way that keep one SM's share of the HBM busy (``streaming_ctas``).
+STREAM_BYTES_PER_SM = 64 * 1024  # keys a split reads at the least, in tiles: below, the merge costs more
 
 
 def resident_ctas(threads: int, registers: int, shared_bytes: int, shared_limit: int,
@@ -42,19 +44,31 @@ def resident_ctas(threads: int, registers: int, shared_bytes: int, shared_limit:
     return max(1, min(by_threads, by_registers, by_shared, max_ctas))
 
 
+def streaming_ctas(bytes_in_flight: int, resident: int) -> int:
+    """Decode CTAs an SM should run at once: as many as keep ``STREAM_BYTES_PER_SM`` of K and V
+    on the way (``DecodeConfig.bytes_in_flight`` a CTA), at most the ``resident`` it holds.
+
+    Measured on an H100 (lab notebook DEC.6, CUDA graphs, forced split counts): at d128 (64-key
+    tiles, a ring of 3: 64 KB in flight a CTA) one CTA a SM streams 2-3% faster than two (8 x
+    8192 keys: 2 splits 2799-2862 GB/s, 4 splits 2734-2798; 1 x 131072: 16 splits against 32,
+    +2%), at d64 (32 KB a CTA) two a SM are 2-4% faster than one or three."""
+    return max(1, min(resident, -(-STREAM_BYTES_PER_SM // bytes_in_flight)))
+
+
 def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, block_n: int, sm_count: int,
                   ctas_per_sm: int = 1) -> int:
     """How many CTAs share the keys of one (batch, KV head, row block), from the shapes only
     (never from ``cache_seqlens``' values: a captured graph stays right when they change).
 
     Every CTA streams about as many keys, so a launch of n CTAs over s = ``sm_count *
-    ctas_per_sm`` slots takes ceil(n / s) waves and keeps the HBM busy for the fraction
-    (n / s) / ceil(n / s) of them. The split counts allowed: at most ``MAX_SPLITS``, each split
-    at least ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` of the longest sequence (``max_keys``),
-    each count changing the tiles a split reads. One split where the (batch, KV head, row block)
-    CTAs fill 80% of the slots; the most allowed where even those leave slots empty; else the
-    fewest whose waves are within 85% of the best (FlashAttention-2's rule; measured in the lab
-    notebook, DEC.1)."""
+    ctas_per_sm`` slots (``streaming_ctas`` a SM) takes ceil(n / s) waves and keeps the HBM busy
+    for the fraction (n / s) / ceil(n / s) of them. The split counts allowed: at most
+    ``MAX_SPLITS``, each split at least ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` of the
+    longest sequence (``max_keys``), each count changing the tiles a split reads. One split where
+    the (batch, KV head, row block) CTAs fill 80% of the slots; the most allowed where even those
+    leave slots empty; else the fewest whose waves are within 95% of the best (FlashAttention-2
+    takes 85%; at 1 x 8192 keys, d128, that would be 14 splits on 112 of 132 SMs, where 95% takes
+    the 16 that DEC.6 measured best of 8, 16 and 32)."""
     ctas = batch * heads_kv * row_blocks
     slots = sm_count * ctas_per_sm
     if ctas >= 0.8 * slots:
@@ -67,7 +81,7 @@ def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, blo
     waves = {s: ctas * s / slots for s in candidates}
     efficiency = {s: w / math.ceil(w) for s, w in waves.items()}
     best = max(efficiency.values())
-    return min(s for s in candidates if efficiency[s] >= 0.85 * best)
+    return min(s for s in candidates if efficiency[s] >= 0.95 * best)
 
 
 @functools.lru_cache(maxsize=64)
