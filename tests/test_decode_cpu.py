@@ -158,6 +158,22 @@ def test_streaming_ctas_keep_64_kb_in_flight_a_sm():
     assert streaming_ctas(DecodeConfig(256).bytes_in_flight, 1) == 1
 
 
+@pytest.mark.parametrize("limit", [99 * 1024, 163 * 1024, 227 * 1024])
+def test_occupancy_shared_holds_an_sm_to_the_streaming_ctas(limit):
+    from numbaflash.kernels.shapes import DecodeConfig
+    from numbaflash.operations.launch_decode import occupancy_shared
+
+    d64 = DecodeConfig(64, block_n=128, stages=2)
+    for config in (DecodeConfig(128), d64, DecodeConfig(32), DecodeConfig(96)):
+        if config.shared_bytes > limit:
+            continue
+        resident = resident_ctas(config.threads, 128, config.shared_bytes, limit)
+        for ctas in range(1, resident + 1):
+            asked = occupancy_shared(config.shared_bytes, ctas, limit)
+            assert config.shared_bytes <= asked <= limit
+            assert resident_ctas(config.threads, 128, asked, limit) == ctas
+
+
 @pytest.mark.parametrize("page_size", [*range(1, 300), 1000, 4096, 65535, 1 << 20])
 def test_page_divider_divides(page_size):
     magic, shift = page_divider(page_size)
@@ -258,6 +274,7 @@ def test_launches_match_the_abi(fake_gpu, paged, splits):
     _, grid, block, shared, args = FakeLauncher.launches[0]
     rows = 4 * 2  # group 4 x seqlen_q 2: one row block of 16
     assert grid == (splits, 1 * 2, 2) and block == 128 and rows <= 16
+    assert shared == 227 * 1024  # d128 streams best at one CTA a SM: the launch holds the SM to it
     assert args[-3] == splits
     assert args[-1] is (splits == 1)  # the decode kernel writes the LSE only without a combine
     if splits > 1:  # one combine warp per 32 columns of the 2 x 8 x 2 rows; it sees the whole scratch

@@ -42,6 +42,7 @@ from .launch_decode import (
     Bind,
     DecodeCall,
     decode_splits,
+    occupancy_shared,
     resident_ctas,
     streaming_ctas,
 )
@@ -89,6 +90,7 @@ class DecodeKernels(NamedTuple):
     decode: tuple[Any, Bind]
     combine: tuple[Any, Bind]
     ctas_per_sm: int  # decode CTAs an SM runs at once: enough to stream, at most what it holds
+    shared_bytes: int  # the decode launch's dynamic shared memory: no more CTAs than ctas_per_sm a SM
 
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
@@ -111,19 +113,22 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
             ready = gpu.launchers.get(key)
             if ready is None:
                 parts = []
-                ctas_per_sm = 1
+                ctas_per_sm, shared_bytes = 1, config.shared_bytes
                 for part in (operation, "decode_combine"):
                     op = family.op(part)
                     kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
                     if part == operation:
-                        set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
+                        limit = gpu.shared_limit(device)
                         resident = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
-                                                 config.shared_bytes, gpu.shared_limit(device))
+                                                 config.shared_bytes, limit)
                         ctas_per_sm = streaming_ctas(config.bytes_in_flight, resident)
+                        if ctas_per_sm < resident:  # hold the SM to the CTAs that stream best
+                            shared_bytes = occupancy_shared(config.shared_bytes, ctas_per_sm, limit)
+                        set_dynamic_shared_limit(kernel.handle, device, shared_bytes)
                     programmatic = capability >= (9, 0)  # see ptx/grid.cu
                     launcher = KernelLauncher(kernel, op.abi, name, programmatic)
                     parts.append((launcher, op.prepare_launch(config)))
-                ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm)
+                ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm, shared_bytes)
     if not configs.DECODE_FORCED:  # the problem's own config: found by the shapes next time
         gpu.launchers[short_key] = ready
     return ready
@@ -204,7 +209,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
                           (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), 0)
     call = DecodeCall(qd, kcd, vcd, knd, vnd, paged, btd.strides[0] if paged else 0, pages, capacity,
                       out, lse_count, max(n * head_dim, 1), max(n, 1), splits, row_blocks,
-                      var.scale_log2, return_lse, var.window_left, var.window_right, var.cap_scale)
+                      var.scale_log2, return_lse, kernels.shared_bytes, var.window_left, var.window_right,
+                      var.cap_scale)
     (decode_launcher, bind_decode), (combine_launcher, bind_combine) = kernels.decode, kernels.combine
     spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
     plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),

@@ -3,8 +3,9 @@
 shapes alone (``decode_splits``).
 
 1. decode (``flash_decode``): grid (num_splits, row_blocks * heads_kv, batch), ``config.threads``,
-   ``config.shared_bytes``. Row block rb of KV head h takes packed query rows rb * rows ..: the
-   query heads of h times seqlen_q. Its window and softcap variants (``DECODE_VARIANT_ABI``):
+   ``config.shared_bytes`` or more (``occupancy_shared``: no more CTAs a SM than stream best).
+   Row block rb of KV head h takes packed query rows rb * rows ..: the query heads of h times
+   seqlen_q. Its window and softcap variants (``DECODE_VARIANT_ABI``):
    the same launch, the window's sides and the softcap's factor after the plain parameters.
 2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q *
    head_dim / 128), 128 threads, one warp per 32 columns of a row.
@@ -42,6 +43,15 @@ def resident_ctas(threads: int, registers: int, shared_bytes: int, shared_limit:
     by_registers = (sm_registers // per_warp) // max(1, threads // 32)
     by_shared = (shared_limit + 1024) // (shared_bytes + 1024)
     return max(1, min(by_threads, by_registers, by_shared, max_ctas))
+
+
+def occupancy_shared(shared_bytes: int, ctas: int, shared_limit: int) -> int:
+    """The dynamic shared memory a launch asks for so that an SM holds at most ``ctas`` of its
+    CTAs (``shared_limit``: the most one CTA may take, the SM's total less the 1 KB kept a CTA):
+    the kernel's own ``shared_bytes`` where that already allows no more, else the SM's share a
+    CTA. More resident decode CTAs than ``streaming_ctas`` contend for the HBM (DEC.6: at d64,
+    128 x 2048 keys, 3 a SM 0.974-0.977 of cuDNN, 2 a SM 1.007-1.023)."""
+    return max(shared_bytes, min(shared_limit, (shared_limit + 1024) // ctas - 1024))
 
 
 def streaming_ctas(bytes_in_flight: int, resident: int) -> int:
@@ -119,6 +129,7 @@ class DecodeCall(NamedTuple):
     row_blocks: int
     scale_log2: np.float32  # softmax_scale·log2(e), or with a softcap softcap·log2(e)
     write_lse: bool
+    shared_bytes: int  # the decode launch's dynamic shared memory (``occupancy_shared``)
     # the variants' (read by ``launch_decode_variant`` only): the window's sides as the kernel takes
     # them (each >= 0, ``forward.WINDOW_UNBOUNDED`` for -1; 0 without a window) and
     # softmax_scale / softcap (0 without)
@@ -157,11 +168,11 @@ def decode_arguments(call: DecodeCall) -> tuple[tuple[int, int, int], tuple]:
 def launch_decode_variant(config) -> Bind:
     """The window and softcap variants' bind (``DECODE_VARIANT_ABI``): ``launch_decode``'s, then
     the call's window sides and softcap factor."""
-    threads, shared_bytes = config.threads, config.shared_bytes
+    threads = config.threads
 
     def bind(launcher, call: DecodeCall, gpu: Any):
         grid, args = decode_arguments(call)
-        return launcher.bind(grid, threads, shared_bytes, *args, call.window_left, call.window_right,
+        return launcher.bind(grid, threads, call.shared_bytes, *args, call.window_left, call.window_right,
                              call.cap_scale)
 
     return bind
@@ -170,11 +181,11 @@ def launch_decode_variant(config) -> Bind:
 def launch_decode(config) -> Bind:
     """decode's bind: fire(stream, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
     out, lse, o_part, lse_part); a missing array gets the scratch scalar's pointer."""
-    threads, shared_bytes = config.threads, config.shared_bytes
+    threads = config.threads
 
     def bind(launcher, call: DecodeCall, gpu: Any):
         grid, args = decode_arguments(call)
-        return launcher.bind(grid, threads, shared_bytes, *args)
+        return launcher.bind(grid, threads, call.shared_bytes, *args)
 
     return bind
 
