@@ -570,14 +570,20 @@ def force_decode_config(config):
 
 
 def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
-                  shared_limit: int | None = None):
+                  shared_limit: int | None = None, wide: bool = False):
     """The decode kernel's config: 16 packed query rows a CTA, or 32 where the query heads of a
     KV head times seqlen_q need more and the head dim is at most 128 (at d256 a thread's O for
     32 rows is 256 floats: 600 spill instructions, half the speed of two 16-row blocks that read
     K and V twice, lab notebook DEC.3); 64 keys over 4 warps and a ring of 3, else smaller,
     whichever first fits the GPU's shared memory a CTA; at head dim 64 with 16 rows and a
     contiguous cache, 128 keys over 4 warps and a ring of 2 first (1.2% faster at 128 x 2048 keys
-    on an H100, DEC.5; the paged and 32-row builds would fit only 2 CTAs a SM)."""
+    on an H100, DEC.5; the paged and 32-row builds would fit only 2 CTAs a SM).
+
+    ``wide``: the call's (batch, KV head, row block) CTAs outnumber the SMs. At head dim 128 and
+    16 rows a ring of 3 streams best at one CTA a SM (``launch_decode.streaming_ctas``), which
+    such a grid fills in two waves or more; a ring of 2 runs two a SM, in half the waves (DEC.6,
+    H100: 32 x 4096 keys 0.986-0.990 of cuDNN with the ring of 3, 1.007-1.012 with the ring of
+    2; 64 x 32768 level)."""
     from .kernels.shapes import DecodeConfig
 
     if DECODE_FORCED and DECODE_FORCED[0].head_dim == head_dim:
@@ -587,6 +593,8 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     tried = []
     if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (notebook DEC.5)
         tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
+    if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (notebook DEC.6)
+        tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
     tried += [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
               for n, w in ((64, 4), (32, 2)) for s in (3, 2)]
     for config in tried:
@@ -598,17 +606,18 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
 
 def decode_configs_for(capability: tuple[int, int]) -> list:
     """The decode configs a GPU of ``capability`` dispatches: each head dim, 16 or more packed
-    rows, contiguous or paged; each once, in that order."""
+    rows, contiguous or paged, a grid within the SMs or wider; each once, in that order."""
     found = []
     for d in SUPPORTED_HEAD_DIMS:
         for rows in (16, 32):
             for paged in (False, True):
-                try:
-                    config = decode_config(capability, d, rows, paged)
-                except RuntimeError:  # nothing of this head dim fits the GPU's shared memory
-                    continue
-                if config not in found:
-                    found.append(config)
+                for wide in (False, True):
+                    try:
+                        config = decode_config(capability, d, rows, paged, wide=wide)
+                    except RuntimeError:  # nothing of this head dim fits the GPU's shared memory
+                        continue
+                    if config not in found:
+                        found.append(config)
     return found
 
 

@@ -284,6 +284,21 @@ def test_launches_match_the_abi(fake_gpu, paged, splits):
         assert args[0][1] == n * (128 + 1) + SCRATCH_TAIL_ROWS * 128
 
 
+def test_a_grid_wider_than_the_sms_runs_the_ring_of_2_two_a_sm(fake_gpu, monkeypatch):
+    """d128: 64 (batch, KV head) CTAs fill half the 132 SMs: the ring of 3 at one CTA a SM and 2
+    splits; 256 outnumber them: the ring of 2 at two a SM, one split, in one wave (DEC.6)."""
+    built = []
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda config, causal, bf16, arch, operation:
+                        (built.append(config) or types.SimpleNamespace(handle=1), operation))
+    for batch, stages, splits, shared in ((32, 3, 2, 227 * 1024), (128, 2, 1, 113 * 1024)):
+        FakeLauncher.launches.clear()
+        call(inputs(batch=batch, capacity=4096))
+        assert built[-1].stages == stages and built[-1].block_n == 64
+        _, grid, _, launch_shared, _ = FakeLauncher.launches[0]
+        assert grid[0] == splits and launch_shared == shared
+        assert resident_ctas(128, 168, launch_shared, 227 * 1024) == (1 if stages == 3 else 2)
+
+
 @pytest.mark.parametrize(("capability", "expected"), [((9, 0), True), ((8, 0), False), ((8, 9), False)])
 def test_decode_launches_programmatically_from_sm90(fake_gpu, monkeypatch, capability, expected):
     """From sm_90 both kernels are launched with programmatic stream serialization: each may

@@ -94,15 +94,16 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
-                   causal: bool, bf16: bool, operation: str = "decode") -> DecodeKernels:
+                   causal: bool, bf16: bool, operation: str = "decode", wide: bool = False) -> DecodeKernels:
     """The config and the two loaded kernels of this problem on the current device: the attention
-    kernel of ``operation`` (``decode`` or a window or softcap variant) and the combine kernel."""
+    kernel of ``operation`` (``decode`` or a window or softcap variant) and the combine kernel.
+    ``wide``: the call's CTAs before any split outnumber the SMs (``configs.decode_config``)."""
     gpu = gpu_state.GPU
-    short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, operation)
+    short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, operation, wide)
     ready = gpu.launchers.get(short_key)
     if ready is not None and not configs.DECODE_FORCED:
         return ready
-    config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device))
+    config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide)
     key = ("decode", config, causal, bf16, capability, device, operation)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -195,7 +196,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     max_keys = (pages * capacity if paged else capacity) + seqlen_new
     var = decode_variant(causal, window_size, softcap, scale, seqlen_q, max_keys)
     bf16 = qd.dtype_name == "bfloat16"
-    kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, var.operation)
+    wide = batch * heads_kv * -(-rows // 16) > gpu.sm_count(device)  # 16-row blocks: the grid, unsplit
+    kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, var.operation, wide)
     config = kernels.config
     row_blocks = -(-rows // config.rows)
     if var.window_keys is not None:
