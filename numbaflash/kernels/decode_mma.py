@@ -1,6 +1,6 @@
 """Decode against a KV cache on tensor cores (cp.async + ldmatrix + mma.sync, sm_80+; Hopper
-included: decode streams K and V, and this kernel reads them at 92-99% of SDPA cuDNN's rate on
-an H100, ``docs/PERFORMANCE.md``).
+included: decode streams K and V, and this kernel reads them 1-3% faster than SDPA cuDNN on an
+H100, ``docs/PERFORMANCE.md``).
 
 One CTA takes the packed query rows of one KV head (row r = query position r // group, query
 head kv_head * group + r % group: the query heads of a KV head, times seqlen_q, fill the rows of
