@@ -139,6 +139,9 @@ def test_splits_from_shapes_only():
     assert decode_splits(1, 8, 1, 8192, 64, 132, 1) == 16
     assert decode_splits(1, 8, 1, 131072, 64, 132, 1) == 16
     assert decode_splits(16, 8, 1, 8192, 64, 132, 1) == 1  # 128 CTAs: 97% of the SMs
+    # two a SM (the ring of 2): 136-192 CTAs give every SM one and stream best unsplit (DEC.6)
+    assert decode_splits(17, 8, 1, 4096, 64, 132, 2) == decode_splits(24, 8, 1, 4096, 64, 132, 2) == 1
+    assert decode_splits(16, 8, 1, 4096, 64, 132, 2) > 1  # 128 CTAs leave SMs without one
     for b, h, keys, per_sm in ((1, 1, 64, 1), (3, 2, 5000, 2), (16, 8, 65536, 3), (5, 3, 20000, 4)):
         s = decode_splits(b, h, 1, keys, 64, 132, per_sm)
         assert 1 <= s <= MAX_SPLITS and (s == 1 or -(-keys // 64) // s >= 4)

@@ -75,13 +75,15 @@ def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, blo
     for the fraction (n / s) / ceil(n / s) of them. The split counts allowed: at most
     ``MAX_SPLITS``, each split at least ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` of the
     longest sequence (``max_keys``), each count changing the tiles a split reads. One split where
-    the (batch, KV head, row block) CTAs fill 80% of the slots; the most allowed where even those
+    the (batch, KV head, row block) CTAs fill 80% of the slots or give every SM one (DEC.6: d128
+    grids of 136-192 CTAs on 132 SMs, two a SM, 0.98-1.04 of cuDNN unsplit, 0.91-0.99 split to
+    fill the slots); the most allowed where even those
     leave slots empty; else the fewest whose waves are within 95% of the best (FlashAttention-2
     takes 85%; at 1 x 8192 keys, d128, that would be 14 splits on 112 of 132 SMs, where 95% takes
     the 16 that DEC.6 measured best of 8, 16 and 32)."""
     ctas = batch * heads_kv * row_blocks
     slots = sm_count * ctas_per_sm
-    if ctas >= 0.8 * slots:
+    if ctas >= min(0.8 * slots, sm_count):
         return 1
     tiles = -(-max_keys // block_n)
     most = max(1, min(MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
