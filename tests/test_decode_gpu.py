@@ -116,8 +116,8 @@ def test_decode_matches_reference(d, dtype, group, seqlen_q, paged, seqlen_new, 
 @pytest.mark.parametrize("splits", [0, 4])
 def test_graph_replays_follow_cache_seqlens(splits):
     """A 32-step decode loop captured once: each replay appends one row and advances
-    cache_seqlens on the device; the outputs equal eager calls bit for bit (with 4 splits the
-    graph also holds the zeroing of the split counters, and every replay merges again)."""
+    cache_seqlens on the device; the outputs equal eager calls bit for bit (with 4 splits every
+    replay runs the combine kernel too)."""
     batch, heads_kv, group, d, capacity = 2, 2, 4, 128, 256
     q, kc, vc, seqlens, new, _ = problem(7, batch, 1, heads_kv * group, heads_kv, d, capacity, 1,
                                          torch.float16, False)
