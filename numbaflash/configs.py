@@ -586,8 +586,8 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     2; 64 x 32768 level). With 16 rows and a contiguous cache, head dim 32 takes 256-key tiles
     (its 64-byte rows: 64 keys a tile made 4 KB requests; 8 x 8192 keys 0.88-0.90 of the best SDPA
     backend -> 0.95-0.96, 64 x 4096 1.01-1.02 -> 1.14) and head dim 96 a ring of 2 (8 x 8192 0.95
-    -> 0.96-0.98, 64 x 4096 and 1 x 65536 +2-5%), DEC.6 run 17; their paged builds are unmeasured
-    and keep the defaults."""
+    -> 0.96-0.98, 64 x 4096 and 1 x 65536 +2-5%), DEC.6 run 17; paged too (paged / contiguous at
+    d32 0.91-0.94 -> 0.94-1.01, at d96 0.93-0.95 -> 0.97-0.99, run 20)."""
     from .kernels.shapes import DecodeConfig
 
     if DECODE_FORCED and DECODE_FORCED[0].head_dim == head_dim:
@@ -599,10 +599,10 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
         tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
     if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (notebook DEC.6)
         tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
-    if head_dim == 32 and m_tiles == 1 and not paged:  # 256 keys: +7-12% (notebook DEC.6)
-        tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3))
-    if head_dim == 96 and m_tiles == 1 and not paged:  # a ring of 2: +2-5% (notebook DEC.6)
-        tried.append(DecodeConfig(96, block_n=64, num_warps=4, stages=2))
+    if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (notebook DEC.6)
+        tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3, paged=paged))
+    if head_dim == 96 and m_tiles == 1:  # a ring of 2: +2-5%, paged +2-5% (notebook DEC.6)
+        tried.append(DecodeConfig(96, block_n=64, num_warps=4, stages=2, paged=paged))
     tried += [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
               for n, w in ((64, 4), (32, 2)) for s in (3, 2)]
     for config in tried:
