@@ -38,12 +38,12 @@ from .families import decode_operation, family_of
 from .forward import PLANS_KEPT, WINDOW_UNBOUNDED, loaded_kernel, variant_of
 from .launch_decode import (
     MAX_SPLITS,
-    SCRATCH_TAIL_ROWS,
     Bind,
     DecodeCall,
     decode_splits,
     occupancy_shared,
     resident_ctas,
+    split_scratch_elements,
     streaming_ctas,
 )
 
@@ -217,7 +217,7 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
     plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),
                       qd.shape, (batch, heads_q, seqlen_q) if return_lse else None,
-                      n * (head_dim + 1) + SCRATCH_TAIL_ROWS * head_dim if n else 0,
+                      split_scratch_elements(n, head_dim),
                       4 * n * head_dim, scratch, spans, 2 * out.span)
     if not forced:
         with gpu.lock:

@@ -45,12 +45,19 @@ def resident_ctas(threads: int, registers: int, shared_bytes: int, shared_limit:
     return max(1, min(by_threads, by_registers, by_shared, max_ctas))
 
 
+def split_scratch_elements(parts: int, head_dim: int) -> int:
+    """Float32 elements of a split call's scratch for ``parts`` partial rows (rows x splits, 0
+    with one split): the partials, their LSEs, then ``SCRATCH_TAIL_ROWS`` rows the combine kernel
+    may read past the last row's last split."""
+    return parts * (head_dim + 1) + SCRATCH_TAIL_ROWS * head_dim if parts else 0
+
+
 def occupancy_shared(shared_bytes: int, ctas: int, shared_limit: int) -> int:
     """The dynamic shared memory a launch asks for so that an SM holds at most ``ctas`` of its
     CTAs (``shared_limit``: the most one CTA may take, the SM's total less the 1 KB kept a CTA):
-    the kernel's own ``shared_bytes`` where that already allows no more, else the SM's share a
-    CTA. More resident decode CTAs than ``streaming_ctas`` contend for the HBM (DEC.6: at d64,
-    128 x 2048 keys, 3 a SM 0.974-0.977 of cuDNN, 2 a SM 1.007-1.023)."""
+    the SM's share a CTA, never less than the kernel's own ``shared_bytes``. For a kernel an SM
+    would hold more of than ``streaming_ctas``, which contend for the HBM (DEC.6: at d64, 128 x
+    2048 keys, 3 a SM 0.974-0.977 of cuDNN, 2 a SM 1.007-1.023)."""
     return max(shared_bytes, min(shared_limit, (shared_limit + 1024) // ctas - 1024))
 
 
@@ -77,10 +84,10 @@ def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, blo
     longest sequence (``max_keys``), each count changing the tiles a split reads. One split where
     the (batch, KV head, row block) CTAs fill 80% of the slots or give every SM one (DEC.6: d128
     grids of 136-192 CTAs on 132 SMs, two a SM, 0.98-1.04 of cuDNN unsplit, 0.91-0.99 split to
-    fill the slots); the most allowed where even those
-    leave slots empty; else the fewest whose waves are within 95% of the best (FlashAttention-2
-    takes 85%; at 1 x 8192 keys, d128, that would be 14 splits on 112 of 132 SMs, where 95% takes
-    the 16 that DEC.6 measured best of 8, 16 and 32)."""
+    fill the slots); the most allowed where even those leave slots empty; else the fewest whose
+    waves are within 95% of the best (FlashAttention-2 takes 85%; at 1 x 8192 keys, d128, that
+    would be 14 splits on 112 of 132 SMs, where 95% takes the 16 that DEC.6 measured best of 8,
+    16 and 32)."""
     ctas = batch * heads_kv * row_blocks
     slots = sm_count * ctas_per_sm
     if ctas >= min(0.8 * slots, sm_count):
@@ -199,8 +206,9 @@ def launch_decode_combine(config) -> Bind:
         if call.num_splits == 1:
             return None
         batch, seqlen_q, heads_q, _ = call.q.shape
-        warps = batch * heads_q * seqlen_q * (call.q.shape[3] // 32)
-        scratch = call.o_part_elements + call.lse_part_elements + SCRATCH_TAIL_ROWS * call.q.shape[3]
+        head_dim = call.q.shape[3]
+        warps = batch * heads_q * seqlen_q * (head_dim // 32)
+        scratch = split_scratch_elements(call.lse_part_elements, head_dim)  # one LSE a partial row
         return launcher.bind((-(-warps // 4), 1, 1), 128, 0, (0, scratch),
                              (0, call.lse_part_elements), (0, 1), (0, call.lse_elements),
                              *call.out.strides[:3], batch, seqlen_q, heads_q, call.num_splits, call.write_lse)
