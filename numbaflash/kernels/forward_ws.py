@@ -291,13 +291,8 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
     q_ring, kv_ring, _ = rings
-    gemms = make_attention_gemms(config.head_dim, config.block_m, BN, bf16, config.row_bytes)
-    issue_s, issue_pv, fence_s, fence_o = gemms.issue_s, gemms.issue_pv, gemms.fence_s, gemms.fence_o
-    # Softcap: S comes in two commit groups, and the first half's tanh runs while the second half's
-    # GEMM does (the tanh doubles the softmax's MUFU work, which no longer hides under the GEMMs).
-    CAP_HALVES = softcap and gemms.issue_s_halves is not None
-    issue_s_halves, fence_s_half = gemms.issue_s_halves, gemms.fence_s_half
-    H_TILES = S_N_TILES // 2
+    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(config.head_dim, config.block_m, BN, bf16,
+                                                               config.row_bytes)
 
     @cuda.jit(device=True, forceinline=True)
     def take_turn(seat):
@@ -332,7 +327,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         exponentiated against the new row maxes; row sums updated). True if the maxes moved:
         then O must be rescaled by ``stats.alpha`` (warp-uniform)."""
         at = sc.at
-        if SOFTCAP and not CAP_HALVES:
+        if SOFTCAP:
             cap_scores(acc_s, S_N_TILES, sc.cap_scale)
         if WINDOW:
             if band_needs_mask(n0, BN, at.row_first, 16, sc.band):  # an edge of the window or the keys
@@ -356,60 +351,29 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
             q_ring.release(bars.q, work.round_q, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
-    def capped_halves(acc_s, bars, i, seat, cap_scale, pending):
-        """Softcap: wait for S's halves in turn (``pending``: groups issued after them, which may
-        still run) and cap each as it lands; K_i's stage is released once both have."""
-        lo, hi = acc_s[:H_TILES], acc_s[H_TILES:]
-        if pending:
-            hp.wgmma_wait_group_2()
-        else:
-            hp.wgmma_wait_group_1()
-        fence_s_half(lo)
-        cap_scores(lo, H_TILES, cap_scale)
-        if pending:
-            hp.wgmma_wait_group_1()
-        else:
-            hp.wgmma_wait_group_0()
-        fence_s_half(hi)
-        kv_ring.release(bars.k, i, seat.lane)
-        cap_scores(hi, H_TILES, cap_scale)
-
-    @cuda.jit(device=True, forceinline=True)
-    def first_s(acc_s, bars, descs, i, seat, cap_scale):
+    def first_s(acc_s, bars, descs, i, seat):
         """S = Q K_i alone (a tile's first), waited for at once; K_i's stage is released."""
         kv_ring.wait_full(bars.k, i)
-        desc_k = hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i)))
-        if CAP_HALVES:
-            issue_s_halves(acc_s, descs.q, desc_k)
-            capped_halves(acc_s, bars, i, seat, cap_scale, False)
-        else:
-            issue_s(acc_s, descs.q, desc_k)
-            hp.wgmma_wait_group_0()
-            fence_s(acc_s)
-            kv_ring.release(bars.k, i, seat.lane)
+        issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i))))
+        hp.wgmma_wait_group_0()
+        fence_s(acc_s)
+        kv_ring.release(bars.k, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
-    def paired_issue(acc, bars, descs, i, seat, accumulate, cap_scale):
+    def paired_issue(acc, bars, descs, i, seat, accumulate):
         """S = Q K_i and O += P V_{i-1} issued together (a ping-pong turn; ``accumulate`` 0: the
-        tile's first PV, O = P V); returns once S has completed (``wgmma.wait_group 1``; softcap:
-        capped, half by half) and K_i's stage is released: PV may still run."""
+        tile's first PV, O = P V); returns once S has completed (``wgmma.wait_group 1``) and
+        K_i's stage is released: PV may still run."""
         acc_s = acc.s
         kv_ring.wait_full(bars.k, i)
         kv_ring.wait_full(bars.v, i - ONE)
         take_turn(seat)
-        desc_k = hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i)))
-        if CAP_HALVES:
-            issue_s_halves(acc_s, descs.q, desc_k)
-        else:
-            issue_s(acc_s, descs.q, desc_k)
+        issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i))))
         issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i - ONE))), accumulate)
         pass_turn(seat)
-        if CAP_HALVES:
-            capped_halves(acc_s, bars, i, seat, cap_scale, True)
-        else:
-            hp.wgmma_wait_group_1()
-            fence_s(acc_s)
-            kv_ring.release(bars.k, i, seat.lane)
+        hp.wgmma_wait_group_1()
+        fence_s(acc_s)
+        kv_ring.release(bars.k, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
     def retire_pv(acc_o, bars, i, seat):
@@ -435,12 +399,12 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         kv0, n_tiles = work.kv0, work.n_own
         n_first = work.kv_first * BN  # the block's first key
         if n_tiles > 0:
-            first_s(acc_s, bars, descs, kv0, seat, sc.cap_scale)
+            first_s(acc_s, bars, descs, kv0, seat)
             softmax_scores(acc_s, stats, n_first, sc)  # no PV yet: nothing to rescale
             pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
             for j in range(1, n_tiles):
                 i = kv0 + uint32(j)
-                paired_issue(acc, bars, descs, i, seat, ONE if j > 1 else ZERO, sc.cap_scale)
+                paired_issue(acc, bars, descs, i, seat, ONE if j > 1 else ZERO)
                 grew = softmax_scores(acc_s, stats, n_first + j * BN, sc)
                 retire_pv(acc_o, bars, i - ONE, seat)
                 if grew:

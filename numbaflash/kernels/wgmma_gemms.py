@@ -21,12 +21,8 @@ from ..ptx import hopper as hp
 
 # issue_s(acc_s, desc_q, desc_k) and issue_pv(acc_o, p_frag, desc_v, accumulate) start a GEMM (commit
 # group); fence_s(acc_s) / fence_o(acc_o) keep the accumulators' registers out of reordering
-# across a wait. issue_s_halves(acc_s, desc_q, desc_k) starts S as two commit groups, the tile's
-# first block_n / 2 keys (into ``s_half(acc_s, 0)``) then the rest (``s_half(acc_s, 1)``), so that
-# a softcapped softmax can cap the first half while the second is computed; fence_s_half fences one
-# half; None where block_n / 2 is not a bound wgmma N.
-AttentionGemms = namedtuple("AttentionGemms", ["issue_s", "issue_pv", "fence_s", "fence_o", "issue_s_halves",
-                                               "fence_s_half"])
+# across a wait.
+AttentionGemms = namedtuple("AttentionGemms", ["issue_s", "issue_pv", "fence_s", "fence_o"])
 
 
 def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
@@ -68,36 +64,7 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
             mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * RB), accumulate if kk == 0 else 1)
         hp.wgmma_commit_group()
 
-    HALF = block_n // 2
-    if HALF % 8 or HALF not in hp.WGMMA_N:
-        return AttentionGemms(issue_s, issue_pv, fence_s, fence_o, None, None)
-    mma_half = hp.wgmma_ss(HALF, dtype)
-    fence_s_half = hp.wgmma_fence_operand(HALF)
-    H_TILES = HALF // 8
-
-    @cuda.jit(device=True, forceinline=True)
-    def issue_s_half(acc_half, desc_q, desc_k_half):
-        """Start one half's S (async; overwrites ``acc_half``) and commit it as its own group."""
-        for kk in range(D_K_STEPS):
-            block = (kk // STEPS_PER_BLOCK) * RB
-            step = (kk % STEPS_PER_BLOCK) * 32
-            mma_half(acc_half, hp.descriptor_add(desc_q, block * BM + step),
-                     hp.descriptor_add(desc_k_half, block * BN + step), 0 if kk == 0 else 1)
-        hp.wgmma_commit_group()
-
-    @cuda.jit(device=True, forceinline=True)
-    def issue_s_halves(acc_s, desc_q, desc_k):
-        """Start S = Q Kᵀ (async) as two commit groups: keys 0 .. block_n/2 - 1 into the first
-        block_n/16 n-tiles of ``acc_s``, then the other half (its K rows start block_n/2 rows,
-        a whole number of 8-row swizzle atoms, into each block)."""
-        lo, hi = acc_s[:H_TILES], acc_s[H_TILES:]
-        fence_s_half(lo)
-        fence_s_half(hi)
-        hp.wgmma_fence()
-        issue_s_half(lo, desc_q, desc_k)
-        issue_s_half(hi, desc_q, hp.descriptor_add(desc_k, HALF * RB))
-
-    return AttentionGemms(issue_s, issue_pv, fence_s, fence_o, issue_s_halves, fence_s_half)
+    return AttentionGemms(issue_s, issue_pv, fence_s, fence_o)
 
 
 # The five GEMM steps of the Hopper backward (``backward_ws``), each issued asynchronously by one
