@@ -211,3 +211,10 @@ def test_main_without_gpu_returns_2(monkeypatch, capsys):
 @pytest.mark.gpu
 def test_quick_selftest_passes_on_gpu():
     assert selftest.main(["--quick", "--seed", "1234"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variants", [False, True])
+def test_quick_decode_selftest_passes_on_gpu(variants):
+    assert selftest.main(["--decode", "--quick", "--seed", "1234", "--cases", "30"]
+                         + (["--variants"] if variants else [])) == 0

@@ -1,4 +1,5 @@
-"""GPU self-test: ``python -m numbaflash.selftest [--cases N|--quick] [--seed S] [--backward] [--variants]``.
+"""GPU self-test: ``python -m numbaflash.selftest [--cases N|--quick] [--seed S] [--backward|--decode]
+[--variants]``.
 
 Randomised, reproducible cases against the float64 reference, with FlashAttention's criterion:
 max |out - ref| <= 2 x max |low - ref| + floor, where ``low`` is the same computation done in
@@ -15,6 +16,11 @@ each of dq, dk, dv against float64 by the same criterion.
 several of them): about a third varlen, the rest and half the varlen ones a window, a softcap or
 both (``variant_shares``), cycling through the families that have these kernels
 (``VARLEN_FAMILIES``, ``WINDOW_SOFTCAP_FAMILIES``).
+
+``--decode`` tests ``flash_attention_with_kvcache`` instead (``selftest_decode``): ragged cache
+lengths (empty and full ones too), new rows appended, paged caches, GQA, seqlen_q 1 to 16, forced
+split counts, NaN in every cache row no sequence owns; with ``--variants`` every case has a
+window, a softcap or both.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from .reference import (
     compare_varlen_with_reference,
     compare_with_reference,
 )
+from .selftest_decode import draw_decode_case, run_decode_case
 
 DTYPE_NAMES = ("float16", "bfloat16")
 FAMILIES = ("sm90", "sm80")
@@ -600,16 +607,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", choices=FAMILIES, default=None, help="test only this kernel family")
     p.add_argument("--backward", action="store_true",
                    help="test flash_attention_backward (dq, dk, dv) instead of the forward")
+    p.add_argument("--decode", action="store_true",
+                   help="test flash_attention_with_kvcache (decode against a KV cache) instead of the "
+                        "forward")
     p.add_argument("--variants", action="store_true",
                    help="make every case varlen, sliding-window or softcap (or several), on the "
-                        "families with those kernels; with --backward too")
+                        "families with those kernels; with --backward too; with --decode, every case "
+                        "a window, a softcap or both")
     p.add_argument("-v", "--verbose", action="store_true", help="print every case")
     return p
 
 
+def variant_label(args: argparse.Namespace) -> str:
+    """What every case of a ``--variants`` run is, for the header line."""
+    if not args.variants:
+        return ""
+    return "variant (window/softcap) " if args.decode else "variant (varlen/window/softcap) "
+
+
 def replay_command(args: argparse.Namespace, seed: int, index: int) -> str:
     flags = (" --quick" if args.quick else "") + (f" --family {args.family}" if args.family else "") + (
-        " --backward" if args.backward else "") + (" --variants" if args.variants else "")
+        " --backward" if args.backward else "") + (" --decode" if args.decode else "") + (
+        " --variants" if args.variants else "")
     return f"python -m numbaflash.selftest --seed {seed}{flags} --case {index}"
 
 
@@ -626,7 +645,12 @@ def _versions() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.backward and args.decode:
+        parser.error("--backward and --decode test different operations: give one of them")
+    if args.decode and args.family:
+        parser.error("--decode has one kernel family per GPU: --family does not apply")
     from numba import cuda
 
     from ..configs import runnable_families
@@ -645,24 +669,26 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     families = [args.family] if args.family else families
-    if args.variants and not args.backward:
+    if args.variants and not args.backward and not args.decode:
         families = variant_families(families)
         if not families:
             print(f"numbaflash self-test: --variants: {args.family} has no window/softcap or varlen kernels "
                   f"(they are in {sorted({*WINDOW_SOFTCAP_FAMILIES, *VARLEN_FAMILIES})})", file=sys.stderr)
             return 2
-    if args.backward:
-        families = ["backward"]
+    if args.backward or args.decode:
+        families = ["backward" if args.backward else "decode"]
     seed = secrets.randbits(32) if args.seed is None else args.seed
     default_cases = 24 if args.quick else 100
     indices = sorted({i for group in args.case for i in group}) or range(args.cases or default_cases)
     print(f"GPU: {name}, compute capability {capability[0]}.{capability[1]}; {_versions()}")
     print(f"seed {seed} (replay: --seed {seed}); families {', '.join(families)}; {len(indices)} "
-          f"{'variant (varlen/window/softcap) ' if args.variants else ''}cases", flush=True)
+          f"{variant_label(args)}cases", flush=True)
     results = []
     for index in indices:
         if args.backward:
             result = run_backward_case(draw_backward_case(seed, index, args.quick, args.variants))
+        elif args.decode:
+            result = run_decode_case(draw_decode_case(seed, index, args.quick, args.variants))
         else:
             result = run_case(draw_case(seed, index, families, args.quick, args.variants), capability)
         results.append(result)
@@ -674,8 +700,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst = max((r.ratio for r in rs), default=0.0)
         varlen = sum(r.case.varlen for r in rs)
         windowed = sum(r.case.window_size != (-1, -1) or r.case.softcap > 0 for r in rs)
-        print(f"{family}: {len(rs)} cases" + (f" ({varlen} varlen, {windowed} window/softcap)"
-                                               if varlen or windowed else "")
+        counts = ((varlen, "varlen"), (windowed, "window/softcap"))
+        kinds = ", ".join(f"{n} {what}" for n, what in counts if n)
+        print(f"{family}: {len(rs)} cases" + (f" ({kinds})" if kinds else "")
               + f", {sum(r.ok for r in rs)} passed, {sum(not r.ok for r in rs)} "
               f"failed, worst error ratio {worst:.3f}, {sum(r.seconds for r in rs):.1f}s")
     failed = [r for r in results if not r.ok]

@@ -1,0 +1,267 @@
+"""The self-test's decode cases (``python -m numbaflash.selftest --decode``): random
+``flash_attention_with_kvcache`` calls against float64, each drawn from (seed, index) alone.
+
+A case is a batch of sequences, each with its own cache length (0 to the cache's room, empty and
+full ones included), new rows appended or not, contiguous or paged (any page size, pages
+shuffled), GQA, seqlen_q 1 to 16, causal or not, a sliding window and a softcap in a share of
+them, an automatic or a forced split count, the LSE, a given out. Every cache row the call must
+not read (past each sequence's length, and the unused pages) is NaN, so a kernel that lets one
+reach its output fails. Checks: each sequence against float64 on its own keys
+(``compare_varlen_with_reference``: FlashAttention's criterion), the new rows in the cache bit
+for bit and nothing else changed, a given out returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from ..configs import SUPPORTED_HEAD_DIMS
+from .reference import compare_varlen_with_reference
+
+DTYPE_NAMES = ("float16", "bfloat16")
+GROUPS = (1, 2, 3, 4, 8)  # heads_q // heads_kv
+# (longest cache, cap on batch * heads_q * seqlen_q * keys: the float64 reference's cost)
+DECODE_LIMITS = {False: (4096, 2 * 10**7), True: (600, 2 * 10**6)}
+PAGE_SIZES = (1, 7, 16, 64, 100, 256)
+DECODE_WINDOW_SOFTCAP_SHARE = 0.35
+DECODE_KINDS = ("torch", "numba")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decode problem; everything, data included, follows from (seed, index)."""
+
+    seed: int
+    index: int
+    head_dim: int
+    causal: bool
+    dtype: str
+    seqlen_q: int
+    heads_q: int
+    heads_kv: int
+    capacity: int  # rows a sequence's cache holds (contiguous), or max_pages * page_size (paged)
+    cache_seqlens: tuple[int, ...]  # one per sequence: its cached rows before the call
+    seqlen_new: int  # rows of k_new / v_new appended (0: none given)
+    page_size: int  # 0: a contiguous cache
+    num_splits: int  # 0: automatic
+    kind: str  # "torch" | "numba"
+    amplitude: float  # q, k_cache and k_new are scaled by it
+    softmax_scale: float | None
+    return_lse: bool
+    use_out: bool
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    family: str = "decode"
+
+    @property
+    def batch(self) -> int:
+        return len(self.cache_seqlens)
+
+    @property
+    def varlen(self) -> bool:  # the summary's counters
+        return False
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """Each sequence's keys: its cached rows and the new ones."""
+        return tuple(n + self.seqlen_new for n in self.cache_seqlens)
+
+    def describe(self) -> str:
+        scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
+        cache = f"paged{self.page_size}" if self.page_size else "contiguous"
+        return (f"decode d{self.head_dim} {'causal' if self.causal else 'full'} {self.dtype} "
+                f"b{self.batch} sq{self.seqlen_q} h{self.heads_q}/{self.heads_kv} {cache} "
+                f"capacity{self.capacity} cache_seqlens={','.join(map(str, self.cache_seqlens))} "
+                f"new{self.seqlen_new} splits={self.num_splits or 'auto'} {self.kind} "
+                f"amp{self.amplitude:.3g} scale={scale} lse={int(self.return_lse)} out={int(self.use_out)}"
+                + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
+                + (f" softcap={self.softcap:g}" if self.softcap else ""))
+
+
+def _log_uniform(rng: np.random.Generator, high: int) -> int:
+    return int(min(high, max(1, round(math.exp(rng.uniform(0.0, math.log(high + 0.5)))))))
+
+
+def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> DecodeCase:
+    """The decode case ``index`` of run ``seed`` (pure, no GPU). Head dims, causality and dtypes
+    cycle; ``variants``: every case has a window, a softcap or both (else
+    ``DECODE_WINDOW_SOFTCAP_SHARE`` of them)."""
+    from .selftest import draw_window_softcap
+
+    combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (True, False) for t in DTYPE_NAMES]
+    head_dim, causal, dtype = combos[(index + seed) % len(combos)]
+    rng = np.random.default_rng([seed, index, 20])
+    longest, cap = DECODE_LIMITS[quick]
+    batch = int(rng.integers(1, 7))
+    heads_kv = int(rng.integers(1, 3 if quick else 5))
+    group = int(rng.choice(GROUPS))
+    seqlen_q = int(rng.choice([1, 1, 1, 2, 3, 4, int(rng.integers(5, 17))]))
+    capacity = _log_uniform(rng, longest)
+    page_size = int(rng.choice(PAGE_SIZES)) if rng.random() < 0.4 else 0
+    if page_size:  # whole pages: the sequence's room
+        capacity = max(1, -(-capacity // page_size)) * page_size
+    seqlen_new = 0 if rng.random() < 0.5 else int(rng.integers(1, min(4, capacity) + 1))
+    room = capacity - seqlen_new
+
+    def length() -> int:
+        pick = rng.choice(["empty", "full", "one", "any"], p=[0.1, 0.15, 0.1, 0.65])
+        if pick == "empty":
+            return 0
+        if pick == "full":
+            return room
+        if pick == "one":
+            return min(1, room)
+        return int(rng.integers(0, room + 1))
+
+    seqlens = [length() for _ in range(batch)]
+    while batch * heads_kv * group * seqlen_q * max(1, capacity) > cap:  # the reference's budget
+        if batch > 1:
+            batch -= 1
+            seqlens.pop()
+        elif group > 1:
+            group //= 2
+        else:
+            capacity = max(seqlen_new + 1, capacity // 2)
+            if page_size:
+                capacity = -(-capacity // page_size) * page_size
+            room = capacity - seqlen_new
+            seqlens = [min(n, room) for n in seqlens]
+    big = rng.random() < 0.2
+    amplitude = float(rng.uniform(5.0, 20.0)) if big else 1.0
+    scale = float(rng.uniform(0.02, 0.3)) if rng.random() < 0.2 else None
+    splits = 0 if rng.random() < 0.6 else int(rng.choice([1, 2, 3, 5, 8, 32]))
+    share = 1.0 if variants else DECODE_WINDOW_SOFTCAP_SHARE
+    window, softcap = draw_window_softcap(seed, index, seqlen_q, capacity, stream=21, share=share)
+    kind = str(rng.choice(DECODE_KINDS, p=[0.7, 0.3]))
+    return DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
+                      tuple(seqlens), seqlen_new, page_size, splits, kind, amplitude, scale,
+                      bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """A case's host arrays: q (batch, seqlen_q, heads_q, d); the caches as the call finds them
+    (contiguous (batch, capacity, heads_kv, d) or paged (num_pages, page_size, heads_kv, d), NaN
+    wherever no sequence's keys lie); k_new / v_new (batch, seqlen_new, heads_kv, d) or None; the
+    block table (batch, max_pages) int32 or None; cache_seqlens int32 (batch,)."""
+
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    k_new: np.ndarray | None
+    v_new: np.ndarray | None
+    block_table: np.ndarray | None
+    cache_seqlens: np.ndarray
+
+
+def cache_rows(case: DecodeCase, table: np.ndarray | None, b: int, first: int, stop: int) -> tuple:
+    """Index of rows ``first`` .. ``stop`` - 1 of sequence b in a cache array (its leading two axes)."""
+    j = np.arange(first, stop)
+    if table is None:
+        return np.full(j.shape, b), j
+    return table[b, j // case.page_size], j % case.page_size
+
+
+def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
+    """The case's arrays, from its own random stream (numpy, the case's dtype)."""
+    from .selftest import numpy_dtype
+
+    rng = np.random.default_rng([case.seed, case.index, 22])
+    dtype = numpy_dtype(case.dtype)
+    b, d, hkv = case.batch, case.head_dim, case.heads_kv
+    table = None
+    if case.page_size:
+        per_seq = case.capacity // case.page_size
+        pages = b * per_seq + int(rng.integers(0, 4))  # some pages no sequence owns
+        table = rng.permutation(pages)[:b * per_seq].reshape(b, per_seq).astype(np.int32)
+        lead = (pages, case.page_size)
+    else:
+        lead = (b, case.capacity)
+    k_cache = np.full((*lead, hkv, d), np.nan)
+    v_cache = np.full((*lead, hkv, d), np.nan)
+    for s, n in enumerate(case.cache_seqlens):
+        where = cache_rows(case, table, s, 0, n)
+        k_cache[where] = rng.standard_normal((n, hkv, d)) * case.amplitude
+        v_cache[where] = rng.standard_normal((n, hkv, d))
+    q = rng.standard_normal((b, case.seqlen_q, case.heads_q, d)) * case.amplitude
+    k_new = v_new = None
+    if case.seqlen_new:
+        k_new = (rng.standard_normal((b, case.seqlen_new, hkv, d)) * case.amplitude).astype(dtype)
+        v_new = rng.standard_normal((b, case.seqlen_new, hkv, d)).astype(dtype)
+    return DecodeInputs(q.astype(dtype), k_cache.astype(dtype), v_cache.astype(dtype), k_new, v_new, table,
+                        np.asarray(case.cache_seqlens, np.int32))
+
+
+def packed_problem(case: DecodeCase, inputs: DecodeInputs) -> tuple:
+    """The case as a packed batch (``compare_varlen_with_reference``'s form): q (batch * seqlen_q,
+    heads_q, d); k, v (sum of keys, heads_kv, d): each sequence's cached rows, then its new ones;
+    cu_seqlens_q, cu_seqlens_k."""
+    ks, vs = [], []
+    for s, n in enumerate(case.cache_seqlens):
+        where = cache_rows(case, inputs.block_table, s, 0, n)
+        ks.append(inputs.k_cache[where])
+        vs.append(inputs.v_cache[where])
+        if inputs.k_new is not None:
+            ks.append(inputs.k_new[s])
+            vs.append(inputs.v_new[s])
+    q = inputs.q.reshape(-1, case.heads_q, case.head_dim)
+    cu_q = np.arange(case.batch + 1, dtype=np.int32) * case.seqlen_q
+    cu_k = np.concatenate([[0], np.cumsum(case.keys)]).astype(np.int32)
+    return q, np.concatenate(ks), np.concatenate(vs), cu_q, cu_k
+
+
+def expected_caches(case: DecodeCase, inputs: DecodeInputs) -> tuple[np.ndarray, np.ndarray]:
+    """The caches after the call: the new rows at each sequence's cache_seqlens[b] (within its
+    room), everything else as it was."""
+    k, v = inputs.k_cache.copy(), inputs.v_cache.copy()
+    for s, n in enumerate(case.cache_seqlens):
+        if inputs.k_new is not None:
+            where = cache_rows(case, inputs.block_table, s, n, n + case.seqlen_new)
+            k[where], v[where] = inputs.k_new[s], inputs.v_new[s]
+    return k, v
+
+
+def run_decode_case(case: DecodeCase) -> Any:
+    """Run one decode case on the current GPU; never raises. Returns a ``selftest.CaseResult``."""
+    import numbaflash
+
+    from .selftest import CaseResult, _torch, to_device, to_host
+
+    start = time.perf_counter()
+    try:
+        inputs = make_decode_inputs(case)
+        kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
+        dev = {f.name: None if getattr(inputs, f.name) is None else to_device(getattr(inputs, f.name), kind)
+               for f in dataclasses.fields(inputs)}
+        out = None
+        if case.use_out:  # poison: unwritten elements show up as NaN
+            out = to_device(np.full(inputs.q.shape, np.nan, inputs.q.dtype), kind)
+        result = numbaflash.flash_attention_with_kvcache(
+            dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"], k_new=dev["k_new"],
+            v_new=dev["v_new"], block_table=dev["block_table"], causal=case.causal,
+            softmax_scale=case.softmax_scale, window_size=case.window_size, softcap=case.softcap,
+            num_splits=case.num_splits, return_lse=case.return_lse, out=out)
+        got, lse = result if case.return_lse else (result, None)
+        problems = [] if out is None or got is out else ["the result is not the given out"]
+        got = to_host(got).reshape(-1, case.heads_q, case.head_dim)
+        if lse is not None:  # (batch, heads_q, seqlen_q) -> (heads_q, batch * seqlen_q)
+            lse = to_host(lse).transpose(1, 0, 2).reshape(case.heads_q, -1)
+        q, k, v, cu_q, cu_k = packed_problem(case, inputs)
+        ratio, found = compare_varlen_with_reference(q, k, v, cu_q, cu_k, got, lse, causal=case.causal,
+                                                     softmax_scale=case.softmax_scale,
+                                                     window_size=case.window_size, softcap=case.softcap)
+        problems += [p.replace("sequence", "batch entry", 1) for p in found]
+        for name, want, have in zip(("k_cache", "v_cache"), expected_caches(case, inputs),
+                                    (dev["k_cache"], dev["v_cache"]), strict=True):
+            if not np.array_equal(to_host(have), want.astype(np.float64), equal_nan=True):
+                problems.append(f"{name} after the call is not the cache with the new rows appended")
+        note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
+        return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
+    except Exception as exc:
+        return CaseResult(case, False, math.inf, time.perf_counter() - start,
+                          f"raised {type(exc).__name__}: {exc}")

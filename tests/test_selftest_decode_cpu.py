@@ -1,0 +1,157 @@
+"""The self-test's ``--decode`` mode (``tools/selftest_decode``): its case drawing, the host
+arrays it builds (NaN wherever no sequence's keys lie), its float64 problem and its expected
+caches, and ``main`` on a stand-in GPU; all without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+from numbaflash.configs import SUPPORTED_HEAD_DIMS
+from numbaflash.tools import selftest
+from numbaflash.tools import selftest_decode as sd
+from numbaflash.tools.reference import attention_reference, varlen_attention_reference
+
+SEEDS = (0, 1, 12345, 2**32 - 1)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_draws_are_reproducible_and_independent(quick):
+    forward = [sd.draw_decode_case(42, i, quick) for i in range(60)]
+    backward = [sd.draw_decode_case(42, i, quick) for i in reversed(range(60))][::-1]
+    assert forward == backward
+    assert [sd.draw_decode_case(43, i, quick) for i in range(60)] != forward
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_consecutive_cases_cover_every_head_dim_mask_and_dtype(seed):
+    want = set(itertools.product(SUPPORTED_HEAD_DIMS, (False, True), sd.DTYPE_NAMES))
+    cases = [sd.draw_decode_case(seed, i) for i in range(len(want))]
+    assert {(c.head_dim, c.causal, c.dtype) for c in cases} == want
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_cases_are_valid_calls_within_the_reference_budget(quick):
+    longest, cap = sd.DECODE_LIMITS[quick]
+    cases = [sd.draw_decode_case(s, i, quick) for s in SEEDS for i in range(250)]
+    for c in cases:
+        assert 1 <= c.batch <= 6 and c.heads_q % c.heads_kv == 0 and 1 <= c.seqlen_q <= 16, c.describe()
+        assert 1 <= c.capacity and (c.page_size == 0 or c.capacity % c.page_size == 0), c.describe()
+        assert c.page_size in (0, *sd.PAGE_SIZES) and c.kind in sd.DECODE_KINDS, c.describe()
+        assert 0 <= c.seqlen_new <= min(4, c.capacity), c.describe()
+        assert all(0 <= n <= c.capacity - c.seqlen_new for n in c.cache_seqlens), c.describe()
+        assert 0 <= c.num_splits <= 32 and c.amplitude >= 1, c.describe()
+        assert c.batch * c.heads_q * c.seqlen_q * c.capacity <= cap, c.describe()
+        assert c.window_size[0] >= -1 and c.window_size[1] >= -1 and c.softcap >= 0, c.describe()
+    # the corners: empty and full caches, no keys at all, one key, paged and contiguous, splits
+    assert any(0 in c.cache_seqlens for c in cases)
+    assert any(c.capacity - c.seqlen_new in c.cache_seqlens and c.seqlen_new for c in cases)
+    assert any(0 in c.keys for c in cases) and any(1 in c.keys for c in cases)
+    assert any(c.page_size == 1 for c in cases) and any(c.page_size == 7 for c in cases)
+    assert any(c.page_size == 0 for c in cases) and any(c.num_splits == 32 for c in cases)
+    assert any(c.capacity > 1024 for c in cases) or quick
+    variant = sum(c.window_size != (-1, -1) or c.softcap > 0 for c in cases) / len(cases)
+    assert abs(variant - sd.DECODE_WINDOW_SOFTCAP_SHARE) < 0.05
+
+
+def test_variants_give_every_case_a_window_or_a_softcap():
+    cases = [sd.draw_decode_case(s, i, variants=True) for s in SEEDS for i in range(100)]
+    assert all(c.window_size != (-1, -1) or c.softcap > 0 for c in cases)
+    assert any(c.window_size == (-1, -1) for c in cases) and any(c.softcap == 0 for c in cases)
+
+
+def _paged_case():
+    """A paged case with an empty sequence, a full one and new rows."""
+    for i in itertools.count():
+        c = sd.draw_decode_case(5, i, quick=True)
+        if (c.page_size > 1 and c.seqlen_new and c.batch >= 2 and 0 in c.cache_seqlens
+                and c.capacity - c.seqlen_new in c.cache_seqlens):
+            return c
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_inputs_are_nan_exactly_where_no_sequence_has_keys(paged):
+    c = _paged_case() if paged else next(
+        c for i in range(500) if (c := sd.draw_decode_case(3, i, quick=True)).page_size == 0 and c.seqlen_new)
+    x = sd.make_decode_inputs(c)
+    assert x.q.shape == (c.batch, c.seqlen_q, c.heads_q, c.head_dim)
+    assert x.k_new.shape == x.v_new.shape == (c.batch, c.seqlen_new, c.heads_kv, c.head_dim)
+    assert x.cache_seqlens.dtype == np.int32 and tuple(x.cache_seqlens) == c.cache_seqlens
+    owned = np.zeros(x.k_cache.shape[:2], bool)
+    for b, n in enumerate(c.cache_seqlens):
+        owned[sd.cache_rows(c, x.block_table, b, 0, n)] = True
+    for cache in (x.k_cache, x.v_cache):
+        nan = np.isnan(cache.astype(np.float64)).all(axis=(2, 3))
+        assert (nan == ~owned).all() and not np.isnan(cache[owned].astype(np.float64)).any()
+    if paged:
+        table = x.block_table
+        assert table.dtype == np.int32 and table.shape == (c.batch, c.capacity // c.page_size)
+        assert len(set(table.ravel())) == table.size and table.max() < x.k_cache.shape[0]
+
+
+def test_packed_problem_is_each_sequence_on_its_cache_then_its_new_rows():
+    c = _paged_case()
+    x = sd.make_decode_inputs(c)
+    q, k, v, cu_q, cu_k = sd.packed_problem(c, x)
+    assert list(np.diff(cu_k)) == list(c.keys) and list(np.diff(cu_q)) == [c.seqlen_q] * c.batch
+    assert not np.isnan(k.astype(np.float64)).any()
+    out, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=c.causal)
+    for b, n in enumerate(c.cache_seqlens):  # against a dense call on the sequence's own rows
+        rows = sd.cache_rows(c, x.block_table, b, 0, n)
+        kb = np.concatenate([x.k_cache[rows], x.k_new[b]])[None]
+        vb = np.concatenate([x.v_cache[rows], x.v_new[b]])[None]
+        o, s = attention_reference(x.q[b:b + 1], kb, vb, causal=c.causal)
+        rows_q = slice(cu_q[b], cu_q[b + 1])
+        assert np.array_equal(out[rows_q], o[0]) and np.array_equal(lse[:, rows_q], s[0])
+
+
+def test_expected_caches_append_the_new_rows_and_keep_the_rest():
+    c = _paged_case()
+    x = sd.make_decode_inputs(c)
+    k, v = sd.expected_caches(c, x)
+    changed = np.zeros(k.shape[:2], bool)
+    for b, n in enumerate(c.cache_seqlens):
+        rows = sd.cache_rows(c, x.block_table, b, n, n + c.seqlen_new)
+        changed[rows] = True
+        assert np.array_equal(k[rows], x.k_new[b]) and np.array_equal(v[rows], x.v_new[b])
+    same = lambda a, b: np.array_equal(a.astype(np.float64), b.astype(np.float64), equal_nan=True)  # noqa: E731
+    assert same(k[~changed], x.k_cache[~changed]) and same(v[~changed], x.v_cache[~changed])
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``main`` on a stand-in sm_90 GPU whose decode cases are not run: case 2 fails."""
+    import numba.cuda
+
+    device = types.SimpleNamespace(compute_capability=(9, 0), name=b"Stand-in H100")
+    monkeypatch.setattr(numba.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(numba.cuda, "get_current_device", lambda: device)
+    drawn = []
+
+    def run(case):
+        drawn.append(case)
+        return selftest.CaseResult(case, case.index != 2, 0.5, 0.0, "" if case.index != 2 else "stand-in")
+
+    monkeypatch.setattr(selftest, "run_decode_case", run)
+    return drawn
+
+
+@pytest.mark.parametrize("variants", [False, True])
+def test_main_with_decode(fake_gpu, capsys, variants):
+    argv = ["--decode", "--quick", "--seed", "5", "--cases", "40"] + (["--variants"] if variants else [])
+    assert selftest.main(argv) == 1
+    text = capsys.readouterr().out
+    assert fake_gpu == [sd.draw_decode_case(5, i, True, variants) for i in range(40)]
+    assert "decode: 40 cases" in text and "39 passed, 1 failed" in text
+    flags = "--quick --decode" + (" --variants" if variants else "")
+    assert f"replay: python -m numbaflash.selftest --seed 5 {flags} --case 2" in text
+
+
+@pytest.mark.parametrize("argv", [["--decode", "--backward"], ["--decode", "--family", "sm90"]])
+def test_decode_refuses_options_that_do_not_apply(fake_gpu, capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        selftest.main(argv)
+    assert exc.value.code == 2 and "--decode" in capsys.readouterr().err and not fake_gpu
