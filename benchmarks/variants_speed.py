@@ -12,7 +12,8 @@ with CUDA): packed variable-length batches, a sliding window and softcap.
   block mask, and beside our dense call of the same 32k queries over 4096 keys (the window's cost
   per query; both on the GPU's own forward kernel: the Hopper kernel on an H100).
 - ``softcap``: head dim 128, 4k tokens, batch 16, 16 heads, forward with softcap 30 beside the same
-  call without it, both the default dispatch (on an H100 the Hopper kernel): the softcap's cost.
+  call without it, both the default dispatch (on an H100 the Hopper kernel): the softcap's cost;
+  and FlexAttention's (a ``tanh`` score_mod beside none, compiled), and ours against it capped.
 
 Every implementation of a row is timed on the same tensors, in interleaved blocks
 (``backward_speed.interleaved_medians``); ratios above 1: numbaflash is faster.
@@ -150,21 +151,45 @@ def window_rows(dtype, args) -> list[str]:
 
 
 def softcap_rows(dtype, args) -> list[str]:
-    b, s = 16, 4096
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, s, cap = 16, 4096, 30.0
     q, k, v = (torch.randn(b, s, HEADS, D, device="cuda", dtype=dtype) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    flex = torch.compile(flex_attention)
+
+    def tanh_cap(score, b, h, qi, kj):
+        return cap * torch.tanh(score / cap)
+
     rows = []
     for causal in (False, True):
+        mask = (create_block_mask(lambda b, h, qi, kj: kj <= qi, B=None, H=None, Q_LEN=s, KV_LEN=s,
+                                  device="cuda") if causal else None)
+
         def capped(causal=causal):
-            numbaflash.flash_attention(q, k, v, causal=causal, softcap=30.0)
+            numbaflash.flash_attention(q, k, v, causal=causal, softcap=cap)
 
         def plain(causal=causal):
             numbaflash.flash_attention(q, k, v, causal=causal)
 
-        ms = interleaved_medians({"capped": capped, "plain": plain}, args.warmup, args.iters, args.rounds,
-                                 args.warmup_ms)
+        def flex_capped(mask=mask):
+            flex(qt, kt, vt, score_mod=tanh_cap, block_mask=mask)
+
+        def flex_plain(mask=mask):
+            flex(qt, kt, vt, block_mask=mask)
+
+        calls = {"capped": capped, "plain": plain, "flex_capped": flex_capped, "flex_plain": flex_plain}
+        if not runs(flex_capped):
+            del calls["flex_capped"], calls["flex_plain"]
+        with torch.no_grad():
+            ms = interleaved_medians(calls, args.warmup, args.iters, args.rounds, args.warmup_ms)
+        nan = float("nan")
+        flex_ms, flex_plain_ms = ms.get("flex_capped", nan), ms.get("flex_plain", nan)
         rows.append(f"| softcap | {name_of(dtype)} | {'yes' if causal else 'no'} | "
                     f"capped {ms['capped']:.3f} ms | plain {ms['plain']:.3f} ms | "
-                    f"cost {ms['capped'] / ms['plain'] - 1:+.1%} |")
+                    f"cost {ms['capped'] / ms['plain'] - 1:+.1%} | FlexAttention's cost "
+                    f"{flex_ms / flex_plain_ms - 1:+.1%} | capped vs flex capped "
+                    f"{flex_ms / ms['capped']:.3f} |")
     return rows
 
 
