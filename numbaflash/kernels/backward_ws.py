@@ -281,19 +281,9 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                 ptx.red_release_gpu_add_s32(counter_at, int32(1))
 
     @cuda.jit(device=True, forceinline=True)
-    def masked_out(blk, m0, seat):
-        """Causal: True if every query of the block lies before this warpgroup's first key (its
-        64 keys are all masked for the block: Pᵀ = dSᵀ = 0), or its keys all lie past seqlen_k.
-        Warpgroup-uniform."""
-        key0 = blk.n0 + seat.wg * WARPGROUP_ROWS
-        return key0 >= blk.band.seqlen_k or key0 > m0 + (BM - 1) + blk.diag
-
-    @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
         """One query block for this warpgroup: the five GEMMs, the gradient of the scores, dQ's
-        adds; the stage is released at the end. Causal, a warpgroup whose keys the whole block
-        cannot see (``masked_out``) runs only its share of dQ over the block's keys (its dSᵀ rows
-        are zeros): Sᵀ, dPᵀ, dV and dK would add nothing."""
+        adds; the stage is released at the end."""
         descs, tiles, bars, blk = io.descs, io.tiles, io.bars, io.blk
         sc, ws = io.sc, io.ws
         i, m0, row = step.i, step.m0, step.row
@@ -303,45 +293,34 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         if step.next_row >= 0:  # the other buffer's last reads were before the previous step's barrier
             stage_rows(tiles, ws, step.next_row, parity ^ ONE, seat)
         ring.wait_full(bars, i)
-        skip = CAUSAL and masked_out(blk, m0, seat)
-        if skip:
-            for kt in range(P_K):
+        gemms.issue_scores(acc.s, descs.k, hp.descriptor_add(descs.q, q_at))
+        gemms.issue_scores(acc.dp, descs.v, hp.descriptor_add(descs.do, q_at))
+        hp.wgmma_wait_group_1()
+        gemms.fence_scores(acc.s)
+        if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+            for j in range(S_N):
                 for e in range(4):
-                    acc.ds[kt, e] = uint32(0)
-        else:
-            gemms.issue_scores(acc.s, descs.k, hp.descriptor_add(descs.q, q_at))
-            gemms.issue_scores(acc.dp, descs.v, hp.descriptor_add(descs.do, q_at))
-            hp.wgmma_wait_group_1()
-            gemms.fence_scores(acc.s)
-            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
-                for j in range(S_N):
-                    for e in range(4):
-                        acc.s[j, e] = ptx.tanh(acc.s[j, e] * sc.cap_scale)
-            mask_scores(acc.s, blk, m0, seat, blk.band.seqlen_k)
-            hp.wgmma_wait_group_0()
-            gemms.fence_scores(acc.dp)
-            first = uint32(8 * (seat.lane % 4))  # the lane's first column, in bytes of float32
-            rows_at = parity * uint32(ROWS_BYTES) + first
-            gradient_of_scores(acc, tiles.lse + rows_at, tiles.delta + rows_at, sc.scale_log2)
-            gemms.issue_dkv(acc.dv, acc.p, hp.descriptor_add(descs.do_mn, q_at))
+                    acc.s[j, e] = ptx.tanh(acc.s[j, e] * sc.cap_scale)
+        mask_scores(acc.s, blk, m0, seat, blk.band.seqlen_k)
+        hp.wgmma_wait_group_0()
+        gemms.fence_scores(acc.dp)
+        first = uint32(8 * (seat.lane % 4))  # the lane's first column, in bytes of float32
+        rows_at = parity * uint32(ROWS_BYTES) + first
+        gradient_of_scores(acc, tiles.lse + rows_at, tiles.delta + rows_at, sc.scale_log2)
+        gemms.issue_dkv(acc.dv, acc.p, hp.descriptor_add(descs.do_mn, q_at))
         buffer = parity * uint32(lay.ds_bytes)
         store_ds(tiles.ds + buffer, acc.ds, seat)
         hp.fence_proxy_async_shared_cta()
         ptx.cp_async_wait_group_0()  # the next step's rows
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # both warpgroups' dSᵀ, the next rows
         gemms.issue_dq(acc.dq, hp.descriptor_add(descs.ds, buffer), descs.k_mn)
-        if skip:
-            hp.wgmma_wait_group_0()
-            gemms.fence_dq(acc.dq)
-            add_dq(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
-        else:  # (each branch adds dQ itself: with one add after both, ptxas serialises the wgmmas)
-            gemms.issue_dkv(acc.dk, acc.ds, hp.descriptor_add(descs.q_mn, q_at))
-            hp.wgmma_wait_group_1()  # dV and dQ done; dK may still run
-            gemms.fence_dq(acc.dq)
-            add_dq(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
-            hp.wgmma_wait_group_0()
-            gemms.fence_dkv(acc.dk)
-            gemms.fence_dkv(acc.dv)
+        gemms.issue_dkv(acc.dk, acc.ds, hp.descriptor_add(descs.q_mn, q_at))
+        hp.wgmma_wait_group_1()  # dV and dQ done; dK may still run
+        gemms.fence_dq(acc.dq)
+        add_dq(acc.dq, ws, row, seat, step.counter_at, step.turn, sc.deterministic)
+        hp.wgmma_wait_group_0()
+        gemms.fence_dkv(acc.dk)
+        gemms.fence_dkv(acc.dv)
         ring.release(bars, i, seat.lane)
 
     @cuda.jit(device=True, forceinline=True)
