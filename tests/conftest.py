@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import zlib
 
 import pytest
@@ -130,6 +131,29 @@ def rng(request):
     seed = test_seed(request.node.nodeid)
     request.node.user_properties.append(("rng_seed", seed))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """The self-test's ``main`` on a stand-in sm_90 GPU whose cases (forward, backward, decode) are
+    not run: case 2 fails, the others pass. Returns the list of the cases drawn, in order."""
+    import numba.cuda
+
+    from numbaflash.tools import selftest
+
+    device = types.SimpleNamespace(compute_capability=(9, 0), name=b"Stand-in H100")
+    monkeypatch.setattr(numba.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(numba.cuda, "get_current_device", lambda: device)
+    drawn = []
+
+    def run(case, *_):
+        drawn.append(case)
+        return selftest.CaseResult(case, case.index != 2, 0.5, 0.0, "" if case.index != 2 else "stand-in")
+
+    monkeypatch.setattr(selftest, "run_case", run)
+    monkeypatch.setattr(selftest, "run_backward_case", run)
+    monkeypatch.setattr(selftest, "run_decode_case", run)
+    return drawn
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import types
 
 import pytest
 
@@ -176,25 +175,6 @@ def test_parser_and_replay_command_carry_variants():
     assert selftest.replay_command(args, 3, 9) == (
         "python -m numbaflash.selftest --seed 3 --family sm80 --variants --case 9")
     assert "--variants" in parser.format_help()
-
-
-@pytest.fixture
-def fake_hopper(monkeypatch):
-    """``main`` on a stand-in sm_90 GPU whose cases are not run: case 2 fails, the others pass."""
-    import numba.cuda
-
-    device = types.SimpleNamespace(compute_capability=(9, 0), name=b"Stand-in H100")
-    monkeypatch.setattr(numba.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(numba.cuda, "get_current_device", lambda: device)
-    drawn = []
-
-    def run(case, *_):
-        drawn.append(case)
-        return selftest.CaseResult(case, case.index != 2, 0.5, 0.0, "" if case.index != 2 else "stand-in")
-
-    monkeypatch.setattr(selftest, "run_case", run)
-    monkeypatch.setattr(selftest, "run_backward_case", run)
-    return drawn
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -5,7 +5,6 @@ caches, and ``main`` on a stand-in GPU; all without a GPU."""
 from __future__ import annotations
 
 import itertools
-import types
 
 import numpy as np
 import pytest
@@ -121,37 +120,19 @@ def test_expected_caches_append_the_new_rows_and_keep_the_rest():
     assert same(k[~changed], x.k_cache[~changed]) and same(v[~changed], x.v_cache[~changed])
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """``main`` on a stand-in sm_90 GPU whose decode cases are not run: case 2 fails."""
-    import numba.cuda
-
-    device = types.SimpleNamespace(compute_capability=(9, 0), name=b"Stand-in H100")
-    monkeypatch.setattr(numba.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(numba.cuda, "get_current_device", lambda: device)
-    drawn = []
-
-    def run(case):
-        drawn.append(case)
-        return selftest.CaseResult(case, case.index != 2, 0.5, 0.0, "" if case.index != 2 else "stand-in")
-
-    monkeypatch.setattr(selftest, "run_decode_case", run)
-    return drawn
-
-
 @pytest.mark.parametrize("variants", [False, True])
-def test_main_with_decode(fake_gpu, capsys, variants):
+def test_main_with_decode(fake_hopper, capsys, variants):
     argv = ["--decode", "--quick", "--seed", "5", "--cases", "40"] + (["--variants"] if variants else [])
     assert selftest.main(argv) == 1
     text = capsys.readouterr().out
-    assert fake_gpu == [sd.draw_decode_case(5, i, True, variants) for i in range(40)]
+    assert fake_hopper == [sd.draw_decode_case(5, i, True, variants) for i in range(40)]
     assert "decode: 40 cases" in text and "39 passed, 1 failed" in text
     flags = "--quick --decode" + (" --variants" if variants else "")
     assert f"replay: python -m numbaflash.selftest --seed 5 {flags} --case 2" in text
 
 
 @pytest.mark.parametrize("argv", [["--decode", "--backward"], ["--decode", "--family", "sm90"]])
-def test_decode_refuses_options_that_do_not_apply(fake_gpu, capsys, argv):
+def test_decode_refuses_options_that_do_not_apply(fake_hopper, capsys, argv):
     with pytest.raises(SystemExit) as exc:
         selftest.main(argv)
-    assert exc.value.code == 2 and "--decode" in capsys.readouterr().err and not fake_gpu
+    assert exc.value.code == 2 and "--decode" in capsys.readouterr().err and not fake_hopper
