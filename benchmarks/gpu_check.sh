@@ -4,7 +4,9 @@
 # - tests:    the GPU test suite, NUMBAFLASH_REQUIRE_GPU=1 (a missing GPU fails, never skips),
 #             parallel over kernels when pytest-xdist is installed; the tests marked ``timing``
 #             (wall-clock bounds) run alone at the end
-# - selftest: python -m numbaflash.selftest --cases $CASES (default 500), in the background
+# - selftest: python -m numbaflash.selftest --cases $CASES (default 500), then its --variants,
+#             --backward, --backward --variants, --decode and --decode --variants modes with
+#             $MODE_CASES each (default 300), one after another in the background
 # - sanitize: benchmarks/sanitize.py, memcheck/racecheck/synccheck/initcheck over every config
 # - nokey:    benchmarks/no_key_rows.py, the shapes of the 34e1ab6 race report
 # Logs go to $OUT (default ./gpu_logs); a summary table is printed last.
@@ -22,7 +24,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 
 if [[ " $stages " == *" selftest "* ]]; then
-  $py -m numbaflash.selftest --cases "${CASES:-500}" >"$out/selftest.log" 2>&1 &
+  (
+    status=0
+    for mode in "" "--variants" "--backward" "--backward --variants" "--decode" "--decode --variants"; do
+      echo "== selftest ${mode:-(forward)}"
+      # shellcheck disable=SC2086  # the mode's flags split into words
+      $py -m numbaflash.selftest --cases "$([[ -z $mode ]] && echo "${CASES:-500}" || echo "${MODE_CASES:-300}")" \
+        $mode || status=1
+    done
+    exit $status
+  ) >"$out/selftest.log" 2>&1 &
   selftest_pid=$!
 fi
 if [[ " $stages " == *" sanitize "* ]]; then
@@ -57,7 +68,7 @@ echo "== $(head -1 "$out/gpu.txt")"
 [[ -n "${rc[tests]:-}" ]] && echo "tests    rc=${rc[tests]}  $(tail -1 "$out/pytest.log")"
 [[ -n "${rc[timing]:-}" ]] && echo "timing   rc=${rc[timing]}  $(tail -1 "$out/pytest_timing.log")"
 [[ -n "${rc[nokey]:-}" ]] && { echo "nokey    rc=${rc[nokey]}"; grep '^|' "$out/no_key_rows.log"; }
-[[ -n "${rc[selftest]:-}" ]] && { echo "selftest rc=${rc[selftest]}"; grep -E '^(sm[0-9]+:|PASSED|FAILED|seed|GPU)' "$out/selftest.log"; }
+[[ -n "${rc[selftest]:-}" ]] && { echo "selftest rc=${rc[selftest]}"; grep -E '^(== selftest|sm[0-9]+:|backward:|decode:|PASSED|FAILED)' "$out/selftest.log"; }
 [[ -n "${rc[sanitize]:-}" ]] && { echo "sanitize rc=${rc[sanitize]}"; grep -E '^(\||sanitizer:)' "$out/sanitize.log"; }
 status=0
 for k in "${!rc[@]}"; do [[ ${rc[$k]} -ne 0 ]] && status=1; done
