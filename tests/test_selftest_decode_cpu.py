@@ -27,7 +27,7 @@ def test_draws_are_reproducible_and_independent(quick):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_consecutive_cases_cover_every_head_dim_mask_and_dtype(seed):
-    want = set(itertools.product(SUPPORTED_HEAD_DIMS, (False, True), sd.DTYPE_NAMES))
+    want = set(itertools.product(SUPPORTED_HEAD_DIMS, (False, True), selftest.DTYPE_NAMES))
     cases = [sd.draw_decode_case(seed, i) for i in range(len(want))]
     assert {(c.head_dim, c.causal, c.dtype) for c in cases} == want
 

@@ -28,9 +28,9 @@ MAX_SPLITS = 32  # a fixed ceiling, so that a captured graph's scratch never gro
 # warp loads all SPLITS_PER_WARP (32) splits of its row at constant offsets, past its last split
 # too, and drops those values (``kernels.decode_mma.make_decode_combine_kernel``).
 SCRATCH_TAIL_ROWS = 32
-MIN_TILES_PER_SPLIT = 4
+MIN_TILES_PER_SPLIT = 4  # keys a split reads at the least, in tiles: below, the merge costs more
 # K and V bytes on the way that keep one SM's share of the HBM busy (``streaming_ctas``).
-STREAM_BYTES_PER_SM = 64 * 1024  # keys a split reads at the least, in tiles: below, the merge costs more
+STREAM_BYTES_PER_SM = 64 * 1024
 
 
 def resident_ctas(threads: int, registers: int, shared_bytes: int, shared_limit: int,
@@ -205,8 +205,7 @@ def launch_decode_combine(config) -> Bind:
     def bind(launcher, call: DecodeCall, gpu: Any):
         if call.num_splits == 1:
             return None
-        batch, seqlen_q, heads_q, _ = call.q.shape
-        head_dim = call.q.shape[3]
+        batch, seqlen_q, heads_q, head_dim = call.q.shape
         warps = batch * heads_q * seqlen_q * (head_dim // 32)
         scratch = split_scratch_elements(call.lse_part_elements, head_dim)  # one LSE a partial row
         return launcher.bind((-(-warps // 4), 1, 1), 128, 0, (0, scratch),

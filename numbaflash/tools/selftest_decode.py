@@ -23,8 +23,8 @@ import numpy as np
 from ..configs import SUPPORTED_HEAD_DIMS
 from .reference import compare_varlen_with_reference
 
-DTYPE_NAMES = ("float16", "bfloat16")
-GROUPS = (1, 2, 3, 4, 8)  # heads_q // heads_kv
+# ``selftest`` imports this module; what this one takes from it (its dtypes, GQA groups, drawing
+# helpers, runners' conversions) it imports inside the functions that use it.
 # (longest cache, cap on batch * heads_q * seqlen_q * keys: the float64 reference's cost)
 DECODE_LIMITS = {False: (4096, 2 * 10**7), True: (600, 2 * 10**6)}
 PAGE_SIZES = (1, 7, 16, 64, 100, 256)
@@ -83,15 +83,11 @@ class DecodeCase:
                 + (f" softcap={self.softcap:g}" if self.softcap else ""))
 
 
-def _log_uniform(rng: np.random.Generator, high: int) -> int:
-    return int(min(high, max(1, round(math.exp(rng.uniform(0.0, math.log(high + 0.5)))))))
-
-
 def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> DecodeCase:
     """The decode case ``index`` of run ``seed`` (pure, no GPU). Head dims, causality and dtypes
     cycle; ``variants``: every case has a window, a softcap or both (else
     ``DECODE_WINDOW_SOFTCAP_SHARE`` of them)."""
-    from .selftest import draw_window_softcap
+    from .selftest import DTYPE_NAMES, GROUPS, _log_uniform, draw_window_softcap
 
     combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (True, False) for t in DTYPE_NAMES]
     head_dim, causal, dtype = combos[(index + seed) % len(combos)]
