@@ -1,19 +1,23 @@
-"""The shipped attention kernels and their device pieces.
+"""The shipped attention kernels and the device pieces they are built from.
 
-- ``forward_mma``: the cp.async + ldmatrix + mma.sync forward kernel (sm_80 and later);
-- ``forward_ws``: the warp-specialised TMA + wgmma forward kernel (sm_90a), with its GEMM
-  steps in ``wgmma_gemms`` and its mbarrier rings in ``ring``;
-- ``shapes``: ``ForwardConfig`` and ``WsConfig``, the kernels' compile-time shapes, in plain
-  Python;
-- ``abi``: both kernels' parameter lists (the ABI) as Numba's type names, so the launcher packs
-  arguments without importing Numba;
-- ``common``: the mma.sync kernel's parameter list as Numba types (``FORWARD_ARGTYPES``, checked
-  against ``abi``), the online-softmax rescale threshold, device constants, and ``unroll``
-  (generated code: a loop unrolled in Python);
-- ``blocks``: which query block and (batch, head) a CTA owns, and score masks;
-- ``smem``: swizzled shared tiles, cp.async copies and ldmatrix fragments;
-- ``softmax``: the online-softmax steps on mma fragments;
-- ``epilogue``: normalise, stage and store O, and write the log-sum-exp.
+Kernels, one module each (the varlen, window and softcap builds live with their kernel):
+
+- ``forward_mma``: the cp.async + ldmatrix + mma.sync forward (sm_80 and later);
+- ``forward_ws``: the warp-specialised TMA + wgmma forward (sm_90a);
+- ``backward_mma``: FlashAttention-2's backward on mma.sync: prepare, main and dQ kernels;
+- ``backward_ws``: the warp-specialised TMA + wgmma backward's main kernel (sm_90a; its prepare
+  and dQ kernels are ``backward_mma``'s);
+- ``decode_mma``: decode against a (paged) KV cache, split over keys, and its combine kernel.
+
+Shared device pieces: ``wgmma_gemms`` (wgmma S and PV steps), ``ring`` (mbarrier rings as named
+steps), ``blocks`` (which block a CTA owns, masks), ``smem`` (swizzled tiles, cp.async copies,
+ldmatrix fragments), ``softmax`` (online-softmax steps on mma fragments), ``epilogue`` (normalise
+and store O, write the log-sum-exp), and ``common`` (Numba argument types, the online-softmax
+rescale threshold, device constants, ``unroll``: a loop unrolled in Python).
+
+Plain Python, importable without Numba: ``shapes`` (every kernel's compile-time config class) and
+``abi`` (every kernel's parameter list as Numba's type names, so the launcher packs arguments
+without importing Numba).
 
 Nothing here imports ``api``, ``operations``, ``tools`` or ``demos`` (``tests/test_structure_cpu.py``).
 """
