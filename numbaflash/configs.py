@@ -355,8 +355,8 @@ _B = BackwardConfig
 # d128 runs on GPUs of 99 KB a CTA (sm_86, sm_89, sm_120: the others need 113 KB or more); d256
 # has no tile that fits there (FlashAttention-2 needs an A100 or H100 for it too).
 # At head dims 64 and 128 the first is the same tile with two m-tiles a warp in every product
-# (key_tiles=2, dq_tiles=2): H100, 4k, fp16, 0.63 -> 0.72 (d128) and 0.57 -> 0.61 (d64) of SDPA
-# flash's backward (lab/NOTEBOOK.md, section BW).
+# (key_tiles=2, dq_tiles=2): H100, 4k, fp16, +11-13% at d128 and +5-9% at d64 against one m-tile
+# a warp (docs/PERFORMANCE.md, "Measurements behind dispatch rules").
 BACKWARD_DEFAULTS: dict[int, list[BackwardConfig]] = {
     **{d: ([_B(d, block_m=64, block_n=128, key_tiles=2, dq_tiles=2)] if d in (64, 128) else [])
        + [_B(d, block_m=64, block_n=128), _B(d, block_m=64, block_n=128, q_stages=1),
@@ -472,8 +472,8 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
 def backward_for_target(config: BackwardConfig, capability: tuple[int, int]) -> BackwardConfig:
     """``config`` as a GPU of ``capability`` compiles it: the dQ accumulator added four floats
     at a time (``dq_vector`` 4, ``red.global.add.v4.f32``) from sm_90 on, one at a time before.
-    H100, bf16, main kernel: -0.5 to -0.8% at d64 4k and 16k without masking, no change at
-    d128 16k (lab/NOTEBOOK.md, BW.8 run 7 and BW.9). Any other family's config (the Hopper
+    H100, bf16, main kernel: -1.3 to -1.9% at d64 and d128, 4k and 16k (docs/PERFORMANCE.md,
+    "Backward speed, mma.sync backward"). Any other family's config (the Hopper
     backward's, which always adds four) is returned as it is."""
     if family_of(config) is not SM80_BWD:
         return config
@@ -574,20 +574,21 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     """The decode kernel's config: 16 packed query rows a CTA, or 32 where the query heads of a
     KV head times seqlen_q need more and the head dim is at most 128 (at d256 a thread's O for
     32 rows is 256 floats: 600 spill instructions, half the speed of two 16-row blocks that read
-    K and V twice, lab notebook DEC.3); 64 keys over 4 warps and a ring of 3, else smaller,
+    K and V twice, on an H100); 64 keys over 4 warps and a ring of 3, else smaller,
     whichever first fits the GPU's shared memory a CTA; at head dim 64 with 16 rows and a
     contiguous cache, 128 keys over 4 warps and a ring of 2 first (1.2% faster at 128 x 2048 keys
-    on an H100, DEC.5; the paged and 32-row builds would fit only 2 CTAs a SM).
+    on an H100; the paged and 32-row builds would fit only 2 CTAs a SM).
 
     ``wide``: the call's (batch, KV head, row block) CTAs outnumber the SMs. At head dim 128 and
     16 rows a ring of 3 streams best at one CTA a SM (``launch_decode.streaming_ctas``), which
-    such a grid fills in two waves or more; a ring of 2 runs two a SM, in half the waves (DEC.6,
-    H100: 32 x 4096 keys 0.986-0.990 of cuDNN with the ring of 3, 1.007-1.012 with the ring of
+    such a grid fills in two waves or more; a ring of 2 runs two a SM, in half the waves (H100:
+    32 x 4096 keys 0.986-0.990 of cuDNN with the ring of 3, 1.007-1.012 with the ring of
     2; 64 x 32768 level). With 16 rows and a contiguous cache, head dim 32 takes 256-key tiles
     (its 64-byte rows: 64 keys a tile made 4 KB requests; 8 x 8192 keys 0.88-0.90 of the best SDPA
     backend -> 0.95-0.96, 64 x 4096 1.01-1.02 -> 1.14) and head dim 96 a ring of 2 (8 x 8192 0.95
-    -> 0.96-0.98, 64 x 4096 and 1 x 65536 +2-5%), DEC.6 run 17; paged too (paged / contiguous at
-    d32 0.91-0.94 -> 0.94-1.01, at d96 0.93-0.95 -> 0.97-0.99, run 20)."""
+    -> 0.96-0.98, 64 x 4096 and 1 x 65536 +2-5%); paged too (paged / contiguous at
+    d32 0.91-0.94 -> 0.94-1.01, at d96 0.93-0.95 -> 0.97-0.99). Every figure here:
+    docs/PERFORMANCE.md, "Measurements behind dispatch rules"."""
     from .kernels.shapes import DecodeConfig
 
     if DECODE_FORCED and DECODE_FORCED[0].head_dim == head_dim:
@@ -595,13 +596,13 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     m_tiles = 1 if rows <= 16 or head_dim > 128 else 2
     tried = []
-    if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (notebook DEC.5)
+    if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (H100)
         tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
-    if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (notebook DEC.6)
+    if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (H100)
         tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
-    if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (notebook DEC.6)
+    if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (H100)
         tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3, paged=paged))
-    if head_dim == 96 and m_tiles == 1:  # a ring of 2: +2-5%, paged +2-5% (notebook DEC.6)
+    if head_dim == 96 and m_tiles == 1:  # a ring of 2: +2-5%, paged +2-5% (H100)
         tried.append(DecodeConfig(96, block_n=64, num_warps=4, stages=2, paged=paged))
     tried += [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
               for n, w in ((64, 4), (32, 2)) for s in (3, 2)]

@@ -289,3 +289,31 @@ def test_file_names_say_what_each_test_file_needs():
         elif suffix == "cpu" and _compiles(tree):
             wrong.append(f"{path.name}: compiles kernels, so it is an _offline file")
     assert not wrong, wrong
+
+
+# Product code cites docs (docs/PERFORMANCE.md, docs/ARCHITECTURE.md), never the lab notebook:
+# the notebook is not shipped, and its sections (``[DEC.6]``, ``BW.9``, ...) are a work log.
+NOTEBOOK_CITATION = r"notebook|\blab/|\b(?:BW|HB|DEC|WS|CT|W\d+)\.\d+\b"
+
+
+def notebook_citations(root: pathlib.Path) -> list[str]:
+    """Lines of ``root``'s .py files that mention the lab notebook: ``lab/NOTEBOOK.md``, "lab
+    notebook", the ``lab/`` folder, or a notebook section such as ``DEC.6``."""
+    import re
+
+    pattern = re.compile(NOTEBOOK_CITATION, re.IGNORECASE)
+    return [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+def test_product_code_does_not_cite_the_lab_notebook():
+    wrong = notebook_citations(PACKAGE)
+    assert not wrong, f"cite docs/PERFORMANCE.md or docs/ARCHITECTURE.md instead of the lab notebook: {wrong}"
+
+
+def test_notebook_citation_rule_is_live(tmp_path):
+    (tmp_path / "a.py").write_text(
+        "# see lab/NOTEBOOK.md\nx = 1  # 1.2% faster (lab notebook DEC.5)\n"
+        "y = 2  # the probe in lab/ws_check.py\n\"\"\"H100, BW.9 run 1.\"\"\"\n"
+        "z = 3  # docs/PERFORMANCE.md, sm_90a, WS_ABI, ring.slot(i), v1.2\n")
+    assert notebook_citations(tmp_path) == ["a.py:1", "a.py:2", "a.py:3", "a.py:4"]

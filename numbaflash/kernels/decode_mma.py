@@ -525,7 +525,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         # shared memory over the ring; then thread t merges 8 consecutive columns of rows. Only
         # rows that exist are written (4 of 16 at GQA 4 and seqlen_q 1), and O's rows are OS
         # floats apart, 8 mod 32: the 8 rows of a store fall on 4 bank groups, not on one (a
-        # row stride of D made every O store an 8-way bank conflict, ncu, notebook DEC.4).
+        # row stride of D made every O store an 8-way bank conflict, ncu, H100).
         ptx.cp_async_wait_group_0()
         cuda.syncthreads()
         o_at = SRING // 4  # float32 [WARPS][BM][OS], indices of smem_f

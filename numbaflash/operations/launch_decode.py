@@ -56,8 +56,8 @@ def occupancy_shared(shared_bytes: int, ctas: int, shared_limit: int) -> int:
     """The dynamic shared memory a launch asks for so that an SM holds at most ``ctas`` of its
     CTAs (``shared_limit``: the most one CTA may take, the SM's total less the 1 KB kept a CTA):
     the SM's share a CTA, never less than the kernel's own ``shared_bytes``. For a kernel an SM
-    would hold more of than ``streaming_ctas``, which contend for the HBM (DEC.6: at d64, 128 x
-    2048 keys, 3 a SM 0.974-0.977 of cuDNN, 2 a SM 1.007-1.023)."""
+    would hold more of than ``streaming_ctas``, which contend for the HBM (H100: at d64, 128 x
+    2048 keys, 3 a SM 0.974-0.977 of cuDNN, 2 a SM 1.007-1.023; docs/PERFORMANCE.md)."""
     return max(shared_bytes, min(shared_limit, (shared_limit + 1024) // ctas - 1024))
 
 
@@ -65,7 +65,7 @@ def streaming_ctas(bytes_in_flight: int, resident: int) -> int:
     """Decode CTAs an SM should run at once: as many as keep ``STREAM_BYTES_PER_SM`` of K and V
     on the way (``DecodeConfig.bytes_in_flight`` a CTA), at most the ``resident`` it holds.
 
-    Measured on an H100 (lab notebook DEC.6, CUDA graphs, forced split counts): at d128 (64-key
+    Measured on an H100 (docs/PERFORMANCE.md; CUDA graphs, forced split counts): at d128 (64-key
     tiles, a ring of 3: 64 KB in flight a CTA) one CTA a SM streams 2-3% faster than two (8 x
     8192 keys: 2 splits 2799-2862 GB/s, 4 splits 2734-2798; 1 x 131072: 16 splits against 32,
     +2%), at d64 (32 KB a CTA) two a SM are 2-4% faster than one or three."""
@@ -82,12 +82,12 @@ def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, blo
     for the fraction (n / s) / ceil(n / s) of them. The split counts allowed: at most
     ``MAX_SPLITS``, each split at least ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` of the
     longest sequence (``max_keys``), each count changing the tiles a split reads. One split where
-    the (batch, KV head, row block) CTAs fill 80% of the slots or give every SM one (DEC.6: d128
+    the (batch, KV head, row block) CTAs fill 80% of the slots or give every SM one (H100: d128
     grids of 136-192 CTAs on 132 SMs, two a SM, 0.98-1.04 of cuDNN unsplit, 0.91-0.99 split to
     fill the slots); the most allowed where even those leave slots empty; else the fewest whose
     waves are within 95% of the best (FlashAttention-2 takes 85%; at 1 x 8192 keys, d128, that
-    would be 14 splits on 112 of 132 SMs, where 95% takes the 16 that DEC.6 measured best of 8,
-    16 and 32)."""
+    would be 14 splits on 112 of 132 SMs, where 95% takes the 16 measured best of 8, 16
+    and 32; docs/PERFORMANCE.md)."""
     ctas = batch * heads_kv * row_blocks
     slots = sm_count * ctas_per_sm
     if ctas >= min(0.8 * slots, sm_count):

@@ -211,7 +211,7 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
     kernels recompute P from the forward's LSE, so where the input-dtype computation is exact
     (one key: P is exactly 1 there, and dv a sum of a few dout values) a P of 1 - 2^-11 still
     moves a gradient by up to one ulp (H100, 15 of 300 self-test cases, all with seqlen_k = 1:
-    lab/NOTEBOOK.md, section BW). ``window_size`` and ``softcap``: as ``attention_reference``;
+    docs/PERFORMANCE.md, "The release gate"). ``window_size`` and ``softcap``: as ``attention_reference``;
     dk and dv are then also exactly 0 on keys that no row sees."""
     kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
     refs = attention_backward_reference(q, k, v, dout, **kw)
