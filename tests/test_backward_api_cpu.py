@@ -287,7 +287,7 @@ def test_grid_limits_checked_before_compiling(no_compile):
 def test_tensors_on_another_device_are_rejected(monkeypatch, no_compile):
     """Operands whose device is known (torch) must be on the current one; lse and the gradients too."""
     seen = []
-    monkeypatch.setattr(numbaflash.api, "check_same_device", lambda ops, current: seen.append(
+    monkeypatch.setattr(numbaflash.operations.entry, "check_same_device", lambda ops, current: seen.append(
         [op.name for op in ops]))
     with pytest.raises(AssertionError, match="would compile"):
         call(device_inputs(), dq=FakeDeviceArray(Q_SHAPE))
