@@ -448,7 +448,7 @@ def test_config_by_shared_memory(causal, fresh_choice):
 
 
 def test_table_entries_under_their_own_keys(table_with, fresh_choice):
-    tuned = BackwardConfig(128, block_m=128, block_n=64, num_warps=8)
+    tuned = BackwardConfig(128, block_m=128, block_n=64)
     too_big = BackwardConfig(64, block_m=128, block_n=128, q_stages=2)
     assert configs.backward_table_key(128, True) == "sm80bwd/d128/causal"
     table_with({"sm80bwd/d128/causal": tuned, "sm80bwd/d64/full": too_big})
@@ -475,7 +475,7 @@ def test_a_forward_config_under_a_backward_key_is_an_error(table_with, fresh_cho
 
 
 def test_force_config_with_a_backward_config(fresh_choice):
-    forced = BackwardConfig(64, block_m=64, block_n=64, num_warps=4)
+    forced = BackwardConfig(64, block_m=64, block_n=64, q_stages=1)
     forward_before = configs.forward_config(AMPERE, 64, True)
     unforced = configs.backward_config(AMPERE, 64, False)
     with configs.force_config(AMPERE, True, forced):
@@ -610,7 +610,7 @@ def test_kernels_load_once_for_the_gpus_own_target(fake_gpu, capability, arch):
 
 
 def test_forced_config_loads_its_own_kernels_and_too_big_is_refused(fake_gpu):
-    forced = BackwardConfig(64, block_m=64, block_n=64, num_warps=4)
+    forced = BackwardConfig(64, block_m=64, block_n=64, q_stages=1)
     unforced = backward.backward_kernels(HOPPER, 0, 64, False, False)
     with configs.force_config(HOPPER, False, forced):
         assert backward.backward_kernels(HOPPER, 0, 64, False, False).config == hopper(forced)
