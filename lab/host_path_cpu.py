@@ -16,7 +16,7 @@ What is real and what is faked:
   ``torch.cudalike``, torch functions not overridden) that say ``is_cuda`` and ``get_device()
   == 0``: ``shape``, ``stride()``, ``data_ptr()``, ``dtype``, ``requires_grad`` and
   ``torch.empty`` (the new ``out``) are torch's own, on the CPU. The routing check
-  (``torch_ops.route``) runs as it is, with ``torch_ops.Tensor`` pointed at the subclass so that
+  (``torch_route.route``) runs as it is, with ``torch_route.Tensor`` pointed at the subclass so that
   the direct path serves the call, as it does for a plain CUDA tensor.
 - The device state (``runtime.device.GPU``) is a ``GpuState`` filled in for a pretend H100
   (capability, shared-memory limit, SM count, an LSE scratch address); the kernels "load" as
@@ -54,7 +54,7 @@ import torch
 from torch._C import _disabled_torch_function_impl
 
 import numbaflash
-from numbaflash import operands, torch_ops
+from numbaflash import operands, torch_route
 from numbaflash.operations import forward
 from numbaflash.runtime import device as gpu_state
 from numbaflash.runtime import launch as runtime_launch
@@ -160,7 +160,7 @@ def install_fakes() -> None:
     slots: dict[int, HostSlots] = {}
     map_slots_module.map_slots = lambda device: slots.setdefault(device, HostSlots())
     operands._RAW_STREAM = lambda device: 0
-    torch_ops.Tensor = CudaLike  # the routing check's "plain tensor" is the subclass here
+    torch_route.Tensor = CudaLike  # the routing check's "plain tensor" is the subclass here
 
 
 def calls_for(head_dim: int) -> dict[str, Callable[[], Any]]:

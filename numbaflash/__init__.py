@@ -8,8 +8,8 @@ from .api import (
     flash_attention_with_kvcache,
 )
 from .runtime.pipeline import release_staging
+from .runtime.version import VERSION as __version__
 
-__version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
            "flash_attention_varlen_backward", "flash_attention_with_kvcache", "release_staging",
            "__version__"]

@@ -60,9 +60,7 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # likewise needs Q by k-slices, and 128 x 128 spills even then; d256 128 x 32 spills with double
 # buffering). FlashAttention-2's own forward shapes: d64 128 x 128, d128 128 x 64, d96 128 x 64,
 # 4 warps of 2 m-tiles; d256 128 x 64 over 8 warps (>= 112 KB of shared memory a CTA), else
-# 64 x 64 over 4. min_ctas=3 (at most 168 registers a thread: 3 warps a scheduler instead of
-# 2) lost 5-20% on an H100 except at d32, where it ties; kept for GPUs with other
-# latencies. Head dims above 128 always stream Q (ForwardConfig.__post_init__).
+# 64 x 64 over 4. Head dims above 128 always stream Q (ForwardConfig.__post_init__).
 _F = ForwardConfig
 _SM80_CANDIDATES = {
     64: [_F(64, block_n=128), _F(64), _F(64, block_m=64, block_n=128),
@@ -70,7 +68,6 @@ _SM80_CANDIDATES = {
          _F(64, warp_m_tiles=2), _F(64, warp_m_tiles=2, double_buffer=True),
          _F(64, warp_m_tiles=2, q_in_regs=False), _F(64, warp_m_tiles=2, early_k=True),
          _F(64, warp_m_tiles=2, double_buffer=True, early_k=True),
-         _F(64, block_n=32, warp_m_tiles=2, q_in_regs=False, early_k=True, min_ctas=3),
          _F(64, block_n=128, warp_m_tiles=2, q_in_regs=False, double_buffer=True),
          _F(64, block_n=128, warp_m_tiles=2, q_in_regs=False, double_buffer=True, interleave_pv=True),
          _F(64, warp_m_tiles=2, double_buffer=True, interleave_pv=True)],
@@ -87,7 +84,7 @@ _SM80_CANDIDATES = {
          _F(32, block_n=128, warp_m_tiles=2, double_buffer=True),
          _F(32, block_n=128, warp_m_tiles=2, double_buffer=True, interleave_pv=True),
          _F(32, block_m=256, block_n=128, warp_m_tiles=2), _F(32, warp_m_tiles=2),
-         _F(32, block_m=256, warp_m_tiles=2), _F(32, warp_m_tiles=2, min_ctas=3)],
+         _F(32, block_m=256, warp_m_tiles=2)],
     96: [_F(96), _F(96, block_m=64), _F(96, block_n=128), _F(96, block_m=64, block_n=128),
          _F(96, block_m=64, block_n=128, double_buffer=True), _F(96, block_m=64, block_n=128, early_k=True),
          _F(96, block_m=192), _F(96, warp_m_tiles=2, q_in_regs=False),

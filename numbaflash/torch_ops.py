@@ -1,7 +1,8 @@
-"""PyTorch integration: ``flash_attention`` as torch custom ops with autograd, fake (meta)
-kernels for torch.compile, and the routing that sends a torch call through them.
+"""PyTorch integration: ``flash_attention`` as torch custom ops with autograd, and fake (meta)
+kernels for torch.compile. ``torch_route`` decides which torch calls go through them; the ops
+run the checked entries (``operations.entry``, ``operations.varlen*``) on real tensors.
 
-Imported by ``api.flash_attention`` the first time a torch tensor reaches it (``import
+Imported through ``torch_route`` the first time a torch tensor reaches the API (``import
 numbaflash`` never imports torch). Two ops under the ``numbaflash`` namespace:
 
 - ``numbaflash::flash_attention_forward(q, k, v, causal, softmax_scale, window_left=-1,
@@ -29,17 +30,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import api
-from .operands import Operand, check_flag, check_shapes, check_softcap, check_softmax_scale, check_window_size
+from .operands import Operand, check_shapes, check_softcap, check_window_size
+from .operations.entry import (
+    direct_flash_attention,
+    direct_flash_attention_backward,
+    direct_flash_attention_with_kvcache,
+)
+from .operations.varlen import check_offsets_shape, check_packed_shapes, direct_flash_attention_varlen, packed
+from .operations.varlen_backward import direct_flash_attention_varlen_backward
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
     """The eager API's dtype and shape checks, on metadata only (fake and meta tensors too)."""
     operands = []
     for name, x in (("q", q), ("k", k), ("v", v)):
-        dtype_name = _DTYPE_NAMES.get(x.dtype)
+        dtype_name = DTYPE_NAMES.get(x.dtype)
         if dtype_name is None:
             raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
         operands.append(Operand(name, tuple(x.shape), dtype_name, True, None))
@@ -56,14 +63,14 @@ def _check_like(name: str, x: Tensor, shape: tuple, dtype: torch.dtype) -> None:
 # test can put a reference in their place on the CPU.
 def run_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
-    return api.direct_flash_attention(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
+    return direct_flash_attention(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
 
 
 def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                  softmax_scale: float, deterministic: bool, window_size: tuple[int, int] = (-1, -1),
                  softcap: float = 0.0):
-    return api.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                        deterministic=deterministic, window_size=window_size, softcap=softcap)
+    return direct_flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                                           None, None, None, window_size, softcap)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
@@ -145,59 +152,15 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
 flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-_grad_enabled = torch.is_grad_enabled
-_dynamo_compiling = torch.compiler.is_dynamo_compiling
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-
-
-def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out, window_size=(-1, -1),
-          softcap=0.0):
-    """``flash_attention`` on torch tensors: None when the direct (eager, no autograd) path
-    serves the call, else its result through the custom op. The op runs when autograd needs
-    it (grad mode on and q, k or v requiring grad), under torch.compile / torch.export, on
-    tensor subclasses (fake, functional), under a dispatch mode (FakeTensorMode, make_fx,
-    FlopCounterMode), and on meta tensors. Kept small: torch.compile traces it
-    (``is_dynamo_compiling()`` is constant True there: the rest of the test is not traced;
-    non-strict export and make_fx trace with fake tensors under a dispatch mode)."""
-    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
-        return None
-    check_tensors(q, k, v)
-    causal = check_flag("causal", causal)
-    return_lse = check_flag("return_lse", return_lse)
-    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    if type(softcap) is not float or softcap != 0.0 or window_size != (-1, -1):  # (not traced when default)
-        window_size = check_window_size(window_size)
-        softcap = check_softcap(softcap, softmax_scale)
-    if out is not None:
-        if needs_grad:
-            raise RuntimeError(
-                "flash_attention(): out= does not support automatic differentiation, but q, k or v "
-                "requires grad; call it without out= (or under torch.no_grad())")
-        if not isinstance(out, Tensor):
-            raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
-        if out.shape != q.shape or out.dtype != q.dtype:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype "
-                             f"{_DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
-                             f"{_DTYPE_NAMES.get(out.dtype, out.dtype)}")
-    if window_size == (-1, -1) and softcap == 0.0:
-        result, lse = flash_attention_forward(q, k, v, causal, softmax_scale)
-    else:
-        result, lse = flash_attention_forward(q, k, v, causal, softmax_scale, *window_size, softcap)
-    if out is not None:
-        result = out.copy_(result)
-    return (result, lse) if return_lse else result
-
-
 # ------------------------------------------------------------------ decode
 
 
 def run_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor | None,
                 v_new: Tensor | None, block_table: Tensor | None, causal: bool, softmax_scale: float,
                 num_splits: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
-    return api.direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                                   block_table, causal, softmax_scale, num_splits, True, None,
-                                                   window_size, softcap)
+    return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                                               causal, softmax_scale, num_splits, True, None, window_size,
+                                               softcap)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -226,39 +189,12 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                  softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0):
-    """``flash_attention_with_kvcache`` on torch tensors: None where the direct path serves the
-    call, else its result through the custom op (under torch.compile / export, fake or meta
-    tensors, a dispatch mode), so that a compiled decode step has no graph break."""
-    if not (_dynamo_compiling() or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
-        return None
-    if out is not None:
-        raise RuntimeError("flash_attention_with_kvcache(): out= is not supported under torch.compile or a "
-                           "dispatch mode; use the returned tensor")
-    causal = check_flag("causal", causal)
-    return_lse = check_flag("return_lse", return_lse)
-    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    if type(softcap) is not float or softcap != 0.0 or window_size != (-1, -1):  # (not traced when default)
-        window_size = check_window_size(window_size)
-        softcap = check_softcap(softcap, softmax_scale)
-    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
-            int(num_splits))
-    if window_size == (-1, -1) and softcap == 0.0:
-        result, lse = flash_attention_with_kvcache(*args)
-    else:
-        result, lse = flash_attention_with_kvcache(*args, *window_size, softcap)
-    return (result, lse) if return_lse else result
-
-
 # ------------------------------------------------------------------ packed variable-length forward
 
 
 def run_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, causal: bool, softmax_scale: float, window_size: tuple[int, int],
                softcap: float):
-    from .operations.varlen import direct_flash_attention_varlen
-
     return direct_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          causal,
                                          softmax_scale, window_size, softcap, True, None)
@@ -281,11 +217,9 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
 @flash_attention_varlen_forward.register_fake
 def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                  window_left=-1, window_right=-1, softcap=0.0):
-    from .operations.varlen import check_offsets_shape, check_packed_shapes, packed
-
     operands = []
     for name, x in (("q", q), ("k", k), ("v", v)):
-        dtype_name = _DTYPE_NAMES.get(x.dtype)
+        dtype_name = DTYPE_NAMES.get(x.dtype)
         if dtype_name is None:
             raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
         operands.append(Operand(name, tuple(x.shape), dtype_name, True, None))
@@ -305,8 +239,6 @@ def run_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                         causal: bool, softmax_scale: float, deterministic: bool, window_size: tuple[int, int],
                         softcap: float):
-    from .operations.varlen_backward import direct_flash_attention_varlen_backward
-
     return direct_flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                                                   window_size, softcap, deterministic)
@@ -361,30 +293,3 @@ def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
 
 
 flash_attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
-
-
-def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                 softmax_scale,
-                 window_size, softcap, return_lse, out):
-    """``flash_attention_varlen`` on torch tensors: None where the direct path serves the call;
-    else the custom op, whose autograd runs the varlen backward (grad mode on and q, k or v
-    requiring grad; torch.compile / export, fake or meta tensors, a dispatch mode)."""
-    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
-        return None
-    if out is not None:
-        if needs_grad:
-            raise RuntimeError(
-                "flash_attention_varlen(): out= does not support automatic differentiation, but q, k or v "
-                "requires grad; call it without out= (or under torch.no_grad())")
-        raise RuntimeError("flash_attention_varlen(): out= is not supported under torch.compile or a "
-                           "dispatch mode; use the returned tensor")
-    causal = check_flag("causal", causal)
-    return_lse = check_flag("return_lse", return_lse)
-    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    window_size = check_window_size(window_size)
-    softcap = check_softcap(softcap, softmax_scale)
-    result, lse = flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                                 int(max_seqlen_k), causal, softmax_scale, *window_size,
-                                                     softcap)
-    return (result, lse) if return_lse else result

@@ -479,7 +479,7 @@ def torch_qkv(fake_device):
 
 
 def direct(q, k, v, **kwargs):
-    from numbaflash.api import direct_flash_attention
+    from numbaflash.operations.entry import direct_flash_attention
 
     args = {"causal": False, "softmax_scale": None, "return_lse": False, "out": None, **kwargs}
     return direct_flash_attention(q, k, v, args["causal"], args["softmax_scale"], args["return_lse"],
@@ -492,7 +492,7 @@ def test_torch_calls_of_a_known_layout_skip_describing(torch_qkv, fake_device, m
     torch, make = torch_qkv
     config = configs_for((9, 0), 64, True)
     first = direct(*make(), causal=True, return_lse=True)
-    monkeypatch.setattr(numbaflash.api, "describe", None)  # the full path would fail now
+    monkeypatch.setattr(numbaflash.operations.entry, "describe", None)  # the full path would fail now
     fake_device.streams.append(11)
     q, k, v = make()
     out, lse = direct(q, k, v, causal=True, return_lse=True)
@@ -532,7 +532,7 @@ def test_torch_calls_of_a_known_layout_are_still_checked(torch_qkv, fake_device,
     out = cuda_like(torch, q.shape)
     direct(q, k, v, causal=True, out=out)
     with monkeypatch.context() as patch:  # the plan serves these: no describing
-        patch.setattr(numbaflash.api, "describe", None)
+        patch.setattr(numbaflash.operations.entry, "describe", None)
         direct(q, k, v, causal=True, out=q)  # out may be q itself
         direct(q, k, v, causal=True, out=out)
     kwargs = {"causal": True, "out": out}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_window_softcap_cpu import SHAPES, WINDOWS, backward_args, band_of, no_compile  # noqa: F401
+from test_window_softcap_cpu import BAND_CASES, backward_args, band_of, no_compile  # noqa: F401
 
 import numbaflash
 from numbaflash.kernels import backward_mma, blocks
@@ -24,14 +24,14 @@ key_block_of = blocks.key_block_of.py_func
 mask_band_transposed = backward_mma.mask_band_transposed.py_func
 
 BLOCKS = [(64, 128), (128, 128), (64, 64)]  # (block_m, block_n) of the backward's configs
+# The forward's band cases (edges and a few random draws), each with one of the tiles in turn.
+BLOCK_CASES = [(*case, *BLOCKS[i % len(BLOCKS)]) for i, case in enumerate(BAND_CASES)]
 
 
 # ------------------------------------------------------------------ the walk's range
 
 
-@pytest.mark.parametrize(("sq", "sk"), SHAPES)
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize(("block_m", "block_n"), BLOCKS)
+@pytest.mark.parametrize(("sq", "sk", "window", "block_m", "block_n"), BLOCK_CASES)
 def test_band_query_blocks(sq, sk, window, block_m, block_n):
     """Every row that sees a key of the block lies in the range; the first and the last block of
     the range each hold such a row; a key block no row sees gets an empty range; and it is the
@@ -95,8 +95,9 @@ def simulate_turns(sq, sk, window, block_m, block_n, pairs, tail_pairs, resident
     return order
 
 
-@pytest.mark.parametrize(("sq", "sk"), [(300, 129), (129, 300), (500, 500), (64, 700), (700, 64)])
-@pytest.mark.parametrize("window", [(0, 0), (1, 0), (127, 0), (5, 90), (-1, 3), (70, -1), (200, 200)])
+@pytest.mark.parametrize(("sq", "sk", "window"), [
+    (300, 129, (0, 0)), (129, 300, (1, 0)), (500, 500, (127, 0)), (64, 700, (5, 90)), (700, 64, (-1, 3)),
+    (500, 500, (70, -1)), (129, 300, (200, 200)), (700, 64, (0, 0))])  # each window once, sq < / = / > sk
 @pytest.mark.parametrize("resident", [1, 3, 100])
 def test_deterministic_turns_complete_in_key_block_order(sq, sk, window, resident):
     """With CTAs skipping the query blocks outside the window, every query block is added to by

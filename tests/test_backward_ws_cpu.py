@@ -23,8 +23,7 @@ from numbaflash.operations.launch_backward import BackwardCall, launch_backward_
 from numbaflash.runtime import launch as runtime_launch
 
 HOPPER, AMPERE, SM86, BLACKWELL = (9, 0), (8, 0), (8, 6), (10, 0)
-WS_CONFIGS = [WsBackwardConfig(64, block_m=128), WsBackwardConfig(128, block_m=64),
-              WsBackwardConfig(128, block_m=64, stages=3)]
+WS_CONFIGS = [WsBackwardConfig(64, block_m=128), WsBackwardConfig(128, block_m=64)]
 
 
 @pytest.fixture
@@ -124,13 +123,17 @@ def test_the_hopper_config_is_not_set_for_the_target():
         assert not hasattr(config, "dq_vector") and config.dq_config().dq_vector == 4
 
 
-def test_a_tuned_hopper_entry_under_its_own_key(table_with, fresh_choice):
-    tuned = WsBackwardConfig(128, block_m=64, stages=3)
+def test_a_tuned_hopper_entry_under_its_own_key(table_with, fresh_choice, monkeypatch):
+    # d128 has one Hopper tile that fits (block_m 64): the default here is one that does not, so
+    # that the entry's tile runs only through the entry
+    tuned, too_big = WsBackwardConfig(128, block_m=64), WsBackwardConfig(128, block_m=128)
+    monkeypatch.setitem(configs.BACKWARD_WS_DEFAULTS, 128, [too_big])
     assert configs.backward_table_key(128, True, "sm90bwd") == "sm90bwd/d128/causal"
     table_with({"sm90bwd/d128/causal": tuned, "sm80bwd/d128/causal": BackwardConfig(128, block_n=64)})
     configs._backward_choice.cache_clear()
     assert configs.backward_config(HOPPER, 128, True) == tuned
-    assert configs.backward_config(HOPPER, 128, False) == configs.BACKWARD_WS_DEFAULTS[128][0]
+    assert configs.backward_config(HOPPER, 128, False) == configs.backward_for_target(
+        configs.BACKWARD_DEFAULTS[128][0], HOPPER)  # no Hopper tile fits: the mma.sync backward's
     # the mma.sync entry: other GPUs, and Hopper's packed calls
     assert configs.backward_config(AMPERE, 128, True) == BackwardConfig(128, block_n=64)
     assert configs.backward_config(HOPPER, 128, True, operation="backward_varlen") == \
@@ -153,7 +156,7 @@ def test_no_hopper_tile_fits_a_lowered_limit(fresh_choice):
 
 
 def test_force_config_with_a_hopper_config(fresh_choice):
-    forced = WsBackwardConfig(128, block_m=64, stages=3)
+    forced = WsBackwardConfig(128, block_m=128)  # returned as it is, even where it does not fit
     with configs.force_config(HOPPER, True, forced):
         assert configs.OVERRIDES == {"sm90bwd/d128/causal": forced}
         assert configs.backward_config(HOPPER, 128, True) == forced

@@ -177,7 +177,10 @@ def test_occupancy_shared_holds_an_sm_to_the_streaming_ctas(limit):
             assert resident_ctas(config.threads, 128, asked, limit) == ctas
 
 
-@pytest.mark.parametrize("page_size", [*range(1, 300), 1000, 4096, 65535, 1 << 20])
+# 1, powers of two and their neighbours (the shift's steps), odd and prime sizes, the served page
+# sizes and large ones: where the multiply-and-shift can be off by one.
+@pytest.mark.parametrize("page_size", [1, 2, 3, 5, 7, 15, 16, 17, 63, 64, 65, 100, 127, 128, 129, 255, 256,
+                                       257, 251, 1000, 4095, 4096, 4097, 65535, 1 << 20])
 def test_page_divider_divides(page_size):
     magic, shift = page_divider(page_size)
     rng = np.random.default_rng(page_size)

@@ -77,7 +77,7 @@ LAYERS = {
     "ptx": 1,
     "kernels": 2,
     "configs": 3, "operands": 3, "operations": 3,
-    "api": 4, "torch_ops": 4,
+    "api": 4, "torch_ops": 4, "torch_route": 4,
     "__init__": 5,
     "tools": 6, "demos": 6, "__main__": 6, "bench": 6, "debug": 6, "inspect": 6, "precompile": 6,
     "selftest": 6,
@@ -130,6 +130,114 @@ def test_layer_rule_catches_an_upward_import(tmp_path, monkeypatch):
     (fake / "kernels" / "bad.py").write_text("from ..api import flash_attention\nfrom .. import tools\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert [(a, b) for _, a, b in package_imports()] == [("kernels", "api"), ("kernels", "tools")]
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    """``numbaflash.operations.forward`` for root/numbaflash/operations/forward.py; a package is
+    its ``__init__``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, by every import statement in it: at module
+    level, inside functions, and under ``if TYPE_CHECKING`` (a layer's order holds for types
+    too). ``from X import name`` counts as importing ``X.name`` when that is a module, else ``X``
+    (a package: its ``__init__``); a submodule's implicit import of its parents does not count."""
+    root = package.parent
+    files = {_module_name(p, root): p for p in sorted(package.rglob("*.py"))}
+    top = package.name
+    graph = {}
+    for module, path in files.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.split(".")[0] == top}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1]
+                                    + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                if base.split(".")[0] == top:
+                    targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                                for a in node.names}
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The graph's circles: each strongly connected set of more than one module (Tarjan)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            members = set()
+            while not members or v not in members:
+                members.add(stack.pop())
+            if len(members) > 1:
+                circles.append(frozenset(members))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return circles
+
+
+# Circles known and being removed elsewhere; each must still be there (a stale entry fails).
+# configs -> operations.families -> launch_* -> operands -> configs (issue 54, point 5): delete
+# this entry when ``configs`` no longer imports ``operations``.
+KNOWN_CIRCLES = {
+    frozenset({"numbaflash.configs", "numbaflash.operands", "numbaflash.operations.families",
+               "numbaflash.operations.launch_backward", "numbaflash.operations.launch_decode",
+               "numbaflash.operations.launch_forward"}),
+}
+
+
+def test_no_import_circles():
+    """No module of ``numbaflash`` reaches itself through imports, inside a layer too: ``api``
+    and ``torch_ops`` do not import each other, nor ``selftest`` and ``selftest_decode``."""
+    graph = import_graph(PACKAGE)
+    assert {"numbaflash.api", "numbaflash.torch_ops", "numbaflash.tools.selftest"} <= set(graph)
+    assert "numbaflash.operations.entry" in graph["numbaflash.torch_ops"]
+    circles = import_circles(graph)
+    new = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
+    assert not new, f"import circles: {new}"
+    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in circles]
+    assert not gone, f"known circles no longer there (remove them from KNOWN_CIRCLES): {gone}"
+
+
+def test_circle_rule_is_live(tmp_path):
+    """The rule above is live: a circle through a function-level import, a ``from . import``
+    of a sibling, and the package ``__init__`` is found; a chain that does not close is not."""
+    fake = tmp_path / "numbaflash"
+    (fake / "ops").mkdir(parents=True)
+    (fake / "__init__.py").write_text("from .api import f\n")
+    (fake / "api.py").write_text("from .ops import run\n\ndef f():\n    from . import torch_ops\n")
+    (fake / "torch_ops.py").write_text("import numbaflash.api\n")
+    (fake / "ops" / "__init__.py").write_text("")
+    (fake / "ops" / "run.py").write_text("from ..ops import base\n")
+    (fake / "ops" / "base.py").write_text("from .. import __version__\n")
+    (fake / "low.py").write_text("import numpy\n")
+    graph = import_graph(fake)
+    assert graph["numbaflash.ops.run"] == {"numbaflash.ops.base"}
+    assert import_circles(graph) == [frozenset({"numbaflash", "numbaflash.api", "numbaflash.ops.base",
+                                                "numbaflash.ops.run", "numbaflash.torch_ops"})]
+    (fake / "ops" / "base.py").write_text("x = 1\n")
+    assert import_circles(import_graph(fake)) == [frozenset({"numbaflash.api", "numbaflash.torch_ops"})]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 CONFIG_TYPES = {"ForwardConfig", "WsConfig", "KernelConfig"}
@@ -204,7 +312,7 @@ def test_tuple_unpack_rule_is_live(tmp_path):
 
 
 # The package top is the public face plus the short ``python -m numbaflash.<tool>`` entry points.
-PUBLIC_MODULES = {"__init__", "__main__", "api", "configs", "operands", "torch_ops"}
+PUBLIC_MODULES = {"__init__", "__main__", "api", "configs", "operands", "torch_ops", "torch_route"}
 TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "precompile", "selftest"}
 SUBPACKAGES = {"kernels", "ptx", "runtime", "tools", "demos", "operations"}
 

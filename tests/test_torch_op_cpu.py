@@ -262,7 +262,7 @@ def test_opcheck(reference_ops, shape_q, shape_k, causal, softmax_scale, dtype):
 
 def _first_torch_call_is_traced(monkeypatch):
     """Forget that torch tensors were seen, so that torch.compile traces the first call
-    (the type lookup's miss and the import of ``torch_ops``)."""
+    (the type lookup's miss and the import of ``torch_route``)."""
     monkeypatch.setattr(api, "_TORCH_ROUTE", [])
     monkeypatch.setattr(operands, "_KINDS", {np.ndarray: "numpy"})
     torch._dynamo.reset()

@@ -137,11 +137,32 @@ def test_reference_rule_is_flash_attentions():
     assert visible_keys(sq, sk).all()
 
 
-@pytest.mark.parametrize("sq", [1, 2, 7, 64, 200])
-@pytest.mark.parametrize("sk", [1, 3, 64, 130])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("window", [(-1, -1), (0, 0), (1, 0), (0, 1), (5, 3), (-1, 2), (3, -1), (127, 0),
-                                    (4096, 4096), (200, -1), (-1, 200)])
+# (sq, sk, causal, window): each branch of ``effective_window`` and each kernel it can lead to, at
+# the edges where a side stops bounding anything (left = sk - 2 / sk - 1, right = sq - 2 / sq - 1),
+# then a few random draws.
+EFFECTIVE_WINDOW_CASES = [
+    (7, 64, False, (-1, -1)),  # no window: the plain kernel
+    (7, 64, True, (-1, -1)),  # the causal one
+    (200, 64, True, (-1, -1)),  # causal, rows that see no key
+    (64, 64, False, (0, 0)),  # the diagonal alone
+    (64, 64, True, (5, 3)),  # causal sets right to 0: a band ending at the diagonal
+    (7, 64, False, (62, 0)),  # left = sk - 2: still bounds a row
+    (7, 64, False, (63, 0)),  # left = sk - 1: bounds nothing, so the causal kernel
+    (7, 64, False, (-1, 5)),  # right = sq - 2: still bounds a row
+    (7, 64, False, (-1, 6)),  # right = sq - 1: bounds nothing, so the plain kernel
+    (7, 64, False, (4096, 4096)),  # both sides wider than the problem
+    (1, 130, True, (3, -1)),  # one query row: causal's right 0 bounds nothing
+    (1, 1, False, (0, 0)),  # one query, one key: (0, 0) bounds nothing
+    (200, 3, False, (1, 0)),  # sq > sk: rows above the band see nothing
+    (2, 3, True, (-1, 2)),  # causal overrides the right side: the causal kernel
+    (130, 1, False, (0, 200)),
+]
+_draws = np.random.default_rng(35).integers(1, 260, (5, 5))  # sq, sk, causal, left, right
+EFFECTIVE_WINDOW_CASES += [(int(sq), int(sk), bool(c % 2), (max(int(left) - 2, -1), max(int(right) - 2, -1)))
+                           for sq, sk, c, left, right in _draws]
+
+
+@pytest.mark.parametrize(("sq", "sk", "causal", "window"), EFFECTIVE_WINDOW_CASES)
 def test_effective_window_keeps_the_rule(sq, sk, causal, window):
     """Normalising a side that bounds nothing to -1 never changes which keys a row sees, and a
     window that bounds nothing runs the plain or causal kernel."""
@@ -202,6 +223,20 @@ WINDOWS = [(0, 0), (1, 0), (0, 1), (127, 0), (5, 9), (33, 2), (-1, 0), (0, -1), 
            (4096, 4096)]
 
 
+# Each window on two shapes of different kinds (one query or one key, square, sq < sk, sq > sk,
+# ends inside and past a tile), the windows that leave whole row blocks seeing nothing, and a few
+# random draws: the cases that can fail differently rather than their whole product. Each case
+# takes one of the tile shapes in turn (``BLOCK_CASES``).
+BAND_CASES = [(*SHAPES[(i + shift) % len(SHAPES)], window)
+              for i, window in enumerate(WINDOWS) for shift in (0, 3)]
+BAND_CASES += [(300, 129, (-1, 0)), (500, 64, (0, 0)), (500, 64, (1, 0)), (129, 300, (0, 0))]
+_draws = np.random.default_rng(54)
+BAND_CASES += [(int(_draws.integers(1, 600)), int(_draws.integers(1, 600)),
+                (int(_draws.integers(-1, 300)), int(_draws.integers(-1, 300)))) for _ in range(4)]
+TILE_SHAPES = [(128, 64), (64, 128), (128, 128)]  # (block_m, block_n)
+BLOCK_CASES = [(*case, *TILE_SHAPES[i % len(TILE_SHAPES)]) for i, case in enumerate(BAND_CASES)]
+
+
 def band_of(sq, sk, window):
     left, right = window
     diag = sk - sq
@@ -209,9 +244,7 @@ def band_of(sq, sk, window):
                        diag + (forward.WINDOW_UNBOUNDED if right < 0 else right))
 
 
-@pytest.mark.parametrize(("sq", "sk"), SHAPES)
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize(("block_m", "block_n"), [(128, 64), (64, 128), (128, 128)])
+@pytest.mark.parametrize(("sq", "sk", "window", "block_m", "block_n"), BLOCK_CASES)
 def test_band_kv_tiles(sq, sk, window, block_m, block_n):
     """Every key a block's rows see lies in its tile range; the range's first and last tiles each
     hold a seen key; a block that sees nothing gets an empty range; the range costs the window."""
@@ -231,8 +264,7 @@ def test_band_kv_tiles(sq, sk, window, block_m, block_n):
             assert end - first <= -(-(rows - 1 + left + right + 1) // block_n) + 1
 
 
-@pytest.mark.parametrize(("sq", "sk"), SHAPES)
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("sq", "sk", "window"), BAND_CASES)
 def test_band_needs_mask_is_sound(sq, sk, window):
     """Where a warp's tile is said to need no mask, every score in it is visible."""
     seen = np.zeros((sq + 32, sk + 128), bool)  # rows and keys past the ends: never seen

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from numbaflash import configs
 from numbaflash.kernels.ring import RingBarriers, make_ring
 from numbaflash.kernels.shapes import MBARRIER_BYTES, SMEM_ALIGN, WARPGROUP_ROWS, WsConfig
 
@@ -89,10 +90,17 @@ def test_ring_protocol_never_overwrites_or_reads_early(stages, consumers, seed):
             consumed[c] += 1
 
 
-CONFIGS = [WsConfig(d, n, s, c, q_stages=qs, o_in_q=oq, o_in_v=ov)
-           for d, n, s, c, qs, oq, ov in itertools.product((64, 96, 128, 256), (64, 128, 176), (2, 3), (2, 3),
-                                                           (1, 2), (False, True), (False, True))
-           if not (oq and qs != 1) and not (ov and (oq or c != 2))]
+# Every tile size (head dim x block_n) with the plain rings, every ring arrangement (stages,
+# consumers, Q buffers, O in the Q buffer or the V ring) at one tile size, and
+# every config autotune tries or the table ships: not their whole product.
+_RINGS = [(s, c, qs, oq, ov) for s, c, qs, oq, ov in itertools.product((2, 3), (2, 3), (1, 2), (False, True),
+                                                                        (False, True))
+          if not (oq and qs != 1) and not (ov and (oq or c != 2))]
+CONFIGS = list(dict.fromkeys(
+    [WsConfig(d, n) for d in (64, 96, 128, 256) for n in (64, 128, 176)]
+    + [WsConfig(64, 64, s, c, q_stages=qs, o_in_q=oq, o_in_v=ov) for s, c, qs, oq, ov in _RINGS]
+    + [c for cands in configs.CANDIDATES.values() for c in cands if isinstance(c, WsConfig)]
+    + [c for _, _, _, c in configs.shipped_configs() if isinstance(c, WsConfig)]))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)

@@ -9,7 +9,7 @@ its launch shape.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 WARPGROUP_ROWS = 64  # query rows of one consumer warpgroup of the Hopper kernel (wgmma m64)
 MBARRIER_BYTES = 8  # one mbarrier: a 64-bit shared word
@@ -67,10 +67,10 @@ class ForwardConfig:
     # exponentials (MUFU) with its PV (tensor cores). Implies the early K copy: early_k must be False.
     interleave_pv: bool = False
     # CTAs an SM the registers must leave room for: ptxas then keeps a thread within
-    # 65536 / (threads * min_ctas) registers (launch bounds). More warps a scheduler could
-    # hide more of the fixed latencies of the softmax and mma.sync chains; 1 lets a thread
-    # use 255 registers.
-    min_ctas: int = 1
+    # 65536 / (threads * min_ctas) registers (launch bounds). 1 lets a thread use 255 registers.
+    # Not a knob: 3 (at most 168 registers, 3 warps a scheduler instead of 2) lost 5-20% on an
+    # H100 and tied at d32, and no shipped or tuned config used another value.
+    min_ctas: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         if self.head_dim > 128 and self.q_in_regs:  # one spelling per kernel: Q is never resident there
@@ -81,8 +81,7 @@ class ForwardConfig:
         """Kernel-name suffix of the non-default knobs (empty for the original kernel)."""
         return ("_qs" if not self.q_in_regs and self.head_dim <= 128 else "") + (
             "_db" if self.double_buffer else "") + ("_ek" if self.early_k else "") + (
-            "_ip" if self.interleave_pv else "") + (
-            f"_o{self.min_ctas}" if self.min_ctas > 1 else "")
+            "_ip" if self.interleave_pv else "")
 
     @property
     def num_warps(self) -> int:
@@ -107,8 +106,6 @@ class ForwardConfig:
         if self.interleave_pv and self.early_k:
             raise ValueError("interleave_pv already copies K_(j+1) right after S_j: early_k must be False, "
                              f"got {self}")
-        if not 1 <= self.min_ctas <= 4 or self.threads * self.min_ctas > 2048:
-            raise ValueError(f"min_ctas must be 1..4 with at most 2048 threads an SM, got {self}")
         block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
@@ -261,7 +258,7 @@ class BackwardConfig:
     head_dim: int
     block_m: int = 64  # query rows per step of the walk
     block_n: int = 128  # keys per CTA
-    num_warps: int = 8
+    num_warps: ClassVar[int] = 8  # not a knob: every shipped and tuned config has 8
     # Buffers of Q, dO and their rows' LSE and D: 2 loads the next query block during this one.
     q_stages: int = 2
     # 16-key m-tiles a warp owns in Sᵀ, dPᵀ, dK and dV (2: the warps of a key row then split the
@@ -369,8 +366,6 @@ class BackwardConfig:
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {d}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128 (whole 128-byte rows of the Pᵀ tile), got {self}")
-        if self.num_warps not in (4, 8):
-            raise ValueError(f"num_warps must be 4 or 8, got {self}")
         if self.key_tiles not in (1, 2) or self.dq_tiles not in (1, 2):
             raise ValueError(f"key_tiles and dq_tiles must be 1 or 2, got {self}")
         if self.block_n % (16 * self.key_warps) or self.block_n > 128 or self.num_warps % self.key_warps:
@@ -429,8 +424,9 @@ class WsBackwardConfig:
 
     head_dim: int
     block_m: int = 64  # query rows per step of the walk (the N of Sᵀ and dPᵀ, the K of dV and dK)
-    stages: int = 2  # Q / dO ring depth
-    consumers: int = 2  # warpgroups of 64 keys: block_n = 64 x consumers
+    # Not knobs: every shipped and tuned config has a ring of 2 and 2 consumer warpgroups.
+    stages: ClassVar[int] = 2  # Q / dO ring depth
+    consumers: ClassVar[int] = 2  # warpgroups of 64 keys: block_n = 64 x consumers
 
     @property
     def block_n(self) -> int:
@@ -466,8 +462,7 @@ class WsBackwardConfig:
     def dq_config(self) -> BackwardConfig:
         """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this
         kernel's consumer warps add in, and whose prepare and dQ kernels it shares."""
-        return BackwardConfig(self.head_dim, block_m=self.block_m, block_n=self.block_n,
-                              num_warps=4 * self.consumers, dq_vector=4)
+        return BackwardConfig(self.head_dim, block_m=self.block_m, block_n=self.block_n, dq_vector=4)
 
     @property
     def layout(self) -> WsBackwardLayout:
@@ -503,15 +498,11 @@ class WsBackwardConfig:
     def check(self) -> None:
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-        if self.consumers != 2:
-            raise ValueError(f"consumers must be 2, got {self.consumers}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
         if self.block_m == 64 and self.head_dim % (64 * self.consumers):
             raise ValueError(f"block_m 64 splits dQ's head-dim columns over the consumers in 64-column "
                              f"blocks: head_dim must be a multiple of {64 * self.consumers}, got {self}")
-        if not 2 <= self.stages <= 3:
-            raise ValueError(f"stages must be 2 or 3, got {self.stages}")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 

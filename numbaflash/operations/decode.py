@@ -265,7 +265,7 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
     """Decode on torch tensors whose layout was validated before (a plan in ``GPU.plans``): the
     per-call checks (CUDA tensors of the right dtypes on the current device, aligned pointers,
     a given out overlapping no input), the allocations and the fires. None where it cannot tell
-    that the call is good: the full path (``api.direct_flash_attention_with_kvcache``) then runs
+    that the call is good: the full path (``entry.direct_flash_attention_with_kvcache``) then runs
     and gives the errors. A window or softcap of another type than the validated ones (a tuple
     of two ints, a float) takes the full path too."""
     gpu = gpu_state.GPU

@@ -253,7 +253,7 @@ def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_ls
     the per-call checks (CUDA tensors of one dtype on the current device, 16-byte aligned
     pointers, a given out overlapping k and v nowhere and q only as q itself), one allocation
     and one launch. None where it cannot tell that the call is good: the full path
-    (``api.direct_flash_attention``) then runs and gives the errors. A window or softcap of
+    (``entry.direct_flash_attention``) then runs and gives the errors. A window or softcap of
     another type than the validated ones (a tuple of two ints, a float) takes the full path too."""
     gpu = gpu_state.GPU
     plans = gpu.plans

@@ -153,7 +153,7 @@ def toolchain_versions() -> dict[str, str]:
     from cuda import pathfinder
     from cuda.bindings import nvjitlink, nvrtc
 
-    from .. import __version__
+    from .version import VERSION
 
     nvvm = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvvm").abs_path)
     v = [ctypes.c_int() for _ in range(4)]
@@ -162,7 +162,7 @@ def toolchain_versions() -> dict[str, str]:
     nvvm.nvvmIRVersion(*(ctypes.byref(x) for x in v))
     _, nvrtc_major, nvrtc_minor = nvrtc.nvrtcVersion()
     return {
-        "numbaflash": __version__,
+        "numbaflash": VERSION,
         "numba-cuda": version("numba-cuda"),
         "nvvm": nvvm_version,
         "nvvm-ir": ".".join(str(x.value) for x in v),

@@ -50,13 +50,23 @@ from .reference import (
     compare_varlen_with_reference,
     compare_with_reference,
 )
+from .selftest_common import (
+    DTYPE_NAMES,
+    GROUPS,
+    WINDOW_SOFTCAP_SHARE,
+    CaseResult,
+    cuda_torch,
+    draw_window_softcap,
+    log_uniform,
+    numpy_dtype,
+    to_device,
+    to_host,
+)
 from .selftest_decode import draw_decode_case, run_decode_case
 
-DTYPE_NAMES = ("float16", "bfloat16")
 FAMILIES = ("sm90", "sm80")
 # (longest seqlen, cap on batch * heads_q * seqlen_q * seqlen_k, max batch, max heads_kv)
 LIMITS = {False: (4096, 2 * 10**7, 4, 4), True: (640, 2 * 10**6, 2, 2)}
-GROUPS = (1, 2, 3, 4, 8)  # heads_q // heads_kv
 KINDS = ("numpy", "numba", "torch")
 # The forward families whose kernels take a window and a softcap, and those with a varlen kernel
 # (the backward has both): only their cases draw these (all of them with --variants).
@@ -126,17 +136,6 @@ class Case:
                    f"seqlens_k={','.join(map(str, self.seqlens_k))}" if self.varlen else ""))
 
 
-@dataclasses.dataclass
-class CaseResult:
-    """The outcome of one case: ``message`` says what went wrong (empty when it passed)."""
-
-    case: Case
-    ok: bool
-    ratio: float = 0.0  # err / (2 * err_low + floor); <= 1 passes
-    seconds: float = 0.0
-    message: str = ""
-
-
 def strata(families: Sequence[str]) -> list[tuple[str, int, bool, str]]:
     """Every (family, head_dim, causal, dtype) combination, each family at the head dims of its
     own kernel (Hopper runs the sm80 family at the others): cases cycle through them."""
@@ -157,10 +156,6 @@ def block_m(family: str, head_dim: int, causal: bool, span: str = "") -> int:
     return case_config(family, head_dim, causal, span).block_m
 
 
-def _log_uniform(rng: np.random.Generator, high: int) -> int:
-    return int(min(high, max(1, round(math.exp(rng.uniform(0.0, math.log(high + 0.5)))))))
-
-
 def draw_shape(rng: np.random.Generator, causal: bool, quick: bool, cap: int,
                block_rows) -> tuple[int, int, int, int, int]:
     """(batch, heads_kv, group, seqlen_q, seqlen_k) of a case: ragged (55%), equal lengths (15%),
@@ -172,14 +167,14 @@ def draw_shape(rng: np.random.Generator, causal: bool, quick: bool, cap: int,
     heads_kv = int(rng.choice([1, *range(1, max_hkv + 1)]))
     group = int(rng.choice(GROUPS[:4] if quick else GROUPS))
     shape = rng.choice(["ragged", "same", "one", "empty_ctas"], p=[0.55, 0.15, 0.1, 0.2])
-    sq, sk = _log_uniform(rng, max_seq), _log_uniform(rng, max_seq)
+    sq, sk = log_uniform(rng, max_seq), log_uniform(rng, max_seq)
     if shape == "same":
         sk = sq
     elif shape == "one":
         sq, sk = (1, sk) if rng.random() < 0.5 else (sq, 1)
     elif shape == "empty_ctas" and causal:  # whole blocks whose rows see no key
         bm = block_rows()
-        sk = _log_uniform(rng, max(1, max_seq - 2 * bm - 64))
+        sk = log_uniform(rng, max(1, max_seq - 2 * bm - 64))
         sq = min(max_seq, sk + 2 * bm + int(rng.integers(0, 64)))
     while batch * heads_kv * group * sq * sk > cap:
         if batch > 1:
@@ -227,7 +222,6 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
                 seqlens_k)
 
 
-WINDOW_SOFTCAP_SHARE = 0.3  # of the WINDOW_SOFTCAP_FAMILIES' cases, those with a window, a softcap or both
 VARIANTS_VARLEN_SHARE = 1 / 3  # with --variants: of the cases of families with both kinds, the varlen ones
 
 
@@ -245,37 +239,6 @@ def variant_shares(seed: int, index: int, varlen: bool, window_softcap: bool, va
     with_varlen = varlen and (not window_softcap or rng.random() < VARIANTS_VARLEN_SHARE)
     with_window = window_softcap and (not with_varlen or rng.random() < 0.5)
     return float(with_varlen), float(with_window)
-
-
-def draw_window_softcap(seed: int, index: int, seqlen_q: int, seqlen_k: int, stream: int = 2,
-                        share: float = WINDOW_SOFTCAP_SHARE) -> tuple[tuple[int, int], float]:
-    """(window_size, softcap) of a case, from a stream of its own (the rest of the case is drawn as
-    before): none for all but ``share`` of them; else a window (sizes 0, 1, 127, 4096, about the
-    lengths, or random; asymmetric; a side -1 sometimes, both only below a share of 1), a softcap
-    (30, 50 or random), or both. ``stream``: the random stream's tag (the backward's cases draw
-    theirs from tag 4)."""
-    rng = np.random.default_rng([seed, index, stream])
-    if rng.random() >= share:
-        return (-1, -1), 0.0
-    what = rng.choice(["window", "softcap", "both"], p=[0.45, 0.25, 0.3])
-    window, softcap = (-1, -1), 0.0
-    if what != "softcap":
-        def side() -> int:
-            pick = rng.choice(["small", "fixed", "lengths", "unbounded"], p=[0.35, 0.3, 0.2, 0.15])
-            if pick == "small":
-                return int(rng.integers(0, 64))
-            if pick == "fixed":
-                return int(rng.choice([0, 1, 127, 4096]))
-            if pick == "lengths":
-                return int(rng.integers(0, max(seqlen_q, seqlen_k) + 1))
-            return -1
-
-        window = (side(), side())
-        while window == (-1, -1) and share >= 1:  # a case that must have a window bounds a side
-            window = (side(), side())
-    if what != "window":
-        softcap = float(rng.choice([30.0, 50.0, float(rng.uniform(2.0, 80.0))]))
-    return window, softcap
 
 
 VARLEN_SHARE = 0.2  # of the VARLEN_FAMILIES' cases, those run through flash_attention_varlen
@@ -309,7 +272,7 @@ def draw_varlen(seed: int, index: int, heads_q: int, quick: bool = False, stream
             return int(rng.integers(2, 64))
         if pick == "tile":
             return int(min(max_seq, 64 * int(rng.integers(1, 5)) + int(rng.integers(-1, 2))))
-        return _log_uniform(rng, max_seq)
+        return log_uniform(rng, max_seq)
 
     count = int(rng.integers(1, VARLEN_MAX_SEQUENCES + 1))
     seqlens_q = [length() for _ in range(count)]
@@ -345,14 +308,6 @@ def varlen_offsets(case: Case) -> tuple[np.ndarray, np.ndarray]:
                  for n in (case.seqlens_q, case.seqlens_k))
 
 
-def numpy_dtype(name: str) -> Any:
-    if name == "float16":
-        return np.float16
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
-
-
 def make_inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q, k, v as numpy arrays of the case's dtype: (batch, seqlen, heads, head_dim), or packed
     (total, heads, head_dim) for a varlen case."""
@@ -368,41 +323,6 @@ def make_inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def to_device(x: np.ndarray, kind: str) -> Any:
-    """``x`` as a torch CUDA tensor or a Numba device array (a DeviceBuffer for bfloat16); int32
-    (varlen offsets) as they are."""
-    if kind == "torch":
-        torch = _torch()
-        if x.dtype == np.int32:
-            return torch.from_numpy(np.ascontiguousarray(x)).cuda()
-        tdtype = torch.float16 if x.dtype == np.float16 else torch.bfloat16
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(tdtype).cuda()
-    from numba import cuda
-
-    from ..runtime.buffers import DeviceBuffer
-
-    return cuda.to_device(x) if x.dtype in (np.float16, np.int32) else DeviceBuffer(x)
-
-
-def to_host(x: Any) -> np.ndarray:
-    """Any result (numpy, torch, Numba device array, DeviceBuffer) as a float64 numpy array."""
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.float().cpu().numpy().astype(np.float64)
-    if hasattr(x, "copy_to_host"):
-        if x.dtype.itemsize == 2 and hasattr(x, "view"):  # bfloat16 Numba arrays: copy the bits
-            return x.view(np.uint16).copy_to_host().view(x.dtype).astype(np.float64)
-        x = x.copy_to_host()
-    return np.asarray(x).astype(np.float64)
-
-
 def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
     """Run one case on the current GPU with its family's shipped config forced; never raises.
     A varlen case calls ``flash_attention_varlen`` (numpy offsets for numpy inputs, device ones
@@ -413,7 +333,7 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
     start = time.perf_counter()
     try:
         q, k, v = make_inputs(case)
-        kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
+        kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         out = None
         if case.use_out:
@@ -537,7 +457,7 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
         v = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim))
         dout = rng.standard_normal(q.shape)
         q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
-        kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
+        kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         dout_in = dout if kind == "numpy" else to_device(dout, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}

@@ -22,9 +22,18 @@ import numpy as np
 
 from ..configs import SUPPORTED_HEAD_DIMS
 from .reference import compare_varlen_with_reference
+from .selftest_common import (
+    DTYPE_NAMES,
+    GROUPS,
+    CaseResult,
+    cuda_torch,
+    draw_window_softcap,
+    log_uniform,
+    numpy_dtype,
+    to_device,
+    to_host,
+)
 
-# ``selftest`` imports this module; what this one takes from it (its dtypes, GQA groups, drawing
-# helpers, runners' conversions) it imports inside the functions that use it.
 # (longest cache, cap on batch * heads_q * seqlen_q * keys: the float64 reference's cost)
 DECODE_LIMITS = {False: (4096, 2 * 10**7), True: (600, 2 * 10**6)}
 PAGE_SIZES = (1, 7, 16, 64, 100, 256)
@@ -87,8 +96,6 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     """The decode case ``index`` of run ``seed`` (pure, no GPU). Head dims, causality and dtypes
     cycle; ``variants``: every case has a window, a softcap or both (else
     ``DECODE_WINDOW_SOFTCAP_SHARE`` of them)."""
-    from .selftest import DTYPE_NAMES, GROUPS, _log_uniform, draw_window_softcap
-
     combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (True, False) for t in DTYPE_NAMES]
     head_dim, causal, dtype = combos[(index + seed) % len(combos)]
     rng = np.random.default_rng([seed, index, 20])
@@ -97,7 +104,7 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     heads_kv = int(rng.integers(1, 3 if quick else 5))
     group = int(rng.choice(GROUPS))
     seqlen_q = int(rng.choice([1, 1, 1, 2, 3, 4, int(rng.integers(5, 17))]))
-    capacity = _log_uniform(rng, longest)
+    capacity = log_uniform(rng, longest)
     page_size = int(rng.choice(PAGE_SIZES)) if rng.random() < 0.4 else 0
     if page_size:  # whole pages: the sequence's room
         capacity = max(1, -(-capacity // page_size)) * page_size
@@ -165,8 +172,6 @@ def cache_rows(case: DecodeCase, table: np.ndarray | None, b: int, first: int, s
 
 def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
     """The case's arrays, from its own random stream (numpy, the case's dtype)."""
-    from .selftest import numpy_dtype
-
     rng = np.random.default_rng([case.seed, case.index, 22])
     dtype = numpy_dtype(case.dtype)
     b, d, hkv = case.batch, case.head_dim, case.heads_kv
@@ -223,15 +228,14 @@ def expected_caches(case: DecodeCase, inputs: DecodeInputs) -> tuple[np.ndarray,
 
 
 def run_decode_case(case: DecodeCase) -> Any:
-    """Run one decode case on the current GPU; never raises. Returns a ``selftest.CaseResult``."""
+    """Run one decode case on the current GPU; never raises. Returns a
+    ``selftest_common.CaseResult``."""
     import numbaflash
-
-    from .selftest import CaseResult, _torch, to_device, to_host
 
     start = time.perf_counter()
     try:
         inputs = make_decode_inputs(case)
-        kind = case.kind if case.kind != "torch" or _torch() is not None else "numba"
+        kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
         dev = {f.name: None if getattr(inputs, f.name) is None else to_device(getattr(inputs, f.name), kind)
                for f in dataclasses.fields(inputs)}
         out = None

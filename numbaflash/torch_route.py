@@ -1,0 +1,117 @@
+"""Which torch calls go through the custom ops (``torch_ops``): those that need autograd, run
+under torch.compile / torch.export, on tensor subclasses (fake, functional), under a dispatch mode
+or on meta tensors. Every other torch call takes the direct path (``operations.entry``).
+
+Imported by ``api`` the first time a torch tensor reaches it (``import numbaflash`` never
+imports torch); importing it registers the ops. Each ``route*`` returns None where the direct
+path serves the call, else the call's result through the op, after the eager API's checks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .operands import check_flag, check_softcap, check_softmax_scale, check_window_size
+from .torch_ops import (
+    DTYPE_NAMES,
+    check_tensors,
+    flash_attention_forward,
+    flash_attention_varlen_forward,
+    flash_attention_with_kvcache,
+)
+
+_grad_enabled = torch.is_grad_enabled
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out, window_size=(-1, -1),
+          softcap=0.0):
+    """``flash_attention`` on torch tensors: None when the direct (eager, no autograd) path
+    serves the call, else its result through the custom op. The op runs when autograd needs
+    it (grad mode on and q, k or v requiring grad), under torch.compile / torch.export, on
+    tensor subclasses (fake, functional), under a dispatch mode (FakeTensorMode, make_fx,
+    FlopCounterMode), and on meta tensors. Kept small: torch.compile traces it
+    (``is_dynamo_compiling()`` is constant True there: the rest of the test is not traced;
+    non-strict export and make_fx trace with fake tensors under a dispatch mode)."""
+    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    check_tensors(q, k, v)
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    if type(softcap) is not float or softcap != 0.0 or window_size != (-1, -1):  # (not traced when default)
+        window_size = check_window_size(window_size)
+        softcap = check_softcap(softcap, softmax_scale)
+    if out is not None:
+        if needs_grad:
+            raise RuntimeError(
+                "flash_attention(): out= does not support automatic differentiation, but q, k or v "
+                "requires grad; call it without out= (or under torch.no_grad())")
+        if not isinstance(out, Tensor):
+            raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype "
+                             f"{DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
+                             f"{DTYPE_NAMES.get(out.dtype, out.dtype)}")
+    if window_size == (-1, -1) and softcap == 0.0:
+        result, lse = flash_attention_forward(q, k, v, causal, softmax_scale)
+    else:
+        result, lse = flash_attention_forward(q, k, v, causal, softmax_scale, *window_size, softcap)
+    if out is not None:
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
+
+
+def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                  softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0):
+    """``flash_attention_with_kvcache`` on torch tensors: None where the direct path serves the
+    call, else its result through the custom op (under torch.compile / export, fake or meta
+    tensors, a dispatch mode), so that a compiled decode step has no graph break."""
+    if not (_dynamo_compiling() or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    if out is not None:
+        raise RuntimeError("flash_attention_with_kvcache(): out= is not supported under torch.compile or a "
+                           "dispatch mode; use the returned tensor")
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    if type(softcap) is not float or softcap != 0.0 or window_size != (-1, -1):  # (not traced when default)
+        window_size = check_window_size(window_size)
+        softcap = check_softcap(softcap, softmax_scale)
+    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
+            int(num_splits))
+    if window_size == (-1, -1) and softcap == 0.0:
+        result, lse = flash_attention_with_kvcache(*args)
+    else:
+        result, lse = flash_attention_with_kvcache(*args, *window_size, softcap)
+    return (result, lse) if return_lse else result
+
+
+def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                 softmax_scale,
+                 window_size, softcap, return_lse, out):
+    """``flash_attention_varlen`` on torch tensors: None where the direct path serves the call;
+    else the custom op, whose autograd runs the varlen backward (grad mode on and q, k or v
+    requiring grad; torch.compile / export, fake or meta tensors, a dispatch mode)."""
+    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    if out is not None:
+        if needs_grad:
+            raise RuntimeError(
+                "flash_attention_varlen(): out= does not support automatic differentiation, but q, k or v "
+                "requires grad; call it without out= (or under torch.no_grad())")
+        raise RuntimeError("flash_attention_varlen(): out= is not supported under torch.compile or a "
+                           "dispatch mode; use the returned tensor")
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap, softmax_scale)
+    result, lse = flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                 int(max_seqlen_k), causal, softmax_scale, *window_size,
+                                                     softcap)
+    return (result, lse) if return_lse else result
