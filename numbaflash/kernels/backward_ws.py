@@ -49,8 +49,6 @@ from numba import cuda, float32, int32, int64, types, uint32
 from .. import ptx
 from ..ptx import hopper as hp
 from .backward_mma import (
-    make_backward_dq_kernel,
-    make_backward_prep_kernel,
     mask_band_transposed,
     mask_transposed,
     store_fragment_rows,
@@ -461,31 +459,3 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                                   f"{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}")
     flash_backward_ws.launch_bounds = (config.threads, 1)
     return flash_backward_ws
-
-
-# The variants' factories (``operations.families``), as the mma.sync backward's.
-def make_backward_ws_window_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The sliding-window main kernel (``causal`` ignored: a window's right edge 0 is causal)."""
-    return make_backward_ws_kernel(config, False, bf16, window=True)
-
-
-def make_backward_ws_softcap_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The softcapped main kernel, causal or not."""
-    return make_backward_ws_kernel(config, causal, bf16, softcap=True)
-
-
-def make_backward_ws_window_softcap_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The sliding-window, softcapped main kernel (``causal`` ignored)."""
-    return make_backward_ws_kernel(config, False, bf16, window=True, softcap=True)
-
-
-# The prepare and dQ kernels: the mma.sync backward's, for the config whose fragment order the
-# consumer warps add dQ in (``WsBackwardConfig.dq_config``).
-def make_backward_ws_prep_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The prepare kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_PREP_ARGTYPES``)."""
-    return make_backward_prep_kernel(config.dq_config(), causal, bf16)
-
-
-def make_backward_ws_dq_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The dQ kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_DQ_ARGTYPES``)."""
-    return make_backward_dq_kernel(config.dq_config(), causal, bf16)

@@ -622,21 +622,6 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     return kernel
 
 
-def make_decode_window_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """The sliding-window decode kernel (``causal`` ignored: a window's right side 0 is causal)."""
-    return make_decode_kernel(config, False, bf16, window=True)
-
-
-def make_decode_softcap_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """The softcapped decode kernel, causal or not."""
-    return make_decode_kernel(config, causal, bf16, softcap=True)
-
-
-def make_decode_window_softcap_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """The sliding-window, softcapped decode kernel (``causal`` ignored, as for the window)."""
-    return make_decode_kernel(config, False, bf16, window=True, softcap=True)
-
-
 # Splits one combine warp merges: lane s holds split s's LSE (``launch_decode.MAX_SPLITS`` <= this).
 SPLITS_PER_WARP = 32
 
