@@ -17,7 +17,7 @@ import pytest
 
 import numbaflash
 from numbaflash import configs, operands
-from numbaflash.kernels import families
+from numbaflash.kernels import families, params
 from numbaflash.kernels.abi import BACKWARD_ABI, BACKWARD_DQ_ABI, BACKWARD_PREP_ABI, BACKWARD_ROW_ALIGN
 from numbaflash.kernels.shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
 from numbaflash.kernels.spec import kernel_spec
@@ -854,17 +854,16 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     fake.make_backward_prep_kernel = factory("backward_prep")
     fake.make_backward_kernel = factory("backward")
     fake.make_backward_dq_kernel = factory("backward_dq")
-    fake.BACKWARD_PREP_ARGTYPES, fake.BACKWARD_ARGTYPES, fake.BACKWARD_DQ_ARGTYPES = "prep", "main", "dq"
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_mma", fake)
     fake_ws = types.ModuleType("numbaflash.kernels.backward_ws")  # the Hopper backward (sm90bwd)
     fake_ws.make_backward_ws_kernel = factory("backward")  # its prepare and dQ kernels: backward_mma's
-    fake_ws.BACKWARD_WS_ARGTYPES = "ws_main"
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_ws", fake_ws)
     kernels = registry.backward_kernels()
     shipped = configs.shipped_backward_configs()
     # a main kernel per (config, causal), one prepare and one dQ kernel per config; both dtypes
     assert len(kernels) == len(made) == 2 * (len(shipped) + 2 * len({c for _, _, c in shipped}))
-    argtypes = {"backward_prep": "prep", "backward": "main", "backward_dq": "dq"}
+    argtypes = {"backward_prep": params.BACKWARD_PREP, "backward": params.BACKWARD,
+                "backward_dq": params.BACKWARD_DQ}
     for name, (kernel, types_, archs) in kernels.items():
         spec = kernel.spec
         config, causal, bf16, operation = spec.config, spec.causal, spec.bf16, spec.operation
@@ -880,9 +879,10 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
         # for sm_90a, the A100's and smaller GPUs' for sm_80; the Hopper backward's for sm_90a
         if family is families.SM90_BWD:
             assert "backward_ws" in name and archs == ("sm_90a",)
-            assert types_ == ("ws_main" if operation == "backward" else argtypes[operation])
+            declared = params.WS_BACKWARD if operation == "backward" else argtypes[operation]
+            assert types_ == params.numba_types(declared)
             continue
-        assert types_ == argtypes[operation]
+        assert types_ == params.numba_types(argtypes[operation])
         assert archs == (("sm_90a",) if config.dq_vector == 4 else ("sm_80",))
     mains = {(c, causal) for c, causal, _, op in made if op == "backward"}
     assert mains == {(c, causal) for _, causal, c in shipped}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from numbaflash import configs
-from numbaflash.kernels.abi import WS_ABI
 from numbaflash.kernels.shapes import WsConfig
 from numbaflash.operands import Operand
 from numbaflash.operations import forward
@@ -53,13 +52,6 @@ def test_ws_candidates_are_valid_and_listed_first():
 def test_sm80_family_refuses_the_hopper_kernel():
     with pytest.raises(ValueError, match="needs Hopper"), configs.force_config(AMPERE, False, WsConfig(64)):
         pass
-
-
-def test_ws_abi_matches_the_numba_signature():
-    pytest.importorskip("numba")
-    from numbaflash.kernels.forward_ws import WS_ARGTYPES
-
-    assert tuple(str(t) for t in WS_ARGTYPES) == WS_ABI
 
 
 def op(shape, strides):

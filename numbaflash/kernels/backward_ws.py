@@ -63,21 +63,6 @@ from .smem import global_rows, swizzled_offset
 from .softmax import pack_16bit
 from .wgmma_gemms import make_backward_gemms
 
-BACKWARD_WS_ARGTYPES = (
-    types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, dout
-    types.uint16[::1], types.uint16[::1],  # dk, dv
-    types.float32[::1], types.float32[::1],  # lse2, delta
-    types.float32[::1], types.int32[::1],  # dq_acc, counters
-    *(types.int64,) * 6,  # strides of dk, dv
-    types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
-    types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
-    types.int64,  # tail pairs (blocks.key_block_of)
-    types.float32, types.float32,  # scale * log2(e) (softcap * log2(e) when capped), scale
-    types.boolean,  # deterministic
-    types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
-    types.float32,  # softmax scale / softcap (read by softcap kernels only)
-)
-
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and dout.
 Maps = namedtuple("Maps", ["q", "k", "v", "do"])
 # Where one CTA works: its key block's first key, (batch, KV head), the query blocks it walks per

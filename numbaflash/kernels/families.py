@@ -3,8 +3,9 @@
 A ``Family`` holds the config class, the compile target, the tuned table's name for its configs,
 its operations and which variant axes it builds. ``FACTORIES`` maps (family, operation) to a
 factory of a ``KernelSpec`` (``kernels.spec``): it imports its kernel module (Numba) only when
-called. ``kernel_abi(spec)`` is the kernel's parameter list as Numba type names (``kernels.abi``,
-for the launcher, no Numba) and ``kernel_argtypes(spec)`` the same as Numba types (imports Numba).
+called. ``kernel_params(spec)`` is the kernel's parameter list (``kernels.params``), ``kernel_abi(spec)``
+its types by Numba name (for the launcher, no Numba) and ``kernel_argtypes(spec)`` the same as
+Numba types (imports Numba).
 ``family_of(config)`` finds a config's family by its exact type; nothing outside this module
 switches on config types (``tests/test_structure_cpu.py``). The launches live in
 ``operations.launches``.
@@ -16,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import abi
+from . import params
 from .shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsBackwardConfig, WsConfig
 from .spec import KernelSpec, dtype_name, kernel_spec
 
@@ -169,56 +170,37 @@ def make_kernel(spec: KernelSpec):
 
 # ---------------------------------------------------------------------------- parameter lists
 
-def kernel_abi(spec: KernelSpec) -> tuple[str, ...]:
-    """The parameter list of ``spec``'s kernel as Numba type names (what the launcher packs)."""
+def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
+    """The parameters of ``spec``'s kernel, in order (``kernels.params``): its operation's, with
+    the packed sequences of a varlen build, and the window's and softcap's for a decode variant."""
     family, op = spec.family, spec.operation
     if op == "forward":
         if family == "sm90":
-            return abi.VARLEN_WS_ABI if spec.varlen else abi.WS_ABI
-        return abi.VARLEN_FORWARD_ABI if spec.varlen else abi.FORWARD_ABI
+            return params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
+        return params.VARLEN_FORWARD if spec.varlen else params.FORWARD
     if op == "backward_prep":
-        return abi.VARLEN_BACKWARD_PREP_ABI if spec.varlen else abi.BACKWARD_PREP_ABI
+        return params.VARLEN_BACKWARD_PREP if spec.varlen else params.BACKWARD_PREP
     if op == "backward_dq":
-        return abi.VARLEN_BACKWARD_DQ_ABI if spec.varlen else abi.BACKWARD_DQ_ABI
+        return params.VARLEN_BACKWARD_DQ if spec.varlen else params.BACKWARD_DQ
     if op == "backward":
         if family == "sm90bwd":
-            return abi.BACKWARD_WS_ABI
-        return abi.VARLEN_BACKWARD_ABI if spec.varlen else abi.BACKWARD_ABI
+            return params.WS_BACKWARD
+        return params.VARLEN_BACKWARD if spec.varlen else params.BACKWARD
     if op == "decode":
-        return abi.DECODE_VARIANT_ABI if spec.window or spec.softcap else abi.DECODE_ABI
+        return params.DECODE_VARIANT if spec.window or spec.softcap else params.DECODE
     if op == "decode_combine":
-        return abi.DECODE_COMBINE_ABI
+        return params.DECODE_COMBINE
     raise NotImplementedError(spec.kind)
 
 
+def kernel_abi(spec: KernelSpec) -> tuple[str, ...]:
+    """The parameter types of ``spec``'s kernel by Numba name (what the launcher packs; no Numba)."""
+    return params.types_of(kernel_params(spec))
+
+
 def kernel_argtypes(spec: KernelSpec) -> tuple:
-    """The parameter list of ``spec``'s kernel as Numba types (imports Numba)."""
-    family, op = spec.family, spec.operation
-    if op == "forward":
-        if family == "sm90":
-            from . import forward_ws
-
-            return forward_ws.VARLEN_WS_ARGTYPES if spec.varlen else forward_ws.WS_ARGTYPES
-        from . import common
-
-        return common.VARLEN_ARGTYPES if spec.varlen else common.FORWARD_ARGTYPES
-    if op == "backward" and family == "sm90bwd":
-        from . import backward_ws
-
-        return backward_ws.BACKWARD_WS_ARGTYPES
-    if op in BACKWARD_OPERATIONS:
-        from . import backward_mma as b
-
-        if spec.varlen:
-            return {"backward_prep": b.VARLEN_BACKWARD_PREP_ARGTYPES, "backward": b.VARLEN_BACKWARD_ARGTYPES,
-                    "backward_dq": b.VARLEN_BACKWARD_DQ_ARGTYPES}[op]
-        return {"backward_prep": b.BACKWARD_PREP_ARGTYPES, "backward": b.BACKWARD_ARGTYPES,
-                "backward_dq": b.BACKWARD_DQ_ARGTYPES}[op]
-    from . import decode_mma as d
-
-    if op == "decode":
-        return d.DECODE_VARIANT_ARGTYPES if spec.window or spec.softcap else d.DECODE_ARGTYPES
-    return d.DECODE_COMBINE_ARGTYPES
+    """The parameter types of ``spec``'s kernel as Numba types (imports Numba)."""
+    return params.numba_types(kernel_params(spec))
 
 
 def spec_of(config: Any, operation: str = "forward", bf16: bool = False, arch: str | None = None, *,
