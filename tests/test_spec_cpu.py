@@ -98,3 +98,18 @@ def test_configs_and_the_kernel_records_import_no_numba_and_no_operations():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
     assert configs.FAMILY_ARCH == {name: f.arch for name, f in families.FAMILIES.items()}
+
+
+def test_a_spec_pickles_into_another_process_with_its_own_hash():
+    """``precompile`` hands specs to worker processes, whose string hashes differ: the cached hash
+    is computed again there."""
+    import pickle
+
+    spec = kernel_spec("sm80", "forward", ForwardConfig(64), "bfloat16", "sm_80", causal=True, softcap=True)
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    code = ("import pickle, sys; s = pickle.loads(sys.stdin.buffer.read()); "
+            "print(s.softcap, hash(s) == hash((s.family, s.operation, s.config, s.dtype, s.arch, s.causal, "
+            "s.window, s.softcap, s.varlen, s.paged)))")
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True,
+                          check=True)
+    assert done.stdout.split() == [b"True", b"True"]

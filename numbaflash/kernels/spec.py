@@ -58,6 +58,10 @@ class KernelSpec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        # rebuilt through __init__ in the unpickling process, whose string hashes differ
+        return KernelSpec, tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init)
+
     @property
     def bf16(self) -> bool:
         """Whether the kernel reads and writes bfloat16 (else float16)."""
