@@ -2,7 +2,7 @@
 launch them on device arrays, or stage numpy arrays through page-locked memory and run them.
 
 After the first call on a device, the device path is a dictionary lookup for the launchers
-(``GPU.launchers``, keyed by device, head dim, causality, dtype and the main kernel's operation),
+(``GPU.launchers``, keyed by device, head dim, causality, dtype and the main kernel's variant),
 one workspace allocation of the inputs' library, and three launches on the inputs' stream
 (``launch_backward``).
 
