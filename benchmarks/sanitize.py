@@ -40,8 +40,8 @@ import numpy as np
 
 from numbaflash import configs
 from numbaflash.configs import KernelConfig
+from numbaflash.kernels.families import SM80_BWD, SM80_DEC, SM90_BWD, family_of
 from numbaflash.kernels.shapes import BackwardConfig
-from numbaflash.operations.families import SM80_BWD, SM80_DEC, SM90_BWD, family_of
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SCRIPT = Path(__file__).resolve()

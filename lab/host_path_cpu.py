@@ -155,8 +155,7 @@ def install_fakes() -> None:
     launch_function = fake_launch_function()
     runtime_launch._libcuda = lambda: types.SimpleNamespace(cuLaunchKernel=launch_function)
     runtime_launch.set_dynamic_shared_limit = lambda handle, device, nbytes: None
-    forward.loaded_kernel = lambda config, causal, bf16, arch, operation="forward": (
-        types.SimpleNamespace(handle=0), f"{operation}_entry")
+    forward.loaded_kernel = lambda spec: (types.SimpleNamespace(handle=0), f"{spec.operation}_entry")
     slots: dict[int, HostSlots] = {}
     map_slots_module.map_slots = lambda device: slots.setdefault(device, HostSlots())
     operands._RAW_STREAM = lambda device: 0

@@ -104,6 +104,7 @@ def demo_kernels(args: argparse.Namespace) -> list[tuple[str, object, bool, str]
 def run_offline(args: argparse.Namespace) -> None:
     from numbaflash.configs import kernel_cubin
     from numbaflash.demos.tile_gemm import TILE_GEMM_ARGTYPES, make_tile_gemm
+    from numbaflash.kernels.families import spec_of
     from numbaflash.runtime.cache import cache_root, enabled
     from numbaflash.tools.inspect import format_table, inspect_kernel, report_from_cubin
 
@@ -116,7 +117,7 @@ def run_offline(args: argparse.Namespace) -> None:
     reports = []
     for family, config, causal, arch in demo_kernels(args):
         start = time.perf_counter()
-        entry = kernel_cubin(config, causal, False, arch)
+        entry = kernel_cubin(spec_of(config, "forward", False, arch, causal=causal))
         name = f"flash_forward_{family}"
         reports.append(report_from_cubin(entry.cubin, name, arch))
         print(f"  {name} for {arch}: {config} ({time.perf_counter() - start:.1f} s)", flush=True)

@@ -18,8 +18,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from .kernels.families import FAMILIES, SM80_BWD, SM90_BWD, family_of, family_of_table_kind
 from .kernels.shapes import BackwardConfig, ForwardConfig, WsBackwardConfig, WsConfig
-from .operations.families import FAMILIES, SM80_BWD, SM90_BWD, family_of, family_of_table_kind
+from .kernels.spec import KernelSpec
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
@@ -144,13 +145,12 @@ def arch_family(capability: tuple[int, int]) -> str:
     return "sm90" if tuple(capability)[0] == 9 else "sm80"
 
 
-def dispatch_family(capability: tuple[int, int], head_dim: int, operation: str = "forward") -> str:
+def dispatch_family(capability: tuple[int, int], head_dim: int, varlen: bool = False) -> str:
     """The family whose kernel runs ``head_dim`` on this GPU: its own, or 'sm80' (the mma.sync
-    kernel runs everywhere) where its own kernel lacks the head dim (Hopper at 32) or the kernel
-    operation of the call (``families.forward_operation``: Hopper's own kernel has the window
-    and softcap variants, not yet the packed variable-length ones)."""
+    kernel runs everywhere) where its own kernel lacks the head dim (Hopper at 32) or the call's
+    kind of kernel (``varlen``: packed variable-length; ``Family.runs``)."""
     family = arch_family(capability)
-    own = head_dim in FAMILY_HEAD_DIMS[family] and operation in FAMILIES[family].ops
+    own = head_dim in FAMILY_HEAD_DIMS[family] and FAMILIES[family].runs("forward", varlen)
     return family if own else "sm80"
 
 
@@ -196,8 +196,8 @@ def max_shared_bytes(capability: tuple[int, int]) -> int:
 
 
 def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
-                   shared_limit: int | None = None, seqlen: int | None = None,
-                   operation: str = "forward") -> KernelConfig:
+                   shared_limit: int | None = None, seqlen: int | None = None, *,
+                   window: bool = False, varlen: bool = False) -> KernelConfig:
     """The configuration to launch for this GPU and problem: a forced one (``force_config``),
     else the tuned table's or the default of ``dispatch_family``. In the sm80 family a GPU's
     own entry (e.g. ``sm86/d128/full``, from an autotune run on that GPU) comes before the
@@ -213,24 +213,26 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     ``SHORT_SEQLEN``, each key's ``/short`` entry comes before it, and at least ``LONG_SEQLEN``,
     its ``/long`` entry. None: the plain entry.
 
-    ``operation``: the call's kernel operation (``families.forward_operation``); where the GPU's
-    own family lacks it (``dispatch_family``), the sm80 family's config (a forced config of a
-    family that lacks it is passed over).
+    ``window``, ``varlen``: the call's variant (a sliding window, packed sequences): its table
+    entries come first (``VARIANT_KEYS``); where the GPU's own family lacks the kernel
+    (``dispatch_family``), the sm80 family's config (a forced config of a family that lacks it is
+    passed over).
     """
     if OVERRIDES:
         forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
-        if forced is not None and operation in family_of(forced).ops:
+        if forced is not None and family_of(forced).runs("forward", varlen):
             return forced
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     span = seqlen_span(seqlen)
-    return _table_choice(tuple(capability), head_dim, causal, limit, "/" + span if span else "", operation)
+    return _table_choice(tuple(capability), head_dim, causal, limit, "/" + span if span else "", window,
+                         varlen)
 
 
-# A call with a sliding window or packed sequences (its kernel operation names them) first looks
+# A call with a sliding window or packed sequences first looks
 # for a ``<key>/window`` or ``<key>/varlen`` entry (each span's, then the plain one's): where a
 # variant's extra registers spill the plain call's config (d256 128 x 80 on Hopper), it runs
 # another.
-VARIANT_KEYS = ("varlen", "window")
+VARIANT_KEYS = ("varlen", "window")  # in the order their entries are looked up
 
 
 def seqlen_span(seqlen: int | None) -> str:
@@ -243,21 +245,21 @@ def seqlen_span(seqlen: int | None) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _table_choice(capability: tuple[int, int], head_dim: int, causal: bool, limit: int,
-                  span: str, operation: str = "forward") -> KernelConfig:
+                  span: str, window: bool = False, varlen: bool = False) -> KernelConfig:
     """``forward_config`` without a forced config (the table is read once per process)."""
-    family = dispatch_family(capability, head_dim, operation)
+    family = dispatch_family(capability, head_dim, varlen)
     keys = [table_key(family, head_dim, causal)]
     if family == "sm80":
         keys.insert(0, table_key(f"sm{capability[0]}{capability[1]}", head_dim, causal))
     if span:
         keys = [k for key in keys for k in (key + span, key)]
-    variants = [f"/{v}" for v in VARIANT_KEYS if v in operation]
+    variants = [f"/{v}" for v, on in zip(VARIANT_KEYS, (varlen, window), strict=True) if on]
     keys = [key + v for key in keys for v in variants] + keys
     for key in keys:
         if key in _table():
             config = config_from_json(_table()[key])
             # (on Hopper the GPU's own key, sm90/..., may hold another family's config)
-            if config.shared_bytes <= limit and operation in family_of(config).ops:
+            if config.shared_bytes <= limit and family_of(config).runs("forward", varlen):
                 return config
     config = DEFAULTS[(family, head_dim)]
     if config.shared_bytes > limit:
@@ -272,8 +274,8 @@ FAMILY_CAPABILITY = {"sm80": (8, 0), "sm90": (9, 0)}  # a representative GPU of 
 SMALL_SHARED_CAPABILITIES = ((8, 6),)
 
 
-def shipped_configs(operation: str = "forward") -> list[tuple[str, int, bool, KernelConfig]]:
-    """Every (family, head dim, causal, config) the dispatcher can launch for ``operation`` (each
+def shipped_configs(window: bool = False, varlen: bool = False) -> list[tuple[str, int, bool, KernelConfig]]:
+    """Every (family, head dim, causal, config) the dispatcher can launch for the variant (each
     family at its own head dims: the others run the sm80 family's config), including the sm80
     family's configs for GPUs of 99 KB of shared memory a CTA where they differ, and each family's
     short- and long-sequence configs (``SHORT_SEQLEN``, ``LONG_SEQLEN``) where they differ."""
@@ -286,7 +288,8 @@ def shipped_configs(operation: str = "forward") -> list[tuple[str, int, bool, Ke
     for family, cap, seqlen in points:
         for d in FAMILY_HEAD_DIMS[family]:
             for causal in (False, True):
-                item = (family, d, causal, forward_config(cap, d, causal, seqlen=seqlen, operation=operation))
+                item = (family, d, causal, forward_config(cap, d, causal, seqlen=seqlen, window=window,
+                                                          varlen=varlen))
                 if item not in shipped:
                     shipped.append(item)
     return shipped
@@ -404,22 +407,23 @@ def backward_table_key(head_dim: int, causal: bool, family: str = BACKWARD_FAMIL
     return table_key(family, head_dim, causal)
 
 
-# (head dim, main kernel operation) the Hopper backward leaves to the mma.sync one: these builds
+# (head dim, window, softcap) the Hopper backward leaves to the mma.sync one: these builds
 # spill (LDL/STL in the offline SASS, sm_90a): d64 softcap (12 in the non-causal build: 128 query
 # columns of Sᵀ, dPᵀ and their tanh beside dK and dV) and window + softcap at d64 and d128 (7).
 # ``tests/test_backward_ws_offline.py`` checks every other build.
-WS_BACKWARD_LEFT_TO_MMA = frozenset({(64, "backward_softcap"), (64, "backward_window_softcap"),
-                                     (128, "backward_window_softcap")})
+WS_BACKWARD_LEFT_TO_MMA = frozenset({(64, False, True), (64, True, True), (128, True, True)})
 
 
-def backward_dispatch_family(capability: tuple[int, int], head_dim: int, operation: str = "backward") -> str:
+def backward_dispatch_family(capability: tuple[int, int], head_dim: int, window: bool = False,
+                             softcap: bool = False, varlen: bool = False) -> str:
     """The backward family that runs ``head_dim`` on this GPU (``families.SM80_BWD.name`` or
     ``SM90_BWD.name``), as ``dispatch_family`` for the forward: Hopper runs its own backward at the
-    head dims it has (``BACKWARD_WS_DEFAULTS``) for the kernel operations it has (``operation``:
-    the main kernel's, ``families.backward_operation``; not the packed variable-length ones),
+    head dims it has (``BACKWARD_WS_DEFAULTS``) for the variants it has (``window``, ``softcap``:
+    but those of ``WS_BACKWARD_LEFT_TO_MMA``; not the packed variable-length ones, ``varlen``),
     every other call and GPU the mma.sync backward."""
-    if (arch_family(capability) == "sm90" and head_dim in BACKWARD_WS_DEFAULTS and operation in SM90_BWD.ops
-            and (head_dim, operation) not in WS_BACKWARD_LEFT_TO_MMA):
+    if (arch_family(capability) == "sm90" and head_dim in BACKWARD_WS_DEFAULTS
+            and SM90_BWD.runs("backward", varlen)
+            and (head_dim, bool(window), bool(softcap)) not in WS_BACKWARD_LEFT_TO_MMA):
         return SM90_BWD.name
     return SM80_BWD.name
 
@@ -431,10 +435,10 @@ def backward_runnable(config: BackwardConfig | WsBackwardConfig, capability: tup
 
 
 def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
-                    shared_limit: int | None = None,
-                    operation: str = "backward") -> BackwardConfig | WsBackwardConfig:
-    """The backward configuration to launch on this GPU for the main kernel ``operation``
-    (``families.backward_operation``): in the family of ``backward_dispatch_family``, a forced one
+                    shared_limit: int | None = None, *, window: bool = False, softcap: bool = False,
+                    varlen: bool = False) -> BackwardConfig | WsBackwardConfig:
+    """The backward configuration to launch on this GPU for a call of the variant ``window``,
+    ``softcap``, ``varlen``: in the family of ``backward_dispatch_family``, a forced one
     (``force_config``), else the tuned table's entry (``backward_table_key``), else the first of
     the family's defaults (``BACKWARD_DEFAULTS[head_dim]``, ``BACKWARD_WS_DEFAULTS[head_dim]``),
     each passed over where it needs more shared memory than the GPU gives a CTA (``shared_limit``,
@@ -448,7 +452,7 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
         ValueError: a head dim with no backward configs.
         RuntimeError: no config of this head dim fits in ``shared_limit``.
     """
-    family = backward_dispatch_family(capability, head_dim, operation)
+    family = backward_dispatch_family(capability, head_dim, window, softcap, varlen)
     if OVERRIDES:
         if family != BACKWARD_FAMILY:
             forced = OVERRIDES.get(backward_table_key(head_dim, causal, family))
@@ -502,20 +506,20 @@ def _backward_choice(head_dim: int, causal: bool, limit: int,
                        f"a CTA ({needs})")
 
 
-def shipped_backward_configs(
-        operation: str = "backward") -> list[tuple[int, bool, BackwardConfig | WsBackwardConfig]]:
-    """Every (head dim, causal, config) the backward can launch unforced for the main kernel
-    ``operation`` on the representative GPUs (``FAMILY_CAPABILITY`` and
+def shipped_backward_configs(window: bool = False, softcap: bool = False, varlen: bool = False
+                             ) -> list[tuple[int, bool, BackwardConfig | WsBackwardConfig]]:
+    """Every (head dim, causal, config) the backward can launch unforced for a call of the variant
+    ``window``, ``softcap``, ``varlen`` on the representative GPUs (``FAMILY_CAPABILITY`` and
     ``SMALL_SHARED_CAPABILITIES``): the mma.sync backward's and, on Hopper, the Hopper backward's
-    (``backward_dispatch_family``; a ``backward_varlen...`` operation gives the mma.sync configs
-    Hopper runs packed calls with); each once; a GPU where no config of a head dim fits adds
-    nothing for it."""
+    (``backward_dispatch_family``; ``varlen`` gives the mma.sync configs Hopper runs packed calls
+    with); each once; a GPU where no config of a head dim fits adds nothing for it."""
     shipped = []
     for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
         for d in BACKWARD_DEFAULTS:
             for causal in (False, True):
                 try:
-                    item = (d, causal, backward_config(cap, d, causal, operation=operation))
+                    item = (d, causal, backward_config(cap, d, causal, window=window, softcap=softcap,
+                                                       varlen=varlen))
                 except RuntimeError:
                     continue
                 if item not in shipped:
@@ -526,30 +530,17 @@ def shipped_backward_configs(
 FAMILY_ARCH = {name: family.arch for name, family in FAMILIES.items()}  # the target each family compiles for
 
 
-def make_kernel(config: KernelConfig, causal: bool, bf16: bool, operation: str = "forward"):
-    """The Python kernel function of ``operation`` for a configuration (imports Numba)."""
-    return family_of(config).op(operation).make_kernel(config, causal, bf16)
-
-
-def kernel_argtypes(config: KernelConfig, operation: str = "forward") -> tuple:
-    """The Numba argument types of a config's kernel (imports Numba)."""
-    return family_of(config).op(operation).numba_argtypes()
-
-
-def kernel_cubin(config: KernelConfig, causal: bool, bf16: bool, arch: str, operation: str = "forward"):
-    """The linked cubin (``runtime.cache.CacheEntry``) of a kernel for ``arch``: from the on-disk
-    cache, or compiled and stored. The API and ``precompile`` both come here, so they agree on
-    the cache key (a kernel that does not depend on ``causal``, ``KernelOp.masked``, is cached
-    once, as the non-causal one)."""
+def kernel_cubin(spec: KernelSpec):
+    """The linked cubin (``runtime.cache.CacheEntry``) of ``spec``'s kernel for ``spec.arch``: from
+    the on-disk cache, or compiled and stored. The API and ``precompile`` both come here, so they
+    agree on the cache key (the spec, normalised when built: ``kernels.spec.kernel_spec``)."""
+    from .kernels.families import kernel_argtypes, make_kernel
     from .runtime.cache import cached_cubin
 
-    op = family_of(config).op(operation)
-    causal = op.kernel_causal(causal)
-
     def build():  # imports Numba: only on a cache miss
-        return make_kernel(config, causal, bf16, operation), kernel_argtypes(config, operation)
+        return make_kernel(spec), kernel_argtypes(spec)
 
-    return cached_cubin(op.cache_kind, config, causal, bf16, arch, build)
+    return cached_cubin(spec, build)
 
 
 DECODE_FORCED: list = []  # [a DecodeConfig] that decode_config returns for its head dim (force_decode_config)

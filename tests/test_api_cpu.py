@@ -332,8 +332,8 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
     state.scratch[0] = 1 << 35
 
-    def loaded_kernel(config, causal, bf16, arch, operation="forward"):
-        gpu.loads.append((config, causal, bf16, arch))
+    def loaded_kernel(spec):
+        gpu.loads.append((spec.config, spec.causal, spec.bf16, spec.arch))
         return types.SimpleNamespace(handle=len(gpu.loads)), "entry"
 
     monkeypatch.setattr(forward, "loaded_kernel", loaded_kernel)
@@ -353,10 +353,10 @@ def parameters(config, launch) -> bytes:
     """The parameter bytes of one recorded launch, by the family's parameter list."""
     import ctypes
 
-    from numbaflash.operations import families
+    from numbaflash.kernels.families import kernel_abi, spec_of
     from numbaflash.runtime import launch as runtime_launch
 
-    abi = families.family_of(config).op("forward").abi
+    abi = kernel_abi(spec_of(config))
     _, size = runtime_launch._packer(runtime_launch.param_layout(abi), len(abi))
     return ctypes.string_at(launch[5], size)
 
@@ -364,10 +364,10 @@ def parameters(config, launch) -> bytes:
 def packed(config, *args) -> bytes:
     import ctypes
 
-    from numbaflash.operations import families
+    from numbaflash.kernels.families import kernel_abi, spec_of
     from numbaflash.runtime import launch as runtime_launch
 
-    abi = families.family_of(config).op("forward").abi
+    abi = kernel_abi(spec_of(config))
     pack, size = runtime_launch._packer(runtime_launch.param_layout(abi), len(abi))
     buffer = ctypes.create_string_buffer(size)
     pack(buffer, *args)

@@ -143,7 +143,7 @@ def test_recording_leaves_the_forward_entries_alone(table_now):
     table_now(json.loads(json.dumps(table, indent=1) + "\n"))
     for (d, causal), cand in won.items():  # the dispatcher picks the winners up (on Hopper at d64
         # and d128 for the packed variable-length calls: the others run Hopper's own backward)
-        assert configs.backward_config(HOPPER, d, causal, operation="backward_varlen") == \
+        assert configs.backward_config(HOPPER, d, causal, varlen=True) == \
             configs.backward_for_target(cand, HOPPER)
         assert configs.backward_config(SM86, d, causal) == cand  # both fit in 99 KB
     for (cap, d, causal), config in forward_before.items():
@@ -155,7 +155,7 @@ def test_a_winner_too_big_for_a_gpu_is_passed_over_there(table_now):
     table: dict = {}
     autotune.record_backward(table, big, False, 1.0)
     table_now(table)
-    assert configs.backward_config(HOPPER, 128, False, operation="backward_varlen") == \
+    assert configs.backward_config(HOPPER, 128, False, varlen=True) == \
         configs.backward_for_target(big, HOPPER)
     assert configs.backward_config(SM86, 128, False).shared_bytes <= configs.max_shared_bytes(SM86)
 

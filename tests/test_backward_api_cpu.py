@@ -17,9 +17,11 @@ import pytest
 
 import numbaflash
 from numbaflash import configs, operands
+from numbaflash.kernels import families, params
 from numbaflash.kernels.abi import BACKWARD_ABI, BACKWARD_DQ_ABI, BACKWARD_PREP_ABI, BACKWARD_ROW_ALIGN
 from numbaflash.kernels.shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
-from numbaflash.operations import backward, families
+from numbaflash.kernels.spec import kernel_spec
+from numbaflash.operations import backward
 from numbaflash.operations.launch_backward import (
     backward_grids,
     backward_rows,
@@ -434,7 +436,7 @@ def test_defaults_are_valid_and_in_order():
 def test_config_by_shared_memory(causal, fresh_choice):
     d128 = configs.BACKWARD_DEFAULTS[128]
     assert configs.backward_config(HOPPER, 128, causal) == configs.BACKWARD_WS_DEFAULTS[128][0]  # its own
-    assert configs.backward_config(HOPPER, 128, causal, operation="backward_varlen") == \
+    assert configs.backward_config(HOPPER, 128, causal, varlen=True) == \
         hopper(d128[0])  # 161 KB
     assert configs.backward_config(AMPERE, 128, causal) == d128[0]  # 163 KB a CTA
     assert configs.backward_config(SM86, 128, causal) == d128[-1]  # 99 KB: 64 x 64, one Q stage
@@ -457,11 +459,10 @@ def test_table_entries_under_their_own_keys(table_with, fresh_choice):
     table_with({"sm80bwd/d128/causal": tuned, "sm80bwd/d64/full": too_big})
     configs._backward_choice.cache_clear()
     # (on Hopper the packed variable-length calls run the mma.sync backward at every head dim)
-    varlen = "backward_varlen"
-    assert configs.backward_config(HOPPER, 128, True, operation=varlen) == hopper(tuned)
-    assert configs.backward_config(HOPPER, 128, False, operation=varlen) == \
+    assert configs.backward_config(HOPPER, 128, True, varlen=True) == hopper(tuned)
+    assert configs.backward_config(HOPPER, 128, False, varlen=True) == \
         hopper(configs.BACKWARD_DEFAULTS[128][0])
-    assert configs.backward_config(HOPPER, 64, False, operation=varlen) == hopper(too_big)
+    assert configs.backward_config(HOPPER, 64, False, varlen=True) == hopper(too_big)
     assert configs.backward_config(SM86, 64, False, shared_limit=too_big.shared_bytes - 1) == \
         configs.BACKWARD_DEFAULTS[64][0]
     assert configs.config_to_json(tuned)["kernel"] == "mma_bwd"
@@ -496,15 +497,15 @@ def test_the_family_record():
     family = families.family_of(config)
     assert family is families.SM80_BWD and family.name == "sm80bwd" and family.table_kind == "mma_bwd"
     assert families.BACKWARD_OPERATIONS == ("backward_prep", "backward", "backward_dq")
-    varlen = ("backward_varlen_prep", "backward_varlen_dq", "backward_varlen", "backward_varlen_window",
-              "backward_varlen_softcap", "backward_varlen_window_softcap")
-    assert tuple(family.ops) == (*families.BACKWARD_OPERATIONS, *families.BACKWARD_VARIANTS, *varlen)
+    assert family.operations == families.BACKWARD_OPERATIONS and family.varlen
     for operation, abi in ABIS.items():
-        op = family.op(operation)
-        assert op.abi == abi and op.cache_kind == operation
-        assert op.factory.startswith("backward_mma:make_") and op.argtypes.startswith("backward_mma:")
-    with pytest.raises(NotImplementedError, match="the sm80bwd family has no forward kernel"):
-        family.op("forward")
+        for window in (False, True):
+            for softcap in (False, True):
+                spec = families.spec_of(config, operation, causal=True, window=window, softcap=softcap)
+                assert families.kernel_abi(spec) == abi
+                assert families.FACTORIES[(spec.family, spec.operation)] is not None
+    with pytest.raises(NotImplementedError, match="the sm80bwd family has no sm80bwd.forward kernel"):
+        families.make_kernel(kernel_spec("sm80bwd", "forward", config))
     assert configs.FAMILY_ARCH["sm80bwd"] == "sm_80"
     # The forward's lists hold forward configs only
     assert {fam for fam, _, _, _ in configs.shipped_configs()} == {"sm80", "sm90"}
@@ -573,8 +574,9 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(state, "shared_limit", lambda ordinal: gpu.limit)
     monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
 
-    def loaded_kernel(config, causal, bf16, arch, operation):
-        gpu.loads.append((config, causal, bf16, arch, operation))
+    def loaded_kernel(spec):
+        operation = spec.operation
+        gpu.loads.append((spec.config, spec.causal, spec.bf16, spec.arch, operation))
         kernel = types.SimpleNamespace(handle=len(gpu.loads), operation=operation,
                                        run=gpu.runs.get(operation))
         return kernel, f"{operation}_entry"
@@ -600,12 +602,14 @@ def test_kernels_load_once_for_the_gpus_own_target(fake_gpu, capability, arch):
     first = backward.backward_kernels(capability, 0, 128, True, False)
     config = configs.backward_config(capability, 128, True)
     assert first.config == config
-    assert fake_gpu.loads == [(config, True, False, arch, op) for op in families.BACKWARD_OPERATIONS]
+    # the prepare and dQ kernels do not depend on causal: built once, as non-causal
+    assert fake_gpu.loads == [(config, op == "backward", False, arch, op)
+                              for op in families.BACKWARD_OPERATIONS]
     assert fake_gpu.raised == [(2, 0, config.shared_bytes)]  # the main kernel's limit, once
     family = families.family_of(config)  # Hopper: its own backward at d128
     assert family is (families.SM90_BWD if capability == HOPPER else families.SM80_BWD)
     assert [launcher.abi for launcher, _ in (first.prep, first.main, first.dq)] == [
-        family.op(op).abi for op in families.BACKWARD_OPERATIONS]
+        families.kernel_abi(families.spec_of(config, op)) for op in families.BACKWARD_OPERATIONS]
     assert backward.backward_kernels(capability, 0, 128, True, False) is first
     assert len(fake_gpu.loads) == 3
     backward.backward_kernels(capability, 0, 128, True, True)  # bf16: three more kernels
@@ -826,13 +830,14 @@ def test_precompile_lists_the_backward_kernels():
                 # the prepare and dQ kernels do not depend on causal: built once, as non-causal
                 expected |= {(config, causal and op == "backward", bf16, arch, op)
                              for bf16 in (False, True) for op in families.BACKWARD_OPERATIONS}
-        assert len(items) == len(expected) and set(items) == expected
+        found = [(s.config, s.causal, s.bf16, s.arch, s.operation) for s in items]
+        assert len(found) == len(expected) and set(found) == expected
         with_candidates = precompile.backward_kernels_for(arch, candidates=True)
         # the candidates, and the chosen configs (on Hopper its own backward's at d64 and d128)
-        assert {item[0] for item in with_candidates} == {configs.backward_for_target(c, cap)
-                                                          for cs in configs.BACKWARD_CANDIDATES.values()
-                                                          for c in cs} | {item[0] for item in items}
-        assert all(len(item) == 4 for item in precompile.kernels_for(arch, candidates=False))  # the forward's
+        assert {s.config for s in with_candidates} == {configs.backward_for_target(c, cap)
+                                                        for cs in configs.BACKWARD_CANDIDATES.values()
+                                                        for c in cs} | {s.config for s in items}
+        assert {s.operation for s in precompile.kernels_for(arch, candidates=False)} == {"forward"}
 
 
 def test_registry_names_every_shipped_backward_kernel(monkeypatch):
@@ -843,7 +848,7 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     made = []
 
     def factory(operation):
-        def make(config, causal, bf16):
+        def make(config, causal, bf16, **variant):
             made.append((config, causal, bf16, operation))
             return types.SimpleNamespace(__name__=f"k{len(made)}")
         return make
@@ -852,37 +857,38 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     fake.make_backward_prep_kernel = factory("backward_prep")
     fake.make_backward_kernel = factory("backward")
     fake.make_backward_dq_kernel = factory("backward_dq")
-    fake.BACKWARD_PREP_ARGTYPES, fake.BACKWARD_ARGTYPES, fake.BACKWARD_DQ_ARGTYPES = "prep", "main", "dq"
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_mma", fake)
     fake_ws = types.ModuleType("numbaflash.kernels.backward_ws")  # the Hopper backward (sm90bwd)
-    fake_ws.make_backward_ws_prep_kernel = factory("backward_prep")
-    fake_ws.make_backward_ws_kernel = factory("backward")
-    fake_ws.make_backward_ws_dq_kernel = factory("backward_dq")
-    fake_ws.BACKWARD_WS_ARGTYPES = "ws_main"
+    fake_ws.make_backward_ws_kernel = factory("backward")  # its prepare and dQ kernels: backward_mma's
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_ws", fake_ws)
     kernels = registry.backward_kernels()
     shipped = configs.shipped_backward_configs()
     # a main kernel per (config, causal), one prepare and one dQ kernel per config; both dtypes
     assert len(kernels) == len(made) == 2 * (len(shipped) + 2 * len({c for _, _, c in shipped}))
-    argtypes = {"backward_prep": "prep", "backward": "main", "backward_dq": "dq"}
+    argtypes = {"backward_prep": params.BACKWARD_PREP, "backward": params.BACKWARD,
+                "backward_dq": params.BACKWARD_DQ}
     for name, (kernel, types_, archs) in kernels.items():
-        config, causal, bf16, operation = kernel.backward_key
+        spec = kernel.spec
+        config, causal, bf16, operation = spec.config, spec.causal, spec.bf16, spec.operation
         family = families.family_of(config)
         assert "backward" in name and "forward" not in name
         assert not causal or operation == "backward"
         masking = f"{'causal' if causal else 'full'}_" if operation == "backward" else ""
         kind = masking + ("bf16" if bf16 else "f16")
         shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
-        assert re.fullmatch(rf"flash_{family.op(operation).cache_kind}_{shape}_{kind}", name)
+        label = operation.replace("backward", "backward_ws") if family is families.SM90_BWD else operation
+        assert re.fullmatch(rf"flash_{label}_{shape}_{kind}", name)
         # each config for the target that compiles it: the H100's (dQ four floats at a time)
         # for sm_90a, the A100's and smaller GPUs' for sm_80; the Hopper backward's for sm_90a
         if family is families.SM90_BWD:
             assert "backward_ws" in name and archs == ("sm_90a",)
-            assert types_ == ("ws_main" if operation == "backward" else argtypes[operation])
+            declared = params.WS_BACKWARD if operation == "backward" else argtypes[operation]
+            assert types_ == params.numba_types(declared)
             continue
-        assert types_ == argtypes[operation]
+        assert types_ == params.numba_types(argtypes[operation])
         assert archs == (("sm_90a",) if config.dq_vector == 4 else ("sm_80",))
-    assert {(c, causal) for c, causal, _, _ in made} == {(c, causal) for _, causal, c in shipped}
+    mains = {(c, causal) for c, causal, _, op in made if op == "backward"}
+    assert mains == {(c, causal) for _, causal, c in shipped}
     mma = [c for _, _, c in shipped if families.family_of(c) is families.SM80_BWD]
     own = {c.head_dim for _, _, c in shipped if families.family_of(c) is families.SM90_BWD}
     assert own == set(configs.BACKWARD_WS_DEFAULTS)  # Hopper's own backward at d64 and d128

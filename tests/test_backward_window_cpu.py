@@ -13,8 +13,8 @@ from test_window_softcap_cpu import BAND_CASES, backward_args, band_of, no_compi
 
 import numbaflash
 from numbaflash.kernels import backward_mma, blocks
+from numbaflash.kernels.families import kernel_abi, make_kernel, spec_of
 from numbaflash.operations import backward, forward
-from numbaflash.operations.families import BACKWARD_VARIANTS, SM80_BWD, backward_operation
 from numbaflash.tools.reference import attention_backward_reference, visible_keys
 
 band_query_blocks = blocks.band_query_blocks.py_func
@@ -222,48 +222,45 @@ def test_softcap_yardstick_rounds_t_and_still_rejects_wrong_slopes():
 # ------------------------------------------------------------------ the variant a call runs
 
 
-@pytest.mark.parametrize(("causal", "window", "softcap", "operation", "config_causal", "sides"), [
-    (False, (-1, -1), 0.0, "backward", False, (0, 0)),
-    (True, (-1, -1), 0.0, "backward", True, (0, 0)),
-    (False, (64, 0), 0.0, "backward_window", True, (64, 0)),
-    (True, (64, 5), 0.0, "backward_window", True, (64, 0)),
-    (False, (-1, 3), 0.0, "backward_window", True, (forward.WINDOW_UNBOUNDED, 3)),
-    (False, (7, -1), 0.0, "backward_window", False, (7, forward.WINDOW_UNBOUNDED)),
-    (False, (-1, -1), 30.0, "backward_softcap", False, (0, 0)),
-    (True, (-1, -1), 30.0, "backward_softcap", True, (0, 0)),
-    (False, (10, 10), 50.0, "backward_window_softcap", True, (10, 10)),
-    (False, (5000, 5000), 0.0, "backward", False, (0, 0)),  # wider than the problem: no window
+@pytest.mark.parametrize(("causal", "window", "softcap", "variant", "config_causal", "sides"), [
+    (False, (-1, -1), 0.0, (False, False), False, (0, 0)),
+    (True, (-1, -1), 0.0, (False, False), True, (0, 0)),
+    (False, (64, 0), 0.0, (True, False), True, (64, 0)),
+    (True, (64, 5), 0.0, (True, False), True, (64, 0)),
+    (False, (-1, 3), 0.0, (True, False), True, (forward.WINDOW_UNBOUNDED, 3)),
+    (False, (7, -1), 0.0, (True, False), False, (7, forward.WINDOW_UNBOUNDED)),
+    (False, (-1, -1), 30.0, (False, True), False, (0, 0)),
+    (True, (-1, -1), 30.0, (False, True), True, (0, 0)),
+    (False, (10, 10), 50.0, (True, True), True, (10, 10)),
+    (False, (5000, 5000), 0.0, (False, False), False, (0, 0)),  # wider than the problem: no window
 ])
-def test_backward_variant(causal, window, softcap, operation, config_causal, sides):
+def test_backward_variant(causal, window, softcap, variant, config_causal, sides):
     """The forward's choice (``variant_of``) with the backward's main kernel; plain calls keep
     their exponent factor (softmax_scale·log2(e)), softcap ones get softcap·log2(e)."""
     scale = 0.125
-    op, var = backward.backward_variant(causal, window, softcap, scale, 300, 400)
-    assert op == operation and var.causal == config_causal
+    var = backward.backward_variant(causal, window, softcap, scale, 300, 400)
+    assert (var.window, var.softcap) == variant and var.causal == config_causal
     assert (var.window_left, var.window_right) == sides
     factor = softcap if softcap else scale
     assert var.scale_log2 == np.float32(factor * backward.LOG2_E)
     assert var.cap_scale == np.float32(scale / softcap if softcap else 0.0)
 
 
-def test_backward_variant_operations():
-    assert backward_operation(False, False) == "backward"
-    assert {backward_operation(w, c) for w in (True, False) for c in (True, False)} - {"backward"} == \
-        set(BACKWARD_VARIANTS)
-    abis = {SM80_BWD.op(name).abi for name in ("backward", *BACKWARD_VARIANTS)}
-    assert abis == {SM80_BWD.op("backward").abi}
-    assert not SM80_BWD.op("backward_window").masked and not SM80_BWD.op("backward_window_softcap").masked
-    assert SM80_BWD.op("backward_softcap").masked
-    assert len(backward_mma.BACKWARD_ARGTYPES) == len(SM80_BWD.op("backward").abi)
-    assert [str(t) for t in backward_mma.BACKWARD_ARGTYPES] == list(SM80_BWD.op("backward").abi)
+def test_backward_variant_specs():
+    config = backward.configs.backward_config((8, 0), 64, True, 163 * 1024)
+    specs = [spec_of(config, "backward", causal=True, window=w, softcap=c) for w in (True, False)
+             for c in (True, False)]
+    assert {kernel_abi(s) for s in specs} == {kernel_abi(spec_of(config, "backward"))}
+    assert [s.causal for s in specs] == [False, False, True, True]  # a window kernel: built non-causal
 
 
 def test_window_kernel_is_built_non_causal():
     config = backward.configs.backward_config((8, 0), 64, True, 163 * 1024)
     with pytest.raises(ValueError, match="right edge 0"):
         backward_mma.make_backward_kernel(config, True, False, window=True)
-    assert backward_mma.make_backward_window_kernel(config, True, False).__name__.endswith("_window_f16")
-    name = backward_mma.make_backward_softcap_kernel(config, True, True).__name__
+    window = spec_of(config, "backward", False, causal=True, window=True)
+    assert make_kernel(window).__name__.endswith("_window_f16")
+    name = make_kernel(spec_of(config, "backward", True, causal=True, softcap=True)).__name__
     assert name.endswith("_causal_softcap_bf16")
 
 

@@ -15,10 +15,10 @@ import pytest
 from test_backward_api_cpu import FakeLauncher, call, device_inputs, fake_gpu  # noqa: F401 (a fixture)
 
 from numbaflash import configs
-from numbaflash.kernels import abi
+from numbaflash.kernels import abi, families
 from numbaflash.kernels.shapes import WARPGROUP_ROWS, BackwardConfig, WsBackwardConfig
 from numbaflash.operands import Operand
-from numbaflash.operations import backward, families
+from numbaflash.operations import backward
 from numbaflash.operations.launch_backward import BackwardCall, launch_backward_ws_main, workspace_layout
 from numbaflash.runtime import launch as runtime_launch
 
@@ -36,10 +36,7 @@ def fresh_choice():
 # ------------------------------------------------------------------ parameter list and family
 
 
-def test_the_abi_matches_the_numba_signature():
-    from numbaflash.kernels import backward_ws
-
-    assert tuple(str(t) for t in backward_ws.BACKWARD_WS_ARGTYPES) == abi.BACKWARD_WS_ABI
+def test_the_abi_is_the_mma_sync_ones_with_tensor_maps():
     # the mma.sync main kernel's, with four tensor maps in place of q, k, v, dout and their strides
     assert abi.BACKWARD_WS_ABI[:4] == ("array(uint64, 1d, C)",) * 4
     assert abi.BACKWARD_WS_ABI[4:10] == abi.BACKWARD_ABI[4:10]
@@ -52,25 +49,18 @@ def test_the_family_record():
     assert family.arch == "sm_90a" and configs.FAMILY_ARCH["sm90bwd"] == "sm_90a"
     for config in WS_CONFIGS:
         assert families.family_of(config) is family
-    assert set(family.ops) == {*families.BACKWARD_OPERATIONS, *families.BACKWARD_VARIANTS}
-    assert not any(op.startswith("backward_varlen") for op in family.ops)  # those run the mma.sync's
+    assert family.operations == families.BACKWARD_OPERATIONS
+    assert not family.runs("backward", varlen=True)  # packed calls run the mma.sync's
     expected_abi = {"backward_prep": abi.BACKWARD_PREP_ABI, "backward_dq": abi.BACKWARD_DQ_ABI}
-    for operation, op in family.ops.items():
-        assert op.abi == expected_abi.get(operation, abi.BACKWARD_WS_ABI)
-        assert op.cache_kind == operation.replace("backward", "backward_ws", 1)
-        assert op.masked == (operation in ("backward", "backward_softcap"))
-        module, name = op.factory.split(":")
-        assert module == "backward_ws" and name.startswith("make_backward_ws")
-        # the prepare and dQ kernels are the mma.sync ones: their Numba types too
-        assert op.argtypes == ("backward_ws:BACKWARD_WS_ARGTYPES" if op.abi == abi.BACKWARD_WS_ABI
-                               else families.SM80_BWD.op(operation).argtypes)
-    # every factory and argument list the records name exists
-    from numbaflash.kernels import backward_mma, backward_ws
-
-    for op in family.ops.values():
-        assert callable(getattr(backward_ws, op.factory.split(":")[1]))
-        module = backward_ws if op.argtypes.startswith("backward_ws") else backward_mma
-        assert len(getattr(module, op.argtypes.split(":")[1])) == len(op.abi)
+    config = WS_CONFIGS[0]
+    for operation in family.operations:
+        for window, softcap in ((False, False), (True, False), (False, True), (True, True)):
+            spec = families.spec_of(config, operation, causal=True, window=window, softcap=softcap)
+            assert families.kernel_abi(spec) == expected_abi.get(operation, abi.BACKWARD_WS_ABI)
+            assert spec.causal == (operation == "backward" and not window)  # as built
+            # the prepare and dQ kernels are the mma.sync ones: their Numba types too
+            assert len(families.kernel_argtypes(spec)) == len(families.kernel_abi(spec))
+            assert (spec.family, spec.operation) in families.FACTORIES
     # the table's round trip
     for config in WS_CONFIGS:
         entry = configs.config_to_json(config)
@@ -90,18 +80,17 @@ def test_hopper_runs_its_own_backward_at_d64_and_d128(causal, fresh_choice):
         assert config == configs.BACKWARD_WS_DEFAULTS[d][0]
         assert families.family_of(config) is families.SM90_BWD
         assert configs.backward_dispatch_family(HOPPER, d) == "sm90bwd"
-        for variant in families.BACKWARD_VARIANTS:  # window and softcap: its own variants, but for
-            # the builds that spill (configs.WS_BACKWARD_LEFT_TO_MMA)
-            chosen = configs.backward_config(HOPPER, d, causal, operation=variant)
-            if (d, variant) in configs.WS_BACKWARD_LEFT_TO_MMA:
+        for window, softcap in ((True, False), (False, True), (True, True)):  # its own variants, but
+            # for the builds that spill (configs.WS_BACKWARD_LEFT_TO_MMA)
+            chosen = configs.backward_config(HOPPER, d, causal, window=window, softcap=softcap)
+            if (d, window, softcap) in configs.WS_BACKWARD_LEFT_TO_MMA:
                 assert families.family_of(chosen) is families.SM80_BWD
             else:
                 assert chosen == config
         # packed variable-length calls: the mma.sync backward, as the H100 compiles it
-        for operation in (families.backward_operation(w, s, varlen=True) for w in (False, True)
-                          for s in (False, True)):
-            assert configs.backward_dispatch_family(HOPPER, d, operation) == "sm80bwd"
-            mma = configs.backward_config(HOPPER, d, causal, operation=operation)
+        for w, s in ((False, False), (True, False), (False, True), (True, True)):
+            assert configs.backward_dispatch_family(HOPPER, d, w, s, varlen=True) == "sm80bwd"
+            mma = configs.backward_config(HOPPER, d, causal, window=w, softcap=s, varlen=True)
             assert type(mma) is BackwardConfig and mma.dq_vector == 4
             assert mma == configs.backward_for_target(configs.backward_config(AMPERE, d, causal, 227 * 1024),
                                                       HOPPER)
@@ -136,7 +125,7 @@ def test_a_tuned_hopper_entry_under_its_own_key(table_with, fresh_choice, monkey
         configs.BACKWARD_DEFAULTS[128][0], HOPPER)  # no Hopper tile fits: the mma.sync backward's
     # the mma.sync entry: other GPUs, and Hopper's packed calls
     assert configs.backward_config(AMPERE, 128, True) == BackwardConfig(128, block_n=64)
-    assert configs.backward_config(HOPPER, 128, True, operation="backward_varlen") == \
+    assert configs.backward_config(HOPPER, 128, True, varlen=True) == \
         BackwardConfig(128, block_n=64, dq_vector=4)
 
 
@@ -162,7 +151,7 @@ def test_force_config_with_a_hopper_config(fresh_choice):
         assert configs.backward_config(HOPPER, 128, True) == forced
         assert configs.backward_config(HOPPER, 128, False) == configs.BACKWARD_WS_DEFAULTS[128][0]
         # a packed call runs the mma.sync backward: the forced Hopper config is passed over
-        assert type(configs.backward_config(HOPPER, 128, True, operation="backward_varlen")) is BackwardConfig
+        assert type(configs.backward_config(HOPPER, 128, True, varlen=True)) is BackwardConfig
     assert configs.OVERRIDES == {}
     # a forced mma.sync config still runs on Hopper at its head dims
     mma = BackwardConfig(64, block_n=64)
@@ -185,7 +174,7 @@ def test_shipped_backward_configs_hold_the_hopper_ones():
         for causal in (False, True):
             for cap in (AMPERE, HOPPER):
                 assert (d, causal, configs.backward_config(cap, d, causal)) in shipped
-    packed = configs.shipped_backward_configs("backward_varlen")
+    packed = configs.shipped_backward_configs(varlen=True)
     assert all(type(c) is BackwardConfig for _, _, c in packed)
     assert {d for d, _, c in packed if c.dq_vector == 4} == set(configs.SUPPORTED_HEAD_DIMS)
 
@@ -194,13 +183,12 @@ def test_precompile_and_inspect_list_the_hopper_kernels():
     from numbaflash.tools import precompile
 
     items = precompile.backward_kernels_for("sm_90a", candidates=False)
-    own = {(c, causal, op) for c, causal, _, _, op in items if families.family_of(c) is families.SM90_BWD}
+    own = {(s.config, s.causal, s.operation) for s in items if s.family == "sm90bwd"}
     for d in (64, 128):
         config = configs.BACKWARD_WS_DEFAULTS[d][0]
         assert {(config, False, op) for op in families.BACKWARD_OPERATIONS} <= own
         assert (config, True, "backward") in own
-    assert not any(families.family_of(c) is families.SM90_BWD
-                   for c, *_ in precompile.backward_kernels_for("sm_80", candidates=False))
+    assert not any(s.family == "sm90bwd" for s in precompile.backward_kernels_for("sm_80", candidates=False))
 
 
 # ------------------------------------------------------------------ the dQ accumulator's order
@@ -362,7 +350,7 @@ def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: 
     config = configs.BACKWARD_WS_DEFAULTS[64][0]
     assert [load[0] for load in fake_gpu.loads] == [config] * 3
     assert [load[3:] for load in fake_gpu.loads] == [("sm_90a", op) for op in families.BACKWARD_OPERATIONS]
-    assert [load[1] for load in fake_gpu.loads] == [True] * 3  # (the record; prep/dQ cache as non-causal)
+    assert [load[1] for load in fake_gpu.loads] == [False, True, False]  # prep/dQ: built non-causal
     main_handle = 2
     assert fake_gpu.raised == [(main_handle, 0, config.shared_bytes)]
     prep, main, dqk = FakeLauncher.launches

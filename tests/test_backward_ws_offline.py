@@ -11,6 +11,7 @@ import pytest
 
 from numbaflash import configs
 from numbaflash.configs import kernel_cubin
+from numbaflash.kernels.families import spec_of
 from numbaflash.kernels.shapes import WsBackwardConfig
 from numbaflash.tools.inspect import report_from_cubin
 
@@ -23,7 +24,7 @@ CASES = [(configs.backward_config((9, 0), 128, True), True, True),
 def report(request):
     config, causal, bf16 = request.param
     assert isinstance(config, WsBackwardConfig), config
-    entry = kernel_cubin(config, causal, bf16, "sm_90a", operation="backward")
+    entry = kernel_cubin(spec_of(config, "backward", bf16, "sm_90a", causal=causal))
     return config, report_from_cubin(entry.cubin, entry.entry_name, "sm_90a")
 
 
@@ -45,27 +46,28 @@ def test_no_local_memory_spills_or_calls(report):
 
 
 def _shipped_variant_builds():
-    """Every (operation, head dim, causal) an H100 runs on the Hopper backward besides ``CASES``
+    """Every (variant, head dim, causal) an H100 runs on the Hopper backward besides ``CASES``
     (window kernels are built non-causal: their right edge 0 is causal)."""
-    from numbaflash.operations.families import BACKWARD_VARIANTS
     builds = []
-    for operation in ("backward", *BACKWARD_VARIANTS):
-        for _, causal, config in configs.shipped_backward_configs(operation):
-            window = operation.startswith("backward_window")
+    for window, softcap in ((False, False), (True, False), (False, True), (True, True)):
+        for _, causal, config in configs.shipped_backward_configs(window=window, softcap=softcap):
             if not isinstance(config, WsBackwardConfig) or (window and causal):
                 continue
-            if operation == "backward" and any(c == config and k == causal for c, k, _ in CASES):
+            if not (window or softcap) and any(c == config and k == causal for c, k, _ in CASES):
                 continue
-            builds.append((operation, config, causal))
+            variant = "plain" if not (window or softcap) else "window" * window + "softcap" * softcap
+            builds.append((variant, config, causal))
     return builds
 
 
-@pytest.mark.parametrize("operation,config,causal", _shipped_variant_builds(),
+@pytest.mark.parametrize("variant,config,causal", _shipped_variant_builds(),
                          ids=lambda v: v if isinstance(v, str) else getattr(v, "head_dim", v))
-def test_every_shipped_build_keeps_to_registers(operation, config, causal):
+def test_every_shipped_build_keeps_to_registers(variant, config, causal):
     """No shipped Hopper backward build spills (those that did run on the mma.sync backward:
     ``configs.WS_BACKWARD_LEFT_TO_MMA``)."""
-    entry = kernel_cubin(config, causal, True, "sm_90a", operation=operation)
+    spec = spec_of(config, "backward", True, "sm_90a", causal=causal, window="window" in variant,
+                   softcap="softcap" in variant)
+    entry = kernel_cubin(spec)
     report = report_from_cubin(entry.cubin, entry.entry_name, "sm_90a")
     assert report.local_bytes == 0 and report.spill_instructions == 0 and report.calls == 0, (
         f"{entry.entry_name}: {report.spill_instructions} LDL/STL, {report.local_bytes} B local, "

@@ -32,6 +32,7 @@ from numbaflash.configs import (
     dispatch_family,
     forward_config,
 )
+from numbaflash.kernels.spec import KernelSpec, kernel_spec
 from numbaflash.runtime import cache
 from numbaflash.runtime.compiler import entry_name, parse_arch
 from numbaflash.tools import precompile
@@ -68,33 +69,36 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def get_small(arch="sm_80"):
-    return cache.cached_cubin("small", SmallConfig(), False, False, arch, build_small)
+    return cache.cached_cubin(KernelSpec("small", "small", SmallConfig(), arch=arch), build_small)
 
 
 # ---------------------------------------------------------------------------------------------
 # Keys
 # ---------------------------------------------------------------------------------------------
 
-BASE = dict(kind="forward", config=ForwardConfig(64), causal=False, bf16=False, arch="sm_80")
+BASE = dict(family="sm80", operation="forward", config=ForwardConfig(64), dtype="float16", arch="sm_80")
 VERSIONS = {"numbaflash": "0.1.0", "numba-cuda": "0.30.4", "nvvm": "2.0", "nvvm-ir": "2.0.3.2",
             "nvrtc": "13.5", "nvjitlink": "13.5"}
 
 
 def key(**change):
-    fields = {**BASE, **change}
     versions = change.pop("versions", VERSIONS)
     sources = change.pop("sources", "abc")
-    return cache.kernel_key(fields["kind"], fields["config"], fields["causal"], fields["bf16"],
-                            fields["arch"], sources=sources, versions=versions)
+    fields = {**BASE, **change}
+    return cache.kernel_key(kernel_spec(**fields), sources=sources, versions=versions)
 
 
 @pytest.mark.parametrize("change", [
-    {"kind": "backward"},
+    {"operation": "backward"},
+    {"family": "sm90"},
     {"config": ForwardConfig(64, block_m=64)},
     {"config": ForwardConfig(64, warp_m_tiles=2)},
     {"config": WsConfig(64)},
     {"causal": True},
-    {"bf16": True},
+    {"window": True},
+    {"softcap": True},
+    {"varlen": True},
+    {"dtype": "bfloat16"},
     {"arch": "sm_86"},
     {"arch": "sm_90a"},
     {"sources": "abd"},
@@ -108,9 +112,9 @@ def test_key_covers_the_installed_toolchain_and_sources():
     versions = cache.toolchain()
     assert set(versions) == set(VERSIONS)
     assert all(versions.values())
-    live = cache.kernel_key("forward", ForwardConfig(64), False, False, "sm_80")
-    assert live == cache.kernel_key("forward", ForwardConfig(64), False, False, "sm_80",
-                                    sources=cache.source_digest(), versions=versions)
+    spec = kernel_spec("sm80", "forward", ForwardConfig(64), arch="sm_80")
+    live = cache.kernel_key(spec)
+    assert live == cache.kernel_key(spec, sources=cache.source_digest(), versions=versions)
 
 
 def test_source_digest_covers_kernels_bindings_and_ptx():
@@ -344,7 +348,7 @@ def test_list_and_clear_other_versions(cache_dir):
     (other / ("b" * 64 + cache.SUFFIX)).write_bytes(b"junk")
     listed = cache.list_entries()
     assert [e.current for e in listed] == [True, False, False]
-    assert listed[0].kernel.startswith("small sm_80 f16 full")
+    assert listed[0].kernel.startswith("small.small sm_80 float16 full")
     assert {e.kernel for e in listed[1:]} == {"old kernel", ""}
     assert cache.clear() == 2
     assert [e.current for e in cache.list_entries()] == [True]
@@ -360,13 +364,13 @@ def test_precompile_lists_what_each_target_dispatches():
         dispatched = {(forward_config(cap, d, causal, seqlen=s), causal) for d in SUPPORTED_HEAD_DIMS
                       for causal in (False, True) for s in (None, SHORT_SEQLEN, LONG_SEQLEN)}  # every span
         assert len(items) == len(dispatched) * 2  # x dtypes
-        for config, causal, _, item_arch in items:
-            assert item_arch == arch
-            assert (config, causal) in dispatched
+        for spec in items:
+            assert spec.arch == arch and spec.operation == "forward"
+            assert (spec.config, spec.causal) in dispatched
         with_candidates = precompile.kernels_for(arch, candidates=True)
         expected = {(c, causal) for d in SUPPORTED_HEAD_DIMS for causal in (False, True)
                     for c in CANDIDATES[(dispatch_family(cap, d), d)]}
-        assert {(c, causal) for c, causal, _, _ in with_candidates} == expected
+        assert {(s.config, s.causal) for s in with_candidates} == expected
     assert DEFAULTS  # the table falls back to defaults: both families have them
 
 
@@ -391,13 +395,12 @@ def test_precompile_command_fills_the_cache_with_no_gpu(tmp_path):
                for causal in (False, True) for s in (None, SHORT_SEQLEN, LONG_SEQLEN)}  # every span
     n = len(shipped) * 2  # x dtypes
     assert len(items) == n
-    missing = sum(not cache.entry_path(cache.kernel_key("forward", c, causal, bf16, arch)).is_file()
-                  for c, causal, bf16, arch in items)
+    missing = sum(not cache.entry_path(cache.kernel_key(spec)).is_file() for spec in items)
     out, err = run("--arch", "sm_80", "--jobs", "2", "--forward-only")  # backward: test_backward_api_cpu
     assert f"{n} kernels: {missing} compiled, {n - missing} already cached" in out
     assert f"{n}/{n}" in err and "[" + "#" * precompile.BAR_WIDTH + "]" in err  # the progress bar
     if missing:
-        assert "numbaflash: compiling forward sm_80" in err  # a worker's compile announced itself
+        assert "numbaflash: compiling sm80.forward sm_80" in err  # a worker's compile announced itself
     out, _ = run("--arch", "sm_80", "--forward-only")
     assert f"{n} kernels: 0 compiled, {n} already cached" in out
     out, _ = run("--list")

@@ -252,6 +252,11 @@ class FakeLauncher:
         return fire
 
 
+def kernel_name(spec) -> str:
+    """A fake kernel's name: its operation and variant (``decode_window_softcap``)."""
+    return spec.operation + "_window" * spec.window + "_softcap" * spec.softcap
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     state = device.GpuState()
@@ -260,8 +265,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(state, "shared_limit", lambda ordinal: 227 * 1024)
     monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
     monkeypatch.setattr(state, "scratch_f32", lambda ordinal: (0xF000, 1))
-    monkeypatch.setattr(decode_op, "loaded_kernel", lambda config, causal, bf16, arch, operation:
-                        (types.SimpleNamespace(handle=1), operation))
+    monkeypatch.setattr(decode_op, "loaded_kernel",
+                        lambda spec: (types.SimpleNamespace(handle=1), kernel_name(spec)))
     monkeypatch.setattr(runtime_launch, "KernelLauncher", FakeLauncher)
     monkeypatch.setattr(runtime_launch, "set_dynamic_shared_limit", lambda handle, ordinal, nbytes: None)
     monkeypatch.setattr(runtime_launch, "kernel_registers", lambda handle, ordinal: 168)
@@ -294,8 +299,8 @@ def test_a_grid_wider_than_the_sms_runs_the_ring_of_2_two_a_sm(fake_gpu, monkeyp
     """d128: 64 (batch, KV head) CTAs fill half the 132 SMs: the ring of 3 at one CTA a SM and 2
     splits; 256 outnumber them: the ring of 2 at two a SM, one split, in one wave (DEC.6)."""
     built = []
-    monkeypatch.setattr(decode_op, "loaded_kernel", lambda config, causal, bf16, arch, operation:
-                        (built.append(config) or types.SimpleNamespace(handle=1), operation))
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda spec:
+                        (built.append(spec.config) or types.SimpleNamespace(handle=1), spec.operation))
     for batch, stages, splits, shared in ((32, 3, 2, 227 * 1024), (128, 2, 1, 113 * 1024)):
         FakeLauncher.launches.clear()
         call(inputs(batch=batch, capacity=4096))
@@ -396,7 +401,7 @@ def test_compiled_decode_step_has_no_graph_break(monkeypatch):
 import math  # noqa: E402
 
 from numbaflash.kernels import abi  # noqa: E402
-from numbaflash.operations.families import SM80_DEC, decode_operation  # noqa: E402
+from numbaflash.kernels.families import kernel_abi, spec_of  # noqa: E402
 from numbaflash.operations.forward import WINDOW_UNBOUNDED  # noqa: E402
 
 
@@ -419,15 +424,14 @@ def test_bad_window_or_softcap_is_rejected_before_compiling(no_compile, change, 
 
 
 def test_variant_abi_is_the_plain_one_and_the_window_and_softcap():
-    assert [str(t) for t in decode_mma.DECODE_ARGTYPES] == list(abi.DECODE_ABI)
-    assert [str(t) for t in decode_mma.DECODE_VARIANT_ARGTYPES] == list(abi.DECODE_VARIANT_ABI)
     assert abi.DECODE_VARIANT_ABI == (*abi.DECODE_ABI, "int64", "int64", "float32")
-    for operation in ("decode_window", "decode_softcap", "decode_window_softcap"):
-        op = SM80_DEC.op(operation)
-        assert op.abi == abi.DECODE_VARIANT_ABI and op.masked == ("window" not in operation)
-    assert SM80_DEC.op("decode").abi == abi.DECODE_ABI
-    assert [decode_operation(w, s) for w in (False, True) for s in (False, True)] == [
-        "decode", "decode_softcap", "decode_window", "decode_window_softcap"]
+    config = DecodeConfig(128)
+    for window, softcap in ((True, False), (False, True), (True, True)):
+        spec = spec_of(config, "decode", causal=True, window=window, softcap=softcap)
+        assert kernel_abi(spec) == abi.DECODE_VARIANT_ABI and spec.causal == (not window)
+    assert kernel_abi(spec_of(config, "decode")) == abi.DECODE_ABI
+    combine = spec_of(config, "decode", causal=True, window=True, softcap=True).sibling("decode_combine")
+    assert combine == spec_of(config, "decode_combine")  # one combine kernel serves every variant
 
 
 def _window_tiles(total, seqlen_q, group, r0, rows, block_n, left, right, monkeypatch):
@@ -479,44 +483,47 @@ def _calls(x, **kwargs):
     return [(name, grid, args) for name, grid, _, _, args in FakeLauncher.launches]
 
 
-@pytest.mark.parametrize(("kwargs", "operation", "sides"), [
-    ({}, "decode", None),  # causal by default: the plain causal kernel
-    ({"causal": False}, "decode", None),
-    ({"window_size": (-1, -1), "softcap": 0.0}, "decode", None),
-    ({"window_size": (5, -1)}, "decode_window", (5, 0)),  # causal sets the right side to 0
-    ({"window_size": (5, -1), "causal": False}, "decode_window", (5, WINDOW_UNBOUNDED)),
-    ({"window_size": (0, 0), "causal": False}, "decode_window", (0, 0)),
-    ({"window_size": (-1, 0), "causal": False}, "decode", None),  # the causal kernel
-    ({"window_size": (299, 3), "causal": False}, "decode", None),  # wider than any sequence: plain
-    ({"window_size": (298, -1), "causal": False}, "decode_window", (298, WINDOW_UNBOUNDED)),
-    ({"window_size": (-1, 1), "causal": False}, "decode", None),  # right >= seqlen_q - 1: unbounded
-    ({"window_size": (-1, 0), "causal": False, "seqlen_q": 3}, "decode", None),  # causal at any seqlen_q
-    ({"window_size": (2, 1), "causal": False, "seqlen_q": 3}, "decode_window", (2, 1)),
-    ({"softcap": 30.0}, "decode_softcap", (0, 0)),
-    ({"softcap": 30, "window_size": (7, 0)}, "decode_window_softcap", (7, 0)),
+@pytest.mark.parametrize(("kwargs", "variant", "sides"), [
+    ({}, (False, False), None),  # causal by default: the plain causal kernel
+    ({"causal": False}, (False, False), None),
+    ({"window_size": (-1, -1), "softcap": 0.0}, (False, False), None),
+    ({"window_size": (5, -1)}, (True, False), (5, 0)),  # causal sets the right side to 0
+    ({"window_size": (5, -1), "causal": False}, (True, False), (5, WINDOW_UNBOUNDED)),
+    ({"window_size": (0, 0), "causal": False}, (True, False), (0, 0)),
+    ({"window_size": (-1, 0), "causal": False}, (False, False), None),  # the causal kernel
+    ({"window_size": (299, 3), "causal": False}, (False, False), None),  # wider than any sequence: plain
+    ({"window_size": (298, -1), "causal": False}, (True, False), (298, WINDOW_UNBOUNDED)),
+    ({"window_size": (-1, 1), "causal": False}, (False, False), None),  # right >= seqlen_q - 1: unbounded
+    ({"window_size": (-1, 0), "causal": False, "seqlen_q": 3}, (False, False), None),  # causal, any seqlen_q
+    ({"window_size": (2, 1), "causal": False, "seqlen_q": 3}, (True, False), (2, 1)),
+    ({"softcap": 30.0}, (False, True), (0, 0)),
+    ({"softcap": 30, "window_size": (7, 0)}, (True, True), (7, 0)),
 ])
-def test_window_and_softcap_dispatch_and_arguments(fake_gpu, monkeypatch, kwargs, operation, sides):
+def test_window_and_softcap_dispatch_and_arguments(fake_gpu, monkeypatch, kwargs, variant, sides):
     kwargs = dict(kwargs)
     built = []
-    monkeypatch.setattr(decode_op, "loaded_kernel", lambda config, causal, bf16, arch, op:
-                        built.append((op, causal)) or (types.SimpleNamespace(handle=1), op))
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda spec:
+                        built.append((spec.window, spec.softcap, spec.causal))
+                        or (types.SimpleNamespace(handle=1), kernel_name(spec)))
     seqlen_q = kwargs.pop("seqlen_q", 2)
     launches = _calls(inputs(seqlen_q=seqlen_q), num_splits=1, **kwargs)
-    assert [name for name, _, _ in launches] == [operation]
+    assert [name for name, _, _ in launches] == [kernel_name(types.SimpleNamespace(
+        operation="decode", window=variant[0], softcap=variant[1]))]
     args = launches[0][2]
     scale = 1 / math.sqrt(128)
     softcap = float(kwargs.get("softcap", 0.0))
-    if operation == "decode":
+    if variant == (False, False):
         assert len(args) == len(abi.DECODE_ABI)
         assert args[-2] == np.float32(scale * math.log2(math.e))
         causal = kwargs.get("causal", True) or kwargs.get("window_size") == (-1, 0)
-        assert built[0] == ("decode", causal)
+        assert built[0] == (False, False, causal)
         return
     assert len(args) == len(abi.DECODE_VARIANT_ABI)
     assert tuple(args[-3:-1]) == sides
     assert args[-5] == np.float32((softcap or scale) * math.log2(math.e))  # scale_log2
     assert args[-1] == np.float32(scale / softcap if softcap else 0.0)
-    assert built[0] == (operation, "window" not in operation and kwargs.get("causal", True))
+    window, softcap_variant = variant
+    assert built[0] == (window, softcap_variant, not window and kwargs.get("causal", True))
 
 
 def test_window_splits_follow_the_window_not_the_cache(fake_gpu):

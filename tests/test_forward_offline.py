@@ -21,8 +21,7 @@ def report(request):
     """Compiled through the kernel cache (``configs.kernel_cubin``, the API's path): the run's
     one cache folder (conftest) gives the same cubin to every test that needs it."""
     name, arch = request.param
-    config, causal, bf16 = KERNELS[name][0].forward_key
-    return report_from_cubin(kernel_cubin(config, causal, bf16, arch).cubin, name, arch)
+    return report_from_cubin(kernel_cubin(KERNELS[name][0].spec.on(arch)).cubin, name, arch)
 
 
 def test_tensor_core_and_copy_instructions(report):

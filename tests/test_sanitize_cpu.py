@@ -12,8 +12,8 @@ from _benchmarks import load_benchmark
 
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WsConfig
+from numbaflash.kernels.families import SM90_BWD, family_of
 from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig
-from numbaflash.operations.families import SM90_BWD, family_of
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -216,7 +216,7 @@ def test_varlen_worker_with_a_stand_in(monkeypatch, capsys, broken):
         assert np.isnan(out.array.astype(np.float32)).all()
         assert (max_q, max_k) == (int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
         for either in (False, True):  # what the varlen kernel of either kind would launch
-            chosen = configs.forward_config((9, 0), config.head_dim, either, operation="forward_varlen")
+            chosen = configs.forward_config((9, 0), config.head_dim, either, varlen=True)
             assert chosen == config
         seen.append((causal, window_size, softcap, return_lse))
         options = {"causal": causal, "window_size": window_size, "softcap": softcap}

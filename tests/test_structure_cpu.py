@@ -241,7 +241,7 @@ def test_circle_rule_is_live(tmp_path):
 
 
 CONFIG_TYPES = {"ForwardConfig", "WsConfig", "KernelConfig"}
-FAMILY_RECORDS = "operations/families.py"
+FAMILY_RECORDS = "kernels/families.py"
 
 
 def config_type_switches(root: pathlib.Path) -> list[str]:
@@ -264,7 +264,7 @@ def config_type_switches(root: pathlib.Path) -> list[str]:
 
 
 def test_only_the_family_records_switch_on_config_types():
-    """Family dispatch goes through ``operations.families.family_of``: no module of the package,
+    """Family dispatch goes through ``kernels.families.family_of``: no module of the package,
     the benchmarks or the lab switches on config classes (tests may assert on them)."""
     repo = PACKAGE.parent
     wrong = [w for w in config_type_switches(PACKAGE) if not w.startswith(FAMILY_RECORDS)]

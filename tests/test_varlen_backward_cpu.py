@@ -18,7 +18,8 @@ from numbaflash.kernels.abi import (
     varlen_row_offset,
     varlen_workspace_rows,
 )
-from numbaflash.operations.families import SM80_BWD, VARLEN_BACKWARD_OPERATIONS, backward_operation
+from numbaflash.kernels.families import SM80_BWD, kernel_abi, spec_of
+from numbaflash.kernels.shapes import BackwardConfig
 from numbaflash.operations.launch_backward import varlen_workspace_layout
 from numbaflash.tools.reference import (
     attention_backward_reference,
@@ -76,16 +77,16 @@ def test_workspace_layout_of_a_packed_call():
     assert varlen_workspace_rows(total_q, batch) <= total_q + 128 * batch + 127
 
 
-def test_the_varlen_operations_are_registered():
-    assert VARLEN_BACKWARD_OPERATIONS == ("backward_varlen_prep", "backward_varlen", "backward_varlen_dq")
+def test_the_varlen_kernels_are_registered():
+    config = BackwardConfig(64)
+    assert SM80_BWD.runs("backward", varlen=True)
     for w in (False, True):
         for s in (False, True):
-            op = SM80_BWD.op(backward_operation(w, s, varlen=True))
-            assert op.abi == VARLEN_BACKWARD_ABI and op.masked == (not w)
-    assert SM80_BWD.op("backward_varlen_prep").abi == VARLEN_BACKWARD_PREP_ABI
-    assert SM80_BWD.op("backward_varlen_dq").abi == VARLEN_BACKWARD_DQ_ABI
-    assert backward_operation(False, False) == "backward"  # the dense names are unchanged
-    assert backward_operation(True, True) == "backward_window_softcap"
+            spec = spec_of(config, "backward", causal=True, window=w, softcap=s, varlen=True)
+            assert kernel_abi(spec) == VARLEN_BACKWARD_ABI and spec.causal == (not w)
+            assert kernel_abi(spec.sibling("backward_prep")) == VARLEN_BACKWARD_PREP_ABI
+            assert kernel_abi(spec.sibling("backward_dq")) == VARLEN_BACKWARD_DQ_ABI
+            assert spec.sibling("backward_dq") == spec_of(config, "backward_dq", varlen=True)
 
 
 # ------------------------------------------------------------------ checks before launch

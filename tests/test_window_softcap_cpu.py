@@ -23,8 +23,8 @@ from test_api_cpu import (  # noqa: F401  (fixtures)
 import numbaflash
 from numbaflash import configs
 from numbaflash.kernels import blocks
+from numbaflash.kernels.families import SM80, family_of, kernel_abi, spec_of
 from numbaflash.operations import backward, forward
-from numbaflash.operations.families import SM80, family_of, forward_operation
 from numbaflash.runtime import device
 from numbaflash.tools.reference import attention_reference, visible_keys
 
@@ -170,11 +170,11 @@ def test_effective_window_keeps_the_rule(sq, sk, causal, window):
     assert (visible_keys(sq, sk, False, (left, right)) == visible_keys(sq, sk, causal, window)).all()
     var = forward.variant_of(causal, window, 0.0, 0.125, sq, sk)
     if (left, right) == (-1, -1):
-        assert var.operation == "forward" and not var.causal
+        assert not var.window and not var.causal
     elif (left, right) == (-1, 0):
-        assert var.operation == "forward" and var.causal
+        assert not var.window and var.causal
     else:
-        assert var.operation == "forward_window"
+        assert var.window and not var.softcap
         assert var.window_left == (left if left >= 0 else forward.WINDOW_UNBOUNDED)
         assert var.window_right == (right if right >= 0 else forward.WINDOW_UNBOUNDED)
     assert var.rows_end_at_diagonal == (right == 0)
@@ -184,16 +184,17 @@ def test_calls_without_a_window_run_what_they_always_ran():
     for causal in (False, True):
         for sq in (1, 100):
             var = forward.variant_of(causal, (-1, -1), 0.0, 0.125, sq, 50)
-            assert (var.operation, var.causal, var.window_left, var.window_right) == ("forward", causal, 0, 0)
+            assert (var.window, var.softcap, var.causal, var.window_left, var.window_right) == \
+                (False, False, causal, 0, 0)
             assert var.scale_log2 == np.float32(0.125 * np.log2(np.e)) and var.cap_scale == 0
 
 
 def test_softcap_factors():
     var = forward.variant_of(False, (-1, -1), 30.0, 0.125, 64, 64)
-    assert var.operation == "forward_softcap"
+    assert var.softcap and not var.window
     assert var.scale_log2 == np.float32(30.0 * np.log2(np.e)) and var.cap_scale == np.float32(0.125 / 30.0)
     var = forward.variant_of(True, (8, -1), 50.0, 0.1, 64, 64)
-    assert var.operation == "forward_window_softcap" and var.causal
+    assert var.window and var.softcap and var.causal
 
 
 def test_the_variants_factors_give_flash_attentions_softcap():
@@ -206,14 +207,17 @@ def test_the_variants_factors_give_flash_attentions_softcap():
     np.testing.assert_allclose(kernel, np.exp(cap * np.tanh(s * scale / cap)), rtol=1e-5)
 
 
-def test_variant_operations():
-    assert forward_operation(False, False) == "forward"
-    assert {forward_operation(w, c) for w in (False, True) for c in (False, True)} <= set(SM80.ops)
-    assert not SM80.op("forward_window").masked and not SM80.op("forward_window_softcap").masked
-    assert SM80.op("forward_softcap").masked
-    # the window and softcap variants: the plain kernel's parameter list and launch (varlen's own)
-    dense = [op for name, op in SM80.ops.items() if "varlen" not in name]
-    assert {op.abi for op in dense} == {SM80.op("forward").abi}
+def test_variant_specs():
+    """A window kernel is built non-causal (its right side 0 is causal masking), a softcap kernel
+    causal or not; the window and softcap variants take the plain kernel's parameter list (varlen
+    its own)."""
+    config = configs.DEFAULTS[("sm80", 64)]
+    for softcap in (False, True):
+        assert not spec_of(config, causal=True, window=True, softcap=softcap).causal
+    assert spec_of(config, causal=True, softcap=True).causal
+    dense = {kernel_abi(spec_of(config, window=w, softcap=c)) for w in (False, True) for c in (False, True)}
+    assert dense == {kernel_abi(spec_of(config))} != {kernel_abi(spec_of(config, varlen=True))}
+    assert SM80.runs("forward", varlen=True)
 
 
 # ------------------------------------------------------------------ tile range and masks (kernel pieces)
@@ -307,14 +311,14 @@ def test_every_forward_operation_runs_the_gpus_own_family(capability):
     """Both forward families have the window, softcap and packed variable-length kernels: a call
     with any runs its GPU's own family where that family has the head dim (Hopper: not 32)."""
     own = configs.arch_family(capability)
-    ops = [forward_operation(w, c, v) for v in (False, True) for w in (False, True) for c in (False, True)]
     for d in configs.SUPPORTED_HEAD_DIMS:
         expected = own if d in configs.FAMILY_HEAD_DIMS[own] else "sm80"
-        for op in ops:
-            assert configs.dispatch_family(capability, d, op) == expected, (d, op)
-            for causal in (False, True):
-                config = configs.forward_config(capability, d, causal, operation=op)
-                assert family_of(config).name == expected and op in family_of(config).ops
+        for varlen in (False, True):
+            assert configs.dispatch_family(capability, d, varlen) == expected, (d, varlen)
+            for window in (False, True):
+                for causal in (False, True):
+                    config = configs.forward_config(capability, d, causal, window=window, varlen=varlen)
+                    assert family_of(config).name == expected and family_of(config).runs("forward", varlen)
 
 
 def test_a_forced_config_serves_every_operation_its_family_has():
@@ -322,20 +326,19 @@ def test_a_forced_config_serves_every_operation_its_family_has():
     passed over for one it lacks (then the sm80 family's config runs)."""
     ws = configs.forward_config((9, 0), 128, False)
     with configs.force_config((9, 0), False, ws):
-        for op in ("forward", "forward_window_softcap", "forward_varlen", "forward_varlen_softcap"):
-            assert configs.forward_config((9, 0), 128, False, operation=op) == ws
-        assert family_of(configs.forward_config((9, 0), 128, False, operation="backward")) is SM80
+        for window, varlen in ((False, False), (True, False), (False, True), (True, True)):
+            assert configs.forward_config((9, 0), 128, False, window=window, varlen=varlen) == ws
 
 
 @pytest.mark.parametrize(("capability", "head_dim"), [((9, 0), 32), ((8, 0), 64)])
-@pytest.mark.parametrize(("causal", "window", "softcap", "operation", "sides"), [
-    (False, (64, 0), 0.0, "forward_window", (64, 0)),
-    (True, (64, -1), 0.0, "forward_window", (64, 0)),
-    (False, (-1, 3), 0.0, "forward_window", (forward.WINDOW_UNBOUNDED, 3)),
-    (False, (-1, -1), 30.0, "forward_softcap", (0, 0)),
-    (True, (10, 10), 50.0, "forward_window_softcap", (10, 0)),
+@pytest.mark.parametrize(("causal", "window", "softcap", "variant", "sides"), [
+    (False, (64, 0), 0.0, (True, False), (64, 0)),
+    (True, (64, -1), 0.0, (True, False), (64, 0)),
+    (False, (-1, 3), 0.0, (True, False), (forward.WINDOW_UNBOUNDED, 3)),
+    (False, (-1, -1), 30.0, (False, True), (0, 0)),
+    (True, (10, 10), 50.0, (True, True), (10, 0)),
 ])
-def test_window_and_softcap_launch(fake_device, capability, head_dim, causal, window, softcap, operation,  # noqa: F811
+def test_window_and_softcap_launch(fake_device, capability, head_dim, causal, window, softcap, variant,  # noqa: F811
                                   sides):
     """The call loads its variant of the mma.sync kernel (on Hopper at head dim 32, which only
     that family has; Hopper's own head dims run the sm90 variant: GPU tests) and launches it with
@@ -344,9 +347,9 @@ def test_window_and_softcap_launch(fake_device, capability, head_dim, causal, wi
     loads = []
     real = forward.loaded_kernel
 
-    def loaded_kernel(config, kcausal, bf16, arch, operation="forward"):
-        loads.append((config, kcausal, operation))
-        return real(config, kcausal, bf16, arch, operation)
+    def loaded_kernel(spec):
+        loads.append(spec)
+        return real(spec)
 
     forward.loaded_kernel = loaded_kernel
     try:
@@ -359,9 +362,10 @@ def test_window_and_softcap_launch(fake_device, capability, head_dim, causal, wi
                                        softmax_scale=0.5, out=out)
     finally:
         forward.loaded_kernel = real
-    (config, kcausal, loaded_op), = loads
-    assert loaded_op == operation and family_of(config) is SM80
-    assert SM80.op(loaded_op).kernel_causal(kcausal) == (causal and "window" not in operation)  # as built
+    spec, = loads
+    config = spec.config
+    assert (spec.window, spec.softcap) == variant and family_of(config) is SM80
+    assert spec.causal == (causal and not spec.window)  # as built
     launch = fake_device.launches.seen[-1]
     scale_log2 = np.float32((softcap or 0.5) * np.log2(np.e))
     expected = sm80_arguments(config, pointer(q), pointer(k), pointer(v), pointer(out),

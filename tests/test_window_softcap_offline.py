@@ -28,9 +28,8 @@ HOPPER = sorted(n for n in KERNELS if n.startswith("flash_forward_ws_") and "var
 
 @pytest.fixture(scope="module", params=HOPPER)
 def hopper_report(request):
-    config, causal, bf16, operation = KERNELS[request.param][0].forward_key
-    return report_from_cubin(kernel_cubin(config, causal, bf16, "sm_90a", operation).cubin, request.param,
-                             "sm_90a")
+    spec = KERNELS[request.param][0].spec
+    return report_from_cubin(kernel_cubin(spec.on("sm_90a")).cubin, request.param, "sm_90a")
 
 
 def test_hopper_variants_do_not_spill(hopper_report):
@@ -44,8 +43,7 @@ def test_hopper_variants_do_not_spill(hopper_report):
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def report(request):
     name, arch = request.param
-    config, causal, bf16, operation = KERNELS[name][0].forward_key
-    return report_from_cubin(kernel_cubin(config, causal, bf16, arch, operation).cubin, name, arch)
+    return report_from_cubin(kernel_cubin(KERNELS[name][0].spec.on(arch)).cubin, name, arch)
 
 
 def test_no_local_memory_spills_or_calls(report):

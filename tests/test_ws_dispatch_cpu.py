@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from numbaflash import configs
-from numbaflash.kernels.abi import WS_ABI
 from numbaflash.kernels.shapes import WsConfig
 from numbaflash.operands import Operand
 from numbaflash.operations import forward
@@ -53,13 +52,6 @@ def test_ws_candidates_are_valid_and_listed_first():
 def test_sm80_family_refuses_the_hopper_kernel():
     with pytest.raises(ValueError, match="needs Hopper"), configs.force_config(AMPERE, False, WsConfig(64)):
         pass
-
-
-def test_ws_abi_matches_the_numba_signature():
-    pytest.importorskip("numba")
-    from numbaflash.kernels.forward_ws import WS_ARGTYPES
-
-    assert tuple(str(t) for t in WS_ARGTYPES) == WS_ABI
 
 
 def op(shape, strides):
@@ -154,7 +146,7 @@ def test_api_dispatch_passes_the_longer_sequence(monkeypatch, sq, sk):
     class Stop(Exception):
         pass
 
-    def fake_kernel(capability, device, head_dim, causal, bf16, seqlen=None, operation="forward"):
+    def fake_kernel(capability, device, head_dim, causal, bf16, seqlen=None, **variant):
         seen.append(seqlen)
         raise Stop
 
@@ -168,17 +160,16 @@ def test_api_dispatch_passes_the_longer_sequence(monkeypatch, sq, sk):
 
 
 def test_window_and_varlen_calls_read_their_variant_entries_first():
-    """``<key>/window`` and ``<key>/varlen`` entries serve calls whose kernel operation has a
-    window or packed sequences: at d256 the non-causal 128 x 80 tile spills with either (2 words
-    of local memory), so those calls run the causal 128 x 64 tile; the softcap alone keeps 128 x 80."""
+    """``<key>/window`` and ``<key>/varlen`` entries serve calls with a window or packed sequences:
+    at d256 the non-causal 128 x 80 tile spills with either (2 words of local memory), so those
+    calls run the causal 128 x 64 tile; the softcap alone keeps 128 x 80."""
     full, causal = configs.forward_config(HOPPER, 256, False), configs.forward_config(HOPPER, 256, True)
     assert (full.block_n, causal.block_n) == (80, 64)
-    for op in ("forward_window", "forward_window_softcap", "forward_varlen", "forward_varlen_softcap",
-               "forward_varlen_window", "forward_varlen_window_softcap"):
+    for variant in ({"window": True}, {"varlen": True}, {"window": True, "varlen": True}):
         for seqlen in (None, 1024, 16384):
-            assert configs.forward_config(HOPPER, 256, False, seqlen=seqlen, operation=op) == causal, op
-    assert configs.forward_config(HOPPER, 256, False, operation="forward_softcap") == full
+            assert configs.forward_config(HOPPER, 256, False, seqlen=seqlen, **variant) == causal, variant
+    assert configs.forward_config(HOPPER, 256, False) == full  # (the softcap picks no config)
     for d in (64, 96, 128):  # no variant entries: the plain call's config
-        for op in ("forward_window", "forward_varlen"):
+        for variant in ({"window": True}, {"varlen": True}):
             plain = configs.forward_config(HOPPER, d, False)
-            assert configs.forward_config(HOPPER, d, False, operation=op) == plain
+            assert configs.forward_config(HOPPER, d, False, **variant) == plain

@@ -34,13 +34,15 @@ CASES = {
 @pytest.fixture(scope="module")
 def reports():
     from numbaflash.configs import kernel_cubin
+    from numbaflash.kernels.families import spec_of
 
     cache = {}
 
     def get(name):  # through the run's kernel cache: a shipped case is compiled once per run
         if name not in cache:
             config, causal, bf16 = CASES[name]
-            cache[name] = nfi.report_from_cubin(kernel_cubin(config, causal, bf16, ARCH).cubin, name, ARCH)
+            spec = spec_of(config, "forward", bf16, ARCH, causal=causal)
+            cache[name] = nfi.report_from_cubin(kernel_cubin(spec).cubin, name, ARCH)
         return cache[name]
 
     return get

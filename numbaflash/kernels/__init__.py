@@ -12,12 +12,20 @@ Kernels, one module each (the varlen, window and softcap builds live with their 
 Shared device pieces: ``wgmma_gemms`` (wgmma S and PV steps), ``ring`` (mbarrier rings as named
 steps), ``blocks`` (which block a CTA owns, masks), ``smem`` (swizzled tiles, cp.async copies,
 ldmatrix fragments), ``softmax`` (online-softmax steps on mma fragments), ``epilogue`` (normalise
-and store O, write the log-sum-exp), and ``common`` (Numba argument types, the online-softmax
-rescale threshold, device constants, ``unroll``: a loop unrolled in Python).
+and store O, write the log-sum-exp), and ``common`` (the online-softmax rescale threshold, device
+constants, ``unroll``: a loop unrolled in Python).
 
-Plain Python, importable without Numba: ``shapes`` (every kernel's compile-time config class) and
-``abi`` (every kernel's parameter list as Numba's type names, so the launcher packs arguments
-without importing Numba).
+Plain Python, importable without Numba:
+
+- ``spec``: ``KernelSpec``, the immutable record of one kernel variant (family, operation,
+  config, dtype, target, causal and the variant axes), normalised when built;
+- ``families``: the family records and the registry of factories, (family, operation) ->
+  factory(spec), and each spec's parameter list;
+- ``params``: each kernel's parameters declared once, as (name, Numba type name); the ABI the
+  launcher packs, the Numba argument types and the binding order come from them;
+- ``shapes``: every kernel's compile-time config class;
+- ``abi``: the parameter types by Numba name (derived from ``params``) and the backward's
+  workspace layout.
 
 Nothing here imports ``api``, ``operations``, ``tools`` or ``demos`` (``tests/test_structure_cpu.py``).
 """

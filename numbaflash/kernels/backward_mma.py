@@ -81,41 +81,6 @@ INF = float32(math.inf)
 varlen_row_offset = cuda.jit(device=True, forceinline=True)(abi.varlen_row_offset)
 varlen_padded_rows = cuda.jit(device=True, forceinline=True)(abi.varlen_padded_rows)
 
-BACKWARD_PREP_ARGTYPES = (
-    types.uint16[::1], types.uint16[::1], types.float32[::1],  # out, dout, lse
-    types.float32[::1], types.float32[::1],  # delta, lse2
-    types.float32[::1], types.int32[::1],  # dq_acc, counters
-    types.int64, types.int64, types.int64,  # out strides
-    types.int64, types.int64, types.int64,  # dout strides
-    types.int64, types.int64, types.int64,  # seqlen_q, rows, heads_q
-    types.int64,  # counters per (batch, head)
-)
-BACKWARD_ARGTYPES = (
-    types.uint16[::1], types.uint16[::1], types.uint16[::1], types.uint16[::1],  # q, k, v, dout
-    types.uint16[::1], types.uint16[::1],  # dk, dv
-    types.float32[::1], types.float32[::1],  # lse2, delta
-    types.float32[::1], types.int32[::1],  # dq_acc, counters
-    *(types.int64,) * 18,  # strides of q, k, v, dout, dk, dv
-    types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
-    types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
-    types.int64,  # tail pairs (blocks.key_block_of)
-    types.float32, types.float32,  # scale * log2(e) (softcap * log2(e) when capped), scale
-    types.boolean,  # deterministic
-    types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
-    types.float32,  # softmax scale / softcap (read by softcap kernels only)
-)
-BACKWARD_DQ_ARGTYPES = (
-    types.float32[::1], types.uint16[::1],  # dq_acc, dq
-    types.int64, types.int64, types.int64,  # dq strides
-    types.int64, types.int64, types.int64,  # seqlen_q, rows, heads_q
-    types.float32,  # scale
-)
-# The packed variable-length builds (``varlen=True``): the same parameters, then the sequences
-# (``abi.VARLEN_BACKWARD_*_ABI``): the int32 offsets of their queries and keys and total_q.
-_SEQUENCES = (types.int32[::1], types.int32[::1], types.int64)
-VARLEN_BACKWARD_PREP_ARGTYPES = (*BACKWARD_PREP_ARGTYPES, *_SEQUENCES)
-VARLEN_BACKWARD_ARGTYPES = (*BACKWARD_ARGTYPES, *_SEQUENCES)
-VARLEN_BACKWARD_DQ_ARGTYPES = (*BACKWARD_DQ_ARGTYPES, *_SEQUENCES)
 
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
 WarpPart = namedtuple("WarpPart", ["row0", "col0"])
@@ -840,53 +805,3 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     flash_backward_varlen.__name__ = flash_backward.__name__
     flash_backward_varlen.launch_bounds = flash_backward.launch_bounds
     return flash_backward_varlen
-
-
-# The variants' factories (``operations.families``: one kernel operation each, built on demand).
-def make_backward_window_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The sliding-window main kernel of ``config`` (``causal`` is ignored: a window's right edge 0
-    is causal masking; ``KernelOp.masked`` is False for it)."""
-    return make_backward_kernel(config, False, bf16, window=True)
-
-
-def make_backward_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The softcapped main kernel of ``config``, causal or not."""
-    return make_backward_kernel(config, causal, bf16, softcap=True)
-
-
-def make_backward_window_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The sliding-window, softcapped main kernel of ``config`` (``causal`` ignored, as for the
-    window)."""
-    return make_backward_kernel(config, False, bf16, window=True, softcap=True)
-
-
-# The packed variable-length builds (``flash_attention_varlen_backward``): their own prepare and dQ
-# kernels, and the main kernel's plain, window and softcap variants.
-def make_backward_varlen_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The packed variable-length prepare kernel (``VARLEN_BACKWARD_PREP_ARGTYPES``)."""
-    return make_backward_prep_kernel(config, False, bf16, varlen=True)
-
-
-def make_backward_varlen_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The packed variable-length dQ kernel (``VARLEN_BACKWARD_DQ_ARGTYPES``)."""
-    return make_backward_dq_kernel(config, False, bf16, varlen=True)
-
-
-def make_backward_varlen_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The packed variable-length main kernel (``VARLEN_BACKWARD_ARGTYPES``), causal or not."""
-    return make_backward_kernel(config, causal, bf16, varlen=True)
-
-
-def make_backward_varlen_window_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The packed variable-length sliding-window main kernel (``causal`` ignored)."""
-    return make_backward_kernel(config, False, bf16, window=True, varlen=True)
-
-
-def make_backward_varlen_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The packed variable-length softcapped main kernel, causal or not."""
-    return make_backward_kernel(config, causal, bf16, softcap=True, varlen=True)
-
-
-def make_backward_varlen_window_softcap_kernel(config: BackwardConfig, causal: bool, bf16: bool):
-    """The packed variable-length sliding-window, softcapped main kernel (``causal`` ignored)."""
-    return make_backward_kernel(config, False, bf16, window=True, softcap=True, varlen=True)

@@ -49,8 +49,6 @@ from numba import cuda, float32, int32, int64, types, uint32
 from .. import ptx
 from ..ptx import hopper as hp
 from .backward_mma import (
-    make_backward_dq_kernel,
-    make_backward_prep_kernel,
     mask_band_transposed,
     mask_transposed,
     store_fragment_rows,
@@ -64,21 +62,6 @@ from .shapes import WARPGROUP_ROWS, WsBackwardConfig
 from .smem import global_rows, swizzled_offset
 from .softmax import pack_16bit
 from .wgmma_gemms import make_backward_gemms
-
-BACKWARD_WS_ARGTYPES = (
-    types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, dout
-    types.uint16[::1], types.uint16[::1],  # dk, dv
-    types.float32[::1], types.float32[::1],  # lse2, delta
-    types.float32[::1], types.int32[::1],  # dq_acc, counters
-    *(types.int64,) * 6,  # strides of dk, dv
-    types.int64, types.int64, types.int64,  # seqlen_q, seqlen_k, rows
-    types.int64, types.int64, types.int64,  # heads_q, group, heads_kv
-    types.int64,  # tail pairs (blocks.key_block_of)
-    types.float32, types.float32,  # scale * log2(e) (softcap * log2(e) when capped), scale
-    types.boolean,  # deterministic
-    types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
-    types.float32,  # softmax scale / softcap (read by softcap kernels only)
-)
 
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and dout.
 Maps = namedtuple("Maps", ["q", "k", "v", "do"])
@@ -461,31 +444,3 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                                   f"{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}")
     flash_backward_ws.launch_bounds = (config.threads, 1)
     return flash_backward_ws
-
-
-# The variants' factories (``operations.families``), as the mma.sync backward's.
-def make_backward_ws_window_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The sliding-window main kernel (``causal`` ignored: a window's right edge 0 is causal)."""
-    return make_backward_ws_kernel(config, False, bf16, window=True)
-
-
-def make_backward_ws_softcap_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The softcapped main kernel, causal or not."""
-    return make_backward_ws_kernel(config, causal, bf16, softcap=True)
-
-
-def make_backward_ws_window_softcap_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The sliding-window, softcapped main kernel (``causal`` ignored)."""
-    return make_backward_ws_kernel(config, False, bf16, window=True, softcap=True)
-
-
-# The prepare and dQ kernels: the mma.sync backward's, for the config whose fragment order the
-# consumer warps add dQ in (``WsBackwardConfig.dq_config``).
-def make_backward_ws_prep_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The prepare kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_PREP_ARGTYPES``)."""
-    return make_backward_prep_kernel(config.dq_config(), causal, bf16)
-
-
-def make_backward_ws_dq_kernel(config: WsBackwardConfig, causal: bool, bf16: bool):
-    """The dQ kernel of ``config.dq_config()`` (``backward_mma.BACKWARD_DQ_ARGTYPES``)."""
-    return make_backward_dq_kernel(config.dq_config(), causal, bf16)

@@ -5,31 +5,12 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, types, uint32
+from numba import cuda, float32, int32, uint32
 
 FULL_MASK = 0xFFFFFFFF  # every lane of a warp, for shuffles
 NEG_INF = float32(-math.inf)
 LN2 = math.log(2.0)  # LSE is stored in natural-log units; the kernels work in log2
 
-FORWARD_ARGTYPES = (
-    types.uint16[::1], types.uint16[::1], types.uint16[::1],  # q, k, v (flat 16-bit bits)
-    types.uint16[::1], types.float32[::1],  # o, lse (flat; lse may be a 1-element dummy)
-    types.int64, types.int64, types.int64,  # q strides: batch, seq, head (elements)
-    types.int64, types.int64, types.int64,  # k strides
-    types.int64, types.int64, types.int64,  # v strides
-    types.int64, types.int64, types.int64,  # o strides
-    types.int64, types.int64,  # seqlen_q, seqlen_k
-    types.int64, types.int64, types.int64,  # batch, heads_q, heads_q // heads_kv
-    types.float32, types.boolean,  # softmax scale * log2(e) (softcap * log2(e) when capped), write lse
-    types.int64, types.int64,  # sliding window: left, right (read by window kernels only)
-    types.float32,  # softmax scale / softcap (read by softcap kernels only)
-)
-# The packed variable-length kernels (``forward_mma``, ``varlen=True``): the same, then the sequences.
-VARLEN_ARGTYPES = (
-    *FORWARD_ARGTYPES,
-    types.int32[::1], types.int32[::1],  # cu_seqlens_q, cu_seqlens_k (batch + 1,)
-    types.int64,  # the LSE's head stride: total_q
-)
 
 # The O rescale is skipped (warp-uniformly) unless some row max grew by more than this
 # (log2 units). A stale max keeps P below 2^threshold, but P's largest entries then round

@@ -70,31 +70,6 @@ CombineRow = namedtuple("CombineRow", ["acc", "o_part", "weight", "first", "last
 LOG2_E = float32(math.log2(math.e))
 LN2 = float32(math.log(2.0))
 
-DECODE_ARGTYPES = (
-    types.uint16[::1], types.uint16[::1], types.uint16[::1],  # q, k_cache, v_cache
-    types.uint16[::1], types.uint16[::1],  # k_new, v_new (length 1 when not given)
-    types.int32[::1], types.int32[::1],  # cache_seqlens, block_table (length 1 when not paged)
-    types.uint16[::1], types.float32[::1],  # out, lse (length 1 when not asked for)
-    types.float32[::1], types.float32[::1],  # o_part, lse_part (split partials; length 1 with one split)
-    *(types.int64,) * 18,  # strides (batch/page, seq, head) of q, k_cache, v_cache, k_new, v_new, out
-    types.int64, types.int64,  # seqlen_q, seqlen_new (0: nothing to append)
-    types.int64, types.int64,  # capacity (rows per batch; paged: page_size), block table row stride
-    types.int64,  # pages per sequence (paged; else 0)
-    types.int64, types.int64,  # paged: the page size's divider (``launch_decode.page_divider``), else 0
-    types.int64, types.int64, types.int64,  # heads_kv, group, row blocks (ceil(group * seqlen_q / rows))
-    types.int64,  # num_splits
-    types.float32,  # softmax scale * log2(e)
-    types.boolean,  # write the LSE
-)
-
-# The window and softcap variants (``make_decode_kernel(..., window=, softcap=)``): the same, then
-# the window's sides (each >= 0, ``operations.forward.WINDOW_UNBOUNDED`` for an unbounded side;
-# read by window kernels only) and softmax_scale / softcap (read by softcap kernels only).
-DECODE_VARIANT_ARGTYPES = (
-    *DECODE_ARGTYPES,
-    types.int64, types.int64,  # window left, right
-    types.float32,  # softmax scale / softcap
-)
 
 # The plain kernel's parameters (``DECODE_ARGTYPES``), as the body (``run_decode``) takes them.
 DecodeParams = namedtuple("DecodeParams", [
@@ -103,15 +78,6 @@ DecodeParams = namedtuple("DecodeParams", [
     "kn_ss", "kn_sh", "vn_sb", "vn_ss", "vn_sh", "o_sb", "o_ss", "o_sh", "seqlen_q", "seqlen_new", "capacity",
     "bt_stride", "pages", "page_magic", "page_shift", "heads_kv", "group", "row_blocks", "num_splits",
     "scale_log2", "write_lse"])
-
-DECODE_COMBINE_ARGTYPES = (
-    types.float32[::1], types.float32[::1],  # o_part, lse_part
-    types.uint16[::1], types.float32[::1],  # out, lse
-    types.int64, types.int64, types.int64,  # out strides (batch, seq, head)
-    types.int64, types.int64, types.int64,  # batch, seqlen_q, heads_q
-    types.int64,  # num_splits
-    types.boolean,  # write the LSE
-)
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -620,21 +586,6 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     kernel.__name__ = name
     kernel.launch_bounds = (THREADS, 1)
     return kernel
-
-
-def make_decode_window_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """The sliding-window decode kernel (``causal`` ignored: a window's right side 0 is causal)."""
-    return make_decode_kernel(config, False, bf16, window=True)
-
-
-def make_decode_softcap_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """The softcapped decode kernel, causal or not."""
-    return make_decode_kernel(config, causal, bf16, softcap=True)
-
-
-def make_decode_window_softcap_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """The sliding-window, softcapped decode kernel (``causal`` ignored, as for the window)."""
-    return make_decode_kernel(config, False, bf16, window=True, softcap=True)
 
 
 # Splits one combine warp merges: lane s holds split s's LSE (``launch_decode.MAX_SPLITS`` <= this).

@@ -96,30 +96,6 @@ from .softmax import (
 )
 from .wgmma_gemms import make_attention_gemms
 
-WS_ARGTYPES = (
-    types.uint64[::1], types.uint64[::1], types.uint64[::1], types.uint64[::1],  # maps q, k, v, o
-    types.float32[::1],  # lse (batch, heads_q, seqlen_q), or a 1-element dummy
-    types.int32, types.int32,  # seqlen_q, seqlen_k
-    types.int32,  # row lead: rows the first query block starts before row 0 (WsConfig.first_block_lead)
-    types.int32, types.int32, types.int32,  # heads_q, heads_q // heads_kv, batch
-    types.float32, types.boolean,  # softmax scale * log2(e) (softcap * log2(e) when capped), write lse
-    types.int64, types.int64,  # sliding window: left, right, each >= 0 (read by window kernels only)
-    types.float32,  # softmax scale / softcap (read by softcap kernels only)
-)
-# The same parameter list as Numba type names, for runtime.launch.KernelLauncher.
-WS_ABI = tuple(str(t) for t in WS_ARGTYPES)
-# The packed variable-length kernels (``flash_attention_varlen``): the same, the maps over (1, total,
-# heads, head_dim) views and seqlen_q / seqlen_k the maxima, then the offsets, the LSE's head
-# stride, and out as a flat array with its row and head strides (elements): a sequence's O rows
-# are stored by the threads, never past its end (a TMA store would clip only at total_q).
-VARLEN_WS_ARGTYPES = (
-    *WS_ARGTYPES,
-    types.int32[::1], types.int32[::1],  # cu_seqlens_q, cu_seqlens_k (batch + 1,)
-    types.int64,  # total_q: the LSE's head stride
-    types.uint16[::1], types.int64, types.int64,  # out, its row and head strides
-)
-VARLEN_WS_ABI = tuple(str(t) for t in VARLEN_WS_ARGTYPES)
-
 # The kernel's parameters of every build (``WS_ARGTYPES``), as the body (``run_cta``) takes them.
 WsParams = namedtuple("WsParams", ["map_q", "map_k", "map_v", "map_o", "lse", "seqlen_q", "seqlen_k",
                                    "row_lead", "heads_q", "group", "batch_size", "scale_log2", "write_lse",
@@ -796,42 +772,3 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.
     flash_forward_ws.launch_bounds = (config.threads, 1)
     return flash_forward_ws
-
-
-def make_forward_ws_window_kernel(config: WsConfig, causal: bool, bf16: bool):
-    """The sliding-window kernel of ``config`` (``causal`` is ignored: a window's right edge 0 is
-    causal masking)."""
-    return make_forward_ws_kernel(config, False, bf16, window=True)
-
-
-def make_forward_ws_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
-    """The softcapped kernel of ``config``, causal or not."""
-    return make_forward_ws_kernel(config, causal, bf16, softcap=True)
-
-
-def make_forward_ws_window_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
-    """The sliding-window, softcapped kernel of ``config`` (``causal`` ignored, as for the window)."""
-    return make_forward_ws_kernel(config, False, bf16, window=True, softcap=True)
-
-
-def make_forward_ws_varlen_kernel(config: WsConfig, causal: bool, bf16: bool, window: bool = False,
-                                  softcap: bool = False):
-    """The packed variable-length kernel of ``config`` (``VARLEN_WS_ARGTYPES``), plain or causal, or
-    with a window (``causal`` then ignored) and / or a softcap."""
-    return make_forward_ws_kernel(config, False if window else causal, bf16, window=window, softcap=softcap,
-                                  varlen=True)
-
-
-def make_forward_ws_varlen_window_kernel(config: WsConfig, causal: bool, bf16: bool):
-    """The packed variable-length sliding-window kernel (``causal`` ignored, as for the window)."""
-    return make_forward_ws_varlen_kernel(config, False, bf16, window=True)
-
-
-def make_forward_ws_varlen_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
-    """The packed variable-length softcapped kernel, causal or not."""
-    return make_forward_ws_varlen_kernel(config, causal, bf16, softcap=True)
-
-
-def make_forward_ws_varlen_window_softcap_kernel(config: WsConfig, causal: bool, bf16: bool):
-    """The packed variable-length sliding-window, softcapped kernel (``causal`` ignored)."""
-    return make_forward_ws_varlen_kernel(config, False, bf16, window=True, softcap=True)

@@ -2,7 +2,7 @@
 launch them on device arrays, or stage numpy arrays through page-locked memory and run them.
 
 After the first call on a device, the device path is a dictionary lookup for the launchers
-(``GPU.launchers``, keyed by device, head dim, causality, dtype and the main kernel's operation),
+(``GPU.launchers``, keyed by device, head dim, causality, dtype and the main kernel's variant),
 one workspace allocation of the inputs' library, and three launches on the inputs' stream
 (``launch_backward``).
 
@@ -21,12 +21,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import configs
+from ..kernels.families import BACKWARD_OPERATIONS, family_of, kernel_abi
+from ..kernels.spec import kernel_spec
 from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
-from .families import BACKWARD_OPERATIONS, VARLEN_BACKWARD_OPERATIONS, backward_operation, family_of
 from .forward import Variant, loaded_kernel, variant_of
 from .launch_backward import BackwardCall, Launch, workspace_layout
+from .launches import prepare_launch
 
 # driver calls of the numpy path, failures named for this operation
 _call = functools.partial(gpu_state.driver_call, operation="backward")
@@ -44,26 +46,25 @@ class BackwardKernels(NamedTuple):
     dq: tuple[Any, Launch]
 
 
-def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, operation: str = "backward") -> tuple:
+def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, window: bool = False,
+              softcap: bool = False, varlen: bool = False) -> tuple:
     """The key in ``GPU.launchers`` of the kernels an unforced call runs: what picks the config on
     a device (``configs.backward_config`` is memoised on the same inputs), and the main kernel's
-    operation (``backward_variant``)."""
-    return "backward", device, head_dim, causal, bf16, operation
+    variant (``Variant.window``, ``Variant.softcap``, packed sequences)."""
+    return "backward", device, head_dim, causal, bf16, window, softcap, varlen
 
 
 def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
-                     seqlen_q: int, seqlen_k: int) -> tuple[str, Variant]:
-    """(main kernel operation, the forward's ``Variant``) of a validated call: the forward's
-    choice (``forward.variant_of``: the effective window, the config's causal flag, the window's
-    sides and the softcap's factors as kernel arguments) with the backward's kernel operation
-    (``families.backward_operation``): ``backward`` for no window and no softcap."""
-    var = variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
-    window = var.operation.startswith("forward_window")
-    return backward_operation(window, softcap > 0), var
+                     seqlen_q: int, seqlen_k: int) -> Variant:
+    """The forward's ``Variant`` of a validated call (``forward.variant_of``: the effective window,
+    the config's causal flag, the window's sides and the softcap's factors as kernel arguments):
+    its ``window`` and ``softcap`` pick the backward's main kernel too."""
+    return variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
 
 
 def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
-                     bf16: bool, operation: str = "backward") -> BackwardKernels:
+                     bf16: bool, *, window: bool = False, softcap: bool = False,
+                     varlen: bool = False) -> BackwardKernels:
     """The config and the three loaded kernels of this problem on the current device (ordinal
     ``device``).
 
@@ -75,19 +76,23 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     from the on-disk kernel cache or is compiled for the device's own target (``arch_of``:
     ``sm_90a`` on Hopper, ``sm_86`` on an sm_86 GPU, as the sm80 forward) and stored; it is
     loaded once per process, and the main kernel's shared-memory limit is raised once per
-    device. ``operation``: the main kernel's (``backward_variant``; window and softcap variants
-    are compiled on demand); a
-    ``backward_varlen...`` operation loads the varlen builds of all three kernels
-    (``VARLEN_BACKWARD_OPERATIONS``) with the same config.
+    device. ``window``, ``softcap``: the main kernel's variant (``backward_variant``; compiled on
+    demand); ``varlen``: the packed variable-length builds of all three kernels, with the same
+    config. Each kernel's spec (``kernels.spec``) is built here, once per new problem: the main
+    kernel's, and its siblings' (``KernelSpec.sibling``: the prepare and dQ kernels, built
+    without the mask and softcap they do not depend on).
     """
     gpu = gpu_state.GPU
     if not configs.OVERRIDES:
-        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16, operation))
+        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16, window, softcap, varlen))
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
-    config = configs.backward_config(capability, head_dim, causal, limit, operation)
-    key = ("backward", config, causal, bf16, capability, device, operation)
+    config = configs.backward_config(capability, head_dim, causal, limit, window=window, softcap=softcap,
+                                     varlen=varlen)
+    main = kernel_spec(family_of(config).name, "backward", config, "bfloat16" if bf16 else "float16",
+                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen)
+    key = ("backward", main, device)
     ready = gpu.launchers.get(key)
     if ready is None:
         if config.shared_bytes > limit:  # only a forced config gets here (force_config)
@@ -95,22 +100,20 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
                                f"{device} (sm_{capability[0]}{capability[1]}) allows {limit}")
         from ..runtime.launch import KernelLauncher, set_dynamic_shared_limit
 
-        family = family_of(config)
         with gpu.lock:
             ready = gpu.launchers.get(key)
             if ready is None:
                 parts = []
-                varlen = operation.startswith("backward_varlen")  # the varlen builds of all three
-                for part in VARLEN_BACKWARD_OPERATIONS if varlen else BACKWARD_OPERATIONS:
-                    part = operation if part in ("backward", "backward_varlen") else part
-                    op = family.op(part)
-                    kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
-                    if part == operation:
+                for operation in BACKWARD_OPERATIONS:
+                    spec = main.sibling(operation)
+                    kernel, name = loaded_kernel(spec)
+                    if operation == "backward":  # the main kernel
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
-                    parts.append((KernelLauncher(kernel, op.abi, name), op.prepare_launch(config)))
+                    launcher = KernelLauncher(kernel, kernel_abi(spec), name)
+                    parts.append((launcher, prepare_launch(spec)(config)))
                 ready = gpu.launchers[key] = BackwardKernels(config, *parts)
     if not configs.OVERRIDES:  # the hot path's entry holds unforced configs only
-        gpu.launchers[ready_key(device, head_dim, causal, bf16, operation)] = ready
+        gpu.launchers[ready_key(device, head_dim, causal, bf16, window, softcap, varlen)] = ready
     return ready
 
 
@@ -147,9 +150,9 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     operands of the given dq, dk, dv (None: a new array like q, k or v); ``window_size`` and
     ``softcap`` validated as the forward's. Returns (dq, dk, dv)."""
     batch, seqlen_q, heads_q, head_dim = qd.shape
-    operation, var = backward_variant(causal, window_size, softcap, scale, seqlen_q, kd.shape[1])
+    var = backward_variant(causal, window_size, softcap, scale, seqlen_q, kd.shape[1])
     kernels = backward_kernels(capability, device, head_dim, var.causal, qd.dtype_name == "bfloat16",
-                               operation)
+                               window=var.window, softcap=var.softcap)
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
@@ -204,8 +207,9 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
-    operation, var = backward_variant(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
-    kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16", operation)
+    var = backward_variant(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
+    kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16",
+                               window=var.window, softcap=var.softcap)
     ws = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}

@@ -9,7 +9,7 @@ with everything but the pointers. torch calls of a known layout then take ``run_
 per-call checks, the allocations and the fires, no operand descriptions.
 
 A sliding window or a softcap (issue 35) runs a variant of the decode kernel
-(``families.decode_operation``, ``decode_variant``): the window's rule is FlashAttention's with
+(``decode_variant``): the window's rule is FlashAttention's with
 each sequence's own key count L = cache_seqlens[b] + seqlen_new, read on the device only."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import configs
+from ..kernels.families import family_of, kernel_abi
+from ..kernels.spec import kernel_spec
 from ..operands import (
     FLOAT32,
     TORCH_DTYPE_NAMES,
@@ -34,7 +36,6 @@ from ..operands import (
 )
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
-from .families import decode_operation, family_of
 from .forward import PLANS_KEPT, WINDOW_UNBOUNDED, loaded_kernel, variant_of
 from .launch_decode import (
     MAX_SPLITS,
@@ -46,19 +47,22 @@ from .launch_decode import (
     split_scratch_elements,
     streaming_ctas,
 )
+from .launches import prepare_launch
 
 LOG2_E = math.log2(math.e)
 
 
 class DecodeVariant(NamedTuple):
     """Which decode kernel a validated call runs, and the arguments that depend on its window and
-    softcap (``decode_variant``): the kernel operation, the ``causal`` its kernel is built with,
+    softcap (``decode_variant``): whether it is a window and a softcap variant, the ``causal`` its
+    kernel is built with,
     the window's sides as the kernel takes them (each >= 0, ``WINDOW_UNBOUNDED`` for -1; 0
     without a window), the exponent factor (softmax_scale·log2(e), or softcap·log2(e)),
     softmax_scale / softcap (0 without), both float32, and the most keys one row block's windows
     reach (None where the left side is unbounded): what the split count is chosen for."""
 
-    operation: str
+    window: bool
+    softcap: bool
     causal: bool
     window_left: int
     window_right: int
@@ -75,12 +79,11 @@ def decode_variant(causal: bool, window_size: tuple[int, int], softcap: float, s
     (-1, -1) runs the plain kernel, (-1, 0) the causal one, and any other window the window kernel
     (built as non-causal); each with a softcap (> 0) or not. Query i of a sequence of L keys sees
     keys L - seqlen_q + i - left .. L - seqlen_q + i + right, so a row block's keys lie in the
-    last left + seqlen_q keys of its sequence: ``window_keys``. The forward's ``variant_of``
-    with the decode kernel's operation names."""
+    last left + seqlen_q keys of its sequence: ``window_keys``. The forward's ``variant_of``."""
     var = variant_of(causal, window_size, softcap, softmax_scale, seqlen_q, max_keys)
-    window = "_window" in var.operation
+    window = var.window
     bounded = window and var.window_left != WINDOW_UNBOUNDED
-    return DecodeVariant(decode_operation(window, softcap > 0), var.causal and not window, var.window_left,
+    return DecodeVariant(window, var.softcap, var.causal and not window, var.window_left,
                          var.window_right, var.scale_log2, var.cap_scale,
                          var.window_left + seqlen_q if bounded else None)
 
@@ -94,31 +97,34 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
-                   causal: bool, bf16: bool, operation: str = "decode", wide: bool = False) -> DecodeKernels:
+                   causal: bool, bf16: bool, *, window: bool = False, softcap: bool = False,
+                   wide: bool = False) -> DecodeKernels:
     """The config and the two loaded kernels of this problem on the current device: the attention
-    kernel of ``operation`` (``decode`` or a window or softcap variant) and the combine kernel.
-    ``wide``: the call's CTAs before any split outnumber the SMs (``configs.decode_config``)."""
+    kernel (``window``, ``softcap``: a variant) and the combine kernel, their specs
+    (``kernels.spec``) built here once per new problem. ``wide``: the call's CTAs before any split
+    outnumber the SMs (``configs.decode_config``)."""
     gpu = gpu_state.GPU
-    short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, operation, wide)
+    short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, window, softcap,
+                 wide)
     ready = gpu.launchers.get(short_key)
     if ready is not None and not configs.DECODE_FORCED:
         return ready
     config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide)
-    key = ("decode", config, causal, bf16, capability, device, operation)
+    main = kernel_spec(family_of(config).name, "decode", config, "bfloat16" if bf16 else "float16",
+                       arch_of(capability), causal=causal, window=window, softcap=softcap)
+    key = ("decode", main, device)
     ready = gpu.launchers.get(key)
     if ready is None:
         from ..runtime.launch import KernelLauncher, kernel_registers, set_dynamic_shared_limit
 
-        family = family_of(config)
         with gpu.lock:
             ready = gpu.launchers.get(key)
             if ready is None:
                 parts = []
                 ctas_per_sm, shared_bytes = 1, config.shared_bytes
-                for part in (operation, "decode_combine"):
-                    op = family.op(part)
-                    kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), part)
-                    if part == operation:
+                for spec in (main, main.sibling("decode_combine")):
+                    kernel, name = loaded_kernel(spec)
+                    if spec is main:
                         limit = gpu.shared_limit(device)
                         resident = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
                                                  config.shared_bytes, limit)
@@ -127,8 +133,8 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                             shared_bytes = occupancy_shared(config.shared_bytes, ctas_per_sm, limit)
                         set_dynamic_shared_limit(kernel.handle, device, shared_bytes)
                     programmatic = capability >= (9, 0)  # see ptx/grid.cu
-                    launcher = KernelLauncher(kernel, op.abi, name, programmatic)
-                    parts.append((launcher, op.prepare_launch(config)))
+                    launcher = KernelLauncher(kernel, kernel_abi(spec), name, programmatic)
+                    parts.append((launcher, prepare_launch(spec)(config)))
                 ready = gpu.launchers[key] = DecodeKernels(config, *parts, ctas_per_sm, shared_bytes)
     if not configs.DECODE_FORCED:  # the problem's own config: found by the shapes next time
         gpu.launchers[short_key] = ready
@@ -197,7 +203,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     var = decode_variant(causal, window_size, softcap, scale, seqlen_q, max_keys)
     bf16 = qd.dtype_name == "bfloat16"
     wide = batch * heads_kv * -(-rows // 16) > gpu.sm_count(device)  # 16-row blocks: the grid, unsplit
-    kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, var.operation, wide)
+    kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, window=var.window,
+                             softcap=var.softcap, wide=wide)
     config = kernels.config
     row_blocks = -(-rows // config.rows)
     if var.window_keys is not None:

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import configs
+from ..kernels.families import family_of, kernel_abi
+from ..kernels.spec import KernelSpec, kernel_spec
 from ..operands import (
     FLOAT32,
     TORCH_DTYPE_NAMES,
@@ -31,8 +33,8 @@ from ..operands import (
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
 from . import launch_forward
-from .families import family_of, forward_operation
 from .launch_forward import ForwardCall
+from .launches import prepare_launch
 
 LOG2_E = math.log2(math.e)
 # What a window kernel gets for a side given as -1 (unbounded): larger than any distance between
@@ -43,14 +45,16 @@ WINDOW_UNBOUNDED = 1 << 40
 
 class Variant(NamedTuple):
     """Which forward kernel a call runs, and the arguments that depend on its window and softcap
-    (``variant_of``): the kernel operation (``families.forward_operation``), the ``causal`` its
-    config is chosen (and its kernel built) with, the window's sides as the kernel takes them
+    (``variant_of``): whether its kernel is a window and a softcap variant, the ``causal`` its
+    config is chosen with (the window kernel itself is built non-causal: ``kernels.spec``), the
+    window's sides as the kernel takes them
     (each >= 0; ``WINDOW_UNBOUNDED`` for -1; 0 when there is no window), the kernel's exponent
     factor (softmax_scale·log2(e), or with a softcap softcap·log2(e)) and softmax_scale / softcap
     (0 without), both float32, and whether every row's keys end at its causal diagonal (the
     window's right side is 0: the numpy pipeline then cuts each chunk's keys there)."""
 
-    operation: str
+    window: bool
+    softcap: bool
     causal: bool
     window_left: int
     window_right: int
@@ -94,20 +98,21 @@ def variant_of(causal: bool, window_size: tuple[int, int], softcap: float, softm
     sides = (0, 0)
     if window:
         sides = (WINDOW_UNBOUNDED if left < 0 else left, WINDOW_UNBOUNDED if right < 0 else right)
-    return Variant(forward_operation(window, capped), right != -1, *sides, scale_log2, cap_scale, right == 0)
+    return Variant(window, capped, right != -1, *sides, scale_log2, cap_scale, right == 0)
 
 
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, seqlen: int | None,
-              operation: str = "forward") -> tuple:
+              window: bool = False, softcap: bool = False, varlen: bool = False) -> tuple:
     """The key of ``GPU.ready``, the launchers of unforced configs: what picks the config on a
-    device (``configs.forward_config`` is memoised on the same inputs), and the kernel operation
-    (a window or softcap variant: ``Variant.operation``)."""
-    return device, head_dim, causal, bf16, configs.seqlen_span(seqlen), operation
+    device (``configs.forward_config`` is memoised on the same inputs), and the kernel's variant
+    (``Variant.window``, ``Variant.softcap``; packed sequences: ``varlen``)."""
+    return device, head_dim, causal, bf16, configs.seqlen_span(seqlen), window, softcap, varlen
 
 
 def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool,
-                   seqlen: int | None = None, operation: str = "forward"):
+                   seqlen: int | None = None, *, window: bool = False, softcap: bool = False,
+                   varlen: bool = False):
     """(launcher, config, launch) for this problem on the current device (ordinal ``device``).
 
     The config is the table's for this GPU, passing over entries that need more shared memory
@@ -115,14 +120,17 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     long-sequence entry by ``seqlen`` (the longer of seqlen_q and seqlen_k).
     The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
     there; it is loaded once per process, and its shared-memory limit is raised once per device.
-    ``operation``: a window or softcap variant (``Variant.operation``), or a varlen kernel; where
-    the GPU's own family lacks it, the sm80 family's config and kernel run (``configs.dispatch_family``).
+    ``window``, ``softcap``: a variant (``Variant``); ``varlen``: a packed variable-length kernel;
+    where the GPU's own family lacks it, the sm80 family's config and kernel run
+    (``configs.dispatch_family``). The kernel's spec (``kernels.spec``) is built here, once per
+    new problem, and keys the loaded kernels.
     """
     gpu = gpu_state.GPU
     limit = gpu.shared_limit(device)
-    config = configs.forward_config(capability, head_dim, causal, limit, seqlen, operation)
-    op = family_of(config).op(operation)
-    key = (config, causal, bf16, capability, device, operation)
+    config = configs.forward_config(capability, head_dim, causal, limit, seqlen, window=window, varlen=varlen)
+    spec = kernel_spec(family_of(config).name, "forward", config, "bfloat16" if bf16 else "float16",
+                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen)
+    key = (spec, device)
     ready = gpu.launchers.get(key)
     if ready is None:
         if config.shared_bytes > limit:  # only a forced config gets here (force_config)
@@ -133,27 +141,26 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
         with gpu.lock:
             ready = gpu.launchers.get(key)
             if ready is None:
-                kernel, name = loaded_kernel(config, causal, bf16, arch_of(capability), operation)
+                kernel, name = loaded_kernel(spec)
                 set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
-                ready = (KernelLauncher(kernel, op.abi, name), config, op.prepare_launch(config))
+                ready = (KernelLauncher(kernel, kernel_abi(spec), name), config, prepare_launch(spec)(config))
                 gpu.launchers[key] = ready
     if not configs.OVERRIDES:  # the hot path's table (run_device) holds unforced configs only
-        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen, operation)] = ready
+        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen, window, softcap, varlen)] = ready
     return ready
 
 
-def loaded_kernel(config, causal: bool, bf16: bool, arch: str, operation: str = "forward"):
-    """(cuda.core Kernel, entry name) of a kernel, loaded once per process (the loaded library
-    serves every device; call with ``GPU.lock`` held)."""
+def loaded_kernel(spec: KernelSpec):
+    """(cuda.core Kernel, entry name) of ``spec``'s kernel, loaded once per process (the loaded
+    library serves every device; call with ``GPU.lock`` held)."""
     modules = gpu_state.GPU.modules
-    key = (config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
-    if key not in modules:
+    if spec not in modules:
         from cuda.core import ObjectCode
 
-        entry = configs.kernel_cubin(config, causal, bf16, arch, operation)
+        entry = configs.kernel_cubin(spec)
         kernel = ObjectCode.from_cubin(entry.cubin).get_kernel(entry.entry_name)
-        modules[key] = (kernel, entry.entry_name)
-    return modules[key]
+        modules[spec] = (kernel, entry.entry_name)
+    return modules[spec]
 
 
 class DevicePlan(NamedTuple):
@@ -209,9 +216,9 @@ def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causa
     var = variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
     causal = var.causal  # the kernel's (its config's) causal flag
     ready = None if forced else gpu.ready.get(ready_key(device, head_dim, causal, bf16, longest,
-                                                        var.operation))
+                                                        var.window, var.softcap))
     launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest,
-                                                       var.operation)
+                                                       window=var.window, softcap=var.softcap)
     lse_shape = (batch, heads_q, seqlen_q)
     lse = (0, batch * heads_q * seqlen_q) if return_lse else gpu.scratch_f32(device)
     o = od or Operand("out", qd.shape, qd.dtype_name, True, None, _dense(qd.shape), 0)
@@ -327,7 +334,8 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
     var = variant_of(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
     bf16 = dtype_name == "bfloat16"
     launcher, config, launch = forward_kernel(capability, device, head_dim, var.causal, bf16,
-                                              max(seqlen_q, k.shape[1]), var.operation)
+                                              max(seqlen_q, k.shape[1]), window=var.window,
+                                              softcap=var.softcap)
     scale_log2 = var.scale_log2
     direct = out is not None and not any(np.may_share_memory(out, x) for x in (q, k, v))
     result = out if direct else pinned_empty(q.shape, q.dtype)

@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from ..kernels import params
+from ..kernels.params import ordered
+
 if TYPE_CHECKING:
     from ..operands import Operand
 
@@ -157,32 +160,39 @@ def _strides(op: Operand | None) -> tuple[int, int, int]:
     return tuple(op.strides[:3]) if op is not None else (0, 0, 0)
 
 
-def decode_arguments(call: DecodeCall) -> tuple[tuple[int, int, int], tuple]:
-    """(grid, parameters) of the plain decode kernel (``DECODE_ABI``; arrays as (0, elements))."""
+def decode_values(call: DecodeCall) -> tuple[tuple[int, int, int], dict[str, Any]]:
+    """(grid, arguments by parameter name) of the plain decode kernel (``kernels.params.DECODE``;
+    arrays as (0, elements): their pointers come at each fire)."""
     q = call.q
     batch, seqlen_q, heads_q, _ = q.shape
     heads_kv = call.k_cache.shape[2]
-    seqlen_new = call.k_new.shape[1] if call.k_new is not None else 0
     grid = (call.num_splits, call.row_blocks * heads_kv, batch)
-    return grid, ((0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (0, batch), (0, 1), (0, 1),
-                  (0, call.lse_elements), (0, call.o_part_elements), (0, call.lse_part_elements),
-                  *q.strides[:3], *call.k_cache.strides[:3], *call.v_cache.strides[:3],
-                  *_strides(call.k_new), *_strides(call.v_new), *call.out.strides[:3],
-                  seqlen_q, seqlen_new, call.capacity, call.block_table_stride, call.pages,
-                  *(page_divider(call.capacity) if call.paged else (0, 0)),
-                  heads_kv, heads_q // heads_kv, call.row_blocks, call.num_splits, call.scale_log2,
-                  call.write_lse and call.num_splits == 1)
+    values = {"q": (0, 1), "k_cache": (0, 1), "v_cache": (0, 1), "k_new": (0, 1), "v_new": (0, 1),
+              "cache_seqlens": (0, batch), "block_table": (0, 1), "out": (0, 1),
+              "lse": (0, call.lse_elements), "o_part": (0, call.o_part_elements),
+              "lse_part": (0, call.lse_part_elements)}
+    for name, op in (("q", q), ("kc", call.k_cache), ("vc", call.v_cache), ("kn", call.k_new),
+                     ("vn", call.v_new), ("o", call.out)):
+        values.update(zip((f"{name}_sb", f"{name}_ss", f"{name}_sh"), _strides(op), strict=True))
+    magic, shift = page_divider(call.capacity) if call.paged else (0, 0)
+    values.update(seqlen_q=seqlen_q, seqlen_new=call.k_new.shape[1] if call.k_new is not None else 0,
+                  capacity=call.capacity, bt_stride=call.block_table_stride, pages=call.pages,
+                  page_magic=magic, page_shift=shift, heads_kv=heads_kv, group=heads_q // heads_kv,
+                  row_blocks=call.row_blocks, num_splits=call.num_splits, scale_log2=call.scale_log2,
+                  write_lse=call.write_lse and call.num_splits == 1)
+    return grid, values
 
 
 def launch_decode_variant(config) -> Bind:
-    """The window and softcap variants' bind (``DECODE_VARIANT_ABI``): ``launch_decode``'s, then
-    the call's window sides and softcap factor."""
+    """The window and softcap variants' bind (``kernels.params.DECODE_VARIANT``): ``launch_decode``'s,
+    then the call's window sides and softcap factor."""
     threads = config.threads
 
     def bind(launcher, call: DecodeCall, gpu: Any):
-        grid, args = decode_arguments(call)
-        return launcher.bind(grid, threads, call.shared_bytes, *args, call.window_left, call.window_right,
-                             call.cap_scale)
+        grid, values = decode_values(call)
+        args = ordered(params.DECODE_VARIANT, **values, window_left=call.window_left,
+                       window_right=call.window_right, cap_scale=call.cap_scale)
+        return launcher.bind(grid, threads, call.shared_bytes, *args)
 
     return bind
 
@@ -193,8 +203,8 @@ def launch_decode(config) -> Bind:
     threads = config.threads
 
     def bind(launcher, call: DecodeCall, gpu: Any):
-        grid, args = decode_arguments(call)
-        return launcher.bind(grid, threads, call.shared_bytes, *args)
+        grid, values = decode_values(call)
+        return launcher.bind(grid, threads, call.shared_bytes, *ordered(params.DECODE, **values))
 
     return bind
 
@@ -208,8 +218,11 @@ def launch_decode_combine(config) -> Bind:
         batch, seqlen_q, heads_q, head_dim = call.q.shape
         warps = batch * heads_q * seqlen_q * (head_dim // 32)
         scratch = split_scratch_elements(call.lse_part_elements, head_dim)  # one LSE a partial row
-        return launcher.bind((-(-warps // 4), 1, 1), 128, 0, (0, scratch),
-                             (0, call.lse_part_elements), (0, 1), (0, call.lse_elements),
-                             *call.out.strides[:3], batch, seqlen_q, heads_q, call.num_splits, call.write_lse)
+        o_sb, o_ss, o_sh = call.out.strides[:3]
+        args = ordered(params.DECODE_COMBINE, o_part=(0, scratch), lse_part=(0, call.lse_part_elements),
+                       out=(0, 1), lse=(0, call.lse_elements), o_sb=o_sb, o_ss=o_ss, o_sh=o_sh, batch=batch,
+                       seqlen_q=seqlen_q, heads_q=heads_q, num_splits=call.num_splits,
+                       write_lse=call.write_lse)
+        return launcher.bind((-(-warps // 4), 1, 1), 128, 0, *args)
 
     return bind

@@ -1,5 +1,6 @@
 """The forward kernels' launches: one function per family, from a ``ForwardCall`` (the operands
-and scalars of one launch) to the kernel's parameter list (``kernels.abi``)."""
+and scalars of one launch) to the kernel's arguments, by name, in their declared order
+(``kernels.params``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
+from ..kernels import params
+from ..kernels.params import ordered
 
 if TYPE_CHECKING:
     from ..operands import Operand
@@ -78,6 +82,24 @@ class ForwardLaunch:
                                        call.o.pointer, call.lse[0])
 
 
+def _sm80_values(call: ForwardCall) -> dict[str, Any]:
+    """The mma.sync forward's arguments of ``call`` but seqlen_q, batch_size and heads_q (by
+    parameter name, ``kernels.params.FORWARD``): the operands as (pointer, elements), their
+    strides, and the scalars."""
+    values = {name: (op.pointer, op.span) for name, op in zip("qkvo", (call.q, call.k, call.v, call.o),
+                                                              strict=True)}
+    for name, op in zip("qkvo", (call.q, call.k, call.v, call.o), strict=True):
+        values.update(zip((f"{name}_sb", f"{name}_ss", f"{name}_sh"), op.strides[:3], strict=True))
+    return {**values, "lse": call.lse, "seqlen_k": call.seqlen_k, "group": call.q.shape[2] // call.heads_kv,
+            **_scalars(call)}
+
+
+def _scalars(call: ForwardCall) -> dict[str, Any]:
+    """The exponent factor, the LSE flag, the window's sides and the softcap's factor of ``call``."""
+    return {"scale_log2": call.scale_log2, "write_lse": call.write_lse, "window_left": call.window_left,
+            "window_right": call.window_right, "cap_scale": call.cap_scale}
+
+
 def launch_sm80(config) -> ForwardLaunch:
     """The launch of the mma.sync kernel of ``config`` (``FORWARD_ABI``; every variant of it, window
     and softcap included): pointers and strides of q, k, v, o; one CTA per query block, head and
@@ -86,16 +108,11 @@ def launch_sm80(config) -> ForwardLaunch:
     block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
 
     def bind(launcher, call: ForwardCall, gpu: Any) -> Callable[..., None]:
-        q, k, v, o = call.q, call.k, call.v, call.o
-        batch, seqlen_q, heads_q, _ = q.shape
+        batch, seqlen_q, heads_q, _ = call.q.shape
         grid = forward_grid(-(-seqlen_q // block_m), heads_q, batch)
-        qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides
-        return launcher.bind(grid, threads, shared_bytes, (q.pointer, q.span), (k.pointer, k.span),
-                             (v.pointer, v.span), (o.pointer, o.span), call.lse,
-                             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                             os_[0], os_[1], os_[2], seqlen_q, call.seqlen_k, batch, heads_q,
-                             heads_q // call.heads_kv, call.scale_log2, call.write_lse, call.window_left,
-                             call.window_right, call.cap_scale)
+        args = ordered(params.FORWARD, **_sm80_values(call), seqlen_q=seqlen_q, batch_size=batch,
+                       heads_q=heads_q)
+        return launcher.bind(grid, threads, shared_bytes, *args)
 
     return ForwardLaunch(bind)
 
@@ -145,17 +162,12 @@ def launch_sm80_varlen(config) -> VarlenLaunch:
 
     def bind(launcher, vcall: VarlenCall, gpu: Any) -> Callable[..., None]:
         call = vcall.call
-        q, k, v, o = call.q, call.k, call.v, call.o
-        _, total_q, heads_q, _ = q.shape
+        _, total_q, heads_q, _ = call.q.shape
         grid = varlen_grid(block_m, vcall.max_seqlen_q, heads_q, vcall.batch)
-        qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides
-        return launcher.bind(grid, threads, shared_bytes, (q.pointer, q.span), (k.pointer, k.span),
-                             (v.pointer, v.span), (o.pointer, o.span), call.lse,
-                             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                             os_[0], os_[1], os_[2], vcall.max_seqlen_q, call.seqlen_k, vcall.batch, heads_q,
-                             heads_q // call.heads_kv, call.scale_log2, call.write_lse, call.window_left,
-                             call.window_right, call.cap_scale, vcall.cu_seqlens_q, vcall.cu_seqlens_k,
-                             total_q)
+        args = ordered(params.VARLEN_FORWARD, **_sm80_values(call), seqlen_q=vcall.max_seqlen_q,
+                       batch_size=vcall.batch, heads_q=heads_q, cu_seqlens_q=vcall.cu_seqlens_q,
+                       cu_seqlens_k=vcall.cu_seqlens_k, lse_head_stride=total_q)
+        return launcher.bind(grid, threads, shared_bytes, *args)
 
     return VarlenLaunch(bind)
 
@@ -224,6 +236,10 @@ def _tensor_maps(config, rows: tuple[int, int, int, int] | None = None):
     return maps_of
 
 
+# The four tensor maps' arguments at bind time: 16 words each, their addresses given at each fire.
+_MAPS = {"map_q": (0, 16), "map_k": (0, 16), "map_v": (0, 16), "map_o": (0, 16)}
+
+
 def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
     """The launch of the warp-specialised Hopper kernel of ``config`` (``WS_ABI``): tensor maps
     of q, k, v, out (cached in device memory by pointers and layout: ``runtime.map_slots``) and a
@@ -238,10 +254,10 @@ def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
         sm_count, layout, slots, encode = maps_of(call, gpu)
         tiles = -(-seqlen_q // block_m) * heads_q * batch
         grid = (min(tiles, ctas or sm_count), 1, 1)
-        bound = launcher.bind(grid, threads, shared_bytes, (0, 16), (0, 16), (0, 16), (0, 16), call.lse,
-                              seqlen_q, call.seqlen_k, config.first_block_lead(seqlen_q), heads_q,
-                              heads_q // call.heads_kv, batch, call.scale_log2, call.write_lse,
-                              call.window_left, call.window_right, call.cap_scale)
+        args = ordered(params.WS_FORWARD, **_MAPS, lse=call.lse, seqlen_q=seqlen_q, seqlen_k=call.seqlen_k,
+                       row_lead=config.first_block_lead(seqlen_q), heads_q=heads_q,
+                       group=heads_q // call.heads_kv, batch_size=batch, **_scalars(call))
+        bound = launcher.bind(grid, threads, shared_bytes, *args)
         lock, address, used = slots.lock, slots.address, slots.used
 
         def fire(stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
@@ -273,11 +289,12 @@ def launch_sm90_varlen(config, ctas: int | None = None) -> VarlenLaunch:
         tiles = -(-vcall.max_seqlen_q // block_m) * heads_q * vcall.batch
         grid = (max(1, min(tiles, ctas or sm_count)), 1, 1)
         o = call.o
-        bound = launcher.bind(grid, threads, shared_bytes, (0, 16), (0, 16), (0, 16), (0, 16), call.lse,
-                              vcall.max_seqlen_q, call.seqlen_k, 0, heads_q, heads_q // call.heads_kv,
-                              vcall.batch, call.scale_log2, call.write_lse, call.window_left,
-                              call.window_right, call.cap_scale, vcall.cu_seqlens_q, vcall.cu_seqlens_k,
-                              total_q, (o.pointer, o.span), o.strides[1], o.strides[2])
+        args = ordered(params.VARLEN_WS_FORWARD, **_MAPS, lse=call.lse, seqlen_q=vcall.max_seqlen_q,
+                       seqlen_k=call.seqlen_k, row_lead=0, heads_q=heads_q, group=heads_q // call.heads_kv,
+                       batch_size=vcall.batch, **_scalars(call), cu_seqlens_q=vcall.cu_seqlens_q,
+                       cu_seqlens_k=vcall.cu_seqlens_k, total_q=total_q, o=(o.pointer, o.span),
+                       o_row_stride=o.strides[1], o_head_stride=o.strides[2])
+        bound = launcher.bind(grid, threads, shared_bytes, *args)
         lock, address, used = slots.lock, slots.address, slots.used
 
         def fire(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_q: int, cu_k: int) -> None:

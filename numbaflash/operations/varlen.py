@@ -29,7 +29,6 @@ from ..operands import (
     stream_handle,
 )
 from ..runtime import device as gpu_state
-from .families import forward_operation
 from .forward import forward_kernel, variant_of
 from .launch_forward import ForwardCall, VarlenCall
 
@@ -134,10 +133,10 @@ def varlen_kernel(capability, device: int, head_dim: int, bf16: bool, causal: bo
                   softcap: float, scale: float, max_q: int, max_k: int):
     """(variant, (launcher, config, launch)) of a varlen call: the GPU's own family's varlen kernel
     where it has the head dim, else the sm80 family's (``forward_config`` with the varlen
-    operation), the config picked by the longer maximum."""
+    variant), the config picked by the longer maximum."""
     var = variant_of(causal, window_size, softcap, scale, max_q, max_k)
-    operation = forward_operation("_window" in var.operation, softcap > 0, varlen=True)
-    return var, forward_kernel(capability, device, head_dim, var.causal, bf16, max(max_q, max_k), operation)
+    return var, forward_kernel(capability, device, head_dim, var.causal, bf16, max(max_q, max_k),
+                               window=var.window, softcap=var.softcap, varlen=True)
 
 
 def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, cuq: Operand, cuk: Operand, batch: int,

@@ -27,7 +27,6 @@ import numpy as np
 from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
 from ..runtime import device as gpu_state
 from .backward import backward_kernels
-from .families import backward_operation
 from .forward import variant_of
 from .launch_backward import BackwardCall, VarlenBackwardCall, varlen_workspace_layout
 from .varlen import packed
@@ -38,11 +37,9 @@ _call = functools.partial(gpu_state.driver_call, operation="varlen backward")
 
 def varlen_backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
                             max_q: int, max_k: int):
-    """(main kernel operation, the forward's ``Variant``) of a validated varlen call: the window
-    the varlen forward masks with (``variant_of`` of the maxima), the main kernel
-    ``backward_varlen[_window][_softcap]``."""
-    var = variant_of(causal, window_size, softcap, scale, max_q, max_k)
-    return backward_operation(var.operation.startswith("forward_window"), softcap > 0, varlen=True), var
+    """The forward's ``Variant`` of a validated varlen call: the window the varlen forward masks
+    with (``variant_of`` of the maxima); its ``window`` and ``softcap`` pick the main kernel."""
+    return variant_of(causal, window_size, softcap, scale, max_q, max_k)
 
 
 def _dense3(shape: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -75,9 +72,10 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     """The varlen backward on validated device arrays: new gradients and the workspace from the
     inputs' library (``torch.empty`` for torch), three launches on q's stream."""
     total_q, heads_q, head_dim = qd.shape
-    operation, var = varlen_backward_variant(causal, window_size, softcap, scale, max_q, max_k)
+    var = varlen_backward_variant(causal, window_size, softcap, scale, max_q, max_k)
     bf16 = qd.dtype_name == "bfloat16"
-    kernels = backward_kernels(capability, device, head_dim, var.causal, bf16, operation)
+    kernels = backward_kernels(capability, device, head_dim, var.causal, bf16, window=var.window,
+                               softcap=var.softcap, varlen=True)
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
@@ -109,8 +107,9 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
     total_q, heads_q, head_dim = q.shape
     batch = cu_q.shape[0] - 1
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
-    operation, var = varlen_backward_variant(causal, window_size, softcap, scale, max_q, max_k)
-    kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16", operation)
+    var = varlen_backward_variant(causal, window_size, softcap, scale, max_q, max_k)
+    kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16",
+                               window=var.window, softcap=var.softcap, varlen=True)
     ws = varlen_workspace_layout(total_q, batch, heads_q, head_dim, kernels.config.block_m)
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out,
               "lse": np.ascontiguousarray(lse, dtype=np.float32), "cu_q": cu_q, "cu_k": cu_k}

@@ -11,8 +11,9 @@ package keeps its own cache of what ``compiler.compile_cubin`` returns.
   folders are never read; ``python -m numbaflash.precompile --list / --clear`` shows and
   removes them.
 - **Key:** a SHA-256 over the kernel's source (every module of ``numbaflash/kernels`` and of
-  the PTX bindings, and every ``ptx/*.cu``), the config, dtype, causal flag, target and the
-  toolchain versions: any change gives a new key, so stale code is never loaded.
+  the PTX bindings, and every ``ptx/*.cu``), every field of the kernel's spec
+  (``kernels.spec.KernelSpec``: family, operation, config, dtype, target, causal and the variant
+  axes) and the toolchain versions: any change gives a new key, so stale code is never loaded.
 - **Entry:** a header (magic, length, JSON with the key, the kernel's entry name, the cubin's
   size and SHA-256) and the cubin. A file whose header, key, size or checksum does not match
   is ignored and replaced: a truncated, corrupt or foreign file is recompiled, never launched.
@@ -24,6 +25,7 @@ package keeps its own cache of what ``compiler.compile_cubin`` returns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -120,17 +122,13 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def kernel_key(kind: str, config, causal: bool, bf16: bool, arch: str, *,
-               sources: str | None = None, versions: dict[str, str] | None = None) -> str:
-    """The cache key of one kernel. ``kind`` names the factory (e.g. ``"forward"``), ``config``
-    is its (frozen dataclass) config; ``sources``/``versions`` default to this installation's."""
+def kernel_key(spec, *, sources: str | None = None, versions: dict[str, str] | None = None) -> str:
+    """The cache key of one kernel: every field of its spec (a frozen dataclass, e.g.
+    ``kernels.spec.KernelSpec``; its config by ``repr``); ``sources``/``versions`` default to this
+    installation's."""
     fields = {
         "format": FORMAT,
-        "kind": kind,
-        "config": repr(config),
-        "causal": bool(causal),
-        "dtype": "bf16" if bf16 else "f16",
-        "arch": arch,
+        **{f.name: repr(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.compare},
         "sources": source_digest() if sources is None else sources,
         "toolchain": toolchain() if versions is None else versions,
     }
@@ -292,19 +290,20 @@ def clear(everything: bool = False) -> int:
     return removed
 
 
-def cached_cubin(kind: str, config, causal: bool, bf16: bool, arch: str, build) -> CacheEntry:
-    """The cubin of one kernel for ``arch``: from the cache, or compiled (``build()`` returns
-    the Python kernel function and its Numba argument types), stored, and returned. One code
-    path for both: a hit only skips the compile."""
-    key = kernel_key(kind, config, causal, bf16, arch)
+def cached_cubin(spec, build) -> CacheEntry:
+    """The cubin of one kernel (``spec``: its ``kernels.spec.KernelSpec``, with the target
+    ``spec.arch``): from the cache, or compiled (``build()`` returns the Python kernel function
+    and its Numba argument types), stored, and returned. One code path for both: a hit only skips
+    the compile."""
+    key = kernel_key(spec)
     entry = load(key)
     if entry is None:
         from .compiler import compile_cubin, entry_name
 
-        description = describe(kind, config, causal, bf16, arch)
+        description = describe(spec)
         with announce_slow_compile(description):
             pyfunc, argtypes = build()
-            cubin = compile_cubin(pyfunc, argtypes, arch)
+            cubin = compile_cubin(pyfunc, argtypes, spec.arch)
         STATS["compiles"] += 1
         entry = CacheEntry(key, entry_name(cubin), cubin)
         store(entry, description)
@@ -343,6 +342,7 @@ def announce_slow_compile(description: str) -> Iterator[None]:
             LOG.debug("numbaflash: compiled %s in %.1f s", description, time.perf_counter() - start)
 
 
-def describe(kind: str, config, causal: bool, bf16: bool, arch: str) -> str:
-    """A readable name for listings: ``forward_ws sm_90a bf16 causal WsConfig(...)``."""
-    return f"{kind} {arch} {'bf16' if bf16 else 'f16'} {'causal' if causal else 'full'} {config!r}"
+def describe(spec) -> str:
+    """A readable name of a kernel's spec for listings: ``sm90.forward+window sm_90a bfloat16 full
+    WsConfig(...)``."""
+    return f"{spec.kind} {spec.arch} {spec.dtype} {'causal' if spec.causal else 'full'} {spec.config!r}"

@@ -35,9 +35,10 @@ def capability_of(arch: str) -> tuple[int, int]:
     return cc[0], cc[1]
 
 
-def kernels_for(arch: str, candidates: bool) -> list[tuple]:
-    """(config, causal, bf16, arch) of every kernel a GPU of ``arch`` dispatches (the tuned
-    table), and with ``candidates`` every config autotune, tests and the sanitizer may force."""
+def kernels_for(arch: str, candidates: bool) -> list:
+    """The specs (``kernels.spec.KernelSpec``) of every forward kernel a GPU of ``arch`` dispatches
+    (the tuned table), and with ``candidates`` of every config autotune, tests and the sanitizer
+    may force."""
     from ..configs import LONG_SEQLEN, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS, forward_config, runnable_candidates
 
     cap = capability_of(arch)
@@ -51,16 +52,19 @@ def kernels_for(arch: str, candidates: bool) -> list[tuple]:
             if candidates:
                 chosen += [c for c in runnable_candidates(cap, head_dim) if c not in chosen]
             configs += [(config, causal) for config in chosen]
-    return [(config, causal, bf16, arch) for config, causal in configs for bf16 in (False, True)]
+    from ..kernels.families import spec_of
+
+    return [spec_of(config, "forward", bf16, arch, causal=causal) for config, causal in configs
+            for bf16 in (False, True)]
 
 
-def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
-    """(config, causal, bf16, arch, operation) of every backward kernel a GPU of ``arch`` runs
-    (each config's prepare, main and dQ kernels; the mma.sync backward runs on every GPU, Hopper
-    included), and with ``candidates`` those of every backward candidate; each once (the
-    prepare and dQ kernels serve causal and non-causal calls alike: ``KernelOp.masked``)."""
+def backward_kernels_for(arch: str, candidates: bool) -> list:
+    """The specs of every backward kernel a GPU of ``arch`` runs (each config's prepare, main and
+    dQ kernels; the mma.sync backward runs on every GPU, Hopper included), and with ``candidates``
+    those of every backward candidate; each once (the prepare and dQ kernels serve causal and
+    non-causal calls alike: ``kernels.spec.CAUSAL_FREE``)."""
     from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config, backward_for_target
-    from ..operations.families import BACKWARD_OPERATIONS, family_of
+    from ..kernels.families import BACKWARD_OPERATIONS, spec_of
 
     cap = capability_of(arch)
     items = []
@@ -73,40 +77,35 @@ def backward_kernels_for(arch: str, candidates: bool) -> list[tuple]:
             if candidates:
                 chosen += [t for c in BACKWARD_CANDIDATES[head_dim]
                            if (t := backward_for_target(c, cap)) not in chosen]
-            items += [(config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
+            items += [spec_of(config, operation, bf16, arch, causal=causal)
                       for config in chosen for bf16 in (False, True) for operation in BACKWARD_OPERATIONS]
     return list(dict.fromkeys(items))
 
 
-def decode_kernels_for(arch: str) -> list[tuple]:
-    """(config, causal, bf16, arch, operation) of every decode kernel a GPU of ``arch`` runs: the
-    attention kernel of each config it dispatches (``configs.decode_configs_for``), causal or
-    not, and each config's combine kernel (causal-free: ``KernelOp.masked``); each once."""
+def decode_kernels_for(arch: str) -> list:
+    """The specs of every decode kernel a GPU of ``arch`` runs: the attention kernel of each config
+    it dispatches (``configs.decode_configs_for``), causal or not, and each config's combine
+    kernel (causal-free: ``kernels.spec.CAUSAL_FREE``); each once."""
     from ..configs import decode_configs_for
-    from ..operations.families import DECODE_OPERATIONS, family_of
+    from ..kernels.families import DECODE_OPERATIONS, spec_of
 
-    items = [(config, family_of(config).op(operation).kernel_causal(causal), bf16, arch, operation)
+    items = [spec_of(config, operation, bf16, arch, causal=causal)
              for config in decode_configs_for(capability_of(arch)) for operation in DECODE_OPERATIONS
              for causal in (False, True) for bf16 in (False, True)]
     return list(dict.fromkeys(items))
 
 
-def build_one(item: tuple) -> tuple[str, bool, float]:
-    """Compile one kernel into the cache (a worker process): (description, compiled, seconds).
-    ``item``: (config, causal, bf16, arch), a forward kernel, or (config, causal, bf16, arch,
-    operation)."""
+def build_one(spec) -> tuple[str, bool, float]:
+    """Compile one kernel (its ``kernels.spec.KernelSpec``) into the cache (a worker process):
+    (description, compiled, seconds)."""
     from ..configs import kernel_cubin
-    from ..operations.families import family_of
     from ..runtime import cache
 
-    config, causal, bf16, arch = item[:4]
-    operation = item[4] if len(item) > 4 else "forward"
     start = time.perf_counter()
     before = cache.STATS["compiles"]
-    kernel_cubin(config, causal, bf16, arch, operation)
+    kernel_cubin(spec)
     compiled = cache.STATS["compiles"] > before
-    kind = family_of(config).op(operation).cache_kind
-    return cache.describe(kind, config, causal, bf16, arch), compiled, time.perf_counter() - start
+    return cache.describe(spec), compiled, time.perf_counter() - start
 
 
 def progress(done: int, total: int, label: str, stream=sys.stderr) -> None:

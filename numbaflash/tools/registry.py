@@ -1,6 +1,13 @@
-"""Every kernel the package ships, with example argument types, for offline inspection."""
+"""Every kernel the package ships, with example argument types, for offline inspection.
+
+Each attention kernel is built from its spec (``kernels.spec.KernelSpec``, with its family's own
+target; ``spec.on(arch)`` for another) and carries it as ``kernel.spec``: what
+``configs.kernel_cubin`` takes."""
 
 from __future__ import annotations
+
+# (window, softcap) of the variants of a masked kernel (issue 35)
+VARIANTS = ((True, False), (False, True), (True, True))
 
 
 def registered_kernels() -> dict:
@@ -24,30 +31,28 @@ def registered_kernels() -> dict:
     return kernels
 
 
+def _built(spec):
+    """(kernel, Numba argument types) of ``spec``, the kernel carrying its spec."""
+    from ..kernels.families import kernel_argtypes, make_kernel
+
+    kernel = make_kernel(spec)
+    kernel.spec = spec
+    return kernel, kernel_argtypes(spec)
+
+
 def forward_kernels() -> dict:
     """The shipped forward configurations, each for the architecture it is dispatched on."""
-    from ..configs import FAMILY_ARCH, kernel_argtypes, make_kernel, shipped_configs
-
-    kernels = {}
-    for family, _, causal, config in shipped_configs():
-        for bf16 in (False, True):
-            kernel = make_kernel(config, causal, bf16)
-            kernel.forward_key = (config, causal, bf16)  # what configs.kernel_cubin takes
-            # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
-            archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
-            kernels[f"{kernel.__name__}_{family}"] = (kernel, kernel_argtypes(config), archs)
-    return kernels
+    return _forward_kernels(((False, False, False),))
 
 
 def forward_variant_kernels() -> dict:
     """The sliding-window and softcap kernels (issue 35) of every forward config the dispatcher
-    picks for them (``shipped_configs(operation)``), both dtypes: the mma.sync family's for sm_80
+    picks for them (``shipped_configs(window=...)``), both dtypes: the mma.sync family's for sm_80
     and for Hopper (sm_90a), which runs them at the head dims its own kernel lacks, and the Hopper
     kernel's for sm_90a. Compiled on demand by the API, not by ``precompile``; named like the plain
     kernels with ``window`` in place of ``full|causal`` and ``_softcap`` after it
-    (``..._window_softcap_f16_sm80``). Each kernel's ``forward_key`` is (config, causal, bf16,
-    operation), what ``configs.kernel_cubin`` takes."""
-    return _operation_kernels(("forward_window", "forward_softcap", "forward_window_softcap"))
+    (``..._window_softcap_f16_sm80``)."""
+    return _forward_kernels(tuple((w, c, False) for w, c in VARIANTS))
 
 
 def forward_varlen_kernels() -> dict:
@@ -55,30 +60,30 @@ def forward_varlen_kernels() -> dict:
     dispatcher picks for them: plain (full and causal), window, softcap and window + softcap, both
     dtypes, for the targets of ``forward_variant_kernels``. Compiled on demand, not by
     ``precompile``; named like the plain kernels with ``varlen_`` before ``full|causal|window``
-    (``..._varlen_causal_f16_sm80``); ``forward_key`` is (config, causal, bf16, operation)."""
-    from ..operations.families import forward_operation
-
-    return _operation_kernels(tuple(forward_operation(w, c, varlen=True) for w in (False, True)
-                                    for c in (False, True)))
+    (``..._varlen_causal_f16_sm80``)."""
+    return _forward_kernels(tuple((w, c, True) for w in (False, True) for c in (False, True)))
 
 
-def _operation_kernels(operations: tuple[str, ...]) -> dict:
-    """name -> (kernel, argument types, targets) of ``operations``' kernels, each on the configs the
-    dispatcher picks for it (a window kernel is built once, as non-causal)."""
-    from ..configs import FAMILY_ARCH, kernel_argtypes, make_kernel, shipped_configs
-    from ..operations.families import family_of
+def _forward_kernels(variants: tuple[tuple[bool, bool, bool], ...]) -> dict:
+    """name -> (kernel, argument types, targets) of the (window, softcap, varlen) ``variants``'
+    forward kernels, each on the configs the dispatcher picks for it (a window kernel is built
+    once, as non-causal)."""
+    from ..configs import shipped_configs
+    from ..kernels.families import spec_of
 
     kernels = {}
-    for operation in operations:
-        for family, _, causal, config in shipped_configs(operation):
-            archs = ("sm_80", "sm_90a") if FAMILY_ARCH[family] == "sm_80" else (FAMILY_ARCH[family],)
-            op = family_of(config).op(operation)
+    for window, softcap, varlen in variants:
+        for family, _, causal, config in shipped_configs(window=window, varlen=varlen):
+            spec0 = spec_of(config)
+            # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
+            archs = ("sm_80", "sm_90a") if spec0.arch == "sm_80" else (spec0.arch,)
             for bf16 in (False, True):
-                kernel = make_kernel(config, causal, bf16, operation)
+                spec = spec_of(config, "forward", bf16, causal=causal, window=window, softcap=softcap,
+                               varlen=varlen)
+                kernel, argtypes = _built(spec)
                 name = f"{kernel.__name__}_{family}"
                 if name not in kernels:
-                    kernel.forward_key = (config, op.kernel_causal(causal), bf16, operation)
-                    kernels[name] = (kernel, kernel_argtypes(config, operation), archs)
+                    kernels[name] = (kernel, argtypes, archs)
     return kernels
 
 
@@ -86,11 +91,19 @@ def _backward_arch(config) -> str:
     """The target that compiles a shipped backward config: its family's (``sm_90a`` for the Hopper
     backward's); for the mma.sync backward's, the H100's (dQ added four floats at a time) sm_90a,
     the A100's and smaller GPUs' sm_80."""
-    from ..operations.families import SM80_BWD, family_of
+    from ..kernels.families import SM80_BWD, family_of
 
     if family_of(config) is not SM80_BWD:
         return family_of(config).arch
     return "sm_90a" if config.dq_vector == 4 else "sm_80"
+
+
+def _backward_spec(config, operation: str, bf16: bool, causal: bool, window: bool = False,
+                   softcap: bool = False, varlen: bool = False):
+    from ..kernels.families import spec_of
+
+    return spec_of(config, operation, bf16, _backward_arch(config), causal=causal, window=window,
+                   softcap=softcap, varlen=varlen)
 
 
 def backward_kernels() -> dict:
@@ -99,27 +112,27 @@ def backward_kernels() -> dict:
     each (``configs.backward_for_target``): the A100's and smaller GPUs' for sm_80, the H100's
     (the same mma.sync backward, dQ added four floats at a time) for sm_90a, and the Hopper
     backward's (``WsBackwardConfig``, sm_90a). Named
-    ``flash_<cache kind>_d<head dim>_m<block_m>_n<block_n><tag>_<full|causal>_<f16|bf16>`` (the
-    cache kind is the operation for the mma.sync backward, ``backward_ws...`` for the Hopper
-    one's; every name holds "backward"; no ``<full|causal>`` for the prepare and dQ kernels, which serve
-    both: ``KernelOp.masked``); each kernel's ``backward_key`` is (config, causal, bf16,
-    operation), what ``configs.kernel_cubin`` takes."""
-    from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
-    from ..operations.families import BACKWARD_OPERATIONS, family_of
+    ``flash_<operation>_d<head dim>_m<block_m>_n<block_n><tag>_<full|causal>_<f16|bf16>`` (the
+    operation with ``backward_ws`` for ``backward`` in the Hopper backward's; every name holds
+    "backward"; no ``<full|causal>`` for the prepare and dQ kernels, which serve both:
+    ``kernels.spec.CAUSAL_FREE``)."""
+    from ..configs import shipped_backward_configs
+    from ..kernels.families import BACKWARD_OPERATIONS, SM90_BWD, family_of
 
     kernels = {}
     for _, causal, config in shipped_backward_configs():
         for bf16 in (False, True):
             for operation in BACKWARD_OPERATIONS:
-                op = family_of(config).op(operation)
+                spec = _backward_spec(config, operation, bf16, causal)
+                label = operation
+                if family_of(config) is SM90_BWD:
+                    label = operation.replace("backward", "backward_ws")
                 shape = f"d{config.head_dim}_m{config.block_m}_n{config.block_n}{config.tag}"
-                kind = f"{'causal_' if causal else 'full_'}" if op.masked else ""
-                name = f"flash_{op.cache_kind}_{shape}_{kind}{'bf16' if bf16 else 'f16'}"
-                if name in kernels:
-                    continue
-                kernel = make_kernel(config, causal, bf16, operation)
-                kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
-                kernels[name] = (kernel, kernel_argtypes(config, operation), (_backward_arch(config),))
+                kind = f"{'causal_' if causal else 'full_'}" if operation == "backward" else ""
+                name = f"flash_{label}_{shape}_{kind}{'bf16' if bf16 else 'f16'}"
+                if name not in kernels:
+                    kernel, argtypes = _built(spec)
+                    kernels[name] = (kernel, argtypes, (spec.arch,))
     return kernels
 
 
@@ -128,22 +141,16 @@ def backward_variant_kernels() -> dict:
     backward config, both dtypes, for the target that compiles each (as ``backward_kernels``).
     Compiled on demand by the API, not by ``precompile``; named like the plain main kernels with
     ``window`` in place of ``full|causal`` and ``_softcap`` after it
-    (``flash_backward_d128_m64_n128_k2_q2_window_softcap_f16``); each kernel's ``backward_key``
-    is (config, causal, bf16, operation)."""
-    from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
-    from ..operations.families import BACKWARD_VARIANTS, family_of
+    (``flash_backward_d128_m64_n128_k2_q2_window_softcap_f16``)."""
+    from ..configs import shipped_backward_configs
 
     kernels = {}
-    for operation in BACKWARD_VARIANTS:  # each variant's dispatch (configs.backward_dispatch_family)
-        for _, causal, config in shipped_backward_configs(operation):
+    for window, softcap in VARIANTS:  # each variant's dispatch (configs.backward_dispatch_family)
+        for _, causal, config in shipped_backward_configs(window=window, softcap=softcap):
             for bf16 in (False, True):
-                op = family_of(config).op(operation)
-                kernel = make_kernel(config, causal, bf16, operation)
-                if kernel.__name__ in kernels:
-                    continue
-                kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
-                argtypes = kernel_argtypes(config, operation)
-                kernels[kernel.__name__] = (kernel, argtypes, (_backward_arch(config),))
+                kernel, argtypes = _built(_backward_spec(config, "backward", bf16, causal, window, softcap))
+                if kernel.__name__ not in kernels:
+                    kernels[kernel.__name__] = (kernel, argtypes, (kernel.spec.arch,))
     return kernels
 
 
@@ -154,50 +161,43 @@ def backward_varlen_kernels() -> dict:
     ``backward_kernels``; on Hopper the mma.sync configs it runs packed calls with:
     ``configs.backward_dispatch_family``). Compiled on demand, not by ``precompile``; named like the
     plain kernels with ``varlen_`` before ``full|causal|window`` (and before the dtype for the
-    prepare and dQ kernels); ``backward_key`` is (config, causal, bf16, operation)."""
-    from ..configs import kernel_argtypes, make_kernel, shipped_backward_configs
-    from ..operations.families import backward_operation, family_of
+    prepare and dQ kernels)."""
+    from ..configs import shipped_backward_configs
 
-    operations = ["backward_varlen_prep", "backward_varlen_dq"]
-    operations += [backward_operation(w, s, varlen=True) for w in (False, True) for s in (False, True)]
+    parts = [("backward_prep", False, False), ("backward_dq", False, False)]
+    parts += [("backward", w, s) for w in (False, True) for s in (False, True)]
     kernels = {}
-    for _, causal, config in shipped_backward_configs("backward_varlen"):
+    for _, causal, config in shipped_backward_configs(varlen=True):
         for bf16 in (False, True):
-            for operation in operations:
-                op = family_of(config).op(operation)
-                kernel = make_kernel(config, causal, bf16, operation)
+            for operation, window, softcap in parts:
+                spec = _backward_spec(config, operation, bf16, causal, window, softcap, varlen=True)
+                kernel, argtypes = _built(spec)
                 name = kernel.__name__
-                if not op.masked and "prep" in operation:  # the prepare kernel's name has no tag
+                if operation == "backward_prep":  # the prepare kernel's name has no tag
                     name = f"{name}{config.tag}"
-                if name in kernels:
-                    continue
-                kernel.backward_key = (config, op.kernel_causal(causal), bf16, operation)
-                kernels[name] = (kernel, kernel_argtypes(config, operation), (_backward_arch(config),))
+                if name not in kernels:
+                    kernels[name] = (kernel, argtypes, (spec.arch,))
     return kernels
 
 
 def decode_variant_kernels() -> dict:
-    """The decode kernel's sliding-window and softcap variants (issue 35,
-    ``families.DECODE_VARIANTS``) of every shipped decode config (``configs.shipped_decode_configs``),
-    both dtypes, for sm_80 and Hopper (sm_90a), which run the same mma.sync kernel. Compiled on
-    demand by the API, not by ``precompile``; named like the plain decode kernels with ``window``
-    in place of ``full|causal`` and ``_softcap`` after it
+    """The decode kernel's sliding-window and softcap variants (issue 35, ``VARIANTS``) of every
+    shipped decode config (``configs.shipped_decode_configs``), both dtypes, for sm_80 and Hopper
+    (sm_90a), which run the same mma.sync kernel. Compiled on demand by the API, not by
+    ``precompile``; named like the plain decode kernels with ``window`` in place of
+    ``full|causal`` and ``_softcap`` after it
     (``flash_decode_d128_m16_n64_w4_s3_paged_window_softcap_f16``; a window kernel is built once,
-    as non-causal). Each kernel's ``decode_key`` is (config, causal, bf16, operation), what
-    ``configs.kernel_cubin`` takes."""
-    from ..configs import kernel_argtypes, make_kernel, shipped_decode_configs
-    from ..operations.families import DECODE_VARIANTS, family_of
+    as non-causal)."""
+    from ..configs import shipped_decode_configs
+    from ..kernels.families import spec_of
 
     kernels = {}
     for config in shipped_decode_configs():
-        for operation in DECODE_VARIANTS:
-            op = family_of(config).op(operation)
+        for window, softcap in VARIANTS:
             for causal in (False, True):
                 for bf16 in (False, True):
-                    kernel = make_kernel(config, causal, bf16, operation)
-                    if kernel.__name__ in kernels:
-                        continue
-                    kernel.decode_key = (config, op.kernel_causal(causal), bf16, operation)
-                    argtypes = kernel_argtypes(config, operation)
-                    kernels[kernel.__name__] = (kernel, argtypes, ("sm_80", "sm_90a"))
+                    spec = spec_of(config, "decode", bf16, causal=causal, window=window, softcap=softcap)
+                    kernel, argtypes = _built(spec)
+                    if kernel.__name__ not in kernels:
+                        kernels[kernel.__name__] = (kernel, argtypes, ("sm_80", "sm_90a"))
     return kernels

@@ -22,23 +22,25 @@ _UNUSED_LSE: dict = {}
 def ws_cubin(config: WsConfig, causal: bool, bf16: bool, arch: str = "sm_90a"):
     """The cubin of one kernel: ``configs.kernel_cubin`` (the API's cache entry)."""
     from ..configs import kernel_cubin
+    from ..kernels.families import spec_of
 
-    return kernel_cubin(config, causal, bf16, arch)
+    return kernel_cubin(spec_of(config, "forward", bf16, arch, causal=causal))
 
 
 def _launcher(config: WsConfig, causal: bool, bf16: bool, device: int):
     """The kernel of ``config``, loaded once per process as the API loads it."""
     key = (config, causal, bf16, device)
     if key not in _LAUNCHERS:
-        from ..kernels.abi import WS_ABI
+        from ..kernels.families import kernel_abi, spec_of
         from ..operations.forward import loaded_kernel
         from ..runtime.device import GPU
         from ..runtime.launch import KernelLauncher, set_dynamic_shared_limit
 
+        spec = spec_of(config, "forward", bf16, "sm_90a", causal=causal)
         with GPU.lock:
-            kernel, name = loaded_kernel(config, causal, bf16, "sm_90a")
+            kernel, name = loaded_kernel(spec)
             set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
-            _LAUNCHERS[key] = KernelLauncher(kernel, WS_ABI, name)
+            _LAUNCHERS[key] = KernelLauncher(kernel, kernel_abi(spec), name)
     return _LAUNCHERS[key]
 
 

@@ -1,0 +1,214 @@
+"""The kernel families and their factories: the only place that maps a config's type to its kernels.
+
+A ``Family`` holds the config class, the compile target, the tuned table's name for its configs,
+its operations and which variant axes it builds. ``FACTORIES`` maps (family, operation) to a
+factory of a ``KernelSpec`` (``kernels.spec``): it imports its kernel module (Numba) only when
+called. ``kernel_params(spec)`` is the kernel's parameter list (``kernels.params``), ``kernel_abi(spec)``
+its types by Numba name (for the launcher, no Numba) and ``kernel_argtypes(spec)`` the same as
+Numba types (imports Numba).
+``family_of(config)`` finds a config's family by its exact type; nothing outside this module
+switches on config types (``tests/test_structure_cpu.py``). The launches live in
+``operations.launches``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from . import params
+from .shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsBackwardConfig, WsConfig
+from .spec import KernelSpec, dtype_name, kernel_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A kernel family: its configs' class, target and operations, and whether it builds packed
+    variable-length kernels (``varlen``; every family builds the window and softcap variants of
+    its masked kernels)."""
+
+    name: str  # "sm80" | "sm90" | "sm80bwd" | "sm90bwd" | "sm80dec"
+    config_type: type
+    table_kind: str  # the tuned table's "kernel" field for its configs
+    arch: str  # the target it compiles for
+    gpus: str  # which GPUs run it, for messages
+    operations: tuple[str, ...]  # in launch order
+    varlen: bool = False
+
+    def runs(self, operation: str, varlen: bool = False) -> bool:
+        """Whether the family has a kernel of ``operation`` (a packed variable-length one: ``varlen``)."""
+        return operation in self.operations and (self.varlen or not varlen)
+
+    def check(self, spec: KernelSpec) -> None:
+        if not self.runs(spec.operation, spec.varlen):
+            raise NotImplementedError(f"the {self.name} family has no {spec.kind} kernel "
+                                      f"(it has: {', '.join(self.operations)}"
+                                      f"{'' if self.varlen else '; none packed'})")
+
+
+BACKWARD_OPERATIONS = ("backward_prep", "backward", "backward_dq")  # launch order of one call
+DECODE_OPERATIONS = ("decode", "decode_combine")  # launch order (the combine: more than one split)
+
+# The mma.sync forward (sm_80 on), the warp-specialised Hopper forward, the mma.sync backward
+# (FlashAttention-2's algorithm, every GPU from sm_80 on, Hopper included), the warp-specialised
+# Hopper backward (FlashAttention-3's design; its prepare and dQ kernels are the mma.sync ones of
+# ``WsBackwardConfig.dq_config()``; no packed kernels: those calls run sm80bwd on Hopper too) and
+# decode against a KV cache.
+SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capability 8.0 or newer",
+              ("forward",), varlen=True)
+SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward",), varlen=True)
+SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer",
+                  BACKWARD_OPERATIONS, varlen=True)
+SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", BACKWARD_OPERATIONS)
+SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer",
+                  DECODE_OPERATIONS)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC)}
+_BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
+_BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}
+
+
+def family_of(config: Any) -> Family:
+    """The family whose kernels take ``config`` (by its exact type)."""
+    family = _BY_TYPE.get(type(config))
+    if family is None:
+        raise TypeError(f"no kernel family takes a {type(config).__name__} "
+                        f"(expected one of {', '.join(t.__name__ for t in _BY_TYPE)})")
+    return family
+
+
+def family_of_table_kind(kind: str) -> Family:
+    """The family whose configs the tuned table marks ``"kernel": kind``."""
+    family = _BY_TABLE_KIND.get(kind)
+    if family is None:
+        raise ValueError(f"unknown kernel {kind!r} in a config table entry, expected one of "
+                         f"{', '.join(_BY_TABLE_KIND)}")
+    return family
+
+
+# ---------------------------------------------------------------------------- factories
+# Each takes a normalised spec and returns the Python kernel function; each imports its kernel
+# module (Numba) only when called.
+
+def _forward(s: KernelSpec):
+    from .forward_mma import make_forward_kernel
+
+    return make_forward_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap,
+                               varlen=s.varlen)
+
+
+def _forward_ws(s: KernelSpec):
+    from .forward_ws import make_forward_ws_kernel
+
+    return make_forward_ws_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap,
+                                  varlen=s.varlen)
+
+
+def _backward_prep(s: KernelSpec):
+    from .backward_mma import make_backward_prep_kernel
+
+    return make_backward_prep_kernel(_mma_backward_config(s.config), False, s.bf16, varlen=s.varlen)
+
+
+def _backward(s: KernelSpec):
+    from .backward_mma import make_backward_kernel
+
+    return make_backward_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap,
+                                varlen=s.varlen)
+
+
+def _backward_dq(s: KernelSpec):
+    from .backward_mma import make_backward_dq_kernel
+
+    return make_backward_dq_kernel(_mma_backward_config(s.config), False, s.bf16, varlen=s.varlen)
+
+
+def _backward_ws(s: KernelSpec):
+    from .backward_ws import make_backward_ws_kernel
+
+    return make_backward_ws_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap)
+
+
+def _decode(s: KernelSpec):
+    from .decode_mma import make_decode_kernel
+
+    return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap)
+
+
+def _decode_combine(s: KernelSpec):
+    from .decode_mma import make_decode_combine_kernel
+
+    return make_decode_combine_kernel(s.config, False, s.bf16)
+
+
+def _mma_backward_config(config: BackwardConfig | WsBackwardConfig) -> BackwardConfig:
+    """The mma.sync config whose prepare and dQ kernels a backward config runs: its own, or the
+    Hopper backward's ``dq_config()``."""
+    return config.dq_config() if family_of(config) is SM90_BWD else config
+
+
+FACTORIES: dict[tuple[str, str], Callable[[KernelSpec], Any]] = {
+    ("sm80", "forward"): _forward,
+    ("sm90", "forward"): _forward_ws,
+    ("sm80bwd", "backward_prep"): _backward_prep,
+    ("sm80bwd", "backward"): _backward,
+    ("sm80bwd", "backward_dq"): _backward_dq,
+    ("sm90bwd", "backward_prep"): _backward_prep,
+    ("sm90bwd", "backward"): _backward_ws,
+    ("sm90bwd", "backward_dq"): _backward_dq,
+    ("sm80dec", "decode"): _decode,
+    ("sm80dec", "decode_combine"): _decode_combine,
+}
+
+
+def make_kernel(spec: KernelSpec):
+    """The Python kernel function of ``spec`` (imports Numba)."""
+    FAMILIES[spec.family].check(spec)
+    return FACTORIES[(spec.family, spec.operation)](spec)
+
+
+# ---------------------------------------------------------------------------- parameter lists
+
+def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
+    """The parameters of ``spec``'s kernel, in order (``kernels.params``): its operation's, with
+    the packed sequences of a varlen build, and the window's and softcap's for a decode variant."""
+    family, op = spec.family, spec.operation
+    if op == "forward":
+        if family == "sm90":
+            return params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
+        return params.VARLEN_FORWARD if spec.varlen else params.FORWARD
+    if op == "backward_prep":
+        return params.VARLEN_BACKWARD_PREP if spec.varlen else params.BACKWARD_PREP
+    if op == "backward_dq":
+        return params.VARLEN_BACKWARD_DQ if spec.varlen else params.BACKWARD_DQ
+    if op == "backward":
+        if family == "sm90bwd":
+            return params.WS_BACKWARD
+        return params.VARLEN_BACKWARD if spec.varlen else params.BACKWARD
+    if op == "decode":
+        return params.DECODE_VARIANT if spec.window or spec.softcap else params.DECODE
+    if op == "decode_combine":
+        return params.DECODE_COMBINE
+    raise NotImplementedError(spec.kind)
+
+
+def kernel_abi(spec: KernelSpec) -> tuple[str, ...]:
+    """The parameter types of ``spec``'s kernel by Numba name (what the launcher packs; no Numba)."""
+    return params.types_of(kernel_params(spec))
+
+
+def kernel_argtypes(spec: KernelSpec) -> tuple:
+    """The parameter types of ``spec``'s kernel as Numba types (imports Numba)."""
+    return params.numba_types(kernel_params(spec))
+
+
+def spec_of(config: Any, operation: str = "forward", bf16: bool = False, arch: str | None = None, *,
+            causal: bool = False, window: bool = False, softcap: bool = False,
+            varlen: bool = False) -> KernelSpec:
+    """The normalised spec of ``config``'s ``operation`` kernel (``kernels.spec.kernel_spec``) in its
+    family; ``arch`` None: the family's own target."""
+    family = family_of(config)
+    arch = family.arch if arch is None else arch
+    return kernel_spec(family.name, operation, config, dtype_name(bf16), arch, causal=causal, window=window,
+                       softcap=softcap, varlen=varlen)

@@ -1,0 +1,114 @@
+"""``KernelSpec``: everything that makes one compiled kernel distinct, in one immutable record.
+
+A call builds its kernels' specs once, at dispatch (``kernel_spec``); the spec is then the kernel
+cache's key (``runtime.cache``), the key of the loaded kernels and launch plans, and the factory's
+argument (``kernels.families.make_kernel``). No flag travels as a string: a variant axis
+(window, softcap, varlen, paged, and the axes to come) is one field here.
+
+Normalisation happens once, here, so that equal kernels have equal specs:
+
+- a sliding-window kernel is built non-causal (a window whose right side is 0 is causal masking);
+- the kernels that do not depend on the mask or the softcap (``CAUSAL_FREE``: the backward's
+  prepare and dQ kernels, the decode's combine kernel) are built without them, so one kernel
+  serves every call; the combine kernel also serves packed and paged calls alike.
+
+Plain Python (no Numba): the API imports it on every call's first dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DTYPES = ("float16", "bfloat16")
+# Operations whose kernels do not depend on causal masking, the window or the softcap.
+CAUSAL_FREE = frozenset({"backward_prep", "backward_dq", "decode_combine"})
+# Operations whose kernels serve packed (varlen) and paged calls alike.
+LAYOUT_FREE = frozenset({"decode_combine"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One kernel variant. Build it with ``kernel_spec`` (which normalises); its hash is computed
+    once (the spec keys dictionaries on the dispatch path).
+
+    ``family``: "sm80", "sm90", "sm80bwd", "sm90bwd" or "sm80dec"; ``operation``: "forward",
+    "backward_prep", "backward", "backward_dq", "decode" or "decode_combine"; ``config``: the
+    family's frozen config (``kernels.shapes``); ``dtype``: "float16" or "bfloat16"; ``arch``:
+    the compile target ("sm_80", "sm_90a", ...; "" where not yet known). A new axis is a new
+    field with a default (its default the kernel of today)."""
+
+    family: str
+    operation: str
+    config: Any
+    dtype: str = "float16"
+    arch: str = ""
+    causal: bool = False
+    window: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    paged: bool = False
+    _hash: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.family, self.operation, self.config, self.dtype, self.arch, self.causal, self.window,
+                  self.softcap, self.varlen, self.paged)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt through __init__ in the unpickling process, whose string hashes differ
+        return KernelSpec, tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init)
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the kernel reads and writes bfloat16 (else float16)."""
+        return self.dtype == "bfloat16"
+
+    @property
+    def kind(self) -> str:
+        """A readable name of the variant, for listings and the cache's key: the family, the
+        operation and each axis that is set (``sm80.forward+window+varlen``); never parsed."""
+        axes = "".join(f"+{f.name}" for f in dataclasses.fields(self)
+                       if f.name in AXES and getattr(self, f.name))
+        return f"{self.family}.{self.operation}{axes}"
+
+    def sibling(self, operation: str) -> KernelSpec:
+        """The spec of another kernel of the same call (the backward's prepare and dQ kernels,
+        the decode's combine kernel), normalised for it."""
+        return kernel_spec(self.family, operation, self.config, self.dtype, self.arch, causal=self.causal,
+                           window=self.window, softcap=self.softcap, varlen=self.varlen, paged=self.paged)
+
+    def on(self, arch: str) -> KernelSpec:
+        """The same kernel for another target."""
+        return dataclasses.replace(self, arch=arch)
+
+
+# The variant axes (boolean fields, named in ``KernelSpec.kind``); causal is the mask, not an axis.
+AXES = ("window", "softcap", "varlen", "paged")
+
+
+def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16", arch: str = "", *,
+                causal: bool = False, window: bool = False, softcap: bool = False, varlen: bool = False,
+                paged: bool = False) -> KernelSpec:
+    """The normalised spec of one kernel (see the module's docstring); ``dtype`` "float16" or
+    "bfloat16". A decode kernel's paging is its config's (``DecodeConfig.paged``)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if operation == "decode":
+        paged = bool(config.paged)
+    if operation in CAUSAL_FREE:
+        causal = window = softcap = False
+    if operation in LAYOUT_FREE:
+        varlen = paged = False
+    if window:
+        causal = False
+    return KernelSpec(family, operation, config, dtype, arch, bool(causal), bool(window), bool(softcap),
+                      bool(varlen), bool(paged))
+
+
+def dtype_name(bf16: bool) -> str:
+    """The spec's dtype of a bf16 flag."""
+    return "bfloat16" if bf16 else "float16"

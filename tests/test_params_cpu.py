@@ -1,0 +1,144 @@
+"""Each kernel's parameters are declared once (``kernels.params``): the launcher's types (the
+ABI), the Numba argument types and the kernel function's own parameter names all come from the
+declaration, for every registered kernel (``tools.registry``)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from numbaflash.kernels import abi, params
+from numbaflash.kernels.families import kernel_abi, kernel_argtypes, kernel_params
+
+pytest.importorskip("numba")
+
+
+@pytest.fixture(scope="module")
+def registered():
+    from numbaflash.tools.registry import registered_kernels
+
+    return registered_kernels()
+
+
+def test_every_registered_kernel_agrees_with_its_declaration(registered):
+    checked = 0
+    for name, (kernel, argtypes, _) in registered.items():
+        spec = getattr(kernel, "spec", None)
+        if spec is None:  # the demos (tile GEMM, wgmma / TMA probes): no declared list
+            continue
+        declared = kernel_params(spec)
+        assert kernel_abi(spec) == params.types_of(declared) == tuple(str(t) for t in argtypes), name
+        assert len(argtypes) == len(declared) == len(kernel_argtypes(spec)), name
+        function = getattr(kernel, "py_func", kernel)
+        assert tuple(inspect.signature(function).parameters) == params.names_of(declared), name
+        checked += 1
+    assert 800 < checked <= len(registered) <= 907
+
+
+def test_each_declaration_parses_into_its_numba_types():
+    from numba import types
+
+    assert params.numba_types(params.params((params.U16_ARRAY, "q"), (params.BOOL, "write_lse"),
+                                            (params.I32, "seqlen_q"), (params.F32, "scale"))) == (
+        types.uint16[::1], types.boolean, types.int32, types.float32)
+    for declared in (params.FORWARD, params.VARLEN_WS_FORWARD, params.BACKWARD, params.WS_BACKWARD,
+                     params.DECODE_VARIANT, params.DECODE_COMBINE):
+        assert tuple(str(t) for t in params.numba_types(declared)) == params.types_of(declared)
+        assert len(set(params.names_of(declared))) == len(declared)  # no name twice
+
+
+def test_the_abi_tuples_are_derived():
+    assert abi.FORWARD_ABI == params.types_of(params.FORWARD)
+    assert abi.VARLEN_BACKWARD_ABI == params.types_of(params.BACKWARD + params.SEQUENCES)
+    assert abi.DECODE_VARIANT_ABI == (*abi.DECODE_ABI, "int64", "int64", "float32")
+
+
+def test_ordered_puts_named_values_in_declared_order_and_refuses_missing_or_extra_names():
+    declared = params.params((params.U16_ARRAY, "q k"), (params.I64, "seqlen_q"))
+    assert params.ordered(declared, seqlen_q=3, k=2, q=1) == (1, 2, 3)
+    with pytest.raises(TypeError, match=r"missing \['k'\], unknown \[\]"):
+        params.ordered(declared, q=1, seqlen_q=3)
+    with pytest.raises(TypeError, match=r"missing \[\], unknown \['seqlen_k'\]"):
+        params.ordered(declared, q=1, k=2, seqlen_q=3, seqlen_k=4)
+    with pytest.raises(TypeError, match=r"missing \['seqlen_q'\], unknown \['seqlen_k'\]"):
+        params.ordered(declared, q=1, k=2, seqlen_k=4)
+
+
+def _backward_call(varlen: bool):
+    """A backward call whose every argument is distinct: operands with their own pointers and
+    strides, workspace parts, the LSE and the scalars."""
+    import numpy as np
+
+    from numbaflash.operands import Operand
+    from numbaflash.operations.launch_backward import BackwardCall, Workspace
+
+    batch = 1 if varlen else 2
+    shapes = {"do": (batch, 256, 4, 64), "q": (batch, 256, 4, 64), "k": (batch, 300, 2, 64),
+              "v": (batch, 300, 2, 64), "o": (batch, 256, 4, 64), "dq": (batch, 256, 4, 64),
+              "dk": (batch, 300, 2, 64), "dv": (batch, 300, 2, 64)}
+    ops = {name: Operand(name, shape, "float16", True, None, (100 * i + 1, 100 * i + 2, 100 * i + 3, 1),
+                         1000 * (i + 1))
+           for i, (name, shape) in enumerate(shapes.items())}
+    workspace = Workspace((11, 1), (12, 2), (13, 3), (14, 4))
+    call = BackwardCall(ops["do"], ops["q"], ops["k"], ops["v"], ops["o"], ops["dq"], ops["dk"], ops["dv"],
+                        (15, 5), workspace, 512, np.float32(1.5), np.float32(0.25), True, 0, 0, 7, 8,
+                        np.float32(0.5))
+    return call, ops
+
+
+def _named(ops, *names):
+    """Each operand as (pointer, elements) and its three strides, by parameter name."""
+    values = {}
+    for name in names:
+        op = ops[name]
+        values[name] = (op.pointer, op.span)
+        values.update(zip((f"{name}_sb", f"{name}_ss", f"{name}_sh"), op.strides[:3], strict=True))
+    return values
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_backward_launches_pass_their_arguments_in_declared_order(varlen):
+    """The backward's launches call the launcher each call with positional arguments (no bind: no
+    cost a call for naming them); here every argument is named and put in the declared order."""
+    import types
+
+    from numbaflash.kernels.shapes import BackwardConfig
+    from numbaflash.operations import launch_backward as lb
+
+    config = BackwardConfig(64)
+    call, ops = _backward_call(varlen)
+    ws = call.workspace
+    recorded = []
+
+    def launcher(grid, block, stream, shared, *args):
+        recorded.append(args)
+
+    gpu = types.SimpleNamespace(sm_count=lambda device: 132)
+    extra, scalars, seqlen_k = {}, {"seqlen_q": 256, "rows": call.rows, "heads_q": 4}, 300
+    if varlen:  # the maxima differ from the packed totals
+        cu_q, cu_k = (21, 3), (22, 3)
+        extra = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "total_q": 256}
+        scalars["seqlen_q"], seqlen_k = 200, 280
+        vcall = lb.VarlenBackwardCall(call, cu_q, cu_k, 2, 200, 280)
+        for launch in (lb.launch_varlen_backward_prep, lb.launch_varlen_backward_main,
+                       lb.launch_varlen_backward_dq):
+            launch(config)(launcher, vcall, gpu)
+        declared = (params.VARLEN_BACKWARD_PREP, params.VARLEN_BACKWARD, params.VARLEN_BACKWARD_DQ)
+    else:
+        for launch in (lb.launch_backward_prep, lb.launch_backward_main, lb.launch_backward_dq):
+            launch(config)(launcher, call, gpu)
+        declared = (params.BACKWARD_PREP, params.BACKWARD, params.BACKWARD_DQ)
+    key_blocks = -(-seqlen_k // config.block_n)
+    prep = params.ordered(declared[0], **_named(ops, "o", "do"), lse=call.lse, delta=ws.delta,
+                          lse2=ws.lse_log2, dq_acc=ws.dq_accum, counters=ws.counters, **scalars,
+                          counters_per_head=call.rows // config.block_m, **extra)
+    main = params.ordered(declared[1], **_named(ops, "q", "k", "v", "do", "dk", "dv"), lse2=ws.lse_log2,
+                          delta=ws.delta, dq_acc=ws.dq_accum, counters=ws.counters, **scalars,
+                          seqlen_k=seqlen_k, group=2, heads_kv=2,
+                          tail_pairs=lb.backward_tail_pairs(key_blocks, 2 * 2, 132),
+                          scale_log2=call.scale_log2, scale=call.scale, deterministic=True, window_left=7,
+                          window_right=8, cap_scale=call.cap_scale, **extra)
+    dq = params.ordered(declared[2], dq_acc=ws.dq_accum, **_named(ops, "dq"), **scalars, scale=call.scale,
+                        **extra)
+    assert recorded == [prep, main, dq]
