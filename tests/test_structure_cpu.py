@@ -76,11 +76,12 @@ LAYERS = {
     "runtime": 0, "__version__": 0,
     "ptx": 1,
     "kernels": 2,
-    "configs": 3, "operands": 3, "operations": 3,
-    "api": 4, "torch_ops": 4, "torch_route": 4,
-    "__init__": 5,
-    "tools": 6, "demos": 6, "__main__": 6, "bench": 6, "debug": 6, "inspect": 6, "precompile": 6,
-    "selftest": 6,
+    "configs": 3, "operands": 3,  # tables, dispatch policy, compile; what an input is
+    "operations": 4,
+    "api": 5, "torch_ops": 5, "torch_route": 5,
+    "__init__": 6,
+    "tools": 7, "demos": 7, "__main__": 7, "bench": 7, "debug": 7, "inspect": 7, "precompile": 7,
+    "selftest": 7,
 }
 
 
@@ -196,16 +197,6 @@ def import_circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return circles
 
 
-# Circles known and being removed elsewhere; each must still be there (a stale entry fails).
-# configs -> operations.families -> launch_* -> operands -> configs (issue 54, point 5): delete
-# this entry when ``configs`` no longer imports ``operations``.
-KNOWN_CIRCLES = {
-    frozenset({"numbaflash.configs", "numbaflash.operands", "numbaflash.operations.families",
-               "numbaflash.operations.launch_backward", "numbaflash.operations.launch_decode",
-               "numbaflash.operations.launch_forward"}),
-}
-
-
 def test_no_import_circles():
     """No module of ``numbaflash`` reaches itself through imports, inside a layer too: ``api``
     and ``torch_ops`` do not import each other, nor ``selftest`` and ``selftest_decode``."""
@@ -213,10 +204,7 @@ def test_no_import_circles():
     assert {"numbaflash.api", "numbaflash.torch_ops", "numbaflash.tools.selftest"} <= set(graph)
     assert "numbaflash.operations.entry" in graph["numbaflash.torch_ops"]
     circles = import_circles(graph)
-    new = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
-    assert not new, f"import circles: {new}"
-    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in circles]
-    assert not gone, f"known circles no longer there (remove them from KNOWN_CIRCLES): {gone}"
+    assert not circles, f"import circles: {[sorted(c) for c in circles]}"
 
 
 def test_circle_rule_is_live(tmp_path):
