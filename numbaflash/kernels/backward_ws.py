@@ -38,6 +38,12 @@ Ragged lengths need no special path: TMA zero-fills rows past the end of Q, dO, 
 workspace's rows past seqlen_q have LSE₂ = +inf (P = 0) and D = 0; keys past seqlen_k and, causal,
 after a query's diagonal are masked. ``softcap`` and ``window`` are the mma.sync kernel's variants
 (the tanh's derivative in dSᵀ; the walk over the window's query blocks and band masks).
+
+The factory builds the kernel from named pieces, each a factory returning its steps as a named
+tuple (as ``forward_ws`` does): the rings (``make_rings``), the walk every role shares
+(``make_walk``), the producer (``make_producer``), one step of a consumer (``make_consumer_steps``:
+GEMM issue, masks, the gradient of the scores, dSᵀ and dQ), the consumer's walk
+(``make_consumer``) and the dK / dV epilogue (``make_epilogue``).
 """
 
 from __future__ import annotations
@@ -95,50 +101,39 @@ Io = namedtuple("Io", ["descs", "tiles", "bars", "blk", "sc", "ws"])
 # row (-1 after the last step).
 Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn", "next_row"])
 
+# The rings of one kernel (``ring.RingSteps`` each): the ``stages`` stages of Q and dO, one per
+# step of the walk, and the one-shot barrier of K and V.
+Rings = namedtuple("Rings", ["step", "kv"])
+# The pieces' steps (each factory below returns one of these).
+Walk = namedtuple("Walk", ["next_block", "workspace_row"])
+Producer = namedtuple("Producer", ["produce_steps"])
+ConsumerSteps = namedtuple("ConsumerSteps", ["stage_rows", "consume_step"])
+Consumer = namedtuple("Consumer", ["consume"])
+Epilogue = namedtuple("Epilogue", ["store_dkv"])
+
 WARPGROUP = 128  # threads
 DS_BARRIER = 1  # named barrier of the consumer warpgroups (bar.sync id; 0 is syncthreads)
 ONE = uint32(1)
 
 
-def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, window: bool = False,
-                            softcap: bool = False):
-    """The main kernel (``BACKWARD_WS_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv * batch
-    in one dimension (``blocks.key_block_of``), ``config.threads`` threads, ``config.shared_bytes``
-    of dynamic shared memory; jit it with ``launch_bounds=(config.threads, 1)``.
+def make_rings(config: WsBackwardConfig) -> Rings:
+    """The steps of the kernel's rings: ``stages`` stages of Q and dO, and K and V's one load."""
+    return Rings(make_ring(config.stages, config.layout.q_stage), make_ring(1))
 
-    ``window``: a sliding-window kernel (``causal`` must be False: the window's right edge 0 is
-    causal masking); ``softcap``: scores capped by tanh (``cap_scale`` = softmax scale / softcap,
-    ``scale_log2`` = softcap·log2(e)). Kernels without them never read those arguments."""
-    if window and causal:
-        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
-    config.check()
-    D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
-    CONSUMERS = config.consumers
-    CONSUMER_THREADS = CONSUMERS * WARPGROUP
-    CONSUMER_WARPS = CONSUMER_THREADS // 32
-    lay = config.layout
-    STEP_BYTES = config.step_bytes
-    KV_BYTES = BN * D * 2
-    ROWS_BYTES = lay.rows_stage
-    ROW_CHUNKS = ROWS_BYTES // 16  # 16-byte copies of a block's LSE (and of its D)
-    S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
-    P_K = BM // 16  # k-steps of dV and dK
-    D_N = D // 8  # n-tiles of dK and dV
-    SPLIT_M = config.dq_split == "m"
-    DQ_N = D // 8 if SPLIT_M else D // 8 // CONSUMERS  # n-tiles of a warpgroup's dQ
-    DQ_COLS = DQ_N * 8
-    CPR = D // 8  # 16-byte chunks of a K / V row
-    STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
-    CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
-    ring = make_ring(STAGES, lay.q_stage)
-    kv_once = make_ring(1)
-    load_tile = make_tile_loads(config)
-    gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
-    BARRIER_WORDS = config.barrier_words
-    lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
-    raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
 
-    # ------------------------------------------------------------------ the walk (every role)
+def dq_n_tiles(config: WsBackwardConfig) -> int:
+    """The 8-column n-tiles of a consumer warpgroup's dQ: every column with ``dq_split`` "m" (the
+    warpgroups split the query rows), else its share of the head-dim columns."""
+    n_tiles = config.head_dim // 8
+    return n_tiles if config.dq_split == "m" else n_tiles // config.consumers
+
+
+# ---------------------------------------------------------------------------------- the walk
+
+def make_walk(config: WsBackwardConfig) -> Walk:
+    """The walk every role shares: each (query head of the group, query block) step of a CTA, the
+    query blocks walked downwards, and where a step's rows sit in the workspace."""
+    BM = config.block_m
 
     @cuda.jit(device=True, forceinline=True)
     def next_block(head, m_block, blk):
@@ -156,7 +151,20 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         query head ``head`` of the block's batch."""
         return (blk.batch * heads_q + head) * blk.rows + m_block * BM
 
-    # ------------------------------------------------------------------ producer
+    return Walk(next_block, workspace_row)
+
+
+# ---------------------------------------------------------------------------------- producer
+
+def make_producer(config: WsBackwardConfig, rings: Rings, walk: Walk) -> Producer:
+    """The producer thread's ring loads: Q and dO of every step of the walk, each into the next
+    stage of the ring once the consumers have released it (K and V, loaded once, are the
+    kernel's)."""
+    BM = config.block_m
+    STEP_BYTES = config.step_bytes
+    ring = rings.step
+    load_tile = make_tile_loads(config)
+    next_block = walk.next_block
 
     @cuda.jit(device=True, forceinline=True)
     def produce_steps(maps, bars, tiles, blk, group):
@@ -174,7 +182,28 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             load_tile(tiles.do + ring.offset(s), maps.do, full, m0, head, blk.batch, BM)
             head, m_block = next_block(head, m_block, blk)
 
-    # ------------------------------------------------------------------ consumer steps
+    return Producer(produce_steps)
+
+
+# ---------------------------------------------------------------------------------- consumer steps
+
+def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rings,
+                        window: bool = False, softcap: bool = False) -> ConsumerSteps:
+    """One step of the walk for a consumer warpgroup: the five GEMMs of a query block, the masks,
+    the gradient of the scores, dSᵀ through shared memory and dQ's adds; and the cp.async copies
+    of a step's LSE₂ and D rows."""
+    D, BM, BN = config.head_dim, config.block_m, config.block_n
+    CONSUMER_THREADS = config.consumers * WARPGROUP
+    lay = config.layout
+    ROWS_BYTES = lay.rows_stage
+    ROW_CHUNKS = ROWS_BYTES // 16  # 16-byte copies of a block's LSE (and of its D)
+    S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
+    P_K = BM // 16  # k-steps of dV and dK
+    DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
+    DQ_COLS = DQ_N * 8
+    CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
+    ring = rings.step
+    gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
 
     @cuda.jit(device=True, forceinline=True)
     def stage_rows(tiles, ws, row, buffer, seat):
@@ -306,6 +335,29 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         gemms.fence_dkv(acc.dv)
         ring.release(bars, i, seat.lane)
 
+    return ConsumerSteps(stage_rows, consume_step)
+
+
+# ---------------------------------------------------------------------------------- consumer
+
+def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rings, walk: Walk,
+                  window: bool = False, softcap: bool = False) -> Consumer:
+    """A consumer warpgroup's walk: its registers and wgmma descriptors, the first step's rows,
+    then every step (``make_consumer_steps``) with its workspace row, turn counter and the next
+    step's rows; dK and dV stay in registers throughout."""
+    D, BM, BN = config.head_dim, config.block_m, config.block_n
+    CONSUMER_THREADS = config.consumers * WARPGROUP
+    S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
+    P_K = BM // 16  # k-steps of dV and dK
+    D_N = D // 8  # n-tiles of dK and dV
+    SPLIT_M = config.dq_split == "m"
+    DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
+    DQ_COLS = DQ_N * 8
+    WINDOW = window
+    kv_once = rings.kv
+    next_block, workspace_row = walk
+    stage_rows, consume_step = make_consumer_steps(config, causal, bf16, rings, window, softcap)
+
     @cuda.jit(device=True, forceinline=True)
     def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
         """Every step of the walk for this warpgroup; returns dK and dV (registers)."""
@@ -355,7 +407,20 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             head, m_block = head1, m_block1
         return acc
 
-    # ------------------------------------------------------------------ epilogue
+    return Consumer(consume)
+
+
+# ---------------------------------------------------------------------------------- epilogue
+
+def make_epilogue(config: WsBackwardConfig, bf16: bool) -> Epilogue:
+    """A consumer warp's end of the CTA: its 16 rows of dK · scale and dV, 16-bit, staged in the K
+    and V tiles and stored with 16-byte stores, none past seqlen_k."""
+    D, BN = config.head_dim, config.block_n
+    CONSUMER_THREADS = config.consumers * WARPGROUP
+    D_N = D // 8  # n-tiles of dK and dV
+    CPR = D // 8  # 16-byte chunks of a K / V row
+    STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
+    BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
     def store_dkv(acc, tiles, blk, seat, dk, dv, dk_strides, dv_strides, scale, seqlen_k):
@@ -374,7 +439,38 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         store_rows_global(dk_rows, blk.n0 + row0, tiles.k, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
         store_rows_global(dv_rows, blk.n0 + row0, tiles.v, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
 
-    # ------------------------------------------------------------------ kernel
+    return Epilogue(store_dkv)
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, window: bool = False,
+                            softcap: bool = False):
+    """The main kernel (``BACKWARD_WS_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv * batch
+    in one dimension (``blocks.key_block_of``), ``config.threads`` threads, ``config.shared_bytes``
+    of dynamic shared memory; jit it with ``launch_bounds=(config.threads, 1)``.
+
+    ``window``: a sliding-window kernel (``causal`` must be False: the window's right edge 0 is
+    causal masking); ``softcap``: scores capped by tanh (``cap_scale`` = softmax scale / softcap,
+    ``scale_log2`` = softcap·log2(e)). Kernels without them never read those arguments."""
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
+    config.check()
+    D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
+    CONSUMER_WARPS = config.consumers * WARPGROUP // 32
+    lay = config.layout
+    KV_BYTES = BN * D * 2
+    CAUSAL, WINDOW = causal, window
+    rings = make_rings(config)
+    ring, kv_once = rings
+    load_tile = make_tile_loads(config)
+    BARRIER_WORDS = config.barrier_words
+    lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
+    raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
+    walk = make_walk(config)
+    produce_steps = make_producer(config, rings, walk).produce_steps
+    consume = make_consumer(config, causal, bf16, rings, walk, window, softcap).consume
+    store_dkv = make_epilogue(config, bf16).store_dkv
 
     def flash_backward_ws(map_q, map_k, map_v, map_do, dk, dv, lse2, delta, dq_acc, counters,
                           dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
