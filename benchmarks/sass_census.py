@@ -35,13 +35,22 @@ def _kernels() -> dict:
     return _KERNELS
 
 
+CACHE = False  # --cache: compile through the kernel cache (a census that also precompiles)
+
+
 def census(item: tuple[str, str]) -> str:
     """'name@arch registers instructions ldl stl call' of one kernel."""
-    from numbaflash.tools.inspect import inspect_kernel
+    from numbaflash.tools.inspect import inspect_kernel, report_from_cubin
 
     name, arch = item
     pyfunc, argtypes, _ = _kernels()[name]
-    report = inspect_kernel(pyfunc, argtypes, arch, name)
+    spec = getattr(pyfunc, "spec", None)
+    if CACHE and spec is not None:
+        from numbaflash.configs import kernel_cubin
+
+        report = report_from_cubin(kernel_cubin(spec.on(arch)).cubin, name, arch)
+    else:
+        report = inspect_kernel(pyfunc, argtypes, arch, name)
     return (f"{name}@{arch} {report.registers} {sum(report.opcodes.values())} "
             f"{report.count('LDL')} {report.count('STL')} {report.calls}")
 
@@ -104,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--match", default="", help="only kernels whose name contains this")
     parser.add_argument("--out", help="write the census here (else stdout)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--cache", action="store_true",
+                        help="compile through the kernel cache (NUMBAFLASH_CACHE_DIR): the census also "
+                             "precompiles every registered kernel for each target")
     args = parser.parse_args(argv)
+    global CACHE
+    CACHE = args.cache
     if args.compare:
         return compare(*args.compare)
     archs = args.archs.split(",")
