@@ -229,7 +229,8 @@ def test_kernels_package_split_by_concern():
     kernels = PACKAGE / "kernels"
     assert {"blocks", "smem", "softmax", "epilogue", "common"} <= {p.stem for p in kernels.glob("*.py")}
     pieces = {"forward_mma.py": ("blocks", "smem", "mma_pieces", "epilogue", "common"),
-              "forward_ws.py": ("blocks", "softmax", "epilogue", "common", "wgmma_gemms")}
+              "forward_ws.py": ("blocks", "softmax", "epilogue", "common", "wgmma_gemms"),
+              "decode_mma.py": ("blocks", "mma_pieces", "epilogue", "common")}
     for kernel, used in pieces.items():
         text = (kernels / kernel).read_text()
         for piece in used:

@@ -154,28 +154,17 @@ def mask_scores(s, n_tiles, col0, row0, lane, seqlen_k, diag, causal):
     Each fragment row gets one 32-bit limit, the number of this lane's leading columns it
     may see, so every score costs one compare with a constant and one select."""
     g = lane // 4
-    col = col0 + 2 * (lane % 4)  # this lane's first key
+    t = lane % 4
     for half in range(2):
         sees = seqlen_k  # keys this row sees: [0, sees)
         if causal:
             sees = min(sees, row0 + g + 8 * half + diag + 1)
-        mask_key_range(s, n_tiles, half, col, col, sees)
-
-
-@cuda.jit(device=True, forceinline=True)
-def mask_key_range(s, n_tiles, half, col, low, high):
-    """Set to -inf the scores of fragment row ``half`` (0: row g, 1: row g + 8) of one m-tile
-    whose keys are not in [low, high); this lane's keys are ``col + 8j + c`` (c in {0, 1}).
-
-    The row gets two 32-bit limits on this lane's column index, so every score costs a compare
-    with a constant and a select per limit (``low == col``: none for the lower one)."""
-    # the column indices 8j + c this row sees are [lo, hi); clamped to 32 bits
-    hi = int32(max(min(high - col, 1 << 30), -1))
-    lo = int32(max(min(low - col, 1 << 30), -1))
-    for j in range(n_tiles):
-        for e in range(2):
-            if j * 8 + e >= hi or j * 8 + e < lo:
-                s[j, 2 * half + e] = NEG_INF
+        # this lane's columns col0 + 2t + c with c < limit are seen; clamped to 32 bits
+        limit = int32(max(min(sees - (col0 + 2 * t), 1 << 30), -1))
+        for j in range(n_tiles):
+            for e in range(2):
+                if j * 8 + e >= limit:
+                    s[j, 2 * half + e] = NEG_INF
 
 
 @cuda.jit(device=True, forceinline=True)

@@ -164,7 +164,7 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
         copy_tile_async(sv + zero, BN, loop.v_rows, n0, CPR, tid, THREADS, RB)
         ptx.cp_async_commit_group()
 
-        qk_scores(acc_s, loop.q_frag, loop.q_warp + zero, loop.v_offsets, sk, loop.k_offsets, loop.b_frag)
+        qk_scores(acc_s, loop.q_frag, loop.q_warp + zero, loop.v_offsets, sk, loop.k_offsets, loop.b_frag, 0)
         if INTERLEAVE:
             ptx.cp_async_wait_group_0()  # V_j has landed (the barrier below: for everyone)
         if INTERLEAVE or EARLY_K:
@@ -189,7 +189,7 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
                 if n_block + 1 < loop.n_tiles:
                     copy_tile_async(sk + zero, BN, loop.k_rows, n0 + BN, CPR, tid, THREADS, RB)
                     ptx.cp_async_commit_group()
-            pv_accumulate(acc_o, loop.p_frag, sv, loop.v_offsets, loop.b_frag)
+            pv_accumulate(acc_o, loop.p_frag, sv, loop.v_offsets, loop.b_frag, 0)
 
     return attend_tile
 

@@ -17,8 +17,8 @@ from collections import namedtuple
 from numba import cuda, float32
 
 from .. import ptx
-from .blocks import band_needs_mask, mask_band, mask_key_range, mask_scores
-from .common import FULL_MASK, THRESHOLD, unroll
+from .blocks import band_needs_mask, mask_band, mask_scores
+from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll
 from .smem import block_offset
 from .softmax import (
     cap_scores,
@@ -41,7 +41,8 @@ QkSteps = namedtuple("QkSteps", ["load_q_slice", "qk_scores"])
 # O += P V (``make_pv_steps``): a V pair's ldmatrix, one 16-key slice, and the whole product.
 PvSteps = namedtuple("PvSteps", ["v_load", "pv_slice", "pv_accumulate"])
 # The online softmax (``make_online_softmax``).
-SoftmaxSteps = namedtuple("SoftmaxSteps", ["cap", "refresh_row_maxes", "online_softmax", "softmax_into_pv"])
+SoftmaxSteps = namedtuple("SoftmaxSteps", ["cap", "refresh_row_maxes", "exponentiate_tile", "online_softmax",
+                                           "softmax_into_pv"])
 # The masker (``make_masker``): a forward tile's rows, decode's packed rows.
 Masker = namedtuple("Masker", ["mask_tile", "mask_rows"])
 # What the interleaved softmax + PV slices share (``slice_into_pv``): S (exponentiated in place),
@@ -61,7 +62,8 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
     BM = shape.q_rows
     BN = shape.kv_rows
     D_K_TILES = shape.head_dim // 16  # k-tiles of the QKᵀ product
-    S_N_TILES = shape.keys // 8  # n-tiles of the S accumulator
+    KEYS = shape.keys
+    S_N_TILES = KEYS // 8  # n-tiles of the S accumulator
     S_PAIRS = S_N_TILES // 2  # K ldmatrix.x4 loads per k-slice (two n-tiles each)
     S_STEPS = D_K_TILES * S_PAIRS  # K loads of one S product (even: D_K_TILES is)
     Q_RESIDENT = q_resident
@@ -77,7 +79,7 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
     @cuda.jit(device=True, forceinline=True)
     def k_load(b_frag, buf, k_tile, k_offsets, i):
         """ldmatrix K fragment pair ``i`` (k-slice ``i // S_PAIRS``, n-tiles 2j2, 2j2+1 with
-        ``j2 = i % S_PAIRS``) into ``b_frag[buf]``."""
+        ``j2 = i % S_PAIRS``) of the first key slice into ``b_frag[buf]``."""
         k_at = k_tile + block_offset(k_offsets, i // S_PAIRS, BN, RB) + (i % S_PAIRS) * 16 * RB
         ptx.ldmatrix_x4(b_frag[buf], k_at)
 
@@ -102,10 +104,11 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
         k_mma(acc_s, q_frag, qt, b_frag, buf, i)
 
     @cuda.jit(device=True, forceinline=True)
-    def qk_scores(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag):
-        """S = Q Kᵀ for the warp's m-tiles (Q rows at ``q_tile``, keys at ``k_tile``): K
-        fragments by ldmatrix, two n-tiles per load. With DOUBLE_BUFFER the steps go in pairs so
-        that every buffer index is a constant before unrolling."""
+    def qk_scores(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, key_slice):
+        """S = Q Kᵀ for the warp's m-tiles (Q rows at ``q_tile``) against key slice
+        ``key_slice`` of the K tile at ``k_tile`` (its ``keys`` rows from ``key_slice * keys``;
+        0 with DOUBLE_BUFFER): K fragments by ldmatrix, two n-tiles per load. With DOUBLE_BUFFER
+        the steps go in pairs so that every buffer index is a constant before unrolling."""
         for mt in range(MT):
             for j in range(S_N_TILES):
                 for e in range(4):
@@ -127,7 +130,8 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
                 if kt > 0:
                     load_q_slice(q_frag, 0, q_tile, a_offsets, kt)
             for j2 in range(S_PAIRS):
-                ptx.ldmatrix_x4(b_frag[0], k_tile + block_offset(k_offsets, kt, BN, RB) + j2 * 16 * RB)
+                k_at = k_tile + block_offset(k_offsets, kt, BN, RB) + (key_slice * KEYS + j2 * 16) * RB
+                ptx.ldmatrix_x4(b_frag[0], k_at)
                 for mt in range(MT):
                     mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[0, 0:2])
                     mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[0, 2:4])
@@ -142,8 +146,9 @@ def make_pv_steps(shape: MmaShape, double_buffer: bool, bf16: bool) -> PvSteps:
     MT = shape.m_tiles
     RB = shape.row_bytes
     BN = shape.kv_rows
+    KEYS = shape.keys
     D_N_TILES = shape.head_dim // 8  # n-tiles of the O accumulator
-    P_K_TILES = shape.keys // 16  # k-tiles of the PV product
+    P_K_TILES = KEYS // 16  # k-tiles of the PV product
     O_PAIRS = D_N_TILES // 2  # V ldmatrix.x4 loads per k-slice
     O_STEPS = P_K_TILES * O_PAIRS  # V loads of one PV product (even: O_PAIRS is)
     DOUBLE_BUFFER = double_buffer
@@ -171,9 +176,10 @@ def make_pv_steps(shape: MmaShape, double_buffer: bool, bf16: bool) -> PvSteps:
         v_mma(acc_o, p_frag, b_frag, buf, i)
 
     @cuda.jit(device=True, forceinline=True)
-    def pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt):
-        """O += P V over the 16 keys of k-slice ``kt``. With DOUBLE_BUFFER each step loads the
-        next V pair (the first of the next slice at the end) before its mma.sync."""
+    def pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt, key_slice):
+        """O += P V over the 16 keys of k-slice ``kt`` of key slice ``key_slice`` (``keys`` rows
+        of the V tile from ``key_slice * keys``; 0 with DOUBLE_BUFFER). With DOUBLE_BUFFER each step
+        loads the next V pair (the first of the next slice at the end) before its mma.sync."""
         if DOUBLE_BUFFER:
             for p in range(O_PAIRS // 2):
                 i = kt * O_PAIRS + 2 * p
@@ -181,18 +187,19 @@ def make_pv_steps(shape: MmaShape, double_buffer: bool, bf16: bool) -> PvSteps:
                 pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 1, i + 1)
             return
         for j2 in range(O_PAIRS):
-            ptx.ldmatrix_x4_trans(b_frag[0], v_tile + block_offset(v_offsets, j2, BN, RB) + kt * 16 * RB)
+            v_at = v_tile + block_offset(v_offsets, j2, BN, RB) + (key_slice * KEYS + kt * 16) * RB
+            ptx.ldmatrix_x4_trans(b_frag[0], v_at)
             for mt in range(MT):
                 mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0, 0:2])
                 mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[0, 2:4])
 
     @cuda.jit(device=True, forceinline=True)
-    def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
-        """O += P V (V rows at ``v_tile``), k-slice by k-slice."""
+    def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag, key_slice):
+        """O += P V (key slice ``key_slice`` of the V tile at ``v_tile``), k-slice by k-slice."""
         if DOUBLE_BUFFER:
             v_load(b_frag, 0, v_tile, v_offsets, 0)
         for kt in range(P_K_TILES):
-            pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt)
+            pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt, key_slice)
 
     return PvSteps(v_load, pv_slice, pv_accumulate)
 
@@ -239,7 +246,7 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
         for mt in range(MT):
             exponentiate_slice(acc_s[mt], kt, state.m_use[mt], state.row_sum[mt], state.scale_log2)
             pack_p_slice(p_frag[mt], acc_s[mt], kt, BF16)
-        pv_slice(state.acc_o, p_frag, state.v_tile, state.v_offsets, state.b_frag, kt)
+        pv_slice(state.acc_o, p_frag, state.v_tile, state.v_offsets, state.b_frag, kt, 0)
 
     slices_into_pv = unroll(slice_into_pv, P_K_TILES)
 
@@ -263,26 +270,32 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
                 l_run[mt, r] += row_sum[mt, r]
 
     @cuda.jit(device=True, forceinline=True)
-    def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
-        """S -> P (16-bit fragments) in the exp2 domain, row maxes refreshed lazily."""
-        refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)
+    def exponentiate_tile(acc_s, p_frag, m_run, l_run, scale_log2):
+        """S -> P (16-bit fragments) in the exp2 domain against the running row maxes, and
+        this lane's partial row sums."""
         for mt in range(MT):
             exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
             pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
 
-    return SoftmaxSteps(cap, refresh_row_maxes, online_softmax, softmax_into_pv)
+    @cuda.jit(device=True, forceinline=True)
+    def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
+        """S -> P (16-bit fragments) in the exp2 domain, row maxes refreshed lazily."""
+        refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)
+        exponentiate_tile(acc_s, p_frag, m_run, l_run, scale_log2)
+
+    return SoftmaxSteps(cap, refresh_row_maxes, exponentiate_tile, online_softmax, softmax_into_pv)
 
 
 def make_masker(shape: MmaShape, causal: bool, window: bool) -> Masker:
     """-inf on the scores a warp's rows do not see: keys past the end, after the causal
-    diagonal, or outside the sliding window (``blocks.Band``).
+    diagonal, or outside the sliding window.
 
-    ``mask_tile(acc_s, n0, at, band)``: a tile of consecutive query rows (the forward's; ``at``
-    a ``blocks.ScoreMask`` with the warp's first row, keys from ``n0``), masked only where the
-    tile crosses the end of the keys, the diagonal or an edge of the window.
+    ``mask_tile(acc_s, n0, at, band)``: a tile of consecutive query rows (the forward's; ``at`` a
+    ``blocks.ScoreMask`` with the warp's first row, keys from ``n0``; ``band`` a ``blocks.Band``),
+    masked only where the tile crosses the end of the keys, the diagonal or an edge of the window.
     ``mask_rows(acc_s, key0, lane, total, upper, lower)``: rows of any queries (decode's packed
-    rows): fragment row (mt, r) sees keys ``lower[mt, r] <= j <= upper[mt, r]`` (``lower``:
-    window only; ``upper``: causal or window) below ``total``, this warp's keys from ``key0``."""
+    rows): fragment row (mt, r) sees the keys ``lower[mt, r] <= j <= upper[mt, r]`` (``upper``:
+    causal or window; ``lower``: window) below ``total``; this warp's keys from ``key0``."""
     MT = shape.m_tiles
     KEYS = shape.keys
     S_N_TILES = KEYS // 8
@@ -302,12 +315,12 @@ def make_masker(shape: MmaShape, causal: bool, window: bool) -> Masker:
 
     @cuda.jit(device=True, forceinline=True)
     def mask_rows(acc_s, key0, lane, total, upper, lower):
-        col = key0 + 2 * (lane % 4)  # this lane's first key
         for mt in range(MT):
-            for r in range(2):
-                high = total
-                if CAUSAL or WINDOW:
-                    high = min(total, upper[mt, r] + 1)
-                mask_key_range(acc_s[mt], S_N_TILES, r, col, lower[mt, r] if WINDOW else col, high)
+            for j in range(S_N_TILES):
+                for e in range(4):
+                    key = key0 + 8 * j + 2 * (lane % 4) + e % 2
+                    if key >= total or ((CAUSAL or WINDOW) and key > upper[mt, e // 2]) or (
+                            WINDOW and key < lower[mt, e // 2]):
+                        acc_s[mt, j, e] = NEG_INF
 
     return Masker(mask_tile, mask_rows)
