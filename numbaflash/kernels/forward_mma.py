@@ -33,6 +33,10 @@ the sequence, whose rows start at ``cu_seqlens_q[b]`` (two int32 loads each for 
 whose own lengths replace seqlen_q and seqlen_k (so masks, causal diagonal and window are per
 sequence, and no tile reads or writes a row of another sequence); a query block past its
 sequence's end returns at once. The LSE is (heads_q, total_q). The other builds never see it.
+
+The kernel is built from rooms, each returning its named steps: ``make_row_source`` (dense or
+varlen rows), ``make_kv_step`` (one KV tile: copies, and the QK / PV steps, online softmax and
+masker of ``mma_pieces``, which the decode kernel shares) and ``make_forward_epilogue``.
 """
 
 from __future__ import annotations

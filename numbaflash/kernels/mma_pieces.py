@@ -3,8 +3,9 @@ m16n8k16 fragments, the online softmax over them, and the masker of their score 
 
 Each ``make_*`` factory is one room with one job; it returns its named steps (device functions
 specialised on an ``MmaShape``). A warp owns ``m_tiles`` 16-row m-tiles of the Q tile (rows from
-the address it passes) and ``keys`` keys of the K and V tiles (from the addresses it passes: the
-forward's warps take every key of a tile, decode's warps a slice each). Fragments follow
+the address it passes) and ``keys`` keys of the K and V tiles at the addresses it passes: key
+slice ``key_slice`` (rows from ``key_slice * keys``); the forward's warps take every key of a
+tile (slice 0), decode's warp w slice w. Fragments follow
 ``softmax``'s layout: ``acc_s[mt, j, e]`` is element e of S n-tile j of m-tile mt (fp32),
 ``acc_o[mt, j, e]`` the same for O, ``q_frag[mt, kt]`` and ``p_frag[mt, kt]`` 16-bit A fragments
 (uint32[4]), ``b_frag[buf]`` a uint32[4] B fragment pair (two buffers with ``double_buffer``).
@@ -208,8 +209,9 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
     """The online softmax of a warp's S fragments in the exp2 domain (``m_run``, ``l_run``: the
     running row maxes, scaled, and this lane's partial row sums, (m_tiles, 2) float32; ``mx``:
     scratch of that shape). ``cap``: the softcap's tanh over every m-tile. ``online_softmax``:
-    S -> P (16-bit fragments), row maxes refreshed lazily (O rescaled only when a row max of
-    the warp grew by more than ``common.THRESHOLD``). ``softmax_into_pv``: the same, each 16-key
+    S -> P (16-bit fragments), row maxes refreshed lazily (``refresh_row_maxes``: O rescaled only
+    when a row max of the warp grew by more than ``common.THRESHOLD``), then ``exponentiate_tile``
+    (P and the partial row sums). ``softmax_into_pv``: the same, each 16-key
     slice's exponentials followed by its PV mma.sync (``pv``), so that a warp's MUFU work
     overlaps its tensor-core work."""
     MT = shape.m_tiles
