@@ -324,8 +324,9 @@ def test_kernels_package_split_by_concern():
     """Device pieces live in one module per concern, and the forward kernels import them."""
     kernels = PACKAGE / "kernels"
     assert {"blocks", "smem", "softmax", "epilogue", "common"} <= {p.stem for p in kernels.glob("*.py")}
-    pieces = {"forward_mma.py": ("blocks", "smem", "softmax", "epilogue", "common"),
-              "forward_ws.py": ("blocks", "softmax", "epilogue", "common", "wgmma_gemms")}
+    pieces = {"forward_mma.py": ("blocks", "smem", "mma_pieces", "epilogue", "common"),
+              "forward_ws.py": ("blocks", "softmax", "epilogue", "common", "wgmma_gemms"),
+              "decode_mma.py": ("blocks", "mma_pieces", "epilogue", "common")}
     for kernel, used in pieces.items():
         text = (kernels / kernel).read_text()
         for piece in used:

@@ -10,6 +10,7 @@ from numba import cuda, float32, int32, uint32
 FULL_MASK = 0xFFFFFFFF  # every lane of a warp, for shuffles
 NEG_INF = float32(-math.inf)
 LN2 = math.log(2.0)  # LSE is stored in natural-log units; the kernels work in log2
+LOG2_E = math.log2(math.e)  # exp(x) = exp2(x · LOG2_E); wrap both in float32() in device code
 
 
 # The O rescale is skipped (warp-uniformly) unless some row max grew by more than this

@@ -27,30 +27,27 @@ left <= j <= i + L - seqlen_q + right; a CTA reads only the key tiles its rows' 
 follows the window, not the cache; the new rows are appended into the cache by a pass of their
 own, since the walk may skip their tiles) and ``softcap`` (scores tanh(QKᵀ · scale / softcap)
 before the softmax, ``softmax.cap_scores``, whose exponent factor is then softcap·log2(e)).
+
+The kernel is built from rooms: ``make_decode_rows`` (the row source: Q's packed rows, a dense or
+paged cache and the appended rows), ``make_decode_step`` (the walk over the key tiles, on the
+forward's QK and PV steps, online softmax and masker from ``mma_pieces``) and ``make_warp_stash``
+(the first half of the warps' merge); ``run_decode`` holds the prologue and the merge itself.
 """
 
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
 from .blocks import Band, band_kv_tiles
-from .common import FULL_MASK, NEG_INF, unroll
+from .common import FULL_MASK, LN2, LOG2_E, NEG_INF, unroll
+from .epilogue import log_sum_exp
+from .mma_pieces import MmaShape, make_masker, make_online_softmax, make_pv_steps, make_qk_steps
 from .shapes import DecodeConfig
-from .smem import block_offset, ldmatrix_offsets, swizzled_offset
-from .softmax import (
-    cap_scores,
-    exponentiate,
-    max_grew,
-    pack_16bit,
-    pack_p_fragments,
-    quad_sum,
-    rescale_rows,
-    scaled_row_maxes,
-)
+from .smem import ldmatrix_offsets, swizzled_offset
+from .softmax import pack_16bit, quad_sum
 
 # One sequence's keys: batch b, its cache rows, its total length (cache + new rows), and its
 # block table (paged: capacity is the page size, pages the table's row length).
@@ -66,9 +63,6 @@ RowPlace = namedtuple("RowPlace", ["exists", "from_new", "unit", "row", "new_row
 # One combine warp's columns: its accumulator, the partials, this lane's split weight, the
 # element of the row's first split in this lane's column, the last split's index.
 CombineRow = namedtuple("CombineRow", ["acc", "o_part", "weight", "first", "last"])
-
-LOG2_E = float32(math.log2(math.e))
-LN2 = float32(math.log(2.0))
 
 
 # The plain kernel's parameters (``DECODE_ARGTYPES``), as the body (``run_decode``) takes them.
@@ -106,52 +100,52 @@ def window_tiles(total, seqlen_q, group, r0, rows, block_n, window_left, window_
                          Band(total, diag - window_left, diag + window_right))
 
 
-def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,
-                       softcap: bool = False):
-    """The decode kernel (``DECODE_ARGTYPES``): grid (num_splits, row_blocks * heads_kv, batch),
-    ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory. ``window`` or
-    ``softcap``: a variant (``DECODE_VARIANT_ARGTYPES``: window_left, window_right, cap_scale
-    after the plain parameters; ``scale_log2`` is then softcap·log2(e) with a softcap); a window
-    kernel's ``causal`` must be False (its right side 0 is causal masking)."""
-    if window and causal:
-        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
-    config.check()
-    D = config.head_dim
+# The row source's steps (``make_decode_rows``): a thread's chunks of a K or V tile, the ring's
+# wait, the block table's look-ahead, a tile's copy, Q's copy, the window kernels' append.
+DecodeRows = namedtuple("DecodeRows", ["slots", "wait_ring", "fetch_pages", "load_tiles", "load_q_rows",
+                                       "append_new_rows"])
+# What the walk over the key tiles (``make_decode_step``) reads: the split's tiles [first, last), the
+# sequence and its key rows, the thread, whether to append, the block-table look-ahead, the shared
+# memory base and Q tile, the warp, the ldmatrix offsets, the fragments (S, O, Q, P, K/V), the
+# softmax state, the two exponent factors and the keys the rows see (a RowKeys).
+DecodeLoop = namedtuple("DecodeLoop", ["first", "last", "seq", "ks", "vs", "tid", "append", "pages_at",
+                                       "base", "sq", "warp", "a_offsets", "k_offsets", "acc_s", "acc_o",
+                                       "q_frag", "p_frag", "b_frag", "m_run", "l_run", "mx", "scale_log2",
+                                       "cap_scale", "keys"])
+# The keys a block's packed rows see (row r: query r // group), for the masker: the lane, the
+# sequence's length and diagonal, the block's first row, the GQA group, the block's last query
+# (window), the window's sides, and each fragment row's last and (window) first key (int64 (m_tiles, 2)).
+RowKeys = namedtuple("RowKeys", ["lane", "total", "diag", "r0", "group", "pos_last", "left", "right", "upper",
+                                 "lower"])
+# Where the warps' merge writes (``make_warp_stash``, ``run_decode``): batch, KV head, split, the
+# block's first packed row and the rows that exist, the warp and the lane.
+MergeRows = namedtuple("MergeRows", ["b", "kv_head", "split", "r0", "rows_total", "warp", "lane"])
+
+
+def decode_shape(config: DecodeConfig) -> MmaShape:
+    """The pieces' shape of a decode config: every warp takes all the Q tile's m-tiles and its own
+    ``block_n / num_warps`` keys of each K and V tile (from ``warp * keys`` rows in)."""
+    return MmaShape(config.head_dim, config.rows, config.block_n, config.block_n // config.num_warps,
+                    config.m_tiles, config.row_bytes)
+
+
+def make_decode_rows(config: DecodeConfig) -> DecodeRows:
+    """The row source: Q's packed rows, and the key rows of a dense or paged cache with the new
+    rows appended (cp.async into the ring's swizzled K and V tiles)."""
     BN = config.block_n
     BM = config.rows
-    MT = config.m_tiles
-    WARPS = config.num_warps
     THREADS = config.threads
     STAGES = config.stages
-    KW = BN // WARPS  # keys of a tile each warp takes
-    CPR = D // 8  # 16-byte chunks per row
-    OS = config.merge_row  # the warps' merge: floats from one O row to the next
+    CPR = config.head_dim // 8  # 16-byte chunks per row
     RB = config.row_bytes
-    D_K_TILES = D // 16
-    D_N_TILES = D // 8
-    S_N_TILES = KW // 8
-    S_PAIRS = S_N_TILES // 2
-    P_K_TILES = KW // 16
-    O_PAIRS = D_N_TILES // 2
-    TILE_BYTES = BN * D * 2
-    STAGE_BYTES = 2 * TILE_BYTES  # K then V
-    SQ = 0
-    SRING = BM * D * 2
+    TILE_BYTES = BN * config.head_dim * 2
     Q_CHUNKS = BM * CPR
     KV_CHUNKS = BN * CPR
     # A thread's 16-byte chunks of a K (or V) tile: where its chunks divide the rows, one chunk
     # column and every (THREADS / CPR)-th row (ROW_WALK), else consecutive chunk indices.
     ROW_WALK = THREADS % CPR == 0 and BN % (THREADS // CPR) == 0
     SLOTS = BN // (THREADS // CPR) if ROW_WALK else KV_CHUNKS // THREADS
-    # Q's fragments stay in registers across the walk where they are few (d <= 128 at 16 rows).
-    Q_REGS = MT * D_K_TILES <= 8
     PAGED = config.paged
-    CAUSAL = causal
-    WINDOW = window
-    SOFTCAP = softcap
-    VARIANT = window or softcap
-    BF16 = bf16
-    mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, forceinline=True)
     def wait_ring():
@@ -290,64 +284,6 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                                          exists)
 
     @cuda.jit(device=True, forceinline=True)
-    def load_q_fragments(q_frag, sq, a_offsets):
-        """Every m-tile and k-tile of the Q tile into registers (``Q_REGS``)."""
-        for kt in range(D_K_TILES):
-            for mt in range(MT):
-                ptx.ldmatrix_x4(q_frag[mt, kt], sq + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
-
-    @cuda.jit(device=True, forceinline=True)
-    def scores(acc_s, sq, sk, w, a_offsets, k_offsets, q_frag, b_frag):
-        """S = Q K_wᵀ: every m-tile of the Q tile (from registers with ``Q_REGS``, else from
-        shared memory k-tile by k-tile) against this warp's KW keys of the K tile."""
-        for mt in range(MT):
-            for j in range(S_N_TILES):
-                for e in range(4):
-                    acc_s[mt, j, e] = 0.0
-        for kt in range(D_K_TILES):
-            qk = kt if Q_REGS else 0
-            if not Q_REGS:
-                for mt in range(MT):
-                    ptx.ldmatrix_x4(q_frag[mt, 0], sq + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
-            for j2 in range(S_PAIRS):
-                ptx.ldmatrix_x4(b_frag, sk + block_offset(k_offsets, kt, BN, RB) + (w * KW + j2 * 16) * RB)
-                for mt in range(MT):
-                    mma(acc_s[mt, 2 * j2], q_frag[mt, qk], b_frag[0:2])
-                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qk], b_frag[2:4])
-
-    @cuda.jit(device=True, forceinline=True)
-    def accumulate_pv(acc_o, p_frag, sv, w, v_offsets, b_frag):
-        """O_w += P_w V_w over this warp's KW keys of the V tile (transposing ldmatrix)."""
-        for kt in range(P_K_TILES):
-            for j2 in range(O_PAIRS):
-                at = sv + block_offset(v_offsets, j2, BN, RB) + (w * KW + kt * 16) * RB
-                ptx.ldmatrix_x4_trans(b_frag, at)
-                for mt in range(MT):
-                    mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0:2])
-                    mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[2:4])
-
-    @cuda.jit(device=True, forceinline=True)
-    def mask(acc_s, key0, lane, total, limit):
-        """-inf on keys at or past ``total`` and, causal, past each fragment row's ``limit``."""
-        for mt in range(MT):
-            for j in range(S_N_TILES):
-                for e in range(4):
-                    key = key0 + 8 * j + 2 * (lane % 4) + e % 2
-                    if key >= total or (CAUSAL and key > limit[mt, e // 2]):
-                        acc_s[mt, j, e] = NEG_INF
-
-    @cuda.jit(device=True, forceinline=True)
-    def mask_window(acc_s, key0, lane, total, limit, lower):
-        """Window kernels: -inf on keys at or past ``total``, past each fragment row's upper edge
-        ``limit`` or before its lower edge ``lower``."""
-        for mt in range(MT):
-            for j in range(S_N_TILES):
-                for e in range(4):
-                    key = key0 + 8 * j + 2 * (lane % 4) + e % 2
-                    if key >= total or key > limit[mt, e // 2] or key < lower[mt, e // 2]:
-                        acc_s[mt, j, e] = NEG_INF
-
-    @cuda.jit(device=True, forceinline=True)
     def append_new_rows(seq, ks, vs, seqlen_new, split, num_splits, tid):
         """Window kernels (row block 0): write this split's new rows (split, split + num_splits,
         ...) of k_new and v_new into the cache (where it has room), 16 bytes a thread at a time.
@@ -365,6 +301,182 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
             if to_cache != 0:
                 ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
+
+    return DecodeRows(SLOTS, wait_ring, fetch_pages, load_tiles, load_q_rows, append_new_rows)
+
+
+def make_decode_step(config: DecodeConfig, causal: bool, bf16: bool, window: bool, softcap: bool,
+                     rows: DecodeRows):
+    """The walk over the split's key tiles, ``walk(loop)`` (``loop``: a DecodeLoop): for each tile
+    t, wait for it, start the copy of tile t + stages - 1, then the warp's S = Q K_wᵀ, softcap and
+    masks, online softmax and O_w += P_w V_w, on the forward's pieces (``mma_pieces``: the warp's
+    keys are key slice ``warp`` of each tile)."""
+    shape = decode_shape(config)
+    BN = config.block_n
+    KW = shape.keys  # keys of a tile each warp takes
+    STAGES = config.stages
+    TILE_BYTES = BN * config.head_dim * 2
+    STAGE_BYTES = 2 * TILE_BYTES  # K then V
+    SRING = config.rows * config.head_dim * 2
+    D_K_TILES = config.head_dim // 16
+    Q_REGS = q_in_registers(config)
+    SOFTCAP = softcap
+    CAUSAL = causal
+    WINDOW = window
+    qk = make_qk_steps(shape, Q_REGS, False, bf16)
+    pv = make_pv_steps(shape, False, bf16)
+    softmax = make_online_softmax(shape, bf16, pv, False)
+    load_q_slice, qk_scores, pv_accumulate = qk.load_q_slice, qk.qk_scores, pv.pv_accumulate
+    cap, refresh_row_maxes = softmax.cap, softmax.refresh_row_maxes
+    exponentiate_tile = softmax.exponentiate_tile
+    mask_rows = make_masker(shape, causal, window).mask_rows
+    wait_ring, fetch_pages, load_tiles = rows.wait_ring, rows.fetch_pages, rows.load_tiles
+
+    @cuda.jit(device=True, forceinline=True)
+    def mask_keys(acc_s, key0, rk):
+        """The masker's ``mask_rows`` on this warp's keys from ``key0`` (``rk``: a RowKeys), where
+        they cross the end of the keys, the first row's upper edge or the last row's lower edge."""
+        if WINDOW:
+            if (key0 + KW > rk.total or key0 + KW - 1 > rk.diag + rk.r0 // rk.group + rk.right
+                    or key0 < rk.diag + rk.pos_last - rk.left):
+                mask_rows(acc_s, key0, rk.lane, rk.total, rk.upper, rk.lower)
+        elif key0 + KW > rk.total or (CAUSAL and key0 + KW - 1 > rk.diag + rk.r0 // rk.group):
+            mask_rows(acc_s, key0, rk.lane, rk.total, rk.upper, rk.lower)
+
+    @cuda.jit(device=True, forceinline=True)
+    def walk(loop):
+        first, last = loop.first, loop.last
+        base, warp, a_offsets = loop.base, loop.warp, loop.a_offsets
+        acc_s, acc_o, p_frag, b_frag = loop.acc_s, loop.acc_o, loop.p_frag, loop.b_frag
+        m_run, l_run, scale_log2 = loop.m_run, loop.l_run, loop.scale_log2
+        for t in range(first, last):
+            stage = (t - first) % STAGES
+            wait_ring()  # tile t (and Q) have landed ...
+            cuda.syncthreads()  # ... for everyone, and everyone is done with tile t - 1's stage
+            if Q_REGS and t == first:
+                for kt in range(D_K_TILES):  # every m-tile and k-tile of the Q tile into registers
+                    load_q_slice(loop.q_frag, kt, loop.sq, a_offsets, kt)
+            nxt = t + STAGES - 1
+            if nxt < last:
+                ring = base + SRING + ((nxt - first) % STAGES) * STAGE_BYTES
+                load_tiles(ring, nxt * BN, loop.seq, loop.ks, loop.vs, loop.tid, loop.append, loop.pages_at)
+                if nxt + 1 < last:
+                    fetch_pages(loop.pages_at, (nxt + 1) * BN, loop.seq, loop.tid)
+            ptx.cp_async_commit_group()
+            sk = base + SRING + stage * STAGE_BYTES
+            qk_scores(acc_s, loop.q_frag, loop.sq, a_offsets, sk, loop.k_offsets, b_frag, warp)
+            key0 = t * BN + warp * KW
+            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+                cap(acc_s, loop.cap_scale)
+            mask_keys(acc_s, key0, loop.keys)
+            refresh_row_maxes(acc_s, acc_o, m_run, l_run, loop.mx, scale_log2)
+            exponentiate_tile(acc_s, p_frag, m_run, l_run, scale_log2)
+            pv_accumulate(acc_o, p_frag, sk + TILE_BYTES, a_offsets, b_frag, warp)
+
+    return walk
+
+
+def make_warp_stash(config: DecodeConfig):
+    """The first half of the warps' merge, ``stash(smem_f, acc_o, m_run, l_run, at)`` (``at``: a
+    MergeRows): once every copy has landed, each warp writes its m, l (quad-summed) and
+    unnormalised O (float32) into shared memory over the ring (``stash_layout``), for the rows
+    that exist (4 of 16 at GQA 4 and seqlen_q 1). O's rows are ``merge_row`` floats apart, 8 mod
+    32: the 8 rows of a store fall on 4 bank groups, not on one (a row stride of D made every O
+    store an 8-way bank conflict under ncu)."""
+    BM = config.rows
+    MT = config.m_tiles
+    OS = config.merge_row  # floats from one O row to the next
+    D_N_TILES = config.head_dim // 8
+    O_AT, ML_AT = stash_layout(config)
+
+    @cuda.jit(device=True, forceinline=True)
+    def stash(smem_f, acc_o, m_run, l_run, at):
+        ptx.cp_async_wait_group_0()
+        cuda.syncthreads()
+        g = at.lane // 4
+        for mt in range(MT):
+            for r in range(2):
+                row = 16 * mt + g + 8 * r
+                l_sum = quad_sum(l_run[mt, r])
+                if at.r0 + row < at.rows_total:
+                    if at.lane % 4 == 0:
+                        smem_f[ML_AT + (at.warp * BM + row) * 2] = m_run[mt, r]
+                        smem_f[ML_AT + (at.warp * BM + row) * 2 + 1] = l_sum
+                    for j in range(D_N_TILES):
+                        for e in range(2):
+                            col = 8 * j + 2 * (at.lane % 4) + e
+                            smem_f[O_AT + (at.warp * BM + row) * OS + col] = acc_o[mt, j, 2 * r + e]
+        cuda.syncthreads()
+
+    return stash
+
+
+def stash_layout(config: DecodeConfig) -> tuple[int, int]:
+    """Where the warps' merge keeps its float32 values (indices of the dynamic shared memory as
+    float32, over the ring): O at [warps][rows][merge_row], then (m scaled log2, l) at
+    [warps][rows][2]."""
+    o_at = config.rows * config.head_dim * 2 // 4
+    return o_at, o_at + config.num_warps * config.rows * config.merge_row
+
+
+def q_in_registers(config: DecodeConfig) -> bool:
+    """Q's fragments stay in registers across the walk where they are few (d <= 128 at 16 rows)."""
+    return config.m_tiles * (config.head_dim // 16) <= 8
+
+
+def decode_entry(run_decode, variant: bool):
+    """The decode kernel's entry function around its body ``run_decode(p, window_left,
+    window_right, cap_scale)``: parameters ``DecodeParams``' fields in order (``DECODE_ARGTYPES``),
+    then for a ``variant`` ``window_left, window_right, cap_scale`` (``DECODE_VARIANT_ARGTYPES``;
+    the plain kernel passes 0, 0, 0.0). Generated from the one list of names, so that the
+    parameters are written once; named ``flash_decode`` or ``flash_decode_variant``."""
+    params = ", ".join(DecodeParams._fields)
+    extra = ", window_left, window_right, cap_scale" if variant else ""
+    rest = "window_left, window_right, cap_scale" if variant else "int64(0), int64(0), float32(0.0)"
+    name = "flash_decode_variant" if variant else "flash_decode"
+    namespace = {"run_decode": run_decode, "DecodeParams": DecodeParams, "int64": int64, "float32": float32}
+    exec(f"def {name}({params}{extra}):\n    run_decode(DecodeParams({params}), {rest})\n",  # noqa: S102
+         namespace)
+    return namespace[name]
+
+
+def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,
+                       softcap: bool = False):
+    """The decode kernel (``DECODE_ARGTYPES``): grid (num_splits, row_blocks * heads_kv, batch),
+    ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory. ``window`` or
+    ``softcap``: a variant (``DECODE_VARIANT_ARGTYPES``: window_left, window_right, cap_scale
+    after the plain parameters; ``scale_log2`` is then softcap·log2(e) with a softcap); a window
+    kernel's ``causal`` must be False (its right side 0 is causal masking)."""
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
+    config.check()
+    D = config.head_dim
+    BN = config.block_n
+    BM = config.rows
+    MT = config.m_tiles
+    STAGES = config.stages
+    RB = config.row_bytes
+    D_K_TILES = D // 16
+    D_N_TILES = D // 8
+    S_N_TILES = decode_shape(config).keys // 8
+    P_K_TILES = decode_shape(config).keys // 16
+    STAGE_BYTES = 2 * BN * D * 2  # K then V
+    SQ = 0  # the Q tile's offset in shared memory, then the ring's
+    SRING = BM * D * 2
+    Q_REGS = q_in_registers(config)
+    WINDOW = window
+    rows = make_decode_rows(config)
+    SLOTS = rows.slots
+    fetch_pages, load_tiles = rows.fetch_pages, rows.load_tiles
+    load_q_rows, append_new_rows = rows.load_q_rows, rows.append_new_rows
+    walk = make_decode_step(config, causal, bf16, window, softcap, rows)
+    stash = make_warp_stash(config)
+    WARPS = config.num_warps
+    OS = config.merge_row  # the warps' merge: floats from one O row to the next
+    O_AT, ML_AT = stash_layout(config)
+    THREADS = config.threads
+    CPR = D // 8  # 16-byte chunks per row
+    BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
     def run_decode(p, window_left, window_right, cap_scale):
@@ -385,8 +497,9 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         cache_len = int64(p.cache_seqlens[uint64(b)])
         total = cache_len + p.seqlen_new
         diag = total - p.seqlen_q  # query i sees keys j <= i + diag
+        pos_last = int64(0)  # the block's last query (window kernels only)
         if WINDOW:  # the key tiles the rows' windows reach, from this sequence's length, split
-            pos_last = (min(r0 + BM, rows_total) - 1) // p.group  # the block's last query
+            pos_last = (min(r0 + BM, rows_total) - 1) // p.group
             kv_first, kv_end = window_tiles(total, p.seqlen_q, p.group, r0, min(BM, rows_total - r0), BN,
                                             window_left, window_right)
             first, last = decode_split(kv_end - kv_first, p.num_splits, split)
@@ -430,7 +543,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         acc_s = cuda.local.array((MT, S_N_TILES, 4), float32)
         q_frag = cuda.local.array((MT, D_K_TILES if Q_REGS else 1, 4), uint32)
         p_frag = cuda.local.array((MT, P_K_TILES, 4), uint32)
-        b_frag = cuda.local.array(4, uint32)
+        b_frag = cuda.local.array((1, 4), uint32)  # K or V fragments (one buffer)
         m_run = cuda.local.array((MT, 2), float32)
         l_run = cuda.local.array((MT, 2), float32)
         mx = cuda.local.array((MT, 2), float32)
@@ -444,72 +557,22 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                 if WINDOW:
                     lower[mt, r] = limit[mt, r] - window_left
                     limit[mt, r] += window_right
-        a_offsets = cuda.local.array(4, uint32)
+        a_offsets = cuda.local.array(4, uint32)  # Q as the A operand, V as the B operand of PV
         ldmatrix_offsets(a_offsets, lane % 16, lane // 16, RB)
         k_offsets = cuda.local.array(4, uint32)
         ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
 
-        for t in range(first, last):
-            stage = (t - first) % STAGES
-            wait_ring()  # tile t (and Q) have landed ...
-            cuda.syncthreads()  # ... for everyone, and everyone is done with tile t - 1's stage
-            if Q_REGS and t == first:
-                load_q_fragments(q_frag, sq, a_offsets)
-            nxt = t + STAGES - 1
-            if nxt < last:
-                ring = base + SRING + ((nxt - first) % STAGES) * STAGE_BYTES
-                load_tiles(ring, nxt * BN, seq, ks, vs, tid, append, pages_at)
-                if nxt + 1 < last:
-                    fetch_pages(pages_at, (nxt + 1) * BN, seq, tid)
-            ptx.cp_async_commit_group()
-            sk = base + SRING + stage * STAGE_BYTES
-            scores(acc_s, sq, sk, warp, a_offsets, k_offsets, q_frag, b_frag)
-            key0 = t * BN + warp * KW
-            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
-                for mt in range(MT):
-                    cap_scores(acc_s[mt], S_N_TILES, cap_scale)
-            if WINDOW:  # the end of the keys, the first row's upper edge, the last row's lower edge
-                if (key0 + KW > total or key0 + KW - 1 > diag + r0 // p.group + window_right
-                        or key0 < diag + pos_last - window_left):
-                    mask_window(acc_s, key0, lane, total, limit, lower)
-            elif key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + r0 // p.group):
-                mask(acc_s, key0, lane, total, limit)
-            grow = False
-            for mt in range(MT):
-                scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], p.scale_log2)
-                grow = grow or max_grew(mx[mt], m_run[mt], float32(0.0))
-            if cuda.any_sync(FULL_MASK, grow):
-                for mt in range(MT):
-                    rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
-            for mt in range(MT):
-                exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], p.scale_log2)
-                pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
-            accumulate_pv(acc_o, p_frag, sk + TILE_BYTES, warp, a_offsets, b_frag)
+        loop = DecodeLoop(first, last, seq, ks, vs, tid, append, pages_at, base, sq, warp, a_offsets,
+                          k_offsets, acc_s, acc_o, q_frag, p_frag, b_frag, m_run, l_run, mx, p.scale_log2,
+                          cap_scale, RowKeys(lane, total, diag, r0, p.group, pos_last, window_left,
+                                             window_right, limit, lower))
+        walk(loop)
 
         ptx.grid_launch_dependents()  # the combine kernel (sm_90: launched programmatically) may start
-        # Merge the warps: each writes its m, l (quad-summed) and unnormalised O (float32) into
-        # shared memory over the ring; then thread t merges 8 consecutive columns of rows. Only
-        # rows that exist are written (4 of 16 at GQA 4 and seqlen_q 1), and O's rows are OS
-        # floats apart, 8 mod 32: the 8 rows of a store fall on 4 bank groups, not on one (a
-        # row stride of D made every O store an 8-way bank conflict, ncu, H100).
-        ptx.cp_async_wait_group_0()
-        cuda.syncthreads()
-        o_at = SRING // 4  # float32 [WARPS][BM][OS], indices of smem_f
-        ml_at = o_at + WARPS * BM * OS  # float32 [WARPS][BM][2]: m (scaled log2), l
-        g = lane // 4
-        for mt in range(MT):
-            for r in range(2):
-                row = 16 * mt + g + 8 * r
-                l_sum = quad_sum(l_run[mt, r])
-                if r0 + row < rows_total:
-                    if lane % 4 == 0:
-                        smem_f[ml_at + (warp * BM + row) * 2] = m_run[mt, r]
-                        smem_f[ml_at + (warp * BM + row) * 2 + 1] = l_sum
-                    for j in range(D_N_TILES):
-                        for e in range(2):
-                            col = 8 * j + 2 * (lane % 4) + e
-                            smem_f[o_at + (warp * BM + row) * OS + col] = acc_o[mt, j, 2 * r + e]
-        cuda.syncthreads()
+        at = MergeRows(b, kv_head, split, r0, rows_total, warp, lane)
+        stash(smem_f, acc_o, m_run, l_run, at)
+        # Then thread t merges 8 consecutive columns of a row and writes O (one split: in the input
+        # dtype, and the LSE) or the split's float32 partials and LSE.
         heads_q = p.heads_kv * p.group
         for i in range((BM * CPR + THREADS - 1) // THREADS):
             idx = tid + i * THREADS
@@ -519,19 +582,19 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
             if idx < BM * CPR and r < rows_total:
                 m_max = NEG_INF
                 for w in range(WARPS):
-                    m_max = max(m_max, smem_f[ml_at + (w * BM + row) * 2])
+                    m_max = max(m_max, smem_f[ML_AT + (w * BM + row) * 2])
                 l_all = float32(0.0)
                 acc = cuda.local.array(8, float32)
                 for c in range(8):
                     acc[c] = 0.0
                 if m_max != NEG_INF:
                     for w in range(WARPS):
-                        weight = ptx.exp2(smem_f[ml_at + (w * BM + row) * 2] - m_max)
-                        l_all += weight * smem_f[ml_at + (w * BM + row) * 2 + 1]
+                        weight = ptx.exp2(smem_f[ML_AT + (w * BM + row) * 2] - m_max)
+                        l_all += weight * smem_f[ML_AT + (w * BM + row) * 2 + 1]
                         for c in range(8):
-                            acc[c] += weight * smem_f[o_at + (w * BM + row) * OS + chunk * 8 + c]
+                            acc[c] += weight * smem_f[O_AT + (w * BM + row) * OS + chunk * 8 + c]
                 inv = float32(1.0) / l_all if l_all > 0 else float32(0.0)
-                lse_value = (m_max + ptx.log2(l_all)) * LN2 if l_all > 0 else NEG_INF
+                lse_value = log_sum_exp(m_max, l_all)
                 pos = r // p.group
                 head = kv_head * p.group + r - pos * p.group
                 if p.num_splits == 1:
@@ -551,40 +614,13 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                     if chunk == 0:
                         p.lse_part[uint64(row_id * p.num_splits + split)] = lse_value
 
+
+
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
-    name = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
-    if VARIANT:
-        def flash_decode_variant(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
-                                 o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
-                                 vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
-                                 seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
-                                 heads_kv, group, row_blocks, num_splits, scale_log2, write_lse,
-                                 window_left, window_right, cap_scale):
-            run_decode(DecodeParams(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
-                                    o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
-                                    vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
-                                    seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
-                                    heads_kv, group, row_blocks, num_splits, scale_log2, write_lse),
-                       window_left, window_right, cap_scale)
-
-        kernel = flash_decode_variant
-    else:  # the plain kernel keeps its parameter list (``DECODE_ARGTYPES``)
-        def flash_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
-                         o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
-                         vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
-                         seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
-                         heads_kv, group, row_blocks, num_splits, scale_log2, write_lse):
-            run_decode(DecodeParams(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, out, lse,
-                                    o_part, lse_part, q_sb, q_ss, q_sh, kc_sb, kc_ss, kc_sh, vc_sb, vc_ss,
-                                    vc_sh, kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh, o_sb, o_ss, o_sh,
-                                    seqlen_q, seqlen_new, capacity, bt_stride, pages, page_magic, page_shift,
-                                    heads_kv, group, row_blocks, num_splits, scale_log2, write_lse),
-                       int64(0), int64(0), float32(0.0))
-
-        kernel = flash_decode
-    kernel.__name__ = name
-    kernel.launch_bounds = (THREADS, 1)
+    kernel = decode_entry(run_decode, window or softcap)
+    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
+    kernel.launch_bounds = (config.threads, 1)
     return kernel
 
 
@@ -642,7 +678,7 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
         m_max = mine
         for step in (16, 8, 4, 2, 1):
             m_max = max(m_max, cuda.shfl_xor_sync(FULL_MASK, m_max, step))
-        weight = ptx.exp2((mine - m_max) * LOG2_E) if mine != NEG_INF else float32(0.0)
+        weight = ptx.exp2((mine - m_max) * float32(LOG2_E)) if mine != NEG_INF else float32(0.0)
         total = weight
         for step in (16, 8, 4, 2, 1):
             total += cuda.shfl_xor_sync(FULL_MASK, total, step)
@@ -654,7 +690,7 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
         out[uint64(b * o_sb + pos * o_ss + head * o_sh + col)] = uint16(packed & uint32(0xFFFF))
         if write_lse and col == 0:
             lse[uint64((b * heads_q + head) * seqlen_q + pos)] = (
-                m_max + ptx.log2(total) * LN2 if total > 0 else NEG_INF)
+                m_max + ptx.log2(total) * float32(LN2) if total > 0 else NEG_INF)
 
     decode_combine.__name__ = f"flash_decode_combine_d{D}_{'bf16' if bf16 else 'f16'}"
     decode_combine.launch_bounds = (128, 1)

@@ -85,7 +85,11 @@ def store_lse(lse, lse_base, row0, num_rows, m_run, l_run, lane):
         rows_left = uint32(max(min(num_rows - row0, 16), 0))  # 32-bit compares below
         for r in range(2):
             if uint32(g + 8 * r) < rows_left:
-                value = NEG_INF
-                if l_run[r] > 0:
-                    value = (m_run[r] + ptx.log2(l_run[r])) * float32(LN2)
-                lse[uint64(lse_base + row0 + g + 8 * r)] = value
+                lse[uint64(lse_base + row0 + g + 8 * r)] = log_sum_exp(m_run[r], l_run[r])
+
+
+@cuda.jit(device=True, forceinline=True)
+def log_sum_exp(m, l_sum):
+    """The log-sum-exp (natural log) of a row whose max is ``m`` (scaled, log2 units) and whose
+    sum of exp2(s - m) is ``l_sum``; -inf for a row that saw no key (``l_sum`` 0)."""
+    return (m + ptx.log2(l_sum)) * float32(LN2) if l_sum > 0 else NEG_INF

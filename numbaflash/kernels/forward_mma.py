@@ -33,6 +33,10 @@ the sequence, whose rows start at ``cu_seqlens_q[b]`` (two int32 loads each for 
 whose own lengths replace seqlen_q and seqlen_k (so masks, causal diagonal and window are per
 sequence, and no tile reads or writes a row of another sequence); a query block past its
 sequence's end returns at once. The LSE is (heads_q, total_q). The other builds never see it.
+
+The kernel is built from rooms, each returning its named steps: ``make_row_source`` (dense or
+varlen rows), ``make_kv_step`` (one KV tile: copies, and the QK / PV steps, online softmax and
+masker of ``mma_pieces``, which the decode kernel shares) and ``make_forward_epilogue``.
 """
 
 from __future__ import annotations
@@ -42,46 +46,186 @@ from collections import namedtuple
 from numba import cuda, float32, int64, types, uint32
 
 from .. import ptx
-from .blocks import (
-    Band,
-    band_kv_tiles,
-    band_needs_mask,
-    mask_band,
-    mask_scores,
-    query_block,
-    visible_kv_tiles,
-)
-from .common import FULL_MASK, NEG_INF, THRESHOLD, keep_in_register, unroll
+from .blocks import Band, ScoreMask, band_kv_tiles, query_block, visible_kv_tiles
+from .common import NEG_INF, keep_in_register
 from .epilogue import stage_output_rows, store_lse, store_rows_global
+from .mma_pieces import MmaShape, make_masker, make_online_softmax, make_pv_steps, make_qk_steps
 from .shapes import ForwardConfig
-from .smem import (
-    block_offset,
-    copy_tile_async,
-    drain_copies,
-    global_rows,
-    ldmatrix_offsets,
-    load_a_fragments,
-)
-from .softmax import (
-    cap_scores,
-    exponent_offsets,
-    exponentiate,
-    exponentiate_slice,
-    max_grew,
-    pack_p_fragments,
-    pack_p_slice,
-    rescale_rows,
-    scaled_row_maxes,
-)
+from .smem import copy_tile_async, drain_copies, global_rows, ldmatrix_offsets, load_a_fragments
 
-# What the interleaved softmax + PV slices share (``slice_into_pv``): S (exponentiated in place),
-# O, P fragments, the exponent offsets and partial row sums of every m-tile, the softmax scale,
-# and V's tile, ldmatrix offsets and fragment buffer.
-PvSlices = namedtuple("PvSlices", ["acc_s", "acc_o", "p_frag", "m_use", "row_sum", "scale_log2", "v_tile",
-                                   "v_offsets", "b_frag"])
 # What a varlen kernel passes in the body's ``batch_size`` slot: the number of sequences, the
 # int32 cumulative offsets of their queries and keys (count + 1,), and the LSE's head stride.
 Sequences = namedtuple("Sequences", ["count", "cu_seqlens_q", "cu_seqlens_k", "lse_head_stride"])
+# Where a CTA's rows are (``make_row_source``): whether it has any, the first query and key rows
+# of its sequence (0 for a dense batch), and the sequence's lengths.
+Span = namedtuple("Span", ["present", "start_q", "start_k", "seqlen_q", "seqlen_k"])
+# The row source's steps: the CTA's Span, a tensor's GlobalRows, the LSE's first element.
+RowSource = namedtuple("RowSource", ["locate", "rows_of", "lse_base"])
+# What one KV tile's step (``make_kv_step``) reads: the loop's extent (n_tiles from tile kv_first),
+# the thread, the shared K and V tiles and the warp's Q rows, K's and V's GlobalRows and ldmatrix
+# offsets, the fragments (S, O, Q, P, K/V), the softmax state (running maxes and sums, scratch),
+# the two exponent factors, the warp's ScoreMask and the window's Band.
+KvLoop = namedtuple("KvLoop", ["n_tiles", "kv_first", "tid", "sk", "sv", "q_warp", "k_rows", "v_rows",
+                               "k_offsets", "v_offsets", "acc_s", "acc_o", "q_frag", "p_frag", "b_frag",
+                               "m_run", "l_run", "mx", "scale_log2", "cap_scale", "at", "band"])
+# Where the epilogue writes (``make_forward_epilogue``): O and its strides, the LSE and whether
+# to write it, heads_q, and the body's ``batch_size`` slot (a Sequences for varlen kernels).
+OutRows = namedtuple("OutRows", ["o", "o_sb", "o_ss", "o_sh", "lse", "write_lse", "heads_q", "seqs"])
+# The warp's block in the epilogue: the CTA's Span, batch and head, the shared Q tile (staging),
+# the warp's first row in it and in the sequence, and the lane.
+WarpRows = namedtuple("WarpRows", ["span", "batch", "head", "sq", "warp_row", "row_first", "lane"])
+
+
+def forward_shape(config: ForwardConfig) -> MmaShape:
+    """The pieces' shape of a forward config: a warp takes every key of a tile."""
+    return MmaShape(config.head_dim, config.block_m, config.block_n, config.block_n, config.warp_m_tiles,
+                    128 if config.head_dim % 64 == 0 else 64)
+
+
+def interleaves(config: ForwardConfig, softcap: bool) -> bool:
+    """Whether the kernel interleaves the softmax with PV. With a softcap the interleaved
+    order spills (d64 128 x 128: 34 LDL/STL at sm_80, the tanh pass on top of a 255-register
+    kernel): softcap kernels run the plain order instead."""
+    return config.interleave_pv and not softcap
+
+
+def make_row_source(varlen: bool) -> RowSource:
+    """Where a CTA's rows are: a dense batch (``batch_size`` an int), or with ``varlen`` packed
+    sequences (``batch_size`` a Sequences: the CTA's sequence is grid z, its rows start at its
+    cumulative offsets and its own lengths replace seqlen_q and seqlen_k)."""
+    VARLEN = varlen
+
+    @cuda.jit(device=True, forceinline=True)
+    def locate(batch_size, batch, m0, seqlen_q, seqlen_k):
+        """The Span of the CTA's query block from row ``m0`` of batch (or sequence) ``batch``:
+        not present past the last (batch, head) pair of a folded grid, nor (varlen) past its
+        sequence's queries (or for an empty sequence). Two int32 loads each for q and k."""
+        if VARLEN:
+            seqs = batch_size
+            if batch >= seqs.count:
+                return Span(False, int64(0), int64(0), seqlen_q, seqlen_k)
+            start_q = int64(seqs.cu_seqlens_q[batch])
+            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
+            if m0 >= seqlen_q:
+                return Span(False, start_q, int64(0), seqlen_q, seqlen_k)
+            start_k = int64(seqs.cu_seqlens_k[batch])
+            seqlen_k = int64(seqs.cu_seqlens_k[batch + 1]) - start_k
+            return Span(True, start_q, start_k, seqlen_q, seqlen_k)
+        return Span(batch < batch_size, int64(0), int64(0), seqlen_q, seqlen_k)
+
+    @cuda.jit(device=True, forceinline=True)
+    def rows_of(t, start, batch, sb, ss, sh, head, num_rows):
+        """The GlobalRows of ``head`` of tensor ``t`` (strides ``sb``, ``ss``, ``sh``): of batch
+        ``batch``, or (varlen: a sequence's rows hold no batch stride) from row ``start``."""
+        if VARLEN:
+            return global_rows(t, start * ss + head * sh, ss, num_rows)
+        return global_rows(t, batch * sb + head * sh, ss, num_rows)
+
+    @cuda.jit(device=True, forceinline=True)
+    def lse_base(seqs, span, batch, head, heads_q):
+        """The LSE element of the CTA's head's row 0: (batch, heads_q, seqlen_q), or for varlen
+        (heads_q, total_q), rows at the sequence's global index."""
+        if VARLEN:
+            return head * seqs.lse_head_stride + span.start_q
+        return (batch * heads_q + head) * span.seqlen_q
+
+    return RowSource(locate, rows_of, lse_base)
+
+
+def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
+                 softcap: bool = False):
+    """One KV tile of the loop, ``attend_tile(n_block, loop)`` (``loop``: a KvLoop): V_j's copy,
+    S = Q K_jᵀ, K_{j+1}'s copy, softcap and masks, the online softmax and O += P V_j.
+
+    The copy of V_j overlaps S = Q K_jᵀ and the copy of K_{j+1} overlaps O += P V_j (with
+    ``early_k`` or ``interleave_pv``: the softmax too)."""
+    shape = forward_shape(config)
+    BN = config.block_n
+    THREADS = config.threads
+    CPR = config.head_dim // 8  # 16-byte chunks per row
+    RB = shape.row_bytes
+    INTERLEAVE = interleaves(config, softcap)
+    EARLY_K = config.early_k
+    SOFTCAP = softcap
+    qk = make_qk_steps(shape, config.q_in_regs, config.double_buffer, bf16)
+    pv = make_pv_steps(shape, config.double_buffer, bf16)
+    softmax = make_online_softmax(shape, bf16, pv, config.double_buffer)
+    masker = make_masker(shape, causal, window)
+    qk_scores, pv_accumulate = qk.qk_scores, pv.pv_accumulate
+    online_softmax, softmax_into_pv, cap = softmax.online_softmax, softmax.softmax_into_pv, softmax.cap
+    mask_tile = masker.mask_tile
+
+    @cuda.jit(device=True, forceinline=True)
+    def attend_tile(n_block, loop):
+        n0 = (loop.kv_first + n_block) * BN
+        # 0, but not provably so: the copies' per-pass shared addresses then stay base +
+        # immediate instead of being hoisted out of the loop into registers (which spill).
+        zero = uint32(n0 >> 62)
+        tid, sk, sv = loop.tid, loop.sk, loop.sv
+        acc_s, acc_o = loop.acc_s, loop.acc_o
+        ptx.cp_async_wait_group_0()  # K_j has landed ...
+        cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
+        copy_tile_async(sv + zero, BN, loop.v_rows, n0, CPR, tid, THREADS, RB)
+        ptx.cp_async_commit_group()
+
+        qk_scores(acc_s, loop.q_frag, loop.q_warp + zero, loop.v_offsets, sk, loop.k_offsets, loop.b_frag, 0)
+        if INTERLEAVE:
+            ptx.cp_async_wait_group_0()  # V_j has landed (the barrier below: for everyone)
+        if INTERLEAVE or EARLY_K:
+            cuda.syncthreads()  # every warp is done with K_j: K_{j+1} overlaps the softmax
+            if n_block + 1 < loop.n_tiles:
+                copy_tile_async(sk + zero, BN, loop.k_rows, n0 + BN, CPR, tid, THREADS, RB)
+            ptx.cp_async_commit_group()  # (empty on the last tile: the waits stay right)
+        if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+            cap(acc_s, loop.cap_scale)
+        mask_tile(acc_s, n0, loop.at, loop.band)
+        if INTERLEAVE:
+            softmax_into_pv(acc_s, acc_o, loop.p_frag, loop.m_run, loop.l_run, loop.mx, loop.scale_log2, sv,
+                            loop.v_offsets, loop.b_frag)
+        else:
+            online_softmax(acc_s, acc_o, loop.p_frag, loop.m_run, loop.l_run, loop.mx, loop.scale_log2)
+            if EARLY_K:
+                ptx.cp_async_wait_group_1()  # V_j has landed (K_{j+1} may still be in flight) ...
+                cuda.syncthreads()  # ... for everyone
+            else:
+                ptx.cp_async_wait_group_0()  # V_j has landed ...
+                cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
+                if n_block + 1 < loop.n_tiles:
+                    copy_tile_async(sk + zero, BN, loop.k_rows, n0 + BN, CPR, tid, THREADS, RB)
+                    ptx.cp_async_commit_group()
+            pv_accumulate(acc_o, loop.p_frag, sv, loop.v_offsets, loop.b_frag, 0)
+
+    return attend_tile
+
+
+def make_forward_epilogue(config: ForwardConfig, bf16: bool, rows: RowSource):
+    """``finish(acc_o, m_run, l_run, out, at)`` (``out``: OutRows, ``at``: WarpRows): normalise,
+    stage this warp's rows in its own part of the Q tile, then 16-byte coalesced stores, and the
+    LSE. Rows with no visible key give 0 and LSE -inf."""
+    BM = config.block_m
+    MT = config.warp_m_tiles
+    D_N_TILES = config.head_dim // 8
+    CPR = config.head_dim // 8
+    RB = forward_shape(config).row_bytes
+    BF16 = bf16
+    rows_of, lse_base = rows.rows_of, rows.lse_base
+
+    @cuda.jit(device=True, forceinline=True)
+    def finish(acc_o, m_run, l_run, out, at):
+        drain_copies()  # no copy may land on the staged rows (none is in flight today)
+        span = at.span
+        for mt in range(MT):
+            stage_output_rows(at.sq, acc_o[mt], D_N_TILES, BM, at.warp_row + 16 * mt, l_run[mt], at.lane,
+                              BF16, RB)
+            if out.write_lse:
+                store_lse(out.lse, lse_base(out.seqs, span, at.batch, at.head, out.heads_q),
+                          at.row_first + 16 * mt, span.seqlen_q, m_run[mt], l_run[mt], at.lane)
+        cuda.syncwarp()
+        scratch = cuda.local.array(4, uint32)
+        o_rows = rows_of(out.o, span.start_q, at.batch, out.o_sb, out.o_ss, out.o_sh, at.head, span.seqlen_q)
+        store_rows_global(o_rows, at.row_first, at.sq, BM, at.warp_row, 16 * MT, CPR, at.lane, scratch, RB)
+
+    return finish
 
 
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
@@ -107,193 +251,21 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     MT = config.warp_m_tiles
     THREADS = config.threads
     CPR = D // 8  # 16-byte chunks per row
-    RB = 128 if D % 64 == 0 else 64  # bytes per row of a swizzle column block (smem)
+    RB = forward_shape(config).row_bytes  # bytes per row of a swizzle column block (smem)
     Q_RESIDENT = config.q_in_regs  # Q fragments in registers for the whole loop, else per k-slice
-    DOUBLE_BUFFER = config.double_buffer
-    EARLY_K = config.early_k
-    # With a softcap the interleaved softmax + PV spills (d64 128 x 128: 34 LDL/STL at sm_80, the
-    # tanh pass on top of a 255-register kernel): softcap kernels run the plain order instead.
-    INTERLEAVE = config.interleave_pv and not softcap
     D_K_TILES = D // 16  # k-tiles of the QKᵀ product
     D_N_TILES = D // 8  # n-tiles of the O accumulator
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
     P_K_TILES = BN // 16  # k-tiles of the PV product
-    S_PAIRS = S_N_TILES // 2  # K ldmatrix.x4 loads per k-slice (two n-tiles each)
-    O_PAIRS = D_N_TILES // 2  # V ldmatrix.x4 loads per k-slice
-    S_STEPS = D_K_TILES * S_PAIRS  # K loads of one S product (even: D_K_TILES is)
-    O_STEPS = P_K_TILES * O_PAIRS  # V loads of one PV product (even: O_PAIRS is)
-    Q_BUFFERS = 2 if DOUBLE_BUFFER else 1  # Q k-slice buffers when Q is not resident
+    Q_BUFFERS = 2 if config.double_buffer else 1  # Q k-slice buffers when Q is not resident
     CAUSAL = causal
     WINDOW = window
-    SOFTCAP = softcap
     VARLEN = varlen
     REVERSE = causal or window  # heaviest query blocks first (blocks.query_block)
-    BF16 = bf16
-    mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
-
-    @cuda.jit(device=True, forceinline=True)
-    def load_q_slice(q_frag, buf, q_tile, a_offsets, kt):
-        """ldmatrix k-slice ``kt`` of the warp's Q rows (every m-tile) into ``q_frag[:, buf]``."""
-        for mt in range(MT):
-            ptx.ldmatrix_x4(q_frag[mt, buf], q_tile + block_offset(a_offsets, kt, BM, RB) + mt * 16 * RB)
-
-    @cuda.jit(device=True, forceinline=True)
-    def k_load(b_frag, buf, k_tile, k_offsets, i):
-        """ldmatrix K fragment pair ``i`` (k-slice ``i // S_PAIRS``, n-tiles 2j2, 2j2+1 with
-        ``j2 = i % S_PAIRS``) into ``b_frag[buf]``."""
-        k_at = k_tile + block_offset(k_offsets, i // S_PAIRS, BN, RB) + (i % S_PAIRS) * 16 * RB
-        ptx.ldmatrix_x4(b_frag[buf], k_at)
-
-    @cuda.jit(device=True, forceinline=True)
-    def k_mma(acc_s, q_frag, qt, b_frag, buf, i):
-        """The MT x 2 mma.sync of K fragment pair ``i`` (in ``b_frag[buf]``) with Q slice ``qt``."""
-        j2 = i % S_PAIRS
-        for mt in range(MT):
-            mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[buf, 0:2])
-            mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[buf, 2:4])
-
-    @cuda.jit(device=True, forceinline=True)
-    def qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, buf, i):
-        """Double-buffered S step ``i``: at a k-slice's first step, the next slice's Q (not
-        resident); then the next K pair's ldmatrix into the other buffer; then this pair's mma."""
-        kt = i // S_PAIRS
-        qt = kt if Q_RESIDENT else kt % 2
-        if not Q_RESIDENT and i % S_PAIRS == 0 and kt + 1 < D_K_TILES:
-            load_q_slice(q_frag, (kt + 1) % 2, q_tile, a_offsets, kt + 1)
-        if i + 1 < S_STEPS:
-            k_load(b_frag, 1 - buf, k_tile, k_offsets, i + 1)
-        k_mma(acc_s, q_frag, qt, b_frag, buf, i)
-
-    @cuda.jit(device=True, forceinline=True)
-    def qk_scores(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag):
-        """S = Q K_jᵀ for the warp's m-tiles: K fragments by ldmatrix, two n-tiles per load.
-        Q fragments: ``q_frag[mt, kt]`` held in registers (Q_RESIDENT), or loaded k-slice by
-        k-slice from the warp's rows of the Q tile at ``q_tile`` into ``q_frag[mt, buf]``.
-        With DOUBLE_BUFFER the next K load (and the next Q slice) is issued before the
-        current mma.sync, into the other half of ``b_frag`` (``q_frag``); the steps go in
-        pairs so that every buffer index is a constant before unrolling."""
-        for mt in range(MT):
-            for j in range(S_N_TILES):
-                for e in range(4):
-                    acc_s[mt, j, e] = 0.0
-        if not Q_RESIDENT:
-            load_q_slice(q_frag, 0, q_tile, a_offsets, 0)
-        if DOUBLE_BUFFER:
-            k_load(b_frag, 0, k_tile, k_offsets, 0)
-            for kt in range(D_K_TILES):  # nested loops of small trip counts unroll fully
-                for p in range(S_PAIRS // 2):
-                    i = kt * S_PAIRS + 2 * p
-                    qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, 0, i)
-                    qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, 1, i + 1)
-            return
-        for kt in range(D_K_TILES):
-            qt = kt
-            if not Q_RESIDENT:
-                qt = 0
-                if kt > 0:
-                    load_q_slice(q_frag, 0, q_tile, a_offsets, kt)
-            for j2 in range(S_PAIRS):
-                ptx.ldmatrix_x4(b_frag[0], k_tile + block_offset(k_offsets, kt, BN, RB) + j2 * 16 * RB)
-                for mt in range(MT):
-                    mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[0, 0:2])
-                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[0, 2:4])
-
-    @cuda.jit(device=True, forceinline=True)
-    def v_load(b_frag, buf, v_tile, v_offsets, i):
-        """Transposing ldmatrix of V pair ``i``: rows of k-slice ``i // O_PAIRS``, O columns
-        of pair ``i % O_PAIRS`` (16 columns), into ``b_frag[buf]``."""
-        v_at = v_tile + block_offset(v_offsets, i % O_PAIRS, BN, RB) + (i // O_PAIRS) * 16 * RB
-        ptx.ldmatrix_x4_trans(b_frag[buf], v_at)
-
-    @cuda.jit(device=True, forceinline=True)
-    def v_mma(acc_o, p_frag, b_frag, buf, i):
-        kt = i // O_PAIRS
-        j2 = i % O_PAIRS
-        for mt in range(MT):
-            mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[buf, 0:2])
-            mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[buf, 2:4])
-
-    @cuda.jit(device=True, forceinline=True)
-    def pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, buf, i):
-        if i + 1 < O_STEPS:
-            v_load(b_frag, 1 - buf, v_tile, v_offsets, i + 1)
-        v_mma(acc_o, p_frag, b_frag, buf, i)
-
-    @cuda.jit(device=True, forceinline=True)
-    def pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt):
-        """O += P V_j over the 16 keys of k-slice ``kt``: P from registers, V fragments by
-        transposing ldmatrix. With DOUBLE_BUFFER each step loads the next V pair (the first
-        of the next slice at the end) before its mma.sync; ``v_load(.., 0)`` starts it."""
-        if DOUBLE_BUFFER:
-            for p in range(O_PAIRS // 2):
-                i = kt * O_PAIRS + 2 * p
-                pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 0, i)
-                pv_step(acc_o, p_frag, v_tile, v_offsets, b_frag, 1, i + 1)
-            return
-        for j2 in range(O_PAIRS):
-            ptx.ldmatrix_x4_trans(b_frag[0], v_tile + block_offset(v_offsets, j2, BN, RB) + kt * 16 * RB)
-            for mt in range(MT):
-                mma(acc_o[mt, 2 * j2], p_frag[mt, kt], b_frag[0, 0:2])
-                mma(acc_o[mt, 2 * j2 + 1], p_frag[mt, kt], b_frag[0, 2:4])
-
-    @cuda.jit(device=True, forceinline=True)
-    def pv_accumulate(acc_o, p_frag, v_tile, v_offsets, b_frag):
-        """O += P V_j, k-slice by k-slice."""
-        if DOUBLE_BUFFER:
-            v_load(b_frag, 0, v_tile, v_offsets, 0)
-        for kt in range(P_K_TILES):
-            pv_slice(acc_o, p_frag, v_tile, v_offsets, b_frag, kt)
-
-    @cuda.jit(device=True, forceinline=True)
-    def refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2):
-        """This tile's row maxes; the running ones are refreshed lazily: O is rescaled only
-        when some row of the warp grew by more than 2^THRESHOLD."""
-        grow = False
-        for mt in range(MT):
-            scaled_row_maxes(acc_s[mt], S_N_TILES, mx[mt], scale_log2)
-            grow = grow or max_grew(mx[mt], m_run[mt], THRESHOLD)
-        if cuda.any_sync(FULL_MASK, grow):
-            for mt in range(MT):
-                rescale_rows(acc_o[mt], D_N_TILES, m_run[mt], l_run[mt], mx[mt])
-
-    @cuda.jit(device=True, forceinline=True)
-    def slice_into_pv(kt, state):
-        """Exponentials of k-slice ``kt`` (16 keys, every m-tile), then its PV mma.sync
-        (``state``: a PvSlices)."""
-        acc_s, p_frag = state.acc_s, state.p_frag
-        for mt in range(MT):
-            exponentiate_slice(acc_s[mt], kt, state.m_use[mt], state.row_sum[mt], state.scale_log2)
-            pack_p_slice(p_frag[mt], acc_s[mt], kt, BF16)
-        pv_slice(state.acc_o, p_frag, state.v_tile, state.v_offsets, state.b_frag, kt)
-
-    slices_into_pv = unroll(slice_into_pv, P_K_TILES)
-
-    @cuda.jit(device=True, forceinline=True)
-    def softmax_into_pv(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2, v_tile, v_offsets, b_frag):
-        """The online softmax and O += P V_j as one stretch of code with no barrier: the
-        exponentials of each 16-key slice, then that slice's PV mma.sync, so that a warp's
-        MUFU work on slice kt + 1 can overlap its tensor-core work on slice kt."""
-        if DOUBLE_BUFFER:
-            v_load(b_frag, 0, v_tile, v_offsets, 0)  # V_j has landed: needs no row max
-        refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)
-        m_use = cuda.local.array((MT, 2), float32)
-        row_sum = cuda.local.array((MT, 2), float32)
-        for mt in range(MT):
-            exponent_offsets(m_use[mt], m_run[mt])
-            for r in range(2):
-                row_sum[mt, r] = 0.0
-        slices_into_pv(PvSlices(acc_s, acc_o, p_frag, m_use, row_sum, scale_log2, v_tile, v_offsets, b_frag))
-        for mt in range(MT):
-            for r in range(2):
-                l_run[mt, r] += row_sum[mt, r]
-
-    @cuda.jit(device=True, forceinline=True)
-    def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):
-        """S -> P (16-bit fragments) in the exp2 domain, row maxes refreshed lazily."""
-        refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)
-        for mt in range(MT):
-            exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
-            pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
+    rows = make_row_source(varlen)
+    locate, rows_of = rows.locate, rows.rows_of
+    attend_tile = make_kv_step(config, causal, bf16, window, softcap)
+    finish = make_forward_epilogue(config, bf16, rows)
 
     def flash_forward(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                       o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
@@ -303,32 +275,19 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         warp = tid // 32
         lane = tid % 32
         m_block, head, batch, kv_head = query_block(heads_q, group, REVERSE)
-        if VARLEN:  # batch_size is a Sequences record: this CTA's sequence and its own lengths
-            seqs = batch_size
-            if batch >= seqs.count:
-                return
-            start_q = int64(seqs.cu_seqlens_q[batch])
-            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
-            if m_block * BM >= seqlen_q:  # past this sequence's queries (or an empty sequence)
-                return
-            start_k = int64(seqs.cu_seqlens_k[batch])
-            seqlen_k = int64(seqs.cu_seqlens_k[batch + 1]) - start_k
-        elif batch >= batch_size:  # past the last (batch, head) pair of a folded grid
+        span = locate(batch_size, batch, m_block * BM, seqlen_q, seqlen_k)
+        if not span.present:
             return
+        seqlen_q, seqlen_k = span.seqlen_q, span.seqlen_k
         m0 = m_block * BM
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
 
         sq = ptx.shared_address_u16(smem)
         sk = sq + BM * D * 2
         sv = sk + BN * D * 2
-        if VARLEN:  # rows from the sequence's first (a Sequences record holds no batch strides)
-            q_rows = global_rows(q, start_q * q_ss + head * q_sh, q_ss, seqlen_q)
-            k_rows = global_rows(k, start_k * k_ss + kv_head * k_sh, k_ss, seqlen_k)
-            v_rows = global_rows(v, start_k * v_ss + kv_head * v_sh, v_ss, seqlen_k)
-        else:
-            q_rows = global_rows(q, batch * q_sb + head * q_sh, q_ss, seqlen_q)
-            k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
-            v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
+        q_rows = rows_of(q, span.start_q, batch, q_sb, q_ss, q_sh, head, seqlen_q)
+        k_rows = rows_of(k, span.start_k, batch, k_sb, k_ss, k_sh, kv_head, seqlen_k)
+        v_rows = rows_of(v, span.start_k, batch, v_sb, v_ss, v_sh, kv_head, seqlen_k)
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
         kv_first = int64(0)  # the loop reads KV tiles kv_first .. kv_first + n_tiles - 1
@@ -352,7 +311,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         acc_s = cuda.local.array((MT, S_N_TILES, 4), float32)
         q_frag = cuda.local.array((MT, D_K_TILES if Q_RESIDENT else Q_BUFFERS, 4), uint32)
         p_frag = cuda.local.array((MT, P_K_TILES, 4), uint32)
-        b_frag = cuda.local.array((2, 4), uint32)  # K or V fragments (two buffers: DOUBLE_BUFFER)
+        b_frag = cuda.local.array((2, 4), uint32)  # K or V fragments (two buffers: double_buffer)
         # Per fragment row (m-tile mt, half r: rows g and g+8): running max (scaled, log2
         # units) and this lane's partial row sum.
         m_run = cuda.local.array((MT, 2), float32)
@@ -382,73 +341,21 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
             k_offsets[b] = keep_in_register(k_offsets[b], lane)
             v_offsets[b] = keep_in_register(v_offsets[b], lane)
         mx = cuda.local.array((MT, 2), float32)
+        loop = KvLoop(n_tiles, kv_first, tid, sk, sv, q_warp, k_rows, v_rows, k_offsets, v_offsets, acc_s,
+                      acc_o, q_frag, p_frag, b_frag, m_run, l_run, mx, scale_log2, cap_scale,
+                      ScoreMask(row_first, lane, seqlen_k, diag), band)
         for n_block in range(n_tiles):
-            n0 = (kv_first + n_block) * BN
-            # 0, but not provably so: the copies' per-pass shared addresses then stay base +
-            # immediate instead of being hoisted out of the loop into registers (which spill).
-            zero = uint32(n0 >> 62)
-            ptx.cp_async_wait_group_0()  # K_j has landed ...
-            cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
-            copy_tile_async(sv + zero, BN, v_rows, n0, CPR, tid, THREADS, RB)
-            ptx.cp_async_commit_group()
+            attend_tile(n_block, loop)
 
-            qk_scores(acc_s, q_frag, q_warp + zero, v_offsets, sk, k_offsets, b_frag)
-            if INTERLEAVE:
-                ptx.cp_async_wait_group_0()  # V_j has landed (the barrier below: for everyone)
-            if INTERLEAVE or EARLY_K:
-                cuda.syncthreads()  # every warp is done with K_j: K_{j+1} overlaps the softmax
-                if n_block + 1 < n_tiles:
-                    copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
-                ptx.cp_async_commit_group()  # (empty on the last tile: the waits stay right)
-            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
-                for mt in range(MT):
-                    cap_scores(acc_s[mt], S_N_TILES, cap_scale)
-            if WINDOW:
-                if band_needs_mask(n0, BN, row_first, 16 * MT, band):  # an edge of the window or the keys
-                    for mt in range(MT):
-                        mask_band(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, band)
-            elif n0 + BN > seqlen_k or (CAUSAL and n0 + BN - 1 > row_first + diag):
-                for mt in range(MT):  # keys past the end, and (causal) after the diagonal
-                    mask_scores(acc_s[mt], S_N_TILES, n0, row_first + 16 * mt, lane, seqlen_k, diag, CAUSAL)
-            if INTERLEAVE:
-                softmax_into_pv(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2, sv, v_offsets, b_frag)
-            else:
-                online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2)
-                if EARLY_K:
-                    ptx.cp_async_wait_group_1()  # V_j has landed (K_{j+1} may still be in flight) ...
-                    cuda.syncthreads()  # ... for everyone
-                else:
-                    ptx.cp_async_wait_group_0()  # V_j has landed ...
-                    cuda.syncthreads()  # ... for everyone, and every warp is done with K_j
-                    if n_block + 1 < n_tiles:
-                        copy_tile_async(sk + zero, BN, k_rows, n0 + BN, CPR, tid, THREADS, RB)
-                        ptx.cp_async_commit_group()
-                pv_accumulate(acc_o, p_frag, sv, v_offsets, b_frag)
-
-        # Epilogue: normalise, stage this warp's rows in its own part of the Q tile, then
-        # 16-byte coalesced stores. Rows with no visible key give 0 and LSE -inf.
-        drain_copies()  # no copy may land on the staged rows (none is in flight today)
-        for mt in range(MT):
-            stage_output_rows(sq, acc_o[mt], D_N_TILES, BM, warp_row + 16 * mt, l_run[mt], lane, BF16, RB)
-            if write_lse:
-                if VARLEN:  # the LSE is (heads_q, total_q): rows at the sequence's global index
-                    lse_base = head * seqs.lse_head_stride + start_q
-                else:
-                    lse_base = (batch * heads_q + head) * seqlen_q
-                store_lse(lse, lse_base, row_first + 16 * mt, seqlen_q, m_run[mt], l_run[mt], lane)
-        cuda.syncwarp()
-        scratch = cuda.local.array(4, uint32)
-        if VARLEN:
-            o_rows = global_rows(o, start_q * o_ss + head * o_sh, o_ss, seqlen_q)
-        else:
-            o_rows = global_rows(o, batch * o_sb + head * o_sh, o_ss, seqlen_q)
-        store_rows_global(o_rows, row_first, sq, BM, warp_row, 16 * MT, CPR, lane, scratch, RB)
+        finish(acc_o, m_run, l_run, OutRows(o, o_sb, o_ss, o_sh, lse, write_lse, heads_q, batch_size),
+               WarpRows(span, batch, head, sq, warp_row, row_first, lane))
 
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
     if varlen:
         kind = f"varlen_{kind}"
-    tag = config.tag.replace("_ip", "") if config.interleave_pv and not INTERLEAVE else config.tag
+    dropped_ip = config.interleave_pv and not interleaves(config, softcap)
+    tag = config.tag.replace("_ip", "") if dropped_ip else config.tag
     flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{tag}_{kind}"
     # ptxas may use 65536 / (threads * min_ctas) registers a thread (at most 255).
     flash_forward.launch_bounds = (THREADS, config.min_ctas)
