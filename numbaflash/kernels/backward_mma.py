@@ -60,10 +60,19 @@ from numba import cuda, float32, int32, int64, types, uint16, uint32
 
 from .. import ptx
 from . import abi
-from .blocks import Band, band_kv_tiles, band_needs_mask, band_query_blocks, key_block_of
+from .blocks import (
+    Band,
+    band_kv_tiles,
+    band_needs_mask,
+    band_query_blocks,
+    key_block_of,
+    mask_band_transposed,
+    mask_transposed,
+)
 from .common import FULL_MASK, NEG_INF, keep_in_register, unroll
 from .epilogue import store_rows_global
 from .forward_mma import Sequences
+from .fragments import store_fragment_rows, zero_fragments
 from .shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
 from .smem import (
     copy_tile_async,
@@ -141,71 +150,6 @@ DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets"]
 def f32_of_bits(bits, bf16):
     """The 16-bit value in ``bits`` (uint32, low half) as float32."""
     return ptx.f32_from_bf16_bits(bits) if bf16 else ptx.f32_from_f16_bits(bits)
-
-
-@cuda.jit(device=True, forceinline=True)
-def zero_fragments(acc, m_tiles, n_tiles):
-    for mt in range(m_tiles):
-        for j in range(n_tiles):
-            for e in range(4):
-                acc[mt, j, e] = 0.0
-
-
-@cuda.jit(device=True, forceinline=True)
-def store_fragment_rows(tile, acc, n_tiles, tile_rows, row0, col0, lane, bf16, row_bytes, scale):
-    """Store 16 rows (from ``row0``) x ``8 * n_tiles`` columns (from ``col0``, a multiple of 8)
-    of mma accumulator fragments ``acc[j, e]``, times ``scale``, as 16-bit pairs into a
-    swizzled shared tile (``smem`` layout)."""
-    g = lane // 4
-    t = lane % 4
-    for r in range(2):
-        row = row0 + g + 8 * r
-        for j in range(n_tiles):
-            packed = pack_16bit(acc[j, 2 * r] * scale, acc[j, 2 * r + 1] * scale, bf16)
-            at = tile + swizzled_offset(row, col0 // 8 + j, tile_rows, row_bytes) + 4 * t
-            ptx.st_shared_b32(at, packed)
-
-
-@cuda.jit(device=True, forceinline=True)
-def mask_transposed(s, n_tiles, key0, col0, lane, seqlen_k, diag, causal):
-    """Set to -inf the scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns:
-    queries ``col0`` + 8j + 2t + e) whose key is past the last or, causal, after the diagonal
-    (query i sees key j iff j <= i + diag). One limit a row: the lane's leading columns that
-    are hidden."""
-    g = lane // 4
-    t = lane % 4
-    for half in range(2):
-        key = key0 + g + 8 * half
-        first = key - diag if causal else int64(-(1 << 30))  # the first query that sees the key
-        if key >= seqlen_k:
-            first = int64(1 << 30)
-        limit = int32(max(min(first - (col0 + 2 * t), 1 << 30), -1))
-        for j in range(n_tiles):
-            for e in range(2):
-                if j * 8 + e < limit:
-                    s[j, 2 * half + e] = NEG_INF
-
-
-@cuda.jit(device=True, forceinline=True)
-def mask_band_transposed(s, n_tiles, key0, col0, lane, band):
-    """``mask_transposed`` under a sliding window ``band`` (a ``blocks.Band``): set to -inf the
-    scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns: queries ``col0`` + 8j
-    + 2t + e) whose key is past the last or outside the query's window (query i sees key j iff
-    i + first <= j <= i + last, i.e. j - last <= i <= j - first). Two 32-bit limits a row on the
-    lane's column index: the queries that see the row's key are columns [low, high)."""
-    g = lane // 4
-    t = lane % 4
-    for half in range(2):
-        key = key0 + g + 8 * half
-        col = col0 + 2 * t
-        low = int32(max(min(key - band.last - col, 1 << 30), -1))
-        high = int32(max(min(key - band.first + 1 - col, 1 << 30), -1))
-        if key >= band.seqlen_k:
-            high = int32(-1)
-        for j in range(n_tiles):
-            for e in range(2):
-                if j * 8 + e < low or j * 8 + e >= high:
-                    s[j, 2 * half + e] = NEG_INF
 
 
 def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
