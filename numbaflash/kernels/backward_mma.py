@@ -10,20 +10,20 @@ Three kernels over one float32 workspace (``abi.BACKWARD_ABI`` describes it):
    each query block, with Q, dO, LSE and D landed by cp.async (the next block's copies in
    flight when ``q_stages`` is 2):
 
-   - ``transposed_scores``: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (keys x queries, so that the rows a warp
-     owns are keys, as in dK and dV);
-   - ``gradient_of_scores``: Pᵀ = exp2(Sᵀ·scale·log2e − LSE₂) and dSᵀ = Pᵀ ∘ (dPᵀ − D), masked
-     past the last key and after the causal diagonal, stored as 16-bit tiles in shared memory;
-   - ``product_tn``: dV += Pᵀ dO from those tiles;
-   - ``add_dq``: dQ_i += dS K, read transposed from the dSᵀ tile, added into the float32
-     accumulator with ``red.global.add.f32`` (``.v4.f32`` on sm_90: ``dq_vector``), in the dQ
-     product's fragment order (``BackwardConfig.dq_offset``); in deterministic mode CTAs take
-     turns per query block in key-block order (a counter per block, acquire/release), so the
-     sums are bit-identical from run to run;
-   - ``product_tn``: dK += dSᵀ Q (after dQ, so that its adds drain under the dK product).
+   - ``transposed_scores`` (``make_gemms``): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (keys x queries, so that
+     the rows a warp owns are keys, as in dK and dV);
+   - ``scores_to_gradient`` (``make_score_gradient``): Pᵀ = exp2(Sᵀ·scale·log2e − LSE₂) and dSᵀ =
+     Pᵀ ∘ (dPᵀ − D), masked past the last key and after the causal diagonal (``make_masker``),
+     stored as 16-bit tiles in shared memory;
+   - ``accumulate`` (``make_accumulation``): dV += Pᵀ dO from those tiles (``product_tn``); dQ_i
+     += dS K, read transposed from the dSᵀ tile, added into the float32 accumulator with
+     ``red.global.add.f32`` (``.v4.f32`` on sm_90: ``dq_vector``), in the dQ product's fragment
+     order (``BackwardConfig.dq_offset``); in deterministic mode CTAs take turns per query block
+     in key-block order (a counter per block, acquire/release), so the sums are bit-identical
+     from run to run; then dK += dSᵀ Q (after dQ, so that its adds drain under the dK product).
 
-   At the end dK is scaled by the softmax scale and dK, dV are written through shared memory
-   with 16-byte stores.
+   At the end (``make_kv_epilogue``) dK is scaled by the softmax scale and dK, dV are written
+   through shared memory with 16-byte stores.
 3. ``dq``: dQ = scale · accumulator, in the input dtype.
 
 Two compile-time variants of the main kernel (issue 35), built only when a call asks for them, as
@@ -38,13 +38,19 @@ arguments are never read.
 
 A ``varlen`` build of each of the three kernels (``flash_attention_varlen_backward``) has its own
 parameter list (``VARLEN_BACKWARD_*_ARGTYPES``: the plain parameters, then cu_seqlens_q,
-cu_seqlens_k and total_q): a thin kernel calls the same body as a device function with a
-``Sequences`` record in a batch-stride slot that the varlen body never reads as a stride (o_sb,
-q_sb, dq_sb). Each CTA takes its sequence from the grid (z, or the (batch, KV head) pair of the
-main kernel), reads its bounds from the offsets, returns at once past its sequence's end, and
-uses the sequence's own lengths (masks, causal diagonal, window: the variants combine); its
-workspace rows start at ``abi.varlen_row_offset`` (whole 128-row blocks per sequence). The plain
-builds compile to the same code as before.
+cu_seqlens_k and total_q). Each CTA takes its sequence from the grid (z, or the (batch, KV head)
+pair of the main kernel), reads its bounds from the offsets, returns at once past its sequence's
+end, and uses the sequence's own lengths (masks, causal diagonal, window: the variants combine);
+its workspace rows start at ``abi.varlen_row_offset`` (whole 128-row blocks per sequence). All
+that differs from a dense call is one piece, the row source (``make_row_source``), picked at
+build time.
+
+Each kernel function is thin: it packs its parameters into records (``View``, ``Operands``,
+``Workspace``, ``Call``, ``Scaling``, and ``PackedRows`` for varlen) and calls one body device
+function. The main kernel's body is built from rooms, each a ``make_*`` factory returning its
+steps as a named tuple (as ``forward_ws`` is): the row source, the placement (launch order, the
+CTA's ``KeyBlock``, its walk of query blocks), the loads, the GEMMs, the score gradient (with
+its masker), the accumulation and the dK/dV epilogue.
 
 Every product is an m16n8k16 mma.sync; the warps split each product their own way
 (``shapes.BackwardConfig``). Tiles use the swizzled layouts of ``smem``; the Pᵀ and dSᵀ tiles
