@@ -179,9 +179,9 @@ KeyBlock = namedtuple("KeyBlock", ["n_block", "n0", "batch", "kv_head", "start_q
 Seat = namedtuple("Seat", ["tid", "warp", "lane", "sbase"])
 # Global byte addresses of the workspace: LSE₂, D, the dQ accumulator, the counters; rows per head.
 WorkspaceAt = namedtuple("WorkspaceAt", ["lse2", "delta", "dq", "counters", "rows"])
-# What every step of a CTA's walk reads: its Seat, its KeyBlock, the Operands, the WorkspaceAt,
-# the Call and the packed sequences (varlen builds; else unused).
-Cta = namedtuple("Cta", ["seat", "kb", "ops", "ws", "call", "seqs"])
+# What every step of a CTA's walk reads: its Seat, its KeyBlock, the Operands, the WorkspaceAt
+# and the Call.
+Cta = namedtuple("Cta", ["seat", "kb", "ops", "ws", "call"])
 # One query block of the walk: its query head and block index.
 QueryBlock = namedtuple("QueryBlock", ["head", "m_block"])
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
@@ -948,7 +948,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     s = backward_shape(config)
     BM, BN, A_TILES, KV_PAIRS, DQ_PAIRS = s.bm, s.bn, s.a_tiles, s.kv_n // 2, s.dq_n // 2
     KMT, S_N, KV_N, QMT, DQ_N, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.dq_n, s.kb
-    source = make_row_source(s.bm, varlen)
+    source = make_row_source(BM, varlen)
     placement = make_placement(s, causal, source, window)
     loads = make_loads(s, source, placement)
     gemms = make_gemms(s, bf16)
@@ -970,7 +970,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         kb = placement.place(n_block, batch, kv_head, start_k, seqlen_k, call, seqs)
         at = WorkspaceAt(ptx.global_address_f32(ws.lse2), ptx.global_address_f32(ws.delta),
                          ptx.global_address_f32(ws.dq_acc), ptx.global_address_i32(ws.counters), ws.rows)
-        cta = Cta(seat, kb, ops, at, call, seqs)
+        cta = Cta(seat, kb, ops, at, call)
         loads.load_kv(cta)
         m_first, m_blocks = placement.query_blocks(kb)
         steps = call.group * max(m_blocks - m_first, 0)
