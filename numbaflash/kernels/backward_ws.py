@@ -48,7 +48,7 @@ from numba import cuda, float32, int32, int64, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
-from .backward_mma import make_backward_dq_kernel, make_backward_prep_kernel
+from .backward_common import make_backward_dq_kernel, make_backward_prep_kernel
 from .blocks import (
     Band,
     band_kv_tiles,
