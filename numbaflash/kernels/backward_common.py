@@ -154,13 +154,13 @@ def make_row_source(block_m: int, varlen: bool) -> RowSource:
 # ---------------------------------------------------------------------------------- prepare and dQ
 
 def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
-    """The prep kernel (``BACKWARD_PREP_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads;
+    """The prep kernel (``abi.BACKWARD_PREP_ABI``): grid (rows // 64, heads_q, batch), 128 threads;
     the same code with causal masking or not (``causal`` is not used: one kernel serves both).
     The threads of a row (``prep_split``) each load 16-byte chunks of O and dO (the loads of up
     to 8 passes issued before any sum), dot them and sum over a shuffle tree; then 16-byte
     stores zero the block's dQ accumulator.
 
-    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_PREP_ARGTYPES``; grid
+    ``varlen``: the packed variable-length build (``abi.VARLEN_BACKWARD_PREP_ABI``; grid
     (backward_rows(max_seqlen_q) // 64, heads_q, batch)): the sequence's rows come from the row
     source (``make_row_source``); a block past its sequence's padded rows (``varlen_padded_rows``)
     returns."""
@@ -255,13 +255,13 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
 
 
 def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
-    """The dQ kernel (``BACKWARD_DQ_ARGTYPES``): grid (rows // block_m, heads_q, batch),
+    """The dQ kernel (``abi.BACKWARD_DQ_ABI``): grid (rows // block_m, heads_q, batch),
     ``config.threads`` threads. Thread ``tid`` reads back the accumulator elements that thread
     ``tid`` of the main kernel added (fragment order, ``BackwardConfig.dq_position``: coalesced
     loads), stores them scaled, as 16-bit pairs, into a swizzled shared tile of the block, and the
     warps then write the block's rows with 16-byte stores.
 
-    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_DQ_ARGTYPES``; grid
+    ``varlen``: the packed variable-length build (``abi.VARLEN_BACKWARD_DQ_ABI``; grid
     (backward_rows(max_seqlen_q) // block_m, heads_q, batch)): the sequence's rows come from the
     row source (``make_row_source``); a block past its sequence's end returns."""
     config.check()
