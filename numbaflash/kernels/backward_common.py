@@ -46,14 +46,17 @@ PackedRows = namedtuple("PackedRows", ["cu_seqlens_q", "cu_seqlens_k", "total_q"
 #   in the tensors, its length);
 # - ``past(first, end)``: a block from ``first`` lies past the sequence's ``end`` (never when
 #   dense: the grid is exact);
-# - ``row0(view, batch, start, head)``: the element offset of a head's row 0 in a View, and
-#   ``rows(view, batch, start, head, seqlen)`` the GlobalRows from there (``smem.global_rows``);
+# - ``base(view, batch, start)``: the element offset of the sequence's row 0 in a View, head 0;
+#   ``row0(view, batch, start, head)``: that of a head's row 0, and ``rows(view, batch, start,
+#   head, seqlen)`` the GlobalRows from there (``smem.global_rows``); ``head_rows(view, base, head,
+#   seqlen)``: the same from a ``base``;
 # - ``workspace_start(batch, start_q)``: the sequence's row 0 within a head's workspace rows (0
 #   when dense), and ``workspace_row0(batch, ws_start, head, heads_q, rows)`` the head's row 0;
 # - ``counter(batch, heads_q, head, ws_row, block, per_head)``: the turn counter of the query
 #   block from workspace row ``ws_row`` (block ``block`` of its head);
 # - ``lse_row0(seqs, batch, start_q, head, heads_q, seqlen_q)``: the head's row 0 in the LSE.
-RowSource = namedtuple("RowSource", ["queries", "keys", "past", "row0", "rows", "workspace_start",
+RowSource = namedtuple("RowSource", ["queries", "keys", "past", "base", "row0", "rows", "head_rows",
+                                     "workspace_start",
                                      "workspace_row0", "counter", "lse_row0"])
 # The prepare kernel's float32 workspace: D, LSE₂, the dQ accumulator, the turn counters, the
 # rows per head and the counters per head.
@@ -99,12 +102,12 @@ def make_row_source(block_m: int, varlen: bool) -> RowSource:
         return first >= end
 
     @cuda.jit(device=True, forceinline=True)
-    def dense_row0(view, batch, start, head):
-        return batch * view.batch_stride + head * view.head_stride
+    def dense_base(view, batch, start):
+        return batch * view.batch_stride
 
     @cuda.jit(device=True, forceinline=True)
-    def packed_row0(view, batch, start, head):
-        return start * view.row_stride + head * view.head_stride
+    def packed_base(view, batch, start):
+        return start * view.row_stride
 
     @cuda.jit(device=True, forceinline=True)
     def dense_workspace_start(batch, start_q):
@@ -138,17 +141,25 @@ def make_row_source(block_m: int, varlen: bool) -> RowSource:
     def packed_lse_row0(seqs, batch, start_q, head, heads_q, seqlen_q):
         return head * seqs.total_q + start_q  # the LSE is (heads_q, total_q)
 
-    row0 = packed_row0 if varlen else dense_row0
+    base = packed_base if varlen else dense_base
+
+    @cuda.jit(device=True, forceinline=True)
+    def row0(view, batch, start, head):
+        return base(view, batch, start) + head * view.head_stride
+
+    @cuda.jit(device=True, forceinline=True)
+    def head_rows(view, first, head, seqlen):
+        return global_rows(view.data, first + head * view.head_stride, view.row_stride, seqlen)
 
     @cuda.jit(device=True, forceinline=True)
     def rows(view, batch, start, head, seqlen):
         return global_rows(view.data, row0(view, batch, start, head), view.row_stride, seqlen)
 
     if varlen:
-        return RowSource(packed_queries, packed_keys, packed_past, packed_row0, rows, packed_workspace_start,
-                         packed_workspace_row0, packed_counter, packed_lse_row0)
-    return RowSource(dense_length, dense_length, dense_past, dense_row0, rows, dense_workspace_start,
-                     dense_workspace_row0, dense_counter, dense_lse_row0)
+        return RowSource(packed_queries, packed_keys, packed_past, base, row0, rows, head_rows,
+                         packed_workspace_start, packed_workspace_row0, packed_counter, packed_lse_row0)
+    return RowSource(dense_length, dense_length, dense_past, base, row0, rows, head_rows,
+                     dense_workspace_start, dense_workspace_row0, dense_counter, dense_lse_row0)
 
 
 # ---------------------------------------------------------------------------------- prepare and dQ

@@ -146,13 +146,17 @@ KeyBlock = namedtuple("KeyBlock", ["n_block", "n0", "batch", "kv_head", "start_q
                                    "seqlen_k", "diag", "band", "ws_start"])
 # A thread's seat: its index, warp and lane, and the shared memory's base address.
 Seat = namedtuple("Seat", ["tid", "warp", "lane", "sbase"])
-# Global byte addresses of the workspace: LSE₂, D, the dQ accumulator, the counters; rows per head.
-WorkspaceAt = namedtuple("WorkspaceAt", ["lse2", "delta", "dq", "counters", "rows"])
-# What every step of a CTA's walk reads: its Seat, its KeyBlock, the Operands, the WorkspaceAt
-# and the Call.
-Cta = namedtuple("Cta", ["seat", "kb", "ops", "ws", "call"])
-# One query block of the walk: its query head and block index.
-QueryBlock = namedtuple("QueryBlock", ["head", "m_block"])
+# Global byte addresses of the workspace: LSE₂, D, the dQ accumulator, the counters; its rows and
+# turn counters per head.
+WorkspaceAt = namedtuple("WorkspaceAt", ["lse2", "delta", "dq", "counters", "rows", "counters_per_head"])
+# What every step of a CTA's walk reads: its Seat, its KeyBlock, the Operands, the WorkspaceAt,
+# the Call, and where the sequence's rows of Q and dO start (``RowSource.base``).
+Cta = namedtuple("Cta", ["seat", "kb", "ops", "ws", "call", "q_base", "do_base"])
+# Which query block of the walk: its query head and block index.
+BlockIndex = namedtuple("BlockIndex", ["head", "m_block"])
+# One query block of the walk: its query head, block index, first row and first workspace row
+# (``Placement.query_block``).
+QueryBlock = namedtuple("QueryBlock", ["head", "m_block", "m0", "row"])
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
 WarpPart = namedtuple("WarpPart", ["row0", "col0"])
 # The warp's parts: keys x queries (Sᵀ, dPᵀ), keys x head-dim columns (dK, dV), queries x
@@ -183,10 +187,10 @@ DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets"]
 Gemms = namedtuple("Gemms", ["parts", "lane_offsets", "transposed_scores", "product_tn", "dq_product"])
 ScoreGradient = namedtuple("ScoreGradient", ["scores_to_gradient"])
 Masker = namedtuple("Masker", ["mask"])
-Loads = namedtuple("Loads", ["load_kv", "load_block", "land"])
+Loads = namedtuple("Loads", ["load_kv", "load_block"])
 Accumulation = namedtuple("Accumulation", ["accumulate"])
 KvEpilogue = namedtuple("KvEpilogue", ["store_dk_dv"])
-Placement = namedtuple("Placement", ["launch_order", "place", "query_blocks", "next_block", "block_row"])
+Placement = namedtuple("Placement", ["launch_order", "place", "query_blocks", "query_block"])
 
 
 # ---------------------------------------------------------------------------------- main kernel
@@ -407,9 +411,8 @@ def make_score_gradient(s: Shape, causal: bool, bf16: bool, gemms: Gemms, window
 def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = False) -> Placement:
     """Where a CTA sits and what it walks: ``launch_order(call)`` -> (key block, batch, KV head)
     (``blocks.key_block_of``); ``place(...)`` -> its KeyBlock; ``query_blocks(kb)`` -> (first,
-    end): the query blocks whose rows see a key of the block; ``next_block(blk, m_first,
-    m_blocks)``: the walk's next QueryBlock; ``block_row(cta, blk)``: a block's first workspace
-    row."""
+    end): the query blocks whose rows see a key of the block; ``query_block(cta, at)``: the
+    QueryBlock of a BlockIndex."""
     BM, BN = s.bm, s.bn
     CAUSAL, WINDOW = causal, window
 
@@ -449,38 +452,29 @@ def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = Fal
         return m_first, m_blocks
 
     @cuda.jit(device=True, forceinline=True)
-    def next_block(blk, m_first, m_blocks):
-        """The block after ``blk``: one block down, or the next head's last (no division)."""
-        head1 = blk.head
-        m1 = blk.m_block - 1
-        if m1 < m_first:
-            head1 = blk.head + 1
-            m1 = m_blocks - 1
-        return QueryBlock(head1, m1)
-
-    @cuda.jit(device=True, forceinline=True)
-    def block_row(cta, blk):
-        """The first workspace row of query block ``blk`` (LSE₂, D, the dQ accumulator)."""
+    def query_block(cta, at):
+        """The QueryBlock of BlockIndex ``at``: its first row and its first workspace row (LSE₂, D,
+        the dQ accumulator)."""
         kb = cta.kb
-        first = source.workspace_row0(kb.batch, kb.ws_start, blk.head, cta.call.heads_q, cta.ws.rows)
-        return first + blk.m_block * BM
+        first = source.workspace_row0(kb.batch, kb.ws_start, at.head, cta.call.heads_q, cta.ws.rows)
+        m0 = at.m_block * BM
+        return QueryBlock(at.head, at.m_block, m0, first + m0)
 
-    return Placement(launch_order, place, query_blocks, next_block, block_row)
+    return Placement(launch_order, place, query_blocks, query_block)
 
 
 def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
-    """The cp.async copies: ``load_kv`` (the key block's K and V tiles), ``load_block`` (a query
-    block's Q and dO rows, its LSE₂ and D, into a stage) and ``land`` (the next block's copies
-    issued when ``q_stages`` is 2, this block's waited for; returns its StepTiles)."""
-    BM, BN, THREADS, CPR, RB, STAGES = s.bm, s.bn, s.threads, s.cpr, s.rb, s.stages
+    """The cp.async copies: ``load_kv`` (the key block's K and V tiles) and ``load_block`` (a query
+    block's Q and dO rows, its LSE₂ and D, into a stage; one commit group each)."""
+    BM, BN, THREADS, CPR, RB = s.bm, s.bn, s.threads, s.cpr, s.rb
     layout = s.layout
     SK, SV, SQ0, SDO0 = layout["k"], layout["v"], layout["q"], layout["do"]
     SLSE0, SDELTA0, STAGE = layout["lse"], layout["delta"], layout["stage"]
 
     @cuda.jit(device=True, forceinline=True)
-    def load_kv(cta):
-        """K and V rows of the CTA's key block into their tiles (one commit group)."""
-        kb, ops, seat = cta.kb, cta.ops, cta.seat
+    def load_kv(seat, kb, ops):
+        """K and V rows of the CTA's key block (``kb``, a KeyBlock) into their tiles (one commit
+        group)."""
         k_rows = source.rows(ops.k, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
         v_rows = source.rows(ops.v, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
         copy_tile_async(seat.sbase + SK, BN, k_rows, kb.n0, CPR, seat.tid, THREADS, RB)
@@ -492,12 +486,11 @@ def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
         """cp.async of query block ``blk``'s Q and dO rows and its LSE₂ and D (``BM`` floats
         each) into ``stage``."""
         kb, ops, seat = cta.kb, cta.ops, cta.seat
-        q_rows = source.rows(ops.q, kb.batch, kb.start_q, blk.head, kb.seqlen_q)
-        do_rows = source.rows(ops.do, kb.batch, kb.start_q, blk.head, kb.seqlen_q)
-        m0 = blk.m_block * BM
-        row = placement.block_row(cta, blk)
-        lse2_at = cta.ws.lse2 + row * 4
-        delta_at = cta.ws.delta + row * 4
+        q_rows = source.head_rows(ops.q, cta.q_base, blk.head, kb.seqlen_q)
+        do_rows = source.head_rows(ops.do, cta.do_base, blk.head, kb.seqlen_q)
+        m0 = blk.m0
+        lse2_at = cta.ws.lse2 + blk.row * 4
+        delta_at = cta.ws.delta + blk.row * 4
         sbase, tid = seat.sbase, seat.tid
         off = stage * STAGE
         copy_tile_async(sbase + SQ0 + off, BM, q_rows, m0, CPR, tid, THREADS, RB)
@@ -509,31 +502,10 @@ def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
             ptx.cp_async_16_at(sbase + SDELTA0 + off + 16 * (tid - chunks), delta_at + 16 * (tid - chunks))
         ptx.cp_async_commit_group()
 
-    @cuda.jit(device=True, forceinline=True)
-    def land(cta, step, steps, blk, nxt):
-        """Step ``step`` of ``steps``: with two stages the next block's (``nxt``) copies issued
-        and this one's waited for, with one this block's (``blk``) issued (but the first's) and
-        waited for; then a barrier. Returns the stage's StepTiles."""
-        stage = step % STAGES
-        if STAGES == 2:
-            if step + 1 < steps:
-                load_block(cta, 1 - stage, nxt)
-                ptx.cp_async_wait_group_1()
-            else:
-                ptx.cp_async_wait_group_0()
-        else:
-            if step > 0:
-                load_block(cta, 0, blk)
-            ptx.cp_async_wait_group_0()
-        cuda.syncthreads()  # this step's tiles have landed for everyone
-        at = cta.seat.sbase + stage * STAGE
-        return StepTiles(at + SQ0, at + SDO0, at + SLSE0, at + SDELTA0)
-
-    return Loads(load_kv, load_block, land)
+    return Loads(load_kv, load_block)
 
 
-def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, placement: Placement,
-                      window: bool = False) -> Accumulation:
+def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = False) -> Accumulation:
     """``accumulate``: one query block's dV += Pᵀ dO, its dQ = dS K added into the float32
     accumulator (in deterministic mode in the key blocks' turn), and dK += dSᵀ Q."""
     D, BM, BN, THREADS = s.d, s.bm, s.bn, s.threads
@@ -565,12 +537,12 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, placement: Plac
         """dV, dQ and dK of query block ``blk`` from the Pᵀ and dSᵀ tiles; then a barrier."""
         seat, kb = cta.seat, cta.kb
         sbase = seat.sbase
-        m0 = blk.m_block * BM
+        m0, row = blk.m0, blk.row
         gemms.product_tn(TnProduct(acc.dv, sbase + SP, tiles.do, wg.frags, wg.offsets))
         # dQ before dK (FlashAttention-2's order): its red.global adds drain while the dK
         # product runs, instead of queueing in front of the next step's cp.async copies.
-        row = placement.block_row(cta, blk)
-        counter = source.counter(kb.batch, cta.call.heads_q, blk.head, row, blk.m_block, cta.ws.rows // BM)
+        counter = source.counter(kb.batch, cta.call.heads_q, blk.head, row, blk.m_block,
+                                 cta.ws.counters_per_head)
         counter_at = cta.ws.counters + counter * 4
         if cta.call.deterministic:  # wait for this query block's turn: key blocks add in order
             # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
@@ -648,13 +620,15 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     config.check()
     s = backward_shape(config)
     BM, BN, A_TILES, KV_PAIRS, DQ_PAIRS = s.bm, s.bn, s.a_tiles, s.kv_n // 2, s.dq_n // 2
+    STAGES = s.stages
+    STAGE, SQ0, SDO0, SLSE0, SDELTA0 = (s.layout[name] for name in ("stage", "q", "do", "lse", "delta"))
     KMT, S_N, KV_N, QMT, DQ_N, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.dq_n, s.kb
     source = make_row_source(BM, varlen)
     placement = make_placement(s, causal, source, window)
     loads = make_loads(s, source, placement)
     gemms = make_gemms(s, bf16)
     scores = make_score_gradient(s, causal, bf16, gemms, window, softcap)
-    accumulation = make_accumulation(s, source, gemms, placement, window)
+    accumulation = make_accumulation(s, source, gemms, window)
     epilogue = make_kv_epilogue(s, bf16, source)
 
     @cuda.jit(device=True, forceinline=True)
@@ -663,18 +637,23 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         ``ws``: Workspace; ``call``: Call; ``scaling``: Scaling; ``seqs``: PackedRows or unused)."""
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x & 1023
-        seat = Seat(tid, tid // 32, tid % 32, ptx.shared_address_u16(smem))
+        warp = tid // 32
+        lane = tid % 32
         n_block, batch, kv_head = placement.launch_order(call)
         start_k, seqlen_k = source.keys(seqs, batch, call.seqlen_k)
         if source.past(n_block * BN, seqlen_k):  # past this sequence's keys (or no keys at all)
             return
         kb = placement.place(n_block, batch, kv_head, start_k, seqlen_k, call, seqs)
-        at = WorkspaceAt(ptx.global_address_f32(ws.lse2), ptx.global_address_f32(ws.delta),
-                         ptx.global_address_f32(ws.dq_acc), ptx.global_address_i32(ws.counters), ws.rows)
-        cta = Cta(seat, kb, ops, at, call)
-        loads.load_kv(cta)
+        seat = Seat(tid, warp, lane, ptx.shared_address_u16(smem))
+        q_base = source.base(ops.q, batch, kb.start_q)
+        do_base = source.base(ops.do, batch, kb.start_q)
+        loads.load_kv(seat, kb, ops)
         m_first, m_blocks = placement.query_blocks(kb)
         steps = call.group * max(m_blocks - m_first, 0)
+        at = WorkspaceAt(ptx.global_address_f32(ws.lse2), ptx.global_address_f32(ws.delta),
+                         ptx.global_address_f32(ws.dq_acc), ptx.global_address_i32(ws.counters), ws.rows,
+                         ws.rows // BM)
+        cta = Cta(seat, kb, ops, at, call, q_base, do_base)
 
         wg = WarpGemm(gemms.parts(seat.warp),
                       Frags(cuda.local.array((A_TILES, 4), uint32), cuda.local.array(4, uint32)),
@@ -694,18 +673,42 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         # turn (FlashAttention-2's order: the CTAs of a head start on the same query block, so in
         # deterministic mode no CTA waits for one that starts further up; H100, fp16, causal:
         # 0.4-0.6% faster than upward at d64 and d128, 1k and 4k); (head, m_block) is this
-        # step's, the next one's advanced by one comparison a step (no division).
+        # step's, (head1, m1) the next one's, each advanced by one comparison a step (no division).
+        # Each step: the next block's copies issued (two stages) or this one's (one stage, but the
+        # first's), this one's waited for; Pᵀ and dSᵀ; dV, dQ and dK. The step's lines stay here,
+        # in this order, with the QueryBlock built where it is used: ptxas gave the one-stage
+        # kernels 4 to 16 more registers with the copies and waits in a device function of their
+        # own, or with the QueryBlock built once at the top of the step.
         head = kv_head * call.group
         m_block = m_blocks - 1
         if steps > 0:
-            loads.load_block(cta, 0, QueryBlock(head, m_block))
+            loads.load_block(cta, 0, placement.query_block(cta, BlockIndex(head, m_block)))
         for step in range(steps):
-            blk = QueryBlock(head, m_block)
-            nxt = placement.next_block(blk, m_first, m_blocks)
-            tiles = loads.land(cta, step, steps, blk, nxt)
-            scores.scores_to_gradient(acc, tiles, wg, cta, m_block * BM, scaling)
-            accumulation.accumulate(acc, tiles, wg, cta, blk)
-            head, m_block = nxt
+            stage = step % STAGES
+            m0 = m_block * BM
+            bh_rows = source.workspace_row0(batch, kb.ws_start, head, call.heads_q, ws.rows)
+            head1 = head
+            m1 = m_block - 1
+            if m1 < m_first:
+                head1 = head + 1
+                m1 = m_blocks - 1
+            if STAGES == 2:
+                if step + 1 < steps:
+                    loads.load_block(cta, 1 - stage, placement.query_block(cta, BlockIndex(head1, m1)))
+                    ptx.cp_async_wait_group_1()
+                else:
+                    ptx.cp_async_wait_group_0()
+            else:
+                if step > 0:
+                    loads.load_block(cta, 0, QueryBlock(head, m_block, m0, bh_rows + m0))
+                ptx.cp_async_wait_group_0()
+            cuda.syncthreads()  # this step's tiles have landed for everyone
+            at_stage = seat.sbase + stage * STAGE
+            tiles = StepTiles(at_stage + SQ0, at_stage + SDO0, at_stage + SLSE0, at_stage + SDELTA0)
+            scores.scores_to_gradient(acc, tiles, wg, cta, m0, scaling)
+            accumulation.accumulate(acc, tiles, wg, cta, QueryBlock(head, m_block, m0, bh_rows + m0))
+            head = head1
+            m_block = m1
 
         epilogue.store_dk_dv(acc, wg, cta, scaling.scale)
 
