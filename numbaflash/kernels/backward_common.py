@@ -56,8 +56,7 @@ PackedRows = namedtuple("PackedRows", ["cu_seqlens_q", "cu_seqlens_k", "total_q"
 #   block from workspace row ``ws_row`` (block ``block`` of its head);
 # - ``lse_row0(seqs, batch, start_q, head, heads_q, seqlen_q)``: the head's row 0 in the LSE.
 RowSource = namedtuple("RowSource", ["queries", "keys", "past", "base", "row0", "rows", "head_rows",
-                                     "workspace_start",
-                                     "workspace_row0", "counter", "lse_row0"])
+                                     "workspace_start", "workspace_row0", "counter", "lse_row0"])
 # The prepare kernel's float32 workspace: D, LSE₂, the dQ accumulator, the turn counters, the
 # rows per head and the counters per head.
 PrepWorkspace = namedtuple("PrepWorkspace", ["delta", "lse2", "dq_acc", "counters", "rows",
