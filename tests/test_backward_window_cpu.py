@@ -21,7 +21,7 @@ band_query_blocks = blocks.band_query_blocks.py_func
 band_kv_tiles = blocks.band_kv_tiles.py_func
 band_needs_mask = blocks.band_needs_mask.py_func
 key_block_of = blocks.key_block_of.py_func
-mask_band_transposed = backward_mma.mask_band_transposed.py_func
+mask_band_transposed = blocks.mask_band_transposed.py_func
 
 BLOCKS = [(64, 128), (128, 128), (64, 64)]  # (block_m, block_n) of the backward's configs
 # The forward's band cases (edges and a few random draws), each with one of the tiles in turn.

@@ -2,29 +2,31 @@
 
 Three kernels over one float32 workspace (``abi.BACKWARD_ABI`` describes it):
 
-1. ``prep``: D = rowsum(dO ∘ O) per query row, the forward's LSE in log2 units (+inf where a
-   row saw no key, so that its P is 0), a zeroed dQ accumulator and zeroed turn counters.
-2. The main kernel: one CTA per block of ``block_n`` keys of one (batch, kv head). K and V of
-   the block sit in shared memory; dK and dV stay in registers while the CTA walks every
-   query block of every query head of its group that sees the block (GQA sums there). For
-   each query block, with Q, dO, LSE and D landed by cp.async (the next block's copies in
-   flight when ``q_stages`` is 2):
+1. ``prep`` (``backward_common.make_backward_prep_kernel``, shared with the Hopper backward): D =
+   rowsum(dO ∘ O) per query row, the forward's LSE in log2 units (+inf where a row saw no key,
+   so that its P is 0), a zeroed dQ accumulator and zeroed turn counters.
+2. The main kernel (``make_backward_kernel``, this module): one CTA per block of ``block_n``
+   keys of one (batch, kv head). K and V of the block sit in shared memory; dK and dV stay in
+   registers while the CTA walks every query block of every query head of its group that sees
+   the block (GQA sums there). For each query block, with Q, dO, LSE and D landed by cp.async
+   (the next block's copies in flight when ``q_stages`` is 2):
 
-   - ``transposed_scores``: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (keys x queries, so that the rows a warp
-     owns are keys, as in dK and dV);
-   - ``gradient_of_scores``: Pᵀ = exp2(Sᵀ·scale·log2e − LSE₂) and dSᵀ = Pᵀ ∘ (dPᵀ − D), masked
-     past the last key and after the causal diagonal, stored as 16-bit tiles in shared memory;
-   - ``product_tn``: dV += Pᵀ dO from those tiles;
-   - ``add_dq``: dQ_i += dS K, read transposed from the dSᵀ tile, added into the float32
-     accumulator with ``red.global.add.f32`` (``.v4.f32`` on sm_90: ``dq_vector``), in the dQ
-     product's fragment order (``BackwardConfig.dq_offset``); in deterministic mode CTAs take
-     turns per query block in key-block order (a counter per block, acquire/release), so the
-     sums are bit-identical from run to run;
-   - ``product_tn``: dK += dSᵀ Q (after dQ, so that its adds drain under the dK product).
+   - ``transposed_scores`` (``make_gemms``): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (keys x queries, so that
+     the rows a warp owns are keys, as in dK and dV);
+   - ``scores_to_gradient`` (``make_score_gradient``): Pᵀ = exp2(Sᵀ·scale·log2e − LSE₂) and dSᵀ =
+     Pᵀ ∘ (dPᵀ − D), masked past the last key and after the causal diagonal (``make_masker``),
+     stored as 16-bit tiles in shared memory;
+   - ``accumulate`` (``make_accumulation``): dV += Pᵀ dO from those tiles (``product_tn``); dQ_i
+     += dS K, read transposed from the dSᵀ tile, added into the float32 accumulator with
+     ``red.global.add.f32`` (``.v4.f32`` on sm_90: ``dq_vector``), in the dQ product's fragment
+     order (``BackwardConfig.dq_offset``); in deterministic mode CTAs take turns per query block
+     in key-block order (a counter per block, acquire/release), so the sums are bit-identical
+     from run to run; then dK += dSᵀ Q (after dQ, so that its adds drain under the dK product).
 
-   At the end dK is scaled by the softmax scale and dK, dV are written through shared memory
-   with 16-byte stores.
-3. ``dq``: dQ = scale · accumulator, in the input dtype.
+   At the end (``make_kv_epilogue``) dK is scaled by the softmax scale and dK, dV are written
+   through shared memory with 16-byte stores.
+3. ``dq`` (``backward_common.make_backward_dq_kernel``, shared as ``prep``): dQ = scale ·
+   accumulator, in the input dtype.
 
 Two compile-time variants of the main kernel (issue 35), built only when a call asks for them, as
 the forward's: ``window`` (FlashAttention's sliding window: a key block's CTA walks only the query
@@ -38,13 +40,19 @@ arguments are never read.
 
 A ``varlen`` build of each of the three kernels (``flash_attention_varlen_backward``) has its own
 parameter list (``VARLEN_BACKWARD_*_ARGTYPES``: the plain parameters, then cu_seqlens_q,
-cu_seqlens_k and total_q): a thin kernel calls the same body as a device function with a
-``Sequences`` record in a batch-stride slot that the varlen body never reads as a stride (o_sb,
-q_sb, dq_sb). Each CTA takes its sequence from the grid (z, or the (batch, KV head) pair of the
-main kernel), reads its bounds from the offsets, returns at once past its sequence's end, and
-uses the sequence's own lengths (masks, causal diagonal, window: the variants combine); its
-workspace rows start at ``abi.varlen_row_offset`` (whole 128-row blocks per sequence). The plain
-builds compile to the same code as before.
+cu_seqlens_k and total_q). Each CTA takes its sequence from the grid (z, or the (batch, KV head)
+pair of the main kernel), reads its bounds from the offsets, returns at once past its sequence's
+end, and uses the sequence's own lengths (masks, causal diagonal, window: the variants combine);
+its workspace rows start at ``abi.varlen_row_offset`` (whole 128-row blocks per sequence). All
+that differs from a dense call is one piece, the row source (``make_row_source``), picked at
+build time.
+
+Each kernel function is thin: it packs its parameters into records (``View``, ``Operands``,
+``Workspace``, ``Call``, ``Scaling``, and ``PackedRows`` for varlen) and calls one body device
+function. The main kernel's body is built from rooms, each a ``make_*`` factory returning its
+steps as a named tuple (as ``forward_ws`` is): the row source (``backward_common``), the
+placement (launch order, the CTA's ``KeyBlock``, its walk of query blocks), the loads, the
+GEMMs, the score gradient (with its masker), the accumulation and the dK/dV epilogue.
 
 Every product is an m16n8k16 mma.sync; the warps split each product their own way
 (``shapes.BackwardConfig``). Tiles use the swizzled layouts of ``smem``; the Pᵀ and dSᵀ tiles
@@ -53,37 +61,69 @@ are ``block_n`` rows of ``block_m`` 16-bit columns in 128-byte column blocks.
 
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 
-from numba import cuda, float32, int32, int64, types, uint16, uint32
+from numba import cuda, float32, int32, int64, types, uint32
 
 from .. import ptx
-from . import abi
-from .blocks import Band, band_kv_tiles, band_needs_mask, band_query_blocks, key_block_of
-from .common import FULL_MASK, NEG_INF, keep_in_register, unroll
-from .epilogue import store_rows_global
-from .forward_mma import Sequences
-from .shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
-from .smem import (
-    copy_tile_async,
-    drain_copies,
-    global_rows,
-    ldmatrix_offsets,
-    swizzled_offset,
+from .backward_common import (
+    PackedRows,
+    RowSource,
+    View,
+    make_row_source,
 )
+from .blocks import (
+    Band,
+    band_kv_tiles,
+    band_needs_mask,
+    band_query_blocks,
+    key_block_of,
+    mask_band_transposed,
+    mask_transposed,
+)
+from .common import keep_in_register, unroll
+from .epilogue import store_rows_global
+from .fragments import store_fragment_rows, zero_fragments
+from .shapes import BackwardConfig
+from .smem import copy_tile_async, drain_copies, ldmatrix_offsets, swizzled_offset
 from .softmax import pack_16bit
 
-LOG2_E = 1.4426950408889634
-INF = float32(math.inf)
-# The packed variable-length workspace (``abi.varlen_row_offset``): a sequence's first row and its
-# padded rows, on the device.
-varlen_row_offset = cuda.jit(device=True, forceinline=True)(abi.varlen_row_offset)
-varlen_padded_rows = cuda.jit(device=True, forceinline=True)(abi.varlen_padded_rows)
+# ---------------------------------------------------------------------------------- records
 
-
+# The main kernel's tensors (Views): inputs Q, K, V, dO and outputs dK, dV.
+Operands = namedtuple("Operands", ["q", "k", "v", "do", "dk", "dv"])
+# The main kernel's float32 workspace (arrays) and its rows per head.
+Workspace = namedtuple("Workspace", ["lse2", "delta", "dq_acc", "counters", "rows"])
+# The main kernel's scalar arguments: the lengths (the maxima for varlen), heads, launch order,
+# deterministic mode and the sliding window's sides (read by window kernels only).
+Call = namedtuple("Call", ["seqlen_q", "seqlen_k", "heads_q", "group", "heads_kv", "tail_pairs",
+                           "deterministic", "window_left", "window_right"])
+# The exponent factor (scale, or softcap, times log2(e)), the softmax scale (dK's factor) and
+# softmax scale / softcap (softcap kernels only).
+Scaling = namedtuple("Scaling", ["scale_log2", "scale", "cap_scale"])
+# Where a CTA sits: its key block (``n_block``, first key ``n0``) of one (batch, KV head), and
+# that sequence's first query and key rows in the tensors (0 when dense), its lengths, its causal
+# diagonal (query i sees keys j <= i + diag) and its sliding window (a Band; window kernels).
+KeyBlock = namedtuple("KeyBlock", ["n_block", "n0", "batch", "kv_head", "start_q", "start_k", "seqlen_q",
+                                   "seqlen_k", "diag", "band", "ws_start"])
+# A thread's seat: its index, warp and lane, and the shared memory's base address.
+Seat = namedtuple("Seat", ["tid", "warp", "lane", "sbase"])
+# Global byte addresses of the workspace: LSE₂, D, the dQ accumulator, the counters; its rows and
+# turn counters per head.
+WorkspaceAt = namedtuple("WorkspaceAt", ["lse2", "delta", "dq", "counters", "rows", "counters_per_head"])
+# What every step of a CTA's walk reads: its Seat, its KeyBlock, the Operands, the WorkspaceAt,
+# the Call, and where the sequence's rows of Q and dO start (``RowSource.base``).
+Cta = namedtuple("Cta", ["seat", "kb", "ops", "ws", "call", "q_base", "do_base"])
+# Which query block of the walk: its query head and block index.
+BlockIndex = namedtuple("BlockIndex", ["head", "m_block"])
+# One query block of the walk: its query head, block index, first row and first workspace row
+# (``Placement.query_block``).
+QueryBlock = namedtuple("QueryBlock", ["head", "m_block", "m0", "row"])
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
 WarpPart = namedtuple("WarpPart", ["row0", "col0"])
+# The warp's parts: keys x queries (Sᵀ, dPᵀ), keys x head-dim columns (dK, dV), queries x
+# head-dim columns (dQ).
+Parts = namedtuple("Parts", ["s", "kv", "q"])
 # The tiles of one step of the walk (shared byte addresses): Q, dO, and the stage's LSE and D
 # rows (float32).
 StepTiles = namedtuple("StepTiles", ["q", "do", "lse", "delta"])
@@ -97,334 +137,62 @@ Frags = namedtuple("Frags", ["a", "b"])
 # ``dq_b[j2]`` (K columns, transposed); the Pᵀ and dSᵀ stores: ``sts[j]`` (the lane's row of
 # the warp's first key m-tile, n-tile j's column pair).
 Offsets = namedtuple("Offsets", ["nt_a", "nt_b", "tn_a", "tn_b", "dq_a", "dq_b", "sts"])
+# A warp's GEMM state: its Parts, its Frags and its Offsets.
+WarpGemm = namedtuple("WarpGemm", ["parts", "frags", "offsets"])
+# The warp's accumulators (float32 fragments): dK, dV (kept over the walk), Sᵀ/Pᵀ, dPᵀ/dSᵀ, dQ.
+Accumulators = namedtuple("Accumulators", ["dk", "dv", "s", "dp", "q"])
 # The operands of one dV or dK product (``product_tn``) and of one dQ product (``dq_product``).
 TnProduct = namedtuple("TnProduct", ["acc", "a_tile", "b_tile", "frags", "offsets"])
 DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets"])
 
-
-@cuda.jit(device=True, forceinline=True)
-def f32_of_bits(bits, bf16):
-    """The 16-bit value in ``bits`` (uint32, low half) as float32."""
-    return ptx.f32_from_bf16_bits(bits) if bf16 else ptx.f32_from_f16_bits(bits)
-
-
-@cuda.jit(device=True, forceinline=True)
-def zero_fragments(acc, m_tiles, n_tiles):
-    for mt in range(m_tiles):
-        for j in range(n_tiles):
-            for e in range(4):
-                acc[mt, j, e] = 0.0
+# The rooms' steps (each factory below returns one of these).
+Gemms = namedtuple("Gemms", ["parts", "lane_offsets", "transposed_scores", "product_tn", "dq_product"])
+ScoreGradient = namedtuple("ScoreGradient", ["scores_to_gradient"])
+Masker = namedtuple("Masker", ["mask"])
+Loads = namedtuple("Loads", ["load_kv", "load_block"])
+Accumulation = namedtuple("Accumulation", ["accumulate"])
+KvEpilogue = namedtuple("KvEpilogue", ["store_dk_dv"])
+Placement = namedtuple("Placement", ["launch_order", "place", "query_blocks", "query_block"])
 
 
-@cuda.jit(device=True, forceinline=True)
-def store_fragment_rows(tile, acc, n_tiles, tile_rows, row0, col0, lane, bf16, row_bytes, scale):
-    """Store 16 rows (from ``row0``) x ``8 * n_tiles`` columns (from ``col0``, a multiple of 8)
-    of mma accumulator fragments ``acc[j, e]``, times ``scale``, as 16-bit pairs into a
-    swizzled shared tile (``smem`` layout)."""
-    g = lane // 4
-    t = lane % 4
-    for r in range(2):
-        row = row0 + g + 8 * r
-        for j in range(n_tiles):
-            packed = pack_16bit(acc[j, 2 * r] * scale, acc[j, 2 * r + 1] * scale, bf16)
-            at = tile + swizzled_offset(row, col0 // 8 + j, tile_rows, row_bytes) + 4 * t
-            ptx.st_shared_b32(at, packed)
+# ---------------------------------------------------------------------------------- main kernel
+
+# The main kernel's compile-time shape (``backward_shape``), worked out once from its config.
+Shape = namedtuple("Shape", [
+    "d", "bm", "bn", "threads", "kr", "qr", "kmt", "sq", "s_n", "dc", "kv_n", "qmt", "dq_cols", "dq_n",
+    "a_tiles", "cpr", "rb", "kb", "stages", "store_rows", "dq_vector", "layout"])
+PB = 128  # bytes per row of a column block of the Pᵀ and dSᵀ tiles (block_m is 64 or 128)
 
 
-@cuda.jit(device=True, forceinline=True)
-def mask_transposed(s, n_tiles, key0, col0, lane, seqlen_k, diag, causal):
-    """Set to -inf the scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns:
-    queries ``col0`` + 8j + 2t + e) whose key is past the last or, causal, after the diagonal
-    (query i sees key j iff j <= i + diag). One limit a row: the lane's leading columns that
-    are hidden."""
-    g = lane // 4
-    t = lane % 4
-    for half in range(2):
-        key = key0 + g + 8 * half
-        first = key - diag if causal else int64(-(1 << 30))  # the first query that sees the key
-        if key >= seqlen_k:
-            first = int64(1 << 30)
-        limit = int32(max(min(first - (col0 + 2 * t), 1 << 30), -1))
-        for j in range(n_tiles):
-            for e in range(2):
-                if j * 8 + e < limit:
-                    s[j, 2 * half + e] = NEG_INF
+def backward_shape(config: BackwardConfig) -> Shape:
+    """The main kernel's tile counts of ``config``: key m-tiles of a warp (Sᵀ, dPᵀ, dK, dV: kmt),
+    queries of a warp's Sᵀ and dPᵀ (sq; s_n n-tiles), head-dim columns of its dK and dV (dc;
+    kv_n), query m-tiles and columns of its dQ (qmt, dq_cols; dq_n), A fragments held at once,
+    16-byte chunks a row (cpr), 16-column blocks per column block (kb), rows of dK and dV each warp
+    writes out (store_rows); ``layout``: the shared byte offsets (``config.shared_layout``)."""
+    D, BM, BN = config.head_dim, config.block_m, config.block_n
+    KR, KC, QR, QC = config.key_warps, config.col_warps, config.dq_row_warps, config.dq_col_warps
+    KMT, QMT = BN // (16 * KR), BM // (16 * QR)
+    return Shape(D, BM, BN, config.threads, KR, QR, KMT, BM // KC, BM // KC // 8, D // KC, D // KC // 8, QMT,
+                 D // QC, D // QC // 8, max(KMT, QMT), D // 8, config.row_bytes, config.row_bytes // 32,
+                 config.q_stages, BN // config.num_warps, config.dq_vector, config.shared_layout)
 
 
-@cuda.jit(device=True, forceinline=True)
-def mask_band_transposed(s, n_tiles, key0, col0, lane, band):
-    """``mask_transposed`` under a sliding window ``band`` (a ``blocks.Band``): set to -inf the
-    scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns: queries ``col0`` + 8j
-    + 2t + e) whose key is past the last or outside the query's window (query i sees key j iff
-    i + first <= j <= i + last, i.e. j - last <= i <= j - first). Two 32-bit limits a row on the
-    lane's column index: the queries that see the row's key are columns [low, high)."""
-    g = lane // 4
-    t = lane % 4
-    for half in range(2):
-        key = key0 + g + 8 * half
-        col = col0 + 2 * t
-        low = int32(max(min(key - band.last - col, 1 << 30), -1))
-        high = int32(max(min(key - band.first + 1 - col, 1 << 30), -1))
-        if key >= band.seqlen_k:
-            high = int32(-1)
-        for j in range(n_tiles):
-            for e in range(2):
-                if j * 8 + e < low or j * 8 + e >= high:
-                    s[j, 2 * half + e] = NEG_INF
-
-
-def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
-    """The prep kernel (``BACKWARD_PREP_ARGTYPES``): grid (rows // 64, heads_q, batch), 128 threads;
-    the same code with causal masking or not (``causal`` is not used: one kernel serves both).
-    The threads of a row (``prep_split``) each load 16-byte chunks of O and dO (the loads of up
-    to 8 passes issued before any sum), dot them and sum over a shuffle tree; then 16-byte
-    stores zero the block's dQ accumulator.
-
-    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_PREP_ARGTYPES``; grid
-    (backward_rows(max_seqlen_q) // 64, heads_q, batch)): a ``Sequences`` record in the ``o_sb``
-    slot; a block past its sequence's padded rows (``varlen_padded_rows``) returns."""
-    config.check()
-    D = config.head_dim
-    BM = config.block_m
-    VARLEN = varlen
-    TPR, PER, RPP = prep_split(D)
-    PASSES = PREP_ROWS // RPP
-    GROUP = min(PASSES, 8)  # passes whose loads are in flight together (unrolled: registers)
-    SHUFFLES = tuple(TPR >> i for i in range(1, TPR.bit_length()))  # TPR/2 .. 1
-    ZERO_STORES = PREP_ROWS * D // 4 // PREP_THREADS  # 16-byte stores a thread
-    BF16 = bf16
-
-    def backward_prep(o, do, lse, delta, lse2, dq_acc, counters, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh,
-                      seqlen_q, rows, heads_q, counters_per_head):
-        tid = cuda.threadIdx.x & 1023
-        x = int64(cuda.blockIdx.x)
-        head = int64(cuda.blockIdx.y)
-        batch = int64(cuda.blockIdx.z)
-        bh = batch * heads_q + head
-        row_base = x * PREP_ROWS
-        part = tid % TPR
-        if VARLEN:  # o_sb is a Sequences record: this sequence's rows and its workspace rows
-            seqs = o_sb
-            start_q = int64(seqs.cu_seqlens_q[batch])
-            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
-            if row_base >= varlen_padded_rows(seqlen_q):  # past the sequence's workspace rows
-                return
-            ws_row0 = head * rows + varlen_row_offset(start_q, batch)  # the sequence's row 0
-            o_at = ptx.global_address(o) + 2 * (start_q * o_ss + head * o_sh) + 16 * part
-            do_at = ptx.global_address(do) + 2 * (start_q * do_ss + head * do_sh) + 16 * part
-        else:
-            o_at = ptx.global_address(o) + 2 * (batch * o_sb + head * o_sh) + 16 * part
-            do_at = ptx.global_address(do) + 2 * (batch * do_sb + head * do_sh) + 16 * part
-        ov = cuda.local.array((GROUP, PER, 4), uint32)
-        dov = cuda.local.array((GROUP, PER, 4), uint32)
-        for g in range(PASSES // GROUP):
-            for p in range(GROUP):
-                row = row_base + (g * GROUP + p) * RPP + tid // TPR
-                for c in range(PER):
-                    if row < seqlen_q:
-                        ptx.ld_global_nc_v4_at(ov[p, c], o_at + 2 * row * o_ss + 16 * TPR * c)
-                        ptx.ld_global_nc_v4_at(dov[p, c], do_at + 2 * row * do_ss + 16 * TPR * c)
-                    else:
-                        for w in range(4):
-                            ov[p, c, w] = 0
-                            dov[p, c, w] = 0
-            for p in range(GROUP):
-                row = row_base + (g * GROUP + p) * RPP + tid // TPR
-                acc = float32(0.0)
-                for c in range(PER):
-                    for w in range(4):
-                        a = ov[p, c, w]
-                        b = dov[p, c, w]
-                        acc += f32_of_bits(uint32(a & 0xFFFF), BF16) * f32_of_bits(uint32(b & 0xFFFF), BF16)
-                        acc += f32_of_bits(uint32(a >> 16), BF16) * f32_of_bits(uint32(b >> 16), BF16)
-                for offset in SHUFFLES:
-                    acc += cuda.shfl_xor_sync(FULL_MASK, acc, offset)
-                if part == 0:
-                    if VARLEN:
-                        at = ws_row0 + row
-                    else:
-                        at = bh * rows + row
-                    delta[at] = acc
-                    value = INF
-                    if row < seqlen_q:
-                        if VARLEN:  # the LSE is (heads_q, total_q)
-                            forward = lse[head * seqs.lse_head_stride + start_q + row]
-                        else:
-                            forward = lse[bh * seqlen_q + row]
-                        if forward != NEG_INF:
-                            value = forward * float32(LOG2_E)
-                    lse2[at] = value
-        zeros = cuda.local.array(4, uint32)
-        for w in range(4):
-            zeros[w] = 0
-        if VARLEN:
-            zero_at = ptx.global_address_f32(dq_acc) + 4 * (ws_row0 + row_base) * D + 16 * tid
-        else:
-            zero_at = ptx.global_address_f32(dq_acc) + 4 * (bh * rows + row_base) * D + 16 * tid
-        for i in range(ZERO_STORES):
-            ptx.st_global_v4_at(zero_at + 16 * PREP_THREADS * i, zeros)
-        if tid == 0 and row_base % BM == 0:
-            if VARLEN:  # rows and the sequence's row offset are multiples of block_m
-                counters[(ws_row0 + row_base) // BM] = 0
-            else:
-                counters[bh * counters_per_head + row_base // BM] = 0
-
-    backward_prep.__name__ = (f"flash_backward_prep_d{D}_m{BM}_{'varlen_' if varlen else ''}"
-                              f"{'bf16' if bf16 else 'f16'}")
-    backward_prep.launch_bounds = (PREP_THREADS, 1)
-    if not VARLEN:
-        return backward_prep
-    body = cuda.jit(device=True, forceinline=True)(backward_prep)
-
-    def backward_prep_varlen(o, do, lse, delta, lse2, dq_acc, counters, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh,
-                             seqlen_q, rows, heads_q, counters_per_head, cu_seqlens_q, cu_seqlens_k, total_q):
-        seqs = Sequences(int64(cuda.gridDim.z), cu_seqlens_q, cu_seqlens_k, total_q)
-        body(o, do, lse, delta, lse2, dq_acc, counters, seqs, o_ss, o_sh, do_sb, do_ss, do_sh, seqlen_q, rows,
-             heads_q, counters_per_head)
-
-    backward_prep_varlen.__name__ = backward_prep.__name__
-    backward_prep_varlen.launch_bounds = backward_prep.launch_bounds
-    return backward_prep_varlen
-
-
-def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
-    """The dQ kernel (``BACKWARD_DQ_ARGTYPES``): grid (rows // block_m, heads_q, batch),
-    ``config.threads`` threads. Thread ``tid`` reads back the accumulator elements that thread
-    ``tid`` of the main kernel added (fragment order, ``BackwardConfig.dq_position``: coalesced
-    loads), stores them scaled, as 16-bit pairs, into a swizzled shared tile of the block, and the
-    warps then write the block's rows with 16-byte stores.
-
-    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_DQ_ARGTYPES``; grid
-    (backward_rows(max_seqlen_q) // block_m, heads_q, batch)): a ``Sequences`` record in the
-    ``dq_sb`` slot; a block past its sequence's end returns."""
-    config.check()
-    D = config.head_dim
-    BM = config.block_m
-    VARLEN = varlen
-    THREADS = config.threads
-    QR = config.dq_row_warps
-    QMT = BM // (16 * QR)
-    DQ_COLS = D // config.dq_col_warps
-    DQ_N = DQ_COLS // 8
-    RB = config.row_bytes
-    CPR = D // 8
-    STORE_ROWS = BM // config.num_warps  # rows each warp writes out
-    VEC = config.dq_vector
-    TILE = BM * D  # 16-bit elements of the block's shared tile
-    if TILE * 2 > 48 * 1024:
-        raise ValueError(f"the dQ kernel's static shared tile ({BM} x {D} 16-bit) exceeds 48 KB: {config}")
-    BF16 = bf16
-
-    def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale):
-        smem = cuda.shared.array(TILE, uint16, alignment=128)
-        tile = ptx.shared_address_u16(smem)
-        tid = cuda.threadIdx.x & 1023
-        warp = tid // 32
-        lane = tid % 32
-        head = int64(cuda.blockIdx.y)
-        batch = int64(cuda.blockIdx.z)
-        m0 = int64(cuda.blockIdx.x) * BM
-        if VARLEN:  # dq_sb is a Sequences record
-            seqs = dq_sb
-            start_q = int64(seqs.cu_seqlens_q[batch])
-            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
-            if m0 >= seqlen_q:
-                return
-            at = (head * rows + varlen_row_offset(start_q, batch) + m0) * D + VEC * tid
-        else:
-            at = ((batch * heads_q + head) * rows + m0) * D + VEC * tid
-        acc = cuda.local.array((QMT, DQ_N, 4), float32)
-        for mt in range(QMT):
-            for j in range(DQ_N):
-                for e in range(4):  # config.dq_offset(tid, 4 (mt DQ_N + j) + e) in the block
-                    acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS + e % VEC]
-        row0 = (warp % QR) * 16 * QMT
-        col0 = (warp // QR) * DQ_COLS
-        for mt in range(QMT):
-            store_fragment_rows(tile, acc[mt], DQ_N, BM, row0 + 16 * mt, col0, lane, BF16, RB, scale)
-        cuda.syncthreads()
-        scratch = cuda.local.array(4, uint32)
-        first = warp * STORE_ROWS
-        if VARLEN:
-            dq_rows = global_rows(dq, start_q * dq_ss + head * dq_sh, dq_ss, seqlen_q)
-        else:
-            dq_rows = global_rows(dq, batch * dq_sb + head * dq_sh, dq_ss, seqlen_q)
-        store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
-
-    backward_dq.__name__ = (f"flash_backward_dq_d{D}_m{BM}{config.tag}_{'varlen_' if varlen else ''}"
-                            f"{'bf16' if bf16 else 'f16'}")
-    backward_dq.launch_bounds = (THREADS, 1)
-    if not VARLEN:
-        return backward_dq
-    body = cuda.jit(device=True, forceinline=True)(backward_dq)
-
-    def backward_dq_varlen(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, cu_seqlens_q,
-                           cu_seqlens_k, total_q):
-        seqs = Sequences(int64(cuda.gridDim.z), cu_seqlens_q, cu_seqlens_k, total_q)
-        body(dq_acc, dq, seqs, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale)
-
-    backward_dq_varlen.__name__ = backward_dq.__name__
-    backward_dq_varlen.launch_bounds = backward_dq.launch_bounds
-    return backward_dq_varlen
-
-
-def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, window: bool = False,
-                         softcap: bool = False, varlen: bool = False):
-    """The main backward kernel (``BACKWARD_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv
-    * batch in one dimension (``blocks.key_block_of`` maps a CTA to its key block and (batch,
-    KV head)), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory.
-
-    ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
-    ``causal`` must then be False: the window's right edge 0 is causal masking). ``softcap``:
-    scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, ``scale_log2`` =
-    softcap·log2(e), as the forward's). Kernels without them never read those arguments.
-
-    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_ARGTYPES``: the same parameters,
-    then cu_seqlens_q, cu_seqlens_k and total_q; seqlen_q and seqlen_k the maxima, rows the padded
-    total ``varlen_workspace_rows``): a ``Sequences`` record in the ``q_sb`` slot; the grid's
-    third factor is the sequence; a key block past its sequence's keys returns at once; the
-    sequence's own lengths replace seqlen_q and seqlen_k (masks, causal diagonal, window); its
-    workspace rows start at ``varlen_row_offset``."""
-    if window and causal:
-        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
-    config.check()
-    D = config.head_dim
-    BM = config.block_m
-    BN = config.block_n
-    THREADS = config.threads
-    WARPS = config.num_warps
-    KR = config.key_warps
-    KC = config.col_warps
-    QR = config.dq_row_warps
-    QC = config.dq_col_warps
-    KMT = BN // (16 * KR)  # key m-tiles of a warp (Sᵀ, dPᵀ, dK, dV)
-    SQ = BM // KC  # queries of a warp's Sᵀ and dPᵀ
-    S_N = SQ // 8  # their n-tiles
-    DC = D // KC  # head-dim columns of a warp's dK and dV
-    KV_N = DC // 8
-    QMT = BM // (16 * QR)  # query m-tiles of a warp's dQ
-    DQ_COLS = D // QC
-    DQ_N = DQ_COLS // 8
-    A_TILES = max(KMT, QMT)  # A fragments held at once
-    KV_PAIRS = KV_N // 2  # B loads (two n-tiles each) of a dV or dK k-tile
-    DQ_PAIRS = DQ_N // 2
-    CPR = D // 8  # 16-byte chunks per row
-    RB = config.row_bytes
-    KB = RB // 32  # 16-column blocks per column block of the Q, K, V and dO tiles
-    PB = 128  # bytes per row of a column block of the Pᵀ and dSᵀ tiles (block_m is 64 or 128)
-    STAGES = config.q_stages
-    layout = config.shared_layout
-    SK, SV, SP, SDS = layout["k"], layout["v"], layout["p"], layout["ds"]
-    SQ0, SDO0 = layout["q"], layout["do"]
-    SLSE0, SDELTA0, STAGE = layout["lse"], layout["delta"], layout["stage"]
-    STORE_ROWS = BN // WARPS  # rows of dK and dV each warp writes out
-    DQ_VECTOR = config.dq_vector
-    CAUSAL = causal
-    WINDOW = window
-    SOFTCAP = softcap
-    VARLEN = varlen
-    BF16 = bf16
+def make_gemms(s: Shape, bf16: bool) -> Gemms:
+    """The warp's products, each m16n8k16 mma.sync over ldmatrix fragments: ``parts(warp)`` (its
+    Parts), ``lane_offsets`` (its Offsets, once), ``transposed_scores`` (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ),
+    ``product_tn`` (dV += Pᵀ dO, dK += dSᵀ Q) and ``dq_product`` (dQ = dS K)."""
+    D, BM, BN, RB, KB = s.d, s.bm, s.bn, s.rb, s.kb
+    KMT, S_N, KV_N, QMT, DQ_N = s.kmt, s.s_n, s.kv_n, s.qmt, s.dq_n
+    KR, QR, SQ, DC, DQ_COLS = s.kr, s.qr, s.sq, s.dc, s.dq_cols
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
+
+    @cuda.jit(device=True, forceinline=True)
+    def parts(warp):
+        """The warp's Parts: keys x queries, keys x head-dim columns, queries x head-dim columns."""
+        return Parts(WarpPart((warp % KR) * 16 * KMT, (warp // KR) * SQ),
+                     WarpPart((warp % KR) * 16 * KMT, (warp // KR) * DC),
+                     WarpPart((warp % QR) * 16 * QMT, (warp // QR) * DQ_COLS))
 
     @cuda.jit(device=True, forceinline=True)
     def mma_b_pair(acc, frags, m_tiles, j2):
@@ -454,6 +222,95 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         zero_fragments(acc_dp, KMT, S_N)
         product_nt(acc_s, sk, tiles.q, frags, offsets)
         product_nt(acc_dp, sv, tiles.do, frags, offsets)
+
+    @cuda.jit(device=True, forceinline=True)
+    def tn_step(kt, st):
+        """k-tile ``kt`` (16 queries) of ``product_tn``."""
+        for mt in range(KMT):
+            at = st.a_tile + st.offsets.tn_a[kt % 4] + (kt // 4) * (BN * PB) + 16 * mt * PB
+            ptx.ldmatrix_x4(st.frags.a[mt], at)
+        for j2 in range(KV_N // 2):
+            ptx.ldmatrix_x4_trans(st.frags.b, st.b_tile + st.offsets.tn_b[j2] + 16 * kt * RB)
+            mma_b_pair(st.acc, st.frags, KMT, j2)
+
+    # acc[mt, j] += A B over the ``block_m`` queries (a TnProduct): A = rows ``row0`` + 16 mt of a
+    # keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0`` .. of
+    # a queries x head-dim tile (dO or Q) by transposing ldmatrix. Unrolled in Python: NVVM left
+    # the k-tile loop rolled, so no k-tile's loads could overlap the previous one's mma.sync.
+    product_tn = unroll(tn_step, BM // 16)
+
+    @cuda.jit(device=True, forceinline=True)
+    def dq_step(kt, st):
+        """k-tile ``kt`` (16 keys) of ``dq_product``."""
+        for mt in range(QMT):  # A(m = query, k = key) of the keys x queries tile, transposed
+            ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + st.offsets.dq_a[mt] + 16 * kt * PB)
+        for j2 in range(DQ_N // 2):
+            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + st.offsets.dq_b[j2] + 16 * kt * RB)
+            mma_b_pair(st.acc, st.frags, QMT, j2)
+
+    # dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` .. of this step (a DqProduct): dS (from
+    # the dSᵀ tile, by transposing ldmatrix) times K (transposing ldmatrix), over the block's keys.
+    dq_product = unroll(dq_step, BN // 16)
+
+    @cuda.jit(device=True, forceinline=True)
+    def lane_offsets(offsets, parts, lane):
+        """Fill ``offsets`` (an Offsets) for this lane and its warp's Parts; each value is kept
+        in a register (``keep_in_register``), not recomputed from the lane index every step."""
+        s_part, kv_part, q_part = parts
+        ldmatrix_offsets(offsets.nt_a, lane % 16, lane // 16, RB)
+        ldmatrix_offsets(offsets.nt_b, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
+        ldmatrix_offsets(offsets.tn_a, lane % 16, lane // 16, PB)
+        for b in range(KB):
+            offsets.nt_a[b] = keep_in_register(offsets.nt_a[b] + s_part.row0 * RB, lane)
+            offsets.nt_b[b] = keep_in_register(offsets.nt_b[b] + s_part.col0 * RB, lane)
+        for b in range(4):
+            offsets.tn_a[b] = keep_in_register(offsets.tn_a[b] + kv_part.row0 * PB, lane)
+        for j2 in range(KV_N // 2):
+            chunk = kv_part.col0 // 8 + 2 * j2 + lane // 16
+            offsets.tn_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BM, RB), lane)
+        for mt in range(QMT):
+            key = lane % 8 + 8 * (lane // 16)
+            query_chunk = (q_part.row0 + 16 * mt) // 8 + (lane // 8) % 2
+            offsets.dq_a[mt] = keep_in_register(swizzled_offset(key, query_chunk, BN, PB), lane)
+        for j2 in range(DQ_N // 2):
+            chunk = q_part.col0 // 8 + 2 * j2 + lane // 16
+            offsets.dq_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BN, RB), lane)
+        for j in range(S_N):
+            at = swizzled_offset(s_part.row0 + lane // 4, s_part.col0 // 8 + j, BN, PB) + 4 * (lane % 4)
+            offsets.sts[j] = keep_in_register(at, lane)
+
+    return Gemms(parts, lane_offsets, transposed_scores, product_tn, dq_product)
+
+
+def make_masker(s: Shape, causal: bool, window: bool) -> Masker:
+    """``mask(acc_s, key0, q0, lane, kb)``: the warp's Sᵀ (keys from ``key0``, queries from ``q0``)
+    masked where its keys x queries tile crosses the end of the keys or (causal) the diagonal
+    (``mask_transposed``), or with a sliding window an edge of the window (``mask_band_transposed``);
+    a tile that crosses none is left as it is. ``kb``: the CTA's KeyBlock."""
+    KMT, S_N, SQ = s.kmt, s.s_n, s.sq
+    CAUSAL, WINDOW = causal, window
+
+    @cuda.jit(device=True, forceinline=True)
+    def mask(acc_s, key0, q0, lane, kb):
+        if WINDOW:
+            if band_needs_mask(key0, 16 * KMT, q0, SQ, kb.band):  # keys x queries: an edge or the keys' end
+                for mt in range(KMT):
+                    mask_band_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, kb.band)
+        elif key0 + 16 * KMT > kb.seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + kb.diag):
+            for mt in range(KMT):
+                mask_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, kb.seqlen_k, kb.diag, CAUSAL)
+
+    return Masker(mask)
+
+
+def make_score_gradient(s: Shape, causal: bool, bf16: bool, gemms: Gemms, window: bool = False,
+                        softcap: bool = False) -> ScoreGradient:
+    """``scores_to_gradient``: one query block's Sᵀ and dPᵀ, capped (softcap) and masked, turned
+    into Pᵀ and dSᵀ and stored as 16-bit keys x queries tiles in shared memory for every warp."""
+    KMT, S_N = s.kmt, s.s_n
+    SK, SV, SP, SDS = (s.layout[name] for name in ("k", "v", "p", "ds"))
+    SOFTCAP, BF16 = softcap, bf16
+    masker = make_masker(s, causal, window)
 
     @cuda.jit(device=True, forceinline=True)
     def gradient_of_scores(acc_s, acc_dp, tiles, part, scale_log2, lane):
@@ -492,33 +349,131 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
                     ptx.st_shared_b32(tile + offsets.sts[j] + (16 * mt + 8 * r) * PB, packed)
 
     @cuda.jit(device=True, forceinline=True)
-    def tn_step(kt, st):
-        """k-tile ``kt`` (16 queries) of ``product_tn``."""
-        for mt in range(KMT):
-            at = st.a_tile + st.offsets.tn_a[kt % 4] + (kt // 4) * (BN * PB) + 16 * mt * PB
-            ptx.ldmatrix_x4(st.frags.a[mt], at)
-        for j2 in range(KV_N // 2):
-            ptx.ldmatrix_x4_trans(st.frags.b, st.b_tile + st.offsets.tn_b[j2] + 16 * kt * RB)
-            mma_b_pair(st.acc, st.frags, KMT, j2)
+    def scores_to_gradient(acc, tiles, wg, cta, m0, scaling):
+        """Pᵀ (in ``acc.s``) and dSᵀ (in ``acc.dp``) of the query block from row ``m0`` (its
+        StepTiles landed), stored for every warp (``wg``: the WarpGemm; ``cta``: the Cta)."""
+        sbase, lane = cta.seat.sbase, cta.seat.lane
+        gemms.transposed_scores(acc.s, acc.dp, sbase + SK, sbase + SV, tiles, wg.frags, wg.offsets)
+        key0 = cta.kb.n0 + wg.parts.s.row0
+        q0 = m0 + wg.parts.s.col0
+        if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
+            for mt in range(KMT):
+                for j in range(S_N):
+                    for e in range(4):
+                        acc.s[mt, j, e] = ptx.tanh(acc.s[mt, j, e] * scaling.cap_scale)
+        masker.mask(acc.s, key0, q0, lane, cta.kb)
+        gradient_of_scores(acc.s, acc.dp, tiles, wg.parts.s, scaling.scale_log2, lane)
+        store_scores(sbase + SP, acc.s, wg.offsets)
+        store_scores(sbase + SDS, acc.dp, wg.offsets)
+        cuda.syncthreads()  # Pᵀ and dSᵀ are in shared memory for everyone
 
-    # acc[mt, j] += A B over the ``block_m`` queries (a TnProduct): A = rows ``row0`` + 16 mt of a
-    # keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0`` .. of
-    # a queries x head-dim tile (dO or Q) by transposing ldmatrix. Unrolled in Python: NVVM left
-    # the k-tile loop rolled, so no k-tile's loads could overlap the previous one's mma.sync.
-    product_tn = unroll(tn_step, BM // 16)
+    return ScoreGradient(scores_to_gradient)
+
+
+def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = False) -> Placement:
+    """Where a CTA sits and what it walks: ``launch_order(call)`` -> (key block, batch, KV head)
+    (``blocks.key_block_of``); ``place(...)`` -> its KeyBlock; ``query_blocks(kb)`` -> (first,
+    end): the query blocks whose rows see a key of the block; ``query_block(cta, at)``: the
+    QueryBlock of a BlockIndex."""
+    BM, BN = s.bm, s.bn
+    CAUSAL, WINDOW = causal, window
 
     @cuda.jit(device=True, forceinline=True)
-    def dq_step(kt, st):
-        """k-tile ``kt`` (16 keys) of ``dq_product``."""
-        for mt in range(QMT):  # A(m = query, k = key) of the keys x queries tile, transposed
-            ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + st.offsets.dq_a[mt] + 16 * kt * PB)
-        for j2 in range(DQ_N // 2):
-            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + st.offsets.dq_b[j2] + 16 * kt * RB)
-            mma_b_pair(st.acc, st.frags, QMT, j2)
+    def launch_order(call):
+        """Launch order (blocks.key_block_of): causal, the last waves longest first. 32-bit
+        division: the grid has at most 2^31 - 1 CTAs."""
+        key_blocks = uint32((call.seqlen_k + BN - 1) // BN)
+        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+                                     call.tail_pairs if CAUSAL or WINDOW else 0)
+        kv_head = int64(uint32(pair) % uint32(call.heads_kv))
+        batch = int64(uint32(pair) // uint32(call.heads_kv))
+        return n_block, batch, kv_head
 
-    # dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` .. of this step (a DqProduct): dS (from
-    # the dSᵀ tile, by transposing ldmatrix) times K (transposing ldmatrix), over the block's keys.
-    dq_product = unroll(dq_step, BN // 16)
+    @cuda.jit(device=True, forceinline=True)
+    def place(n_block, batch, kv_head, start_k, seqlen_k, call, seqs):
+        """The KeyBlock of key block ``n_block`` of (batch, kv_head), whose sequence's keys start
+        at ``start_k`` and number ``seqlen_k``."""
+        start_q, seqlen_q = source.queries(seqs, batch, call.seqlen_q)
+        ws_start = source.workspace_start(batch, start_q)  # the sequence's row 0 in the workspace
+        diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
+        band = Band(seqlen_k, diag - call.window_left, diag + call.window_right)  # window kernels only
+        return KeyBlock(n_block, n_block * BN, batch, kv_head, start_q, start_k, seqlen_q, seqlen_k, diag,
+                        band, ws_start)
+
+    @cuda.jit(device=True, forceinline=True)
+    def query_blocks(kb):
+        """(m_first, m_blocks): every query block (full), those from the first that sees a key of
+        the block (causal), or only those whose rows see one (window: ``band_query_blocks``)."""
+        m_blocks = (kb.seqlen_q + BM - 1) // BM
+        m_first = int64(0)
+        if CAUSAL:
+            m_first = max(kb.n0 - kb.diag, 0) // BM  # the first query block that sees a key of the block
+        if WINDOW:  # only the query blocks whose rows see a key of the block: m_first .. m_blocks - 1
+            keys = min(BN, kb.seqlen_k - kb.n0)
+            m_first, m_blocks = band_query_blocks(kb.n0, keys, BM, kb.seqlen_q, kb.band)
+        return m_first, m_blocks
+
+    @cuda.jit(device=True, forceinline=True)
+    def query_block(cta, at):
+        """The QueryBlock of BlockIndex ``at``: its first row and its first workspace row (LSE₂, D,
+        the dQ accumulator)."""
+        kb = cta.kb
+        first = source.workspace_row0(kb.batch, kb.ws_start, at.head, cta.call.heads_q, cta.ws.rows)
+        m0 = at.m_block * BM
+        return QueryBlock(at.head, at.m_block, m0, first + m0)
+
+    return Placement(launch_order, place, query_blocks, query_block)
+
+
+def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
+    """The cp.async copies: ``load_kv`` (the key block's K and V tiles) and ``load_block`` (a query
+    block's Q and dO rows, its LSE₂ and D, into a stage; one commit group each)."""
+    BM, BN, THREADS, CPR, RB = s.bm, s.bn, s.threads, s.cpr, s.rb
+    layout = s.layout
+    SK, SV, SQ0, SDO0 = layout["k"], layout["v"], layout["q"], layout["do"]
+    SLSE0, SDELTA0, STAGE = layout["lse"], layout["delta"], layout["stage"]
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_kv(seat, kb, ops):
+        """K and V rows of the CTA's key block (``kb``, a KeyBlock) into their tiles (one commit
+        group)."""
+        k_rows = source.rows(ops.k, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
+        v_rows = source.rows(ops.v, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
+        copy_tile_async(seat.sbase + SK, BN, k_rows, kb.n0, CPR, seat.tid, THREADS, RB)
+        copy_tile_async(seat.sbase + SV, BN, v_rows, kb.n0, CPR, seat.tid, THREADS, RB)
+        ptx.cp_async_commit_group()
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_block(cta, stage, blk):
+        """cp.async of query block ``blk``'s Q and dO rows and its LSE₂ and D (``BM`` floats
+        each) into ``stage``."""
+        kb, ops, seat = cta.kb, cta.ops, cta.seat
+        q_rows = source.head_rows(ops.q, cta.q_base, blk.head, kb.seqlen_q)
+        do_rows = source.head_rows(ops.do, cta.do_base, blk.head, kb.seqlen_q)
+        m0 = blk.m0
+        lse2_at = cta.ws.lse2 + blk.row * 4
+        delta_at = cta.ws.delta + blk.row * 4
+        sbase, tid = seat.sbase, seat.tid
+        off = stage * STAGE
+        copy_tile_async(sbase + SQ0 + off, BM, q_rows, m0, CPR, tid, THREADS, RB)
+        copy_tile_async(sbase + SDO0 + off, BM, do_rows, m0, CPR, tid, THREADS, RB)
+        chunks = BM * 4 // 16
+        if tid < chunks:
+            ptx.cp_async_16_at(sbase + SLSE0 + off + 16 * tid, lse2_at + 16 * tid)
+        elif tid < 2 * chunks:
+            ptx.cp_async_16_at(sbase + SDELTA0 + off + 16 * (tid - chunks), delta_at + 16 * (tid - chunks))
+        ptx.cp_async_commit_group()
+
+    return Loads(load_kv, load_block)
+
+
+def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = False) -> Accumulation:
+    """``accumulate``: one query block's dV += Pᵀ dO, its dQ = dS K added into the float32
+    accumulator (in deterministic mode in the key blocks' turn), and dK += dSᵀ Q."""
+    D, BM, BN, THREADS = s.d, s.bm, s.bn, s.threads
+    QMT, DQ_N, DQ_VECTOR = s.qmt, s.dq_n, s.dq_vector
+    SK, SP, SDS = s.layout["k"], s.layout["p"], s.layout["ds"]
+    WINDOW = window
 
     @cuda.jit(device=True, forceinline=True)
     def add_dq(ds_tile, sk, dq_at, frags, offsets, acc_q):
@@ -528,7 +483,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         ``red.global.add.f32`` at ``dq_at`` + 4 i threads, with 4 the four floats of an n-tile
         by one ``red.global.add.v4.f32`` at ``dq_at`` + 16 (i // 4) threads."""
         zero_fragments(acc_q, QMT, DQ_N)
-        dq_product(DqProduct(acc_q, ds_tile, sk, frags, offsets))
+        gemms.dq_product(DqProduct(acc_q, ds_tile, sk, frags, offsets))
         for mt in range(QMT):
             for j in range(DQ_N):
                 if DQ_VECTOR == 4:
@@ -540,151 +495,160 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
                                                acc_q[mt, j, e])
 
     @cuda.jit(device=True, forceinline=True)
-    def load_step(sbase, stage, q_rows, do_rows, m0, lse2_at, delta_at, tid):
-        """cp.async of one query block's Q and dO rows and its LSE and D (``BM`` floats each,
-        at byte addresses ``lse2_at`` / ``delta_at``) into ``stage``."""
-        off = stage * STAGE
-        copy_tile_async(sbase + SQ0 + off, BM, q_rows, m0, CPR, tid, THREADS, RB)
-        copy_tile_async(sbase + SDO0 + off, BM, do_rows, m0, CPR, tid, THREADS, RB)
-        chunks = BM * 4 // 16
-        if tid < chunks:
-            ptx.cp_async_16_at(sbase + SLSE0 + off + 16 * tid, lse2_at + 16 * tid)
-        elif tid < 2 * chunks:
-            ptx.cp_async_16_at(sbase + SDELTA0 + off + 16 * (tid - chunks), delta_at + 16 * (tid - chunks))
-        ptx.cp_async_commit_group()
+    def accumulate(acc, tiles, wg, cta, blk):
+        """dV, dQ and dK of query block ``blk`` from the Pᵀ and dSᵀ tiles; then a barrier."""
+        seat, kb = cta.seat, cta.kb
+        sbase = seat.sbase
+        m0, row = blk.m0, blk.row
+        gemms.product_tn(TnProduct(acc.dv, sbase + SP, tiles.do, wg.frags, wg.offsets))
+        # dQ before dK (FlashAttention-2's order): its red.global adds drain while the dK
+        # product runs, instead of queueing in front of the next step's cp.async copies.
+        counter = source.counter(kb.batch, cta.call.heads_q, blk.head, row, blk.m_block,
+                                 cta.ws.counters_per_head)
+        counter_at = cta.ws.counters + counter * 4
+        if cta.call.deterministic:  # wait for this query block's turn: key blocks add in order
+            # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
+            # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
+            # of band_query_blocks): this block's turn is its place in that range.
+            turn = kb.n_block
+            if WINDOW:
+                turn = kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, kb.band)[0]
+            if seat.tid == 0:
+                while ptx.ld_acquire_gpu_s32(counter_at) != turn:
+                    pass
+            cuda.syncthreads()
+        dq_at = cta.ws.dq + (row * D + DQ_VECTOR * seat.tid) * 4
+        add_dq(sbase + SDS, sbase + SK, dq_at, wg.frags, wg.offsets, acc.q)
+        if cta.call.deterministic:
+            cuda.threadfence()
+            cuda.syncthreads()
+            if seat.tid == 0:
+                ptx.red_release_gpu_add_s32(counter_at, int32(1))
+        gemms.product_tn(TnProduct(acc.dk, sbase + SDS, tiles.q, wg.frags, wg.offsets))
+        cuda.syncthreads()  # every warp is done with this step's tiles
+
+    return Accumulation(accumulate)
+
+
+def make_kv_epilogue(s: Shape, bf16: bool, source: RowSource) -> KvEpilogue:
+    """``store_dk_dv``: dK (times the softmax scale) and dV written through the K and V tiles,
+    16-byte stores."""
+    BN, KMT, KV_N, RB, CPR, STORE_ROWS = s.bn, s.kmt, s.kv_n, s.rb, s.cpr, s.store_rows
+    SK, SV = s.layout["k"], s.layout["v"]
+    BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
-    def lane_offsets(offsets, s_part, kv_part, q_part, lane):
-        """Fill ``offsets`` (an Offsets) for this lane and its warp's parts; each value is kept
-        in a register (``keep_in_register``), not recomputed from the lane index every step."""
-        ldmatrix_offsets(offsets.nt_a, lane % 16, lane // 16, RB)
-        ldmatrix_offsets(offsets.nt_b, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
-        ldmatrix_offsets(offsets.tn_a, lane % 16, lane // 16, PB)
-        for b in range(KB):
-            offsets.nt_a[b] = keep_in_register(offsets.nt_a[b] + s_part.row0 * RB, lane)
-            offsets.nt_b[b] = keep_in_register(offsets.nt_b[b] + s_part.col0 * RB, lane)
-        for b in range(4):
-            offsets.tn_a[b] = keep_in_register(offsets.tn_a[b] + kv_part.row0 * PB, lane)
-        for j2 in range(KV_N // 2):
-            chunk = kv_part.col0 // 8 + 2 * j2 + lane // 16
-            offsets.tn_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BM, RB), lane)
-        for mt in range(QMT):
-            key = lane % 8 + 8 * (lane // 16)
-            query_chunk = (q_part.row0 + 16 * mt) // 8 + (lane // 8) % 2
-            offsets.dq_a[mt] = keep_in_register(swizzled_offset(key, query_chunk, BN, PB), lane)
-        for j2 in range(DQ_N // 2):
-            chunk = q_part.col0 // 8 + 2 * j2 + lane // 16
-            offsets.dq_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BN, RB), lane)
-        for j in range(S_N):
-            at = swizzled_offset(s_part.row0 + lane // 4, s_part.col0 // 8 + j, BN, PB) + 4 * (lane % 4)
-            offsets.sts[j] = keep_in_register(at, lane)
+    def store_dk_dv(acc, wg, cta, scale):
+        seat, kb, ops = cta.seat, cta.kb, cta.ops
+        sk, sv, lane = seat.sbase + SK, seat.sbase + SV, seat.lane
+        kv_part = wg.parts.kv
+        drain_copies()
+        for mt in range(KMT):
+            row0 = kv_part.row0 + 16 * mt
+            store_fragment_rows(sk, acc.dk[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, scale)
+            store_fragment_rows(sv, acc.dv[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, float32(1.0))
+        cuda.syncthreads()
+        scratch = cuda.local.array(4, uint32)
+        first = seat.warp * STORE_ROWS
+        dk_rows = source.rows(ops.dk, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
+        dv_rows = source.rows(ops.dv, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
+        store_rows_global(dk_rows, kb.n0 + first, sk, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
+        store_rows_global(dv_rows, kb.n0 + first, sv, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
 
-    def flash_backward(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
-                       q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-                       do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-                       seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
-                       deterministic, window_left, window_right, cap_scale):
+    return KvEpilogue(store_dk_dv)
+
+
+def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, window: bool = False,
+                         softcap: bool = False, varlen: bool = False):
+    """The main backward kernel (``BACKWARD_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv
+    * batch in one dimension (``blocks.key_block_of`` maps a CTA to its key block and (batch,
+    KV head)), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory.
+
+    ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
+    ``causal`` must then be False: the window's right edge 0 is causal masking). ``softcap``:
+    scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, ``scale_log2`` =
+    softcap·log2(e), as the forward's). Kernels without them never read those arguments.
+
+    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_ARGTYPES``: the same parameters,
+    then cu_seqlens_q, cu_seqlens_k and total_q; seqlen_q and seqlen_k the maxima, rows the padded
+    total ``varlen_workspace_rows``): the grid's third factor is the sequence; a key block past
+    its sequence's keys returns at once; the sequence's own lengths replace seqlen_q and seqlen_k
+    (masks, causal diagonal, window); its rows come from the row source (``make_row_source``).
+
+    Built from the rooms above: the row source, the placement, the loads, the GEMMs, the score
+    gradient (with its masker), the accumulation of dV, dQ and dK, and the dK/dV epilogue."""
+    if window and causal:
+        raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
+    config.check()
+    s = backward_shape(config)
+    BM, BN, A_TILES, KV_PAIRS, DQ_PAIRS = s.bm, s.bn, s.a_tiles, s.kv_n // 2, s.dq_n // 2
+    STAGES = s.stages
+    STAGE, SQ0, SDO0, SLSE0, SDELTA0 = (s.layout[name] for name in ("stage", "q", "do", "lse", "delta"))
+    KMT, S_N, KV_N, QMT, DQ_N, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.dq_n, s.kb
+    source = make_row_source(BM, varlen)
+    placement = make_placement(s, causal, source, window)
+    loads = make_loads(s, source, placement)
+    gemms = make_gemms(s, bf16)
+    scores = make_score_gradient(s, causal, bf16, gemms, window, softcap)
+    accumulation = make_accumulation(s, source, gemms, window)
+    epilogue = make_kv_epilogue(s, bf16, source)
+
+    @cuda.jit(device=True, forceinline=True)
+    def run_cta(ops, ws, call, scaling, seqs):
+        """One CTA: its key block's dK and dV over the walk of query blocks (``ops``: Operands;
+        ``ws``: Workspace; ``call``: Call; ``scaling``: Scaling; ``seqs``: PackedRows or unused)."""
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x & 1023
         warp = tid // 32
         lane = tid % 32
-        # Launch order (blocks.key_block_of): causal, the last waves longest first. 32-bit
-        # division: the grid has at most 2^31 - 1 CTAs.
-        key_blocks = uint32((seqlen_k + BN - 1) // BN)
-        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
-                                     tail_pairs if CAUSAL or WINDOW else 0)
-        kv_head = int64(uint32(pair) % uint32(heads_kv))
-        batch = int64(uint32(pair) // uint32(heads_kv))
-        n0 = n_block * BN
-        if VARLEN:  # q_sb is a Sequences record: this sequence's rows and lengths
-            seqs = q_sb
-            start_k = int64(seqs.cu_seqlens_k[batch])
-            seqlen_k = int64(seqs.cu_seqlens_k[batch + 1]) - start_k
-            if n0 >= seqlen_k:  # past this sequence's keys (or no keys at all)
-                return
-            start_q = int64(seqs.cu_seqlens_q[batch])
-            seqlen_q = int64(seqs.cu_seqlens_q[batch + 1]) - start_q
-            ws_row0 = varlen_row_offset(start_q, batch)  # the sequence's row 0 in the workspace
-        diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
-        sbase = ptx.shared_address_u16(smem)
-        sk = sbase + SK
-        sv = sbase + SV
+        n_block, batch, kv_head = placement.launch_order(call)
+        start_k, seqlen_k = source.keys(seqs, batch, call.seqlen_k)
+        if source.past(n_block * BN, seqlen_k):  # past this sequence's keys (or no keys at all)
+            return
+        kb = placement.place(n_block, batch, kv_head, start_k, seqlen_k, call, seqs)
+        seat = Seat(tid, warp, lane, ptx.shared_address_u16(smem))
+        q_base = source.base(ops.q, batch, kb.start_q)
+        do_base = source.base(ops.do, batch, kb.start_q)
+        loads.load_kv(seat, kb, ops)
+        m_first, m_blocks = placement.query_blocks(kb)
+        steps = call.group * max(m_blocks - m_first, 0)
+        at = WorkspaceAt(ptx.global_address_f32(ws.lse2), ptx.global_address_f32(ws.delta),
+                         ptx.global_address_f32(ws.dq_acc), ptx.global_address_i32(ws.counters), ws.rows,
+                         ws.rows // BM)
+        cta = Cta(seat, kb, ops, at, call, q_base, do_base)
 
-        if VARLEN:
-            q_b0 = start_q * q_ss
-            do_b0 = start_q * do_ss
-            k_rows = global_rows(k, start_k * k_ss + kv_head * k_sh, k_ss, seqlen_k)
-            v_rows = global_rows(v, start_k * v_ss + kv_head * v_sh, v_ss, seqlen_k)
-        else:
-            q_b0 = batch * q_sb
-            do_b0 = batch * do_sb
-            k_rows = global_rows(k, batch * k_sb + kv_head * k_sh, k_ss, seqlen_k)
-            v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, seqlen_k)
-        copy_tile_async(sk, BN, k_rows, n0, CPR, tid, THREADS, RB)
-        copy_tile_async(sv, BN, v_rows, n0, CPR, tid, THREADS, RB)
-        ptx.cp_async_commit_group()
-
-        m_blocks = (seqlen_q + BM - 1) // BM
-        m_first = int64(0)
-        if CAUSAL:
-            m_first = max(n0 - diag, 0) // BM  # the first query block that sees a key of the block
-        band = Band(seqlen_k, diag - window_left, diag + window_right)  # read by WINDOW kernels only
-        if WINDOW:  # only the query blocks whose rows see a key of the block: m_first .. m_blocks - 1
-            m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
-        per_head = max(m_blocks - m_first, 0)
-        steps = group * per_head
-        lse2_base = ptx.global_address_f32(lse2)
-        delta_base = ptx.global_address_f32(delta)
-        dq_base = ptx.global_address_f32(dq_acc)
-        counter_base = ptx.global_address_i32(counters)
-        counters_per_head = rows // BM
-
-        # The warp's parts: keys x queries (Sᵀ, dPᵀ), keys x head-dim columns (dK, dV),
-        # queries x head-dim columns (dQ).
-        s_part = WarpPart((warp % KR) * 16 * KMT, (warp // KR) * SQ)
-        kv_part = WarpPart((warp % KR) * 16 * KMT, (warp // KR) * DC)
-        q_part = WarpPart((warp % QR) * 16 * QMT, (warp // QR) * DQ_COLS)
-
-        offsets = Offsets(cuda.local.array(KB, uint32), cuda.local.array(KB, uint32),
-                          cuda.local.array(4, uint32), cuda.local.array(KV_PAIRS, uint32),
-                          cuda.local.array(QMT, uint32), cuda.local.array(DQ_PAIRS, uint32),
-                          cuda.local.array(S_N, uint32))
-        lane_offsets(offsets, s_part, kv_part, q_part, lane)
-        frags = Frags(cuda.local.array((A_TILES, 4), uint32), cuda.local.array(4, uint32))
-
-        acc_dk = cuda.local.array((KMT, KV_N, 4), float32)
-        acc_dv = cuda.local.array((KMT, KV_N, 4), float32)
-        zero_fragments(acc_dk, KMT, KV_N)
-        zero_fragments(acc_dv, KMT, KV_N)
-        acc_s = cuda.local.array((KMT, S_N, 4), float32)
-        acc_dp = cuda.local.array((KMT, S_N, 4), float32)
-        acc_q = cuda.local.array((QMT, DQ_N, 4), float32)
+        wg = WarpGemm(gemms.parts(seat.warp),
+                      Frags(cuda.local.array((A_TILES, 4), uint32), cuda.local.array(4, uint32)),
+                      Offsets(cuda.local.array(KB, uint32), cuda.local.array(KB, uint32),
+                              cuda.local.array(4, uint32), cuda.local.array(KV_PAIRS, uint32),
+                              cuda.local.array(QMT, uint32), cuda.local.array(DQ_PAIRS, uint32),
+                              cuda.local.array(S_N, uint32)))
+        gemms.lane_offsets(wg.offsets, wg.parts, seat.lane)
+        acc = Accumulators(cuda.local.array((KMT, KV_N, 4), float32),
+                           cuda.local.array((KMT, KV_N, 4), float32),
+                           cuda.local.array((KMT, S_N, 4), float32), cuda.local.array((KMT, S_N, 4), float32),
+                           cuda.local.array((QMT, DQ_N, 4), float32))
+        zero_fragments(acc.dk, KMT, KV_N)
+        zero_fragments(acc.dv, KMT, KV_N)
 
         # The walk: query blocks m_blocks - 1 down to m_first of each query head of the group in
         # turn (FlashAttention-2's order: the CTAs of a head start on the same query block, so in
         # deterministic mode no CTA waits for one that starts further up; H100, fp16, causal:
         # 0.4-0.6% faster than upward at d64 and d128, 1k and 4k); (head, m_block) is this
         # step's, (head1, m1) the next one's, each advanced by one comparison a step (no division).
-        head = kv_head * group
+        # Each step: the next block's copies issued (two stages) or this one's (one stage, but the
+        # first's), this one's waited for; Pᵀ and dSᵀ; dV, dQ and dK. The step's lines stay here,
+        # in this order, with the QueryBlock built where it is used: ptxas gave the one-stage
+        # kernels 4 to 16 more registers with the copies and waits in a device function of their
+        # own, or with the QueryBlock built once at the top of the step.
+        head = kv_head * call.group
         m_block = m_blocks - 1
         if steps > 0:
-            bh = batch * heads_q + head
-            if VARLEN:  # the workspace row of (head, the sequence's row 0), as bh * rows is
-                bh_rows = head * rows + ws_row0
-            else:
-                bh_rows = bh * rows
-            m0 = m_block * BM
-            load_step(sbase, 0, global_rows(q, q_b0 + head * q_sh, q_ss, seqlen_q),
-                      global_rows(do, do_b0 + head * do_sh, do_ss, seqlen_q), m0,
-                      lse2_base + (bh_rows + m0) * 4, delta_base + (bh_rows + m0) * 4, tid)
+            loads.load_block(cta, 0, placement.query_block(cta, BlockIndex(head, m_block)))
         for step in range(steps):
             stage = step % STAGES
             m0 = m_block * BM
-            bh = batch * heads_q + head
-            if VARLEN:
-                bh_rows = head * rows + ws_row0
-            else:
-                bh_rows = bh * rows
+            bh_rows = source.workspace_row0(batch, kb.ws_start, head, call.heads_q, ws.rows)
             head1 = head
             m1 = m_block - 1
             if m1 < m_first:
@@ -692,103 +656,36 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
                 m1 = m_blocks - 1
             if STAGES == 2:
                 if step + 1 < steps:
-                    if VARLEN:
-                        row1 = head1 * rows + ws_row0 + m1 * BM
-                    else:
-                        row1 = (batch * heads_q + head1) * rows + m1 * BM
-                    load_step(sbase, 1 - stage, global_rows(q, q_b0 + head1 * q_sh, q_ss, seqlen_q),
-                              global_rows(do, do_b0 + head1 * do_sh, do_ss, seqlen_q), m1 * BM,
-                              lse2_base + row1 * 4, delta_base + row1 * 4, tid)
+                    loads.load_block(cta, 1 - stage, placement.query_block(cta, BlockIndex(head1, m1)))
                     ptx.cp_async_wait_group_1()
                 else:
                     ptx.cp_async_wait_group_0()
             else:
                 if step > 0:
-                    load_step(sbase, 0, global_rows(q, q_b0 + head * q_sh, q_ss, seqlen_q),
-                              global_rows(do, do_b0 + head * do_sh, do_ss, seqlen_q), m0,
-                              lse2_base + (bh_rows + m0) * 4, delta_base + (bh_rows + m0) * 4, tid)
+                    loads.load_block(cta, 0, QueryBlock(head, m_block, m0, bh_rows + m0))
                 ptx.cp_async_wait_group_0()
             cuda.syncthreads()  # this step's tiles have landed for everyone
-            at = sbase + stage * STAGE
-            tiles = StepTiles(at + SQ0, at + SDO0, at + SLSE0, at + SDELTA0)
-
-            transposed_scores(acc_s, acc_dp, sk, sv, tiles, frags, offsets)
-            key0 = n0 + s_part.row0
-            q0 = m0 + s_part.col0
-            if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
-                for mt in range(KMT):
-                    for j in range(S_N):
-                        for e in range(4):
-                            acc_s[mt, j, e] = ptx.tanh(acc_s[mt, j, e] * cap_scale)
-            if WINDOW:
-                if band_needs_mask(key0, 16 * KMT, q0, SQ, band):  # keys x queries: an edge or the keys' end
-                    for mt in range(KMT):
-                        mask_band_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, band)
-            elif key0 + 16 * KMT > seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + diag):
-                for mt in range(KMT):
-                    mask_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, seqlen_k, diag, CAUSAL)
-            gradient_of_scores(acc_s, acc_dp, tiles, s_part, scale_log2, lane)
-            store_scores(sbase + SP, acc_s, offsets)
-            store_scores(sbase + SDS, acc_dp, offsets)
-            cuda.syncthreads()  # Pᵀ and dSᵀ are in shared memory for everyone
-
-            product_tn(TnProduct(acc_dv, sbase + SP, tiles.do, frags, offsets))
-            # dQ before dK (FlashAttention-2's order): its red.global adds drain while the dK
-            # product runs, instead of queueing in front of the next step's cp.async copies.
-            if VARLEN:  # rows and ws_row0 are multiples of block_m
-                counter_at = counter_base + ((bh_rows + m0) // BM) * 4
-            else:
-                counter_at = counter_base + (bh * counters_per_head + m_block) * 4
-            if deterministic:  # wait for this query block's turn: key blocks add in order
-                # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
-                # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
-                # of band_query_blocks): this block's turn is its place in that range.
-                turn = n_block
-                if WINDOW:
-                    turn = n_block - band_kv_tiles(m0, min(BM, seqlen_q - m0), BN, band)[0]
-                if tid == 0:
-                    while ptx.ld_acquire_gpu_s32(counter_at) != turn:
-                        pass
-                cuda.syncthreads()
-            add_dq(sbase + SDS, sk, dq_base + ((bh_rows + m0) * D + DQ_VECTOR * tid) * 4, frags, offsets,
-                   acc_q)
-            if deterministic:
-                cuda.threadfence()
-                cuda.syncthreads()
-                if tid == 0:
-                    ptx.red_release_gpu_add_s32(counter_at, int32(1))
-            product_tn(TnProduct(acc_dk, sbase + SDS, tiles.q, frags, offsets))
-            cuda.syncthreads()  # every warp is done with this step's tiles
+            at_stage = seat.sbase + stage * STAGE
+            tiles = StepTiles(at_stage + SQ0, at_stage + SDO0, at_stage + SLSE0, at_stage + SDELTA0)
+            scores.scores_to_gradient(acc, tiles, wg, cta, m0, scaling)
+            accumulation.accumulate(acc, tiles, wg, cta, QueryBlock(head, m_block, m0, bh_rows + m0))
             head = head1
             m_block = m1
 
-        # Epilogue: dK (scaled) and dV through the K and V tiles, 16-byte stores.
-        drain_copies()
-        for mt in range(KMT):
-            row0 = kv_part.row0 + 16 * mt
-            store_fragment_rows(sk, acc_dk[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, scale)
-            store_fragment_rows(sv, acc_dv[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, float32(1.0))
-        cuda.syncthreads()
-        scratch = cuda.local.array(4, uint32)
-        first = warp * STORE_ROWS
-        if VARLEN:
-            dk_rows = global_rows(dk, start_k * dk_ss + kv_head * dk_sh, dk_ss, seqlen_k)
-            dv_rows = global_rows(dv, start_k * dv_ss + kv_head * dv_sh, dv_ss, seqlen_k)
-        else:
-            dk_rows = global_rows(dk, batch * dk_sb + kv_head * dk_sh, dk_ss, seqlen_k)
-            dv_rows = global_rows(dv, batch * dv_sb + kv_head * dv_sh, dv_ss, seqlen_k)
-        store_rows_global(dk_rows, n0 + first, sk, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
-        store_rows_global(dv_rows, n0 + first, sv, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
+        epilogue.store_dk_dv(acc, wg, cta, scaling.scale)
 
-    mask_kind = "window" if window else "causal" if causal else "full"
-    kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
-    if varlen:
-        kind = f"varlen_{kind}"
-    flash_backward.__name__ = f"flash_backward_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
-    flash_backward.launch_bounds = (THREADS, 1)
-    if not VARLEN:
-        return flash_backward
-    body = cuda.jit(device=True, forceinline=True)(flash_backward)
+    def flash_backward(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
+                       q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
+                       do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+                       seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
+                       deterministic, window_left, window_right, cap_scale):
+        run_cta(Operands(View(q, q_sb, q_ss, q_sh), View(k, k_sb, k_ss, k_sh), View(v, v_sb, v_ss, v_sh),
+                         View(do, do_sb, do_ss, do_sh), View(dk, dk_sb, dk_ss, dk_sh),
+                         View(dv, dv_sb, dv_ss, dv_sh)),
+                Workspace(lse2, delta, dq_acc, counters, rows),
+                Call(seqlen_q, seqlen_k, heads_q, group, heads_kv, tail_pairs, deterministic, window_left,
+                     window_right),
+                Scaling(scale_log2, scale, cap_scale), int64(0))
 
     def flash_backward_varlen(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
                               q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
@@ -796,12 +693,19 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
                               seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2,
                               scale, deterministic, window_left, window_right, cap_scale, cu_seqlens_q,
                               cu_seqlens_k, total_q):
-        seqs = Sequences(int64(0), cu_seqlens_q, cu_seqlens_k, total_q)  # count unused: the grid is exact
-        body(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters, seqs, q_ss, q_sh, k_sb, k_ss, k_sh,
-             v_sb, v_ss, v_sh, do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-             seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
-             deterministic, window_left, window_right, cap_scale)
+        run_cta(Operands(View(q, q_sb, q_ss, q_sh), View(k, k_sb, k_ss, k_sh), View(v, v_sb, v_ss, v_sh),
+                         View(do, do_sb, do_ss, do_sh), View(dk, dk_sb, dk_ss, dk_sh),
+                         View(dv, dv_sb, dv_ss, dv_sh)),
+                Workspace(lse2, delta, dq_acc, counters, rows),
+                Call(seqlen_q, seqlen_k, heads_q, group, heads_kv, tail_pairs, deterministic, window_left,
+                     window_right),
+                Scaling(scale_log2, scale, cap_scale), PackedRows(cu_seqlens_q, cu_seqlens_k, total_q))
 
-    flash_backward_varlen.__name__ = flash_backward.__name__
-    flash_backward_varlen.launch_bounds = flash_backward.launch_bounds
-    return flash_backward_varlen
+    mask_kind = "window" if window else "causal" if causal else "full"
+    kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
+    if varlen:
+        kind = f"varlen_{kind}"
+    kernel = flash_backward_varlen if varlen else flash_backward
+    kernel.__name__ = f"flash_backward_d{s.d}_m{s.bm}_n{s.bn}{config.tag}_{kind}"
+    kernel.launch_bounds = (s.threads, 1)
+    return kernel

@@ -54,15 +54,19 @@ from numba import cuda, float32, int32, int64, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
-from .backward_mma import (
+from .blocks import (
+    Band,
+    band_kv_tiles,
+    band_needs_mask,
+    band_query_blocks,
+    key_block_of,
     mask_band_transposed,
     mask_transposed,
-    store_fragment_rows,
 )
-from .blocks import Band, band_kv_tiles, band_needs_mask, band_query_blocks, key_block_of
 from .common import FULL_MASK
 from .epilogue import store_rows_global
 from .forward_ws import make_tile_loads
+from .fragments import store_fragment_rows
 from .ring import RingBarriers, make_ring
 from .shapes import WARPGROUP_ROWS, WsBackwardConfig
 from .smem import global_rows, swizzled_offset

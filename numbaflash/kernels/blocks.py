@@ -339,3 +339,45 @@ def make_tile_walk(on_tile, block_m: int, block_n: int, causal: bool, window: bo
                 round_q += uint32(1)
 
     return walk
+
+
+@cuda.jit(device=True, forceinline=True)
+def mask_transposed(s, n_tiles, key0, col0, lane, seqlen_k, diag, causal):
+    """Set to -inf the scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns:
+    queries ``col0`` + 8j + 2t + e) whose key is past the last or, causal, after the diagonal
+    (query i sees key j iff j <= i + diag). One limit a row: the lane's leading columns that
+    are hidden."""
+    g = lane // 4
+    t = lane % 4
+    for half in range(2):
+        key = key0 + g + 8 * half
+        first = key - diag if causal else int64(-(1 << 30))  # the first query that sees the key
+        if key >= seqlen_k:
+            first = int64(1 << 30)
+        limit = int32(max(min(first - (col0 + 2 * t), 1 << 30), -1))
+        for j in range(n_tiles):
+            for e in range(2):
+                if j * 8 + e < limit:
+                    s[j, 2 * half + e] = NEG_INF
+
+
+@cuda.jit(device=True, forceinline=True)
+def mask_band_transposed(s, n_tiles, key0, col0, lane, band):
+    """``mask_transposed`` under a sliding window ``band`` (a ``blocks.Band``): set to -inf the
+    scores of a transposed fragment (rows: keys ``key0`` + g, + 8; columns: queries ``col0`` + 8j
+    + 2t + e) whose key is past the last or outside the query's window (query i sees key j iff
+    i + first <= j <= i + last, i.e. j - last <= i <= j - first). Two 32-bit limits a row on the
+    lane's column index: the queries that see the row's key are columns [low, high)."""
+    g = lane // 4
+    t = lane % 4
+    for half in range(2):
+        key = key0 + g + 8 * half
+        col = col0 + 2 * t
+        low = int32(max(min(key - band.last - col, 1 << 30), -1))
+        high = int32(max(min(key - band.first + 1 - col, 1 << 30), -1))
+        if key >= band.seqlen_k:
+            high = int32(-1)
+        for j in range(n_tiles):
+            for e in range(2):
+                if j * 8 + e < low or j * 8 + e >= high:
+                    s[j, 2 * half + e] = NEG_INF

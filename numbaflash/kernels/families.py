@@ -106,7 +106,7 @@ def _forward_ws(s: KernelSpec):
 
 
 def _backward_prep(s: KernelSpec):
-    from .backward_mma import make_backward_prep_kernel
+    from .backward_common import make_backward_prep_kernel
 
     return make_backward_prep_kernel(_mma_backward_config(s.config), False, s.bf16, varlen=s.varlen)
 
@@ -119,7 +119,7 @@ def _backward(s: KernelSpec):
 
 
 def _backward_dq(s: KernelSpec):
-    from .backward_mma import make_backward_dq_kernel
+    from .backward_common import make_backward_dq_kernel
 
     return make_backward_dq_kernel(_mma_backward_config(s.config), False, s.bf16, varlen=s.varlen)
 
