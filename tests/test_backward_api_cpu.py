@@ -853,13 +853,15 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
             return types.SimpleNamespace(__name__=f"k{len(made)}")
         return make
 
+    fake_common = types.ModuleType("numbaflash.kernels.backward_common")  # both backwards' prepare, dQ
+    fake_common.make_backward_prep_kernel = factory("backward_prep")
+    fake_common.make_backward_dq_kernel = factory("backward_dq")
+    monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_common", fake_common)
     fake = types.ModuleType("numbaflash.kernels.backward_mma")
-    fake.make_backward_prep_kernel = factory("backward_prep")
     fake.make_backward_kernel = factory("backward")
-    fake.make_backward_dq_kernel = factory("backward_dq")
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_mma", fake)
     fake_ws = types.ModuleType("numbaflash.kernels.backward_ws")  # the Hopper backward (sm90bwd)
-    fake_ws.make_backward_ws_kernel = factory("backward")  # its prepare and dQ kernels: backward_mma's
+    fake_ws.make_backward_ws_kernel = factory("backward")
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_ws", fake_ws)
     kernels = registry.backward_kernels()
     shipped = configs.shipped_backward_configs()
