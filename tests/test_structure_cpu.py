@@ -414,3 +414,56 @@ def test_notebook_citation_rule_is_live(tmp_path):
         "y = 2  # the probe in lab/ws_check.py\n\"\"\"H100, BW.9 run 1.\"\"\"\n"
         "z = 3  # docs/PERFORMANCE.md, sm_90a, WS_ABI, ring.slot(i), v1.2\n")
     assert notebook_citations(tmp_path) == ["a.py:1", "a.py:2", "a.py:3", "a.py:4"]
+
+
+# Each kernel is a factory of rooms (docs/ARCHITECTURE.md, "Kernels built from pieces"): no function
+# under numbaflash/kernels, nested device functions counted in their factory, is longer than this.
+MAX_KERNEL_FUNCTION_LINES = 200
+
+
+def long_functions(root: pathlib.Path, limit: int = MAX_KERNEL_FUNCTION_LINES) -> list[str]:
+    """``file:function (lines)`` of every function under ``root`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(root)}:{node.name} ({length})")
+    return found
+
+
+def test_no_kernel_function_is_longer_than_200_lines():
+    assert not long_functions(PACKAGE / "kernels"), long_functions(PACKAGE / "kernels")
+
+
+def test_function_length_rule_is_live(tmp_path):
+    body = "".join(f"        x{i} = {i}\n" for i in range(200))
+    (tmp_path / "k.py").write_text(f"def make_kernel():\n    def body():\n{body}    return body\n"
+                                   "def short():\n    return 1\n")
+    assert long_functions(tmp_path) == ["k.py:make_kernel (203)", "k.py:body (201)"]
+
+
+# Factories are reached through ``kernels.families.FACTORIES`` (a dict of functions), never by an
+# import-path string such as "forward_mma:make_forward_kernel" resolved with importlib.
+FACTORY_STRING = r"^[a-z_]+(\.[a-z_]+)*:[A-Za-z_]+$"
+
+
+def factory_strings(root: pathlib.Path) -> list[str]:
+    """``file:line`` of every string constant under ``root`` shaped like "module:attribute"."""
+    import re
+
+    pattern = re.compile(FACTORY_STRING)
+    return [f"{path.relative_to(root)}:{node.lineno}" for path in sorted(root.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value)]
+
+
+def test_no_module_function_factory_strings():
+    assert not factory_strings(PACKAGE), factory_strings(PACKAGE)
+
+
+def test_factory_string_rule_is_live(tmp_path):
+    (tmp_path / "f.py").write_text('A = "forward_mma:make_forward_kernel"\nB = "common:FORWARD_ARGTYPES"\n'
+                                   'C = "a: b"\nD = "sm_90a"\n')
+    assert factory_strings(tmp_path) == ["f.py:1", "f.py:2"]
