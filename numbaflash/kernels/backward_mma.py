@@ -39,7 +39,7 @@ A main kernel built without them compiles to the same code as before they existe
 arguments are never read.
 
 A ``varlen`` build of each of the three kernels (``flash_attention_varlen_backward``) has its own
-parameter list (``VARLEN_BACKWARD_*_ARGTYPES``: the plain parameters, then cu_seqlens_q,
+parameter list (``params.VARLEN_BACKWARD*``: the plain parameters, then cu_seqlens_q,
 cu_seqlens_k and total_q). Each CTA takes its sequence from the grid (z, or the (batch, KV head)
 pair of the main kernel), reads its bounds from the offsets, returns at once past its sequence's
 end, and uses the sequence's own lengths (masks, causal diagonal, window: the variants combine);
@@ -560,7 +560,7 @@ def make_kv_epilogue(s: Shape, bf16: bool, source: RowSource) -> KvEpilogue:
 
 def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, window: bool = False,
                          softcap: bool = False, varlen: bool = False):
-    """The main backward kernel (``BACKWARD_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv
+    """The main backward kernel (``params.BACKWARD``): grid ceil(seqlen_k / block_n) * heads_kv
     * batch in one dimension (``blocks.key_block_of`` maps a CTA to its key block and (batch,
     KV head)), ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory.
 
@@ -569,7 +569,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, ``scale_log2`` =
     softcap·log2(e), as the forward's). Kernels without them never read those arguments.
 
-    ``varlen``: the packed variable-length build (``VARLEN_BACKWARD_ARGTYPES``: the same parameters,
+    ``varlen``: the packed variable-length build (``params.VARLEN_BACKWARD``: the same parameters,
     then cu_seqlens_q, cu_seqlens_k and total_q; seqlen_q and seqlen_k the maxima, rows the padded
     total ``varlen_workspace_rows``): the grid's third factor is the sequence; a key block past
     its sequence's keys returns at once; the sequence's own lengths replace seqlen_q and seqlen_k

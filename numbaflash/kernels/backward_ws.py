@@ -450,7 +450,7 @@ def make_epilogue(config: WsBackwardConfig, bf16: bool) -> Epilogue:
 
 def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, window: bool = False,
                             softcap: bool = False):
-    """The main kernel (``BACKWARD_WS_ARGTYPES``): grid ceil(seqlen_k / block_n) * heads_kv * batch
+    """The main kernel (``params.WS_BACKWARD``): grid ceil(seqlen_k / block_n) * heads_kv * batch
     in one dimension (``blocks.key_block_of``), ``config.threads`` threads, ``config.shared_bytes``
     of dynamic shared memory; jit it with ``launch_bounds=(config.threads, 1)``.
 

@@ -96,7 +96,7 @@ from .softmax import (
 )
 from .wgmma_gemms import make_attention_gemms
 
-# The kernel's parameters of every build (``WS_ARGTYPES``), as the body (``run_cta``) takes them.
+# The kernel's parameters of every build (``params.WS_FORWARD``), as the body (``run_cta``) takes them.
 WsParams = namedtuple("WsParams", ["map_q", "map_k", "map_v", "map_o", "lse", "seqlen_q", "seqlen_k",
                                    "row_lead", "heads_q", "group", "batch_size", "scale_log2", "write_lse",
                                    "window_left", "window_right", "cap_scale"])
@@ -649,8 +649,8 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
 
 def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: bool = False,
                            softcap: bool = False, varlen: bool = False):
-    """Return the Python kernel function for ``config`` (jit it with ``WS_ARGTYPES``, or
-    ``VARLEN_WS_ARGTYPES``, and ``launch_bounds=(config.threads, 1)``; grid: persistent, at most
+    """Return the Python kernel function for ``config`` (jit it with ``params.WS_FORWARD``, or
+    ``params.VARLEN_WS_FORWARD``, and ``launch_bounds=(config.threads, 1)``; grid: persistent, at most
     one CTA per SM).
 
     ``window``: a sliding-window kernel (``window_left`` / ``window_right`` arguments, each >= 0;
