@@ -565,7 +565,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         loop = DecodeLoop(first, last, seq, ks, vs, tid, append, pages_at, base, sq, warp, a_offsets,
                           k_offsets, acc_s, acc_o, q_frag, p_frag, b_frag, m_run, l_run, mx, p.scale_log2,
                           cap_scale, RowKeys(lane, total, diag, r0, p.group, pos_last, window_left,
-                                             window_right, limit, lower))
+                                             window_right, limit, lower if WINDOW else limit))
         walk(loop)
 
         ptx.grid_launch_dependents()  # the combine kernel (sm_90: launched programmatically) may start
