@@ -20,7 +20,7 @@ with one split the CTA writes O in the input dtype (and the LSE), else float32 p
 their LSE, which ``make_decode_combine_kernel`` merges.
 
 Two compile-time variants (issue 35), built only when a call asks for them, with the parameters
-of ``DECODE_VARIANT_ARGTYPES`` (the plain kernel's, then the window's sides and the softcap's
+of ``params.DECODE_VARIANT`` (the plain kernel's, then the window's sides and the softcap's
 factor): ``window`` (FlashAttention's sliding window: query i sees key j iff i + L - seqlen_q -
 left <= j <= i + L - seqlen_q + right; a CTA reads only the key tiles its rows' windows reach,
 ``blocks.band_kv_tiles`` on the device from L, and its splits share those tiles only, so the cost
@@ -65,7 +65,7 @@ RowPlace = namedtuple("RowPlace", ["exists", "from_new", "unit", "row", "new_row
 CombineRow = namedtuple("CombineRow", ["acc", "o_part", "weight", "first", "last"])
 
 
-# The plain kernel's parameters (``DECODE_ARGTYPES``), as the body (``run_decode``) takes them.
+# The plain kernel's parameters (``params.DECODE``), as the body (``run_decode``) takes them.
 DecodeParams = namedtuple("DecodeParams", [
     "q", "k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", "block_table", "out", "lse", "o_part",
     "lse_part", "q_sb", "q_ss", "q_sh", "kc_sb", "kc_ss", "kc_sh", "vc_sb", "vc_ss", "vc_sh", "kn_sb",
@@ -426,8 +426,8 @@ def q_in_registers(config: DecodeConfig) -> bool:
 
 def decode_entry(run_decode, variant: bool):
     """The decode kernel's entry function around its body ``run_decode(p, window_left,
-    window_right, cap_scale)``: parameters ``DecodeParams``' fields in order (``DECODE_ARGTYPES``),
-    then for a ``variant`` ``window_left, window_right, cap_scale`` (``DECODE_VARIANT_ARGTYPES``;
+    window_right, cap_scale)``: parameters ``DecodeParams``' fields in order (``params.DECODE``),
+    then for a ``variant`` ``window_left, window_right, cap_scale`` (``params.DECODE_VARIANT``;
     the plain kernel passes 0, 0, 0.0). Generated from the one list of names, so that the
     parameters are written once; named ``flash_decode`` or ``flash_decode_variant``."""
     params = ", ".join(DecodeParams._fields)
@@ -442,9 +442,9 @@ def decode_entry(run_decode, variant: bool):
 
 def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,
                        softcap: bool = False):
-    """The decode kernel (``DECODE_ARGTYPES``): grid (num_splits, row_blocks * heads_kv, batch),
+    """The decode kernel (``params.DECODE``): grid (num_splits, row_blocks * heads_kv, batch),
     ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory. ``window`` or
-    ``softcap``: a variant (``DECODE_VARIANT_ARGTYPES``: window_left, window_right, cap_scale
+    ``softcap``: a variant (``params.DECODE_VARIANT``: window_left, window_right, cap_scale
     after the plain parameters; ``scale_log2`` is then softcap·log2(e) with a softcap); a window
     kernel's ``causal`` must be False (its right side 0 is causal masking)."""
     if window and causal:
@@ -629,7 +629,7 @@ SPLITS_PER_WARP = 32
 
 
 def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
-    """Merge the splits' float32 partials (``DECODE_COMBINE_ARGTYPES``): one warp per 32 columns
+    """Merge the splits' float32 partials (``params.DECODE_COMBINE``): one warp per 32 columns
     of an output row (batch, position, query head), lane c column c of them, 4 warps a CTA, grid
     ceil(rows * head_dim / 128); ``causal`` is unused.
 

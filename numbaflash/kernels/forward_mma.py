@@ -26,7 +26,7 @@ the factor is a kernel argument). A kernel built without them compiles to the sa
 before they existed: their arguments are never read.
 
 A third, ``varlen`` (packed variable-length batches, ``flash_attention_varlen``), is a kernel of its
-own parameter list (``VARLEN_ARGTYPES``): the plain parameters, then the int32 cumulative offsets
+own parameter list (``params.VARLEN_FORWARD``): the plain parameters, then the int32 cumulative offsets
 of the sequences' queries and keys (batch + 1,) and the LSE's head stride (total_q). It calls the
 same body as a device function, with a ``Sequences`` record in the ``batch_size`` slot: grid z is
 the sequence, whose rows start at ``cu_seqlens_q[b]`` (two int32 loads each for q and k), and
@@ -230,7 +230,7 @@ def make_forward_epilogue(config: ForwardConfig, bf16: bool, rows: RowSource):
 
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
                         softcap: bool = False, varlen: bool = False):
-    """Return the Python kernel function for ``config`` (jit it with ``common.FORWARD_ARGTYPES``).
+    """Return the Python kernel function for ``config`` (its parameters: ``params.FORWARD``).
 
     Launch: grid ``launch_forward.forward_grid``, ``config.threads`` threads,
     ``config.shared_bytes`` bytes of dynamic shared memory.
@@ -239,7 +239,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     ``causal`` must then be False: the window's right edge 0 is causal masking). ``softcap``:
     scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, and ``scale_log2`` =
     softcap·log2(e)). Kernels without them never read those arguments. ``varlen``: the packed
-    variable-length kernel (jit it with ``common.VARLEN_ARGTYPES``; grid
+    variable-length kernel (``params.VARLEN_FORWARD``; grid
     ``launch_forward.forward_grid(query blocks of max_seqlen_q, heads_q, batch)``).
     """
     if window and causal:
