@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -65,12 +64,20 @@ def read(path: str) -> dict[str, tuple[int, ...]]:
     return rows
 
 
+GROUPS = (  # (name prefix, group), first match wins
+    ("flash_forward_ws", "Hopper forward"), ("flash_backward_ws_prep", "Hopper backward: prepare"),
+    ("flash_backward_ws_dq", "Hopper backward: dQ"), ("flash_backward_ws", "Hopper backward: main"),
+    ("flash_backward_prep", "mma.sync backward: prepare"), ("flash_backward_dq", "mma.sync backward: dQ"),
+    ("flash_backward", "mma.sync backward: main"), ("flash_forward", "mma.sync forward"),
+    ("flash_decode_combine", "decode: combine"), ("flash_decode", "decode"),
+)
+
+
 def group_of(key: str) -> str:
-    """A kernel's group for the table: its name without dims and tile sizes, then the target."""
+    """A kernel's group for the table: its kernel family and part, then the target."""
     name, arch = key.split("@")
-    name = re.sub(r"_d\d+(_m\d+)?(_n\d+)?(_w\d+)?(_[a-z]\d+)*", "", name)
-    name = re.sub(r"_(f16|bf16)", "", name)
-    return f"{name}@{arch}"
+    group = next((g for prefix, g in GROUPS if name.startswith(prefix)), "demos")
+    return f"{group}@{arch}"
 
 
 def compare(before_path: str, after_path: str) -> int:
