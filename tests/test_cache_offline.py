@@ -405,7 +405,7 @@ def test_precompile_command_fills_the_cache_with_no_gpu(tmp_path):
     assert f"{n} kernels: 0 compiled, {n} already cached" in out
     out, _ = run("--list")
     assert sum(line.startswith("current") for line in out.splitlines()) >= n
-    assert "forward sm_80 bf16 causal" in out
+    assert "sm80.forward sm_80 bfloat16 causal" in out  # each entry listed by its spec (cache.describe)
     copy = tmp_path / "c"
     shutil.copytree(root, copy)
     entries = sum(1 for _ in copy.rglob("*" + cache.SUFFIX))
