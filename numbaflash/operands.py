@@ -262,6 +262,20 @@ def check_softcap(softcap: Any, softmax_scale: float) -> float:
     return softcap
 
 
+def describe_out(out: Any, qd: Operand) -> Operand:
+    """``out`` given for a forward call of query ``qd``: q's shape and dtype, where the inputs live,
+    writeable when a numpy array."""
+    od = describe("out", out)
+    if od.shape != qd.shape or od.dtype_name != qd.dtype_name:
+        raise ValueError(f"out must have q's shape {qd.shape} and dtype {qd.dtype_name}, "
+                         f"got {od.shape} {od.dtype_name}")
+    if od.on_device != qd.on_device:
+        raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
+    if not od.on_device and not out.flags.writeable:
+        raise ValueError("out is a read-only numpy array; pass a writeable one")
+    return od
+
+
 def check_no_self_overlap(op: Operand) -> None:
     """Distinct elements of ``op`` must be distinct memory (no stride 0, no overlapping rows):
     dimensions sorted by stride, each stride at least the extent of those inside it. Any rank

@@ -28,6 +28,7 @@ from ..operands import (
     describe_gradient,
     describe_index,
     describe_lse,
+    describe_out,
     kind_of,
 )
 from ..runtime import device as gpu_state
@@ -57,17 +58,8 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
     softcap = check_softcap(softcap, softmax_scale)
     od = None
     if out is not None:
-        od = describe("out", out)
-        if od.shape != qd.shape or od.dtype_name != qd.dtype_name:
-            raise ValueError(
-                f"out must have q's shape {qd.shape} and dtype {qd.dtype_name}, "
-                f"got {od.shape} {od.dtype_name}"
-            )
-        if od.on_device != qd.on_device:
-            raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
+        od = describe_out(out, qd)
         if not od.on_device:
-            if not out.flags.writeable:
-                raise ValueError("out is a read-only numpy array; pass a writeable one")
             od.strides = tuple(st // out.itemsize for st in out.strides)
         check_no_self_overlap(od)
     forward_grid((seqlen_q + 15) // 16, heads_q, batch)  # the grid fits (checked again at launch)

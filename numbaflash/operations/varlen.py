@@ -251,6 +251,7 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
         check_softmax_scale,
         check_window_size,
         describe,
+        describe_out,
     )
     from .launch_forward import varlen_grid
 
@@ -268,14 +269,7 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
     softcap = check_softcap(softcap, softmax_scale)
     od = None
     if out is not None:
-        od = describe("out", out)
-        if od.shape != qd.shape or od.dtype_name != qd.dtype_name:
-            raise ValueError(f"out must have q's shape {qd.shape} and dtype {qd.dtype_name}, "
-                             f"got {od.shape} {od.dtype_name}")
-        if od.on_device != qd.on_device:
-            raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
-        if not od.on_device and not out.flags.writeable:
-            raise ValueError("out is a read-only numpy array; pass a writeable one")
+        od = describe_out(out, qd)
     varlen_grid(16, max_q, heads_q, batch)  # the grid fits (every config's block_m >= 16)
     if qd.on_device:  # layout checks before anything is compiled
         for op in (qd, kd, vd, *([od] if od is not None else [])):
