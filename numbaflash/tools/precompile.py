@@ -1,12 +1,15 @@
 """Compile kernels into the on-disk cache with no GPU, so that a later GPU process compiles nothing.
 
-By default: the forward kernels each target dispatches, and the backward's three kernels (prepare,
-main, dQ) of each config it runs, causal and not, float16 and bfloat16.
+By default: every kernel a GPU of each target may run unforced, float16 and bfloat16, causal and
+not: the forward kernels it dispatches, the backward's three kernels (prepare, main, dQ) of each
+config it runs, and decode's, each plain and in the variants a call may ask for (a sliding window,
+a softcap, both; packed variable-length sequences for the forward and the backward).
 
     python -m numbaflash.precompile                        # what sm_80, sm_86, sm_89, sm_90a GPUs run
     python -m numbaflash.precompile --arch sm_90a          # one target
     python -m numbaflash.precompile --arch sm_90a --candidates   # also every autotune candidate
     python -m numbaflash.precompile --forward-only         # not the backward's kernels
+    python -m numbaflash.precompile --plain                # no window, softcap or varlen kernels
     python -m numbaflash.precompile --list                 # what the cache holds
     python -m numbaflash.precompile --clear                # remove entries of other versions
     python -m numbaflash.precompile --clear --all          # remove every entry
@@ -35,34 +38,47 @@ def capability_of(arch: str) -> tuple[int, int]:
     return cc[0], cc[1]
 
 
-def kernels_for(arch: str, candidates: bool) -> list:
-    """The specs (``kernels.spec.KernelSpec``) of every forward kernel a GPU of ``arch`` dispatches
-    (the tuned table), and with ``candidates`` of every config autotune, tests and the sanitizer
-    may force."""
-    from ..configs import LONG_SEQLEN, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS, forward_config, runnable_candidates
+# (window, softcap) of a masked kernel: plain, then the variants a call may ask for (issue 35)
+MASKS = ((False, False), (True, False), (False, True), (True, True))
+PLAIN = ((False, False, False),)  # (window, softcap, varlen) of the plain kernels
+# (window, softcap, varlen) of every forward and backward kernel a call may run
+VARIANTS = tuple((window, softcap, varlen) for varlen in (False, True) for window, softcap in MASKS)
 
-    cap = capability_of(arch)
-    configs = []
-    for head_dim in SUPPORTED_HEAD_DIMS:
-        for causal in (False, True):
-            chosen = [forward_config(cap, head_dim, causal)]
-            for span in (SHORT_SEQLEN, LONG_SEQLEN):  # the short- and long-sequence entries
-                config = forward_config(cap, head_dim, causal, seqlen=span)
-                chosen += [config] if config not in chosen else []
-            if candidates:
-                chosen += [c for c in runnable_candidates(cap, head_dim) if c not in chosen]
-            configs += [(config, causal) for config in chosen]
+
+def kernels_for(arch: str, candidates: bool, variants: bool = False) -> list:
+    """The specs (``kernels.spec.KernelSpec``) of every forward kernel a GPU of ``arch`` dispatches
+    (the tuned table, each sequence span's entry), with ``variants`` also its window, softcap and
+    packed variable-length kernels (``VARIANTS``, each on the config its call picks:
+    ``configs.forward_config(window=, varlen=)``), and with ``candidates`` the plain kernels of
+    every config autotune, tests and the sanitizer may force; each once."""
+    from ..configs import LONG_SEQLEN, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS, forward_config, runnable_candidates
     from ..kernels.families import spec_of
 
-    return [spec_of(config, "forward", bf16, arch, causal=causal) for config, causal in configs
-            for bf16 in (False, True)]
+    cap = capability_of(arch)
+    items = []
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        for causal in (False, True):
+            for window, softcap, varlen in VARIANTS if variants else PLAIN:
+                chosen = []
+                for span in (None, SHORT_SEQLEN, LONG_SEQLEN):  # the plain, short- and long-sequence entries
+                    config = forward_config(cap, head_dim, causal, seqlen=span, window=window, varlen=varlen)
+                    chosen += [config] if config not in chosen else []
+                if candidates and (window, softcap, varlen) == PLAIN[0]:
+                    chosen += [c for c in runnable_candidates(cap, head_dim) if c not in chosen]
+                items += [spec_of(config, "forward", bf16, arch, causal=causal, window=window,
+                                  softcap=softcap, varlen=varlen)
+                          for config in chosen for bf16 in (False, True)]
+    return list(dict.fromkeys(items))
 
 
-def backward_kernels_for(arch: str, candidates: bool) -> list:
+def backward_kernels_for(arch: str, candidates: bool, variants: bool = False) -> list:
     """The specs of every backward kernel a GPU of ``arch`` runs (each config's prepare, main and
-    dQ kernels; the mma.sync backward runs on every GPU, Hopper included), and with ``candidates``
-    those of every backward candidate; each once (the prepare and dQ kernels serve causal and
-    non-causal calls alike: ``kernels.spec.CAUSAL_FREE``)."""
+    dQ kernels; the mma.sync backward runs on every GPU, Hopper included), with ``variants`` also
+    those of its window, softcap and packed variable-length calls (``VARIANTS``, each on the family
+    and config its call picks: ``configs.backward_config(window=, softcap=, varlen=)``), and with
+    ``candidates`` the plain kernels of every backward candidate; each once (the prepare and dQ
+    kernels serve causal and non-causal calls, and every window and softcap, alike:
+    ``kernels.spec.CAUSAL_FREE``)."""
     from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config, backward_for_target
     from ..kernels.families import BACKWARD_OPERATIONS, spec_of
 
@@ -70,29 +86,51 @@ def backward_kernels_for(arch: str, candidates: bool) -> list:
     items = []
     for head_dim in BACKWARD_DEFAULTS:
         for causal in (False, True):
-            try:
-                chosen = [backward_config(cap, head_dim, causal)]
-            except RuntimeError:  # no tile of this head dim fits the GPU (d256 on 99 KB a CTA)
-                chosen = []
-            if candidates:
-                chosen += [t for c in BACKWARD_CANDIDATES[head_dim]
-                           if (t := backward_for_target(c, cap)) not in chosen]
-            items += [spec_of(config, operation, bf16, arch, causal=causal)
-                      for config in chosen for bf16 in (False, True) for operation in BACKWARD_OPERATIONS]
+            for window, softcap, varlen in VARIANTS if variants else PLAIN:
+                try:
+                    chosen = [backward_config(cap, head_dim, causal, window=window, softcap=softcap,
+                                              varlen=varlen)]
+                except RuntimeError:  # no tile of this head dim fits the GPU (d256 on 99 KB a CTA)
+                    chosen = []
+                if candidates and (window, softcap, varlen) == PLAIN[0]:
+                    chosen += [t for c in BACKWARD_CANDIDATES[head_dim]
+                               if (t := backward_for_target(c, cap)) not in chosen]
+                items += [spec_of(config, operation, bf16, arch, causal=causal, window=window,
+                                  softcap=softcap, varlen=varlen)
+                          for config in chosen for bf16 in (False, True) for operation in BACKWARD_OPERATIONS]
     return list(dict.fromkeys(items))
 
 
-def decode_kernels_for(arch: str) -> list:
+def decode_kernels_for(arch: str, variants: bool = False) -> list:
     """The specs of every decode kernel a GPU of ``arch`` runs: the attention kernel of each config
-    it dispatches (``configs.decode_configs_for``), causal or not, and each config's combine
-    kernel (causal-free: ``kernels.spec.CAUSAL_FREE``); each once."""
+    it dispatches (``configs.decode_configs_for``), causal or not (with ``variants`` also with a
+    window, a softcap or both: ``MASKS``), and each config's combine kernel (causal-free:
+    ``kernels.spec.CAUSAL_FREE``); each once."""
     from ..configs import decode_configs_for
     from ..kernels.families import DECODE_OPERATIONS, spec_of
 
-    items = [spec_of(config, operation, bf16, arch, causal=causal)
+    masks = MASKS if variants else MASKS[:1]
+    items = [spec_of(config, operation, bf16, arch, causal=causal, window=window, softcap=softcap)
              for config in decode_configs_for(capability_of(arch)) for operation in DECODE_OPERATIONS
-             for causal in (False, True) for bf16 in (False, True)]
+             for causal in (False, True) for window, softcap in masks for bf16 in (False, True)]
     return list(dict.fromkeys(items))
+
+
+def plan(arches: Sequence[str], candidates: bool = False, backward: bool = True, decode: bool = True,
+         variants: bool = True) -> dict[str, dict[str, list]]:
+    """What ``precompile`` builds: arch -> {"forward", "backward", "decode"} -> specs (``backward``,
+    ``decode`` False: none of theirs; ``variants`` False: the plain kernels only)."""
+    return {arch: {"forward": kernels_for(arch, candidates, variants),
+                   "backward": backward_kernels_for(arch, candidates, variants) if backward else [],
+                   "decode": decode_kernels_for(arch, variants) if decode else []}
+            for arch in arches}
+
+
+def summary(arch: str, parts: dict[str, list]) -> str:
+    """One line of what ``precompile`` builds for ``arch``: ``precompile sm_90a: 212 kernels
+    (forward 64, backward 96, decode 52)``."""
+    counts = ", ".join(f"{name} {len(specs)}" for name, specs in parts.items() if specs)
+    return f"precompile {arch}: {sum(len(specs) for specs in parts.values())} kernels ({counts})"
 
 
 def build_one(spec) -> tuple[str, bool, float]:
@@ -120,19 +158,20 @@ def progress(done: int, total: int, label: str, stream=sys.stderr) -> None:
 
 
 def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None = None,
-               backward: bool = True, decode: bool = True) -> dict:
-    """Fill the cache for ``arches`` (the forward kernels, with ``backward`` the backward's, with
-    ``decode`` the decode kernels);
-    returns counts {"kernels", "compiled", "cached"}."""
+               backward: bool = True, decode: bool = True, variants: bool = True) -> dict:
+    """Fill the cache for ``arches`` (``plan``: the forward kernels, with ``backward`` the
+    backward's, with ``decode`` the decode kernels; with ``variants`` each also in its window,
+    softcap and varlen variants); prints one ``summary`` line per target; returns counts
+    {"kernels", "compiled", "cached"}."""
     from ..runtime import cache
 
     if not cache.enabled():
         raise SystemExit("numbaflash.precompile: the cache is off (NUMBAFLASH_CACHE=0); nothing to do")
-    items = [item for arch in arches for item in kernels_for(arch, candidates)]
-    if backward:
-        items += [item for arch in arches for item in backward_kernels_for(arch, candidates)]
-    if decode:
-        items += [item for arch in arches for item in decode_kernels_for(arch)]
+    planned = plan(arches, candidates, backward, decode, variants)
+    items = []
+    for arch, parts in planned.items():
+        print(summary(arch, parts), file=sys.stderr)
+        items += [spec for specs in parts.values() for spec in specs]
     counts = {"kernels": len(items), "compiled": 0, "cached": 0}
     print(f"numbaflash.precompile: {len(items)} kernels for {', '.join(arches)} into {cache.cache_root()}",
           file=sys.stderr)
@@ -173,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPU count)")
     parser.add_argument("--forward-only", action="store_true",
                         help="only the forward kernels (not the backward's or decode's)")
+    parser.add_argument("--plain", action="store_true",
+                        help="only the plain kernels (not the window, softcap and varlen variants)")
     parser.add_argument("--list", action="store_true", help="list the cache's entries and exit")
     parser.add_argument("--clear", action="store_true", help="remove entries of other versions and exit")
     parser.add_argument("--all", action="store_true", help="with --clear: remove every entry")
@@ -197,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
     start = time.perf_counter()
     counts = precompile(arches, args.candidates, args.jobs, backward=not args.forward_only,
-                        decode=not args.forward_only)
+                        decode=not args.forward_only, variants=not args.plain)
     print(f"{counts['kernels']} kernels: {counts['compiled']} compiled, {counts['cached']} already cached "
           f"({time.perf_counter() - start:.0f} s)")
     return 0

@@ -49,7 +49,7 @@ def forward_variant_kernels() -> dict:
     """The sliding-window and softcap kernels (issue 35) of every forward config the dispatcher
     picks for them (``shipped_configs(window=...)``), both dtypes: the mma.sync family's for sm_80
     and for Hopper (sm_90a), which runs them at the head dims its own kernel lacks, and the Hopper
-    kernel's for sm_90a. Compiled on demand by the API, not by ``precompile``; named like the plain
+    kernel's for sm_90a. Compiled on demand by the API, or by ``precompile``; named like the plain
     kernels with ``window`` in place of ``full|causal`` and ``_softcap`` after it
     (``..._window_softcap_f16_sm80``)."""
     return _forward_kernels(tuple((w, c, False) for w, c in VARIANTS))
@@ -58,7 +58,7 @@ def forward_variant_kernels() -> dict:
 def forward_varlen_kernels() -> dict:
     """The packed variable-length kernels (``flash_attention_varlen``) of every forward config the
     dispatcher picks for them: plain (full and causal), window, softcap and window + softcap, both
-    dtypes, for the targets of ``forward_variant_kernels``. Compiled on demand, not by
+    dtypes, for the targets of ``forward_variant_kernels``. Compiled on demand, or by
     ``precompile``; named like the plain kernels with ``varlen_`` before ``full|causal|window``
     (``..._varlen_causal_f16_sm80``)."""
     return _forward_kernels(tuple((w, c, True) for w in (False, True) for c in (False, True)))
@@ -139,7 +139,7 @@ def backward_kernels() -> dict:
 def backward_variant_kernels() -> dict:
     """The backward main kernel's sliding-window and softcap variants (issue 35) of every shipped
     backward config, both dtypes, for the target that compiles each (as ``backward_kernels``).
-    Compiled on demand by the API, not by ``precompile``; named like the plain main kernels with
+    Compiled on demand by the API, or by ``precompile``; named like the plain main kernels with
     ``window`` in place of ``full|causal`` and ``_softcap`` after it
     (``flash_backward_d128_m64_n128_k2_q2_window_softcap_f16``)."""
     from ..configs import shipped_backward_configs
@@ -159,7 +159,7 @@ def backward_varlen_kernels() -> dict:
     shipped backward config: prepare, dQ, and the main kernel plain (full and causal), window,
     softcap and window + softcap, both dtypes, for the target that compiles each (as
     ``backward_kernels``; on Hopper the mma.sync configs it runs packed calls with:
-    ``configs.backward_dispatch_family``). Compiled on demand, not by ``precompile``; named like the
+    ``configs.backward_dispatch_family``). Compiled on demand, or by ``precompile``; named like the
     plain kernels with ``varlen_`` before ``full|causal|window`` (and before the dtype for the
     prepare and dQ kernels)."""
     from ..configs import shipped_backward_configs
@@ -183,7 +183,7 @@ def backward_varlen_kernels() -> dict:
 def decode_variant_kernels() -> dict:
     """The decode kernel's sliding-window and softcap variants (issue 35, ``VARIANTS``) of every
     shipped decode config (``configs.shipped_decode_configs``), both dtypes, for sm_80 and Hopper
-    (sm_90a), which run the same mma.sync kernel. Compiled on demand by the API, not by
+    (sm_90a), which run the same mma.sync kernel. Compiled on demand by the API, or by
     ``precompile``; named like the plain decode kernels with ``window`` in place of
     ``full|causal`` and ``_softcap`` after it
     (``flash_decode_d128_m16_n64_w4_s3_paged_window_softcap_f16``; a window kernel is built once,
