@@ -31,13 +31,16 @@ import torch
 from torch import Tensor
 
 from .operands import Operand, check_shapes, check_softcap, check_window_size
+from .operations import backward as backward_operation
 from .operations.entry import (
     direct_flash_attention,
     direct_flash_attention_backward,
     direct_flash_attention_with_kvcache,
 )
+from .operations.forward import variant_of
 from .operations.varlen import check_offsets_shape, check_packed_shapes, direct_flash_attention_varlen, packed
 from .operations.varlen_backward import direct_flash_attention_varlen_backward
+from .runtime import device as gpu_state
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -73,6 +76,31 @@ def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
                                            None, None, None, window_size, softcap)
 
 
+def prepare_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     max_seqlens: tuple[int, int] | None = None) -> int:
+    """Before a forward on CUDA tensors of which q, k or v requires grad (its backward will follow:
+    eager autograd, and a compiled training graph), start compiling the backward's kernels of the
+    call in worker processes (``operations.backward.prepare_backward``), so that they compile
+    beside the forward's; returns how many started (0 for everything else). ``max_seqlens``: a
+    packed variable-length call's (max_seqlen_q, max_seqlen_k). Never raises for a call the
+    forward rejects: the forward then gives the error."""
+    if not (q.requires_grad or k.requires_grad or v.requires_grad) or not q.is_cuda:
+        return 0
+    dtype_name = DTYPE_NAMES.get(q.dtype)
+    if dtype_name is None:
+        return 0
+    seqlen_q, seqlen_k = max_seqlens or (q.shape[1], k.shape[1])
+    try:
+        capability, device = gpu_state.GPU.current()
+        var = variant_of(causal, window_size, softcap, softmax_scale, seqlen_q, seqlen_k)
+    except (RuntimeError, ValueError, TypeError):
+        return 0
+    return backward_operation.prepare_backward(capability, device, q.shape[-1], var.causal,
+                                               dtype_name == "bfloat16", window=var.window,
+                                               softcap=var.softcap, varlen=max_seqlens is not None)
+
+
 @torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
 def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
                             window_left: int = -1, window_right: int = -1,
@@ -80,6 +108,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softm
     """(out, lse): out like q (contiguous), lse float32 (batch, heads_q, seqlen_q). The window
     (``window_left``, ``window_right``; -1 unbounded) and ``softcap`` (0: off) as in
     ``numbaflash.flash_attention``."""
+    prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap)
     if window_left == -1 and window_right == -1 and softcap == 0.0:
         out, lse = run_forward(q, k, v, causal, softmax_scale)
     else:
@@ -208,6 +237,8 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
                                    softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (total_q, heads_q, head_dim), contiguous; lse float32 (heads_q,
     total_q). Autograd: the varlen backward op."""
+    prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
+                     (max_seqlen_q, max_seqlen_k))
     out, lse = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                           softmax_scale,
                           (window_left, window_right), softcap)

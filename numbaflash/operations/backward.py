@@ -22,10 +22,12 @@ import numpy as np
 
 from .. import configs
 from ..kernels.families import BACKWARD_OPERATIONS, family_of, kernel_abi
-from ..kernels.spec import kernel_spec
+from ..kernels.spec import KernelSpec, kernel_spec
 from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
 from ..runtime import device as gpu_state
+from ..runtime.cache import describe
 from ..runtime.compiler import arch_of
+from . import warm
 from .forward import Variant, loaded_kernel, variant_of
 from .launch_backward import BackwardCall, Launch, workspace_layout
 from .launches import prepare_launch
@@ -88,10 +90,8 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
-    config = configs.backward_config(capability, head_dim, causal, limit, window=window, softcap=softcap,
-                                     varlen=varlen)
-    main = kernel_spec(family_of(config).name, "backward", config, "bfloat16" if bf16 else "float16",
-                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen)
+    config, main = backward_specs(capability, limit, head_dim, causal, bf16, window=window, softcap=softcap,
+                                  varlen=varlen)
     key = ("backward", main, device)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -115,6 +115,51 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     if not configs.OVERRIDES:  # the hot path's entry holds unforced configs only
         gpu.launchers[ready_key(device, head_dim, causal, bf16, window, softcap, varlen)] = ready
     return ready
+
+
+def backward_specs(capability: tuple[int, int], limit: int | None, head_dim: int, causal: bool, bf16: bool, *,
+                   window: bool = False, softcap: bool = False,
+                   varlen: bool = False) -> tuple[Any, KernelSpec]:
+    """(config, main kernel's spec) of a call on a GPU of ``capability`` giving a CTA ``limit`` bytes
+    of shared memory (None: ``configs.max_shared_bytes``): ``configs.backward_config``'s config, the
+    main kernel's spec for the GPU's own target; ``main.sibling(operation)`` for each of
+    ``BACKWARD_OPERATIONS`` gives the call's three kernels.
+
+    Raises what ``configs.backward_config`` raises (a head dim with no backward, no config that fits)."""
+    config = configs.backward_config(capability, head_dim, causal, limit, window=window, softcap=softcap,
+                                     varlen=varlen)
+    main = kernel_spec(family_of(config).name, "backward", config, "bfloat16" if bf16 else "float16",
+                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen)
+    return config, main
+
+
+# ready_key()s whose kernels were handed to the background compile (or found ready), so that a
+# training loop's next forwards cost one lookup
+_PREPARED: set = set()
+
+
+def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool, *,
+                     window: bool = False, softcap: bool = False, varlen: bool = False) -> int:
+    """Start compiling, in worker processes, the kernels the backward of this call will load
+    (``backward_kernels``' three, by ``backward_specs``), where they are neither loaded nor cached
+    (``operations.warm``; the backward waits on them there); returns how many. What the forward
+    runs when a backward will follow (its inputs require grad), before it compiles its own kernel.
+    Once per problem kind (``ready_key``) and device; nothing under a forced config, and nothing
+    where the backward has no config (it raises then, with the message)."""
+    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen)
+    if key in _PREPARED or configs.OVERRIDES or not warm.enabled():
+        return 0
+    _PREPARED.add(key)
+    gpu = gpu_state.GPU
+    if key in gpu.launchers:
+        return 0
+    try:
+        _, main = backward_specs(capability, gpu.shared_limit(device), head_dim, causal, bf16, window=window,
+                                 softcap=softcap, varlen=varlen)
+    except (ValueError, RuntimeError):
+        return 0
+    specs = [main.sibling(operation) for operation in BACKWARD_OPERATIONS]
+    return warm.start([s for s in specs if s not in gpu.modules], "backward", describe(main))
 
 
 def launch_all(kernels: BackwardKernels, call: BackwardCall) -> None:

@@ -32,7 +32,7 @@ from ..operands import (
 )
 from ..runtime import device as gpu_state
 from ..runtime.compiler import arch_of
-from . import launch_forward
+from . import launch_forward, warm
 from .launch_forward import ForwardCall
 from .launches import prepare_launch
 
@@ -157,7 +157,7 @@ def loaded_kernel(spec: KernelSpec):
     if spec not in modules:
         from cuda.core import ObjectCode
 
-        entry = configs.kernel_cubin(spec)
+        entry = warm.entry_of(spec)  # a kernel compiling in a worker process is waited for
         kernel = ObjectCode.from_cubin(entry.cubin).get_kernel(entry.entry_name)
         modules[spec] = (kernel, entry.entry_name)
     return modules[spec]
