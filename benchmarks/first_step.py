@@ -1,12 +1,14 @@
 """A first training step's compiles from an empty cache, with no GPU: the forward's kernel and
 the backward's three (prepare, main, dQ), one after the other as before, or with the backward's in
 worker processes beside the forward's (``operations.warm``, what a forward whose inputs require
-grad starts).
+grad starts). ``--gpu``: the step itself on the GPU, torch tensors that require grad (needs torch and
+a GPU), with ``NUMBAFLASH_BACKGROUND_COMPILE=0`` (serial) and without.
 
     python benchmarks/first_step.py                          # sm_90a, d128, causal, bfloat16
     python benchmarks/first_step.py --arch sm_80 --head-dim 64 --full --dtype float16
     python benchmarks/first_step.py --cpus 1                 # as on a machine with one CPU free
     python benchmarks/first_step.py --cpus 1 --workers 1     # ... with a worker all the same (niced)
+    python benchmarks/first_step.py --gpu --rounds 2         # the first forward + backward on this GPU
 
 Each mode runs in a fresh process with an empty cache folder of its own; the kernels are those the
 API picks for the arch's GPU (``configs.forward_config``, ``operations.backward.backward_specs``).
@@ -68,15 +70,55 @@ def child(mode: str, arch: str, head_dim: int, causal: bool, dtype: str, cpus: i
                       "cpu_s": time.process_time()}))
 
 
+def gpu_child(mode: str, head_dim: int, causal: bool, dtype: str) -> None:
+    """In a fresh process: one forward + backward on the GPU from an empty cache (the first step),
+    then a second; checked against SDPA; print one JSON line."""
+    import torch
+
+    import numbaflash
+    from numbaflash.runtime import cache
+
+    q, k, v = (torch.randn(2, 1024, 8, head_dim, device="cuda", dtype=getattr(torch, dtype),
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        out = numbaflash.flash_attention(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        forward_s = time.perf_counter() - start
+        q.grad = k.grad = v.grad = None
+        out.backward(dout)
+        torch.cuda.synchronize()
+        times.append((forward_s, time.perf_counter() - start))
+    grads = [x.grad.float() for x in (q, k, v)]
+    ref_q, ref_k, ref_v = (x.detach().float().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=causal)
+    ref.backward(dout.float().transpose(1, 2))
+    error = max((g - r.grad.transpose(1, 2)).abs().max().item()
+                for g, r in zip(grads, (ref_q, ref_k, ref_v), strict=True))
+    print(json.dumps({"mode": mode, "forward_s": times[0][0], "step_s": times[0][1],
+                      "second_step_s": times[1][1], "ready": {}, "background": int(mode == "background"),
+                      "cpus": len(os.sched_getaffinity(0)), "forward": torch.cuda.get_device_name(),
+                      "backward": f"d{head_dim} {dtype}",
+                      "foreground_compiles": cache.STATS["compiles"], "grad_error": error}))
+
+
 def run_child(mode: str, args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "NUMBAFLASH_CACHE_DIR": folder, "CUDA_VISIBLE_DEVICES": ""}
+        env = {**os.environ, "NUMBAFLASH_CACHE_DIR": folder}
+        if not args.gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         env.pop("NUMBAFLASH_CACHE", None)
         env.pop("NUMBAFLASH_BACKGROUND_COMPILE", None)
+        if args.gpu:
+            env["NUMBAFLASH_BACKGROUND_COMPILE"] = "0" if mode == "serial" else "1"
         command = [sys.executable, __file__, "--child", mode, "--arch", args.arch, "--head-dim",
                    str(args.head_dim), "--dtype", args.dtype] + (["--full"] if args.full else [])
         command += ["--cpus", str(args.cpus)] if args.cpus else []
         command += ["--workers", str(args.workers)] if args.workers else []
+        command += ["--gpu"] if args.gpu else []
         done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     if done.returncode:
         raise RuntimeError(f"{mode} failed:\n{done.stderr}")
@@ -93,9 +135,13 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=None,
                    help="start this many workers whatever the CPUs (default: one fewer than the CPUs)")
     p.add_argument("--rounds", type=int, default=1, help="serial, background, serial, ...")
+    p.add_argument("--gpu", action="store_true", help="the step on this GPU (torch), not the compiles alone")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child and args.gpu:
+        gpu_child(args.child, args.head_dim, not args.full, args.dtype)
+        return 0
     if args.child:
         child(args.child, args.arch, args.head_dim, not args.full, args.dtype, args.cpus, args.workers)
         return 0
@@ -104,8 +150,14 @@ def main() -> int:
         print(json.dumps(results))
         return 0
     first = results[0]
-    print(f"first step's compiles, empty cache, no GPU: forward {first['forward']}; "
-          f"backward {first['backward']}")
+    if args.gpu:
+        seconds = ", ".join(f"{r['second_step_s']:.4f}" for r in results)
+        print(f"first forward + backward step, empty cache, on {first['forward']} ({first['backward']}); "
+              f"second steps (s): {seconds}; worst grad "
+              f"error against SDPA {max(r['grad_error'] for r in results):.2e}")
+    else:
+        print(f"first step's compiles, empty cache, no GPU: forward {first['forward']}; "
+              f"backward {first['backward']}")
     print(f"{'mode':<12} {'CPUs':>5} {'forward ready s':>16} {'step ready s':>13} {'in workers':>11}  "
           f"each kernel ready at (s)")
     for r in results:
