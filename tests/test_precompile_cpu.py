@@ -137,8 +137,14 @@ def test_precompile_prints_the_counts_and_plain_restricts(monkeypatch, capsys, t
     err = capsys.readouterr().err
     parts = precompile.plan(["sm_90a"])["sm_90a"]
     assert precompile.summary("sm_90a", parts) in err and len(built) == sum(map(len, parts.values()))
+    ranks = [precompile.compile_rank(s)[0] for s in built]  # backward main kernels, forward, decode, others
+    assert ranks == sorted(ranks) and built[0].operation == "backward" and built[-1].operation not in (
+        "backward", "forward", "decode")
     built.clear()
     assert precompile.main(["--arch", "sm_90a", "--plain", "--forward-only"]) == 0
     err = capsys.readouterr().err
     assert f"precompile sm_90a: {len(built)} kernels (forward {len(built)})" in err
-    assert built == precompile.kernels_for("sm_90a", candidates=False)
+    forward = precompile.kernels_for("sm_90a", candidates=False)
+    assert len(built) == len(forward) and set(built) == set(forward)
+    assert built == sorted(built, key=precompile.compile_rank)  # the largest head dims first
+    assert built[0].config.head_dim == 256

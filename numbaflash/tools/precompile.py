@@ -133,6 +133,18 @@ def summary(arch: str, parts: dict[str, list]) -> str:
     return f"precompile {arch}: {sum(len(specs) for specs in parts.values())} kernels ({counts})"
 
 
+# Operations by how long their kernels take to compile, longest first (a 2-core machine: a backward
+# main kernel 5-10 s, a forward or decode kernel 4-6 s, a prepare, dQ or combine kernel about 1 s).
+LONGEST_FIRST = ("backward", "forward", "decode")
+
+
+def compile_rank(spec) -> tuple[int, int]:
+    """Where ``spec`` goes in ``precompile``'s queue: by ``LONGEST_FIRST``, the others last; the
+    larger head dim first within each."""
+    rank = LONGEST_FIRST.index(spec.operation) if spec.operation in LONGEST_FIRST else len(LONGEST_FIRST)
+    return rank, -spec.config.head_dim
+
+
 def build_one(spec) -> tuple[str, bool, float]:
     """Compile one kernel (its ``kernels.spec.KernelSpec``) into the cache (a worker process):
     (description, compiled, seconds)."""
@@ -172,6 +184,7 @@ def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None
     for arch, parts in planned.items():
         print(summary(arch, parts), file=sys.stderr)
         items += [spec for specs in parts.values() for spec in specs]
+    items.sort(key=compile_rank)  # the longest first: no long compile starts while the others idle
     counts = {"kernels": len(items), "compiled": 0, "cached": 0}
     print(f"numbaflash.precompile: {len(items)} kernels for {', '.join(arches)} into {cache.cache_root()}",
           file=sys.stderr)
