@@ -201,3 +201,13 @@ def test_loaded_kernels_take_the_pending_compile(workers, fake_hopper):
     with device.GPU.lock:
         kernel, name = forward.loaded_kernel(spec)
     assert name == "backward_prep_entry" and fake_hopper == [_warm_fake.cubin_of(spec)]
+
+
+def test_a_hung_worker_is_waited_for_a_while_only(workers, monkeypatch):
+    monkeypatch.setenv("WARM_FAKE_SLEEP", "3")
+    monkeypatch.setattr(warm, "WAIT_S", 0.2)
+    spec = backward_specs()[0]
+    assert warm.start([spec], "backward", "the test") == 1
+    with pytest.raises(RuntimeError, match="the real compile error"):
+        warm.entry_of(spec)
+    assert not warm.PENDING

@@ -45,6 +45,7 @@ from ..runtime import cache
 LOG = logging.getLogger("numbaflash")
 ENV = "NUMBAFLASH_BACKGROUND_COMPILE"
 WORKER_NICE = 10  # added to a worker's niceness: the foreground compile runs first on a busy core
+WAIT_S = 900.0  # the longest wait for a worker's kernel (a hung worker): then it compiles in the foreground
 _FRAME = struct.Struct("<Q")  # the length of each pickled frame a worker writes
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds numbaflash/
 
@@ -110,8 +111,8 @@ def entry_of(spec: KernelSpec):
         future = PENDING.get(spec)
     if future is not None:
         try:
-            entry = future.result()
-        except Exception as exc:  # the foreground compile below raises the real error
+            entry = future.result(timeout=WAIT_S)
+        except Exception as exc:  # failed or hung: the foreground compile below raises the real error
             LOG.debug("numbaflash: the background compile of %s failed (%s); compiling it here",
                       cache.describe(spec), exc)
             entry = None
@@ -149,6 +150,9 @@ def _run_worker(specs: list[KernelSpec], futures: list[concurrent.futures.Future
                 status = proc.wait()
             finally:
                 _WORKERS.remove(proc)
+                if proc.poll() is None:  # a broken pipe: end it
+                    proc.kill()
+                    proc.wait()
             stderr.seek(0)
             tail = stderr.read()[-2000:].decode(errors="replace")
         failure: BaseException = RuntimeError(f"background compile worker exited with status {status}: "
