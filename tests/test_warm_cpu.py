@@ -111,7 +111,7 @@ def test_nothing_starts_when_off_cached_or_on_one_cpu(workers, monkeypatch):
 
 
 @pytest.fixture
-def fake_hopper(monkeypatch):
+def hopper_state(monkeypatch):
     """A pretend H100 as the current device; kernels load from whatever cubin they get
     (``cuda.core`` faked), launchers are plain records."""
     state = device.GpuState()
@@ -142,7 +142,7 @@ def tensor(shape, requires_grad=True, is_cuda=True):
                                  is_cuda=is_cuda)
 
 
-def test_a_forward_that_needs_grad_prepares_the_backward_it_will_run(workers, fake_hopper):
+def test_a_forward_that_needs_grad_prepares_the_backward_it_will_run(workers, hopper_state):
     torch_ops = pytest.importorskip("numbaflash.torch_ops")
     q, k = tensor((2, 1024, 8, 128)), tensor((2, 1024, 8, 128), requires_grad=False)
     plain = tensor((2, 1024, 8, 128), requires_grad=False)
@@ -154,12 +154,12 @@ def test_a_forward_that_needs_grad_prepares_the_backward_it_will_run(workers, fa
     assert torch_ops.prepare_backward(q, k, k, True, 0.1) == 0  # the next steps: one lookup
     # the backward loads its three kernels from the workers' cubins; nothing compiles here
     kernels = backward.backward_kernels(HOPPER, 0, 128, True, True)
-    assert fake_hopper == [_warm_fake.cubin_of(s) for s in backward_specs()]
+    assert hopper_state == [_warm_fake.cubin_of(s) for s in backward_specs()]
     assert kernels.config == configs.backward_config(HOPPER, 128, True)
     assert _warm_fake.compiles(workers) == sorted(BACKWARD_OPERATIONS)
 
 
-def test_a_variant_prepares_its_own_kernels(workers, fake_hopper):
+def test_a_variant_prepares_its_own_kernels(workers, hopper_state):
     torch_ops = pytest.importorskip("numbaflash.torch_ops")
     q = tensor((1, 4096, 4, 64))
     # a window whose sides bound the problem: the window kernel of the causal config
@@ -195,12 +195,12 @@ def test_the_forward_op_prepares_the_backward_before_it_runs(monkeypatch):
     assert calls == [("prepare", True), ("forward", True)]
 
 
-def test_loaded_kernels_take_the_pending_compile(workers, fake_hopper):
+def test_loaded_kernels_take_the_pending_compile(workers, hopper_state):
     spec = backward_specs()[0]
     assert warm.start([spec], "backward", "the test") == 1
     with device.GPU.lock:
         kernel, name = forward.loaded_kernel(spec)
-    assert name == "backward_prep_entry" and fake_hopper == [_warm_fake.cubin_of(spec)]
+    assert name == "backward_prep_entry" and hopper_state == [_warm_fake.cubin_of(spec)]
 
 
 def test_a_hung_worker_is_waited_for_a_while_only(workers, monkeypatch):
