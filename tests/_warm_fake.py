@@ -35,3 +35,17 @@ def compile_entry(spec) -> CacheEntry:
 def compiles(folder: Path) -> list[str]:
     """The operations compiled so far, one per call."""
     return sorted(p.name.split("-")[0] for p in folder.iterdir())
+
+
+def compile_cached(spec) -> CacheEntry:
+    """As ``configs.kernel_cubin`` does: the cache's entry if it holds one, else ``compile_entry``'s,
+    stored."""
+    from numbaflash.runtime import cache
+
+    key = cache.kernel_key(spec)
+    entry = cache.load(key)
+    if entry is None:
+        made = compile_entry(spec)
+        entry = CacheEntry(key, made.entry_name, made.cubin)
+        cache.store(entry)
+    return entry

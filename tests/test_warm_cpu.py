@@ -7,10 +7,12 @@ processes running a cheap stand-in compile (``_warm_fake``); no kernel is compil
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -211,3 +213,19 @@ def test_a_hung_worker_is_waited_for_a_while_only(workers, monkeypatch):
     with pytest.raises(RuntimeError, match="the real compile error"):
         warm.entry_of(spec)
     assert not warm.PENDING
+
+
+def test_processes_sharing_the_cache_compile_a_kernel_once(workers, monkeypatch):
+    """Two processes' workers on one kernel at once (as two ranks of a job): one compiles, the
+    other waits on the kernel's lock file, then loads the entry the first stored."""
+    monkeypatch.setenv("WARM_FAKE_SLEEP", "1")
+    spec = backward_specs()[0]
+    futures = [concurrent.futures.Future() for _ in range(2)]
+    threads = [threading.Thread(target=warm._run_worker, args=([spec], [f], _warm_fake.compile_cached))
+               for f in futures]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [f.result().cubin for f in futures] == [_warm_fake.cubin_of(spec)] * 2
+    assert _warm_fake.compiles(workers) == ["backward_prep"]

@@ -19,7 +19,8 @@ nothing behind: ``entry_of`` then compiles in this process, which raises the rea
 - **The cache:** a worker stores what it compiles (``configs.kernel_cubin``), atomically, as
   every process does, so processes sharing a cache folder each find whole entries; and it
   returns the entry itself, so this process needs no write access to the folder (nor the cache
-  on: ``NUMBAFLASH_CACHE=0``).
+  on: ``NUMBAFLASH_CACHE=0``). Workers of processes that share the folder (the ranks of one
+  job) compile each kernel once: a lock file per kernel (``compile_lock``), the others load it.
 - ``NUMBAFLASH_BACKGROUND_COMPILE=0`` (or ``false``/``off``/``no``) turns it off.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import os
 import pickle
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from .. import configs
@@ -170,6 +172,32 @@ def _end_workers() -> None:
         proc.kill()
 
 
+@contextlib.contextmanager
+def compile_lock(spec: KernelSpec) -> Iterator[None]:
+    """Hold ``spec``'s lock file beside its cache entry (``<key>.lock``, ``fcntl.flock``): workers of
+    processes that share the cache folder (the ranks of one job) compile a kernel once; the others
+    wait, then load the entry (``configs.kernel_cubin`` looks in the cache first). Without a cache,
+    or where the folder cannot hold a lock, no lock."""
+    handle = None
+    if cache.enabled():
+        try:
+            import fcntl
+
+            path = cache.entry_path(cache.kernel_key(spec)).with_suffix(".lock")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a")  # noqa: SIM115 (held across the yield)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except Exception:  # no fcntl, a folder that takes no lock, no key: compile unlocked
+            if handle is not None:
+                handle.close()
+            handle = None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # releases the lock
+
+
 def worker_main() -> int:
     """A worker: read (compile function, specs) from stdin, compile each, write one frame per spec
     ((index, True, CacheEntry) or (index, False, the error's text)) on stdout."""
@@ -183,7 +211,8 @@ def worker_main() -> int:
     os.dup2(2, 1)  # anything the compile prints goes to stderr, not into the frames
     for index, spec in enumerate(specs):
         try:
-            frame = (index, True, compile(spec))
+            with compile_lock(spec):
+                frame = (index, True, compile(spec))
         except Exception as exc:
             frame = (index, False, f"{type(exc).__name__}: {exc}")
         data = pickle.dumps(frame)
