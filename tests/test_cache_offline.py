@@ -32,6 +32,7 @@ from numbaflash.configs import (
     dispatch_family,
     forward_config,
 )
+from numbaflash.kernels.shapes import BackwardConfig
 from numbaflash.kernels.spec import KernelSpec, kernel_spec
 from numbaflash.runtime import cache
 from numbaflash.runtime.compiler import entry_name, parse_arch
@@ -114,7 +115,7 @@ def test_key_covers_the_installed_toolchain_and_sources():
     assert all(versions.values())
     spec = kernel_spec("sm80", "forward", ForwardConfig(64), arch="sm_80")
     live = cache.kernel_key(spec)
-    assert live == cache.kernel_key(spec, sources=cache.source_digest(), versions=versions)
+    assert live == cache.kernel_key(spec, sources=cache.source_digest(spec.source_files()), versions=versions)
 
 
 def test_source_digest_covers_kernels_bindings_and_ptx():
@@ -426,3 +427,68 @@ def test_import_is_light():
     seconds, torch_loaded, numba_loaded = json.loads(done.stdout)
     assert not torch_loaded and not numba_loaded
     assert seconds < 2.0, f"import numbaflash took {seconds:.2f} s"
+
+
+def test_each_kernel_is_keyed_by_the_sources_it_is_built_from():
+    """An edit recompiles the kernels it can change, no others: the mma.sync forward's key does
+    not read the backward's module, the backward's does; both read the compile options, the
+    registry, the parameter declarations and every PTX helper."""
+    from numbaflash.kernels.families import FACTORIES, kernel_source_files
+
+    def names(family, operation):
+        return {p.name for p in kernel_source_files(family, operation)}
+
+    common = {"families.py", "spec.py", "params.py", "compiler.py", "sources.py", "mma.cu", "wgmma.cu"}
+    for pair in FACTORIES:
+        assert common <= names(*pair), pair
+    assert "forward_mma.py" in names("sm80", "forward") and "backward_mma.py" not in names("sm80", "forward")
+    assert "backward_mma.py" in names("sm80bwd", "backward")
+    assert "forward_ws.py" in names("sm90", "forward") and "forward_mma.py" not in names("sm90", "forward")
+    assert "mma_pieces.py" in names("sm80dec", "decode")
+    assert "backward_ws.py" not in names("sm80dec", "decode")
+    # a kernel the registry does not build (a test's own) is keyed by every kernel source
+    assert {p.name for p in cache._source_files()} <= names("small", "small")
+
+
+def test_an_edit_changes_the_keys_of_the_kernels_it_can_change_only(monkeypatch):
+    """The key reads ``spec.source_files()``: edit the backward's module (its digest) and only the
+    backward's key moves."""
+    backward = kernel_spec("sm80bwd", "backward", BackwardConfig(64), arch="sm_80")
+    forward = kernel_spec("sm80", "forward", ForwardConfig(64), arch="sm_80")
+    before = cache.kernel_key(backward), cache.kernel_key(forward)
+    real = cache.source_digest
+
+    def edited(files=None):
+        text = real(files)
+        return text + "-edited" if files and any(p.name == "backward_mma.py" for p in files) else text
+
+    monkeypatch.setattr(cache, "source_digest", edited)
+    after = cache.kernel_key(backward), cache.kernel_key(forward)
+    assert after[0] != before[0] and after[1] == before[1]
+
+
+@pytest.mark.slow
+def test_source_files_hold_every_module_a_factory_imports():
+    """Live check of the import reading: build one kernel of each (family, operation) in a fresh
+    process; every ``numbaflash.kernels`` / ``numbaflash.ptx`` module that building it imported is
+    among the files that key it."""
+    script = textwrap.dedent("""
+        import pickle, sys
+        spec = pickle.loads(bytes.fromhex(sys.argv[1]))  # imports kernels.spec and the config's module
+        from numbaflash.kernels.families import kernel_source_files, make_kernel
+        before = set(sys.modules)  # what the package's own import loads (its API's tables)
+        make_kernel(spec)
+        files = {str(p) for p in kernel_source_files(spec.family, spec.operation)}
+        loaded = [m for m, mod in list(sys.modules.items()) if m not in before
+                  and m.startswith(("numbaflash.kernels", "numbaflash.ptx")) and mod.__file__ not in files]
+        print(sorted(loaded))
+    """)
+    import pickle
+
+    specs = [s for part in precompile.plan(["sm_80", "sm_90a"]).values() for ss in part.values() for s in ss]
+    for pair in {(s.family, s.operation): None for s in specs}:
+        spec = next(s for s in specs if (s.family, s.operation) == pair)
+        done = subprocess.run([sys.executable, "-c", script, pickle.dumps(spec).hex()], capture_output=True,
+                              text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == "[]", (pair, done.stdout)

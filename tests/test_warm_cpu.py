@@ -42,7 +42,7 @@ def workers(monkeypatch, tmp_path):
     monkeypatch.delenv("NUMBAFLASH_CACHE", raising=False)
     monkeypatch.delenv(warm.ENV, raising=False)
     monkeypatch.setattr(cache, "toolchain", lambda: {"fake": "1"})
-    monkeypatch.setattr(cache, "source_digest", lambda: "0" * 64)
+    monkeypatch.setattr(cache, "source_digest", lambda files=None: "0" * 64)
     monkeypatch.setattr(warm, "PENDING", {})
     monkeypatch.setattr(warm, "cpus", lambda: 2)
     monkeypatch.setattr(warm, "start", functools.partial(warm.start, compile=_warm_fake.compile_entry))

@@ -13,8 +13,13 @@ switches on config types (``tests/test_structure_cpu.py``). The launches live in
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from . import params
@@ -160,6 +165,87 @@ FACTORIES: dict[tuple[str, str], Callable[[KernelSpec], Any]] = {
     ("sm80dec", "decode"): _decode,
     ("sm80dec", "decode_combine"): _decode_combine,
 }
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # numbaflash/
+# Files every kernel's binary depends on, beyond the modules its factory imports: the registry and
+# spec (how a spec becomes factory arguments), the compile and link options and the link list
+# (``runtime.compiler``, ``runtime.sources``), and the PTX helpers linked into every kernel.
+_ALWAYS = ("kernels/families.py", "kernels/spec.py", "runtime/compiler.py", "runtime/sources.py")
+
+
+def _imported_modules(path: Path, top_level: bool = False) -> list[Path]:
+    """The files of the ``numbaflash.kernels`` and ``numbaflash.ptx`` modules that ``path`` imports
+    anywhere (top level, inside functions): relative imports, ``from . import x`` and absolute
+    ``numbaflash.`` imports (``top_level``: the module's own imports, not its functions').
+    (Layering keeps device code to those two packages; what a kernel takes from ``runtime`` is
+    ``_ALWAYS``.)"""
+    tree = ast.parse(path.read_text(), str(path))
+    package = path.parent.relative_to(_PACKAGE.parent).parts  # ("numbaflash", "kernels")
+    found = []
+    for node in (tree.body if top_level else ast.walk(tree)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+            elif node.module and node.module.split(".")[0] == "numbaflash":
+                base = ()
+            else:
+                continue
+            module = (*base, *node.module.split(".")) if node.module else base
+            found.append(module)
+            found.extend((*module, alias.name) for alias in node.names)  # ``from . import x``
+        elif isinstance(node, ast.Import):
+            found.extend(tuple(a.name.split(".")) for a in node.names if a.name.split(".")[0] == "numbaflash")
+    files = []
+    for module in found:
+        if module[1:2] not in (("kernels",), ("ptx",)):  # device code lives in these two packages only
+            continue
+        base = _PACKAGE.parent.joinpath(*module)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                files.append(candidate)
+    return files
+
+
+@functools.cache
+def kernel_source_files(family: str, operation: str) -> tuple[Path, ...]:
+    """Every file whose content can change the binary of a (family, operation) kernel: the
+    modules its factory imports, and theirs, transitively (found by reading the imports, without
+    importing anything), ``_ALWAYS`` and every ``ptx/*.cu``; sorted. An unknown pair (a test's
+    own kernel) gets every module of ``kernels/`` and of ``ptx/``. The kernel cache keys each
+    kernel by these files' content (``runtime.cache.kernel_key``), so an edit recompiles the
+    kernels it can change and no others."""
+    from ..runtime.sources import ptx_directory
+
+    factory = FACTORIES.get((family, operation))
+    if factory is None:
+        start = sorted((_PACKAGE / "kernels").glob("*.py")) + sorted((_PACKAGE / "ptx").glob("*.py"))
+    else:
+        start = _imported_modules_of_function(factory)
+    registry = Path(__file__).resolve()
+    seen = {registry}
+    todo = [*start, *_imported_modules(registry, top_level=True),  # not its factories' imports
+            *(_PACKAGE / f for f in _ALWAYS if _PACKAGE / f != registry)]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        todo.extend(_imported_modules(path))
+    return tuple(sorted(seen) + sorted(ptx_directory().glob("*.cu")))
+
+
+def _imported_modules_of_function(function: Callable) -> list[Path]:
+    """The module files a factory function imports (its body's ``from .x import y``)."""
+    source = textwrap.dedent(inspect.getsource(function))
+    module = Path(inspect.getsourcefile(function)).resolve()
+    files = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            candidate = module.parent / (node.module.replace(".", "/") + ".py")
+            if candidate.is_file():
+                files.append(candidate)
+    return files or [module]
 
 
 def make_kernel(spec: KernelSpec):

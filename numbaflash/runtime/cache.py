@@ -7,11 +7,12 @@ package keeps its own cache of what ``compiler.compile_cubin`` returns.
 - **Where:** ``$NUMBAFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numbaflash``, else
   ``~/.cache/numbaflash``. ``NUMBAFLASH_CACHE=0`` turns the cache off (every process compiles).
 - **Layout:** one folder per toolchain (package, numba-cuda, NVVM, NVRTC and nvJitLink
-  versions) and state of the kernel sources, one file per kernel, named by its key. Other
-  folders are never read; ``python -m numbaflash.precompile --list / --clear`` shows and
-  removes them.
-- **Key:** a SHA-256 over the kernel's source (every module of ``numbaflash/kernels`` and of
-  the PTX bindings, and every ``ptx/*.cu``), every field of the kernel's spec
+  versions), one file per kernel, named by its key. Other folders are never read;
+  ``python -m numbaflash.precompile --list / --clear`` shows and removes them (``--clear --all``
+  also this folder's entries left by edited sources).
+- **Key:** a SHA-256 over the kernel's sources (the modules of ``numbaflash/kernels`` and of the
+  PTX bindings its factory imports, transitively, the compile options and every ``ptx/*.cu``:
+  ``KernelSpec.source_files``), every field of the kernel's spec
   (``kernels.spec.KernelSpec``: family, operation, config, dtype, target, causal and the variant
   axes) and the toolchain versions: any change gives a new key, so stale code is never loaded.
 - **Entry:** a header (magic, length, JSON with the key, the kernel's entry name, the cubin's
@@ -98,13 +99,15 @@ def toolchain_tag(versions: dict[str, str] | None = None) -> str:
 
 
 def folder_name() -> str:
-    """This installation's folder: its toolchain and a short digest of the kernel sources, so
-    that entries left by other versions, or by edited sources, can be listed and cleared."""
-    return f"{toolchain_tag()}_src-{source_digest()[:12]}"
+    """This installation's folder: its toolchain (package and compiler versions), so that entries
+    left by other versions can be listed and cleared. Edited sources change the keys of the
+    kernels they can change (``kernel_key``), not the folder: the other kernels stay cached."""
+    return toolchain_tag()
 
 
 def _source_files() -> list[Path]:
-    """Every file whose content can change a kernel's binary."""
+    """Every file whose content can change some kernel's binary: what a kernel with no
+    ``source_files()`` of its own is keyed by."""
     from .sources import ptx_directory
 
     files = sorted((_PACKAGE / "kernels").glob("*.py")) + sorted((_PACKAGE / "ptx").glob("*.py"))
@@ -114,22 +117,32 @@ def _source_files() -> list[Path]:
 
 
 @functools.cache
-def source_digest() -> str:
-    """SHA-256 over the kernel sources, read once per process."""
+def source_digest(files: tuple[Path, ...] | None = None) -> str:
+    """SHA-256 over ``files`` (default: every kernel source, ``_source_files``), read once per
+    process."""
     digest = hashlib.sha256()
-    for path in _source_files():
+    for path in _source_files() if files is None else files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
+def spec_sources(spec) -> str:
+    """The digest of the sources ``spec``'s kernel is built from: its ``source_files()`` (a
+    ``kernels.spec.KernelSpec``: the modules its factory imports, transitively, and the PTX
+    helpers), else every kernel source."""
+    files = getattr(spec, "source_files", None)
+    return source_digest(files() if files is not None else None)
+
+
 def kernel_key(spec, *, sources: str | None = None, versions: dict[str, str] | None = None) -> str:
     """The cache key of one kernel: every field of its spec (a frozen dataclass, e.g.
-    ``kernels.spec.KernelSpec``; its config by ``repr``); ``sources``/``versions`` default to this
+    ``kernels.spec.KernelSpec``; its config by ``repr``), the digest of its sources
+    (``spec_sources``) and the toolchain; ``sources``/``versions`` default to this
     installation's."""
     fields = {
         "format": FORMAT,
         **{f.name: repr(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.compare},
-        "sources": source_digest() if sources is None else sources,
+        "sources": spec_sources(spec) if sources is None else sources,
         "toolchain": toolchain() if versions is None else versions,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
