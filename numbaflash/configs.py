@@ -530,17 +530,35 @@ def shipped_backward_configs(window: bool = False, softcap: bool = False, varlen
 FAMILY_ARCH = {name: family.arch for name, family in FAMILIES.items()}  # the target each family compiles for
 
 
+def kernel_sources(spec: KernelSpec) -> str:
+    """The digest of the files ``spec``'s kernel is built from (``kernels.families.
+    kernel_source_files``): an edit changes the keys of the kernels it can change, no others."""
+    from .kernels.families import kernel_source_files
+    from .runtime.cache import source_digest
+
+    return source_digest(kernel_source_files(spec.family, spec.operation))
+
+
+def kernel_key(spec: KernelSpec) -> str:
+    """The on-disk cache key of ``spec``'s kernel (``runtime.cache.kernel_key`` over its own
+    sources): what ``kernel_cubin`` stores it under."""
+    from .runtime.cache import kernel_key as key_of
+
+    return key_of(spec, sources=kernel_sources(spec))
+
+
 def kernel_cubin(spec: KernelSpec):
     """The linked cubin (``runtime.cache.CacheEntry``) of ``spec``'s kernel for ``spec.arch``: from
     the on-disk cache, or compiled and stored. The API and ``precompile`` both come here, so they
-    agree on the cache key (the spec, normalised when built: ``kernels.spec.kernel_spec``)."""
+    agree on the cache key (the spec, normalised when built: ``kernels.spec.kernel_spec``, and
+    its sources: ``kernel_key``)."""
     from .kernels.families import kernel_argtypes, make_kernel
     from .runtime.cache import cached_cubin
 
     def build():  # imports Numba: only on a cache miss
         return make_kernel(spec), kernel_argtypes(spec)
 
-    return cached_cubin(spec, build)
+    return cached_cubin(spec, build, sources=kernel_sources(spec))
 
 
 DECODE_FORCED: list = []  # [a DecodeConfig] that decode_config returns for its head dim (force_decode_config)

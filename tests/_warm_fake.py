@@ -40,9 +40,10 @@ def compiles(folder: Path) -> list[str]:
 def compile_cached(spec) -> CacheEntry:
     """As ``configs.kernel_cubin`` does: the cache's entry if it holds one, else ``compile_entry``'s,
     stored."""
+    from numbaflash import configs
     from numbaflash.runtime import cache
 
-    key = cache.kernel_key(spec)
+    key = configs.kernel_key(spec)
     entry = cache.load(key)
     if entry is None:
         made = compile_entry(spec)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from numba import cuda, types
 
+from numbaflash import configs
 from numbaflash.configs import (
     CANDIDATES,
     DEFAULTS,
@@ -115,7 +116,7 @@ def test_key_covers_the_installed_toolchain_and_sources():
     assert all(versions.values())
     spec = kernel_spec("sm80", "forward", ForwardConfig(64), arch="sm_80")
     live = cache.kernel_key(spec)
-    assert live == cache.kernel_key(spec, sources=cache.source_digest(spec.source_files()), versions=versions)
+    assert live == cache.kernel_key(spec, sources=cache.source_digest(), versions=versions)
 
 
 def test_source_digest_covers_kernels_bindings_and_ptx():
@@ -396,7 +397,7 @@ def test_precompile_command_fills_the_cache_with_no_gpu(tmp_path):
                for causal in (False, True) for s in (None, SHORT_SEQLEN, LONG_SEQLEN)}  # every span
     n = len(shipped) * 2  # x dtypes
     assert len(items) == n
-    missing = sum(not cache.entry_path(cache.kernel_key(spec)).is_file() for spec in items)
+    missing = sum(not cache.entry_path(configs.kernel_key(spec)).is_file() for spec in items)
     # the plain forward kernels (backward: test_backward_api_cpu; the variants: test_precompile_cpu)
     out, err = run("--arch", "sm_80", "--jobs", "2", "--forward-only", "--plain")
     assert f"{n} kernels: {missing} compiled, {n - missing} already cached" in out
@@ -451,11 +452,13 @@ def test_each_kernel_is_keyed_by_the_sources_it_is_built_from():
 
 
 def test_an_edit_changes_the_keys_of_the_kernels_it_can_change_only(monkeypatch):
-    """The key reads ``spec.source_files()``: edit the backward's module (its digest) and only the
-    backward's key moves."""
+    """``configs.kernel_key`` (what ``kernel_cubin`` stores under) reads the kernel's own files:
+    edit the backward's module (its digest) and only the backward's key moves."""
+    from numbaflash import configs
+
     backward = kernel_spec("sm80bwd", "backward", BackwardConfig(64), arch="sm_80")
     forward = kernel_spec("sm80", "forward", ForwardConfig(64), arch="sm_80")
-    before = cache.kernel_key(backward), cache.kernel_key(forward)
+    before = configs.kernel_key(backward), configs.kernel_key(forward)
     real = cache.source_digest
 
     def edited(files=None):
@@ -463,7 +466,7 @@ def test_an_edit_changes_the_keys_of_the_kernels_it_can_change_only(monkeypatch)
         return text + "-edited" if files and any(p.name == "backward_mma.py" for p in files) else text
 
     monkeypatch.setattr(cache, "source_digest", edited)
-    after = cache.kernel_key(backward), cache.kernel_key(forward)
+    after = configs.kernel_key(backward), configs.kernel_key(forward)
     assert after[0] != before[0] and after[1] == before[1]
 
 

@@ -105,7 +105,7 @@ def test_nothing_starts_when_off_cached_or_on_one_cpu(workers, monkeypatch):
     assert warm.start(specs, "backward", "the test") == 0
     monkeypatch.setattr(warm, "cpus", lambda: 8)
     for spec in specs[:2]:  # in the cache (another process compiled them): not started
-        cache.store(cache.CacheEntry(cache.kernel_key(spec), "e", b"cubin"))
+        cache.store(cache.CacheEntry(configs.kernel_key(spec), "e", b"cubin"))
     assert warm.start(specs, "backward", "the test") == 1
     assert list(warm.PENDING) == specs[2:]
     warm.entry_of(specs[2])

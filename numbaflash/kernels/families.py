@@ -213,7 +213,7 @@ def kernel_source_files(family: str, operation: str) -> tuple[Path, ...]:
     modules its factory imports, and theirs, transitively (found by reading the imports, without
     importing anything), ``_ALWAYS`` and every ``ptx/*.cu``; sorted. An unknown pair (a test's
     own kernel) gets every module of ``kernels/`` and of ``ptx/``. The kernel cache keys each
-    kernel by these files' content (``runtime.cache.kernel_key``), so an edit recompiles the
+    kernel by these files' content (``configs.kernel_key``), so an edit recompiles the
     kernels it can change and no others."""
     from ..runtime.sources import ptx_directory
 

@@ -75,13 +75,6 @@ class KernelSpec:
                        if f.name in AXES and getattr(self, f.name))
         return f"{self.family}.{self.operation}{axes}"
 
-    def source_files(self) -> tuple:
-        """The files this kernel's binary is built from (``families.kernel_source_files``): the
-        kernel cache keys it by their content."""
-        from .families import kernel_source_files
-
-        return kernel_source_files(self.family, self.operation)
-
     def sibling(self, operation: str) -> KernelSpec:
         """The spec of another kernel of the same call (the backward's prepare and dQ kernels,
         the decode's combine kernel), normalised for it."""

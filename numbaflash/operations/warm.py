@@ -72,7 +72,7 @@ def cpus() -> int:
 
 def _cached(spec: KernelSpec) -> bool:
     """Whether the on-disk cache holds ``spec``'s kernel (a file for its key: the load checks it)."""
-    return cache.enabled() and cache.entry_path(cache.kernel_key(spec)).is_file()
+    return cache.enabled() and cache.entry_path(configs.kernel_key(spec)).is_file()
 
 
 def start(specs: Sequence[KernelSpec], kind: str, what: str, compile: Callable | None = None) -> int:
@@ -183,7 +183,7 @@ def compile_lock(spec: KernelSpec) -> Iterator[None]:
         try:
             import fcntl
 
-            path = cache.entry_path(cache.kernel_key(spec)).with_suffix(".lock")
+            path = cache.entry_path(configs.kernel_key(spec)).with_suffix(".lock")
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(path, "a")  # noqa: SIM115 (held across the yield)
             fcntl.flock(handle, fcntl.LOCK_EX)

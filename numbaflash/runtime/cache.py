@@ -12,7 +12,7 @@ package keeps its own cache of what ``compiler.compile_cubin`` returns.
   also this folder's entries left by edited sources).
 - **Key:** a SHA-256 over the kernel's sources (the modules of ``numbaflash/kernels`` and of the
   PTX bindings its factory imports, transitively, the compile options and every ``ptx/*.cu``:
-  ``KernelSpec.source_files``), every field of the kernel's spec
+  ``kernels.families.kernel_source_files``, through ``configs.kernel_key``), every field of the kernel's spec
   (``kernels.spec.KernelSpec``: family, operation, config, dtype, target, causal and the variant
   axes) and the toolchain versions: any change gives a new key, so stale code is never loaded.
 - **Entry:** a header (magic, length, JSON with the key, the kernel's entry name, the cubin's
@@ -126,23 +126,16 @@ def source_digest(files: tuple[Path, ...] | None = None) -> str:
     return digest.hexdigest()
 
 
-def spec_sources(spec) -> str:
-    """The digest of the sources ``spec``'s kernel is built from: its ``source_files()`` (a
-    ``kernels.spec.KernelSpec``: the modules its factory imports, transitively, and the PTX
-    helpers), else every kernel source."""
-    files = getattr(spec, "source_files", None)
-    return source_digest(files() if files is not None else None)
-
-
 def kernel_key(spec, *, sources: str | None = None, versions: dict[str, str] | None = None) -> str:
     """The cache key of one kernel: every field of its spec (a frozen dataclass, e.g.
-    ``kernels.spec.KernelSpec``; its config by ``repr``), the digest of its sources
-    (``spec_sources``) and the toolchain; ``sources``/``versions`` default to this
-    installation's."""
+    ``kernels.spec.KernelSpec``; its config by ``repr``), the digest of its sources and the
+    toolchain. ``sources`` defaults to the digest of every kernel source; ``configs.kernel_key``
+    gives a registered kernel's own (``kernels.families.kernel_source_files``); ``versions``
+    defaults to this installation's."""
     fields = {
         "format": FORMAT,
         **{f.name: repr(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.compare},
-        "sources": spec_sources(spec) if sources is None else sources,
+        "sources": source_digest() if sources is None else sources,
         "toolchain": toolchain() if versions is None else versions,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
@@ -303,12 +296,12 @@ def clear(everything: bool = False) -> int:
     return removed
 
 
-def cached_cubin(spec, build) -> CacheEntry:
+def cached_cubin(spec, build, sources: str | None = None) -> CacheEntry:
     """The cubin of one kernel (``spec``: its ``kernels.spec.KernelSpec``, with the target
     ``spec.arch``): from the cache, or compiled (``build()`` returns the Python kernel function
     and its Numba argument types), stored, and returned. One code path for both: a hit only skips
-    the compile."""
-    key = kernel_key(spec)
+    the compile. ``sources``: the digest of the kernel's sources (``kernel_key``)."""
+    key = kernel_key(spec, sources=sources)
     entry = load(key)
     if entry is None:
         from .compiler import compile_cubin, entry_name
