@@ -103,17 +103,19 @@ Call = namedtuple("Call", ["seqlen_q", "seqlen_k", "heads_q", "group", "heads_kv
 Scaling = namedtuple("Scaling", ["scale_log2", "scale", "cap_scale"])
 # Where a CTA sits: its key block (``n_block``, first key ``n0``) of one (batch, KV head), and
 # that sequence's first query and key rows in the tensors (0 when dense), its lengths, its causal
-# diagonal (query i sees keys j <= i + diag) and its sliding window (a Band; window kernels).
+# diagonal (query i sees keys j <= i + diag) and its first workspace row. Its sliding window (a
+# Band) is the Cta's: ``Placement.window`` builds it after the K and V copies are issued.
 KeyBlock = namedtuple("KeyBlock", ["n_block", "n0", "batch", "kv_head", "start_q", "start_k", "seqlen_q",
-                                   "seqlen_k", "diag", "band", "ws_start"])
+                                   "seqlen_k", "diag", "ws_start"])
 # A thread's seat: its index, warp and lane, and the shared memory's base address.
 Seat = namedtuple("Seat", ["tid", "warp", "lane", "sbase"])
 # Global byte addresses of the workspace: LSE₂, D, the dQ accumulator, the counters; its rows and
 # turn counters per head.
 WorkspaceAt = namedtuple("WorkspaceAt", ["lse2", "delta", "dq", "counters", "rows", "counters_per_head"])
-# What every step of a CTA's walk reads: its Seat, its KeyBlock, the Operands, the WorkspaceAt,
-# the Call, and where the sequence's rows of Q and dO start (``RowSource.base``).
-Cta = namedtuple("Cta", ["seat", "kb", "ops", "ws", "call", "q_base", "do_base"])
+# What every step of a CTA's walk reads: its Seat, its KeyBlock and the block's sliding window (a
+# Band; window kernels), the Operands, the WorkspaceAt, the Call, and where the sequence's rows of
+# Q and dO start (``RowSource.base``).
+Cta = namedtuple("Cta", ["seat", "kb", "band", "ops", "ws", "call", "q_base", "do_base"])
 # Which query block of the walk: its query head and block index.
 BlockIndex = namedtuple("BlockIndex", ["head", "m_block"])
 # One query block of the walk: its query head, block index, first row and first workspace row
@@ -152,7 +154,7 @@ Masker = namedtuple("Masker", ["mask"])
 Loads = namedtuple("Loads", ["load_kv", "load_block"])
 Accumulation = namedtuple("Accumulation", ["accumulate"])
 KvEpilogue = namedtuple("KvEpilogue", ["store_dk_dv"])
-Placement = namedtuple("Placement", ["launch_order", "place", "query_blocks", "query_block"])
+Placement = namedtuple("Placement", ["launch_order", "place", "window", "query_blocks", "query_block"])
 
 
 # ---------------------------------------------------------------------------------- main kernel
@@ -283,19 +285,19 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
 
 
 def make_masker(s: Shape, causal: bool, window: bool) -> Masker:
-    """``mask(acc_s, key0, q0, lane, kb)``: the warp's Sᵀ (keys from ``key0``, queries from ``q0``)
+    """``mask(acc_s, key0, q0, lane, kb, band)``: the warp's Sᵀ (keys from ``key0``, queries from ``q0``)
     masked where its keys x queries tile crosses the end of the keys or (causal) the diagonal
     (``mask_transposed``), or with a sliding window an edge of the window (``mask_band_transposed``);
-    a tile that crosses none is left as it is. ``kb``: the CTA's KeyBlock."""
+    a tile that crosses none is left as it is. ``kb``: the CTA's KeyBlock; ``band``: its Band."""
     KMT, S_N, SQ = s.kmt, s.s_n, s.sq
     CAUSAL, WINDOW = causal, window
 
     @cuda.jit(device=True, forceinline=True)
-    def mask(acc_s, key0, q0, lane, kb):
+    def mask(acc_s, key0, q0, lane, kb, band):
         if WINDOW:
-            if band_needs_mask(key0, 16 * KMT, q0, SQ, kb.band):  # keys x queries: an edge or the keys' end
+            if band_needs_mask(key0, 16 * KMT, q0, SQ, band):  # keys x queries: an edge or the keys' end
                 for mt in range(KMT):
-                    mask_band_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, kb.band)
+                    mask_band_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, band)
         elif key0 + 16 * KMT > kb.seqlen_k or (CAUSAL and key0 + 16 * KMT - 1 > q0 + kb.diag):
             for mt in range(KMT):
                 mask_transposed(acc_s[mt], S_N, key0 + 16 * mt, q0, lane, kb.seqlen_k, kb.diag, CAUSAL)
@@ -361,7 +363,7 @@ def make_score_gradient(s: Shape, causal: bool, bf16: bool, gemms: Gemms, window
                 for j in range(S_N):
                     for e in range(4):
                         acc.s[mt, j, e] = ptx.tanh(acc.s[mt, j, e] * scaling.cap_scale)
-        masker.mask(acc.s, key0, q0, lane, cta.kb)
+        masker.mask(acc.s, key0, q0, lane, cta.kb, cta.band)
         gradient_of_scores(acc.s, acc.dp, tiles, wg.parts.s, scaling.scale_log2, lane)
         store_scores(sbase + SP, acc.s, wg.offsets)
         store_scores(sbase + SDS, acc.dp, wg.offsets)
@@ -372,9 +374,9 @@ def make_score_gradient(s: Shape, causal: bool, bf16: bool, gemms: Gemms, window
 
 def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = False) -> Placement:
     """Where a CTA sits and what it walks: ``launch_order(call)`` -> (key block, batch, KV head)
-    (``blocks.key_block_of``); ``place(...)`` -> its KeyBlock; ``query_blocks(kb)`` -> (first,
-    end): the query blocks whose rows see a key of the block; ``query_block(cta, at)``: the
-    QueryBlock of a BlockIndex."""
+    (``blocks.key_block_of``); ``place(...)`` -> its KeyBlock; ``window(kb, call)`` -> its sliding
+    window (a Band); ``query_blocks(kb, band)`` -> (first, end): the query blocks whose rows see a
+    key of the block; ``query_block(cta, at)``: the QueryBlock of a BlockIndex."""
     BM, BN = s.bm, s.bn
     CAUSAL, WINDOW = causal, window
 
@@ -396,12 +398,19 @@ def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = Fal
         start_q, seqlen_q = source.queries(seqs, batch, call.seqlen_q)
         ws_start = source.workspace_start(batch, start_q)  # the sequence's row 0 in the workspace
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
-        band = Band(seqlen_k, diag - call.window_left, diag + call.window_right)  # window kernels only
         return KeyBlock(n_block, n_block * BN, batch, kv_head, start_q, start_k, seqlen_q, seqlen_k, diag,
-                        band, ws_start)
+                        ws_start)
 
     @cuda.jit(device=True, forceinline=True)
-    def query_blocks(kb):
+    def window(kb, call):
+        """The sliding window of KeyBlock ``kb`` (a Band; read by window kernels only). Built once
+        the K and V copies are issued (not in ``place``): ptxas gave the sm_80 varlen window
+        softcap kernel at d96, n64 204 registers instead of 178 with the Band worked out before
+        the copies."""
+        return Band(kb.seqlen_k, kb.diag - call.window_left, kb.diag + call.window_right)
+
+    @cuda.jit(device=True, forceinline=True)
+    def query_blocks(kb, band):
         """(m_first, m_blocks): every query block (full), those from the first that sees a key of
         the block (causal), or only those whose rows see one (window: ``band_query_blocks``)."""
         m_blocks = (kb.seqlen_q + BM - 1) // BM
@@ -410,7 +419,7 @@ def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = Fal
             m_first = max(kb.n0 - kb.diag, 0) // BM  # the first query block that sees a key of the block
         if WINDOW:  # only the query blocks whose rows see a key of the block: m_first .. m_blocks - 1
             keys = min(BN, kb.seqlen_k - kb.n0)
-            m_first, m_blocks = band_query_blocks(kb.n0, keys, BM, kb.seqlen_q, kb.band)
+            m_first, m_blocks = band_query_blocks(kb.n0, keys, BM, kb.seqlen_q, band)
         return m_first, m_blocks
 
     @cuda.jit(device=True, forceinline=True)
@@ -422,7 +431,7 @@ def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = Fal
         m0 = at.m_block * BM
         return QueryBlock(at.head, at.m_block, m0, first + m0)
 
-    return Placement(launch_order, place, query_blocks, query_block)
+    return Placement(launch_order, place, window, query_blocks, query_block)
 
 
 def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
@@ -512,7 +521,7 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
             # of band_query_blocks): this block's turn is its place in that range.
             turn = kb.n_block
             if WINDOW:
-                turn = kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, kb.band)[0]
+                turn = kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, cta.band)[0]
             if seat.tid == 0:
                 while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                     pass
@@ -610,12 +619,13 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         q_base = source.base(ops.q, batch, kb.start_q)
         do_base = source.base(ops.do, batch, kb.start_q)
         loads.load_kv(seat, kb, ops)
-        m_first, m_blocks = placement.query_blocks(kb)
+        band = placement.window(kb, call)
+        m_first, m_blocks = placement.query_blocks(kb, band)
         steps = call.group * max(m_blocks - m_first, 0)
         at = WorkspaceAt(ptx.global_address_f32(ws.lse2), ptx.global_address_f32(ws.delta),
                          ptx.global_address_f32(ws.dq_acc), ptx.global_address_i32(ws.counters), ws.rows,
                          ws.rows // BM)
-        cta = Cta(seat, kb, ops, at, call, q_base, do_base)
+        cta = Cta(seat, kb, band, ops, at, call, q_base, do_base)
 
         wg = WarpGemm(gemms.parts(seat.warp),
                       Frags(cuda.local.array((A_TILES, 4), uint32), cuda.local.array(4, uint32)),
