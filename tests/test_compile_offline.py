@@ -147,3 +147,118 @@ def test_main_job_without_gpu_inspects_what_its_call_dispatches():
     assert len(table) == 3, out
     for line in table:  # LDL, STL and CALL are the last three columns: all 0
         assert line.split()[-3:] == ["0", "0", "0"], line
+
+
+def test_numba_names_the_compile_path_uses():
+    """``compiler.numba_library`` calls what ``numba.cuda.compile`` calls, and ``helper_source``
+    reads the library's linked files and LLVM IR: if numba-cuda renames these, this fails."""
+    from numba.cuda import codegen
+    from numba.cuda import compiler as numba_compiler
+
+    source = inspect.getsource(numba_compiler.compile)
+    assert "_compile_pyfunc_with_fixup(" in source and "lib.get_ltoir(cc=cc)" in source
+    parameters = inspect.signature(numba_compiler._compile_pyfunc_with_fixup).parameters
+    assert {"device", "cc", "abi", "launch_bounds", "lto"} <= set(parameters)
+    library_source = inspect.getsource(codegen.CUDACodeLibrary)
+    assert "self._linking_files = set()" in library_source and "def get_llvm_str(self)" in library_source
+
+
+def test_declared_functions_and_wgmma_shapes():
+    from numbaflash.runtime.compiler import declared_functions, wgmma_shapes
+
+    ir = ('declare void @"wgmma_m64n128k16_f32_bf16_ss"(float* %".1", i64 %".2")\n'
+          "declare void @wgmma_fence_operand_32(float*)\n"
+          "declare i32 @llvm.nvvm.read.ptx.sreg.tid.x()\n"
+          "define void @kernel() {\n  call void @wgmma_fence()\n  ret void\n}\n")
+    names = declared_functions(ir)
+    assert names == {"wgmma_m64n128k16_f32_bf16_ss", "wgmma_fence_operand_32"}
+    assert wgmma_shapes(names | {"wgmma_fence", "mbarrier_wait"}) == [64, 128]
+
+
+def _helpers_of(kernel, argtypes, arch):
+    from numbaflash.runtime.compiler import helper_source, numba_library, parse_arch
+
+    library = numba_library(kernel, argtypes, parse_arch(arch))
+    library.get_ltoir(cc=parse_arch(arch))
+    return helper_source(library)
+
+
+def test_helper_source_holds_only_the_families_and_wgmma_shapes_called():
+    """The helpers NVRTC compiles for a kernel: the families its device functions link, each
+    under a ``#line`` naming its file, and of ``wgmma.cu`` only the shapes it calls."""
+    from numbaflash.ptx import hopper as hp
+
+    mma, fence = hp.wgmma_ss(64, "f16"), hp.wgmma_fence_operand(64)
+
+    def kernel(acc, desc):
+        fence(acc)
+        mma(acc, desc[0], desc[1], 1)
+        hp.wgmma_commit_group()
+
+    argtypes = (types.float32[::1], types.uint64[::1])
+    source = _helpers_of(kernel, argtypes, "sm_90a")
+    assert source.split("#line")[0] == "#define WGMMA_SOME_N\n#define WGMMA_N64\n"
+    assert [line for line in source.splitlines() if line.startswith("#line")] == ['#line 1 "wgmma.cu"']
+
+    def plain(out, x):
+        out[0] = x[0] + float32(1.0)
+
+    assert _helpers_of(plain, (types.float32[::1], types.float32[::1]), "sm_80") == ""
+
+
+def test_wgmma_kernel_compiles_with_its_shapes_only():
+    """A kernel calling one wgmma shape links with only that shape compiled: no CALL, and the
+    wgmma in its SASS."""
+    from numbaflash.ptx import hopper as hp
+    from numbaflash.tools.inspect import report_from_cubin
+
+    mma, fence = hp.wgmma_ss(16, "bf16"), hp.wgmma_fence_operand(16)
+
+    def kernel(out, desc):
+        acc = cuda.local.array(8, float32)
+        for i in range(8):
+            acc[i] = 0.0
+        hp.wgmma_fence()
+        fence(acc)
+        mma(acc, desc[0], desc[1], 1)
+        hp.wgmma_commit_group()
+        hp.wgmma_wait_group_0()
+        fence(acc)
+        for i in range(8):
+            out[i] = acc[i]
+
+    report = report_from_cubin(compile_cubin(kernel, (types.float32[::1], types.uint64[::1]), "sm_90a"),
+                               "k", "sm_90a")
+    assert report.calls == 0 and report.spill_instructions == 0
+    assert any(op.startswith("HGMMA") for op in report.opcodes), report.opcodes
+
+
+def test_nvrtc_messages_are_errors():
+    """Helper families are compiled as one source: a warning (one file redefining another's
+    macro, say) stops the compile instead of passing unseen."""
+    from numbaflash.runtime.compiler import helper_ltoir
+
+    source = '#define TWICE 1\n#define TWICE 2\nextern "C" __device__ int twice() { return TWICE; }\n'
+    with pytest.raises(RuntimeError, match="expected none"):
+        helper_ltoir(source, "sm_80")
+
+
+def test_collector_paused_restores_the_collector():
+    import gc
+
+    from numbaflash.runtime.compiler import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
+    with pytest.raises(ZeroDivisionError), collector_paused():
+        1 / 0  # noqa: B018
+    assert gc.isenabled()
