@@ -262,3 +262,76 @@ def test_collector_paused_restores_the_collector():
     with pytest.raises(ZeroDivisionError), collector_paused():
         1 / 0  # noqa: B018
     assert gc.isenabled()
+
+
+def test_scalar_operator_memo_answers_as_numba_does():
+    """``compiler.scalar_operators_memoised``: an operator on scalars resolves to the signature
+    and implementation key Numba's own resolution gives, the second time from the memo, and the
+    wrapper is gone after the block. Pins the numba-core names it wraps."""
+    import operator
+
+    from numba.core.types.functions import BaseFunction
+    from numba.cuda.descriptor import cuda_target
+
+    from numbaflash.runtime import compiler
+
+    parameters = list(inspect.signature(BaseFunction.get_call_type).parameters)
+    assert parameters == ["self", "context", "args", "kws"]
+    assert "self._impl_keys[sig.args]" in inspect.getsource(BaseFunction.get_call_type)
+    context = cuda_target.typing_context
+    context.refresh()  # the registries a first compile loads
+    cases = [(operator.add, (types.int32, types.int64)), (operator.lt, (types.uint32, types.literal(16))),
+             (operator.and_, (types.boolean, types.boolean)), (operator.mul, (types.float32, types.float32))]
+    stock = []
+    for op, args in cases:
+        fnty = context.resolve_value_type(op)
+        assert isinstance(fnty, BaseFunction)
+        signature = fnty.get_call_type(context, args, {})
+        stock.append((signature, fnty._impl_keys[signature.args]))
+    original = BaseFunction.get_call_type
+    with compiler.scalar_operators_memoised():
+        assert BaseFunction.get_call_type is not original
+        for _ in range(2):  # resolved, then remembered
+            for (op, args), (signature, implementation) in zip(cases, stock, strict=True):
+                fnty = context.resolve_value_type(op)
+                fnty._impl_keys.pop(signature.args)
+                assert fnty.get_call_type(context, args, {}) == signature
+                assert fnty._impl_keys[signature.args] == implementation
+    assert BaseFunction.get_call_type is original
+    remembered = {key[0].typing_key for key in compiler._OPERATOR_SIGNATURES}
+    assert {op for op, _ in cases} <= remembered
+    assert all(impl in compiler._operator_functions() for _, impl in compiler._OPERATOR_SIGNATURES.values())
+
+
+def test_kernel_compiles_the_same_with_the_operator_memo():
+    """Mixed integer and float arithmetic compiles to the same cubin whether its operators are
+    typed by Numba each time (a fresh process state: the memo emptied) or from the memo."""
+    from numbaflash.runtime import compiler
+
+    def make():
+        @cuda.jit(device=True, forceinline=True)
+        def step(x, i, n):
+            j = (i * 3 + n) & 7
+            return x * float32(j) + float32(i < n) - x / float32(2.0)
+
+        def kernel(out, x, n):
+            i = cuda.threadIdx.x
+            v = x[i]
+            for k in range(4):
+                v = step(v, i + k, n)
+            out[i] = v
+
+        return kernel
+
+    def sass(cubin):  # the instructions with their encodings (names differ: new functions)
+        from numbaflash.tools.inspect import report_from_cubin
+
+        lines = report_from_cubin(cubin, "k", "sm_80").sass.splitlines()
+        return [line.split("*/", 1)[1] for line in lines if line.strip().startswith("/*0")]
+
+    argtypes = (types.float32[::1], types.float32[::1], types.int64)
+    compiler._OPERATOR_SIGNATURES.clear()
+    first = sass(compile_cubin(make(), argtypes, "sm_80"))
+    assert compiler._OPERATOR_SIGNATURES and len(first) > 20
+    again = sass(compile_cubin(make(), argtypes, "sm_80"))  # new functions, operators from the memo
+    assert first == again

@@ -76,7 +76,8 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     module (``helper_ltoir``, once per source and target in a process); nvJitLink links the
     two, inlines the helpers and runs ptxas. Python's cyclic garbage collector is paused
     meanwhile (``collector_paused``): Numba allocates millions of short-lived objects, and
-    the collections they trigger cost about a tenth of the compile."""
+    the collections they trigger cost about a tenth of the compile; Numba types each builtin
+    operator on scalars once per argument types (``scalar_operators_memoised``)."""
     from cuda.bindings import nvjitlink
 
     cc = parse_arch(arch)
@@ -107,7 +108,7 @@ def numba_library(pyfunc, argtypes: tuple, cc: tuple, launch_bounds=None):
     this uses."""
     from numba.cuda.compiler import _compile_pyfunc_with_fixup
 
-    with target_capability(cc):
+    with target_capability(cc), scalar_operators_memoised():
         library, _ = _compile_pyfunc_with_fixup(pyfunc, argtypes, device=False, cc=cc, abi="numba",
                                                 launch_bounds=launch_bounds, lto=True)
     return library
@@ -129,6 +130,67 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+# (operator function type, typing context, argument types) -> (signature, implementation key)
+_OPERATOR_SIGNATURES: dict = {}
+
+
+@contextlib.contextmanager
+def scalar_operators_memoised() -> Iterator[None]:
+    """While the block runs, Numba types each builtin operator on scalars (``a + b``,
+    ``i < n``, ``x & m`` on integers, floats, booleans, literals among them) once per argument
+    types, instead of once per use: the kernels hold about a thousand such uses, and each
+    resolution tries every template of the operator (the builtins' signatures and the
+    ``@overload`` templates, each hashing the compile flags), about a tenth of the Numba time.
+
+    ``numba.core.types.functions.BaseFunction.get_call_type`` is wrapped: a call on an
+    ``operator`` function with scalar arguments and no keywords is answered from
+    ``_OPERATOR_SIGNATURES`` when the same function type (a registry that adds templates
+    makes a new one) in the same typing context resolved the same argument types before, to a
+    builtin implementation (keyed by the operator itself; an ``@overload`` implementation,
+    which depends on the flags, is never remembered); it sets the implementation key as the
+    first resolution did, so lowering picks the same implementation. Any other call, and a
+    failed resolution, goes through Numba unchanged. Call it under Numba's compiler lock
+    (``target_capability`` holds it), which every Numba compile takes, so no other compile
+    sees the wrapper; ``tests/test_compile_offline.py`` pins what it relies on."""
+    from numba.core import types
+    from numba.core.types.functions import BaseFunction
+
+    operators = _operator_functions()
+    scalars = (types.Number, types.Boolean)
+    resolve = BaseFunction.get_call_type
+
+    def get_call_type(self, context, args, kws):
+        if kws or self.typing_key not in operators or not all(isinstance(a, scalars) for a in args):
+            return resolve(self, context, args, kws)
+        key = (self, context, tuple(args))
+        known = _OPERATOR_SIGNATURES.get(key)
+        if known is not None:
+            signature, implementation = known
+            self._impl_keys[signature.args] = implementation
+            return signature
+        signature = resolve(self, context, args, kws)
+        if signature is not None:
+            implementation = self._impl_keys[signature.args]
+            if implementation in operators:
+                _OPERATOR_SIGNATURES[key] = (signature, implementation)
+        return signature
+
+    BaseFunction.get_call_type = get_call_type
+    try:
+        yield
+    finally:
+        BaseFunction.get_call_type = resolve
+
+
+@functools.cache
+def _operator_functions() -> frozenset:
+    """Every function of the ``operator`` module (``operator.add``, ``operator.lt``, ...):
+    Numba's typing key of a Python operator."""
+    import operator
+
+    return frozenset(f for f in vars(operator).values() if callable(f) and not isinstance(f, type))
 
 
 # "declare void @wgmma_m64n128k16_f32_bf16_ss(float*, i64, i64, i32)": a function the module calls
