@@ -251,7 +251,10 @@ def test_collector_paused_restores_the_collector():
     assert gc.isenabled()
     with collector_paused():
         assert not gc.isenabled()
-    assert gc.isenabled()
+        kept = [[]]  # a container the collector tracks, alive after the block
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert any(o is kept for o in gc.get_objects(generation=2))  # moved to the oldest generation
+    assert not any(o is kept for o in gc.get_objects(generation=0))
     gc.disable()
     try:
         with collector_paused():
