@@ -1,13 +1,16 @@
-"""Compile time and SASS census of every shipped forward kernel, each from nothing, offline.
+"""Compile time and SASS census of every shipped forward kernel (and, with ``--backward``, every
+shipped backward kernel), each from nothing, offline.
 
 Every (kernel, architecture) pair is compiled in a fresh Python process with no kernel cache,
-as a new user's first call would compile it: the time covers Numba's typing and lowering,
+as a new user's first call would compile it: the time (wall, and the process's CPU time, which
+a machine shared with other work inflates less) covers Numba's typing and lowering,
 NVVM, NVRTC for the PTX helpers, nvJitLink and ptxas, not the interpreter start or imports
 (reported apart). The same cubin is then disassembled: registers, SASS instructions and the
 LDL / STL / CALL counts that must stay 0.
 
     python benchmarks/compile_times.py                  # every shipped pair, 1 process at a time
     python benchmarks/compile_times.py --jobs 2 --only ws_d128 --csv times.csv
+    python benchmarks/compile_times.py --backward --only backward_ws_d128   # the backward's kernels
     python benchmarks/compile_times.py --summary times.csv   # median / slowest of a CSV
     python benchmarks/compile_times.py --jobs 2 --sass-dir before/   # also each pair's SASS
     diff -r before/ after/                                   # ... to show a change leaves it alone
@@ -29,7 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-FIELDS = ("kernel", "arch", "compile_s", "import_s", "registers", "instructions", "ldl", "stl", "call")
+FIELDS = ("kernel", "arch", "compile_s", "cpu_s", "import_s", "registers", "instructions", "ldl", "stl",
+          "call")
 
 # "        /*01a0*/                   HMMA.16816.F32 ...": the instruction after its address
 _SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/(.*)$")
@@ -40,21 +44,28 @@ def measure_one(name: str, arch: str, sass_dir: str = "") -> dict:
     start = time.perf_counter()
     from numbaflash.runtime.compiler import compile_cubin
     from numbaflash.tools.inspect import report_from_cubin
-    from numbaflash.tools.registry import forward_kernels
-
-    pyfunc, argtypes, _ = forward_kernels()[name]
-    imported = time.perf_counter()
+    pyfunc, argtypes, _ = shipped_kernels("backward" in name)[name]
+    imported, cpu = time.perf_counter(), time.process_time()
     cubin = compile_cubin(pyfunc, argtypes, arch)
-    compiled = time.perf_counter()
+    compiled, cpu = time.perf_counter(), time.process_time() - cpu
     report = report_from_cubin(cubin, name, arch)
     if sass_dir:  # instructions with their encodings, without addresses: diffable across builds
         lines = [m.group(1).strip() for line in report.sass.splitlines()
                  if (m := _SASS_LINE.match(line))]
         Path(sass_dir, f"{name}@{arch}.sass").write_text("\n".join(lines) + "\n")
     return {"kernel": name, "arch": arch, "compile_s": round(compiled - imported, 2),
-            "import_s": round(imported - start, 2), "registers": report.registers,
+            "cpu_s": round(cpu, 2), "import_s": round(imported - start, 2), "registers": report.registers,
             "instructions": sum(report.opcodes.values()), "ldl": report.count("LDL"),
             "stl": report.count("STL"), "call": report.count("CALL")}
+
+
+def shipped_kernels(backward: bool = False) -> dict:
+    """name -> (kernel, argument types, targets): the shipped forward kernels, or with
+    ``backward`` the shipped backward kernels (prepare, main and dQ; every name holds
+    "backward")."""
+    from numbaflash.tools.registry import backward_kernels, forward_kernels
+
+    return backward_kernels() if backward else forward_kernels()
 
 
 def run_pair(pair: tuple[str, str], sass_dir: str = "") -> dict:
@@ -79,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="pairs compiled at once (default 1)")
     parser.add_argument("--only", default="", help="only kernels whose name contains this")
     parser.add_argument("--arch", default="", help="only this architecture")
+    parser.add_argument("--backward", action="store_true", help="the backward kernels instead of the forward")
     parser.add_argument("--csv", help="also write the rows here")
     parser.add_argument("--summary", help="print the summary of a CSV written earlier and exit")
     parser.add_argument("--sass-dir", default="", help="also write each pair's SASS here (KERNEL@ARCH.sass)")
@@ -91,9 +103,8 @@ def main(argv=None) -> int:
         with open(args.summary) as f:
             print(summary(list(csv.DictReader(f))))
         return 0
-    from numbaflash.tools.registry import forward_kernels
-
-    pairs = [(name, arch) for name, (_, _, archs) in sorted(forward_kernels().items()) for arch in archs
+    kernels = shipped_kernels(args.backward)
+    pairs = [(name, arch) for name, (_, _, archs) in sorted(kernels.items()) for arch in archs
              if args.only in name and args.arch in ("", arch)]
     print("  ".join(FIELDS), flush=True)
     rows = []

@@ -99,6 +99,9 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
   extern "C" __device__ void wgmma_fence_operand_##NACC(float* d) { asm volatile("" : ACC_##NACC :: "memory"); }
 
 // Every variant of one N. I0..I5 are the operand numbers NACC..NACC+5 as strings.
+// With WGMMA_SOME_N defined, only the N whose WGMMA_N<N> is defined are built: the compiler
+// (runtime/compiler.py) defines those a kernel calls, as the other 100-odd functions cost
+// NVRTC a quarter of a second.
 #define WGMMA_N(N, NACC, I0, I1, I2, I3, I4, I5)                                                   \
   WGMMA_SS(wgmma_m64n##N##k16_f32_f16_ss, N, "f16", 0, 0, NACC, I0, I1, I2)                       \
   WGMMA_SS(wgmma_m64n##N##k16_f32_f16_ss_tb, N, "f16", 0, 1, NACC, I0, I1, I2)                    \
@@ -112,13 +115,33 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
   WGMMA_RS(wgmma_m64n##N##k16_f32_bf16_rs_tb, N, "bf16", 1, NACC, I0, I1, I2, I3, I4, I5)         \
   WGMMA_FENCE_OPERAND(NACC)
 
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N8)
 WGMMA_N(8, 4, "4", "5", "6", "7", "8", "9")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N16)
 WGMMA_N(16, 8, "8", "9", "10", "11", "12", "13")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N32)
 WGMMA_N(32, 16, "16", "17", "18", "19", "20", "21")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N64)
 WGMMA_N(64, 32, "32", "33", "34", "35", "36", "37")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N80)
 WGMMA_N(80, 40, "40", "41", "42", "43", "44", "45")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N96)
 WGMMA_N(96, 48, "48", "49", "50", "51", "52", "53")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N128)
 WGMMA_N(128, 64, "64", "65", "66", "67", "68", "69")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N176)
 WGMMA_N(176, 88, "88", "89", "90", "91", "92", "93")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N192)
 WGMMA_N(192, 96, "96", "97", "98", "99", "100", "101")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N256)
 WGMMA_N(256, 128, "128", "129", "130", "131", "132", "133")
+#endif

@@ -147,3 +147,194 @@ def test_main_job_without_gpu_inspects_what_its_call_dispatches():
     assert len(table) == 3, out
     for line in table:  # LDL, STL and CALL are the last three columns: all 0
         assert line.split()[-3:] == ["0", "0", "0"], line
+
+
+def test_numba_names_the_compile_path_uses():
+    """``compiler.numba_library`` calls what ``numba.cuda.compile`` calls, and ``helper_source``
+    reads the library's linked files and LLVM IR: if numba-cuda renames these, this fails."""
+    from numba.cuda import codegen
+    from numba.cuda import compiler as numba_compiler
+
+    source = inspect.getsource(numba_compiler.compile)
+    assert "_compile_pyfunc_with_fixup(" in source and "lib.get_ltoir(cc=cc)" in source
+    parameters = inspect.signature(numba_compiler._compile_pyfunc_with_fixup).parameters
+    assert {"device", "cc", "abi", "launch_bounds", "lto"} <= set(parameters)
+    library_source = inspect.getsource(codegen.CUDACodeLibrary)
+    assert "self._linking_files = set()" in library_source and "def get_llvm_str(self)" in library_source
+
+
+def test_declared_functions_and_wgmma_shapes():
+    from numbaflash.runtime.compiler import declared_functions, wgmma_shapes
+
+    ir = ('declare void @"wgmma_m64n128k16_f32_bf16_ss"(float* %".1", i64 %".2")\n'
+          "declare void @wgmma_fence_operand_32(float*)\n"
+          "declare i32 @llvm.nvvm.read.ptx.sreg.tid.x()\n"
+          "define void @kernel() {\n  call void @wgmma_fence()\n  ret void\n}\n")
+    names = declared_functions(ir)
+    assert names == {"wgmma_m64n128k16_f32_bf16_ss", "wgmma_fence_operand_32"}
+    assert wgmma_shapes(names | {"wgmma_fence", "mbarrier_wait"}) == [64, 128]
+
+
+def _helpers_of(kernel, argtypes, arch):
+    from numbaflash.runtime.compiler import helper_source, numba_library, parse_arch
+
+    library = numba_library(kernel, argtypes, parse_arch(arch))
+    library.get_ltoir(cc=parse_arch(arch))
+    return helper_source(library)
+
+
+def test_helper_source_holds_only_the_families_and_wgmma_shapes_called():
+    """The helpers NVRTC compiles for a kernel: the families its device functions link, each
+    under a ``#line`` naming its file, and of ``wgmma.cu`` only the shapes it calls."""
+    from numbaflash.ptx import hopper as hp
+
+    mma, fence = hp.wgmma_ss(64, "f16"), hp.wgmma_fence_operand(64)
+
+    def kernel(acc, desc):
+        fence(acc)
+        mma(acc, desc[0], desc[1], 1)
+        hp.wgmma_commit_group()
+
+    argtypes = (types.float32[::1], types.uint64[::1])
+    source = _helpers_of(kernel, argtypes, "sm_90a")
+    assert source.split("#line")[0] == "#define WGMMA_SOME_N\n#define WGMMA_N64\n"
+    assert [line for line in source.splitlines() if line.startswith("#line")] == ['#line 1 "wgmma.cu"']
+
+    def plain(out, x):
+        out[0] = x[0] + float32(1.0)
+
+    assert _helpers_of(plain, (types.float32[::1], types.float32[::1]), "sm_80") == ""
+
+
+def test_wgmma_kernel_compiles_with_its_shapes_only():
+    """A kernel calling one wgmma shape links with only that shape compiled: no CALL, and the
+    wgmma in its SASS."""
+    from numbaflash.ptx import hopper as hp
+    from numbaflash.tools.inspect import report_from_cubin
+
+    mma, fence = hp.wgmma_ss(16, "bf16"), hp.wgmma_fence_operand(16)
+
+    def kernel(out, desc):
+        acc = cuda.local.array(8, float32)
+        for i in range(8):
+            acc[i] = 0.0
+        hp.wgmma_fence()
+        fence(acc)
+        mma(acc, desc[0], desc[1], 1)
+        hp.wgmma_commit_group()
+        hp.wgmma_wait_group_0()
+        fence(acc)
+        for i in range(8):
+            out[i] = acc[i]
+
+    report = report_from_cubin(compile_cubin(kernel, (types.float32[::1], types.uint64[::1]), "sm_90a"),
+                               "k", "sm_90a")
+    assert report.calls == 0 and report.spill_instructions == 0
+    assert any(op.startswith("HGMMA") for op in report.opcodes), report.opcodes
+
+
+def test_nvrtc_messages_are_errors():
+    """Helper families are compiled as one source: a warning (one file redefining another's
+    macro, say) stops the compile instead of passing unseen."""
+    from numbaflash.runtime.compiler import helper_ltoir
+
+    source = '#define TWICE 1\n#define TWICE 2\nextern "C" __device__ int twice() { return TWICE; }\n'
+    with pytest.raises(RuntimeError, match="expected none"):
+        helper_ltoir(source, "sm_80")
+
+
+def test_collector_paused_restores_the_collector():
+    import gc
+
+    from numbaflash.runtime.compiler import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        kept = [[]]  # a container the collector tracks, alive after the block
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert any(o is kept for o in gc.get_objects(generation=2))  # moved to the oldest generation
+    assert not any(o is kept for o in gc.get_objects(generation=0))
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
+    with pytest.raises(ZeroDivisionError), collector_paused():
+        1 / 0  # noqa: B018
+    assert gc.isenabled()
+
+
+def test_scalar_operator_memo_answers_as_numba_does():
+    """``compiler.scalar_operators_memoised``: an operator on scalars resolves to the signature
+    and implementation key Numba's own resolution gives, the second time from the memo, and the
+    wrapper is gone after the block. Pins the numba-core names it wraps."""
+    import operator
+
+    from numba.core.types.functions import BaseFunction
+    from numba.cuda.descriptor import cuda_target
+
+    from numbaflash.runtime import compiler
+
+    parameters = list(inspect.signature(BaseFunction.get_call_type).parameters)
+    assert parameters == ["self", "context", "args", "kws"]
+    assert "self._impl_keys[sig.args]" in inspect.getsource(BaseFunction.get_call_type)
+    context = cuda_target.typing_context
+    context.refresh()  # the registries a first compile loads
+    cases = [(operator.add, (types.int32, types.int64)), (operator.lt, (types.uint32, types.literal(16))),
+             (operator.and_, (types.boolean, types.boolean)), (operator.mul, (types.float32, types.float32))]
+    stock = []
+    for op, args in cases:
+        fnty = context.resolve_value_type(op)
+        assert isinstance(fnty, BaseFunction)
+        signature = fnty.get_call_type(context, args, {})
+        stock.append((signature, fnty._impl_keys[signature.args]))
+    original = BaseFunction.get_call_type
+    with compiler.scalar_operators_memoised():
+        assert BaseFunction.get_call_type is not original
+        for _ in range(2):  # resolved, then remembered
+            for (op, args), (signature, implementation) in zip(cases, stock, strict=True):
+                fnty = context.resolve_value_type(op)
+                fnty._impl_keys.pop(signature.args)
+                assert fnty.get_call_type(context, args, {}) == signature
+                assert fnty._impl_keys[signature.args] == implementation
+    assert BaseFunction.get_call_type is original
+    remembered = {key[0].typing_key for key in compiler._OPERATOR_SIGNATURES}
+    assert {op for op, _ in cases} <= remembered
+    assert all(impl in compiler._operator_functions() for _, impl in compiler._OPERATOR_SIGNATURES.values())
+
+
+def test_kernel_compiles_the_same_with_the_operator_memo():
+    """Mixed integer and float arithmetic compiles to the same cubin whether its operators are
+    typed by Numba each time (a fresh process state: the memo emptied) or from the memo."""
+    from numbaflash.runtime import compiler
+
+    def make():
+        @cuda.jit(device=True, forceinline=True)
+        def step(x, i, n):
+            j = (i * 3 + n) & 7
+            return x * float32(j) + float32(i < n) - x / float32(2.0)
+
+        def kernel(out, x, n):
+            i = cuda.threadIdx.x
+            v = x[i]
+            for k in range(4):
+                v = step(v, i + k, n)
+            out[i] = v
+
+        return kernel
+
+    def sass(cubin):  # the instructions with their encodings (names differ: new functions)
+        from numbaflash.tools.inspect import report_from_cubin
+
+        lines = report_from_cubin(cubin, "k", "sm_80").sass.splitlines()
+        return [line.split("*/", 1)[1] for line in lines if line.strip().startswith("/*0")]
+
+    argtypes = (types.float32[::1], types.float32[::1], types.int64)
+    compiler._OPERATOR_SIGNATURES.clear()
+    first = sass(compile_cubin(make(), argtypes, "sm_80"))
+    assert compiler._OPERATOR_SIGNATURES and len(first) > 20
+    again = sass(compile_cubin(make(), argtypes, "sm_80"))  # new functions, operators from the memo
+    assert first == again

@@ -7,9 +7,9 @@ API loads it, and offline inspection disassembles it, so what is inspected is wh
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
+import gc
 import re
 import struct
 import types
@@ -71,23 +71,23 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     package's kernel factories).
 
     Numba (with ``target_capability``) and NVVM turn the kernel and its device functions into
-    one LTO-IR module; nvJitLink links it with every PTX helper family's LTO-IR
-    (``helper_ltoir``: NVRTC, once per family and target in a process, started on a thread
-    before Numba runs), inlines the helpers and runs ptxas. Helpers the kernel does not call
-    are dropped by the link: the SASS is the same as linking only the families it uses."""
+    one LTO-IR module; NVRTC compiles the PTX helpers that module calls (``helper_source``: the
+    helper families it links, and of ``wgmma.cu`` only the shapes it calls) into one LTO-IR
+    module (``helper_ltoir``, once per source and target in a process); nvJitLink links the
+    two, inlines the helpers and runs ptxas. Python's cyclic garbage collector is paused
+    meanwhile (``collector_paused``): Numba allocates millions of short-lived objects, and
+    the collections they trigger cost about a tenth of the compile; Numba types each builtin
+    operator on scalars once per argument types (``scalar_operators_memoised``)."""
     from cuda.bindings import nvjitlink
-    from numba.cuda import compile as numba_compile
-
-    from .sources import ptx_directory
 
     cc = parse_arch(arch)
     bounds = launch_bounds if launch_bounds is not None else getattr(pyfunc, "launch_bounds", None)
-    sources = sorted(ptx_directory().glob("*.cu"))
-    helpers = [_HELPERS.submit(helper_ltoir, str(path), arch) for path in sources]
-    with target_capability(cc):
-        kernel, _ = numba_compile(pyfunc, tuple(argtypes), device=False, cc=cc, output="ltoir", abi="numba",
-                                  launch_bounds=bounds)
-    modules = [("kernel", _code_bytes(kernel))] + [(f"helper{i}", h.result()) for i, h in enumerate(helpers)]
+    with collector_paused():
+        library = numba_library(pyfunc, tuple(argtypes), cc, bounds)
+        modules = [("kernel", _code_bytes(library.get_ltoir(cc=cc)))]
+        source = helper_source(library)
+        if source:
+            modules.append(("helpers", helper_ltoir(source, arch)))
     handle = nvjitlink.create(2, [f"-arch={arch}", "-lto"])
     try:
         for name, data in modules:
@@ -100,22 +100,160 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     return bytes(cubin)
 
 
+def numba_library(pyfunc, argtypes: tuple, cc: tuple, launch_bounds=None):
+    """Numba's code library of the kernel ``pyfunc`` compiled for ``cc`` (typed, lowered, its
+    device functions' libraries linked in; ``get_ltoir`` runs NVVM): what
+    ``numba.cuda.compile(..., output="ltoir")`` compiles, kept so that ``helper_source`` can
+    read which helpers it calls. ``tests/test_compile_offline.py`` pins the numba-cuda names
+    this uses."""
+    from numba.cuda.compiler import _compile_pyfunc_with_fixup
+
+    with target_capability(cc), scalar_operators_memoised():
+        library, _ = _compile_pyfunc_with_fixup(pyfunc, argtypes, device=False, cc=cc, abi="numba",
+                                                launch_bounds=launch_bounds, lto=True)
+    return library
+
+
 def _code_bytes(code) -> bytes:
     return bytes(code if isinstance(code, (bytes, bytearray)) else code.code)
 
 
-# One thread compiles the helpers while Numba compiles the kernel (NVRTC releases the GIL for part of it).
-_HELPERS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="numbaflash-nvrtc")
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (for the whole process) while the block runs, and
+    restore it as it was. What the block allocated and still holds (Numba's compile results:
+    some 400,000 objects that live as long as the process) goes straight to the oldest
+    generation (``gc.freeze`` then ``gc.unfreeze``) rather than being traversed by the young
+    collection its allocations would trigger as soon as the collector runs again (0.2 s); the
+    few cycles it left as garbage wait for the next full collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+# (operator function type, typing context, argument types) -> (signature, implementation key)
+_OPERATOR_SIGNATURES: dict = {}
+
+
+@contextlib.contextmanager
+def scalar_operators_memoised() -> Iterator[None]:
+    """While the block runs, Numba types each builtin operator on scalars (``a + b``,
+    ``i < n``, ``x & m`` on integers, floats, booleans, literals among them) once per argument
+    types, instead of once per use: the kernels hold about a thousand such uses, and each
+    resolution tries every template of the operator (the builtins' signatures and the
+    ``@overload`` templates, each hashing the compile flags), about a tenth of the Numba time.
+
+    ``numba.core.types.functions.BaseFunction.get_call_type`` is wrapped: a call on an
+    ``operator`` function with scalar arguments and no keywords is answered from
+    ``_OPERATOR_SIGNATURES`` when the same function type (a registry that adds templates
+    makes a new one) in the same typing context resolved the same argument types before, to a
+    builtin implementation (keyed by the operator itself; an ``@overload`` implementation,
+    which depends on the flags, is never remembered); it sets the implementation key as the
+    first resolution did, so lowering picks the same implementation. Any other call, and a
+    failed resolution, goes through Numba unchanged. Call it under Numba's compiler lock
+    (``target_capability`` holds it), which every Numba compile takes, so no other compile
+    sees the wrapper; ``tests/test_compile_offline.py`` pins what it relies on."""
+    from numba.core import types
+    from numba.core.types.functions import BaseFunction
+
+    operators = _operator_functions()
+    scalars = (types.Number, types.Boolean)
+    resolve = BaseFunction.get_call_type
+
+    def get_call_type(self, context, args, kws):
+        if kws or self.typing_key not in operators or not all(isinstance(a, scalars) for a in args):
+            return resolve(self, context, args, kws)
+        key = (self, context, tuple(args))
+        known = _OPERATOR_SIGNATURES.get(key)
+        if known is not None:
+            signature, implementation = known
+            self._impl_keys[signature.args] = implementation
+            return signature
+        signature = resolve(self, context, args, kws)
+        if signature is not None:
+            implementation = self._impl_keys[signature.args]
+            if implementation in operators:
+                _OPERATOR_SIGNATURES[key] = (signature, implementation)
+        return signature
+
+    BaseFunction.get_call_type = get_call_type
+    try:
+        yield
+    finally:
+        BaseFunction.get_call_type = resolve
 
 
 @functools.cache
-def helper_ltoir(path: str, arch: str) -> bytes:
-    """LTO-IR of one PTX helper family (``ptx/<family>.cu``) for ``arch``, by NVRTC as Numba
-    compiles the files a ``declare_device(link=...)`` names; once per process."""
+def _operator_functions() -> frozenset:
+    """Every function of the ``operator`` module (``operator.add``, ``operator.lt``, ...):
+    Numba's typing key of a Python operator."""
+    import operator
+
+    return frozenset(f for f in vars(operator).values() if callable(f) and not isinstance(f, type))
+
+
+# "declare void @wgmma_m64n128k16_f32_bf16_ss(float*, i64, i64, i32)": a function the module calls
+_DECLARE = re.compile(r'^declare [^@\n]*@"?([A-Za-z_][A-Za-z0-9_]*)"?\(', re.MULTILINE)
+# The wgmma shape (N) of a wgmma helper's name; the accumulator fence is named by N / 2.
+_WGMMA_N = re.compile(r"^wgmma_m64n(\d+)k16_")
+_WGMMA_FENCE = re.compile(r"^wgmma_fence_operand_(\d+)$")
+
+
+def declared_functions(llvm_ir: str) -> set[str]:
+    """Names of the functions an LLVM IR module declares (calls without defining)."""
+    return set(_DECLARE.findall(llvm_ir))
+
+
+def wgmma_shapes(names) -> list[int]:
+    """The wgmma N of every wgmma helper among ``names``, ascending."""
+    shapes = set()
+    for name in names:
+        if match := _WGMMA_N.match(name):
+            shapes.add(int(match.group(1)))
+        elif match := _WGMMA_FENCE.match(name):
+            shapes.add(2 * int(match.group(1)))
+    return sorted(shapes)
+
+
+def helper_source(library) -> str:
+    """One CUDA C source of the PTX helpers a Numba code library calls: each helper family it
+    links (``declare_device(link=ptx/<family>.cu)``), in name order, behind a ``#line`` that
+    names its file; ``wgmma.cu`` with only the shapes the library calls (``WGMMA_SOME_N`` and a
+    ``WGMMA_N<N>`` each), as its other hundred-odd functions would cost NVRTC more than all the
+    other families together. Empty if it calls no helper."""
+    families = sorted(Path(str(path)) for path in library._linking_files)
+    if not families:
+        return ""
+    parts = []
+    if any(path.name == "wgmma.cu" for path in families):
+        shapes = wgmma_shapes(declared_functions(library.get_llvm_str()))
+        parts += ["#define WGMMA_SOME_N"] + [f"#define WGMMA_N{n}" for n in shapes]
+    for path in families:
+        parts += [f'#line 1 "{path.name}"', path.read_text()]
+    return "\n".join(parts) + "\n"
+
+
+@functools.cache
+def helper_ltoir(source: str, arch: str) -> bytes:
+    """LTO-IR of PTX helper source (``helper_source``) for ``arch``, by NVRTC as Numba compiles
+    the files a ``declare_device(link=...)`` names; once per source and target in a process.
+    Any NVRTC message (a warning, such as one family redefining another's macro) is an error."""
+    import warnings
+
     from numba.cuda.cudadrv import nvrtc
 
-    source = Path(path)
-    code, _ = nvrtc.compile(source.read_text(), source.name, parse_arch(arch), ltoir=True)
+    with warnings.catch_warnings():  # numba-cuda repeats the log as a warning: raised below
+        warnings.simplefilter("ignore")
+        code, log = nvrtc.compile(source, "numbaflash_helpers.cu", parse_arch(arch), ltoir=True)
+    if log:
+        raise RuntimeError(f"NVRTC compiled the PTX helpers for {arch} with messages; expected none:\n"
+                           + "\n".join(log if isinstance(log, list) else [str(log)]))
     return _code_bytes(code)
 
 
