@@ -217,11 +217,12 @@ def kernel_source_files(family: str, operation: str) -> tuple[Path, ...]:
     kernels it can change and no others."""
     from ..runtime.sources import ptx_directory
 
+    every = sorted((_PACKAGE / "kernels").glob("*.py")) + sorted((_PACKAGE / "ptx").glob("*.py"))
     factory = FACTORIES.get((family, operation))
-    if factory is None:
-        start = sorted((_PACKAGE / "kernels").glob("*.py")) + sorted((_PACKAGE / "ptx").glob("*.py"))
-    else:
-        start = _imported_modules_of_function(factory)
+    try:
+        start = every if factory is None else _imported_modules_of_function(factory)
+    except (OSError, TypeError):  # an installation without the factory's source text: key by everything
+        start = every
     registry = Path(__file__).resolve()
     seen = {registry}
     todo = [*start, *_imported_modules(registry, top_level=True),  # not its factories' imports
