@@ -18,6 +18,13 @@ stages=${*:-tests selftest sanitize nokey}
 export NUMBAFLASH_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 cores=$(nproc)
+# The float64 references are numpy matmuls: each of the stages' processes (test workers, the
+# self-test, sanitizer jobs) would start a BLAS thread per core and together oversubscribe the
+# CPUs many times over, so each gets a share.
+blas=$(( cores / (${TEST_WORKERS:-6} + ${SANITIZE_JOBS:-$((cores / 2))} + 1) ))
+(( blas < 1 )) && blas=1
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$blas} OMP_NUM_THREADS=${OMP_NUM_THREADS:-$blas} \
+  MKL_NUM_THREADS=${MKL_NUM_THREADS:-$blas}
 declare -A rc
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
