@@ -50,7 +50,7 @@ def test_prepare_and_dq_kernels_are_cached_once_for_causal_and_not(monkeypatch):
     from numbaflash.runtime import cache
 
     asked = []
-    monkeypatch.setattr(cache, "cached_cubin", lambda spec, build:
+    monkeypatch.setattr(cache, "cached_cubin", lambda spec, build, sources=None:
                         asked.append((spec.operation, spec.causal))
                         or types.SimpleNamespace(cubin=b"", entry_name="e"))
     config = configs.backward_config((9, 0), 96, True)  # the mma.sync backward's
