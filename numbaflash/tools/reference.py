@@ -39,11 +39,13 @@ def attention_reference(
     rounding_dtype=None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sink: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention in float64.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
-    heads_q a multiple of heads_kv. Rows with no visible key give 0 and LSE -inf.
+    heads_q a multiple of heads_kv. Rows with no visible key give 0 and LSE -inf (with a sink:
+    the sink's logit).
     ``window_size`` and ``softcap`` as ``numbaflash.flash_attention`` (``visible_keys``; the
     scaled scores s become softcap · tanh(s / softcap); ``rounding_dtype`` rounds the tanh's output
     and the capped score, as ``torch.tanh`` and the product would in that dtype).
@@ -52,11 +54,20 @@ def attention_reference(
     the probabilities and the output to that dtype, as a computation done in the input
     dtype would: FlashAttention's error yardstick.
 
+    ``sink`` (heads_q,), float32 for the kernels (any float here, taken in float64): a learnable
+    sink (FlashAttention-4's ``learnable_sink``, gpt-oss). Each row's softmax then runs over its
+    scaled, softcapped, masked scores s_j plus the sink logit of its query head, which is neither
+    scaled nor capped and has no value row: out = Σ_j p_j v_j with Σ_j p_j = 1 − p_sink, and the
+    LSE includes it: lse = log(exp(sink[h]) + Σ_j exp(s_j)), natural log like every LSE here, so
+    p_sink = exp(sink[h] − lse). A row that sees no key gives 0 and LSE = sink[h] (p_sink = 1), as
+    FlashAttention-4 does; a sink of -inf is no sink, bit for bit.
+
     Returns ``(out, lse)``: out (batch, seqlen_q, heads_q, head_dim) float64 (values of
     ``rounding_dtype`` if given), lse (batch, heads_q, seqlen_q) float64.
     """
     rnd = _rounding(rounding_dtype)
-    _, _, vf, probs, lse, _ = _probabilities(q, k, v, causal, softmax_scale, rnd, window_size, softcap)
+    _, _, vf, probs, lse, _ = _probabilities(q, k, v, causal, softmax_scale, rnd, window_size, softcap,
+                                             sink)
     out = rnd(probs @ vf).transpose(0, 2, 1, 3)
     return np.ascontiguousarray(out), lse
 
@@ -69,12 +80,24 @@ def _rounding(dtype):
     return rnd
 
 
+def sink_logits(sink, heads_q: int) -> np.ndarray | None:
+    """``sink`` as float64 (heads_q,), or None for None; a ValueError naming the shape expected
+    and the one given otherwise."""
+    if sink is None:
+        return None
+    sink = np.asarray(sink, np.float64)
+    if sink.shape != (heads_q,):
+        raise ValueError(f"sink: expected shape ({heads_q},) (heads_q,), got {sink.shape}")
+    return sink
+
+
 def _probabilities(q, k, v, causal: bool, softmax_scale: float | None, rnd,
-                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sink=None):
     """What the forward and backward references share, in float64: ``(qf, kf, vf, probs, lse,
     scale)`` with qf (b, h, seqlen_q, d), kf and vf (b, h, seqlen_k, d) repeated over each GQA
     group, probs = softmax(rnd(Q Kᵀ) · scale) rounded by ``rnd`` (0 on rows that see no key, whose
-    LSE is -inf), lse (b, h, seqlen_q)."""
+    LSE is -inf, or the sink's with a sink), lse (b, h, seqlen_q). With ``sink`` ((heads_q,)) the
+    softmax's denominator also holds exp(sink[h]) (``attention_reference``)."""
     _, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -87,10 +110,15 @@ def _probabilities(q, k, v, causal: bool, softmax_scale: float | None, rnd,
         s = rnd(softcap * rnd(np.tanh(s / softcap)))
     if causal or tuple(window_size) != (-1, -1):
         s = np.where(visible_keys(sq, sk, causal, window_size), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
+    sink = sink_logits(sink, hq)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sink is not None:  # the sink joins the max (a sink of -inf changes nothing)
+        m = np.maximum(m, sink[None, :, None, None])
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)
     denom = p.sum(axis=-1, keepdims=True)
+    if sink is not None:  # + exp(-inf) = + 0.0: a sink of -inf leaves every bit as it was
+        denom = denom + np.exp(sink[None, :, None, None] - m_safe)
     with np.errstate(divide="ignore", invalid="ignore"):
         probs = rnd(np.where(denom > 0, p / denom, 0.0))
         lse = np.where(denom > 0, np.log(denom) + m_safe, -np.inf)[..., 0]
@@ -158,8 +186,10 @@ def attention_backward_reference(
     rounding_dtype=None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Gradients (dq, dk, dv) of ``sum(out * dout)`` for exact attention, in float64.
+    sink: np.ndarray | None = None,
+) -> tuple[np.ndarray, ...]:
+    """Gradients (dq, dk, dv) of ``sum(out * dout)`` for exact attention, in float64; with a
+    ``sink``, (dq, dk, dv, d_sink).
 
     Shapes as ``attention_reference``; ``dout`` has q's shape. dk and dv of a kv head sum over its
     query heads (GQA); rows that see no key get zero gradients, keys that no row sees get zero dk
@@ -169,12 +199,21 @@ def attention_backward_reference(
     dS = P ∘ (dP − D) ∘ (1 − t²) with t = tanh(QKᵀ · scale / softcap), t rounded by
     ``rounding_dtype`` as in the forward (the value autograd of a float16 computation keeps:
     FlashAttention's tests build their input-dtype yardstick that way).
+
+    ``sink`` (heads_q,) as ``attention_reference``: P is the sink-including softmax (its rows sum
+    to 1 − p_sink), with which dq, dk, dv keep their formulas (D = rowsum(dO ∘ O) is still
+    Σ_j P_ij dP_ij, the sink having no value row), and d_sink (heads_q,) float64 (the kernels
+    write float32) is d sum(out * dout) / d sink = −Σ over batch and the rows of head h of
+    p_sink · D, p_sink = exp(sink[h] − lse) (FlashAttention-4's dSink without a dLSE term); a row
+    that sees no key has O = 0, so D = 0 and it adds nothing. Returns the same 3-tuple as before
+    when ``sink`` is None.
     """
     rnd = _rounding(rounding_dtype)
     b, _, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    qf, kf, vf, p, _, scale = _probabilities(q, k, v, causal, softmax_scale, rnd, window_size, softcap)
+    qf, kf, vf, p, lse, scale = _probabilities(q, k, v, causal, softmax_scale, rnd, window_size, softcap,
+                                               sink)
     dof = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)
     out = rnd(p @ vf)
     dv = rnd(p.transpose(0, 1, 3, 2) @ dof)
@@ -191,8 +230,22 @@ def attention_backward_reference(
     def per_kv_head(x):  # (b, hq, sk, d) -> (b, sk, hkv, d), summing each group
         return x.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
 
-    return (np.ascontiguousarray(dq.transpose(0, 2, 1, 3)), np.ascontiguousarray(per_kv_head(dk)),
-            np.ascontiguousarray(per_kv_head(dv)))
+    grads = (np.ascontiguousarray(dq.transpose(0, 2, 1, 3)), np.ascontiguousarray(per_kv_head(dk)),
+             np.ascontiguousarray(per_kv_head(dv)))
+    if sink is None:
+        return grads
+    return (*grads, sink_gradient(sink_logits(sink, hq), lse, delta[..., 0]))
+
+
+def sink_gradient(sink: np.ndarray, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """d_sink (heads_q,) float64 from the forward's ``lse`` (batch, heads_q, seqlen_q) (the
+    sink-including one) and D = rowsum(dO ∘ O) ``delta`` of the same shape: −Σ_{batch, rows}
+    p_sink · D with p_sink = exp(sink[h] − lse), 0 where lse is -inf (only with a sink of -inf,
+    on a row that sees no key, where D is 0 anyway). Why: ∂p_j/∂sink = −p_j · p_sink, so
+    ∂O/∂sink = −p_sink · O and ∂(dO · O)/∂sink = −p_sink · D, row by row."""
+    with np.errstate(invalid="ignore"):
+        p_sink = np.where(np.isneginf(lse), 0.0, np.exp(sink[None, :, None] - lse))
+    return -(p_sink * delta).sum(axis=(0, 2))
 
 
 def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
@@ -251,12 +304,16 @@ def varlen_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_s
 
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_*: (batch + 1,)
     offsets. Returns ``(out, lse)``: out (total_q, heads_q, head_dim) float64, lse (heads_q,
-    total_q) float64; a sequence without keys gives 0 and LSE -inf, an empty one nothing."""
+    total_q) float64; a sequence without keys gives 0 and LSE -inf (with ``sink=`` (heads_q,):
+    LSE = sink, as ``attention_reference``'s rows that see no key), an empty one nothing."""
     out = np.zeros(q.shape, np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    sink = sink_logits(options.get("sink"), q.shape[1])
     for b in range(len(cu_seqlens_q) - 1):
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if q1 > q0 and k1 == k0 and sink is not None:
+            lse[:, q0:q1] = sink[:, None]
         if q1 == q0 or k1 == k0:
             continue
         o, s = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **options)
@@ -307,10 +364,14 @@ def varlen_attention_backward_reference(q: np.ndarray, k: np.ndarray, v: np.ndar
     """Float64 gradients (dq, dk, dv) of a packed batch: ``attention_backward_reference`` on each
     sequence alone. q, dout (total_q, heads_q, d), k, v (total_k, heads_kv, d); returns dq like q
     and dk, dv like k (float64). A sequence without keys gives dq = 0, one without queries dk =
-    dv = 0. ``options``: ``attention_backward_reference``'s keywords."""
+    dv = 0. ``options``: ``attention_backward_reference``'s keywords; with ``sink=`` (heads_q,)
+    it returns (dq, dk, dv, d_sink), d_sink (heads_q,) float64 summed over the sequences (one
+    without keys adds 0)."""
     dq = np.zeros(q.shape, np.float64)
     dk = np.zeros(k.shape, np.float64)
     dv = np.zeros(v.shape, np.float64)
+    sink = sink_logits(options.get("sink"), q.shape[1])
+    d_sink = None if sink is None else np.zeros(sink.shape, np.float64)
     for b in range(len(cu_seqlens_q) - 1):
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
@@ -319,7 +380,9 @@ def varlen_attention_backward_reference(q: np.ndarray, k: np.ndarray, v: np.ndar
         g = attention_backward_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1],
                                          **options)
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
-    return dq, dk, dv
+        if d_sink is not None:
+            d_sink += g[3]
+    return (dq, dk, dv) if d_sink is None else (dq, dk, dv, d_sink)
 
 
 def compare_varlen_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
