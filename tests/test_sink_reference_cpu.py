@@ -12,6 +12,10 @@ import pytest
 from numbaflash.tools.reference import (
     attention_backward_reference,
     attention_reference,
+    compare_gradients_with_reference,
+    compare_varlen_gradients_with_reference,
+    compare_varlen_with_reference,
+    compare_with_reference,
     sink_gradient,
     varlen_attention_backward_reference,
     varlen_attention_reference,
@@ -228,3 +232,97 @@ def test_a_sink_of_the_wrong_shape_is_refused():
         attention_reference(q, k, v, sink=np.zeros(2, np.float32))
     with pytest.raises(ValueError, match=r"expected shape \(4,\).*got \(1, 4\)"):
         attention_backward_reference(q, k, v, dout, sink=np.zeros((1, 4), np.float32))
+
+
+# ------------------------------------------------------------------ the pass criterion with a sink
+
+
+def half_problem(seed=5, seqlen_q=40, seqlen_k=24, heads_q=4, heads_kv=2, d=32):
+    """float16 inputs and a float32 sink, at a size where float16's rounding shows."""
+    q, k, v, dout, sink = problem(seed, 2, seqlen_q, seqlen_k, heads_q, heads_kv, d)
+    return (*(x.astype(np.float16) for x in (q, k, v, dout)), sink)
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (3, 0), "softcap": 2.0}],
+                         ids=["full", "causal", "window+softcap"])
+def test_compare_passes_a_float16_result_with_the_sink_and_rejects_one_without(options):
+    """A result computed in float16 with the sink (as a kernel would give: its LSE in float32, the
+    sink's on rows that see no key) passes; the same without the sink, or with LSE -inf on those
+    rows (the no-sink convention), does not."""
+    q, k, v, dout, sink = half_problem()
+    out, lse = attention_reference(q, k, v, sink=sink, rounding_dtype=np.float16, **options)
+    out, lse = out.astype(np.float16), lse.astype(np.float32)
+    ratio, problems = compare_with_reference(q, k, v, out, lse, sink=sink, **options)
+    assert problems == [] and ratio <= 1
+    no_sink, no_sink_lse = attention_reference(q, k, v, rounding_dtype=np.float16, **options)
+    ratio, problems = compare_with_reference(q, k, v, no_sink.astype(np.float16), no_sink_lse, sink=sink,
+                                             **options)
+    assert ratio > 1 and any("LSE" in p for p in problems)
+    if options.get("causal"):
+        assert compare_with_reference(q, k, v, out, lse, **options)[1]  # without sink= it fails too
+    grads = attention_backward_reference(q, k, v, dout, sink=sink, rounding_dtype=np.float16, **options)
+    grads = (*(g.astype(np.float16) for g in grads[:3]), grads[3].astype(np.float32))
+    ratio, problems = compare_gradients_with_reference(q, k, v, dout, grads, sink=sink, **options)
+    assert problems == [] and ratio <= 1
+    assert compare_gradients_with_reference(q, k, v, dout, grads[:3], sink=sink, **options)[1] == []
+    ratio, problems = compare_gradients_with_reference(q, k, v, dout, (*grads[:3], -grads[3]), sink=sink,
+                                                       **options)
+    assert ratio > 1 and problems and all(p.startswith("d_sink ") for p in problems)
+    no_sink_grads = attention_backward_reference(q, k, v, dout, rounding_dtype=np.float16, **options)
+    ratio, problems = compare_gradients_with_reference(q, k, v, dout, no_sink_grads, sink=sink, **options)
+    assert ratio > 1 and problems
+    ratio, problems = compare_gradients_with_reference(q, k, v, dout, grads, **options)
+    assert ratio == np.inf and problems == ["4 gradients, expected 3 (dq, dk, dv)"]
+
+
+def test_rows_without_keys_must_give_the_sinks_lse():
+    q, k, v, _, sink = half_problem(seqlen_q=40, seqlen_k=24)
+    out, lse = attention_reference(q, k, v, sink=sink, causal=True)
+    no_key = ~visible_keys(40, 24, True).any(axis=1)
+    assert no_key.sum() == 16 and (lse[:, :, no_key] == sink.astype(np.float64)[None, :, None]).all()
+    assert compare_with_reference(q, k, v, out, lse.astype(np.float32), sink=sink, causal=True)[1] == []
+    minus_inf = lse.copy()
+    minus_inf[:, :, no_key] = -np.inf
+    _, problems = compare_with_reference(q, k, v, out, minus_inf, sink=sink, causal=True)
+    assert "LSE is not -inf exactly where the reference is (or has NaN)" in problems
+    nonzero = out.copy()
+    nonzero[:, 0] = 1e-3
+    _, problems = compare_with_reference(q, k, v, nonzero, lse, sink=sink, causal=True)
+    assert "rows that see no key are not exactly 0" in problems
+
+
+def test_varlen_compare_with_a_sink():
+    """Packed batch: a sequence without keys must give 0 and the sink's LSE (within
+    ``lse_tolerance``); d_sink, summed over the sequences, is checked as a whole."""
+    rng = np.random.default_rng(9)
+    cu_q, cu_k = np.array([0, 20, 26, 26, 50]), np.array([0, 30, 30, 33, 60])
+    hq, hkv, d = 4, 2, 32
+    q = rng.standard_normal((50, hq, d)).astype(np.float16)
+    k = rng.standard_normal((60, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((60, hkv, d)).astype(np.float16)
+    dout = rng.standard_normal((50, hq, d)).astype(np.float16)
+    sink = rng.standard_normal(hq).astype(np.float32)
+    out, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, sink=sink, causal=True,
+                                          rounding_dtype=np.float16)
+    out, lse = out.astype(np.float16), lse.astype(np.float32)
+    ratio, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, out, lse, sink=sink, causal=True)
+    assert problems == [] and ratio <= 1
+    bad = lse.copy()
+    bad[:, 20:26] = -np.inf
+    _, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, out, bad, sink=sink, causal=True)
+    assert problems == ["sequence 1 (seqlen_q 6, seqlen_k 0): LSE of a sequence without keys is not the sink"]
+    _, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, out, lse, causal=True)
+    assert "sequence 1 (seqlen_q 6, seqlen_k 0): LSE of a sequence without keys is not -inf" in problems
+    grads = varlen_attention_backward_reference(q, k, v, dout, cu_q, cu_k, sink=sink, causal=True,
+                                                rounding_dtype=np.float16)
+    grads = (*(g.astype(np.float16) for g in grads[:3]), grads[3].astype(np.float32))
+    ratio, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, grads, sink=sink,
+                                                              causal=True)
+    assert problems == [] and ratio <= 1
+    wrong = grads[3].copy()
+    wrong[2] *= 1.5
+    ratio, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, (*grads[:3], wrong),
+                                                              sink=sink, causal=True)
+    assert ratio > 1 and len(problems) == 1 and problems[0].startswith("d_sink max error")
+    ratio, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, grads, causal=True)
+    assert ratio == np.inf and problems == ["4 gradients, expected 3 (dq, dk, dv)"]

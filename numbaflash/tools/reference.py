@@ -135,7 +135,7 @@ def lse_tolerance(ref_lse: np.ndarray) -> float:
 def compare_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                            lse: np.ndarray | None = None, *, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
-                           softcap: float = 0.0) -> tuple[float, list[str]]:
+                           softcap: float = 0.0, sink: np.ndarray | None = None) -> tuple[float, list[str]]:
     """FlashAttention's criterion: ``(ratio, problems)`` of a result against float64.
 
     ``out`` (batch, seqlen_q, heads_q, head_dim) and ``lse`` (batch, heads_q, seqlen_q), any
@@ -143,9 +143,12 @@ def compare_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.
     twice that of the same computation done in the input dtype, plus a rounding floor
     (``ratio`` = error / that bound, <= 1 passes); no NaN; rows that see no key exactly 0;
     LSE -inf exactly on those rows and within ``lse_tolerance`` elsewhere. ``problems`` is
-    empty when everything holds. ``window_size`` and ``softcap``: as ``attention_reference``.
+    empty when everything holds. ``window_size``, ``softcap`` and ``sink`` (heads_q,): as
+    ``attention_reference``; with a finite sink the LSE of rows that see no key is the sink's,
+    finite, and held to ``lse_tolerance`` like the others.
     """
-    kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
+    kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap,
+          "sink": sink}
     ref, ref_lse = attention_reference(q, k, v, **kw)
     out = np.asarray(out).astype(np.float64)
     if out.shape != ref.shape:
@@ -159,8 +162,8 @@ def compare_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.
     ratio = err / (2 * err_low + floor)
     if not ratio <= 1:
         problems.append(f"max error {err:.3e} > 2 x {err_low:.3e} + {floor:.1e} (ratio {ratio:.2f})")
-    no_key = np.isneginf(ref_lse).transpose(0, 2, 1)  # (batch, seqlen_q, heads_q)
-    if not (out[no_key] == 0).all():
+    no_key = ~visible_keys(q.shape[1], k.shape[1], causal, window_size).any(axis=1)  # (seqlen_q,)
+    if not (out[:, no_key] == 0).all():
         problems.append("rows that see no key are not exactly 0")
     if lse is not None:
         lse = np.asarray(lse, np.float64)
@@ -249,11 +252,12 @@ def sink_gradient(sink: np.ndarray, lse: np.ndarray, delta: np.ndarray) -> np.nd
 
 
 def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
-                                     grads: tuple[np.ndarray, np.ndarray, np.ndarray], *,
+                                     grads: tuple[np.ndarray, ...], *,
                                      causal: bool = False,
                                      softmax_scale: float | None = None,
                                      window_size: tuple[int, int] = (-1, -1),
-                                     softcap: float = 0.0) -> tuple[float, list[str]]:
+                                     softcap: float = 0.0,
+                                     sink: np.ndarray | None = None) -> tuple[float, list[str]]:
     """FlashAttention's criterion for (dq, dk, dv) against float64: for each, the max error is at
     most twice that of the same backward done in the input dtype plus a floor of one unit in the
     last place of the largest |gradient| (2^-10 for float16, 2^-7 for bfloat16, times max(1, that
@@ -265,26 +269,26 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
     (one key: P is exactly 1 there, and dv a sum of a few dout values) a P of 1 - 2^-11 still
     moves a gradient by up to one ulp (H100, 15 of 300 self-test cases, all with seqlen_k = 1:
     docs/PERFORMANCE.md, "The release gate"). ``window_size`` and ``softcap``: as ``attention_reference``;
-    dk and dv are then also exactly 0 on keys that no row sees."""
-    kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap}
+    dk and dv are then also exactly 0 on keys that no row sees.
+
+    ``sink`` (heads_q,): the gradients of attention with that sink (``attention_backward_reference``);
+    ``grads`` may then hold a fourth, d_sink (heads_q,), held to the same rule (its input-dtype
+    computation: D from the rounded products of dO and O); with three, d_sink is not checked."""
+    kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap,
+          "sink": sink}
     refs = attention_backward_reference(q, k, v, dout, **kw)
     lows = attention_backward_reference(q, k, v, dout, rounding_dtype=q.dtype, **kw)
+    if len(grads) not in (3, len(refs)):
+        return math.inf, [f"{len(grads)} gradients, expected 3 (dq, dk, dv)"
+                          + (" or 4 (dq, dk, dv, d_sink)" if sink is not None else "")]
     problems, worst = [], 0.0
-    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, lows, strict=True):
+    for name, got, ref, low in zip(("dq", "dk", "dv", "d_sink"), grads, refs, lows, strict=False):
         got = np.asarray(got).astype(np.float64)
         if got.shape != ref.shape:
             return math.inf, [f"{name} shape {got.shape}, expected {ref.shape}"]
-        if np.isnan(got).any():
-            problems.append(f"NaN in {name} ({int(np.isnan(got).sum())} elements)")
-        err = float(np.nanmax(np.abs(got - ref), initial=0.0))
-        err_low = float(np.abs(low - ref).max(initial=0.0))
-        largest = max(1.0, float(np.abs(ref).max(initial=0.0)))
-        floor = 2.0 ** -(10 if q.dtype == np.float16 else 7) * largest
-        ratio = err / (2 * err_low + floor)
+        ratio, found = gradient_ratio(name, got, ref, low, q.dtype)
         worst = max(worst, ratio)
-        if not ratio <= 1:
-            problems.append(f"{name} max error {err:.3e} > 2 x {err_low:.3e} + {floor:.1e} "
-                            f"(ratio {ratio:.2f})")
+        problems += found
     if causal or tuple(window_size) != (-1, -1):
         seen = visible_keys(q.shape[1], k.shape[1], causal, window_size)
         no_key = ~seen.any(axis=1)  # query rows that see no key
@@ -295,6 +299,25 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
         if not ((dk[:, unseen] == 0).all() and (dv[:, unseen] == 0).all()):
             problems.append("dk or dv of keys that no row sees is not exactly 0")
     return worst, problems
+
+
+def gradient_ratio(name: str, got: np.ndarray, ref: np.ndarray, low: np.ndarray,
+                   dtype) -> tuple[float, list[str]]:
+    """FlashAttention's rule for one gradient: ``(ratio, problems)``, ratio = max |got − ref| over
+    2 · max |low − ref| plus a floor of one ulp of ``dtype`` (float16: 2^-10, else 2^-7) times
+    max(1, max |ref|); ``got``, ``ref`` (float64) and ``low`` (the input-dtype computation) of
+    one shape. A problem for NaN and for a ratio above 1."""
+    problems = []
+    if np.isnan(got).any():
+        problems.append(f"NaN in {name} ({int(np.isnan(got).sum())} elements)")
+    err = float(np.nanmax(np.abs(got - ref), initial=0.0))
+    err_low = float(np.abs(low - ref).max(initial=0.0))
+    largest = max(1.0, float(np.abs(ref).max(initial=0.0)))
+    floor = 2.0 ** -(10 if dtype == np.float16 else 7) * largest
+    ratio = err / (2 * err_low + floor)
+    if not ratio <= 1:
+        problems.append(f"{name} max error {err:.3e} > 2 x {err_low:.3e} + {floor:.1e} (ratio {ratio:.2f})")
+    return ratio, problems
 
 
 def varlen_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
@@ -322,14 +345,25 @@ def varlen_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_s
     return out, lse
 
 
+def _is_the_sink(lse: np.ndarray, sink: np.ndarray) -> bool:
+    """Whether ``lse`` (heads_q, rows) is ``sink`` (heads_q,) on every row: exactly where the sink
+    is infinite, within ``lse_tolerance`` elsewhere (NaN is not)."""
+    expected = np.broadcast_to(sink[:, None], lse.shape)
+    finite = np.isfinite(expected)
+    err = np.abs(lse[finite] - expected[finite])
+    return bool((lse[~finite] == expected[~finite]).all() and not np.isnan(err).any()
+                and err.max(initial=0.0) <= lse_tolerance(sink))
+
+
 def compare_varlen_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
                                   cu_seqlens_k: np.ndarray, out: np.ndarray, lse: np.ndarray | None = None,
                                   **options) -> tuple[float, list[str]]:
     """``compare_with_reference`` on each sequence of a packed batch (as
     ``varlen_attention_reference`` computes it): ``(worst ratio, problems)``, each problem naming
     its sequence. ``out`` (total_q, heads_q, head_dim) and ``lse`` (heads_q, total_q), any float
-    dtype; a sequence without keys must give exactly 0 (so no NaN) and LSE -inf; an empty one
-    owns no row. ``options``: ``compare_with_reference``'s keywords."""
+    dtype; a sequence without keys must give exactly 0 (so no NaN) and LSE -inf (with ``sink=``:
+    the sink's, within ``lse_tolerance``); an empty one owns no row. ``options``:
+    ``compare_with_reference``'s keywords."""
     out = np.asarray(out).astype(np.float64)
     if out.shape != q.shape:
         return math.inf, [f"output shape {out.shape}, expected {q.shape}"]
@@ -338,6 +372,7 @@ def compare_varlen_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, c
         if lse.shape != (q.shape[1], q.shape[0]):
             return math.inf, [f"LSE shape {lse.shape}, expected {(q.shape[1], q.shape[0])}"]
     worst, problems = 0.0, []
+    sink = sink_logits(options.get("sink"), q.shape[1])
     for b in range(len(cu_seqlens_q) - 1):
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
@@ -348,8 +383,10 @@ def compare_varlen_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, c
             ratio, found = 0.0, []
             if not (rows == 0).all():
                 found.append("rows of a sequence without keys are not exactly 0")
-            if rows_lse is not None and not np.isneginf(rows_lse).all():
+            if rows_lse is not None and sink is None and not np.isneginf(rows_lse).all():
                 found.append("LSE of a sequence without keys is not -inf")
+            if rows_lse is not None and sink is not None and not _is_the_sink(rows_lse, sink):
+                found.append("LSE of a sequence without keys is not the sink")
         else:
             ratio, found = compare_with_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], rows[None],
                                                   None if rows_lse is None else rows_lse[None], **options)
@@ -387,18 +424,31 @@ def varlen_attention_backward_reference(q: np.ndarray, k: np.ndarray, v: np.ndar
 
 def compare_varlen_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
                                             cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray,
-                                            grads: tuple[np.ndarray, np.ndarray, np.ndarray],
+                                            grads: tuple[np.ndarray, ...],
                                             **options) -> tuple[float, list[str]]:
     """``compare_gradients_with_reference`` (FlashAttention's criterion) on each sequence of a
     packed batch: ``(worst ratio, problems)``, each problem naming its sequence. ``grads``: packed
     dq (total_q, heads_q, d), dk and dv (total_k, heads_kv, d), any float dtype. Gradients with no
     counterpart must be exactly 0: dq of a sequence without keys, dk and dv of one without
-    queries. ``options``: ``compare_gradients_with_reference``'s keywords."""
+    queries. ``options``: ``compare_gradients_with_reference``'s keywords; with ``sink=``, ``grads``
+    may hold a fourth, d_sink (heads_q,), summed over the sequences, checked against the packed
+    batch's (``varlen_attention_backward_reference``) by the same rule."""
     grads = tuple(np.asarray(g).astype(np.float64) for g in grads)
-    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
+    with_sink = options.get("sink") is not None
+    if len(grads) not in ((3, 4) if with_sink else (3,)):
+        return math.inf, [f"{len(grads)} gradients, expected 3 (dq, dk, dv)" + (" or 4 (dq, dk, dv, d_sink)"
+                                                                                if with_sink else "")]
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=False):
         if got.shape != ref.shape:
             return math.inf, [f"{name} shape {got.shape}, expected {ref.shape}"]
     worst, problems = 0.0, []
+    if len(grads) == 4:
+        ref = varlen_attention_backward_reference(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, **options)[3]
+        low = varlen_attention_backward_reference(q, k, v, dout, cu_seqlens_q, cu_seqlens_k,
+                                                  rounding_dtype=q.dtype, **options)[3]
+        if grads[3].shape != ref.shape:
+            return math.inf, [f"d_sink shape {grads[3].shape}, expected {ref.shape}"]
+        worst, problems = gradient_ratio("d_sink", grads[3], ref, low, q.dtype)
     for b in range(len(cu_seqlens_q) - 1):
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
