@@ -542,7 +542,13 @@ def test_torch_calls_of_a_known_layout_are_still_checked(torch_qkv, fake_device,
     elif bad == "other device":
         k = make(ordinal=1)[1]
         error, message = ValueError, "current CUDA device"
-    elif bad == "out overlaps k":
+    elif bad == "out overlaps k":  # q | k | v in one buffer: out at k's start overlaps k (and v), never q
+        base = torch.zeros(q.numel() + 2 * k.numel(), dtype=torch.float16)
+        ends = np.cumsum([0, q.numel(), k.numel(), k.numel()])
+        q, k, v = (torch.Tensor._make_subclass(cuda_like_type(torch), base[a:b].view(x.shape))
+                   for a, b, x in zip(ends[:-1], ends[1:], (q, k, v), strict=True))
+        for x in (q, k, v):
+            x.ordinal = 0
         kwargs["out"] = cuda_like(torch, q.shape)
         kwargs["out"].data_ptr = lambda: k.data_ptr()
         error, message = ValueError, "out shares memory with k"
