@@ -20,7 +20,7 @@ from collections import namedtuple
 from numba import cuda, float32, int64, uint16, uint32
 
 from .. import ptx
-from . import abi
+from . import abi, params
 from .common import FULL_MASK, NEG_INF
 from .epilogue import store_rows_global
 from .fragments import store_fragment_rows
@@ -245,19 +245,14 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
             ws.counters[source.counter(batch, heads_q, head, ws_row0 + row_base, row_base // BM,
                                        ws.counters_per_head)] = 0
 
-    def backward_prep(o, do, lse, delta, lse2, dq_acc, counters, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh,
-                      seqlen_q, rows, heads_q, counters_per_head):
-        run_prep(View(o, o_sb, o_ss, o_sh), View(do, do_sb, do_ss, do_sh), lse,
-                 PrepWorkspace(delta, lse2, dq_acc, counters, rows, counters_per_head), seqlen_q, heads_q,
-                 int64(0))
-
-    def backward_prep_varlen(o, do, lse, delta, lse2, dq_acc, counters, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh,
-                             seqlen_q, rows, heads_q, counters_per_head, cu_seqlens_q, cu_seqlens_k, total_q):
-        run_prep(View(o, o_sb, o_ss, o_sh), View(do, do_sb, do_ss, do_sh), lse,
-                 PrepWorkspace(delta, lse2, dq_acc, counters, rows, counters_per_head), seqlen_q, heads_q,
-                 PackedRows(cu_seqlens_q, cu_seqlens_k, total_q))
-
-    kernel = backward_prep_varlen if varlen else backward_prep
+    seqs = "PackedRows(cu_seqlens_q, cu_seqlens_k, total_q)" if varlen else "int64(0)"
+    kernel = params.entry(
+        "backward_prep_varlen" if varlen else "backward_prep",
+        params.VARLEN_BACKWARD_PREP if varlen else params.BACKWARD_PREP,
+        "run_prep(View(o, o_sb, o_ss, o_sh), View(do, do_sb, do_ss, do_sh), lse, PrepWorkspace(delta, lse2, "
+        f"dq_acc, counters, rows, counters_per_head), seqlen_q, heads_q, {seqs})",
+        {"run_prep": run_prep, "View": View, "PrepWorkspace": PrepWorkspace, "PackedRows": PackedRows,
+         "int64": int64})
     kernel.__name__ = (f"flash_backward_prep_d{D}_m{BM}_{'varlen_' if varlen else ''}"
                        f"{'bf16' if bf16 else 'f16'}")
     kernel.launch_bounds = (PREP_THREADS, 1)
@@ -324,15 +319,12 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
         dq_rows = source.rows(dq, batch, start_q, head, seqlen_q)
         store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
 
-    def backward_dq(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale):
-        run_dq(dq_acc, View(dq, dq_sb, dq_ss, dq_sh), seqlen_q, rows, heads_q, scale, int64(0))
-
-    def backward_dq_varlen(dq_acc, dq, dq_sb, dq_ss, dq_sh, seqlen_q, rows, heads_q, scale, cu_seqlens_q,
-                           cu_seqlens_k, total_q):
-        run_dq(dq_acc, View(dq, dq_sb, dq_ss, dq_sh), seqlen_q, rows, heads_q, scale,
-               PackedRows(cu_seqlens_q, cu_seqlens_k, total_q))
-
-    kernel = backward_dq_varlen if varlen else backward_dq
+    seqs = "PackedRows(cu_seqlens_q, cu_seqlens_k, total_q)" if varlen else "int64(0)"
+    kernel = params.entry(
+        "backward_dq_varlen" if varlen else "backward_dq",
+        params.VARLEN_BACKWARD_DQ if varlen else params.BACKWARD_DQ,
+        f"run_dq(dq_acc, View(dq, dq_sb, dq_ss, dq_sh), seqlen_q, rows, heads_q, scale, {seqs})",
+        {"run_dq": run_dq, "View": View, "PackedRows": PackedRows, "int64": int64})
     kernel.__name__ = (f"flash_backward_dq_d{D}_m{BM}{config.tag}_{'varlen_' if varlen else ''}"
                        f"{'bf16' if bf16 else 'f16'}")
     kernel.launch_bounds = (THREADS, 1)

@@ -66,6 +66,7 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint32
 
 from .. import ptx
+from . import params
 from .backward_common import (
     PackedRows,
     RowSource,
@@ -684,38 +685,23 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
 
         epilogue.store_dk_dv(acc, wg, cta, scaling.scale)
 
-    def flash_backward(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
-                       q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-                       do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-                       seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
-                       deterministic, window_left, window_right, cap_scale):
-        run_cta(Operands(View(q, q_sb, q_ss, q_sh), View(k, k_sb, k_ss, k_sh), View(v, v_sb, v_ss, v_sh),
-                         View(do, do_sb, do_ss, do_sh), View(dk, dk_sb, dk_ss, dk_sh),
-                         View(dv, dv_sb, dv_ss, dv_sh)),
-                Workspace(lse2, delta, dq_acc, counters, rows),
-                Call(seqlen_q, seqlen_k, heads_q, group, heads_kv, tail_pairs, deterministic, window_left,
-                     window_right),
-                Scaling(scale_log2, scale, cap_scale), int64(0))
-
-    def flash_backward_varlen(q, k, v, do, dk, dv, lse2, delta, dq_acc, counters,
-                              q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-                              do_sb, do_ss, do_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-                              seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2,
-                              scale, deterministic, window_left, window_right, cap_scale, cu_seqlens_q,
-                              cu_seqlens_k, total_q):
-        run_cta(Operands(View(q, q_sb, q_ss, q_sh), View(k, k_sb, k_ss, k_sh), View(v, v_sb, v_ss, v_sh),
-                         View(do, do_sb, do_ss, do_sh), View(dk, dk_sb, dk_ss, dk_sh),
-                         View(dv, dv_sb, dv_ss, dv_sh)),
-                Workspace(lse2, delta, dq_acc, counters, rows),
-                Call(seqlen_q, seqlen_k, heads_q, group, heads_kv, tail_pairs, deterministic, window_left,
-                     window_right),
-                Scaling(scale_log2, scale, cap_scale), PackedRows(cu_seqlens_q, cu_seqlens_k, total_q))
+    seqs = "PackedRows(cu_seqlens_q, cu_seqlens_k, total_q)" if varlen else "int64(0)"
+    entry = params.entry(
+        "flash_backward_varlen" if varlen else "flash_backward",
+        params.VARLEN_BACKWARD if varlen else params.BACKWARD,
+        "run_cta(Operands(View(q, q_sb, q_ss, q_sh), View(k, k_sb, k_ss, k_sh), View(v, v_sb, v_ss, v_sh), "
+        "View(do, do_sb, do_ss, do_sh), View(dk, dk_sb, dk_ss, dk_sh), View(dv, dv_sb, dv_ss, dv_sh)), "
+        "Workspace(lse2, delta, dq_acc, counters, rows), Call(seqlen_q, seqlen_k, heads_q, group, heads_kv, "
+        "tail_pairs, deterministic, window_left, window_right), Scaling(scale_log2, scale, cap_scale), "
+        f"{seqs})",
+        {"run_cta": run_cta, "Operands": Operands, "View": View, "Workspace": Workspace, "Call": Call,
+         "Scaling": Scaling, "PackedRows": PackedRows, "int64": int64})
 
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
     if varlen:
         kind = f"varlen_{kind}"
-    kernel = flash_backward_varlen if varlen else flash_backward
+    kernel = entry
     kernel.__name__ = f"flash_backward_d{s.d}_m{s.bm}_n{s.bn}{config.tag}_{kind}"
     kernel.launch_bounds = (s.threads, 1)
     return kernel

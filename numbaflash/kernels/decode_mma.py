@@ -41,6 +41,7 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
+from . import params
 from .blocks import Band, band_kv_tiles
 from .common import FULL_MASK, LN2, LOG2_E, NEG_INF, unroll
 from .epilogue import log_sum_exp
@@ -430,14 +431,12 @@ def decode_entry(run_decode, variant: bool):
     then for a ``variant`` ``window_left, window_right, cap_scale`` (``params.DECODE_VARIANT``;
     the plain kernel passes 0, 0, 0.0). Generated from the one list of names, so that the
     parameters are written once; named ``flash_decode`` or ``flash_decode_variant``."""
-    params = ", ".join(DecodeParams._fields)
-    extra = ", window_left, window_right, cap_scale" if variant else ""
     rest = "window_left, window_right, cap_scale" if variant else "int64(0), int64(0), float32(0.0)"
-    name = "flash_decode_variant" if variant else "flash_decode"
-    namespace = {"run_decode": run_decode, "DecodeParams": DecodeParams, "int64": int64, "float32": float32}
-    exec(f"def {name}({params}{extra}):\n    run_decode(DecodeParams({params}), {rest})\n",  # noqa: S102
-         namespace)
-    return namespace[name]
+    return params.entry("flash_decode_variant" if variant else "flash_decode",
+                        params.DECODE_VARIANT if variant else params.DECODE,
+                        f"run_decode(DecodeParams({', '.join(DecodeParams._fields)}), {rest})",
+                        {"run_decode": run_decode, "DecodeParams": DecodeParams, "int64": int64,
+                         "float32": float32})
 
 
 def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,

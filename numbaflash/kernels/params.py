@@ -120,6 +120,15 @@ def names_of(declared: Iterable[Param]) -> tuple[str, ...]:
     return tuple(p.name for p in declared)
 
 
+def entry(name: str, declared: tuple[Param, ...], body: str, namespace: dict[str, Any]) -> Callable:
+    """A kernel's entry function ``name``, generated from its declaration: its parameters are
+    ``declared``'s names in order, its one statement ``body`` (which names them, and what
+    ``namespace`` holds). So a kernel's parameter list is written once, here, for its dense and
+    packed builds alike."""
+    exec(f"def {name}({', '.join(names_of(declared))}):\n    {body}\n", namespace)  # noqa: S102
+    return namespace[name]
+
+
 def types_of(declared: Iterable[Param]) -> tuple[str, ...]:
     """The parameter types by Numba name: what the launcher packs (``runtime.launch``)."""
     return tuple(p.type for p in declared)
