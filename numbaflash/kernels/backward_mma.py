@@ -520,9 +520,10 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
             # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
             # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
             # of band_query_blocks): this block's turn is its place in that range.
-            turn = kb.n_block
+            # (int32, as the counter: a 32-bit compare in the wait loop)
+            turn = int32(kb.n_block)
             if WINDOW:
-                turn = kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, cta.band)[0]
+                turn = int32(kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, cta.band)[0])
             if seat.tid == 0:
                 while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                     pass

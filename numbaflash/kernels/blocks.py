@@ -132,8 +132,10 @@ def key_block_of(cta, key_blocks, pairs, tail_pairs):
     head_ctas = (pairs - tail_pairs) * key_blocks  # the grid has at most 2^31 - 1 CTAs: 32 bits
     if cta < head_ctas:
         return int64(cta % key_blocks), int64(cta // key_blocks)
-    t = cta - head_ctas
-    return int64(t // tail_pairs), int64(pairs - tail_pairs + t % tail_pairs)
+    # uint32 again: Numba widens uint32 arithmetic to 64 bits, and a 64-bit t // tail_pairs is a
+    # div.u64 (a called subroutine in SASS, and more registers in the mma.sync backward)
+    t = uint32(cta - head_ctas)
+    return int64(uint32(t // tail_pairs)), int64(uint32(pairs - tail_pairs + t % tail_pairs))
 
 
 @cuda.jit(device=True, forceinline=True)
