@@ -110,9 +110,9 @@ KeyBlock = namedtuple("KeyBlock", ["n_block", "n0", "batch", "kv_head", "start_q
                                    "seqlen_k", "diag", "ws_start"])
 # A thread's seat: its index, warp and lane, and the shared memory's base address.
 Seat = namedtuple("Seat", ["tid", "warp", "lane", "sbase"])
-# Global byte addresses of the workspace: LSE₂, D, the dQ accumulator, the counters (one per
-# block_m workspace rows); its rows per head.
-WorkspaceAt = namedtuple("WorkspaceAt", ["lse2", "delta", "dq", "counters", "rows"])
+# Global byte addresses of the workspace: LSE₂, D, the dQ accumulator, the counters; its rows and
+# turn counters per head.
+WorkspaceAt = namedtuple("WorkspaceAt", ["lse2", "delta", "dq", "counters", "rows", "counters_per_head"])
 # What every step of a CTA's walk reads: its Seat, its KeyBlock and the block's sliding window (a
 # Band; window kernels), the Operands, the WorkspaceAt, the Call, and where the sequence's rows of
 # Q and dO start (``RowSource.base``).
@@ -477,7 +477,7 @@ def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
     return Loads(load_kv, load_block)
 
 
-def make_accumulation(s: Shape, gemms: Gemms, window: bool = False) -> Accumulation:
+def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = False) -> Accumulation:
     """``accumulate``: one query block's dV += Pᵀ dO, its dQ = dS K added into the float32
     accumulator (in deterministic mode in the key blocks' turn), and dK += dSᵀ Q."""
     D, BM, BN, THREADS = s.d, s.bm, s.bn, s.threads
@@ -513,10 +513,9 @@ def make_accumulation(s: Shape, gemms: Gemms, window: bool = False) -> Accumulat
         gemms.product_tn(TnProduct(acc.dv, sbase + SP, tiles.do, wg.frags, wg.offsets))
         # dQ before dK (FlashAttention-2's order): its red.global adds drain while the dK
         # product runs, instead of queueing in front of the next step's cp.async copies.
-        # The block's turn counter: one per block_m workspace rows (dense or packed, the rows of a
-        # head are whole 128-row blocks, BACKWARD_ROW_ALIGN), so its index is the row's block;
-        # worked out from the row, not from the (batch, head) pair, which then stays dead.
-        counter_at = cta.ws.counters + (row // BM) * 4
+        counter = source.counter(kb.batch, cta.call.heads_q, blk.head, row, blk.m_block,
+                                 cta.ws.counters_per_head)
+        counter_at = cta.ws.counters + counter * 4
         if cta.call.deterministic:  # wait for this query block's turn: key blocks add in order
             # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
             # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
@@ -602,7 +601,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     loads = make_loads(s, source, placement)
     gemms = make_gemms(s, bf16)
     scores = make_score_gradient(s, causal, bf16, gemms, window, softcap)
-    accumulation = make_accumulation(s, gemms, window)
+    accumulation = make_accumulation(s, source, gemms, window)
     epilogue = make_kv_epilogue(s, bf16, source)
 
     @cuda.jit(device=True, forceinline=True)
@@ -626,7 +625,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         m_first, m_blocks = placement.query_blocks(kb, band)
         steps = call.group * max(m_blocks - m_first, 0)
         at = WorkspaceAt(ptx.global_address_f32(ws.lse2), ptx.global_address_f32(ws.delta),
-                         ptx.global_address_f32(ws.dq_acc), ptx.global_address_i32(ws.counters), ws.rows)
+                         ptx.global_address_f32(ws.dq_acc), ptx.global_address_i32(ws.counters), ws.rows,
+                         ws.rows // BM)
         cta = Cta(seat, kb, band, ops, at, call, q_base, do_base)
 
         wg = WarpGemm(gemms.parts(seat.warp),
