@@ -79,6 +79,7 @@ from .blocks import (
     band_needs_mask,
     band_query_blocks,
     key_block_of,
+    key_block_of_narrow,
     mask_band_transposed,
     mask_transposed,
 )
@@ -380,13 +381,14 @@ def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = Fal
     key of the block; ``query_block(cta, at)``: the QueryBlock of a BlockIndex."""
     BM, BN = s.bm, s.bn
     CAUSAL, WINDOW = causal, window
+    launch_index = key_block_of if window else key_block_of_narrow  # (see key_block_of_narrow)
 
     @cuda.jit(device=True, forceinline=True)
     def launch_order(call):
         """Launch order (blocks.key_block_of): causal, the last waves longest first. 32-bit
         division: the grid has at most 2^31 - 1 CTAs."""
         key_blocks = uint32((call.seqlen_k + BN - 1) // BN)
-        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+        n_block, pair = launch_index(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
                                      call.tail_pairs if CAUSAL or WINDOW else 0)
         kv_head = int64(uint32(pair) % uint32(call.heads_kv))
         batch = int64(uint32(pair) // uint32(call.heads_kv))

@@ -132,8 +132,22 @@ def key_block_of(cta, key_blocks, pairs, tail_pairs):
     head_ctas = (pairs - tail_pairs) * key_blocks  # the grid has at most 2^31 - 1 CTAs: 32 bits
     if cta < head_ctas:
         return int64(cta % key_blocks), int64(cta // key_blocks)
-    # uint32 again: Numba widens uint32 arithmetic to 64 bits, and a 64-bit t // tail_pairs is a
-    # div.u64 (a called subroutine in SASS, and more registers in the mma.sync backward)
+    t = cta - head_ctas
+    return int64(t // tail_pairs), int64(pairs - tail_pairs + t % tail_pairs)
+
+
+@cuda.jit(device=True, forceinline=True)
+def key_block_of_narrow(cta, key_blocks, pairs, tail_pairs):
+    """``key_block_of``, its tail's division in 32 bits: Numba widens uint32 arithmetic to 64
+    bits, so ``key_block_of``'s t // tail_pairs is a div.u64 (a called subroutine in SASS). The
+    mma.sync backward's causal and full kernels take this one (ptxas then keeps the launch
+    indices in uniform registers: d96 v4 causal on sm_90a 241 registers instead of 252); its
+    window kernels keep ``key_block_of`` (d96 v4 window on sm_90a: 242 registers, 244 with
+    this one), as does the Hopper backward."""
+    cta, key_blocks, pairs, tail_pairs = uint32(cta), uint32(key_blocks), uint32(pairs), uint32(tail_pairs)
+    head_ctas = (pairs - tail_pairs) * key_blocks
+    if cta < head_ctas:
+        return int64(cta % key_blocks), int64(cta // key_blocks)
     t = uint32(cta - head_ctas)
     return int64(uint32(t // tail_pairs)), int64(uint32(pairs - tail_pairs + t % tail_pairs))
 
