@@ -524,10 +524,11 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
             # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
             # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
             # of band_query_blocks): this block's turn is its place in that range.
-            # (int32, as the counter: a 32-bit compare in the wait loop)
+            # (int32, as the counter: a 32-bit compare in the wait loop; a window kernel's stays
+            # 64-bit: ptxas gave d96 v4 varlen window on sm_90a 254 registers with an int32, 252 without)
             turn = int32(kb.n_block)
             if WINDOW:
-                turn = int32(kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, cta.band)[0])
+                turn = kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, cta.band)[0]
             if seat.tid == 0:
                 while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                     pass
