@@ -14,8 +14,8 @@ from numbaflash.operations.launch_backward import backward_tail_pairs
 key_block_of = blocks.key_block_of.py_func
 
 
-def order(key_blocks, pairs, tail_pairs):
-    return [tuple(int(x) for x in key_block_of(c, key_blocks, pairs, tail_pairs))
+def order(key_blocks, pairs, tail_pairs, of=key_block_of):
+    return [tuple(int(x) for x in of(c, key_blocks, pairs, tail_pairs))
             for c in range(key_blocks * pairs)]
 
 
@@ -54,3 +54,9 @@ def test_tail_pairs_cover_two_waves(key_blocks, pairs, sms, expected):
     tail = backward_tail_pairs(key_blocks, pairs, sms)
     assert tail == expected
     assert tail == pairs or tail * key_blocks >= 2 * sms
+
+
+@pytest.mark.parametrize(("key_blocks", "pairs", "tail"), ORDERS)
+def test_narrow_is_the_same_order(key_blocks, pairs, tail):
+    narrow = blocks.key_block_of_narrow.py_func
+    assert order(key_blocks, pairs, tail, narrow) == order(key_blocks, pairs, tail)

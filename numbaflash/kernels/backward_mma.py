@@ -79,6 +79,7 @@ from .blocks import (
     band_needs_mask,
     band_query_blocks,
     key_block_of,
+    key_block_of_narrow,
     mask_band_transposed,
     mask_transposed,
 )
@@ -380,13 +381,16 @@ def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = Fal
     key of the block; ``query_block(cta, at)``: the QueryBlock of a BlockIndex."""
     BM, BN = s.bm, s.bn
     CAUSAL, WINDOW = causal, window
+    # (see key_block_of_narrow: measured per kernel, ptxas gave fewer registers with the narrow
+    # order only to the causal kernels at d96)
+    launch_index = key_block_of_narrow if causal and s.d == 96 else key_block_of
 
     @cuda.jit(device=True, forceinline=True)
     def launch_order(call):
         """Launch order (blocks.key_block_of): causal, the last waves longest first. 32-bit
         division: the grid has at most 2^31 - 1 CTAs."""
         key_blocks = uint32((call.seqlen_k + BN - 1) // BN)
-        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+        n_block, pair = launch_index(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
                                      call.tail_pairs if CAUSAL or WINDOW else 0)
         kv_head = int64(uint32(pair) % uint32(call.heads_kv))
         batch = int64(uint32(pair) // uint32(call.heads_kv))
@@ -520,7 +524,9 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
             # The key blocks that visit a query block are the consecutive ones it sees: 0 ..
             # (causal or full), or a window's range from its first (band_kv_tiles, the inverse
             # of band_query_blocks): this block's turn is its place in that range.
-            turn = kb.n_block
+            # (int32, as the counter: a 32-bit compare in the wait loop; a window kernel's stays
+            # 64-bit: ptxas gave d96 v4 varlen window on sm_90a 254 registers with an int32, 252 without)
+            turn = int32(kb.n_block)
             if WINDOW:
                 turn = kb.n_block - band_kv_tiles(m0, min(BM, kb.seqlen_q - m0), BN, cta.band)[0]
             if seat.tid == 0:

@@ -137,6 +137,23 @@ def key_block_of(cta, key_blocks, pairs, tail_pairs):
 
 
 @cuda.jit(device=True, forceinline=True)
+def key_block_of_narrow(cta, key_blocks, pairs, tail_pairs):
+    """``key_block_of``, its tail's division in 32 bits: Numba widens uint32 arithmetic to 64
+    bits, so ``key_block_of``'s t // tail_pairs is a div.u64 (a called subroutine in SASS). The
+    mma.sync backward's causal kernels at d96 take this one (ptxas then keeps the launch
+    indices in uniform registers: d96 v4 causal on sm_90a 241 registers instead of 252); the
+    others keep ``key_block_of``, with which ptxas gave them as many registers or fewer (d32 v4
+    causal softcap on sm_90a: 168 against 178, d96 v4 window: 242 against 244), as does the
+    Hopper backward."""
+    cta, key_blocks, pairs, tail_pairs = uint32(cta), uint32(key_blocks), uint32(pairs), uint32(tail_pairs)
+    head_ctas = (pairs - tail_pairs) * key_blocks
+    if cta < head_ctas:
+        return int64(cta % key_blocks), int64(cta // key_blocks)
+    t = uint32(cta - head_ctas)
+    return int64(uint32(t // tail_pairs)), int64(uint32(pairs - tail_pairs + t % tail_pairs))
+
+
+@cuda.jit(device=True, forceinline=True)
 def visible_kv_tiles(m0, block_m, block_n, seqlen_k, diag, causal):
     """KV tiles a query block starting at row ``m0`` reads; causal stops after the tile that
     holds the last row's diagonal (query i sees keys j <= i + diag)."""
