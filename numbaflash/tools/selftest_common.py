@@ -83,10 +83,10 @@ def cuda_torch() -> Any:
 
 def to_device(x: np.ndarray, kind: str) -> Any:
     """``x`` as a torch CUDA tensor or a Numba device array (a DeviceBuffer for bfloat16); int32
-    (varlen offsets) as they are."""
+    (varlen offsets) and float32 (a learnable sink) as they are."""
     if kind == "torch":
         torch = cuda_torch()
-        if x.dtype == np.int32:
+        if x.dtype in (np.int32, np.float32):
             return torch.from_numpy(np.ascontiguousarray(x)).cuda()
         tdtype = torch.float16 if x.dtype == np.float16 else torch.bfloat16
         return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(tdtype).cuda()
@@ -94,7 +94,7 @@ def to_device(x: np.ndarray, kind: str) -> Any:
 
     from ..runtime.buffers import DeviceBuffer
 
-    return cuda.to_device(x) if x.dtype in (np.float16, np.int32) else DeviceBuffer(x)
+    return cuda.to_device(x) if x.dtype in (np.float16, np.int32, np.float32) else DeviceBuffer(x)
 
 
 def to_host(x: Any) -> np.ndarray:
