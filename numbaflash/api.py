@@ -194,6 +194,7 @@ def flash_attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     out: Any = None,
+    learnable_sink: Any = None,
 ) -> Any:
     """Attention of a few new query rows against a KV cache (FlashAttention's
     ``flash_attn_with_kvcache``).
@@ -226,6 +227,10 @@ def flash_attention_with_kvcache(
             count (never from ``cache_seqlens``' values, so a captured graph stays valid).
         return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp.
         out: optional output array like q.
+        learnable_sink: optional float32 (heads_q,) device array, as for ``flash_attention``
+            (FlashAttention-4's ``learnable_sink``): one logit per query head in every row's
+            softmax, with no value row; the LSE includes it; rows that see no key give 0 and LSE
+            = the sink. A build of the decode kernel of its own, compiled on first use.
 
     On torch tensors under torch.compile (or fake tensors, a dispatch mode) the call goes
     through the custom op ``numbaflash::flash_attention_with_kvcache`` (``torch_ops``), which
@@ -243,16 +248,22 @@ def flash_attention_with_kvcache(
         from .torch_route import route_kvcache
 
         routed = route_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                               softmax_scale, num_splits, return_lse, out, window_size, softcap)
+                               softmax_scale, num_splits, return_lse, out, window_size, softcap,
+                               learnable_sink)
         if routed is not None:
             return routed
-        done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                                softmax_scale, num_splits, return_lse, out, window_size, softcap)
-        if done is not None:
-            return done
+        if learnable_sink is None:  # (a sink call takes the full checks, then its plan)
+            done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                                    softmax_scale, num_splits, return_lse, out, window_size, softcap)
+            if done is not None:
+                return done
+    if learnable_sink is None:
+        return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                   block_table, causal, softmax_scale, num_splits, return_lse,
+                                                   out, window_size, softcap)
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, num_splits, return_lse, out,
-                                               window_size, softcap)
+                                               window_size, softcap, learnable_sink)
 
 
 def flash_attention_varlen(

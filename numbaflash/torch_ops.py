@@ -213,21 +213,31 @@ flash_attention_forward.register_autograd(_backward, setup_context=_setup_contex
 
 def run_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor | None,
                 v_new: Tensor | None, block_table: Tensor | None, causal: bool, softmax_scale: float,
-                num_splits: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                num_splits: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                learnable_sink: Tensor | None = None):
+    if learnable_sink is None:
+        return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                   block_table, causal, softmax_scale, num_splits, True, None,
+                                                   window_size, softcap)
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, num_splits, True, None, window_size,
-                                               softcap)
+                                               softcap, learnable_sink)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
 def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                                  k_new: Tensor | None, v_new: Tensor | None, block_table: Tensor | None,
                                  causal: bool, softmax_scale: float, num_splits: int, window_left: int = -1,
-                                 window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                                 window_right: int = -1, softcap: float = 0.0,
+                                 learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of decode against the cache; k_new / v_new, when given, are written into the
-    cache in place (hence ``mutates_args``). The window's sides and the softcap as
-    ``flash_attention_with_kvcache`` takes them (validated), passed on only when not the defaults."""
-    if window_left == -1 and window_right == -1 and softcap == 0.0:
+    cache in place (hence ``mutates_args``). The window's sides, the softcap and the learnable sink
+    as ``flash_attention_with_kvcache`` takes them (validated), passed on only when not the defaults."""
+    if learnable_sink is not None:
+        out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                               softmax_scale, num_splits, (window_left, window_right), softcap,
+                               learnable_sink)
+    elif window_left == -1 and window_right == -1 and softcap == 0.0:
         out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                                softmax_scale, num_splits)
     else:
@@ -238,10 +248,11 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ca
 
 @flash_attention_with_kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
-                  num_splits, window_left=-1, window_right=-1, softcap=0.0):
+                  num_splits, window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
     check_window_size((window_left, window_right))
     check_softcap(softcap, softmax_scale)
     batch, seqlen_q, heads_q, _ = q.shape
+    _check_sink(learnable_sink, heads_q)
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 

@@ -81,7 +81,8 @@ def check_sink_grad(function: str, needs_grad: bool, learnable_sink) -> None:
 
 
 def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                  softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0):
+                  softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0,
+                  learnable_sink=None):
     """``flash_attention_with_kvcache`` on torch tensors: None where the direct path serves the
     call, else its result through the custom op (under torch.compile / export, fake or meta
     tensors, a dispatch mode), so that a compiled decode step has no graph break."""
@@ -98,7 +99,9 @@ def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, bloc
         softcap = check_softcap(softcap, softmax_scale)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
             int(num_splits))
-    if window_size == (-1, -1) and softcap == 0.0:
+    if learnable_sink is not None:
+        result, lse = flash_attention_with_kvcache(*args, *window_size, softcap, learnable_sink)
+    elif window_size == (-1, -1) and softcap == 0.0:
         result, lse = flash_attention_with_kvcache(*args)
     else:
         result, lse = flash_attention_with_kvcache(*args, *window_size, softcap)

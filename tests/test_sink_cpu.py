@@ -46,13 +46,18 @@ def test_kernels_that_do_not_read_the_sink_are_built_without_it():
     assert not kernel_spec("sm80dec", "decode_combine", DecodeConfig(128), sink=True).sink
 
 
-def test_families_build_the_sink_in_the_forward_only():
+def test_families_build_the_sink_in_the_forward_and_decode_only():
     assert families.SM80.runs("forward", sink=True) and families.SM90.runs("forward", varlen=True, sink=True)
+    assert families.SM80_DEC.runs("decode", sink=True)
+    assert not families.SM80_DEC.runs("decode_combine", sink=True)
     assert not families.SM80_BWD.runs("backward", sink=True)
-    for spec in (kernel_spec("sm80bwd", "backward", BackwardConfig(64), sink=True),
-                 kernel_spec("sm80dec", "decode", DecodeConfig(128), sink=True)):
-        with pytest.raises(NotImplementedError, match=r"\+sink kernel \(a learnable sink: no operation"):
-            families.make_kernel(spec)
+    with pytest.raises(NotImplementedError, match=r"sm80bwd.backward\+sink kernel \(a learnable sink: no"):
+        families.make_kernel(kernel_spec("sm80bwd", "backward", BackwardConfig(64), sink=True))
+    decode = kernel_spec("sm80dec", "decode", DecodeConfig(128), causal=True, softcap=True, sink=True)
+    assert decode.sink and not decode.sibling("decode_combine").sink
+    assert families.kernel_params(decode) == params.DECODE_VARIANT + params.SINK
+    assert families.kernel_params(kernel_spec("sm80dec", "decode", DecodeConfig(128), sink=True)) == (
+        params.DECODE + params.SINK)
 
 
 def test_the_cache_keys_sink_builds_apart():
@@ -74,13 +79,15 @@ def test_a_sink_build_takes_its_logits_last(config, varlen):
 
 @pytest.mark.parametrize(("config", "varlen", "causal"), [
     (ForwardConfig(64), False, True), (ForwardConfig(96), True, False), (WsConfig(128), False, True),
-    (WsConfig(64), True, False)])
+    (WsConfig(64), True, False), (DecodeConfig(128), False, True),
+    (DecodeConfig(64, paged=True), False, False)])
 def test_a_sink_kernel_agrees_with_its_declaration(config, varlen, causal):
     """What ``test_params_cpu`` checks for every registered kernel, for sink builds (built on
     demand, not registered): the kernel function's parameters are the declaration's names, and
     its name says ``_sink``; the plain build's name is unchanged."""
     pytest.importorskip("numba")
-    spec = families.spec_of(config, bf16=True, causal=causal, varlen=varlen, sink=True)
+    operation = "decode" if isinstance(config, DecodeConfig) else "forward"
+    spec = families.spec_of(config, operation, bf16=True, causal=causal, varlen=varlen, sink=True)
     kernel = families.make_kernel(spec)
     function = getattr(kernel, "py_func", kernel)
     assert tuple(inspect.signature(function).parameters) == params.names_of(families.kernel_params(spec))

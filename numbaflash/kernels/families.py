@@ -74,7 +74,7 @@ SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compu
                   BACKWARD_OPERATIONS, varlen=True)
 SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", BACKWARD_OPERATIONS)
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer",
-                  DECODE_OPERATIONS)
+                  DECODE_OPERATIONS, sink=("decode",))
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
@@ -145,7 +145,7 @@ def _backward_ws(s: KernelSpec):
 def _decode(s: KernelSpec):
     from .decode_mma import make_decode_kernel
 
-    return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap)
+    return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap, sink=s.sink)
 
 
 def _decode_combine(s: KernelSpec):
@@ -284,7 +284,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
             return params.WS_BACKWARD
         return params.VARLEN_BACKWARD if spec.varlen else params.BACKWARD
     if op == "decode":
-        return params.DECODE_VARIANT if spec.window or spec.softcap else params.DECODE
+        declared = params.DECODE_VARIANT if spec.window or spec.softcap else params.DECODE
+        return declared + params.SINK if spec.sink else declared
     if op == "decode_combine":
         return params.DECODE_COMBINE
     raise NotImplementedError(spec.kind)

@@ -125,7 +125,8 @@ def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any,
 def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any,
                                         v_new: Any, block_table: Any, causal: Any, softmax_scale: Any,
                                         num_splits: Any, return_lse: Any, out: Any,
-                                        window_size: Any = (-1, -1), softcap: Any = 0.0) -> Any:
+                                        window_size: Any = (-1, -1), softcap: Any = 0.0,
+                                        learnable_sink: Any = None) -> Any:
     """``api.flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
     the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
@@ -162,6 +163,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap, softmax_scale)
+    sd = (None if learnable_sink is None
+          else describe_sink(learnable_sink, heads_q, True, "flash_attention_with_kvcache"))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
     outd = None
@@ -175,7 +178,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         check_no_self_overlap(outd)
         check_outputs_disjoint([outd], [op for op in given if op is not outd])
     capability, device = gpu_state.GPU.current()
-    check_same_device([*given, seqd, *([btd] if btd is not None else [])], device)
+    check_same_device([*given, seqd, *([btd] if btd is not None else []), *([sd] if sd is not None else [])],
+                      device)
     result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
-                                    num_splits, return_lse, capability, device, window_size, softcap)
+                                    num_splits, return_lse, capability, device, window_size, softcap, sd)
     return (result, lse) if return_lse else result
