@@ -8,7 +8,8 @@ case replays alone with ``--seed S --case I``. Exits 0 if all pass, 1 on a failu
 About a fifth of the mma.sync family's cases run ``flash_attention_varlen`` instead, on 1 to 6
 packed sequences of their own lengths (``draw_varlen``), each sequence checked the same way.
 A tenth of the forward's device cases (a third with ``--variants``) take a learnable sink
-(``draw_sink``: FlashAttention-4's ``learnable_sink``, one logit per query head; the forward only).
+(``draw_sink``: FlashAttention-4's ``learnable_sink``, one logit per query head; so do a share of
+the ``--decode`` cases; the backward takes none yet).
 
 ``--backward`` tests the backward instead: the forward's output and LSE, then
 ``flash_attention_backward`` (random dout, deterministic or not, with or without given dq/dk/dv),
@@ -58,6 +59,7 @@ from .selftest_common import (
     WINDOW_SOFTCAP_SHARE,
     CaseResult,
     cuda_torch,
+    draw_sink,
     draw_window_softcap,
     log_uniform,
     numpy_dtype,
@@ -236,18 +238,6 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
                 kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
                 sink)
 
-
-def draw_sink(seed: int, index: int, heads_q: int, share: float, stream: int = 9) -> tuple[float, ...]:
-    """The learnable sink of a case (``share`` of them), or () for none, from a stream of its own:
-    float32 logits (heads_q,), each about N(0, 2), or (15% each) -inf (no sink on that head) or 5
-    to 12 (a sink that outweighs the scores of unit-amplitude inputs)."""
-    rng = np.random.default_rng([seed, index, stream])
-    if rng.random() >= share:
-        return ()
-    logits = rng.standard_normal(heads_q) * 2.0
-    pick = rng.random(heads_q)
-    logits = np.where(pick < 0.15, -np.inf, np.where(pick < 0.3, rng.uniform(5.0, 12.0, heads_q), logits))
-    return tuple(float(x) for x in logits.astype(np.float32))
 
 
 VARIANTS_VARLEN_SHARE = 1 / 3  # with --variants: of the cases of families with both kinds, the varlen ones

@@ -106,3 +106,16 @@ def to_host(x: Any) -> np.ndarray:
             return x.view(np.uint16).copy_to_host().view(x.dtype).astype(np.float64)
         x = x.copy_to_host()
     return np.asarray(x).astype(np.float64)
+
+
+def draw_sink(seed: int, index: int, heads_q: int, share: float, stream: int = 9) -> tuple[float, ...]:
+    """The learnable sink of a case (``share`` of them), or () for none, from a stream of its own:
+    float32 logits (heads_q,), each about N(0, 2), or (15% each) -inf (no sink on that head) or 5
+    to 12 (a sink that outweighs the scores of unit-amplitude inputs)."""
+    rng = np.random.default_rng([seed, index, stream])
+    if rng.random() >= share:
+        return ()
+    logits = rng.standard_normal(heads_q) * 2.0
+    pick = rng.random(heads_q)
+    logits = np.where(pick < 0.15, -np.inf, np.where(pick < 0.3, rng.uniform(5.0, 12.0, heads_q), logits))
+    return tuple(float(x) for x in logits.astype(np.float32))
