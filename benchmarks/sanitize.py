@@ -440,6 +440,9 @@ BACKWARD_WINDOW_SOFTCAP_CASES = (((17, 3), 0.0, True), ((-1, -1), 30.0, False))
 # (window_size, softcap, causal); the window leaves most of the cache's tiles unread and, with
 # three splits, splits with no tile (their partials empty).
 DECODE_WINDOW_SOFTCAP_CASES = (((33, 2), 0.0, False), ((-1, -1), 30.0, True))
+# Its learnable-sink builds (issue 56): (window_size, softcap, causal) with the sink of
+# ``sink_logits`` (causal rows before a one-row cache's diagonal: 0 and LSE = the sink).
+DECODE_SINK_CASES = (((-1, -1), 0.0, True), ((33, 2), 30.0, False))
 
 
 def decode_cases(config) -> list[tuple[int, int]]:
@@ -449,9 +452,10 @@ def decode_cases(config) -> list[tuple[int, int]]:
 
 def run_decode_worker(config) -> int:
     """Decode on ``config``'s shapes: ragged cache lengths (1 to the capacity), with and without
-    appended rows, one and three splits, causal or not, and a window and a softcap case
-    (``DECODE_WINDOW_SOFTCAP_CASES``), both dtypes, contiguous or (its kind) paged with shuffled
-    pages; ``out`` poisoned with NaN; each sequence against float64."""
+    appended rows, one and three splits, causal or not, a window and a softcap case
+    (``DECODE_WINDOW_SOFTCAP_CASES``) and the sink cases (``DECODE_SINK_CASES``), both dtypes,
+    contiguous or (its kind) paged with shuffled pages; ``out`` poisoned with NaN; each sequence
+    against float64."""
     import ml_dtypes
     from numba import cuda
 
@@ -481,13 +485,16 @@ def run_decode_worker(config) -> int:
                     v_cache = np.empty_like(k_cache)
                     k_cache[table] = k_rows.reshape(batch, per_seq, page, heads_kv, d)
                     v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, d)
-                cases = (((-1, -1), 0.0, False), ((-1, -1), 0.0, True), *DECODE_WINDOW_SOFTCAP_CASES)
+                cases = [(*c, None) for c in (((-1, -1), 0.0, False), ((-1, -1), 0.0, True),
+                                              *DECODE_WINDOW_SOFTCAP_CASES)]
+                cases += [(*c, sink_logits(heads_kv * group)) for c in DECODE_SINK_CASES]
                 for splits in (1, 3):
-                    for window, softcap, causal in cases:
+                    for window, softcap, causal, sink in cases:
                         out = DeviceBuffer(np.full(q.shape, np.nan, dtype))
                         kwargs = {"block_table": None if table is None else cuda.to_device(table),
                                   "causal": causal, "num_splits": splits, "return_lse": True, "out": out,
-                                  "window_size": window, "softcap": softcap}
+                                  "window_size": window, "softcap": softcap,
+                                  "learnable_sink": None if sink is None else cuda.to_device(sink)}
                         if n_new:
                             kwargs.update(k_new=DeviceBuffer(new[0]), v_new=DeviceBuffer(new[1]))
                         with configs.force_decode_config(config):
@@ -501,11 +508,12 @@ def run_decode_worker(config) -> int:
                             values = np.concatenate([v_rows[b, :n], new[1][b]])[None]
                             _, problems = compare_with_reference(q[b:b + 1], keys, values, got[b:b + 1],
                                                                  lse[b:b + 1], causal=causal,
-                                                                 window_size=window, softcap=softcap)
+                                                                 window_size=window, softcap=softcap,
+                                                                 sink=sink)
                             for p in problems:
                                 print(f"WRONG {config} {np.dtype(dtype).name} group={group} sq={sq} "
                                       f"new={n_new} splits={splits} causal={causal} window={window} "
-                                      f"softcap={softcap} batch {b}: {p}", flush=True)
+                                      f"softcap={softcap} sink={sink is not None} batch {b}: {p}", flush=True)
                             failures += bool(problems)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
