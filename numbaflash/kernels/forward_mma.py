@@ -34,6 +34,11 @@ whose own lengths replace seqlen_q and seqlen_k (so masks, causal diagonal and w
 sequence, and no tile reads or writes a row of another sequence); a query block past its
 sequence's end returns at once. The LSE is (heads_q, total_q). The other builds never see it.
 
+A fourth, ``sink`` (a learnable sink, FlashAttention-4's ``learnable_sink``), takes the float32
+(heads_q,) logits last (``params.SINK``) and starts each row's online softmax at its head's logit
+(``softmax.start_at_sink``): the loop and the epilogue are the plain ones. Every build's kernel is
+the body's entry, generated from its declaration (``params.entry``).
+
 The kernel is built from rooms, each returning its named steps: ``make_row_source`` (dense or
 varlen rows), ``make_kv_step`` (one KV tile: copies, and the QK / PV steps, online softmax and
 masker of ``mma_pieces``, which the decode kernel shares) and ``make_forward_epilogue``.
