@@ -9,8 +9,9 @@ Configs: shipped ones and autotune candidates of the families that run here, ind
 One job per (tool, config) runs ``compute-sanitizer --tool T ... python sanitize.py --worker
 --config-index I``: the worker forces the config and checks ``flash_attention`` on small ragged,
 fully masked, GQA/MQA shapes (both dtypes, causal or not, LSE on and off) against the numpy
-reference, also its window and softcap kernels and ``flash_attention_varlen`` on three packed
-sequences (``varlen_lengths``); for a backward
+reference, also its window and softcap kernels, its learnable-sink kernels (``SINK_CASES``,
+``VARLEN_SINK_CASES``) and ``flash_attention_varlen`` on three packed sequences
+(``varlen_lengths``); for a backward
 config, ``flash_attention_backward`` on the same shapes (both dtypes, causal or not,
 deterministic or not, plus a window case and a softcap case) against the float64 backward, and
 one ``flash_attention_varlen_backward`` case a dtype on the ``varlen_lengths`` sequences.
@@ -166,7 +167,7 @@ def check_result(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, out:
                  lse: np.ndarray | None, **extras) -> list[str]:
     """What is wrong with one result (empty: nothing), by the criterion the tests and the
     self-test use (``numbaflash.tools.reference.compare_with_reference``), plus no inf.
-    ``extras``: the call's ``window_size`` and ``softcap``."""
+    ``extras``: the call's ``window_size``, ``softcap`` and ``sink``."""
     from numbaflash.tools.reference import compare_with_reference
 
     _, problems = compare_with_reference(q, k, v, out, lse, causal=causal, **extras)
@@ -188,12 +189,24 @@ def worker_shapes(block_m: int) -> list[tuple[int, int, int, int, int]]:
 # The sliding-window and softcap kernels (issue 35) of both forward families, run on each config
 # beside the plain ones: (window_size, softcap) of each extra case, causal and not.
 WINDOW_SOFTCAP_CASES = (((5, 0), 0.0), ((17, 3), 30.0), ((-1, -1), 50.0), ((0, -1), 0.0))
+# The learnable-sink kernels (issue 56) of both forward families: (window_size, softcap) of each
+# sink case, causal and not, with the LSE, the logits of ``sink_logits``.
+SINK_CASES = (((-1, -1), 0.0), ((17, 3), 30.0))
+
+
+def sink_logits(heads_q: int) -> np.ndarray:
+    """The worker's learnable sink: float32 (heads_q,), one head with none (-inf), one that
+    outweighs the scores (6), and two ordinary ones."""
+    return np.resize(np.array([0.5, -np.inf, 6.0, -2.0], np.float32), heads_q)
 
 
 def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.ndarray], device: list,
              causal: bool, want_lse: bool, window_size: tuple[int, int] = (-1, -1),
-             softcap: float = 0.0) -> list[str]:
-    """One ``flash_attention`` call on device arrays (``out`` poisoned with NaN), checked."""
+             softcap: float = 0.0, sink: np.ndarray | None = None) -> list[str]:
+    """One ``flash_attention`` call on device arrays (``out`` poisoned with NaN), checked; ``sink``:
+    a learnable sink's logits (host), given as a device array."""
+    from numba import cuda
+
     from numbaflash import flash_attention
     from numbaflash.runtime.buffers import DeviceBuffer
 
@@ -203,15 +216,19 @@ def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.nd
     forced = configs.force_config(capability, causal, config)
     with forced, configs.force_config(capability, not causal, config):
         res = flash_attention(*device, causal=causal, return_lse=want_lse, out=out, window_size=window_size,
-                              softcap=softcap)
+                              softcap=softcap, learnable_sink=None if sink is None else cuda.to_device(sink))
     lse = res[1].copy_to_host() if want_lse else None
-    return check_result(*host, causal, out.copy_to_host(), lse, window_size=window_size, softcap=softcap)
+    return check_result(*host, causal, out.copy_to_host(), lse, window_size=window_size, softcap=softcap,
+                        sink=sink)
 
 
 # The mma.sync family's packed variable-length kernels, run on each of its configs: (causal,
 # window_size, softcap) of each call on the ``varlen_lengths`` sequences (the plain and causal
 # kernels, and the window + softcap one).
 VARLEN_CASES = ((False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (17, 3), 30.0))
+# Its learnable-sink builds: the same, with the sink of ``sink_logits`` and the LSE (the keyless
+# sequence's rows: 0 and LSE = the sink).
+VARLEN_SINK_CASES = ((True, (-1, -1), 0.0), (False, (17, 3), 30.0))
 
 
 def varlen_lengths(block_m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -223,10 +240,12 @@ def varlen_lengths(block_m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def run_varlen_case(config: KernelConfig, capability: tuple[int, int], host: list[np.ndarray], device: list,
                     causal: bool, want_lse: bool, window_size: tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0) -> list[str]:
+                    softcap: float = 0.0, sink: np.ndarray | None = None) -> list[str]:
     """One ``flash_attention_varlen`` call on device arrays (host: q, k, v, cu_seqlens_q,
     cu_seqlens_k; ``out`` poisoned with NaN), the config forced causal and not, checked per
-    sequence."""
+    sequence; ``sink``: a learnable sink's logits (host), given as a device array."""
+    from numba import cuda
+
     from numbaflash import flash_attention_varlen
     from numbaflash.runtime.buffers import DeviceBuffer
     from numbaflash.tools.reference import compare_varlen_with_reference
@@ -235,20 +254,22 @@ def run_varlen_case(config: KernelConfig, capability: tuple[int, int], host: lis
     out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
     max_q, max_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
     forced = configs.force_config(capability, causal, config)
+    with_sink = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}
     with forced, configs.force_config(capability, not causal, config):
         res = flash_attention_varlen(*device, max_q, max_k, causal=causal, return_lse=want_lse, out=out,
-                                     window_size=window_size, softcap=softcap)
+                                     window_size=window_size, softcap=softcap, **with_sink)
     lse = res[1].copy_to_host() if want_lse else None
     got = out.copy_to_host()
     _, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, got, lse, causal=causal,
-                                                window_size=window_size, softcap=softcap)
+                                                window_size=window_size, softcap=softcap, sink=sink)
     if not np.isfinite(np.asarray(got, np.float64)).all():
         problems.append(f"{np.count_nonzero(~np.isfinite(np.asarray(got, np.float64)))} non-finite outputs")
     return problems
 
 
 def run_varlen_worker(config: KernelConfig, capability: tuple[int, int], dtype, rng) -> int:
-    """``VARLEN_CASES`` x LSE on and off on ``config`` (GQA, heads 4/2); the wrong results."""
+    """``VARLEN_CASES`` x LSE on and off on ``config`` (GQA, heads 4/2), and ``VARLEN_SINK_CASES``;
+    the wrong results."""
     from numba import cuda
 
     from numbaflash.runtime.buffers import DeviceBuffer
@@ -269,6 +290,13 @@ def run_varlen_worker(config: KernelConfig, capability: tuple[int, int], dtype, 
                       f"seqlens_k={lengths_k} causal={causal} lse={want_lse} window={window} "
                       f"softcap={softcap}: {p}", flush=True)
             failures += bool(problems)
+    for causal, window, softcap in VARLEN_SINK_CASES:
+        problems = run_varlen_case(config, capability, host, device, causal, True, window, softcap,
+                                   sink_logits(4))
+        for p in problems:
+            print(f"WRONG {config} {np.dtype(dtype).name} varlen seqlens_q={lengths_q} seqlens_k={lengths_k} "
+                  f"causal={causal} window={window} softcap={softcap} sink: {p}", flush=True)
+        failures += bool(problems)
     return failures
 
 
@@ -299,6 +327,15 @@ def run_worker(config: KernelConfig) -> int:
                                   f"{(b, sq, sk, hq, hkv)} causal={causal} lse={want_lse} window={window} "
                                   f"softcap={softcap}: {p}", flush=True)
                         failures += bool(problems)
+            for window, softcap in SINK_CASES:
+                for causal in (False, True):
+                    problems = run_case(config, capability, host, device, causal, True, window, softcap,
+                                        sink_logits(hq))
+                    for p in problems:
+                        print(f"WRONG {config} {np.dtype(dtype).name} (b, sq, sk, hq, hkv)="
+                              f"{(b, sq, sk, hq, hkv)} causal={causal} window={window} softcap={softcap} "
+                              f"sink: {p}", flush=True)
+                    failures += bool(problems)
         failures += run_varlen_worker(config, capability, dtype, rng)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
@@ -403,6 +440,9 @@ BACKWARD_WINDOW_SOFTCAP_CASES = (((17, 3), 0.0, True), ((-1, -1), 30.0, False))
 # (window_size, softcap, causal); the window leaves most of the cache's tiles unread and, with
 # three splits, splits with no tile (their partials empty).
 DECODE_WINDOW_SOFTCAP_CASES = (((33, 2), 0.0, False), ((-1, -1), 30.0, True))
+# Its learnable-sink builds (issue 56): (window_size, softcap, causal) with the sink of
+# ``sink_logits`` (causal rows before a one-row cache's diagonal: 0 and LSE = the sink).
+DECODE_SINK_CASES = (((-1, -1), 0.0, True), ((33, 2), 30.0, False))
 
 
 def decode_cases(config) -> list[tuple[int, int]]:
@@ -412,9 +452,10 @@ def decode_cases(config) -> list[tuple[int, int]]:
 
 def run_decode_worker(config) -> int:
     """Decode on ``config``'s shapes: ragged cache lengths (1 to the capacity), with and without
-    appended rows, one and three splits, causal or not, and a window and a softcap case
-    (``DECODE_WINDOW_SOFTCAP_CASES``), both dtypes, contiguous or (its kind) paged with shuffled
-    pages; ``out`` poisoned with NaN; each sequence against float64."""
+    appended rows, one and three splits, causal or not, a window and a softcap case
+    (``DECODE_WINDOW_SOFTCAP_CASES``) and the sink cases (``DECODE_SINK_CASES``), both dtypes,
+    contiguous or (its kind) paged with shuffled pages; ``out`` poisoned with NaN; each sequence
+    against float64."""
     import ml_dtypes
     from numba import cuda
 
@@ -444,13 +485,16 @@ def run_decode_worker(config) -> int:
                     v_cache = np.empty_like(k_cache)
                     k_cache[table] = k_rows.reshape(batch, per_seq, page, heads_kv, d)
                     v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, d)
-                cases = (((-1, -1), 0.0, False), ((-1, -1), 0.0, True), *DECODE_WINDOW_SOFTCAP_CASES)
+                cases = [(*c, None) for c in (((-1, -1), 0.0, False), ((-1, -1), 0.0, True),
+                                              *DECODE_WINDOW_SOFTCAP_CASES)]
+                cases += [(*c, sink_logits(heads_kv * group)) for c in DECODE_SINK_CASES]
                 for splits in (1, 3):
-                    for window, softcap, causal in cases:
+                    for window, softcap, causal, sink in cases:
                         out = DeviceBuffer(np.full(q.shape, np.nan, dtype))
                         kwargs = {"block_table": None if table is None else cuda.to_device(table),
                                   "causal": causal, "num_splits": splits, "return_lse": True, "out": out,
-                                  "window_size": window, "softcap": softcap}
+                                  "window_size": window, "softcap": softcap,
+                                  "learnable_sink": None if sink is None else cuda.to_device(sink)}
                         if n_new:
                             kwargs.update(k_new=DeviceBuffer(new[0]), v_new=DeviceBuffer(new[1]))
                         with configs.force_decode_config(config):
@@ -464,11 +508,12 @@ def run_decode_worker(config) -> int:
                             values = np.concatenate([v_rows[b, :n], new[1][b]])[None]
                             _, problems = compare_with_reference(q[b:b + 1], keys, values, got[b:b + 1],
                                                                  lse[b:b + 1], causal=causal,
-                                                                 window_size=window, softcap=softcap)
+                                                                 window_size=window, softcap=softcap,
+                                                                 sink=sink)
                             for p in problems:
                                 print(f"WRONG {config} {np.dtype(dtype).name} group={group} sq={sq} "
                                       f"new={n_new} splits={splits} causal={causal} window={window} "
-                                      f"softcap={softcap} batch {b}: {p}", flush=True)
+                                      f"softcap={softcap} sink={sink is not None} batch {b}: {p}", flush=True)
                             failures += bool(problems)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0

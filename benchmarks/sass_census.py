@@ -23,14 +23,15 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
 _KERNELS: dict | None = None
+SINK = False  # --sink: the learnable-sink builds of the forward kernels (built on demand, not registered)
 
 
 def _kernels() -> dict:
     global _KERNELS
     if _KERNELS is None:
-        from numbaflash.tools.registry import registered_kernels
+        from numbaflash.tools.registry import forward_sink_kernels, registered_kernels
 
-        _KERNELS = registered_kernels()
+        _KERNELS = forward_sink_kernels() if SINK else registered_kernels()
     return _KERNELS
 
 
@@ -123,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", action="store_true",
                         help="compile through the kernel cache (NUMBAFLASH_CACHE_DIR): the census also "
                              "precompiles every registered kernel for each target")
+    parser.add_argument("--sink", action="store_true",
+                        help="the learnable-sink builds of the forward kernels instead (tools.registry."
+                             "forward_sink_kernels: built on demand, not registered)")
     args = parser.parse_args(argv)
-    global CACHE
-    CACHE = args.cache
+    global CACHE, SINK
+    CACHE, SINK = args.cache, args.sink
     if args.compare:
         return compare(*args.compare)
     archs = args.archs.split(",")

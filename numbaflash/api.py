@@ -31,6 +31,7 @@ def flash_attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     out: Any = None,
+    learnable_sink: Any = None,
 ) -> Any:
     """Exact attention ``O = softmax(Q Kᵀ · scale) V`` on tensor cores.
 
@@ -61,9 +62,17 @@ def flash_attention(
         out: optional output array (same shape and dtype as q, same kind as the inputs,
             writeable, no element sharing memory with another; a device out must not
             overlap k or v, but may be q itself).
+        learnable_sink: optional float32 (heads_q,) device array, FlashAttention-4's
+            ``learnable_sink`` (gpt-oss, StreamingLLM): one logit per query head, natural-log
+            units, neither scaled nor softcapped, added to every row's softmax with no value
+            row: out = Σ_j p_j v_j with p = softmax over the row's scores and the sink, so the
+            p_j sum to less than 1; the LSE includes the sink; rows that see no key give 0 and
+            LSE = the sink. A kernel variant of its own (compiled on first use), on both kernel
+            families. Device inputs only; no backward yet (under autograd: NotImplementedError).
 
     Raises:
         TypeError, ValueError: bad input, before anything is compiled or launched.
+        NotImplementedError: a learnable sink with numpy inputs or with autograd.
         RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
@@ -76,10 +85,17 @@ def flash_attention(
     """
     if kind_of(q) == "torch":
         route = (_TORCH_ROUTE or _torch_route())[0]
-        routed = route(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
+        if learnable_sink is None:
+            routed = route(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
+        else:
+            routed = route(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap,
+                           learnable_sink)
         if routed is not None:
             return routed
-    return direct_flash_attention(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
+    if learnable_sink is None:
+        return direct_flash_attention(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
+    return direct_flash_attention(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap,
+                                  learnable_sink)
 
 
 _TORCH_ROUTE: list = []  # [torch_route.route], once a torch tensor has reached the API
@@ -178,6 +194,7 @@ def flash_attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     out: Any = None,
+    learnable_sink: Any = None,
 ) -> Any:
     """Attention of a few new query rows against a KV cache (FlashAttention's
     ``flash_attn_with_kvcache``).
@@ -210,6 +227,10 @@ def flash_attention_with_kvcache(
             count (never from ``cache_seqlens``' values, so a captured graph stays valid).
         return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp.
         out: optional output array like q.
+        learnable_sink: optional float32 (heads_q,) device array, as for ``flash_attention``
+            (FlashAttention-4's ``learnable_sink``): one logit per query head in every row's
+            softmax, with no value row; the LSE includes it; rows that see no key give 0 and LSE
+            = the sink. A build of the decode kernel of its own, compiled on first use.
 
     On torch tensors under torch.compile (or fake tensors, a dispatch mode) the call goes
     through the custom op ``numbaflash::flash_attention_with_kvcache`` (``torch_ops``), which
@@ -227,16 +248,22 @@ def flash_attention_with_kvcache(
         from .torch_route import route_kvcache
 
         routed = route_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                               softmax_scale, num_splits, return_lse, out, window_size, softcap)
+                               softmax_scale, num_splits, return_lse, out, window_size, softcap,
+                               learnable_sink)
         if routed is not None:
             return routed
-        done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                                softmax_scale, num_splits, return_lse, out, window_size, softcap)
-        if done is not None:
-            return done
+        if learnable_sink is None:  # (a sink call takes the full checks, then its plan)
+            done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                                    softmax_scale, num_splits, return_lse, out, window_size, softcap)
+            if done is not None:
+                return done
+    if learnable_sink is None:
+        return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                   block_table, causal, softmax_scale, num_splits, return_lse,
+                                                   out, window_size, softcap)
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, num_splits, return_lse, out,
-                                               window_size, softcap)
+                                               window_size, softcap, learnable_sink)
 
 
 def flash_attention_varlen(
@@ -254,6 +281,7 @@ def flash_attention_varlen(
     softcap: float = 0.0,
     return_lse: bool = False,
     out: Any = None,
+    learnable_sink: Any = None,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func``), each sequence attending to its own keys only.
@@ -276,6 +304,8 @@ def flash_attention_varlen(
             that sequence's own lengths).
         return_lse: also return the float32 LSE, (heads_q, total_q); -inf on rows that see no key.
         out: optional output like q.
+        learnable_sink: optional float32 (heads_q,) device array, as for ``flash_attention``
+            (each sequence's rows; a row that sees no key gives 0 and LSE = the sink).
 
     Runs the GPU's own kernel: on Hopper at head dims 64, 96, 128 and 256 the TMA kernel, whose
     persistent schedule walks only the blocks that lie in a sequence; elsewhere the mma.sync
@@ -292,12 +322,12 @@ def flash_attention_varlen(
         from .torch_route import route_varlen
 
         routed = route_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                              softmax_scale, window_size, softcap, return_lse, out)
+                              softmax_scale, window_size, softcap, return_lse, out, learnable_sink)
         if routed is not None:
             return routed
     return direct_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         causal,
-                                         softmax_scale, window_size, softcap, return_lse, out)
+                                         causal, softmax_scale, window_size, softcap, return_lse, out,
+                                         learnable_sink)
 
 
 def flash_attention_varlen_backward(

@@ -541,3 +541,44 @@ def describe_index(name: str, x: Any, shape: tuple[int, ...]) -> Operand:
     if pointer % 4:
         raise ValueError(f"{name} must start on a 4-byte boundary, got pointer {pointer:#x}")
     return Operand(name, dims, "int32", True, x, strides, pointer, device=device)
+
+
+def describe_sink(x: Any, heads_q: int, on_device: bool, function: str = "flash_attention") -> Operand:
+    """A learnable sink (FlashAttention-4's ``learnable_sink``) as an operand: float32 logits of
+    shape (heads_q,), one per query head, a contiguous device array (torch CUDA tensor or any
+    ``__cuda_array_interface__`` object) on a 4-byte boundary. Numpy inputs take none yet
+    (NotImplementedError)."""
+    if not on_device:
+        raise NotImplementedError(f"{function}(): learnable_sink is not supported with numpy inputs yet; "
+                                  f"pass device arrays (torch CUDA tensors, CuPy, Numba)")
+    kind = kind_of(x)
+    device = None
+    if kind == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"learnable_sink: torch tensors must be on a CUDA device, got device {x.device}")
+        if x.dtype != _torch().float32:
+            raise TypeError(f"learnable_sink must be float32, got {x.dtype}")
+        dims, strides, pointer, device = tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.get_device()
+    elif kind == "cai":
+        cai = x.__cuda_array_interface__
+        try:
+            dtype = np.dtype(cai["typestr"])
+        except TypeError as exc:
+            raise TypeError(f"learnable_sink: unknown __cuda_array_interface__ typestr "
+                            f"{cai['typestr']!r}") from exc
+        if dtype != np.float32:
+            raise TypeError(f"learnable_sink must be float32, got {dtype}")
+        dims = tuple(map(int, cai["shape"]))
+        byte_strides = cai.get("strides")
+        strides = (1,) * len(dims) if byte_strides is None else tuple(int(s) // 4 for s in byte_strides)
+        pointer = int(cai["data"][0])
+    else:
+        raise TypeError(f"learnable_sink must be a float32 device array of shape (heads_q,) = ({heads_q},) "
+                        f"(torch CUDA tensor, CuPy, Numba), got {type(x).__name__}")
+    if dims != (heads_q,):
+        raise ValueError(f"learnable_sink must have shape (heads_q,) = ({heads_q},), got {dims}")
+    if heads_q > 1 and strides[0] != 1:
+        raise ValueError(f"learnable_sink must be contiguous, got stride {strides[0]}")
+    if pointer % 4:
+        raise ValueError(f"learnable_sink must start on a 4-byte boundary, got pointer {pointer:#x}")
+    return Operand("learnable_sink", dims, "float32", True, x, (1,), pointer, device=device)

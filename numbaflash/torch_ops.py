@@ -6,7 +6,7 @@ Imported through ``torch_route`` the first time a torch tensor reaches the API (
 numbaflash`` never imports torch). Two ops under the ``numbaflash`` namespace:
 
 - ``numbaflash::flash_attention_forward(q, k, v, causal, softmax_scale, window_left=-1,
-  window_right=-1, softcap=0.0) -> (out, lse)``
+  window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)``
 - ``numbaflash::flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale,
   deterministic, window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``
 
@@ -19,7 +19,10 @@ messages. The forward's autograd saves q, k, v, out and lse; the backward is the
 non-differentiable: it does not require grad, and no gradient flows through it. There is no
 double backward (the backward op has no autograd formula). A sliding window and a softcap
 (issue 35) go through both ops: the forward's are saved and passed to the backward op. Calls
-without them pass the ops' original arguments only. The packed variable-length forward op
+without them pass the ops' original arguments only. A learnable sink (issue 56) goes through
+both forward ops as their last argument; it has no backward yet: the autograd formula raises
+NotImplementedError for a forward that had one (``torch_route`` raises before such a forward
+runs). The packed variable-length forward op
 (``numbaflash::flash_attention_varlen_forward``) has the same kind of autograd: its backward is
 ``numbaflash::flash_attention_varlen_backward`` (with a fake kernel), which saves the offsets
 and maxima with q, k, v, out and lse.
@@ -65,8 +68,12 @@ def _check_like(name: str, x: Tensor, shape: tuple, dtype: torch.dtype) -> None:
 # The ops' implementations on real tensors. Module attributes, looked up at each call, so a
 # test can put a reference in their place on the CPU.
 def run_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
-                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
-    return direct_flash_attention(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                learnable_sink: Tensor | None = None):
+    if learnable_sink is None:
+        return direct_flash_attention(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
+    return direct_flash_attention(q, k, v, causal, softmax_scale, True, None, window_size, softcap,
+                                  learnable_sink)
 
 
 def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
@@ -104,10 +111,14 @@ def prepare_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scal
 @torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
 def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
                             window_left: int = -1, window_right: int = -1,
-                            softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                            softcap: float = 0.0,
+                            learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (contiguous), lse float32 (batch, heads_q, seqlen_q). The window
-    (``window_left``, ``window_right``; -1 unbounded) and ``softcap`` (0: off) as in
-    ``numbaflash.flash_attention``."""
+    (``window_left``, ``window_right``; -1 unbounded), ``softcap`` (0: off) and ``learnable_sink``
+    (float32 (heads_q,), or None) as in ``numbaflash.flash_attention``."""
+    if learnable_sink is not None:  # (no backward: nothing to prepare)
+        return run_forward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
+                           learnable_sink)
     prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap)
     if window_left == -1 and window_right == -1 and softcap == 0.0:
         out, lse = run_forward(q, k, v, causal, softmax_scale)
@@ -117,11 +128,13 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softm
 
 
 @flash_attention_forward.register_fake
-def _forward_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
+def _forward_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                  learnable_sink=None):
     check_tensors(q, k, v)
     check_window_size((window_left, window_right))
     check_softcap(softcap, softmax_scale)
     batch, seqlen_q, heads_q, _ = q.shape
+    _check_sink(learnable_sink, heads_q)
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
@@ -152,8 +165,21 @@ def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _check_sink(sink: Tensor | None, heads_q: int) -> None:
+    """A learnable sink's checks on metadata (fake and meta tensors too): float32 (heads_q,)."""
+    if sink is not None:
+        _check_like("learnable_sink", sink, (heads_q,), torch.float32)
+
+
+def _no_sink_backward(ctx, function: str) -> None:
+    if ctx.has_sink:
+        raise NotImplementedError(f"{function}(): learnable_sink has no backward yet (dq, dk, dv and d_sink "
+                                  f"with a sink are not implemented)")
+
+
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, softmax_scale = inputs[:5]
+    ctx.has_sink = len(inputs) > 8 and inputs[8] is not None
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
@@ -164,6 +190,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    _no_sink_backward(ctx, "flash_attention")
     q, k, v, out, lse = ctx.saved_tensors
     # The kernel reads dO in 16-byte row chunks: a gradient that is not a plain dense tensor
     # (expanded from a sum, a transposed view, an odd offset) becomes one first.
@@ -175,7 +202,7 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
     else:
         dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                               ctx.deterministic, *ctx.window_size, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -186,21 +213,31 @@ flash_attention_forward.register_autograd(_backward, setup_context=_setup_contex
 
 def run_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor | None,
                 v_new: Tensor | None, block_table: Tensor | None, causal: bool, softmax_scale: float,
-                num_splits: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                num_splits: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                learnable_sink: Tensor | None = None):
+    if learnable_sink is None:
+        return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                   block_table, causal, softmax_scale, num_splits, True, None,
+                                                   window_size, softcap)
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, num_splits, True, None, window_size,
-                                               softcap)
+                                               softcap, learnable_sink)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
 def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                                  k_new: Tensor | None, v_new: Tensor | None, block_table: Tensor | None,
                                  causal: bool, softmax_scale: float, num_splits: int, window_left: int = -1,
-                                 window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                                 window_right: int = -1, softcap: float = 0.0,
+                                 learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of decode against the cache; k_new / v_new, when given, are written into the
-    cache in place (hence ``mutates_args``). The window's sides and the softcap as
-    ``flash_attention_with_kvcache`` takes them (validated), passed on only when not the defaults."""
-    if window_left == -1 and window_right == -1 and softcap == 0.0:
+    cache in place (hence ``mutates_args``). The window's sides, the softcap and the learnable sink
+    as ``flash_attention_with_kvcache`` takes them (validated), passed on only when not the defaults."""
+    if learnable_sink is not None:
+        out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                               softmax_scale, num_splits, (window_left, window_right), softcap,
+                               learnable_sink)
+    elif window_left == -1 and window_right == -1 and softcap == 0.0:
         out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                                softmax_scale, num_splits)
     else:
@@ -211,10 +248,11 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ca
 
 @flash_attention_with_kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
-                  num_splits, window_left=-1, window_right=-1, softcap=0.0):
+                  num_splits, window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
     check_window_size((window_left, window_right))
     check_softcap(softcap, softmax_scale)
     batch, seqlen_q, heads_q, _ = q.shape
+    _check_sink(learnable_sink, heads_q)
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
@@ -223,10 +261,10 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
 
 def run_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, causal: bool, softmax_scale: float, window_size: tuple[int, int],
-               softcap: float):
+               softcap: float, learnable_sink: Tensor | None = None):
     return direct_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          causal,
-                                         softmax_scale, window_size, softcap, True, None)
+                                         softmax_scale, window_size, softcap, True, None, learnable_sink)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_varlen_forward", mutates_args=())
@@ -234,9 +272,13 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
                                    cu_seqlens_k: Tensor,
                                    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
                                    window_left: int = -1, window_right: int = -1,
-                                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                                   softcap: float = 0.0,
+                                   learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (total_q, heads_q, head_dim), contiguous; lse float32 (heads_q,
-    total_q). Autograd: the varlen backward op."""
+    total_q). Autograd: the varlen backward op (none with a ``learnable_sink``)."""
+    if learnable_sink is not None:
+        return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          softmax_scale, (window_left, window_right), softcap, learnable_sink)
     prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
                      (max_seqlen_q, max_seqlen_k))
     out, lse = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -247,7 +289,7 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
 
 @flash_attention_varlen_forward.register_fake
 def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                 window_left=-1, window_right=-1, softcap=0.0):
+                 window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
     operands = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         dtype_name = DTYPE_NAMES.get(x.dtype)
@@ -263,6 +305,7 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     check_window_size((window_left, window_right))
     check_softcap(softcap, softmax_scale)
     total_q, heads_q, _ = q.shape
+    _check_sink(learnable_sink, heads_q)
     return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
@@ -308,11 +351,13 @@ def _varlen_setup_context(ctx, inputs, output) -> None:
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.window_size = (inputs[9], inputs[10]) if len(inputs) > 10 else (-1, -1)
     ctx.softcap = inputs[11] if len(inputs) > 11 else 0.0
+    ctx.has_sink = len(inputs) > 12 and inputs[12] is not None
     ctx.deterministic = torch.are_deterministic_algorithms_enabled()
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    _no_sink_backward(ctx, "flash_attention_varlen")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if not dout.is_contiguous() or dout.storage_offset() % 8:  # 16-byte row chunks (as the dense op's)
         dout = dout.clone(memory_format=torch.contiguous_format)
@@ -320,7 +365,7 @@ def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
                                                  ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
                                                  ctx.softmax_scale, ctx.deterministic, *ctx.window_size,
                                                  ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 flash_attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -27,15 +27,18 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out, window_size=(-1, -1),
-          softcap=0.0):
+          softcap=0.0, learnable_sink=None):
     """``flash_attention`` on torch tensors: None when the direct (eager, no autograd) path
     serves the call, else its result through the custom op. The op runs when autograd needs
     it (grad mode on and q, k or v requiring grad), under torch.compile / torch.export, on
     tensor subclasses (fake, functional), under a dispatch mode (FakeTensorMode, make_fx,
     FlopCounterMode), and on meta tensors. Kept small: torch.compile traces it
     (``is_dynamo_compiling()`` is constant True there: the rest of the test is not traced;
-    non-strict export and make_fx trace with fake tensors under a dispatch mode)."""
+    non-strict export and make_fx trace with fake tensors under a dispatch mode). A learnable
+    sink has no backward yet: a call that would need one raises NotImplementedError."""
     needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if learnable_sink is not None:
+        check_sink_grad("flash_attention", needs_grad, learnable_sink)
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
     check_tensors(q, k, v)
@@ -56,7 +59,10 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
             raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype "
                              f"{DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
                              f"{DTYPE_NAMES.get(out.dtype, out.dtype)}")
-    if window_size == (-1, -1) and softcap == 0.0:
+    if learnable_sink is not None:
+        result, lse = flash_attention_forward(q, k, v, causal, softmax_scale, *window_size, softcap,
+                                              learnable_sink)
+    elif window_size == (-1, -1) and softcap == 0.0:
         result, lse = flash_attention_forward(q, k, v, causal, softmax_scale)
     else:
         result, lse = flash_attention_forward(q, k, v, causal, softmax_scale, *window_size, softcap)
@@ -65,8 +71,18 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     return (result, lse) if return_lse else result
 
 
+def check_sink_grad(function: str, needs_grad: bool, learnable_sink) -> None:
+    """A call with a learnable sink whose backward autograd would need (q, k, v or the sink requiring
+    grad, in grad mode) raises NotImplementedError: the backward with a sink is not built yet."""
+    if needs_grad or (_grad_enabled() and getattr(learnable_sink, "requires_grad", False)):
+        raise NotImplementedError(
+            f"{function}(): learnable_sink has no backward yet (dq, dk, dv and d_sink with a sink are not "
+            f"implemented); call it under torch.no_grad(), or with q, k, v and learnable_sink detached")
+
+
 def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                  softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0):
+                  softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0,
+                  learnable_sink=None):
     """``flash_attention_with_kvcache`` on torch tensors: None where the direct path serves the
     call, else its result through the custom op (under torch.compile / export, fake or meta
     tensors, a dispatch mode), so that a compiled decode step has no graph break."""
@@ -83,7 +99,9 @@ def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, bloc
         softcap = check_softcap(softcap, softmax_scale)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
             int(num_splits))
-    if window_size == (-1, -1) and softcap == 0.0:
+    if learnable_sink is not None:
+        result, lse = flash_attention_with_kvcache(*args, *window_size, softcap, learnable_sink)
+    elif window_size == (-1, -1) and softcap == 0.0:
         result, lse = flash_attention_with_kvcache(*args)
     else:
         result, lse = flash_attention_with_kvcache(*args, *window_size, softcap)
@@ -92,11 +110,14 @@ def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, bloc
 
 def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  softmax_scale,
-                 window_size, softcap, return_lse, out):
+                 window_size, softcap, return_lse, out, learnable_sink=None):
     """``flash_attention_varlen`` on torch tensors: None where the direct path serves the call;
     else the custom op, whose autograd runs the varlen backward (grad mode on and q, k or v
-    requiring grad; torch.compile / export, fake or meta tensors, a dispatch mode)."""
+    requiring grad; torch.compile / export, fake or meta tensors, a dispatch mode). A learnable
+    sink has no backward yet (``check_sink_grad``)."""
     needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if learnable_sink is not None:
+        check_sink_grad("flash_attention_varlen", needs_grad, learnable_sink)
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
     if out is not None:
@@ -111,7 +132,8 @@ def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap, softmax_scale)
+    sink = () if learnable_sink is None else (learnable_sink,)
     result, lse = flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                  int(max_seqlen_k), causal, softmax_scale, *window_size,
-                                                     softcap)
+                                                 softcap, *sink)
     return (result, lse) if return_lse else result

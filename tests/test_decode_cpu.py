@@ -568,3 +568,46 @@ def test_kvcache_op_takes_window_and_softcap(monkeypatch):
     torch.library.opcheck(torch.ops.numbaflash.flash_attention_with_kvcache.default,
                           (q, kc, vc, lens, kn, vn, None, True, 0.125, 0, 4, 0, 30.0))
     assert seen and seen[-1] == ((4, 0), 30.0)
+
+
+# ------------------------------------------------------------------ a learnable sink (issue 56)
+
+
+@pytest.mark.parametrize(("sink", "error", "match"), [
+    (FakeDeviceArray((4,), "<f4"), ValueError, r"learnable_sink must have shape \(heads_q,\) = \(8,\), got"),
+    (FakeDeviceArray((8,), "<f2"), TypeError, "learnable_sink must be float32, got float16"),
+])
+def test_a_bad_sink_is_rejected_before_compiling(no_compile, sink, error, match):
+    with pytest.raises(error, match=match):
+        call(inputs(), learnable_sink=sink)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_sink_call_runs_the_sink_build_with_the_sink_last(fake_gpu, monkeypatch, splits):
+    """The sink build of the plain call's config, its own plan; its parameters are the plain call's
+    then the sink (pointer, heads_q); the combine kernel's launch is the plain call's."""
+    built = []
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda spec: built.append(spec)
+                        or (types.SimpleNamespace(handle=1), kernel_name(spec)))
+    x = inputs(seqlen_q=2, seqlen_new=1)
+    plain = _calls(x, num_splits=splits, return_lse=True)
+    sink = FakeDeviceArray((8,), "<f4")
+    with_sink = _calls(x, num_splits=splits, return_lse=True, learnable_sink=sink)
+    assert [s.sink for s in built if s.operation == "decode"] == [False, True]
+    assert len(with_sink) == len(plain) == (2 if splits > 1 else 1)
+    assert with_sink[0][2][-1] == (sink.__cuda_array_interface__["data"][0], 8)
+    assert len(with_sink[0][2]) == len(abi.DECODE_ABI) + 1
+    assert with_sink[0][1] == plain[0][1]
+    for a, b in zip(with_sink[0][2][:-1], plain[0][2], strict=True):
+        assert a == b or (isinstance(a, tuple) and a[1] == b[1])  # array pointers: new outputs
+    if splits > 1:
+        assert [len(a) for _, _, a in with_sink[1:]] == [len(a) for _, _, a in plain[1:]]
+    assert len(device.GPU.plans) == 2
+
+
+def test_a_window_softcap_sink_call_takes_the_variant_parameters_then_the_sink(fake_gpu):
+    sink = FakeDeviceArray((8,), "<f4")
+    launches = _calls(inputs(), num_splits=1, window_size=(7, 0), softcap=30.0, learnable_sink=sink)
+    args = launches[0][2]
+    assert len(args) == len(abi.DECODE_VARIANT_ABI) + 1 and args[-4] == 7  # window_left, ..., sink
+    assert args[-1] == (sink.__cuda_array_interface__["data"][0], 8)

@@ -34,6 +34,23 @@ def test_every_registered_kernel_agrees_with_its_declaration(registered):
         assert tuple(inspect.signature(function).parameters) == params.names_of(declared), name
         checked += 1
     assert 800 < checked <= len(registered) <= 907
+    assert not any(getattr(kernel, "spec", None) and kernel.spec.sink for kernel, _, _ in registered.values())
+
+
+def test_every_sink_build_agrees_with_its_declaration():
+    """The learnable-sink builds of the forward kernels (built on demand, not registered): the
+    declaration (the plain build's, then ``params.SINK``) is the kernel's parameter list."""
+    from numbaflash.tools.registry import forward_sink_kernels
+
+    sinks = forward_sink_kernels()
+    for name, (kernel, argtypes, _) in sinks.items():
+        declared = kernel_params(kernel.spec)
+        assert kernel.spec.sink and declared[-1] == params.SINK[0] and "_sink_" in name, name
+        assert kernel_abi(kernel.spec) == tuple(str(t) for t in argtypes), name
+        function = getattr(kernel, "py_func", kernel)
+        assert tuple(inspect.signature(function).parameters) == params.names_of(declared), name
+    assert {k.spec.family for k, _, _ in sinks.values()} == {"sm80", "sm90"}
+    assert any(k.spec.varlen for k, _, _ in sinks.values())
 
 
 def test_each_declaration_parses_into_its_numba_types():

@@ -211,15 +211,17 @@ def test_varlen_worker_with_a_stand_in(monkeypatch, capsys, broken):
     config = next(c for c in san.runnable_configs((9, 0)) if isinstance(c, ForwardConfig))
     seen = []
 
-    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse, out, window_size, softcap):
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse, out, window_size, softcap,
+                 learnable_sink=None):
         q, k, v, cu_q, cu_k = (x.array if isinstance(x, _HostBuffer) else x for x in (q, k, v, cu_q, cu_k))
+        sink = None if learnable_sink is None else learnable_sink.array
         assert np.isnan(out.array.astype(np.float32)).all()
         assert (max_q, max_k) == (int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
         for either in (False, True):  # what the varlen kernel of either kind would launch
             chosen = configs.forward_config((9, 0), config.head_dim, either, varlen=True)
             assert chosen == config
-        seen.append((causal, window_size, softcap, return_lse))
-        options = {"causal": causal, "window_size": window_size, "softcap": softcap}
+        seen.append((causal, window_size, softcap, return_lse, sink is not None))
+        options = {"causal": causal, "window_size": window_size, "softcap": softcap, "sink": sink}
         got, _ = varlen_attention_reference(q, k, v, cu_q, cu_k, rounding_dtype=q.dtype, **options)
         _, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, **options)
         if broken:
@@ -231,10 +233,12 @@ def test_varlen_worker_with_a_stand_in(monkeypatch, capsys, broken):
     monkeypatch.setattr(numba.cuda, "to_device", _HostBuffer)
     monkeypatch.setattr(numbaflash, "flash_attention_varlen", stand_in)
     failures = san.run_varlen_worker(config, (9, 0), np.float16, np.random.default_rng(0))
-    assert sorted(seen) == sorted((c, w, s, lse) for c, w, s in san.VARLEN_CASES for lse in (False, True))
+    plain = [(c, w, s, lse, False) for c, w, s in san.VARLEN_CASES for lse in (False, True)]
+    assert sorted(seen) == sorted(plain + [(c, w, s, True, True) for c, w, s in san.VARLEN_SINK_CASES])
     printed = capsys.readouterr().out
     if broken:  # every call wrong, with two problems: the keyless row, and a non-finite output
-        assert failures == 2 * len(san.VARLEN_CASES) and printed.count("WRONG") == 2 * failures
+        calls = 2 * len(san.VARLEN_CASES) + len(san.VARLEN_SINK_CASES)
+        assert failures == calls and printed.count("WRONG") == 2 * failures
         assert "sequence 1 (seqlen_q 1, seqlen_k 0)" in printed and "non-finite" in printed
     else:
         assert failures == 0 and printed == ""

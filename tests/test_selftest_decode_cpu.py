@@ -136,3 +136,16 @@ def test_decode_refuses_options_that_do_not_apply(fake_hopper, capsys, argv):
     with pytest.raises(SystemExit) as exc:
         selftest.main(argv)
     assert exc.value.code == 2 and "--decode" in capsys.readouterr().err and not fake_hopper
+
+
+def test_a_share_of_decode_cases_draws_a_sink():
+    """A learnable sink (issue 56) in about 15% of the cases (a third with --variants), one logit a
+    query head, from a stream of its own."""
+    from numbaflash.tools import selftest_decode
+
+    for variants, share in ((False, selftest_decode.DECODE_SINK_SHARE),
+                            (True, selftest_decode.DECODE_SINK_SHARE_VARIANTS)):
+        cases = [selftest_decode.draw_decode_case(s, i, False, variants) for s in (0, 1) for i in range(500)]
+        with_sink = [c for c in cases if c.sink]
+        assert abs(len(with_sink) / len(cases) - share) < 0.05
+        assert all(len(c.sink) == c.heads_q for c in with_sink) and "sink=" in with_sink[0].describe()

@@ -81,8 +81,8 @@ def test_ops_are_registered_with_their_schemas():
     bwd = torch.ops.numbaflash.flash_attention_backward.default
     assert str(fwd._schema) == (
         "numbaflash::flash_attention_forward(Tensor q, Tensor k, Tensor v, bool causal, "
-        "float softmax_scale, SymInt window_left=-1, SymInt window_right=-1, float softcap=0.) "
-        "-> (Tensor, Tensor)")
+        "float softmax_scale, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
+        "Tensor? learnable_sink=None) -> (Tensor, Tensor)")
     assert str(bwd._schema) == (
         "numbaflash::flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, bool causal, float softmax_scale, bool deterministic, SymInt window_left=-1, "

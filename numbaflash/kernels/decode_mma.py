@@ -28,6 +28,12 @@ follows the window, not the cache; the new rows are appended into the cache by a
 own, since the walk may skip their tiles) and ``softcap`` (scores tanh(QKᵀ · scale / softcap)
 before the softmax, ``softmax.cap_scores``, whose exponent factor is then softcap·log2(e)).
 
+A third, ``sink`` (a learnable sink, FlashAttention-4's ``learnable_sink``; ``params.SINK`` after
+the plain or variant parameters), changes the warps' merge only: split 0 takes the sink's term
+(exp2 of the logit over the merged max) into each row's sum, so its partial and LSE include it and
+the combine kernel, which merges LSE-weighted partials, needs nothing of it; a row that sees no key
+gives 0 and LSE = the sink. The walk is the plain kernel's.
+
 The kernel is built from rooms: ``make_decode_rows`` (the row source: Q's packed rows, a dense or
 paged cache and the appended rows), ``make_decode_step`` (the walk over the key tiles, on the
 forward's QK and PV steps, online softmax and masker from ``mma_pieces``) and ``make_warp_stash``
@@ -48,7 +54,7 @@ from .epilogue import log_sum_exp
 from .mma_pieces import MmaShape, make_masker, make_online_softmax, make_pv_steps, make_qk_steps
 from .shapes import DecodeConfig
 from .smem import ldmatrix_offsets, swizzled_offset
-from .softmax import pack_16bit, quad_sum
+from .softmax import pack_16bit, quad_sum, sink_logit
 
 # One sequence's keys: batch b, its cache rows, its total length (cache + new rows), and its
 # block table (paged: capacity is the page size, pages the table's row length).
@@ -425,27 +431,31 @@ def q_in_registers(config: DecodeConfig) -> bool:
     return config.m_tiles * (config.head_dim // 16) <= 8
 
 
-def decode_entry(run_decode, variant: bool):
+def decode_entry(run_decode, variant: bool, sink: bool = False):
     """The decode kernel's entry function around its body ``run_decode(p, window_left,
-    window_right, cap_scale)``: parameters ``DecodeParams``' fields in order (``params.DECODE``),
+    window_right, cap_scale, sink)``: parameters ``DecodeParams``' fields in order (``params.DECODE``),
     then for a ``variant`` ``window_left, window_right, cap_scale`` (``params.DECODE_VARIANT``;
-    the plain kernel passes 0, 0, 0.0). Generated from the one list of names, so that the
-    parameters are written once; named ``flash_decode`` or ``flash_decode_variant``."""
+    the plain kernel passes 0, 0, 0.0), then for a ``sink`` build ``sink`` (``params.SINK``; else
+    None). Generated from the one list of names, so that the parameters are written once; named
+    ``flash_decode`` or ``flash_decode_variant``."""
     rest = "window_left, window_right, cap_scale" if variant else "int64(0), int64(0), float32(0.0)"
+    declared = params.DECODE_VARIANT if variant else params.DECODE
     return params.entry("flash_decode_variant" if variant else "flash_decode",
-                        params.DECODE_VARIANT if variant else params.DECODE,
-                        f"run_decode(DecodeParams({', '.join(DecodeParams._fields)}), {rest})",
+                        declared + params.SINK if sink else declared,
+                        f"run_decode(DecodeParams({', '.join(DecodeParams._fields)}), {rest}, "
+                        f"{'sink' if sink else 'None'})",
                         {"run_decode": run_decode, "DecodeParams": DecodeParams, "int64": int64,
                          "float32": float32})
 
 
 def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,
-                       softcap: bool = False):
+                       softcap: bool = False, sink: bool = False):
     """The decode kernel (``params.DECODE``): grid (num_splits, row_blocks * heads_kv, batch),
     ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory. ``window`` or
     ``softcap``: a variant (``params.DECODE_VARIANT``: window_left, window_right, cap_scale
     after the plain parameters; ``scale_log2`` is then softcap·log2(e) with a softcap); a window
-    kernel's ``causal`` must be False (its right side 0 is causal masking)."""
+    kernel's ``causal`` must be False (its right side 0 is causal masking). ``sink``: a learnable
+    sink's build (``params.SINK`` last), which split 0's merge takes into each row."""
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
@@ -464,6 +474,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     SRING = BM * D * 2
     Q_REGS = q_in_registers(config)
     WINDOW = window
+    SINK = sink
     rows = make_decode_rows(config)
     SLOTS = rows.slots
     fetch_pages, load_tiles = rows.fetch_pages, rows.load_tiles
@@ -478,9 +489,10 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
-    def run_decode(p, window_left, window_right, cap_scale):
+    def run_decode(p, window_left, window_right, cap_scale, sink):
         """The kernel's body: ``p`` a DecodeParams (the plain kernel's parameters); the window's
-        sides and softmax_scale / softcap (read by the variants only)."""
+        sides and softmax_scale / softcap (read by the variants only); the sink's logits (sink
+        builds only)."""
         smem = cuda.shared.array(0, types.uint16)
         smem_f = cuda.shared.array(0, float32)  # the same dynamic shared memory, as float32
         tid = cuda.threadIdx.x & 1023
@@ -582,6 +594,11 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                 m_max = NEG_INF
                 for w in range(WARPS):
                     m_max = max(m_max, smem_f[ML_AT + (w * BM + row) * 2])
+                logit = NEG_INF  # the sink's (split 0 of a sink build), in the merge's log2 units
+                if SINK:
+                    if split == 0:
+                        logit = sink_logit(sink, kv_head * p.group + r % p.group)
+                        m_max = max(m_max, logit)
                 l_all = float32(0.0)
                 acc = cuda.local.array(8, float32)
                 for c in range(8):
@@ -592,6 +609,9 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                         l_all += weight * smem_f[ML_AT + (w * BM + row) * 2 + 1]
                         for c in range(8):
                             acc[c] += weight * smem_f[O_AT + (w * BM + row) * OS + chunk * 8 + c]
+                if SINK:
+                    if logit != NEG_INF:
+                        l_all += ptx.exp2(logit - m_max)
                 inv = float32(1.0) / l_all if l_all > 0 else float32(0.0)
                 lse_value = log_sum_exp(m_max, l_all)
                 pos = r // p.group
@@ -617,8 +637,8 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
 
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
-    kernel = decode_entry(run_decode, window or softcap)
-    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}"
+    kernel = decode_entry(run_decode, window or softcap, sink)
+    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}{'_sink' if sink else ''}"
     kernel.launch_bounds = (config.threads, 1)
     return kernel
 

@@ -40,12 +40,18 @@ class Family:
     gpus: str  # which GPUs run it, for messages
     operations: tuple[str, ...]  # in launch order
     varlen: bool = False
+    sink: tuple[str, ...] = ()  # the operations it builds with a learnable sink (``KernelSpec.sink``)
 
-    def runs(self, operation: str, varlen: bool = False) -> bool:
-        """Whether the family has a kernel of ``operation`` (a packed variable-length one: ``varlen``)."""
-        return operation in self.operations and (self.varlen or not varlen)
+    def runs(self, operation: str, varlen: bool = False, sink: bool = False) -> bool:
+        """Whether the family has a kernel of ``operation`` (a packed variable-length one: ``varlen``;
+        with a learnable sink: ``sink``)."""
+        return (operation in self.operations and (self.varlen or not varlen)
+                and (not sink or operation in self.sink))
 
     def check(self, spec: KernelSpec) -> None:
+        if spec.sink and spec.operation not in self.sink:
+            raise NotImplementedError(f"the {self.name} family has no {spec.kind} kernel (a learnable sink: "
+                                      f"{', '.join(self.sink) or 'no operation'} only)")
         if not self.runs(spec.operation, spec.varlen):
             raise NotImplementedError(f"the {self.name} family has no {spec.kind} kernel "
                                       f"(it has: {', '.join(self.operations)}"
@@ -61,13 +67,14 @@ DECODE_OPERATIONS = ("decode", "decode_combine")  # launch order (the combine: m
 # ``WsBackwardConfig.dq_config()``; no packed kernels: those calls run sm80bwd on Hopper too) and
 # decode against a KV cache.
 SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capability 8.0 or newer",
-              ("forward",), varlen=True)
-SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward",), varlen=True)
+              ("forward",), varlen=True, sink=("forward",))
+SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward",), varlen=True,
+              sink=("forward",))
 SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer",
                   BACKWARD_OPERATIONS, varlen=True)
 SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", BACKWARD_OPERATIONS)
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer",
-                  DECODE_OPERATIONS)
+                  DECODE_OPERATIONS, sink=("decode",))
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
@@ -100,14 +107,14 @@ def _forward(s: KernelSpec):
     from .forward_mma import make_forward_kernel
 
     return make_forward_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap,
-                               varlen=s.varlen)
+                               varlen=s.varlen, sink=s.sink)
 
 
 def _forward_ws(s: KernelSpec):
     from .forward_ws import make_forward_ws_kernel
 
     return make_forward_ws_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap,
-                                  varlen=s.varlen)
+                                  varlen=s.varlen, sink=s.sink)
 
 
 def _backward_prep(s: KernelSpec):
@@ -138,7 +145,7 @@ def _backward_ws(s: KernelSpec):
 def _decode(s: KernelSpec):
     from .decode_mma import make_decode_kernel
 
-    return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap)
+    return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap, sink=s.sink)
 
 
 def _decode_combine(s: KernelSpec):
@@ -259,12 +266,15 @@ def make_kernel(spec: KernelSpec):
 
 def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     """The parameters of ``spec``'s kernel, in order (``kernels.params``): its operation's, with
-    the packed sequences of a varlen build, and the window's and softcap's for a decode variant."""
+    the packed sequences of a varlen build, the window's and softcap's for a decode variant, and
+    the learnable sink's logits last for a sink build."""
     family, op = spec.family, spec.operation
     if op == "forward":
         if family == "sm90":
-            return params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
-        return params.VARLEN_FORWARD if spec.varlen else params.FORWARD
+            declared = params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
+        else:
+            declared = params.VARLEN_FORWARD if spec.varlen else params.FORWARD
+        return declared + params.SINK if spec.sink else declared
     if op == "backward_prep":
         return params.VARLEN_BACKWARD_PREP if spec.varlen else params.BACKWARD_PREP
     if op == "backward_dq":
@@ -274,7 +284,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
             return params.WS_BACKWARD
         return params.VARLEN_BACKWARD if spec.varlen else params.BACKWARD
     if op == "decode":
-        return params.DECODE_VARIANT if spec.window or spec.softcap else params.DECODE
+        declared = params.DECODE_VARIANT if spec.window or spec.softcap else params.DECODE
+        return declared + params.SINK if spec.sink else declared
     if op == "decode_combine":
         return params.DECODE_COMBINE
     raise NotImplementedError(spec.kind)
@@ -292,10 +303,10 @@ def kernel_argtypes(spec: KernelSpec) -> tuple:
 
 def spec_of(config: Any, operation: str = "forward", bf16: bool = False, arch: str | None = None, *,
             causal: bool = False, window: bool = False, softcap: bool = False,
-            varlen: bool = False) -> KernelSpec:
+            varlen: bool = False, sink: bool = False) -> KernelSpec:
     """The normalised spec of ``config``'s ``operation`` kernel (``kernels.spec.kernel_spec``) in its
     family; ``arch`` None: the family's own target."""
     family = family_of(config)
     arch = family.arch if arch is None else arch
     return kernel_spec(family.name, operation, config, dtype_name(bf16), arch, causal=causal, window=window,
-                       softcap=softcap, varlen=varlen)
+                       softcap=softcap, varlen=varlen, sink=sink)

@@ -34,6 +34,11 @@ whose own lengths replace seqlen_q and seqlen_k (so masks, causal diagonal and w
 sequence, and no tile reads or writes a row of another sequence); a query block past its
 sequence's end returns at once. The LSE is (heads_q, total_q). The other builds never see it.
 
+A fourth, ``sink`` (a learnable sink, FlashAttention-4's ``learnable_sink``), takes the float32
+(heads_q,) logits last (``params.SINK``) and starts each row's online softmax at its head's logit
+(``softmax.start_at_sink``): the loop and the epilogue are the plain ones. Every build's kernel is
+the body's entry, generated from its declaration (``params.entry``).
+
 The kernel is built from rooms, each returning its named steps: ``make_row_source`` (dense or
 varlen rows), ``make_kv_step`` (one KV tile: copies, and the QK / PV steps, online softmax and
 masker of ``mma_pieces``, which the decode kernel shares) and ``make_forward_epilogue``.
@@ -46,12 +51,14 @@ from collections import namedtuple
 from numba import cuda, float32, int64, types, uint32
 
 from .. import ptx
+from . import params
 from .blocks import Band, ScoreMask, band_kv_tiles, query_block, visible_kv_tiles
 from .common import NEG_INF, keep_in_register
 from .epilogue import stage_output_rows, store_lse, store_rows_global
 from .mma_pieces import MmaShape, make_masker, make_online_softmax, make_pv_steps, make_qk_steps
 from .shapes import ForwardConfig
 from .smem import copy_tile_async, drain_copies, global_rows, ldmatrix_offsets, load_a_fragments
+from .softmax import sink_logit
 
 # What a varlen kernel passes in the body's ``batch_size`` slot: the number of sequences, the
 # int32 cumulative offsets of their queries and keys (count + 1,), and the LSE's head stride.
@@ -68,6 +75,9 @@ RowSource = namedtuple("RowSource", ["locate", "rows_of", "lse_base"])
 KvLoop = namedtuple("KvLoop", ["n_tiles", "kv_first", "tid", "sk", "sv", "q_warp", "k_rows", "v_rows",
                                "k_offsets", "v_offsets", "acc_s", "acc_o", "q_frag", "p_frag", "b_frag",
                                "m_run", "l_run", "mx", "scale_log2", "cap_scale", "at", "band"])
+# One KV tile's room (``make_kv_step``): the softmax state's start (``SoftmaxSteps.start_rows``) and
+# the tile's step.
+KvStep = namedtuple("KvStep", ["start_rows", "attend_tile"])
 # Where the epilogue writes (``make_forward_epilogue``): O and its strides, the LSE and whether
 # to write it, heads_q, and the body's ``batch_size`` slot (a Sequences for varlen kernels).
 OutRows = namedtuple("OutRows", ["o", "o_sb", "o_ss", "o_sh", "lse", "write_lse", "heads_q", "seqs"])
@@ -133,9 +143,11 @@ def make_row_source(varlen: bool) -> RowSource:
 
 
 def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
-                 softcap: bool = False):
+                 softcap: bool = False, sink: bool = False) -> KvStep:
     """One KV tile of the loop, ``attend_tile(n_block, loop)`` (``loop``: a KvLoop): V_j's copy,
-    S = Q K_jᵀ, K_{j+1}'s copy, softcap and masks, the online softmax and O += P V_j.
+    S = Q K_jᵀ, K_{j+1}'s copy, softcap and masks, the online softmax and O += P V_j; and
+    ``start_rows(m_run, l_run, logit)``, the softmax state before the first tile (with ``sink``:
+    the learnable sink's term, ``logit`` its ``softmax.sink_logit``).
 
     The copy of V_j overlaps S = Q K_jᵀ and the copy of K_{j+1} overlaps O += P V_j (with
     ``early_k`` or ``interleave_pv``: the softmax too)."""
@@ -149,7 +161,7 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
     SOFTCAP = softcap
     qk = make_qk_steps(shape, config.q_in_regs, config.double_buffer, bf16)
     pv = make_pv_steps(shape, config.double_buffer, bf16)
-    softmax = make_online_softmax(shape, bf16, pv, config.double_buffer)
+    softmax = make_online_softmax(shape, bf16, pv, config.double_buffer, sink)
     masker = make_masker(shape, causal, window)
     qk_scores, pv_accumulate = qk.qk_scores, pv.pv_accumulate
     online_softmax, softmax_into_pv, cap = softmax.online_softmax, softmax.softmax_into_pv, softmax.cap
@@ -195,13 +207,13 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
                     ptx.cp_async_commit_group()
             pv_accumulate(acc_o, loop.p_frag, sv, loop.v_offsets, loop.b_frag, 0)
 
-    return attend_tile
+    return KvStep(softmax.start_rows, attend_tile)
 
 
 def make_forward_epilogue(config: ForwardConfig, bf16: bool, rows: RowSource):
     """``finish(acc_o, m_run, l_run, out, at)`` (``out``: OutRows, ``at``: WarpRows): normalise,
     stage this warp's rows in its own part of the Q tile, then 16-byte coalesced stores, and the
-    LSE. Rows with no visible key give 0 and LSE -inf."""
+    LSE. Rows with no visible key give 0 and LSE -inf (with a learnable sink: the sink)."""
     BM = config.block_m
     MT = config.warp_m_tiles
     D_N_TILES = config.head_dim // 8
@@ -229,7 +241,7 @@ def make_forward_epilogue(config: ForwardConfig, bf16: bool, rows: RowSource):
 
 
 def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window: bool = False,
-                        softcap: bool = False, varlen: bool = False):
+                        softcap: bool = False, varlen: bool = False, sink: bool = False):
     """Return the Python kernel function for ``config`` (its parameters: ``params.FORWARD``).
 
     Launch: grid ``launch_forward.forward_grid``, ``config.threads`` threads,
@@ -240,7 +252,13 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     scores capped by tanh (``cap_scale`` argument = softmax_scale / softcap, and ``scale_log2`` =
     softcap·log2(e)). Kernels without them never read those arguments. ``varlen``: the packed
     variable-length kernel (``params.VARLEN_FORWARD``; grid
-    ``launch_forward.forward_grid(query blocks of max_seqlen_q, heads_q, batch)``).
+    ``launch_forward.forward_grid(query blocks of max_seqlen_q, heads_q, batch)``). ``sink``: a
+    learnable sink (``params.SINK`` last: float32 (heads_q,) logits), which starts each row's
+    softmax (``make_kv_step``'s ``start_rows``); kernels without it compile as before it existed.
+
+    The body (``flash_forward``, a device function) takes every build's parameters and the sink
+    (None where there is none); the kernel is its entry, generated from the declaration
+    (``params.entry``).
     """
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
@@ -260,16 +278,16 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     Q_BUFFERS = 2 if config.double_buffer else 1  # Q k-slice buffers when Q is not resident
     CAUSAL = causal
     WINDOW = window
-    VARLEN = varlen
     REVERSE = causal or window  # heaviest query blocks first (blocks.query_block)
+    SINK = sink
     rows = make_row_source(varlen)
     locate, rows_of = rows.locate, rows.rows_of
-    attend_tile = make_kv_step(config, causal, bf16, window, softcap)
+    start_rows, attend_tile = make_kv_step(config, causal, bf16, window, softcap, sink)
     finish = make_forward_epilogue(config, bf16, rows)
 
     def flash_forward(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                       o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
-                      write_lse, window_left, window_right, cap_scale):
+                      write_lse, window_left, window_right, cap_scale, sink):
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x & 1023  # known to be in [0, 1024): its // and % are shifts and masks
         warp = tid // 32
@@ -316,10 +334,10 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         # units) and this lane's partial row sum.
         m_run = cuda.local.array((MT, 2), float32)
         l_run = cuda.local.array((MT, 2), float32)
-        for mt in range(MT):
-            for r in range(2):
-                m_run[mt, r] = NEG_INF
-                l_run[mt, r] = 0.0
+        logit = NEG_INF
+        if SINK:
+            logit = sink_logit(sink, head)
+        start_rows(m_run, l_run, logit)
 
         ptx.cp_async_wait_group_1()  # Q has landed (K_0 may still be in flight)
         cuda.syncthreads()
@@ -356,21 +374,16 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         kind = f"varlen_{kind}"
     dropped_ip = config.interleave_pv and not interleaves(config, softcap)
     tag = config.tag.replace("_ip", "") if dropped_ip else config.tag
-    flash_forward.__name__ = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{tag}_{kind}"
-    # ptxas may use 65536 / (threads * min_ctas) registers a thread (at most 255).
-    flash_forward.launch_bounds = (THREADS, config.min_ctas)
-    if not VARLEN:
-        return flash_forward
+    name = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{tag}_{kind}{'_sink' if sink else ''}"
     body = cuda.jit(device=True, forceinline=True)(flash_forward)
-
-    def flash_forward_varlen(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-                             o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
-                             write_lse, window_left, window_right, cap_scale, cu_seqlens_q, cu_seqlens_k,
-                             lse_head_stride):
-        body(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
-             seqlen_q, seqlen_k, Sequences(batch_size, cu_seqlens_q, cu_seqlens_k, lse_head_stride), heads_q,
-             group, scale_log2, write_lse, window_left, window_right, cap_scale)
-
-    flash_forward_varlen.__name__ = flash_forward.__name__
-    flash_forward_varlen.launch_bounds = flash_forward.launch_bounds
-    return flash_forward_varlen
+    declared = params.VARLEN_FORWARD if varlen else params.FORWARD
+    seqs = "Sequences(batch_size, cu_seqlens_q, cu_seqlens_k, lse_head_stride)" if varlen else "batch_size"
+    args = [seqs if p == "batch_size" else p for p in params.names_of(params.FORWARD)]
+    kernel = params.entry("flash_forward_varlen" if varlen else "flash_forward",
+                          declared + params.SINK if sink else declared,
+                          f"body({', '.join(args)}, {'sink' if sink else 'None'})",
+                          {"body": body, "Sequences": Sequences})
+    kernel.__name__ = name
+    # ptxas may use 65536 / (threads * min_ctas) registers a thread (at most 255).
+    kernel.launch_bounds = (THREADS, config.min_ctas)
+    return kernel

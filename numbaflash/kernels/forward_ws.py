@@ -66,6 +66,7 @@ from numba import cuda, float32, int32, int64, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
+from . import params as declarations
 from .blocks import (
     Band,
     PackedSequences,
@@ -93,6 +94,8 @@ from .softmax import (
     row_sum_inverse,
     scale_o_rows,
     scaled_row_maxes,
+    sink_logit,
+    start_at_sink,
 )
 from .wgmma_gemms import make_attention_gemms
 
@@ -118,10 +121,11 @@ Accumulators = namedtuple("Accumulators", ["s", "o", "p", "regs"])
 # (MN-major: head-dim blocks block_n * row_bytes bytes apart); a tile's Q buffer is added to q.
 Descriptors = namedtuple("Descriptors", ["q", "k", "v"])
 # What a consumer reads and writes besides its registers, the exponent factor (softmax scale, or
-# the softcap, times log2(e)), softmax scale / softcap (softcap kernels), and for packed sequences
-# (varlen kernels; else unused) the PackedSequences and the PackedOut.
+# the softcap, times log2(e)), softmax scale / softcap (softcap kernels), for packed sequences
+# (varlen kernels; else unused) the PackedSequences and the PackedOut, and the learnable sink's
+# float32 (heads_q,) logits (sink kernels; else unused).
 Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2", "cap_scale",
-                       "seqs", "out"])
+                       "seqs", "out", "sink"])
 # Where a varlen kernel's threads store O and the LSE: out (flat 16-bit), its row and head strides
 # (elements), and the LSE's head stride (total_q).
 PackedOut = namedtuple("PackedOut", ["o", "row_stride", "head_stride", "lse_head_stride"])
@@ -522,10 +526,11 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings, varlen: bool = Fal
 # ---------------------------------------------------------------------------------- consumer
 
 def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, window: bool = False,
-                  softcap: bool = False, varlen: bool = False) -> Consumer:
+                  softcap: bool = False, varlen: bool = False, sink: bool = False) -> Consumer:
     """A consumer warp: for each tile of the walk, its warpgroup's 64 rows (S, softmax and PV over
     the KV tiles they see, then the epilogue), or a pass over the tile that keeps the rings and
-    turns in step."""
+    turns in step. ``sink``: each tile's softmax starts with the learnable sink's term of its head
+    (``softmax.start_at_sink``)."""
     D, BM, BN = config.head_dim, config.block_m, config.block_n
     D_N_TILES = D // 8
     S_N_TILES = BN // 8
@@ -533,6 +538,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     RB = config.row_bytes
     CONSUMERS = config.consumers
     CAUSAL = causal
+    SINK = sink
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
     # A consumer warpgroup whose 64 rows all lie past seqlen_q skips the tile (skip_tiles)
@@ -566,10 +572,15 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
                 acc_o[j, e] = 0.0
 
     @cuda.jit(device=True, forceinline=True)
-    def reset_stats(stats):
-        for r in range(2):
-            stats.m_run[r] = NEG_INF
-            stats.l_run[r] = 0.0
+    def reset_stats(stats, io, head):
+        """The running maxes and sums before a tile's first KV tile: -inf and 0, or (sink kernels)
+        the learnable sink's term of query head ``head``."""
+        if SINK:
+            start_at_sink(stats.m_run, stats.l_run, sink_logit(io.sink, head))
+        else:
+            for r in range(2):
+                stats.m_run[r] = NEG_INF
+                stats.l_run[r] = 0.0
 
     @cuda.jit(device=True, forceinline=True)
     def tile_mask(tile, problem, seat):
@@ -584,7 +595,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
         if work.n_own == 0:  # no PV will write O (the first one overwrites it)
             zero_o(acc.o)
             fence_o(acc.o)  # keeps this a branch: speculated, it is 128 selects on every tile
-        reset_stats(stats)
+        reset_stats(stats, io, work.tile.head)
         problem = work.place.problem
         at = tile_mask(work.tile, problem, seat)
         sc = Scoring(at, Band(problem.seqlen_k, problem.first, problem.last), io.scale_log2, io.cap_scale)
@@ -648,7 +659,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
 # ---------------------------------------------------------------------------------- kernel
 
 def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: bool = False,
-                           softcap: bool = False, varlen: bool = False):
+                           softcap: bool = False, varlen: bool = False, sink: bool = False):
     """Return the Python kernel function for ``config`` (jit it with ``params.WS_FORWARD``, or
     ``params.VARLEN_WS_FORWARD``, and ``launch_bounds=(config.threads, 1)``; grid: persistent, at most
     one CTA per SM).
@@ -662,7 +673,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     sequences (``flash_attention_varlen``): the walk reads each block's sequence from the offsets
     and passes over the blocks past its end (``blocks.sequence_place``), the tensor maps are over
     (1, total, heads, head_dim) views, and the threads store O (no TMA store: it would clip only at
-    total_q) and the (heads_q, total_q) LSE; seqlen_q and seqlen_k are the maxima."""
+    total_q) and the (heads_q, total_q) LSE; seqlen_q and seqlen_k are the maxima. ``sink``: a
+    learnable sink (``params.SINK`` last: float32 (heads_q,) logits) starts each row's softmax
+    (``make_consumer``); kernels without it compile as before it existed. The kernel is the body's
+    entry, generated from its declaration (``params.entry``)."""
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
@@ -686,12 +700,12 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     rings = make_rings(config)
     q_ring, kv_ring, _ = rings
     producer = make_producer(config, causal, rings, window, varlen)
-    consumer = make_consumer(config, causal, bf16, rings, window, softcap, varlen)
+    consumer = make_consumer(config, causal, bf16, rings, window, softcap, varlen, sink)
 
     @cuda.jit(device=True, forceinline=True)
-    def run_cta(params, seqs, out):
+    def run_cta(params, seqs, out, sink):
         """The kernel's body (``params``: a WsParams); ``seqs`` and ``out``: a PackedSequences and
-        a PackedOut (varlen), or unused placeholders."""
+        a PackedOut (varlen), or unused placeholders; ``sink``: the sink's logits, or unused."""
         smem = cuda.shared.array(0, types.uint16)
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
@@ -744,30 +758,25 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
             io = Io(maps, bars, tiles, problem, params.lse, params.write_lse, params.scale_log2,
-                    params.cap_scale, seqs, out)
+                    params.cap_scale, seqs, out, sink)
             consumer.consume(io, seat)
 
-    if varlen:
-        def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
-                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale,
-                             cu_seqlens_q, cu_seqlens_k, total_q, o, o_row_stride, o_head_stride):
-            run_cta(WsParams(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
-                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale),
-                    PackedSequences(cu_seqlens_q, cu_seqlens_k, window_left, window_right),
-                    PackedOut(o, o_row_stride, o_head_stride, total_q))
-    else:
-        def flash_forward_ws(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
-                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale):
-            run_cta(WsParams(map_q, map_k, map_v, map_o, lse, seqlen_q, seqlen_k, row_lead, heads_q, group,
-                             batch_size, scale_log2, write_lse, window_left, window_right, cap_scale),
-                    int32(0), int32(0))
+    declared = declarations.VARLEN_WS_FORWARD if varlen else declarations.WS_FORWARD
+    placed = ("PackedSequences(cu_seqlens_q, cu_seqlens_k, window_left, window_right), "
+              "PackedOut(o, o_row_stride, o_head_stride, total_q)") if varlen else "int32(0), int32(0)"
+    flash_forward_ws = declarations.entry(
+        "flash_forward_ws", declared + declarations.SINK if sink else declared,
+        f"run_cta(WsParams({', '.join(declarations.names_of(declarations.WS_FORWARD))}), {placed}, "
+        f"{'sink' if sink else 'int32(0)'})",
+        {"run_cta": run_cta, "WsParams": WsParams, "PackedSequences": PackedSequences, "PackedOut": PackedOut,
+         "int32": int32})
 
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}"
         f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
         f"{'varlen_' if varlen else ''}{'window' if window else 'causal' if causal else 'full'}"
         f"{'_softcap' if softcap else ''}_"
-        f"{'bf16' if bf16 else 'f16'}"
+        f"{'bf16' if bf16 else 'f16'}{'_sink' if sink else ''}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.
     flash_forward_ws.launch_bounds = (config.threads, 1)

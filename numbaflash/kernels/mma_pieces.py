@@ -31,6 +31,7 @@ from .softmax import (
     pack_p_slice,
     rescale_rows,
     scaled_row_maxes,
+    start_at_sink,
 )
 
 # The sizes the pieces are built for: head_dim; rows of the Q tile and of the K / V tiles (the
@@ -42,8 +43,8 @@ QkSteps = namedtuple("QkSteps", ["load_q_slice", "qk_scores"])
 # O += P V (``make_pv_steps``): a V pair's ldmatrix, one 16-key slice, and the whole product.
 PvSteps = namedtuple("PvSteps", ["v_load", "pv_slice", "pv_accumulate"])
 # The online softmax (``make_online_softmax``).
-SoftmaxSteps = namedtuple("SoftmaxSteps", ["cap", "refresh_row_maxes", "exponentiate_tile", "online_softmax",
-                                           "softmax_into_pv"])
+SoftmaxSteps = namedtuple("SoftmaxSteps", ["start_rows", "cap", "refresh_row_maxes", "exponentiate_tile",
+                                           "online_softmax", "softmax_into_pv"])
 # The masker (``make_masker``): a forward tile's rows, decode's packed rows.
 Masker = namedtuple("Masker", ["mask_tile", "mask_rows"])
 # What the interleaved softmax + PV slices share (``slice_into_pv``): S (exponentiated in place),
@@ -205,10 +206,13 @@ def make_pv_steps(shape: MmaShape, double_buffer: bool, bf16: bool) -> PvSteps:
     return PvSteps(v_load, pv_slice, pv_accumulate)
 
 
-def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer: bool) -> SoftmaxSteps:
+def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer: bool,
+                        sink: bool = False) -> SoftmaxSteps:
     """The online softmax of a warp's S fragments in the exp2 domain (``m_run``, ``l_run``: the
     running row maxes, scaled, and this lane's partial row sums, (m_tiles, 2) float32; ``mx``:
-    scratch of that shape). ``cap``: the softcap's tanh over every m-tile. ``online_softmax``:
+    scratch of that shape). ``start_rows``: the state before the first tile (max -inf, sum 0; with
+    ``sink``, the learnable sink's term: ``softmax.start_at_sink``, the one place a sink build's
+    arithmetic differs). ``cap``: the softcap's tanh over every m-tile. ``online_softmax``:
     S -> P (16-bit fragments), row maxes refreshed lazily (``refresh_row_maxes``: O rescaled only
     when a row max of the warp grew by more than ``common.THRESHOLD``), then ``exponentiate_tile``
     (P and the partial row sums). ``softmax_into_pv``: the same, each 16-key
@@ -220,7 +224,20 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
     P_K_TILES = shape.keys // 16
     DOUBLE_BUFFER = double_buffer
     BF16 = bf16
+    SINK = sink
     v_load, pv_slice = pv.v_load, pv.pv_slice
+
+    @cuda.jit(device=True, forceinline=True)
+    def start_rows(m_run, l_run, logit):
+        """Every m-tile's running maxes and sums before the first tile; ``logit``: the sink's
+        (``softmax.sink_logit``), read by sink builds only."""
+        for mt in range(MT):
+            if SINK:
+                start_at_sink(m_run[mt], l_run[mt], logit)
+            else:
+                for r in range(2):
+                    m_run[mt, r] = NEG_INF
+                    l_run[mt, r] = 0.0
 
     @cuda.jit(device=True, forceinline=True)
     def cap(acc_s, cap_scale):
@@ -285,7 +302,8 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
         refresh_row_maxes(acc_s, acc_o, m_run, l_run, mx, scale_log2)
         exponentiate_tile(acc_s, p_frag, m_run, l_run, scale_log2)
 
-    return SoftmaxSteps(cap, refresh_row_maxes, exponentiate_tile, online_softmax, softmax_into_pv)
+    return SoftmaxSteps(start_rows, cap, refresh_row_maxes, exponentiate_tile, online_softmax,
+                        softmax_into_pv)
 
 
 def make_masker(shape: MmaShape, causal: bool, window: bool) -> Masker:

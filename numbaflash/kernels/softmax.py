@@ -8,10 +8,10 @@ is one FFMA and one ex2 per score.
 
 from __future__ import annotations
 
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from .. import ptx
-from .common import FULL_MASK, NEG_INF
+from .common import FULL_MASK, LOG2_E, NEG_INF
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -24,6 +24,27 @@ def cap_scores(s, n_tiles, cap_scale):
     for j in range(n_tiles):
         for e in range(4):
             s[j, e] = ptx.tanh(s[j, e] * cap_scale)
+
+
+@cuda.jit(device=True, forceinline=True)
+def sink_logit(sink, head):
+    """The learnable sink's logit of query head ``head`` (``sink``: float32 (heads_q,), natural-log
+    units) in the kernels' scaled log2 units: times log2(e) only (neither the softmax scale nor the
+    softcap applies to it)."""
+    return sink[uint64(head)] * float32(LOG2_E)
+
+
+@cuda.jit(device=True, forceinline=True)
+def start_at_sink(m_run, l_run, logit):
+    """Start a fragment row pair's online softmax with the learnable sink's term (FlashAttention-4's
+    ``learnable_sink``: a logit with no value row): the running max at ``logit`` (``sink_logit``) and
+    this lane's part of the running sum at 1/4, so that the quad's sum is exp2(logit - logit) = 1.
+    The usual rescales then carry the term along, O's normalisation divides by it and the LSE
+    includes it; a row that sees no key gives O = 0 and LSE = the sink. A sink of -inf is no sink
+    (max -inf, sum 0: the plain start)."""
+    for r in range(2):
+        m_run[r] = logit
+        l_run[r] = float32(0.25) if logit != NEG_INF else float32(0.0)
 
 
 @cuda.jit(device=True, forceinline=True)

@@ -8,9 +8,9 @@ argument (``kernels.families.make_kernel``). No flag travels as a string: a vari
 Normalisation happens once, here, so that equal kernels have equal specs:
 
 - a sliding-window kernel is built non-causal (a window whose right side is 0 is causal masking);
-- the kernels that do not depend on the mask or the softcap (``CAUSAL_FREE``: the backward's
-  prepare and dQ kernels, the decode's combine kernel) are built without them, so one kernel
-  serves every call; the combine kernel also serves packed and paged calls alike.
+- the kernels that do not depend on the mask, the softcap or the learnable sink (``CAUSAL_FREE``:
+  the backward's prepare and dQ kernels, the decode's combine kernel) are built without them, so
+  one kernel serves every call; the combine kernel also serves packed and paged calls alike.
 
 Plain Python (no Numba): the API imports it on every call's first dispatch.
 """
@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any
 
 DTYPES = ("float16", "bfloat16")
-# Operations whose kernels do not depend on causal masking, the window or the softcap.
+# Operations whose kernels do not depend on causal masking, the window, the softcap or the sink.
 CAUSAL_FREE = frozenset({"backward_prep", "backward_dq", "decode_combine"})
 # Operations whose kernels serve packed (varlen) and paged calls alike.
 LAYOUT_FREE = frozenset({"decode_combine"})
@@ -48,11 +48,12 @@ class KernelSpec:
     softcap: bool = False
     varlen: bool = False
     paged: bool = False
+    sink: bool = False
     _hash: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = (self.family, self.operation, self.config, self.dtype, self.arch, self.causal, self.window,
-                  self.softcap, self.varlen, self.paged)
+                  self.softcap, self.varlen, self.paged, self.sink)
         object.__setattr__(self, "_hash", hash(fields))
 
     def __hash__(self) -> int:
@@ -79,7 +80,8 @@ class KernelSpec:
         """The spec of another kernel of the same call (the backward's prepare and dQ kernels,
         the decode's combine kernel), normalised for it."""
         return kernel_spec(self.family, operation, self.config, self.dtype, self.arch, causal=self.causal,
-                           window=self.window, softcap=self.softcap, varlen=self.varlen, paged=self.paged)
+                           window=self.window, softcap=self.softcap, varlen=self.varlen, paged=self.paged,
+                           sink=self.sink)
 
     def on(self, arch: str) -> KernelSpec:
         """The same kernel for another target."""
@@ -87,12 +89,12 @@ class KernelSpec:
 
 
 # The variant axes (boolean fields, named in ``KernelSpec.kind``); causal is the mask, not an axis.
-AXES = ("window", "softcap", "varlen", "paged")
+AXES = ("window", "softcap", "varlen", "paged", "sink")
 
 
 def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16", arch: str = "", *,
                 causal: bool = False, window: bool = False, softcap: bool = False, varlen: bool = False,
-                paged: bool = False) -> KernelSpec:
+                paged: bool = False, sink: bool = False) -> KernelSpec:
     """The normalised spec of one kernel (see the module's docstring); ``dtype`` "float16" or
     "bfloat16". A decode kernel's paging is its config's (``DecodeConfig.paged``)."""
     if dtype not in DTYPES:
@@ -100,13 +102,13 @@ def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16"
     if operation == "decode":
         paged = bool(config.paged)
     if operation in CAUSAL_FREE:
-        causal = window = softcap = False
+        causal = window = softcap = sink = False
     if operation in LAYOUT_FREE:
         varlen = paged = False
     if window:
         causal = False
     return KernelSpec(family, operation, config, dtype, arch, bool(causal), bool(window), bool(softcap),
-                      bool(varlen), bool(paged))
+                      bool(varlen), bool(paged), bool(sink))
 
 
 def dtype_name(bf16: bool) -> str:

@@ -29,6 +29,7 @@ from ..operands import (
     describe_index,
     describe_lse,
     describe_out,
+    describe_sink,
     kind_of,
 )
 from ..runtime import device as gpu_state
@@ -39,11 +40,13 @@ from .launch_forward import forward_grid
 
 
 def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any,
-                           out: Any, window_size: Any = (-1, -1), softcap: Any = 0.0) -> Any:
+                           out: Any, window_size: Any = (-1, -1), softcap: Any = 0.0,
+                           learnable_sink: Any = None) -> Any:
     """``api.flash_attention`` without the torch routing: validate, then launch (what the custom
     op runs on real tensors, and what every call that needs no autograd takes). Torch tensors of
-    a layout validated before take ``forward.run_torch``: its per-call checks and the launch."""
-    if kind_of(q) == "torch":
+    a layout validated before take ``forward.run_torch``: its per-call checks and the launch (not
+    with a learnable sink: those calls take the full checks, then their plan)."""
+    if learnable_sink is None and kind_of(q) == "torch":
         done = forward.run_torch(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
         if done is not None:
             return done
@@ -56,6 +59,7 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap, softmax_scale)
+    sd = None if learnable_sink is None else describe_sink(learnable_sink, heads_q, qd.on_device)
     od = None
     if out is not None:
         od = describe_out(out, qd)
@@ -72,10 +76,11 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
             check_out_aliasing(od, [qd, kd, vd])
     capability, device = gpu_state.GPU.current()
     if qd.on_device:
-        check_same_device([qd, kd, vd] if od is None else [qd, kd, vd, od], device)
+        given = [qd, kd, vd] if od is None else [qd, kd, vd, od]
+        check_same_device(given if sd is None else [*given, sd], device)
         return forward.run_device(q, qd, kd, vd, od, out, causal, softmax_scale,
                                   None if default_scale else softmax_scale, return_lse,
-                                  capability, device, window_size, softcap)
+                                  capability, device, window_size, softcap, sd)
     return forward.run_numpy(q, k, v, out, qd.dtype_name, causal, softmax_scale, return_lse,
                              capability, device, window_size, softcap)
 
@@ -120,7 +125,8 @@ def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any,
 def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any,
                                         v_new: Any, block_table: Any, causal: Any, softmax_scale: Any,
                                         num_splits: Any, return_lse: Any, out: Any,
-                                        window_size: Any = (-1, -1), softcap: Any = 0.0) -> Any:
+                                        window_size: Any = (-1, -1), softcap: Any = 0.0,
+                                        learnable_sink: Any = None) -> Any:
     """``api.flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
     the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
@@ -157,6 +163,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap, softmax_scale)
+    sd = (None if learnable_sink is None
+          else describe_sink(learnable_sink, heads_q, True, "flash_attention_with_kvcache"))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
     outd = None
@@ -170,7 +178,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         check_no_self_overlap(outd)
         check_outputs_disjoint([outd], [op for op in given if op is not outd])
     capability, device = gpu_state.GPU.current()
-    check_same_device([*given, seqd, *([btd] if btd is not None else [])], device)
+    check_same_device([*given, seqd, *([btd] if btd is not None else []), *([sd] if sd is not None else [])],
+                      device)
     result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
-                                    num_splits, return_lse, capability, device, window_size, softcap)
+                                    num_splits, return_lse, capability, device, window_size, softcap, sd)
     return (result, lse) if return_lse else result

@@ -103,16 +103,18 @@ def variant_of(causal: bool, window_size: tuple[int, int], softcap: float, softm
 
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, seqlen: int | None,
-              window: bool = False, softcap: bool = False, varlen: bool = False) -> tuple:
+              window: bool = False, softcap: bool = False, varlen: bool = False, sink: bool = False) -> tuple:
     """The key of ``GPU.ready``, the launchers of unforced configs: what picks the config on a
     device (``configs.forward_config`` is memoised on the same inputs), and the kernel's variant
-    (``Variant.window``, ``Variant.softcap``; packed sequences: ``varlen``)."""
-    return device, head_dim, causal, bf16, configs.seqlen_span(seqlen), window, softcap, varlen
+    (``Variant.window``, ``Variant.softcap``; packed sequences: ``varlen``; a learnable sink:
+    ``sink``, a key of one more element)."""
+    key = device, head_dim, causal, bf16, configs.seqlen_span(seqlen), window, softcap, varlen
+    return (*key, True) if sink else key
 
 
 def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool,
                    seqlen: int | None = None, *, window: bool = False, softcap: bool = False,
-                   varlen: bool = False):
+                   varlen: bool = False, sink: bool = False):
     """(launcher, config, launch) for this problem on the current device (ordinal ``device``).
 
     The config is the table's for this GPU, passing over entries that need more shared memory
@@ -121,6 +123,7 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
     there; it is loaded once per process, and its shared-memory limit is raised once per device.
     ``window``, ``softcap``: a variant (``Variant``); ``varlen``: a packed variable-length kernel;
+    ``sink``: a learnable sink's build of the same config (``KernelSpec.sink``);
     where the GPU's own family lacks it, the sm80 family's config and kernel run
     (``configs.dispatch_family``). The kernel's spec (``kernels.spec``) is built here, once per
     new problem, and keys the loaded kernels.
@@ -129,7 +132,8 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     limit = gpu.shared_limit(device)
     config = configs.forward_config(capability, head_dim, causal, limit, seqlen, window=window, varlen=varlen)
     spec = kernel_spec(family_of(config).name, "forward", config, "bfloat16" if bf16 else "float16",
-                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen)
+                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen,
+                       sink=sink)
     key = (spec, device)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -146,7 +150,7 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
                 ready = (KernelLauncher(kernel, kernel_abi(spec), name), config, prepare_launch(spec)(config))
                 gpu.launchers[key] = ready
     if not configs.OVERRIDES:  # the hot path's table (run_device) holds unforced configs only
-        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen, window, softcap, varlen)] = ready
+        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen, window, softcap, varlen, sink)] = ready
     return ready
 
 
@@ -165,7 +169,8 @@ def loaded_kernel(spec: KernelSpec):
 
 class DevicePlan(NamedTuple):
     """What a validated device call of one layout (``plan_key``) needs at launch, worked out
-    once: ``fire(stream, q, k, v, o, lse)`` (device pointers; ``ForwardLaunch.bind``), the device,
+    once: ``fire(stream, q, k, v, o, lse)`` (device pointers; ``ForwardLaunch.bind``; a sink
+    call's ``fire(stream, q, k, v, o, lse, sink)``), the device,
     the output's shape, the LSE's shape when it is returned (else ``lse``: the scratch pointer
     the kernel gets), and what the per-call checks of a given ``out`` read: the extents of q, k,
     v and out in bytes, and whether out has q's strides (then it may be q itself)."""
@@ -186,26 +191,33 @@ PLANS_KEPT = 1024
 
 def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None, return_lse: bool,
              qd: Operand, kd: Operand, vd: Operand, od: Operand | None,
-             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple:
+             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sink: bool = False) -> tuple:
     """The key of ``GPU.plans``: the device, the dtype, the flags, the scale as the caller gave
     it (None or a float; ``run_torch`` builds the same key from torch's metadata), the window (a
     tuple of two ints) and the softcap (a float) as validated, and the shapes and strides of q,
-    k, v and a given out."""
+    k, v and a given out; a call with a learnable sink (``sink``) has a key of one more element
+    (``run_torch`` never takes those calls)."""
     if od is None:
-        return (device, dtype_name, causal, scale_key, return_lse, window_size, softcap, qd.shape, qd.strides,
-                kd.shape, kd.strides, vd.shape, vd.strides)
-    return (device, dtype_name, causal, scale_key, return_lse, window_size, softcap, qd.shape, qd.strides,
-            kd.shape, kd.strides, vd.shape, vd.strides, od.shape, od.strides)
+        key = (device, dtype_name, causal, scale_key, return_lse, window_size, softcap, qd.shape, qd.strides,
+               kd.shape, kd.strides, vd.shape, vd.strides)
+    else:
+        key = (device, dtype_name, causal, scale_key, return_lse, window_size, softcap, qd.shape, qd.strides,
+               kd.shape, kd.strides, vd.shape, vd.strides, od.shape, od.strides)
+    return (*key, "sink") if sink else key
 
 
 def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causal: bool, scale: float,
                 scale_key: float | None, return_lse: bool, capability, device: int,
-                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> DevicePlan:
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                sd: Operand | None = None) -> DevicePlan:
     """The plan of a validated device call: from ``GPU.plans``, else made (the config picked, its
-    kernel loaded, the launch bound) and kept there unless a config is forced."""
+    kernel loaded, the launch bound) and kept there unless a config is forced. ``sd``: a learnable
+    sink (float32 (heads_q,)): the sink build of the same config."""
     gpu = gpu_state.GPU
     forced = bool(configs.OVERRIDES) or launch_forward.FOLD_GRID
-    key = plan_key(device, qd.dtype_name, causal, scale_key, return_lse, qd, kd, vd, od, window_size, softcap)
+    sink = sd is not None
+    key = plan_key(device, qd.dtype_name, causal, scale_key, return_lse, qd, kd, vd, od, window_size, softcap,
+                   sink)
     plan = None if forced else gpu.plans.get(key)
     if plan is not None:
         return plan
@@ -216,14 +228,15 @@ def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causa
     var = variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
     causal = var.causal  # the kernel's (its config's) causal flag
     ready = None if forced else gpu.ready.get(ready_key(device, head_dim, causal, bf16, longest,
-                                                        var.window, var.softcap))
+                                                        var.window, var.softcap, False, sink))
     launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest,
-                                                       window=var.window, softcap=var.softcap)
+                                                       window=var.window, softcap=var.softcap, sink=sink)
     lse_shape = (batch, heads_q, seqlen_q)
     lse = (0, batch * heads_q * seqlen_q) if return_lse else gpu.scratch_f32(device)
     o = od or Operand("out", qd.shape, qd.dtype_name, True, None, _dense(qd.shape), 0)
     call = ForwardCall(qd, kd, vd, o, lse, seqlen_k, kd.shape[2], var.scale_log2, return_lse, 0, device,
-                       var.window_left, var.window_right, var.cap_scale)
+                       var.window_left, var.window_right, var.cap_scale,
+                       None if sd is None else (sd.pointer, heads_q))
     plan = DevicePlan(launch.bind(launcher, call, gpu), device, qd.shape, lse_shape if return_lse else None,
                       lse[0], (2 * qd.span, 2 * kd.span, 2 * vd.span, 2 * o.span), o.strides == qd.strides)
     if not forced:
@@ -236,10 +249,13 @@ def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causa
 
 def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None, out: Any,
                causal: bool, scale: float, scale_key: float | None, return_lse: bool, capability,
-               device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
-    """The forward on validated device arrays: one launch on the inputs' stream."""
+               device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+               sd: Operand | None = None):
+    """The forward on validated device arrays: one launch on the inputs' stream (``sd``: a
+    learnable sink, float32 (heads_q,))."""
     plan = device_plan(qd, kd, vd, od, causal, scale, scale_key, return_lse, capability, device, window_size,
-                       softcap)
+                       softcap, sd)
+    sink = () if sd is None else (sd.pointer,)
     if out is None:
         out = empty_like(q, qd.shape, qd.dtype_name)
         o = device_pointer(out)
@@ -250,7 +266,7 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
         lse = device_pointer(lse_obj)
     else:
         lse_obj, lse = None, plan.lse
-    plan.fire(stream_handle(qd), qd.pointer, kd.pointer, vd.pointer, o, lse)
+    plan.fire(stream_handle(qd), qd.pointer, kd.pointer, vd.pointer, o, lse, *sink)
     return (out, lse_obj) if return_lse else out
 
 

@@ -6,7 +6,8 @@ shapes alone (``decode_splits``).
    ``config.shared_bytes`` or more (``occupancy_shared``: no more CTAs a SM than stream best).
    Row block rb of KV head h takes packed query rows rb * rows ..: the query heads of h times
    seqlen_q. Its window and softcap variants (``DECODE_VARIANT_ABI``):
-   the same launch, the window's sides and the softcap's factor after the plain parameters.
+   the same launch, the window's sides and the softcap's factor after the plain parameters. A
+   learnable sink's build takes the sink's logits last (``params.SINK``; the fire's last pointer).
 2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q *
    head_dim / 128), 128 threads, one warp per 32 columns of a row.
 """
@@ -148,6 +149,16 @@ class DecodeCall(NamedTuple):
     window_left: int = 0
     window_right: int = 0
     cap_scale: np.float32 = np.float32(0.0)
+    # a learnable sink's (pointer, heads_q) for its build (``KernelSpec.sink``), else None
+    sink: tuple[int, int] | None = None
+
+
+def _with_sink(declared: tuple, call: DecodeCall, values: dict[str, Any]) -> tuple:
+    """A sink call's declared parameters (``params.SINK`` last) and its value among ``values``."""
+    if call.sink is None:
+        return declared
+    values["sink"] = call.sink
+    return declared + params.SINK
 
 
 # (launcher, call, gpu) -> fire(stream, *array pointers) of the call's layout, or None (a combine
@@ -190,8 +201,9 @@ def launch_decode_variant(config) -> Bind:
 
     def bind(launcher, call: DecodeCall, gpu: Any):
         grid, values = decode_values(call)
-        args = ordered(params.DECODE_VARIANT, **values, window_left=call.window_left,
-                       window_right=call.window_right, cap_scale=call.cap_scale)
+        declared = _with_sink(params.DECODE_VARIANT, call, values)
+        args = ordered(declared, **values, window_left=call.window_left, window_right=call.window_right,
+                       cap_scale=call.cap_scale)
         return launcher.bind(grid, threads, call.shared_bytes, *args)
 
     return bind
@@ -199,12 +211,14 @@ def launch_decode_variant(config) -> Bind:
 
 def launch_decode(config) -> Bind:
     """decode's bind: fire(stream, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-    out, lse, o_part, lse_part); a missing array gets the scratch scalar's pointer."""
+    out, lse, o_part, lse_part), and a sink build's sink last; a missing array gets the scratch
+    scalar's pointer."""
     threads = config.threads
 
     def bind(launcher, call: DecodeCall, gpu: Any):
         grid, values = decode_values(call)
-        return launcher.bind(grid, threads, call.shared_bytes, *ordered(params.DECODE, **values))
+        declared = _with_sink(params.DECODE, call, values)
+        return launcher.bind(grid, threads, call.shared_bytes, *ordered(declared, **values))
 
     return bind
 

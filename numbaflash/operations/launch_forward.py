@@ -28,7 +28,9 @@ class ForwardCall(NamedTuple):
     ``(pointer, elements)`` (a scratch scalar when ``write_lse`` is False), the keys and KV heads
     the kernel sees, and the stream; for the mma.sync family's window and softcap kernels, the
     window's sides (each >= 0; ``forward.WINDOW_UNBOUNDED`` for -1) and softmax_scale / softcap
-    (``scale_log2`` is then softcap·log2(e)). Other kernels do not read those three."""
+    (``scale_log2`` is then softcap·log2(e)). Other kernels do not read those three. ``sink``: a
+    learnable sink's float32 (heads_q,) logits as ``(pointer, elements)``, for a sink kernel
+    (``KernelSpec.sink``; its parameter list ends with ``params.SINK``), else None."""
 
     q: Operand
     k: Operand
@@ -44,6 +46,23 @@ class ForwardCall(NamedTuple):
     window_left: int = 0
     window_right: int = 0
     cap_scale: np.float32 = np.float32(0.0)
+    sink: tuple[int, int] | None = None
+
+
+def with_sink(declared: tuple, call: ForwardCall) -> tuple:
+    """A kernel's declared parameters with a sink call's ``params.SINK`` last (what its kernel
+    takes: ``kernels.families.kernel_params``)."""
+    return declared + params.SINK if call.sink is not None else declared
+
+
+def sink_value(call: ForwardCall) -> dict[str, Any]:
+    """The sink's argument of a sink call (by name), else none."""
+    return {} if call.sink is None else {"sink": call.sink}
+
+
+def sink_pointer(call: ForwardCall) -> tuple[int, ...]:
+    """The sink's device pointer, the last of a sink call's fire arguments; else none."""
+    return () if call.sink is None else (call.sink[0],)
 
 
 def forward_grid(m_blocks: int, heads_q: int, batch: int) -> tuple[int, int, int]:
@@ -70,7 +89,8 @@ class ForwardLaunch:
     memory once and gives ``fire(stream, q, k, v, o, lse)``, which launches on that stream with
     those device pointers any call of ``call``'s layout (shapes, strides, dtype, LSE size,
     scalars, device): what the hot path keeps (``operations.forward.DevicePlan``). Called as
-    ``launch(launcher, call, gpu)``, it binds and fires ``call`` once."""
+    ``launch(launcher, call, gpu)``, it binds and fires ``call`` once. A sink call's fire takes the
+    sink's pointer last: ``fire(stream, q, k, v, o, lse, sink)``."""
 
     __slots__ = ("bind",)
 
@@ -79,7 +99,7 @@ class ForwardLaunch:
 
     def __call__(self, launcher, call: ForwardCall, gpu: Any) -> None:
         self.bind(launcher, call, gpu)(call.stream, call.q.pointer, call.k.pointer, call.v.pointer,
-                                       call.o.pointer, call.lse[0])
+                                       call.o.pointer, call.lse[0], *sink_pointer(call))
 
 
 def _sm80_values(call: ForwardCall) -> dict[str, Any]:
@@ -91,7 +111,7 @@ def _sm80_values(call: ForwardCall) -> dict[str, Any]:
     for name, op in zip("qkvo", (call.q, call.k, call.v, call.o), strict=True):
         values.update(zip((f"{name}_sb", f"{name}_ss", f"{name}_sh"), op.strides[:3], strict=True))
     return {**values, "lse": call.lse, "seqlen_k": call.seqlen_k, "group": call.q.shape[2] // call.heads_kv,
-            **_scalars(call)}
+            **_scalars(call), **sink_value(call)}
 
 
 def _scalars(call: ForwardCall) -> dict[str, Any]:
@@ -110,8 +130,8 @@ def launch_sm80(config) -> ForwardLaunch:
     def bind(launcher, call: ForwardCall, gpu: Any) -> Callable[..., None]:
         batch, seqlen_q, heads_q, _ = call.q.shape
         grid = forward_grid(-(-seqlen_q // block_m), heads_q, batch)
-        args = ordered(params.FORWARD, **_sm80_values(call), seqlen_q=seqlen_q, batch_size=batch,
-                       heads_q=heads_q)
+        args = ordered(with_sink(params.FORWARD, call), **_sm80_values(call), seqlen_q=seqlen_q,
+                       batch_size=batch, heads_q=heads_q)
         return launcher.bind(grid, threads, shared_bytes, *args)
 
     return ForwardLaunch(bind)
@@ -134,7 +154,8 @@ class VarlenCall(NamedTuple):
 class VarlenLaunch:
     """One config's packed variable-length launch, as ``ForwardLaunch``: ``bind(launcher,
     varlen_call, gpu)`` gives ``fire(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)`` for
-    every call of that layout (device pointers); called, it binds and fires one ``VarlenCall``."""
+    every call of that layout (device pointers; a sink call's sink pointer last); called, it binds
+    and fires one ``VarlenCall``."""
 
     __slots__ = ("bind",)
 
@@ -145,7 +166,7 @@ class VarlenLaunch:
         call = vcall.call
         self.bind(launcher, vcall, gpu)(call.stream, call.q.pointer, call.k.pointer, call.v.pointer,
                                         call.o.pointer, call.lse[0], vcall.cu_seqlens_q[0],
-                                        vcall.cu_seqlens_k[0])
+                                        vcall.cu_seqlens_k[0], *sink_pointer(call))
 
 
 def varlen_grid(block_m: int, max_seqlen_q: int, heads_q: int, batch: int) -> tuple[int, int, int]:
@@ -164,9 +185,10 @@ def launch_sm80_varlen(config) -> VarlenLaunch:
         call = vcall.call
         _, total_q, heads_q, _ = call.q.shape
         grid = varlen_grid(block_m, vcall.max_seqlen_q, heads_q, vcall.batch)
-        args = ordered(params.VARLEN_FORWARD, **_sm80_values(call), seqlen_q=vcall.max_seqlen_q,
-                       batch_size=vcall.batch, heads_q=heads_q, cu_seqlens_q=vcall.cu_seqlens_q,
-                       cu_seqlens_k=vcall.cu_seqlens_k, lse_head_stride=total_q)
+        args = ordered(with_sink(params.VARLEN_FORWARD, call), **_sm80_values(call),
+                       seqlen_q=vcall.max_seqlen_q, batch_size=vcall.batch, heads_q=heads_q,
+                       cu_seqlens_q=vcall.cu_seqlens_q, cu_seqlens_k=vcall.cu_seqlens_k,
+                       lse_head_stride=total_q)
         return launcher.bind(grid, threads, shared_bytes, *args)
 
     return VarlenLaunch(bind)
@@ -254,17 +276,17 @@ def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
         sm_count, layout, slots, encode = maps_of(call, gpu)
         tiles = -(-seqlen_q // block_m) * heads_q * batch
         grid = (min(tiles, ctas or sm_count), 1, 1)
-        args = ordered(params.WS_FORWARD, **_MAPS, lse=call.lse, seqlen_q=seqlen_q, seqlen_k=call.seqlen_k,
-                       row_lead=config.first_block_lead(seqlen_q), heads_q=heads_q,
-                       group=heads_q // call.heads_kv, batch_size=batch, **_scalars(call))
+        args = ordered(with_sink(params.WS_FORWARD, call), **_MAPS, lse=call.lse, seqlen_q=seqlen_q,
+                       seqlen_k=call.seqlen_k, row_lead=config.first_block_lead(seqlen_q), heads_q=heads_q,
+                       group=heads_q // call.heads_kv, batch_size=batch, **_scalars(call), **sink_value(call))
         bound = launcher.bind(grid, threads, shared_bytes, *args)
         lock, address, used = slots.lock, slots.address, slots.used
 
-        def fire(stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+        def fire(stream: int, q: int, k: int, v: int, o: int, lse: int, *sink: int) -> None:
             with lock:
                 maps, slot = address((layout, q, k, v, o), lambda: encode(q, k, v, o), stream)
                 try:
-                    bound(stream, maps, maps + 128, maps + 256, maps + 384, lse)
+                    bound(stream, maps, maps + 128, maps + 256, maps + 384, lse, *sink)
                 finally:  # even after a failed launch: the slot's copy is on the stream
                     used(slot, stream)
 
@@ -289,19 +311,21 @@ def launch_sm90_varlen(config, ctas: int | None = None) -> VarlenLaunch:
         tiles = -(-vcall.max_seqlen_q // block_m) * heads_q * vcall.batch
         grid = (max(1, min(tiles, ctas or sm_count)), 1, 1)
         o = call.o
-        args = ordered(params.VARLEN_WS_FORWARD, **_MAPS, lse=call.lse, seqlen_q=vcall.max_seqlen_q,
-                       seqlen_k=call.seqlen_k, row_lead=0, heads_q=heads_q, group=heads_q // call.heads_kv,
+        args = ordered(with_sink(params.VARLEN_WS_FORWARD, call), **_MAPS, lse=call.lse,
+                       seqlen_q=vcall.max_seqlen_q, seqlen_k=call.seqlen_k, row_lead=0, heads_q=heads_q,
+                       group=heads_q // call.heads_kv,
                        batch_size=vcall.batch, **_scalars(call), cu_seqlens_q=vcall.cu_seqlens_q,
                        cu_seqlens_k=vcall.cu_seqlens_k, total_q=total_q, o=(o.pointer, o.span),
-                       o_row_stride=o.strides[1], o_head_stride=o.strides[2])
+                       o_row_stride=o.strides[1], o_head_stride=o.strides[2], **sink_value(call))
         bound = launcher.bind(grid, threads, shared_bytes, *args)
         lock, address, used = slots.lock, slots.address, slots.used
 
-        def fire(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_q: int, cu_k: int) -> None:
+        def fire(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_q: int, cu_k: int,
+                 *sink: int) -> None:
             with lock:
                 maps, slot = address((layout, q, k, v, o), lambda: encode(q, k, v, o), stream)
                 try:
-                    bound(stream, maps, maps + 128, maps + 256, maps + 384, lse, cu_q, cu_k, o)
+                    bound(stream, maps, maps + 128, maps + 256, maps + 384, lse, cu_q, cu_k, o, *sink)
                 finally:  # even after a failed launch: the slot's copy is on the stream
                     used(slot, stream)
 

@@ -130,23 +130,25 @@ def check_sequences(cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max
 
 
 def varlen_kernel(capability, device: int, head_dim: int, bf16: bool, causal: bool, window_size,
-                  softcap: float, scale: float, max_q: int, max_k: int):
+                  softcap: float, scale: float, max_q: int, max_k: int, sink: bool = False):
     """(variant, (launcher, config, launch)) of a varlen call: the GPU's own family's varlen kernel
     where it has the head dim, else the sm80 family's (``forward_config`` with the varlen
-    variant), the config picked by the longer maximum."""
+    variant), the config picked by the longer maximum; ``sink``: its learnable sink's build."""
     var = variant_of(causal, window_size, softcap, scale, max_q, max_k)
     return var, forward_kernel(capability, device, head_dim, var.causal, bf16, max(max_q, max_k),
-                               window=var.window, softcap=var.softcap, varlen=True)
+                               window=var.window, softcap=var.softcap, varlen=True, sink=sink)
 
 
 def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, cuq: Operand, cuk: Operand, batch: int,
                max_q: int, max_k: int, out: Any, od: Operand | None, causal: bool, scale: float,
-               return_lse: bool, capability, device: int, window_size: tuple[int, int], softcap: float):
-    """One launch on validated device arrays, on q's stream."""
+               return_lse: bool, capability, device: int, window_size: tuple[int, int], softcap: float,
+               sd: Operand | None = None):
+    """One launch on validated device arrays, on q's stream (``sd``: a learnable sink, float32
+    (heads_q,))."""
     total_q, heads_q, head_dim = qd.shape
     bf16 = qd.dtype_name == "bfloat16"
     var, (launcher, _, launch) = varlen_kernel(capability, device, head_dim, bf16, causal, window_size,
-                                               softcap, scale, max_q, max_k)
+                                               softcap, scale, max_q, max_k, sd is not None)
     if out is None:
         out = empty_like(q, qd.shape, qd.dtype_name)
         od = Operand("out", qd.shape, qd.dtype_name, True, out, (heads_q * head_dim, head_dim, 1),
@@ -159,7 +161,7 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, cuq: Operand, cuk:
         lse = gpu_state.GPU.scratch_f32(device)
     call = ForwardCall(packed(qd), packed(kd), packed(vd), packed(od), lse, max_k, kd.shape[1],
                        var.scale_log2, return_lse, stream_handle(qd), device, var.window_left,
-                       var.window_right, var.cap_scale)
+                       var.window_right, var.cap_scale, None if sd is None else (sd.pointer, heads_q))
     launch(launcher, VarlenCall(call, (cuq.pointer, batch + 1), (cuk.pointer, batch + 1), batch, max_q),
            gpu_state.GPU)
     return (out, lse_obj) if return_lse else out
@@ -238,7 +240,7 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_
 def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                                   max_seqlen_q: Any,
                                   max_seqlen_k: Any, causal: Any, softmax_scale: Any, window_size: Any,
-                                  softcap: Any, return_lse: Any, out: Any) -> Any:
+                                  softcap: Any, return_lse: Any, out: Any, learnable_sink: Any = None) -> Any:
     """``api.flash_attention_varlen`` without the torch routing: every check, then one launch."""
     from ..operands import (
         check_device_layout,
@@ -252,6 +254,7 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
         check_window_size,
         describe,
         describe_out,
+        describe_sink,
     )
     from .launch_forward import varlen_grid
 
@@ -267,6 +270,8 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap, softmax_scale)
+    sd = (None if learnable_sink is None
+          else describe_sink(learnable_sink, heads_q, qd.on_device, "flash_attention_varlen"))
     od = None
     if out is not None:
         od = describe_out(out, qd)
@@ -279,9 +284,10 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
             check_out_aliasing(od, [qd, kd, vd])
     capability, device = gpu_state.GPU.current()
     if qd.on_device:
-        check_same_device([qd, kd, vd, cuq, cuk] if od is None else [qd, kd, vd, od, cuq, cuk], device)
+        given = [qd, kd, vd, cuq, cuk] if od is None else [qd, kd, vd, od, cuq, cuk]
+        check_same_device(given if sd is None else [*given, sd], device)
         return run_device(q, qd, kd, vd, cuq, cuk, batch, max_q, max_k, out, od, causal, softmax_scale,
-                          return_lse, capability, device, window_size, softcap)
+                          return_lse, capability, device, window_size, softcap, sd)
     return run_numpy(q, k, v, cuq, cuk, max_q, max_k, out, causal, softmax_scale, return_lse, capability,
                      device,
                      window_size, softcap)

@@ -64,6 +64,21 @@ def forward_varlen_kernels() -> dict:
     return _forward_kernels(tuple((w, c, True) for w in (False, True) for c in (False, True)))
 
 
+def forward_sink_kernels() -> dict:
+    """The learnable-sink builds (issue 56, ``KernelSpec.sink``) of the plain and packed forward
+    kernels (``forward_kernels``, ``forward_varlen_kernels``), for the same targets. Not in
+    ``registered_kernels`` (the registered count stays) and never precompiled: the API builds a
+    sink kernel on first use. Named like the kernel they extend with ``_sink`` after the dtype
+    (``..._causal_f16_sink_sm80``); ``benchmarks/sass_census.py --sink`` compiles them."""
+    import dataclasses
+
+    kernels = {}
+    for name, (kernel, _, archs) in {**forward_kernels(), **forward_varlen_kernels()}.items():
+        built, argtypes = _built(dataclasses.replace(kernel.spec, sink=True))
+        kernels[f"{built.__name__}_{name.rsplit('_', 1)[1]}"] = (built, argtypes, archs)
+    return kernels
+
+
 def _forward_kernels(variants: tuple[tuple[bool, bool, bool], ...]) -> dict:
     """name -> (kernel, argument types, targets) of the (window, softcap, varlen) ``variants``'
     forward kernels, each on the configs the dispatcher picks for it (a window kernel is built

@@ -7,6 +7,9 @@ the input dtype. Every case draws its parameters and data from (seed, index) alo
 case replays alone with ``--seed S --case I``. Exits 0 if all pass, 1 on a failure, 2 without GPU.
 About a fifth of the mma.sync family's cases run ``flash_attention_varlen`` instead, on 1 to 6
 packed sequences of their own lengths (``draw_varlen``), each sequence checked the same way.
+A tenth of the forward's device cases (a third with ``--variants``) take a learnable sink
+(``draw_sink``: FlashAttention-4's ``learnable_sink``, one logit per query head; so do a share of
+the ``--decode`` cases; the backward takes none yet).
 
 ``--backward`` tests the backward instead: the forward's output and LSE, then
 ``flash_attention_backward`` (random dout, deterministic or not, with or without given dq/dk/dv),
@@ -56,6 +59,7 @@ from .selftest_common import (
     WINDOW_SOFTCAP_SHARE,
     CaseResult,
     cuda_torch,
+    draw_sink,
     draw_window_softcap,
     log_uniform,
     numpy_dtype,
@@ -72,6 +76,10 @@ KINDS = ("numpy", "numba", "torch")
 # (the backward has both): only their cases draw these (all of them with --variants).
 WINDOW_SOFTCAP_FAMILIES = ("sm80", "sm90")
 VARLEN_FAMILIES = ("sm80", "sm90")
+# The forward families with learnable-sink kernels: their device cases draw sinks (numpy inputs
+# take none), ``SINK_SHARE`` of them (``SINK_SHARE_VARIANTS`` with --variants).
+SINK_FAMILIES = ("sm80", "sm90")
+SINK_SHARE, SINK_SHARE_VARIANTS = 0.1, 1 / 3
 
 
 def describe_problem(case: Any) -> str:
@@ -117,6 +125,10 @@ class Case:
     # max_seqlen_q / max_seqlen_k passed (at least every length, at times more).
     seqlens_q: tuple[int, ...] = ()
     seqlens_k: tuple[int, ...] = ()
+    # A learnable sink (issue 56): the float32 logits of each query head (``draw_sink``), drawn for
+    # some device cases of the ``SINK_FAMILIES``; () for none. Drawn from a stream of its own, so
+    # every other field is what it was before sinks.
+    sink: tuple[float, ...] = ()
 
     @property
     def varlen(self) -> bool:
@@ -133,7 +145,8 @@ class Case:
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
                 + (f" softcap={self.softcap:g}" if self.softcap else "")
                 + (f" varlen seqlens_q={','.join(map(str, self.seqlens_q))} "
-                   f"seqlens_k={','.join(map(str, self.seqlens_k))}" if self.varlen else ""))
+                   f"seqlens_k={','.join(map(str, self.seqlens_k))}" if self.varlen else "")
+                + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else ""))
 
 
 def strata(families: Sequence[str]) -> list[tuple[str, int, bool, str]]:
@@ -216,10 +229,15 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     else:
         seqlens_q = seqlens_k = ()
     window, softcap = draw_window_softcap(seed, index, sq, sk, share=window_share)
+    kind = str(rng.choice(KINDS, p=[0.7, 0.15, 0.15]))
+    return_lse, use_out = bool(rng.random() < 0.5), bool(rng.random() < 0.3)
+    sink = ()
+    if family in SINK_FAMILIES and kind != "numpy":
+        sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE)
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
-                str(rng.choice(KINDS, p=[0.7, 0.15, 0.15])), amplitude, scale,
-                bool(rng.random() < 0.5), bool(rng.random() < 0.3), span, window, softcap, seqlens_q,
-                seqlens_k)
+                kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
+                sink)
+
 
 
 VARIANTS_VARLEN_SHARE = 1 / 3  # with --variants: of the cases of families with both kinds, the varlen ones
@@ -344,15 +362,19 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         # a window kernel takes the causal or the full config, whatever the case's causal flag
         other = case_config(case.family, case.head_dim, not case.causal, case.span)
         options = {"causal": case.causal, "softmax_scale": case.softmax_scale, **extras}
+        calls = dict(options)  # the call's keywords: the options, and the sink as a device array
+        if case.sink:
+            options["sink"] = np.array(case.sink, np.float32)
+            calls["learnable_sink"] = to_device(options["sink"], kind)
         if case.varlen:
             offsets = varlen_offsets(case)
             offsets_in = offsets if kind == "numpy" else tuple(to_device(x, kind) for x in offsets)
         with force_config(capability, case.causal, config), force_config(capability, not case.causal, other):
             if case.varlen:
                 result = numbaflash.flash_attention_varlen(*args, *offsets_in, case.seqlen_q, case.seqlen_k,
-                                                           return_lse=case.return_lse, out=out, **options)
+                                                           return_lse=case.return_lse, out=out, **calls)
             else:
-                result = numbaflash.flash_attention(*args, return_lse=case.return_lse, out=out, **options)
+                result = numbaflash.flash_attention(*args, return_lse=case.return_lse, out=out, **calls)
         got, lse = result if case.return_lse else (result, None)
         problems = [] if out is None or got is out else ["the result is not the given out"]
         got, lse = to_host(got), None if lse is None else to_host(lse)

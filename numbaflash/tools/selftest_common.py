@@ -83,10 +83,10 @@ def cuda_torch() -> Any:
 
 def to_device(x: np.ndarray, kind: str) -> Any:
     """``x`` as a torch CUDA tensor or a Numba device array (a DeviceBuffer for bfloat16); int32
-    (varlen offsets) as they are."""
+    (varlen offsets) and float32 (a learnable sink) as they are."""
     if kind == "torch":
         torch = cuda_torch()
-        if x.dtype == np.int32:
+        if x.dtype in (np.int32, np.float32):
             return torch.from_numpy(np.ascontiguousarray(x)).cuda()
         tdtype = torch.float16 if x.dtype == np.float16 else torch.bfloat16
         return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(tdtype).cuda()
@@ -94,7 +94,7 @@ def to_device(x: np.ndarray, kind: str) -> Any:
 
     from ..runtime.buffers import DeviceBuffer
 
-    return cuda.to_device(x) if x.dtype in (np.float16, np.int32) else DeviceBuffer(x)
+    return cuda.to_device(x) if x.dtype in (np.float16, np.int32, np.float32) else DeviceBuffer(x)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -106,3 +106,16 @@ def to_host(x: Any) -> np.ndarray:
             return x.view(np.uint16).copy_to_host().view(x.dtype).astype(np.float64)
         x = x.copy_to_host()
     return np.asarray(x).astype(np.float64)
+
+
+def draw_sink(seed: int, index: int, heads_q: int, share: float, stream: int = 9) -> tuple[float, ...]:
+    """The learnable sink of a case (``share`` of them), or () for none, from a stream of its own:
+    float32 logits (heads_q,), each about N(0, 2), or (15% each) -inf (no sink on that head) or 5
+    to 12 (a sink that outweighs the scores of unit-amplitude inputs)."""
+    rng = np.random.default_rng([seed, index, stream])
+    if rng.random() >= share:
+        return ()
+    logits = rng.standard_normal(heads_q) * 2.0
+    pick = rng.random(heads_q)
+    logits = np.where(pick < 0.15, -np.inf, np.where(pick < 0.3, rng.uniform(5.0, 12.0, heads_q), logits))
+    return tuple(float(x) for x in logits.astype(np.float32))

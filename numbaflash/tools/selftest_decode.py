@@ -4,11 +4,11 @@
 A case is a batch of sequences, each with its own cache length (0 to the cache's room, empty and
 full ones included), new rows appended or not, contiguous or paged (any page size, pages
 shuffled), GQA, seqlen_q 1 to 16, causal or not, a sliding window and a softcap in a share of
-them, an automatic or a forced split count, the LSE, a given out. Every cache row the call must
-not read (past each sequence's length, and the unused pages) is NaN, so a kernel that lets one
-reach its output fails. Checks: each sequence against float64 on its own keys
-(``compare_varlen_with_reference``: FlashAttention's criterion), the new rows in the cache bit
-for bit and nothing else changed, a given out returned.
+them, a learnable sink in another (``selftest_common.draw_sink``), an automatic or a forced split
+count, the LSE, a given out. Every cache row the call must not read (past each sequence's length,
+and the unused pages) is NaN, so a kernel that lets one reach its output fails. Checks: each
+sequence against float64 on its own keys (``compare_varlen_with_reference``: FlashAttention's
+criterion), the new rows in the cache bit for bit and nothing else changed, a given out returned.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .selftest_common import (
     GROUPS,
     CaseResult,
     cuda_torch,
+    draw_sink,
     draw_window_softcap,
     log_uniform,
     numpy_dtype,
@@ -39,6 +40,7 @@ DECODE_LIMITS = {False: (4096, 2 * 10**7), True: (600, 2 * 10**6)}
 PAGE_SIZES = (1, 7, 16, 64, 100, 256)
 DECODE_WINDOW_SOFTCAP_SHARE = 0.35
 DECODE_KINDS = ("torch", "numba")
+DECODE_SINK_SHARE, DECODE_SINK_SHARE_VARIANTS = 0.15, 1 / 3  # cases with a learnable sink
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,9 @@ class DecodeCase:
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     family: str = "decode"
+    # A learnable sink (issue 56): the float32 logits of each query head, () for none; drawn from a
+    # stream of its own (``selftest_common.draw_sink``), so every other field is as before.
+    sink: tuple[float, ...] = ()
 
     @property
     def batch(self) -> int:
@@ -89,7 +94,8 @@ class DecodeCase:
                 f"new{self.seqlen_new} splits={self.num_splits or 'auto'} {self.kind} "
                 f"amp{self.amplitude:.3g} scale={scale} lse={int(self.return_lse)} out={int(self.use_out)}"
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
-                + (f" softcap={self.softcap:g}" if self.softcap else ""))
+                + (f" softcap={self.softcap:g}" if self.softcap else "")
+                + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else ""))
 
 
 def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> DecodeCase:
@@ -141,9 +147,11 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     share = 1.0 if variants else DECODE_WINDOW_SOFTCAP_SHARE
     window, softcap = draw_window_softcap(seed, index, seqlen_q, capacity, stream=21, share=share)
     kind = str(rng.choice(DECODE_KINDS, p=[0.7, 0.3]))
+    sink_share = DECODE_SINK_SHARE_VARIANTS if variants else DECODE_SINK_SHARE
+    sink = draw_sink(seed, index, heads_kv * group, sink_share, stream=23)
     return DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
                       tuple(seqlens), seqlen_new, page_size, splits, kind, amplitude, scale,
-                      bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap)
+                      bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap, sink=sink)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,11 +249,13 @@ def run_decode_case(case: DecodeCase) -> Any:
         out = None
         if case.use_out:  # poison: unwritten elements show up as NaN
             out = to_device(np.full(inputs.q.shape, np.nan, inputs.q.dtype), kind)
+        sink = np.array(case.sink, np.float32) if case.sink else None
+        extra = {} if sink is None else {"learnable_sink": to_device(sink, kind)}
         result = numbaflash.flash_attention_with_kvcache(
             dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"], k_new=dev["k_new"],
             v_new=dev["v_new"], block_table=dev["block_table"], causal=case.causal,
             softmax_scale=case.softmax_scale, window_size=case.window_size, softcap=case.softcap,
-            num_splits=case.num_splits, return_lse=case.return_lse, out=out)
+            num_splits=case.num_splits, return_lse=case.return_lse, out=out, **extra)
         got, lse = result if case.return_lse else (result, None)
         problems = [] if out is None or got is out else ["the result is not the given out"]
         got = to_host(got).reshape(-1, case.heads_q, case.head_dim)
@@ -254,7 +264,8 @@ def run_decode_case(case: DecodeCase) -> Any:
         q, k, v, cu_q, cu_k = packed_problem(case, inputs)
         ratio, found = compare_varlen_with_reference(q, k, v, cu_q, cu_k, got, lse, causal=case.causal,
                                                      softmax_scale=case.softmax_scale,
-                                                     window_size=case.window_size, softcap=case.softcap)
+                                                     window_size=case.window_size, softcap=case.softcap,
+                                                     sink=sink)
         problems += [p.replace("sequence", "batch entry", 1) for p in found]
         for name, want, have in zip(("k_cache", "v_cache"), expected_caches(case, inputs),
                                     (dev["k_cache"], dev["v_cache"]), strict=True):
