@@ -12,6 +12,7 @@ import functools
 import gc
 import re
 import struct
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -82,7 +83,8 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     (``device_functions_shared``). A kernel whose function is equal to one this process has
     compiled for the same argument types, target and launch bounds (``function_fingerprint``:
     the variants a spec gives that do not change the code, such as the decode's combine kernel
-    of configs that differ only in fields it does not read) gets that cubin back."""
+    of configs that differ only in fields it does not read) gets that cubin back. NVVM gets
+    each LLVM module once (``module_texts``)."""
     from cuda.bindings import nvjitlink
 
     cc = parse_arch(arch)
@@ -108,9 +110,10 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     finally:
         nvjitlink.destroy(handle)
     cubin = bytes(cubin)
-    _KERNEL_CUBINS[key] = cubin
-    while len(_KERNEL_CUBINS) > KERNEL_CUBINS_KEPT:
-        del _KERNEL_CUBINS[next(iter(_KERNEL_CUBINS))]
+    with _KERNEL_CUBINS_LOCK:
+        _KERNEL_CUBINS[key] = cubin
+        while len(_KERNEL_CUBINS) > KERNEL_CUBINS_KEPT:
+            del _KERNEL_CUBINS[next(iter(_KERNEL_CUBINS))]
     return cubin
 
 
@@ -153,6 +156,7 @@ def collector_paused() -> Iterator[None]:
 
 # (kernel fingerprint, argument types, target, launch bounds) -> cubin, the most recent first out
 _KERNEL_CUBINS: dict = {}
+_KERNEL_CUBINS_LOCK = threading.Lock()
 KERNEL_CUBINS_KEPT = 256
 # (device function fingerprint, argument types, return type, compute capability) -> Numba's result
 _DEVICE_RESULTS: dict = {}

@@ -14,6 +14,9 @@ a softcap, both; packed variable-length sequences for the forward and the backwa
     python -m numbaflash.precompile --clear                # remove entries of other versions
     python -m numbaflash.precompile --clear --all          # remove every entry
 
+It runs one compile process per CPU (``--jobs``), each compiling a group of neighbouring kernels
+in a row (``Schedule``), since neighbours share most of their device functions' compiles.
+
 For Docker images, CI and clusters: run it once where the image is built (``CUDA_VISIBLE_DEVICES=``
 is fine), with ``NUMBAFLASH_CACHE_DIR`` pointing where the GPU processes will look.
 """
