@@ -350,5 +350,115 @@ def test_kernel_compiles_the_same_with_the_operator_memo():
     compiler._OPERATOR_SIGNATURES.clear()
     first = sass(compile_cubin(make(), argtypes, "sm_80"))
     assert compiler._OPERATOR_SIGNATURES and len(first) > 20
+    compiler._KERNEL_CUBINS.clear()  # compiled again, not the remembered cubin
+    compiler._DEVICE_RESULTS.clear()
     again = sass(compile_cubin(make(), argtypes, "sm_80"))  # new functions, operators from the memo
     assert first == again
+
+
+def _closures(scale, flag, offset=0.0):
+    """A kernel factory: a device function ``step`` capturing ``scale`` and ``flag``, and a kernel
+    calling it and adding ``offset`` (new functions at every call, as the package's factories
+    build them)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def step(x):
+        return x * scale + (float32(1.0) if flag else float32(0.0))
+
+    def kernel(out, x):
+        i = cuda.threadIdx.x
+        out[i] = step(x[i]) + float32(offset)
+
+    return kernel, step
+
+
+def test_function_fingerprint_tells_equal_closures_apart_from_others():
+    """``compiler.function_fingerprint``: equal for two closures of the same code over equal
+    values; different where a value differs in type (1, 1.0, True), in sign (0.0, -0.0), in the
+    function it calls, or in a global it reads."""
+    from numbaflash.runtime.compiler import function_fingerprint
+
+    same = [function_fingerprint(_closures(float32(2.0), True)[i]) for i in (0, 0)]
+    assert same[0] == same[1]
+    assert function_fingerprint(_closures(2, True)[1]) == function_fingerprint(_closures(2, True)[1])
+    values = [1, 1.0, True, 0.0, -0.0, float32(2.0), float32(-2.0)]
+    prints = {function_fingerprint(_closures(v, True)[1]) for v in values}
+    assert len(prints) == len(values)
+    assert function_fingerprint(_closures(1, True)[0]) != function_fingerprint(_closures(1, False)[0])
+    namespaces = [{"k": 1}, {"k": 2}, {"k": 1}]
+    for namespace in namespaces:
+        exec("def f(x):\n    return x + k\n", namespace)  # noqa: S102 - the same code, its own globals
+    found = [function_fingerprint(n["f"]) for n in namespaces]
+    assert found[0] != found[1] and found[0] == found[2]
+
+
+def test_device_functions_shared_types_an_equal_closure_once():
+    """``compiler.device_functions_shared`` (inside ``compile_cubin``): the second of two kernels
+    built from equal closures calls the first one's compiled device function (Numba's overload
+    table holds the same result), a closure over another value is compiled on its own, and the
+    machine code is what a compile without sharing gives. Pins the numba-cuda code it wraps."""
+    from numba.cuda import dispatcher
+
+    from numbaflash.runtime import compiler
+
+    source = inspect.getsource(dispatcher.CUDADispatcher.compile_device)
+    assert "if args not in self.overloads:" in source and "self.overloads[args] = cres" in source
+    original = dispatcher.CUDADispatcher.compile_device
+    argtypes = (types.float32[::1], types.float32[::1])
+    built = [_closures(float32(3.0), flag, add) for flag, add in ((True, 0.0), (True, 1.0), (False, 0.0))]
+    cubins = [compile_cubin(kernel, argtypes, "sm_80") for kernel, _ in built]
+    assert dispatcher.CUDADispatcher.compile_device is original
+    results = [step.overloads[(types.float32,)] for _, step in built]
+    assert results[0] is results[1] and results[2] is not results[0]
+    assert compile_cubin(_closures(float32(3.0), True)[0], argtypes, "sm_80") is cubins[0]  # remembered
+    compiler._KERNEL_CUBINS.clear()
+    compiler._DEVICE_RESULTS.clear()
+    alone = compile_cubin(_closures(float32(3.0), True)[0], argtypes, "sm_80")
+    compiler._KERNEL_CUBINS.clear()
+    shared = compile_cubin(_closures(float32(3.0), True)[0], argtypes, "sm_80")
+    assert alone is not shared and _sass_text(alone) == _sass_text(shared)
+
+
+def _sass_text(cubin) -> list[str]:
+    """The instructions of ``cubin`` with their encodings (the entry name differs between compiles)."""
+    from numbaflash.tools.inspect import report_from_cubin
+
+    lines = report_from_cubin(cubin, "k", "sm_80").sass.splitlines()
+    return [line.split("*/", 1)[1] for line in lines if line.strip().startswith("/*0")]
+
+
+def test_module_texts_gives_each_module_once():
+    """``compiler.module_texts``: of a kernel whose device functions reach one function by two
+    paths, the LLVM IR of every module Numba lists, each once, the kernel's first; and the same
+    text as Numba prints. Pins the numba-cuda code it stands in for."""
+    from numba.cuda import codegen
+
+    from numbaflash.runtime.compiler import module_texts, numba_library, parse_arch
+
+    assert "return [self._module] + [" in inspect.getsource(codegen.CUDACodeLibrary.modules.fget)
+    assert "self._llvm_strs = [str(mod) for mod in self.modules]" in inspect.getsource(
+        codegen.CUDACodeLibrary.llvm_strs.fget)
+    assert "irs = self.llvm_strs" in inspect.getsource(codegen.CUDACodeLibrary.get_ltoir)
+
+    @cuda.jit(device=True, forceinline=True)
+    def shared(x):
+        return x * float32(2.0)
+
+    @cuda.jit(device=True, forceinline=True)
+    def left(x):
+        return shared(x) + float32(1.0)
+
+    @cuda.jit(device=True, forceinline=True)
+    def right(x):
+        return shared(x) - float32(1.0)
+
+    def kernel(out, x):
+        i = cuda.threadIdx.x
+        out[i] = left(x[i]) * right(x[i])
+
+    library = numba_library(kernel, (types.float32[::1], types.float32[::1]), parse_arch("sm_80"))
+    numba_texts = [str(m) for m in library.modules]
+    texts = module_texts(library)
+    assert len(numba_texts) > len(texts) == len(set(texts)) == 4
+    assert set(texts) == set(numba_texts) and texts[0] == numba_texts[0]
+    assert module_texts(library) == texts  # the linked modules' text remembered

@@ -112,39 +112,59 @@ def test_summary_line_counts_each_operation():
     assert precompile.summary("sm_90a", parts) == "precompile sm_90a: 5 kernels (forward 2, backward 3)"
 
 
+def _contiguous(specs) -> bool:
+    """Whether each ``precompile.affinity`` group of ``specs`` comes as one run."""
+    runs = [precompile.affinity(s) for i, s in enumerate(specs)
+            if i == 0 or precompile.affinity(s) != precompile.affinity(specs[i - 1])]
+    return len(runs) == len(set(runs))
+
+
 def test_precompile_prints_the_counts_and_plain_restricts(monkeypatch, capsys, tmp_path):
-    """``precompile`` says how many kernels it builds per target; ``--plain`` builds the plain ones."""
+    """``precompile`` says how many kernels it builds per target; ``--plain`` builds the plain ones;
+    one process (``--jobs 1``) compiles each affinity group in a row, the costliest first."""
     monkeypatch.setenv("NUMBAFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("NUMBAFLASH_CACHE", raising=False)
     built = []
 
-    class Pool:  # in this process, no compile
-        def __init__(self, max_workers, initializer):
-            pass
+    def build_one(spec):  # in this process, no compile
+        built.append(spec)
+        return "k", False, 0.0
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def map(self, fn, items):
-            built.extend(items)
-            return [("k", False, 0.0) for _ in items]
-
-    monkeypatch.setattr(precompile, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(precompile, "build_one", build_one)
+    monkeypatch.setattr("numbaflash.runtime.cache.show_compile_progress", lambda: None)
     assert precompile.main(["--arch", "sm_90a", "--jobs", "1"]) == 0
     err = capsys.readouterr().err
     parts = precompile.plan(["sm_90a"])["sm_90a"]
-    assert precompile.summary("sm_90a", parts) in err and len(built) == sum(map(len, parts.values()))
-    ranks = [precompile.compile_rank(s)[0] for s in built]  # backward main kernels, forward, decode, others
-    assert ranks == sorted(ranks) and built[0].operation == "backward" and built[-1].operation not in (
-        "backward", "forward", "decode")
+    planned = [s for specs in parts.values() for s in specs]
+    assert precompile.summary("sm_90a", parts) in err
+    assert sorted(map(repr, built)) == sorted(map(repr, planned))
+    assert _contiguous(built)
+    costs = {}
+    for s in built:
+        costs[precompile.affinity(s)] = costs.get(precompile.affinity(s), 0) + precompile.compile_cost(s)
+    assert list(costs.values()) == sorted(costs.values(), reverse=True)  # the costliest group first
     built.clear()
-    assert precompile.main(["--arch", "sm_90a", "--plain", "--forward-only"]) == 0
+    assert precompile.main(["--arch", "sm_90a", "--plain", "--forward-only", "--jobs", "1"]) == 0
     err = capsys.readouterr().err
     assert f"precompile sm_90a: {len(built)} kernels (forward {len(built)})" in err
     forward = precompile.kernels_for("sm_90a", candidates=False)
-    assert len(built) == len(forward) and set(built) == set(forward)
-    assert built == sorted(built, key=precompile.compile_rank)  # the largest head dims first
-    assert built[0].config.head_dim == 256
+    assert len(built) == len(forward) and set(built) == set(forward) and _contiguous(built)
+
+
+def test_schedule_keeps_every_process_busy_with_neighbours():
+    """``precompile.Schedule``: every kernel once; a process takes its group's kernels in a row, then
+    a group not yet started, then the back half of the busiest group, so that with 16 processes
+    the estimated time is within 5% of the even split."""
+    import heapq
+
+    planned = [s for specs in precompile.plan(["sm_90a"])["sm_90a"].values() for s in specs]
+    schedule, clock, heap, taken = precompile.Schedule(planned), {}, [(0.0, w) for w in range(16)], []
+    while heap:
+        now, worker = heapq.heappop(heap)
+        spec = schedule.next_for(worker)
+        if spec is not None:
+            taken.append(spec)
+            clock[worker] = now + precompile.compile_cost(spec)
+            heapq.heappush(heap, (clock[worker], worker))
+    assert sorted(map(repr, taken)) == sorted(map(repr, planned))
+    assert max(clock.values()) <= 1.05 * sum(map(precompile.compile_cost, planned)) / 16

@@ -181,12 +181,13 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # numbaflash/
 _ALWAYS = ("kernels/families.py", "kernels/spec.py", "runtime/compiler.py", "runtime/sources.py")
 
 
-def _imported_modules(path: Path, top_level: bool = False) -> list[Path]:
+@functools.cache
+def _imported_modules(path: Path, top_level: bool = False) -> tuple[Path, ...]:
     """The files of the ``numbaflash.kernels`` and ``numbaflash.ptx`` modules that ``path`` imports
     anywhere (top level, inside functions): relative imports, ``from . import x`` and absolute
     ``numbaflash.`` imports (``top_level``: the module's own imports, not its functions').
     (Layering keeps device code to those two packages; what a kernel takes from ``runtime`` is
-    ``_ALWAYS``.)"""
+    ``_ALWAYS``.) Read once per file in a process, as ``kernel_source_files`` is."""
     tree = ast.parse(path.read_text(), str(path))
     package = path.parent.relative_to(_PACKAGE.parent).parts  # ("numbaflash", "kernels")
     found = []
@@ -211,7 +212,7 @@ def _imported_modules(path: Path, top_level: bool = False) -> list[Path]:
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
                 files.append(candidate)
-    return files
+    return tuple(files)
 
 
 @functools.cache

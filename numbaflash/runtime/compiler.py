@@ -12,6 +12,7 @@ import functools
 import gc
 import re
 import struct
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -77,13 +78,24 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     two, inlines the helpers and runs ptxas. Python's cyclic garbage collector is paused
     meanwhile (``collector_paused``): Numba allocates millions of short-lived objects, and
     the collections they trigger cost about a tenth of the compile; Numba types each builtin
-    operator on scalars once per argument types (``scalar_operators_memoised``)."""
+    operator on scalars once per argument types (``scalar_operators_memoised``), and each
+    device function once per process where two kernels build equal ones
+    (``device_functions_shared``). A kernel whose function is equal to one this process has
+    compiled for the same argument types, target and launch bounds (``function_fingerprint``:
+    the variants a spec gives that do not change the code, such as the decode's combine kernel
+    of configs that differ only in fields it does not read) gets that cubin back. NVVM gets
+    each LLVM module once (``module_texts``)."""
     from cuda.bindings import nvjitlink
 
     cc = parse_arch(arch)
     bounds = launch_bounds if launch_bounds is not None else getattr(pyfunc, "launch_bounds", None)
     with collector_paused():
+        key = (function_fingerprint(pyfunc), tuple(argtypes), arch, bounds)
+        known = _KERNEL_CUBINS.get(key)
+        if known is not None:
+            return known
         library = numba_library(pyfunc, tuple(argtypes), cc, bounds)
+        library._llvm_strs = module_texts(library)  # what get_ltoir hands NVVM
         modules = [("kernel", _code_bytes(library.get_ltoir(cc=cc)))]
         source = helper_source(library)
         if source:
@@ -97,7 +109,12 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
         nvjitlink.get_linked_cubin(handle, cubin)
     finally:
         nvjitlink.destroy(handle)
-    return bytes(cubin)
+    cubin = bytes(cubin)
+    with _KERNEL_CUBINS_LOCK:
+        _KERNEL_CUBINS[key] = cubin
+        while len(_KERNEL_CUBINS) > KERNEL_CUBINS_KEPT:
+            del _KERNEL_CUBINS[next(iter(_KERNEL_CUBINS))]
+    return cubin
 
 
 def numba_library(pyfunc, argtypes: tuple, cc: tuple, launch_bounds=None):
@@ -108,7 +125,7 @@ def numba_library(pyfunc, argtypes: tuple, cc: tuple, launch_bounds=None):
     this uses."""
     from numba.cuda.compiler import _compile_pyfunc_with_fixup
 
-    with target_capability(cc), scalar_operators_memoised():
+    with target_capability(cc), scalar_operators_memoised(), device_functions_shared():
         library, _ = _compile_pyfunc_with_fixup(pyfunc, argtypes, device=False, cc=cc, abi="numba",
                                                 launch_bounds=launch_bounds, lto=True)
     return library
@@ -135,6 +152,170 @@ def collector_paused() -> Iterator[None]:
         gc.unfreeze()
         if enabled:
             gc.enable()
+
+
+# (kernel fingerprint, argument types, target, launch bounds) -> cubin, the most recent first out
+_KERNEL_CUBINS: dict = {}
+_KERNEL_CUBINS_LOCK = threading.Lock()
+KERNEL_CUBINS_KEPT = 256
+# (device function fingerprint, argument types, return type, compute capability) -> Numba's result
+_DEVICE_RESULTS: dict = {}
+# id(object) -> (object, fingerprint): each function's fingerprint, computed once (the object is
+# kept, so that its id is never another's)
+_FINGERPRINTS: dict = {}
+_SCALARS = (bool, int, str, bytes, type(None), complex)
+
+
+def function_fingerprint(value):
+    """A hashable value equal for two Python functions (or ``@cuda.jit`` device functions) that
+    Numba compiles to the same code: the code object (its bytecode, constants and names), the
+    value of every module global it names, its defaults and the values its closure holds, each
+    by the same rule, recursively; a device function by its compile options and its Python
+    function. Scalars count by type and value (``True``, ``1`` and ``1.0`` differ; a float by
+    its bits), tuples (named tuples too) by type and items, modules by name, Numba types by
+    value, NumPy scalars by type and bytes; anything else by identity, so that two values
+    which might differ are never taken as equal. The kernel factories build a new closure for
+    each kernel: equal fingerprints find the ones that are the same function."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    if isinstance(value, (types.FunctionType, CUDADispatcher)):
+        known = _FINGERPRINTS.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+    return _fingerprint(value, {}, CUDADispatcher)
+
+
+def _fingerprint(value, seen: dict, dispatcher_type):
+    if isinstance(value, float):
+        return float, value.hex()
+    if isinstance(value, _SCALARS):
+        return type(value), value
+    if type(value) is tuple or isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value), tuple(_fingerprint(v, seen, dispatcher_type) for v in value)
+    if isinstance(value, types.ModuleType):
+        return "module", value.__name__
+    if isinstance(value, (types.FunctionType, dispatcher_type)):
+        known = _FINGERPRINTS.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        if id(value) in seen:  # a function that reaches itself: by identity
+            return "self", id(value), seen[id(value)]
+        seen[id(value)] = value
+        if isinstance(value, dispatcher_type):
+            options = tuple(sorted((k, repr(v)) for k, v in value.targetoptions.items()))
+            found = "device function", options, _fingerprint(value.py_func, seen, dispatcher_type)
+        else:
+            code, names = value.__code__, value.__globals__
+            cells = tuple(_cell_value(c) for c in value.__closure__ or ())
+            keywords = tuple(sorted((value.__kwdefaults__ or {}).items()))
+            found = ("function", code,
+                     tuple((n, _fingerprint(names[n], seen, dispatcher_type))
+                           for n in sorted(_names_of(code)) if n in names),
+                     *(_fingerprint(v, seen, dispatcher_type) for v in (
+                         value.__defaults__, keywords, cells, getattr(value, "launch_bounds", None))))
+        _FINGERPRINTS[id(value)] = (value, found)
+        return found
+    return _fingerprint_other(value)
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell: by identity
+        return cell
+
+
+def _fingerprint_other(value):
+    import numpy as np
+    from numba.core.types import Type
+
+    if isinstance(value, Type):
+        return "numba type", value
+    if isinstance(value, np.generic):
+        return type(value), value.tobytes()
+    if isinstance(value, np.dtype):
+        return "dtype", value.str
+    known = _FINGERPRINTS.get(id(value))
+    if known is None or known[0] is not value:
+        known = _FINGERPRINTS[id(value)] = (value, ("object", type(value).__qualname__, id(value)))
+    return known[1]
+
+
+@functools.cache
+def _names_of(code: types.CodeType) -> frozenset:
+    """Every name ``code`` (and the code of the functions it defines) reads as a global or an
+    attribute."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_of(const)
+    return frozenset(names)
+
+
+@contextlib.contextmanager
+def device_functions_shared() -> Iterator[None]:
+    """While the block runs, a device function equal to one this process has compiled
+    (``function_fingerprint``, for the same argument types and compute capability) reuses that
+    compile: Numba's typed, lowered function and its library. The kernel factories build new
+    closures for every kernel, and most of them are equal across the kernels of one config
+    (the variants change a few rooms), so a process that compiles several kernels types each
+    shared function once; what differs is compiled as before.
+
+    ``numba.cuda.dispatcher.CUDADispatcher.compile_device`` is wrapped: on an argument-type
+    tuple the dispatcher has not compiled, a result remembered in ``_DEVICE_RESULTS`` is
+    stored as its overload (Numba's own table, which typing and lowering read: the caller then
+    calls the first function's symbol, which its target context already holds). Call it under
+    Numba's compiler lock (``target_capability`` holds it); ``tests/test_compile_offline.py``
+    pins what it relies on."""
+    from numba.cuda import dispatcher
+
+    compile_device = dispatcher.CUDADispatcher.compile_device
+
+    def shared(self, args, return_type=None):
+        if args in self.overloads:
+            return self.overloads[args]
+        key = (function_fingerprint(self), args, return_type,
+               tuple(dispatcher.get_current_device().compute_capability))
+        known = _DEVICE_RESULTS.get(key)
+        if known is not None:
+            self.overloads[args] = known
+            return known
+        result = compile_device(self, args, return_type)
+        _DEVICE_RESULTS[key] = result
+        return result
+
+    dispatcher.CUDADispatcher.compile_device = shared
+    try:
+        yield
+    finally:
+        dispatcher.CUDADispatcher.compile_device = compile_device
+
+
+# id(module) -> (module, linkage of its functions, its LLVM IR text)
+_MODULE_TEXTS: dict = {}
+
+
+def module_texts(library) -> list[str]:
+    """The LLVM IR of a kernel's Numba code library, one text per module, each module once:
+    what NVVM compiles. Numba lists a device function's module once per path that reaches it
+    (a function that three others call: four times) and prints every module again for each
+    kernel; here a module that several paths reach is given once (NVVM links the copies into
+    one anyway: the same cubin), and the text of a device function's module is printed once per
+    process (modules reused across kernels: ``device_functions_shared``), again only if its
+    functions' linkage has changed since (Numba sets it when a library links it)."""
+    own, *linked = library.modules  # the kernel's module first (``CUDACodeLibrary.modules``)
+    texts = [str(own)]
+    seen = {id(own)}
+    for module in linked:
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        linkage = tuple(f.linkage for f in module.functions)
+        known = _MODULE_TEXTS.get(id(module))
+        if known is None or known[0] is not module or known[1] != linkage:
+            known = _MODULE_TEXTS[id(module)] = (module, linkage, str(module))
+        texts.append(known[2])
+    return texts
 
 
 # (operator function type, typing context, argument types) -> (signature, implementation key)

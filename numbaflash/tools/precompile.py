@@ -14,6 +14,9 @@ a softcap, both; packed variable-length sequences for the forward and the backwa
     python -m numbaflash.precompile --clear                # remove entries of other versions
     python -m numbaflash.precompile --clear --all          # remove every entry
 
+It runs one compile process per CPU (``--jobs``), each compiling a group of neighbouring kernels
+in a row (``Schedule``), since neighbours share most of their device functions' compiles.
+
 For Docker images, CI and clusters: run it once where the image is built (``CUDA_VISIBLE_DEVICES=``
 is fine), with ``NUMBAFLASH_CACHE_DIR`` pointing where the GPU processes will look.
 """
@@ -24,8 +27,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator, Sequence
 
 DEFAULT_ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90a")
 BAR_WIDTH = 30
@@ -133,21 +135,77 @@ def summary(arch: str, parts: dict[str, list]) -> str:
     return f"precompile {arch}: {sum(len(specs) for specs in parts.values())} kernels ({counts})"
 
 
-# Operations by how long their kernels take to compile, longest first (a 2-core machine: a backward
-# main kernel 5-10 s, a forward or decode kernel 4-6 s, a prepare, dQ or combine kernel about 1 s).
-LONGEST_FIRST = ("backward", "forward", "decode")
+# Seconds a kernel of each operation takes to compile from nothing (2-core machine, 2026-11-28: a
+# backward main kernel 3-5 s, a forward or decode kernel 2-4 s, a prepare, dQ or combine kernel
+# about 1 s): what ``schedule`` balances.
+COMPILE_SECONDS = {"backward": 4.0, "forward": 3.0, "decode": 2.5}
 
 
-def compile_rank(spec) -> tuple[int, int]:
-    """Where ``spec`` goes in ``precompile``'s queue: by ``LONGEST_FIRST``, the others last; the
-    larger head dim first within each."""
-    rank = LONGEST_FIRST.index(spec.operation) if spec.operation in LONGEST_FIRST else len(LONGEST_FIRST)
-    return rank, -spec.config.head_dim
+def compile_cost(spec) -> float:
+    """The estimated compile time of ``spec``'s kernel (``COMPILE_SECONDS``; 1 s for the others)."""
+    return COMPILE_SECONDS.get(spec.operation, 1.0)
+
+
+def affinity(spec) -> tuple:
+    """The group whose kernels one process should compile in a row: the target, the call (the
+    forward, the backward's three kernels, decode and its combine) and the head dim. Their
+    device functions are largely equal (``runtime.compiler.device_functions_shared``: a process
+    types each once), and their kernels sometimes (``compiler.function_fingerprint``: compiled
+    once)."""
+    call = spec.operation.split("_")[0]
+    return spec.arch, call, spec.config.head_dim
+
+
+def neighbourly(spec) -> tuple:
+    """The order within an ``affinity`` group: each config's kernels together, each dtype's
+    together, then the variants, so that consecutive kernels share the most."""
+    return (spec.family, repr(spec.config), spec.dtype, spec.operation, spec.varlen, spec.window,
+            spec.softcap, spec.causal)
+
+
+class Schedule:
+    """Which kernel each compile process takes next: the ``affinity`` groups, the costliest first
+    (``compile_cost``), one to a process, which then takes its group's kernels in order
+    (``neighbourly``); a process whose group is done starts the next group not yet started, and
+    once every group has started it takes the back half of the group with the most work left, so
+    that no process idles while another has a queue, and each still compiles neighbours."""
+
+    def __init__(self, items: Sequence) -> None:
+        groups: dict[tuple, list] = {}
+        for spec in items:
+            groups.setdefault(affinity(spec), []).append(spec)
+        runs = [sorted(g, key=neighbourly) for g in groups.values()]
+        self.waiting = sorted(runs, key=lambda run: -sum(map(compile_cost, run)))
+        self.running: dict[int, list] = {}  # process -> what is left of its run
+
+    def next_for(self, worker: int):
+        """The next kernel for process ``worker``, or None when nothing is left for it."""
+        run = self.running.get(worker)
+        if not run:
+            if self.waiting:
+                run = self.waiting.pop(0)
+            else:
+                busiest = max(self.running.values(), key=lambda r: sum(map(compile_cost, r)), default=[])
+                if len(busiest) < 2:
+                    self.running.pop(worker, None)
+                    return None
+                half = len(busiest) // 2
+                run = busiest[half:]
+                del busiest[half:]
+            self.running[worker] = run
+        return run.pop(0)
+
+    def order(self) -> list:
+        """Every kernel in the order one process would take them."""
+        taken = []
+        while (spec := self.next_for(0)) is not None:
+            taken.append(spec)
+        return taken
 
 
 def build_one(spec) -> tuple[str, bool, float]:
-    """Compile one kernel (its ``kernels.spec.KernelSpec``) into the cache (a worker process):
-    (description, compiled, seconds)."""
+    """Compile one kernel (its ``kernels.spec.KernelSpec``) into the cache: (description,
+    compiled, seconds)."""
     from ..configs import kernel_cubin
     from ..runtime import cache
 
@@ -156,6 +214,77 @@ def build_one(spec) -> tuple[str, bool, float]:
     kernel_cubin(spec)
     compiled = cache.STATS["compiles"] > before
     return cache.describe(spec), compiled, time.perf_counter() - start
+
+
+def _serve(worker: int, tasks, results) -> None:
+    """A compile process: ``build_one`` each spec ``tasks`` gives until None; each result (or
+    the error's traceback) onto ``results`` with ``worker``."""
+    import traceback
+
+    from ..runtime import cache
+
+    cache.show_compile_progress()
+    while (spec := tasks.get()) is not None:
+        try:
+            results.put((worker, build_one(spec), None))
+        except BaseException:  # noqa: BLE001 - handed to the parent, which raises it
+            results.put((worker, None, traceback.format_exc()))
+
+
+def compile_all(items: Sequence, workers: int) -> Iterator[tuple[str, bool, float]]:
+    """``build_one`` of every spec in ``items``, in ``Schedule``'s order, by ``workers``
+    processes (one: in this process); yields each result as it comes. A failed compile raises
+    RuntimeError with the process's traceback; so does a process that dies."""
+    schedule = Schedule(items)
+    if workers <= 1:
+        from ..runtime import cache
+
+        cache.show_compile_progress()
+        for spec in schedule.order():
+            yield build_one(spec)
+        return
+    import multiprocessing
+    import queue
+
+    context = multiprocessing.get_context()
+    results = context.Queue()
+    tasks = [context.SimpleQueue() for _ in range(workers)]
+    processes = [context.Process(target=_serve, args=(w, tasks[w], results), daemon=True)
+                 for w in range(workers)]
+    for process in processes:
+        process.start()
+    try:
+        busy = set()
+        for worker in range(workers):
+            spec = schedule.next_for(worker)
+            if spec is not None:
+                tasks[worker].put(spec)
+                busy.add(worker)
+        while busy:
+            try:
+                worker, result, error = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w for w in busy if not processes[w].is_alive()]
+                if dead:
+                    raise RuntimeError(f"numbaflash.precompile: compile process {dead[0]} died "
+                                       f"(exit code {processes[dead[0]].exitcode})") from None
+                continue
+            if error is not None:
+                raise RuntimeError(f"numbaflash.precompile: a compile failed in process {worker}:\n{error}")
+            yield result
+            spec = schedule.next_for(worker)
+            if spec is None:
+                busy.discard(worker)
+            else:
+                tasks[worker].put(spec)
+    finally:
+        for worker, process in enumerate(processes):
+            if process.is_alive():
+                tasks[worker].put(None)
+        for process in processes:
+            process.join(timeout=5.0)
+            if process.is_alive():
+                process.terminate()
 
 
 def progress(done: int, total: int, label: str, stream=sys.stderr) -> None:
@@ -173,8 +302,9 @@ def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None
                backward: bool = True, decode: bool = True, variants: bool = True) -> dict:
     """Fill the cache for ``arches`` (``plan``: the forward kernels, with ``backward`` the
     backward's, with ``decode`` the decode kernels; with ``variants`` each also in its window,
-    softcap and varlen variants); prints one ``summary`` line per target; returns counts
-    {"kernels", "compiled", "cached"}."""
+    softcap and varlen variants) with ``jobs`` processes (``compile_all``; default: the CPU
+    count); prints one ``summary`` line per target; returns counts {"kernels", "compiled",
+    "cached"}."""
     from ..runtime import cache
 
     if not cache.enabled():
@@ -184,17 +314,15 @@ def precompile(arches: Sequence[str], candidates: bool = False, jobs: int | None
     for arch, parts in planned.items():
         print(summary(arch, parts), file=sys.stderr)
         items += [spec for specs in parts.values() for spec in specs]
-    items.sort(key=compile_rank)  # the longest first: no long compile starts while the others idle
     counts = {"kernels": len(items), "compiled": 0, "cached": 0}
-    print(f"numbaflash.precompile: {len(items)} kernels for {', '.join(arches)} into {cache.cache_root()}",
-          file=sys.stderr)
+    workers = min(jobs or os.cpu_count() or 1, len(items))
+    print(f"numbaflash.precompile: {len(items)} kernels for {', '.join(arches)} into {cache.cache_root()} "
+          f"({workers} processes)", file=sys.stderr)
     progress(0, len(items), "")
-    # Each worker prints the line a compile logs when it starts (after a second), the bar when it ends.
-    workers = jobs or os.cpu_count() or 1
-    with ProcessPoolExecutor(max_workers=workers, initializer=cache.show_compile_progress) as pool:
-        for done, (label, compiled, seconds) in enumerate(pool.map(build_one, items), start=1):
-            counts["compiled" if compiled else "cached"] += 1
-            progress(done, len(items), f"{label} ({'compiled' if compiled else 'cached'}, {seconds:.1f} s)")
+    # Each process prints the line a compile logs when it starts (after a second), the bar when it ends.
+    for done, (label, compiled, seconds) in enumerate(compile_all(items, workers), start=1):
+        counts["compiled" if compiled else "cached"] += 1
+        progress(done, len(items), f"{label} ({'compiled' if compiled else 'cached'}, {seconds:.1f} s)")
     return counts
 
 
