@@ -102,3 +102,50 @@ def test_staging_limit_is_checked(monkeypatch, value):
     monkeypatch.setenv("NUMBAFLASH_STAGING_LIMIT_MB", value)
     with pytest.raises(ValueError, match="NUMBAFLASH_STAGING_LIMIT_MB"):
         pl.staging_limit_bytes()
+
+
+# seqlen_q, seqlen_k, window_size, causal: windows whose right side is bounded, unbounded or 0,
+# with seqlen_q far from seqlen_k either way (the selftest's case 281 of seed 4063807155 first:
+# 761 of 1104 rows see no key, and the window ends 38 keys past the diagonal).
+WINDOWED = [
+    (1104, 305, (546, 38), False),
+    (1104, 305, (-1, 38), False),
+    (1104, 305, (546, -1), False),
+    (1104, 305, (100, 0), False),
+    (900, 2000, (64, 200), False),
+    (2000, 700, (0, 0), False),
+    (1500, 1500, (-1, -1), True),
+    (1500, 700, (-1, -1), False),
+]
+
+
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k", "window_size", "causal"), WINDOWED)
+@pytest.mark.parametrize("quantum", [64, 128])
+def test_row_chunks_keep_every_rows_keys(seqlen_q, seqlen_k, window_size, causal, quantum):
+    """A problem cut into row chunks (a tight staging limit): each chunk's kernel, given its rows,
+    its keys 0 .. k1 - 1 and the window sides ``chunk_window_sides`` gives it, sees exactly the
+    keys each of those rows sees in the whole problem (FlashAttention's rule, ``visible_keys``,
+    applied to the chunk as the kernel applies it), and no row sees a key at or past k1."""
+    from numbaflash.operations.forward import chunk_window_sides, keys_past_diagonal, variant_of
+    from numbaflash.tools.reference import visible_keys
+
+    var = variant_of(causal, window_size, 0.0, 0.125, seqlen_q, seqlen_k)
+    p = pl.Problem(1, seqlen_q, seqlen_k, 8, 1, 256, False, keys_past_diagonal(var) == 0, quantum,
+                   keys_past_diagonal(var))
+    chunks = pl.plan_chunks(p, limit=16 << 20)
+    assert len(chunks) > 1 and all(c.r1 - c.r0 < seqlen_q for c in chunks), "the rows are cut"
+    whole = visible_keys(seqlen_q, seqlen_k, causal, window_size)
+    for c in chunks:
+        rows = whole[c.r0:c.r1]
+        if c.k1 <= 0:  # the pipeline writes 0 and LSE -inf: right only if no row sees a key
+            assert not rows.any()
+            continue
+        assert not rows[:, c.k1:].any(), "a key the chunk does not copy is seen"
+        left, right = chunk_window_sides(var, pl.diagonal_shift(p, c))
+        if var.window:
+            assert left >= 0 and right >= 0, "the kernel takes sides >= 0"
+            kernel = visible_keys(c.r1 - c.r0, c.k1, False, (left, right))
+        else:
+            assert pl.diagonal_shift(p, c) == 0 or not var.causal
+            kernel = visible_keys(c.r1 - c.r0, c.k1, var.causal)
+        assert (kernel == rows[:, :c.k1]).all(), f"chunk rows {c.r0}:{c.r1} keys 0:{c.k1}"

@@ -42,13 +42,14 @@ def make(shape_q, shape_kv, dtype, seed):
     return q, k, v
 
 
-def device_path(q, k, v, causal, return_lse):
-    """The same call on torch device tensors (zero copy), back to numpy bits."""
+def device_path(q, k, v, causal, return_lse, **options):
+    """The same call on torch device tensors (zero copy), back to numpy bits (``options``: the
+    window and softcap)."""
     torch = torch_cuda()
     tdtype = torch.float16 if q.dtype == np.float16 else torch.bfloat16
     dq, dk, dv = (torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(tdtype)
                   for x in (q, k, v))
-    r = numbaflash.flash_attention(dq, dk, dv, causal=causal, return_lse=return_lse)
+    r = numbaflash.flash_attention(dq, dk, dv, causal=causal, return_lse=return_lse, **options)
     o, lse = r if return_lse else (r, None)
     bits = o.view(torch.int16).cpu().numpy().view(np.uint16)
     return bits, (lse.cpu().numpy() if return_lse else None)
@@ -101,6 +102,39 @@ def test_numpy_path_is_bit_identical_to_device_path(many_chunks, host_mode, case
     np.testing.assert_array_equal(o.view(np.uint16), ref_bits)
     if return_lse:
         np.testing.assert_array_equal(lse, ref_lse)
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim), window_size, causal: row ranges under
+# a window whose keys end past the diagonal (the chunk's kernel takes shifted sides), end at it,
+# or do not end; the first is the selftest's case 281 of seed 4063807155 (761 rows see no key).
+WINDOW_CASES = [
+    ((1, 1104, 305, 32, 4, 256), (546, 38), False),
+    ((1, 1000, 257, 4, 1, 64), (-1, 38), False),
+    ((1, 1000, 257, 4, 1, 128), (300, -1), False),
+    ((1, 2000, 300, 2, 1, 128), (200, 0), False),
+    ((1, 700, 1500, 6, 2, 64), (64, 100), True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "window_size", "causal"), WINDOW_CASES, ids=str)
+def test_numpy_path_keeps_the_window_in_row_ranges(many_chunks, case, window_size, causal):
+    """Cut into query-row ranges, the numpy path gives the device path's bits and passes the
+    float64 criterion, rows that see no key 0."""
+    from numbaflash.tools.reference import compare_with_reference
+
+    (b, sq, sk, hq, hkv, d), dtype = case, "f16"
+    q, k, v = make((b, sq, hq, d), (b, sk, hkv, d), dtype, seed=sq * 17 + sk)
+    chunks = pl.plan_chunks(pl.Problem(b, sq, sk, hq, hkv, d, True))
+    assert any(c.r1 - c.r0 < sq for c in chunks), "the case is cut into row ranges"
+    out = np.full(q.shape, np.nan, q.dtype)
+    o, lse = numbaflash.flash_attention(q, k, v, causal=causal, window_size=window_size, return_lse=True,
+                                        out=out)
+    ratio, problems = compare_with_reference(q, k, v, o, lse, causal=causal, window_size=window_size)
+    assert not problems, problems
+    ref_bits, ref_lse = device_path(q, k, v, causal, True, window_size=window_size)
+    np.testing.assert_array_equal(o.view(np.uint16), ref_bits)
+    np.testing.assert_array_equal(lse, ref_lse)
 
 
 @pytest.mark.gpu

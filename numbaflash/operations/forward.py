@@ -102,6 +102,25 @@ def variant_of(causal: bool, window_size: tuple[int, int], softcap: float, softm
 
 
 
+def keys_past_diagonal(var: Variant) -> int:
+    """Where a row's keys end for the numpy pipeline (``pipeline.Problem.past_diagonal``): 0
+    with causal masking or a window's right side 0, the right side of any other bounded window,
+    else -1 (at the last key)."""
+    if var.rows_end_at_diagonal:
+        return 0
+    return var.window_right if var.window and var.window_right < WINDOW_UNBOUNDED else -1
+
+
+def chunk_window_sides(var: Variant, diag_shift: int) -> tuple[int, int]:
+    """The window sides the kernel of one row chunk takes (``pipeline.diagonal_shift``): the
+    chunk's diagonal lies ``diag_shift`` keys before its rows' own, so the band moves back by
+    it, and each row sees the keys it sees in the whole problem. Both stay >= 0: a chunk's
+    keys end at its last row's last key or at the last key (``pipeline.Chunk.rows``)."""
+    if not var.window:
+        return var.window_left, var.window_right
+    return var.window_left - diag_shift, var.window_right + diag_shift
+
+
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, seqlen: int | None,
               window: bool = False, softcap: bool = False, varlen: bool = False, sink: bool = False) -> tuple:
     """The key of ``GPU.ready``, the launchers of unforced configs: what picks the config on a
@@ -341,9 +360,10 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
     streams. Results go to pooled pinned memory (the copy engines write them in place), or
     straight into ``out`` unless it shares memory with an input (then via a copy).
 
-    A chunk of query rows r0 .. r1 - 1 is a problem of its own whose keys end where the last row's
-    diagonal does when every row's keys do (causal, or a window whose right side is 0); the
-    window's rule is relative to each row's diagonal, so it holds in the chunk unchanged."""
+    A chunk of query rows r0 .. r1 - 1 is a problem of its own whose keys end where its last
+    row's keys do (causal, or a window: ``keys_past_diagonal``); its kernel puts the diagonal
+    where that chunk's seqlen_k - seqlen_q says, so a window kernel takes the sides that keep
+    every row's band in place (``chunk_window_sides``)."""
     from ..runtime.pipeline import pinned_empty, run_numpy_forward
 
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -364,13 +384,14 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
 
         lse_arg = ((base + lay.lse, math.prod(lay.lse_shape)) if return_lse
                    else gpu_state.GPU.scratch_f32(device))
+        left, right = chunk_window_sides(var, sub.diag_shift)
         call = ForwardCall(dense("q", lay.q_shape, lay.q), dense("k", lay.kv_shape, lay.k),
                            dense("v", lay.kv_shape, lay.v), dense("out", lay.q_shape, lay.o), lse_arg,
                            sub.seqlen_k, sub.heads_kv, scale_log2, return_lse, stream, device,
-                           var.window_left, var.window_right, var.cap_scale)
+                           left, right, var.cap_scale)
         launch(launcher, call, gpu_state.GPU)
 
-    run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk, var.rows_end_at_diagonal,
+    run_numpy_forward(device, q, k, v, result, lse_host, launch_chunk, keys_past_diagonal(var),
                       config.block_m)
     if out is not None and not direct:
         out[...] = result

@@ -5,7 +5,8 @@ The problem is cut into independent chunks of (batch, kv-head group) pairs: a ra
 batches, or, when there are few batches, one batch and a range of kv heads (with their query
 heads, so GQA groups stay together); and when there are fewer pairs than lanes (or one pair
 is too big for a slot), a pair is cut further into ranges of query rows, each with the keys
-its rows can see (all of them, or under causal masking those up to its last row's diagonal).
+its rows can see (all of them, or under causal masking or a window those up to its last row's
+last key).
 
 Each of ``LANES`` (8) lanes owns a CUDA stream, a device slot big enough for one chunk (and a
 pinned host slot when a call copies through it), and a worker thread that runs its chunks in
@@ -79,6 +80,12 @@ class Problem:
     with_lse: bool
     causal: bool = False
     row_quantum: int = 128  # query-row ranges start at multiples of the kernel's block_m
+    # Where the keys a row sees end: ``past_diagonal`` keys past its bottom-right diagonal (a
+    # sliding window's right side; ``causal`` is 0), or -1: at the last key.
+    past_diagonal: int = -1
+    # A row chunk's problem only: its diagonal (seqlen_k - seqlen_q) lies this far before its
+    # rows' own (``diagonal_shift``); a window kernel's sides move by it (left - shift, right + shift).
+    diag_shift: int = 0
 
     @property
     def group(self) -> int:
@@ -108,12 +115,22 @@ class Chunk:
     @staticmethod
     def rows(p: Problem, b0: int, b1: int, g0: int, g1: int, r0: int = 0, r1: int | None = None) -> Chunk:
         """The chunk of query rows ``r0:r1`` (default all) with the keys those rows can see:
-        under bottom-right causal masking, row i sees keys j <= i + seqlen_k - seqlen_q, so the
-        keys past the last row's diagonal are not needed (and the kernel, given seqlen_k = k1
-        and seqlen_q = r1 - r0, puts the diagonal in the same place)."""
+        under bottom-right causal masking, row i sees keys j <= i + seqlen_k - seqlen_q (under a
+        window, j <= i + seqlen_k - seqlen_q + ``past_diagonal``), so the keys past the last
+        row's last one are not needed. The kernel, given seqlen_k = k1 and seqlen_q = r1 - r0,
+        puts the diagonal ``diagonal_shift`` keys before the rows' own (0 when causal)."""
         r1 = p.seqlen_q if r1 is None else r1
-        k1 = min(p.seqlen_k, r1 + p.seqlen_k - p.seqlen_q) if p.causal else p.seqlen_k
+        end = 0 if p.causal else p.past_diagonal
+        k1 = min(p.seqlen_k, r1 + p.seqlen_k - p.seqlen_q + end) if end >= 0 else p.seqlen_k
         return Chunk(b0, b1, g0, g1, r0, r1, k1)
+
+
+def diagonal_shift(p: Problem, c: Chunk) -> int:
+    """How far before its rows' own diagonal a kernel given chunk ``c`` alone puts it: row
+    r0 + i sees keys from r0 + i + seqlen_k - seqlen_q on the diagonal, the kernel (seqlen_q =
+    r1 - r0, seqlen_k = k1) from i + k1 - (r1 - r0). 0 for the whole rows, or causal masking;
+    a window kernel keeps its band by taking sides (left - shift, right + shift)."""
+    return p.seqlen_k - p.seqlen_q + c.r1 - c.k1
 
 
 def plan_chunks(p: Problem, lanes: int = LANES, limit: int | None = None) -> list[Chunk]:
@@ -397,15 +414,18 @@ def _timing_event():
 
 
 def run_numpy_forward(device: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
-                      lse: np.ndarray | None, launch: LaunchChunk, causal: bool, row_quantum: int) -> None:
+                      lse: np.ndarray | None, launch: LaunchChunk, past_diagonal: int,
+                      row_quantum: int) -> None:
     """Compute ``out`` (and ``lse``) from numpy q, k, v (any strides) through the pipeline;
     ``launch`` enqueues the kernel of one chunk whose arrays are dense in device memory.
-    ``row_quantum`` is the kernel's query rows per CTA: a chunk of query rows starts at a
-    multiple of it, so that its CTAs are the device path's and the results the same bits."""
+    ``past_diagonal``: where each row's keys end, that many keys past its diagonal (0: causal
+    masking or a window's right side 0), or -1 (at the last key). ``row_quantum`` is the
+    kernel's query rows per CTA: a chunk of query rows starts at a multiple of it, so that its
+    CTAs are the device path's and the results the same bits."""
 
     batch, seqlen_q, heads_q, head_dim = q.shape
-    p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, lse is not None, causal,
-                row_quantum)
+    p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, lse is not None,
+                past_diagonal == 0, row_quantum, past_diagonal)
     chunks = plan_chunks(p)
     lanes = min(LANES, len(chunks))
     staging = _staging(device)
@@ -508,7 +528,7 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
     q, k, v, out, lse = arrays
     lay = chunk_layout(p, c)
     h0, h1 = c.g0 * p.group, c.g1 * p.group
-    if c.k1 <= 0:  # causal rows before the first key's diagonal: 0, and LSE -inf, as the kernel gives
+    if c.k1 <= 0:  # rows whose keys end before the first key: 0, and LSE -inf, as the kernel gives
         out[c.b0:c.b1, c.r0:c.r1, h0:h1] = 0
         if lse is not None:
             lse[c.b0:c.b1, h0:h1, c.r0:c.r1] = -np.inf
@@ -536,7 +556,8 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
         _check(driver.cuEventRecord(staging.consumed[lane], stream), "recording an event")
     if trace is not None:
         mark = trace.device(lane, "host to device", stream, mark)
-    sub = Problem(c.b1 - c.b0, c.r1 - c.r0, c.k1, h1 - h0, c.g1 - c.g0, p.head_dim, p.with_lse, p.causal)
+    sub = Problem(c.b1 - c.b0, c.r1 - c.r0, c.k1, h1 - h0, c.g1 - c.g0, p.head_dim, p.with_lse, p.causal,
+                  p.row_quantum, p.past_diagonal, diagonal_shift(p, c))
     launch(lay, slot.device, sub, int(stream))
     if trace is not None:
         mark = trace.device(lane, "kernel", stream, mark)
