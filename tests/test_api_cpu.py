@@ -281,14 +281,20 @@ def test_device_buffer_rejects_other_than_16_bit_floats():
 
 
 class Launches:
-    """A stand-in for the driver's ``cuLaunchKernel``: records each launch with the bytes of its
-    parameter buffer (the kernel's parameters as the driver would copy them)."""
+    """A stand-in for the driver's ``cuLaunchKernel``: records each launch with the address of
+    its parameter buffer and, copied at the launch, the buffer's bytes (the kernel's parameters
+    as the driver would copy them: ``buffers`` maps each launcher's and bound launch's buffer
+    address to the buffer, kept alive, so a launch is read as it was even after a call that did
+    not keep its plan)."""
 
     def __init__(self) -> None:
         self.seen: list[tuple] = []
+        self.buffers: dict[int, object] = {}
 
     def __call__(self, handle, gx, gy, gz, block, by, bz, shared, stream, pointers, extra) -> int:
-        self.seen.append((handle, (gx, gy, gz), block, shared, stream, pointers[0]))
+        buffer = self.buffers.get(pointers[0])  # the first parameter sits at the buffer's start
+        self.seen.append((handle, (gx, gy, gz), block, shared, stream, pointers[0],
+                          None if buffer is None else bytes(buffer)))
         return 0
 
 
@@ -318,6 +324,7 @@ def fake_device(monkeypatch):
     compiling, the real ``KernelLauncher`` packs every launch and hands it to ``Launches``, the
     Hopper kernel's tensor maps go to ``FakeSlots``, and new CUDA-array-interface outputs are
     ``FakeDeviceArray``s."""
+    import ctypes
     import types
 
     from numbaflash.runtime import launch as runtime_launch
@@ -339,6 +346,19 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(forward, "loaded_kernel", loaded_kernel)
     driver = types.SimpleNamespace(cuLaunchKernel=gpu.launches)
     monkeypatch.setattr(runtime_launch, "_libcuda", lambda: driver)
+    real_init, real_bind = runtime_launch.KernelLauncher.__init__, runtime_launch.KernelLauncher.bind
+
+    def init(self, *args, **kwargs):  # every parameter buffer, for Launches to copy at launch
+        real_init(self, *args, **kwargs)
+        gpu.launches.buffers[ctypes.addressof(self._buffer)] = self._buffer
+
+    def bind(self, *args, **kwargs):
+        fire = real_bind(self, *args, **kwargs)
+        gpu.launches.buffers[ctypes.addressof(fire.buffer)] = fire.buffer
+        return fire
+
+    monkeypatch.setattr(runtime_launch.KernelLauncher, "__init__", init)
+    monkeypatch.setattr(runtime_launch.KernelLauncher, "bind", bind)
     monkeypatch.setattr(runtime_launch, "set_dynamic_shared_limit", lambda handle, ordinal, nbytes: None)
     monkeypatch.setattr(map_slots, "map_slots", lambda ordinal: gpu.slots)
     monkeypatch.setattr(operands, "_RAW_STREAM", lambda ordinal: gpu.streams[-1])
@@ -351,14 +371,14 @@ def fake_device(monkeypatch):
 
 def parameters(config, launch) -> bytes:
     """The parameter bytes of one recorded launch, by the family's parameter list."""
-    import ctypes
 
     from numbaflash.kernels.families import kernel_abi, spec_of
     from numbaflash.runtime import launch as runtime_launch
 
     abi = kernel_abi(spec_of(config))
     _, size = runtime_launch._packer(runtime_launch.param_layout(abi), len(abi))
-    return ctypes.string_at(launch[5], size)
+    assert launch[6] is not None, "Launches copies every parameter buffer at launch"
+    return launch[6][:size]
 
 
 def packed(config, *args) -> bytes:

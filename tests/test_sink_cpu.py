@@ -166,13 +166,13 @@ def loads(fake_device, monkeypatch):  # noqa: F811
 
 
 def launch_parameters(spec, launch) -> bytes:
-    import ctypes
 
     from numbaflash.runtime import launch as runtime_launch
 
     abi = families.kernel_abi(spec)
     _, size = runtime_launch._packer(runtime_launch.param_layout(abi), len(abi))
-    return ctypes.string_at(launch[5], size)
+    assert launch[6] is not None, "Launches copies every parameter buffer at launch"
+    return launch[6][:size]
 
 
 def sink_packed(spec, *args) -> bytes:
