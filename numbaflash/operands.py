@@ -513,27 +513,38 @@ def check_outputs_disjoint(outs: list[Operand], inputs: list[Operand]) -> None:
 # ------------------------------------------------------------------ decode's index arrays
 
 
-def describe_index(name: str, x: Any, shape: tuple[int, ...]) -> Operand:
-    """An int32 device array of ``shape`` (cache_seqlens, block_table), its last dimension
-    contiguous, on a 4-byte boundary."""
+def _small_device_array(name: str, x: Any, dtype: str, what: str) -> tuple:
+    """(dims, strides in elements, pointer, device or None) of a 4-byte ``dtype`` device array
+    (a torch CUDA tensor or any ``__cuda_array_interface__`` object); ``what`` names the
+    expected kind in the error for anything else."""
     kind = kind_of(x)
     if kind == "torch":
         if not x.is_cuda:
             raise TypeError(f"{name}: torch tensors must be on a CUDA device, got device {x.device}")
-        if x.dtype != _torch().int32:
-            raise TypeError(f"{name} must be int32, got {x.dtype}")
-        dims, strides, pointer, device = tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.get_device()
-    elif kind == "cai":
-        cai = x.__cuda_array_interface__
-        if np.dtype(cai["typestr"]) != np.int32:
-            raise TypeError(f"{name} must be int32, got {np.dtype(cai['typestr'])}")
-        dims = tuple(map(int, cai["shape"]))
-        byte_strides = cai.get("strides")
-        strides = (tuple(math.prod(dims[i + 1:]) for i in range(len(dims))) if byte_strides is None
-                   else tuple(int(s) // 4 for s in byte_strides))
-        pointer, device = int(cai["data"][0]), None
-    else:
-        raise TypeError(f"{name} must be an int32 device array (torch, CuPy, Numba), got {type(x).__name__}")
+        if x.dtype != getattr(_torch(), dtype):
+            raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
+        return tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.get_device()
+    if kind != "cai":
+        raise TypeError(f"{name} must be {what}, got {type(x).__name__}")
+    cai = x.__cuda_array_interface__
+    try:
+        found = np.dtype(cai["typestr"])
+    except TypeError as exc:
+        raise TypeError(f"{name}: unknown __cuda_array_interface__ typestr {cai['typestr']!r}") from exc
+    if found != np.dtype(dtype):
+        raise TypeError(f"{name} must be {dtype}, got {found}")
+    dims = tuple(map(int, cai["shape"]))
+    byte_strides = cai.get("strides")
+    strides = (tuple(math.prod(dims[i + 1:]) for i in range(len(dims))) if byte_strides is None
+               else tuple(int(s) // 4 for s in byte_strides))
+    return dims, strides, int(cai["data"][0]), None
+
+
+def describe_index(name: str, x: Any, shape: tuple[int, ...]) -> Operand:
+    """An int32 device array of ``shape`` (cache_seqlens, block_table), its last dimension
+    contiguous, on a 4-byte boundary."""
+    dims, strides, pointer, device = _small_device_array(name, x, "int32",
+                                                         "an int32 device array (torch, CuPy, Numba)")
     if dims != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {dims}")
     if dims[-1] > 1 and strides[-1] != 1:
@@ -551,30 +562,9 @@ def describe_sink(x: Any, heads_q: int, on_device: bool, function: str = "flash_
     if not on_device:
         raise NotImplementedError(f"{function}(): learnable_sink is not supported with numpy inputs yet; "
                                   f"pass device arrays (torch CUDA tensors, CuPy, Numba)")
-    kind = kind_of(x)
-    device = None
-    if kind == "torch":
-        if not x.is_cuda:
-            raise TypeError(f"learnable_sink: torch tensors must be on a CUDA device, got device {x.device}")
-        if x.dtype != _torch().float32:
-            raise TypeError(f"learnable_sink must be float32, got {x.dtype}")
-        dims, strides, pointer, device = tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.get_device()
-    elif kind == "cai":
-        cai = x.__cuda_array_interface__
-        try:
-            dtype = np.dtype(cai["typestr"])
-        except TypeError as exc:
-            raise TypeError(f"learnable_sink: unknown __cuda_array_interface__ typestr "
-                            f"{cai['typestr']!r}") from exc
-        if dtype != np.float32:
-            raise TypeError(f"learnable_sink must be float32, got {dtype}")
-        dims = tuple(map(int, cai["shape"]))
-        byte_strides = cai.get("strides")
-        strides = (1,) * len(dims) if byte_strides is None else tuple(int(s) // 4 for s in byte_strides)
-        pointer = int(cai["data"][0])
-    else:
-        raise TypeError(f"learnable_sink must be a float32 device array of shape (heads_q,) = ({heads_q},) "
-                        f"(torch CUDA tensor, CuPy, Numba), got {type(x).__name__}")
+    dims, strides, pointer, device = _small_device_array(
+        "learnable_sink", x, "float32",
+        f"a float32 device array of shape (heads_q,) = ({heads_q},) (torch CUDA tensor, CuPy, Numba)")
     if dims != (heads_q,):
         raise ValueError(f"learnable_sink must have shape (heads_q,) = ({heads_q},), got {dims}")
     if heads_q > 1 and strides[0] != 1:
