@@ -13,8 +13,10 @@ reference, also its window and softcap kernels, its learnable-sink kernels (``SI
 ``VARLEN_SINK_CASES``) and ``flash_attention_varlen`` on three packed sequences
 (``varlen_lengths``); for a backward
 config, ``flash_attention_backward`` on the same shapes (both dtypes, causal or not,
-deterministic or not, plus a window case and a softcap case) against the float64 backward, and
-one ``flash_attention_varlen_backward`` case a dtype on the ``varlen_lengths`` sequences.
+deterministic or not, plus a window case and a softcap case, and the learnable-sink cases
+``BACKWARD_SINK_CASES``: the prepare kernel's sink build and d_sink) against the float64 backward,
+and one ``flash_attention_varlen_backward`` case a dtype on the ``varlen_lengths`` sequences (and
+one with a sink).
 Logs go to ``--log-dir/{tool}_{index}.log``; a markdown table of error counts is
 printed; exit 1 if any job found errors, timed out, crashed or computed a wrong result.
 """
@@ -392,17 +394,55 @@ def run_backward_worker(config: BackwardConfig) -> int:
                           f"{(b, sq, sk, hq, hkv)} window={window} softcap={softcap} "
                           f"deterministic={deterministic}: {p}", flush=True)
                 failures += bool(problems)
-        # The packed variable-length backward: one case a dtype (causal for bfloat16)
+            failures += run_backward_sink_cases(config, capability, (q, k, v, dout), device)
+        # The packed variable-length backward: one case a dtype (causal for bfloat16), and one with a sink
         failures += run_varlen_backward_case(config, capability, dtype, rng, causal=dtype is not np.float16)
+        failures += run_varlen_backward_case(config, capability, dtype, rng, causal=True,
+                                             sink=sink_logits(4))
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 
 
+def run_backward_sink_cases(config: BackwardConfig, capability: tuple[int, int], host: tuple,
+                            device: list) -> int:
+    """The ``BACKWARD_SINK_CASES`` of one shape (``host``: q, k, v, dout; ``device``: q, k, v):
+    the forward and the backward with the sink of ``sink_logits``, dq, dk, dv given and poisoned,
+    (dq, dk, dv, d_sink) against float64; how many were wrong."""
+    from numba import cuda
+
+    from numbaflash import flash_attention, flash_attention_backward
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_gradients_with_reference
+
+    q, k, v, dout = host
+    sink = sink_logits(q.shape[2])
+    failures = 0
+    for window, softcap, causal, deterministic in BACKWARD_SINK_CASES:
+        extras = {"window_size": window, "softcap": softcap, "causal": causal}
+        sink_d = cuda.to_device(sink)
+        out, lse = flash_attention(*device, return_lse=True, learnable_sink=sink_d, **extras)
+        grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+        forced = (configs.force_config(capability, c, config) for c in (False, True))
+        with next(forced), next(forced):
+            *_, d_sink = flash_attention_backward(DeviceBuffer(dout), *device, out, lse, dq=grads[0],
+                                                  dk=grads[1], dv=grads[2], deterministic=deterministic,
+                                                  learnable_sink=sink_d, **extras)
+        found = (*(g.copy_to_host() for g in grads), d_sink.copy_to_host())
+        _, problems = compare_gradients_with_reference(q, k, v, dout, found, sink=sink, **extras)
+        shape = (*q.shape[:3], k.shape[1], k.shape[2])
+        for p in problems:
+            print(f"WRONG {config} {q.dtype.name} (b, sq, sk, hq, hkv)={shape} window={window} "
+                  f"softcap={softcap} causal={causal} deterministic={deterministic} sink: {p}", flush=True)
+        failures += bool(problems)
+    return failures
+
+
 def run_varlen_backward_case(config: BackwardConfig, capability: tuple[int, int], dtype, rng,
-                             causal: bool) -> int:
+                             causal: bool, sink: np.ndarray | None = None) -> int:
     """One ``flash_attention_varlen_backward`` call on ``config`` (forced), deterministic, on the
     ``varlen_lengths`` sequences of its block_m (keys and no query row, a query row and no key, a
-    ragged one), GQA 4/2, device arrays, dq, dk, dv given and poisoned with NaN; 1 if wrong."""
+    ragged one), GQA 4/2, device arrays, dq, dk, dv given and poisoned with NaN; 1 if wrong.
+    ``sink``: a learnable sink's logits (4,) (host): d_sink checked too."""
     from numba import cuda
 
     from numbaflash import flash_attention_varlen, flash_attention_varlen_backward
@@ -417,23 +457,28 @@ def run_varlen_backward_case(config: BackwardConfig, capability: tuple[int, int]
     k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype) for _ in range(2))
     device = [DeviceBuffer(x) for x in (q, k, v)]
     offsets = [cuda.to_device(cu_q), cuda.to_device(cu_k), max_q, max_k]
-    out, lse = flash_attention_varlen(*device, *offsets, causal=causal, return_lse=True)
+    with_sink = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}
+    out, lse = flash_attention_varlen(*device, *offsets, causal=causal, return_lse=True, **with_sink)
     grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
     with configs.force_config(capability, causal, config):
-        flash_attention_varlen_backward(DeviceBuffer(dout), *device, out, lse, *offsets, causal=causal,
-                                        deterministic=True, dq=grads[0], dk=grads[1], dv=grads[2])
-    host_grads = tuple(g.copy_to_host() for g in grads)
+        found = flash_attention_varlen_backward(DeviceBuffer(dout), *device, out, lse, *offsets,
+                                                causal=causal, deterministic=True, dq=grads[0], dk=grads[1],
+                                                dv=grads[2], **with_sink)
+    host_grads = tuple(g.copy_to_host() for g in grads) + tuple(x.copy_to_host() for x in found[3:])
     _, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, host_grads,
-                                                          causal=causal)
+                                                          causal=causal, sink=sink)
     for p in problems:
         print(f"WRONG {config} {np.dtype(dtype).name} varlen seqlens_q={lengths_q} seqlens_k={lengths_k} "
-              f"causal={causal} deterministic=True: {p}", flush=True)
+              f"causal={causal} deterministic=True{' sink' if sink is not None else ''}: {p}", flush=True)
     return int(bool(problems))
 
 
 # The backward's window and softcap variants, run on each backward config beside the plain cases:
 # (window_size, softcap, deterministic); the window's turns in deterministic mode.
 BACKWARD_WINDOW_SOFTCAP_CASES = (((17, 3), 0.0, True), ((-1, -1), 30.0, False))
+# The backward with a learnable sink (issue 56: the prepare kernel's sink build adds d_sink):
+# (window_size, softcap, causal, deterministic), with the sink of ``sink_logits``.
+BACKWARD_SINK_CASES = (((-1, -1), 0.0, True, False), ((17, 3), 30.0, False, True))
 
 
 # The decode kernel's window and softcap variants, run on each decode config beside the plain cases:

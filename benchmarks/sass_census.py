@@ -23,15 +23,15 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
 _KERNELS: dict | None = None
-SINK = False  # --sink: the learnable-sink builds of the forward kernels (built on demand, not registered)
+SINK = False  # --sink: the learnable-sink builds of the forward and backward-prepare kernels (not registered)
 
 
 def _kernels() -> dict:
     global _KERNELS
     if _KERNELS is None:
-        from numbaflash.tools.registry import forward_sink_kernels, registered_kernels
+        from numbaflash.tools.registry import backward_sink_kernels, forward_sink_kernels, registered_kernels
 
-        _KERNELS = forward_sink_kernels() if SINK else registered_kernels()
+        _KERNELS = {**forward_sink_kernels(), **backward_sink_kernels()} if SINK else registered_kernels()
     return _KERNELS
 
 
@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile through the kernel cache (NUMBAFLASH_CACHE_DIR): the census also "
                              "precompiles every registered kernel for each target")
     parser.add_argument("--sink", action="store_true",
-                        help="the learnable-sink builds of the forward kernels instead (tools.registry."
-                             "forward_sink_kernels: built on demand, not registered)")
+                        help="the learnable-sink builds of the forward and backward-prepare kernels instead "
+                             "(tools.registry.forward_sink_kernels, backward_sink_kernels: built on demand, "
+                             "not registered)")
     args = parser.parse_args(argv)
     global CACHE, SINK
     CACHE, SINK = args.cache, args.sink

@@ -68,11 +68,12 @@ def flash_attention(
             row: out = Σ_j p_j v_j with p = softmax over the row's scores and the sink, so the
             p_j sum to less than 1; the LSE includes the sink; rows that see no key give 0 and
             LSE = the sink. A kernel variant of its own (compiled on first use), on both kernel
-            families. Device inputs only; no backward yet (under autograd: NotImplementedError).
+            families. Device inputs only. Its backward: ``flash_attention_backward(...,
+            learnable_sink=)``; under autograd the sink may require grad.
 
     Raises:
         TypeError, ValueError: bad input, before anything is compiled or launched.
-        NotImplementedError: a learnable sink with numpy inputs or with autograd.
+        NotImplementedError: a learnable sink with numpy inputs.
         RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
@@ -124,7 +125,8 @@ def flash_attention_backward(
     dv: Any = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-) -> tuple[Any, Any, Any]:
+    learnable_sink: Any = None,
+) -> tuple[Any, ...]:
     """Gradients of ``O = softmax(Q Kᵀ · scale) V`` with respect to q, k and v, on tensor cores
     (FlashAttention-2's backward: the mma.sync kernels, which every GPU from sm_80 on runs).
 
@@ -161,10 +163,18 @@ def flash_attention_backward(
         softcap: the forward's (0: off; > 0: scores softcap · tanh(QKᵀ · scale / softcap)); the
             gradients go through the tanh. ``lse`` must be the forward's of the same window and
             softcap.
+        learnable_sink: the forward's float32 (heads_q,) device array (FlashAttention-4's
+            ``learnable_sink``; ``lse`` must be the forward's with it, which includes the sink).
+            dq, dk, dv are then those of the sink softmax, and the gradient of the sink comes
+            back too, as FlashAttention-4's ``_flash_attn_bwd`` returns it:
+            d_sink[h] = -Σ over batches and rows of exp(sink[h] - lse) · rowsum(dout ∘ out)
+            (float32, summed with float32 atomics: not bit-identical from run to run, even in
+            deterministic mode). Device inputs only.
 
     Raises:
-        TypeError, ValueError: bad input (window and softcap: the forward's checks), before
-            anything is compiled or launched.
+        TypeError, ValueError: bad input (window, softcap and learnable sink: the forward's
+            checks), before anything is compiled or launched.
+        NotImplementedError: a learnable sink with numpy inputs.
         RuntimeError: no usable GPU of compute capability 8.0 or newer, or no backward tile of
             this head dim fits the GPU's shared memory (head_dim 256 on GPUs of 99 KB a CTA:
             sm_86, sm_89, sm_120).
@@ -173,10 +183,11 @@ def flash_attention_backward(
         ``(dq, dk, dv)``: dq like q (batch, seqlen_q, heads_q, head_dim), dk and dv like k
         (batch, seqlen_k, heads_kv, head_dim), in q's dtype. With GQA / MQA the dk and dv of a
         KV head sum over its query heads. Rows that see no key (causal, seqlen_q > seqlen_k)
-        get zero gradients, and give none to k and v.
+        get zero gradients, and give none to k and v. With a ``learnable_sink``:
+        ``(dq, dk, dv, d_sink)``, d_sink a new float32 (heads_q,) array of the inputs' library.
     """
     return direct_flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
-                                           dq, dk, dv, window_size, softcap)
+                                           dq, dk, dv, window_size, softcap, learnable_sink)
 
 def flash_attention_with_kvcache(
     q: Any,
@@ -350,7 +361,8 @@ def flash_attention_varlen_backward(
     dq: Any = None,
     dk: Any = None,
     dv: Any = None,
-) -> tuple[Any, Any, Any]:
+    learnable_sink: Any = None,
+) -> tuple[Any, ...]:
     """Gradients of ``flash_attention_varlen`` with respect to q, k and v (the mma.sync backward's
     packed variable-length build, on every GPU from sm_80 on).
 
@@ -367,18 +379,23 @@ def flash_attention_varlen_backward(
         deterministic: (bool) bit-identical gradients from run to run (each query block's dQ
             summed over its key blocks in one order).
         dq, dk, dv: optional outputs like q, k, v (as for ``flash_attention_backward``).
+        learnable_sink: the forward's float32 (heads_q,) device array, as for
+            ``flash_attention_backward``: d_sink (summed over every sequence) comes back too.
 
     Raises:
         TypeError, ValueError: bad input (the varlen forward's checks, the backward's for dout,
             out, lse and the gradients), before anything is compiled or launched.
+        NotImplementedError: a learnable sink with numpy inputs.
 
     Returns:
         ``(dq, dk, dv)`` packed like q, k, v in q's dtype; each sequence's are those of a dense
         backward on that sequence alone (bit for bit in deterministic mode); keys of a sequence
         without queries get zero dk and dv. With GQA / MQA dk and dv sum over a KV head's group.
+        With a ``learnable_sink``: ``(dq, dk, dv, d_sink)``, d_sink float32 (heads_q,).
     """
     from .operations.varlen_backward import direct_flash_attention_varlen_backward
 
     return direct_flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                                                  window_size, softcap, deterministic, dq, dk, dv)
+                                                  window_size, softcap, deterministic, dq, dk, dv,
+                                                  learnable_sink)

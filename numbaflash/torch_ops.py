@@ -9,6 +9,10 @@ numbaflash`` never imports torch). Two ops under the ``numbaflash`` namespace:
   window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)``
 - ``numbaflash::flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale,
   deterministic, window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``
+- ``numbaflash::flash_attention_sink_backward(dout, q, k, v, out, lse, learnable_sink, causal,
+  softmax_scale, deterministic, window_left, window_right, softcap) -> (dq, dk, dv, d_sink)``:
+  the backward of a forward with a learnable sink (its own op, so that the sinkless op's schema
+  stays as it was); and its packed twin ``flash_attention_varlen_sink_backward``.
 
 Both return new contiguous tensors (``mutates_args=()``), made by ``torch.empty`` on the
 inputs' device, as the eager API does, so they capture in CUDA graphs; their fake kernels give
@@ -20,9 +24,9 @@ non-differentiable: it does not require grad, and no gradient flows through it. 
 double backward (the backward op has no autograd formula). A sliding window and a softcap
 (issue 35) go through both ops: the forward's are saved and passed to the backward op. Calls
 without them pass the ops' original arguments only. A learnable sink (issue 56) goes through
-both forward ops as their last argument; it has no backward yet: the autograd formula raises
-NotImplementedError for a forward that had one (``torch_route`` raises before such a forward
-runs). The packed variable-length forward op
+both forward ops as their last argument; the autograd formula of a forward that had one saves it
+and runs the sink backward op, whose d_sink (float32 (heads_q,)) is the sink's gradient (the
+sink may require grad; q, k, v need not). The packed variable-length forward op
 (``numbaflash::flash_attention_varlen_forward``) has the same kind of autograd: its backward is
 ``numbaflash::flash_attention_varlen_backward`` (with a fake kernel), which saves the offsets
 and maxima with q, k, v, out and lse.
@@ -78,21 +82,26 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: fl
 
 def run_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                  softmax_scale: float, deterministic: bool, window_size: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, learnable_sink: Tensor | None = None):
+    if learnable_sink is None:
+        return direct_flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                                               None, None, None, window_size, softcap)
     return direct_flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
-                                           None, None, None, window_size, softcap)
+                                           None, None, None, window_size, softcap, learnable_sink)
 
 
 def prepare_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                     max_seqlens: tuple[int, int] | None = None) -> int:
+                     max_seqlens: tuple[int, int] | None = None, learnable_sink: Tensor | None = None) -> int:
     """Before a forward on CUDA tensors of which q, k or v requires grad (its backward will follow:
     eager autograd, and a compiled training graph), start compiling the backward's kernels of the
     call in worker processes (``operations.backward.prepare_backward``), so that they compile
     beside the forward's; returns how many started (0 for everything else). ``max_seqlens``: a
-    packed variable-length call's (max_seqlen_q, max_seqlen_k). Never raises for a call the
-    forward rejects: the forward then gives the error."""
-    if not (q.requires_grad or k.requires_grad or v.requires_grad) or not q.is_cuda:
+    packed variable-length call's (max_seqlen_q, max_seqlen_k); ``learnable_sink``: a sink call's
+    (its prepare kernel is the sink build; the sink alone requiring grad is enough). Never raises
+    for a call the forward rejects: the forward then gives the error."""
+    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
+    if not (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad) or not q.is_cuda:
         return 0
     dtype_name = DTYPE_NAMES.get(q.dtype)
     if dtype_name is None:
@@ -105,7 +114,8 @@ def prepare_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scal
         return 0
     return backward_operation.prepare_backward(capability, device, q.shape[-1], var.causal,
                                                dtype_name == "bfloat16", window=var.window,
-                                               softcap=var.softcap, varlen=max_seqlens is not None)
+                                               softcap=var.softcap, varlen=max_seqlens is not None,
+                                               sink=learnable_sink is not None)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
@@ -116,7 +126,9 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softm
     """(out, lse): out like q (contiguous), lse float32 (batch, heads_q, seqlen_q). The window
     (``window_left``, ``window_right``; -1 unbounded), ``softcap`` (0: off) and ``learnable_sink``
     (float32 (heads_q,), or None) as in ``numbaflash.flash_attention``."""
-    if learnable_sink is not None:  # (no backward: nothing to prepare)
+    if learnable_sink is not None:
+        prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap, None,
+                         learnable_sink)
         return run_forward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
                            learnable_sink)
     prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap)
@@ -165,23 +177,39 @@ def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.custom_op("numbaflash::flash_attention_sink_backward", mutates_args=())
+def flash_attention_sink_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  learnable_sink: Tensor, causal: bool, softmax_scale: float,
+                                  deterministic: bool, window_left: int, window_right: int,
+                                  softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_sink) of a forward with a learnable sink: dq, dk, dv like their inputs
+    (contiguous), d_sink float32 (heads_q,)."""
+    dq, dk, dv, d_sink = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                                      (window_left, window_right), softcap, learnable_sink)
+    return dq, dk, dv, d_sink
+
+
+@flash_attention_sink_backward.register_fake
+def _sink_backward_fake(dout, q, k, v, out, lse, learnable_sink, causal, softmax_scale, deterministic,
+                        window_left, window_right, softcap):
+    dq, dk, dv = _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left,
+                                window_right, softcap)
+    _check_sink(learnable_sink, q.shape[2])
+    return dq, dk, dv, learnable_sink.new_empty(learnable_sink.shape)
+
+
 def _check_sink(sink: Tensor | None, heads_q: int) -> None:
     """A learnable sink's checks on metadata (fake and meta tensors too): float32 (heads_q,)."""
     if sink is not None:
         _check_like("learnable_sink", sink, (heads_q,), torch.float32)
 
 
-def _no_sink_backward(ctx, function: str) -> None:
-    if ctx.has_sink:
-        raise NotImplementedError(f"{function}(): learnable_sink has no backward yet (dq, dk, dv and d_sink "
-                                  f"with a sink are not implemented)")
-
-
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, softmax_scale = inputs[:5]
-    ctx.has_sink = len(inputs) > 8 and inputs[8] is not None
+    sink = inputs[8] if len(inputs) > 8 else None
+    ctx.has_sink = sink is not None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *((sink,) if ctx.has_sink else ()))
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.window_size = (inputs[5], inputs[6]) if len(inputs) > 5 else (-1, -1)
     ctx.softcap = inputs[7] if len(inputs) > 7 else 0.0
@@ -190,12 +218,17 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    _no_sink_backward(ctx, "flash_attention")
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse = ctx.saved_tensors[:5]
     # The kernel reads dO in 16-byte row chunks: a gradient that is not a plain dense tensor
     # (expanded from a sum, a transposed view, an odd offset) becomes one first.
     if not dout.is_contiguous() or dout.storage_offset() % 8:
         dout = dout.clone(memory_format=torch.contiguous_format)
+    if ctx.has_sink:
+        sink = ctx.saved_tensors[5]
+        dq, dk, dv, d_sink = flash_attention_sink_backward(dout, q, k, v, out, lse, sink, ctx.causal,
+                                                           ctx.softmax_scale, ctx.deterministic,
+                                                           *ctx.window_size, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, d_sink if ctx.needs_input_grad[8] else None
     if ctx.window_size == (-1, -1) and ctx.softcap == 0.0:
         dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                               ctx.deterministic)
@@ -275,8 +308,11 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
                                    softcap: float = 0.0,
                                    learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (total_q, heads_q, head_dim), contiguous; lse float32 (heads_q,
-    total_q). Autograd: the varlen backward op (none with a ``learnable_sink``)."""
+    total_q). Autograd: the varlen backward op (the varlen sink backward op with a
+    ``learnable_sink``)."""
     if learnable_sink is not None:
+        prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
+                         (max_seqlen_q, max_seqlen_k), learnable_sink)
         return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                           softmax_scale, (window_left, window_right), softcap, learnable_sink)
     prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
@@ -312,10 +348,15 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 def run_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                         causal: bool, softmax_scale: float, deterministic: bool, window_size: tuple[int, int],
-                        softcap: float):
+                        softcap: float, learnable_sink: Tensor | None = None):
+    if learnable_sink is None:
+        return direct_flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                      max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                                                      window_size, softcap, deterministic)
     return direct_flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                                                  window_size, softcap, deterministic)
+                                                  window_size, softcap, deterministic, None, None, None,
+                                                  learnable_sink)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_varlen_backward", mutates_args=())
@@ -343,24 +384,56 @@ def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.custom_op("numbaflash::flash_attention_varlen_sink_backward", mutates_args=())
+def flash_attention_varlen_sink_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                         lse: Tensor, learnable_sink: Tensor, cu_seqlens_q: Tensor,
+                                         cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                         causal: bool, softmax_scale: float, deterministic: bool,
+                                         window_left: int, window_right: int,
+                                         softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_sink) of a packed forward with a learnable sink (d_sink float32 (heads_q,),
+    summed over every sequence)."""
+    dq, dk, dv, d_sink = run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
+                                             (window_left, window_right), softcap, learnable_sink)
+    return dq, dk, dv, d_sink
+
+
+@flash_attention_varlen_sink_backward.register_fake
+def _varlen_sink_backward_fake(dout, q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic, window_left,
+                               window_right, softcap):
+    dq, dk, dv = _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, causal, softmax_scale, deterministic, window_left,
+                                       window_right, softcap)
+    _check_sink(learnable_sink, q.shape[1])
+    return dq, dk, dv, learnable_sink.new_empty(learnable_sink.shape)
+
+
 def _varlen_setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale = inputs[:9]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    sink = inputs[12] if len(inputs) > 12 else None
+    ctx.has_sink = sink is not None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *((sink,) if ctx.has_sink else ()))
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.window_size = (inputs[9], inputs[10]) if len(inputs) > 10 else (-1, -1)
     ctx.softcap = inputs[11] if len(inputs) > 11 else 0.0
-    ctx.has_sink = len(inputs) > 12 and inputs[12] is not None
     ctx.deterministic = torch.are_deterministic_algorithms_enabled()
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    _no_sink_backward(ctx, "flash_attention_varlen")
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[:7]
     if not dout.is_contiguous() or dout.storage_offset() % 8:  # 16-byte row chunks (as the dense op's)
         dout = dout.clone(memory_format=torch.contiguous_format)
+    if ctx.has_sink:
+        dq, dk, dv, d_sink = flash_attention_varlen_sink_backward(
+            dout, q, k, v, out, lse, ctx.saved_tensors[7], cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+            ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale, ctx.deterministic, *ctx.window_size, ctx.softcap)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
+                d_sink if ctx.needs_input_grad[12] else None)
     dq, dk, dv = flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                  ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
                                                  ctx.softmax_scale, ctx.deterministic, *ctx.window_size,

@@ -35,10 +35,9 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     FlopCounterMode), and on meta tensors. Kept small: torch.compile traces it
     (``is_dynamo_compiling()`` is constant True there: the rest of the test is not traced;
     non-strict export and make_fx trace with fake tensors under a dispatch mode). A learnable
-    sink has no backward yet: a call that would need one raises NotImplementedError."""
-    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if learnable_sink is not None:
-        check_sink_grad("flash_attention", needs_grad, learnable_sink)
+    sink that requires grad needs autograd too (``needs_grad``)."""
+    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                      or sink_requires_grad(learnable_sink))
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
     check_tensors(q, k, v)
@@ -51,8 +50,8 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     if out is not None:
         if needs_grad:
             raise RuntimeError(
-                "flash_attention(): out= does not support automatic differentiation, but q, k or v "
-                "requires grad; call it without out= (or under torch.no_grad())")
+                "flash_attention(): out= does not support automatic differentiation, but q, k, v or "
+                "learnable_sink requires grad; call it without out= (or under torch.no_grad())")
         if not isinstance(out, Tensor):
             raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
         if out.shape != q.shape or out.dtype != q.dtype:
@@ -71,13 +70,10 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     return (result, lse) if return_lse else result
 
 
-def check_sink_grad(function: str, needs_grad: bool, learnable_sink) -> None:
-    """A call with a learnable sink whose backward autograd would need (q, k, v or the sink requiring
-    grad, in grad mode) raises NotImplementedError: the backward with a sink is not built yet."""
-    if needs_grad or (_grad_enabled() and getattr(learnable_sink, "requires_grad", False)):
-        raise NotImplementedError(
-            f"{function}(): learnable_sink has no backward yet (dq, dk, dv and d_sink with a sink are not "
-            f"implemented); call it under torch.no_grad(), or with q, k, v and learnable_sink detached")
+def sink_requires_grad(learnable_sink) -> bool:
+    """Whether a learnable sink (None: no sink) requires grad: its gradient comes from the sink
+    backward op (``torch_ops.flash_attention_sink_backward``)."""
+    return learnable_sink is not None and bool(getattr(learnable_sink, "requires_grad", False))
 
 
 def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
@@ -113,11 +109,10 @@ def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                  window_size, softcap, return_lse, out, learnable_sink=None):
     """``flash_attention_varlen`` on torch tensors: None where the direct path serves the call;
     else the custom op, whose autograd runs the varlen backward (grad mode on and q, k or v
-    requiring grad; torch.compile / export, fake or meta tensors, a dispatch mode). A learnable
-    sink has no backward yet (``check_sink_grad``)."""
-    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if learnable_sink is not None:
-        check_sink_grad("flash_attention_varlen", needs_grad, learnable_sink)
+    requiring grad, or a learnable sink requiring grad; torch.compile / export, fake or meta
+    tensors, a dispatch mode)."""
+    needs_grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                      or sink_requires_grad(learnable_sink))
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
     if out is not None:

@@ -429,3 +429,45 @@ def test_varlen_backward_case_with_a_stand_in(monkeypatch, capsys, broken):
         assert failures == 1 and "sequence 0 (seqlen_q 0, seqlen_k 5)" in printed
     else:
         assert failures == 0 and printed == ""
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_varlen_backward_sink_case_with_a_stand_in(monkeypatch, capsys, broken):
+    """The backward worker's varlen case with a learnable sink (issue 56): both passes get the
+    sink, the backward returns d_sink fourth and it is checked (a d_sink off by one is WRONG)."""
+    import numba.cuda
+
+    import numbaflash
+    import numbaflash.runtime.buffers
+    from numbaflash.tools.reference import varlen_attention_backward_reference, varlen_attention_reference
+
+    config = next(c for c in san.runnable_configs((9, 0)) if isinstance(c, BackwardConfig))
+    sink = san.sink_logits(4)
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse, learnable_sink):
+        q, k, v, cu_q, cu_k = (x.array for x in (q, k, v, cu_q, cu_k))
+        assert np.array_equal(learnable_sink.array, sink)
+        out, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=causal, sink=sink)
+        return _HostBuffer(out.astype(q.dtype)), _HostBuffer(lse.astype(np.float32))
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, deterministic, dq, dk, dv,
+                 learnable_sink):
+        dout, q, k, v, cu_q, cu_k = (x.array for x in (dout, q, k, v, cu_q, cu_k))
+        grads = varlen_attention_backward_reference(q, k, v, dout, cu_q, cu_k, causal=causal,
+                                                    sink=learnable_sink.array)
+        for g, ref in zip((dq, dk, dv), grads[:3], strict=True):
+            g.array[...] = ref.astype(q.dtype)
+        d_sink = grads[3].astype(np.float32) + (1.0 if broken else 0.0)
+        return dq, dk, dv, _HostBuffer(d_sink)
+
+    monkeypatch.setattr(numbaflash.runtime.buffers, "DeviceBuffer", _HostBuffer)
+    monkeypatch.setattr(numba.cuda, "to_device", _HostBuffer)
+    monkeypatch.setattr(numbaflash, "flash_attention_varlen", forward)
+    monkeypatch.setattr(numbaflash, "flash_attention_varlen_backward", backward)
+    failures = san.run_varlen_backward_case(config, (9, 0), np.float16, np.random.default_rng(0), causal=True,
+                                            sink=sink)
+    printed = capsys.readouterr().out
+    if broken:
+        assert failures == 1 and "d_sink max error" in printed and "sink:" in printed
+    else:
+        assert failures == 0 and printed == ""

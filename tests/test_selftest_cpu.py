@@ -133,10 +133,9 @@ PINNED_DIGESTS = ("721014eb539fc133", "c288861f867eb913")
 
 
 def before_sinks(case) -> tuple:
-    """A case's fields but the learnable sink (a forward case's last field, drawn from a stream of its
-    own since issue 56: every other field is what it was before)."""
-    fields = dataclasses.astuple(case)
-    return fields[:-1] if isinstance(case, selftest.Case) else fields
+    """A case's fields but the learnable sink (the last field of a forward and of a backward case,
+    drawn from a stream of its own since issue 56: every other field is what it was before)."""
+    return dataclasses.astuple(case)[:-1]
 
 
 def test_sinks_are_drawn_for_device_cases_of_the_forward_families_only():
@@ -152,6 +151,19 @@ def test_sinks_are_drawn_for_device_cases_of_the_forward_families_only():
         assert (logits == logits.astype(np.float32)).all()
         assert "sink=" in with_sink[0].describe()
     assert selftest.draw_case(0, 3, BOTH) == selftest.draw_case(0, 3, BOTH)  # pure in (seed, index)
+
+
+def test_sinks_are_drawn_for_device_cases_of_the_backward():
+    for variants, share in ((False, selftest.SINK_SHARE), (True, selftest.SINK_SHARE_VARIANTS)):
+        cases = [selftest.draw_backward_case(s, i, False, variants) for s in (0, 1) for i in range(600)]
+        with_sink = [c for c in cases if c.sink]
+        assert all(c.kind != "numpy" and len(c.sink) == c.heads_q for c in with_sink)
+        device = [c for c in cases if c.kind != "numpy"]
+        assert abs(len(with_sink) / len(device) - share) < 0.06
+        assert any(c.varlen for c in with_sink) and any(c.causal for c in with_sink)
+        assert any(c.heads_q > c.heads_kv for c in with_sink)  # GQA
+        assert "sink=" in with_sink[0].describe()
+    assert selftest.draw_backward_case(0, 3) == selftest.draw_backward_case(0, 3)
 
 
 def test_default_mode_draws_are_unchanged(monkeypatch):
@@ -176,7 +188,7 @@ def test_default_mode_draws_are_unchanged(monkeypatch):
     for (seed, index, quick, families), want in PINNED_FORWARD.items():
         assert before_sinks(selftest.draw_case(seed, index, list(families), quick)) == want
     for (seed, index, quick), want in PINNED_BACKWARD.items():
-        assert dataclasses.astuple(selftest.draw_backward_case(seed, index, quick)) == want
+        assert before_sinks(selftest.draw_backward_case(seed, index, quick)) == want
 
     def digest(cases):
         return hashlib.sha256(repr([before_sinks(c) for c in cases]).encode()).hexdigest()[:16]

@@ -1,7 +1,8 @@
 """The learnable sink (issue 56, FlashAttention-4's ``learnable_sink``) without a GPU: the spec's axis
 and its normalisation, the sink builds' parameter lists, the checks before launch, the launch's
-arguments on a pretend device, and the autograd refusal (no backward with a sink yet). The kernels
-against float64: ``test_sink_gpu.py``; the reference itself: ``test_sink_reference_cpu.py``."""
+arguments on a pretend device, and the torch op's fake kernels. The backward with a sink (d_sink,
+autograd): ``test_sink_backward_cpu.py``. The kernels against float64: ``test_sink_gpu.py``; the
+reference itself: ``test_sink_reference_cpu.py``."""
 
 from __future__ import annotations
 
@@ -41,18 +42,24 @@ def test_the_sink_is_one_axis_of_the_forward_spec():
 
 
 def test_kernels_that_do_not_read_the_sink_are_built_without_it():
-    for operation in ("backward_prep", "backward_dq"):
-        assert not kernel_spec("sm80bwd", operation, BackwardConfig(64), sink=True).sink
+    for operation in ("backward", "backward_dq"):  # kernels.spec.SINK_FREE
+        assert not kernel_spec("sm80bwd", operation, BackwardConfig(64), causal=True, sink=True).sink
     assert not kernel_spec("sm80dec", "decode_combine", DecodeConfig(128), sink=True).sink
+    prep = kernel_spec("sm80bwd", "backward_prep", BackwardConfig(64), causal=True, sink=True)
+    assert prep.sink and not prep.causal and prep.kind == "sm80bwd.backward_prep+sink"
 
 
-def test_families_build_the_sink_in_the_forward_and_decode_only():
+def test_families_build_the_sink_in_the_forward_decode_and_backward_prepare_only():
     assert families.SM80.runs("forward", sink=True) and families.SM90.runs("forward", varlen=True, sink=True)
     assert families.SM80_DEC.runs("decode", sink=True)
     assert not families.SM80_DEC.runs("decode_combine", sink=True)
+    assert families.SM80_BWD.runs("backward_prep", varlen=True, sink=True)
+    assert families.SM90_BWD.runs("backward_prep", sink=True)
     assert not families.SM80_BWD.runs("backward", sink=True)
-    with pytest.raises(NotImplementedError, match=r"sm80bwd.backward\+sink kernel \(a learnable sink: no"):
-        families.make_kernel(kernel_spec("sm80bwd", "backward", BackwardConfig(64), sink=True))
+    unnormalised = dataclasses.replace(kernel_spec("sm80bwd", "backward", BackwardConfig(64)), sink=True)
+    with pytest.raises(NotImplementedError, match=r"sm80bwd.backward\+sink kernel \(a learnable sink: "
+                                                  r"backward_prep only\)"):
+        families.make_kernel(unnormalised)
     decode = kernel_spec("sm80dec", "decode", DecodeConfig(128), causal=True, softcap=True, sink=True)
     assert decode.sink and not decode.sibling("decode_combine").sink
     assert families.kernel_params(decode) == params.DECODE_VARIANT + params.SINK
@@ -231,21 +238,7 @@ def test_a_varlen_sink_call_passes_the_sink_last(fake_device, loads):  # noqa: F
     assert pointer(sink).to_bytes(8, "little") in raw[-56:]
 
 
-# ------------------------------------------------------------------ autograd
-
-
-def test_autograd_with_a_sink_is_refused():
-    torch = pytest.importorskip("torch")
-    q = torch.zeros((1, 8, 4, 64), dtype=torch.float16, requires_grad=True)
-    k = torch.zeros((1, 8, 2, 64), dtype=torch.float16)
-    sink = torch.zeros(4)
-    with pytest.raises(NotImplementedError, match=r"flash_attention\(\): learnable_sink has no backward yet"):
-        numbaflash.flash_attention(q, k, k, learnable_sink=sink)
-    with pytest.raises(NotImplementedError, match="learnable_sink has no backward yet"):
-        numbaflash.flash_attention(q.detach(), k, k, learnable_sink=sink.requires_grad_())
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match=r"flash_attention_varlen\(\): learnable_sink has no"):
-        numbaflash.flash_attention_varlen(q[0], k[0], k[0], cu, cu, 8, 8, learnable_sink=sink)
+# ------------------------------------------------------------------ the torch op
 
 
 def test_the_torch_op_takes_the_sink_on_fake_tensors():

@@ -188,7 +188,7 @@ def test_varlen_sink(rng, causal, bf16, head_dim):
 
 
 def test_torch_tensors_with_a_sink():
-    """torch CUDA tensors: the sink call matches float64; under autograd it raises (no backward)."""
+    """torch CUDA tensors: the sink call matches float64 (its autograd: test_sink_backward_gpu.py)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
@@ -203,7 +203,5 @@ def test_torch_tensors_with_a_sink():
     assert not problems, problems
     ref, _ = attention_reference(q, k, v, causal=True, sink=sink)
     assert np.isfinite(ref).all()
-    with pytest.raises(NotImplementedError, match="learnable_sink has no backward yet"):
-        numbaflash.flash_attention(tq.requires_grad_(), tk, tv, learnable_sink=torch.from_numpy(sink).cuda())
     with pytest.raises(ValueError, match=r"learnable_sink must have shape \(heads_q,\) = \(4,\), got \(2,\)"):
         numbaflash.flash_attention(tq.detach(), tk, tv, learnable_sink=torch.zeros(2, device="cuda"))

@@ -4,7 +4,9 @@ rows are: ``make_row_source``), the prepare kernel and the dQ kernel. The mma.sy
 around their main kernels (``abi.BACKWARD_ABI`` describes the float32 workspace they share):
 
 - ``prep``: D = rowsum(dO ∘ O) per query row, the forward's LSE in log2 units (+inf where a
-  row saw no key, so that its P is 0), a zeroed dQ accumulator and zeroed turn counters;
+  row saw no key, so that its P is 0), a zeroed dQ accumulator and zeroed turn counters; its
+  learnable-sink build also adds d_sink = -Σ p_sink · D (``make_sink_gradient``): with the
+  forward's sink-inclusive LSE the main and dQ kernels give dq, dk, dv unchanged;
 - ``dq``: dQ = scale · accumulator, in the input dtype.
 
 Both serve every variant of the main kernel (window, softcap) and have a ``varlen`` build, whose
@@ -61,6 +63,10 @@ RowSource = namedtuple("RowSource", ["queries", "keys", "past", "base", "row0", 
 # rows per head and the counters per head.
 PrepWorkspace = namedtuple("PrepWorkspace", ["delta", "lse2", "dq_acc", "counters", "rows",
                                              "counters_per_head"])
+# A sink build's prepare arrays: the float32 (heads_q,) logits and the d_sink it adds into.
+SinkArrays = namedtuple("SinkArrays", ["sink", "d_sink"])
+# The prepare kernel's d_sink steps (``make_sink_gradient``): logit, add, commit.
+SinkGradient = namedtuple("SinkGradient", ["logit", "add", "commit"])
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -163,7 +169,51 @@ def make_row_source(block_m: int, varlen: bool) -> RowSource:
 
 # ---------------------------------------------------------------------------------- prepare and dQ
 
-def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
+def make_sink_gradient(sink: bool) -> SinkGradient:
+    """The prepare kernel's part of d_sink (a learnable sink: ``sink``; the steps do nothing
+    otherwise, and the plain builds' code is unchanged). A sink's rows have
+    p_sink = exp(sink[head] - LSE) (natural-log units; the forward's LSE includes the sink) and
+    d_sink[head] = -Σ p_sink · D over every batch and row of the query head (rows past the
+    sequence give nothing; a row that saw no key has O = 0, so D = 0; a sink of -inf gives 0).
+
+    - ``logit(sinks, head)``: the head's sink (``sinks``: a SinkArrays, None without a sink);
+    - ``add(part, logit, lse, delta)``: ``part`` with one row's -p_sink · D added;
+    - ``commit(sinks, head, part, tid)``: the CTA's 128 parts summed (warp shuffles, then shared
+      memory) and thread 0's one float32 reduction into ``d_sink[head]``."""
+    WARPS = PREP_THREADS // 32
+
+    @cuda.jit(device=True, forceinline=True)
+    def logit(sinks, head):
+        if sink:
+            return sinks.sink[head]
+        return float32(0.0)
+
+    @cuda.jit(device=True, forceinline=True)
+    def add(part, logit, lse, delta):
+        if sink:
+            return part - math.exp(logit - lse) * delta
+        return part
+
+    @cuda.jit(device=True, forceinline=True)
+    def commit(sinks, head, part, tid):
+        if sink:
+            for offset in (16, 8, 4, 2, 1):
+                part += cuda.shfl_xor_sync(FULL_MASK, part, offset)
+            parts = cuda.shared.array(WARPS, float32)
+            if tid % 32 == 0:
+                parts[tid // 32] = part
+            cuda.syncthreads()
+            if tid == 0:
+                total = float32(0.0)
+                for w in range(WARPS):
+                    total += parts[w]
+                ptx.red_global_add_f32(ptx.global_address_f32(sinks.d_sink) + 4 * head, total)
+
+    return SinkGradient(logit, add, commit)
+
+
+def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False,
+                              sink: bool = False):
     """The prep kernel (``abi.BACKWARD_PREP_ABI``): grid (rows // 64, heads_q, batch), 128 threads;
     the same code with causal masking or not (``causal`` is not used: one kernel serves both).
     The threads of a row (``prep_split``) each load 16-byte chunks of O and dO (the loads of up
@@ -173,7 +223,11 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
     ``varlen``: the packed variable-length build (``abi.VARLEN_BACKWARD_PREP_ABI``; grid
     (backward_rows(max_seqlen_q) // 64, heads_q, batch)): the sequence's rows come from the row
     source (``make_row_source``); a block past its sequence's padded rows (``varlen_padded_rows``)
-    returns."""
+    returns.
+
+    ``sink``: the learnable sink's build (``params.SINK_GRADIENT`` last: the float32 (heads_q,)
+    logits and d_sink, which must be zero before the launch): each CTA also adds its rows' part of
+    d_sink (``make_sink_gradient``)."""
     config.check()
     D = config.head_dim
     BM = config.block_m
@@ -184,11 +238,13 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
     ZERO_STORES = PREP_ROWS * D // 4 // PREP_THREADS  # 16-byte stores a thread
     BF16 = bf16
     source = make_row_source(BM, varlen)
+    sink_gradient = make_sink_gradient(sink)
 
     @cuda.jit(device=True, forceinline=True)
-    def run_prep(o, do, lse, ws, seqlen_q, heads_q, seqs):
+    def run_prep(o, do, lse, ws, seqlen_q, heads_q, seqs, sinks):
         """D and LSE₂ of the block's 64 rows of one (sequence, head), its dQ accumulator zeroed
-        and its turn counter reset (``o``, ``do``: Views; ``ws``: a PrepWorkspace)."""
+        and its turn counter reset (``o``, ``do``: Views; ``ws``: a PrepWorkspace; ``sinks``: a
+        SinkArrays, None without a sink)."""
         tid = cuda.threadIdx.x & 1023
         x = int64(cuda.blockIdx.x)
         head = int64(cuda.blockIdx.y)
@@ -202,6 +258,8 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
         o_at = ptx.global_address(o.data) + 2 * source.row0(o, batch, start_q, head) + 16 * part
         do_at = ptx.global_address(do.data) + 2 * source.row0(do, batch, start_q, head) + 16 * part
         lse_row0 = source.lse_row0(seqs, batch, start_q, head, heads_q, seqlen_q)
+        sink_logit = sink_gradient.logit(sinks, head)
+        sink_part = float32(0.0)
         ov = cuda.local.array((GROUP, PER, 4), uint32)
         dov = cuda.local.array((GROUP, PER, 4), uint32)
         for g in range(PASSES // GROUP):
@@ -234,7 +292,9 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
                         forward = lse[lse_row0 + row]
                         if forward != NEG_INF:
                             value = forward * float32(LOG2_E)
+                            sink_part = sink_gradient.add(sink_part, sink_logit, forward, acc)
                     ws.lse2[at] = value
+        sink_gradient.commit(sinks, head, sink_part, tid)
         zeros = cuda.local.array(4, uint32)
         for w in range(4):
             zeros[w] = 0
@@ -246,15 +306,17 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
                                        ws.counters_per_head)] = 0
 
     seqs = "PackedRows(cu_seqlens_q, cu_seqlens_k, total_q)" if varlen else "int64(0)"
+    declared = params.VARLEN_BACKWARD_PREP if varlen else params.BACKWARD_PREP
     kernel = params.entry(
         "backward_prep_varlen" if varlen else "backward_prep",
-        params.VARLEN_BACKWARD_PREP if varlen else params.BACKWARD_PREP,
+        declared + params.SINK_GRADIENT if sink else declared,
         "run_prep(View(o, o_sb, o_ss, o_sh), View(do, do_sb, do_ss, do_sh), lse, PrepWorkspace(delta, lse2, "
-        f"dq_acc, counters, rows, counters_per_head), seqlen_q, heads_q, {seqs})",
+        f"dq_acc, counters, rows, counters_per_head), seqlen_q, heads_q, {seqs}, "
+        f"{'SinkArrays(sink, d_sink)' if sink else 'None'})",
         {"run_prep": run_prep, "View": View, "PrepWorkspace": PrepWorkspace, "PackedRows": PackedRows,
-         "int64": int64})
+         "SinkArrays": SinkArrays, "int64": int64})
     kernel.__name__ = (f"flash_backward_prep_d{D}_m{BM}_{'varlen_' if varlen else ''}"
-                       f"{'bf16' if bf16 else 'f16'}")
+                       f"{'bf16' if bf16 else 'f16'}{'_sink' if sink else ''}")
     kernel.launch_bounds = (PREP_THREADS, 1)
     return kernel
 

@@ -71,8 +71,9 @@ SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capabilit
 SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward",), varlen=True,
               sink=("forward",))
 SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer",
-                  BACKWARD_OPERATIONS, varlen=True)
-SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", BACKWARD_OPERATIONS)
+                  BACKWARD_OPERATIONS, varlen=True, sink=("backward_prep",))
+SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", BACKWARD_OPERATIONS,
+                  sink=("backward_prep",))
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer",
                   DECODE_OPERATIONS, sink=("decode",))
 
@@ -120,7 +121,8 @@ def _forward_ws(s: KernelSpec):
 def _backward_prep(s: KernelSpec):
     from .backward_common import make_backward_prep_kernel
 
-    return make_backward_prep_kernel(_mma_backward_config(s.config), False, s.bf16, varlen=s.varlen)
+    return make_backward_prep_kernel(_mma_backward_config(s.config), False, s.bf16, varlen=s.varlen,
+                                     sink=s.sink)
 
 
 def _backward(s: KernelSpec):
@@ -268,7 +270,8 @@ def make_kernel(spec: KernelSpec):
 def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     """The parameters of ``spec``'s kernel, in order (``kernels.params``): its operation's, with
     the packed sequences of a varlen build, the window's and softcap's for a decode variant, and
-    the learnable sink's logits last for a sink build."""
+    the learnable sink's logits last for a sink build (the backward's prepare kernel: the logits
+    and d_sink, ``params.SINK_GRADIENT``)."""
     family, op = spec.family, spec.operation
     if op == "forward":
         if family == "sm90":
@@ -277,7 +280,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
             declared = params.VARLEN_FORWARD if spec.varlen else params.FORWARD
         return declared + params.SINK if spec.sink else declared
     if op == "backward_prep":
-        return params.VARLEN_BACKWARD_PREP if spec.varlen else params.BACKWARD_PREP
+        declared = params.VARLEN_BACKWARD_PREP if spec.varlen else params.BACKWARD_PREP
+        return declared + params.SINK_GRADIENT if spec.sink else declared
     if op == "backward_dq":
         return params.VARLEN_BACKWARD_DQ if spec.varlen else params.BACKWARD_DQ
     if op == "backward":

@@ -51,6 +51,9 @@ SEQUENCES = params((I32_ARRAY, "cu_seqlens_q cu_seqlens_k"), (I64, "total_q"))
 # A learnable sink's logits (FlashAttention-4's ``learnable_sink``): float32 (heads_q,), natural-log
 # units, one per query head; the last parameter of a sink build (``KernelSpec.sink``).
 SINK = params((F32_ARRAY, "sink"))
+# The backward's prepare kernel with a learnable sink: the logits, then the float32 (heads_q,)
+# gradient it adds each CTA's part of d_sink into (zeroed before the launch).
+SINK_GRADIENT = params((F32_ARRAY, "sink d_sink"))
 
 # The mma.sync forward (``forward_mma``): grid (query blocks, heads_q, batch); lse may be a
 # 1-element dummy; scale_log2 is softmax scale * log2(e) (softcap * log2(e) when capped).

@@ -8,9 +8,12 @@ argument (``kernels.families.make_kernel``). No flag travels as a string: a vari
 Normalisation happens once, here, so that equal kernels have equal specs:
 
 - a sliding-window kernel is built non-causal (a window whose right side is 0 is causal masking);
-- the kernels that do not depend on the mask, the softcap or the learnable sink (``CAUSAL_FREE``:
-  the backward's prepare and dQ kernels, the decode's combine kernel) are built without them, so
-  one kernel serves every call; the combine kernel also serves packed and paged calls alike.
+- the kernels that do not depend on the mask or the softcap (``CAUSAL_FREE``: the backward's
+  prepare and dQ kernels, the decode's combine kernel) are built without them, so one kernel
+  serves every call; the combine kernel also serves packed and paged calls alike;
+- the kernels that do not read a learnable sink (``SINK_FREE``: the backward's main and dQ
+  kernels, which take the forward's sink-inclusive LSE unchanged, and the combine kernel) are
+  built without it: of a backward, only the prepare kernel has a sink build (it adds d_sink).
 
 Plain Python (no Numba): the API imports it on every call's first dispatch.
 """
@@ -21,8 +24,10 @@ import dataclasses
 from typing import Any
 
 DTYPES = ("float16", "bfloat16")
-# Operations whose kernels do not depend on causal masking, the window, the softcap or the sink.
+# Operations whose kernels do not depend on causal masking, the window or the softcap.
 CAUSAL_FREE = frozenset({"backward_prep", "backward_dq", "decode_combine"})
+# Operations whose kernels never read a learnable sink (the backward's prepare kernel does: d_sink).
+SINK_FREE = frozenset({"backward", "backward_dq", "decode_combine"})
 # Operations whose kernels serve packed (varlen) and paged calls alike.
 LAYOUT_FREE = frozenset({"decode_combine"})
 
@@ -76,12 +81,13 @@ class KernelSpec:
                        if f.name in AXES and getattr(self, f.name))
         return f"{self.family}.{self.operation}{axes}"
 
-    def sibling(self, operation: str) -> KernelSpec:
+    def sibling(self, operation: str, *, sink: bool | None = None) -> KernelSpec:
         """The spec of another kernel of the same call (the backward's prepare and dQ kernels,
-        the decode's combine kernel), normalised for it."""
+        the decode's combine kernel), normalised for it; ``sink`` (None: this spec's) whether the
+        call has a learnable sink (a backward's main spec is built without it: ``SINK_FREE``)."""
         return kernel_spec(self.family, operation, self.config, self.dtype, self.arch, causal=self.causal,
                            window=self.window, softcap=self.softcap, varlen=self.varlen, paged=self.paged,
-                           sink=self.sink)
+                           sink=self.sink if sink is None else sink)
 
     def on(self, arch: str) -> KernelSpec:
         """The same kernel for another target."""
@@ -102,7 +108,9 @@ def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16"
     if operation == "decode":
         paged = bool(config.paged)
     if operation in CAUSAL_FREE:
-        causal = window = softcap = sink = False
+        causal = window = softcap = False
+    if operation in SINK_FREE:
+        sink = False
     if operation in LAYOUT_FREE:
         varlen = paged = False
     if window:

@@ -10,6 +10,11 @@ A sliding window or a softcap (issue 35) runs a variant of the main kernel (``ba
 the forward's ``variant_of``, so that both passes agree on the window a call masks with and on the
 kernel arguments); the config is the one the same call without them would choose (causal where
 the window's right side is bounded, as the forward's).
+
+A learnable sink (issue 56, device arrays only) runs the prepare kernel's sink build, which adds
+d_sink = -Σ p_sink · D into a zeroed float32 (heads_q,) array (``zeroed_sink_gradient``); the
+main and dQ kernels are the plain ones: with the forward's sink-inclusive LSE their P is already
+the sink softmax's, and D = rowsum(dO ∘ O) is unchanged (the sink has no value row).
 """
 
 from __future__ import annotations
@@ -49,11 +54,12 @@ class BackwardKernels(NamedTuple):
 
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, window: bool = False,
-              softcap: bool = False, varlen: bool = False) -> tuple:
+              softcap: bool = False, varlen: bool = False, sink: bool = False) -> tuple:
     """The key in ``GPU.launchers`` of the kernels an unforced call runs: what picks the config on
-    a device (``configs.backward_config`` is memoised on the same inputs), and the main kernel's
-    variant (``Variant.window``, ``Variant.softcap``, packed sequences)."""
-    return "backward", device, head_dim, causal, bf16, window, softcap, varlen
+    a device (``configs.backward_config`` is memoised on the same inputs), the main kernel's
+    variant (``Variant.window``, ``Variant.softcap``, packed sequences) and whether the prepare
+    kernel is the learnable sink's build."""
+    return "backward", device, head_dim, causal, bf16, window, softcap, varlen, sink
 
 
 def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
@@ -64,9 +70,16 @@ def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float,
     return variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
 
 
+def call_specs(main: KernelSpec, sink: bool = False) -> list[KernelSpec]:
+    """The specs of one call's three kernels in launch order (``BACKWARD_OPERATIONS``), from its
+    main kernel's: the siblings, the prepare kernel's the learnable sink's build where ``sink``
+    (the main and dQ kernels have none: ``kernels.spec.SINK_FREE``)."""
+    return [main.sibling(operation, sink=sink) for operation in BACKWARD_OPERATIONS]
+
+
 def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
                      bf16: bool, *, window: bool = False, softcap: bool = False,
-                     varlen: bool = False) -> BackwardKernels:
+                     varlen: bool = False, sink: bool = False) -> BackwardKernels:
     """The config and the three loaded kernels of this problem on the current device (ordinal
     ``device``).
 
@@ -80,19 +93,20 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     loaded once per process, and the main kernel's shared-memory limit is raised once per
     device. ``window``, ``softcap``: the main kernel's variant (``backward_variant``; compiled on
     demand); ``varlen``: the packed variable-length builds of all three kernels, with the same
-    config. Each kernel's spec (``kernels.spec``) is built here, once per new problem: the main
-    kernel's, and its siblings' (``KernelSpec.sibling``: the prepare and dQ kernels, built
-    without the mask and softcap they do not depend on).
+    config; ``sink``: the prepare kernel's learnable-sink build (``call_specs``). Each kernel's
+    spec (``kernels.spec``) is built here, once per new problem: the main kernel's, and its
+    siblings' (``KernelSpec.sibling``: the prepare and dQ kernels, built without the mask and
+    softcap they do not depend on).
     """
     gpu = gpu_state.GPU
     if not configs.OVERRIDES:
-        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16, window, softcap, varlen))
+        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink))
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
     config, main = backward_specs(capability, limit, head_dim, causal, bf16, window=window, softcap=softcap,
                                   varlen=varlen)
-    key = ("backward", main, device)
+    key = ("backward", main, sink, device)
     ready = gpu.launchers.get(key)
     if ready is None:
         if config.shared_bytes > limit:  # only a forced config gets here (force_config)
@@ -104,16 +118,15 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
             ready = gpu.launchers.get(key)
             if ready is None:
                 parts = []
-                for operation in BACKWARD_OPERATIONS:
-                    spec = main.sibling(operation)
+                for spec in call_specs(main, sink):
                     kernel, name = loaded_kernel(spec)
-                    if operation == "backward":  # the main kernel
+                    if spec.operation == "backward":  # the main kernel
                         set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
                     launcher = KernelLauncher(kernel, kernel_abi(spec), name)
                     parts.append((launcher, prepare_launch(spec)(config)))
                 ready = gpu.launchers[key] = BackwardKernels(config, *parts)
     if not configs.OVERRIDES:  # the hot path's entry holds unforced configs only
-        gpu.launchers[ready_key(device, head_dim, causal, bf16, window, softcap, varlen)] = ready
+        gpu.launchers[ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink)] = ready
     return ready
 
 
@@ -139,14 +152,15 @@ _PREPARED: set = set()
 
 
 def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool, *,
-                     window: bool = False, softcap: bool = False, varlen: bool = False) -> int:
+                     window: bool = False, softcap: bool = False, varlen: bool = False,
+                     sink: bool = False) -> int:
     """Start compiling, in worker processes, the kernels the backward of this call will load
     (``backward_kernels``' three, by ``backward_specs``), where they are neither loaded nor cached
     (``operations.warm``; the backward waits on them there); returns how many. What the forward
     runs when a backward will follow (its inputs require grad), before it compiles its own kernel.
     Once per problem kind (``ready_key``) and device; nothing under a forced config, and nothing
     where the backward has no config (it raises then, with the message)."""
-    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen)
+    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink)
     if key in _PREPARED or configs.OVERRIDES or not warm.enabled():
         return 0
     _PREPARED.add(key)
@@ -158,7 +172,7 @@ def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, ca
                                  softcap=softcap, varlen=varlen)
     except (ValueError, RuntimeError):
         return 0
-    specs = [main.sibling(operation) for operation in BACKWARD_OPERATIONS]
+    specs = call_specs(main, sink)
     return warm.start([s for s in specs if s not in gpu.modules], "backward", describe(main))
 
 
@@ -185,30 +199,50 @@ def _gradient(given: Operand | None, ref: Operand, name: str) -> tuple[Any, Oper
                           device_pointer(array), device=ref.device)
 
 
+def zeroed_sink_gradient(ref: Any, heads_q: int, stream: int) -> tuple[Any, tuple[int, int]]:
+    """A new float32 (heads_q,) d_sink of ``ref``'s library (``torch.empty`` for torch), zeroed by
+    the driver on ``stream`` (the call's: ordered before its prepare kernel, CUDA-graph safe), and
+    its ``(pointer, elements)``."""
+    from cuda.bindings import driver
+
+    d_sink = empty_lse(ref, (heads_q,))
+    pointer = device_pointer(d_sink)
+    _call(driver.cuMemsetD32Async(pointer, 0, heads_q, stream), "zeroing d_sink")
+    return d_sink, (pointer, heads_q)
+
+
 def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand, lsed: Operand,
                grads: tuple[Operand | None, Operand | None, Operand | None], causal: bool, scale: float,
                deterministic: bool, capability: tuple[int, int], device: int,
-               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[Any, Any, Any]:
+               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+               sink: Operand | None = None) -> tuple[Any, ...]:
     """The backward on device arrays: a workspace of the inputs' library (``torch.empty`` for
     torch, so that the caching allocator and CUDA-graph capture work; ``cupy.empty``; a Numba
     device array otherwise), then the three launches on the inputs' stream. ``grads``: the
     operands of the given dq, dk, dv (None: a new array like q, k or v); ``window_size`` and
-    ``softcap`` validated as the forward's. Returns (dq, dk, dv)."""
+    ``softcap`` validated as the forward's; ``sink``: a learnable sink's validated operand
+    (``operands.describe_sink``). Returns (dq, dk, dv), and d_sink (float32 (heads_q,)) after
+    them with a sink."""
     batch, seqlen_q, heads_q, head_dim = qd.shape
     var = backward_variant(causal, window_size, softcap, scale, seqlen_q, kd.shape[1])
     kernels = backward_kernels(capability, device, head_dim, var.causal, qd.dtype_name == "bfloat16",
-                               window=var.window, softcap=var.softcap)
+                               window=var.window, softcap=var.softcap, sink=sink is not None)
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
     layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
     workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare kernel initialises it
+    stream = stream_handle(qd)
+    d_sink, sink_args = None, (None, None)
+    if sink is not None:
+        d_sink, zeroed = zeroed_sink_gradient(qd.obj, heads_q, stream)
+        sink_args = ((sink.pointer, heads_q), zeroed)
     call = BackwardCall(dod, qd, kd, vd, od, dqd, dkd, dvd, (lsed.pointer, batch * heads_q * seqlen_q),
                         layout.at(device_pointer(workspace)), layout.rows, var.scale_log2,
-                        np.float32(scale), deterministic, stream_handle(qd), device, var.window_left,
-                        var.window_right, var.cap_scale)
+                        np.float32(scale), deterministic, stream, device, var.window_left,
+                        var.window_right, var.cap_scale, *sink_args)
     launch_all(kernels, call)
-    return dq, dk, dv
+    return (dq, dk, dv) if sink is None else (dq, dk, dv, d_sink)
 
 
 class HostLayout(NamedTuple):

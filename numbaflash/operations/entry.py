@@ -87,8 +87,10 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
 
 def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any,
                                     softmax_scale: Any, deterministic: Any, dq: Any, dk: Any, dv: Any,
-                                    window_size: Any = (-1, -1), softcap: Any = 0.0) -> tuple[Any, Any, Any]:
-    """``api.flash_attention_backward``: validate, then launch (what the custom op runs)."""
+                                    window_size: Any = (-1, -1), softcap: Any = 0.0,
+                                    learnable_sink: Any = None) -> tuple[Any, ...]:
+    """``api.flash_attention_backward``: validate, then launch (what the custom op runs).
+    With a ``learnable_sink`` (checked as the forward's, ``describe_sink``) returns d_sink too."""
     window_size = check_window_size(window_size)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_shapes(qd, kd, vd)
@@ -102,6 +104,8 @@ def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any,
     deterministic = check_flag("deterministic", deterministic)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     softcap = check_softcap(softcap, softmax_scale)
+    sd = (None if learnable_sink is None
+          else describe_sink(learnable_sink, heads_q, qd.on_device, "flash_attention_backward"))
     grads = (None if dq is None else describe_gradient("dq", dq, qd),
              None if dk is None else describe_gradient("dk", dk, kd),
              None if dv is None else describe_gradient("dv", dv, vd))
@@ -114,9 +118,9 @@ def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any,
     check_outputs_disjoint(given, inputs)
     capability, device = gpu_state.GPU.current()
     if qd.on_device:
-        check_same_device([*inputs, *given], device)
+        check_same_device([*inputs, *given] + ([] if sd is None else [sd]), device)
         return backward.run_device(dod, qd, kd, vd, od, lsed, grads, causal, softmax_scale, deterministic,
-                                   capability, device, window_size, softcap)
+                                   capability, device, window_size, softcap, sd)
     return backward.run_numpy(dout, q, k, v, out, lse, (dq, dk, dv), causal, softmax_scale, deterministic,
                               capability, device, window_size, softcap)
 

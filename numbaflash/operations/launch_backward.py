@@ -5,7 +5,8 @@ scalars of one call) to each kernel's parameter list (``kernels.abi``: ``BACKWAR
 One call launches three kernels on the caller's stream, in this order:
 
 1. prepare (``backward_prep``): D = rowsum(dO ∘ O) and the LSE in log2 units per row; zeroes
-   the dQ accumulator and the turn counters. Grid (rows // 64, heads_q, batch), 128 threads.
+   the dQ accumulator and the turn counters; with a learnable sink, adds d_sink (its sink
+   build). Grid (rows // 64, heads_q, batch), 128 threads.
 2. main (``backward``): dK and dV of one key block per CTA, dQ added into the accumulator.
    Grid ceil(seqlen_k / block_n) * heads_kv * batch in one dimension, in the launch order of
    ``kernels.blocks.key_block_of`` (``backward_tail_pairs``), ``config.threads``,
@@ -162,6 +163,16 @@ class BackwardCall(NamedTuple):
     window_left: int = 0
     window_right: int = 0
     cap_scale: np.float32 = np.float32(0.0)
+    # A learnable sink's float32 (heads_q,) logits and its zeroed gradient, each as ``(pointer,
+    # elements)``: the prepare kernel's sink build (``params.SINK_GRADIENT``) adds d_sink; None
+    # without a sink.
+    sink: tuple[int, int] | None = None
+    d_sink: tuple[int, int] | None = None
+
+
+def sink_arguments(call: BackwardCall) -> tuple:
+    """The prepare kernel's last arguments: a sink call's logits and d_sink, else none."""
+    return () if call.sink is None else (call.sink, call.d_sink)
 
 
 Launch = Callable[[Any, BackwardCall, Any], None]
@@ -181,7 +192,7 @@ def launch_backward_prep(config) -> Launch:
                  (o.pointer, o.span), (do.pointer, do.span), call.lse,
                  ws.delta, ws.lse_log2, ws.dq_accum, ws.counters,
                  os_[0], os_[1], os_[2], ds[0], ds[1], ds[2],
-                 seqlen_q, call.rows, heads_q, call.rows // block_m)
+                 seqlen_q, call.rows, heads_q, call.rows // block_m, *sink_arguments(call))
 
     return launch
 
@@ -316,7 +327,7 @@ def launch_varlen_backward_prep(config) -> Callable[..., None]:
                  ws.delta, ws.lse_log2, ws.dq_accum, ws.counters,
                  os_[0], os_[1], os_[2], ds[0], ds[1], ds[2],
                  vcall.max_seqlen_q, call.rows, heads_q, call.rows // block_m,
-                 vcall.cu_seqlens_q, vcall.cu_seqlens_k, total_q)
+                 vcall.cu_seqlens_q, vcall.cu_seqlens_k, total_q, *sink_arguments(call))
 
     return launch
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..operands import Operand, device_pointer, empty_like, empty_lse, stream_handle
 from ..runtime import device as gpu_state
-from .backward import backward_kernels
+from .backward import backward_kernels, zeroed_sink_gradient
 from .forward import variant_of
 from .launch_backward import BackwardCall, VarlenBackwardCall, varlen_workspace_layout
 from .varlen import packed
@@ -68,27 +68,34 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
                cuk: Operand, batch: int, max_q: int, max_k: int,
                grads: tuple[Operand | None, Operand | None, Operand | None], causal: bool, scale: float,
                deterministic: bool, capability, device: int, window_size: tuple[int, int],
-               softcap: float) -> tuple[Any, Any, Any]:
+               softcap: float, sink: Operand | None = None) -> tuple[Any, ...]:
     """The varlen backward on validated device arrays: new gradients and the workspace from the
-    inputs' library (``torch.empty`` for torch), three launches on q's stream."""
+    inputs' library (``torch.empty`` for torch), three launches on q's stream. ``sink``: a
+    learnable sink's operand (the prepare kernel's sink build adds d_sink over every sequence,
+    ``backward.zeroed_sink_gradient``). Returns (dq, dk, dv), and d_sink after them with a sink."""
     total_q, heads_q, head_dim = qd.shape
     var = varlen_backward_variant(causal, window_size, softcap, scale, max_q, max_k)
     bf16 = qd.dtype_name == "bfloat16"
     kernels = backward_kernels(capability, device, head_dim, var.causal, bf16, window=var.window,
-                               softcap=var.softcap, varlen=True)
+                               softcap=var.softcap, varlen=True, sink=sink is not None)
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
     layout = varlen_workspace_layout(total_q, batch, heads_q, head_dim, kernels.config.block_m)
     workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare kernel initialises it
+    stream = stream_handle(qd)
+    d_sink, sink_args = None, (None, None)
+    if sink is not None:
+        d_sink, zeroed = zeroed_sink_gradient(qd.obj, heads_q, stream)
+        sink_args = ((sink.pointer, heads_q), zeroed)
     call = BackwardCall(packed(dod), packed(qd), packed(kd), packed(vd), packed(od), packed(dqd),
                         packed(dkd), packed(dvd), (lsed.pointer, heads_q * total_q),
                         layout.at(device_pointer(workspace)), layout.rows, var.scale_log2, np.float32(scale),
-                        deterministic, stream_handle(qd), device, var.window_left, var.window_right,
-                        var.cap_scale)
+                        deterministic, stream, device, var.window_left, var.window_right,
+                        var.cap_scale, *sink_args)
     launch_varlen(kernels, VarlenBackwardCall(call, (cuq.pointer, batch + 1), (cuk.pointer, batch + 1), batch,
                                               max_q, max_k))
-    return dq, dk, dv
+    return (dq, dk, dv) if sink is None else (dq, dk, dv, d_sink)
 
 
 def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
@@ -172,10 +179,11 @@ def direct_flash_attention_varlen_backward(dout: Any, q: Any, k: Any, v: Any, ou
                                            cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
                                            max_seqlen_k: Any, causal: Any, softmax_scale: Any,
                                            window_size: Any, softcap: Any, deterministic: Any, dq: Any = None,
-                                           dk: Any = None, dv: Any = None) -> tuple[Any, Any, Any]:
+                                           dk: Any = None, dv: Any = None,
+                                           learnable_sink: Any = None) -> tuple[Any, ...]:
     """``api.flash_attention_varlen_backward`` without the torch routing: every check (the varlen
-    forward's, the dense backward's for dout, out, lse and given gradients) before anything is
-    compiled or launched, then the launches."""
+    forward's, the dense backward's for dout, out, lse and given gradients, the forward's for a
+    learnable sink) before anything is compiled or launched, then the launches."""
     from ..operands import (
         check_device_layout,
         check_flag,
@@ -189,6 +197,7 @@ def direct_flash_attention_varlen_backward(dout: Any, q: Any, k: Any, v: Any, ou
         describe,
         describe_gradient,
         describe_lse,
+        describe_sink,
     )
     from .launch_backward import check_backward_grid
     from .varlen import check_packed_shapes, check_sequences
@@ -209,6 +218,8 @@ def direct_flash_attention_varlen_backward(dout: Any, q: Any, k: Any, v: Any, ou
     deterministic = check_flag("deterministic", deterministic)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     softcap = check_softcap(softcap, softmax_scale)
+    sd = (None if learnable_sink is None
+          else describe_sink(learnable_sink, heads_q, qd.on_device, "flash_attention_varlen_backward"))
     grads = (None if dq is None else describe_gradient("dq", dq, qd),
              None if dk is None else describe_gradient("dk", dk, kd),
              None if dv is None else describe_gradient("dv", dv, vd))
@@ -221,8 +232,8 @@ def direct_flash_attention_varlen_backward(dout: Any, q: Any, k: Any, v: Any, ou
     check_outputs_disjoint(given, inputs)
     capability, device = gpu_state.GPU.current()
     if qd.on_device:
-        check_same_device([*inputs, *given, cuq, cuk], device)
+        check_same_device([*inputs, *given, cuq, cuk] + ([] if sd is None else [sd]), device)
         return run_device(dod, qd, kd, vd, od, lsed, cuq, cuk, batch, max_q, max_k, grads, causal,
-                          softmax_scale, deterministic, capability, device, window_size, softcap)
+                          softmax_scale, deterministic, capability, device, window_size, softcap, sd)
     return run_numpy(dout, q, k, v, out, lse, cuq, cuk, max_q, max_k, (dq, dk, dv), causal, softmax_scale,
                      deterministic, capability, device, window_size, softcap)

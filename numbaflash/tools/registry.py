@@ -79,6 +79,22 @@ def forward_sink_kernels() -> dict:
     return kernels
 
 
+def backward_sink_kernels() -> dict:
+    """The learnable-sink builds (issue 56) of the backward's prepare kernels, dense
+    (``backward_kernels``) and packed (``backward_varlen_kernels``): the only backward kernel with
+    a sink build (it adds d_sink; the main and dQ kernels are the plain ones,
+    ``kernels.spec.SINK_FREE``). Not registered, never precompiled (as ``forward_sink_kernels``);
+    named like the prepare kernel they extend with ``_sink`` last."""
+    import dataclasses
+
+    kernels = {}
+    for name, (kernel, _, archs) in {**backward_kernels(), **backward_varlen_kernels()}.items():
+        if kernel.spec.operation == "backward_prep":
+            built, argtypes = _built(dataclasses.replace(kernel.spec, sink=True))
+            kernels[f"{name}_sink"] = (built, argtypes, archs)
+    return kernels
+
+
 def _forward_kernels(variants: tuple[tuple[bool, bool, bool], ...]) -> dict:
     """name -> (kernel, argument types, targets) of the (window, softcap, varlen) ``variants``'
     forward kernels, each on the configs the dispatcher picks for it (a window kernel is built

@@ -9,11 +9,11 @@ About a fifth of the mma.sync family's cases run ``flash_attention_varlen`` inst
 packed sequences of their own lengths (``draw_varlen``), each sequence checked the same way.
 A tenth of the forward's device cases (a third with ``--variants``) take a learnable sink
 (``draw_sink``: FlashAttention-4's ``learnable_sink``, one logit per query head; so do a share of
-the ``--decode`` cases; the backward takes none yet).
+the ``--decode`` cases, and of the ``--backward`` device cases, whose d_sink is checked too).
 
 ``--backward`` tests the backward instead: the forward's output and LSE, then
 ``flash_attention_backward`` (random dout, deterministic or not, with or without given dq/dk/dv),
-each of dq, dk, dv against float64 by the same criterion.
+each of dq, dk, dv (and d_sink with a sink) against float64 by the same criterion.
 
 ``--variants`` (forward or backward) makes every case a varlen, sliding-window or softcap case (or
 several of them): about a third varlen, the rest and half the varlen ones a window, a softcap or
@@ -418,6 +418,9 @@ class BackwardCase:
     # maxima passed; () for a dense case.
     seqlens_q: tuple[int, ...] = ()
     seqlens_k: tuple[int, ...] = ()
+    # A learnable sink (issue 56; device cases only, ``draw_sink`` on a stream of its own: every
+    # other field is what it was before sinks): the backward returns d_sink, checked too.
+    sink: tuple[float, ...] = ()
 
     varlen = Case.varlen
     variant = Case.variant
@@ -427,7 +430,8 @@ class BackwardCase:
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
                 + (f" softcap={self.softcap:g}" if self.softcap else "")
                 + (f" varlen seqlens_q={','.join(map(str, self.seqlens_q))} "
-                   f"seqlens_k={','.join(map(str, self.seqlens_k))}" if self.varlen else ""))
+                   f"seqlens_k={','.join(map(str, self.seqlens_k))}" if self.varlen else "")
+                + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else ""))
 
 
 BACKWARD_BLOCK = 128  # rows of the backward's key blocks (the widest): "empty_ctas" shapes use it
@@ -437,7 +441,8 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
     """The backward case ``index`` of run ``seed`` (pure, no GPU). Head dims, causality and dtypes
     cycle; shapes are drawn as for the forward (ragged, equal, length 1, causal rows that see no
     key), within half the forward's reference budget. ``variants``: every case varlen, windowed
-    or softcapped (``variant_shares``)."""
+    or softcapped (``variant_shares``). Device cases take a learnable sink as the forward's do
+    (``SINK_SHARE``; stream 10)."""
     from ..configs import SUPPORTED_HEAD_DIMS
 
     combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (False, True) for t in DTYPE_NAMES]
@@ -456,10 +461,15 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
     if lengths is not None:
         seqlens_q, seqlens_k, sq, sk = lengths
         batch = len(seqlens_q)
+    kind = str(rng.choice(KINDS, p=[0.5, 0.2, 0.3]))  # (drawn in the order they always were)
+    deterministic, use_outs = bool(rng.random() < 0.3), bool(rng.random() < 0.3)
+    sink = ()
+    if kind != "numpy":  # numpy inputs take no sink
+        sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE,
+                         stream=10)
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
-                        str(rng.choice(KINDS, p=[0.5, 0.2, 0.3])), amplitude, scale,
-                        bool(rng.random() < 0.3), bool(rng.random() < 0.3), window_size=window,
-                        softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+                        kind, amplitude, scale, deterministic, use_outs, window_size=window,
+                        softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink)
 
 
 def run_backward_case(case: BackwardCase) -> CaseResult:
@@ -483,6 +493,10 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         dout_in = dout if kind == "numpy" else to_device(dout, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}
+        checks = dict(extras)  # the reference's keywords: with a sink, its logits
+        if case.sink:
+            checks["sink"] = np.array(case.sink, np.float32)
+            extras["learnable_sink"] = to_device(checks["sink"], kind)
         if case.varlen:
             offsets = varlen_offsets(case)
             offsets_in = offsets if kind == "numpy" else tuple(to_device(x, kind) for x in offsets)
@@ -509,16 +523,18 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
                                                         softmax_scale=case.softmax_scale,
                                                         deterministic=case.deterministic, **outs, **extras)
         problems = []
-        if outs and any(g is not outs[n] for g, n in zip(grads, ("dq", "dk", "dv"), strict=True)):
+        if len(grads) != (4 if case.sink else 3):
+            problems.append(f"{len(grads)} results, expected {4 if case.sink else 3}")
+        if outs and any(g is not outs[n] for g, n in zip(grads[:3], ("dq", "dk", "dv"), strict=True)):
             problems.append("a result is not the given dq/dk/dv")
         host_grads = tuple(to_host(g) for g in grads)
         if case.varlen:
             ratio, found = compare_varlen_gradients_with_reference(q, k, v, dout, *offsets, host_grads,
                                                                    causal=case.causal,
-                                                                   softmax_scale=case.softmax_scale, **extras)
+                                                                   softmax_scale=case.softmax_scale, **checks)
         else:
             ratio, found = compare_gradients_with_reference(q, k, v, dout, host_grads, causal=case.causal,
-                                                            softmax_scale=case.softmax_scale, **extras)
+                                                            softmax_scale=case.softmax_scale, **checks)
         problems += found
         note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
