@@ -326,3 +326,19 @@ def test_varlen_compare_with_a_sink():
     assert ratio > 1 and len(problems) == 1 and problems[0].startswith("d_sink max error")
     ratio, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, grads, causal=True)
     assert ratio == np.inf and problems == ["4 gradients, expected 3 (dq, dk, dv)"]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_the_input_dtype_d_sink_is_rounded_as_autograd_in_that_dtype_would(dtype):
+    """The yardstick of d_sink (``rounding_dtype=``) is FlashAttention-4's dSink one: the input-dtype
+    computation ends in a value of that dtype (a sink of the input dtype gets its gradient in it),
+    each row's term rounded on the way; the float64 one is not rounded."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    q, k, v, dout, sink = problem(seed=5, seqlen_q=40, seqlen_k=33)
+    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+    *_, exact = attention_backward_reference(q, k, v, dout, sink=sink)
+    *_, low = attention_backward_reference(q, k, v, dout, sink=sink, rounding_dtype=dtype)
+    np.testing.assert_array_equal(low, low.astype(dtype).astype(np.float64))
+    assert not np.array_equal(exact, exact.astype(dtype).astype(np.float64))
+    np.testing.assert_allclose(low, exact, rtol=2.0 ** -6, atol=2.0 ** -6)

@@ -237,18 +237,23 @@ def attention_backward_reference(
              np.ascontiguousarray(per_kv_head(dv)))
     if sink is None:
         return grads
-    return (*grads, sink_gradient(sink_logits(sink, hq), lse, delta[..., 0]))
+    return (*grads, sink_gradient(sink_logits(sink, hq), lse, delta[..., 0], rnd))
 
 
-def sink_gradient(sink: np.ndarray, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
+def sink_gradient(sink: np.ndarray, lse: np.ndarray, delta: np.ndarray, rnd=None) -> np.ndarray:
     """d_sink (heads_q,) float64 from the forward's ``lse`` (batch, heads_q, seqlen_q) (the
     sink-including one) and D = rowsum(dO ∘ O) ``delta`` of the same shape: −Σ_{batch, rows}
     p_sink · D with p_sink = exp(sink[h] − lse), 0 where lse is -inf (only with a sink of -inf,
     on a row that sees no key, where D is 0 anyway). Why: ∂p_j/∂sink = −p_j · p_sink, so
-    ∂O/∂sink = −p_sink · O and ∂(dO · O)/∂sink = −p_sink · D, row by row."""
+    ∂O/∂sink = −p_sink · O and ∂(dO · O)/∂sink = −p_sink · D, row by row.
+
+    ``rnd`` (``_rounding(dtype)``; None: exact) makes it the input-dtype computation that
+    FlashAttention-4's dSink check measures against (autograd of the sink column in that dtype):
+    p_sink, D, each row's term −p_sink · D and the sum rounded to the dtype."""
+    rnd = rnd or _rounding(None)
     with np.errstate(invalid="ignore"):
-        p_sink = np.where(np.isneginf(lse), 0.0, np.exp(sink[None, :, None] - lse))
-    return -(p_sink * delta).sum(axis=(0, 2))
+        p_sink = np.where(np.isneginf(lse), 0.0, rnd(np.exp(sink[None, :, None] - lse)))
+    return rnd(-rnd(p_sink * rnd(delta)).sum(axis=(0, 2)))
 
 
 def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray,
@@ -273,7 +278,9 @@ def compare_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray
 
     ``sink`` (heads_q,): the gradients of attention with that sink (``attention_backward_reference``);
     ``grads`` may then hold a fourth, d_sink (heads_q,), held to the same rule (its input-dtype
-    computation: D from the rounded products of dO and O); with three, d_sink is not checked."""
+    computation: ``sink_gradient`` rounded as FlashAttention-4's dSink yardstick, autograd in the
+    input dtype with a sink of that dtype, is: p_sink, D, each row's term and the sum); with three,
+    d_sink is not checked."""
     kw = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size, "softcap": softcap,
           "sink": sink}
     refs = attention_backward_reference(q, k, v, dout, **kw)
