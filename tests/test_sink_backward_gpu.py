@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_backward_gpu import DTYPES, device, problem
+from test_sink_gpu import SHAPES, random_sink
 
 import numbaflash
 from numbaflash import configs
@@ -25,35 +27,7 @@ from numbaflash.tools.reference import (
     visible_keys,
 )
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
-DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 pytestmark = pytest.mark.gpu
-
-# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): equal, seqlen_q above seqlen_k (causal: the first
-# rows see no key) and below it, ragged, length 1, GQA and MQA.
-SHAPES = [(2, 200, 200, 4, 2), (1, 333, 129, 4, 1), (1, 129, 517, 4, 4), (2, 1, 300, 4, 1),
-          (1, 300, 1, 4, 2), (1, 1000, 1000, 4, 1)]
-
-
-def problem(rng, batch, sq, sk, hq, hkv, d, dtype, amplitude=1.0):
-    q = (rng.standard_normal((batch, sq, hq, d)) * amplitude).astype(dtype)
-    k = (rng.standard_normal((batch, sk, hkv, d)) * amplitude).astype(dtype)
-    v = rng.standard_normal((batch, sk, hkv, d)).astype(dtype)
-    dout = rng.standard_normal((batch, sq, hq, d)).astype(dtype)
-    return q, k, v, dout
-
-
-def random_sink(rng, heads_q: int, scale: float = 2.0) -> np.ndarray:
-    """float32 (heads_q,) logits: random, head 0 dominant (+8), head 1 no sink (-inf), head 2 -4."""
-    sink = (rng.standard_normal(heads_q) * scale).astype(np.float32)
-    sink[:3] = (8.0, -np.inf, -4.0)[:heads_q]
-    return sink
-
-
-def device(x):
-    from numbaflash.runtime.buffers import DeviceBuffer
-
-    return DeviceBuffer(np.ascontiguousarray(x))
 
 
 def run_sink_backward(q, k, v, dout, sink, deterministic=False, **options):
