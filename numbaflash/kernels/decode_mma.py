@@ -56,10 +56,12 @@ from .shapes import DecodeConfig
 from .smem import ldmatrix_offsets, swizzled_offset
 from .softmax import pack_16bit, quad_sum, sink_logit
 
-# One sequence's keys: batch b, its cache rows, its total length (cache + new rows), and its
-# block table (paged: capacity is the page size, pages the table's row length).
+# One sequence's keys: batch b (its q, k_new and v_new rows), its cache rows, its total length
+# (cache + new rows), its block table (paged: capacity is the page size, pages the table's row
+# length), the cache's batch row (paged: the table's row) it reads and appends to, and the cache
+# row of its key 0 (``make_sequence_source``).
 Sequence = namedtuple("Sequence", ["b", "cache_len", "total", "block_table", "bt_stride", "capacity",
-                                   "pages", "page_magic", "page_shift"])
+                                   "pages", "page_magic", "page_shift", "cache_b", "start"])
 # Where one head's key (or value) rows are, in bytes: the cache and the new rows, each as an
 # address and (batch or page, row) strides.
 KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb", "new_ss"])
@@ -187,11 +189,11 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
         if PAGED:
             for i in range(SLOTS):
                 row, _ = slot_of(i, tid)
-                j = n0 + row
+                j = seq.start + n0 + row  # the key's row in the sequence's pages
                 page_of = page_index(j, seq)
                 unit = int64(0)
                 if page_of < seq.pages:
-                    unit = int64(seq.block_table[uint64(seq.b * seq.bt_stride + page_of)])
+                    unit = int64(seq.block_table[uint64(seq.cache_b * seq.bt_stride + page_of)])
                 pages_at[i, 0] = int32(unit)
                 pages_at[i, 1] = int32(j - page_of * seq.capacity)
 
@@ -206,8 +208,8 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
                 unit = int64(max(pages_at[i, 0], 0))
                 r = int64(pages_at[i, 1])
             else:
-                unit = seq.b
-                r = n0 + row
+                unit = seq.cache_b
+                r = seq.start + n0 + row
             at = dst + swizzled_offset(row, chunk, BN, RB)
             ptx.cp_async_16_at(at, ks.cache + unit * ks.cache_sb + r * ks.cache_ss + chunk * 16)
             ptx.cp_async_16_at(at + TILE_BYTES, vs.cache + unit * vs.cache_sb + r * vs.cache_ss + chunk * 16)
@@ -223,19 +225,20 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
 
     @cuda.jit(device=True, forceinline=True)
     def row_place(j, seq):
-        """Where key row j of ``seq`` lives (a RowPlace). 32-bit division by the page size: one
-        per row and tile, shared by K and V."""
+        """Where key row j of ``seq`` lives (a RowPlace): cache row seq.start + j. 32-bit division
+        by the page size: one per row and tile, shared by K and V."""
+        at = seq.start + j
         if PAGED:
-            page_of = page_index(j, seq)
-            row = int64(j - page_of * seq.capacity)
+            page_of = page_index(at, seq)
+            row = int64(at - page_of * seq.capacity)
             unit = int64(0)
             if int64(page_of) < seq.pages:
-                unit = int64(seq.block_table[uint64(seq.b * seq.bt_stride + int64(page_of))])
+                unit = int64(seq.block_table[uint64(seq.cache_b * seq.bt_stride + int64(page_of))])
             in_cache = int64(page_of) < seq.pages and unit >= 0
         else:
-            unit = seq.b
-            row = j
-            in_cache = j < seq.capacity
+            unit = seq.cache_b
+            row = at
+            in_cache = at < seq.capacity
         return RowPlace(j < seq.total, j >= seq.cache_len, unit, row, j - seq.cache_len, in_cache)
 
     @cuda.jit(device=True, forceinline=True)
@@ -310,6 +313,34 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
 
     return DecodeRows(SLOTS, wait_ring, fetch_pages, load_tiles, load_q_rows, append_new_rows)
+
+
+def make_sequence_source(batch_idx: bool, leftpad: bool):
+    """Where each sequence's keys are, ``sequence_of(p, b, cache_batch_idx, cache_leftpad)``: the
+    Sequence of batch b (``p``: a DecodeParams), read on the device (a captured graph follows the
+    values). ``batch_idx`` (FlashAttention's ``cache_batch_idx``, int32 (batch,)): its cache is
+    the cache's batch row (paged: the block table's row) cache_batch_idx[b], else b. ``leftpad``
+    (``cache_leftpad``, int32 (batch,), 0 <= cache_leftpad[b] <= cache_seqlens[b]): its keys start
+    at cache row cache_leftpad[b], else 0: key j is cache row cache_leftpad[b] + j, the cache holds
+    cache_seqlens[b] - cache_leftpad[b] of its keys, the new rows are appended from cache row
+    cache_seqlens[b] on, and the causal diagonal and the window follow its key count L =
+    cache_seqlens[b] - cache_leftpad[b] + seqlen_new. The plain build's is b and 0."""
+    BATCH_IDX = batch_idx
+    LEFTPAD = leftpad
+
+    @cuda.jit(device=True, forceinline=True)
+    def sequence_of(p, b, cache_batch_idx, cache_leftpad):
+        cache_b = b
+        if BATCH_IDX:
+            cache_b = int64(cache_batch_idx[uint64(b)])
+        start = int64(0)
+        if LEFTPAD:
+            start = int64(cache_leftpad[uint64(b)])
+        cache_len = int64(p.cache_seqlens[uint64(b)]) - start
+        return Sequence(b, cache_len, cache_len + p.seqlen_new, p.block_table, p.bt_stride, p.capacity,
+                        p.pages, p.page_magic, p.page_shift, cache_b, start)
+
+    return sequence_of
 
 
 def make_decode_step(config: DecodeConfig, causal: bool, bf16: bool, window: bool, softcap: bool,
@@ -431,31 +462,37 @@ def q_in_registers(config: DecodeConfig) -> bool:
     return config.m_tiles * (config.head_dim // 16) <= 8
 
 
-def decode_entry(run_decode, variant: bool, sink: bool = False):
+def decode_entry(run_decode, variant: bool, sink: bool = False, batch_idx: bool = False,
+                 leftpad: bool = False):
     """The decode kernel's entry function around its body ``run_decode(p, window_left,
-    window_right, cap_scale, sink)``: parameters ``DecodeParams``' fields in order (``params.DECODE``),
-    then for a ``variant`` ``window_left, window_right, cap_scale`` (``params.DECODE_VARIANT``;
-    the plain kernel passes 0, 0, 0.0), then for a ``sink`` build ``sink`` (``params.SINK``; else
-    None). Generated from the one list of names, so that the parameters are written once; named
-    ``flash_decode`` or ``flash_decode_variant``."""
+    window_right, cap_scale, sink, cache_batch_idx, cache_leftpad)``: parameters ``DecodeParams``'
+    fields in order (``params.DECODE``), then for a ``variant`` ``window_left, window_right,
+    cap_scale`` (``params.DECODE_VARIANT``; the plain kernel passes 0, 0, 0.0), then for a ``sink``
+    build ``sink``, for a ``batch_idx`` build ``cache_batch_idx``, for a ``leftpad`` build
+    ``cache_leftpad`` (``params.decode_params``; each None where not built). Generated from the one
+    list of names, so that the parameters are written once; named ``flash_decode`` or
+    ``flash_decode_variant``."""
     rest = "window_left, window_right, cap_scale" if variant else "int64(0), int64(0), float32(0.0)"
-    declared = params.DECODE_VARIANT if variant else params.DECODE
+    options = ", ".join(name if built else "None" for name, built in
+                        (("sink", sink), ("cache_batch_idx", batch_idx), ("cache_leftpad", leftpad)))
     return params.entry("flash_decode_variant" if variant else "flash_decode",
-                        declared + params.SINK if sink else declared,
-                        f"run_decode(DecodeParams({', '.join(DecodeParams._fields)}), {rest}, "
-                        f"{'sink' if sink else 'None'})",
+                        params.decode_params(variant, sink, batch_idx, leftpad),
+                        f"run_decode(DecodeParams({', '.join(DecodeParams._fields)}), {rest}, {options})",
                         {"run_decode": run_decode, "DecodeParams": DecodeParams, "int64": int64,
                          "float32": float32})
 
 
 def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,
-                       softcap: bool = False, sink: bool = False):
+                       softcap: bool = False, sink: bool = False, batch_idx: bool = False,
+                       leftpad: bool = False):
     """The decode kernel (``params.DECODE``): grid (num_splits, row_blocks * heads_kv, batch),
     ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory. ``window`` or
     ``softcap``: a variant (``params.DECODE_VARIANT``: window_left, window_right, cap_scale
     after the plain parameters; ``scale_log2`` is then softcap·log2(e) with a softcap); a window
     kernel's ``causal`` must be False (its right side 0 is causal masking). ``sink``: a learnable
-    sink's build (``params.SINK`` last), which split 0's merge takes into each row."""
+    sink's build (``params.SINK`` last), which split 0's merge takes into each row. ``batch_idx``,
+    ``leftpad``: the builds of the KV-cache call's ``cache_batch_idx`` and ``cache_leftpad``
+    (``make_sequence_source``; their arrays after the others, ``params.decode_params``)."""
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
@@ -480,6 +517,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     fetch_pages, load_tiles = rows.fetch_pages, rows.load_tiles
     load_q_rows, append_new_rows = rows.load_q_rows, rows.append_new_rows
     walk = make_decode_step(config, causal, bf16, window, softcap, rows)
+    sequence_of = make_sequence_source(batch_idx, leftpad)
     stash = make_warp_stash(config)
     WARPS = config.num_warps
     OS = config.merge_row  # the warps' merge: floats from one O row to the next
@@ -489,10 +527,10 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
-    def run_decode(p, window_left, window_right, cap_scale, sink):
+    def run_decode(p, window_left, window_right, cap_scale, sink, cache_batch_idx, cache_leftpad):
         """The kernel's body: ``p`` a DecodeParams (the plain kernel's parameters); the window's
         sides and softmax_scale / softcap (read by the variants only); the sink's logits (sink
-        builds only)."""
+        builds only); the cache options' arrays (their builds only)."""
         smem = cuda.shared.array(0, types.uint16)
         smem_f = cuda.shared.array(0, float32)  # the same dynamic shared memory, as float32
         tid = cuda.threadIdx.x & 1023
@@ -505,8 +543,8 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         rows_total = p.group * p.seqlen_q
         r0 = row_block * BM
         ptx.grid_dependency_wait()  # sm_90 launches this kernel programmatically: inputs after this
-        cache_len = int64(p.cache_seqlens[uint64(b)])
-        total = cache_len + p.seqlen_new
+        seq = sequence_of(p, b, cache_batch_idx, cache_leftpad)
+        total = seq.total
         diag = total - p.seqlen_q  # query i sees keys j <= i + diag
         pos_last = int64(0)  # the block's last query (window kernels only)
         if WINDOW:  # the key tiles the rows' windows reach, from this sequence's length, split
@@ -523,8 +561,6 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         base = ptx.shared_address_u16(smem)
         sq = base + SQ
         q_addr = ptx.global_address(p.q)
-        seq = Sequence(b, cache_len, total, p.block_table, p.bt_stride, p.capacity, p.pages, p.page_magic,
-                       p.page_shift)
         ks = KeyRows(ptx.global_address(p.k_cache) + kv_head * p.kc_sh * 2, p.kc_sb * 2, p.kc_ss * 2,
                      ptx.global_address(p.k_new) + kv_head * p.kn_sh * 2, p.kn_sb * 2, p.kn_ss * 2)
         vs = KeyRows(ptx.global_address(p.v_cache) + kv_head * p.vc_sh * 2, p.vc_sb * 2, p.vc_ss * 2,
@@ -637,8 +673,9 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
 
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
-    kernel = decode_entry(run_decode, window or softcap, sink)
-    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}{'_sink' if sink else ''}"
+    kernel = decode_entry(run_decode, window or softcap, sink, batch_idx, leftpad)
+    options = f"{'_sink' if sink else ''}{'_bidx' if batch_idx else ''}{'_lpad' if leftpad else ''}"
+    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}{options}"
     kernel.launch_bounds = (config.threads, 1)
     return kernel
 

@@ -130,11 +130,13 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
                                         v_new: Any, block_table: Any, causal: Any, softmax_scale: Any,
                                         num_splits: Any, return_lse: Any, out: Any,
                                         window_size: Any = (-1, -1), softcap: Any = 0.0,
-                                        learnable_sink: Any = None) -> Any:
+                                        learnable_sink: Any = None, cache_batch_idx: Any = None,
+                                        cache_leftpad: Any = None) -> Any:
     """``api.flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
     the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
-    check_shapes(qd, kcd, vcd, paged=block_table is not None)
+    # with cache_batch_idx the cache's batch (or the block table's rows) is its own
+    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None)
     if not qd.on_device:
         raise TypeError("flash_attention_with_kvcache takes device arrays (torch, CuPy, Numba), got numpy")
     batch, seqlen_q, heads_q, head_dim = qd.shape
@@ -143,11 +145,13 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         if not isinstance(getattr(block_table, "shape", None), tuple) and not hasattr(block_table, "shape"):
             raise TypeError(f"block_table must be an int32 device array, got {type(block_table).__name__}")
         shape = tuple(block_table.shape)
-        if len(shape) != 2 or shape[0] != batch:
+        if len(shape) != 2 or (shape[0] != batch and cache_batch_idx is None):
             raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, max_pages), "
                              f"got {shape}")
         btd = describe_index("block_table", block_table, shape)
     seqd = describe_index("cache_seqlens", cache_seqlens, (batch,))
+    bid = None if cache_batch_idx is None else describe_index("cache_batch_idx", cache_batch_idx, (batch,))
+    lpd = None if cache_leftpad is None else describe_index("cache_leftpad", cache_leftpad, (batch,))
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     knd = vnd = None
@@ -182,8 +186,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         check_no_self_overlap(outd)
         check_outputs_disjoint([outd], [op for op in given if op is not outd])
     capability, device = gpu_state.GPU.current()
-    check_same_device([*given, seqd, *([btd] if btd is not None else []), *([sd] if sd is not None else [])],
-                      device)
+    check_same_device([*given, seqd, *(op for op in (btd, sd, bid, lpd) if op is not None)], device)
     result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
-                                    num_splits, return_lse, capability, device, window_size, softcap, sd)
+                                    num_splits, return_lse, capability, device, window_size, softcap, sd,
+                                    bid, lpd)
     return (result, lse) if return_lse else result
