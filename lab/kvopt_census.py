@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--match", default="")
     parser.add_argument("--archs", default="sm_90a,sm_80")
     parser.add_argument("--options-only", action="store_true")
+    parser.add_argument("--plain-only", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
     from numbaflash.kernels.families import kernel_argtypes, make_kernel
@@ -50,7 +51,8 @@ def main() -> int:
         name = kernel.__name__
         if args.match not in name or name in seen:
             continue
-        if args.options_only and not (name.endswith("_bidx") or name.endswith("_lpad")):
+        option = name.endswith("_bidx") or name.endswith("_lpad")
+        if (args.options_only and not option) or (args.plain_only and option):
             continue
         seen.add(name)
         for arch in args.archs.split(","):

@@ -4,9 +4,11 @@
 A case is a batch of sequences, each with its own cache length (0 to the cache's room, empty and
 full ones included), new rows appended or not, contiguous or paged (any page size, pages
 shuffled), GQA, seqlen_q 1 to 16, causal or not, a sliding window and a softcap in a share of
-them, a learnable sink in another (``selftest_common.draw_sink``), an automatic or a forced split
-count, the LSE, a given out. Every cache row the call must not read (past each sequence's length,
-and the unused pages) is NaN, so a kernel that lets one reach its output fails. Checks: each
+them, a learnable sink in another (``selftest_common.draw_sink``), ``cache_batch_idx`` (a cache of
+more rows than sequences, the rows shuffled) and ``cache_leftpad`` in another
+(``draw_cache_options``), an automatic or a forced split count, the LSE, a given out. Every cache
+row the call must not read (past each sequence's length, before its left padding, the rows and
+pages no sequence uses) is NaN, so a kernel that lets one reach its output fails. Checks: each
 sequence against float64 on its own keys (``compare_varlen_with_reference``: FlashAttention's
 criterion), the new rows in the cache bit for bit and nothing else changed, a given out returned.
 """
@@ -41,6 +43,7 @@ PAGE_SIZES = (1, 7, 16, 64, 100, 256)
 DECODE_WINDOW_SOFTCAP_SHARE = 0.35
 DECODE_KINDS = ("torch", "numba")
 DECODE_SINK_SHARE, DECODE_SINK_SHARE_VARIANTS = 0.15, 1 / 3  # cases with a learnable sink
+DECODE_CACHE_OPTION_SHARE = 0.25  # cases with cache_batch_idx, cache_leftpad or both (a third each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +74,28 @@ class DecodeCase:
     # A learnable sink (issue 56): the float32 logits of each query head, () for none; drawn from a
     # stream of its own (``selftest_common.draw_sink``), so every other field is as before.
     sink: tuple[float, ...] = ()
+    # The KV-cache call's options (issue 56): each sequence's cache row (a permutation of more rows
+    # than sequences) and where its keys start (0 .. its cache_seqlens), () for none; drawn from a
+    # stream of their own (``draw_cache_options``).
+    cache_batch_idx: tuple[int, ...] = ()
+    cache_leftpad: tuple[int, ...] = ()
 
     @property
     def batch(self) -> int:
         return len(self.cache_seqlens)
+
+    @property
+    def cache_batch(self) -> int:
+        """Rows of the cache (contiguous) or of the block table (paged)."""
+        return max(self.cache_batch_idx) + 1 if self.cache_batch_idx else self.batch
+
+    def row_of(self, b: int) -> int:
+        """The cache's row (or the block table's) that sequence b uses."""
+        return self.cache_batch_idx[b] if self.cache_batch_idx else b
+
+    def start_of(self, b: int) -> int:
+        """The cache row where sequence b's keys start."""
+        return self.cache_leftpad[b] if self.cache_leftpad else 0
 
     @property
     def varlen(self) -> bool:  # the summary's counters
@@ -82,8 +103,8 @@ class DecodeCase:
 
     @property
     def keys(self) -> tuple[int, ...]:
-        """Each sequence's keys: its cached rows and the new ones."""
-        return tuple(n + self.seqlen_new for n in self.cache_seqlens)
+        """Each sequence's keys: its cached rows (past its left padding) and the new ones."""
+        return tuple(n - self.start_of(b) + self.seqlen_new for b, n in enumerate(self.cache_seqlens))
 
     def describe(self) -> str:
         scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
@@ -95,7 +116,28 @@ class DecodeCase:
                 f"amp{self.amplitude:.3g} scale={scale} lse={int(self.return_lse)} out={int(self.use_out)}"
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
                 + (f" softcap={self.softcap:g}" if self.softcap else "")
-                + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else ""))
+                + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else "")
+                + "".join(f" {name}={','.join(map(str, values))}" for name, values in
+                          (("cache_batch_idx", self.cache_batch_idx), ("cache_leftpad", self.cache_leftpad))
+                          if values))
+
+
+def draw_cache_options(seed: int, index: int, cache_seqlens: list[int],
+                       share: float = DECODE_CACHE_OPTION_SHARE) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(cache_batch_idx, cache_leftpad) of a case, () each for none, from a stream of its own (24): in
+    ``share`` of the cases one of them or both. cache_batch_idx: the first batch of a shuffle of
+    batch + 0..2 rows; cache_leftpad: each sequence's 0, its whole cache or a random row of it."""
+    rng = np.random.default_rng([seed, index, 24])
+    if rng.random() >= share:
+        return (), ()
+    which = int(rng.integers(0, 3))  # 0: cache_batch_idx, 1: cache_leftpad, 2: both
+    batch = len(cache_seqlens)
+    idx = pad = ()
+    if which != 1:
+        idx = tuple(int(x) for x in rng.permutation(batch + int(rng.integers(0, 3)))[:batch])
+    if which != 0:
+        pad = tuple(int(rng.choice([0, n, int(rng.integers(0, n + 1))])) for n in cache_seqlens)
+    return idx, pad
 
 
 def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> DecodeCase:
@@ -149,17 +191,20 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     kind = str(rng.choice(DECODE_KINDS, p=[0.7, 0.3]))
     sink_share = DECODE_SINK_SHARE_VARIANTS if variants else DECODE_SINK_SHARE
     sink = draw_sink(seed, index, heads_kv * group, sink_share, stream=23)
+    idx, pad = draw_cache_options(seed, index, seqlens)
     return DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
                       tuple(seqlens), seqlen_new, page_size, splits, kind, amplitude, scale,
-                      bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap, sink=sink)
+                      bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap, sink=sink,
+                      cache_batch_idx=idx, cache_leftpad=pad)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeInputs:
     """A case's host arrays: q (batch, seqlen_q, heads_q, d); the caches as the call finds them
-    (contiguous (batch, capacity, heads_kv, d) or paged (num_pages, page_size, heads_kv, d), NaN
-    wherever no sequence's keys lie); k_new / v_new (batch, seqlen_new, heads_kv, d) or None; the
-    block table (batch, max_pages) int32 or None; cache_seqlens int32 (batch,)."""
+    (contiguous (cache_batch, capacity, heads_kv, d) or paged (num_pages, page_size, heads_kv, d),
+    NaN wherever no sequence's keys lie); k_new / v_new (batch, seqlen_new, heads_kv, d) or None;
+    the block table (cache_batch, max_pages) int32 or None; cache_seqlens int32 (batch,);
+    cache_batch_idx and cache_leftpad int32 (batch,) or None."""
 
     q: np.ndarray
     k_cache: np.ndarray
@@ -168,14 +213,18 @@ class DecodeInputs:
     v_new: np.ndarray | None
     block_table: np.ndarray | None
     cache_seqlens: np.ndarray
+    cache_batch_idx: np.ndarray | None = None
+    cache_leftpad: np.ndarray | None = None
 
 
 def cache_rows(case: DecodeCase, table: np.ndarray | None, b: int, first: int, stop: int) -> tuple:
-    """Index of rows ``first`` .. ``stop`` - 1 of sequence b in a cache array (its leading two axes)."""
+    """Index of rows ``first`` .. ``stop`` - 1 of sequence b's cache (its cache row or block table
+    row ``case.row_of(b)``) in a cache array (its leading two axes)."""
     j = np.arange(first, stop)
+    row = case.row_of(b)
     if table is None:
-        return np.full(j.shape, b), j
-    return table[b, j // case.page_size], j % case.page_size
+        return np.full(j.shape, row), j
+    return table[row, j // case.page_size], j % case.page_size
 
 
 def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
@@ -183,27 +232,34 @@ def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
     rng = np.random.default_rng([case.seed, case.index, 22])
     dtype = numpy_dtype(case.dtype)
     b, d, hkv = case.batch, case.head_dim, case.heads_kv
+    rows = case.cache_batch
     table = None
     if case.page_size:
         per_seq = case.capacity // case.page_size
-        pages = b * per_seq + int(rng.integers(0, 4))  # some pages no sequence owns
-        table = rng.permutation(pages)[:b * per_seq].reshape(b, per_seq).astype(np.int32)
+        pages = rows * per_seq + int(rng.integers(0, 4))  # some pages no sequence owns
+        table = rng.permutation(pages)[:rows * per_seq].reshape(rows, per_seq).astype(np.int32)
         lead = (pages, case.page_size)
     else:
-        lead = (b, case.capacity)
+        lead = (rows, case.capacity)
     k_cache = np.full((*lead, hkv, d), np.nan)
     v_cache = np.full((*lead, hkv, d), np.nan)
     for s, n in enumerate(case.cache_seqlens):
+        # the rows before the left padding stay NaN (rows 0 .. n drawn as ever: the data of a case
+        # without options is as before)
         where = cache_rows(case, table, s, 0, n)
-        k_cache[where] = rng.standard_normal((n, hkv, d)) * case.amplitude
-        v_cache[where] = rng.standard_normal((n, hkv, d))
+        keys, values = rng.standard_normal((n, hkv, d)) * case.amplitude, rng.standard_normal((n, hkv, d))
+        start = case.start_of(s)
+        k_cache[where[0][start:], where[1][start:]] = keys[start:]
+        v_cache[where[0][start:], where[1][start:]] = values[start:]
     q = rng.standard_normal((b, case.seqlen_q, case.heads_q, d)) * case.amplitude
     k_new = v_new = None
     if case.seqlen_new:
         k_new = (rng.standard_normal((b, case.seqlen_new, hkv, d)) * case.amplitude).astype(dtype)
         v_new = rng.standard_normal((b, case.seqlen_new, hkv, d)).astype(dtype)
+    index = {name: np.asarray(values, np.int32) if values else None for name, values in
+             (("cache_batch_idx", case.cache_batch_idx), ("cache_leftpad", case.cache_leftpad))}
     return DecodeInputs(q.astype(dtype), k_cache.astype(dtype), v_cache.astype(dtype), k_new, v_new, table,
-                        np.asarray(case.cache_seqlens, np.int32))
+                        np.asarray(case.cache_seqlens, np.int32), **index)
 
 
 def packed_problem(case: DecodeCase, inputs: DecodeInputs) -> tuple:
@@ -212,7 +268,7 @@ def packed_problem(case: DecodeCase, inputs: DecodeInputs) -> tuple:
     cu_seqlens_q, cu_seqlens_k."""
     ks, vs = [], []
     for s, n in enumerate(case.cache_seqlens):
-        where = cache_rows(case, inputs.block_table, s, 0, n)
+        where = cache_rows(case, inputs.block_table, s, case.start_of(s), n)
         ks.append(inputs.k_cache[where])
         vs.append(inputs.v_cache[where])
         if inputs.k_new is not None:
@@ -226,7 +282,7 @@ def packed_problem(case: DecodeCase, inputs: DecodeInputs) -> tuple:
 
 def expected_caches(case: DecodeCase, inputs: DecodeInputs) -> tuple[np.ndarray, np.ndarray]:
     """The caches after the call: the new rows at each sequence's cache_seqlens[b] (within its
-    room), everything else as it was."""
+    room; of its cache row ``case.row_of(b)``), everything else as it was."""
     k, v = inputs.k_cache.copy(), inputs.v_cache.copy()
     for s, n in enumerate(case.cache_seqlens):
         if inputs.k_new is not None:
@@ -251,6 +307,9 @@ def run_decode_case(case: DecodeCase) -> Any:
             out = to_device(np.full(inputs.q.shape, np.nan, inputs.q.dtype), kind)
         sink = np.array(case.sink, np.float32) if case.sink else None
         extra = {} if sink is None else {"learnable_sink": to_device(sink, kind)}
+        for name in ("cache_batch_idx", "cache_leftpad"):
+            if dev[name] is not None:
+                extra[name] = dev[name]
         result = numbaflash.flash_attention_with_kvcache(
             dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"], k_new=dev["k_new"],
             v_new=dev["v_new"], block_table=dev["block_table"], causal=case.causal,
