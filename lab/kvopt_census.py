@@ -1,5 +1,6 @@
 """Offline SASS of the decode kernel's plain builds (not registered: the census has their window and
-softcap variants only) and of its KV-cache option builds (``KernelSpec.batch_idx``, ``leftpad``),
+softcap variants only) and of its KV-cache option builds (``KernelSpec.batch_idx``, ``leftpad``,
+``rotary``),
 in ``benchmarks/sass_census.py``'s line format (``name@arch registers instructions ldl stl call``),
 so that ``sass_census.py --compare`` reads two runs. Runs on code without the options too (then
 the plain builds only): compare a branch's plain builds with main's.
@@ -23,6 +24,8 @@ def specs(match: str) -> list:
     options = [{}]
     if "batch_idx" in fields:
         options += [{"batch_idx": True}, {"leftpad": True}, {"batch_idx": True, "leftpad": True}]
+    if "rotary" in fields:
+        options += [{"rotary": 1}, {"rotary": 2}, {"batch_idx": True, "leftpad": True, "rotary": 1}]
     found = []
     for config in shipped_decode_configs():
         for causal in (False, True):
@@ -51,7 +54,7 @@ def main() -> int:
         name = kernel.__name__
         if args.match not in name or name in seen:
             continue
-        option = name.endswith("_bidx") or name.endswith("_lpad")
+        option = name.endswith(("_bidx", "_lpad", "_rope", "_ropei"))
         if (args.options_only and not option) or (args.plain_only and option):
             continue
         seen.add(name)

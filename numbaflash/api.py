@@ -208,6 +208,9 @@ def flash_attention_with_kvcache(
     learnable_sink: Any = None,
     cache_batch_idx: Any = None,
     cache_leftpad: Any = None,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    rotary_interleaved: bool = False,
 ) -> Any:
     """Attention of a few new query rows against a KV cache (FlashAttention's
     ``flash_attn_with_kvcache``).
@@ -258,6 +261,16 @@ def flash_attention_with_kvcache(
             at row cache_leftpad[b] + j of the sequence's pages, as FlashAttention-3).
             Each of these two options is a build of the decode kernel of its own (compiled on
             first use); both are read on the device, so a captured graph follows their values.
+        rotary_cos, rotary_sin: optional device arrays of q's dtype, (seqlen_ro, rotary_dim / 2)
+            with rotary_dim a multiple of 16 up to head_dim and seqlen_ro at least the cache's rows
+            a sequence (FlashAttention's): the rotary embedding is applied, inside the call, to
+            the first rotary_dim columns of q and of k_new (before k_new is appended, so the cache
+            holds the rotated keys), in float32, rounded to the dtype. New row t of sequence b sits
+            at position cache_seqlens[b] + t; query i at cache_seqlens[b] + i in a causal or
+            windowed call, else every query at cache_seqlens[b] (FlashAttention's rule; with
+            cache_leftpad too, positions are cache rows). Needs k_new and v_new.
+        rotary_interleaved: False (GPT-NeoX): column i pairs with i + rotary_dim / 2; True (GPT-J):
+            columns 2i and 2i + 1 pair. A build of the decode kernel of its own for each.
 
     On torch tensors under torch.compile (or fake tensors, a dispatch mode) the call goes
     through the custom op ``numbaflash::flash_attention_with_kvcache`` (``torch_ops``), which
@@ -276,23 +289,26 @@ def flash_attention_with_kvcache(
 
         routed = route_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                                softmax_scale, num_splits, return_lse, out, window_size, softcap,
-                               learnable_sink, cache_batch_idx, cache_leftpad)
+                               learnable_sink, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+                               rotary_interleaved)
         if routed is not None:
             return routed
         # (a call with a sink or a cache option takes the full checks, then its plan)
-        if learnable_sink is None and cache_batch_idx is None and cache_leftpad is None:
+        if (learnable_sink is None and cache_batch_idx is None and cache_leftpad is None
+                and rotary_cos is None and rotary_sin is None):
             done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                                     softmax_scale, num_splits, return_lse, out, window_size, softcap)
             if done is not None:
                 return done
-    if learnable_sink is None and cache_batch_idx is None and cache_leftpad is None:
+    if (learnable_sink is None and cache_batch_idx is None and cache_leftpad is None and rotary_cos is None
+            and rotary_sin is None):
         return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                                    block_table, causal, softmax_scale, num_splits, return_lse,
                                                    out, window_size, softcap)
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, num_splits, return_lse, out,
                                                window_size, softcap, learnable_sink, cache_batch_idx,
-                                               cache_leftpad)
+                                               cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
 
 
 def flash_attention_varlen(

@@ -273,3 +273,143 @@ def test_the_torch_op_takes_the_options(monkeypatch):
                           (q, kc, vc, lens, None, None, None, True, 0.125, 0, -1, -1, 0.0, None, idx, pad),
                           test_utils=("test_schema",))
     assert seen and torch.equal(seen[-1][-2], idx) and torch.equal(seen[-1][-1], pad)
+
+
+# ------------------------------------------------------------------ the rotary embedding
+
+
+def test_the_rotary_reference_by_hand():
+    """Angles of 90 degrees (cos 0, sin 1): halves turn (x0, x1, x2, x3) into (-x2, -x3, x0, x1),
+    interleaved into (-x1, x0, -x3, x2); columns past rotary_dim stay; position 0 (cos 1, sin 0)
+    changes nothing."""
+    from numbaflash.tools.reference import rotary_embedding
+
+    x = np.array([[[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]])  # (1 row, 1 head, d 6), rotary_dim 4
+    cos = np.array([[1.0, 1.0], [0.0, 0.0]])
+    sin = np.array([[0.0, 0.0], [1.0, 1.0]])
+    assert rotary_embedding(x, cos, sin, np.array([1]))[0, 0].tolist() == [-3, -4, 1, 2, 5, 6]
+    assert rotary_embedding(x, cos, sin, np.array([1]), True)[0, 0].tolist() == [-2, 1, -4, 3, 5, 6]
+    assert np.array_equal(rotary_embedding(x, cos, sin, np.array([0])), x)
+    half = x.astype(np.float16)  # 16-bit inputs: float32 arithmetic, the dtype back
+    assert rotary_embedding(half, cos, sin, np.array([1])).dtype == np.float16
+
+
+def rope_table(rows: int, dim: int, base: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
+    """The usual RoPE angles: position p, pair i at p / base^(2i / dim)."""
+    angle = np.arange(rows)[:, None] / base ** (np.arange(dim // 2) * 2 / dim)[None, :]
+    return np.cos(angle), np.sin(angle)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_scores_depend_on_the_distance_only(interleaved):
+    """RoPE's defining property, in float64: rotating q at position p and k at p' gives the scores
+    of p - p' only, so moving a whole sequence (cache_seqlens and its keys) leaves out as it was."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 3, 2, 32))
+    k_new, v_new = rng.standard_normal((1, 3, 1, 32)), rng.standard_normal((1, 3, 1, 32))
+    cos, sin = rope_table(64, 16)
+    k_cache, v_cache = np.zeros((1, 40, 1, 32)), np.zeros((1, 40, 1, 32))
+    outs = []
+    for n in (0, 9, 30):  # no cached keys read: leftpad = cache_seqlens
+        out, *_ = kvcache_reference(q, k_cache, v_cache, np.array([n]), k_new=k_new, v_new=v_new,
+                                    cache_leftpad=np.array([n]), causal=True, rotary_cos=cos, rotary_sin=sin,
+                                    rotary_interleaved=interleaved)
+        outs.append(out)
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-12)
+    np.testing.assert_allclose(outs[2], outs[0], atol=1e-12)
+    plain, *_ = kvcache_reference(q, k_cache, v_cache, np.array([9]), k_new=k_new, v_new=v_new,
+                                  cache_leftpad=np.array([9]), causal=True)
+    assert not np.allclose(plain, outs[0])  # and the rotation did something
+
+
+def test_the_kvcache_reference_rotates_q_and_the_appended_keys():
+    """Causal: query i at cache_seqlens + i; not causal: every query at cache_seqlens; new row t at
+    cache_seqlens + t, written rotated into the cache (with leftpad and cache_batch_idx: positions
+    are cache rows)."""
+    from numbaflash.tools.reference import rotary_embedding
+
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, 2, 16))
+    k_cache, v_cache = rng.standard_normal((2, 20, 1, 16)), rng.standard_normal((2, 20, 1, 16))
+    k_new, v_new = rng.standard_normal((1, 2, 1, 16)), rng.standard_normal((1, 2, 1, 16))
+    cos, sin = rope_table(20, 16)
+    for causal, step in ((True, 1), (False, 0)):
+        out, lse, k_after, _ = kvcache_reference(
+            q, k_cache, v_cache, np.array([5]), k_new=k_new, v_new=v_new, cache_batch_idx=np.array([1]),
+            cache_leftpad=np.array([2]), causal=causal, rotary_cos=cos, rotary_sin=sin)
+        rotated_k = rotary_embedding(k_new[0], cos, sin, np.array([5, 6]))
+        assert np.array_equal(k_after[1, 5:7], rotated_k) and np.array_equal(k_after[0], k_cache[0])
+        rotated_q = rotary_embedding(q[0], cos, sin, 5 + np.arange(2) * step)
+        keys = np.concatenate([k_cache[1, 2:5], rotated_k])[None]
+        values = np.concatenate([v_cache[1, 2:5], v_new[0]])[None]
+        want, want_lse = attention_reference(rotated_q[None], keys, values, causal=causal)
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(lse, want_lse)
+
+
+def _table(rows, half, typestr="<f2"):
+    return FakeDeviceArray((rows, half), typestr)
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"rotary_cos": _table(320, 32)}, ValueError, "rotary_cos and rotary_sin must be given together"),
+    ({"rotary_cos": _table(320, 32), "rotary_sin": _table(320, 32), "k_new": None, "v_new": None}, ValueError,
+     "give k_new and v_new too"),
+    ({"rotary_cos": _table(320, 12), "rotary_sin": _table(320, 12)}, ValueError,
+     r"rotary_dim \(2 x rotary_cos.shape\[1\]\) must be a multiple of 16 from 16 to head_dim \(128\), "
+     "got 24"),
+    ({"rotary_cos": _table(320, 72), "rotary_sin": _table(320, 72)}, ValueError, "got 144"),
+    ({"rotary_cos": _table(320, 32), "rotary_sin": _table(320, 16)}, ValueError,
+     "rotary_sin must have rotary_cos's shape"),
+    ({"rotary_cos": _table(320, 32, "<f4"), "rotary_sin": _table(320, 32, "<f4")}, TypeError,
+     "rotary_cos must be float16 or bfloat16|rotary_cos: float16 or bfloat16|must be float16"),
+    ({"rotary_cos": FakeDeviceArray((320, 32, 1)), "rotary_sin": _table(320, 32)}, ValueError,
+     r"rotary_cos must have shape \(seqlen_ro, rotary_dim / 2\)"),
+    ({"rotary_cos": _table(200, 32), "rotary_sin": _table(200, 32)}, ValueError,
+     r"have 200 rows \(positions\), fewer than the cache holds a sequence \(300\)"),
+    ({"rotary_cos": _table(320, 32), "rotary_sin": _table(320, 32), "rotary_interleaved": "yes"}, TypeError,
+     "rotary_interleaved must be a bool"),
+])
+def test_a_bad_rotary_table_is_rejected_before_compiling(no_compile, change, error, match):
+    x = {**inputs(seqlen_new=1), **change}
+    x = {k: v for k, v in x.items() if v is not None}
+    with pytest.raises(error, match=match):
+        call(x)
+
+
+@pytest.mark.parametrize(("kwargs", "step"), [({"causal": True}, 1), ({"causal": False}, 0),
+                                              ({"causal": False, "window_size": (20, -1)}, 1),
+                                              ({"causal": False, "window_size": (300, 300)}, 0)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_rotary_call_passes_its_tables_and_sizes_last(fake_gpu, monkeypatch, kwargs, step, interleaved):
+    """The rotary build (1 halves, 2 interleaved) with, after the other parameters, (cos, rows x
+    dim / 2), (sin, ...), rotary_dim, the table's rows and the query rows' position step
+    (FlashAttention's: 1 in causal and windowed calls; a window as wide as the cache is none)."""
+    built = []
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda spec: built.append(spec)
+                        or (types.SimpleNamespace(handle=1), kernel_name(spec)))
+    cos, sin = _table(320, 32), _table(320, 32)
+    pad = FakeDeviceArray((2,), "<i4")
+    args = _launch(inputs(seqlen_q=2, seqlen_new=2), num_splits=1, rotary_cos=cos, rotary_sin=sin,
+                   rotary_interleaved=interleaved, cache_leftpad=pad, **kwargs)[0][2]
+    assert [s.rotary for s in built if s.operation == "decode"] == [2 if interleaved else 1]
+    assert args[-6] == (_pointer(pad), 2)
+    assert args[-5:] == ((_pointer(cos), 320 * 32), (_pointer(sin), 320 * 32), 64, 320, step)
+
+
+def test_rotary_declarations_and_names():
+    pytest.importorskip("numba")
+    from numbaflash.kernels.families import make_kernel
+
+    for rotary, suffix in ((1, "_rope"), (2, "_ropei")):
+        spec = kernel_spec("sm80dec", "decode", DecodeConfig(128), causal=True, leftpad=True, rotary=rotary)
+        declared = kernel_params(spec)
+        assert declared[-len(params.ROTARY):] == params.ROTARY
+        assert declared[-len(params.ROTARY) - 1].name == "cache_leftpad"
+        kernel = make_kernel(spec)
+        assert tuple(inspect.signature(kernel).parameters) == params.names_of(declared)
+        assert kernel.__name__ == f"flash_decode_d128_m16_n64_w4_s3_causal_f16_lpad{suffix}"
+        assert spec.kind == "sm80dec.decode+leftpad+rotary"
+    with pytest.raises(ValueError, match="rotary must be 0"):
+        kernel_spec("sm80dec", "decode", DecodeConfig(128), rotary=3)
+    assert kernel_spec("sm80", "forward", DecodeConfig(128), rotary=1).rotary == 0

@@ -148,7 +148,7 @@ def _decode(s: KernelSpec):
     from .decode_mma import make_decode_kernel
 
     return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap, sink=s.sink,
-                              batch_idx=s.batch_idx, leftpad=s.leftpad)
+                              batch_idx=s.batch_idx, leftpad=s.leftpad, rotary=s.rotary)
 
 
 def _decode_combine(s: KernelSpec):
@@ -291,7 +291,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
             return params.WS_BACKWARD
         return params.VARLEN_BACKWARD if spec.varlen else params.BACKWARD
     if op == "decode":
-        return params.decode_params(spec.window or spec.softcap, spec.sink, spec.batch_idx, spec.leftpad)
+        return params.decode_params(spec.window or spec.softcap, spec.sink, spec.batch_idx, spec.leftpad,
+                                    bool(spec.rotary))
     if op == "decode_combine":
         return params.DECODE_COMBINE
     raise NotImplementedError(spec.kind)

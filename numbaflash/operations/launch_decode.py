@@ -8,8 +8,8 @@ shapes alone (``decode_splits``).
    seqlen_q. Its window and softcap variants (``DECODE_VARIANT_ABI``):
    the same launch, the window's sides and the softcap's factor after the plain parameters. A
    learnable sink's build takes the sink's logits after those (``params.SINK``), then the builds of
-   ``cache_batch_idx`` and ``cache_leftpad`` their arrays (``params.decode_params``; the fire's
-   last pointers, in that order).
+   ``cache_batch_idx`` and ``cache_leftpad`` their arrays, and a rotary build its tables and sizes
+   (``params.decode_params``; the fire's last pointers, in that order).
 2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q *
    head_dim / 128), 128 threads, one warp per 32 columns of a row.
 """
@@ -155,6 +155,7 @@ class DecodeCall(NamedTuple):
     sink: tuple[int, int] | None = None
     batch_idx: bool = False  # the ``cache_batch_idx`` build (``KernelSpec.batch_idx``)
     leftpad: bool = False  # the ``cache_leftpad`` build (``KernelSpec.leftpad``)
+    rotary: tuple[int, int, int] | None = None  # a rotary build's (rotary_dim, table rows, q_step)
 
 
 def _with_options(variant: bool, call: DecodeCall, values: dict[str, Any]) -> tuple:
@@ -168,7 +169,12 @@ def _with_options(variant: bool, call: DecodeCall, values: dict[str, Any]) -> tu
         values["cache_batch_idx"] = (0, batch)
     if call.leftpad:
         values["cache_leftpad"] = (0, batch)
-    return params.decode_params(variant, call.sink is not None, call.batch_idx, call.leftpad)
+    if call.rotary is not None:
+        dim, rows, q_step = call.rotary
+        values.update(rotary_cos=(0, rows * dim // 2), rotary_sin=(0, rows * dim // 2), rotary_dim=dim,
+                      rotary_rows=rows, rotary_q_step=q_step)
+    return params.decode_params(variant, call.sink is not None, call.batch_idx, call.leftpad,
+                                call.rotary is not None)
 
 
 # (launcher, call, gpu) -> fire(stream, *array pointers) of the call's layout, or None (a combine
@@ -221,8 +227,8 @@ def launch_decode_variant(config) -> Bind:
 
 def launch_decode(config) -> Bind:
     """decode's bind: fire(stream, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-    out, lse, o_part, lse_part), then a sink build's sink, cache_batch_idx and cache_leftpad where
-    built; a missing array gets the scratch scalar's pointer."""
+    out, lse, o_part, lse_part), then a sink build's sink, cache_batch_idx, cache_leftpad and
+    rotary_cos, rotary_sin where built; a missing array gets the scratch scalar's pointer."""
     threads = config.threads
 
     def bind(launcher, call: DecodeCall, gpu: Any):
