@@ -187,3 +187,93 @@ def test_graph_replays_follow_new_option_values(splits):
         eager = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
         torch.cuda.synchronize()
         assert torch.equal(out, eager) and torch.equal(kc, k_graph) and torch.equal(vc, v_graph)
+
+
+# ------------------------------------------------------------------ the rotary embedding
+
+
+def rope_tables(rows, dim, dtype, base=10000.0):
+    """cos, sin (rows, dim / 2) of the usual RoPE angles, in ``dtype``, on the GPU."""
+    angle = torch.arange(rows, dtype=torch.float64)[:, None] / base ** (
+        torch.arange(dim // 2, dtype=torch.float64) * 2 / dim)[None, :]
+    return angle.cos().to(dtype).cuda(), angle.sin().to(dtype).cuda()
+
+
+def run_rotary_and_check(q, kc, vc, seqlens, new, table, idx, pad, before, cos, sin, interleaved, *,
+                         causal=True, splits=0, **options):
+    """One rotary call (caches reset to ``before``, out poisoned with NaN): the caches against
+    ``kvcache_reference`` (bit for bit outside the appended rows; the appended rows, rotated in
+    float32 by both, within a rounding of the dtype), then each sequence against float64 on its
+    own keys: its cached rows, then the rotated new rows the kernel stored, with q rotated by the
+    reference."""
+    from numbaflash.tools.reference import rotary_embedding, rotary_query_step
+
+    kc.copy_(before[0])
+    vc.copy_(before[1])
+    out = torch.full_like(q, float("nan"))
+    result, lse = numbaflash.flash_attention_with_kvcache(
+        q, kc, vc, seqlens, k_new=new[0], v_new=new[1], block_table=table, num_splits=splits, return_lse=True,
+        out=out, causal=causal, cache_batch_idx=idx, cache_leftpad=pad, rotary_cos=cos, rotary_sin=sin,
+        rotary_interleaved=interleaved, **options)
+    torch.cuda.synchronize()
+    assert result is out
+    lens = seqlens.cpu().numpy()
+    host_table = None if table is None else table.cpu().numpy()
+    ref = kvcache_reference(
+        host(q), host(before[0]), host(before[1]), lens, k_new=host(new[0]), v_new=host(new[1]),
+        block_table=host_table, cache_batch_idx=None if idx is None else idx.cpu().numpy(),
+        cache_leftpad=None if pad is None else pad.cpu().numpy(), causal=causal, rotary_cos=host(cos),
+        rotary_sin=host(sin), rotary_interleaved=interleaved, **options)
+    assert np.array_equal(bits(host(vc)), bits(ref[3])), "v_cache holds other rows than expected"
+    got_k = host(kc).astype(np.float64)
+    want_k = ref[2].astype(np.float64)
+    ulp = 2.0 ** (-10 if q.dtype == torch.float16 else -7)
+    assert np.all(np.abs(got_k - want_k) <= ulp * np.abs(want_k) + 1e-6), "k_cache: rotated rows differ"
+    room = kc.shape[1] * (1 if table is None else table.shape[1])
+    step = rotary_query_step(causal, options.get("window_size", (-1, -1)), room)
+    for b in range(q.shape[0]):
+        row = b if idx is None else int(idx[b])
+        start, end = (0 if pad is None else int(pad[b])), int(lens[b])
+        seen_k, seen_v = [], []
+        for cache, found, stop in ((kc, seen_k, end + new[0].shape[1]), (before[1], seen_v, end)):
+            rows = cache[row] if table is None else torch.cat([cache[int(p)] for p in table[row]])
+            found.append(rows[start:stop])
+        seen_v.append(new[1][b])
+        q_rot = rotary_embedding(host(q[b]), host(cos), host(sin), end + np.arange(q.shape[1]) * step,
+                                 interleaved)
+        _, problems = compare_with_reference(q_rot[None], host(torch.cat(seen_k))[None],
+                                             host(torch.cat(seen_v))[None], host(out[b:b + 1]),
+                                             lse[b:b + 1].cpu().numpy(), causal=causal, **options)
+        assert not problems, (f"batch {b} (row {row}, keys {start}..{end} + new, splits {splits}, causal "
+                              f"{causal}, interleaved {interleaved}, {options}): " + "; ".join(problems))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("rotary", ["16", "half", "all"])
+def test_rotary_matches_reference(d, dtype, paged, interleaved, rotary):
+    dim = {"16": 16, "half": d // 2, "all": d}[rotary]
+    for options, (batch_idx, leftpad) in ((0, (False, False)), (1, (True, True))):
+        q, kc, vc, seqlens, new, table, idx, pad = option_problem(
+            d + dim + options, DTYPES[dtype], paged, d=d, seqlen_q=3, group=2, batch_idx=batch_idx,
+            leftpad=leftpad)
+        room = kc.shape[1] * (1 if table is None else table.shape[1])
+        cos, sin = rope_tables(room + 7, dim, DTYPES[dtype])
+        before = (kc.clone(), vc.clone())
+        for splits, causal in ((0, True), (1, False), (5, True)):
+            run_rotary_and_check(q, kc, vc, seqlens, new, table, idx, pad, before, cos, sin, interleaved,
+                                 causal=causal, splits=splits)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_rotary_with_window_softcap_and_the_window_append(interleaved):
+    """A window kernel appends its new rows by a pass of its own (``append_new_rows``): rotated
+    there too; with a softcap."""
+    q, kc, vc, seqlens, new, table, idx, pad = option_problem(21, torch.bfloat16, False, seqlen_q=2)
+    cos, sin = rope_tables(kc.shape[1], 64, torch.bfloat16)
+    before = (kc.clone(), vc.clone())
+    for splits in (1, 4):
+        run_rotary_and_check(q, kc, vc, seqlens, new, table, idx, pad, before, cos, sin, interleaved,
+                             causal=False, splits=splits, window_size=(40, 0), softcap=30.0)
