@@ -4,6 +4,7 @@ caches, and ``main`` on a stand-in GPU; all without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -202,3 +203,49 @@ def test_an_options_case_is_the_reference_call(paged):
     for b in range(c.batch):  # the rows before the left padding are NaN
         before = sd.cache_rows(c, x.block_table, b, 0, c.start_of(b))
         assert np.isnan(x.k_cache[before].astype(np.float64)).all()
+
+
+def test_a_share_of_the_cases_with_new_rows_draws_a_rotary_embedding():
+    cases = [sd.draw_decode_case(s, i) for s in (0, 1) for i in range(600)]
+    with_new = [c for c in cases if c.seqlen_new]
+    rotary = [c for c in with_new if c.rotary]
+    assert abs(len(rotary) / len(with_new) - sd.DECODE_ROTARY_SHARE) < 0.06
+    assert not any(c.rotary for c in cases if not c.seqlen_new)
+    assert {c.rotary for c in rotary} == {1, 2} and all(
+        c.rotary_dim % 16 == 0 and 16 <= c.rotary_dim <= c.head_dim for c in rotary)
+    assert any(c.rotary_dim == c.head_dim for c in rotary) and "rotary=" in rotary[0].describe()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_rotary_case_is_the_reference_call(paged):
+    """A rotary case (with the cache options where drawn) is ``kvcache_reference``'s call: the same
+    outputs from its packed problem, the same caches (the rotated new rows)."""
+    from numbaflash.tools.reference import kvcache_reference
+
+    c = next(c for i in range(3000) if (c := sd.draw_decode_case(9, i, quick=True)).rotary
+             and (c.page_size > 0) == paged and c.seqlen_q > 1 and (c.cache_batch_idx or c.cache_leftpad))
+    x = sd.make_decode_inputs(c)
+    assert x.rotary_cos.shape == (c.capacity + c.seqlen_q, c.rotary_dim // 2)
+    assert x.rotary_cos.dtype == x.q.dtype
+    out, lse, k_after, v_after = kvcache_reference(
+        x.q, x.k_cache, x.v_cache, x.cache_seqlens, k_new=x.k_new, v_new=x.v_new, block_table=x.block_table,
+        cache_batch_idx=x.cache_batch_idx, cache_leftpad=x.cache_leftpad, causal=c.causal,
+        window_size=c.window_size, rotary_cos=x.rotary_cos, rotary_sin=x.rotary_sin,
+        rotary_interleaved=c.rotary == 2)
+    q, k, v, cu_q, cu_k = sd.packed_problem(c, x)
+    packed_out, packed_lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=c.causal,
+                                                        window_size=c.window_size)
+    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, c.head_dim))
+    assert np.array_equal(packed_lse, lse.transpose(1, 0, 2).reshape(c.heads_q, -1))
+    want_k, want_v = sd.expected_caches(c, x)
+    for got, want in ((k_after, want_k), (v_after, want_v)):
+        assert np.array_equal(got.astype(np.float64), want.astype(np.float64), equal_nan=True)
+    assert not np.array_equal(want_k.astype(np.float64), sd.expected_caches(
+        dataclasses.replace(c, rotary=0, rotary_dim=0), x)[0].astype(np.float64), equal_nan=True)
+    # a rounding of the dtype apart passes the cache check, more does not
+    ulp = 2.0 ** (-10 if c.dtype == "float16" else -7)
+    near = want_k.astype(np.float64) * (1 + ulp / 2)
+    assert sd.same_cache(near, want_k.astype(np.float64), True, c.dtype)
+    assert not sd.same_cache(near, want_k.astype(np.float64), False, c.dtype)
+    far = want_k.astype(np.float64) * (1 + 4 * ulp) + 1e-3
+    assert not sd.same_cache(far, want_k.astype(np.float64), True, c.dtype)

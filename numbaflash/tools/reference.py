@@ -482,8 +482,10 @@ def rotary_embedding(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions:
     rest as they are. Halves (GPT-NeoX): x1 = x[:r/2], x2 = x[r/2:r] become x1·cos - x2·sin and
     x2·cos + x1·sin; interleaved (GPT-J): the pairs (x[2i], x[2i+1]) the same with cos[:, i].
     Computed in float32 and rounded to x's dtype for 16-bit inputs (as the kernels do), in
-    float64 otherwise. Returns an array of x's dtype."""
+    float64 otherwise; a position past the table takes its last row (as the kernels do). Returns
+    an array of x's dtype."""
     work = np.float32 if np.dtype(x.dtype).itemsize == 2 else np.float64
+    positions = np.minimum(positions, cos.shape[0] - 1)
     half = cos.shape[1]
     dim = 2 * half
     c = np.asarray(cos)[positions].astype(work)[:, None, :]

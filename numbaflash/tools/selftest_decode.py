@@ -6,11 +6,14 @@ full ones included), new rows appended or not, contiguous or paged (any page siz
 shuffled), GQA, seqlen_q 1 to 16, causal or not, a sliding window and a softcap in a share of
 them, a learnable sink in another (``selftest_common.draw_sink``), ``cache_batch_idx`` (a cache of
 more rows than sequences, the rows shuffled) and ``cache_leftpad`` in another
-(``draw_cache_options``), an automatic or a forced split count, the LSE, a given out. Every cache
+(``draw_cache_options``), the rotary embedding (``draw_rotary``, with new rows), an automatic or
+a forced split count, the LSE, a given out. Every cache
 row the call must not read (past each sequence's length, before its left padding, the rows and
 pages no sequence uses) is NaN, so a kernel that lets one reach its output fails. Checks: each
 sequence against float64 on its own keys (``compare_varlen_with_reference``: FlashAttention's
-criterion), the new rows in the cache bit for bit and nothing else changed, a given out returned.
+criterion), the new rows in the cache bit for bit (rotated ones: within a rounding of the dtype,
+the rotation's float32 arithmetic may be contracted differently) and nothing else changed, a given
+out returned.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..configs import SUPPORTED_HEAD_DIMS
-from .reference import compare_varlen_with_reference
+from .reference import compare_varlen_with_reference, rotary_embedding, rotary_query_step
 from .selftest_common import (
     DTYPE_NAMES,
     GROUPS,
@@ -44,6 +47,7 @@ DECODE_WINDOW_SOFTCAP_SHARE = 0.35
 DECODE_KINDS = ("torch", "numba")
 DECODE_SINK_SHARE, DECODE_SINK_SHARE_VARIANTS = 0.15, 1 / 3  # cases with a learnable sink
 DECODE_CACHE_OPTION_SHARE = 0.25  # cases with cache_batch_idx, cache_leftpad or both (a third each)
+DECODE_ROTARY_SHARE = 0.4  # of the cases with new rows: a rotary embedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,10 @@ class DecodeCase:
     # stream of their own (``draw_cache_options``).
     cache_batch_idx: tuple[int, ...] = ()
     cache_leftpad: tuple[int, ...] = ()
+    # The rotary embedding (issue 56; ``draw_rotary``, a stream of its own): 0 none, 1 halves, 2
+    # interleaved, and its dim.
+    rotary: int = 0
+    rotary_dim: int = 0
 
     @property
     def batch(self) -> int:
@@ -119,7 +127,19 @@ class DecodeCase:
                 + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else "")
                 + "".join(f" {name}={','.join(map(str, values))}" for name, values in
                           (("cache_batch_idx", self.cache_batch_idx), ("cache_leftpad", self.cache_leftpad))
-                          if values))
+                          if values)
+                + (f" rotary={('halves', 'interleaved')[self.rotary - 1]}{self.rotary_dim}"
+                   if self.rotary else ""))
+
+
+def draw_rotary(seed: int, index: int, head_dim: int, seqlen_new: int,
+                share: float = DECODE_ROTARY_SHARE) -> tuple[int, int]:
+    """(rotary, rotary_dim) of a case, (0, 0) for none, from a stream of its own (25): in ``share``
+    of the cases with new rows, halves or interleaved, a multiple of 16 up to head_dim."""
+    rng = np.random.default_rng([seed, index, 25])
+    if not seqlen_new or rng.random() >= share:
+        return 0, 0
+    return int(rng.integers(1, 3)), 16 * int(rng.integers(1, head_dim // 16 + 1))
 
 
 def draw_cache_options(seed: int, index: int, cache_seqlens: list[int],
@@ -192,10 +212,11 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     sink_share = DECODE_SINK_SHARE_VARIANTS if variants else DECODE_SINK_SHARE
     sink = draw_sink(seed, index, heads_kv * group, sink_share, stream=23)
     idx, pad = draw_cache_options(seed, index, seqlens)
+    rotary, rotary_dim = draw_rotary(seed, index, head_dim, seqlen_new)
     return DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
                       tuple(seqlens), seqlen_new, page_size, splits, kind, amplitude, scale,
                       bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap, sink=sink,
-                      cache_batch_idx=idx, cache_leftpad=pad)
+                      cache_batch_idx=idx, cache_leftpad=pad, rotary=rotary, rotary_dim=rotary_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +225,8 @@ class DecodeInputs:
     (contiguous (cache_batch, capacity, heads_kv, d) or paged (num_pages, page_size, heads_kv, d),
     NaN wherever no sequence's keys lie); k_new / v_new (batch, seqlen_new, heads_kv, d) or None;
     the block table (cache_batch, max_pages) int32 or None; cache_seqlens int32 (batch,);
-    cache_batch_idx and cache_leftpad int32 (batch,) or None."""
+    cache_batch_idx and cache_leftpad int32 (batch,) or None; rotary_cos and rotary_sin (capacity +
+    seqlen_q, rotary_dim / 2) of the case's dtype (RoPE angles) or None."""
 
     q: np.ndarray
     k_cache: np.ndarray
@@ -215,6 +237,8 @@ class DecodeInputs:
     cache_seqlens: np.ndarray
     cache_batch_idx: np.ndarray | None = None
     cache_leftpad: np.ndarray | None = None
+    rotary_cos: np.ndarray | None = None
+    rotary_sin: np.ndarray | None = None
 
 
 def cache_rows(case: DecodeCase, table: np.ndarray | None, b: int, first: int, stop: int) -> tuple:
@@ -258,8 +282,27 @@ def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
         v_new = rng.standard_normal((b, case.seqlen_new, hkv, d)).astype(dtype)
     index = {name: np.asarray(values, np.int32) if values else None for name, values in
              (("cache_batch_idx", case.cache_batch_idx), ("cache_leftpad", case.cache_leftpad))}
+    if case.rotary:  # RoPE angles of every position the cache holds, and a query's past it
+        angle = np.arange(case.capacity + case.seqlen_q)[:, None] / 10000.0 ** (
+            np.arange(case.rotary_dim // 2) * 2 / case.rotary_dim)[None, :]
+        index.update(rotary_cos=np.cos(angle).astype(dtype), rotary_sin=np.sin(angle).astype(dtype))
     return DecodeInputs(q.astype(dtype), k_cache.astype(dtype), v_cache.astype(dtype), k_new, v_new, table,
                         np.asarray(case.cache_seqlens, np.int32), **index)
+
+
+def rotated(case: DecodeCase, inputs: DecodeInputs) -> tuple[np.ndarray, np.ndarray | None]:
+    """q and k_new as the call rotates them (``reference.rotary_embedding``; as they are without a
+    rotary embedding): new row t of sequence b at cache_seqlens[b] + t, query i at cache_seqlens[b] +
+    i·step (FlashAttention's ``rotary_query_step``)."""
+    if not case.rotary:
+        return inputs.q, inputs.k_new
+    step = rotary_query_step(case.causal, case.window_size, case.capacity)
+    q, k_new = inputs.q.copy(), inputs.k_new.copy()
+    for b, n in enumerate(case.cache_seqlens):
+        tables = (inputs.rotary_cos, inputs.rotary_sin)
+        q[b] = rotary_embedding(q[b], *tables, n + np.arange(case.seqlen_q) * step, case.rotary == 2)
+        k_new[b] = rotary_embedding(k_new[b], *tables, n + np.arange(case.seqlen_new), case.rotary == 2)
+    return q, k_new
 
 
 def packed_problem(case: DecodeCase, inputs: DecodeInputs) -> tuple:
@@ -267,14 +310,15 @@ def packed_problem(case: DecodeCase, inputs: DecodeInputs) -> tuple:
     heads_q, d); k, v (sum of keys, heads_kv, d): each sequence's cached rows, then its new ones;
     cu_seqlens_q, cu_seqlens_k."""
     ks, vs = [], []
+    q, k_new = rotated(case, inputs)
     for s, n in enumerate(case.cache_seqlens):
         where = cache_rows(case, inputs.block_table, s, case.start_of(s), n)
         ks.append(inputs.k_cache[where])
         vs.append(inputs.v_cache[where])
-        if inputs.k_new is not None:
-            ks.append(inputs.k_new[s])
+        if k_new is not None:
+            ks.append(k_new[s])
             vs.append(inputs.v_new[s])
-    q = inputs.q.reshape(-1, case.heads_q, case.head_dim)
+    q = q.reshape(-1, case.heads_q, case.head_dim)
     cu_q = np.arange(case.batch + 1, dtype=np.int32) * case.seqlen_q
     cu_k = np.concatenate([[0], np.cumsum(case.keys)]).astype(np.int32)
     return q, np.concatenate(ks), np.concatenate(vs), cu_q, cu_k
@@ -284,11 +328,23 @@ def expected_caches(case: DecodeCase, inputs: DecodeInputs) -> tuple[np.ndarray,
     """The caches after the call: the new rows at each sequence's cache_seqlens[b] (within its
     room; of its cache row ``case.row_of(b)``), everything else as it was."""
     k, v = inputs.k_cache.copy(), inputs.v_cache.copy()
+    k_new = rotated(case, inputs)[1]
     for s, n in enumerate(case.cache_seqlens):
-        if inputs.k_new is not None:
+        if k_new is not None:
             where = cache_rows(case, inputs.block_table, s, n, n + case.seqlen_new)
-            k[where], v[where] = inputs.k_new[s], inputs.v_new[s]
+            k[where], v[where] = k_new[s], inputs.v_new[s]
     return k, v
+
+
+def same_cache(got: np.ndarray, want: np.ndarray, rotary: bool, dtype: str) -> bool:
+    """Whether a cache after the call is the expected one (float64 values): bit for bit, or with a
+    rotary embedding within a rounding of ``dtype`` (the rotated rows: float32 products the
+    compiler may contract into FMAs; every other element differs by far more if wrong)."""
+    if not rotary:
+        return np.array_equal(got, want, equal_nan=True)
+    ulp = 2.0 ** (-10 if dtype == "float16" else -7)
+    nan = np.isnan(want)
+    return bool((np.isnan(got) == nan).all() and (np.abs(got - want)[~nan] <= ulp * np.abs(want[~nan])).all())
 
 
 def run_decode_case(case: DecodeCase) -> Any:
@@ -307,9 +363,11 @@ def run_decode_case(case: DecodeCase) -> Any:
             out = to_device(np.full(inputs.q.shape, np.nan, inputs.q.dtype), kind)
         sink = np.array(case.sink, np.float32) if case.sink else None
         extra = {} if sink is None else {"learnable_sink": to_device(sink, kind)}
-        for name in ("cache_batch_idx", "cache_leftpad"):
+        for name in ("cache_batch_idx", "cache_leftpad", "rotary_cos", "rotary_sin"):
             if dev[name] is not None:
                 extra[name] = dev[name]
+        if case.rotary:
+            extra["rotary_interleaved"] = case.rotary == 2
         result = numbaflash.flash_attention_with_kvcache(
             dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"], k_new=dev["k_new"],
             v_new=dev["v_new"], block_table=dev["block_table"], causal=case.causal,
@@ -328,7 +386,7 @@ def run_decode_case(case: DecodeCase) -> Any:
         problems += [p.replace("sequence", "batch entry", 1) for p in found]
         for name, want, have in zip(("k_cache", "v_cache"), expected_caches(case, inputs),
                                     (dev["k_cache"], dev["v_cache"]), strict=True):
-            if not np.array_equal(to_host(have), want.astype(np.float64), equal_nan=True):
+            if not same_cache(to_host(have), want.astype(np.float64), case.rotary != 0, case.dtype):
                 problems.append(f"{name} after the call is not the cache with the new rows appended")
         note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
