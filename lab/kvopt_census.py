@@ -6,6 +6,9 @@ so that ``sass_census.py --compare`` reads two runs. Runs on code without the op
 the plain builds only): compare a branch's plain builds with main's.
 
     PYTHONPATH=<tree> python lab/kvopt_census.py --match d128 --archs sm_90a,sm_80 --out x.tsv
+
+``--sass-hashes FILE`` also writes each kernel's SASS text digest: two trees' plain builds
+compared instruction for instruction.
 """
 
 from __future__ import annotations
@@ -43,11 +46,15 @@ def main() -> int:
     parser.add_argument("--options-only", action="store_true")
     parser.add_argument("--plain-only", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--sass-hashes", help="also write 'name@arch md5' of each kernel's SASS text here")
     args = parser.parse_args()
     from numbaflash.kernels.families import kernel_argtypes, make_kernel
     from numbaflash.tools.inspect import inspect_kernel
 
+    import hashlib
+
     out = open(args.out, "w") if args.out else sys.stdout
+    hashes = open(args.sass_hashes, "w") if args.sass_hashes else None
     seen = set()
     for spec in specs(""):
         kernel = make_kernel(spec)
@@ -62,6 +69,8 @@ def main() -> int:
             report = inspect_kernel(kernel, kernel_argtypes(spec), arch, name)
             print(f"{name}@{arch} {report.registers} {sum(report.opcodes.values())} {report.count('LDL')} "
                   f"{report.count('STL')} {report.calls}", file=out, flush=True)
+            if hashes:
+                print(f"{name}@{arch} {hashlib.md5(report.sass.encode()).hexdigest()}", file=hashes, flush=True)
     return 0
 
 
