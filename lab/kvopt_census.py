@@ -48,10 +48,10 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--sass-hashes", help="also write 'name@arch md5' of each kernel's SASS text here")
     args = parser.parse_args()
+    import hashlib
+
     from numbaflash.kernels.families import kernel_argtypes, make_kernel
     from numbaflash.tools.inspect import inspect_kernel
-
-    import hashlib
 
     out = open(args.out, "w") if args.out else sys.stdout
     hashes = open(args.sass_hashes, "w") if args.sass_hashes else None
@@ -70,7 +70,8 @@ def main() -> int:
             print(f"{name}@{arch} {report.registers} {sum(report.opcodes.values())} {report.count('LDL')} "
                   f"{report.count('STL')} {report.calls}", file=out, flush=True)
             if hashes:
-                print(f"{name}@{arch} {hashlib.md5(report.sass.encode()).hexdigest()}", file=hashes, flush=True)
+                digest = hashlib.md5(report.sass.encode()).hexdigest()
+                print(f"{name}@{arch} {digest}", file=hashes, flush=True)
     return 0
 
 
