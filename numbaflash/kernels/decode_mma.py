@@ -115,10 +115,10 @@ def window_tiles(total, seqlen_q, group, r0, rows, block_n, window_left, window_
 
 
 # The row source's steps (``make_decode_rows``): a thread's chunks of a K or V tile, the ring's
-# wait, the block table's look-ahead, a tile's copy, Q's copy (and rotation), the window kernels'
-# append.
+# wait, the block table's look-ahead, a tile's copy, Q's copy and (rotary builds) rotation, the
+# window kernels' append.
 DecodeRows = namedtuple("DecodeRows", ["slots", "wait_ring", "fetch_pages", "load_tiles", "prepare_q",
-                                       "append_new_rows"])
+                                       "finish_q", "append_new_rows"])
 # What the walk over the key tiles (``make_decode_step``) reads: the split's tiles [first, last), the
 # sequence and its key rows, the thread, whether to append, the block-table look-ahead, the shared
 # memory base and Q tile, the warp, the ldmatrix offsets, the fragments (S, O, Q, P, K/V), the
@@ -145,8 +145,8 @@ def decode_shape(config: DecodeConfig) -> MmaShape:
 
 
 # The rotary steps (``make_rotary``): a new K row's 16-byte chunk loaded and rotated (and stored
-# into a tile and the cache), Q's rows rotated in shared memory.
-Rotary = namedtuple("Rotary", ["load_new_chunk", "store_new_chunk", "rotate_q"])
+# into a tile and the cache), Q's rows rotated in shared memory once they land.
+Rotary = namedtuple("Rotary", ["load_new_chunk", "store_new_chunk", "finish_q"])
 
 
 def make_rotary(config: DecodeConfig, rotary: int, bf16: bool) -> Rotary:
@@ -157,7 +157,9 @@ def make_rotary(config: DecodeConfig, rotary: int, bf16: bool) -> Rotary:
     2 (interleaved, GPT-J): columns 2i and 2i + 1 pair, with cos[pos, i]. A position past the
     table's rows takes its last row (the API checks that the table covers the cache). 16-byte
     chunks of 8 columns: dim a multiple of 16, so a chunk is all in the rotary columns or none."""
+    ROTARY = rotary != 0
     INTERLEAVED = rotary == 2
+    STAGES = config.stages
     BF16 = bf16
     BM = config.rows
     RB = config.row_bytes
@@ -250,7 +252,22 @@ def make_rotary(config: DecodeConfig, rotary: int, bf16: bool) -> Rotary:
                     ptx.st_shared_v4(ay, y)
                 ptx.st_shared_v4(ax, x)
 
-    return Rotary(load_new_chunk, store_new_chunk, rotate_q)
+    @cuda.jit(device=True, forceinline=True)
+    def finish_q(sq, r0, rows_total, group, seq, tid):
+        """Rotary builds, once the ring's first STAGES - 1 copy groups are issued after Q's own: wait
+        for Q's (the oldest; the tiles stay in flight) and rotate it in place (``rotate_q``); the
+        walk's first barrier orders it before use. Nothing in the other builds."""
+        if ROTARY:
+            if STAGES == 2:
+                ptx.cp_async_wait_group_1()
+            elif STAGES == 3:
+                ptx.cp_async_wait_group_2()
+            else:
+                ptx.cp_async_wait_group_3()
+            cuda.syncthreads()
+            rotate_q(sq, r0, rows_total, group, seq.start + seq.cache_len, seq.rotary, tid)
+
+    return Rotary(load_new_chunk, store_new_chunk, finish_q)
 
 
 def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) -> DecodeRows:
@@ -273,7 +290,7 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
     SLOTS = BN // (THREADS // CPR) if ROW_WALK else KV_CHUNKS // THREADS
     PAGED = config.paged
     ROTARY = rotary != 0
-    load_new_chunk, store_new_chunk, rotate_q = make_rotary(config, rotary, bf16)
+    load_new_chunk, store_new_chunk, finish_q = make_rotary(config, rotary, bf16)
 
     @cuda.jit(device=True, forceinline=True)
     def wait_ring():
@@ -440,16 +457,13 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
 
     @cuda.jit(device=True, forceinline=True)
-    def prepare_q(dst, q_rows, kv_head, group, rows_total, r0, tid, seq):
-        """``load_q_rows``; rotary builds then wait for Q and rotate it in place (``rotate_q``)."""
+    def prepare_q(dst, q_rows, kv_head, group, rows_total, r0, tid):
+        """``load_q_rows``; rotary builds commit Q as a copy group of its own (``finish_q``)."""
         load_q_rows(dst, q_rows, kv_head, group, rows_total, r0, tid)
         if ROTARY:
             ptx.cp_async_commit_group()
-            ptx.cp_async_wait_group_0()
-            cuda.syncthreads()
-            rotate_q(dst, r0, rows_total, group, seq.start + seq.cache_len, seq.rotary, tid)
 
-    return DecodeRows(SLOTS, wait_ring, fetch_pages, load_tiles, prepare_q, append_new_rows)
+    return DecodeRows(SLOTS, wait_ring, fetch_pages, load_tiles, prepare_q, finish_q, append_new_rows)
 
 
 def make_sequence_source(batch_idx: bool, leftpad: bool):
@@ -657,7 +671,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     rows = make_decode_rows(config, bf16, rotary)
     SLOTS = rows.slots
     fetch_pages, load_tiles = rows.fetch_pages, rows.load_tiles
-    prepare_q, append_new_rows = rows.prepare_q, rows.append_new_rows
+    prepare_q, finish_q, append_new_rows = rows.prepare_q, rows.finish_q, rows.append_new_rows
     walk = make_decode_step(config, causal, bf16, window, softcap, rows)
     sequence_of = make_sequence_source(batch_idx, leftpad)
     stash = make_warp_stash(config)
@@ -710,9 +724,9 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
 
         if WINDOW and p.seqlen_new > 0 and row_block == 0:
             append_new_rows(seq, ks, vs, p.seqlen_new, split, p.num_splits, tid)
-        # Q goes in the first tile's copy group: the walk's first wait covers both.
+        # Q goes in the first tile's copy group: the walk's first wait covers both (rotary: finish_q).
         prepare_q(sq, (q_addr + b * p.q_sb * 2, p.q_ss * 2, p.q_sh * 2), kv_head, p.group, rows_total, r0,
-                  tid, seq)
+                  tid)
         pages_at = cuda.local.array((SLOTS, 2), int32)
         for s in range(STAGES - 1):  # the ring's first tiles
             if first + s < last:
@@ -723,6 +737,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
             ptx.cp_async_commit_group()
         if first + STAGES - 1 < last:
             fetch_pages(pages_at, (first + STAGES - 1) * BN, seq, tid)
+        finish_q(sq, r0, rows_total, p.group, seq, tid)
 
         acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
         for mt in range(MT):
