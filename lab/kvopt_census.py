@@ -7,8 +7,9 @@ the plain builds only): compare a branch's plain builds with main's.
 
     PYTHONPATH=<tree> python lab/kvopt_census.py --match d128 --archs sm_90a,sm_80 --out x.tsv
 
-``--sass-hashes FILE`` also writes each kernel's SASS text digest: two trees' plain builds
-compared instruction for instruction.
+``--sass-hashes FILE`` also writes each kernel's SASS text digest (its mangled name left out:
+Numba numbers the functions a process builds): two trees' plain builds compared instruction for
+instruction.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def main() -> int:
             print(f"{name}@{arch} {report.registers} {sum(report.opcodes.values())} {report.count('LDL')} "
                   f"{report.count('STL')} {report.calls}", file=out, flush=True)
             if hashes:
-                digest = hashlib.md5(report.sass.encode()).hexdigest()
+                # without the mangled name, whose suffix counts the functions the process built
+                text = "\n".join(line for line in report.sass.splitlines() if "Function :" not in line)
+                digest = hashlib.md5(text.encode()).hexdigest()
                 print(f"{name}@{arch} {digest}", file=hashes, flush=True)
     return 0
 
