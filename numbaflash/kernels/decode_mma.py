@@ -34,6 +34,14 @@ the plain or variant parameters), changes the warps' merge only: split 0 takes t
 the combine kernel, which merges LSE-weighted partials, needs nothing of it; a row that sees no key
 gives 0 and LSE = the sink. The walk is the plain kernel's.
 
+Three more, the KV-cache call's options (FlashAttention's, issue 56; their parameters after the
+others, ``params.decode_params``): ``batch_idx`` (sequence b's cache is the cache's row, or the
+block table's, cache_batch_idx[b]) and ``leftpad`` (its key j is cache row cache_leftpad[b] + j,
+its key count cache_seqlens[b] - cache_leftpad[b] + seqlen_new), both in where a sequence's rows
+are (``make_sequence_source``); ``rotary`` (1 halves, 2 interleaved: ``make_rotary``) rotates Q in
+shared memory once it lands and the new K rows as the threads load them, before the tile and the
+cache get them.
+
 The kernel is built from rooms: ``make_decode_rows`` (the row source: Q's packed rows, a dense or
 paged cache and the appended rows), ``make_decode_step`` (the walk over the key tiles, on the
 forward's QK and PV steps, online softmax and masker from ``mma_pieces``) and ``make_warp_stash``
