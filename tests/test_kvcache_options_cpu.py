@@ -413,3 +413,48 @@ def test_rotary_declarations_and_names():
     with pytest.raises(ValueError, match="rotary must be 0"):
         kernel_spec("sm80dec", "decode", DecodeConfig(128), rotary=3)
     assert kernel_spec("sm80", "forward", DecodeConfig(128), rotary=1).rotary == 0
+
+
+def test_a_compiled_decode_step_with_every_option_has_no_graph_break(monkeypatch):
+    """Under torch.compile the options reach the custom op (no graph break, fullgraph), which
+    appends in place; here its kernel is ``kvcache_reference`` (CPU tensors, float32)."""
+    torch = pytest.importorskip("torch")
+    from numbaflash import torch_ops
+
+    def run(q, k_cache, v_cache, lens, k_new, v_new, table, causal, scale, splits, window=(-1, -1),
+            softcap=0.0, sink=None, idx=None, pad=None, cos=None, sin=None, interleaved=False):
+        host = {"k_new": k_new.numpy(), "v_new": v_new.numpy(), "cache_batch_idx": idx.numpy(),
+                "cache_leftpad": pad.numpy(), "rotary_cos": cos.numpy(), "rotary_sin": sin.numpy()}
+        out, lse, k_after, v_after = kvcache_reference(q.numpy(), k_cache.numpy(), v_cache.numpy(),
+                                                       lens.numpy(), causal=causal, softmax_scale=scale,
+                                                       rotary_interleaved=interleaved, **host)
+        k_cache.copy_(torch.from_numpy(k_after))
+        v_cache.copy_(torch.from_numpy(v_after))
+        return torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).float()
+
+    monkeypatch.setattr(torch_ops, "run_kvcache", run)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 4, 32, generator=gen)
+    kc, vc = (torch.randn(3, 20, 2, 32, generator=gen) for _ in range(2))
+    kn, vn = (torch.randn(2, 1, 2, 32, generator=gen) for _ in range(2))
+    lens, idx, pad = (torch.tensor(v, dtype=torch.int32) for v in ([5, 9], [2, 0], [1, 4]))
+    angle = torch.arange(24)[:, None] / 10000.0 ** (torch.arange(8) / 8)[None, :]
+    cos, sin = angle.cos().float(), angle.sin().float()
+
+    def step(q, kc, vc, lens):
+        out = numbaflash.flash_attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn,
+                                                      cache_batch_idx=idx, cache_leftpad=pad, rotary_cos=cos,
+                                                      rotary_sin=sin, rotary_interleaved=True)
+        lens.add_(1)
+        return out
+
+    explained = torch._dynamo.explain(step)(q, kc.clone(), vc.clone(), lens.clone())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    eager = (kc.clone(), vc.clone(), lens.clone())
+    want = run(q, eager[0], eager[1], eager[2], kn, vn, None, True, 32 ** -0.5, 0, idx=idx, pad=pad, cos=cos,
+               sin=sin, interleaved=True)[0]
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, kc, vc, lens)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.equal(kc, eager[0]) and not torch.equal(kc[2, 5], kn[0, 0])  # appended rotated, at row 2
+    assert torch.equal(lens, torch.tensor([6, 10], dtype=torch.int32))
