@@ -488,6 +488,15 @@ DECODE_WINDOW_SOFTCAP_CASES = (((33, 2), 0.0, False), ((-1, -1), 30.0, True))
 # Its learnable-sink builds (issue 56): (window_size, softcap, causal) with the sink of
 # ``sink_logits`` (causal rows before a one-row cache's diagonal: 0 and LSE = the sink).
 DECODE_SINK_CASES = (((-1, -1), 0.0, True), ((33, 2), 30.0, False))
+# The builds of the KV-cache call's options (issue 56): (window_size, softcap, causal, cache_batch_idx,
+# cache_leftpad, rotary) over the same cache, its rows in another order and its keys left-padded
+# (sequence 2's whole cache: only its new rows, or no key); rotary 1 (halves) or 2 (interleaved),
+# run with new rows only (RoPE tables of min(head_dim, 64) columns).
+DECODE_OPTION_CASES = (((-1, -1), 0.0, True, (2, 0, 1), None, 0),
+                       ((-1, -1), 0.0, False, None, (0, 30, -1), 0),
+                       ((33, 2), 30.0, False, (1, 2, 0), (0, 5, -1), 0),
+                       ((-1, -1), 0.0, True, None, None, 1),
+                       ((33, 2), 0.0, False, (2, 0, 1), (0, 30, -1), 2))
 
 
 def decode_cases(config) -> list[tuple[int, int]]:
@@ -498,7 +507,9 @@ def decode_cases(config) -> list[tuple[int, int]]:
 def run_decode_worker(config) -> int:
     """Decode on ``config``'s shapes: ragged cache lengths (1 to the capacity), with and without
     appended rows, one and three splits, causal or not, a window and a softcap case
-    (``DECODE_WINDOW_SOFTCAP_CASES``) and the sink cases (``DECODE_SINK_CASES``), both dtypes,
+    (``DECODE_WINDOW_SOFTCAP_CASES``), the sink cases (``DECODE_SINK_CASES``) and the cache options'
+    and rotary embedding's (``DECODE_OPTION_CASES``; -1 in a cache_leftpad: the sequence's
+    cache_seqlens), both dtypes,
     contiguous or (its kind) paged with shuffled pages; ``out`` poisoned with NaN; each sequence
     against float64."""
     import ml_dtypes
@@ -506,7 +517,7 @@ def run_decode_worker(config) -> int:
 
     from numbaflash import flash_attention_with_kvcache
     from numbaflash.runtime.buffers import DeviceBuffer
-    from numbaflash.tools.reference import compare_with_reference
+    from numbaflash.tools.reference import compare_with_reference, rotary_embedding, rotary_query_step
 
     rng = np.random.default_rng(0)
     batch, heads_kv, capacity, page = 3, 2, 208, 16
@@ -530,16 +541,31 @@ def run_decode_worker(config) -> int:
                     v_cache = np.empty_like(k_cache)
                     k_cache[table] = k_rows.reshape(batch, per_seq, page, heads_kv, d)
                     v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, d)
-                cases = [(*c, None) for c in (((-1, -1), 0.0, False), ((-1, -1), 0.0, True),
-                                              *DECODE_WINDOW_SOFTCAP_CASES)]
-                cases += [(*c, sink_logits(heads_kv * group)) for c in DECODE_SINK_CASES]
+                cases = [(*c, None, None, None, 0) for c in (((-1, -1), 0.0, False), ((-1, -1), 0.0, True),
+                                                             *DECODE_WINDOW_SOFTCAP_CASES)]
+                cases += [(*c, sink_logits(heads_kv * group), None, None, 0) for c in DECODE_SINK_CASES]
+                for w, s, c, idx, pad, rotary in DECODE_OPTION_CASES:  # a leftpad of -1: the whole cache
+                    pad = None if pad is None else np.where(np.array(pad) < 0, lens, pad)
+                    if n_new or not rotary:
+                        cases.append((w, s, c, None, idx, pad, rotary))
+                dim = min(d, 64)
+                angle = (np.arange(capacity + sq)[:, None]
+                         / 10000.0 ** (np.arange(dim // 2) * 2 / dim)[None, :])
+                cos, sin = np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
                 for splits in (1, 3):
-                    for window, softcap, causal, sink in cases:
+                    for window, softcap, causal, sink, idx, pad, rotary in cases:
                         out = DeviceBuffer(np.full(q.shape, np.nan, dtype))
                         kwargs = {"block_table": None if table is None else cuda.to_device(table),
                                   "causal": causal, "num_splits": splits, "return_lse": True, "out": out,
                                   "window_size": window, "softcap": softcap,
-                                  "learnable_sink": None if sink is None else cuda.to_device(sink)}
+                                  "learnable_sink": None if sink is None else cuda.to_device(sink),
+                                  "cache_batch_idx": None if idx is None else cuda.to_device(
+                                      np.array(idx, np.int32)),
+                                  "cache_leftpad": None if pad is None else cuda.to_device(
+                                      pad.astype(np.int32))}
+                        if rotary:
+                            kwargs.update(rotary_cos=DeviceBuffer(cos), rotary_sin=DeviceBuffer(sin),
+                                          rotary_interleaved=rotary == 2)
                         if n_new:
                             kwargs.update(k_new=DeviceBuffer(new[0]), v_new=DeviceBuffer(new[1]))
                         with configs.force_decode_config(config):
@@ -548,17 +574,25 @@ def run_decode_worker(config) -> int:
                                                                  **kwargs)
                         got, lse = out.copy_to_host(), lse.copy_to_host()
                         for b in range(batch):
-                            n = int(lens[b])
-                            keys = np.concatenate([k_rows[b, :n], new[0][b]])[None]
-                            values = np.concatenate([v_rows[b, :n], new[1][b]])[None]
-                            _, problems = compare_with_reference(q[b:b + 1], keys, values, got[b:b + 1],
+                            n, row = int(lens[b]), b if idx is None else idx[b]
+                            start = 0 if pad is None else int(pad[b])
+                            q_b, new_b = q[b:b + 1], new[0][b]
+                            if rotary:  # rotated by the reference (FlashAttention's positions)
+                                step = rotary_query_step(causal, window, capacity)
+                                positions = n + np.arange(sq) * step
+                                q_b = rotary_embedding(q[b], cos, sin, positions, rotary == 2)[None]
+                                new_b = rotary_embedding(new_b, cos, sin, n + np.arange(n_new), rotary == 2)
+                            keys = np.concatenate([k_rows[row, start:n], new_b])[None]
+                            values = np.concatenate([v_rows[row, start:n], new[1][b]])[None]
+                            _, problems = compare_with_reference(q_b, keys, values, got[b:b + 1],
                                                                  lse[b:b + 1], causal=causal,
                                                                  window_size=window, softcap=softcap,
                                                                  sink=sink)
                             for p in problems:
                                 print(f"WRONG {config} {np.dtype(dtype).name} group={group} sq={sq} "
                                       f"new={n_new} splits={splits} causal={causal} window={window} "
-                                      f"softcap={softcap} sink={sink is not None} batch {b}: {p}", flush=True)
+                                      f"softcap={softcap} sink={sink is not None} cache_batch_idx={idx} "
+                                      f"cache_leftpad={pad} rotary={rotary} batch {b}: {p}", flush=True)
                             failures += bool(problems)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0

@@ -206,6 +206,11 @@ def flash_attention_with_kvcache(
     return_lse: bool = False,
     out: Any = None,
     learnable_sink: Any = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    rotary_interleaved: bool = False,
 ) -> Any:
     """Attention of a few new query rows against a KV cache (FlashAttention's
     ``flash_attn_with_kvcache``).
@@ -242,6 +247,30 @@ def flash_attention_with_kvcache(
             (FlashAttention-4's ``learnable_sink``): one logit per query head in every row's
             softmax, with no value row; the LSE includes it; rows that see no key give 0 and LSE
             = the sink. A build of the decode kernel of its own, compiled on first use.
+        cache_batch_idx: optional int32 (batch,) device array (FlashAttention's): sequence b reads
+            and appends to the cache's batch row cache_batch_idx[b] (paged: the block table's row,
+            as FlashAttention-3 does), so k_cache / v_cache (or block_table) may hold more rows
+            than q has sequences. cache_seqlens, cache_leftpad, q, k_new and v_new stay indexed
+            by b. Values must be valid rows (not checked: read on the device).
+        cache_leftpad: optional int32 (batch,) device array (FlashAttention's): sequence b's keys
+            start at cache row cache_leftpad[b] (0 <= cache_leftpad[b] <= cache_seqlens[b]); rows
+            before it are never read. The sequence then has L = cache_seqlens[b] -
+            cache_leftpad[b] + seqlen_new keys, cache rows cache_leftpad[b] .. cache_seqlens[b] - 1
+            and the new rows, appended at cache rows cache_seqlens[b] .. as without it; the
+            causal diagonal and the window above are placed by that L. Paged caches too (key j
+            at row cache_leftpad[b] + j of the sequence's pages, as FlashAttention-3).
+            Each of these two options is a build of the decode kernel of its own (compiled on
+            first use); both are read on the device, so a captured graph follows their values.
+        rotary_cos, rotary_sin: optional device arrays of q's dtype, (seqlen_ro, rotary_dim / 2)
+            with rotary_dim a multiple of 16 up to head_dim and seqlen_ro at least the cache's rows
+            a sequence (FlashAttention's): the rotary embedding is applied, inside the call, to
+            the first rotary_dim columns of q and of k_new (before k_new is appended, so the cache
+            holds the rotated keys), in float32, rounded to the dtype. New row t of sequence b sits
+            at position cache_seqlens[b] + t; query i at cache_seqlens[b] + i in a causal or
+            windowed call, else every query at cache_seqlens[b] (FlashAttention's rule; with
+            cache_leftpad too, positions are cache rows). Needs k_new and v_new.
+        rotary_interleaved: False (GPT-NeoX): column i pairs with i + rotary_dim / 2; True (GPT-J):
+            columns 2i and 2i + 1 pair. A build of the decode kernel of its own for each.
 
     On torch tensors under torch.compile (or fake tensors, a dispatch mode) the call goes
     through the custom op ``numbaflash::flash_attention_with_kvcache`` (``torch_ops``), which
@@ -260,21 +289,26 @@ def flash_attention_with_kvcache(
 
         routed = route_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                                softmax_scale, num_splits, return_lse, out, window_size, softcap,
-                               learnable_sink)
+                               learnable_sink, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+                               rotary_interleaved)
         if routed is not None:
             return routed
-        if learnable_sink is None:  # (a sink call takes the full checks, then its plan)
+        # (a call with a sink or a cache option takes the full checks, then its plan)
+        if (learnable_sink is None and cache_batch_idx is None and cache_leftpad is None
+                and rotary_cos is None and rotary_sin is None):
             done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                                     softmax_scale, num_splits, return_lse, out, window_size, softcap)
             if done is not None:
                 return done
-    if learnable_sink is None:
+    if (learnable_sink is None and cache_batch_idx is None and cache_leftpad is None and rotary_cos is None
+            and rotary_sin is None):
         return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                                    block_table, causal, softmax_scale, num_splits, return_lse,
                                                    out, window_size, softcap)
     return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                                causal, softmax_scale, num_splits, return_lse, out,
-                                               window_size, softcap, learnable_sink)
+                                               window_size, softcap, learnable_sink, cache_batch_idx,
+                                               cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
 
 
 def flash_attention_varlen(

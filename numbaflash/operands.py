@@ -554,6 +554,45 @@ def describe_index(name: str, x: Any, shape: tuple[int, ...]) -> Operand:
     return Operand(name, dims, "int32", True, x, strides, pointer, device=device)
 
 
+def describe_rotary(cos: Any, sin: Any, q: Operand, room: int, has_new: bool) -> tuple[Operand, Operand, int]:
+    """FlashAttention's ``rotary_cos`` and ``rotary_sin`` of the KV-cache call: (cos, sin, rotary_dim).
+    Each a contiguous device array of q's dtype, shape (seqlen_ro, rotary_dim / 2), the same for
+    both; rotary_dim a multiple of 16 (FlashAttention's rule) and at most head_dim; seqlen_ro at
+    least ``room`` (the cache's rows a sequence, as FlashAttention checks); k_new given (the rotary
+    embedding rotates q and the appended keys)."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if not has_new:
+        raise ValueError("rotary_cos / rotary_sin rotate q and k_new before it is appended: give k_new and "
+                         "v_new too (as FlashAttention requires)")
+    head_dim = q.shape[3]
+    found = []
+    for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+        op = describe(name, x)
+        if not op.on_device:
+            raise TypeError(f"{name} must be a device array (torch, CuPy, Numba), got numpy")
+        if len(op.shape) != 2:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), got {op.shape}")
+        if op.dtype_name != q.dtype_name:
+            raise TypeError(f"{name} must be {q.dtype_name} (q's dtype), got {op.dtype_name}")
+        rows, half = op.shape
+        if (half > 1 and op.strides[1] != 1) or (rows > 1 and op.strides[0] != half):
+            raise ValueError(f"{name} must be contiguous, got strides {op.strides} (in elements)")
+        found.append(op)
+    cosd, sind = found
+    if sind.shape != cosd.shape:
+        raise ValueError(f"rotary_sin must have rotary_cos's shape {cosd.shape}, got {sind.shape}")
+    rows, half = cosd.shape
+    dim = 2 * half
+    if dim % 16 or dim > head_dim or dim == 0:
+        raise ValueError(f"rotary_dim (2 x rotary_cos.shape[1]) must be a multiple of 16 from 16 to head_dim "
+                         f"({head_dim}), got {dim}")
+    if rows < room:
+        raise ValueError(f"rotary_cos / rotary_sin have {rows} rows (positions), fewer than the cache holds "
+                         f"a sequence ({room})")
+    return cosd, sind, dim
+
+
 def describe_sink(x: Any, heads_q: int, on_device: bool, function: str = "flash_attention") -> Operand:
     """A learnable sink (FlashAttention-4's ``learnable_sink``) as an operand: float32 logits of
     shape (heads_q,), one per query head, a contiguous device array (torch CUDA tensor or any

@@ -247,7 +247,14 @@ flash_attention_forward.register_autograd(_backward, setup_context=_setup_contex
 def run_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor | None,
                 v_new: Tensor | None, block_table: Tensor | None, causal: bool, softmax_scale: float,
                 num_splits: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                learnable_sink: Tensor | None = None):
+                learnable_sink: Tensor | None = None, cache_batch_idx: Tensor | None = None,
+                cache_leftpad: Tensor | None = None, rotary_cos: Tensor | None = None,
+                rotary_sin: Tensor | None = None, rotary_interleaved: bool = False):
+    if cache_batch_idx is not None or cache_leftpad is not None or rotary_cos is not None:
+        return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                   block_table, causal, softmax_scale, num_splits, True, None,
+                                                   window_size, softcap, learnable_sink, cache_batch_idx,
+                                                   cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
     if learnable_sink is None:
         return direct_flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                                    block_table, causal, softmax_scale, num_splits, True, None,
@@ -262,11 +269,24 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ca
                                  k_new: Tensor | None, v_new: Tensor | None, block_table: Tensor | None,
                                  causal: bool, softmax_scale: float, num_splits: int, window_left: int = -1,
                                  window_right: int = -1, softcap: float = 0.0,
-                                 learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                                 learnable_sink: Tensor | None = None, cache_batch_idx: Tensor | None = None,
+                                 cache_leftpad: Tensor | None = None, rotary_cos: Tensor | None = None,
+                                 rotary_sin: Tensor | None = None,
+                                 rotary_interleaved: bool = False) -> tuple[Tensor, Tensor]:
     """(out, lse) of decode against the cache; k_new / v_new, when given, are written into the
-    cache in place (hence ``mutates_args``). The window's sides, the softcap and the learnable sink
-    as ``flash_attention_with_kvcache`` takes them (validated), passed on only when not the defaults."""
-    if learnable_sink is not None:
+    cache in place (hence ``mutates_args``). The window's sides, the softcap, the learnable sink,
+    cache_batch_idx, cache_leftpad and the rotary embedding as ``flash_attention_with_kvcache``
+    takes them (validated), passed on only when not the defaults."""
+    if rotary_cos is not None or rotary_sin is not None:
+        out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                               softmax_scale, num_splits, (window_left, window_right), softcap,
+                               learnable_sink, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+                               rotary_interleaved)
+    elif cache_batch_idx is not None or cache_leftpad is not None:
+        out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                               softmax_scale, num_splits, (window_left, window_right), softcap,
+                               learnable_sink, cache_batch_idx, cache_leftpad)
+    elif learnable_sink is not None:
         out, lse = run_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                                softmax_scale, num_splits, (window_left, window_right), softcap,
                                learnable_sink)
@@ -281,11 +301,24 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ca
 
 @flash_attention_with_kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
-                  num_splits, window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
+                  num_splits, window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None,
+                  cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
+                  rotary_interleaved=False):
     check_window_size((window_left, window_right))
     check_softcap(softcap, softmax_scale)
     batch, seqlen_q, heads_q, _ = q.shape
     _check_sink(learnable_sink, heads_q)
+    for name, index in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if index is not None and (index.dtype != torch.int32 or tuple(index.shape) != (batch,)):
+            raise ValueError(f"{name} must be an int32 tensor of shape (batch,) = ({batch},), got "
+                             f"{index.dtype} of shape {tuple(index.shape)}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None and (rotary_cos.dtype != q.dtype or rotary_cos.dim() != 2
+                                   or rotary_sin.shape != rotary_cos.shape):
+        raise ValueError(f"rotary_cos and rotary_sin must be {q.dtype} tensors of one shape (seqlen_ro, "
+                         f"rotary_dim / 2), got {rotary_cos.dtype} {tuple(rotary_cos.shape)} and "
+                         f"{rotary_sin.dtype} {tuple(rotary_sin.shape)}")
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 

@@ -78,7 +78,8 @@ def sink_requires_grad(learnable_sink) -> bool:
 
 def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                   softmax_scale, num_splits, return_lse, out, window_size=(-1, -1), softcap=0.0,
-                  learnable_sink=None):
+                  learnable_sink=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
+                  rotary_sin=None, rotary_interleaved=False):
     """``flash_attention_with_kvcache`` on torch tensors: None where the direct path serves the
     call, else its result through the custom op (under torch.compile / export, fake or meta
     tensors, a dispatch mode), so that a compiled decode step has no graph break."""
@@ -95,7 +96,14 @@ def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, bloc
         softcap = check_softcap(softcap, softmax_scale)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
             int(num_splits))
-    if learnable_sink is not None:
+    if rotary_cos is not None or rotary_sin is not None:
+        result, lse = flash_attention_with_kvcache(*args, *window_size, softcap, learnable_sink,
+                                                   cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+                                                   check_flag("rotary_interleaved", rotary_interleaved))
+    elif cache_batch_idx is not None or cache_leftpad is not None:
+        result, lse = flash_attention_with_kvcache(*args, *window_size, softcap, learnable_sink,
+                                                   cache_batch_idx, cache_leftpad)
+    elif learnable_sink is not None:
         result, lse = flash_attention_with_kvcache(*args, *window_size, softcap, learnable_sink)
     elif window_size == (-1, -1) and softcap == 0.0:
         result, lse = flash_attention_with_kvcache(*args)

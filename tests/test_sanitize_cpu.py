@@ -471,3 +471,50 @@ def test_varlen_backward_sink_case_with_a_stand_in(monkeypatch, capsys, broken):
         assert failures == 1 and "d_sink max error" in printed and "sink:" in printed
     else:
         assert failures == 0 and printed == ""
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_worker_with_a_stand_in(monkeypatch, capsys, paged):
+    """The decode worker's calls (no GPU: host stand-ins for the device arrays and the kernel, the
+    float64 ``kvcache_reference`` as the call): every case, the cache options' (issue 56) included,
+    gets its arrays, and the worker's own expectation of each sequence's keys (the cache row
+    cache_batch_idx[b], from cache_leftpad[b]) agrees with the reference."""
+    import numba.cuda
+
+    import numbaflash
+    import numbaflash.runtime.buffers
+    from numbaflash.tools.reference import kvcache_reference
+
+    config = next(c for c in configs.shipped_decode_configs() if c.paged == paged and c.head_dim == 64)
+    seen = []
+
+    def stand_in(q, k_cache, v_cache, cache_seqlens, *, block_table, causal, num_splits, return_lse, out,
+                 window_size, softcap, learnable_sink=None, cache_batch_idx=None, cache_leftpad=None,
+                 k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
+        host = {name: None if x is None else x.array for name, x in (
+            ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("lens", cache_seqlens),
+            ("table", block_table), ("sink", learnable_sink), ("idx", cache_batch_idx),
+            ("pad", cache_leftpad), ("k_new", k_new), ("v_new", v_new), ("cos", rotary_cos),
+            ("sin", rotary_sin))}
+        assert np.isnan(out.array.astype(np.float32)).all()
+        rotary = 0 if host["cos"] is None else 1 + rotary_interleaved
+        seen.append((window_size, softcap, causal, host["sink"] is not None, host["idx"] is not None,
+                     host["pad"] is not None, rotary))
+        args = (host["q"], host["k_cache"], host["v_cache"], host["lens"])
+        kw = {"k_new": host["k_new"], "v_new": host["v_new"], "block_table": host["table"],
+              "cache_batch_idx": host["idx"], "cache_leftpad": host["pad"], "causal": causal,
+              "window_size": window_size, "softcap": softcap, "sink": host["sink"], "rotary_cos": host["cos"],
+              "rotary_sin": host["sin"], "rotary_interleaved": rotary_interleaved}
+        got = kvcache_reference(*args, rounding_dtype=host["q"].dtype, **kw)[0]
+        lse = kvcache_reference(*args, **kw)[1]
+        out.array[...] = got.astype(host["q"].dtype)
+        return out, _HostBuffer(lse.astype(np.float32))
+
+    monkeypatch.setattr(numbaflash.runtime.buffers, "DeviceBuffer", _HostBuffer)
+    monkeypatch.setattr(numba.cuda, "to_device", _HostBuffer)
+    monkeypatch.setattr(numbaflash, "flash_attention_with_kvcache", stand_in)
+    assert san.run_decode_worker(config) == 0
+    assert "0 wrong results" in capsys.readouterr().out
+    options = {(w, s, c, False, idx is not None, pad is not None, rotary)
+               for w, s, c, idx, pad, rotary in san.DECODE_OPTION_CASES}
+    assert options <= set(seen) and {o[6] for o in options} == {0, 1, 2}

@@ -4,6 +4,7 @@ caches, and ``main`` on a stand-in GPU; all without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -81,7 +82,7 @@ def test_inputs_are_nan_exactly_where_no_sequence_has_keys(paged):
     assert x.cache_seqlens.dtype == np.int32 and tuple(x.cache_seqlens) == c.cache_seqlens
     owned = np.zeros(x.k_cache.shape[:2], bool)
     for b, n in enumerate(c.cache_seqlens):
-        owned[sd.cache_rows(c, x.block_table, b, 0, n)] = True
+        owned[sd.cache_rows(c, x.block_table, b, c.start_of(b), n)] = True
     for cache in (x.k_cache, x.v_cache):
         nan = np.isnan(cache.astype(np.float64)).all(axis=(2, 3))
         assert (nan == ~owned).all() and not np.isnan(cache[owned].astype(np.float64)).any()
@@ -149,3 +150,102 @@ def test_a_share_of_decode_cases_draws_a_sink():
         with_sink = [c for c in cases if c.sink]
         assert abs(len(with_sink) / len(cases) - share) < 0.05
         assert all(len(c.sink) == c.heads_q for c in with_sink) and "sink=" in with_sink[0].describe()
+
+
+def test_a_share_of_decode_cases_draws_the_cache_options():
+    """cache_batch_idx, cache_leftpad or both (issue 56) in about a quarter of the cases, from a stream
+    of their own: the rest of a case is drawn as without them. cache_batch_idx: distinct rows of a
+    cache of up to two rows more; cache_leftpad: 0 .. each sequence's cache_seqlens."""
+    cases = [sd.draw_decode_case(s, i) for s in (0, 1) for i in range(500)]
+    with_options = [c for c in cases if c.cache_batch_idx or c.cache_leftpad]
+    assert abs(len(with_options) / len(cases) - sd.DECODE_CACHE_OPTION_SHARE) < 0.05
+    for c in with_options:
+        idx, pad = c.cache_batch_idx, c.cache_leftpad
+        assert not idx or (len(set(idx)) == len(idx) == c.batch and c.batch <= c.cache_batch <= c.batch + 2)
+        assert not pad or all(0 <= p <= n for p, n in zip(pad, c.cache_seqlens, strict=True))
+        assert c.keys == tuple(n - c.start_of(b) + c.seqlen_new for b, n in enumerate(c.cache_seqlens))
+    assert any(c.cache_batch_idx and c.cache_leftpad for c in with_options)
+    assert any(c.cache_batch_idx and not c.cache_leftpad for c in with_options)
+    assert any(c.cache_leftpad and not c.cache_batch_idx for c in with_options)
+    assert any(0 < p < n for c in with_options for p, n in zip(c.cache_leftpad, c.cache_seqlens, strict=True))
+    import dataclasses
+
+    for c in with_options[:20]:
+        plain = dataclasses.replace(c, cache_batch_idx=(), cache_leftpad=())
+        assert plain == dataclasses.replace(sd.draw_decode_case(c.seed, c.index), cache_batch_idx=(),
+                                            cache_leftpad=())
+        assert "cache_" in c.describe()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_options_case_is_the_reference_call(paged):
+    """An options case's inputs, packed problem and expected caches are ``kvcache_reference``'s call
+    (the float64 reference of ``flash_attention_with_kvcache``): the same outputs, the same caches
+    (NaN where no sequence's keys lie: before the left padding, the unused rows and pages)."""
+    from numbaflash.tools.reference import kvcache_reference
+
+    c = next(c for i in range(3000) if (c := sd.draw_decode_case(7, i, quick=True)).cache_batch_idx
+             and c.cache_leftpad and c.seqlen_new and (c.page_size > 0) == paged
+             and any(0 < p < n for p, n in zip(c.cache_leftpad, c.cache_seqlens, strict=True)))
+    x = sd.make_decode_inputs(c)
+    assert tuple(x.cache_batch_idx) == c.cache_batch_idx and tuple(x.cache_leftpad) == c.cache_leftpad
+    out, lse, k_after, v_after = kvcache_reference(
+        x.q, x.k_cache, x.v_cache, x.cache_seqlens, k_new=x.k_new, v_new=x.v_new, block_table=x.block_table,
+        cache_batch_idx=x.cache_batch_idx, cache_leftpad=x.cache_leftpad, causal=c.causal)
+    q, k, v, cu_q, cu_k = sd.packed_problem(c, x)
+    assert not np.isnan(k.astype(np.float64)).any() and not np.isnan(out).any()
+    packed_out, packed_lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=c.causal)
+    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, c.head_dim))
+    assert np.array_equal(packed_lse, lse.transpose(1, 0, 2).reshape(c.heads_q, -1))
+    want_k, want_v = sd.expected_caches(c, x)
+    for got, want in ((k_after, want_k), (v_after, want_v)):
+        assert np.array_equal(got.astype(np.float64), want.astype(np.float64), equal_nan=True)
+    for b in range(c.batch):  # the rows before the left padding are NaN
+        before = sd.cache_rows(c, x.block_table, b, 0, c.start_of(b))
+        assert np.isnan(x.k_cache[before].astype(np.float64)).all()
+
+
+def test_a_share_of_the_cases_with_new_rows_draws_a_rotary_embedding():
+    cases = [sd.draw_decode_case(s, i) for s in (0, 1) for i in range(600)]
+    with_new = [c for c in cases if c.seqlen_new]
+    rotary = [c for c in with_new if c.rotary]
+    assert abs(len(rotary) / len(with_new) - sd.DECODE_ROTARY_SHARE) < 0.06
+    assert not any(c.rotary for c in cases if not c.seqlen_new)
+    assert {c.rotary for c in rotary} == {1, 2} and all(
+        c.rotary_dim % 16 == 0 and 16 <= c.rotary_dim <= c.head_dim for c in rotary)
+    assert any(c.rotary_dim == c.head_dim for c in rotary) and "rotary=" in rotary[0].describe()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_rotary_case_is_the_reference_call(paged):
+    """A rotary case (with the cache options where drawn) is ``kvcache_reference``'s call: the same
+    outputs from its packed problem, the same caches (the rotated new rows)."""
+    from numbaflash.tools.reference import kvcache_reference
+
+    c = next(c for i in range(3000) if (c := sd.draw_decode_case(9, i, quick=True)).rotary
+             and (c.page_size > 0) == paged and c.seqlen_q > 1 and (c.cache_batch_idx or c.cache_leftpad))
+    x = sd.make_decode_inputs(c)
+    assert x.rotary_cos.shape == (c.capacity + c.seqlen_q, c.rotary_dim // 2)
+    assert x.rotary_cos.dtype == x.q.dtype
+    out, lse, k_after, v_after = kvcache_reference(
+        x.q, x.k_cache, x.v_cache, x.cache_seqlens, k_new=x.k_new, v_new=x.v_new, block_table=x.block_table,
+        cache_batch_idx=x.cache_batch_idx, cache_leftpad=x.cache_leftpad, causal=c.causal,
+        window_size=c.window_size, rotary_cos=x.rotary_cos, rotary_sin=x.rotary_sin,
+        rotary_interleaved=c.rotary == 2)
+    q, k, v, cu_q, cu_k = sd.packed_problem(c, x)
+    packed_out, packed_lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=c.causal,
+                                                        window_size=c.window_size)
+    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, c.head_dim))
+    assert np.array_equal(packed_lse, lse.transpose(1, 0, 2).reshape(c.heads_q, -1))
+    want_k, want_v = sd.expected_caches(c, x)
+    for got, want in ((k_after, want_k), (v_after, want_v)):
+        assert np.array_equal(got.astype(np.float64), want.astype(np.float64), equal_nan=True)
+    assert not np.array_equal(want_k.astype(np.float64), sd.expected_caches(
+        dataclasses.replace(c, rotary=0, rotary_dim=0), x)[0].astype(np.float64), equal_nan=True)
+    # a rounding of the dtype apart passes the cache check, more does not
+    ulp = 2.0 ** (-10 if c.dtype == "float16" else -7)
+    near = want_k.astype(np.float64) * (1 + ulp / 2)
+    assert sd.same_cache(near, want_k.astype(np.float64), True, c.dtype)
+    assert not sd.same_cache(near, want_k.astype(np.float64), False, c.dtype)
+    far = want_k.astype(np.float64) * (1 + 4 * ulp) + 1e-3
+    assert not sd.same_cache(far, want_k.astype(np.float64), True, c.dtype)

@@ -34,6 +34,14 @@ the plain or variant parameters), changes the warps' merge only: split 0 takes t
 the combine kernel, which merges LSE-weighted partials, needs nothing of it; a row that sees no key
 gives 0 and LSE = the sink. The walk is the plain kernel's.
 
+Three more, the KV-cache call's options (FlashAttention's, issue 56; their parameters after the
+others, ``params.decode_params``): ``batch_idx`` (sequence b's cache is the cache's row, or the
+block table's, cache_batch_idx[b]) and ``leftpad`` (its key j is cache row cache_leftpad[b] + j,
+its key count cache_seqlens[b] - cache_leftpad[b] + seqlen_new), both in where a sequence's rows
+are (``make_sequence_source``); ``rotary`` (1 halves, 2 interleaved: ``make_rotary``) rotates Q in
+shared memory once it lands and the new K rows as the threads load them, before the tile and the
+cache get them.
+
 The kernel is built from rooms: ``make_decode_rows`` (the row source: Q's packed rows, a dense or
 paged cache and the appended rows), ``make_decode_step`` (the walk over the key tiles, on the
 forward's QK and PV steps, online softmax and masker from ``mma_pieces``) and ``make_warp_stash``
@@ -56,10 +64,17 @@ from .shapes import DecodeConfig
 from .smem import ldmatrix_offsets, swizzled_offset
 from .softmax import pack_16bit, quad_sum, sink_logit
 
-# One sequence's keys: batch b, its cache rows, its total length (cache + new rows), and its
-# block table (paged: capacity is the page size, pages the table's row length).
+# One sequence's keys: batch b (its q, k_new and v_new rows), its cache rows, its total length
+# (cache + new rows), its block table (paged: capacity is the page size, pages the table's row
+# length), the cache's batch row (paged: the table's row) it reads and appends to, the cache
+# row of its key 0 (``make_sequence_source``), and the rotary table (a RotaryTable; None but in
+# rotary builds).
 Sequence = namedtuple("Sequence", ["b", "cache_len", "total", "block_table", "bt_stride", "capacity",
-                                   "pages", "page_magic", "page_shift"])
+                                   "pages", "page_magic", "page_shift", "cache_b", "start", "rotary"])
+# A rotary build's table (``make_rotary``): cos and sin (16-bit bits of q's dtype, (rows, dim / 2)),
+# the rotary dim (a multiple of 16, <= head_dim), the table's rows, and the query rows' position
+# step (1: query i at cache_seqlens[b] + i; 0: every query at cache_seqlens[b]).
+RotaryTable = namedtuple("RotaryTable", ["cos", "sin", "dim", "rows", "q_step"])
 # Where one head's key (or value) rows are, in bytes: the cache and the new rows, each as an
 # address and (batch or page, row) strides.
 KeyRows = namedtuple("KeyRows", ["cache", "cache_sb", "cache_ss", "new", "new_sb", "new_ss"])
@@ -108,9 +123,10 @@ def window_tiles(total, seqlen_q, group, r0, rows, block_n, window_left, window_
 
 
 # The row source's steps (``make_decode_rows``): a thread's chunks of a K or V tile, the ring's
-# wait, the block table's look-ahead, a tile's copy, Q's copy, the window kernels' append.
-DecodeRows = namedtuple("DecodeRows", ["slots", "wait_ring", "fetch_pages", "load_tiles", "load_q_rows",
-                                       "append_new_rows"])
+# wait, the block table's look-ahead, a tile's copy, Q's copy and (rotary builds) rotation, the
+# window kernels' append.
+DecodeRows = namedtuple("DecodeRows", ["slots", "wait_ring", "fetch_pages", "load_tiles", "prepare_q",
+                                       "finish_q", "append_new_rows"])
 # What the walk over the key tiles (``make_decode_step``) reads: the split's tiles [first, last), the
 # sequence and its key rows, the thread, whether to append, the block-table look-ahead, the shared
 # memory base and Q tile, the warp, the ldmatrix offsets, the fragments (S, O, Q, P, K/V), the
@@ -136,9 +152,137 @@ def decode_shape(config: DecodeConfig) -> MmaShape:
                     config.m_tiles, config.row_bytes)
 
 
-def make_decode_rows(config: DecodeConfig) -> DecodeRows:
+# The rotary steps (``make_rotary``): a new K row's 16-byte chunk loaded and rotated (and stored
+# into a tile and the cache), Q's rows rotated in shared memory once they land.
+Rotary = namedtuple("Rotary", ["load_new_chunk", "store_new_chunk", "finish_q"])
+
+
+def make_rotary(config: DecodeConfig, rotary: int, bf16: bool) -> Rotary:
+    """FlashAttention's rotary embedding of the KV-cache call (``rotary_cos``, ``rotary_sin``): the
+    first ``table.dim`` columns of a row at position pos, in float32, rounded to the input dtype.
+    ``rotary`` 1 (halves, GPT-NeoX; FlashAttention's ``rotary_interleaved=False``): column i <
+    dim / 2 pairs with i + dim / 2, x1' = x1·cos - x2·sin, x2' = x2·cos + x1·sin, cos = cos[pos, i];
+    2 (interleaved, GPT-J): columns 2i and 2i + 1 pair, with cos[pos, i]. A position past the
+    table's rows takes its last row (the API checks that the table covers the cache). 16-byte
+    chunks of 8 columns: dim a multiple of 16, so a chunk is all in the rotary columns or none."""
+    ROTARY = rotary != 0
+    INTERLEAVED = rotary == 2
+    STAGES = config.stages
+    BF16 = bf16
+    BM = config.rows
+    RB = config.row_bytes
+    THREADS = config.threads
+
+    @cuda.jit(device=True, forceinline=True)
+    def to_f32(bits):
+        return ptx.f32_from_bf16_bits(bits) if BF16 else ptx.f32_from_f16_bits(bits)
+
+    @cuda.jit(device=True, forceinline=True)
+    def element(regs, e):
+        """Element e (0..7) of a 16-byte chunk held as 4 uint32, as float32."""
+        return to_f32((regs[e // 2] >> uint32(16 * (e % 2))) & uint32(0xFFFF))
+
+    @cuda.jit(device=True, forceinline=True)
+    def angle(table, pos, i):
+        """(cos, sin) of pair i at position pos (clamped to the table)."""
+        at = uint64(min(max(pos, int64(0)), table.rows - 1) * (table.dim // 2) + i)
+        return to_f32(uint32(table.cos[at])), to_f32(uint32(table.sin[at]))
+
+    @cuda.jit(device=True, forceinline=True)
+    def rotate_chunks(x, y, col, pos, table):
+        """Rotate in place: interleaved, chunk ``x`` of columns col .. col + 7 (``y`` unused);
+        halves, ``x`` columns col .. col + 7 of the first half and ``y`` the same of the second."""
+        new = cuda.local.array(16, float32)
+        for e in range(8):
+            if INTERLEAVED:
+                c, s = angle(table, pos, col // 2 + e // 2)
+                a, b = element(x, e - e % 2), element(x, e - e % 2 + 1)
+                new[e] = a * c - b * s if e % 2 == 0 else b * c + a * s
+            else:
+                c, s = angle(table, pos, col + e)
+                a, b = element(x, e), element(y, e)
+                new[e] = a * c - b * s
+                new[8 + e] = b * c + a * s
+        for w in range(4):
+            x[w] = pack_16bit(new[2 * w], new[2 * w + 1], BF16)
+            if not INTERLEAVED:
+                y[w] = pack_16bit(new[8 + 2 * w], new[8 + 2 * w + 1], BF16)
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_new_chunk(regs, at, chunk, pos, table):
+        """Chunk ``chunk`` of the new row at byte address ``at`` into ``regs`` (4 uint32), rotated
+        at position ``pos`` where it holds rotary columns (halves: its partner chunk loaded too)."""
+        ptx.ld_global_nc_v4_at(regs, at + chunk * 16)
+        if chunk * 8 < table.dim:
+            if INTERLEAVED:
+                rotate_chunks(regs, regs, chunk * 8, pos, table)
+            else:
+                half = table.dim // 16  # chunks a half
+                other = cuda.local.array(4, uint32)
+                if chunk < half:
+                    ptx.ld_global_nc_v4_at(other, at + (chunk + half) * 16)
+                    rotate_chunks(regs, other, chunk * 8, pos, table)
+                else:
+                    ptx.ld_global_nc_v4_at(other, at + (chunk - half) * 16)
+                    rotate_chunks(other, regs, (chunk - half) * 8, pos, table)
+
+    @cuda.jit(device=True, forceinline=True)
+    def store_new_chunk(dst, to_cache, at, chunk, pos, table):
+        """``load_new_chunk``, then the chunk into the shared address ``dst`` and, where
+        ``to_cache`` (the row's cache address) is not 0, into the cache."""
+        regs = cuda.local.array(4, uint32)
+        load_new_chunk(regs, at, chunk, pos, table)
+        ptx.st_shared_v4(dst, regs)
+        if to_cache != 0:
+            ptx.st_global_v4_at(to_cache + chunk * 16, regs)
+
+    @cuda.jit(device=True, forceinline=True)
+    def rotate_q(sq, r0, rows_total, group, base, table, tid):
+        """Rotate the rotary columns of the Q tile's packed rows in shared memory (row r: query
+        r // group at position base + (r // group)·q_step); each thread a chunk (interleaved) or
+        a chunk of each half (halves) of a row at a time."""
+        items = table.dim // 8 if INTERLEAVED else table.dim // 16
+        x = cuda.local.array(4, uint32)
+        y = cuda.local.array(4, uint32)
+        for idx in range(tid, BM * items, THREADS):
+            row = idx // items
+            c = idx % items
+            if r0 + row < rows_total:
+                pos = base + ((r0 + row) // group) * table.q_step
+                ax = sq + swizzled_offset(row, c, BM, RB)
+                ptx.ld_shared_v4(x, ax)
+                if INTERLEAVED:
+                    rotate_chunks(x, x, c * 8, pos, table)
+                else:
+                    ay = sq + swizzled_offset(row, c + items, BM, RB)
+                    ptx.ld_shared_v4(y, ay)
+                    rotate_chunks(x, y, c * 8, pos, table)
+                    ptx.st_shared_v4(ay, y)
+                ptx.st_shared_v4(ax, x)
+
+    @cuda.jit(device=True, forceinline=True)
+    def finish_q(sq, r0, rows_total, group, seq, tid):
+        """Rotary builds, once the ring's first STAGES - 1 copy groups are issued after Q's own: wait
+        for Q's (the oldest; the tiles stay in flight) and rotate it in place (``rotate_q``); the
+        walk's first barrier orders it before use. Nothing in the other builds."""
+        if ROTARY:
+            if STAGES == 2:
+                ptx.cp_async_wait_group_1()
+            elif STAGES == 3:
+                ptx.cp_async_wait_group_2()
+            else:
+                ptx.cp_async_wait_group_3()
+            cuda.syncthreads()
+            rotate_q(sq, r0, rows_total, group, seq.start + seq.cache_len, seq.rotary, tid)
+
+    return Rotary(load_new_chunk, store_new_chunk, finish_q)
+
+
+def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) -> DecodeRows:
     """The row source: Q's packed rows, and the key rows of a dense or paged cache with the new
-    rows appended (cp.async into the ring's swizzled K and V tiles)."""
+    rows appended (cp.async into the ring's swizzled K and V tiles). ``rotary`` (1: halves, 2:
+    interleaved; ``make_rotary``): Q's rows and the new K rows are rotated at their positions,
+    the new K rows loaded, rotated and stored by the threads (into the tile and the cache)."""
     BN = config.block_n
     BM = config.rows
     THREADS = config.threads
@@ -153,6 +297,8 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
     ROW_WALK = THREADS % CPR == 0 and BN % (THREADS // CPR) == 0
     SLOTS = BN // (THREADS // CPR) if ROW_WALK else KV_CHUNKS // THREADS
     PAGED = config.paged
+    ROTARY = rotary != 0
+    load_new_chunk, store_new_chunk, finish_q = make_rotary(config, rotary, bf16)
 
     @cuda.jit(device=True, forceinline=True)
     def wait_ring():
@@ -187,11 +333,11 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
         if PAGED:
             for i in range(SLOTS):
                 row, _ = slot_of(i, tid)
-                j = n0 + row
+                j = seq.start + n0 + row  # the key's row in the sequence's pages
                 page_of = page_index(j, seq)
                 unit = int64(0)
                 if page_of < seq.pages:
-                    unit = int64(seq.block_table[uint64(seq.b * seq.bt_stride + page_of)])
+                    unit = int64(seq.block_table[uint64(seq.cache_b * seq.bt_stride + page_of)])
                 pages_at[i, 0] = int32(unit)
                 pages_at[i, 1] = int32(j - page_of * seq.capacity)
 
@@ -206,8 +352,8 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
                 unit = int64(max(pages_at[i, 0], 0))
                 r = int64(pages_at[i, 1])
             else:
-                unit = seq.b
-                r = n0 + row
+                unit = seq.cache_b
+                r = seq.start + n0 + row
             at = dst + swizzled_offset(row, chunk, BN, RB)
             ptx.cp_async_16_at(at, ks.cache + unit * ks.cache_sb + r * ks.cache_ss + chunk * 16)
             ptx.cp_async_16_at(at + TILE_BYTES, vs.cache + unit * vs.cache_sb + r * vs.cache_ss + chunk * 16)
@@ -223,19 +369,20 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
 
     @cuda.jit(device=True, forceinline=True)
     def row_place(j, seq):
-        """Where key row j of ``seq`` lives (a RowPlace). 32-bit division by the page size: one
-        per row and tile, shared by K and V."""
+        """Where key row j of ``seq`` lives (a RowPlace): cache row seq.start + j. 32-bit division
+        by the page size: one per row and tile, shared by K and V."""
+        at = seq.start + j
         if PAGED:
-            page_of = page_index(j, seq)
-            row = int64(j - page_of * seq.capacity)
+            page_of = page_index(at, seq)
+            row = int64(at - page_of * seq.capacity)
             unit = int64(0)
             if int64(page_of) < seq.pages:
-                unit = int64(seq.block_table[uint64(seq.b * seq.bt_stride + int64(page_of))])
+                unit = int64(seq.block_table[uint64(seq.cache_b * seq.bt_stride + int64(page_of))])
             in_cache = int64(page_of) < seq.pages and unit >= 0
         else:
-            unit = seq.b
-            row = j
-            in_cache = j < seq.capacity
+            unit = seq.cache_b
+            row = at
+            in_cache = at < seq.capacity
         return RowPlace(j < seq.total, j >= seq.cache_len, unit, row, j - seq.cache_len, in_cache)
 
     @cuda.jit(device=True, forceinline=True)
@@ -265,11 +412,16 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
     def load_kv_tiles(dst, n0, seq, ks, vs, tid, append):
         """cp.async of key rows n0 .. n0 + BN of K (into ``dst``) and V (``dst + TILE_BYTES``),
         each row placed once for K and V: rows past the length zero-filled, new rows from k_new
-        and v_new (and, with ``append``, copied into the cache)."""
+        and v_new (and, with ``append``, copied into the cache; rotary builds: K's rotated)."""
         for i in range(SLOTS):
             row, chunk = slot_of(i, tid)
             place = row_place(n0 + row, seq)
-            copy_row_chunk(dst, row, chunk, ks, place, seq.b, append)
+            if ROTARY and place.exists and place.from_new:  # at its cache row
+                at, to_cache = row_address(ks, place, seq.b)
+                store_new_chunk(dst + swizzled_offset(row, chunk, BN, RB), to_cache if append else int64(0),
+                                at, chunk, seq.start + seq.cache_len + place.new_row, seq.rotary)
+            else:
+                copy_row_chunk(dst, row, chunk, ks, place, seq.b, append)
             copy_row_chunk(dst + TILE_BYTES, row, chunk, vs, place, seq.b, append)
 
     @cuda.jit(device=True, forceinline=True)
@@ -302,14 +454,53 @@ def make_decode_rows(config: DecodeConfig) -> DecodeRows:
             place = row_place(seq.cache_len + split + (idx // CPR) * num_splits, seq)
             at, to_cache = row_address(ks, place, seq.b)
             if to_cache != 0:
-                ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
+                if ROTARY:  # at its cache row
+                    load_new_chunk(scratch, at, chunk, seq.start + seq.cache_len + place.new_row, seq.rotary)
+                else:
+                    ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
             at, to_cache = row_address(vs, place, seq.b)
             if to_cache != 0:
                 ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
 
-    return DecodeRows(SLOTS, wait_ring, fetch_pages, load_tiles, load_q_rows, append_new_rows)
+    @cuda.jit(device=True, forceinline=True)
+    def prepare_q(dst, q_rows, kv_head, group, rows_total, r0, tid):
+        """``load_q_rows``; rotary builds commit Q as a copy group of its own (``finish_q``)."""
+        load_q_rows(dst, q_rows, kv_head, group, rows_total, r0, tid)
+        if ROTARY:
+            ptx.cp_async_commit_group()
+
+    return DecodeRows(SLOTS, wait_ring, fetch_pages, load_tiles, prepare_q, finish_q, append_new_rows)
+
+
+def make_sequence_source(batch_idx: bool, leftpad: bool):
+    """Where each sequence's keys are: ``sequence_of(p, b, cache_batch_idx, cache_leftpad,
+    rotary)``, the Sequence of batch b (``p``: a DecodeParams; ``rotary``: a RotaryTable or None),
+    read on the device (a captured graph follows the values). ``batch_idx`` (FlashAttention's
+    ``cache_batch_idx``, int32 (batch,)): its cache is the cache's batch row (paged: the block
+    table's row) cache_batch_idx[b], else b. ``leftpad`` (``cache_leftpad``, int32 (batch,), 0 <=
+    cache_leftpad[b] <= cache_seqlens[b]): its keys start at cache row cache_leftpad[b], else 0:
+    key j is cache row cache_leftpad[b] + j, the cache holds cache_seqlens[b] - cache_leftpad[b]
+    of its keys, the new rows are appended from cache row cache_seqlens[b] on, and the causal
+    diagonal and the window follow its key count L = cache_seqlens[b] - cache_leftpad[b] +
+    seqlen_new. The plain build's is b and 0."""
+    BATCH_IDX = batch_idx
+    LEFTPAD = leftpad
+
+    @cuda.jit(device=True, forceinline=True)
+    def sequence_of(p, b, cache_batch_idx, cache_leftpad, rotary):
+        cache_b = b
+        if BATCH_IDX:
+            cache_b = int64(cache_batch_idx[uint64(b)])
+        start = int64(0)
+        if LEFTPAD:
+            start = int64(cache_leftpad[uint64(b)])
+        cache_len = int64(p.cache_seqlens[uint64(b)]) - start
+        return Sequence(b, cache_len, cache_len + p.seqlen_new, p.block_table, p.bt_stride, p.capacity,
+                        p.pages, p.page_magic, p.page_shift, cache_b, start, rotary)
+
+    return sequence_of
 
 
 def make_decode_step(config: DecodeConfig, causal: bool, bf16: bool, window: bool, softcap: bool,
@@ -431,31 +622,41 @@ def q_in_registers(config: DecodeConfig) -> bool:
     return config.m_tiles * (config.head_dim // 16) <= 8
 
 
-def decode_entry(run_decode, variant: bool, sink: bool = False):
+def decode_entry(run_decode, variant: bool, sink: bool = False, batch_idx: bool = False,
+                 leftpad: bool = False, rotary: int = 0):
     """The decode kernel's entry function around its body ``run_decode(p, window_left,
-    window_right, cap_scale, sink)``: parameters ``DecodeParams``' fields in order (``params.DECODE``),
-    then for a ``variant`` ``window_left, window_right, cap_scale`` (``params.DECODE_VARIANT``;
-    the plain kernel passes 0, 0, 0.0), then for a ``sink`` build ``sink`` (``params.SINK``; else
-    None). Generated from the one list of names, so that the parameters are written once; named
-    ``flash_decode`` or ``flash_decode_variant``."""
+    window_right, cap_scale, sink, cache_batch_idx, cache_leftpad, rotary)``: parameters
+    ``DecodeParams``' fields in order (``params.DECODE``), then for a ``variant`` ``window_left,
+    window_right, cap_scale`` (``params.DECODE_VARIANT``; the plain kernel passes 0, 0, 0.0), then
+    for a ``sink`` build ``sink``, for a ``batch_idx`` build ``cache_batch_idx``, for a ``leftpad``
+    build ``cache_leftpad``, for a ``rotary`` build ``params.ROTARY``'s five, passed as a
+    RotaryTable (``params.decode_params``; each None where not built). Generated from the one
+    list of names, so that the parameters are written once; named ``flash_decode`` or
+    ``flash_decode_variant``."""
     rest = "window_left, window_right, cap_scale" if variant else "int64(0), int64(0), float32(0.0)"
-    declared = params.DECODE_VARIANT if variant else params.DECODE
+    table = f"RotaryTable({', '.join(params.names_of(params.ROTARY))})"
+    options = ", ".join(name if built else "None" for name, built in
+                        (("sink", sink), ("cache_batch_idx", batch_idx), ("cache_leftpad", leftpad),
+                         (table, rotary)))
     return params.entry("flash_decode_variant" if variant else "flash_decode",
-                        declared + params.SINK if sink else declared,
-                        f"run_decode(DecodeParams({', '.join(DecodeParams._fields)}), {rest}, "
-                        f"{'sink' if sink else 'None'})",
-                        {"run_decode": run_decode, "DecodeParams": DecodeParams, "int64": int64,
-                         "float32": float32})
+                        params.decode_params(variant, sink, batch_idx, leftpad, bool(rotary)),
+                        f"run_decode(DecodeParams({', '.join(DecodeParams._fields)}), {rest}, {options})",
+                        {"run_decode": run_decode, "DecodeParams": DecodeParams, "RotaryTable": RotaryTable,
+                         "int64": int64, "float32": float32})
 
 
 def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: bool = False,
-                       softcap: bool = False, sink: bool = False):
+                       softcap: bool = False, sink: bool = False, batch_idx: bool = False,
+                       leftpad: bool = False, rotary: int = 0):
     """The decode kernel (``params.DECODE``): grid (num_splits, row_blocks * heads_kv, batch),
     ``config.threads`` threads, ``config.shared_bytes`` of dynamic shared memory. ``window`` or
     ``softcap``: a variant (``params.DECODE_VARIANT``: window_left, window_right, cap_scale
     after the plain parameters; ``scale_log2`` is then softcap·log2(e) with a softcap); a window
     kernel's ``causal`` must be False (its right side 0 is causal masking). ``sink``: a learnable
-    sink's build (``params.SINK`` last), which split 0's merge takes into each row."""
+    sink's build (``params.SINK`` last), which split 0's merge takes into each row. ``batch_idx``,
+    ``leftpad``, ``rotary``: the builds of the KV-cache call's ``cache_batch_idx``,
+    ``cache_leftpad`` (``make_sequence_source``) and rotary embedding (1: halves, 2: interleaved;
+    ``make_rotary``), their parameters after the others (``params.decode_params``)."""
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
@@ -475,11 +676,12 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     Q_REGS = q_in_registers(config)
     WINDOW = window
     SINK = sink
-    rows = make_decode_rows(config)
+    rows = make_decode_rows(config, bf16, rotary)
     SLOTS = rows.slots
     fetch_pages, load_tiles = rows.fetch_pages, rows.load_tiles
-    load_q_rows, append_new_rows = rows.load_q_rows, rows.append_new_rows
+    prepare_q, finish_q, append_new_rows = rows.prepare_q, rows.finish_q, rows.append_new_rows
     walk = make_decode_step(config, causal, bf16, window, softcap, rows)
+    sequence_of = make_sequence_source(batch_idx, leftpad)
     stash = make_warp_stash(config)
     WARPS = config.num_warps
     OS = config.merge_row  # the warps' merge: floats from one O row to the next
@@ -489,10 +691,10 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
-    def run_decode(p, window_left, window_right, cap_scale, sink):
+    def run_decode(p, window_left, window_right, cap_scale, sink, cache_batch_idx, cache_leftpad, rotary):
         """The kernel's body: ``p`` a DecodeParams (the plain kernel's parameters); the window's
         sides and softmax_scale / softcap (read by the variants only); the sink's logits (sink
-        builds only)."""
+        builds only); the cache options' arrays and the rotary table (their builds only)."""
         smem = cuda.shared.array(0, types.uint16)
         smem_f = cuda.shared.array(0, float32)  # the same dynamic shared memory, as float32
         tid = cuda.threadIdx.x & 1023
@@ -505,8 +707,8 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         rows_total = p.group * p.seqlen_q
         r0 = row_block * BM
         ptx.grid_dependency_wait()  # sm_90 launches this kernel programmatically: inputs after this
-        cache_len = int64(p.cache_seqlens[uint64(b)])
-        total = cache_len + p.seqlen_new
+        seq = sequence_of(p, b, cache_batch_idx, cache_leftpad, rotary)
+        total = seq.total
         diag = total - p.seqlen_q  # query i sees keys j <= i + diag
         pos_last = int64(0)  # the block's last query (window kernels only)
         if WINDOW:  # the key tiles the rows' windows reach, from this sequence's length, split
@@ -523,8 +725,6 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
         base = ptx.shared_address_u16(smem)
         sq = base + SQ
         q_addr = ptx.global_address(p.q)
-        seq = Sequence(b, cache_len, total, p.block_table, p.bt_stride, p.capacity, p.pages, p.page_magic,
-                       p.page_shift)
         ks = KeyRows(ptx.global_address(p.k_cache) + kv_head * p.kc_sh * 2, p.kc_sb * 2, p.kc_ss * 2,
                      ptx.global_address(p.k_new) + kv_head * p.kn_sh * 2, p.kn_sb * 2, p.kn_ss * 2)
         vs = KeyRows(ptx.global_address(p.v_cache) + kv_head * p.vc_sh * 2, p.vc_sb * 2, p.vc_ss * 2,
@@ -532,9 +732,9 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
 
         if WINDOW and p.seqlen_new > 0 and row_block == 0:
             append_new_rows(seq, ks, vs, p.seqlen_new, split, p.num_splits, tid)
-        # Q goes in the first tile's copy group: the walk's first wait covers both.
-        load_q_rows(sq, (q_addr + b * p.q_sb * 2, p.q_ss * 2, p.q_sh * 2), kv_head, p.group, rows_total, r0,
-                    tid)
+        # Q goes in the first tile's copy group: the walk's first wait covers both (rotary: finish_q).
+        prepare_q(sq, (q_addr + b * p.q_sb * 2, p.q_ss * 2, p.q_sh * 2), kv_head, p.group, rows_total, r0,
+                  tid)
         pages_at = cuda.local.array((SLOTS, 2), int32)
         for s in range(STAGES - 1):  # the ring's first tiles
             if first + s < last:
@@ -545,6 +745,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
             ptx.cp_async_commit_group()
         if first + STAGES - 1 < last:
             fetch_pages(pages_at, (first + STAGES - 1) * BN, seq, tid)
+        finish_q(sq, r0, rows_total, p.group, seq, tid)
 
         acc_o = cuda.local.array((MT, D_N_TILES, 4), float32)
         for mt in range(MT):
@@ -637,8 +838,10 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
 
     mask_kind = "window" if window else "causal" if causal else "full"
     kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
-    kernel = decode_entry(run_decode, window or softcap, sink)
-    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}{'_sink' if sink else ''}"
+    kernel = decode_entry(run_decode, window or softcap, sink, batch_idx, leftpad, rotary)
+    options = (f"{'_sink' if sink else ''}{'_bidx' if batch_idx else ''}{'_lpad' if leftpad else ''}"
+               f"{('', '_rope', '_ropei')[rotary]}")
+    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}{options}"
     kernel.launch_bounds = (config.threads, 1)
     return kernel
 

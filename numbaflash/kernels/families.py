@@ -147,7 +147,8 @@ def _backward_ws(s: KernelSpec):
 def _decode(s: KernelSpec):
     from .decode_mma import make_decode_kernel
 
-    return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap, sink=s.sink)
+    return make_decode_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap, sink=s.sink,
+                              batch_idx=s.batch_idx, leftpad=s.leftpad, rotary=s.rotary)
 
 
 def _decode_combine(s: KernelSpec):
@@ -271,7 +272,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     """The parameters of ``spec``'s kernel, in order (``kernels.params``): its operation's, with
     the packed sequences of a varlen build, the window's and softcap's for a decode variant, and
     the learnable sink's logits last for a sink build (the backward's prepare kernel: the logits
-    and d_sink, ``params.SINK_GRADIENT``)."""
+    and d_sink, ``params.SINK_GRADIENT``; a decode build: ``params.decode_params``, then its
+    cache options)."""
     family, op = spec.family, spec.operation
     if op == "forward":
         if family == "sm90":
@@ -289,8 +291,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
             return params.WS_BACKWARD
         return params.VARLEN_BACKWARD if spec.varlen else params.BACKWARD
     if op == "decode":
-        declared = params.DECODE_VARIANT if spec.window or spec.softcap else params.DECODE
-        return declared + params.SINK if spec.sink else declared
+        return params.decode_params(spec.window or spec.softcap, spec.sink, spec.batch_idx, spec.leftpad,
+                                    bool(spec.rotary))
     if op == "decode_combine":
         return params.DECODE_COMBINE
     raise NotImplementedError(spec.kind)

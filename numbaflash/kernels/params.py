@@ -117,6 +117,28 @@ DECODE = params(
 # The decode kernel's window and softcap variants: the same, then the window's sides and the
 # softcap's factor. The plain kernel keeps DECODE.
 DECODE_VARIANT = DECODE + WINDOW_SOFTCAP
+# FlashAttention's ``cache_batch_idx``: int32 (batch,), the cache's batch row (paged: the block
+# table's row) that sequence b reads and appends to (``KernelSpec.batch_idx``).
+CACHE_BATCH_IDX = params((I32_ARRAY, "cache_batch_idx"))
+# FlashAttention's ``cache_leftpad``: int32 (batch,), the cache row where sequence b's keys start
+# (``KernelSpec.leftpad``).
+CACHE_LEFTPAD = params((I32_ARRAY, "cache_leftpad"))
+# FlashAttention's rotary embedding in the KV-cache call (``KernelSpec.rotary``): cos and sin in
+# q's dtype (16-bit bits), (rotary_rows, rotary_dim / 2) contiguous; rotary_q_step 1 where query
+# i sits at cache_seqlens[b] + i (causal or windowed calls), 0 where every query sits there.
+ROTARY = params((U16_ARRAY, "rotary_cos rotary_sin"), (I64, "rotary_dim rotary_rows rotary_q_step"))
+
+
+def decode_params(variant: bool, sink: bool = False, batch_idx: bool = False, leftpad: bool = False,
+                  rotary: bool = False) -> tuple[Param, ...]:
+    """A decode kernel's parameters: the plain kernel's (``DECODE``) or a window or softcap
+    variant's (``DECODE_VARIANT``), then for each option the build takes, in this order, the
+    sink's logits (``SINK``), ``CACHE_BATCH_IDX``, ``CACHE_LEFTPAD`` and ``ROTARY``."""
+    return ((DECODE_VARIANT if variant else DECODE) + (SINK if sink else ())
+            + (CACHE_BATCH_IDX if batch_idx else ()) + (CACHE_LEFTPAD if leftpad else ())
+            + (ROTARY if rotary else ()))
+
+
 DECODE_COMBINE = params(
     (F32_ARRAY, "o_part lse_part"), (U16_ARRAY, "out"), (F32_ARRAY, "lse"), (I64, strides("o")),
     (I64, "batch seqlen_q heads_q num_splits"), (BOOL, "write_lse"),

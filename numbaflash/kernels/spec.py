@@ -13,7 +13,9 @@ Normalisation happens once, here, so that equal kernels have equal specs:
   serves every call; the combine kernel also serves packed and paged calls alike;
 - the kernels that do not read a learnable sink (``SINK_FREE``: the backward's main and dQ
   kernels, which take the forward's sink-inclusive LSE unchanged, and the combine kernel) are
-  built without it: of a backward, only the prepare kernel has a sink build (it adds d_sink).
+  built without it: of a backward, only the prepare kernel has a sink build (it adds d_sink);
+- the KV-cache call's ``cache_batch_idx``, ``cache_leftpad`` and rotary embedding (``batch_idx``,
+  ``leftpad``, ``rotary``) are axes of the decode kernel only (the combine kernel reads no cache).
 
 Plain Python (no Numba): the API imports it on every call's first dispatch.
 """
@@ -54,11 +56,14 @@ class KernelSpec:
     varlen: bool = False
     paged: bool = False
     sink: bool = False
+    batch_idx: bool = False
+    leftpad: bool = False
+    rotary: int = 0  # the KV-cache call's rotary embedding: 0 none, 1 halves, 2 interleaved
     _hash: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = (self.family, self.operation, self.config, self.dtype, self.arch, self.causal, self.window,
-                  self.softcap, self.varlen, self.paged, self.sink)
+                  self.softcap, self.varlen, self.paged, self.sink, self.batch_idx, self.leftpad, self.rotary)
         object.__setattr__(self, "_hash", hash(fields))
 
     def __hash__(self) -> int:
@@ -87,7 +92,8 @@ class KernelSpec:
         call has a learnable sink (a backward's main spec is built without it: ``SINK_FREE``)."""
         return kernel_spec(self.family, operation, self.config, self.dtype, self.arch, causal=self.causal,
                            window=self.window, softcap=self.softcap, varlen=self.varlen, paged=self.paged,
-                           sink=self.sink if sink is None else sink)
+                           sink=self.sink if sink is None else sink, batch_idx=self.batch_idx,
+                           leftpad=self.leftpad, rotary=self.rotary)
 
     def on(self, arch: str) -> KernelSpec:
         """The same kernel for another target."""
@@ -95,18 +101,26 @@ class KernelSpec:
 
 
 # The variant axes (boolean fields, named in ``KernelSpec.kind``); causal is the mask, not an axis.
-AXES = ("window", "softcap", "varlen", "paged", "sink")
+AXES = ("window", "softcap", "varlen", "paged", "sink", "batch_idx", "leftpad", "rotary")
 
 
 def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16", arch: str = "", *,
                 causal: bool = False, window: bool = False, softcap: bool = False, varlen: bool = False,
-                paged: bool = False, sink: bool = False) -> KernelSpec:
+                paged: bool = False, sink: bool = False, batch_idx: bool = False,
+                leftpad: bool = False, rotary: int = 0) -> KernelSpec:
     """The normalised spec of one kernel (see the module's docstring); ``dtype`` "float16" or
-    "bfloat16". A decode kernel's paging is its config's (``DecodeConfig.paged``)."""
+    "bfloat16". A decode kernel's paging is its config's (``DecodeConfig.paged``); ``batch_idx``
+    and ``leftpad`` (the KV-cache call's ``cache_batch_idx`` and ``cache_leftpad``) and ``rotary``
+    (its rotary embedding: 0 none, 1 halves, 2 interleaved) are the decode kernel's only."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if operation == "decode":
         paged = bool(config.paged)
+    else:
+        batch_idx = leftpad = False
+        rotary = 0
+    if rotary not in (0, 1, 2):
+        raise ValueError(f"rotary must be 0 (none), 1 (halves) or 2 (interleaved), got {rotary!r}")
     if operation in CAUSAL_FREE:
         causal = window = softcap = False
     if operation in SINK_FREE:
@@ -116,7 +130,7 @@ def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16"
     if window:
         causal = False
     return KernelSpec(family, operation, config, dtype, arch, bool(causal), bool(window), bool(softcap),
-                      bool(varlen), bool(paged), bool(sink))
+                      bool(varlen), bool(paged), bool(sink), bool(batch_idx), bool(leftpad), int(rotary))
 
 
 def dtype_name(bf16: bool) -> str:

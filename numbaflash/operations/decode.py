@@ -88,6 +88,36 @@ def decode_variant(causal: bool, window_size: tuple[int, int], softcap: float, s
                          var.window_left + seqlen_q if bounded else None)
 
 
+class RotaryCall(NamedTuple):
+    """A call's rotary embedding (FlashAttention's ``rotary_cos``, ``rotary_sin``,
+    ``rotary_interleaved``), validated: the two tables (q's dtype, (seqlen_ro, rotary_dim / 2)),
+    the rotary dim, interleaved or halves, and the query rows' position step (``rotary_q_step``)."""
+
+    cos: Operand
+    sin: Operand
+    dim: int
+    interleaved: bool
+    q_step: int
+
+    @property
+    def kind(self) -> int:
+        """The spec's ``rotary``: 1 halves, 2 interleaved."""
+        return 2 if self.interleaved else 1
+
+
+def rotary_q_step(causal: bool, window_size: tuple[int, int], room: int) -> int:
+    """FlashAttention's positions of the query rows under a rotary embedding: query i at
+    cache_seqlens[b] + i (1) in a causal or windowed call, every query at cache_seqlens[b] (0)
+    otherwise; a window side of at least the cache's room (``room``) is none, as FlashAttention
+    normalises it."""
+    left, right = window_size
+    if causal:
+        right = 0
+    left = -1 if left >= room else left
+    right = -1 if right >= room else right
+    return int(causal or left >= 0 or right >= 0)
+
+
 class DecodeKernels(NamedTuple):
     config: Any  # kernels.shapes.DecodeConfig
     decode: tuple[Any, Bind]
@@ -98,21 +128,25 @@ class DecodeKernels(NamedTuple):
 
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
                    causal: bool, bf16: bool, *, window: bool = False, softcap: bool = False,
-                   wide: bool = False, sink: bool = False) -> DecodeKernels:
+                   wide: bool = False, sink: bool = False, batch_idx: bool = False,
+                   leftpad: bool = False, rotary: int = 0) -> DecodeKernels:
     """The config and the two loaded kernels of this problem on the current device: the attention
     kernel (``window``, ``softcap``: a variant) and the combine kernel, their specs
     (``kernels.spec``) built here once per new problem. ``wide``: the call's CTAs before any split
     outnumber the SMs (``configs.decode_config``). ``sink``: the learnable sink's build of the
-    attention kernel (the combine kernel is the same)."""
+    attention kernel (the combine kernel is the same); ``batch_idx``, ``leftpad``, ``rotary``: the
+    builds of ``cache_batch_idx``, ``cache_leftpad`` and the rotary embedding (``KernelSpec``'s
+    axes of those names)."""
     gpu = gpu_state.GPU
     short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, window, softcap,
-                 wide, sink)
+                 wide, sink, batch_idx, leftpad, rotary)
     ready = gpu.launchers.get(short_key)
     if ready is not None and not configs.DECODE_FORCED:
         return ready
     config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide)
     main = kernel_spec(family_of(config).name, "decode", config, "bfloat16" if bf16 else "float16",
-                       arch_of(capability), causal=causal, window=window, softcap=softcap, sink=sink)
+                       arch_of(capability), causal=causal, window=window, softcap=softcap, sink=sink,
+                       batch_idx=batch_idx, leftpad=leftpad, rotary=rotary)
     key = ("decode", main, device)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -169,32 +203,41 @@ def _layout(op: Operand | None) -> tuple | None:
 
 def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None, num_splits: int,
              return_lse: bool, ops: tuple, window_size: tuple[int, int] = (-1, -1),
-             softcap: float = 0.0, sink: bool = False) -> tuple:
+             softcap: float = 0.0, sink: bool = False, options: tuple = ()) -> tuple:
     """The key of a decode plan in ``GPU.plans``: the device, the dtype, the flags, the scale as
     the caller gave it (None or a float), the split request, the window (a tuple of two ints) and
     the softcap (a float) as validated, and (shape, strides) of q, k_cache, v_cache,
     cache_seqlens, k_new, v_new, block_table and out (None where absent); ``run_torch`` builds
-    the same key from torch's metadata. A call with a learnable sink (``sink``; ``run_torch`` never
-    takes those) has a key of one more element."""
+    the same key from torch's metadata. A call with a learnable sink (``sink``) or cache options
+    (``options``: (name, (shape, strides)) of cache_batch_idx and cache_leftpad where given;
+    ``run_torch`` takes none of those) has a longer key."""
     key = ("decode", device, dtype_name, causal, scale_key, num_splits, return_lse, window_size, softcap,
            *map(_layout, ops))
-    return (*key, "sink") if sink else key
+    key = (*key, "sink") if sink else key
+    return (*key, *options) if options else key
 
 
 def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd: Operand | None,
                 seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
                 scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
                 device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                sd: Operand | None = None) -> DecodePlan:
+                sd: Operand | None = None, bid: Operand | None = None,
+                lpd: Operand | None = None, rot: RotaryCall | None = None) -> DecodePlan:
     """The plan of a validated call: from ``GPU.plans``, else made (variant, config, kernels,
     split count, bound launches) and kept there unless a config is forced. With a window whose
     left side is bounded, the split count is chosen for the keys a row block's windows reach
     (``DecodeVariant.window_keys``, plus a tile for their alignment) instead of the cache's room.
-    ``sd``: a learnable sink (float32 (heads_q,)): the sink build, whose fire takes its pointer last."""
+    ``sd``: a learnable sink (float32 (heads_q,)): the sink build, whose fire takes its pointer
+    after the plain ones; ``bid``, ``lpd``: cache_batch_idx, cache_leftpad (int32 (batch,)), and
+    ``rot`` a rotary embedding: their builds, whose fire takes their pointers last (the rotary
+    tables' cos then sin)."""
     gpu = gpu_state.GPU
     forced = bool(configs.DECODE_FORCED)
     key = plan_key(device, qd.dtype_name, causal, scale_key, num_splits, return_lse,
-                   (qd, kcd, vcd, seqd, knd, vnd, btd, outd), window_size, softcap, sd is not None)
+                   (qd, kcd, vcd, seqd, knd, vnd, btd, outd), window_size, softcap, sd is not None,
+                   tuple((op.name, _layout(op)) for op in (bid, lpd) if op is not None)
+                   + (() if rot is None else (("rotary", _layout(rot.cos), _layout(rot.sin), rot.kind,
+                                               rot.q_step),)))
     plan = None if forced else gpu.plans.get(key)
     if plan is not None:
         return plan
@@ -209,7 +252,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     bf16 = qd.dtype_name == "bfloat16"
     wide = batch * heads_kv * -(-rows // 16) > gpu.sm_count(device)  # 16-row blocks: the grid, unsplit
     kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, window=var.window,
-                             softcap=var.softcap, wide=wide, sink=sd is not None)
+                             softcap=var.softcap, wide=wide, sink=sd is not None, batch_idx=bid is not None,
+                             leftpad=lpd is not None, rotary=0 if rot is None else rot.kind)
     config = kernels.config
     row_blocks = -(-rows // config.rows)
     if var.window_keys is not None:
@@ -224,7 +268,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     call = DecodeCall(qd, kcd, vcd, knd, vnd, paged, btd.strides[0] if paged else 0, pages, capacity,
                       out, lse_count, max(n * head_dim, 1), max(n, 1), splits, row_blocks,
                       var.scale_log2, return_lse, kernels.shared_bytes, var.window_left, var.window_right,
-                      var.cap_scale, None if sd is None else (sd.pointer, heads_q))
+                      var.cap_scale, None if sd is None else (sd.pointer, heads_q), bid is not None,
+                      lpd is not None, None if rot is None else (rot.dim, rot.cos.shape[0], rot.q_step))
     (decode_launcher, bind_decode), (combine_launcher, bind_combine) = kernels.decode, kernels.combine
     spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
     plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),
@@ -243,11 +288,13 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
                seqd: Operand, btd: Operand | None, outd: Operand | None, causal: bool, scale: float,
                scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
                device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-               sd: Operand | None = None) -> tuple[Any, Any]:
+               sd: Operand | None = None, bid: Operand | None = None,
+               lpd: Operand | None = None, rot: RotaryCall | None = None) -> tuple[Any, Any]:
     """Launch decode (and combine) on the inputs' stream; returns (out, lse or None). ``sd``: a
-    learnable sink, float32 (heads_q,)."""
+    learnable sink, float32 (heads_q,); ``bid``, ``lpd``: cache_batch_idx, cache_leftpad, int32
+    (batch,); ``rot``: a rotary embedding."""
     plan = device_plan(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, scale, scale_key, num_splits,
-                       return_lse, capability, device, window_size, softcap, sd)
+                       return_lse, capability, device, window_size, softcap, sd, bid, lpd, rot)
     if outd is None:
         out = empty_like(qd.obj, qd.shape, qd.dtype_name)
         out_pointer = device_pointer(out)
@@ -264,7 +311,8 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
     stream = stream_handle(qd)
     plan.fire(stream, qd.pointer, kcd.pointer, vcd.pointer, knd.pointer if knd else none,
               vnd.pointer if vnd else none, seqd.pointer, btd.pointer if btd else none, out_pointer,
-              lse_pointer, o_part, lse_part, *(() if sd is None else (sd.pointer,)))
+              lse_pointer, o_part, lse_part, *(op.pointer for op in (sd, bid, lpd) if op is not None),
+              *(() if rot is None else (rot.cos.pointer, rot.sin.pointer)))
     if plan.combine is not None:
         plan.combine(stream, o_part, lse_part, out_pointer, lse_pointer)
     return out, lse

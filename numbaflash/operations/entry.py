@@ -29,6 +29,7 @@ from ..operands import (
     describe_index,
     describe_lse,
     describe_out,
+    describe_rotary,
     describe_sink,
     kind_of,
 )
@@ -130,11 +131,14 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
                                         v_new: Any, block_table: Any, causal: Any, softmax_scale: Any,
                                         num_splits: Any, return_lse: Any, out: Any,
                                         window_size: Any = (-1, -1), softcap: Any = 0.0,
-                                        learnable_sink: Any = None) -> Any:
+                                        learnable_sink: Any = None, cache_batch_idx: Any = None,
+                                        cache_leftpad: Any = None, rotary_cos: Any = None,
+                                        rotary_sin: Any = None, rotary_interleaved: Any = False) -> Any:
     """``api.flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
     the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
-    check_shapes(qd, kcd, vcd, paged=block_table is not None)
+    # with cache_batch_idx the cache's batch (or the block table's rows) is its own
+    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None)
     if not qd.on_device:
         raise TypeError("flash_attention_with_kvcache takes device arrays (torch, CuPy, Numba), got numpy")
     batch, seqlen_q, heads_q, head_dim = qd.shape
@@ -143,11 +147,13 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         if not isinstance(getattr(block_table, "shape", None), tuple) and not hasattr(block_table, "shape"):
             raise TypeError(f"block_table must be an int32 device array, got {type(block_table).__name__}")
         shape = tuple(block_table.shape)
-        if len(shape) != 2 or shape[0] != batch:
+        if len(shape) != 2 or (shape[0] != batch and cache_batch_idx is None):
             raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, max_pages), "
                              f"got {shape}")
         btd = describe_index("block_table", block_table, shape)
     seqd = describe_index("cache_seqlens", cache_seqlens, (batch,))
+    bid = None if cache_batch_idx is None else describe_index("cache_batch_idx", cache_batch_idx, (batch,))
+    lpd = None if cache_leftpad is None else describe_index("cache_leftpad", cache_leftpad, (batch,))
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     knd = vnd = None
@@ -167,6 +173,12 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap, softmax_scale)
+    rot = None
+    if rotary_cos is not None or rotary_sin is not None:
+        room = btd.shape[1] * kcd.shape[1] if btd is not None else kcd.shape[1]
+        cosd, sind, dim = describe_rotary(rotary_cos, rotary_sin, qd, room, knd is not None)
+        rot = decode.RotaryCall(cosd, sind, dim, check_flag("rotary_interleaved", rotary_interleaved),
+                                decode.rotary_q_step(causal, window_size, room))
     sd = (None if learnable_sink is None
           else describe_sink(learnable_sink, heads_q, True, "flash_attention_with_kvcache"))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
@@ -182,8 +194,10 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         check_no_self_overlap(outd)
         check_outputs_disjoint([outd], [op for op in given if op is not outd])
     capability, device = gpu_state.GPU.current()
-    check_same_device([*given, seqd, *([btd] if btd is not None else []), *([sd] if sd is not None else [])],
+    rotary_ops = () if rot is None else (rot.cos, rot.sin)
+    check_same_device([*given, seqd, *(op for op in (btd, sd, bid, lpd) if op is not None), *rotary_ops],
                       device)
     result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
-                                    num_splits, return_lse, capability, device, window_size, softcap, sd)
+                                    num_splits, return_lse, capability, device, window_size, softcap, sd,
+                                    bid, lpd, rot)
     return (result, lse) if return_lse else result

@@ -7,7 +7,9 @@ shapes alone (``decode_splits``).
    Row block rb of KV head h takes packed query rows rb * rows ..: the query heads of h times
    seqlen_q. Its window and softcap variants (``DECODE_VARIANT_ABI``):
    the same launch, the window's sides and the softcap's factor after the plain parameters. A
-   learnable sink's build takes the sink's logits last (``params.SINK``; the fire's last pointer).
+   learnable sink's build takes the sink's logits after those (``params.SINK``), then the builds of
+   ``cache_batch_idx`` and ``cache_leftpad`` their arrays, and a rotary build its tables and sizes
+   (``params.decode_params``; the fire's last pointers, in that order).
 2. with num_splits > 1, combine (``decode_combine``): grid ceil(batch * heads_q * seqlen_q *
    head_dim / 128), 128 threads, one warp per 32 columns of a row.
 """
@@ -151,14 +153,28 @@ class DecodeCall(NamedTuple):
     cap_scale: np.float32 = np.float32(0.0)
     # a learnable sink's (pointer, heads_q) for its build (``KernelSpec.sink``), else None
     sink: tuple[int, int] | None = None
+    batch_idx: bool = False  # the ``cache_batch_idx`` build (``KernelSpec.batch_idx``)
+    leftpad: bool = False  # the ``cache_leftpad`` build (``KernelSpec.leftpad``)
+    rotary: tuple[int, int, int] | None = None  # a rotary build's (rotary_dim, table rows, q_step)
 
 
-def _with_sink(declared: tuple, call: DecodeCall, values: dict[str, Any]) -> tuple:
-    """A sink call's declared parameters (``params.SINK`` last) and its value among ``values``."""
-    if call.sink is None:
-        return declared
-    values["sink"] = call.sink
-    return declared + params.SINK
+def _with_options(variant: bool, call: DecodeCall, values: dict[str, Any]) -> tuple:
+    """A call's declared parameters (``params.decode_params``: the plain or variant kernel's, then
+    each option's) and the options' values among ``values`` (arrays: their pointers come at each
+    fire)."""
+    batch = call.q.shape[0]
+    if call.sink is not None:
+        values["sink"] = call.sink
+    if call.batch_idx:
+        values["cache_batch_idx"] = (0, batch)
+    if call.leftpad:
+        values["cache_leftpad"] = (0, batch)
+    if call.rotary is not None:
+        dim, rows, q_step = call.rotary
+        values.update(rotary_cos=(0, rows * dim // 2), rotary_sin=(0, rows * dim // 2), rotary_dim=dim,
+                      rotary_rows=rows, rotary_q_step=q_step)
+    return params.decode_params(variant, call.sink is not None, call.batch_idx, call.leftpad,
+                                call.rotary is not None)
 
 
 # (launcher, call, gpu) -> fire(stream, *array pointers) of the call's layout, or None (a combine
@@ -201,7 +217,7 @@ def launch_decode_variant(config) -> Bind:
 
     def bind(launcher, call: DecodeCall, gpu: Any):
         grid, values = decode_values(call)
-        declared = _with_sink(params.DECODE_VARIANT, call, values)
+        declared = _with_options(True, call, values)
         args = ordered(declared, **values, window_left=call.window_left, window_right=call.window_right,
                        cap_scale=call.cap_scale)
         return launcher.bind(grid, threads, call.shared_bytes, *args)
@@ -211,13 +227,13 @@ def launch_decode_variant(config) -> Bind:
 
 def launch_decode(config) -> Bind:
     """decode's bind: fire(stream, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-    out, lse, o_part, lse_part), and a sink build's sink last; a missing array gets the scratch
-    scalar's pointer."""
+    out, lse, o_part, lse_part), then a sink build's sink, cache_batch_idx, cache_leftpad and
+    rotary_cos, rotary_sin where built; a missing array gets the scratch scalar's pointer."""
     threads = config.threads
 
     def bind(launcher, call: DecodeCall, gpu: Any):
         grid, values = decode_values(call)
-        declared = _with_sink(params.DECODE, call, values)
+        declared = _with_options(False, call, values)
         return launcher.bind(grid, threads, call.shared_bytes, *ordered(declared, **values))
 
     return bind

@@ -473,3 +473,111 @@ def compare_varlen_gradients_with_reference(q: np.ndarray, k: np.ndarray, v: np.
         worst = max(worst, ratio)
         problems += [f"sequence {b} (seqlen_q {q1 - q0}, seqlen_k {k1 - k0}): {p}" for p in found]
     return worst, problems
+
+
+def rotary_embedding(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+                     interleaved: bool = False) -> np.ndarray:
+    """FlashAttention's rotary embedding of rows ``x`` (n, heads, d) at ``positions`` (n,) (rows of
+    ``cos`` and ``sin``, (seqlen_ro, rotary_dim / 2)): the first rotary_dim columns rotated, the
+    rest as they are. Halves (GPT-NeoX): x1 = x[:r/2], x2 = x[r/2:r] become x1·cos - x2·sin and
+    x2·cos + x1·sin; interleaved (GPT-J): the pairs (x[2i], x[2i+1]) the same with cos[:, i].
+    Computed in float32 and rounded to x's dtype for 16-bit inputs (as the kernels do), in
+    float64 otherwise; a position past the table takes its last row (as the kernels do). Returns
+    an array of x's dtype."""
+    work = np.float32 if np.dtype(x.dtype).itemsize == 2 else np.float64
+    positions = np.minimum(positions, cos.shape[0] - 1)
+    half = cos.shape[1]
+    dim = 2 * half
+    c = np.asarray(cos)[positions].astype(work)[:, None, :]
+    s = np.asarray(sin)[positions].astype(work)[:, None, :]
+    xf = np.asarray(x).astype(work)
+    out = xf.copy()
+    if interleaved:
+        a, b = xf[..., 0:dim:2], xf[..., 1:dim:2]
+        out[..., 0:dim:2], out[..., 1:dim:2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = xf[..., :half], xf[..., half:dim]
+        out[..., :half], out[..., half:dim] = a * c - b * s, b * c + a * s
+    return out.astype(x.dtype)
+
+
+def rotary_query_step(causal: bool, window_size: tuple[int, int], room: int) -> int:
+    """FlashAttention's positions of the query rows under a rotary embedding: 1 (query i at
+    cache_seqlens[b] + i) in a causal or windowed call, 0 (every query at cache_seqlens[b])
+    otherwise; a window side of at least ``room`` (the cache's rows a sequence) counts as none."""
+    left, right = window_size
+    right = 0 if causal else right
+    left, right = (-1 if side >= room else side for side in (left, right))
+    return int(causal or left >= 0 or right >= 0)
+
+
+def kvcache_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cache_seqlens: np.ndarray, *,
+                      k_new: np.ndarray | None = None, v_new: np.ndarray | None = None,
+                      block_table: np.ndarray | None = None, cache_batch_idx: np.ndarray | None = None,
+                      cache_leftpad: np.ndarray | None = None, causal: bool = True,
+                      rotary_cos: np.ndarray | None = None, rotary_sin: np.ndarray | None = None,
+                      rotary_interleaved: bool = False,
+                      **options) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``numbaflash.flash_attention_with_kvcache`` (FlashAttention's ``flash_attn_with_kvcache``)
+    in float64, written out sequence by sequence; ``options``: ``attention_reference``'s keywords
+    (softmax_scale, window_size, softcap, sink, rounding_dtype).
+
+    q: (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache: (cache_batch, capacity, heads_kv,
+    head_dim), or with ``block_table`` (rows, max_pages) a paged cache (num_pages, page_size,
+    heads_kv, head_dim); cache_seqlens, cache_batch_idx, cache_leftpad: ints (batch,); k_new, v_new:
+    (batch, seqlen_new, heads_kv, head_dim). Sequence b uses the cache's batch row (paged: the
+    table's row) cache_batch_idx[b] (else b); its keys are that row's cache rows cache_leftpad[b]
+    (else 0) .. cache_seqlens[b] - 1, then its new rows, L of them in all; the new rows are written
+    at cache rows cache_seqlens[b] .. (those the cache has room for: below the capacity, or in a
+    page of the table, entry >= 0), and attended to from k_new / v_new themselves. The causal
+    diagonal and the window are ``attention_reference``'s over the L keys (bottom-right). With
+    ``rotary_cos`` and ``rotary_sin`` (``rotary_embedding``), q and k_new are rotated first (the
+    cache gets the rotated rows): new row t at position cache_seqlens[b] + t, query i at
+    cache_seqlens[b] + i·``rotary_query_step``.
+
+    Returns ``(out, lse, k_cache_after, v_cache_after)``: out (batch, seqlen_q, heads_q, head_dim)
+    and lse (batch, heads_q, seqlen_q) float64 (a sequence of no key: 0 and -inf, or the sink), and
+    copies of the caches with the new rows written (the inputs are left as they are)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    k_after, v_after = np.array(k_cache), np.array(v_cache)
+    seqlen_new = 0 if k_new is None else k_new.shape[1]
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full((batch, heads_q, seqlen_q), -np.inf)
+    sink = sink_logits(options.get("sink"), heads_q)
+    room = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    q_step = rotary_query_step(causal, options.get("window_size", (-1, -1)), room)
+    for b in range(batch):
+        row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        start = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        end = int(cache_seqlens[b])
+        q_b, new_b = q[b], None if k_new is None else k_new[b]
+        if rotary_cos is not None:
+            q_b = rotary_embedding(q_b, rotary_cos, rotary_sin, end + np.arange(seqlen_q) * q_step,
+                                   rotary_interleaved)
+            new_b = rotary_embedding(new_b, rotary_cos, rotary_sin, end + np.arange(seqlen_new),
+                                     rotary_interleaved)
+
+        def place(r: int, row: int = row) -> tuple[int, int] | None:
+            """(unit, row in it) of the sequence's cache row r, None where the cache has no room."""
+            if block_table is None:
+                return (row, r) if r < k_cache.shape[1] else None
+            page, at = divmod(r, k_cache.shape[1])
+            unit = int(block_table[row, page]) if page < block_table.shape[1] else -1
+            return (unit, at) if unit >= 0 else None
+
+        keys = [k_cache[place(r)] for r in range(start, end)]
+        values = [v_cache[place(r)] for r in range(start, end)]
+        for t in range(seqlen_new):
+            at = place(end + t)
+            if at is not None:
+                k_after[at], v_after[at] = new_b[t], v_new[b, t]
+            keys.append(new_b[t])
+            values.append(v_new[b, t])
+        if not keys:
+            if sink is not None:
+                lse[b] = sink[:, None]
+            continue
+        o, s = attention_reference(q_b[None], np.stack(keys)[None], np.stack(values)[None], causal=causal,
+                                   **options)
+        out[b], lse[b] = o[0], s[0]
+    return out, lse, k_after, v_after
