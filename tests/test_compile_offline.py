@@ -505,3 +505,21 @@ def test_variables_listed_fast_lists_as_numba_does():
     for numba_vars, listed in zip(stock, fast, strict=True):
         assert len(numba_vars) == len(listed)
         assert all(x is y for x, y in zip(numba_vars, listed, strict=True))
+
+
+def test_cuda_paths_found_early_once_and_remembered():
+    """``compiler.cuda_paths_found_early``: one thread per process, which fills the caches that
+    NVVM's libdevice and NVRTC's include path read (pinned: numba-cuda's ``get_cuda_paths``
+    remembers its answer, and ``nvrtc.compile`` asks for the CCCL headers)."""
+    from numba.cuda import cuda_paths
+    from numba.cuda.cudadrv import nvrtc
+
+    from numbaflash.runtime import compiler
+
+    assert "get_cuda_paths._cached_result" in inspect.getsource(cuda_paths.get_cuda_paths)
+    assert 'locate_nvidia_header_directory("cccl")' in inspect.getsource(nvrtc.compile)
+    thread = compiler.cuda_paths_found_early()
+    assert compiler.cuda_paths_found_early() is thread
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert hasattr(cuda_paths.get_cuda_paths, "_cached_result")

@@ -94,8 +94,10 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
         known = _KERNEL_CUBINS.get(key)
         if known is not None:
             return known
+        paths = cuda_paths_found_early()
         library = numba_library(pyfunc, tuple(argtypes), cc, bounds)
         library._llvm_strs = module_texts(library)  # what get_ltoir hands NVVM
+        paths.join()
         modules = [("kernel", _code_bytes(library.get_ltoir(cc=cc)))]
         source = helper_source(library)
         if source:
@@ -115,6 +117,32 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
         while len(_KERNEL_CUBINS) > KERNEL_CUBINS_KEPT:
             del _KERNEL_CUBINS[next(iter(_KERNEL_CUBINS))]
     return cubin
+
+
+@functools.cache
+def cuda_paths_found_early() -> threading.Thread:
+    """Start (once per process) a thread that finds the CUDA paths NVVM and NVRTC will ask
+    numba-cuda for (``cuda_paths.get_cuda_paths``: libdevice, CUDA's header directory; the
+    CCCL headers ``numba.cuda.cudadrv.nvrtc.compile`` adds), and return it; join it before
+    NVVM. Both remember what they found, so the compile asks the same questions and gets the
+    same answers, sooner. Where no wheel holds CUDA's headers, ``cuda.pathfinder`` finds them
+    from the toolkit by loading a library in a subprocess: about 0.3 s that the thread spends
+    waiting while Numba compiles (the subprocess holds no lock of this process). A failure is
+    left for the compile to meet and report as before."""
+
+    def find() -> None:
+        try:
+            from cuda import pathfinder
+            from numba.cuda.cuda_paths import get_cuda_paths
+
+            get_cuda_paths()
+            pathfinder.locate_nvidia_header_directory("cccl")
+        except Exception:  # the compile asks again and reports what fails
+            pass
+
+    thread = threading.Thread(target=find, name="numbaflash-cuda-paths", daemon=True)
+    thread.start()
+    return thread
 
 
 def numba_library(pyfunc, argtypes: tuple, cc: tuple, launch_bounds=None):
