@@ -80,11 +80,13 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     the collections they trigger cost about a tenth of the compile; Numba types each builtin
     operator on scalars once per argument types (``scalar_operators_memoised``), and each
     device function once per process where two kernels build equal ones
-    (``device_functions_shared``). A kernel whose function is equal to one this process has
-    compiled for the same argument types, target and launch bounds (``function_fingerprint``:
-    the variants a spec gives that do not change the code, such as the decode's combine kernel
-    of configs that differ only in fields it does not read) gets that cubin back. NVVM gets
-    each LLVM module once (``module_texts``)."""
+    (``device_functions_shared``), and lists an IR statement's variables in one walk
+    (``variables_listed_fast``); CUDA's paths, which NVVM and NVRTC ask for, are found in a
+    thread meanwhile (``cuda_paths_found_early``). A kernel whose function is equal to one
+    this process has compiled for the same argument types, target and launch bounds
+    (``function_fingerprint``: the variants a spec gives that do not change the code, such as
+    the decode's combine kernel of configs that differ only in fields it does not read) gets
+    that cubin back. NVVM gets each LLVM module once (``module_texts``)."""
     from cuda.bindings import nvjitlink
 
     cc = parse_arch(arch)
