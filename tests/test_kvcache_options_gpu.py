@@ -307,3 +307,36 @@ def test_option_calls_of_a_known_layout_take_the_fast_path(monkeypatch, paged, s
         numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **{**kwargs,
                                                                        "learnable_sink": sink.half()})
     assert fast[-1] is None
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_rotary_calls_of_a_known_layout_take_the_fast_path(monkeypatch, paged, interleaved):
+    """A second rotary call of a validated layout (with the other options too) goes through
+    ``decode.run_torch`` and gives the first call's bits, out and appended rows alike; tables of
+    another dtype are declined there and refused by the full path."""
+    from numbaflash.operations import decode as decode_op
+
+    q, kc, vc, seqlens, new, table, idx, pad = option_problem(13, torch.bfloat16, paged, seqlen_q=2)
+    room = kc.shape[1] * (1 if table is None else table.shape[1])
+    cos, sin = rope_tables(room, 64, torch.bfloat16)
+    sink = torch.randn(q.shape[2], device="cuda")
+    kwargs = {"k_new": new[0], "v_new": new[1], "block_table": table, "return_lse": True, "causal": True,
+              "learnable_sink": sink, "cache_batch_idx": idx, "cache_leftpad": pad, "rotary_cos": cos,
+              "rotary_sin": sin, "rotary_interleaved": interleaved}
+    before = (kc.clone(), vc.clone())
+    out0, lse0 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
+    after = kc.clone()
+    kc.copy_(before[0])
+    vc.copy_(before[1])
+    fast = []
+    real = decode_op.run_torch
+    monkeypatch.setattr(decode_op, "run_torch", lambda *args: fast.append(real(*args)) or fast[-1])
+    out1, lse1 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
+    torch.cuda.synchronize()
+    assert fast and fast[0] is not None, "the second call did not take the fast path"
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1) and torch.equal(kc, after)
+    with pytest.raises(TypeError, match="rotary_cos must be bfloat16"):
+        numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **{**kwargs, "rotary_cos": cos.half(),
+                                                                       "rotary_sin": sin.half()})
+    assert fast[-1] is None

@@ -210,8 +210,8 @@ def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None
     the softcap (a float) as validated, and (shape, strides) of q, k_cache, v_cache,
     cache_seqlens, k_new, v_new, block_table and out (None where absent); ``run_torch`` builds
     the same key from torch's metadata. A call with a learnable sink (``sink``) or cache options
-    (``options``: (name, (shape, strides)) of cache_batch_idx and cache_leftpad where given, and
-    the rotary embedding's entry, which ``run_torch`` does not take) has a longer key."""
+    (``options``: (name, (shape, strides)) of cache_batch_idx and cache_leftpad where given, then
+    the rotary embedding's entry; ``run_torch`` appends them the same way) has a longer key."""
     key = ("decode", device, dtype_name, causal, scale_key, num_splits, return_lse, window_size, softcap,
            *map(_layout, ops))
     key = (*key, "sink") if sink else key
@@ -322,18 +322,39 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
 _INT32: list = []  # [torch.int32], once a torch call has come here
 
 
+def _torch_rotary(q: Any, k_cache: Any, block_table: Any, cos: Any, sin: Any, interleaved: Any, causal: bool,
+                  window_size: tuple[int, int], device: int) -> tuple | None:
+    """The rotary embedding of a torch call as ``device_plan`` keys it (("rotary", cos's and sin's
+    layouts, the kind, the query rows' position step)) and the two tables' pointers, or None
+    where the fast path cannot take it (a table missing, of another type, dtype or device, not on
+    a 16-byte boundary; ``rotary_interleaved`` not a bool): the full checks then run."""
+    types = TORCH_TYPES
+    if (cos is None or sin is None or type(cos) not in types or type(sin) not in types
+            or (interleaved is not True and interleaved is not False) or cos.dtype is not q.dtype
+            or sin.dtype is not q.dtype or cos.get_device() != device or sin.get_device() != device):
+        return None
+    cos_pointer, sin_pointer = cos.data_ptr(), sin.data_ptr()
+    if (cos_pointer | sin_pointer) & 15:
+        return None
+    room = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    entry = ("rotary", (cos.shape, cos.stride()), (sin.shape, sin.stride()), 2 if interleaved else 1,
+             rotary_q_step(causal, window_size, room))
+    return entry, cos_pointer, sin_pointer
+
+
 def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any, v_new: Any,
               block_table: Any, causal: Any, softmax_scale: Any, num_splits: Any, return_lse: Any, out: Any,
               window_size: Any = (-1, -1), softcap: Any = 0.0, learnable_sink: Any = None,
-              cache_batch_idx: Any = None, cache_leftpad: Any = None):
+              cache_batch_idx: Any = None, cache_leftpad: Any = None, rotary_cos: Any = None,
+              rotary_sin: Any = None, rotary_interleaved: Any = False):
     """Decode on torch tensors whose layout was validated before (a plan in ``GPU.plans``): the
     per-call checks (CUDA tensors of the right dtypes on the current device, aligned pointers,
     a given out overlapping no input; a learnable sink, cache_batch_idx and cache_leftpad
-    contiguous vectors of their dtype, ``torch_small_pointer``), the allocations and the fires.
-    None where it cannot tell that the call is good: the full path
-    (``entry.direct_flash_attention_with_kvcache``) then runs and gives the errors. A window or
-    softcap of another type than the validated ones (a tuple of two ints, a float) takes the
-    full path too, and so does a call with a rotary embedding."""
+    contiguous vectors of their dtype, ``torch_small_pointer``; rotary tables of q's dtype, their
+    layout in the key), the allocations and the fires. None where it cannot tell that the call is
+    good: the full path (``entry.direct_flash_attention_with_kvcache``) then runs and gives the
+    errors. A window or softcap of another type than the validated ones (a tuple of two ints, a
+    float), or a rotary_interleaved that is not a bool, takes the full path too."""
     gpu = gpu_state.GPU
     plans = gpu.plans
     if (not plans or configs.DECODE_FORCED or (causal is not True and causal is not False)
@@ -398,6 +419,13 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
                 return None
             key = (*key, (option, (x.shape, x.stride())))
             extra.append(pointer)
+    if rotary_cos is not None or rotary_sin is not None:
+        tables = _torch_rotary(q, k_cache, block_table, rotary_cos, rotary_sin, rotary_interleaved, causal,
+                               window_size, device)
+        if tables is None:
+            return None
+        key = (*key, tables[0])
+        extra += tables[1:]
     plan = plans.get(key)
     if plan is None or gpu.current()[1] != device:
         return None
