@@ -506,3 +506,46 @@ def test_torch_option_calls_of_a_known_layout_take_the_plan(fake_gpu, monkeypatc
             ("cache_leftpad", cuda_like(torch, (2,), ordinal=1, dtype=torch.int32), ValueError, "device")):
         with pytest.raises(error, match=match):
             run({**options(), name: bad})
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, (-1, -1)), (False, (-1, -1)), (False, (20, -1))])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_torch_rotary_calls_of_a_known_layout_take_the_plan(fake_gpu, monkeypatch, causal, window,
+                                                             interleaved):
+    """A torch rotary call (with a sink and cache_leftpad) whose layout has a plan skips the full
+    checks and fires the full path's launch with the new call's table pointers; tables of
+    another dtype, or a rotary_interleaved that is not a bool, are left to the full path."""
+    torch = pytest.importorskip("torch")
+    from numbaflash import operands, torch_route
+    from numbaflash.operations import entry
+    from tests.test_api_cpu import cuda_like
+
+    monkeypatch.setattr(operands, "_RAW_STREAM", lambda ordinal: 7)
+    monkeypatch.setattr(torch_route, "route_kvcache", lambda *args: None)  # as for real tensors, eagerly
+    q = cuda_like(torch, (2, 2, 8, 128))
+    k_new, v_new = cuda_like(torch, (2, 2, 2, 128)), cuda_like(torch, (2, 2, 2, 128))
+    kc, vc = cuda_like(torch, (2, 300, 2, 128)), cuda_like(torch, (2, 300, 2, 128))
+    seqlens, out = cuda_like(torch, (2,), dtype=torch.int32), cuda_like(torch, q.shape)
+
+    def run(cos, sin, flag=interleaved):
+        FakeLauncher.launches.clear()
+        numbaflash.flash_attention_with_kvcache(
+            q, kc, vc, seqlens, k_new=k_new, v_new=v_new, num_splits=1, out=out, causal=causal,
+            window_size=window, learnable_sink=cuda_like(torch, (8,), dtype=torch.float32),
+            cache_leftpad=cuda_like(torch, (2,), dtype=torch.int32), rotary_cos=cos, rotary_sin=sin,
+            rotary_interleaved=flag)
+        return [args for _, _, _, _, args in FakeLauncher.launches]
+
+    full = run(cuda_like(torch, (300, 32)), cuda_like(torch, (300, 32)))
+    cos, sin = cuda_like(torch, (300, 32)), cuda_like(torch, (300, 32))
+    with monkeypatch.context() as patch:  # the plan serves this one: no describing
+        patch.setattr(entry, "describe", None)
+        planned = run(cos, sin)
+    n = len(params.DECODE)
+    assert len(full) == len(planned) == 1
+    assert full[0][:n] == planned[0][:n] and full[0][-3:] == planned[0][-3:]  # rotary_dim, rows, step
+    assert planned[0][-5:-3] == ((cos.data_ptr(), 300 * 32), (sin.data_ptr(), 300 * 32))
+    with pytest.raises(TypeError, match="rotary_cos must be float16"):
+        run(*(cuda_like(torch, (300, 32), dtype=torch.bfloat16) for _ in range(2)))
+    with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
+        run(cos, sin, flag=1)
