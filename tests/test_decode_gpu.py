@@ -154,6 +154,16 @@ def test_numpy_reference_helper_is_the_dense_forward():
     np.testing.assert_allclose(out.float().cpu().numpy(), dense.float().cpu().numpy(), atol=2e-3, rtol=2e-3)
 
 
+def spy_on_the_fast_path(monkeypatch) -> list:
+    """What each later call's ``decode.run_torch`` returned (None: declined, the full path ran)."""
+    from numbaflash.operations import decode as decode_op
+
+    fast = []
+    real = decode_op.run_torch
+    monkeypatch.setattr(decode_op, "run_torch", lambda *args: fast.append(real(*args)) or fast[-1])
+    return fast
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("splits", [1, 3])
@@ -161,8 +171,6 @@ def test_known_layouts_take_the_fast_path_with_the_same_bits(monkeypatch, paged,
     """A second call of a validated layout goes through ``decode.run_torch`` (bound launches, no
     operand descriptions) and returns the first call's bits; an out of a known layout that
     overlaps the cache is declined there and rejected by the full path."""
-    from numbaflash.operations import decode as decode_op
-
     q, kc, vc, seqlens, new, table = problem(11, 3, 2, 8, 2, 128, 300, 2, torch.float16, paged)
     kwargs = {"block_table": table, "num_splits": splits, "return_lse": True, "k_new": new[0],
               "v_new": new[1]}
@@ -170,9 +178,7 @@ def test_known_layouts_take_the_fast_path_with_the_same_bits(monkeypatch, paged,
     out0, lse0 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
     kc.copy_(before[0])
     vc.copy_(before[1])
-    fast = []
-    real = decode_op.run_torch
-    monkeypatch.setattr(decode_op, "run_torch", lambda *args: fast.append(real(*args)) or fast[-1])
+    fast = spy_on_the_fast_path(monkeypatch)
     out1, lse1 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
     torch.cuda.synchronize()
     assert fast and fast[0] is not None, "the second call did not take the fast path"

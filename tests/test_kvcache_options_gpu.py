@@ -20,7 +20,7 @@ import numbaflash
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 from numbaflash.tools.reference import compare_with_reference, kvcache_reference  # noqa: E402
-from tests.test_decode_gpu import DTYPES, PAGE, host  # noqa: E402
+from tests.test_decode_gpu import DTYPES, PAGE, host, spy_on_the_fast_path  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -286,16 +286,12 @@ def test_option_calls_of_a_known_layout_take_the_fast_path(monkeypatch, paged, s
     cache_leftpad goes through ``decode.run_torch`` and gives the first call's bits; a new sink
     of the same layout is read (the output changes), and a sink the plan cannot take (float16) is
     declined there and refused by the full path."""
-    from numbaflash.operations import decode as decode_op
-
     q, kc, vc, seqlens, _, table, idx, pad = option_problem(12, torch.bfloat16, paged, seqlen_new=0)
     sink = torch.randn(q.shape[2], device="cuda")
     kwargs = {"block_table": table, "num_splits": splits, "return_lse": True, "learnable_sink": sink,
               "cache_batch_idx": idx, "cache_leftpad": pad}
     out0, lse0 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
-    fast = []
-    real = decode_op.run_torch
-    monkeypatch.setattr(decode_op, "run_torch", lambda *args: fast.append(real(*args)) or fast[-1])
+    fast = spy_on_the_fast_path(monkeypatch)
     out1, lse1 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
     torch.cuda.synchronize()
     assert fast and fast[0] is not None, "the second call did not take the fast path"
@@ -315,8 +311,6 @@ def test_rotary_calls_of_a_known_layout_take_the_fast_path(monkeypatch, paged, i
     """A second rotary call of a validated layout (with the other options too) goes through
     ``decode.run_torch`` and gives the first call's bits, out and appended rows alike; tables of
     another dtype are declined there and refused by the full path."""
-    from numbaflash.operations import decode as decode_op
-
     q, kc, vc, seqlens, new, table, idx, pad = option_problem(13, torch.bfloat16, paged, seqlen_q=2)
     room = kc.shape[1] * (1 if table is None else table.shape[1])
     cos, sin = rope_tables(room, 64, torch.bfloat16)
@@ -329,9 +323,7 @@ def test_rotary_calls_of_a_known_layout_take_the_fast_path(monkeypatch, paged, i
     after = kc.clone()
     kc.copy_(before[0])
     vc.copy_(before[1])
-    fast = []
-    real = decode_op.run_torch
-    monkeypatch.setattr(decode_op, "run_torch", lambda *args: fast.append(real(*args)) or fast[-1])
+    fast = spy_on_the_fast_path(monkeypatch)
     out1, lse1 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
     torch.cuda.synchronize()
     assert fast and fast[0] is not None, "the second call did not take the fast path"
