@@ -164,6 +164,21 @@ def spy_on_the_fast_path(monkeypatch) -> list:
     return fast
 
 
+def call_twice(monkeypatch, q, kc, vc, seqlens, **kwargs) -> tuple:
+    """The call, then the caches put back and the same call again, spied on
+    (``spy_on_the_fast_path``): (first result, second result, the spy's list, k_cache after the
+    first call)."""
+    before = (kc.clone(), vc.clone())
+    first = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
+    k_after = kc.clone()
+    kc.copy_(before[0])
+    vc.copy_(before[1])
+    fast = spy_on_the_fast_path(monkeypatch)
+    second = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
+    torch.cuda.synchronize()
+    return first, second, fast, k_after
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("splits", [1, 3])
@@ -174,13 +189,7 @@ def test_known_layouts_take_the_fast_path_with_the_same_bits(monkeypatch, paged,
     q, kc, vc, seqlens, new, table = problem(11, 3, 2, 8, 2, 128, 300, 2, torch.float16, paged)
     kwargs = {"block_table": table, "num_splits": splits, "return_lse": True, "k_new": new[0],
               "v_new": new[1]}
-    before = (kc.clone(), vc.clone())
-    out0, lse0 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
-    kc.copy_(before[0])
-    vc.copy_(before[1])
-    fast = spy_on_the_fast_path(monkeypatch)
-    out1, lse1 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
-    torch.cuda.synchronize()
+    (out0, lse0), (out1, lse1), fast, _ = call_twice(monkeypatch, q, kc, vc, seqlens, **kwargs)
     assert fast and fast[0] is not None, "the second call did not take the fast path"
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
     given = torch.empty_like(q)

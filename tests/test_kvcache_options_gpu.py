@@ -20,7 +20,7 @@ import numbaflash
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 from numbaflash.tools.reference import compare_with_reference, kvcache_reference  # noqa: E402
-from tests.test_decode_gpu import DTYPES, PAGE, host, spy_on_the_fast_path  # noqa: E402
+from tests.test_decode_gpu import DTYPES, PAGE, call_twice, host, spy_on_the_fast_path  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -318,14 +318,7 @@ def test_rotary_calls_of_a_known_layout_take_the_fast_path(monkeypatch, paged, i
     kwargs = {"k_new": new[0], "v_new": new[1], "block_table": table, "return_lse": True, "causal": True,
               "learnable_sink": sink, "cache_batch_idx": idx, "cache_leftpad": pad, "rotary_cos": cos,
               "rotary_sin": sin, "rotary_interleaved": interleaved}
-    before = (kc.clone(), vc.clone())
-    out0, lse0 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
-    after = kc.clone()
-    kc.copy_(before[0])
-    vc.copy_(before[1])
-    fast = spy_on_the_fast_path(monkeypatch)
-    out1, lse1 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
-    torch.cuda.synchronize()
+    (out0, lse0), (out1, lse1), fast, after = call_twice(monkeypatch, q, kc, vc, seqlens, **kwargs)
     assert fast and fast[0] is not None, "the second call did not take the fast path"
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1) and torch.equal(kc, after)
     with pytest.raises(TypeError, match="rotary_cos must be bfloat16"):
