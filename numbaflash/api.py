@@ -45,6 +45,10 @@ def flash_attention(
             ``__cuda_array_interface__`` object (zero copy; the result stays on the device,
             of the same library for torch and CuPy, a Numba device array otherwise). Strided
             device inputs work when head_dim is contiguous and rows are 16-byte aligned.
+            v's head dim may differ from q's and k's where a kernel has the pair
+            (``configs.ASYMMETRIC_HEAD_DIMS``: (192, 128), DeepSeek-V3's): device arrays only, with
+            no autograd or torch.compile route yet (``flash_attention_backward`` and the other
+            calls take one head dim); out then has v's head dim.
         causal: (bool) mask keys after the diagonal, bottom-right aligned (query i sees key
             j iff j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
         softmax_scale: positive real scale of QKᵀ; default 1/sqrt(head_dim).
@@ -77,7 +81,7 @@ def flash_attention(
         RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
-        ``out`` (batch, seqlen_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
+        ``out`` (batch, seqlen_q, heads_q, v's head_dim) in q's dtype, or ``(out, lse)``.
 
     On torch tensors that need autograd (or under torch.compile, a fake-tensor mode or
     another dispatch mode) the call goes through the custom op ``numbaflash::

@@ -23,6 +23,9 @@ from .kernels.shapes import BackwardConfig, ForwardConfig, WsBackwardConfig, WsC
 from .kernels.spec import KernelSpec
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+# (Q's and K's head dim, V's) pairs that differ, with a kernel: DeepSeek-V3-style (192, 128). The
+# forward only, on the mma.sync family (every GPU from sm_80), so far.
+ASYMMETRIC_HEAD_DIMS = ((192, 128),)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
 FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 96, 128, 256)}
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
@@ -51,6 +54,12 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     # Q 64 KB + 2 stages of K and V at 64 rows (32 KB each): O is staged in the Q buffer.
     # (128 x 80 does not spill without causal masking: see the tuned table.)
     ("sm90", 256): WsConfig(256, block_n=64, stages=2, q_stages=1, o_in_q=True),
+}
+# (head_dim, head_dim_v) pairs' forward config (``ASYMMETRIC_HEAD_DIMS``), on every GPU: d256's
+# table shape (128 x 64, Q by k-slices, double buffered, early K copy) at Q's and K's 192 columns
+# and V's 128: 88 KB of shared memory, which fits every sm80-family GPU. Not tuned yet.
+ASYMMETRIC_DEFAULTS: dict[tuple[int, int], ForwardConfig] = {
+    (192, 128): ForwardConfig(192, block_m=128, block_n=64, double_buffer=True, early_k=True, head_dim_v=128),
 }
 # What benchmarks/autotune.py tries, by family and head dim, as keyword configs.
 # mma.sync knobs (issue 13): q_in_regs=False streams Q a k-slice at a time instead of holding
@@ -197,7 +206,7 @@ def max_shared_bytes(capability: tuple[int, int]) -> int:
 
 def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
                    shared_limit: int | None = None, seqlen: int | None = None, *,
-                   window: bool = False, varlen: bool = False) -> KernelConfig:
+                   window: bool = False, varlen: bool = False, head_dim_v: int = 0) -> KernelConfig:
     """The configuration to launch for this GPU and problem: a forced one (``force_config``),
     else the tuned table's or the default of ``dispatch_family``. In the sm80 family a GPU's
     own entry (e.g. ``sm86/d128/full``, from an autotune run on that GPU) comes before the
@@ -217,7 +226,16 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     entries come first (``VARIANT_KEYS``); where the GPU's own family lacks the kernel
     (``dispatch_family``), the sm80 family's config (a forced config of a family that lacks it is
     passed over).
+
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
+    ``ASYMMETRIC_DEFAULTS`` config, the mma.sync family's on every GPU (no table entries yet).
     """
+    if head_dim_v and head_dim_v != head_dim:
+        config = ASYMMETRIC_DEFAULTS.get((head_dim, head_dim_v))
+        if config is None or varlen:
+            raise ValueError(f"no forward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}"
+                             f"{' (packed sequences)' if varlen else ''}")
+        return config
     if OVERRIDES:
         forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
         if forced is not None and family_of(forced).runs("forward", varlen):

@@ -40,6 +40,11 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
                                       or sink_requires_grad(learnable_sink))
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
+    if v.shape[-1] != q.shape[-1]:
+        raise RuntimeError(
+            f"flash_attention(): v's head_dim ({v.shape[-1]}) differs from q's ({q.shape[-1]}); that forward "
+            "has no backward, custom op or torch.compile route yet: call it on tensors that do not require "
+            "grad (or under torch.no_grad()), outside torch.compile")
     check_tensors(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)

@@ -66,6 +66,9 @@ class ForwardConfig:
     # slice followed by its PV mma.sync: with no barrier between them ptxas can overlap a warp's
     # exponentials (MUFU) with its PV (tensor cores). Implies the early K copy: early_k must be False.
     interleave_pv: bool = False
+    # V's (and O's) head dim where it differs from Q's and K's (``head_dim``): 0 for the same.
+    # DeepSeek-V3-style attention takes (192, 128). A shape, not a knob: it is the call's.
+    head_dim_v: int = 0
     # CTAs an SM the registers must leave room for: ptxas then keeps a thread within
     # 65536 / (threads * min_ctas) registers (launch bounds). 1 lets a thread use 255 registers.
     # Not a knob: 3 (at most 168 registers, 3 warps a scheduler instead of 2) lost 5-20% on an
@@ -75,6 +78,13 @@ class ForwardConfig:
     def __post_init__(self) -> None:
         if self.head_dim > 128 and self.q_in_regs:  # one spelling per kernel: Q is never resident there
             object.__setattr__(self, "q_in_regs", False)
+        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
+            object.__setattr__(self, "head_dim_v", 0)
+
+    @property
+    def value_dim(self) -> int:
+        """V's and O's head dim (``head_dim`` unless ``head_dim_v`` says otherwise)."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def tag(self) -> str:
@@ -94,11 +104,20 @@ class ForwardConfig:
     @property
     def shared_bytes(self) -> int:
         """Q tile + one K tile + one V tile, 16-bit elements."""
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        return ((self.block_m + self.block_n) * self.head_dim + self.block_n * self.value_dim) * 2
 
     def check(self) -> None:
         if self.head_dim % 32 or not 32 <= self.head_dim <= 256:
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {self.head_dim}")
+        if self.head_dim_v:
+            # O is staged in the Q tile (so at most head_dim wide), and the tiles share one swizzle
+            # (so both multiples of 64, or neither).
+            if self.head_dim_v % 32 or not 32 <= self.head_dim_v <= self.head_dim:
+                raise ValueError(f"head_dim_v must be a multiple of 32 from 32 to head_dim "
+                                 f"({self.head_dim}), got {self.head_dim_v}")
+            if (self.head_dim % 64 == 0) != (self.head_dim_v % 64 == 0):
+                raise ValueError(f"head_dim {self.head_dim} and head_dim_v {self.head_dim_v} must both be "
+                                 "multiples of 64 or neither (one shared-memory swizzle)")
         if self.block_m % (16 * self.warp_m_tiles) or self.block_n % 16:
             raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
         if self.double_buffer and self.block_n % 32:
@@ -109,9 +128,11 @@ class ForwardConfig:
         block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
-        for rows in (self.block_m, self.block_n):
-            if rows * self.head_dim // 8 % self.threads:
-                raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
+        for rows, width in ((self.block_m, self.head_dim), (self.block_n, self.head_dim),
+                            (self.block_n, self.value_dim), (self.block_m, self.value_dim)):
+            if rows * width // 8 % self.threads:
+                raise ValueError(f"tile of {rows} rows x {width} does not split evenly over {self.threads} "
+                                 "threads")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""V's head dim apart from Q's and K's (issue 56 item 2), with no GPU: the config, the dispatch and
+the checks before anything launches (the kernel compiled offline: ``test_asymmetric_offline``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numbaflash
+from numbaflash import configs
+from numbaflash.kernels.shapes import ForwardConfig
+from numbaflash.operands import Operand, check_shapes, describe_out
+
+
+def operand(name, shape, on_device=True):
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return Operand(name, shape, "float16", on_device, None, strides, 0)
+
+
+def test_head_dim_v_equal_to_head_dim_is_the_plain_config():
+    assert ForwardConfig(128, head_dim_v=128) == ForwardConfig(128)
+    config = ForwardConfig(192, block_m=128, block_n=64, head_dim_v=128)
+    assert config.value_dim == 128 and ForwardConfig(128).value_dim == 128
+    assert config.shared_bytes == (128 * 192 + 64 * 192 + 64 * 128) * 2
+
+
+@pytest.mark.parametrize(("head_dim", "head_dim_v", "message"), [
+    (192, 96, "multiples of 64 or neither"), (128, 256, "from 32 to head_dim"), (192, 100, "multiple of 32")])
+def test_bad_value_dims_are_refused_by_the_config(head_dim, head_dim_v, message):
+    with pytest.raises(ValueError, match=message):
+        ForwardConfig(head_dim, block_m=128, block_n=64, head_dim_v=head_dim_v).check()
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
+def test_every_pair_has_a_config_that_fits_every_gpu(capability):
+    for d, dv in configs.ASYMMETRIC_HEAD_DIMS:
+        for causal in (False, True):
+            config = configs.forward_config(capability, d, causal, head_dim_v=dv)
+            config.check()
+            assert (config.head_dim, config.value_dim) == (d, dv)
+            assert config.shared_bytes <= configs.max_shared_bytes(capability)
+
+
+def test_a_pair_with_no_kernel_or_packed_sequences_is_refused_by_the_dispatch():
+    with pytest.raises(ValueError, match="no forward kernel for head_dim 128 with head_dim_v 64"):
+        configs.forward_config((9, 0), 128, False, head_dim_v=64)
+    with pytest.raises(ValueError, match="packed sequences"):
+        configs.forward_config((9, 0), 192, False, head_dim_v=128, varlen=True)
+
+
+def test_check_shapes_takes_the_pairs_only_where_asked():
+    q, k = operand("q", (2, 16, 4, 192)), operand("k", (2, 16, 2, 192))
+    v = operand("v", (2, 16, 2, 128))
+    check_shapes(q, k, v, value_dim=True)
+    differs = r"v's head_dim \(128\) differs from q's and k's \(192\).*\(192, 128\)"
+    with pytest.raises(ValueError, match=differs):
+        check_shapes(q, k, v)
+    with pytest.raises(ValueError, match="no kernel for q/k head_dim 128 with v head_dim 64"):
+        check_shapes(operand("q", (2, 16, 4, 128)), operand("k", (2, 16, 2, 128)),
+                     operand("v", (2, 16, 2, 64)), value_dim=True)
+    with pytest.raises(ValueError, match="head_dim must be one of"):  # 192 alone has no kernel
+        check_shapes(q, k, operand("v", (2, 16, 2, 192)), value_dim=True)
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        check_shapes(q, k, operand("v", (2, 17, 2, 128)), value_dim=True)
+
+
+def test_out_must_have_v_s_head_dim():
+    q = operand("q", (2, 16, 4, 192))
+    expected = r"shape \(batch, seqlen_q, heads_q, v's head_dim\) \(2, 16, 4, 128\)"
+    with pytest.raises(ValueError, match=expected):
+        describe_out(np.zeros((2, 16, 4, 192), np.float16), q, 128)
+
+
+def test_numpy_inputs_and_the_other_calls_get_a_clear_error_before_anything_runs():
+    q, k = np.zeros((1, 16, 2, 192), np.float16), np.zeros((1, 16, 2, 192), np.float16)
+    v = np.zeros((1, 16, 2, 128), np.float16)
+    with pytest.raises(ValueError, match="device arrays"):
+        numbaflash.flash_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"v's head_dim \(128\) differs"):
+        out = np.zeros((1, 16, 2, 128), np.float16)
+        numbaflash.flash_attention_backward(out, q, k, v, out, np.zeros((1, 2, 16), np.float32))
+
+
+def test_autograd_with_a_value_dim_is_refused_with_a_reason():
+    torch = pytest.importorskip("torch")
+    q, k = torch.zeros(1, 16, 2, 192, requires_grad=True), torch.zeros(1, 16, 2, 192)
+    v = torch.zeros(1, 16, 2, 128)
+    with pytest.raises(RuntimeError, match="no backward, custom op or torch.compile route yet"):
+        numbaflash.flash_attention(q, k, v)

@@ -1,0 +1,94 @@
+"""V's head dim apart from Q's and K's (issue 56 item 2: DeepSeek-V3's (192, 128)) in
+``flash_attention``'s forward, on the GPU against the float64 reference (``compare_with_reference``:
+FlashAttention's criterion; rows that see no key exactly 0).
+
+Device arrays, outputs poisoned with NaN so that an element the kernel never writes fails. The pair
+runs the mma.sync family's kernel on every GPU (``configs.ASYMMETRIC_DEFAULTS``).
+
+    NUMBAFLASH_REQUIRE_GPU=1 pytest -m gpu tests/test_asymmetric_gpu.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numbaflash
+from numbaflash.configs import ASYMMETRIC_HEAD_DIMS
+from numbaflash.tools.reference import compare_with_reference
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+pytestmark = pytest.mark.gpu
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): equal, seqlen_q above seqlen_k (causal: the first
+# rows see no key) and below it, ragged (multiples of no tile), length 1, GQA and MQA.
+SHAPES = [(2, 200, 200, 4, 2), (1, 333, 129, 4, 1), (1, 129, 517, 4, 4), (2, 1, 300, 4, 1),
+          (1, 300, 1, 4, 2), (1, 1000, 1000, 4, 1)]
+
+
+def random_qkv(rng, batch, sq, sk, hq, hkv, dims, dtype, amplitude=1.0):
+    d, dv = dims
+    q = (rng.standard_normal((batch, sq, hq, d)) * amplitude).astype(dtype)
+    k = (rng.standard_normal((batch, sk, hkv, d)) * amplitude).astype(dtype)
+    v = rng.standard_normal((batch, sk, hkv, dv)).astype(dtype)
+    return q, k, v
+
+
+def run(q, k, v, sink=None, **options):
+    """One device call with a NaN-poisoned out of v's head dim: (out, lse) on the host."""
+    from numba import cuda
+
+    from numbaflash.runtime.buffers import DeviceBuffer
+
+    dq, dk, dv = (DeviceBuffer(x) for x in (q, k, v))
+    dout = DeviceBuffer(np.full((*q.shape[:3], v.shape[3]), np.nan, q.dtype))
+    extra = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}
+    result, lse = numbaflash.flash_attention(dq, dk, dv, out=dout, return_lse=True, **options, **extra)
+    assert result is dout
+    return dout.copy_to_host(), lse.copy_to_host()
+
+
+def check(q, k, v, sink=None, **options):
+    out, lse = run(q, k, v, sink, **options)
+    _, problems = compare_with_reference(q, k, v, out, lse, sink=sink, **options)
+    assert not problems, f"{q.shape} {v.shape} {options}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("dims", ASYMMETRIC_HEAD_DIMS, ids=lambda p: f"d{p[0]}v{p[1]}")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_asymmetric_forward_matches_reference(rng, causal, dtype, dims):
+    for shape in SHAPES:
+        check(*random_qkv(rng, *shape, dims, DTYPES[dtype]), causal=causal)
+
+
+@pytest.mark.parametrize("dims", ASYMMETRIC_HEAD_DIMS, ids=lambda p: f"d{p[0]}v{p[1]}")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("window", "softcap", "sink"), [((127, 0), 0.0, False), ((3, 50), 0.0, True),
+                                                         ((-1, -1), 30.0, False), ((16, 0), 50.0, True)])
+def test_asymmetric_forward_with_window_softcap_and_sink(rng, window, softcap, sink, dtype, dims):
+    """The variants are the kernel's own builds: V's width does not touch them."""
+    amplitude = 10.0 if softcap else 1.0
+    for shape in ((2, 333, 517, 4, 2), (1, 517, 129, 4, 4)):
+        q, k, v = random_qkv(rng, *shape, dims, DTYPES[dtype], amplitude=amplitude)
+        logits = (rng.standard_normal(shape[3]) * 2).astype(np.float32) if sink else None
+        check(q, k, v, logits, window_size=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_asymmetric_forward_on_torch_tensors(rng, dtype):
+    """Torch CUDA tensors that need no autograd: the direct path, then its cached plan (the second
+    call); out has v's head dim; a strided q (a slice of its heads) too."""
+    torch = pytest.importorskip("torch")
+    d, dv = ASYMMETRIC_HEAD_DIMS[0]
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(2, 300, 8, d, device="cuda", dtype=tdtype)[:, :, :4]
+    k = torch.randn(2, 400, 2, d, device="cuda", dtype=tdtype)
+    v = torch.randn(2, 400, 2, dv, device="cuda", dtype=tdtype)
+    for _ in range(2):
+        out = numbaflash.flash_attention(q, k, v, causal=True)
+        assert out.shape == (2, 300, 4, dv) and out.dtype == tdtype
+        host = [x.float().cpu().numpy().astype(DTYPES[dtype]) for x in (q, k, v)]
+        ratio, problems = compare_with_reference(*host, out.float().cpu().numpy(), causal=True)
+        assert not problems, "; ".join(problems)

@@ -1,0 +1,25 @@
+"""V's head dim apart from Q's and K's (issue 56 item 2): the (192, 128) forward kernel compiled
+offline for sm_80 and sm_90a, with no local memory, no calls and the tensor-core work of its tile."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbaflash import configs
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_kernel_compiles_with_no_local_memory_or_calls(arch, tmp_path, monkeypatch):
+    pytest.importorskip("numba")
+    from numbaflash.kernels.families import make_kernel
+    from numbaflash.kernels.spec import kernel_spec
+    from numbaflash.tools.inspect import report_from_cubin
+
+    monkeypatch.setenv("NUMBAFLASH_CACHE_DIR", str(tmp_path))
+    config = configs.forward_config((9, 0), 192, True, head_dim_v=128)
+    spec = kernel_spec("sm80", "forward", config, "bfloat16", arch, causal=True)
+    assert make_kernel(spec).__name__ == "flash_forward_d192v128_m128x1_n64_db_ek_causal_bf16"
+    entry = configs.kernel_cubin(spec)
+    report = report_from_cubin(entry.cubin, entry.entry_name, arch)
+    assert report.spill_instructions == 0 and report.calls == 0 and report.local_bytes == 0, report
+    assert report.count("HMMA") == 160  # a warp's tile: 8 n-tiles x 12 k-tiles of S, 16 x 4 of O
