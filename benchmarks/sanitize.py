@@ -92,6 +92,8 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
               if c.shared_bytes <= limit and configs.backward_runnable(c, capability)}
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
+    if "sm80" in families:  # the pairs of head dims (every GPU runs the mma.sync family)
+        found |= {c for c in configs.ASYMMETRIC_DEFAULTS.values() if c.shared_bytes <= limit}
     return sorted(found, key=str)
 
 
@@ -108,6 +110,7 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
         shipped |= {configs.backward_for_target(c, capability)
                     for _, _, c in configs.shipped_backward_configs()}
         shipped |= set(configs.shipped_decode_configs())
+        shipped |= set(configs.ASYMMETRIC_DEFAULTS.values())
         return [i for i, c in enumerate(config_list) if c in shipped]
     parts = [p.strip() for p in spec.split(",")]
     if all(p.isdigit() for p in parts):
@@ -213,7 +216,7 @@ def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.nd
     from numbaflash.runtime.buffers import DeviceBuffer
 
     q = host[0]
-    out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
+    out = DeviceBuffer(np.full((*q.shape[:3], host[2].shape[3]), np.nan, q.dtype))  # v's head dim
     # a window kernel runs the causal or the full config, whatever ``causal`` is: force both
     forced = configs.force_config(capability, causal, config)
     with forced, configs.force_config(capability, not causal, config):
@@ -315,7 +318,8 @@ def run_worker(config: KernelConfig) -> int:
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for b, sq, sk, hq, hkv in worker_shapes(config.block_m):
-            shapes = [(b, sq, hq, config.head_dim)] + [(b, sk, hkv, config.head_dim)] * 2
+            shapes = [(b, sq, hq, config.head_dim), (b, sk, hkv, config.head_dim),
+                      (b, sk, hkv, getattr(config, "value_dim", config.head_dim))]
             host = [rng.standard_normal(s).astype(dtype) for s in shapes]
             device = [DeviceBuffer(x) for x in host]  # float16 and bfloat16 alike
             extras = [((-1, -1), 0.0), *WINDOW_SOFTCAP_CASES]
@@ -338,7 +342,8 @@ def run_worker(config: KernelConfig) -> int:
                               f"{(b, sq, sk, hq, hkv)} causal={causal} window={window} softcap={softcap} "
                               f"sink: {p}", flush=True)
                     failures += bool(problems)
-        failures += run_varlen_worker(config, capability, dtype, rng)
+        if not getattr(config, "head_dim_v", 0):  # a pair of head dims has no varlen kernel
+            failures += run_varlen_worker(config, capability, dtype, rng)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 

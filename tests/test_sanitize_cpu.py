@@ -116,7 +116,9 @@ def test_runnable_configs(capability, families):
     for fam in families:
         for d in FAMILY_HEAD_DIMS[fam]:
             assert set(CANDIDATES[(fam, d)]) <= set(got)
-    assert {c.head_dim for c in got} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
+    pairs = set(configs.ASYMMETRIC_DEFAULTS.values())  # (192, 128): every GPU runs the mma.sync family
+    assert {c.head_dim for c in got if c not in pairs} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
+    assert pairs <= set(got)
     shipped = {c for fam, _, _, c in configs.shipped_configs() if fam in families}
     assert shipped <= set(got)
     assert any(isinstance(c, ForwardConfig) for c in got)
@@ -135,7 +137,7 @@ def test_runnable_configs(capability, families):
     assert shipped_backward - own <= expected
     expected |= shipped_backward
     expected |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}  # decode's
-    assert set(got) == expected
+    assert set(got) == expected | pairs
 
 
 def test_select_indices():
@@ -152,7 +154,8 @@ def test_select_indices():
     assert set(shipped) == ({c for _, _, _, c in san.configs.shipped_configs()}
                             | {configs.backward_for_target(c, (9, 0))
                                for _, _, c in san.configs.shipped_backward_configs()}
-                            | set(san.configs.shipped_decode_configs()))
+                            | set(san.configs.shipped_decode_configs())
+                            | set(configs.ASYMMETRIC_DEFAULTS.values()))
     assert len(shipped) < len(cl)
 
 

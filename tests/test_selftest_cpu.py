@@ -9,6 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from numbaflash import configs
 from numbaflash.tools import selftest
 
 BOTH = ["sm90", "sm80"]
@@ -133,9 +134,10 @@ PINNED_DIGESTS = ("721014eb539fc133", "c288861f867eb913")
 
 
 def before_sinks(case) -> tuple:
-    """A case's fields but the learnable sink (the last field of a forward and of a backward case,
-    drawn from a stream of its own since issue 56: every other field is what it was before)."""
-    return dataclasses.astuple(case)[:-1]
+    """A case's fields but the learnable sink (the last field of a backward case, drawn from a
+    stream of its own since issue 56: every other field is what it was before) and, for a forward
+    case, V's head dim after it (its pairs are drawn with ``VALUE_DIM_SHARE`` 0 where this is read)."""
+    return dataclasses.astuple(case)[:-2 if isinstance(case, selftest.Case) else -1]
 
 
 def test_sinks_are_drawn_for_device_cases_of_the_forward_families_only():
@@ -166,11 +168,29 @@ def test_sinks_are_drawn_for_device_cases_of_the_backward():
     assert selftest.draw_backward_case(0, 3) == selftest.draw_backward_case(0, 3)
 
 
+def test_value_dims_are_drawn_for_dense_device_cases_of_the_mma_sync_family_only(monkeypatch):
+    """A share of the sm80 family's dense device cases take a pair of head dims
+    (``configs.ASYMMETRIC_HEAD_DIMS``), on a stream of their own: with the share at 0 every case is
+    what it is with pairs, but for the pair."""
+    cases = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
+    pairs = [c for c in cases if c.head_dim_v]
+    assert pairs and all((c.head_dim, c.head_dim_v) in configs.ASYMMETRIC_HEAD_DIMS for c in pairs)
+    assert all(c.family == "sm80" and c.kind != "numpy" and not c.varlen for c in pairs)
+    eligible = [c for c in cases if c.family == "sm80" and c.kind != "numpy" and not c.varlen]
+    assert abs(len(pairs) / len(eligible) - selftest.VALUE_DIM_SHARE) < 0.06
+    assert "d192v128" in pairs[0].describe() and any(c.causal for c in pairs) and any(c.sink for c in pairs)
+    monkeypatch.setattr(selftest, "VALUE_DIM_SHARE", 0.0)
+    plain = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
+    for a, b in zip(cases, plain, strict=True):
+        assert dataclasses.replace(a, head_dim=b.head_dim, head_dim_v=0) == b
+
+
 def test_default_mode_draws_are_unchanged(monkeypatch):
     """The default mode draws what it drew before ``--variants`` (with the families of then: only
     sm80 had windows, softcaps and varlen), and with the Hopper kernel's every case is the same but
     for the window, softcap and packed sequences (which replace the dense shape) of its sm90 cases."""
     shipped = selftest.WINDOW_SOFTCAP_FAMILIES, selftest.VARLEN_FAMILIES
+    monkeypatch.setattr(selftest, "VALUE_DIM_SHARE", 0.0)  # the pairs of head dims came after
     monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))
     monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     then = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]

@@ -29,6 +29,7 @@ window, a softcap or both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import secrets
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..configs import (
+    ASYMMETRIC_HEAD_DIMS,
     FAMILY_CAPABILITY,
     FAMILY_HEAD_DIMS,
     LONG_SEQLEN,
@@ -80,13 +82,17 @@ VARLEN_FAMILIES = ("sm80", "sm90")
 # take none), ``SINK_SHARE`` of them (``SINK_SHARE_VARIANTS`` with --variants).
 SINK_FAMILIES = ("sm80", "sm90")
 SINK_SHARE, SINK_SHARE_VARIANTS = 0.1, 1 / 3
+# V's head dim apart from Q's and K's (``configs.ASYMMETRIC_HEAD_DIMS``: the mma.sync family's
+# forward, device arrays, dense calls): that share of those cases of the family draws a pair.
+VALUE_DIM_FAMILY, VALUE_DIM_SHARE = "sm80", 0.15
 
 
 def describe_problem(case: Any) -> str:
     """The part of a forward or backward case's one-line description they share: family, head
     dim, masking, dtype, shape, input kind, amplitude and scale."""
     scale = "default" if case.softmax_scale is None else f"{case.softmax_scale:.4g}"
-    return (f"{case.family} d{case.head_dim} {'causal' if case.causal else 'full'} {case.dtype} "
+    dims = f"d{case.head_dim}" + (f"v{case.head_dim_v}" if getattr(case, "head_dim_v", 0) else "")
+    return (f"{case.family} {dims} {'causal' if case.causal else 'full'} {case.dtype} "
             f"b{case.batch} sq{case.seqlen_q} sk{case.seqlen_k} h{case.heads_q}/{case.heads_kv} "
             f"{case.kind} amp{case.amplitude:.3g} scale={scale}")
 
@@ -129,6 +135,8 @@ class Case:
     # some device cases of the ``SINK_FAMILIES``; () for none. Drawn from a stream of its own, so
     # every other field is what it was before sinks.
     sink: tuple[float, ...] = ()
+    # V's head dim where it differs from ``head_dim`` (``draw_value_dims``; 0 for the same).
+    head_dim_v: int = 0
 
     @property
     def varlen(self) -> bool:
@@ -234,9 +242,23 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     sink = ()
     if family in SINK_FAMILIES and kind != "numpy":
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE)
+    head_dim_v = 0
+    if family == VALUE_DIM_FAMILY and kind != "numpy" and not seqlens_q:
+        head_dim, head_dim_v = draw_value_dims(seed, index, head_dim, VALUE_DIM_SHARE)
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
-                sink)
+                sink, head_dim_v)
+
+
+def draw_value_dims(seed: int, index: int, head_dim: int, share: float = VALUE_DIM_SHARE,
+                    stream: int = 26) -> tuple[int, int]:
+    """(head_dim, head_dim_v) of a case: ``share`` of them one of ``configs.ASYMMETRIC_HEAD_DIMS``,
+    the others (head_dim, 0) as drawn, from a stream of its own (every other field of the case is
+    what it was before the pairs)."""
+    rng = np.random.default_rng([seed, index, stream])
+    if rng.random() >= share:
+        return head_dim, 0
+    return ASYMMETRIC_HEAD_DIMS[int(rng.integers(0, len(ASYMMETRIC_HEAD_DIMS)))]
 
 
 
@@ -337,7 +359,7 @@ def make_inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
     q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
     k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
-    v = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim))
+    v = rng.standard_normal((*rows_k, case.heads_kv, getattr(case, "head_dim_v", 0) or case.head_dim))
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
@@ -355,12 +377,15 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         out = None
         if case.use_out:
-            out = np.full(q.shape, np.nan, q.dtype)  # poison: unwritten elements show up as NaN
+            # poison (v's head dim: out's): unwritten elements show up as NaN
+            out = np.full((*q.shape[:-1], v.shape[-1]), np.nan, q.dtype)
             out = out if kind == "numpy" else to_device(out, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}
-        config = case_config(case.family, case.head_dim, case.causal, case.span)
-        # a window kernel takes the causal or the full config, whatever the case's causal flag
-        other = case_config(case.family, case.head_dim, not case.causal, case.span)
+        if case.head_dim_v:  # one config on every GPU (``configs.ASYMMETRIC_DEFAULTS``): none to force
+            forced = (contextlib.nullcontext(), contextlib.nullcontext())
+        else:  # a window kernel takes the causal or the full config, whatever the case's causal flag
+            forced = tuple(force_config(capability, c, case_config(case.family, case.head_dim, c, case.span))
+                           for c in (case.causal, not case.causal))
         options = {"causal": case.causal, "softmax_scale": case.softmax_scale, **extras}
         calls = dict(options)  # the call's keywords: the options, and the sink as a device array
         if case.sink:
@@ -369,7 +394,7 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         if case.varlen:
             offsets = varlen_offsets(case)
             offsets_in = offsets if kind == "numpy" else tuple(to_device(x, kind) for x in offsets)
-        with force_config(capability, case.causal, config), force_config(capability, not case.causal, other):
+        with forced[0], forced[1]:
             if case.varlen:
                 result = numbaflash.flash_attention_varlen(*args, *offsets_in, case.seqlen_q, case.seqlen_k,
                                                            return_lse=case.return_lse, out=out, **calls)
