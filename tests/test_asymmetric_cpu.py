@@ -71,11 +71,9 @@ def test_out_must_have_v_s_head_dim():
         describe_out(np.zeros((2, 16, 4, 192), np.float16), q, 128)
 
 
-def test_numpy_inputs_and_the_other_calls_get_a_clear_error_before_anything_runs():
+def test_the_calls_that_take_one_head_dim_say_so_before_anything_runs():
     q, k = np.zeros((1, 16, 2, 192), np.float16), np.zeros((1, 16, 2, 192), np.float16)
     v = np.zeros((1, 16, 2, 128), np.float16)
-    with pytest.raises(ValueError, match="device arrays"):
-        numbaflash.flash_attention(q, k, v)
     with pytest.raises(ValueError, match=r"v's head_dim \(128\) differs"):
         out = np.zeros((1, 16, 2, 128), np.float16)
         numbaflash.flash_attention_backward(out, q, k, v, out, np.zeros((1, 2, 16), np.float32))
@@ -87,3 +85,21 @@ def test_autograd_with_a_value_dim_is_refused_with_a_reason():
     v = torch.zeros(1, 16, 2, 128)
     with pytest.raises(RuntimeError, match="no backward, custom op or torch.compile route yet"):
         numbaflash.flash_attention(q, k, v)
+
+
+def test_the_numpy_pipeline_stages_v_and_out_at_v_s_head_dim():
+    from numbaflash.runtime.pipeline import Chunk, Problem, chunk_layout
+
+    plain = Problem(2, 100, 300, 8, 2, 192, True)
+    pair = Problem(2, 100, 300, 8, 2, 192, True, head_dim_v=128)
+    assert pair.value_dim == 128 and plain.value_dim == 192
+    assert pair.bytes_per_pair() == plain.bytes_per_pair() - (4 * 100 + 300) * 64 * 2
+    chunk = Chunk(0, 2, 0, 2, 0, 100, 300)
+    lay, lay_plain = chunk_layout(pair, chunk), chunk_layout(plain, chunk)
+    assert lay.q_shape == (2, 100, 8, 192) and lay.kv_shape == (2, 300, 2, 192)
+    assert lay.v_shape == (2, 300, 2, 128) and lay.o_shape == (2, 100, 8, 128)
+    assert lay_plain.v_shape == lay_plain.kv_shape and lay_plain.o_shape == lay_plain.q_shape
+    sizes = [2 * np.prod(s) for s in (lay.q_shape, lay.kv_shape, lay.v_shape, lay.o_shape)]
+    aligned = [-(-x // 256) * 256 for x in sizes]
+    assert [lay.k - lay.q, lay.v - lay.k, lay.o - lay.v, lay.lse - lay.o] == aligned
+    assert lay.nbytes < lay_plain.nbytes

@@ -92,3 +92,23 @@ def test_asymmetric_forward_on_torch_tensors(rng, dtype):
         host = [x.float().cpu().numpy().astype(DTYPES[dtype]) for x in (q, k, v)]
         ratio, problems = compare_with_reference(*host, out.float().cpu().numpy(), causal=True)
         assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_asymmetric_forward_on_numpy_arrays(rng, causal, dtype):
+    """The chunked host pipeline, v and out at v's head dim: a result array, then a given out
+    (poisoned), and a strided q (a slice of its heads)."""
+    dims = ASYMMETRIC_HEAD_DIMS[0]
+    for shape in ((2, 333, 517, 4, 2), (1, 1000, 129, 4, 1)):
+        q, k, v = random_qkv(rng, *shape, dims, DTYPES[dtype])
+        out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+        _, problems = compare_with_reference(q, k, v, out, lse, causal=causal)
+        assert not problems, "; ".join(problems)
+        given = np.full((*q.shape[:3], v.shape[3]), np.nan, q.dtype)
+        assert numbaflash.flash_attention(q, k, v, causal=causal, out=given) is given
+        _, problems = compare_with_reference(q, k, v, given, causal=causal)
+        assert not problems, "; ".join(problems)
+    wide = np.concatenate([q, q], axis=2)[:, :, ::2]
+    _, problems = compare_with_reference(wide, k, v, numbaflash.flash_attention(wide, k, v), causal=False)
+    assert not problems, "; ".join(problems)

@@ -55,9 +55,6 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_shapes(qd, kd, vd, value_dim=True)
     batch, seqlen_q, heads_q, head_dim = qd.shape
-    if vd.shape[3] != head_dim and not qd.on_device:
-        raise ValueError(f"v's head_dim ({vd.shape[3]}) differs from q's ({head_dim}): that forward runs on "
-                         "device arrays (torch, CuPy or Numba); the numpy pipeline takes one head_dim")
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)

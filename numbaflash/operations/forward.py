@@ -378,12 +378,13 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
     batch, seqlen_q, heads_q, head_dim = q.shape
     var = variant_of(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
     bf16 = dtype_name == "bfloat16"
+    head_dim_v = 0 if v.shape[3] == head_dim else v.shape[3]
     launcher, config, launch = forward_kernel(capability, device, head_dim, var.causal, bf16,
                                               max(seqlen_q, k.shape[1]), window=var.window,
-                                              softcap=var.softcap)
+                                              softcap=var.softcap, head_dim_v=head_dim_v)
     scale_log2 = var.scale_log2
     direct = out is not None and not any(np.may_share_memory(out, x) for x in (q, k, v))
-    result = out if direct else pinned_empty(q.shape, q.dtype)
+    result = out if direct else pinned_empty((*q.shape[:3], v.shape[3]), q.dtype)
     lse_host = pinned_empty((batch, heads_q, seqlen_q), np.float32) if return_lse else None
 
     def launch_chunk(lay, base: int, sub, stream: int) -> None:
@@ -395,7 +396,7 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
                    else gpu_state.GPU.scratch_f32(device))
         left, right = chunk_window_sides(var, sub.diag_shift)
         call = ForwardCall(dense("q", lay.q_shape, lay.q), dense("k", lay.kv_shape, lay.k),
-                           dense("v", lay.kv_shape, lay.v), dense("out", lay.q_shape, lay.o), lse_arg,
+                           dense("v", lay.v_shape, lay.v), dense("out", lay.o_shape, lay.o), lse_arg,
                            sub.seqlen_k, sub.heads_kv, scale_log2, return_lse, stream, device,
                            left, right, var.cap_scale)
         launch(launcher, call, gpu_state.GPU)
