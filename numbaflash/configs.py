@@ -61,6 +61,14 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 ASYMMETRIC_DEFAULTS: dict[tuple[int, int], ForwardConfig] = {
     (192, 128): ForwardConfig(192, block_m=128, block_n=64, double_buffer=True, early_k=True, head_dim_v=128),
 }
+# The pairs' backward configs (mma.sync family, every GPU; not tuned yet), the first that fits a
+# GPU's shared memory: d256's default shape, 64 x 64, at Q's and K's 192 columns and V's 128 (137
+# KB with two Q stages; one stage, 96.5 KB, where a CTA gets 99 KB). 128 keys a CTA spill (23
+# LDL/STL offline).
+ASYMMETRIC_BACKWARD_DEFAULTS: dict[tuple[int, int], tuple[BackwardConfig, ...]] = {
+    (192, 128): (BackwardConfig(192, block_m=64, block_n=64, head_dim_v=128),
+                 BackwardConfig(192, block_m=64, block_n=64, q_stages=1, head_dim_v=128)),
+}
 # What benchmarks/autotune.py tries, by family and head dim, as keyword configs.
 # mma.sync knobs (issue 13): q_in_regs=False streams Q a k-slice at a time instead of holding
 # it in registers, double_buffer double-buffers the shared-memory fragments in registers,
@@ -454,7 +462,7 @@ def backward_runnable(config: BackwardConfig | WsBackwardConfig, capability: tup
 
 def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
                     shared_limit: int | None = None, *, window: bool = False, softcap: bool = False,
-                    varlen: bool = False) -> BackwardConfig | WsBackwardConfig:
+                    varlen: bool = False, head_dim_v: int = 0) -> BackwardConfig | WsBackwardConfig:
     """The backward configuration to launch on this GPU for a call of the variant ``window``,
     ``softcap``, ``varlen``: in the family of ``backward_dispatch_family``, a forced one
     (``force_config``), else the tuned table's entry (``backward_table_key``), else the first of
@@ -469,7 +477,21 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     Raises:
         ValueError: a head dim with no backward configs.
         RuntimeError: no config of this head dim fits in ``shared_limit``.
+
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
+    ``ASYMMETRIC_BACKWARD_DEFAULTS`` config on every GPU (no packed sequences yet).
     """
+    if head_dim_v and head_dim_v != head_dim:
+        choices = ASYMMETRIC_BACKWARD_DEFAULTS.get((head_dim, head_dim_v))
+        if choices is None or varlen:
+            raise ValueError(f"no backward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}"
+                             f"{' (packed sequences)' if varlen else ''}")
+        limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+        for config in choices:
+            if config.shared_bytes <= limit:
+                return backward_for_target(config, capability)
+        raise RuntimeError(f"no backward config of head_dim {head_dim} with head_dim_v {head_dim_v} fits "
+                           f"{limit} bytes of shared memory a CTA")
     family = backward_dispatch_family(capability, head_dim, window, softcap, varlen)
     if OVERRIDES:
         if family != BACKWARD_FAMILY:

@@ -157,7 +157,8 @@ def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False, value_
     """q (batch, seqlen_q, heads_q, head_dim) against k and v (batch, seqlen_k, heads_kv,
     head_dim); ``paged``: k and v are a paged cache (num_pages, page_size, heads_kv, head_dim),
     whose first dimension is not q's batch. ``value_dim``: the call takes v of another head dim
-    where a kernel has that pair (``configs.ASYMMETRIC_HEAD_DIMS``: the forward's)."""
+    where a kernel has that pair (``configs.ASYMMETRIC_HEAD_DIMS``: the dense forward's and
+    backward's)."""
     for op in (q, k, v):
         if len(op.shape) != 4:
             raise ValueError(
@@ -180,7 +181,8 @@ def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False, value_
         pairs = ", ".join(f"({a}, {c})" for a, c in ASYMMETRIC_HEAD_DIMS)
         if not value_dim:
             raise ValueError(f"v's head_dim ({dv}) differs from q's and k's ({d}): this call needs one "
-                             f"head_dim (flash_attention's forward also takes the pairs {pairs})")
+                             f"head_dim (flash_attention and flash_attention_backward take the pairs "
+                             f"{pairs})")
         if (d, dv) not in ASYMMETRIC_HEAD_DIMS:
             raise ValueError(f"no kernel for q/k head_dim {d} with v head_dim {dv}: v's head_dim must be q's "
                              f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))}) or one of the pairs {pairs}")

@@ -42,9 +42,9 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
         return None
     if v.shape[-1] != q.shape[-1]:
         raise RuntimeError(
-            f"flash_attention(): v's head_dim ({v.shape[-1]}) differs from q's ({q.shape[-1]}); that forward "
-            "has no backward, custom op or torch.compile route yet: call it on tensors that do not require "
-            "grad (or under torch.no_grad()), outside torch.compile")
+            f"flash_attention(): v's head_dim ({v.shape[-1]}) differs from q's ({q.shape[-1]}); that call "
+            "has no autograd or torch.compile route yet: call it on tensors that do not require grad (or "
+            "under torch.no_grad()), outside torch.compile, and flash_attention_backward for the gradients")
     check_tensors(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)

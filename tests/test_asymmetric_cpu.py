@@ -72,18 +72,68 @@ def test_out_must_have_v_s_head_dim():
 
 
 def test_the_calls_that_take_one_head_dim_say_so_before_anything_runs():
+    q, k = np.zeros((16, 2, 192), np.float16), np.zeros((16, 2, 192), np.float16)
+    v = np.zeros((16, 2, 128), np.float16)
+    cu = np.array([0, 16], np.int32)
+    with pytest.raises(ValueError, match=r"v's head_dim \(128\) differs.*packed calls take one head_dim"):
+        numbaflash.flash_attention_varlen(q, k, v, cu, cu, 16, 16)
+
+
+def test_the_backward_wants_dout_and_out_of_v_s_head_dim():
     q, k = np.zeros((1, 16, 2, 192), np.float16), np.zeros((1, 16, 2, 192), np.float16)
     v = np.zeros((1, 16, 2, 128), np.float16)
-    with pytest.raises(ValueError, match=r"v's head_dim \(128\) differs"):
-        out = np.zeros((1, 16, 2, 128), np.float16)
-        numbaflash.flash_attention_backward(out, q, k, v, out, np.zeros((1, 2, 16), np.float32))
+    wrong = np.zeros((1, 16, 2, 192), np.float16)
+    with pytest.raises(ValueError, match=r"dout must have the forward's out .* shape \(1, 16, 2, 128\)"):
+        numbaflash.flash_attention_backward(wrong, q, k, v, wrong, np.zeros((1, 2, 16), np.float32))
+
+
+def test_the_backward_config_of_the_pair_fits_every_gpu():
+    from numbaflash.kernels.shapes import BackwardConfig
+
+    assert BackwardConfig(128, head_dim_v=128) == BackwardConfig(128)
+    for capability in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0)):
+        for d, dv in configs.ASYMMETRIC_HEAD_DIMS:
+            config = configs.backward_config(capability, d, True, head_dim_v=dv)
+            config.check()
+            assert (config.head_dim, config.value_dim) == (d, dv)
+            assert config.shared_bytes <= configs.max_shared_bytes(capability)
+            assert config.dq_vector == (4 if capability[0] >= 9 else 1)
+    layout = configs.ASYMMETRIC_BACKWARD_DEFAULTS[(192, 128)][0].shared_layout
+    assert layout["p"] - layout["v"] == 64 * 128 * 2 and layout["do"] - layout["q"] == 64 * 192 * 2
+    assert layout["lse"] - layout["do"] == 64 * 128 * 2
+    with pytest.raises(ValueError, match="packed sequences"):
+        configs.backward_config((9, 0), 192, False, head_dim_v=128, varlen=True)
+
+
+def test_the_float64_backward_reference_takes_v_s_head_dim():
+    """dq, dk, dv of the reference against central differences of sum(out * dout) in float64, at a
+    few coordinates of each (GQA, causal, seqlen_q > seqlen_k)."""
+    from numbaflash.tools.reference import attention_backward_reference, attention_reference
+
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((1, 5, 4, 48)), rng.standard_normal((1, 3, 2, 48))
+    v, dout = rng.standard_normal((1, 3, 2, 32)), rng.standard_normal((1, 5, 4, 32))
+    dq, dk, dv = attention_backward_reference(q, k, v, dout, causal=True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+    def loss(q, k, v):
+        return float((attention_reference(q, k, v, causal=True)[0] * dout).sum())
+
+    for grad, which in ((dq, 0), (dk, 1), (dv, 2)):
+        for _ in range(4):
+            index = tuple(int(rng.integers(0, n)) for n in grad.shape)
+            plus, minus = [x.copy() for x in (q, k, v)], [x.copy() for x in (q, k, v)]
+            plus[which][index] += 1e-6
+            minus[which][index] -= 1e-6
+            numeric = (loss(*plus) - loss(*minus)) / 2e-6
+            assert abs(numeric - grad[index]) < 1e-6 * max(1.0, abs(numeric)), (which, index)
 
 
 def test_autograd_with_a_value_dim_is_refused_with_a_reason():
     torch = pytest.importorskip("torch")
     q, k = torch.zeros(1, 16, 2, 192, requires_grad=True), torch.zeros(1, 16, 2, 192)
     v = torch.zeros(1, 16, 2, 128)
-    with pytest.raises(RuntimeError, match="no backward, custom op or torch.compile route yet"):
+    with pytest.raises(RuntimeError, match="no autograd or torch.compile route yet"):
         numbaflash.flash_attention(q, k, v)
 
 

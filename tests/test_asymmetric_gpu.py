@@ -112,3 +112,33 @@ def test_asymmetric_forward_on_numpy_arrays(rng, causal, dtype):
     wide = np.concatenate([q, q], axis=2)[:, :, ::2]
     _, problems = compare_with_reference(wide, k, v, numbaflash.flash_attention(wide, k, v), causal=False)
     assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("causal", "window", "softcap"), [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                           (False, (40, 7), 0.0), (True, (-1, -1), 30.0)])
+def test_asymmetric_backward_matches_reference(rng, causal, window, softcap, dtype):
+    """dq, dk (Q's and K's head dim) and dv (V's) against float64 by FlashAttention's criterion,
+    from the forward's out and LSE: device arrays (gradients poisoned with NaN, given as outputs)
+    and numpy inputs."""
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_gradients_with_reference
+
+    dims = ASYMMETRIC_HEAD_DIMS[0]
+    amplitude = 10.0 if softcap else 1.0
+    options = {"causal": causal, "window_size": window, "softcap": softcap}
+    for shape in ((2, 200, 200, 4, 2), (1, 333, 129, 4, 1), (1, 129, 517, 4, 4)):
+        q, k, v = random_qkv(rng, *shape, dims, DTYPES[dtype], amplitude=amplitude)
+        dout = rng.standard_normal((*q.shape[:3], v.shape[3])).astype(DTYPES[dtype])
+        out, lse = numbaflash.flash_attention(q, k, v, return_lse=True, **options)
+        grads = numbaflash.flash_attention_backward(dout, q, k, v, out, lse, **options)
+        _, problems = compare_gradients_with_reference(q, k, v, dout, grads, **options)
+        assert not problems, f"numpy {shape}: " + "; ".join(problems)
+        device = [DeviceBuffer(x) for x in (dout, q, k, v, out)]
+        given = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+        found = numbaflash.flash_attention_backward(*device, DeviceBuffer(lse), dq=given[0], dk=given[1],
+                                                    dv=given[2], **options)
+        assert all(a is b for a, b in zip(found, given, strict=True))
+        _, problems = compare_gradients_with_reference(q, k, v, dout, [g.copy_to_host() for g in given],
+                                                       **options)
+        assert not problems, f"device {shape}: " + "; ".join(problems)

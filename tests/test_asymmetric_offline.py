@@ -23,3 +23,25 @@ def test_the_kernel_compiles_with_no_local_memory_or_calls(arch, tmp_path, monke
     report = report_from_cubin(entry.cubin, entry.entry_name, arch)
     assert report.spill_instructions == 0 and report.calls == 0 and report.local_bytes == 0, report
     assert report.count("HMMA") == 160  # a warp's tile: 8 n-tiles x 12 k-tiles of S, 16 x 4 of O
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_backward_kernels_compile_with_no_local_memory_or_calls(arch, tmp_path, monkeypatch):
+    pytest.importorskip("numba")
+    from numbaflash.kernels.families import make_kernel
+    from numbaflash.kernels.spec import kernel_spec
+    from numbaflash.tools.inspect import report_from_cubin
+
+    monkeypatch.setenv("NUMBAFLASH_CACHE_DIR", str(tmp_path))
+    capability = (8, 0) if arch == "sm_80" else (9, 0)
+    config = configs.backward_config(capability, 192, True, head_dim_v=128)
+    main = kernel_spec("sm80bwd", "backward", config, "bfloat16", arch, causal=True)
+    names = []
+    for spec in (main, main.sibling("backward_prep"), main.sibling("backward_dq")):
+        names.append(make_kernel(spec).__name__)
+        entry = configs.kernel_cubin(spec)
+        report = report_from_cubin(entry.cubin, entry.entry_name, arch)
+        assert report.spill_instructions == 0 and report.calls == 0 and report.local_bytes == 0, report
+    vector = "_v4" if arch == "sm_90a" else ""
+    assert names == [f"flash_backward_d192v128_m64_n64_w8{vector}_causal_bf16",
+                     "flash_backward_prep_d192v128_m64_bf16", f"flash_backward_dq_d192_m64_w8{vector}_bf16"]

@@ -292,6 +292,18 @@ class BackwardConfig:
     # sets it (``configs.backward_for_target``), and it sets the accumulator's order
     # (``dq_offset``).
     dq_vector: int = 1
+    # V's (and dO's, O's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's):
+    # 0 for the same (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
+    head_dim_v: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
+            object.__setattr__(self, "head_dim_v", 0)
+
+    @property
+    def value_dim(self) -> int:
+        """V's, dO's, O's and dV's head dim."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def tag(self) -> str:
@@ -366,15 +378,16 @@ class BackwardConfig:
         """Byte offsets of the shared tiles: K, V (``block_n`` rows), the Pᵀ and dSᵀ tiles
         (``block_n`` rows of ``block_m`` 16-bit columns), then per stage Q and dO (``block_m``
         rows) and the stage's LSE and D rows (float32); ``end``: the bytes used."""
-        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        d, dv, bm, bn = self.head_dim, self.value_dim, self.block_m, self.block_n
         k = 0
         v = k + bn * d * 2
-        p = v + bn * d * 2
+        p = v + bn * dv * 2
         ds = p + bn * bm * 2
         q = ds + bn * bm * 2
-        stage = 2 * bm * d * 2 + 2 * bm * 4  # Q, dO, LSE, D
+        rows = q + bm * (d + dv) * 2  # the stage's LSE and D rows, after Q and dO
+        stage = bm * (d + dv) * 2 + 2 * bm * 4  # Q, dO, LSE, D
         return {"k": k, "v": v, "p": p, "ds": ds, "q": q, "do": q + bm * d * 2,
-                "lse": q + 2 * bm * d * 2, "delta": q + 2 * bm * d * 2 + bm * 4, "stage": stage,
+                "lse": rows, "delta": rows + bm * 4, "stage": stage,
                 "end": q + self.q_stages * stage}
 
     @property
@@ -397,16 +410,22 @@ class BackwardConfig:
             raise ValueError(f"q_stages must be 1 or 2, got {self}")
         if self.dq_vector not in (1, 4):
             raise ValueError(f"dq_vector must be 1 or 4, got {self}")
+        dv = self.value_dim
+        if self.head_dim_v and (dv % 32 or not 32 <= dv <= d or (d % 64 == 0) != (dv % 64 == 0)):
+            raise ValueError(f"head_dim_v must be a multiple of 32 up to head_dim ({d}), a multiple of 64 "
+                             f"where head_dim is one (one swizzle), got {self}")
         for what, n, split in (("queries", self.block_m, self.col_warps), ("head_dim", d, self.col_warps),
-                               ("dq head_dim", d, self.dq_col_warps)):
+                               ("head_dim_v", dv, self.col_warps), ("dq head_dim", d, self.dq_col_warps)):
             if n % (16 * split):
                 raise ValueError(f"{what} ({n}) must split into multiples of 16 over {split} warps: {self}")
         block_chunks = self.row_bytes // 16
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
         for rows in (self.block_m, self.block_n):
-            if rows * d // 8 % self.threads:
-                raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
+            for width in (d, dv):
+                if rows * width // 8 % self.threads:
+                    raise ValueError(f"tile of {rows} rows x {width} does not split evenly over "
+                                     f"{self.threads} threads")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..operands import (
+    Operand,
     check_device_layout,
     check_flag,
     check_like,
@@ -94,12 +95,16 @@ def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any,
     With a ``learnable_sink`` (checked as the forward's, ``describe_sink``) returns d_sink too."""
     window_size = check_window_size(window_size)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
-    check_shapes(qd, kd, vd)
+    check_shapes(qd, kd, vd, value_dim=True)
     batch, seqlen_q, heads_q, head_dim = qd.shape
     _, seqlen_k, heads_kv, _ = kd.shape
     dod, od = describe("dout", dout), describe("out", out)
-    check_like(dod, qd)
-    check_like(od, qd)
+    like_out = qd  # dout and out: q's shape, but for v's head dim where it differs
+    if vd.shape[3] != head_dim:
+        like_out = Operand("the forward's out (batch, seqlen_q, heads_q, v's head_dim)",
+                           (*qd.shape[:3], vd.shape[3]), qd.dtype_name, qd.on_device, None)
+    check_like(dod, like_out)
+    check_like(od, like_out)
     lsed = describe_lse(lse, (batch, heads_q, seqlen_q), qd.on_device)
     causal = check_flag("causal", causal)
     deterministic = check_flag("deterministic", deterministic)

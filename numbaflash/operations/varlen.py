@@ -89,8 +89,12 @@ def check_packed_shapes(q: Operand, k: Operand, v: Operand) -> None:
                              f"{op.shape}")
         if 0 in op.shape:
             raise ValueError(f"{op.name} is empty (shape {op.shape}); every dimension must be >= 1")
-    if k.shape != v.shape:
+    if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"v's head_dim ({v.shape[2]}) differs from q's and k's ({k.shape[2]}): the packed "
+                         "calls take one head_dim (flash_attention takes the pairs of "
+                         "configs.ASYMMETRIC_HEAD_DIMS)")
 
 
 def offsets_operand(name: str, cu: Any, on_device: bool) -> tuple[int, Any]:

@@ -194,7 +194,8 @@ def attention_backward_reference(
     """Gradients (dq, dk, dv) of ``sum(out * dout)`` for exact attention, in float64; with a
     ``sink``, (dq, dk, dv, d_sink).
 
-    Shapes as ``attention_reference``; ``dout`` has q's shape. dk and dv of a kv head sum over its
+    Shapes as ``attention_reference`` (v's head dim may differ from q's and k's: dout, out and dv
+    have v's); ``dout`` has out's shape. dk and dv of a kv head sum over its
     query heads (GQA); rows that see no key get zero gradients, keys that no row sees get zero dk
     and dv. ``rounding_dtype`` rounds every product and P, dS to that dtype, as a backward done in
     the input dtype would (the yardstick of FlashAttention's criterion). ``window_size`` and
@@ -230,8 +231,8 @@ def attention_backward_reference(
     dq = rnd(ds @ kf) * scale
     dk = rnd(ds.transpose(0, 1, 3, 2) @ qf) * scale
 
-    def per_kv_head(x):  # (b, hq, sk, d) -> (b, sk, hkv, d), summing each group
-        return x.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
+    def per_kv_head(x):  # (b, hq, sk, d or dv) -> (b, sk, hkv, d or dv), summing each group
+        return x.reshape(b, hkv, group, sk, x.shape[-1]).sum(axis=2).transpose(0, 2, 1, 3)
 
     grads = (np.ascontiguousarray(dq.transpose(0, 2, 1, 3)), np.ascontiguousarray(per_kv_head(dk)),
              np.ascontiguousarray(per_kv_head(dv)))
