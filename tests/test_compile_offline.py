@@ -462,3 +462,64 @@ def test_module_texts_gives_each_module_once():
     assert len(numba_texts) > len(texts) == len(set(texts)) == 4
     assert set(texts) == set(numba_texts) and texts[0] == numba_texts[0]
     assert module_texts(library) == texts  # the linked modules' text remembered
+
+
+def test_variables_listed_fast_lists_as_numba_does():
+    """``compiler.variables_listed_fast``: every statement of a function's Numba IR (calls,
+    tuples, slices, a branch, a loop, a raise; ``ir.Del`` statements too) lists the same
+    variables, the same objects in the same order, as Numba's own ``Inst._rec_list_vars``, and
+    that is back after the block. Pins the numba-cuda code it stands in for."""
+    from numba.cuda.compiler import run_frontend
+    from numba.cuda.core import ir
+
+    from numbaflash.runtime import compiler
+
+    source = inspect.getsource(ir.Inst._rec_list_vars)
+    for test in ("isinstance(val, var_types)", "isinstance(val, inst_types)", "val.list_vars()",
+                 "isinstance(val, (list, tuple))", "isinstance(val, dict)", "val.values()"):
+        assert test in source
+    assert "self._rec_list_vars(self.__dict__)" in inspect.getsource(ir.Stmt.list_vars)
+    assert "self._rec_list_vars(self._kws)" in inspect.getsource(ir.Expr.list_vars)
+
+    def function(a, b, n):
+        total = (a[0], b[1:n])
+        for i in range(n):
+            if a[i] > b[i]:
+                total = (total[0] + a[i] * b[i], total[1])
+            else:
+                b[i] = min(a[i], b[i], key=None)
+        if n < 0:
+            raise ValueError("n", n)
+        return total
+
+    statements = [stmt for block in run_frontend(function, emit_dels=True).blocks.values()
+                  for stmt in block.body]
+    assert any(isinstance(stmt, ir.Del) for stmt in statements)
+    stock = [stmt.list_vars() for stmt in statements]
+    assert sum(map(len, stock)) > 40
+    original = ir.Inst._rec_list_vars
+    with compiler.variables_listed_fast():
+        assert ir.Inst._rec_list_vars is not original
+        fast = [stmt.list_vars() for stmt in statements]
+    assert ir.Inst._rec_list_vars is original
+    for numba_vars, listed in zip(stock, fast, strict=True):
+        assert len(numba_vars) == len(listed)
+        assert all(x is y for x, y in zip(numba_vars, listed, strict=True))
+
+
+def test_cuda_paths_found_early_once_and_remembered():
+    """``compiler.cuda_paths_found_early``: one thread per process, which fills the caches that
+    NVVM's libdevice and NVRTC's include path read (pinned: numba-cuda's ``get_cuda_paths``
+    remembers its answer, and ``nvrtc.compile`` asks for the CCCL headers)."""
+    from numba.cuda import cuda_paths
+    from numba.cuda.cudadrv import nvrtc
+
+    from numbaflash.runtime import compiler
+
+    assert "get_cuda_paths._cached_result" in inspect.getsource(cuda_paths.get_cuda_paths)
+    assert 'locate_nvidia_header_directory("cccl")' in inspect.getsource(nvrtc.compile)
+    thread = compiler.cuda_paths_found_early()
+    assert compiler.cuda_paths_found_early() is thread
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert hasattr(cuda_paths.get_cuda_paths, "_cached_result")

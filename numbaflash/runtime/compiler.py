@@ -80,11 +80,13 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     the collections they trigger cost about a tenth of the compile; Numba types each builtin
     operator on scalars once per argument types (``scalar_operators_memoised``), and each
     device function once per process where two kernels build equal ones
-    (``device_functions_shared``). A kernel whose function is equal to one this process has
-    compiled for the same argument types, target and launch bounds (``function_fingerprint``:
-    the variants a spec gives that do not change the code, such as the decode's combine kernel
-    of configs that differ only in fields it does not read) gets that cubin back. NVVM gets
-    each LLVM module once (``module_texts``)."""
+    (``device_functions_shared``), and lists an IR statement's variables in one walk
+    (``variables_listed_fast``); CUDA's paths, which NVVM and NVRTC ask for, are found in a
+    thread meanwhile (``cuda_paths_found_early``). A kernel whose function is equal to one
+    this process has compiled for the same argument types, target and launch bounds
+    (``function_fingerprint``: the variants a spec gives that do not change the code, such as
+    the decode's combine kernel of configs that differ only in fields it does not read) gets
+    that cubin back. NVVM gets each LLVM module once (``module_texts``)."""
     from cuda.bindings import nvjitlink
 
     cc = parse_arch(arch)
@@ -94,8 +96,10 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
         known = _KERNEL_CUBINS.get(key)
         if known is not None:
             return known
+        paths = cuda_paths_found_early()
         library = numba_library(pyfunc, tuple(argtypes), cc, bounds)
         library._llvm_strs = module_texts(library)  # what get_ltoir hands NVVM
+        paths.join()
         modules = [("kernel", _code_bytes(library.get_ltoir(cc=cc)))]
         source = helper_source(library)
         if source:
@@ -117,6 +121,32 @@ def compile_cubin(pyfunc, argtypes: Sequence, arch: str, launch_bounds=None) -> 
     return cubin
 
 
+@functools.cache
+def cuda_paths_found_early() -> threading.Thread:
+    """Start (once per process) a thread that finds the CUDA paths NVVM and NVRTC will ask
+    numba-cuda for (``cuda_paths.get_cuda_paths``: libdevice, CUDA's header directory; the
+    CCCL headers ``numba.cuda.cudadrv.nvrtc.compile`` adds), and return it; join it before
+    NVVM. Both remember what they found, so the compile asks the same questions and gets the
+    same answers, sooner. Where no wheel holds CUDA's headers, ``cuda.pathfinder`` finds them
+    from the toolkit by loading a library in a subprocess: about 0.3 s that the thread spends
+    waiting while Numba compiles (the subprocess holds no lock of this process). A failure is
+    left for the compile to meet and report as before."""
+
+    def find() -> None:
+        try:
+            from cuda import pathfinder
+            from numba.cuda.cuda_paths import get_cuda_paths
+
+            get_cuda_paths()
+            pathfinder.locate_nvidia_header_directory("cccl")
+        except Exception:  # the compile asks again and reports what fails
+            pass
+
+    thread = threading.Thread(target=find, name="numbaflash-cuda-paths", daemon=True)
+    thread.start()
+    return thread
+
+
 def numba_library(pyfunc, argtypes: tuple, cc: tuple, launch_bounds=None):
     """Numba's code library of the kernel ``pyfunc`` compiled for ``cc`` (typed, lowered, its
     device functions' libraries linked in; ``get_ltoir`` runs NVVM): what
@@ -125,7 +155,8 @@ def numba_library(pyfunc, argtypes: tuple, cc: tuple, launch_bounds=None):
     this uses."""
     from numba.cuda.compiler import _compile_pyfunc_with_fixup
 
-    with target_capability(cc), scalar_operators_memoised(), device_functions_shared():
+    with (target_capability(cc), scalar_operators_memoised(), device_functions_shared(),
+          variables_listed_fast()):
         library, _ = _compile_pyfunc_with_fixup(pyfunc, argtypes, device=False, cc=cc, abi="numba",
                                                 launch_bounds=launch_bounds, lto=True)
     return library
@@ -316,6 +347,86 @@ def module_texts(library) -> list[str]:
             known = _MODULE_TEXTS[id(module)] = (module, linkage, str(module))
         texts.append(known[2])
     return texts
+
+
+# type -> how ``_variable_lister`` walks a value of it (the ``isinstance`` tests of Numba's
+# ``Inst._rec_list_vars``, in its order, made once per type)
+_VAR, _INST, _SEQUENCE, _MAPPING, _OTHER = range(5)
+_WALKS: dict = {}
+
+
+@contextlib.contextmanager
+def variables_listed_fast() -> Iterator[None]:
+    """While the block runs, Numba lists the variables of an IR statement (``list_vars``, which
+    its IR passes call for every statement each time they rebuild use-def and liveness
+    information: about a tenth of the Numba time) with ``_variable_lister``, which gives the
+    same list in the same order without a new list and four ``isinstance`` tests per value
+    walked.
+
+    ``numba.cuda.core.ir.Inst._rec_list_vars`` is replaced: the original walks a value
+    recursively (a variable: itself; an instruction: its ``list_vars()``; a list or tuple: its
+    items; a dict: its values; anything else: nothing) and concatenates; the replacement
+    appends to one list, classifies each type once (``_WALKS``) by the same tests, and walks a
+    statement's ``__dict__`` or an expression's ``_kws`` directly where the instruction's
+    ``list_vars`` is Numba's own (any other ``list_vars`` is called). Call it under Numba's
+    compiler lock (``target_capability`` holds it); ``tests/test_compile_offline.py`` checks
+    the two agree on every statement of a compiled function."""
+    from numba.cuda.core import ir
+
+    original = ir.Inst._rec_list_vars
+    ir.Inst._rec_list_vars = _rec_list_vars_fast
+    try:
+        yield
+    finally:
+        ir.Inst._rec_list_vars = original
+
+
+def _rec_list_vars_fast(self, val) -> list:
+    found: list = []
+    _variable_lister()(val, found)
+    return found
+
+
+@functools.cache
+def _variable_lister():
+    """``listed(value, found)``: append to ``found`` the variables ``value`` holds, as
+    ``Inst._rec_list_vars`` lists them."""
+    from numba.cuda.core import ir
+
+    statement_vars, expression_vars = ir.Stmt.list_vars, ir.Expr.list_vars
+    sequences = (list, tuple)
+
+    def walk_of(value) -> int:
+        if isinstance(value, ir.var_types):
+            return _VAR
+        if isinstance(value, ir.inst_types):
+            return _INST
+        if isinstance(value, sequences):
+            return _SEQUENCE
+        return _MAPPING if isinstance(value, dict) else _OTHER
+
+    def listed(value, found: list) -> None:
+        kind = _WALKS.get(type(value))
+        if kind is None:
+            kind = _WALKS[type(value)] = walk_of(value)
+        if kind == _VAR:
+            found.append(value)
+        elif kind == _INST:
+            list_vars = type(value).list_vars
+            if list_vars is statement_vars:
+                listed(value.__dict__, found)
+            elif list_vars is expression_vars:
+                listed(value._kws, found)
+            else:
+                found.extend(value.list_vars())
+        elif kind == _SEQUENCE:
+            for item in value:
+                listed(item, found)
+        elif kind == _MAPPING:
+            for item in value.values():
+                listed(item, found)
+
+    return listed
 
 
 # (operator function type, typing context, argument types) -> (signature, implementation key)
