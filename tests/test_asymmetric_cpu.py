@@ -129,12 +129,41 @@ def test_the_float64_backward_reference_takes_v_s_head_dim():
             assert abs(numeric - grad[index]) < 1e-6 * max(1.0, abs(numeric)), (which, index)
 
 
-def test_autograd_with_a_value_dim_is_refused_with_a_reason():
+def test_autograd_takes_v_s_head_dim(monkeypatch):
+    """The custom ops' wiring with the pair (the kernels stood in by the float64 references of
+    ``tests/_torch_attention.py``, as in ``test_torch_op_cpu``): out has v's head dim, the fake
+    kernels give the shapes, and q, k, v's gradients match autograd of the plain formula."""
     torch = pytest.importorskip("torch")
-    q, k = torch.zeros(1, 16, 2, 192, requires_grad=True), torch.zeros(1, 16, 2, 192)
-    v = torch.zeros(1, 16, 2, 128)
-    with pytest.raises(RuntimeError, match="no autograd or torch.compile route yet"):
-        numbaflash.flash_attention(q, k, v)
+    from numbaflash import torch_ops
+    from tests._torch_attention import attention_formula, reference_backward, reference_forward
+
+    monkeypatch.setattr(torch_ops, "run_forward", reference_forward)
+    monkeypatch.setattr(torch_ops, "run_backward", reference_backward)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 40, 4, 192, generator=gen).half().requires_grad_()
+    k = torch.randn(1, 50, 2, 192, generator=gen).half().requires_grad_()
+    v = torch.randn(1, 50, 2, 128, generator=gen).half().requires_grad_()
+    out = numbaflash.flash_attention(q, k, v, causal=True)
+    assert out.shape == (1, 40, 4, 128) and out.grad_fn is not None
+    dout = torch.randn(out.shape, generator=gen).half()
+    out.backward(dout)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, _ = attention_formula(q64, k64, v64, True, None)
+    ref.backward(dout.double())
+    ref = ref.detach()
+    torch.testing.assert_close(out.detach().double(), ref, atol=4e-3 * float(ref.abs().max()), rtol=0)
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, atol=8 * 2.0**-11 * max(1.0, float(want.abs().max())),
+                                   rtol=0)
+    fake = torch.ops.numbaflash.flash_attention_forward.default
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fq, fk, fv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        fout, flse = fake(fq, fk, fv, True, 192 ** -0.5)
+        assert fout.shape == (1, 40, 4, 128) and flse.shape == (1, 4, 40)
+        with pytest.raises(ValueError, match="dout must have shape"):
+            torch.ops.numbaflash.flash_attention_backward.default(fq, fq, fk, fv, fout, flse, True, 0.1,
+                                                                  False)
 
 
 def test_the_numpy_pipeline_stages_v_and_out_at_v_s_head_dim():

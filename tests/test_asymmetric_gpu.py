@@ -142,3 +142,25 @@ def test_asymmetric_backward_matches_reference(rng, causal, window, softcap, dty
         _, problems = compare_gradients_with_reference(q, k, v, dout, [g.copy_to_host() for g in given],
                                                        **options)
         assert not problems, f"device {shape}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_asymmetric_autograd_on_torch_tensors(rng, dtype):
+    """q, k, v that require grad: the custom ops' forward and backward, the gradients held to
+    FlashAttention's criterion against float64."""
+    torch = pytest.importorskip("torch")
+    from numbaflash.tools.reference import compare_gradients_with_reference
+
+    d, dv = ASYMMETRIC_HEAD_DIMS[0]
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(2, 300, 4, d, device="cuda", dtype=tdtype, requires_grad=True)
+    k = torch.randn(2, 400, 2, d, device="cuda", dtype=tdtype, requires_grad=True)
+    v = torch.randn(2, 400, 2, dv, device="cuda", dtype=tdtype, requires_grad=True)
+    out = numbaflash.flash_attention(q, k, v, causal=True)
+    assert out.shape == (2, 300, 4, dv) and out.grad_fn is not None
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    host = [x.detach().float().cpu().numpy().astype(DTYPES[dtype]) for x in (q, k, v, dout)]
+    grads = [x.grad.float().cpu().numpy() for x in (q, k, v)]
+    _, problems = compare_gradients_with_reference(*host, grads, causal=True)
+    assert not problems, "; ".join(problems)

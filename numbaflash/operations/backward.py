@@ -156,14 +156,14 @@ _PREPARED: set = set()
 
 def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool, *,
                      window: bool = False, softcap: bool = False, varlen: bool = False,
-                     sink: bool = False) -> int:
+                     sink: bool = False, head_dim_v: int = 0) -> int:
     """Start compiling, in worker processes, the kernels the backward of this call will load
     (``backward_kernels``' three, by ``backward_specs``), where they are neither loaded nor cached
     (``operations.warm``; the backward waits on them there); returns how many. What the forward
     runs when a backward will follow (its inputs require grad), before it compiles its own kernel.
     Once per problem kind (``ready_key``) and device; nothing under a forced config, and nothing
     where the backward has no config (it raises then, with the message)."""
-    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink)
+    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v)
     if key in _PREPARED or configs.OVERRIDES or not warm.enabled():
         return 0
     _PREPARED.add(key)
@@ -172,7 +172,7 @@ def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, ca
         return 0
     try:
         _, main = backward_specs(capability, gpu.shared_limit(device), head_dim, causal, bf16, window=window,
-                                 softcap=softcap, varlen=varlen)
+                                 softcap=softcap, varlen=varlen, head_dim_v=head_dim_v)
     except (ValueError, RuntimeError):
         return 0
     specs = call_specs(main, sink)
