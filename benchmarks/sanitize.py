@@ -94,6 +94,8 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
     if "sm80" in families:  # the pairs of head dims (every GPU runs the mma.sync family)
         found |= {c for c in configs.ASYMMETRIC_DEFAULTS.values() if c.shared_bytes <= limit}
+        pairs = [c for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs]
+        found |= {configs.backward_for_target(c, capability) for c in pairs if c.shared_bytes <= limit}
     return sorted(found, key=str)
 
 
@@ -111,6 +113,8 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
                     for _, _, c in configs.shipped_backward_configs()}
         shipped |= set(configs.shipped_decode_configs())
         shipped |= set(configs.ASYMMETRIC_DEFAULTS.values())
+        shipped |= {configs.backward_for_target(c, capability)
+                    for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs}
         return [i for i, c in enumerate(config_list) if c in shipped]
     parts = [p.strip() for p in spec.split(",")]
     if all(p.isdigit() for p in parts):
@@ -363,9 +367,11 @@ def run_backward_worker(config: BackwardConfig) -> int:
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for b, sq, sk, hq, hkv in worker_shapes(config.block_n):
-            d = config.head_dim
-            q, dout = (rng.standard_normal((b, sq, hq, d)).astype(dtype) for _ in range(2))
-            k, v = (rng.standard_normal((b, sk, hkv, d)).astype(dtype) for _ in range(2))
+            d, dv = config.head_dim, getattr(config, "value_dim", config.head_dim)
+            q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+            dout = rng.standard_normal((b, sq, hq, dv)).astype(dtype)
+            k = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+            v = rng.standard_normal((b, sk, hkv, dv)).astype(dtype)
             device = [DeviceBuffer(x) for x in (q, k, v)]
             for causal in (False, True):
                 out, lse = flash_attention(*device, causal=causal, return_lse=True)
@@ -401,9 +407,12 @@ def run_backward_worker(config: BackwardConfig) -> int:
                 failures += bool(problems)
             failures += run_backward_sink_cases(config, capability, (q, k, v, dout), device)
         # The packed variable-length backward: one case a dtype (causal for bfloat16), and one with a sink
-        failures += run_varlen_backward_case(config, capability, dtype, rng, causal=dtype is not np.float16)
-        failures += run_varlen_backward_case(config, capability, dtype, rng, causal=True,
-                                             sink=sink_logits(4))
+        # (a pair of head dims has no packed backward)
+        if not getattr(config, "head_dim_v", 0):
+            failures += run_varlen_backward_case(config, capability, dtype, rng,
+                                                 causal=dtype is not np.float16)
+            failures += run_varlen_backward_case(config, capability, dtype, rng, causal=True,
+                                                 sink=sink_logits(4))
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 

@@ -486,6 +486,9 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
         if choices is None or varlen:
             raise ValueError(f"no backward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}"
                              f"{' (packed sequences)' if varlen else ''}")
+        forced = OVERRIDES.get(backward_table_key(head_dim, causal)) if OVERRIDES else None
+        if isinstance(forced, BackwardConfig) and forced.value_dim == head_dim_v:  # force_config's
+            return backward_for_target(forced, capability)
         limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
         for config in choices:
             if config.shared_bytes <= limit:

@@ -103,6 +103,10 @@ def test_the_backward_config_of_the_pair_fits_every_gpu():
     assert layout["lse"] - layout["do"] == 64 * 128 * 2
     with pytest.raises(ValueError, match="packed sequences"):
         configs.backward_config((9, 0), 192, False, head_dim_v=128, varlen=True)
+    one_stage = configs.ASYMMETRIC_BACKWARD_DEFAULTS[(192, 128)][1]
+    with configs.force_config((9, 0), True, one_stage):  # what the sanitizer's worker does
+        assert configs.backward_config((9, 0), 192, True, head_dim_v=128).q_stages == 1
+    assert configs.backward_config((9, 0), 192, True, head_dim_v=128).q_stages == 2
 
 
 def test_the_float64_backward_reference_takes_v_s_head_dim():

@@ -116,7 +116,10 @@ def test_runnable_configs(capability, families):
     for fam in families:
         for d in FAMILY_HEAD_DIMS[fam]:
             assert set(CANDIDATES[(fam, d)]) <= set(got)
+    limit = configs.max_shared_bytes(capability)
     pairs = set(configs.ASYMMETRIC_DEFAULTS.values())  # (192, 128): every GPU runs the mma.sync family
+    pairs |= {configs.backward_for_target(c, capability)
+              for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs if c.shared_bytes <= limit}
     assert {c.head_dim for c in got if c not in pairs} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
     assert pairs <= set(got)
     shipped = {c for fam, _, _, c in configs.shipped_configs() if fam in families}
@@ -155,7 +158,9 @@ def test_select_indices():
                             | {configs.backward_for_target(c, (9, 0))
                                for _, _, c in san.configs.shipped_backward_configs()}
                             | set(san.configs.shipped_decode_configs())
-                            | set(configs.ASYMMETRIC_DEFAULTS.values()))
+                            | set(configs.ASYMMETRIC_DEFAULTS.values())
+                            | {configs.backward_for_target(c, (9, 0))
+                               for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs})
     assert len(shipped) < len(cl)
 
 

@@ -134,10 +134,10 @@ PINNED_DIGESTS = ("721014eb539fc133", "c288861f867eb913")
 
 
 def before_sinks(case) -> tuple:
-    """A case's fields but the learnable sink (the last field of a backward case, drawn from a
-    stream of its own since issue 56: every other field is what it was before) and, for a forward
-    case, V's head dim after it (its pairs are drawn with ``VALUE_DIM_SHARE`` 0 where this is read)."""
-    return dataclasses.astuple(case)[:-2 if isinstance(case, selftest.Case) else -1]
+    """A case's fields but the learnable sink (drawn from a stream of its own since issue 56: every
+    other field is what it was before) and V's head dim after it (its pairs are drawn with
+    ``VALUE_DIM_SHARE`` 0 where this is read)."""
+    return dataclasses.astuple(case)[:-2]
 
 
 def test_sinks_are_drawn_for_device_cases_of_the_forward_families_only():
@@ -179,9 +179,17 @@ def test_value_dims_are_drawn_for_dense_device_cases_of_the_mma_sync_family_only
     eligible = [c for c in cases if c.family == "sm80" and c.kind != "numpy" and not c.varlen]
     assert abs(len(pairs) / len(eligible) - selftest.VALUE_DIM_SHARE) < 0.06
     assert "d192v128" in pairs[0].describe() and any(c.causal for c in pairs) and any(c.sink for c in pairs)
+    backward = [selftest.draw_backward_case(s, i) for s in (0, 1) for i in range(600)]
+    bpairs = [c for c in backward if c.head_dim_v]
+    assert bpairs and all(not c.varlen for c in bpairs)
+    assert {c.kind for c in bpairs} == {"numpy", "numba", "torch"}
+    assert abs(len(bpairs) / sum(not c.varlen for c in backward) - selftest.VALUE_DIM_SHARE) < 0.06
     monkeypatch.setattr(selftest, "VALUE_DIM_SHARE", 0.0)
     plain = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
     for a, b in zip(cases, plain, strict=True):
+        assert dataclasses.replace(a, head_dim=b.head_dim, head_dim_v=0) == b
+    plain = [selftest.draw_backward_case(s, i) for s in (0, 1) for i in range(600)]
+    for a, b in zip(backward, plain, strict=True):
         assert dataclasses.replace(a, head_dim=b.head_dim, head_dim_v=0) == b
 
 

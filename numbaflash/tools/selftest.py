@@ -446,6 +446,8 @@ class BackwardCase:
     # A learnable sink (issue 56; device cases only, ``draw_sink`` on a stream of its own: every
     # other field is what it was before sinks): the backward returns d_sink, checked too.
     sink: tuple[float, ...] = ()
+    # V's head dim where it differs from ``head_dim`` (``draw_value_dims``, stream 27; dense cases).
+    head_dim_v: int = 0
 
     varlen = Case.varlen
     variant = Case.variant
@@ -492,9 +494,13 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
     if kind != "numpy":  # numpy inputs take no sink
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE,
                          stream=10)
+    head_dim_v = 0
+    if not seqlens_q:  # a pair of head dims (the dense backward, numpy and device arrays alike)
+        head_dim, head_dim_v = draw_value_dims(seed, index, head_dim, VALUE_DIM_SHARE, stream=27)
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                         kind, amplitude, scale, deterministic, use_outs, window_size=window,
-                        softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink)
+                        softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink,
+                        head_dim_v=head_dim_v)
 
 
 def run_backward_case(case: BackwardCase) -> CaseResult:
@@ -509,10 +515,11 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
             rows_q, rows_k = (sum(case.seqlens_q),), (sum(case.seqlens_k),)
         else:
             rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
+        value_dim = case.head_dim_v or case.head_dim
         q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
         k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
-        v = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim))
-        dout = rng.standard_normal(q.shape)
+        v = rng.standard_normal((*rows_k, case.heads_kv, value_dim))
+        dout = rng.standard_normal((*q.shape[:-1], value_dim))
         q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
         kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
