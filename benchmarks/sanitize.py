@@ -260,7 +260,7 @@ def run_varlen_case(config: KernelConfig, capability: tuple[int, int], host: lis
     from numbaflash.tools.reference import compare_varlen_with_reference
 
     q, k, v, cu_q, cu_k = host
-    out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
+    out = DeviceBuffer(np.full((*q.shape[:-1], host[2].shape[-1]), np.nan, q.dtype))  # v's head dim
     max_q, max_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
     forced = configs.force_config(capability, causal, config)
     with_sink = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}
@@ -285,9 +285,10 @@ def run_varlen_worker(config: KernelConfig, capability: tuple[int, int], dtype, 
 
     lengths_q, lengths_k = varlen_lengths(config.block_m)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
-    d = config.head_dim
+    d, dv = config.head_dim, getattr(config, "value_dim", config.head_dim)
     q = rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype)
-    k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype) for _ in range(2))
+    k = rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype)
+    v = rng.standard_normal((int(cu_k[-1]), 2, dv)).astype(dtype)
     host = [q, k, v, cu_q, cu_k]
     device = [DeviceBuffer(x) for x in (q, k, v)] + [cuda.to_device(cu_q), cuda.to_device(cu_k)]
     failures = 0
@@ -346,8 +347,7 @@ def run_worker(config: KernelConfig) -> int:
                               f"{(b, sq, sk, hq, hkv)} causal={causal} window={window} softcap={softcap} "
                               f"sink: {p}", flush=True)
                     failures += bool(problems)
-        if not getattr(config, "head_dim_v", 0):  # a pair of head dims has no varlen kernel
-            failures += run_varlen_worker(config, capability, dtype, rng)
+        failures += run_varlen_worker(config, capability, dtype, rng)
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 
@@ -407,12 +407,9 @@ def run_backward_worker(config: BackwardConfig) -> int:
                 failures += bool(problems)
             failures += run_backward_sink_cases(config, capability, (q, k, v, dout), device)
         # The packed variable-length backward: one case a dtype (causal for bfloat16), and one with a sink
-        # (a pair of head dims has no packed backward)
-        if not getattr(config, "head_dim_v", 0):
-            failures += run_varlen_backward_case(config, capability, dtype, rng,
-                                                 causal=dtype is not np.float16)
-            failures += run_varlen_backward_case(config, capability, dtype, rng, causal=True,
-                                                 sink=sink_logits(4))
+        failures += run_varlen_backward_case(config, capability, dtype, rng, causal=dtype is not np.float16)
+        failures += run_varlen_backward_case(config, capability, dtype, rng, causal=True,
+                                             sink=sink_logits(4))
     print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
     return WORKER_WRONG if failures else 0
 
@@ -466,9 +463,11 @@ def run_varlen_backward_case(config: BackwardConfig, capability: tuple[int, int]
     lengths_q, lengths_k = varlen_lengths(config.block_m)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
     max_q, max_k = max(lengths_q), max(lengths_k)
-    d = config.head_dim
-    q, dout = (rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype) for _ in range(2))
+    d, dv = config.head_dim, getattr(config, "value_dim", config.head_dim)
+    q = rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype)
+    dout = rng.standard_normal((int(cu_q[-1]), 4, dv)).astype(dtype)
+    k = rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype)
+    v = rng.standard_normal((int(cu_k[-1]), 2, dv)).astype(dtype)
     device = [DeviceBuffer(x) for x in (q, k, v)]
     offsets = [cuda.to_device(cu_q), cuda.to_device(cu_k), max_q, max_k]
     with_sink = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}

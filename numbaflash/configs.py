@@ -236,13 +236,13 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     passed over).
 
     ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
-    ``ASYMMETRIC_DEFAULTS`` config, the mma.sync family's on every GPU (no table entries yet).
+    ``ASYMMETRIC_DEFAULTS`` config, the mma.sync family's on every GPU, dense or packed (no table
+    entries yet).
     """
     if head_dim_v and head_dim_v != head_dim:
         config = ASYMMETRIC_DEFAULTS.get((head_dim, head_dim_v))
-        if config is None or varlen:
-            raise ValueError(f"no forward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}"
-                             f"{' (packed sequences)' if varlen else ''}")
+        if config is None:
+            raise ValueError(f"no forward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}")
         return config
     if OVERRIDES:
         forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
@@ -479,13 +479,12 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
         RuntimeError: no config of this head dim fits in ``shared_limit``.
 
     ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
-    ``ASYMMETRIC_BACKWARD_DEFAULTS`` config on every GPU (no packed sequences yet).
+    ``ASYMMETRIC_BACKWARD_DEFAULTS`` config on every GPU (dense or packed).
     """
     if head_dim_v and head_dim_v != head_dim:
         choices = ASYMMETRIC_BACKWARD_DEFAULTS.get((head_dim, head_dim_v))
-        if choices is None or varlen:
-            raise ValueError(f"no backward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}"
-                             f"{' (packed sequences)' if varlen else ''}")
+        if choices is None:
+            raise ValueError(f"no backward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}")
         forced = OVERRIDES.get(backward_table_key(head_dim, causal)) if OVERRIDES else None
         if isinstance(forced, BackwardConfig) and forced.value_dim == head_dim_v:  # force_config's
             return backward_for_target(forced, capability)

@@ -284,9 +284,9 @@ def describe_out(out: Any, qd: Operand, value_dim: int | None = None) -> Operand
     """``out`` given for a forward call of query ``qd``: q's shape (its head dim v's, ``value_dim``,
     where that differs) and dtype, where the inputs live, writeable when a numpy array."""
     od = describe("out", out)
-    shape = qd.shape if value_dim is None else (*qd.shape[:3], value_dim)
+    shape = qd.shape if value_dim is None else (*qd.shape[:-1], value_dim)
     if od.shape != shape or od.dtype_name != qd.dtype_name:
-        whose = "q's shape" if shape == qd.shape else "shape (batch, seqlen_q, heads_q, v's head_dim)"
+        whose = "q's shape" if shape == qd.shape else "q's shape with v's head_dim"
         raise ValueError(f"out must have {whose} {shape} and dtype {qd.dtype_name}, "
                          f"got {od.shape} {od.dtype_name}")
     if od.on_device != qd.on_device:

@@ -348,8 +348,8 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
                                    window_left: int = -1, window_right: int = -1,
                                    softcap: float = 0.0,
                                    learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(out, lse): out like q (total_q, heads_q, head_dim), contiguous; lse float32 (heads_q,
-    total_q). Autograd: the varlen backward op (the varlen sink backward op with a
+    """(out, lse): out like q with v's head dim (total_q, heads_q, head_dim_v), contiguous; lse
+    float32 (heads_q, total_q). Autograd: the varlen backward op (the varlen sink backward op with a
     ``learnable_sink``)."""
     if learnable_sink is not None:
         prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
@@ -374,7 +374,7 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
         operands.append(Operand(name, tuple(x.shape), dtype_name, True, None))
     check_packed_shapes(*operands)
-    check_shapes(*(packed(op) for op in operands))
+    check_shapes(*(packed(op) for op in operands), value_dim=True)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {cu.dtype}")
@@ -383,7 +383,7 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     check_softcap(softcap, softmax_scale)
     total_q, heads_q, _ = q.shape
     _check_sink(learnable_sink, heads_q)
-    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
+    return q.new_empty(out_shape(q, v)), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
 def run_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -418,8 +418,8 @@ def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                           causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0):
     _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                  window_left, window_right, softcap)
-    _check_like("dout", dout, q.shape, q.dtype)
-    _check_like("out", out, q.shape, q.dtype)
+    _check_like("dout", dout, out_shape(q, v), q.dtype)
+    _check_like("out", out, out_shape(q, v), q.dtype)
     total_q, heads_q, _ = q.shape
     _check_like("lse", lse, (heads_q, total_q), torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

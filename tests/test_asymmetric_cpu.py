@@ -41,11 +41,14 @@ def test_every_pair_has_a_config_that_fits_every_gpu(capability):
             assert config.shared_bytes <= configs.max_shared_bytes(capability)
 
 
-def test_a_pair_with_no_kernel_or_packed_sequences_is_refused_by_the_dispatch():
+def test_a_pair_with_no_kernel_is_refused_by_the_dispatch_and_packed_calls_take_the_pair():
     with pytest.raises(ValueError, match="no forward kernel for head_dim 128 with head_dim_v 64"):
         configs.forward_config((9, 0), 128, False, head_dim_v=64)
-    with pytest.raises(ValueError, match="packed sequences"):
-        configs.forward_config((9, 0), 192, False, head_dim_v=128, varlen=True)
+    with pytest.raises(ValueError, match="no backward kernel for head_dim 128 with head_dim_v 64"):
+        configs.backward_config((9, 0), 128, False, head_dim_v=64)
+    dense = configs.forward_config((9, 0), 192, False, head_dim_v=128)
+    assert configs.forward_config((9, 0), 192, False, head_dim_v=128, varlen=True) == dense
+    assert configs.backward_config((9, 0), 192, False, head_dim_v=128, varlen=True).value_dim == 128
 
 
 def test_check_shapes_takes_the_pairs_only_where_asked():
@@ -66,17 +69,29 @@ def test_check_shapes_takes_the_pairs_only_where_asked():
 
 def test_out_must_have_v_s_head_dim():
     q = operand("q", (2, 16, 4, 192))
-    expected = r"shape \(batch, seqlen_q, heads_q, v's head_dim\) \(2, 16, 4, 128\)"
+    expected = r"q's shape with v's head_dim \(2, 16, 4, 128\)"
     with pytest.raises(ValueError, match=expected):
         describe_out(np.zeros((2, 16, 4, 192), np.float16), q, 128)
 
 
-def test_the_calls_that_take_one_head_dim_say_so_before_anything_runs():
+def test_the_packed_calls_check_out_and_dout_for_v_s_head_dim():
     q, k = np.zeros((16, 2, 192), np.float16), np.zeros((16, 2, 192), np.float16)
     v = np.zeros((16, 2, 128), np.float16)
     cu = np.array([0, 16], np.int32)
-    with pytest.raises(ValueError, match=r"v's head_dim \(128\) differs.*packed calls take one head_dim"):
-        numbaflash.flash_attention_varlen(q, k, v, cu, cu, 16, 16)
+    with pytest.raises(ValueError, match=r"out must have q's shape with v's head_dim \(16, 2, 128\)"):
+        numbaflash.flash_attention_varlen(q, k, v, cu, cu, 16, 16, out=np.zeros((16, 2, 192), np.float16))
+    wrong = np.zeros((16, 2, 192), np.float16)
+    with pytest.raises(ValueError, match=r"dout must have the forward's out .* shape \(16, 2, 128\)"):
+        numbaflash.flash_attention_varlen_backward(wrong, q, k, v, wrong, np.zeros((2, 16), np.float32), cu,
+                                                   cu, 16, 16)
+    with pytest.raises(ValueError, match="no kernel for q/k head_dim 192 with v head_dim 96"):
+        numbaflash.flash_attention_varlen(q, k, np.zeros((16, 2, 96), np.float16), cu, cu, 16, 16)
+
+
+def test_the_kv_cache_call_takes_one_head_dim():
+    q, k = operand("q", (2, 1, 4, 192)), operand("k", (2, 64, 2, 192))
+    with pytest.raises(ValueError, match=r"this call needs one head_dim"):
+        check_shapes(q, k, operand("v", (2, 64, 2, 128)), paged=False)
 
 
 def test_the_backward_wants_dout_and_out_of_v_s_head_dim():
@@ -101,8 +116,6 @@ def test_the_backward_config_of_the_pair_fits_every_gpu():
     layout = configs.ASYMMETRIC_BACKWARD_DEFAULTS[(192, 128)][0].shared_layout
     assert layout["p"] - layout["v"] == 64 * 128 * 2 and layout["do"] - layout["q"] == 64 * 192 * 2
     assert layout["lse"] - layout["do"] == 64 * 128 * 2
-    with pytest.raises(ValueError, match="packed sequences"):
-        configs.backward_config((9, 0), 192, False, head_dim_v=128, varlen=True)
     one_stage = configs.ASYMMETRIC_BACKWARD_DEFAULTS[(192, 128)][1]
     with configs.force_config((9, 0), True, one_stage):  # what the sanitizer's worker does
         assert configs.backward_config((9, 0), 192, True, head_dim_v=128).q_stages == 1

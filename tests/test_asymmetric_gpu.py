@@ -164,3 +164,36 @@ def test_asymmetric_autograd_on_torch_tensors(rng, dtype):
     grads = [x.grad.float().cpu().numpy() for x in (q, k, v)]
     _, problems = compare_gradients_with_reference(*host, grads, causal=True)
     assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_asymmetric_varlen_forward_and_backward(rng, causal, dtype):
+    """The packed calls with the pair: three sequences (one with no query, one query row with no
+    key, a ragged one), numpy and device arrays, out and the gradients against float64."""
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import (
+        compare_varlen_gradients_with_reference,
+        compare_varlen_with_reference,
+    )
+
+    d, dv = ASYMMETRIC_HEAD_DIMS[0]
+    lengths_q, lengths_k = (0, 1, 300), (5, 0, 217)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    dt = DTYPES[dtype]
+    q = rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dt)
+    k = rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dt)
+    v = rng.standard_normal((int(cu_k[-1]), 2, dv)).astype(dt)
+    dout = rng.standard_normal((int(cu_q[-1]), 4, dv)).astype(dt)
+    for device in (False, True):
+        wrap = DeviceBuffer if device else (lambda x: x)
+        args = [wrap(x) for x in (q, k, v, cu_q, cu_k)]
+        out, lse = numbaflash.flash_attention_varlen(*args, 300, 217, causal=causal, return_lse=True)
+        host_out, host_lse = (x.copy_to_host() if device else x for x in (out, lse))
+        _, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, host_out, host_lse, causal=causal)
+        assert not problems, f"forward device={device}: " + "; ".join(problems)
+        grads = numbaflash.flash_attention_varlen_backward(wrap(dout), *args[:3], out, lse, *args[3:], 300,
+                                                           217, causal=causal)
+        host = tuple(g.copy_to_host() if device else g for g in grads)
+        _, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, host, causal=causal)
+        assert not problems, f"backward device={device}: " + "; ".join(problems)

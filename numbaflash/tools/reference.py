@@ -337,7 +337,7 @@ def varlen_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_s
     offsets. Returns ``(out, lse)``: out (total_q, heads_q, head_dim) float64, lse (heads_q,
     total_q) float64; a sequence without keys gives 0 and LSE -inf (with ``sink=`` (heads_q,):
     LSE = sink, as ``attention_reference``'s rows that see no key), an empty one nothing."""
-    out = np.zeros(q.shape, np.float64)
+    out = np.zeros((*q.shape[:2], v.shape[2]), np.float64)  # v's head dim
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     sink = sink_logits(options.get("sink"), q.shape[1])
     for b in range(len(cu_seqlens_q) - 1):

@@ -83,7 +83,8 @@ VARLEN_FAMILIES = ("sm80", "sm90")
 SINK_FAMILIES = ("sm80", "sm90")
 SINK_SHARE, SINK_SHARE_VARIANTS = 0.1, 1 / 3
 # V's head dim apart from Q's and K's (``configs.ASYMMETRIC_HEAD_DIMS``: the mma.sync family's
-# forward, device arrays, dense calls): that share of those cases of the family draws a pair.
+# kernels, every input kind, dense and packed): that share of the family's cases (and of the
+# backward's) draws a pair.
 VALUE_DIM_FAMILY, VALUE_DIM_SHARE = "sm80", 0.15
 
 
@@ -243,7 +244,7 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     if family in SINK_FAMILIES and kind != "numpy":
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE)
     head_dim_v = 0
-    if family == VALUE_DIM_FAMILY and kind != "numpy" and not seqlens_q:
+    if family == VALUE_DIM_FAMILY:
         head_dim, head_dim_v = draw_value_dims(seed, index, head_dim, VALUE_DIM_SHARE)
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
@@ -446,7 +447,7 @@ class BackwardCase:
     # A learnable sink (issue 56; device cases only, ``draw_sink`` on a stream of its own: every
     # other field is what it was before sinks): the backward returns d_sink, checked too.
     sink: tuple[float, ...] = ()
-    # V's head dim where it differs from ``head_dim`` (``draw_value_dims``, stream 27; dense cases).
+    # V's head dim where it differs from ``head_dim`` (``draw_value_dims``, stream 27).
     head_dim_v: int = 0
 
     varlen = Case.varlen
@@ -494,9 +495,7 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
     if kind != "numpy":  # numpy inputs take no sink
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE,
                          stream=10)
-    head_dim_v = 0
-    if not seqlens_q:  # a pair of head dims (the dense backward, numpy and device arrays alike)
-        head_dim, head_dim_v = draw_value_dims(seed, index, head_dim, VALUE_DIM_SHARE, stream=27)
+    head_dim, head_dim_v = draw_value_dims(seed, index, head_dim, VALUE_DIM_SHARE, stream=27)
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                         kind, amplitude, scale, deterministic, use_outs, window_size=window,
                         softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink,
