@@ -199,3 +199,40 @@ def test_the_numpy_pipeline_stages_v_and_out_at_v_s_head_dim():
     aligned = [-(-x // 256) * 256 for x in sizes]
     assert [lay.k - lay.q, lay.v - lay.k, lay.o - lay.v, lay.lse - lay.o] == aligned
     assert lay.nbytes < lay_plain.nbytes
+
+
+def test_a_compiled_function_of_the_pair_has_no_graph_break_and_its_gradients(monkeypatch):
+    """torch.compile(fullgraph=True) of a function calling flash_attention with the pair (the
+    kernels stood in by the float64 references): one graph, the eager result, and gradients."""
+    torch = pytest.importorskip("torch")
+    from numbaflash import api, operands, torch_ops
+    from tests._torch_attention import reference_backward, reference_forward
+
+    monkeypatch.setattr(torch_ops, "run_forward", reference_forward)
+    monkeypatch.setattr(torch_ops, "run_backward", reference_backward)
+    monkeypatch.setattr(api, "_TORCH_ROUTE", [])  # torch.compile traces the first torch call
+    monkeypatch.setattr(operands, "_KINDS", {np.ndarray: "numpy"})
+    torch._dynamo.reset()
+
+    def attend(q, k, v):
+        return numbaflash.flash_attention(q, k, v, causal=True).float().square().sum()
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 24, 4, 192, generator=gen).bfloat16().requires_grad_()
+    k = torch.randn(1, 24, 2, 192, generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(1, 24, 2, 128, generator=gen).bfloat16().requires_grad_()
+    explained = torch._dynamo.explain(attend)(q, k, v)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    eager = attend(q, k, v)
+    eager.backward()
+    torch.testing.assert_close(loss, eager, atol=0, rtol=0)
+    for got, x in zip(grads, (q, k, v), strict=True):
+        assert got.shape == x.shape
+        torch.testing.assert_close(got, x.grad, atol=0, rtol=0)
