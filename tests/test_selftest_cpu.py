@@ -173,25 +173,27 @@ def test_value_dims_are_drawn_for_cases_of_the_mma_sync_family_and_the_backward(
     (``configs.ASYMMETRIC_HEAD_DIMS``), on a stream of their own: with the share at 0 every case is
     what it is with pairs, but for the pair."""
     cases = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
-    pairs = [c for c in cases if c.head_dim_v]
-    assert pairs and all((c.head_dim, c.head_dim_v) in configs.ASYMMETRIC_HEAD_DIMS for c in pairs)
+    pairs = [c for c in cases if c.value_dims]
+    assert pairs and all(c.value_dims in configs.ASYMMETRIC_HEAD_DIMS for c in pairs)
+    plain_case = next(c for c in cases if not c.value_dims)
+    assert all(c.dims == c.value_dims for c in pairs) and plain_case.dims == (plain_case.head_dim,) * 2
     assert all(c.family == "sm80" for c in pairs) and any(c.varlen for c in pairs)
     assert {c.kind for c in pairs} == {"numpy", "numba", "torch"}
     eligible = [c for c in cases if c.family == "sm80"]
     assert abs(len(pairs) / len(eligible) - selftest.VALUE_DIM_SHARE) < 0.06
     assert "d192v128" in pairs[0].describe() and any(c.causal for c in pairs) and any(c.sink for c in pairs)
     backward = [selftest.draw_backward_case(s, i) for s in (0, 1) for i in range(600)]
-    bpairs = [c for c in backward if c.head_dim_v]
+    bpairs = [c for c in backward if c.value_dims]
     assert bpairs and any(c.varlen for c in bpairs)
     assert {c.kind for c in bpairs} == {"numpy", "numba", "torch"}
     assert abs(len(bpairs) / len(backward) - selftest.VALUE_DIM_SHARE) < 0.06
     monkeypatch.setattr(selftest, "VALUE_DIM_SHARE", 0.0)
     plain = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
     for a, b in zip(cases, plain, strict=True):
-        assert dataclasses.replace(a, head_dim=b.head_dim, head_dim_v=0) == b
+        assert dataclasses.replace(a, value_dims=()) == b
     plain = [selftest.draw_backward_case(s, i) for s in (0, 1) for i in range(600)]
     for a, b in zip(backward, plain, strict=True):
-        assert dataclasses.replace(a, head_dim=b.head_dim, head_dim_v=0) == b
+        assert dataclasses.replace(a, value_dims=()) == b
 
 
 def test_default_mode_draws_are_unchanged(monkeypatch):

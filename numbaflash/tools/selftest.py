@@ -92,7 +92,8 @@ def describe_problem(case: Any) -> str:
     """The part of a forward or backward case's one-line description they share: family, head
     dim, masking, dtype, shape, input kind, amplitude and scale."""
     scale = "default" if case.softmax_scale is None else f"{case.softmax_scale:.4g}"
-    dims = f"d{case.head_dim}" + (f"v{case.head_dim_v}" if getattr(case, "head_dim_v", 0) else "")
+    pair = getattr(case, "value_dims", ())
+    dims = f"d{pair[0]}v{pair[1]}" if pair else f"d{case.head_dim}"
     return (f"{case.family} {dims} {'causal' if case.causal else 'full'} {case.dtype} "
             f"b{case.batch} sq{case.seqlen_q} sk{case.seqlen_k} h{case.heads_q}/{case.heads_kv} "
             f"{case.kind} amp{case.amplitude:.3g} scale={scale}")
@@ -136,8 +137,15 @@ class Case:
     # some device cases of the ``SINK_FAMILIES``; () for none. Drawn from a stream of its own, so
     # every other field is what it was before sinks.
     sink: tuple[float, ...] = ()
-    # V's head dim where it differs from ``head_dim`` (``draw_value_dims``; 0 for the same).
-    head_dim_v: int = 0
+    # A pair of head dims (Q's and K's, V's: ``configs.ASYMMETRIC_HEAD_DIMS``) the case runs in
+    # place of ``head_dim`` (``draw_value_dims``, a stream of its own: every other field, the
+    # stratum's head_dim included, is what it was before the pairs); () for none.
+    value_dims: tuple[int, ...] = ()
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(Q's and K's head dim, V's) of the case's tensors."""
+        return self.value_dims if self.value_dims else (self.head_dim, self.head_dim)
 
     @property
     def varlen(self) -> bool:
@@ -243,23 +251,20 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     sink = ()
     if family in SINK_FAMILIES and kind != "numpy":
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE)
-    head_dim_v = 0
-    if family == VALUE_DIM_FAMILY:
-        head_dim, head_dim_v = draw_value_dims(seed, index, head_dim, VALUE_DIM_SHARE)
+    value_dims = draw_value_dims(seed, index, VALUE_DIM_SHARE) if family == VALUE_DIM_FAMILY else ()
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
-                sink, head_dim_v)
+                sink, value_dims)
 
 
-def draw_value_dims(seed: int, index: int, head_dim: int, share: float = VALUE_DIM_SHARE,
-                    stream: int = 26) -> tuple[int, int]:
-    """(head_dim, head_dim_v) of a case: ``share`` of them one of ``configs.ASYMMETRIC_HEAD_DIMS``,
-    the others (head_dim, 0) as drawn, from a stream of its own (every other field of the case is
-    what it was before the pairs)."""
+def draw_value_dims(seed: int, index: int, share: float = VALUE_DIM_SHARE,
+                    stream: int = 26) -> tuple[int, ...]:
+    """The pair of head dims a case runs (``share`` of them: one of ``configs.ASYMMETRIC_HEAD_DIMS``),
+    else (), from a stream of its own (every other field of the case is what it was before)."""
     rng = np.random.default_rng([seed, index, stream])
     if rng.random() >= share:
-        return head_dim, 0
-    return ASYMMETRIC_HEAD_DIMS[int(rng.integers(0, len(ASYMMETRIC_HEAD_DIMS)))]
+        return ()
+    return tuple(ASYMMETRIC_HEAD_DIMS[int(rng.integers(0, len(ASYMMETRIC_HEAD_DIMS)))])
 
 
 
@@ -358,9 +363,10 @@ def make_inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows_q, rows_k = (sum(case.seqlens_q),), (sum(case.seqlens_k),)
     else:
         rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
-    q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
-    k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
-    v = rng.standard_normal((*rows_k, case.heads_kv, getattr(case, "head_dim_v", 0) or case.head_dim))
+    d, dv = case.dims
+    q = rng.standard_normal((*rows_q, case.heads_q, d)) * case.amplitude
+    k = rng.standard_normal((*rows_k, case.heads_kv, d)) * case.amplitude
+    v = rng.standard_normal((*rows_k, case.heads_kv, dv))
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
@@ -382,7 +388,7 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
             out = np.full((*q.shape[:-1], v.shape[-1]), np.nan, q.dtype)
             out = out if kind == "numpy" else to_device(out, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}
-        if case.head_dim_v:  # one config on every GPU (``configs.ASYMMETRIC_DEFAULTS``): none to force
+        if case.value_dims:  # one config on every GPU (``configs.ASYMMETRIC_DEFAULTS``): none to force
             forced = (contextlib.nullcontext(), contextlib.nullcontext())
         else:  # a window kernel takes the causal or the full config, whatever the case's causal flag
             forced = tuple(force_config(capability, c, case_config(case.family, case.head_dim, c, case.span))
@@ -447,10 +453,12 @@ class BackwardCase:
     # A learnable sink (issue 56; device cases only, ``draw_sink`` on a stream of its own: every
     # other field is what it was before sinks): the backward returns d_sink, checked too.
     sink: tuple[float, ...] = ()
-    # V's head dim where it differs from ``head_dim`` (``draw_value_dims``, stream 27).
-    head_dim_v: int = 0
+    # A pair of head dims run in place of ``head_dim`` (``draw_value_dims``, stream 27), as the
+    # forward case's.
+    value_dims: tuple[int, ...] = ()
 
     varlen = Case.varlen
+    dims = Case.dims
     variant = Case.variant
 
     def describe(self) -> str:
@@ -495,11 +503,11 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
     if kind != "numpy":  # numpy inputs take no sink
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE,
                          stream=10)
-    head_dim, head_dim_v = draw_value_dims(seed, index, head_dim, VALUE_DIM_SHARE, stream=27)
+    value_dims = draw_value_dims(seed, index, VALUE_DIM_SHARE, stream=27)
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                         kind, amplitude, scale, deterministic, use_outs, window_size=window,
                         softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink,
-                        head_dim_v=head_dim_v)
+                        value_dims=value_dims)
 
 
 def run_backward_case(case: BackwardCase) -> CaseResult:
@@ -514,9 +522,9 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
             rows_q, rows_k = (sum(case.seqlens_q),), (sum(case.seqlens_k),)
         else:
             rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
-        value_dim = case.head_dim_v or case.head_dim
-        q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
-        k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
+        d, value_dim = case.dims
+        q = rng.standard_normal((*rows_q, case.heads_q, d)) * case.amplitude
+        k = rng.standard_normal((*rows_k, case.heads_kv, d)) * case.amplitude
         v = rng.standard_normal((*rows_k, case.heads_kv, value_dim))
         dout = rng.standard_normal((*q.shape[:-1], value_dim))
         q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
