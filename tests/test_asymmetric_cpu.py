@@ -146,6 +146,24 @@ def test_the_float64_backward_reference_takes_v_s_head_dim():
             assert abs(numeric - grad[index]) < 1e-6 * max(1.0, abs(numeric)), (which, index)
 
 
+def test_the_packed_forward_check_wants_v_s_head_dim():
+    """compare_varlen_with_reference takes the packed reference's own out (v's head dim) and
+    names an out of q's head dim as a wrong shape (the device run on 46f90a5 found it asking
+    for q's)."""
+    from numbaflash.tools.reference import compare_varlen_with_reference, varlen_attention_reference
+
+    rng = np.random.default_rng(6)
+    cu_q, cu_k = np.array([0, 0, 1, 6], np.int32), np.array([0, 5, 5, 9], np.int32)
+    q, k, v = rng.standard_normal((6, 4, 48)), rng.standard_normal((9, 2, 48)), rng.standard_normal((9, 2, 32))
+    out, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=True)
+    assert out.shape == (6, 4, 32)
+    ratio, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, out, lse, causal=True)
+    assert problems == [] and 0 <= ratio <= 1
+    wrong = np.zeros(q.shape)
+    assert compare_varlen_with_reference(q, k, v, cu_q, cu_k, wrong, lse)[1] == [
+        "output shape (6, 4, 48), expected (6, 4, 32)"]
+
+
 def test_autograd_takes_v_s_head_dim(monkeypatch):
     """The custom ops' wiring with the pair (the kernels stood in by the float64 references of
     ``tests/_torch_attention.py``, as in ``test_torch_op_cpu``): out has v's head dim, the fake

@@ -120,7 +120,9 @@ def test_asymmetric_forward_on_numpy_arrays(rng, causal, dtype):
 def test_asymmetric_backward_matches_reference(rng, causal, window, softcap, dtype):
     """dq, dk (Q's and K's head dim) and dv (V's) against float64 by FlashAttention's criterion,
     from the forward's out and LSE: device arrays (gradients poisoned with NaN, given as outputs)
-    and numpy inputs."""
+    and numpy inputs (the LSE float32 in device memory)."""
+    from numba import cuda
+
     from numbaflash.runtime.buffers import DeviceBuffer
     from numbaflash.tools.reference import compare_gradients_with_reference
 
@@ -136,7 +138,7 @@ def test_asymmetric_backward_matches_reference(rng, causal, window, softcap, dty
         assert not problems, f"numpy {shape}: " + "; ".join(problems)
         device = [DeviceBuffer(x) for x in (dout, q, k, v, out)]
         given = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
-        found = numbaflash.flash_attention_backward(*device, DeviceBuffer(lse), dq=given[0], dk=given[1],
+        found = numbaflash.flash_attention_backward(*device, cuda.to_device(lse), dq=given[0], dk=given[1],
                                                     dv=given[2], **options)
         assert all(a is b for a, b in zip(found, given, strict=True))
         _, problems = compare_gradients_with_reference(q, k, v, dout, [g.copy_to_host() for g in given],

@@ -368,13 +368,14 @@ def compare_varlen_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, c
                                   **options) -> tuple[float, list[str]]:
     """``compare_with_reference`` on each sequence of a packed batch (as
     ``varlen_attention_reference`` computes it): ``(worst ratio, problems)``, each problem naming
-    its sequence. ``out`` (total_q, heads_q, head_dim) and ``lse`` (heads_q, total_q), any float
+    its sequence. ``out`` (total_q, heads_q, v's head_dim) and ``lse`` (heads_q, total_q), any float
     dtype; a sequence without keys must give exactly 0 (so no NaN) and LSE -inf (with ``sink=``:
     the sink's, within ``lse_tolerance``); an empty one owns no row. ``options``:
     ``compare_with_reference``'s keywords."""
     out = np.asarray(out).astype(np.float64)
-    if out.shape != q.shape:
-        return math.inf, [f"output shape {out.shape}, expected {q.shape}"]
+    expected = (*q.shape[:2], v.shape[2])
+    if out.shape != expected:
+        return math.inf, [f"output shape {out.shape}, expected {expected}"]
     if lse is not None:
         lse = np.asarray(lse, np.float64)
         if lse.shape != (q.shape[1], q.shape[0]):
