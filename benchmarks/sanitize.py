@@ -50,6 +50,7 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
 WORKER_WRONG = 3  # worker exit status: a result failed the check
+WRONG_LINES_SHOWN = 3  # a WRONG job's failing cases printed with the summary (``wrong_lines``)
 WORKER_EXCEPTION = 4  # worker exit status: an exception (Python's own 1 is the sanitizer's)
 SANITIZER_ERROR = 1  # --error-exitcode
 WORKER_DONE = "worker done:"  # the worker's last line: it ran every case
@@ -128,7 +129,8 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
 @dataclasses.dataclass(frozen=True)
 class JobResult:
     """One sanitizer run: ``rc`` None when it timed out, ``errors`` None when no summary was found,
-    ``finished`` whether the worker printed its last line (WORKER_DONE)."""
+    ``finished`` whether the worker printed its last line (WORKER_DONE), ``wrong`` the first of the
+    worker's WRONG lines (the cases whose results failed the check)."""
 
     tool: str
     index: int
@@ -136,6 +138,7 @@ class JobResult:
     errors: int | None
     finished: bool = True
     log: str = ""
+    wrong: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -667,7 +670,14 @@ def run_job(cmd: list[str], tool: str, index: int, log_path: Path, timeout: floa
             proc.wait()
             rc = None
     text = log_path.read_text(errors="replace")
-    return JobResult(tool, index, rc, parse_summary(tool, text), WORKER_DONE in text, str(log_path))
+    return JobResult(tool, index, rc, parse_summary(tool, text), WORKER_DONE in text, str(log_path),
+                     wrong_lines(text))
+
+
+def wrong_lines(text: str, limit: int = WRONG_LINES_SHOWN) -> tuple[str, ...]:
+    """The first ``limit`` WRONG lines of a worker's log: what the summary prints for a job whose
+    results failed the check, so that one run names the failing cases without its logs."""
+    return tuple(line for line in text.splitlines() if line.startswith("WRONG "))[:limit]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -736,6 +746,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{n}/{len(jobs)}] {r.tool} #{r.index}: {r.cell}", file=sys.stderr, flush=True)
     print()
     print(format_table([(i, config_list[i]) for i in indices], results, tools))
+    for (tool, i), r in sorted(results.items(), key=lambda item: (item[0][1], item[0][0])):
+        for line in r.wrong:
+            print(f"#{i} {tool}: {line}")
     print(summary_line(list(results.values())))
     return 0 if all(r.ok for r in results.values()) else 1
 

@@ -3,7 +3,7 @@ beside FlashAttention-4's ``learnable_sink`` when ``flash_attn.cute`` imports, i
 a GPU and PyTorch with CUDA).
 
     python benchmarks/sink_speed.py [--seqlen 4096] [--head-dims 64,128] [--dtype bf16]
-                                    [--tokens 65536] [--iters 30] [--rounds 3] [--no-fa4]
+                                    [--tokens 65536] [--iters 30] [--rounds 3] [--pairs 60] [--no-fa4]
 
 The workload is ``backward_speed.py``'s: batch * seqlen = ``--tokens``, heads * head_dim = 2048,
 (batch, seqlen, heads, head_dim) tensors, random normal, a float32 sink of shape (heads,). Each
@@ -15,12 +15,16 @@ Per head dim and causal flag it prints the times (ms) of our forward and backwar
 the sink, the ratios sink / plain (the issue's bar: at most 1.03 each), and, with FA4, FA4's time
 with its sink over ours (above 1: ours is faster; the backward through autograd, the sink requiring
 grad, where FA4 takes it). Then decode, one query a sequence against 8 sequences of 8192 cached
-keys (32 query and 8 KV heads, head dim 128), with and without a sink (bar 1.03).
+keys (32 query and 8 KV heads, head dim 128), with and without a sink (bar 1.03). Each ratio comes
+twice: from the interleaved blocks' medians, and paired (``paired_ratio``: plain and sink calls
+alternating one by one, the median and quartiles of ``--pairs`` adjacent ratios), which a clock
+step between blocks cannot bias (the blocks' ratio moved by about 4% between two runs, N1129).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from backward_speed import interleaved_medians
@@ -68,6 +72,19 @@ def decode_calls(dtype: torch.dtype) -> dict:
     }
 
 
+def paired_ratio(plain, with_sink, pairs: int) -> tuple[float, float, float]:
+    """(median, first quartile, third quartile) of with_sink / plain over ``pairs`` adjacent pairs
+    of CUDA-event-timed calls, the two alternating call by call after the warm-up
+    (``tools.bench.time_with_events``): a clock step moves both calls of a pair alike, which
+    blocks of one call each cannot promise."""
+    from numbaflash.tools.bench import Device, time_with_events
+
+    times = time_with_events(Device(torch), [plain, with_sink], 5, 2 * pairs, 250.0)
+    ratios = sorted(b / a for a, b in zip(times[0::2], times[1::2], strict=True))
+    quartile = len(ratios) // 4
+    return statistics.median(ratios), ratios[quartile], ratios[-1 - quartile]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqlen", type=int, default=4096)
@@ -76,6 +93,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--iters", type=int, default=30, help="timed calls per call")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed blocks per call")
+    p.add_argument("--pairs", type=int, default=60, help="adjacent plain / sink pairs for the paired ratios")
     p.add_argument("--no-fa4", action="store_true", help="leave FlashAttention-4 out")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -89,8 +107,9 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}; numbaflash {numbaflash.__version__}, "
           f"torch {torch.__version__}, {args.dtype}, seqlen {args.seqlen}, {args.tokens} tokens, width 2048")
     print("| d | causal | fwd plain ms | fwd sink ms | fwd sink / plain | bwd plain ms | bwd sink ms "
-          "| bwd sink / plain | FA4 fwd sink / ours | FA4 bwd sink / ours |")
-    print("|--:|:--|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "| bwd sink / plain | FA4 fwd sink / ours | FA4 bwd sink / ours | fwd paired [q1, q3] "
+          "| bwd paired [q1, q3] |")
+    print("|--:|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     nan = float("nan")
     for d in (int(x) for x in args.head_dims.split(",")):
         batch, heads = max(1, args.tokens // args.seqlen), 2048 // d
@@ -98,17 +117,23 @@ def main() -> None:
             q, k, v, dout = (torch.randn(batch, args.seqlen, heads, d, device="cuda", dtype=dtype)
                              for _ in range(4))
             sink = torch.randn(heads, device="cuda")
-            ms = interleaved_medians(dense_calls(q, k, v, dout, sink, causal, fa4), 5, args.iters,
-                                     args.rounds, 250.0)
+            calls = dense_calls(q, k, v, dout, sink, causal, fa4)
+            ms = interleaved_medians(calls, 5, args.iters, args.rounds, 250.0)
             fa4_fwd, fa4_bwd = ms.get("fa4 fwd sink", nan), ms.get("fa4 bwd sink", nan)
+            paired = [paired_ratio(calls[f"{x} plain"], calls[f"{x} sink"], args.pairs)
+                      for x in ("fwd", "bwd")]
+            cells = " | ".join(f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in paired)
             print(f"| {d} | {'yes' if causal else 'no'} | {ms['fwd plain']:.3f} | {ms['fwd sink']:.3f} "
                   f"| {ms['fwd sink'] / ms['fwd plain']:.3f} | {ms['bwd plain']:.3f} | {ms['bwd sink']:.3f} "
                   f"| {ms['bwd sink'] / ms['bwd plain']:.3f} | {fa4_fwd / ms['fwd sink']:.3f} "
-                  f"| {fa4_bwd / ms['bwd sink']:.3f} |", flush=True)
-    ms = interleaved_medians(decode_calls(dtype), 5, args.iters * 10, args.rounds, 250.0)
+                  f"| {fa4_bwd / ms['bwd sink']:.3f} | {cells} |", flush=True)
+    calls = decode_calls(dtype)
+    ms = interleaved_medians(calls, 5, args.iters * 10, args.rounds, 250.0)
     plain, with_sink = ms["decode plain"], ms["decode sink"]
+    m, lo, hi = paired_ratio(calls["decode plain"], calls["decode sink"], args.pairs * 10)
     print(f"decode 8 x 8192 keys, d128, 32/8 heads: plain {1000 * plain:.1f} us, "
-          f"sink {1000 * with_sink:.1f} us, sink / plain {with_sink / plain:.3f}")
+          f"sink {1000 * with_sink:.1f} us, sink / plain {with_sink / plain:.3f}, "
+          f"paired {m:.3f} [{lo:.3f}, {hi:.3f}]")
 
 
 if __name__ == "__main__":

@@ -297,11 +297,11 @@ def flash_attention_with_kvcache(
                                rotary_interleaved)
         if routed is not None:
             return routed
-        # (a call with a sink or a cache option takes the full checks, then its plan)
-        if (learnable_sink is None and cache_batch_idx is None and cache_leftpad is None
-                and rotary_cos is None and rotary_sin is None):
+        # (a call with a rotary embedding takes the full checks, then its plan)
+        if rotary_cos is None and rotary_sin is None:
             done = decode.run_torch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                                    softmax_scale, num_splits, return_lse, out, window_size, softcap)
+                                    softmax_scale, num_splits, return_lse, out, window_size, softcap,
+                                    learnable_sink, cache_batch_idx, cache_leftpad)
             if done is not None:
                 return done
     if (learnable_sink is None and cache_batch_idx is None and cache_leftpad is None and rotary_cos is None

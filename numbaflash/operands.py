@@ -613,6 +613,18 @@ def describe_rotary(cos: Any, sin: Any, q: Operand, room: int, has_new: bool) ->
     return cosd, sind, dim
 
 
+def torch_small_pointer(x: Any, dtype: Any, length: int, device: int) -> int | None:
+    """The device pointer of a torch CUDA vector that a validated plan can take as it is (the
+    fast paths' check of a learnable sink, cache_batch_idx or cache_leftpad): of ``dtype``,
+    shape (length,), contiguous, on ``device``, on a 4-byte boundary. None for anything else:
+    the full checks (``describe_sink``, ``describe_index``) then run and name what is wrong."""
+    if (type(x) not in TORCH_TYPES or x.dtype is not dtype or x.get_device() != device
+            or x.shape != (length,) or (length > 1 and x.stride()[0] != 1)):
+        return None
+    pointer = x.data_ptr()
+    return None if pointer & 3 else pointer
+
+
 def describe_sink(x: Any, heads_q: int, on_device: bool, function: str = "flash_attention") -> Operand:
     """A learnable sink (FlashAttention-4's ``learnable_sink``) as an operand: float32 logits of
     shape (heads_q,), one per query head, a contiguous device array (torch CUDA tensor or any

@@ -458,3 +458,51 @@ def test_a_compiled_decode_step_with_every_option_has_no_graph_break(monkeypatch
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert torch.equal(kc, eager[0]) and not torch.equal(kc[2, 5], kn[0, 0])  # appended rotated, at row 2
     assert torch.equal(lens, torch.tensor([6, 10], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ torch calls of a known layout
+
+
+def test_torch_option_calls_of_a_known_layout_take_the_plan(fake_gpu, monkeypatch):
+    """A torch call with a learnable sink, cache_batch_idx and cache_leftpad whose layout has a
+    plan skips the full checks (``decode.run_torch``) and fires the same launch with the new
+    call's option pointers; vectors the plan cannot take (another length, dtype, device) are left
+    to the full path, which names what is wrong."""
+    torch = pytest.importorskip("torch")
+    from numbaflash import operands, torch_route
+    from numbaflash.operations import entry
+    from tests.test_api_cpu import cuda_like
+
+    monkeypatch.setattr(operands, "_RAW_STREAM", lambda ordinal: 7)
+    monkeypatch.setattr(torch_route, "route_kvcache", lambda *args: None)  # as for real tensors, eagerly
+    q = cuda_like(torch, (2, 1, 8, 128))
+    kc, vc = cuda_like(torch, (5, 300, 2, 128)), cuda_like(torch, (5, 300, 2, 128))  # 5 rows: cache_batch_idx
+    seqlens = cuda_like(torch, (2,), dtype=torch.int32)
+    out = cuda_like(torch, q.shape)
+
+    def options():
+        return {"learnable_sink": cuda_like(torch, (8,), dtype=torch.float32),
+                "cache_batch_idx": cuda_like(torch, (2,), dtype=torch.int32),
+                "cache_leftpad": cuda_like(torch, (2,), dtype=torch.int32)}
+
+    def run(opts):
+        FakeLauncher.launches.clear()
+        numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, num_splits=1, out=out, **opts)
+        return [args for _, _, _, _, args in FakeLauncher.launches]
+
+    first = options()
+    full = run(first)
+    second = options()
+    with monkeypatch.context() as patch:  # the plan serves this one: no describing
+        patch.setattr(entry, "describe", None)
+        planned = run(second)
+    n = len(params.DECODE)
+    assert len(full) == len(planned) == 1 and full[0][:n] == planned[0][:n]
+    assert planned[0][n:] == tuple((second[name].data_ptr(), size) for name, size in
+                                   (("learnable_sink", 8), ("cache_batch_idx", 2), ("cache_leftpad", 2)))
+    for name, bad, error, match in (
+            ("learnable_sink", cuda_like(torch, (4,), dtype=torch.float32), ValueError, r"\(heads_q,\)"),
+            ("cache_batch_idx", cuda_like(torch, (2,), dtype=torch.int64), TypeError, "must be int32"),
+            ("cache_leftpad", cuda_like(torch, (2,), ordinal=1, dtype=torch.int32), ValueError, "device")):
+        with pytest.raises(error, match=match):
+            run({**options(), name: bad})

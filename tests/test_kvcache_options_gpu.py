@@ -277,3 +277,33 @@ def test_rotary_with_window_softcap_and_the_window_append(interleaved):
     for splits in (1, 4):
         run_rotary_and_check(q, kc, vc, seqlens, new, table, idx, pad, before, cos, sin, interleaved,
                              causal=False, splits=splits, window_size=(40, 0), softcap=30.0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_option_calls_of_a_known_layout_take_the_fast_path(monkeypatch, paged, splits):
+    """A second call of a validated layout with a learnable sink, cache_batch_idx and
+    cache_leftpad goes through ``decode.run_torch`` and gives the first call's bits; a new sink
+    of the same layout is read (the output changes), and a sink the plan cannot take (float16) is
+    declined there and refused by the full path."""
+    from numbaflash.operations import decode as decode_op
+
+    q, kc, vc, seqlens, _, table, idx, pad = option_problem(12, torch.bfloat16, paged, seqlen_new=0)
+    sink = torch.randn(q.shape[2], device="cuda")
+    kwargs = {"block_table": table, "num_splits": splits, "return_lse": True, "learnable_sink": sink,
+              "cache_batch_idx": idx, "cache_leftpad": pad}
+    out0, lse0 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
+    fast = []
+    real = decode_op.run_torch
+    monkeypatch.setattr(decode_op, "run_torch", lambda *args: fast.append(real(*args)) or fast[-1])
+    out1, lse1 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **kwargs)
+    torch.cuda.synchronize()
+    assert fast and fast[0] is not None, "the second call did not take the fast path"
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+    out2, lse2 = numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **{**kwargs,
+                                                                               "learnable_sink": sink + 3})
+    assert fast[-1] is not None and not torch.equal(lse2, lse0) and not torch.equal(out2, out0)
+    with pytest.raises(TypeError, match="learnable_sink must be float32"):
+        numbaflash.flash_attention_with_kvcache(q, kc, vc, seqlens, **{**kwargs,
+                                                                       "learnable_sink": sink.half()})
+    assert fast[-1] is None

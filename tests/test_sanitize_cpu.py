@@ -358,6 +358,11 @@ if (tool, index) == ("memcheck", 1):
     print("worker done: fake")
     print("========= ERROR SUMMARY: 2 errors")
     sys.exit(1)
+if (tool, index) == ("synccheck", 1):  # a worker whose results failed the check
+    print("\\n".join(f"WRONG case {c}" for c in "abcd"))
+    print("worker done: fake")
+    print("========= ERROR SUMMARY: 0 errors")
+    sys.exit(3)
 if (tool, index) != ("memcheck", 2):  # exits 0 with no errors, but before the worker's end
     print("worker done: fake")
 print("========= ERROR SUMMARY: 0 errors")
@@ -377,9 +382,12 @@ def test_main_with_fake_sanitizer(tmp_path, monkeypatch, capsys):
     assert "GPU: Fake H100" in out and "Version 2099.1.0" in out and str(logs) in out
     cl = san.runnable_configs((9, 0))
     assert f"| 0 | {cl[0]} | {san.kernel_family(cl[0])} | {cl[0].head_dim} | 0 | 0 |" in out
-    assert f"| 1 | {cl[1]} | {san.kernel_family(cl[1])} | {cl[1].head_dim} | 2 | 0 |" in out
+    assert f"| 1 | {cl[1]} | {san.kernel_family(cl[1])} | {cl[1].head_dim} | 2 | WRONG |" in out
     assert f"| 2 | {cl[2]} | {san.kernel_family(cl[2])} | {cl[2].head_dim} | CRASH rc=0 | TIMEOUT |" in out
-    assert out.rstrip().endswith("sanitizer: 6 jobs, 2 errors (3 jobs failed)")
+    # a WRONG job's first failing cases come with the summary, so one run names them
+    assert "#1 synccheck: WRONG case a\n#1 synccheck: WRONG case b\n#1 synccheck: WRONG case c\n" in out
+    assert "WRONG case d" not in out
+    assert out.rstrip().endswith("sanitizer: 6 jobs, 2 errors (4 jobs failed)")
     assert sorted(p.name for p in logs.iterdir()) == sorted(
         f"{t}_{i}.log" for t in ("memcheck", "synccheck") for i in range(3))
     assert "--worker --config-index 1 --arch sm90" in (logs / "memcheck_1.log").read_text()

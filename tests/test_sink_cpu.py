@@ -14,6 +14,8 @@ import pytest
 from test_api_cpu import (  # noqa: F401  (fixtures)
     FakeDeviceArray,
     configs_for,
+    cuda_like,
+    cuda_like_type,
     fake_device,
     fake_qkv,
     no_compile,
@@ -236,6 +238,44 @@ def test_a_varlen_sink_call_passes_the_sink_last(fake_device, loads):  # noqa: F
     assert spec.varlen and spec.sink and spec.family == "sm80"
     raw = launch_parameters(spec, fake_device.launches.seen[-1])
     assert pointer(sink).to_bytes(8, "little") in raw[-56:]
+
+
+@pytest.mark.parametrize("bad", ["float16", "length 3", "strided", "other device"])
+def test_torch_sink_calls_of_a_known_layout_take_the_plan(fake_device, loads, monkeypatch, bad):  # noqa: F811
+    """A torch call with a sink whose layout has a plan skips the full checks
+    (``forward.run_torch``) and launches the sink build with the same parameter bytes as the full
+    path, its own sink's pointer last; a sink the plan cannot take (another dtype, length or
+    stride, another device) is left to the full path, which names what is wrong."""
+    torch = pytest.importorskip("torch")
+    from numbaflash.operations.entry import direct_flash_attention
+
+    fake_device.capability = (8, 0)
+    q, k, v = (cuda_like(torch, shape) for shape in ((2, 100, 4, 64), (2, 120, 2, 64), (2, 120, 2, 64)))
+    sinks = [cuda_like(torch, (4,), dtype=torch.float32) for _ in range(2)]
+    out = cuda_like(torch, q.shape)
+    direct_flash_attention(q, k, v, True, None, False, out, learnable_sink=sinks[0])  # makes the plan
+    with monkeypatch.context() as patch:  # the plan serves this one: no describing
+        patch.setattr(numbaflash.operations.entry, "describe_sink", None)
+        direct_flash_attention(q, k, v, True, None, False, out, learnable_sink=sinks[1])
+    spec = loads[-1]
+    first, second = (launch_parameters(spec, launch) for launch in fake_device.launches.seen)
+    was, now = (sink.data_ptr().to_bytes(8, "little") for sink in sinks)
+    assert was in first[-56:] and first.count(was) == 1  # the last parameter (an array record): the sink
+    assert second == first.replace(was, now)
+    if bad == "float16":
+        sink, error, message = cuda_like(torch, (4,)), TypeError, "learnable_sink must be float32"
+    elif bad == "length 3":
+        sink, error, message = cuda_like(torch, (3,), dtype=torch.float32), ValueError, r"got \(3,\)"
+    elif bad == "strided":
+        sink = torch.Tensor._make_subclass(cuda_like_type(torch),
+                                           cuda_like(torch, (8,), dtype=torch.float32).as_strided((4,), (2,)))
+        sink.ordinal = 0
+        error, message = ValueError, "learnable_sink must be contiguous, got stride 2"
+    else:
+        sink, error, message = cuda_like(torch, (4,), ordinal=1, dtype=torch.float32), ValueError, "device"
+    with pytest.raises(error, match=message):
+        direct_flash_attention(q, k, v, True, None, False, out, learnable_sink=sink)
+    assert len(fake_device.launches.seen) == 2
 
 
 # ------------------------------------------------------------------ the torch op

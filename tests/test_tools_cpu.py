@@ -633,3 +633,24 @@ def test_host_cost_warms_up_then_times_back_to_back_and_one_by_one(monkeypatch):
     assert len(made) == 20 + 30 + 30
     assert abs(wall - 2000.0) < 1e-6 and abs(busy - 2000.0) < 1e-6
     assert "call" in bench.profile_calls(dev, call, 5)
+
+
+def test_sink_speed_pairs_adjacent_calls(monkeypatch):
+    """``benchmarks/sink_speed.paired_ratio``: the plain and sink calls alternate one by one in one
+    timed run, and each ratio divides a sink call's time by the plain call's just before it."""
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sink_speed = load_benchmark("sink_speed")
+    seen = {}
+
+    def timed(device, calls, warmup, repeats, warmup_ms=0.0):
+        seen["calls"], seen["repeats"] = calls, repeats
+        plain = [1.0, 2.0, 1.0, 4.0, 1.0]  # a clock step at pair 3 moves both calls of the pair
+        sink = [1.01, 2.04, 1.03, 4.0, 1.02]
+        return [t for pair in zip(plain, sink, strict=True) for t in pair]
+
+    monkeypatch.setattr(bench, "time_with_events", timed)
+    monkeypatch.setattr(bench, "Device", lambda torch: None)
+    median, low, high = sink_speed.paired_ratio("plain", "sink", 5)
+    assert seen == {"calls": ["plain", "sink"], "repeats": 10}
+    assert (median, low, high) == pytest.approx((1.02, 1.01, 1.02))  # of 1.00, 1.01, 1.02, 1.02, 1.03

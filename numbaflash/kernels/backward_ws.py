@@ -252,11 +252,14 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
                     d = ptx.ld_shared_f32(delta_at + (8 * j + e) * 4)
                     for r in range(2):
                         s = acc_s[j, 2 * r + e]
+                        if SOFTCAP:  # s = t = tanh(.): d(score)/d(QKᵀ·scale) = 1 - t² (see backward_mma)
+                            # (dPᵀ − D)·(1 − t²) first, so that t's register is free before P is made
+                            acc_dp[j, 2 * r + e] = ((acc_dp[j, 2 * r + e] - d)
+                                                    * max(float32(1.0) - s * s, float32(0.0)))
                         p = ptx.exp2(s * scale_log2 - lse)
                         acc_s[j, 2 * r + e] = p
-                        if SOFTCAP:  # s = t = tanh(.): d(score)/d(QKᵀ·scale) = 1 - t² (see backward_mma)
-                            slope = max(float32(1.0) - s * s, float32(0.0))
-                            acc_dp[j, 2 * r + e] = p * (acc_dp[j, 2 * r + e] - d) * slope
+                        if SOFTCAP:
+                            acc_dp[j, 2 * r + e] = p * acc_dp[j, 2 * r + e]
                         else:
                             acc_dp[j, 2 * r + e] = p * (acc_dp[j, 2 * r + e] - d)
                 for r in range(2):

@@ -168,6 +168,8 @@ def make_rotary(config: DecodeConfig, rotary: int, bf16: bool) -> Rotary:
     ROTARY = rotary != 0
     INTERLEAVED = rotary == 2
     STAGES = config.stages
+    # Wait until Q's copy group (the oldest, with the ring's STAGES - 1 first tiles after it) has landed.
+    wait_for_q = ptx.CP_ASYNC_WAIT_GROUP[min(STAGES - 1, 3)]
     BF16 = bf16
     BM = config.rows
     RB = config.row_bytes
@@ -266,12 +268,7 @@ def make_rotary(config: DecodeConfig, rotary: int, bf16: bool) -> Rotary:
         for Q's (the oldest; the tiles stay in flight) and rotate it in place (``rotate_q``); the
         walk's first barrier orders it before use. Nothing in the other builds."""
         if ROTARY:
-            if STAGES == 2:
-                ptx.cp_async_wait_group_1()
-            elif STAGES == 3:
-                ptx.cp_async_wait_group_2()
-            else:
-                ptx.cp_async_wait_group_3()
+            wait_for_q()
             cuda.syncthreads()
             rotate_q(sq, r0, rows_total, group, seq.start + seq.cache_len, seq.rotary, tid)
 
@@ -300,17 +297,8 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
     ROTARY = rotary != 0
     load_new_chunk, store_new_chunk, finish_q = make_rotary(config, rotary, bf16)
 
-    @cuda.jit(device=True, forceinline=True)
-    def wait_ring():
-        """Wait until at most STAGES - 2 copy groups are pending (the oldest tile has landed)."""
-        if STAGES == 2:
-            ptx.cp_async_wait_group_0()
-        elif STAGES == 3:
-            ptx.cp_async_wait_group_1()
-        elif STAGES == 4:
-            ptx.cp_async_wait_group_2()
-        else:
-            ptx.cp_async_wait_group_3()
+    # Wait until at most STAGES - 2 copy groups are pending (the oldest tile has landed).
+    wait_ring = ptx.CP_ASYNC_WAIT_GROUP[min(STAGES - 2, 3)]
 
     @cuda.jit(device=True, forceinline=True)
     def page_index(j, seq):

@@ -32,6 +32,7 @@ from ..operands import (
     empty_like,
     empty_lse,
     stream_handle,
+    torch_small_pointer,
     torch_stream,
 )
 from ..runtime import device as gpu_state
@@ -209,8 +210,8 @@ def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None
     the softcap (a float) as validated, and (shape, strides) of q, k_cache, v_cache,
     cache_seqlens, k_new, v_new, block_table and out (None where absent); ``run_torch`` builds
     the same key from torch's metadata. A call with a learnable sink (``sink``) or cache options
-    (``options``: (name, (shape, strides)) of cache_batch_idx and cache_leftpad where given;
-    ``run_torch`` takes none of those) has a longer key."""
+    (``options``: (name, (shape, strides)) of cache_batch_idx and cache_leftpad where given, and
+    the rotary embedding's entry, which ``run_torch`` does not take) has a longer key."""
     key = ("decode", device, dtype_name, causal, scale_key, num_splits, return_lse, window_size, softcap,
            *map(_layout, ops))
     key = (*key, "sink") if sink else key
@@ -323,13 +324,16 @@ _INT32: list = []  # [torch.int32], once a torch call has come here
 
 def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any, v_new: Any,
               block_table: Any, causal: Any, softmax_scale: Any, num_splits: Any, return_lse: Any, out: Any,
-              window_size: Any = (-1, -1), softcap: Any = 0.0):
+              window_size: Any = (-1, -1), softcap: Any = 0.0, learnable_sink: Any = None,
+              cache_batch_idx: Any = None, cache_leftpad: Any = None):
     """Decode on torch tensors whose layout was validated before (a plan in ``GPU.plans``): the
     per-call checks (CUDA tensors of the right dtypes on the current device, aligned pointers,
-    a given out overlapping no input), the allocations and the fires. None where it cannot tell
-    that the call is good: the full path (``entry.direct_flash_attention_with_kvcache``) then runs
-    and gives the errors. A window or softcap of another type than the validated ones (a tuple
-    of two ints, a float) takes the full path too."""
+    a given out overlapping no input; a learnable sink, cache_batch_idx and cache_leftpad
+    contiguous vectors of their dtype, ``torch_small_pointer``), the allocations and the fires.
+    None where it cannot tell that the call is good: the full path
+    (``entry.direct_flash_attention_with_kvcache``) then runs and gives the errors. A window or
+    softcap of another type than the validated ones (a tuple of two ints, a float) takes the
+    full path too, and so does a call with a rotary embedding."""
     gpu = gpu_state.GPU
     plans = gpu.plans
     if (not plans or configs.DECODE_FORCED or (causal is not True and causal is not False)
@@ -378,8 +382,23 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
         layouts.append((out.shape, out.stride()))
     else:
         layouts.append(None)
-    plan = plans.get(("decode", device, name, causal, softmax_scale, num_splits, return_lse, window_size,
-                      softcap, *layouts))
+    key = ("decode", device, name, causal, softmax_scale, num_splits, return_lse, window_size, softcap,
+           *layouts)  # plan_key's
+    extra = []  # the options' pointers, in the fire's order: sink, cache_batch_idx, cache_leftpad
+    if learnable_sink is not None:
+        pointer = torch_small_pointer(learnable_sink, FLOAT32[0], q.shape[2], device)
+        if pointer is None:
+            return None
+        key = (*key, "sink")
+        extra.append(pointer)
+    for option, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None:
+            pointer = torch_small_pointer(x, _INT32[0], q.shape[0], device)
+            if pointer is None:
+                return None
+            key = (*key, (option, (x.shape, x.stride())))
+            extra.append(pointer)
+    plan = plans.get(key)
     if plan is None or gpu.current()[1] != device:
         return None
     seq_pointer = cache_seqlens.data_ptr()
@@ -411,7 +430,7 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
     k_new_pointer = pointers[3] if k_new is not None else none
     v_new_pointer = pointers[4] if v_new is not None else none
     plan.fire(stream, pointers[0], pointers[1], pointers[2], k_new_pointer, v_new_pointer, seq_pointer,
-              table_pointer, out_pointer, lse_pointer, o_part, lse_part)
+              table_pointer, out_pointer, lse_pointer, o_part, lse_part, *extra)
     if plan.combine is not None:
         plan.combine(stream, o_part, lse_part, out_pointer, lse_pointer)
     return (out, lse) if return_lse else out

@@ -46,10 +46,11 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
                            learnable_sink: Any = None) -> Any:
     """``api.flash_attention`` without the torch routing: validate, then launch (what the custom
     op runs on real tensors, and what every call that needs no autograd takes). Torch tensors of
-    a layout validated before take ``forward.run_torch``: its per-call checks and the launch (not
-    with a learnable sink: those calls take the full checks, then their plan)."""
-    if learnable_sink is None and kind_of(q) == "torch":
-        done = forward.run_torch(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
+    a layout validated before take ``forward.run_torch``: its per-call checks and the launch (a
+    learnable sink too)."""
+    if kind_of(q) == "torch":
+        done = forward.run_torch(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap,
+                                 learnable_sink)
         if done is not None:
             return done
     default_scale = softmax_scale is None  # the plans' key holds None for it (as run_torch's does)

@@ -28,6 +28,7 @@ from ..operands import (
     empty_like,
     empty_lse,
     stream_handle,
+    torch_small_pointer,
     torch_stream,
 )
 from ..runtime import device as gpu_state
@@ -220,7 +221,7 @@ def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None
     it (None or a float; ``run_torch`` builds the same key from torch's metadata), the window (a
     tuple of two ints) and the softcap (a float) as validated, and the shapes and strides of q,
     k, v and a given out; a call with a learnable sink (``sink``) has a key of one more element
-    (``run_torch`` never takes those calls)."""
+    (``run_torch`` appends it the same way)."""
     if od is None:
         key = (device, dtype_name, causal, scale_key, return_lse, window_size, softcap, qd.shape, qd.strides,
                kd.shape, kd.strides, vd.shape, vd.strides)
@@ -299,11 +300,12 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
 
 
 def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, out: Any,
-              window_size: Any = (-1, -1), softcap: Any = 0.0):
+              window_size: Any = (-1, -1), softcap: Any = 0.0, learnable_sink: Any = None):
     """The forward on torch tensors whose layout was validated before (a plan in ``GPU.plans``):
     the per-call checks (CUDA tensors of one dtype on the current device, 16-byte aligned
-    pointers, a given out overlapping k and v nowhere and q only as q itself), one allocation
-    and one launch. None where it cannot tell that the call is good: the full path
+    pointers, a given out overlapping k and v nowhere and q only as q itself; a learnable sink
+    float32 (heads_q,), contiguous, ``torch_small_pointer``), one allocation and one launch.
+    None where it cannot tell that the call is good: the full path
     (``entry.direct_flash_attention``) then runs and gives the errors. A window or softcap of
     another type than the validated ones (a tuple of two ints, a float) takes the full path too."""
     gpu = gpu_state.GPU
@@ -330,6 +332,12 @@ def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_ls
         if not (type(out) in types and out.is_cuda and out.dtype is dtype and out.get_device() == device):
             return None
         key = (*key, out.shape, out.stride())
+    sink = ()
+    if learnable_sink is not None:
+        pointer = torch_small_pointer(learnable_sink, FLOAT32[0], q.shape[2], device)
+        if pointer is None:
+            return None
+        key, sink = (*key, "sink"), (pointer,)
     plan = plans.get(key)
     if plan is None or gpu.current()[1] != device:
         return None
@@ -350,9 +358,9 @@ def run_torch(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_ls
             return None
     if return_lse:
         lse_obj = q.new_empty(plan.lse_shape, dtype=FLOAT32[0])
-        plan.fire(torch_stream(device), qp, kp, vp, op, lse_obj.data_ptr())
+        plan.fire(torch_stream(device), qp, kp, vp, op, lse_obj.data_ptr(), *sink)
         return out, lse_obj
-    plan.fire(torch_stream(device), qp, kp, vp, op, plan.lse)
+    plan.fire(torch_stream(device), qp, kp, vp, op, plan.lse, *sink)
     return out
 
 

@@ -6,6 +6,7 @@ below); hopper (sm_90a).
 """
 
 from .async_copy import (
+    CP_ASYNC_WAIT_GROUP,
     cp_async_16,
     cp_async_16_at,
     cp_async_16_zfill,
@@ -64,6 +65,7 @@ __all__ = [
     "cp_async_16_zfill",
     "cp_async_16_zfill_at",
     "cp_async_commit_group",
+    "CP_ASYNC_WAIT_GROUP",
     "cp_async_wait_group_0",
     "cp_async_wait_group_1",
     "cp_async_wait_group_2",

@@ -31,6 +31,9 @@ cp_async_wait_group_0 = declare("copy", "cp_async_wait_group_0", types.void())
 cp_async_wait_group_1 = declare("copy", "cp_async_wait_group_1", types.void())
 cp_async_wait_group_2 = declare("copy", "cp_async_wait_group_2", types.void())
 cp_async_wait_group_3 = declare("copy", "cp_async_wait_group_3", types.void())
+# cp_async_wait_group_<n> by n, for a kernel factory to pick one from a compile-time count.
+CP_ASYNC_WAIT_GROUP = (cp_async_wait_group_0, cp_async_wait_group_1, cp_async_wait_group_2,
+                       cp_async_wait_group_3)
 _ld_shared_v4 = declare("copy", "ld_shared_v4_b32", types.void(u32p, _u32))
 _st_shared_v4 = declare("copy", "st_shared_v4_b32", types.void(_u32, u32p))
 st_shared_b32 = declare("copy", "st_shared_b32", types.void(_u32, _u32))
