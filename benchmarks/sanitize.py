@@ -93,6 +93,8 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
               if c.shared_bytes <= limit and configs.backward_runnable(c, capability)}
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
+    if "sm90" in families:  # the pairs' Hopper forward
+        found |= {c for c in configs.ASYMMETRIC_WS_DEFAULTS.values() if c.shared_bytes <= limit}
     if "sm80" in families:  # the pairs of head dims (every GPU runs the mma.sync family)
         found |= {c for c in configs.ASYMMETRIC_DEFAULTS.values() if c.shared_bytes <= limit}
         pairs = [c for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs]
@@ -113,7 +115,7 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
         shipped |= {configs.backward_for_target(c, capability)
                     for _, _, c in configs.shipped_backward_configs()}
         shipped |= set(configs.shipped_decode_configs())
-        shipped |= set(configs.ASYMMETRIC_DEFAULTS.values())
+        shipped |= set(configs.ASYMMETRIC_DEFAULTS.values()) | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
         shipped |= {configs.backward_for_target(c, capability)
                     for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs}
         return [i for i, c in enumerate(config_list) if c in shipped]

@@ -47,8 +47,8 @@ def flash_attention(
             device inputs work when head_dim is contiguous and rows are 16-byte aligned.
             v's head dim may differ from q's and k's where a kernel has the pair
             (``configs.ASYMMETRIC_HEAD_DIMS``: (192, 128), DeepSeek-V3's); out then has v's head
-            dim. No autograd or torch.compile route for it yet (``flash_attention_backward``
-            and the other calls take one head dim).
+            dim (Hopper: its TMA kernel, ``configs.ASYMMETRIC_WS_DEFAULTS``; other GPUs: the
+            mma.sync kernel). ``flash_attention_with_kvcache`` takes one head dim.
         causal: (bool) mask keys after the diagonal, bottom-right aligned (query i sees key
             j iff j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
         softmax_scale: positive real scale of QKᵀ; default 1/sqrt(head_dim).

@@ -61,6 +61,13 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 ASYMMETRIC_DEFAULTS: dict[tuple[int, int], ForwardConfig] = {
     (192, 128): ForwardConfig(192, block_m=128, block_n=64, double_buffer=True, early_k=True, head_dim_v=128),
 }
+# The pairs' Hopper forward (sm90 family, dense and packed): d128's 128 x 128 tiles with Q's and
+# K's 192 columns and V's 128. One Q buffer, K and V stages of 48 and 32 KB, O staged in the V
+# ring (as FlashAttention-3): 208 KB (two Q buffers, or O in a tile of its own, pass 227).
+# S, P and O are d128's registers; S's GEMM is 1.5x as deep. Not tuned yet.
+ASYMMETRIC_WS_DEFAULTS: dict[tuple[int, int], WsConfig] = {
+    (192, 128): WsConfig(192, block_n=128, stages=2, q_stages=1, o_in_v=True, head_dim_v=128),
+}
 # The pairs' backward configs (mma.sync family, every GPU; not tuned yet), the first that fits a
 # GPU's shared memory: d256's default shape, 64 x 64, at Q's and K's 192 columns and V's 128 (137
 # KB with two Q stages; one stage, 96.5 KB, where a CTA gets 99 KB). 128 keys a CTA spill (23
@@ -235,14 +242,25 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     (``dispatch_family``), the sm80 family's config (a forced config of a family that lacks it is
     passed over).
 
-    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
-    ``ASYMMETRIC_DEFAULTS`` config, the mma.sync family's on every GPU, dense or packed (no table
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): a forced config of
+    the pair, else on Hopper its ``ASYMMETRIC_WS_DEFAULTS`` config where it fits, else its
+    ``ASYMMETRIC_DEFAULTS`` config (the mma.sync family's, every GPU), dense or packed (no table
     entries yet).
     """
     if head_dim_v and head_dim_v != head_dim:
-        config = ASYMMETRIC_DEFAULTS.get((head_dim, head_dim_v))
+        pair = (head_dim, head_dim_v)
+        config = ASYMMETRIC_DEFAULTS.get(pair)
         if config is None:
             raise ValueError(f"no forward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}")
+        forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal)) if OVERRIDES else None
+        if (forced is not None and forced.value_dim == head_dim_v
+                and family_of(forced).runs("forward", varlen)):
+            return forced
+        hopper = ASYMMETRIC_WS_DEFAULTS.get(pair)
+        limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+        if (hopper is not None and arch_family(capability) == "sm90" and hopper.shared_bytes <= limit
+                and family_of(hopper).runs("forward", varlen)):
+            return hopper
         return config
     if OVERRIDES:
         forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_api_cpu import FakeDeviceArray, fake_device  # noqa: F401  (the fixture)
 
 import numbaflash
 from numbaflash import configs
@@ -49,6 +50,38 @@ def test_a_pair_with_no_kernel_is_refused_by_the_dispatch_and_packed_calls_take_
     dense = configs.forward_config((9, 0), 192, False, head_dim_v=128)
     assert configs.forward_config((9, 0), 192, False, head_dim_v=128, varlen=True) == dense
     assert configs.backward_config((9, 0), 192, False, head_dim_v=128, varlen=True).value_dim == 128
+
+
+def test_the_hopper_config_of_a_pair():
+    """The pair's Hopper forward: V and O tiles of V's 128 columns beside Q's and K's 192, O
+    staged in the V ring (which holds its 128 rows), 208 KB; a pair it lacks or a head dim alone
+    is refused; head_dim_v equal to head_dim is the plain config."""
+    from numbaflash.kernels.shapes import WsConfig
+
+    config = configs.ASYMMETRIC_WS_DEFAULTS[(192, 128)]
+    config.check()
+    assert (config.head_dim, config.value_dim, config.block_m, config.block_n) == (192, 128, 128, 128)
+    assert config.tile_bytes == {"q": 128 * 192 * 2, "k": 128 * 192 * 2, "v": 128 * 128 * 2, "o": 0}
+    assert config.shared_bytes == (128 * 192 + 2 * 128 * 192 + 2 * 128 * 128) * 2 + 1024 <= 227 * 1024
+    assert config.o_in_v and config.block_m * config.value_dim * 2 <= config.stages * config.tile_bytes["v"]
+    assert WsConfig(128, head_dim_v=128) == WsConfig(128) and WsConfig(128).value_dim == 128
+    with pytest.raises(ValueError, match=r"\(head_dim, head_dim_v\) must be one of"):
+        WsConfig(128, head_dim_v=64).check()
+    with pytest.raises(ValueError, match="shared memory"):  # two Q buffers do not fit beside the rings
+        WsConfig(192, stages=2, o_in_v=True, head_dim_v=128).check()
+
+
+def test_hopper_runs_the_pair_on_its_own_kernel_and_a_forced_config_wins():
+    ws, mma = configs.ASYMMETRIC_WS_DEFAULTS[(192, 128)], configs.ASYMMETRIC_DEFAULTS[(192, 128)]
+    for varlen in (False, True):
+        assert configs.forward_config((9, 0), 192, True, head_dim_v=128, varlen=varlen) == ws
+        assert configs.forward_config((8, 0), 192, True, head_dim_v=128, varlen=varlen) == mma
+    assert configs.forward_config((9, 0), 192, True, 200 * 1024, head_dim_v=128) == mma  # ws does not fit
+    with configs.force_config((9, 0), True, mma):  # what the selftest and the sanitizer do
+        assert configs.forward_config((9, 0), 192, True, head_dim_v=128) == mma
+        assert configs.forward_config((9, 0), 192, False, head_dim_v=128) == ws  # the other flag's
+    with configs.force_config((9, 0), False, configs.DEFAULTS[("sm90", 128)]):  # another head dim's
+        assert configs.forward_config((9, 0), 192, False, head_dim_v=128) == ws
 
 
 def test_check_shapes_takes_the_pairs_only_where_asked():
@@ -154,7 +187,8 @@ def test_the_packed_forward_check_wants_v_s_head_dim():
 
     rng = np.random.default_rng(6)
     cu_q, cu_k = np.array([0, 0, 1, 6], np.int32), np.array([0, 5, 5, 9], np.int32)
-    q, k, v = rng.standard_normal((6, 4, 48)), rng.standard_normal((9, 2, 48)), rng.standard_normal((9, 2, 32))
+    q, k = rng.standard_normal((6, 4, 48)), rng.standard_normal((9, 2, 48))
+    v = rng.standard_normal((9, 2, 32))
     out, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=True)
     assert out.shape == (6, 4, 32)
     ratio, problems = compare_varlen_with_reference(q, k, v, cu_q, cu_k, out, lse, causal=True)
@@ -254,3 +288,17 @@ def test_a_compiled_function_of_the_pair_has_no_graph_break_and_its_gradients(mo
     for got, x in zip(grads, (q, k, v), strict=True):
         assert got.shape == x.shape
         torch.testing.assert_close(got, x.grad, atol=0, rtol=0)
+
+
+def test_a_pair_call_on_hopper_launches_the_hopper_kernel(fake_device):  # noqa: F811
+    """On a pretend H100 a (192, 128) call loads the pair's Hopper config and returns out of V's
+    head dim; its tensor maps' layout holds V's and out's shapes (128 columns)."""
+    from numbaflash.operations.launch_forward import _MAP_LAYOUTS
+
+    q, k, v = (FakeDeviceArray(shape) for shape in ((1, 300, 4, 192), (1, 300, 2, 192), (1, 300, 2, 128)))
+    out = numbaflash.flash_attention(q, k, v, causal=True)
+    assert out.__cuda_array_interface__["shape"] == (1, 300, 4, 128)
+    assert fake_device.loads[-1][0] == configs.ASYMMETRIC_WS_DEFAULTS[(192, 128)]
+    layout_id = fake_device.slots.keys[-1][0]
+    layout = next(key for key, found in _MAP_LAYOUTS.items() if found == layout_id)
+    assert (1, 300, 2, 128) in layout and (1, 300, 4, 128) in layout and (1, 300, 4, 192) in layout

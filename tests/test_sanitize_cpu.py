@@ -118,6 +118,8 @@ def test_runnable_configs(capability, families):
             assert set(CANDIDATES[(fam, d)]) <= set(got)
     limit = configs.max_shared_bytes(capability)
     pairs = set(configs.ASYMMETRIC_DEFAULTS.values())  # (192, 128): every GPU runs the mma.sync family
+    if "sm90" in families:  # and Hopper its own forward of the pair
+        pairs |= set(configs.ASYMMETRIC_WS_DEFAULTS.values())
     pairs |= {configs.backward_for_target(c, capability)
               for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs if c.shared_bytes <= limit}
     assert {c.head_dim for c in got if c not in pairs} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
@@ -159,6 +161,7 @@ def test_select_indices():
                                for _, _, c in san.configs.shipped_backward_configs()}
                             | set(san.configs.shipped_decode_configs())
                             | set(configs.ASYMMETRIC_DEFAULTS.values())
+                            | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
                             | {configs.backward_for_target(c, (9, 0))
                                for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs})
     assert len(shipped) < len(cl)

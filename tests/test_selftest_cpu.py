@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from numbaflash import configs
+from numbaflash.kernels.families import family_of
 from numbaflash.tools import selftest
 
 BOTH = ["sm90", "sm80"]
@@ -168,18 +169,22 @@ def test_sinks_are_drawn_for_device_cases_of_the_backward():
     assert selftest.draw_backward_case(0, 3) == selftest.draw_backward_case(0, 3)
 
 
-def test_value_dims_are_drawn_for_cases_of_the_mma_sync_family_and_the_backward(monkeypatch):
-    """A share of the sm80 family's cases (and of the backward's) take a pair of head dims
-    (``configs.ASYMMETRIC_HEAD_DIMS``), on a stream of their own: with the share at 0 every case is
-    what it is with pairs, but for the pair."""
+def test_value_dims_are_drawn_for_cases_of_both_forward_families_and_the_backward(monkeypatch):
+    """A share of the sm80 and sm90 families' cases (and of the backward's) take a pair of head
+    dims (``configs.ASYMMETRIC_HEAD_DIMS``), on a stream of their own: with the share at 0 every
+    case is what it is with pairs, but for the pair. Each family's pair cases run its config of
+    the pair (``pair_config``)."""
     cases = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
     pairs = [c for c in cases if c.value_dims]
     assert pairs and all(c.value_dims in configs.ASYMMETRIC_HEAD_DIMS for c in pairs)
     plain_case = next(c for c in cases if not c.value_dims)
     assert all(c.dims == c.value_dims for c in pairs) and plain_case.dims == (plain_case.head_dim,) * 2
-    assert all(c.family == "sm80" for c in pairs) and any(c.varlen for c in pairs)
+    assert {c.family for c in pairs} == set(selftest.VALUE_DIM_FAMILIES) and any(c.varlen for c in pairs)
     assert {c.kind for c in pairs} == {"numpy", "numba", "torch"}
-    eligible = [c for c in cases if c.family == "sm80"]
+    for family in selftest.VALUE_DIM_FAMILIES:
+        config = selftest.pair_config(family, (192, 128))
+        assert family_of(config).name == family and (config.head_dim, config.value_dim) == (192, 128)
+    eligible = [c for c in cases if c.family in selftest.VALUE_DIM_FAMILIES]
     assert abs(len(pairs) / len(eligible) - selftest.VALUE_DIM_SHARE) < 0.06
     assert "d192v128" in pairs[0].describe() and any(c.causal for c in pairs) and any(c.sink for c in pairs)
     backward = [selftest.draw_backward_case(s, i) for s in (0, 1) for i in range(600)]

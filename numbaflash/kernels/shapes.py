@@ -135,6 +135,11 @@ class ForwardConfig:
                                  "threads")
 
 
+# The (Q's and K's, V's) head dims the Hopper forward takes apart (``WsConfig.head_dim_v``): both
+# multiples of 64 (one swizzle, 128-byte rows), O and V no wider than Q and K (O fits where Q sits).
+WS_VALUE_DIMS = ((192, 128),)
+
+
 @dataclasses.dataclass(frozen=True)
 class WsConfig:
     """Compile-time shape of the warp-specialised Hopper kernel (``forward_ws``): one producer
@@ -159,6 +164,18 @@ class WsConfig:
     # softmax, PV and epilogue. Two consumers only (a warpgroup passing over a tile would
     # have to join the wait). The 128 O rows fit in any V ring (at least 2 stages of 64 keys).
     o_in_v: bool = False
+    # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
+    # (``ForwardConfig.head_dim_v``; ``WS_VALUE_DIMS`` lists the pairs). A shape of the call, not a knob.
+    head_dim_v: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
+            object.__setattr__(self, "head_dim_v", 0)
+
+    @property
+    def value_dim(self) -> int:
+        """V's and O's head dim."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def block_m(self) -> int:
@@ -196,17 +213,19 @@ class WsConfig:
 
     @property
     def tile_bytes(self) -> dict[str, int]:
-        """Bytes of one Q, K (or V) stage and O tile (0 when O is staged in the Q buffer or V ring)."""
-        return {"q": self.block_m * self.head_dim * 2, "kv": self.block_n * self.head_dim * 2,
-                "o": 0 if self.o_in_q or self.o_in_v else self.block_m * self.head_dim * 2}
+        """Bytes of one Q buffer, K stage and V stage, and of the O tile (0 when O is staged in the
+        Q buffer or V ring); V and O have ``value_dim`` columns."""
+        return {"q": self.block_m * self.head_dim * 2, "k": self.block_n * self.head_dim * 2,
+                "v": self.block_n * self.value_dim * 2,
+                "o": 0 if self.o_in_q or self.o_in_v else self.block_m * self.value_dim * 2}
 
     @property
     def shared_layout(self) -> SharedLayout:
         """Where the tiles sit (the kernel and ``shared_bytes`` both read this)."""
         t = self.tile_bytes
         k = self.q_stages * t["q"]
-        v = k + self.stages * t["kv"]
-        v_end = v + self.stages * t["kv"]
+        v = k + self.stages * t["k"]
+        v_end = v + self.stages * t["v"]
         o = v if self.o_in_v else v_end
         return SharedLayout(q=0, k=k, v=v, o=o, end=v_end + t["o"])
 
@@ -228,7 +247,11 @@ class WsConfig:
         return self.shared_layout.end + SMEM_ALIGN
 
     def check(self) -> None:
-        if self.head_dim not in (64, 96, 128, 256):
+        if self.head_dim_v:
+            if (self.head_dim, self.head_dim_v) not in WS_VALUE_DIMS:
+                raise ValueError(f"(head_dim, head_dim_v) must be one of {WS_VALUE_DIMS}, got "
+                                 f"({self.head_dim}, {self.head_dim_v})")
+        elif self.head_dim not in (64, 96, 128, 256):
             raise ValueError(f"head_dim must be 64, 96, 128 or 256, got {self.head_dim}")
         if self.block_n not in (64, 80, 128, 176, 192):  # a bound wgmma N (ptx/wgmma.cu), 16 keys a k-step
             raise ValueError(f"block_n must be 64, 80, 128, 176 or 192, got {self.block_n}")

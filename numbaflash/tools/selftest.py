@@ -29,7 +29,6 @@ window, a softcap or both.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import secrets
@@ -41,7 +40,9 @@ from typing import Any
 import numpy as np
 
 from ..configs import (
+    ASYMMETRIC_DEFAULTS,
     ASYMMETRIC_HEAD_DIMS,
+    ASYMMETRIC_WS_DEFAULTS,
     FAMILY_CAPABILITY,
     FAMILY_HEAD_DIMS,
     LONG_SEQLEN,
@@ -83,9 +84,17 @@ VARLEN_FAMILIES = ("sm80", "sm90")
 SINK_FAMILIES = ("sm80", "sm90")
 SINK_SHARE, SINK_SHARE_VARIANTS = 0.1, 1 / 3
 # V's head dim apart from Q's and K's (``configs.ASYMMETRIC_HEAD_DIMS``: the mma.sync family's
-# kernels, every input kind, dense and packed): that share of the family's cases (and of the
-# backward's) draws a pair.
-VALUE_DIM_FAMILY, VALUE_DIM_SHARE = "sm80", 0.15
+# kernels and the Hopper forward's, every input kind, dense and packed): that share of these
+# families' cases (and of the backward's) draws a pair, which runs the family's config of it
+# (``pair_config``).
+VALUE_DIM_FAMILIES, VALUE_DIM_SHARE = ("sm80", "sm90"), 0.15
+
+
+def pair_config(family: str, pair: tuple[int, ...]):
+    """The forward config a case of ``family`` runs for a pair of head dims: the Hopper kernel's
+    (``configs.ASYMMETRIC_WS_DEFAULTS``) or the mma.sync kernel's (``configs.ASYMMETRIC_DEFAULTS``)."""
+    table = ASYMMETRIC_WS_DEFAULTS if family == "sm90" else ASYMMETRIC_DEFAULTS
+    return table[tuple(pair)]
 
 
 def describe_problem(case: Any) -> str:
@@ -251,7 +260,7 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     sink = ()
     if family in SINK_FAMILIES and kind != "numpy":
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE)
-    value_dims = draw_value_dims(seed, index, VALUE_DIM_SHARE) if family == VALUE_DIM_FAMILY else ()
+    value_dims = draw_value_dims(seed, index, VALUE_DIM_SHARE) if family in VALUE_DIM_FAMILIES else ()
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
                 sink, value_dims)
@@ -388,9 +397,11 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
             out = np.full((*q.shape[:-1], v.shape[-1]), np.nan, q.dtype)
             out = out if kind == "numpy" else to_device(out, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}
-        if case.value_dims:  # one config on every GPU (``configs.ASYMMETRIC_DEFAULTS``): none to force
-            forced = (contextlib.nullcontext(), contextlib.nullcontext())
-        else:  # a window kernel takes the causal or the full config, whatever the case's causal flag
+        # a window kernel takes the causal or the full config, whatever the case's causal flag
+        if case.value_dims:  # the family's config of the pair
+            forced = tuple(force_config(capability, c, pair_config(case.family, case.value_dims))
+                           for c in (case.causal, not case.causal))
+        else:
             forced = tuple(force_config(capability, c, case_config(case.family, case.head_dim, c, case.span))
                            for c in (case.causal, not case.causal))
         options = {"causal": case.causal, "softmax_scale": case.softmax_scale, **extras}
