@@ -3,17 +3,22 @@
 FlashAttention's criterion; rows that see no key exactly 0).
 
 Device arrays, outputs poisoned with NaN so that an element the kernel never writes fails. The pair
-runs the mma.sync family's kernel on every GPU (``configs.ASYMMETRIC_DEFAULTS``).
+runs the mma.sync family's kernel on every GPU (``configs.ASYMMETRIC_DEFAULTS``) and its own on
+Hopper (``configs.ASYMMETRIC_WS_DEFAULTS``): the dense and variant tests run each family's config
+the GPU has, forced (``family``).
 
     NUMBAFLASH_REQUIRE_GPU=1 pytest -m gpu tests/test_asymmetric_gpu.py
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 import numbaflash
+from numbaflash import configs
 from numbaflash.configs import ASYMMETRIC_HEAD_DIMS
 from numbaflash.tools.reference import compare_with_reference
 
@@ -49,31 +54,46 @@ def run(q, k, v, sink=None, **options):
     return dout.copy_to_host(), lse.copy_to_host()
 
 
-def check(q, k, v, sink=None, **options):
-    out, lse = run(q, k, v, sink, **options)
+def check(q, k, v, sink=None, family="sm80", **options):
+    """The call on ``family``'s config of the pair (forced for both causal flags: a window kernel
+    takes either), against float64."""
+    from numba import cuda
+
+    from numbaflash.tools.selftest import pair_config
+
+    capability = tuple(cuda.get_current_device().compute_capability)
+    if family == "sm90" and capability[0] != 9:
+        pytest.skip("the Hopper kernel of the pair needs an H100 or H200")
+    config = pair_config(family, (q.shape[3], v.shape[3]))
+    with contextlib.ExitStack() as stack:
+        for causal in (False, True):
+            stack.enter_context(configs.force_config(capability, causal, config))
+        out, lse = run(q, k, v, sink, **options)
     _, problems = compare_with_reference(q, k, v, out, lse, sink=sink, **options)
     assert not problems, f"{q.shape} {v.shape} {options}: " + "; ".join(problems)
 
 
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
 @pytest.mark.parametrize("dims", ASYMMETRIC_HEAD_DIMS, ids=lambda p: f"d{p[0]}v{p[1]}")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
-def test_asymmetric_forward_matches_reference(rng, causal, dtype, dims):
+def test_asymmetric_forward_matches_reference(rng, causal, dtype, dims, family):
     for shape in SHAPES:
-        check(*random_qkv(rng, *shape, dims, DTYPES[dtype]), causal=causal)
+        check(*random_qkv(rng, *shape, dims, DTYPES[dtype]), family=family, causal=causal)
 
 
 @pytest.mark.parametrize("dims", ASYMMETRIC_HEAD_DIMS, ids=lambda p: f"d{p[0]}v{p[1]}")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("window", "softcap", "sink"), [((127, 0), 0.0, False), ((3, 50), 0.0, True),
                                                          ((-1, -1), 30.0, False), ((16, 0), 50.0, True)])
-def test_asymmetric_forward_with_window_softcap_and_sink(rng, window, softcap, sink, dtype, dims):
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_asymmetric_forward_with_window_softcap_and_sink(rng, window, softcap, sink, dtype, dims, family):
     """The variants are the kernel's own builds: V's width does not touch them."""
     amplitude = 10.0 if softcap else 1.0
     for shape in ((2, 333, 517, 4, 2), (1, 517, 129, 4, 4)):
         q, k, v = random_qkv(rng, *shape, dims, DTYPES[dtype], amplitude=amplitude)
         logits = (rng.standard_normal(shape[3]) * 2).astype(np.float32) if sink else None
-        check(q, k, v, logits, window_size=window, softcap=softcap)
+        check(q, k, v, logits, family, window_size=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
