@@ -93,6 +93,7 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
               if c.shared_bytes <= limit and configs.backward_runnable(c, capability)}
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
+    found |= set(pair_decode_configs(capability))
     if "sm90" in families:  # the pairs' Hopper forward
         found |= {c for c in configs.ASYMMETRIC_WS_DEFAULTS.values() if c.shared_bytes <= limit}
     if "sm80" in families:  # the pairs of head dims (every GPU runs the mma.sync family)
@@ -100,6 +101,14 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
         pairs = [c for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs]
         found |= {configs.backward_for_target(c, capability) for c in pairs if c.shared_bytes <= limit}
     return sorted(found, key=str)
+
+
+def pair_decode_configs(capability: tuple[int, int]) -> list:
+    """The decode configs of the pairs of head dims (``configs.ASYMMETRIC_HEAD_DIMS``) a GPU of
+    ``capability`` dispatches, contiguous and paged (16 packed rows: head dims above 128 take no
+    more)."""
+    return [configs.decode_config(capability, d, 16, paged, head_dim_v=dv)
+            for d, dv in configs.ASYMMETRIC_HEAD_DIMS for paged in (False, True)]
 
 
 def select_indices(spec: str | None, config_list: list[KernelConfig],
@@ -114,7 +123,7 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
         shipped = {c for _, _, _, c in configs.shipped_configs()}
         shipped |= {configs.backward_for_target(c, capability)
                     for _, _, c in configs.shipped_backward_configs()}
-        shipped |= set(configs.shipped_decode_configs())
+        shipped |= set(configs.shipped_decode_configs()) | set(pair_decode_configs(capability))
         shipped |= set(configs.ASYMMETRIC_DEFAULTS.values()) | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
         shipped |= {configs.backward_for_target(c, capability)
                     for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs}
@@ -539,16 +548,17 @@ def run_decode_worker(config) -> int:
 
     rng = np.random.default_rng(0)
     batch, heads_kv, capacity, page = 3, 2, 208, 16
-    d = config.head_dim
+    d, dv = config.head_dim, config.value_dim
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for group, sq in decode_cases(config):
             for n_new in (0, 2):
                 lens = np.array([1, 77, capacity - n_new], np.int32)
                 q = rng.standard_normal((batch, sq, heads_kv * group, d)).astype(dtype)
-                k_rows, v_rows = (rng.standard_normal((batch, capacity, heads_kv, d)).astype(dtype)
-                                  for _ in range(2))
-                new = [rng.standard_normal((batch, n_new, heads_kv, d)).astype(dtype) for _ in range(2)]
+                k_rows, v_rows = (rng.standard_normal((batch, capacity, heads_kv, width)).astype(dtype)
+                                  for width in (d, dv))
+                new = [rng.standard_normal((batch, n_new, heads_kv, width)).astype(dtype)
+                       for width in (d, dv)]
                 table = None
                 k_cache, v_cache = k_rows, v_rows
                 if config.paged:
@@ -556,9 +566,9 @@ def run_decode_worker(config) -> int:
                     order = rng.permutation(batch * per_seq).astype(np.int32)
                     table = order.reshape(batch, per_seq)
                     k_cache = np.empty((batch * per_seq, page, heads_kv, d), dtype)
-                    v_cache = np.empty_like(k_cache)
+                    v_cache = np.empty((batch * per_seq, page, heads_kv, dv), dtype)
                     k_cache[table] = k_rows.reshape(batch, per_seq, page, heads_kv, d)
-                    v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, d)
+                    v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, dv)
                 cases = [(*c, None, None, None, 0) for c in (((-1, -1), 0.0, False), ((-1, -1), 0.0, True),
                                                              *DECODE_WINDOW_SOFTCAP_CASES)]
                 cases += [(*c, sink_logits(heads_kv * group), None, None, 0) for c in DECODE_SINK_CASES]
@@ -572,7 +582,7 @@ def run_decode_worker(config) -> int:
                 cos, sin = np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
                 for splits in (1, 3):
                     for window, softcap, causal, sink, idx, pad, rotary in cases:
-                        out = DeviceBuffer(np.full(q.shape, np.nan, dtype))
+                        out = DeviceBuffer(np.full((*q.shape[:3], dv), np.nan, dtype))
                         kwargs = {"block_table": None if table is None else cuda.to_device(table),
                                   "causal": causal, "num_splits": splits, "return_lse": True, "out": out,
                                   "window_size": window, "softcap": softcap,

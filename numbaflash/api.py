@@ -48,7 +48,7 @@ def flash_attention(
             v's head dim may differ from q's and k's where a kernel has the pair
             (``configs.ASYMMETRIC_HEAD_DIMS``: (192, 128), DeepSeek-V3's); out then has v's head
             dim (Hopper: its TMA kernel, ``configs.ASYMMETRIC_WS_DEFAULTS``; other GPUs: the
-            mma.sync kernel). ``flash_attention_with_kvcache`` takes one head dim.
+            mma.sync kernel). ``flash_attention_with_kvcache`` takes the pair too.
         causal: (bool) mask keys after the diagonal, bottom-right aligned (query i sees key
             j iff j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
         softmax_scale: positive real scale of QKᵀ; default 1/sqrt(head_dim).
@@ -223,7 +223,9 @@ def flash_attention_with_kvcache(
         q: (batch, seqlen_q, heads_q, head_dim) float16 or bfloat16 device array; seqlen_q
             from 1 (decode) to a few (speculative decoding).
         k_cache, v_cache: (batch, capacity, heads_kv, head_dim), q's dtype; with
-            ``block_table``, a paged cache (num_pages, page_size, heads_kv, head_dim).
+            ``block_table``, a paged cache (num_pages, page_size, heads_kv, head_dim). v_cache (and
+            v_new, and out) may have another head dim than q and k_cache where a kernel has the pair
+            (``configs.ASYMMETRIC_HEAD_DIMS``: (192, 128)).
         cache_seqlens: int32 (batch,) device array: the valid rows of each sequence's cache.
         k_new, v_new: optional (batch, seqlen_new, heads_kv, head_dim), q's dtype: written into
             the cache in place at rows cache_seqlens[b] .. + seqlen_new, and attended to. The

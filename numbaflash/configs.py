@@ -636,7 +636,7 @@ def force_decode_config(config):
 
 
 def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
-                  shared_limit: int | None = None, wide: bool = False):
+                  shared_limit: int | None = None, wide: bool = False, head_dim_v: int = 0):
     """The decode kernel's config: 16 packed query rows a CTA, or 32 where the query heads of a
     KV head times seqlen_q need more and the head dim is at most 128 (at d256 a thread's O for
     32 rows is 256 floats: 600 spill instructions, half the speed of two 16-row blocks that read
@@ -654,24 +654,35 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     backend -> 0.95-0.96, 64 x 4096 1.01-1.02 -> 1.14) and head dim 96 a ring of 2 (8 x 8192 0.95
     -> 0.96-0.98, 64 x 4096 and 1 x 65536 +2-5%); paged too (paged / contiguous at
     d32 0.91-0.94 -> 0.94-1.01, at d96 0.93-0.95 -> 0.97-0.99). Every figure here:
-    docs/PERFORMANCE.md, "Measurements behind dispatch rules"."""
+    docs/PERFORMANCE.md, "Measurements behind dispatch rules".
+
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the general shapes
+    below with V's tiles and O that wide (not tuned yet)."""
     from .kernels.shapes import DecodeConfig
 
-    if DECODE_FORCED and DECODE_FORCED[0].head_dim == head_dim:
+    value_dim = head_dim_v or head_dim
+    if DECODE_FORCED and (DECODE_FORCED[0].head_dim, DECODE_FORCED[0].value_dim) == (head_dim, value_dim):
         return DECODE_FORCED[0]
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     m_tiles = 1 if rows <= 16 or head_dim > 128 else 2
-    tried = []
-    if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (H100)
-        tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
-    if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (H100)
-        tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
-    if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (H100)
-        tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3, paged=paged))
-    if head_dim == 96 and m_tiles == 1:  # a ring of 2: +2-5%, paged +2-5% (H100)
-        tried.append(DecodeConfig(96, block_n=64, num_warps=4, stages=2, paged=paged))
-    tried += [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
-              for n, w in ((64, 4), (32, 2)) for s in (3, 2)]
+    shapes = ((64, 4), (32, 2))  # (keys a tile, warps), each with a ring of 3, then 2
+    if value_dim != head_dim:
+        if (head_dim, value_dim) not in ASYMMETRIC_HEAD_DIMS:
+            raise ValueError(f"no decode kernel for head_dim {head_dim} with head_dim_v {value_dim}")
+        tried = [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged,
+                              head_dim_v=value_dim) for n, w in shapes for s in (3, 2)]
+    else:
+        tried = []
+        if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (H100)
+            tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
+        if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (H100)
+            tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
+        if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (H100)
+            tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3, paged=paged))
+        if head_dim == 96 and m_tiles == 1:  # a ring of 2: +2-5%, paged +2-5% (H100)
+            tried.append(DecodeConfig(96, block_n=64, num_warps=4, stages=2, paged=paged))
+        tried += [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
+                  for n, w in shapes for s in (3, 2)]
     for config in tried:
         if config.shared_bytes <= limit:
             return config

@@ -327,7 +327,9 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         raise ValueError(f"rotary_cos and rotary_sin must be {q.dtype} tensors of one shape (seqlen_ro, "
                          f"rotary_dim / 2), got {rotary_cos.dtype} {tuple(rotary_cos.shape)} and "
                          f"{rotary_sin.dtype} {tuple(rotary_sin.shape)}")
-    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    # out has v_cache's head dim (a pair of head dims: ``configs.ASYMMETRIC_HEAD_DIMS``)
+    return (q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[3])),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
 # ------------------------------------------------------------------ packed variable-length forward

@@ -121,10 +121,30 @@ def test_the_packed_calls_check_out_and_dout_for_v_s_head_dim():
         numbaflash.flash_attention_varlen(q, k, np.zeros((16, 2, 96), np.float16), cu, cu, 16, 16)
 
 
-def test_the_kv_cache_call_takes_one_head_dim():
+def test_check_shapes_takes_one_head_dim_unless_asked():
     q, k = operand("q", (2, 1, 4, 192)), operand("k", (2, 64, 2, 192))
     with pytest.raises(ValueError, match=r"this call needs one head_dim"):
         check_shapes(q, k, operand("v", (2, 64, 2, 128)), paged=False)
+    check_shapes(q, k, operand("v", (2, 64, 2, 128)), paged=True, value_dim=True)  # the KV-cache call's
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (12, 0)])
+def test_the_decode_config_of_a_pair(capability):
+    """The pair's decode config on every GPU: K tiles of 192 columns and V tiles of 128 in one
+    ring stage, O and the warps' merge at 128; the first of the general shapes that fits."""
+    from numbaflash.kernels.shapes import DecodeConfig
+
+    for paged in (False, True):
+        config = configs.decode_config(capability, 192, 4, paged, head_dim_v=128)
+        config.check()
+        assert (config.head_dim, config.value_dim, config.paged) == (192, 128, paged)
+        assert config.stage_bytes == config.block_n * (192 + 128) * 2 and config.merge_row == 136
+        assert config.shared_bytes <= configs.max_shared_bytes(capability)
+    assert DecodeConfig(128, head_dim_v=128) == DecodeConfig(128)
+    with pytest.raises(ValueError, match="no decode kernel for head_dim 128 with head_dim_v 64"):
+        configs.decode_config((9, 0), 128, 4, False, head_dim_v=64)
+    with pytest.raises(ValueError, match="one swizzle"):
+        DecodeConfig(192, head_dim_v=96).check()
 
 
 def test_the_backward_wants_dout_and_out_of_v_s_head_dim():
@@ -302,3 +322,23 @@ def test_a_pair_call_on_hopper_launches_the_hopper_kernel(fake_device):  # noqa:
     layout_id = fake_device.slots.keys[-1][0]
     layout = next(key for key, found in _MAP_LAYOUTS.items() if found == layout_id)
     assert (1, 300, 2, 128) in layout and (1, 300, 4, 128) in layout and (1, 300, 4, 192) in layout
+
+
+def test_the_kvcache_reference_takes_v_s_head_dim():
+    """kvcache_reference with v_cache and v_new of 32 columns beside q's and k's 48: out at 32, each
+    sequence the plain reference of its own keys and values."""
+    from numbaflash.tools.reference import attention_reference, kvcache_reference
+
+    rng = np.random.default_rng(8)
+    q, kc = rng.standard_normal((2, 1, 4, 48)), rng.standard_normal((2, 9, 2, 48))
+    vc = rng.standard_normal((2, 9, 2, 32))
+    kn, vn = rng.standard_normal((2, 2, 2, 48)), rng.standard_normal((2, 2, 2, 32))
+    lens = np.array([3, 7])
+    out, lse, k_after, v_after = kvcache_reference(q, kc, vc, lens, k_new=kn, v_new=vn)
+    assert out.shape == (2, 1, 4, 32) and v_after.shape == vc.shape
+    for b in range(2):
+        keys = np.concatenate([kc[b, :lens[b]], kn[b]])[None]
+        values = np.concatenate([vc[b, :lens[b]], vn[b]])[None]
+        o, s = attention_reference(q[b:b + 1], keys, values)
+        assert np.allclose(out[b], o[0]) and np.allclose(lse[b], s[0])
+        assert np.array_equal(v_after[b, lens[b]:lens[b] + 2], vn[b])

@@ -222,3 +222,58 @@ def test_asymmetric_varlen_forward_and_backward(rng, causal, dtype):
         host = tuple(g.copy_to_host() if device else g for g in grads)
         _, problems = compare_varlen_gradients_with_reference(q, k, v, dout, cu_q, cu_k, host, causal=causal)
         assert not problems, f"backward device={device}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_asymmetric_decode_matches_reference(rng, dtype, paged, splits):
+    """flash_attention_with_kvcache with k_cache at 192 columns and v_cache at 128: sequences of
+    no key, one key and a full cache, new rows appended (the caches checked bit for bit against
+    ``kvcache_reference``), GQA 4, seqlen_q 2, causal; out (poisoned) at 128."""
+    torch = pytest.importorskip("torch")
+    from numbaflash.tools.reference import kvcache_reference
+
+    d, dv = ASYMMETRIC_HEAD_DIMS[0]
+    tdtype = getattr(torch, dtype)
+    batch, heads_kv, group, seqlen_q, new, page = 3, 2, 4, 2, 2, 64
+    capacity = 320
+    lens = np.array([0, 1, capacity - new], np.int32)
+    table = None
+    if paged:
+        per_seq = capacity // page
+        order = rng.permutation(batch * per_seq + 3)[:batch * per_seq]  # some pages no sequence owns
+        table = order.reshape(batch, per_seq).astype(np.int32)
+        lead = (batch * per_seq + 3, page)
+    else:
+        lead = (batch, capacity)
+    host = [rng.standard_normal(shape).astype(DTYPES[dtype]) for shape in (
+        (batch, seqlen_q, heads_kv * group, d), (*lead, heads_kv, d), (*lead, heads_kv, dv),
+        (batch, new, heads_kv, d), (batch, new, heads_kv, dv))]
+    q, kc, vc, kn, vn = (torch.from_numpy(x.view(np.uint16)).view(tdtype).cuda() for x in host)
+    out = torch.full((batch, seqlen_q, heads_kv * group, dv), float("nan"), dtype=tdtype, device="cuda")
+    result, lse = numbaflash.flash_attention_with_kvcache(
+        q, kc, vc, torch.from_numpy(lens).cuda(), k_new=kn, v_new=vn,
+        block_table=None if table is None else torch.from_numpy(table).cuda(), causal=True, num_splits=splits,
+        return_lse=True, out=out)
+    torch.cuda.synchronize()
+    assert result is out
+    want_out, want_lse, want_k, want_v = kvcache_reference(*host[:3], lens, k_new=host[3], v_new=host[4],
+                                                           block_table=table, causal=True)
+
+    def to_host(x):
+        return x.view(torch.int16).cpu().numpy().view(np.uint16).view(DTYPES[dtype]).astype(np.float64)
+
+    assert np.array_equal(to_host(kc), want_k.astype(np.float64))
+    assert np.array_equal(to_host(vc), want_v.astype(np.float64))
+    got = to_host(out)
+    assert np.isfinite(got).all() and got.shape == want_out.shape
+    for b in range(batch):  # each sequence against float64 on its own keys, by FlashAttention's criterion
+        places = [(b, r) if table is None else (int(table[b, r // page]), r % page)
+                  for r in range(int(lens[b]) + new)]
+        k_seq = np.stack([want_k[p] for p in places])[None]
+        v_seq = np.stack([want_v[p] for p in places])[None]
+        _, problems = compare_with_reference(host[0][b:b + 1], k_seq, v_seq, got[b:b + 1],
+                                             lse[b:b + 1].cpu().numpy(), causal=True)
+        assert not problems, f"batch {b}: " + "; ".join(problems)
+    assert want_lse.shape == tuple(lse.shape)

@@ -68,3 +68,26 @@ def test_the_hopper_kernel_compiles_with_no_local_memory_or_calls(causal, varlen
     report = report_from_cubin(entry.cubin, entry.entry_name, "sm_90a")
     assert report.spill_instructions == 0 and report.calls == 0 and report.local_bytes == 0, report
     assert report.registers == 168 and report.count("HGMMA") > 0
+
+
+def test_the_decode_kernel_compiles_with_no_local_memory_or_calls(tmp_path, monkeypatch):
+    """The pair's decode kernel (K tiles 192 columns, V and O 128) and its combine kernel (O's 128
+    columns), sm_80, paged with every cache option and a rotary embedding."""
+    pytest.importorskip("numba")
+    from numbaflash.kernels.families import make_kernel
+    from numbaflash.kernels.spec import kernel_spec
+    from numbaflash.tools.inspect import report_from_cubin
+
+    monkeypatch.setenv("NUMBAFLASH_CACHE_DIR", str(tmp_path))
+    config = configs.decode_config((8, 0), 192, 4, True, head_dim_v=128)
+    main = kernel_spec("sm80dec", "decode", config, "bfloat16", "sm_80", causal=True, sink=True,
+                       batch_idx=True, leftpad=True, rotary=1)
+    names = []
+    for spec in (main, main.sibling("decode_combine")):
+        names.append(make_kernel(spec).__name__)
+        entry = configs.kernel_cubin(spec)
+        report = report_from_cubin(entry.cubin, entry.entry_name, "sm_80")
+        assert report.spill_instructions == 0 and report.calls == 0 and report.local_bytes == 0, report
+    stages = config.stages
+    assert names == [f"flash_decode_d192v128_m16_n64_w4_s{stages}_paged_causal_bf16_sink_bidx_lpad_rope",
+                     "flash_decode_combine_d128_bf16"]

@@ -120,6 +120,9 @@ def test_runnable_configs(capability, families):
     pairs = set(configs.ASYMMETRIC_DEFAULTS.values())  # (192, 128): every GPU runs the mma.sync family
     if "sm90" in families:  # and Hopper its own forward of the pair
         pairs |= set(configs.ASYMMETRIC_WS_DEFAULTS.values())
+    pairs |= set(san.pair_decode_configs(capability))  # and the pair's decode, contiguous and paged
+    assert {(c.head_dim, c.value_dim, c.paged) for c in san.pair_decode_configs(capability)} == {
+        (192, 128, False), (192, 128, True)}
     pairs |= {configs.backward_for_target(c, capability)
               for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs if c.shared_bytes <= limit}
     assert {c.head_dim for c in got if c not in pairs} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
@@ -162,6 +165,7 @@ def test_select_indices():
                             | set(san.configs.shipped_decode_configs())
                             | set(configs.ASYMMETRIC_DEFAULTS.values())
                             | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
+                            | set(san.pair_decode_configs((9, 0)))
                             | {configs.backward_for_target(c, (9, 0))
                                for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs})
     assert len(shipped) < len(cl)

@@ -583,6 +583,18 @@ class DecodeConfig:
     m_tiles: int = 1  # 16-row m-tiles of packed query rows (every warp computes all of them)
     stages: int = 3
     paged: bool = False  # K and V through a block table
+    # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
+    # (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
+    head_dim_v: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
+            object.__setattr__(self, "head_dim_v", 0)
+
+    @property
+    def value_dim(self) -> int:
+        """V's and O's head dim."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def rows(self) -> int:
@@ -602,27 +614,35 @@ class DecodeConfig:
 
     @property
     def merge_row(self) -> int:
-        """Floats from one O row to the next in the warps' merge: head_dim + 8, which is 8 mod 32
-        (head_dim is a multiple of 32), so a warp's stores of 8 rows spread over the banks."""
-        return self.head_dim + 8
+        """Floats from one O row to the next in the warps' merge: O's head dim + 8, which is 8 mod
+        32 (head dims are multiples of 32), so a warp's stores of 8 rows spread over the banks."""
+        return self.value_dim + 8
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: a K tile, then a V tile (``value_dim`` columns)."""
+        return self.block_n * (self.head_dim + self.value_dim) * 2
 
     @property
     def bytes_in_flight(self) -> int:
         """K and V bytes a CTA has on the way while it computes a tile: the ring's other stages."""
-        return (self.stages - 1) * 2 * self.block_n * self.head_dim * 2
+        return (self.stages - 1) * self.stage_bytes
 
     @property
     def shared_bytes(self) -> int:
         """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring."""
         q_tile = self.rows * self.head_dim * 2
-        ring = self.stages * 2 * self.block_n * self.head_dim * 2
+        ring = self.stages * self.stage_bytes
         merge = self.num_warps * self.rows * (self.merge_row + 2) * 4
         return q_tile + max(ring, merge)
 
     def check(self) -> None:
-        d = self.head_dim
+        d, dv = self.head_dim, self.value_dim
         if d % 32 or not 32 <= d <= 256:
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {d}")
+        if dv % 32 or not 32 <= dv <= d or (dv % 64 == 0) != (d % 64 == 0):
+            raise ValueError(f"head_dim_v must be a multiple of 32 from 32 to head_dim, and a multiple of 64 "
+                             f"where head_dim is (one swizzle), got ({d}, {dv})")
         if self.num_warps not in (2, 4, 8) or self.block_n % (16 * self.num_warps):
             raise ValueError(f"block_n must split into 16-key slices over num_warps (2, 4 or 8), got {self}")
         if (self.block_n * d // 8) % self.threads:

@@ -143,8 +143,9 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     """``api.flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
     the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
-    # with cache_batch_idx the cache's batch (or the block table's rows) is its own
-    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None)
+    # with cache_batch_idx the cache's batch (or the block table's rows) is its own; v_cache may have
+    # another head dim where a kernel has the pair (out then has it)
+    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None, value_dim=True)
     if not qd.on_device:
         raise TypeError("flash_attention_with_kvcache takes device arrays (torch, CuPy, Numba), got numpy")
     batch, seqlen_q, heads_q, head_dim = qd.shape
@@ -166,7 +167,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     if k_new is not None:
         knd, vnd = describe("k_new", k_new), describe("v_new", v_new)
         want = (batch, knd.shape[1] if len(knd.shape) == 4 else -1, kcd.shape[2], head_dim)
-        for op in (knd, vnd):
+        for op, cache in ((knd, kcd), (vnd, vcd)):
+            want = (*want[:3], cache.shape[3])  # v_new: v_cache's head dim
             if op.shape != want or op.dtype_name != qd.dtype_name or not op.on_device:
                 raise ValueError(f"{op.name} must be a {qd.dtype_name} device array of shape (batch, "
                                  f"seqlen_new, heads_kv, head_dim) = {want}, got {op.shape} {op.dtype_name}")
@@ -191,8 +193,7 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
     outd = None
     if out is not None:
-        outd = describe("out", out)
-        check_like(outd, qd)
+        outd = describe_out(out, qd, None if vcd.shape[3] == head_dim else vcd.shape[3])
     given = [op for op in (qd, kcd, vcd, knd, vnd, outd) if op is not None]
     for op in given:
         check_device_layout(op)

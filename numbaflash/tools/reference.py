@@ -537,13 +537,14 @@ def kvcache_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, c
     cache gets the rotated rows): new row t at position cache_seqlens[b] + t, query i at
     cache_seqlens[b] + i·``rotary_query_step``.
 
-    Returns ``(out, lse, k_cache_after, v_cache_after)``: out (batch, seqlen_q, heads_q, head_dim)
-    and lse (batch, heads_q, seqlen_q) float64 (a sequence of no key: 0 and -inf, or the sink), and
-    copies of the caches with the new rows written (the inputs are left as they are)."""
+    Returns ``(out, lse, k_cache_after, v_cache_after)``: out (batch, seqlen_q, heads_q, v's
+    head_dim: v_cache's and v_new's last dimension may differ from q's and k's) and lse (batch,
+    heads_q, seqlen_q) float64 (a sequence of no key: 0 and -inf, or the sink), and copies of the
+    caches with the new rows written (the inputs are left as they are)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     k_after, v_after = np.array(k_cache), np.array(v_cache)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
-    out = np.zeros(q.shape, np.float64)
+    out = np.zeros((*q.shape[:3], v_cache.shape[3]), np.float64)  # v's head dim
     lse = np.full((batch, heads_q, seqlen_q), -np.inf)
     sink = sink_logits(options.get("sink"), heads_q)
     room = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])

@@ -41,7 +41,6 @@ import numpy as np
 
 from ..configs import (
     ASYMMETRIC_DEFAULTS,
-    ASYMMETRIC_HEAD_DIMS,
     ASYMMETRIC_WS_DEFAULTS,
     FAMILY_CAPABILITY,
     FAMILY_HEAD_DIMS,
@@ -63,6 +62,7 @@ from .selftest_common import (
     CaseResult,
     cuda_torch,
     draw_sink,
+    draw_value_dims,
     draw_window_softcap,
     log_uniform,
     numpy_dtype,
@@ -264,16 +264,6 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
                 sink, value_dims)
-
-
-def draw_value_dims(seed: int, index: int, share: float = VALUE_DIM_SHARE,
-                    stream: int = 26) -> tuple[int, ...]:
-    """The pair of head dims a case runs (``share`` of them: one of ``configs.ASYMMETRIC_HEAD_DIMS``),
-    else (), from a stream of its own (every other field of the case is what it was before)."""
-    rng = np.random.default_rng([seed, index, stream])
-    if rng.random() >= share:
-        return ()
-    return tuple(ASYMMETRIC_HEAD_DIMS[int(rng.integers(0, len(ASYMMETRIC_HEAD_DIMS)))])
 
 
 
