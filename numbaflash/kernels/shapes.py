@@ -43,8 +43,23 @@ class BarrierLayout(NamedTuple):
     words: int
 
 
+class ValueDim:
+    """What the configs that take V's head dim apart share (``head_dim_v``, a field of each: 0
+    for "the same", so that every other config and kernel name stays as it was): one spelling
+    per kernel (``head_dim_v`` equal to ``head_dim`` becomes 0), and ``value_dim``, V's (and O's,
+    dO's, dV's) head dim."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
+            object.__setattr__(self, "head_dim_v", 0)
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+
 @dataclasses.dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(ValueDim):
     """Compile-time shape of the forward kernel."""
 
     head_dim: int
@@ -78,13 +93,7 @@ class ForwardConfig:
     def __post_init__(self) -> None:
         if self.head_dim > 128 and self.q_in_regs:  # one spelling per kernel: Q is never resident there
             object.__setattr__(self, "q_in_regs", False)
-        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
-            object.__setattr__(self, "head_dim_v", 0)
-
-    @property
-    def value_dim(self) -> int:
-        """V's and O's head dim (``head_dim`` unless ``head_dim_v`` says otherwise)."""
-        return self.head_dim_v or self.head_dim
+        super().__post_init__()
 
     @property
     def tag(self) -> str:
@@ -141,7 +150,7 @@ WS_VALUE_DIMS = ((192, 128),)
 
 
 @dataclasses.dataclass(frozen=True)
-class WsConfig:
+class WsConfig(ValueDim):
     """Compile-time shape of the warp-specialised Hopper kernel (``forward_ws``): one producer
     warpgroup (TMA) and ``consumers`` warpgroups of 64 query rows (wgmma)."""
 
@@ -167,15 +176,6 @@ class WsConfig:
     # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
     # (``ForwardConfig.head_dim_v``; ``WS_VALUE_DIMS`` lists the pairs). A shape of the call, not a knob.
     head_dim_v: int = 0
-
-    def __post_init__(self) -> None:
-        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
-            object.__setattr__(self, "head_dim_v", 0)
-
-    @property
-    def value_dim(self) -> int:
-        """V's and O's head dim."""
-        return self.head_dim_v or self.head_dim
 
     @property
     def block_m(self) -> int:
@@ -287,7 +287,7 @@ def prep_split(head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardConfig:
+class BackwardConfig(ValueDim):
     """Compile-time shape of the mma.sync backward (``backward_mma``, FlashAttention-2's
     algorithm): one CTA per block of ``block_n`` keys of one (batch, kv head) keeps that block's
     dK and dV in registers and walks the query blocks of ``block_m`` rows (of every query head of
@@ -318,15 +318,6 @@ class BackwardConfig:
     # V's (and dO's, O's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's):
     # 0 for the same (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
     head_dim_v: int = 0
-
-    def __post_init__(self) -> None:
-        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
-            object.__setattr__(self, "head_dim_v", 0)
-
-    @property
-    def value_dim(self) -> int:
-        """V's, dO's, O's and dV's head dim."""
-        return self.head_dim_v or self.head_dim
 
     @property
     def tag(self) -> str:
@@ -571,7 +562,7 @@ class WsBackwardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(ValueDim):
     """Compile-time shape of the decode kernel (``decode_mma``): one CTA takes
     ``rows`` packed query rows (the query heads of one KV head times seqlen_q) and one split of
     the keys; ``block_n`` keys a tile stream through a ring of ``stages`` K and V tiles, and each
@@ -586,15 +577,6 @@ class DecodeConfig:
     # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
     # (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
     head_dim_v: int = 0
-
-    def __post_init__(self) -> None:
-        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
-            object.__setattr__(self, "head_dim_v", 0)
-
-    @property
-    def value_dim(self) -> int:
-        """V's and O's head dim."""
-        return self.head_dim_v or self.head_dim
 
     @property
     def rows(self) -> int:
