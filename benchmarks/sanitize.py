@@ -93,7 +93,22 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
               if c.shared_bytes <= limit and configs.backward_runnable(c, capability)}
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
+    found |= set(pair_decode_configs(capability))
+    if "sm90" in families:  # the pairs' Hopper forward
+        found |= {c for c in configs.ASYMMETRIC_WS_DEFAULTS.values() if c.shared_bytes <= limit}
+    if "sm80" in families:  # the pairs of head dims (every GPU runs the mma.sync family)
+        found |= {c for c in configs.ASYMMETRIC_DEFAULTS.values() if c.shared_bytes <= limit}
+        pairs = [c for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs]
+        found |= {configs.backward_for_target(c, capability) for c in pairs if c.shared_bytes <= limit}
     return sorted(found, key=str)
+
+
+def pair_decode_configs(capability: tuple[int, int]) -> list:
+    """The decode configs of the pairs of head dims (``configs.ASYMMETRIC_HEAD_DIMS``) a GPU of
+    ``capability`` dispatches, contiguous and paged (16 packed rows: head dims above 128 take no
+    more)."""
+    return [configs.decode_config(capability, d, 16, paged, head_dim_v=dv)
+            for d, dv in configs.ASYMMETRIC_HEAD_DIMS for paged in (False, True)]
 
 
 def select_indices(spec: str | None, config_list: list[KernelConfig],
@@ -108,7 +123,10 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
         shipped = {c for _, _, _, c in configs.shipped_configs()}
         shipped |= {configs.backward_for_target(c, capability)
                     for _, _, c in configs.shipped_backward_configs()}
-        shipped |= set(configs.shipped_decode_configs())
+        shipped |= set(configs.shipped_decode_configs()) | set(pair_decode_configs(capability))
+        shipped |= set(configs.ASYMMETRIC_DEFAULTS.values()) | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
+        shipped |= {configs.backward_for_target(c, capability)
+                    for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs}
         return [i for i, c in enumerate(config_list) if c in shipped]
     parts = [p.strip() for p in spec.split(",")]
     if all(p.isdigit() for p in parts):
@@ -216,7 +234,7 @@ def run_case(config: KernelConfig, capability: tuple[int, int], host: list[np.nd
     from numbaflash.runtime.buffers import DeviceBuffer
 
     q = host[0]
-    out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
+    out = DeviceBuffer(np.full((*q.shape[:3], host[2].shape[3]), np.nan, q.dtype))  # v's head dim
     # a window kernel runs the causal or the full config, whatever ``causal`` is: force both
     forced = configs.force_config(capability, causal, config)
     with forced, configs.force_config(capability, not causal, config):
@@ -256,7 +274,7 @@ def run_varlen_case(config: KernelConfig, capability: tuple[int, int], host: lis
     from numbaflash.tools.reference import compare_varlen_with_reference
 
     q, k, v, cu_q, cu_k = host
-    out = DeviceBuffer(np.full(q.shape, np.nan, q.dtype))
+    out = DeviceBuffer(np.full((*q.shape[:-1], host[2].shape[-1]), np.nan, q.dtype))  # v's head dim
     max_q, max_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
     forced = configs.force_config(capability, causal, config)
     with_sink = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}
@@ -281,9 +299,10 @@ def run_varlen_worker(config: KernelConfig, capability: tuple[int, int], dtype, 
 
     lengths_q, lengths_k = varlen_lengths(config.block_m)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
-    d = config.head_dim
+    d, dv = config.head_dim, getattr(config, "value_dim", config.head_dim)
     q = rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype)
-    k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype) for _ in range(2))
+    k = rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype)
+    v = rng.standard_normal((int(cu_k[-1]), 2, dv)).astype(dtype)
     host = [q, k, v, cu_q, cu_k]
     device = [DeviceBuffer(x) for x in (q, k, v)] + [cuda.to_device(cu_q), cuda.to_device(cu_k)]
     failures = 0
@@ -318,7 +337,8 @@ def run_worker(config: KernelConfig) -> int:
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for b, sq, sk, hq, hkv in worker_shapes(config.block_m):
-            shapes = [(b, sq, hq, config.head_dim)] + [(b, sk, hkv, config.head_dim)] * 2
+            shapes = [(b, sq, hq, config.head_dim), (b, sk, hkv, config.head_dim),
+                      (b, sk, hkv, getattr(config, "value_dim", config.head_dim))]
             host = [rng.standard_normal(s).astype(dtype) for s in shapes]
             device = [DeviceBuffer(x) for x in host]  # float16 and bfloat16 alike
             extras = [((-1, -1), 0.0), *WINDOW_SOFTCAP_CASES]
@@ -361,9 +381,11 @@ def run_backward_worker(config: BackwardConfig) -> int:
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for b, sq, sk, hq, hkv in worker_shapes(config.block_n):
-            d = config.head_dim
-            q, dout = (rng.standard_normal((b, sq, hq, d)).astype(dtype) for _ in range(2))
-            k, v = (rng.standard_normal((b, sk, hkv, d)).astype(dtype) for _ in range(2))
+            d, dv = config.head_dim, getattr(config, "value_dim", config.head_dim)
+            q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+            dout = rng.standard_normal((b, sq, hq, dv)).astype(dtype)
+            k = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+            v = rng.standard_normal((b, sk, hkv, dv)).astype(dtype)
             device = [DeviceBuffer(x) for x in (q, k, v)]
             for causal in (False, True):
                 out, lse = flash_attention(*device, causal=causal, return_lse=True)
@@ -455,9 +477,11 @@ def run_varlen_backward_case(config: BackwardConfig, capability: tuple[int, int]
     lengths_q, lengths_k = varlen_lengths(config.block_m)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
     max_q, max_k = max(lengths_q), max(lengths_k)
-    d = config.head_dim
-    q, dout = (rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype) for _ in range(2))
+    d, dv = config.head_dim, getattr(config, "value_dim", config.head_dim)
+    q = rng.standard_normal((int(cu_q[-1]), 4, d)).astype(dtype)
+    dout = rng.standard_normal((int(cu_q[-1]), 4, dv)).astype(dtype)
+    k = rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dtype)
+    v = rng.standard_normal((int(cu_k[-1]), 2, dv)).astype(dtype)
     device = [DeviceBuffer(x) for x in (q, k, v)]
     offsets = [cuda.to_device(cu_q), cuda.to_device(cu_k), max_q, max_k]
     with_sink = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}
@@ -524,16 +548,17 @@ def run_decode_worker(config) -> int:
 
     rng = np.random.default_rng(0)
     batch, heads_kv, capacity, page = 3, 2, 208, 16
-    d = config.head_dim
+    d, dv = config.head_dim, config.value_dim
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for group, sq in decode_cases(config):
             for n_new in (0, 2):
                 lens = np.array([1, 77, capacity - n_new], np.int32)
                 q = rng.standard_normal((batch, sq, heads_kv * group, d)).astype(dtype)
-                k_rows, v_rows = (rng.standard_normal((batch, capacity, heads_kv, d)).astype(dtype)
-                                  for _ in range(2))
-                new = [rng.standard_normal((batch, n_new, heads_kv, d)).astype(dtype) for _ in range(2)]
+                k_rows, v_rows = (rng.standard_normal((batch, capacity, heads_kv, width)).astype(dtype)
+                                  for width in (d, dv))
+                new = [rng.standard_normal((batch, n_new, heads_kv, width)).astype(dtype)
+                       for width in (d, dv)]
                 table = None
                 k_cache, v_cache = k_rows, v_rows
                 if config.paged:
@@ -541,9 +566,9 @@ def run_decode_worker(config) -> int:
                     order = rng.permutation(batch * per_seq).astype(np.int32)
                     table = order.reshape(batch, per_seq)
                     k_cache = np.empty((batch * per_seq, page, heads_kv, d), dtype)
-                    v_cache = np.empty_like(k_cache)
+                    v_cache = np.empty((batch * per_seq, page, heads_kv, dv), dtype)
                     k_cache[table] = k_rows.reshape(batch, per_seq, page, heads_kv, d)
-                    v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, d)
+                    v_cache[table] = v_rows.reshape(batch, per_seq, page, heads_kv, dv)
                 cases = [(*c, None, None, None, 0) for c in (((-1, -1), 0.0, False), ((-1, -1), 0.0, True),
                                                              *DECODE_WINDOW_SOFTCAP_CASES)]
                 cases += [(*c, sink_logits(heads_kv * group), None, None, 0) for c in DECODE_SINK_CASES]
@@ -557,7 +582,7 @@ def run_decode_worker(config) -> int:
                 cos, sin = np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
                 for splits in (1, 3):
                     for window, softcap, causal, sink, idx, pad, rotary in cases:
-                        out = DeviceBuffer(np.full(q.shape, np.nan, dtype))
+                        out = DeviceBuffer(np.full((*q.shape[:3], dv), np.nan, dtype))
                         kwargs = {"block_table": None if table is None else cuda.to_device(table),
                                   "causal": causal, "num_splits": splits, "return_lse": True, "out": out,
                                   "window_size": window, "softcap": softcap,

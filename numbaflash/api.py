@@ -45,6 +45,10 @@ def flash_attention(
             ``__cuda_array_interface__`` object (zero copy; the result stays on the device,
             of the same library for torch and CuPy, a Numba device array otherwise). Strided
             device inputs work when head_dim is contiguous and rows are 16-byte aligned.
+            v's head dim may differ from q's and k's where a kernel has the pair
+            (``configs.ASYMMETRIC_HEAD_DIMS``: (192, 128), DeepSeek-V3's); out then has v's head
+            dim (Hopper: its TMA kernel, ``configs.ASYMMETRIC_WS_DEFAULTS``; other GPUs: the
+            mma.sync kernel). ``flash_attention_with_kvcache`` takes the pair too.
         causal: (bool) mask keys after the diagonal, bottom-right aligned (query i sees key
             j iff j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
         softmax_scale: positive real scale of QKᵀ; default 1/sqrt(head_dim).
@@ -77,7 +81,7 @@ def flash_attention(
         RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
-        ``out`` (batch, seqlen_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
+        ``out`` (batch, seqlen_q, heads_q, v's head_dim) in q's dtype, or ``(out, lse)``.
 
     On torch tensors that need autograd (or under torch.compile, a fake-tensor mode or
     another dispatch mode) the call goes through the custom op ``numbaflash::
@@ -219,7 +223,9 @@ def flash_attention_with_kvcache(
         q: (batch, seqlen_q, heads_q, head_dim) float16 or bfloat16 device array; seqlen_q
             from 1 (decode) to a few (speculative decoding).
         k_cache, v_cache: (batch, capacity, heads_kv, head_dim), q's dtype; with
-            ``block_table``, a paged cache (num_pages, page_size, heads_kv, head_dim).
+            ``block_table``, a paged cache (num_pages, page_size, heads_kv, head_dim). v_cache (and
+            v_new, and out) may have another head dim than q and k_cache where a kernel has the pair
+            (``configs.ASYMMETRIC_HEAD_DIMS``: (192, 128)).
         cache_seqlens: int32 (batch,) device array: the valid rows of each sequence's cache.
         k_new, v_new: optional (batch, seqlen_new, heads_kv, head_dim), q's dtype: written into
             the cache in place at rows cache_seqlens[b] .. + seqlen_new, and attended to. The

@@ -23,6 +23,9 @@ from .kernels.shapes import BackwardConfig, ForwardConfig, WsBackwardConfig, WsC
 from .kernels.spec import KernelSpec
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+# (Q's and K's head dim, V's) pairs that differ, with a kernel: DeepSeek-V3-style (192, 128). The
+# forward only, on the mma.sync family (every GPU from sm_80), so far.
+ASYMMETRIC_HEAD_DIMS = ((192, 128),)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
 FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 96, 128, 256)}
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
@@ -51,6 +54,27 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     # Q 64 KB + 2 stages of K and V at 64 rows (32 KB each): O is staged in the Q buffer.
     # (128 x 80 does not spill without causal masking: see the tuned table.)
     ("sm90", 256): WsConfig(256, block_n=64, stages=2, q_stages=1, o_in_q=True),
+}
+# (head_dim, head_dim_v) pairs' forward config (``ASYMMETRIC_HEAD_DIMS``), on every GPU: d256's
+# table shape (128 x 64, Q by k-slices, double buffered, early K copy) at Q's and K's 192 columns
+# and V's 128: 88 KB of shared memory, which fits every sm80-family GPU. Not tuned yet.
+ASYMMETRIC_DEFAULTS: dict[tuple[int, int], ForwardConfig] = {
+    (192, 128): ForwardConfig(192, block_m=128, block_n=64, double_buffer=True, early_k=True, head_dim_v=128),
+}
+# The pairs' Hopper forward (sm90 family, dense and packed): d128's 128 x 128 tiles with Q's and
+# K's 192 columns and V's 128. One Q buffer, K and V stages of 48 and 32 KB, O staged in the V
+# ring (as FlashAttention-3): 208 KB (two Q buffers, or O in a tile of its own, pass 227).
+# S, P and O are d128's registers; S's GEMM is 1.5x as deep. Not tuned yet.
+ASYMMETRIC_WS_DEFAULTS: dict[tuple[int, int], WsConfig] = {
+    (192, 128): WsConfig(192, block_n=128, stages=2, q_stages=1, o_in_v=True, head_dim_v=128),
+}
+# The pairs' backward configs (mma.sync family, every GPU; not tuned yet), the first that fits a
+# GPU's shared memory: d256's default shape, 64 x 64, at Q's and K's 192 columns and V's 128 (137
+# KB with two Q stages; one stage, 96.5 KB, where a CTA gets 99 KB). 128 keys a CTA spill (23
+# LDL/STL offline).
+ASYMMETRIC_BACKWARD_DEFAULTS: dict[tuple[int, int], tuple[BackwardConfig, ...]] = {
+    (192, 128): (BackwardConfig(192, block_m=64, block_n=64, head_dim_v=128),
+                 BackwardConfig(192, block_m=64, block_n=64, q_stages=1, head_dim_v=128)),
 }
 # What benchmarks/autotune.py tries, by family and head dim, as keyword configs.
 # mma.sync knobs (issue 13): q_in_regs=False streams Q a k-slice at a time instead of holding
@@ -197,7 +221,7 @@ def max_shared_bytes(capability: tuple[int, int]) -> int:
 
 def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
                    shared_limit: int | None = None, seqlen: int | None = None, *,
-                   window: bool = False, varlen: bool = False) -> KernelConfig:
+                   window: bool = False, varlen: bool = False, head_dim_v: int = 0) -> KernelConfig:
     """The configuration to launch for this GPU and problem: a forced one (``force_config``),
     else the tuned table's or the default of ``dispatch_family``. In the sm80 family a GPU's
     own entry (e.g. ``sm86/d128/full``, from an autotune run on that GPU) comes before the
@@ -217,7 +241,27 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     entries come first (``VARIANT_KEYS``); where the GPU's own family lacks the kernel
     (``dispatch_family``), the sm80 family's config (a forced config of a family that lacks it is
     passed over).
+
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): a forced config of
+    the pair, else on Hopper its ``ASYMMETRIC_WS_DEFAULTS`` config where it fits, else its
+    ``ASYMMETRIC_DEFAULTS`` config (the mma.sync family's, every GPU), dense or packed (no table
+    entries yet).
     """
+    if head_dim_v and head_dim_v != head_dim:
+        pair = (head_dim, head_dim_v)
+        config = ASYMMETRIC_DEFAULTS.get(pair)
+        if config is None:
+            raise ValueError(f"no forward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}")
+        forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal)) if OVERRIDES else None
+        if (forced is not None and forced.value_dim == head_dim_v
+                and family_of(forced).runs("forward", varlen)):
+            return forced
+        hopper = ASYMMETRIC_WS_DEFAULTS.get(pair)
+        limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+        if (hopper is not None and arch_family(capability) == "sm90" and hopper.shared_bytes <= limit
+                and family_of(hopper).runs("forward", varlen)):
+            return hopper
+        return config
     if OVERRIDES:
         forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
         if forced is not None and family_of(forced).runs("forward", varlen):
@@ -436,7 +480,7 @@ def backward_runnable(config: BackwardConfig | WsBackwardConfig, capability: tup
 
 def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
                     shared_limit: int | None = None, *, window: bool = False, softcap: bool = False,
-                    varlen: bool = False) -> BackwardConfig | WsBackwardConfig:
+                    varlen: bool = False, head_dim_v: int = 0) -> BackwardConfig | WsBackwardConfig:
     """The backward configuration to launch on this GPU for a call of the variant ``window``,
     ``softcap``, ``varlen``: in the family of ``backward_dispatch_family``, a forced one
     (``force_config``), else the tuned table's entry (``backward_table_key``), else the first of
@@ -451,7 +495,23 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     Raises:
         ValueError: a head dim with no backward configs.
         RuntimeError: no config of this head dim fits in ``shared_limit``.
+
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
+    ``ASYMMETRIC_BACKWARD_DEFAULTS`` config on every GPU (dense or packed).
     """
+    if head_dim_v and head_dim_v != head_dim:
+        choices = ASYMMETRIC_BACKWARD_DEFAULTS.get((head_dim, head_dim_v))
+        if choices is None:
+            raise ValueError(f"no backward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}")
+        forced = OVERRIDES.get(backward_table_key(head_dim, causal)) if OVERRIDES else None
+        if isinstance(forced, BackwardConfig) and forced.value_dim == head_dim_v:  # force_config's
+            return backward_for_target(forced, capability)
+        limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+        for config in choices:
+            if config.shared_bytes <= limit:
+                return backward_for_target(config, capability)
+        raise RuntimeError(f"no backward config of head_dim {head_dim} with head_dim_v {head_dim_v} fits "
+                           f"{limit} bytes of shared memory a CTA")
     family = backward_dispatch_family(capability, head_dim, window, softcap, varlen)
     if OVERRIDES:
         if family != BACKWARD_FAMILY:
@@ -576,7 +636,7 @@ def force_decode_config(config):
 
 
 def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
-                  shared_limit: int | None = None, wide: bool = False):
+                  shared_limit: int | None = None, wide: bool = False, head_dim_v: int = 0):
     """The decode kernel's config: 16 packed query rows a CTA, or 32 where the query heads of a
     KV head times seqlen_q need more and the head dim is at most 128 (at d256 a thread's O for
     32 rows is 256 floats: 600 spill instructions, half the speed of two 16-row blocks that read
@@ -594,24 +654,35 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     backend -> 0.95-0.96, 64 x 4096 1.01-1.02 -> 1.14) and head dim 96 a ring of 2 (8 x 8192 0.95
     -> 0.96-0.98, 64 x 4096 and 1 x 65536 +2-5%); paged too (paged / contiguous at
     d32 0.91-0.94 -> 0.94-1.01, at d96 0.93-0.95 -> 0.97-0.99). Every figure here:
-    docs/PERFORMANCE.md, "Measurements behind dispatch rules"."""
+    docs/PERFORMANCE.md, "Measurements behind dispatch rules".
+
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the general shapes
+    below with V's tiles and O that wide (not tuned yet)."""
     from .kernels.shapes import DecodeConfig
 
-    if DECODE_FORCED and DECODE_FORCED[0].head_dim == head_dim:
+    value_dim = head_dim_v or head_dim
+    if DECODE_FORCED and (DECODE_FORCED[0].head_dim, DECODE_FORCED[0].value_dim) == (head_dim, value_dim):
         return DECODE_FORCED[0]
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     m_tiles = 1 if rows <= 16 or head_dim > 128 else 2
-    tried = []
-    if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (H100)
-        tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
-    if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (H100)
-        tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
-    if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (H100)
-        tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3, paged=paged))
-    if head_dim == 96 and m_tiles == 1:  # a ring of 2: +2-5%, paged +2-5% (H100)
-        tried.append(DecodeConfig(96, block_n=64, num_warps=4, stages=2, paged=paged))
-    tried += [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
-              for n, w in ((64, 4), (32, 2)) for s in (3, 2)]
+    shapes = ((64, 4), (32, 2))  # (keys a tile, warps), each with a ring of 3, then 2
+    if value_dim != head_dim:
+        if (head_dim, value_dim) not in ASYMMETRIC_HEAD_DIMS:
+            raise ValueError(f"no decode kernel for head_dim {head_dim} with head_dim_v {value_dim}")
+        tried = [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged,
+                              head_dim_v=value_dim) for n, w in shapes for s in (3, 2)]
+    else:
+        tried = []
+        if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (H100)
+            tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
+        if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (H100)
+            tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
+        if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (H100)
+            tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3, paged=paged))
+        if head_dim == 96 and m_tiles == 1:  # a ring of 2: +2-5%, paged +2-5% (H100)
+            tried.append(DecodeConfig(96, block_n=64, num_warps=4, stages=2, paged=paged))
+        tried += [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged)
+                  for n, w in shapes for s in (3, 2)]
     for config in tried:
         if config.shared_bytes <= limit:
             return config

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .configs import SUPPORTED_HEAD_DIMS
+from .configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 
 FLOAT16 = np.dtype(np.float16)
 
@@ -153,10 +153,12 @@ def describe(name: str, x: Any) -> Operand:
                    int(cai["data"][0]), cai.get("stream"))
 
 
-def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False) -> None:
+def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False, value_dim: bool = False) -> None:
     """q (batch, seqlen_q, heads_q, head_dim) against k and v (batch, seqlen_k, heads_kv,
     head_dim); ``paged``: k and v are a paged cache (num_pages, page_size, heads_kv, head_dim),
-    whose first dimension is not q's batch."""
+    whose first dimension is not q's batch. ``value_dim``: the call takes v of another head dim
+    where a kernel has that pair (``configs.ASYMMETRIC_HEAD_DIMS``: the dense forward's and
+    backward's)."""
     for op in (q, k, v):
         if len(op.shape) != 4:
             raise ValueError(
@@ -164,18 +166,34 @@ def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False) -> Non
             )
         if 0 in op.shape:
             raise ValueError(f"{op.name} is empty (shape {op.shape}); every dimension must be >= 1")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     b, _, hq, d = q.shape
     bk, _, hkv, dk = k.shape
+    dv = v.shape[3]
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     if bk != b and not paged:
         raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
     if dk != d:
         raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
     if hq % hkv:
         raise ValueError(f"heads of q ({hq}) must be a multiple of heads of k/v ({hkv})")
+    if dv != d:
+        pairs = ", ".join(f"({a}, {c})" for a, c in ASYMMETRIC_HEAD_DIMS)
+        if not value_dim:
+            raise ValueError(f"v's head_dim ({dv}) differs from q's and k's ({d}): this call needs one "
+                             f"head_dim (flash_attention and flash_attention_backward take the pairs "
+                             f"{pairs})")
+        if (d, dv) not in ASYMMETRIC_HEAD_DIMS:
+            raise ValueError(f"no kernel for q/k head_dim {d} with v head_dim {dv}: v's head_dim must be q's "
+                             f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))}) or one of the pairs {pairs}")
+        return _check_dtypes_and_places(q, k, v)
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    _check_dtypes_and_places(q, k, v)
+
+
+def _check_dtypes_and_places(q: Operand, k: Operand, v: Operand) -> None:
+    """q, k and v of one dtype, all numpy or all device arrays."""
     if not q.dtype_name == k.dtype_name == v.dtype_name:
         raise TypeError(f"q, k, v must have one dtype, got {q.dtype_name}, {k.dtype_name}, {v.dtype_name}")
     if not q.on_device == k.on_device == v.on_device:
@@ -262,12 +280,14 @@ def check_softcap(softcap: Any, softmax_scale: float) -> float:
     return softcap
 
 
-def describe_out(out: Any, qd: Operand) -> Operand:
-    """``out`` given for a forward call of query ``qd``: q's shape and dtype, where the inputs live,
-    writeable when a numpy array."""
+def describe_out(out: Any, qd: Operand, value_dim: int | None = None) -> Operand:
+    """``out`` given for a forward call of query ``qd``: q's shape (its head dim v's, ``value_dim``,
+    where that differs) and dtype, where the inputs live, writeable when a numpy array."""
     od = describe("out", out)
-    if od.shape != qd.shape or od.dtype_name != qd.dtype_name:
-        raise ValueError(f"out must have q's shape {qd.shape} and dtype {qd.dtype_name}, "
+    shape = qd.shape if value_dim is None else (*qd.shape[:-1], value_dim)
+    if od.shape != shape or od.dtype_name != qd.dtype_name:
+        whose = "q's shape" if shape == qd.shape else "q's shape with v's head_dim"
+        raise ValueError(f"out must have {whose} {shape} and dtype {qd.dtype_name}, "
                          f"got {od.shape} {od.dtype_name}")
     if od.on_device != qd.on_device:
         raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")

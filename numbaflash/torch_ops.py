@@ -52,15 +52,21 @@ from .runtime import device as gpu_state
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """The eager API's dtype and shape checks, on metadata only (fake and meta tensors too)."""
+def check_tensors(q: Tensor, k: Tensor, v: Tensor, value_dim: bool = False) -> None:
+    """The eager API's dtype and shape checks, on metadata only (fake and meta tensors too);
+    ``value_dim``: v may have another head dim where a kernel has the pair (the dense ops)."""
     operands = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         dtype_name = DTYPE_NAMES.get(x.dtype)
         if dtype_name is None:
             raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
         operands.append(Operand(name, tuple(x.shape), dtype_name, True, None))
-    check_shapes(*operands)
+    check_shapes(*operands, value_dim=value_dim)
+
+
+def out_shape(q: Tensor, v: Tensor) -> tuple[int, ...]:
+    """The forward's out: q's shape with v's head dim."""
+    return (*q.shape[:-1], v.shape[-1])
 
 
 def _check_like(name: str, x: Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -115,7 +121,8 @@ def prepare_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scal
     return backward_operation.prepare_backward(capability, device, q.shape[-1], var.causal,
                                                dtype_name == "bfloat16", window=var.window,
                                                softcap=var.softcap, varlen=max_seqlens is not None,
-                                               sink=learnable_sink is not None)
+                                               sink=learnable_sink is not None,
+                                               head_dim_v=0 if v.shape[-1] == q.shape[-1] else v.shape[-1])
 
 
 @torch.library.custom_op("numbaflash::flash_attention_forward", mutates_args=())
@@ -123,7 +130,8 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softm
                             window_left: int = -1, window_right: int = -1,
                             softcap: float = 0.0,
                             learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(out, lse): out like q (contiguous), lse float32 (batch, heads_q, seqlen_q). The window
+    """(out, lse): out like q with v's head dim (contiguous), lse float32 (batch, heads_q,
+    seqlen_q). The window
     (``window_left``, ``window_right``; -1 unbounded), ``softcap`` (0: off) and ``learnable_sink``
     (float32 (heads_q,), or None) as in ``numbaflash.flash_attention``."""
     if learnable_sink is not None:
@@ -142,12 +150,12 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softm
 @flash_attention_forward.register_fake
 def _forward_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
                   learnable_sink=None):
-    check_tensors(q, k, v)
+    check_tensors(q, k, v, value_dim=True)
     check_window_size((window_left, window_right))
     check_softcap(softcap, softmax_scale)
     batch, seqlen_q, heads_q, _ = q.shape
     _check_sink(learnable_sink, heads_q)
-    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return q.new_empty(out_shape(q, v)), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_backward", mutates_args=())
@@ -167,11 +175,11 @@ def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
 @flash_attention_backward.register_fake
 def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left=-1,
                    window_right=-1, softcap=0.0):
-    check_tensors(q, k, v)
+    check_tensors(q, k, v, value_dim=True)
     check_window_size((window_left, window_right))
     check_softcap(softcap, softmax_scale)
-    _check_like("dout", dout, q.shape, q.dtype)
-    _check_like("out", out, q.shape, q.dtype)
+    _check_like("dout", dout, out_shape(q, v), q.dtype)
+    _check_like("out", out, out_shape(q, v), q.dtype)
     batch, seqlen_q, heads_q, _ = q.shape
     _check_like("lse", lse, (batch, heads_q, seqlen_q), torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -319,7 +327,9 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         raise ValueError(f"rotary_cos and rotary_sin must be {q.dtype} tensors of one shape (seqlen_ro, "
                          f"rotary_dim / 2), got {rotary_cos.dtype} {tuple(rotary_cos.shape)} and "
                          f"{rotary_sin.dtype} {tuple(rotary_sin.shape)}")
-    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    # out has v_cache's head dim (a pair of head dims: ``configs.ASYMMETRIC_HEAD_DIMS``)
+    return (q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[3])),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
 # ------------------------------------------------------------------ packed variable-length forward
@@ -340,8 +350,8 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
                                    window_left: int = -1, window_right: int = -1,
                                    softcap: float = 0.0,
                                    learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(out, lse): out like q (total_q, heads_q, head_dim), contiguous; lse float32 (heads_q,
-    total_q). Autograd: the varlen backward op (the varlen sink backward op with a
+    """(out, lse): out like q with v's head dim (total_q, heads_q, head_dim_v), contiguous; lse
+    float32 (heads_q, total_q). Autograd: the varlen backward op (the varlen sink backward op with a
     ``learnable_sink``)."""
     if learnable_sink is not None:
         prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
@@ -366,7 +376,7 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
         operands.append(Operand(name, tuple(x.shape), dtype_name, True, None))
     check_packed_shapes(*operands)
-    check_shapes(*(packed(op) for op in operands))
+    check_shapes(*(packed(op) for op in operands), value_dim=True)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {cu.dtype}")
@@ -375,7 +385,7 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     check_softcap(softcap, softmax_scale)
     total_q, heads_q, _ = q.shape
     _check_sink(learnable_sink, heads_q)
-    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
+    return q.new_empty(out_shape(q, v)), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
 def run_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -410,8 +420,8 @@ def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                           causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0):
     _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                  window_left, window_right, softcap)
-    _check_like("dout", dout, q.shape, q.dtype)
-    _check_like("out", out, q.shape, q.dtype)
+    _check_like("dout", dout, out_shape(q, v), q.dtype)
+    _check_like("out", out, out_shape(q, v), q.dtype)
     total_q, heads_q, _ = q.shape
     _check_like("lse", lse, (heads_q, total_q), torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -19,6 +19,7 @@ from .torch_ops import (
     flash_attention_forward,
     flash_attention_varlen_forward,
     flash_attention_with_kvcache,
+    out_shape,
 )
 
 _grad_enabled = torch.is_grad_enabled
@@ -40,7 +41,7 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
                                       or sink_requires_grad(learnable_sink))
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
-    check_tensors(q, k, v)
+    check_tensors(q, k, v, value_dim=True)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
@@ -54,8 +55,8 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
                 "learnable_sink requires grad; call it without out= (or under torch.no_grad())")
         if not isinstance(out, Tensor):
             raise TypeError("out must live where the inputs live (numpy for numpy inputs, device otherwise)")
-        if out.shape != q.shape or out.dtype != q.dtype:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype "
+        if tuple(out.shape) != out_shape(q, v) or out.dtype != q.dtype:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)} (v's head dim) and dtype "
                              f"{DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
                              f"{DTYPE_NAMES.get(out.dtype, out.dtype)}")
     if learnable_sink is not None:

@@ -73,7 +73,7 @@ def reference_backward(dout, q, k, v, out, lse, causal, softmax_scale, determini
         dq = (ds @ kf) * softmax_scale
         dk = (ds.transpose(-1, -2) @ qf) * softmax_scale
         dk = dk.reshape(b, hkv, group, sk, d).sum(2)
-        dv = dv.reshape(b, hkv, group, sk, d).sum(2)
+        dv = dv.reshape(b, hkv, group, sk, v.shape[-1]).sum(2)  # v's head dim may differ from q's
     return tuple(g.transpose(1, 2).to(x.dtype).contiguous() for g, x in ((dq, q), (dk, k), (dv, v)))
 
 

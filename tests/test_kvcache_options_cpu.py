@@ -18,6 +18,7 @@ from numbaflash.kernels.families import kernel_params
 from numbaflash.kernels.shapes import DecodeConfig
 from numbaflash.kernels.spec import kernel_spec
 from numbaflash.operations import decode as decode_op
+from numbaflash.operations.launch_decode import SCRATCH_TAIL_ROWS
 from numbaflash.tools.reference import attention_reference, kvcache_reference
 from tests.test_decode_cpu import (
     FakeDeviceArray,
@@ -261,6 +262,11 @@ def test_the_torch_op_takes_the_options(monkeypatch):
         out = torch_ops.flash_attention_with_kvcache(q, kc, kc.clone(), lens, None, None, None, True, 0.125,
                                                      0, -1, -1, 0.0, None, idx, idx)[0]
         assert out.shape == q.shape
+        pair = torch.empty(3, 1, 8, 192, dtype=torch.float16, device="cuda")  # (192, 128): out at v's 128
+        caches = kc.new_empty(5, 100, 2, 192), kc.new_empty(5, 100, 2, 128)
+        out = torch_ops.flash_attention_with_kvcache(pair, *caches, lens, None, None, None, True, 0.125, 0,
+                                                     -1, -1, 0.0)[0]
+        assert out.shape == (3, 1, 8, 128)
         with pytest.raises(ValueError, match=r"cache_leftpad must be an int32 tensor of shape \(batch,\)"):
             torch_ops.flash_attention_with_kvcache(q, kc, kc.clone(), lens, None, None, None, True, 0.125, 0,
                                                    -1, -1, 0.0, None, idx, torch.empty(2, dtype=torch.int32,
@@ -549,3 +555,36 @@ def test_torch_rotary_calls_of_a_known_layout_take_the_plan(fake_gpu, monkeypatc
         run(*(cuda_like(torch, (300, 32), dtype=torch.bfloat16) for _ in range(2)))
     with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
         run(cos, sin, flag=1)
+
+
+# ------------------------------------------------------------------ V's head dim apart (issue 56 item 2)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_pair_of_head_dims_decodes_at_v_s_width(fake_gpu, monkeypatch, paged, splits):
+    """(192, 128): the pair's decode build (K 192 columns, V and O 128), out and the combine at
+    V's width: one combine warp per 32 of its columns, the scratch's partial rows 128 floats;
+    k_new and v_new each at its cache's head dim, an out of q's head dim refused."""
+    built = []
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda spec: built.append(spec)
+                        or (types.SimpleNamespace(handle=1), kernel_name(spec)))
+    x = inputs(seqlen_q=2, seqlen_new=1, d=192, paged=paged)
+    x["v_cache"] = FakeDeviceArray((*x["v_cache"].shape[:3], 128))
+    x["v_new"] = FakeDeviceArray((2, 1, 2, 128))
+    out, lse = call(x, num_splits=splits, return_lse=True)
+    assert out.shape == (2, 2, 8, 128) and lse.shape == (2, 8, 2)
+    spec = next(s for s in built if s.operation == "decode")
+    assert (spec.config.head_dim, spec.config.value_dim) == (192, 128)
+    if splits > 1:
+        _, grid, _, _, args = FakeLauncher.launches[1]
+        n = 2 * 8 * 2 * splits
+        assert grid == (2 * 8 * 2 * (128 // 32) // 4, 1, 1)
+        assert args[0][1] == n * (128 + 1) + SCRATCH_TAIL_ROWS * 128
+    with pytest.raises(ValueError, match=r"v_new must be .* \(2, 1, 2, 128\)"):
+        call({**x, "v_new": FakeDeviceArray((2, 1, 2, 192))}, num_splits=splits)
+    with pytest.raises(ValueError, match=r"out must have q's shape with v's head_dim \(2, 2, 8, 128\)"):
+        call(x, num_splits=splits, out=FakeDeviceArray((2, 2, 8, 192)))
+    with pytest.raises(ValueError, match="no kernel for q/k head_dim 192 with v head_dim 64"):
+        call({**x, "v_cache": FakeDeviceArray((*x["v_cache"].shape[:3], 64)),
+              "v_new": FakeDeviceArray((2, 1, 2, 64))}, num_splits=splits)

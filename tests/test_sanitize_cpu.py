@@ -116,7 +116,17 @@ def test_runnable_configs(capability, families):
     for fam in families:
         for d in FAMILY_HEAD_DIMS[fam]:
             assert set(CANDIDATES[(fam, d)]) <= set(got)
-    assert {c.head_dim for c in got} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
+    limit = configs.max_shared_bytes(capability)
+    pairs = set(configs.ASYMMETRIC_DEFAULTS.values())  # (192, 128): every GPU runs the mma.sync family
+    if "sm90" in families:  # and Hopper its own forward of the pair
+        pairs |= set(configs.ASYMMETRIC_WS_DEFAULTS.values())
+    pairs |= set(san.pair_decode_configs(capability))  # and the pair's decode, contiguous and paged
+    assert {(c.head_dim, c.value_dim, c.paged) for c in san.pair_decode_configs(capability)} == {
+        (192, 128, False), (192, 128, True)}
+    pairs |= {configs.backward_for_target(c, capability)
+              for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs if c.shared_bytes <= limit}
+    assert {c.head_dim for c in got if c not in pairs} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
+    assert pairs <= set(got)
     shipped = {c for fam, _, _, c in configs.shipped_configs() if fam in families}
     assert shipped <= set(got)
     assert any(isinstance(c, ForwardConfig) for c in got)
@@ -135,7 +145,7 @@ def test_runnable_configs(capability, families):
     assert shipped_backward - own <= expected
     expected |= shipped_backward
     expected |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}  # decode's
-    assert set(got) == expected
+    assert set(got) == expected | pairs
 
 
 def test_select_indices():
@@ -152,7 +162,12 @@ def test_select_indices():
     assert set(shipped) == ({c for _, _, _, c in san.configs.shipped_configs()}
                             | {configs.backward_for_target(c, (9, 0))
                                for _, _, c in san.configs.shipped_backward_configs()}
-                            | set(san.configs.shipped_decode_configs()))
+                            | set(san.configs.shipped_decode_configs())
+                            | set(configs.ASYMMETRIC_DEFAULTS.values())
+                            | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
+                            | set(san.pair_decode_configs((9, 0)))
+                            | {configs.backward_for_target(c, (9, 0))
+                               for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs})
     assert len(shipped) < len(cl)
 
 

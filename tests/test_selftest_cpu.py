@@ -9,6 +9,8 @@ import hashlib
 import numpy as np
 import pytest
 
+from numbaflash import configs
+from numbaflash.kernels.families import family_of
 from numbaflash.tools import selftest
 
 BOTH = ["sm90", "sm80"]
@@ -133,9 +135,10 @@ PINNED_DIGESTS = ("721014eb539fc133", "c288861f867eb913")
 
 
 def before_sinks(case) -> tuple:
-    """A case's fields but the learnable sink (the last field of a forward and of a backward case,
-    drawn from a stream of its own since issue 56: every other field is what it was before)."""
-    return dataclasses.astuple(case)[:-1]
+    """A case's fields but the learnable sink (drawn from a stream of its own since issue 56: every
+    other field is what it was before) and V's head dim after it (its pairs are drawn with
+    ``VALUE_DIM_SHARE`` 0 where this is read)."""
+    return dataclasses.astuple(case)[:-2]
 
 
 def test_sinks_are_drawn_for_device_cases_of_the_forward_families_only():
@@ -166,11 +169,44 @@ def test_sinks_are_drawn_for_device_cases_of_the_backward():
     assert selftest.draw_backward_case(0, 3) == selftest.draw_backward_case(0, 3)
 
 
+def test_value_dims_are_drawn_for_cases_of_both_forward_families_and_the_backward(monkeypatch):
+    """A share of the sm80 and sm90 families' cases (and of the backward's) take a pair of head
+    dims (``configs.ASYMMETRIC_HEAD_DIMS``), on a stream of their own: with the share at 0 every
+    case is what it is with pairs, but for the pair. Each family's pair cases run its config of
+    the pair (``pair_config``)."""
+    cases = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
+    pairs = [c for c in cases if c.value_dims]
+    assert pairs and all(c.value_dims in configs.ASYMMETRIC_HEAD_DIMS for c in pairs)
+    plain_case = next(c for c in cases if not c.value_dims)
+    assert all(c.dims == c.value_dims for c in pairs) and plain_case.dims == (plain_case.head_dim,) * 2
+    assert {c.family for c in pairs} == set(selftest.VALUE_DIM_FAMILIES) and any(c.varlen for c in pairs)
+    assert {c.kind for c in pairs} == {"numpy", "numba", "torch"}
+    for family in selftest.VALUE_DIM_FAMILIES:
+        config = selftest.pair_config(family, (192, 128))
+        assert family_of(config).name == family and (config.head_dim, config.value_dim) == (192, 128)
+    eligible = [c for c in cases if c.family in selftest.VALUE_DIM_FAMILIES]
+    assert abs(len(pairs) / len(eligible) - selftest.VALUE_DIM_SHARE) < 0.06
+    assert "d192v128" in pairs[0].describe() and any(c.causal for c in pairs) and any(c.sink for c in pairs)
+    backward = [selftest.draw_backward_case(s, i) for s in (0, 1) for i in range(600)]
+    bpairs = [c for c in backward if c.value_dims]
+    assert bpairs and any(c.varlen for c in bpairs)
+    assert {c.kind for c in bpairs} == {"numpy", "numba", "torch"}
+    assert abs(len(bpairs) / len(backward) - selftest.VALUE_DIM_SHARE) < 0.06
+    monkeypatch.setattr(selftest, "VALUE_DIM_SHARE", 0.0)
+    plain = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
+    for a, b in zip(cases, plain, strict=True):
+        assert dataclasses.replace(a, value_dims=()) == b
+    plain = [selftest.draw_backward_case(s, i) for s in (0, 1) for i in range(600)]
+    for a, b in zip(backward, plain, strict=True):
+        assert dataclasses.replace(a, value_dims=()) == b
+
+
 def test_default_mode_draws_are_unchanged(monkeypatch):
     """The default mode draws what it drew before ``--variants`` (with the families of then: only
     sm80 had windows, softcaps and varlen), and with the Hopper kernel's every case is the same but
     for the window, softcap and packed sequences (which replace the dense shape) of its sm90 cases."""
     shipped = selftest.WINDOW_SOFTCAP_FAMILIES, selftest.VARLEN_FAMILIES
+    monkeypatch.setattr(selftest, "VALUE_DIM_SHARE", 0.0)  # the pairs of head dims came after
     monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))
     monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     then = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]

@@ -249,3 +249,40 @@ def test_a_rotary_case_is_the_reference_call(paged):
     assert not sd.same_cache(near, want_k.astype(np.float64), False, c.dtype)
     far = want_k.astype(np.float64) * (1 + 4 * ulp) + 1e-3
     assert not sd.same_cache(far, want_k.astype(np.float64), True, c.dtype)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_share_of_decode_cases_runs_a_pair_of_head_dims_as_the_reference_call(paged, monkeypatch):
+    """(192, 128) in place of the head dim in about 15% of the cases, from a stream of its own (the
+    rest of a case is drawn as without it): q, k_cache and k_new at 192 columns, v_cache, v_new and
+    out at 128, a rotary dim within 192; the packed problem is ``kvcache_reference``'s call."""
+    import dataclasses
+
+    from numbaflash.tools.reference import kvcache_reference
+
+    cases = [sd.draw_decode_case(s, i) for s in (0, 1) for i in range(500)]
+    pairs = [c for c in cases if c.value_dims]
+    assert abs(len(pairs) / len(cases) - sd.DECODE_VALUE_DIM_SHARE) < 0.05
+    assert all(c.dims == (192, 128) and c.rotary_dim <= 192 for c in pairs)
+    assert "d192v128" in pairs[0].describe()
+    with monkeypatch.context() as patch:
+        patch.setattr(sd, "DECODE_VALUE_DIM_SHARE", 0.0)
+        for c in pairs[:20]:
+            plain = sd.draw_decode_case(c.seed, c.index)
+            assert dataclasses.replace(c, value_dims=(), rotary_dim=plain.rotary_dim) == plain
+    c = next(c for i in range(3000) if (c := sd.draw_decode_case(5, i, quick=True)).value_dims
+             and c.seqlen_new and (c.page_size > 0) == paged)
+    x = sd.make_decode_inputs(c)
+    assert x.q.shape[3] == x.k_cache.shape[3] == x.k_new.shape[3] == 192
+    assert x.v_cache.shape[3] == x.v_new.shape[3] == 128
+    rope = {} if not c.rotary else {"rotary_cos": x.rotary_cos, "rotary_sin": x.rotary_sin,
+                                    "rotary_interleaved": c.rotary == 2}
+    out, lse, _, v_after = kvcache_reference(
+        x.q, x.k_cache, x.v_cache, x.cache_seqlens, k_new=x.k_new, v_new=x.v_new, block_table=x.block_table,
+        cache_batch_idx=x.cache_batch_idx, cache_leftpad=x.cache_leftpad, causal=c.causal, **rope)
+    q, k, v, cu_q, cu_k = sd.packed_problem(c, x)
+    packed_out, packed_lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=c.causal)
+    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, 128))
+    assert np.array_equal(packed_lse, lse.transpose(1, 0, 2).reshape(c.heads_q, -1))
+    assert np.array_equal(v_after.astype(np.float64), sd.expected_caches(c, x)[1].astype(np.float64),
+                          equal_nan=True)

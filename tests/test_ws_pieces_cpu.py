@@ -100,7 +100,8 @@ CONFIGS = list(dict.fromkeys(
     [WsConfig(d, n) for d in (64, 96, 128, 256) for n in (64, 128, 176)]
     + [WsConfig(64, 64, s, c, q_stages=qs, o_in_q=oq, o_in_v=ov) for s, c, qs, oq, ov in _RINGS]
     + [c for cands in configs.CANDIDATES.values() for c in cands if isinstance(c, WsConfig)]
-    + [c for _, _, _, c in configs.shipped_configs() if isinstance(c, WsConfig)]))
+    + [c for _, _, _, c in configs.shipped_configs() if isinstance(c, WsConfig)]
+    + list(configs.ASYMMETRIC_WS_DEFAULTS.values())))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -108,9 +109,9 @@ def test_shared_layout_tiles_are_aligned_and_disjoint(config):
     t = config.tile_bytes
     at = config.shared_layout
     assert config.shared_bytes == at.end + SMEM_ALIGN
-    assert config.shared_bytes == config.q_stages * t["q"] + 2 * config.stages * t["kv"] + t["o"] + 1024
-    regions = [("q", at.q, config.q_stages * t["q"]), ("k", at.k, config.stages * t["kv"]),
-               ("v", at.v, config.stages * t["kv"])]
+    assert config.shared_bytes == config.q_stages * t["q"] + config.stages * (t["k"] + t["v"]) + t["o"] + 1024
+    regions = [("q", at.q, config.q_stages * t["q"]), ("k", at.k, config.stages * t["k"]),
+               ("v", at.v, config.stages * t["v"])]
     if not config.o_in_q and not config.o_in_v:
         regions.append(("o", at.o, t["o"]))
     for _, start, size in regions:
@@ -118,7 +119,7 @@ def test_shared_layout_tiles_are_aligned_and_disjoint(config):
     for (_, a, n), (_, b, m) in itertools.combinations(regions, 2):
         assert a + n <= b or b + m <= a
     if config.o_in_v:  # O staged at the start of the V ring, which holds its rows
-        assert at.o == at.v and config.block_m * config.head_dim * 2 <= config.stages * t["kv"]
+        assert at.o == at.v and config.block_m * config.value_dim * 2 <= config.stages * t["v"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)

@@ -229,9 +229,10 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
     logits and d_sink, which must be zero before the launch): each CTA also adds its rows' part of
     d_sink (``make_sink_gradient``)."""
     config.check()
-    D = config.head_dim
+    D = config.head_dim  # the dQ accumulator's columns (Q's head dim)
+    DV = config.value_dim  # O's and dO's, whose rows D = rowsum(dO ∘ O) sums
     BM = config.block_m
-    TPR, PER, RPP = prep_split(D)
+    TPR, PER, RPP = prep_split(DV)
     PASSES = PREP_ROWS // RPP
     GROUP = min(PASSES, 8)  # passes whose loads are in flight together (unrolled: registers)
     SHUFFLES = tuple(TPR >> i for i in range(1, TPR.bit_length()))  # TPR/2 .. 1
@@ -315,7 +316,8 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
         f"{'SinkArrays(sink, d_sink)' if sink else 'None'})",
         {"run_prep": run_prep, "View": View, "PrepWorkspace": PrepWorkspace, "PackedRows": PackedRows,
          "SinkArrays": SinkArrays, "int64": int64})
-    kernel.__name__ = (f"flash_backward_prep_d{D}_m{BM}_{'varlen_' if varlen else ''}"
+    dims = f"d{D}v{DV}" if DV != D else f"d{D}"
+    kernel.__name__ = (f"flash_backward_prep_{dims}_m{BM}_{'varlen_' if varlen else ''}"
                        f"{'bf16' if bf16 else 'f16'}{'_sink' if sink else ''}")
     kernel.launch_bounds = (PREP_THREADS, 1)
     return kernel

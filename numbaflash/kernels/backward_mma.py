@@ -125,9 +125,9 @@ BlockIndex = namedtuple("BlockIndex", ["head", "m_block"])
 QueryBlock = namedtuple("QueryBlock", ["head", "m_block", "m0", "row"])
 # Where one warp's part of a product sits: its first row and column in the CTA's tiles.
 WarpPart = namedtuple("WarpPart", ["row0", "col0"])
-# The warp's parts: keys x queries (Sᵀ, dPᵀ), keys x head-dim columns (dK, dV), queries x
-# head-dim columns (dQ).
-Parts = namedtuple("Parts", ["s", "kv", "q"])
+# The warp's parts: keys x queries (Sᵀ, dPᵀ), keys x head-dim columns (dK, and dV: ``kvv``, its
+# own where V's head dim differs), queries x head-dim columns (dQ).
+Parts = namedtuple("Parts", ["s", "kv", "q", "kvv"])
 # The tiles of one step of the walk (shared byte addresses): Q, dO, and the stage's LSE and D
 # rows (float32).
 StepTiles = namedtuple("StepTiles", ["q", "do", "lse", "delta"])
@@ -139,8 +139,9 @@ Frags = namedtuple("Frags", ["a", "b"])
 # block kb of a column block) and ``nt_b[kb]`` (Q, dO rows); dV/dK: ``tn_a[kb]`` (Pᵀ, dSᵀ rows)
 # and ``tn_b[j2]`` (dO, Q columns, transposed); dQ: ``dq_a[mt]`` (dSᵀ transposed) and
 # ``dq_b[j2]`` (K columns, transposed); the Pᵀ and dSᵀ stores: ``sts[j]`` (the lane's row of
-# the warp's first key m-tile, n-tile j's column pair).
-Offsets = namedtuple("Offsets", ["nt_a", "nt_b", "tn_a", "tn_b", "dq_a", "dq_b", "sts"])
+# the warp's first key m-tile, n-tile j's column pair); ``tn_bv[j2]`` dO's columns of dV where V's
+# head dim differs (else ``tn_b`` itself).
+Offsets = namedtuple("Offsets", ["nt_a", "nt_b", "tn_a", "tn_b", "dq_a", "dq_b", "sts", "tn_bv"])
 # A warp's GEMM state: its Parts, its Frags and its Offsets.
 WarpGemm = namedtuple("WarpGemm", ["parts", "frags", "offsets"])
 # The warp's accumulators (float32 fragments): dK, dV (kept over the walk), Sᵀ/Pᵀ, dPᵀ/dSᵀ, dQ.
@@ -150,7 +151,8 @@ TnProduct = namedtuple("TnProduct", ["acc", "a_tile", "b_tile", "frags", "offset
 DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets"])
 
 # The rooms' steps (each factory below returns one of these).
-Gemms = namedtuple("Gemms", ["parts", "lane_offsets", "transposed_scores", "product_tn", "dq_product"])
+Gemms = namedtuple("Gemms", ["parts", "lane_offsets", "transposed_scores", "product_dv", "product_dk",
+                             "dq_product"])
 ScoreGradient = namedtuple("ScoreGradient", ["scores_to_gradient"])
 Masker = namedtuple("Masker", ["mask"])
 Loads = namedtuple("Loads", ["load_kv", "load_block"])
@@ -164,7 +166,8 @@ Placement = namedtuple("Placement", ["launch_order", "place", "window", "query_b
 # The main kernel's compile-time shape (``backward_shape``), worked out once from its config.
 Shape = namedtuple("Shape", [
     "d", "bm", "bn", "threads", "kr", "qr", "kmt", "sq", "s_n", "dc", "kv_n", "qmt", "dq_cols", "dq_n",
-    "a_tiles", "cpr", "rb", "kb", "stages", "store_rows", "dq_vector", "layout"])
+    "a_tiles", "cpr", "rb", "kb", "stages", "store_rows", "dq_vector", "layout", "dv", "dcv", "kv_nv",
+    "cprv"])
 PB = 128  # bytes per row of a column block of the Pᵀ and dSᵀ tiles (block_m is 64 or 128)
 
 
@@ -173,30 +176,38 @@ def backward_shape(config: BackwardConfig) -> Shape:
     queries of a warp's Sᵀ and dPᵀ (sq; s_n n-tiles), head-dim columns of its dK and dV (dc;
     kv_n), query m-tiles and columns of its dQ (qmt, dq_cols; dq_n), A fragments held at once,
     16-byte chunks a row (cpr), 16-column blocks per column block (kb), rows of dK and dV each warp
-    writes out (store_rows); ``layout``: the shared byte offsets (``config.shared_layout``)."""
-    D, BM, BN = config.head_dim, config.block_m, config.block_n
+    writes out (store_rows); ``layout``: the shared byte offsets (``config.shared_layout``); V's
+    side (V, dO, dV: ``config.value_dim``): dv, its columns of a warp's dV (dcv; kv_nv n-tiles)
+    and 16-byte chunks a row (cprv), the same as head_dim's unless the config says otherwise."""
+    D, DV, BM, BN = config.head_dim, config.value_dim, config.block_m, config.block_n
     KR, KC, QR, QC = config.key_warps, config.col_warps, config.dq_row_warps, config.dq_col_warps
     KMT, QMT = BN // (16 * KR), BM // (16 * QR)
     return Shape(D, BM, BN, config.threads, KR, QR, KMT, BM // KC, BM // KC // 8, D // KC, D // KC // 8, QMT,
                  D // QC, D // QC // 8, max(KMT, QMT), D // 8, config.row_bytes, config.row_bytes // 32,
-                 config.q_stages, BN // config.num_warps, config.dq_vector, config.shared_layout)
+                 config.q_stages, BN // config.num_warps, config.dq_vector, config.shared_layout, DV,
+                 DV // KC, DV // KC // 8, DV // 8)
 
 
 def make_gemms(s: Shape, bf16: bool) -> Gemms:
     """The warp's products, each m16n8k16 mma.sync over ldmatrix fragments: ``parts(warp)`` (its
     Parts), ``lane_offsets`` (its Offsets, once), ``transposed_scores`` (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ),
-    ``product_tn`` (dV += Pᵀ dO, dK += dSᵀ Q) and ``dq_product`` (dQ = dS K)."""
-    D, BM, BN, RB, KB = s.d, s.bm, s.bn, s.rb, s.kb
-    KMT, S_N, KV_N, QMT, DQ_N = s.kmt, s.s_n, s.kv_n, s.qmt, s.dq_n
-    KR, QR, SQ, DC, DQ_COLS = s.kr, s.qr, s.sq, s.dc, s.dq_cols
+    ``product_dv`` (dV += Pᵀ dO), ``product_dk`` (dK += dSᵀ Q) and ``dq_product`` (dQ = dS K).
+    Where V's head dim differs (``s.dv``), dPᵀ = V dOᵀ runs over it and dV has its columns (its
+    own Part and dO column offsets); else dV's product is dK's, on the same offsets."""
+    D, DV, BM, BN, RB, KB = s.d, s.dv, s.bm, s.bn, s.rb, s.kb
+    KMT, S_N, KV_N, KV_NV, QMT, DQ_N = s.kmt, s.s_n, s.kv_n, s.kv_nv, s.qmt, s.dq_n
+    KR, QR, SQ, DC, DCV, DQ_COLS = s.kr, s.qr, s.sq, s.dc, s.dcv, s.dq_cols
+    VALUE_DIM = DV != D
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, forceinline=True)
     def parts(warp):
-        """The warp's Parts: keys x queries, keys x head-dim columns, queries x head-dim columns."""
-        return Parts(WarpPart((warp % KR) * 16 * KMT, (warp // KR) * SQ),
-                     WarpPart((warp % KR) * 16 * KMT, (warp // KR) * DC),
-                     WarpPart((warp % QR) * 16 * QMT, (warp // QR) * DQ_COLS))
+        """The warp's Parts: keys x queries, keys x head-dim columns (dK; dV's own where V's
+        head dim differs), queries x head-dim columns."""
+        kv = WarpPart((warp % KR) * 16 * KMT, (warp // KR) * DC)
+        return Parts(WarpPart((warp % KR) * 16 * KMT, (warp // KR) * SQ), kv,
+                     WarpPart((warp % QR) * 16 * QMT, (warp // QR) * DQ_COLS),
+                     WarpPart(kv.row0, (warp // KR) * DCV) if VALUE_DIM else kv)
 
     @cuda.jit(device=True, forceinline=True)
     def mma_b_pair(acc, frags, m_tiles, j2):
@@ -206,42 +217,57 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
             mma(acc[mt, 2 * j2], frags.a[mt], frags.b[0:2])
             mma(acc[mt, 2 * j2 + 1], frags.a[mt], frags.b[2:4])
 
-    @cuda.jit(device=True, forceinline=True)
-    def product_nt(acc, a_tile, b_tile, frags, offsets):
-        """acc[mt, j] += A Bᵀ over the head dim: A = the warp's key rows (+ 16 mt) of ``a_tile``
-        (K or V, ldmatrix), B = its query rows (+ 8 j) of ``b_tile`` (Q or dO, non-transposed
-        ldmatrix, two n-tiles a load)."""
-        for kt in range(D // 16):
-            block = (kt // KB) * RB  # the column block, per row of the tile
-            for mt in range(KMT):
-                ptx.ldmatrix_x4(frags.a[mt], a_tile + offsets.nt_a[kt % KB] + block * BN + 16 * mt * RB)
-            for j2 in range(S_N // 2):
-                ptx.ldmatrix_x4(frags.b, b_tile + offsets.nt_b[kt % KB] + block * BM + 16 * j2 * RB)
-                mma_b_pair(acc, frags, KMT, j2)
+    def make_product_nt(depth: int):
+        """``product_nt(acc, a_tile, b_tile, frags, offsets)``: acc[mt, j] += A Bᵀ over ``depth``
+        head-dim columns: A = the warp's key rows (+ 16 mt) of ``a_tile`` (K or V, ldmatrix), B =
+        its query rows (+ 8 j) of ``b_tile`` (Q or dO, non-transposed ldmatrix, two n-tiles a
+        load)."""
+
+        @cuda.jit(device=True, forceinline=True)
+        def product_nt(acc, a_tile, b_tile, frags, offsets):
+            for kt in range(depth // 16):
+                block = (kt // KB) * RB  # the column block, per row of the tile
+                for mt in range(KMT):
+                    ptx.ldmatrix_x4(frags.a[mt], a_tile + offsets.nt_a[kt % KB] + block * BN + 16 * mt * RB)
+                for j2 in range(S_N // 2):
+                    ptx.ldmatrix_x4(frags.b, b_tile + offsets.nt_b[kt % KB] + block * BM + 16 * j2 * RB)
+                    mma_b_pair(acc, frags, KMT, j2)
+
+        return product_nt
+
+    product_qk = make_product_nt(D)
+    product_vdo = make_product_nt(DV) if VALUE_DIM else product_qk
 
     @cuda.jit(device=True, forceinline=True)
     def transposed_scores(acc_s, acc_dp, sk, sv, tiles, frags, offsets):
         """Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's keys and queries."""
         zero_fragments(acc_s, KMT, S_N)
         zero_fragments(acc_dp, KMT, S_N)
-        product_nt(acc_s, sk, tiles.q, frags, offsets)
-        product_nt(acc_dp, sv, tiles.do, frags, offsets)
+        product_qk(acc_s, sk, tiles.q, frags, offsets)
+        product_vdo(acc_dp, sv, tiles.do, frags, offsets)
 
-    @cuda.jit(device=True, forceinline=True)
-    def tn_step(kt, st):
-        """k-tile ``kt`` (16 queries) of ``product_tn``."""
-        for mt in range(KMT):
-            at = st.a_tile + st.offsets.tn_a[kt % 4] + (kt // 4) * (BN * PB) + 16 * mt * PB
-            ptx.ldmatrix_x4(st.frags.a[mt], at)
-        for j2 in range(KV_N // 2):
-            ptx.ldmatrix_x4_trans(st.frags.b, st.b_tile + st.offsets.tn_b[j2] + 16 * kt * RB)
-            mma_b_pair(st.acc, st.frags, KMT, j2)
+    def make_product_tn(n_tiles: int, value: bool):
+        """acc[mt, j] += A B over the ``block_m`` queries (a TnProduct): A = rows ``row0`` + 16 mt
+        of a keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0``
+        .. of a queries x head-dim tile (dO or Q) by transposing ldmatrix, ``n_tiles`` of them at
+        the offsets ``tn_b`` (``value``: ``tn_bv``). Unrolled in Python: NVVM left the k-tile loop
+        rolled, so no k-tile's loads could overlap the previous one's mma.sync."""
 
-    # acc[mt, j] += A B over the ``block_m`` queries (a TnProduct): A = rows ``row0`` + 16 mt of a
-    # keys x queries tile (Pᵀ or dSᵀ, 128-byte column blocks), B = head-dim columns ``col0`` .. of
-    # a queries x head-dim tile (dO or Q) by transposing ldmatrix. Unrolled in Python: NVVM left
-    # the k-tile loop rolled, so no k-tile's loads could overlap the previous one's mma.sync.
-    product_tn = unroll(tn_step, BM // 16)
+        @cuda.jit(device=True, forceinline=True)
+        def tn_step(kt, st):
+            """k-tile ``kt`` (16 queries) of the product."""
+            for mt in range(KMT):
+                at = st.a_tile + st.offsets.tn_a[kt % 4] + (kt // 4) * (BN * PB) + 16 * mt * PB
+                ptx.ldmatrix_x4(st.frags.a[mt], at)
+            b_offsets = st.offsets.tn_bv if value else st.offsets.tn_b
+            for j2 in range(n_tiles // 2):
+                ptx.ldmatrix_x4_trans(st.frags.b, st.b_tile + b_offsets[j2] + 16 * kt * RB)
+                mma_b_pair(st.acc, st.frags, KMT, j2)
+
+        return unroll(tn_step, BM // 16)
+
+    product_dk = make_product_tn(KV_N, False)
+    product_dv = make_product_tn(KV_NV, True) if VALUE_DIM else product_dk
 
     @cuda.jit(device=True, forceinline=True)
     def dq_step(kt, st):
@@ -260,7 +286,7 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
     def lane_offsets(offsets, parts, lane):
         """Fill ``offsets`` (an Offsets) for this lane and its warp's Parts; each value is kept
         in a register (``keep_in_register``), not recomputed from the lane index every step."""
-        s_part, kv_part, q_part = parts
+        s_part, kv_part, q_part, kvv_part = parts
         ldmatrix_offsets(offsets.nt_a, lane % 16, lane // 16, RB)
         ldmatrix_offsets(offsets.nt_b, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
         ldmatrix_offsets(offsets.tn_a, lane % 16, lane // 16, PB)
@@ -272,6 +298,10 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
         for j2 in range(KV_N // 2):
             chunk = kv_part.col0 // 8 + 2 * j2 + lane // 16
             offsets.tn_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BM, RB), lane)
+        if VALUE_DIM:  # dO's columns of the warp's dV (else tn_bv is tn_b)
+            for j2 in range(KV_NV // 2):
+                chunk = kvv_part.col0 // 8 + 2 * j2 + lane // 16
+                offsets.tn_bv[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BM, RB), lane)
         for mt in range(QMT):
             key = lane % 8 + 8 * (lane // 16)
             query_chunk = (q_part.row0 + 16 * mt) // 8 + (lane // 8) % 2
@@ -283,7 +313,7 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
             at = swizzled_offset(s_part.row0 + lane // 4, s_part.col0 // 8 + j, BN, PB) + 4 * (lane % 4)
             offsets.sts[j] = keep_in_register(at, lane)
 
-    return Gemms(parts, lane_offsets, transposed_scores, product_tn, dq_product)
+    return Gemms(parts, lane_offsets, transposed_scores, product_dv, product_dk, dq_product)
 
 
 def make_masker(s: Shape, causal: bool, window: bool) -> Masker:
@@ -442,7 +472,7 @@ def make_placement(s: Shape, causal: bool, source: RowSource, window: bool = Fal
 def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
     """The cp.async copies: ``load_kv`` (the key block's K and V tiles) and ``load_block`` (a query
     block's Q and dO rows, its LSE₂ and D, into a stage; one commit group each)."""
-    BM, BN, THREADS, CPR, RB = s.bm, s.bn, s.threads, s.cpr, s.rb
+    BM, BN, THREADS, CPR, CPRV, RB = s.bm, s.bn, s.threads, s.cpr, s.cprv, s.rb
     layout = s.layout
     SK, SV, SQ0, SDO0 = layout["k"], layout["v"], layout["q"], layout["do"]
     SLSE0, SDELTA0, STAGE = layout["lse"], layout["delta"], layout["stage"]
@@ -454,7 +484,7 @@ def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
         k_rows = source.rows(ops.k, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
         v_rows = source.rows(ops.v, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
         copy_tile_async(seat.sbase + SK, BN, k_rows, kb.n0, CPR, seat.tid, THREADS, RB)
-        copy_tile_async(seat.sbase + SV, BN, v_rows, kb.n0, CPR, seat.tid, THREADS, RB)
+        copy_tile_async(seat.sbase + SV, BN, v_rows, kb.n0, CPRV, seat.tid, THREADS, RB)
         ptx.cp_async_commit_group()
 
     @cuda.jit(device=True, forceinline=True)
@@ -470,7 +500,7 @@ def make_loads(s: Shape, source: RowSource, placement: Placement) -> Loads:
         sbase, tid = seat.sbase, seat.tid
         off = stage * STAGE
         copy_tile_async(sbase + SQ0 + off, BM, q_rows, m0, CPR, tid, THREADS, RB)
-        copy_tile_async(sbase + SDO0 + off, BM, do_rows, m0, CPR, tid, THREADS, RB)
+        copy_tile_async(sbase + SDO0 + off, BM, do_rows, m0, CPRV, tid, THREADS, RB)
         chunks = BM * 4 // 16
         if tid < chunks:
             ptx.cp_async_16_at(sbase + SLSE0 + off + 16 * tid, lse2_at + 16 * tid)
@@ -514,7 +544,7 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
         seat, kb = cta.seat, cta.kb
         sbase = seat.sbase
         m0, row = blk.m0, blk.row
-        gemms.product_tn(TnProduct(acc.dv, sbase + SP, tiles.do, wg.frags, wg.offsets))
+        gemms.product_dv(TnProduct(acc.dv, sbase + SP, tiles.do, wg.frags, wg.offsets))
         # dQ before dK (FlashAttention-2's order): its red.global adds drain while the dK
         # product runs, instead of queueing in front of the next step's cp.async copies.
         counter = source.counter(kb.batch, cta.call.heads_q, blk.head, row, blk.m_block,
@@ -540,7 +570,7 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
             cuda.syncthreads()
             if seat.tid == 0:
                 ptx.red_release_gpu_add_s32(counter_at, int32(1))
-        gemms.product_tn(TnProduct(acc.dk, sbase + SDS, tiles.q, wg.frags, wg.offsets))
+        gemms.product_dk(TnProduct(acc.dk, sbase + SDS, tiles.q, wg.frags, wg.offsets))
         cuda.syncthreads()  # every warp is done with this step's tiles
 
     return Accumulation(accumulate)
@@ -549,7 +579,8 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
 def make_kv_epilogue(s: Shape, bf16: bool, source: RowSource) -> KvEpilogue:
     """``store_dk_dv``: dK (times the softmax scale) and dV written through the K and V tiles,
     16-byte stores."""
-    BN, KMT, KV_N, RB, CPR, STORE_ROWS = s.bn, s.kmt, s.kv_n, s.rb, s.cpr, s.store_rows
+    BN, KMT, KV_N, KV_NV, RB, STORE_ROWS = s.bn, s.kmt, s.kv_n, s.kv_nv, s.rb, s.store_rows
+    CPR, CPRV = s.cpr, s.cprv
     SK, SV = s.layout["k"], s.layout["v"]
     BF16 = bf16
 
@@ -557,19 +588,19 @@ def make_kv_epilogue(s: Shape, bf16: bool, source: RowSource) -> KvEpilogue:
     def store_dk_dv(acc, wg, cta, scale):
         seat, kb, ops = cta.seat, cta.kb, cta.ops
         sk, sv, lane = seat.sbase + SK, seat.sbase + SV, seat.lane
-        kv_part = wg.parts.kv
+        kv_part, kvv_part = wg.parts.kv, wg.parts.kvv
         drain_copies()
         for mt in range(KMT):
             row0 = kv_part.row0 + 16 * mt
             store_fragment_rows(sk, acc.dk[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, scale)
-            store_fragment_rows(sv, acc.dv[mt], KV_N, BN, row0, kv_part.col0, lane, BF16, RB, float32(1.0))
+            store_fragment_rows(sv, acc.dv[mt], KV_NV, BN, row0, kvv_part.col0, lane, BF16, RB, float32(1.0))
         cuda.syncthreads()
         scratch = cuda.local.array(4, uint32)
         first = seat.warp * STORE_ROWS
         dk_rows = source.rows(ops.dk, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
         dv_rows = source.rows(ops.dv, kb.batch, kb.start_k, kb.kv_head, kb.seqlen_k)
         store_rows_global(dk_rows, kb.n0 + first, sk, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
-        store_rows_global(dv_rows, kb.n0 + first, sv, BN, first, STORE_ROWS, CPR, lane, scratch, RB)
+        store_rows_global(dv_rows, kb.n0 + first, sv, BN, first, STORE_ROWS, CPRV, lane, scratch, RB)
 
     return KvEpilogue(store_dk_dv)
 
@@ -598,6 +629,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     config.check()
     s = backward_shape(config)
     BM, BN, A_TILES, KV_PAIRS, DQ_PAIRS = s.bm, s.bn, s.a_tiles, s.kv_n // 2, s.dq_n // 2
+    VALUE_DIM, KV_NV, KV_PAIRS_V = s.dv != s.d, s.kv_nv, s.kv_nv // 2  # V's head dim apart: dV's own
     STAGES = s.stages
     STAGE, SQ0, SDO0, SLSE0, SDELTA0 = (s.layout[name] for name in ("stage", "q", "do", "lse", "delta"))
     KMT, S_N, KV_N, QMT, DQ_N, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.dq_n, s.kb
@@ -634,19 +666,23 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
                          ws.rows // BM)
         cta = Cta(seat, kb, band, ops, at, call, q_base, do_base)
 
+        tn_b = cuda.local.array(KV_PAIRS, uint32)
+        tn_bv = tn_b
+        if VALUE_DIM:
+            tn_bv = cuda.local.array(KV_PAIRS_V, uint32)
         wg = WarpGemm(gemms.parts(seat.warp),
                       Frags(cuda.local.array((A_TILES, 4), uint32), cuda.local.array(4, uint32)),
                       Offsets(cuda.local.array(KB, uint32), cuda.local.array(KB, uint32),
-                              cuda.local.array(4, uint32), cuda.local.array(KV_PAIRS, uint32),
+                              cuda.local.array(4, uint32), tn_b,
                               cuda.local.array(QMT, uint32), cuda.local.array(DQ_PAIRS, uint32),
-                              cuda.local.array(S_N, uint32)))
+                              cuda.local.array(S_N, uint32), tn_bv))
         gemms.lane_offsets(wg.offsets, wg.parts, seat.lane)
         acc = Accumulators(cuda.local.array((KMT, KV_N, 4), float32),
-                           cuda.local.array((KMT, KV_N, 4), float32),
+                           cuda.local.array((KMT, KV_NV, 4), float32),
                            cuda.local.array((KMT, S_N, 4), float32), cuda.local.array((KMT, S_N, 4), float32),
                            cuda.local.array((QMT, DQ_N, 4), float32))
         zero_fragments(acc.dk, KMT, KV_N)
-        zero_fragments(acc.dv, KMT, KV_N)
+        zero_fragments(acc.dv, KMT, KV_NV)
 
         # The walk: query blocks m_blocks - 1 down to m_first of each query head of the group in
         # turn (FlashAttention-2's order: the CTAs of a head start on the same query block, so in
@@ -708,6 +744,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     if varlen:
         kind = f"varlen_{kind}"
     kernel = entry
-    kernel.__name__ = f"flash_backward_d{s.d}_m{s.bm}_n{s.bn}{config.tag}_{kind}"
+    dims = f"d{s.d}v{s.dv}" if s.dv != s.d else f"d{s.d}"
+    kernel.__name__ = f"flash_backward_{dims}_m{s.bm}_n{s.bn}{config.tag}_{kind}"
     kernel.launch_bounds = (s.threads, 1)
     return kernel

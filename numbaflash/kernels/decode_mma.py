@@ -149,7 +149,7 @@ def decode_shape(config: DecodeConfig) -> MmaShape:
     """The pieces' shape of a decode config: every warp takes all the Q tile's m-tiles and its own
     ``block_n / num_warps`` keys of each K and V tile (from ``warp * keys`` rows in)."""
     return MmaShape(config.head_dim, config.rows, config.block_n, config.block_n // config.num_warps,
-                    config.m_tiles, config.row_bytes)
+                    config.m_tiles, config.row_bytes, config.head_dim_v)
 
 
 # The rotary steps (``make_rotary``): a new K row's 16-byte chunk loaded and rotated (and stored
@@ -284,9 +284,11 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
     BM = config.rows
     THREADS = config.threads
     STAGES = config.stages
-    CPR = config.head_dim // 8  # 16-byte chunks per row
+    CPR = config.head_dim // 8  # 16-byte chunks per row (of Q and K; a thread's slots walk them)
+    CPR_V = config.value_dim // 8  # of V: a slot's chunk past them copies no V
+    VALUE_DIM = CPR_V != CPR
     RB = config.row_bytes
-    TILE_BYTES = BN * config.head_dim * 2
+    TILE_BYTES = BN * config.head_dim * 2  # K's tile: V's follows it
     Q_CHUNKS = BM * CPR
     KV_CHUNKS = BN * CPR
     # A thread's 16-byte chunks of a K (or V) tile: where its chunks divide the rows, one chunk
@@ -344,7 +346,9 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
                 r = seq.start + n0 + row
             at = dst + swizzled_offset(row, chunk, BN, RB)
             ptx.cp_async_16_at(at, ks.cache + unit * ks.cache_sb + r * ks.cache_ss + chunk * 16)
-            ptx.cp_async_16_at(at + TILE_BYTES, vs.cache + unit * vs.cache_sb + r * vs.cache_ss + chunk * 16)
+            if not VALUE_DIM or chunk < CPR_V:
+                v_at = vs.cache + unit * vs.cache_sb + r * vs.cache_ss + chunk * 16
+                ptx.cp_async_16_at(at + TILE_BYTES, v_at)
 
     @cuda.jit(device=True, forceinline=True)
     def load_tiles(dst, n0, seq, ks, vs, tid, append, pages_at):
@@ -410,7 +414,8 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
                                 at, chunk, seq.start + seq.cache_len + place.new_row, seq.rotary)
             else:
                 copy_row_chunk(dst, row, chunk, ks, place, seq.b, append)
-            copy_row_chunk(dst + TILE_BYTES, row, chunk, vs, place, seq.b, append)
+            if not VALUE_DIM or chunk < CPR_V:
+                copy_row_chunk(dst + TILE_BYTES, row, chunk, vs, place, seq.b, append)
 
     @cuda.jit(device=True, forceinline=True)
     def load_q_rows(dst, q_rows, kv_head, group, rows_total, r0, tid):
@@ -448,7 +453,7 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
                     ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
             at, to_cache = row_address(vs, place, seq.b)
-            if to_cache != 0:
+            if to_cache != 0 and (not VALUE_DIM or chunk < CPR_V):
                 ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
 
@@ -501,8 +506,8 @@ def make_decode_step(config: DecodeConfig, causal: bool, bf16: bool, window: boo
     BN = config.block_n
     KW = shape.keys  # keys of a tile each warp takes
     STAGES = config.stages
-    TILE_BYTES = BN * config.head_dim * 2
-    STAGE_BYTES = 2 * TILE_BYTES  # K then V
+    TILE_BYTES = BN * config.head_dim * 2  # K's tile: V's follows it
+    STAGE_BYTES = config.stage_bytes  # K then V
     SRING = config.rows * config.head_dim * 2
     D_K_TILES = config.head_dim // 16
     Q_REGS = q_in_registers(config)
@@ -572,7 +577,7 @@ def make_warp_stash(config: DecodeConfig):
     BM = config.rows
     MT = config.m_tiles
     OS = config.merge_row  # floats from one O row to the next
-    D_N_TILES = config.head_dim // 8
+    D_N_TILES = config.value_dim // 8  # of O
     O_AT, ML_AT = stash_layout(config)
 
     @cuda.jit(device=True, forceinline=True)
@@ -648,17 +653,17 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
-    D = config.head_dim
+    D, DV = config.head_dim, config.value_dim  # DV: O's columns (V's head dim)
     BN = config.block_n
     BM = config.rows
     MT = config.m_tiles
     STAGES = config.stages
     RB = config.row_bytes
     D_K_TILES = D // 16
-    D_N_TILES = D // 8
+    D_N_TILES = DV // 8
     S_N_TILES = decode_shape(config).keys // 8
     P_K_TILES = decode_shape(config).keys // 16
-    STAGE_BYTES = 2 * BN * D * 2  # K then V
+    STAGE_BYTES = config.stage_bytes  # K then V
     SQ = 0  # the Q tile's offset in shared memory, then the ring's
     SRING = BM * D * 2
     Q_REGS = q_in_registers(config)
@@ -675,7 +680,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     OS = config.merge_row  # the warps' merge: floats from one O row to the next
     O_AT, ML_AT = stash_layout(config)
     THREADS = config.threads
-    CPR = D // 8  # 16-byte chunks per row
+    CPR = DV // 8  # 16-byte chunks per O row (the merge's)
     BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
@@ -816,7 +821,7 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
                         p.lse[uint64((b * heads_q + head) * p.seqlen_q + pos)] = lse_value
                 else:
                     row_id = (b * heads_q + head) * p.seqlen_q + pos
-                    part = (row_id * p.num_splits + split) * D + chunk * 8
+                    part = (row_id * p.num_splits + split) * DV + chunk * 8
                     for c in range(8):
                         p.o_part[uint64(part + c)] = acc[c] * inv
                     if chunk == 0:
@@ -829,7 +834,8 @@ def make_decode_kernel(config: DecodeConfig, causal: bool, bf16: bool, window: b
     kernel = decode_entry(run_decode, window or softcap, sink, batch_idx, leftpad, rotary)
     options = (f"{'_sink' if sink else ''}{'_bidx' if batch_idx else ''}{'_lpad' if leftpad else ''}"
                f"{('', '_rope', '_ropei')[rotary]}")
-    kernel.__name__ = f"flash_decode_d{D}_m{BM}_n{BN}{config.tag}_{kind}{options}"
+    dims = f"d{D}v{DV}" if DV != D else f"d{D}"
+    kernel.__name__ = f"flash_decode_{dims}_m{BM}_n{BN}{config.tag}_{kind}{options}"
     kernel.launch_bounds = (config.threads, 1)
     return kernel
 
@@ -856,7 +862,7 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
     resident before the decode kernel ends (they may start after its main loop,
     ``ptx.grid_launch_dependents``), and each waits for it (``ptx.grid_dependency_wait``) before
     reading a partial."""
-    D = config.head_dim
+    D = config.value_dim  # O's columns
     GROUPS = D // 32  # warps a row
     BF16 = bf16
 
@@ -902,6 +908,6 @@ def make_decode_combine_kernel(config: DecodeConfig, causal: bool, bf16: bool):
             lse[uint64((b * heads_q + head) * seqlen_q + pos)] = (
                 m_max + ptx.log2(total) * float32(LN2) if total > 0 else NEG_INF)
 
-    decode_combine.__name__ = f"flash_decode_combine_d{D}_{'bf16' if bf16 else 'f16'}"
+    decode_combine.__name__ = f"flash_decode_combine_d{D}_{'bf16' if bf16 else 'f16'}"  # O's head dim
     decode_combine.launch_bounds = (128, 1)
     return decode_combine

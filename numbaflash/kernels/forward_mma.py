@@ -15,7 +15,9 @@ the exponentials of each 16-key slice are followed by that slice's PV mma.sync w
 in between, so that ptxas interleaves a warp's MUFU work with its tensor-core work.
 
 Tiles are stored as 64-column blocks of 128-byte rows when head_dim is a multiple of 64, else
-(32, 96) as 32-column blocks of 64-byte rows (``smem``); head dims 32, 64, 96, 128, 256.
+(32, 96) as 32-column blocks of 64-byte rows (``smem``); head dims 32, 64, 96, 128, 256. V's head
+dim may be smaller than Q's and K's (``ForwardConfig.head_dim_v``, e.g. (192, 128)): the V tile, O
+and its epilogue are then that wide (``value_dim``), Q and K and S = Q Kᵀ are not.
 
 Two compile-time variants (issue 35), built only when a call asks for them: ``window`` (a sliding
 window, FlashAttention's ``window_size``: the KV loop runs over the tiles between the block's
@@ -89,7 +91,7 @@ WarpRows = namedtuple("WarpRows", ["span", "batch", "head", "sq", "warp_row", "r
 def forward_shape(config: ForwardConfig) -> MmaShape:
     """The pieces' shape of a forward config: a warp takes every key of a tile."""
     return MmaShape(config.head_dim, config.block_m, config.block_n, config.block_n, config.warp_m_tiles,
-                    128 if config.head_dim % 64 == 0 else 64)
+                    128 if config.head_dim % 64 == 0 else 64, config.head_dim_v)
 
 
 def interleaves(config: ForwardConfig, softcap: bool) -> bool:
@@ -154,7 +156,8 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
     shape = forward_shape(config)
     BN = config.block_n
     THREADS = config.threads
-    CPR = config.head_dim // 8  # 16-byte chunks per row
+    CPR = config.head_dim // 8  # 16-byte chunks per row of K
+    CPR_V = config.value_dim // 8  # of V
     RB = shape.row_bytes
     INTERLEAVE = interleaves(config, softcap)
     EARLY_K = config.early_k
@@ -177,7 +180,7 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
         acc_s, acc_o = loop.acc_s, loop.acc_o
         ptx.cp_async_wait_group_0()  # K_j has landed ...
         cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
-        copy_tile_async(sv + zero, BN, loop.v_rows, n0, CPR, tid, THREADS, RB)
+        copy_tile_async(sv + zero, BN, loop.v_rows, n0, CPR_V, tid, THREADS, RB)
         ptx.cp_async_commit_group()
 
         qk_scores(acc_s, loop.q_frag, loop.q_warp + zero, loop.v_offsets, sk, loop.k_offsets, loop.b_frag, 0)
@@ -216,8 +219,8 @@ def make_forward_epilogue(config: ForwardConfig, bf16: bool, rows: RowSource):
     LSE. Rows with no visible key give 0 and LSE -inf (with a learnable sink: the sink)."""
     BM = config.block_m
     MT = config.warp_m_tiles
-    D_N_TILES = config.head_dim // 8
-    CPR = config.head_dim // 8
+    D_N_TILES = config.value_dim // 8  # of O
+    CPR = config.value_dim // 8
     RB = forward_shape(config).row_bytes
     BF16 = bf16
     rows_of, lse_base = rows.rows_of, rows.lse_base
@@ -272,7 +275,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     RB = forward_shape(config).row_bytes  # bytes per row of a swizzle column block (smem)
     Q_RESIDENT = config.q_in_regs  # Q fragments in registers for the whole loop, else per k-slice
     D_K_TILES = D // 16  # k-tiles of the QKᵀ product
-    D_N_TILES = D // 8  # n-tiles of the O accumulator
+    D_N_TILES = config.value_dim // 8  # n-tiles of the O accumulator
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
     P_K_TILES = BN // 16  # k-tiles of the PV product
     Q_BUFFERS = 2 if config.double_buffer else 1  # Q k-slice buffers when Q is not resident
@@ -302,7 +305,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
 
         sq = ptx.shared_address_u16(smem)
         sk = sq + BM * D * 2
-        sv = sk + BN * D * 2
+        sv = sk + BN * D * 2  # after K's D columns: V's are config.value_dim
         q_rows = rows_of(q, span.start_q, batch, q_sb, q_ss, q_sh, head, seqlen_q)
         k_rows = rows_of(k, span.start_k, batch, k_sb, k_ss, k_sh, kv_head, seqlen_k)
         v_rows = rows_of(v, span.start_k, batch, v_sb, v_ss, v_sh, kv_head, seqlen_k)
@@ -374,7 +377,8 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         kind = f"varlen_{kind}"
     dropped_ip = config.interleave_pv and not interleaves(config, softcap)
     tag = config.tag.replace("_ip", "") if dropped_ip else config.tag
-    name = f"flash_forward_d{D}_m{BM}x{MT}_n{BN}{tag}_{kind}{'_sink' if sink else ''}"
+    dims = f"d{D}v{config.head_dim_v}" if config.head_dim_v else f"d{D}"
+    name = f"flash_forward_{dims}_m{BM}x{MT}_n{BN}{tag}_{kind}{'_sink' if sink else ''}"
     body = cuda.jit(device=True, forceinline=True)(flash_forward)
     declared = params.VARLEN_FORWARD if varlen else params.FORWARD
     seqs = "Sequences(batch_size, cu_seqlens_q, cu_seqlens_k, lse_head_stride)" if varlen else "batch_size"

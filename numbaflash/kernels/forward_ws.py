@@ -144,8 +144,9 @@ ConsumerState = namedtuple("ConsumerState", ["acc", "stats", "descs", "io", "sea
 ProducerState = namedtuple("ProducerState", ["maps", "bars", "tiles", "problem", "seqs"])
 
 # The rings of one kernel (``ring.RingSteps`` each): Q buffers, the K and V stages (two rings
-# in step: one count, one set of steps), and the O tile staged in the V ring (o_in_v).
-Rings = namedtuple("Rings", ["q", "kv", "o"])
+# in step: one count, one set of steps), the O tile staged in the V ring (o_in_v), and the V
+# stages' offsets (``v``: ``kv`` itself, unless V's head dim differs and its stages are smaller).
+Rings = namedtuple("Rings", ["q", "kv", "o", "v"])
 # The pieces' steps (each factory below returns one of these).
 Producer = namedtuple("Producer", ["produce"])
 ConsumerSteps = namedtuple("ConsumerSteps", ["attend_overlapped", "skip_tiles", "release_q"])
@@ -168,17 +169,21 @@ def epilogue_barrier(config: WsConfig) -> int:
 
 def make_rings(config: WsConfig) -> Rings:
     """The steps of the kernel's rings: ``q_stages`` Q buffers, ``stages`` K and V stages, and
-    the one O tile of o_in_v."""
+    the one O tile of o_in_v; V's offsets from a ring of its own where its stages are smaller
+    than K's (``WsConfig.head_dim_v``)."""
     t = config.tile_bytes
-    return Rings(make_ring(config.q_stages, t["q"]), make_ring(config.stages, t["kv"]), make_ring(1))
+    kv = make_ring(config.stages, t["k"])
+    return Rings(make_ring(config.q_stages, t["q"]), kv, make_ring(1),
+                 kv if t["v"] == t["k"] else make_ring(config.stages, t["v"]))
 
 
-def make_tile_loads(config: WsConfig):
+def make_tile_loads(config: WsConfig, columns: int = 0):
     """``load_tile(dst, tmap, bar, row0, head, batch, rows)``: TMA the rows row0 .. row0 + rows
-    of one (batch, head) into a swizzled tile, one box per column block."""
+    of one (batch, head) into a swizzled tile, one box per column block; ``columns`` wide (0:
+    the head dim; V's tiles: ``config.value_dim``)."""
     RB = config.row_bytes  # bytes per row of one swizzle block (128 or 64)
     BOX = config.box_cols  # head-dim columns of one block (64 or 32)
-    D_CHUNKS = config.head_dim // BOX  # blocks of a tile: one TMA box each
+    D_CHUNKS = (columns or config.head_dim) // BOX  # blocks of a tile: one TMA box each
 
     @cuda.jit(device=True, forceinline=True)
     def load_tile(dst, tmap, bar, row0, head, batch, rows):
@@ -199,10 +204,12 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = F
     tiles (from the block's first, ``TileTurn.kv_first``), each into the next stage of its ring
     once the consumers have released it."""
     BM, BN = config.block_m, config.block_n
-    Q_BYTES, KV_BYTES = config.tile_bytes["q"], config.tile_bytes["kv"]
+    Q_BYTES, K_BYTES, V_BYTES = (config.tile_bytes[name] for name in ("q", "k", "v"))
     O_IN_V = config.o_in_v
-    q_ring, kv_ring, o_ring = rings
+    q_ring, kv_ring, o_ring, v_ring = rings
     load_tile = make_tile_loads(config)
+    load_v_tile = (load_tile if config.value_dim == config.head_dim
+                   else make_tile_loads(config, config.value_dim))  # V's columns
 
     @cuda.jit(device=True, forceinline=True)
     def wait_o_stored(bars, round_q):
@@ -232,14 +239,15 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = F
             s = kv_ring.slot(load)
             stage = kv_ring.offset(s)
             kv_ring.wait_empty(bars.k, load)
-            kv_ring.arm(bars.k, s, KV_BYTES)
+            kv_ring.arm(bars.k, s, K_BYTES)
             n0 = place.start_k + (turn.kv_first + j) * BN  # the tile's first key row
             load_tile(tiles.k + stage, maps.k, kv_ring.full(bars.k, s), n0, tile.kv_head, place.batch, BN)
             if j == 0:
                 wait_o_stored(bars, round_q)
             kv_ring.wait_empty(bars.v, load)
-            kv_ring.arm(bars.v, s, KV_BYTES)
-            load_tile(tiles.v + stage, maps.v, kv_ring.full(bars.v, s), n0, tile.kv_head, place.batch, BN)
+            kv_ring.arm(bars.v, s, V_BYTES)
+            load_v_tile(tiles.v + v_ring.offset(s), maps.v, kv_ring.full(bars.v, s), n0, tile.kv_head,
+                        place.batch, BN)
             load = kv_ring.advance(load, 1)
         return load
 
@@ -262,7 +270,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
     KV tiles it skips. ``window``: scores outside the sliding window are masked (on the tiles that
     cross an edge); ``softcap``: scores are capped by tanh before the softmax."""
     BN = config.block_n
-    D_N_TILES = config.head_dim // 8  # 8-column tiles of the O accumulator
+    D_N_TILES = config.value_dim // 8  # 8-column tiles of the O accumulator
     S_N_TILES = BN // 8
     P_K_STEPS = BN // 16
     CONSUMERS = config.consumers
@@ -270,9 +278,9 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
     WINDOW, SOFTCAP = window, softcap
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
-    q_ring, kv_ring, _ = rings
+    q_ring, kv_ring, _, v_ring = rings
     issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(config.head_dim, config.block_m, BN, bf16,
-                                                               config.row_bytes)
+                                                               config.row_bytes, config.value_dim)
 
     @cuda.jit(device=True, forceinline=True)
     def take_turn(seat):
@@ -349,7 +357,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         kv_ring.wait_full(bars.v, i - ONE)
         take_turn(seat)
         issue_s(acc_s, descs.q, hp.descriptor_add(descs.k, kv_ring.offset(kv_ring.slot(i))))
-        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i - ONE))), accumulate)
+        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, v_ring.offset(kv_ring.slot(i - ONE))), accumulate)
         pass_turn(seat)
         hp.wgmma_wait_group_1()
         fence_s(acc_s)
@@ -366,7 +374,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
     def last_pv(acc, bars, descs, i, seat, accumulate):
         """O += P V_i alone (a tile's last; ``accumulate`` 0: also its first), waited for at once."""
         kv_ring.wait_full(bars.v, i)
-        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, kv_ring.offset(kv_ring.slot(i))), accumulate)
+        issue_pv(acc.o, acc.p, hp.descriptor_add(descs.v, v_ring.offset(kv_ring.slot(i))), accumulate)
         retire_pv(acc.o, bars, i, seat)
 
     @cuda.jit(device=True, forceinline=True)
@@ -419,8 +427,9 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
 
 def make_epilogue(config: WsConfig, bf16: bool, rings: Rings, varlen: bool = False) -> Epilogue:
     """A consumer warpgroup's end of a query tile: O normalised, staged in shared memory by
-    stmatrix and stored by TMA (in its own tile, the Q buffer or the V ring), then the LSE."""
-    D, BM = config.head_dim, config.block_m
+    stmatrix and stored by TMA (in its own tile, the Q buffer or the V ring), then the LSE. O
+    has V's head dim (``config.value_dim``)."""
+    D, BM = config.value_dim, config.block_m
     D_N_TILES = D // 8  # 8-column tiles of the O accumulator
     RB = config.row_bytes
     BOX = config.box_cols
@@ -531,7 +540,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     the KV tiles they see, then the epilogue), or a pass over the tile that keeps the rings and
     turns in step. ``sink``: each tile's softmax starts with the learnable sink's term of its head
     (``softmax.start_at_sink``)."""
-    D, BM, BN = config.head_dim, config.block_m, config.block_n
+    D, BM, BN = config.value_dim, config.block_m, config.block_n  # D: O's columns (V's head dim)
     D_N_TILES = D // 8
     S_N_TILES = BN // 8
     P_K_STEPS = BN // 16
@@ -549,7 +558,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     # (its first 64 rows never see the last 128 keys of the block's range: 1 tile in 10 at 1k).
     SKIP_MASKED = CAUSAL and CONSUMERS == 3
     LEAD_ROWS = SKIP_MASKED  # the first block may start before row 0 (WsConfig.first_block_lead)
-    q_ring, kv_ring, _ = rings
+    q_ring, kv_ring, _, _ = rings
     steps = make_consumer_steps(config, causal, bf16, rings, window, softcap)
     epilogue = make_epilogue(config, bf16, rings, varlen)
     # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
@@ -698,7 +707,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     rings = make_rings(config)
-    q_ring, kv_ring, _ = rings
+    q_ring, kv_ring, _, _ = rings
     producer = make_producer(config, causal, rings, window, varlen)
     consumer = make_consumer(config, causal, bf16, rings, window, softcap, varlen, sink)
 
@@ -771,8 +780,9 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
         {"run_cta": run_cta, "WsParams": WsParams, "PackedSequences": PackedSequences, "PackedOut": PackedOut,
          "int32": int32})
 
+    dims = f"d{D}v{config.value_dim}" if config.value_dim != D else f"d{D}"
     flash_forward_ws.__name__ = (
-        f"flash_forward_ws_d{D}_m{BM}_n{BN}_s{STAGES}"
+        f"flash_forward_ws_{dims}_m{BM}_n{BN}_s{STAGES}"
         f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
         f"{'varlen_' if varlen else ''}{'window' if window else 'causal' if causal else 'full'}"
         f"{'_softcap' if softcap else ''}_"

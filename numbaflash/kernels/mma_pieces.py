@@ -34,10 +34,12 @@ from .softmax import (
     start_at_sink,
 )
 
-# The sizes the pieces are built for: head_dim; rows of the Q tile and of the K / V tiles (the
-# tiles' swizzle column blocks are that many rows apart); the keys of a K / V tile a warp takes;
-# the warp's m-tiles; the bytes of a swizzle block row (``smem``).
-MmaShape = namedtuple("MmaShape", ["head_dim", "q_rows", "kv_rows", "keys", "m_tiles", "row_bytes"])
+# The sizes the pieces are built for: head_dim (Q's and K's); rows of the Q tile and of the K / V
+# tiles (the tiles' swizzle column blocks are that many rows apart); the keys of a K / V tile a warp
+# takes; the warp's m-tiles; the bytes of a swizzle block row (``smem``); V's and O's head dim
+# (``value_dim``: 0 for head_dim).
+MmaShape = namedtuple("MmaShape", ["head_dim", "q_rows", "kv_rows", "keys", "m_tiles", "row_bytes",
+                                   "value_dim"], defaults=(0,))
 # S = Q Kᵀ (``make_qk_steps``): a Q k-slice's ldmatrix, and the whole product.
 QkSteps = namedtuple("QkSteps", ["load_q_slice", "qk_scores"])
 # O += P V (``make_pv_steps``): a V pair's ldmatrix, one 16-key slice, and the whole product.
@@ -149,7 +151,7 @@ def make_pv_steps(shape: MmaShape, double_buffer: bool, bf16: bool) -> PvSteps:
     RB = shape.row_bytes
     BN = shape.kv_rows
     KEYS = shape.keys
-    D_N_TILES = shape.head_dim // 8  # n-tiles of the O accumulator
+    D_N_TILES = (shape.value_dim or shape.head_dim) // 8  # n-tiles of the O accumulator
     P_K_TILES = KEYS // 16  # k-tiles of the PV product
     O_PAIRS = D_N_TILES // 2  # V ldmatrix.x4 loads per k-slice
     O_STEPS = P_K_TILES * O_PAIRS  # V loads of one PV product (even: O_PAIRS is)
@@ -219,7 +221,7 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
     slice's exponentials followed by its PV mma.sync (``pv``), so that a warp's MUFU work
     overlaps its tensor-core work."""
     MT = shape.m_tiles
-    D_N_TILES = shape.head_dim // 8
+    D_N_TILES = (shape.value_dim or shape.head_dim) // 8  # of O
     S_N_TILES = shape.keys // 8
     P_K_TILES = shape.keys // 16
     DOUBLE_BUFFER = double_buffer

@@ -43,8 +43,23 @@ class BarrierLayout(NamedTuple):
     words: int
 
 
+class ValueDim:
+    """What the configs that take V's head dim apart share (``head_dim_v``, a field of each: 0
+    for "the same", so that every other config and kernel name stays as it was): one spelling
+    per kernel (``head_dim_v`` equal to ``head_dim`` becomes 0), and ``value_dim``, V's (and O's,
+    dO's, dV's) head dim."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == self.head_dim:  # one spelling per kernel: 0 is "the same"
+            object.__setattr__(self, "head_dim_v", 0)
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+
 @dataclasses.dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(ValueDim):
     """Compile-time shape of the forward kernel."""
 
     head_dim: int
@@ -66,6 +81,9 @@ class ForwardConfig:
     # slice followed by its PV mma.sync: with no barrier between them ptxas can overlap a warp's
     # exponentials (MUFU) with its PV (tensor cores). Implies the early K copy: early_k must be False.
     interleave_pv: bool = False
+    # V's (and O's) head dim where it differs from Q's and K's (``head_dim``): 0 for the same.
+    # DeepSeek-V3-style attention takes (192, 128). A shape, not a knob: it is the call's.
+    head_dim_v: int = 0
     # CTAs an SM the registers must leave room for: ptxas then keeps a thread within
     # 65536 / (threads * min_ctas) registers (launch bounds). 1 lets a thread use 255 registers.
     # Not a knob: 3 (at most 168 registers, 3 warps a scheduler instead of 2) lost 5-20% on an
@@ -75,6 +93,7 @@ class ForwardConfig:
     def __post_init__(self) -> None:
         if self.head_dim > 128 and self.q_in_regs:  # one spelling per kernel: Q is never resident there
             object.__setattr__(self, "q_in_regs", False)
+        super().__post_init__()
 
     @property
     def tag(self) -> str:
@@ -94,11 +113,20 @@ class ForwardConfig:
     @property
     def shared_bytes(self) -> int:
         """Q tile + one K tile + one V tile, 16-bit elements."""
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        return ((self.block_m + self.block_n) * self.head_dim + self.block_n * self.value_dim) * 2
 
     def check(self) -> None:
         if self.head_dim % 32 or not 32 <= self.head_dim <= 256:
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {self.head_dim}")
+        if self.head_dim_v:
+            # O is staged in the Q tile (so at most head_dim wide), and the tiles share one swizzle
+            # (so both multiples of 64, or neither).
+            if self.head_dim_v % 32 or not 32 <= self.head_dim_v <= self.head_dim:
+                raise ValueError(f"head_dim_v must be a multiple of 32 from 32 to head_dim "
+                                 f"({self.head_dim}), got {self.head_dim_v}")
+            if (self.head_dim % 64 == 0) != (self.head_dim_v % 64 == 0):
+                raise ValueError(f"head_dim {self.head_dim} and head_dim_v {self.head_dim_v} must both be "
+                                 "multiples of 64 or neither (one shared-memory swizzle)")
         if self.block_m % (16 * self.warp_m_tiles) or self.block_n % 16:
             raise ValueError(f"block_m and block_n must be multiples of 16, got {self}")
         if self.double_buffer and self.block_n % 32:
@@ -109,13 +137,20 @@ class ForwardConfig:
         block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
-        for rows in (self.block_m, self.block_n):
-            if rows * self.head_dim // 8 % self.threads:
-                raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
+        for rows, width in ((self.block_m, self.head_dim), (self.block_n, self.head_dim),
+                            (self.block_n, self.value_dim), (self.block_m, self.value_dim)):
+            if rows * width // 8 % self.threads:
+                raise ValueError(f"tile of {rows} rows x {width} does not split evenly over {self.threads} "
+                                 "threads")
+
+
+# The (Q's and K's, V's) head dims the Hopper forward takes apart (``WsConfig.head_dim_v``): both
+# multiples of 64 (one swizzle, 128-byte rows), O and V no wider than Q and K (O fits where Q sits).
+WS_VALUE_DIMS = ((192, 128),)
 
 
 @dataclasses.dataclass(frozen=True)
-class WsConfig:
+class WsConfig(ValueDim):
     """Compile-time shape of the warp-specialised Hopper kernel (``forward_ws``): one producer
     warpgroup (TMA) and ``consumers`` warpgroups of 64 query rows (wgmma)."""
 
@@ -138,6 +173,9 @@ class WsConfig:
     # softmax, PV and epilogue. Two consumers only (a warpgroup passing over a tile would
     # have to join the wait). The 128 O rows fit in any V ring (at least 2 stages of 64 keys).
     o_in_v: bool = False
+    # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
+    # (``ForwardConfig.head_dim_v``; ``WS_VALUE_DIMS`` lists the pairs). A shape of the call, not a knob.
+    head_dim_v: int = 0
 
     @property
     def block_m(self) -> int:
@@ -175,17 +213,19 @@ class WsConfig:
 
     @property
     def tile_bytes(self) -> dict[str, int]:
-        """Bytes of one Q, K (or V) stage and O tile (0 when O is staged in the Q buffer or V ring)."""
-        return {"q": self.block_m * self.head_dim * 2, "kv": self.block_n * self.head_dim * 2,
-                "o": 0 if self.o_in_q or self.o_in_v else self.block_m * self.head_dim * 2}
+        """Bytes of one Q buffer, K stage and V stage, and of the O tile (0 when O is staged in the
+        Q buffer or V ring); V and O have ``value_dim`` columns."""
+        return {"q": self.block_m * self.head_dim * 2, "k": self.block_n * self.head_dim * 2,
+                "v": self.block_n * self.value_dim * 2,
+                "o": 0 if self.o_in_q or self.o_in_v else self.block_m * self.value_dim * 2}
 
     @property
     def shared_layout(self) -> SharedLayout:
         """Where the tiles sit (the kernel and ``shared_bytes`` both read this)."""
         t = self.tile_bytes
         k = self.q_stages * t["q"]
-        v = k + self.stages * t["kv"]
-        v_end = v + self.stages * t["kv"]
+        v = k + self.stages * t["k"]
+        v_end = v + self.stages * t["v"]
         o = v if self.o_in_v else v_end
         return SharedLayout(q=0, k=k, v=v, o=o, end=v_end + t["o"])
 
@@ -207,7 +247,11 @@ class WsConfig:
         return self.shared_layout.end + SMEM_ALIGN
 
     def check(self) -> None:
-        if self.head_dim not in (64, 96, 128, 256):
+        if self.head_dim_v:
+            if (self.head_dim, self.head_dim_v) not in WS_VALUE_DIMS:
+                raise ValueError(f"(head_dim, head_dim_v) must be one of {WS_VALUE_DIMS}, got "
+                                 f"({self.head_dim}, {self.head_dim_v})")
+        elif self.head_dim not in (64, 96, 128, 256):
             raise ValueError(f"head_dim must be 64, 96, 128 or 256, got {self.head_dim}")
         if self.block_n not in (64, 80, 128, 176, 192):  # a bound wgmma N (ptx/wgmma.cu), 16 keys a k-step
             raise ValueError(f"block_n must be 64, 80, 128, 176 or 192, got {self.block_n}")
@@ -243,7 +287,7 @@ def prep_split(head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardConfig:
+class BackwardConfig(ValueDim):
     """Compile-time shape of the mma.sync backward (``backward_mma``, FlashAttention-2's
     algorithm): one CTA per block of ``block_n`` keys of one (batch, kv head) keeps that block's
     dK and dV in registers and walks the query blocks of ``block_m`` rows (of every query head of
@@ -271,6 +315,9 @@ class BackwardConfig:
     # sets it (``configs.backward_for_target``), and it sets the accumulator's order
     # (``dq_offset``).
     dq_vector: int = 1
+    # V's (and dO's, O's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's):
+    # 0 for the same (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
+    head_dim_v: int = 0
 
     @property
     def tag(self) -> str:
@@ -345,15 +392,16 @@ class BackwardConfig:
         """Byte offsets of the shared tiles: K, V (``block_n`` rows), the Pᵀ and dSᵀ tiles
         (``block_n`` rows of ``block_m`` 16-bit columns), then per stage Q and dO (``block_m``
         rows) and the stage's LSE and D rows (float32); ``end``: the bytes used."""
-        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        d, dv, bm, bn = self.head_dim, self.value_dim, self.block_m, self.block_n
         k = 0
         v = k + bn * d * 2
-        p = v + bn * d * 2
+        p = v + bn * dv * 2
         ds = p + bn * bm * 2
         q = ds + bn * bm * 2
-        stage = 2 * bm * d * 2 + 2 * bm * 4  # Q, dO, LSE, D
+        rows = q + bm * (d + dv) * 2  # the stage's LSE and D rows, after Q and dO
+        stage = bm * (d + dv) * 2 + 2 * bm * 4  # Q, dO, LSE, D
         return {"k": k, "v": v, "p": p, "ds": ds, "q": q, "do": q + bm * d * 2,
-                "lse": q + 2 * bm * d * 2, "delta": q + 2 * bm * d * 2 + bm * 4, "stage": stage,
+                "lse": rows, "delta": rows + bm * 4, "stage": stage,
                 "end": q + self.q_stages * stage}
 
     @property
@@ -376,16 +424,22 @@ class BackwardConfig:
             raise ValueError(f"q_stages must be 1 or 2, got {self}")
         if self.dq_vector not in (1, 4):
             raise ValueError(f"dq_vector must be 1 or 4, got {self}")
+        dv = self.value_dim
+        if self.head_dim_v and (dv % 32 or not 32 <= dv <= d or (d % 64 == 0) != (dv % 64 == 0)):
+            raise ValueError(f"head_dim_v must be a multiple of 32 up to head_dim ({d}), a multiple of 64 "
+                             f"where head_dim is one (one swizzle), got {self}")
         for what, n, split in (("queries", self.block_m, self.col_warps), ("head_dim", d, self.col_warps),
-                               ("dq head_dim", d, self.dq_col_warps)):
+                               ("head_dim_v", dv, self.col_warps), ("dq head_dim", d, self.dq_col_warps)):
             if n % (16 * split):
                 raise ValueError(f"{what} ({n}) must split into multiples of 16 over {split} warps: {self}")
         block_chunks = self.row_bytes // 16
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
         for rows in (self.block_m, self.block_n):
-            if rows * d // 8 % self.threads:
-                raise ValueError(f"tile of {rows} rows does not split evenly over {self.threads} threads")
+            for width in (d, dv):
+                if rows * width // 8 % self.threads:
+                    raise ValueError(f"tile of {rows} rows x {width} does not split evenly over "
+                                     f"{self.threads} threads")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
@@ -508,7 +562,7 @@ class WsBackwardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(ValueDim):
     """Compile-time shape of the decode kernel (``decode_mma``): one CTA takes
     ``rows`` packed query rows (the query heads of one KV head times seqlen_q) and one split of
     the keys; ``block_n`` keys a tile stream through a ring of ``stages`` K and V tiles, and each
@@ -520,6 +574,9 @@ class DecodeConfig:
     m_tiles: int = 1  # 16-row m-tiles of packed query rows (every warp computes all of them)
     stages: int = 3
     paged: bool = False  # K and V through a block table
+    # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
+    # (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
+    head_dim_v: int = 0
 
     @property
     def rows(self) -> int:
@@ -539,27 +596,35 @@ class DecodeConfig:
 
     @property
     def merge_row(self) -> int:
-        """Floats from one O row to the next in the warps' merge: head_dim + 8, which is 8 mod 32
-        (head_dim is a multiple of 32), so a warp's stores of 8 rows spread over the banks."""
-        return self.head_dim + 8
+        """Floats from one O row to the next in the warps' merge: O's head dim + 8, which is 8 mod
+        32 (head dims are multiples of 32), so a warp's stores of 8 rows spread over the banks."""
+        return self.value_dim + 8
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: a K tile, then a V tile (``value_dim`` columns)."""
+        return self.block_n * (self.head_dim + self.value_dim) * 2
 
     @property
     def bytes_in_flight(self) -> int:
         """K and V bytes a CTA has on the way while it computes a tile: the ring's other stages."""
-        return (self.stages - 1) * 2 * self.block_n * self.head_dim * 2
+        return (self.stages - 1) * self.stage_bytes
 
     @property
     def shared_bytes(self) -> int:
         """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring."""
         q_tile = self.rows * self.head_dim * 2
-        ring = self.stages * 2 * self.block_n * self.head_dim * 2
+        ring = self.stages * self.stage_bytes
         merge = self.num_warps * self.rows * (self.merge_row + 2) * 4
         return q_tile + max(ring, merge)
 
     def check(self) -> None:
-        d = self.head_dim
+        d, dv = self.head_dim, self.value_dim
         if d % 32 or not 32 <= d <= 256:
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {d}")
+        if dv % 32 or not 32 <= dv <= d or (dv % 64 == 0) != (d % 64 == 0):
+            raise ValueError(f"head_dim_v must be a multiple of 32 from 32 to head_dim, and a multiple of 64 "
+                             f"where head_dim is (one swizzle), got ({d}, {dv})")
         if self.num_warps not in (2, 4, 8) or self.block_n % (16 * self.num_warps):
             raise ValueError(f"block_n must split into 16-key slices over num_warps (2, 4 or 8), got {self}")
         if (self.block_n * d // 8) % self.threads:

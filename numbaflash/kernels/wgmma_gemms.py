@@ -2,7 +2,8 @@
 issued asynchronously by one warpgroup for its 64 query rows:
 
     S  = Q Kᵀ   wgmma m64n{block_n}k16, Q and K from shared memory, both K-major
-    O += P V    wgmma m64n{head_dim}k16, P (16-bit) from registers, V MN-major in shared memory
+    O += P V    wgmma m64n{head_dim}k16 (V's head dim), P (16-bit) from registers, V MN-major in
+                shared memory
 
 Tiles are column blocks of ``row_bytes``-byte rows in the matching TMA swizzle layout: 64-column
 blocks of 128-byte rows (128B swizzle; head dims 64, 128, 256) or 32-column blocks of 64-byte
@@ -26,16 +27,18 @@ AttentionGemms = namedtuple("AttentionGemms", ["issue_s", "issue_pv", "fence_s",
 
 
 def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
-                         row_bytes: int = 128) -> AttentionGemms:
+                         row_bytes: int = 128, value_dim: int = 0) -> AttentionGemms:
     """The GEMM steps for a Q tile of ``block_m`` rows and K / V tiles of ``block_n`` rows, in
-    blocks of ``row_bytes``-byte rows (128 or 64; the descriptors' swizzle must match)."""
+    blocks of ``row_bytes``-byte rows (128 or 64; the descriptors' swizzle must match). S's depth
+    is ``head_dim`` (Q's and K's), O's width ``value_dim`` (V's; 0: ``head_dim``)."""
     if row_bytes not in (64, 128):
         raise ValueError(f"row_bytes must be 64 or 128, got {row_bytes}")
+    value_dim = value_dim or head_dim
     dtype = "bf16" if bf16 else "f16"
     mma_s = hp.wgmma_ss(block_n, dtype)
-    mma_o = hp.wgmma_rs(head_dim, dtype, trans_b=True)
+    mma_o = hp.wgmma_rs(value_dim, dtype, trans_b=True)
     fence_s = hp.wgmma_fence_operand(block_n)
-    fence_o = hp.wgmma_fence_operand(head_dim)
+    fence_o = hp.wgmma_fence_operand(value_dim)
     D_K_STEPS = head_dim // 16  # k-steps of the S wgmma
     P_K_STEPS = block_n // 16  # k-steps of the PV wgmma
     BM, BN, RB = block_m, block_n, row_bytes

@@ -54,12 +54,13 @@ class BackwardKernels(NamedTuple):
 
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, window: bool = False,
-              softcap: bool = False, varlen: bool = False, sink: bool = False) -> tuple:
+              softcap: bool = False, varlen: bool = False, sink: bool = False, head_dim_v: int = 0) -> tuple:
     """The key in ``GPU.launchers`` of the kernels an unforced call runs: what picks the config on
     a device (``configs.backward_config`` is memoised on the same inputs), the main kernel's
     variant (``Variant.window``, ``Variant.softcap``, packed sequences) and whether the prepare
-    kernel is the learnable sink's build."""
-    return "backward", device, head_dim, causal, bf16, window, softcap, varlen, sink
+    kernel is the learnable sink's build (V's head dim where it differs: one element more)."""
+    key = "backward", device, head_dim, causal, bf16, window, softcap, varlen, sink
+    return (*key, head_dim_v) if head_dim_v else key
 
 
 def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
@@ -79,7 +80,7 @@ def call_specs(main: KernelSpec, sink: bool = False) -> list[KernelSpec]:
 
 def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
                      bf16: bool, *, window: bool = False, softcap: bool = False,
-                     varlen: bool = False, sink: bool = False) -> BackwardKernels:
+                     varlen: bool = False, sink: bool = False, head_dim_v: int = 0) -> BackwardKernels:
     """The config and the three loaded kernels of this problem on the current device (ordinal
     ``device``).
 
@@ -96,16 +97,18 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     config; ``sink``: the prepare kernel's learnable-sink build (``call_specs``). Each kernel's
     spec (``kernels.spec``) is built here, once per new problem: the main kernel's, and its
     siblings' (``KernelSpec.sibling``: the prepare and dQ kernels, built without the mask and
-    softcap they do not depend on).
+    softcap they do not depend on). ``head_dim_v``: V's head dim where it differs
+    (``configs.ASYMMETRIC_HEAD_DIMS``).
     """
     gpu = gpu_state.GPU
+    hot = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v)
     if not configs.OVERRIDES:
-        ready = gpu.launchers.get(ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink))
+        ready = gpu.launchers.get(hot)
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
     config, main = backward_specs(capability, limit, head_dim, causal, bf16, window=window, softcap=softcap,
-                                  varlen=varlen)
+                                  varlen=varlen, head_dim_v=head_dim_v)
     key = ("backward", main, sink, device)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -126,13 +129,13 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
                     parts.append((launcher, prepare_launch(spec)(config)))
                 ready = gpu.launchers[key] = BackwardKernels(config, *parts)
     if not configs.OVERRIDES:  # the hot path's entry holds unforced configs only
-        gpu.launchers[ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink)] = ready
+        gpu.launchers[hot] = ready
     return ready
 
 
 def backward_specs(capability: tuple[int, int], limit: int | None, head_dim: int, causal: bool, bf16: bool, *,
                    window: bool = False, softcap: bool = False,
-                   varlen: bool = False) -> tuple[Any, KernelSpec]:
+                   varlen: bool = False, head_dim_v: int = 0) -> tuple[Any, KernelSpec]:
     """(config, main kernel's spec) of a call on a GPU of ``capability`` giving a CTA ``limit`` bytes
     of shared memory (None: ``configs.max_shared_bytes``): ``configs.backward_config``'s config, the
     main kernel's spec for the GPU's own target; ``main.sibling(operation)`` for each of
@@ -140,7 +143,7 @@ def backward_specs(capability: tuple[int, int], limit: int | None, head_dim: int
 
     Raises what ``configs.backward_config`` raises (a head dim with no backward, no config that fits)."""
     config = configs.backward_config(capability, head_dim, causal, limit, window=window, softcap=softcap,
-                                     varlen=varlen)
+                                     varlen=varlen, head_dim_v=head_dim_v)
     main = kernel_spec(family_of(config).name, "backward", config, "bfloat16" if bf16 else "float16",
                        arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen)
     return config, main
@@ -153,14 +156,14 @@ _PREPARED: set = set()
 
 def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool, *,
                      window: bool = False, softcap: bool = False, varlen: bool = False,
-                     sink: bool = False) -> int:
+                     sink: bool = False, head_dim_v: int = 0) -> int:
     """Start compiling, in worker processes, the kernels the backward of this call will load
     (``backward_kernels``' three, by ``backward_specs``), where they are neither loaded nor cached
     (``operations.warm``; the backward waits on them there); returns how many. What the forward
     runs when a backward will follow (its inputs require grad), before it compiles its own kernel.
     Once per problem kind (``ready_key``) and device; nothing under a forced config, and nothing
     where the backward has no config (it raises then, with the message)."""
-    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink)
+    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v)
     if key in _PREPARED or configs.OVERRIDES or not warm.enabled():
         return 0
     _PREPARED.add(key)
@@ -169,7 +172,7 @@ def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, ca
         return 0
     try:
         _, main = backward_specs(capability, gpu.shared_limit(device), head_dim, causal, bf16, window=window,
-                                 softcap=softcap, varlen=varlen)
+                                 softcap=softcap, varlen=varlen, head_dim_v=head_dim_v)
     except (ValueError, RuntimeError):
         return 0
     specs = call_specs(main, sink)
@@ -226,7 +229,8 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     batch, seqlen_q, heads_q, head_dim = qd.shape
     var = backward_variant(causal, window_size, softcap, scale, seqlen_q, kd.shape[1])
     kernels = backward_kernels(capability, device, head_dim, var.causal, qd.dtype_name == "bfloat16",
-                               window=var.window, softcap=var.softcap, sink=sink is not None)
+                               window=var.window, softcap=var.softcap, sink=sink is not None,
+                               head_dim_v=0 if vd.shape[3] == head_dim else vd.shape[3])
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
@@ -288,7 +292,8 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
     var = backward_variant(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
     kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16",
-                               window=var.window, softcap=var.softcap)
+                               window=var.window, softcap=var.softcap,
+                               head_dim_v=0 if v.shape[3] == head_dim else v.shape[3])
     ws = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}

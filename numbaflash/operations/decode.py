@@ -130,21 +130,22 @@ class DecodeKernels(NamedTuple):
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
                    causal: bool, bf16: bool, *, window: bool = False, softcap: bool = False,
                    wide: bool = False, sink: bool = False, batch_idx: bool = False,
-                   leftpad: bool = False, rotary: int = 0) -> DecodeKernels:
+                   leftpad: bool = False, rotary: int = 0, head_dim_v: int = 0) -> DecodeKernels:
     """The config and the two loaded kernels of this problem on the current device: the attention
     kernel (``window``, ``softcap``: a variant) and the combine kernel, their specs
     (``kernels.spec``) built here once per new problem. ``wide``: the call's CTAs before any split
     outnumber the SMs (``configs.decode_config``). ``sink``: the learnable sink's build of the
     attention kernel (the combine kernel is the same); ``batch_idx``, ``leftpad``, ``rotary``: the
     builds of ``cache_batch_idx``, ``cache_leftpad`` and the rotary embedding (``KernelSpec``'s
-    axes of those names)."""
+    axes of those names); ``head_dim_v``: V's head dim where it differs (``configs.decode_config``)."""
     gpu = gpu_state.GPU
     short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, window, softcap,
-                 wide, sink, batch_idx, leftpad, rotary)
+                 wide, sink, batch_idx, leftpad, rotary, head_dim_v)
     ready = gpu.launchers.get(short_key)
     if ready is not None and not configs.DECODE_FORCED:
         return ready
-    config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide)
+    config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide,
+                                   head_dim_v)
     main = kernel_spec(family_of(config).name, "decode", config, "bfloat16" if bf16 else "float16",
                        arch_of(capability), causal=causal, window=window, softcap=softcap, sink=sink,
                        batch_idx=batch_idx, leftpad=leftpad, rotary=rotary)
@@ -243,6 +244,7 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     if plan is not None:
         return plan
     batch, seqlen_q, heads_q, head_dim = qd.shape
+    value_dim = vcd.shape[3]  # out's too
     heads_kv = kcd.shape[2]
     rows = heads_q // heads_kv * seqlen_q
     paged = btd is not None
@@ -254,7 +256,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     wide = batch * heads_kv * -(-rows // 16) > gpu.sm_count(device)  # 16-row blocks: the grid, unsplit
     kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, window=var.window,
                              softcap=var.softcap, wide=wide, sink=sd is not None, batch_idx=bid is not None,
-                             leftpad=lpd is not None, rotary=0 if rot is None else rot.kind)
+                             leftpad=lpd is not None, rotary=0 if rot is None else rot.kind,
+                             head_dim_v=0 if value_dim == head_dim else value_dim)
     config = kernels.config
     row_blocks = -(-rows // config.rows)
     if var.window_keys is not None:
@@ -264,19 +267,20 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     scratch = gpu.scratch_f32(device)[0]
     lse_count = batch * heads_q * seqlen_q if return_lse else 1
     n = batch * heads_q * seqlen_q * splits if splits > 1 else 0
-    out = outd or Operand("out", qd.shape, qd.dtype_name, True, None,
-                          (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), 0)
+    out_shape = (batch, seqlen_q, heads_q, value_dim)
+    out = outd or Operand("out", out_shape, qd.dtype_name, True, None,
+                          (seqlen_q * heads_q * value_dim, heads_q * value_dim, value_dim, 1), 0)
     call = DecodeCall(qd, kcd, vcd, knd, vnd, paged, btd.strides[0] if paged else 0, pages, capacity,
-                      out, lse_count, max(n * head_dim, 1), max(n, 1), splits, row_blocks,
+                      out, lse_count, max(n * value_dim, 1), max(n, 1), splits, row_blocks,
                       var.scale_log2, return_lse, kernels.shared_bytes, var.window_left, var.window_right,
                       var.cap_scale, None if sd is None else (sd.pointer, heads_q), bid is not None,
                       lpd is not None, None if rot is None else (rot.dim, rot.cos.shape[0], rot.q_step))
     (decode_launcher, bind_decode), (combine_launcher, bind_combine) = kernels.decode, kernels.combine
     spans = tuple(2 * op.span if op is not None else 0 for op in (qd, kcd, vcd, knd, vnd))
     plan = DecodePlan(bind_decode(decode_launcher, call, gpu), bind_combine(combine_launcher, call, gpu),
-                      qd.shape, (batch, heads_q, seqlen_q) if return_lse else None,
-                      split_scratch_elements(n, head_dim),
-                      4 * n * head_dim, scratch, spans, 2 * out.span)
+                      out_shape, (batch, heads_q, seqlen_q) if return_lse else None,
+                      split_scratch_elements(n, value_dim),
+                      4 * n * value_dim, scratch, spans, 2 * out.span)
     if not forced:
         with gpu.lock:
             if len(gpu.plans) >= PLANS_KEPT:
@@ -297,7 +301,7 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
     plan = device_plan(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, scale, scale_key, num_splits,
                        return_lse, capability, device, window_size, softcap, sd, bid, lpd, rot)
     if outd is None:
-        out = empty_like(qd.obj, qd.shape, qd.dtype_name)
+        out = empty_like(qd.obj, plan.shape, qd.dtype_name)
         out_pointer = device_pointer(out)
     else:
         out, out_pointer = outd.obj, outd.pointer

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..operands import (
+    Operand,
     check_device_layout,
     check_flag,
     check_like,
@@ -54,7 +55,7 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
             return done
     default_scale = softmax_scale is None  # the plans' key holds None for it (as run_torch's does)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
-    check_shapes(qd, kd, vd)
+    check_shapes(qd, kd, vd, value_dim=True)
     batch, seqlen_q, heads_q, head_dim = qd.shape
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
@@ -64,7 +65,7 @@ def direct_flash_attention(q: Any, k: Any, v: Any, causal: Any, softmax_scale: A
     sd = None if learnable_sink is None else describe_sink(learnable_sink, heads_q, qd.on_device)
     od = None
     if out is not None:
-        od = describe_out(out, qd)
+        od = describe_out(out, qd, vd.shape[3])
         if not od.on_device:
             od.strides = tuple(st // out.itemsize for st in out.strides)
         check_no_self_overlap(od)
@@ -95,12 +96,16 @@ def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any,
     With a ``learnable_sink`` (checked as the forward's, ``describe_sink``) returns d_sink too."""
     window_size = check_window_size(window_size)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
-    check_shapes(qd, kd, vd)
+    check_shapes(qd, kd, vd, value_dim=True)
     batch, seqlen_q, heads_q, head_dim = qd.shape
     _, seqlen_k, heads_kv, _ = kd.shape
     dod, od = describe("dout", dout), describe("out", out)
-    check_like(dod, qd)
-    check_like(od, qd)
+    like_out = qd  # dout and out: q's shape, but for v's head dim where it differs
+    if vd.shape[3] != head_dim:
+        like_out = Operand("the forward's out (batch, seqlen_q, heads_q, v's head_dim)",
+                           (*qd.shape[:3], vd.shape[3]), qd.dtype_name, qd.on_device, None)
+    check_like(dod, like_out)
+    check_like(od, like_out)
     lsed = describe_lse(lse, (batch, heads_q, seqlen_q), qd.on_device)
     causal = check_flag("causal", causal)
     deterministic = check_flag("deterministic", deterministic)
@@ -138,8 +143,9 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     """``api.flash_attention_with_kvcache`` without the torch routing: validate, then launch (what
     the custom op runs on real tensors)."""
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
-    # with cache_batch_idx the cache's batch (or the block table's rows) is its own
-    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None)
+    # with cache_batch_idx the cache's batch (or the block table's rows) is its own; v_cache may have
+    # another head dim where a kernel has the pair (out then has it)
+    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None, value_dim=True)
     if not qd.on_device:
         raise TypeError("flash_attention_with_kvcache takes device arrays (torch, CuPy, Numba), got numpy")
     batch, seqlen_q, heads_q, head_dim = qd.shape
@@ -161,7 +167,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     if k_new is not None:
         knd, vnd = describe("k_new", k_new), describe("v_new", v_new)
         want = (batch, knd.shape[1] if len(knd.shape) == 4 else -1, kcd.shape[2], head_dim)
-        for op in (knd, vnd):
+        for op, cache in ((knd, kcd), (vnd, vcd)):
+            want = (*want[:3], cache.shape[3])  # v_new: v_cache's head dim
             if op.shape != want or op.dtype_name != qd.dtype_name or not op.on_device:
                 raise ValueError(f"{op.name} must be a {qd.dtype_name} device array of shape (batch, "
                                  f"seqlen_new, heads_kv, head_dim) = {want}, got {op.shape} {op.dtype_name}")
@@ -186,8 +193,7 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
         raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
     outd = None
     if out is not None:
-        outd = describe("out", out)
-        check_like(outd, qd)
+        outd = describe_out(out, qd, None if vcd.shape[3] == head_dim else vcd.shape[3])
     given = [op for op in (qd, kcd, vcd, knd, vnd, outd) if op is not None]
     for op in given:
         check_device_layout(op)

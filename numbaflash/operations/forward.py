@@ -123,18 +123,20 @@ def chunk_window_sides(var: Variant, diag_shift: int) -> tuple[int, int]:
 
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, seqlen: int | None,
-              window: bool = False, softcap: bool = False, varlen: bool = False, sink: bool = False) -> tuple:
+              window: bool = False, softcap: bool = False, varlen: bool = False, sink: bool = False,
+              head_dim_v: int = 0) -> tuple:
     """The key of ``GPU.ready``, the launchers of unforced configs: what picks the config on a
     device (``configs.forward_config`` is memoised on the same inputs), and the kernel's variant
     (``Variant.window``, ``Variant.softcap``; packed sequences: ``varlen``; a learnable sink:
-    ``sink``, a key of one more element)."""
+    ``sink``, a key of one more element; V's head dim where it differs, ``head_dim_v``, one more)."""
     key = device, head_dim, causal, bf16, configs.seqlen_span(seqlen), window, softcap, varlen
-    return (*key, True) if sink else key
+    key = (*key, True) if sink else key
+    return (*key, "v", head_dim_v) if head_dim_v else key
 
 
 def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool,
                    seqlen: int | None = None, *, window: bool = False, softcap: bool = False,
-                   varlen: bool = False, sink: bool = False):
+                   varlen: bool = False, sink: bool = False, head_dim_v: int = 0):
     """(launcher, config, launch) for this problem on the current device (ordinal ``device``).
 
     The config is the table's for this GPU, passing over entries that need more shared memory
@@ -143,14 +145,16 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
     The cubin comes from the on-disk kernel cache (``runtime.cache``) or is compiled and stored
     there; it is loaded once per process, and its shared-memory limit is raised once per device.
     ``window``, ``softcap``: a variant (``Variant``); ``varlen``: a packed variable-length kernel;
-    ``sink``: a learnable sink's build of the same config (``KernelSpec.sink``);
-    where the GPU's own family lacks it, the sm80 family's config and kernel run
+    ``sink``: a learnable sink's build of the same config (``KernelSpec.sink``); ``head_dim_v``:
+    V's head dim where it differs from ``head_dim`` (``configs.ASYMMETRIC_HEAD_DIMS``); where the
+    GPU's own family lacks it, the sm80 family's config and kernel run
     (``configs.dispatch_family``). The kernel's spec (``kernels.spec``) is built here, once per
     new problem, and keys the loaded kernels.
     """
     gpu = gpu_state.GPU
     limit = gpu.shared_limit(device)
-    config = configs.forward_config(capability, head_dim, causal, limit, seqlen, window=window, varlen=varlen)
+    config = configs.forward_config(capability, head_dim, causal, limit, seqlen, window=window, varlen=varlen,
+                                    head_dim_v=head_dim_v)
     spec = kernel_spec(family_of(config).name, "forward", config, "bfloat16" if bf16 else "float16",
                        arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen,
                        sink=sink)
@@ -170,7 +174,8 @@ def forward_kernel(capability: tuple[int, int], device: int, head_dim: int, caus
                 ready = (KernelLauncher(kernel, kernel_abi(spec), name), config, prepare_launch(spec)(config))
                 gpu.launchers[key] = ready
     if not configs.OVERRIDES:  # the hot path's table (run_device) holds unforced configs only
-        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen, window, softcap, varlen, sink)] = ready
+        gpu.ready[ready_key(device, head_dim, causal, bf16, seqlen, window, softcap, varlen, sink,
+                            head_dim_v)] = ready
     return ready
 
 
@@ -243,22 +248,26 @@ def device_plan(qd: Operand, kd: Operand, vd: Operand, od: Operand | None, causa
         return plan
     batch, seqlen_q, heads_q, head_dim = qd.shape
     seqlen_k = kd.shape[1]
+    head_dim_v = 0 if vd.shape[3] == head_dim else vd.shape[3]
+    out_shape = (batch, seqlen_q, heads_q, vd.shape[3])
     bf16 = qd.dtype_name == "bfloat16"
     longest = seqlen_q if seqlen_q > seqlen_k else seqlen_k
     var = variant_of(causal, window_size, softcap, scale, seqlen_q, seqlen_k)
     causal = var.causal  # the kernel's (its config's) causal flag
     ready = None if forced else gpu.ready.get(ready_key(device, head_dim, causal, bf16, longest,
-                                                        var.window, var.softcap, False, sink))
+                                                        var.window, var.softcap, False, sink, head_dim_v))
     launcher, config, launch = ready or forward_kernel(capability, device, head_dim, causal, bf16, longest,
-                                                       window=var.window, softcap=var.softcap, sink=sink)
+                                                       window=var.window, softcap=var.softcap, sink=sink,
+                                                       head_dim_v=head_dim_v)
     lse_shape = (batch, heads_q, seqlen_q)
     lse = (0, batch * heads_q * seqlen_q) if return_lse else gpu.scratch_f32(device)
-    o = od or Operand("out", qd.shape, qd.dtype_name, True, None, _dense(qd.shape), 0)
+    o = od or Operand("out", out_shape, qd.dtype_name, True, None, _dense(out_shape), 0)
     call = ForwardCall(qd, kd, vd, o, lse, seqlen_k, kd.shape[2], var.scale_log2, return_lse, 0, device,
                        var.window_left, var.window_right, var.cap_scale,
                        None if sd is None else (sd.pointer, heads_q))
-    plan = DevicePlan(launch.bind(launcher, call, gpu), device, qd.shape, lse_shape if return_lse else None,
-                      lse[0], (2 * qd.span, 2 * kd.span, 2 * vd.span, 2 * o.span), o.strides == qd.strides)
+    plan = DevicePlan(launch.bind(launcher, call, gpu), device, out_shape, lse_shape if return_lse else None,
+                      lse[0], (2 * qd.span, 2 * kd.span, 2 * vd.span, 2 * o.span),
+                      o.strides == qd.strides and o.shape == qd.shape)
     if not forced:
         with gpu.lock:
             if len(gpu.plans) >= PLANS_KEPT:
@@ -277,7 +286,7 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, od: Operand | None
                        softcap, sd)
     sink = () if sd is None else (sd.pointer,)
     if out is None:
-        out = empty_like(q, qd.shape, qd.dtype_name)
+        out = empty_like(q, plan.shape, qd.dtype_name)
         o = device_pointer(out)
     else:
         o = od.pointer
@@ -377,12 +386,13 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
     batch, seqlen_q, heads_q, head_dim = q.shape
     var = variant_of(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
     bf16 = dtype_name == "bfloat16"
+    head_dim_v = 0 if v.shape[3] == head_dim else v.shape[3]
     launcher, config, launch = forward_kernel(capability, device, head_dim, var.causal, bf16,
                                               max(seqlen_q, k.shape[1]), window=var.window,
-                                              softcap=var.softcap)
+                                              softcap=var.softcap, head_dim_v=head_dim_v)
     scale_log2 = var.scale_log2
     direct = out is not None and not any(np.may_share_memory(out, x) for x in (q, k, v))
-    result = out if direct else pinned_empty(q.shape, q.dtype)
+    result = out if direct else pinned_empty((*q.shape[:3], v.shape[3]), q.dtype)
     lse_host = pinned_empty((batch, heads_q, seqlen_q), np.float32) if return_lse else None
 
     def launch_chunk(lay, base: int, sub, stream: int) -> None:
@@ -394,7 +404,7 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray | Non
                    else gpu_state.GPU.scratch_f32(device))
         left, right = chunk_window_sides(var, sub.diag_shift)
         call = ForwardCall(dense("q", lay.q_shape, lay.q), dense("k", lay.kv_shape, lay.k),
-                           dense("v", lay.kv_shape, lay.v), dense("out", lay.q_shape, lay.o), lse_arg,
+                           dense("v", lay.v_shape, lay.v), dense("out", lay.o_shape, lay.o), lse_arg,
                            sub.seqlen_k, sub.heads_kv, scale_log2, return_lse, stream, device,
                            left, right, var.cap_scale)
         launch(launcher, call, gpu_state.GPU)

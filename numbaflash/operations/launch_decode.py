@@ -245,7 +245,8 @@ def launch_decode_combine(config) -> Bind:
     def bind(launcher, call: DecodeCall, gpu: Any):
         if call.num_splits == 1:
             return None
-        batch, seqlen_q, heads_q, head_dim = call.q.shape
+        batch, seqlen_q, heads_q, _ = call.q.shape
+        head_dim = call.out.shape[3]  # O's (V's head dim)
         warps = batch * heads_q * seqlen_q * (head_dim // 32)
         scratch = split_scratch_elements(call.lse_part_elements, head_dim)  # one LSE a partial row
         o_sb, o_ss, o_sh = call.out.strides[:3]

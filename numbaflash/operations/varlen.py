@@ -14,6 +14,7 @@ values on the host (CUDA-graph safe). The LSE is (heads_q, total_q).
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Any
 
@@ -89,7 +90,7 @@ def check_packed_shapes(q: Operand, k: Operand, v: Operand) -> None:
                              f"{op.shape}")
         if 0 in op.shape:
             raise ValueError(f"{op.name} is empty (shape {op.shape}); every dimension must be >= 1")
-    if k.shape != v.shape:
+    if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
 
 
@@ -130,13 +131,16 @@ def check_sequences(cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max
 
 
 def varlen_kernel(capability, device: int, head_dim: int, bf16: bool, causal: bool, window_size,
-                  softcap: float, scale: float, max_q: int, max_k: int, sink: bool = False):
+                  softcap: float, scale: float, max_q: int, max_k: int, sink: bool = False,
+                  head_dim_v: int = 0):
     """(variant, (launcher, config, launch)) of a varlen call: the GPU's own family's varlen kernel
     where it has the head dim, else the sm80 family's (``forward_config`` with the varlen
-    variant), the config picked by the longer maximum; ``sink``: its learnable sink's build."""
+    variant), the config picked by the longer maximum; ``sink``: its learnable sink's build;
+    ``head_dim_v``: V's head dim where it differs (the pair's config, every GPU)."""
     var = variant_of(causal, window_size, softcap, scale, max_q, max_k)
     return var, forward_kernel(capability, device, head_dim, var.causal, bf16, max(max_q, max_k),
-                               window=var.window, softcap=var.softcap, varlen=True, sink=sink)
+                               window=var.window, softcap=var.softcap, varlen=True, sink=sink,
+                               head_dim_v=head_dim_v)
 
 
 def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, cuq: Operand, cuk: Operand, batch: int,
@@ -146,12 +150,15 @@ def run_device(q: Any, qd: Operand, kd: Operand, vd: Operand, cuq: Operand, cuk:
     """One launch on validated device arrays, on q's stream (``sd``: a learnable sink, float32
     (heads_q,))."""
     total_q, heads_q, head_dim = qd.shape
+    value_dim = vd.shape[2]
     bf16 = qd.dtype_name == "bfloat16"
     var, (launcher, _, launch) = varlen_kernel(capability, device, head_dim, bf16, causal, window_size,
-                                               softcap, scale, max_q, max_k, sd is not None)
+                                               softcap, scale, max_q, max_k, sd is not None,
+                                               0 if value_dim == head_dim else value_dim)
     if out is None:
-        out = empty_like(q, qd.shape, qd.dtype_name)
-        od = Operand("out", qd.shape, qd.dtype_name, True, out, (heads_q * head_dim, head_dim, 1),
+        shape = (total_q, heads_q, value_dim)
+        out = empty_like(q, shape, qd.dtype_name)
+        od = Operand("out", shape, qd.dtype_name, True, out, (heads_q * value_dim, value_dim, 1),
                      device_pointer(out))
     lse_obj = None
     if return_lse:
@@ -179,17 +186,20 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_
     from ..runtime.pipeline import pinned_empty
 
     total_q, heads_q, head_dim = q.shape
+    out_shape = (total_q, heads_q, v.shape[2])
+    out_nbytes = 2 * math.prod(out_shape)
     batch = cu_q.shape[0] - 1
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
     var, (launcher, _, launch) = varlen_kernel(capability, device, head_dim, dtype_name == "bfloat16", causal,
-                                               window_size, softcap, scale, max_q, max_k)
+                                               window_size, softcap, scale, max_q, max_k,
+                                               head_dim_v=0 if v.shape[2] == head_dim else v.shape[2])
     inputs = {"q": q, "k": k, "v": v, "cu_q": cu_q, "cu_k": cu_k}
     offsets, at = {}, 0
     for name, x in inputs.items():
         offsets[name] = at
         at += -(-x.nbytes // 256) * 256
     in_bytes = at
-    out_bytes = -(-q.nbytes // 256) * 256
+    out_bytes = -(-out_nbytes // 256) * 256
     lse_bytes = 4 * heads_q * total_q if return_lse else 0
     staged = pinned_empty((in_bytes,), np.uint8)
     for name, x in inputs.items():
@@ -213,7 +223,8 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_
                else gpu_state.GPU.scratch_f32(device))
         call = ForwardCall(packed(dense("q", q.shape, offsets["q"])),
                            packed(dense("k", k.shape, offsets["k"])),
-                           packed(dense("v", v.shape, offsets["v"])), packed(dense("out", q.shape, in_bytes)),
+                           packed(dense("v", v.shape, offsets["v"])),
+                           packed(dense("out", out_shape, in_bytes)),
                            lse, max_k, k.shape[1], var.scale_log2, return_lse, int(stream), device,
                            var.window_left, var.window_right, var.cap_scale)
         cu_q_at, cu_k_at = (base + offsets["cu_q"], batch + 1), (base + offsets["cu_k"], batch + 1)
@@ -226,7 +237,7 @@ def run_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_
         if base:
             driver.cuMemFree(base)
         driver.cuStreamDestroy(stream)
-    result = results[:q.nbytes].view(q.dtype).reshape(q.shape)
+    result = results[:out_nbytes].view(q.dtype).reshape(out_shape)
     if out is not None:
         out[...] = result
         result = out
@@ -260,7 +271,8 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
 
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_packed_shapes(qd, kd, vd)
-    check_shapes(packed(qd), packed(kd), packed(vd))  # dtypes, head dims, GQA, where the inputs live
+    # dtypes, head dims (v's may differ where a kernel has the pair), GQA, where the inputs live
+    check_shapes(packed(qd), packed(kd), packed(vd), value_dim=True)
     total_q, heads_q, head_dim = qd.shape
     total_k = kd.shape[0]
     batch, cuq, cuk, max_q, max_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -274,7 +286,7 @@ def direct_flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_
           else describe_sink(learnable_sink, heads_q, qd.on_device, "flash_attention_varlen"))
     od = None
     if out is not None:
-        od = describe_out(out, qd)
+        od = describe_out(out, qd, vd.shape[2])
     varlen_grid(16, max_q, heads_q, batch)  # the grid fits (every config's block_m >= 16)
     if qd.on_device:  # layout checks before anything is compiled
         for op in (qd, kd, vd, *([od] if od is not None else [])):

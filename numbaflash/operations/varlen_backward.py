@@ -77,7 +77,8 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     var = varlen_backward_variant(causal, window_size, softcap, scale, max_q, max_k)
     bf16 = qd.dtype_name == "bfloat16"
     kernels = backward_kernels(capability, device, head_dim, var.causal, bf16, window=var.window,
-                               softcap=var.softcap, varlen=True, sink=sink is not None)
+                               softcap=var.softcap, varlen=True, sink=sink is not None,
+                               head_dim_v=0 if vd.shape[2] == head_dim else vd.shape[2])
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
@@ -116,7 +117,8 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
     var = varlen_backward_variant(causal, window_size, softcap, scale, max_q, max_k)
     kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16",
-                               window=var.window, softcap=var.softcap, varlen=True)
+                               window=var.window, softcap=var.softcap, varlen=True,
+                               head_dim_v=0 if v.shape[2] == head_dim else v.shape[2])
     ws = varlen_workspace_layout(total_q, batch, heads_q, head_dim, kernels.config.block_m)
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out,
               "lse": np.ascontiguousarray(lse, dtype=np.float32), "cu_q": cu_q, "cu_k": cu_k}
@@ -147,8 +149,8 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
         def dense(name: str, shape: tuple[int, int, int]) -> Operand:
             return packed(Operand(name, shape, dtype_name, True, None, _dense3(shape), base + offsets[name]))
 
-        call = BackwardCall(dense("dout", q.shape), dense("q", q.shape), dense("k", k.shape),
-                            dense("v", v.shape), dense("out", q.shape), dense("dq", q.shape),
+        call = BackwardCall(dense("dout", dout.shape), dense("q", q.shape), dense("k", k.shape),
+                            dense("v", v.shape), dense("out", out.shape), dense("dq", q.shape),
                             dense("dk", k.shape), dense("dv", v.shape),
                             (base + offsets["lse"], heads_q * total_q),
                             ws.at(base + at), ws.rows, var.scale_log2, np.float32(scale), deterministic,
@@ -205,12 +207,17 @@ def direct_flash_attention_varlen_backward(dout: Any, q: Any, k: Any, v: Any, ou
     window_size = check_window_size(window_size)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_packed_shapes(qd, kd, vd)
-    check_shapes(packed(qd), packed(kd), packed(vd))  # dtypes, head dims, GQA, where the inputs live
+    # dtypes, head dims (v's may differ where a kernel has the pair), GQA, where the inputs live
+    check_shapes(packed(qd), packed(kd), packed(vd), value_dim=True)
     total_q, heads_q, head_dim = qd.shape
     total_k, heads_kv, _ = kd.shape
     dod, od = describe("dout", dout), describe("out", out)
-    check_like(dod, qd)
-    check_like(od, qd)
+    like_out = qd  # dout and out: q's shape, but for v's head dim where it differs
+    if vd.shape[2] != head_dim:
+        like_out = Operand("the forward's out (total_q, heads_q, v's head_dim)", (*qd.shape[:2], vd.shape[2]),
+                           qd.dtype_name, qd.on_device, None)
+    check_like(dod, like_out)
+    check_like(od, like_out)
     lsed = describe_lse(lse, (heads_q, total_q), qd.on_device, "(heads_q, total_q)")
     batch, cuq, cuk, max_q, max_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                     total_q, total_k, qd.on_device)

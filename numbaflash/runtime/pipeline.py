@@ -69,7 +69,8 @@ def staging_limit_bytes() -> int:
 
 @dataclass(frozen=True)
 class Problem:
-    """Shapes of one numpy call: q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d)."""
+    """Shapes of one numpy call: q (batch, seqlen_q, heads_q, d), k (batch, seqlen_k, heads_kv, d),
+    v (batch, seqlen_k, heads_kv, dv) and out (batch, seqlen_q, heads_q, dv), dv = ``value_dim``."""
 
     batch: int
     seqlen_q: int
@@ -86,15 +87,20 @@ class Problem:
     # A row chunk's problem only: its diagonal (seqlen_k - seqlen_q) lies this far before its
     # rows' own (``diagonal_shift``); a window kernel's sides move by it (left - shift, right + shift).
     diag_shift: int = 0
+    head_dim_v: int = 0  # v's and out's head dim where it differs from head_dim (0: the same)
 
     @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
+
     def bytes_per_pair(self) -> int:
         """Staged bytes of one (batch, kv head) pair: its q and o heads, k, v, LSE."""
-        q_and_o = 2 * self.group * self.seqlen_q * self.head_dim * 2
-        kv = 2 * self.seqlen_k * self.head_dim * 2
+        q_and_o = self.group * self.seqlen_q * (self.head_dim + self.value_dim) * 2
+        kv = self.seqlen_k * (self.head_dim + self.value_dim) * 2
         lse = 4 * self.group * self.seqlen_q if self.with_lse else 0
         return q_and_o + kv + lse
 
@@ -280,7 +286,8 @@ atexit.register(release_staging)
 
 @dataclass
 class ChunkLayout:
-    """Where one chunk's arrays sit in a slot (byte offsets) and their dense shapes."""
+    """Where one chunk's arrays sit in a slot (byte offsets) and their dense shapes (q's and k's
+    ``q_shape`` and ``kv_shape``; v's and out's ``v_shape`` and ``o_shape``, of v's head dim)."""
 
     q_shape: tuple[int, int, int, int]
     kv_shape: tuple[int, int, int, int]
@@ -291,20 +298,22 @@ class ChunkLayout:
     o: int
     lse: int
     nbytes: int
+    v_shape: tuple[int, int, int, int]
+    o_shape: tuple[int, int, int, int]
 
 
 def chunk_layout(p: Problem, c: Chunk) -> ChunkLayout:
     nb, ng, rows, keys = c.b1 - c.b0, c.g1 - c.g0, c.r1 - c.r0, max(0, c.k1)
     q_shape = (nb, rows, ng * p.group, p.head_dim)
     kv_shape = (nb, keys, ng, p.head_dim)
+    v_shape, o_shape = (*kv_shape[:3], p.value_dim), (*q_shape[:3], p.value_dim)
     lse_shape = (nb, ng * p.group, rows)
-    q_bytes, kv_bytes = 2 * math.prod(q_shape), 2 * math.prod(kv_shape)
     lse_bytes = 4 * math.prod(lse_shape) if p.with_lse else 0
     offsets, at = [], 0
-    for size in (q_bytes, kv_bytes, kv_bytes, q_bytes, lse_bytes):
+    for size in (*(2 * math.prod(s) for s in (q_shape, kv_shape, v_shape, o_shape)), lse_bytes):
         offsets.append(at)
         at += (size + 255) // 256 * 256  # 256-byte aligned arrays
-    return ChunkLayout(q_shape, kv_shape, lse_shape, *offsets, at)
+    return ChunkLayout(q_shape, kv_shape, lse_shape, *offsets, at, v_shape, o_shape)
 
 
 # launch(chunk layout, device base address, problem of the chunk, stream handle)
@@ -425,7 +434,8 @@ def run_numpy_forward(device: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, lse is not None,
-                past_diagonal == 0, row_quantum, past_diagonal)
+                past_diagonal == 0, row_quantum, past_diagonal,
+                head_dim_v=0 if v.shape[3] == head_dim else v.shape[3])
     chunks = plan_chunks(p)
     lanes = min(LANES, len(chunks))
     staging = _staging(device)
@@ -537,7 +547,7 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
     u16 = np.uint16
     q_span, kv_span = (c.b0, c.b1, c.r0, c.r1, h0, h1), (c.b0, c.b1, 0, c.k1, c.g0, c.g1)
     inputs = ((q, side.q, lay.q, lay.q_shape, q_span), (k, side.k, lay.k, lay.kv_shape, kv_span),
-              (v, side.v, lay.v, lay.kv_shape, kv_span))
+              (v, side.v, lay.v, lay.v_shape, kv_span))
     if side.gathers:  # the lane's previous chunk must have left the slot's inputs part
         _check(driver.cuEventSynchronize(staging.consumed[lane]), "waiting for a chunk's copies")
     for x, is_direct, offset, shape, (b0, b1, r0, r1, a, b) in inputs:
@@ -557,14 +567,14 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
     if trace is not None:
         mark = trace.device(lane, "host to device", stream, mark)
     sub = Problem(c.b1 - c.b0, c.r1 - c.r0, c.k1, h1 - h0, c.g1 - c.g0, p.head_dim, p.with_lse, p.causal,
-                  p.row_quantum, p.past_diagonal, diagonal_shift(p, c))
+                  p.row_quantum, p.past_diagonal, diagonal_shift(p, c), p.head_dim_v)
     launch(lay, slot.device, sub, int(stream))
     if trace is not None:
         mark = trace.device(lane, "kernel", stream, mark)
     if side.out:
         _copy_rows(stream, False, out, q_span, slot.device + lay.o)
     else:
-        _check(driver.cuMemcpyDtoHAsync(slot.host + lay.o, slot.device + lay.o, 2 * math.prod(lay.q_shape),
+        _check(driver.cuMemcpyDtoHAsync(slot.host + lay.o, slot.device + lay.o, 2 * math.prod(lay.o_shape),
                                         stream), "copying to the host")
     if lse is not None:
         lse_bytes = 4 * math.prod(lay.lse_shape)
@@ -585,7 +595,7 @@ def _run_chunk(p: Problem, c: Chunk, side: HostSide, staging: _DeviceStaging, la
     _check(driver.cuEventSynchronize(event), "waiting for a chunk")
     t0 = time.perf_counter()
     if not side.out:
-        out[c.b0:c.b1, c.r0:c.r1, h0:h1].view(u16)[...] = slot.host_view(lay.o, lay.q_shape, u16)
+        out[c.b0:c.b1, c.r0:c.r1, h0:h1].view(u16)[...] = slot.host_view(lay.o, lay.o_shape, u16)
     if lse is not None and not side.lse:
         lse[c.b0:c.b1, h0:h1, c.r0:c.r1] = slot.host_view(lay.lse, lay.lse_shape, np.float32)
     if trace is not None:

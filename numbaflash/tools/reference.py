@@ -194,7 +194,8 @@ def attention_backward_reference(
     """Gradients (dq, dk, dv) of ``sum(out * dout)`` for exact attention, in float64; with a
     ``sink``, (dq, dk, dv, d_sink).
 
-    Shapes as ``attention_reference``; ``dout`` has q's shape. dk and dv of a kv head sum over its
+    Shapes as ``attention_reference`` (v's head dim may differ from q's and k's: dout, out and dv
+    have v's); ``dout`` has out's shape. dk and dv of a kv head sum over its
     query heads (GQA); rows that see no key get zero gradients, keys that no row sees get zero dk
     and dv. ``rounding_dtype`` rounds every product and P, dS to that dtype, as a backward done in
     the input dtype would (the yardstick of FlashAttention's criterion). ``window_size`` and
@@ -230,8 +231,8 @@ def attention_backward_reference(
     dq = rnd(ds @ kf) * scale
     dk = rnd(ds.transpose(0, 1, 3, 2) @ qf) * scale
 
-    def per_kv_head(x):  # (b, hq, sk, d) -> (b, sk, hkv, d), summing each group
-        return x.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
+    def per_kv_head(x):  # (b, hq, sk, d or dv) -> (b, sk, hkv, d or dv), summing each group
+        return x.reshape(b, hkv, group, sk, x.shape[-1]).sum(axis=2).transpose(0, 2, 1, 3)
 
     grads = (np.ascontiguousarray(dq.transpose(0, 2, 1, 3)), np.ascontiguousarray(per_kv_head(dk)),
              np.ascontiguousarray(per_kv_head(dv)))
@@ -336,7 +337,7 @@ def varlen_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_s
     offsets. Returns ``(out, lse)``: out (total_q, heads_q, head_dim) float64, lse (heads_q,
     total_q) float64; a sequence without keys gives 0 and LSE -inf (with ``sink=`` (heads_q,):
     LSE = sink, as ``attention_reference``'s rows that see no key), an empty one nothing."""
-    out = np.zeros(q.shape, np.float64)
+    out = np.zeros((*q.shape[:2], v.shape[2]), np.float64)  # v's head dim
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     sink = sink_logits(options.get("sink"), q.shape[1])
     for b in range(len(cu_seqlens_q) - 1):
@@ -367,13 +368,14 @@ def compare_varlen_with_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, c
                                   **options) -> tuple[float, list[str]]:
     """``compare_with_reference`` on each sequence of a packed batch (as
     ``varlen_attention_reference`` computes it): ``(worst ratio, problems)``, each problem naming
-    its sequence. ``out`` (total_q, heads_q, head_dim) and ``lse`` (heads_q, total_q), any float
+    its sequence. ``out`` (total_q, heads_q, v's head_dim) and ``lse`` (heads_q, total_q), any float
     dtype; a sequence without keys must give exactly 0 (so no NaN) and LSE -inf (with ``sink=``:
     the sink's, within ``lse_tolerance``); an empty one owns no row. ``options``:
     ``compare_with_reference``'s keywords."""
     out = np.asarray(out).astype(np.float64)
-    if out.shape != q.shape:
-        return math.inf, [f"output shape {out.shape}, expected {q.shape}"]
+    expected = (*q.shape[:2], v.shape[2])
+    if out.shape != expected:
+        return math.inf, [f"output shape {out.shape}, expected {expected}"]
     if lse is not None:
         lse = np.asarray(lse, np.float64)
         if lse.shape != (q.shape[1], q.shape[0]):
@@ -535,13 +537,14 @@ def kvcache_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, c
     cache gets the rotated rows): new row t at position cache_seqlens[b] + t, query i at
     cache_seqlens[b] + i·``rotary_query_step``.
 
-    Returns ``(out, lse, k_cache_after, v_cache_after)``: out (batch, seqlen_q, heads_q, head_dim)
-    and lse (batch, heads_q, seqlen_q) float64 (a sequence of no key: 0 and -inf, or the sink), and
-    copies of the caches with the new rows written (the inputs are left as they are)."""
+    Returns ``(out, lse, k_cache_after, v_cache_after)``: out (batch, seqlen_q, heads_q, v's
+    head_dim: v_cache's and v_new's last dimension may differ from q's and k's) and lse (batch,
+    heads_q, seqlen_q) float64 (a sequence of no key: 0 and -inf, or the sink), and copies of the
+    caches with the new rows written (the inputs are left as they are)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     k_after, v_after = np.array(k_cache), np.array(v_cache)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
-    out = np.zeros(q.shape, np.float64)
+    out = np.zeros((*q.shape[:3], v_cache.shape[3]), np.float64)  # v's head dim
     lse = np.full((batch, heads_q, seqlen_q), -np.inf)
     sink = sink_logits(options.get("sink"), heads_q)
     room = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from ..configs import (
+    ASYMMETRIC_DEFAULTS,
+    ASYMMETRIC_WS_DEFAULTS,
     FAMILY_CAPABILITY,
     FAMILY_HEAD_DIMS,
     LONG_SEQLEN,
@@ -60,6 +62,7 @@ from .selftest_common import (
     CaseResult,
     cuda_torch,
     draw_sink,
+    draw_value_dims,
     draw_window_softcap,
     log_uniform,
     numpy_dtype,
@@ -80,13 +83,27 @@ VARLEN_FAMILIES = ("sm80", "sm90")
 # take none), ``SINK_SHARE`` of them (``SINK_SHARE_VARIANTS`` with --variants).
 SINK_FAMILIES = ("sm80", "sm90")
 SINK_SHARE, SINK_SHARE_VARIANTS = 0.1, 1 / 3
+# V's head dim apart from Q's and K's (``configs.ASYMMETRIC_HEAD_DIMS``: the mma.sync family's
+# kernels and the Hopper forward's, every input kind, dense and packed): that share of these
+# families' cases (and of the backward's) draws a pair, which runs the family's config of it
+# (``pair_config``).
+VALUE_DIM_FAMILIES, VALUE_DIM_SHARE = ("sm80", "sm90"), 0.15
+
+
+def pair_config(family: str, pair: tuple[int, ...]):
+    """The forward config a case of ``family`` runs for a pair of head dims: the Hopper kernel's
+    (``configs.ASYMMETRIC_WS_DEFAULTS``) or the mma.sync kernel's (``configs.ASYMMETRIC_DEFAULTS``)."""
+    table = ASYMMETRIC_WS_DEFAULTS if family == "sm90" else ASYMMETRIC_DEFAULTS
+    return table[tuple(pair)]
 
 
 def describe_problem(case: Any) -> str:
     """The part of a forward or backward case's one-line description they share: family, head
     dim, masking, dtype, shape, input kind, amplitude and scale."""
     scale = "default" if case.softmax_scale is None else f"{case.softmax_scale:.4g}"
-    return (f"{case.family} d{case.head_dim} {'causal' if case.causal else 'full'} {case.dtype} "
+    pair = getattr(case, "value_dims", ())
+    dims = f"d{pair[0]}v{pair[1]}" if pair else f"d{case.head_dim}"
+    return (f"{case.family} {dims} {'causal' if case.causal else 'full'} {case.dtype} "
             f"b{case.batch} sq{case.seqlen_q} sk{case.seqlen_k} h{case.heads_q}/{case.heads_kv} "
             f"{case.kind} amp{case.amplitude:.3g} scale={scale}")
 
@@ -129,6 +146,15 @@ class Case:
     # some device cases of the ``SINK_FAMILIES``; () for none. Drawn from a stream of its own, so
     # every other field is what it was before sinks.
     sink: tuple[float, ...] = ()
+    # A pair of head dims (Q's and K's, V's: ``configs.ASYMMETRIC_HEAD_DIMS``) the case runs in
+    # place of ``head_dim`` (``draw_value_dims``, a stream of its own: every other field, the
+    # stratum's head_dim included, is what it was before the pairs); () for none.
+    value_dims: tuple[int, ...] = ()
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(Q's and K's head dim, V's) of the case's tensors."""
+        return self.value_dims if self.value_dims else (self.head_dim, self.head_dim)
 
     @property
     def varlen(self) -> bool:
@@ -234,9 +260,10 @@ def draw_case(seed: int, index: int, families: Sequence[str], quick: bool = Fals
     sink = ()
     if family in SINK_FAMILIES and kind != "numpy":
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE)
+    value_dims = draw_value_dims(seed, index, VALUE_DIM_SHARE) if family in VALUE_DIM_FAMILIES else ()
     return Case(seed, index, family, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                 kind, amplitude, scale, return_lse, use_out, span, window, softcap, seqlens_q, seqlens_k,
-                sink)
+                sink, value_dims)
 
 
 
@@ -335,9 +362,10 @@ def make_inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows_q, rows_k = (sum(case.seqlens_q),), (sum(case.seqlens_k),)
     else:
         rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
-    q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
-    k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
-    v = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim))
+    d, dv = case.dims
+    q = rng.standard_normal((*rows_q, case.heads_q, d)) * case.amplitude
+    k = rng.standard_normal((*rows_k, case.heads_kv, d)) * case.amplitude
+    v = rng.standard_normal((*rows_k, case.heads_kv, dv))
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
@@ -355,12 +383,17 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         out = None
         if case.use_out:
-            out = np.full(q.shape, np.nan, q.dtype)  # poison: unwritten elements show up as NaN
+            # poison (v's head dim: out's): unwritten elements show up as NaN
+            out = np.full((*q.shape[:-1], v.shape[-1]), np.nan, q.dtype)
             out = out if kind == "numpy" else to_device(out, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}
-        config = case_config(case.family, case.head_dim, case.causal, case.span)
         # a window kernel takes the causal or the full config, whatever the case's causal flag
-        other = case_config(case.family, case.head_dim, not case.causal, case.span)
+        if case.value_dims:  # the family's config of the pair
+            forced = tuple(force_config(capability, c, pair_config(case.family, case.value_dims))
+                           for c in (case.causal, not case.causal))
+        else:
+            forced = tuple(force_config(capability, c, case_config(case.family, case.head_dim, c, case.span))
+                           for c in (case.causal, not case.causal))
         options = {"causal": case.causal, "softmax_scale": case.softmax_scale, **extras}
         calls = dict(options)  # the call's keywords: the options, and the sink as a device array
         if case.sink:
@@ -369,7 +402,7 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         if case.varlen:
             offsets = varlen_offsets(case)
             offsets_in = offsets if kind == "numpy" else tuple(to_device(x, kind) for x in offsets)
-        with force_config(capability, case.causal, config), force_config(capability, not case.causal, other):
+        with forced[0], forced[1]:
             if case.varlen:
                 result = numbaflash.flash_attention_varlen(*args, *offsets_in, case.seqlen_q, case.seqlen_k,
                                                            return_lse=case.return_lse, out=out, **calls)
@@ -421,8 +454,12 @@ class BackwardCase:
     # A learnable sink (issue 56; device cases only, ``draw_sink`` on a stream of its own: every
     # other field is what it was before sinks): the backward returns d_sink, checked too.
     sink: tuple[float, ...] = ()
+    # A pair of head dims run in place of ``head_dim`` (``draw_value_dims``, stream 27), as the
+    # forward case's.
+    value_dims: tuple[int, ...] = ()
 
     varlen = Case.varlen
+    dims = Case.dims
     variant = Case.variant
 
     def describe(self) -> str:
@@ -467,9 +504,11 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
     if kind != "numpy":  # numpy inputs take no sink
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE,
                          stream=10)
+    value_dims = draw_value_dims(seed, index, VALUE_DIM_SHARE, stream=27)
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                         kind, amplitude, scale, deterministic, use_outs, window_size=window,
-                        softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink)
+                        softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink,
+                        value_dims=value_dims)
 
 
 def run_backward_case(case: BackwardCase) -> CaseResult:
@@ -484,10 +523,11 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
             rows_q, rows_k = (sum(case.seqlens_q),), (sum(case.seqlens_k),)
         else:
             rows_q, rows_k = (case.batch, case.seqlen_q), (case.batch, case.seqlen_k)
-        q = rng.standard_normal((*rows_q, case.heads_q, case.head_dim)) * case.amplitude
-        k = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim)) * case.amplitude
-        v = rng.standard_normal((*rows_k, case.heads_kv, case.head_dim))
-        dout = rng.standard_normal(q.shape)
+        d, value_dim = case.dims
+        q = rng.standard_normal((*rows_q, case.heads_q, d)) * case.amplitude
+        k = rng.standard_normal((*rows_k, case.heads_kv, d)) * case.amplitude
+        v = rng.standard_normal((*rows_k, case.heads_kv, value_dim))
+        dout = rng.standard_normal((*q.shape[:-1], value_dim))
         q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
         kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))

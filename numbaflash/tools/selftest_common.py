@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ..configs import ASYMMETRIC_HEAD_DIMS
+
 DTYPE_NAMES = ("float16", "bfloat16")
 GROUPS = (1, 2, 3, 4, 8)  # heads_q // heads_kv
 # of the forward cases of selftest.WINDOW_SOFTCAP_FAMILIES, those with a window, a softcap or both
@@ -119,3 +121,13 @@ def draw_sink(seed: int, index: int, heads_q: int, share: float, stream: int = 9
     pick = rng.random(heads_q)
     logits = np.where(pick < 0.15, -np.inf, np.where(pick < 0.3, rng.uniform(5.0, 12.0, heads_q), logits))
     return tuple(float(x) for x in logits.astype(np.float32))
+
+
+def draw_value_dims(seed: int, index: int, share: float,
+                    stream: int = 26) -> tuple[int, ...]:
+    """The pair of head dims a case runs (``share`` of them: one of ``configs.ASYMMETRIC_HEAD_DIMS``),
+    else (), from a stream of its own (every other field of the case is what it was before)."""
+    rng = np.random.default_rng([seed, index, stream])
+    if rng.random() >= share:
+        return ()
+    return tuple(ASYMMETRIC_HEAD_DIMS[int(rng.integers(0, len(ASYMMETRIC_HEAD_DIMS)))])

@@ -33,6 +33,7 @@ from .selftest_common import (
     CaseResult,
     cuda_torch,
     draw_sink,
+    draw_value_dims,
     draw_window_softcap,
     log_uniform,
     numpy_dtype,
@@ -48,6 +49,7 @@ DECODE_KINDS = ("torch", "numba")
 DECODE_SINK_SHARE, DECODE_SINK_SHARE_VARIANTS = 0.15, 1 / 3  # cases with a learnable sink
 DECODE_CACHE_OPTION_SHARE = 0.25  # cases with cache_batch_idx, cache_leftpad or both (a third each)
 DECODE_ROTARY_SHARE = 0.4  # of the cases with new rows: a rotary embedding
+DECODE_VALUE_DIM_SHARE = 0.15  # a pair of head dims (``configs.ASYMMETRIC_HEAD_DIMS``) in place of head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,14 @@ class DecodeCase:
     # interleaved, and its dim.
     rotary: int = 0
     rotary_dim: int = 0
+    # A pair of head dims (q's and k's, v's and out's; ``configs.ASYMMETRIC_HEAD_DIMS``) run in
+    # place of ``head_dim``, () for none; drawn from a stream of its own (``draw_value_dims``, 28).
+    value_dims: tuple[int, ...] = ()
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(q's and k's head dim, v's and out's)."""
+        return self.value_dims if self.value_dims else (self.head_dim, self.head_dim)
 
     @property
     def batch(self) -> int:
@@ -117,7 +127,9 @@ class DecodeCase:
     def describe(self) -> str:
         scale = "default" if self.softmax_scale is None else f"{self.softmax_scale:.4g}"
         cache = f"paged{self.page_size}" if self.page_size else "contiguous"
-        return (f"decode d{self.head_dim} {'causal' if self.causal else 'full'} {self.dtype} "
+        d, dv = self.dims
+        dims = f"d{d}v{dv}" if dv != d else f"d{d}"
+        return (f"decode {dims} {'causal' if self.causal else 'full'} {self.dtype} "
                 f"b{self.batch} sq{self.seqlen_q} h{self.heads_q}/{self.heads_kv} {cache} "
                 f"capacity{self.capacity} cache_seqlens={','.join(map(str, self.cache_seqlens))} "
                 f"new{self.seqlen_new} splits={self.num_splits or 'auto'} {self.kind} "
@@ -213,10 +225,14 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     sink = draw_sink(seed, index, heads_kv * group, sink_share, stream=23)
     idx, pad = draw_cache_options(seed, index, seqlens)
     rotary, rotary_dim = draw_rotary(seed, index, head_dim, seqlen_new)
+    value_dims = draw_value_dims(seed, index, DECODE_VALUE_DIM_SHARE, stream=28)
+    if value_dims:  # the rotary dim within q's and k's head dim
+        rotary_dim = min(rotary_dim, value_dims[0])
     return DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
                       tuple(seqlens), seqlen_new, page_size, splits, kind, amplitude, scale,
                       bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap, sink=sink,
-                      cache_batch_idx=idx, cache_leftpad=pad, rotary=rotary, rotary_dim=rotary_dim)
+                      cache_batch_idx=idx, cache_leftpad=pad, rotary=rotary, rotary_dim=rotary_dim,
+                      value_dims=value_dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +271,8 @@ def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
     """The case's arrays, from its own random stream (numpy, the case's dtype)."""
     rng = np.random.default_rng([case.seed, case.index, 22])
     dtype = numpy_dtype(case.dtype)
-    b, d, hkv = case.batch, case.head_dim, case.heads_kv
+    b, hkv = case.batch, case.heads_kv
+    d, dv = case.dims
     rows = case.cache_batch
     table = None
     if case.page_size:
@@ -266,12 +283,12 @@ def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
     else:
         lead = (rows, case.capacity)
     k_cache = np.full((*lead, hkv, d), np.nan)
-    v_cache = np.full((*lead, hkv, d), np.nan)
+    v_cache = np.full((*lead, hkv, dv), np.nan)
     for s, n in enumerate(case.cache_seqlens):
         # the rows before the left padding stay NaN (rows 0 .. n drawn as ever: the data of a case
         # without options is as before)
         where = cache_rows(case, table, s, 0, n)
-        keys, values = rng.standard_normal((n, hkv, d)) * case.amplitude, rng.standard_normal((n, hkv, d))
+        keys, values = rng.standard_normal((n, hkv, d)) * case.amplitude, rng.standard_normal((n, hkv, dv))
         start = case.start_of(s)
         k_cache[where[0][start:], where[1][start:]] = keys[start:]
         v_cache[where[0][start:], where[1][start:]] = values[start:]
@@ -279,7 +296,7 @@ def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
     k_new = v_new = None
     if case.seqlen_new:
         k_new = (rng.standard_normal((b, case.seqlen_new, hkv, d)) * case.amplitude).astype(dtype)
-        v_new = rng.standard_normal((b, case.seqlen_new, hkv, d)).astype(dtype)
+        v_new = rng.standard_normal((b, case.seqlen_new, hkv, dv)).astype(dtype)
     index = {name: np.asarray(values, np.int32) if values else None for name, values in
              (("cache_batch_idx", case.cache_batch_idx), ("cache_leftpad", case.cache_leftpad))}
     if case.rotary:  # RoPE angles of every position the cache holds, and a query's past it
@@ -318,7 +335,7 @@ def packed_problem(case: DecodeCase, inputs: DecodeInputs) -> tuple:
         if k_new is not None:
             ks.append(k_new[s])
             vs.append(inputs.v_new[s])
-    q = q.reshape(-1, case.heads_q, case.head_dim)
+    q = q.reshape(-1, case.heads_q, case.dims[0])
     cu_q = np.arange(case.batch + 1, dtype=np.int32) * case.seqlen_q
     cu_k = np.concatenate([[0], np.cumsum(case.keys)]).astype(np.int32)
     return q, np.concatenate(ks), np.concatenate(vs), cu_q, cu_k
@@ -360,7 +377,7 @@ def run_decode_case(case: DecodeCase) -> Any:
                for f in dataclasses.fields(inputs)}
         out = None
         if case.use_out:  # poison: unwritten elements show up as NaN
-            out = to_device(np.full(inputs.q.shape, np.nan, inputs.q.dtype), kind)
+            out = to_device(np.full((*inputs.q.shape[:3], case.dims[1]), np.nan, inputs.q.dtype), kind)
         sink = np.array(case.sink, np.float32) if case.sink else None
         extra = {} if sink is None else {"learnable_sink": to_device(sink, kind)}
         for name in ("cache_batch_idx", "cache_leftpad", "rotary_cos", "rotary_sin"):
@@ -375,7 +392,7 @@ def run_decode_case(case: DecodeCase) -> Any:
             num_splits=case.num_splits, return_lse=case.return_lse, out=out, **extra)
         got, lse = result if case.return_lse else (result, None)
         problems = [] if out is None or got is out else ["the result is not the given out"]
-        got = to_host(got).reshape(-1, case.heads_q, case.head_dim)
+        got = to_host(got).reshape(-1, case.heads_q, case.dims[1])
         if lse is not None:  # (batch, heads_q, seqlen_q) -> (heads_q, batch * seqlen_q)
             lse = to_host(lse).transpose(1, 0, 2).reshape(case.heads_q, -1)
         q, k, v, cu_q, cu_k = packed_problem(case, inputs)
