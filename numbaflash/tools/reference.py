@@ -269,7 +269,7 @@ def sink_yardstick(ref: np.ndarray, low: np.ndarray, stored: np.ndarray) -> np.n
     rounding of the stored O alone moves D, hence d_sink, by as much as the whole input-dtype
     computation does, and which of the two lands nearer is chance. With ``low`` alone, d_sink
     from the exactly rounded O (better than any kernel can do) failed twice its error in 2-5% of
-    random draws of a two-head, 30-key causal shape (lab/NOTEBOOK.md, N1130)."""
+    random draws of a two-head, 30-key causal shape (docs/PERFORMANCE.md, "Asymmetric head dims")."""
     return np.where(np.abs(stored - ref) > np.abs(low - ref), stored, low)
 
 

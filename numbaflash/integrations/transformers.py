@@ -1,0 +1,282 @@
+"""Hugging Face transformers on numbaflash: ``attn_implementation="numbaflash"``.
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from numbaflash.integrations.transformers import register
+
+    register()  # once per process
+    model = AutoModelForCausalLM.from_pretrained(
+        name, attn_implementation="numbaflash", dtype=torch.bfloat16, device_map="cuda")
+
+``from_config(config, attn_implementation="numbaflash")`` and
+``model.set_attn_implementation("numbaflash")`` work too. Install with ``pip install
+numbaflash[transformers]``.
+
+How it fits in. transformers treats every implementation whose name holds "flash" as a
+FlashAttention: it builds FlashAttention's masks (a 2-D padding mask, or none), and before the
+first call it asks its FlashAttention loader for the package's ``flash_attn_func`` and
+``flash_attn_varlen_func``. ``register`` gives it ours (``flash_attn_func``,
+``flash_attn_varlen_func`` below: FlashAttention's signatures on ``numbaflash.flash_attention``
+and ``flash_attention_varlen``), so transformers' own FlashAttention path runs on numbaflash's
+kernels, as it runs on flash-attn's:
+
+* a batch with a 2-D padding mask is unpadded, attended with ``flash_attention_varlen`` and
+  padded back (left padding in ``generate`` included);
+* packed sequences, given as ``position_ids`` that restart or as ``cu_seq_lens_q`` /
+  ``cu_seq_lens_k`` keywords, run through ``flash_attention_varlen`` without padding;
+* anything else (prefill without padding, each decode step against the cache) through
+  ``flash_attention``, causal bottom-right as FlashAttention's.
+
+The model's options come from its attention modules and config, as transformers passes them to
+FlashAttention: GQA (K and V keep their heads), ``scaling``, the layer's sliding window (as
+``window_size=(w - 1, w - 1)`` with causal, FlashAttention's convention in transformers),
+logit softcapping, learnable sinks (``s_aux``, gpt-oss) and V's head dim where it differs from
+Q's and K's (``numbaflash.configs.ASYMMETRIC_HEAD_DIMS``). Autograd, gradient checkpointing and
+``torch.compile`` go through numbaflash's torch ops.
+
+Refused, with one clear error:
+
+* at load time, a model class that does not take FlashAttention in transformers
+  (``_supports_flash_attn``), or whose head dims have no kernel;
+* at call time, attention dropout during training (no kernel has it: set the config's
+  ``attention_dropout`` to 0) and ``output_attentions=True`` (no kernel forms the matrix).
+
+Decode steps run the dense kernel against transformers' cache; the KV-cache kernel and
+static-cache CUDA graphs are not wired in yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
+
+NAME = "numbaflash"
+_NAMES: set[str] = set()  # names registered in this process
+
+
+# ------------------------------------------------------------------ FlashAttention's signatures
+
+
+def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                    softcap: float | None = 0.0, learnable_sink: Any = None) -> Any:
+    """FlashAttention's ``flash_attn_func`` on ``numbaflash.flash_attention``.
+
+    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim or v's),
+    torch CUDA tensors of one 16-bit dtype; ``learnable_sink`` (heads_q,) of any float dtype (taken
+    as float32, its gradient flowing back). Returns out (batch, seqlen_q, heads_q, v's head dim).
+    ``dropout_p`` must be 0."""
+    from .. import api
+
+    _refuse_dropout(dropout_p)
+    return api.flash_attention(q, k, v, causal=bool(causal), softmax_scale=_scale(softmax_scale),
+                               window_size=_window(window_size), softcap=_softcap(softcap),
+                               learnable_sink=_sink(learnable_sink))
+
+
+def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                           max_seqlen_k: Any, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                           causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float | None = 0.0, learnable_sink: Any = None) -> Any:
+    """FlashAttention's ``flash_attn_varlen_func`` on ``numbaflash.flash_attention_varlen``.
+
+    q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim or v's); cu_seqlens_q and
+    cu_seqlens_k (batch + 1,) integer tensors on q's device (taken as int32); max_seqlen_q and
+    max_seqlen_k ints (or one-element tensors). Returns out (total_q, heads_q, v's head dim)."""
+    from .. import api
+
+    _refuse_dropout(dropout_p)
+    return api.flash_attention_varlen(q, k, v, _offsets(cu_seqlens_q), _offsets(cu_seqlens_k),
+                                      int(max_seqlen_q), int(max_seqlen_k), causal=bool(causal),
+                                      softmax_scale=_scale(softmax_scale), window_size=_window(window_size),
+                                      softcap=_softcap(softcap), learnable_sink=_sink(learnable_sink))
+
+
+def _refuse_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise ValueError(f"numbaflash has no attention dropout, got dropout_p={dropout_p}: set the model "
+                         f"config's attention_dropout to 0 (or train with attn_implementation='sdpa')")
+
+
+def _scale(scale: Any) -> float | None:
+    return None if scale is None else float(scale)
+
+
+def _softcap(softcap: Any) -> float:
+    return 0.0 if softcap is None else float(softcap)
+
+
+def _window(window: Any) -> tuple[int, int]:
+    left, right = window
+    return int(left), int(right)
+
+
+def _sink(sink: Any) -> Any:
+    """transformers hands FlashAttention the sink in q's dtype; numbaflash takes float32."""
+    if sink is None:
+        return None
+    import torch
+
+    return sink.to(torch.float32).contiguous()
+
+
+def _offsets(cu: Any) -> Any:
+    import torch
+
+    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
+
+
+# ------------------------------------------------------------------ the attention function
+
+
+def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                      dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None, is_causal: bool | None = None, s_aux: Any = None,
+                      **kwargs: Any) -> tuple[Any, None]:
+    """The function ``register`` puts in transformers' ``AttentionInterface``: query (batch,
+    heads_q, seqlen_q, head_dim), key and value (batch, heads_kv, seqlen_k, head_dim or v's) as the
+    attention modules give them; ``attention_mask`` FlashAttention's (a 2-D padding mask or None).
+    Returns (out (batch, seqlen_q, heads_q, v's head dim), None), through transformers'
+    FlashAttention path (padding, packing, options) with ``flash_attn_func`` and
+    ``flash_attn_varlen_func`` underneath."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    if kwargs.get("output_attentions", False):
+        raise ValueError("numbaflash does not return attention weights (output_attentions=True): "
+                         "use attn_implementation='eager' for them")
+    seqlen_q = query.shape[2]
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+    out = _flash_attention_forward(
+        query, key, value, attention_mask, query_length=seqlen_q,
+        is_causal=module.is_causal if is_causal is None else is_causal, dropout=dropout,
+        softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False,
+        target_dtype=get_target_dtype(query, module), attn_implementation=module.config._attn_implementation,
+        layer_idx=getattr(module, "layer_idx", None), s_aux=s_aux, **kwargs)
+    return out, None
+
+
+# ------------------------------------------------------------------ registration
+
+
+def register(name: str = NAME) -> str:
+    """Make ``attn_implementation=name`` ("numbaflash") load and run models on numbaflash in this
+    process (``from_pretrained``, ``from_config``, ``set_attn_implementation``); idempotent.
+    ``name`` must contain "flash", so that transformers gives it FlashAttention's masks. Returns
+    the name. ImportError without transformers; RuntimeError where the installed transformers
+    lacks the FlashAttention path this builds on."""
+    if "flash" not in name:
+        raise ValueError(f"name must contain 'flash' (transformers then builds FlashAttention's masks "
+                         f"for it), got {name!r}")
+    try:
+        import transformers
+        from transformers import AttentionInterface, PreTrainedModel
+        from transformers import modeling_flash_attention_utils as fa_utils
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError as error:
+        raise ImportError("numbaflash.integrations.transformers needs transformers: "
+                          "pip install numbaflash[transformers]") from error
+    missing = [f"transformers.modeling_flash_attention_utils.{n}" for n in
+               ("_lazy_imports", "_flash_attention_forward", "_pad_input", "_unpad_input")
+               if not hasattr(fa_utils, n)]
+    if not hasattr(PreTrainedModel, "_check_and_adjust_attn_implementation"):
+        missing.append("PreTrainedModel._check_and_adjust_attn_implementation")
+    if "flash_attention_2" not in ALL_MASK_ATTENTION_FUNCTIONS:
+        missing.append("the flash_attention_2 mask in transformers.masking_utils")
+    if missing:
+        raise RuntimeError(f"transformers {transformers.__version__} lacks {', '.join(missing)}; "
+                           f"numbaflash's integration was written against transformers 5")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    if not _NAMES:
+        _wrap_loader(fa_utils)
+        _wrap_load_check(PreTrainedModel)
+    _NAMES.add(name)
+    return name
+
+
+def _wrap_loader(fa_utils: Any) -> None:
+    """transformers' FlashAttention loader (``_lazy_imports``) gives our functions for our names."""
+    original = fa_utils._lazy_imports
+
+    def lazy_imports(implementation, *args, **kwargs):
+        if implementation in _NAMES:
+            return flash_attn_func, flash_attn_varlen_func, None, fa_utils._pad_input, fa_utils._unpad_input
+        return original(implementation, *args, **kwargs)
+
+    fa_utils._lazy_imports = lazy_imports
+
+
+def _wrap_load_check(model_class: Any) -> None:
+    """transformers' load-time check of an implementation (``_check_and_adjust_attn_implementation``,
+    run by ``__init__``, ``from_pretrained`` and ``set_attn_implementation``) also checks the model
+    against numbaflash for our names (``check_model``), and keeps our name where a model lists
+    hub kernels in ``_compatible_flash_implementations`` (gpt-oss: flash-attn 2 has no sinks;
+    numbaflash has them), which transformers would put in its place."""
+    original = model_class._check_and_adjust_attn_implementation
+
+    def check_and_adjust(self, attn_implementation, *args, **kwargs):
+        if attn_implementation not in _NAMES:
+            return original(self, attn_implementation, *args, **kwargs)
+        check_model(self)
+        missing = object()
+        own = self.__dict__.get("_compatible_flash_implementations", missing)
+        self.__dict__["_compatible_flash_implementations"] = None
+        try:
+            return original(self, attn_implementation, *args, **kwargs)
+        finally:
+            if own is missing:
+                del self.__dict__["_compatible_flash_implementations"]
+            else:
+                self.__dict__["_compatible_flash_implementations"] = own
+
+    model_class._check_and_adjust_attn_implementation = check_and_adjust
+
+
+def check_model(model: Any) -> None:
+    """A ValueError naming what numbaflash cannot run in ``model`` (a transformers model before
+    or after loading): a class that does not take FlashAttention in transformers, or head dims
+    with no kernel (q/k head dim in ``SUPPORTED_HEAD_DIMS``, or (q/k, v) in
+    ``ASYMMETRIC_HEAD_DIMS``)."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_flash_attn", False):
+        raise ValueError(f"{name} does not take FlashAttention in transformers (_supports_flash_attn is "
+                         f"False), so it cannot run on numbaflash; use attn_implementation='sdpa'")
+    for config in _text_configs(model.config):
+        dims = head_dims(config)
+        if dims is None:
+            continue
+        qk, v = dims
+        if (qk != v or qk not in SUPPORTED_HEAD_DIMS) and (qk, v) not in ASYMMETRIC_HEAD_DIMS:
+            raise ValueError(f"{name}'s attention has q/k head dim {qk} and v head dim {v}: numbaflash "
+                             f"has kernels for head dims {SUPPORTED_HEAD_DIMS} and the pairs "
+                             f"{ASYMMETRIC_HEAD_DIMS}")
+
+
+def _text_configs(config: Any) -> list:
+    """The config and the sub-configs that describe attention (a multimodal model's text config)."""
+    found = [config]
+    for attr in ("text_config", "decoder"):
+        sub = getattr(config, attr, None)
+        if sub is not None and sub is not config:
+            found.append(sub)
+    return found
+
+
+def head_dims(config: Any) -> tuple[int, int] | None:
+    """(q/k head dim, v head dim) of a transformers config, None where it names neither: MLA's
+    ``qk_head_dim`` (or ``qk_nope_head_dim + qk_rope_head_dim``) and ``v_head_dim``, else
+    ``head_dim``, else ``hidden_size // num_attention_heads``."""
+    qk = getattr(config, "qk_head_dim", None)
+    if qk is None and getattr(config, "qk_nope_head_dim", None) is not None:
+        qk = config.qk_nope_head_dim + (getattr(config, "qk_rope_head_dim", 0) or 0)
+    if qk is None:
+        qk = getattr(config, "head_dim", None)
+    if qk is None:
+        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+        if not hidden or not heads:
+            return None
+        qk = hidden // heads
+    v = getattr(config, "v_head_dim", None) or qk
+    return int(qk), int(v)

@@ -1,0 +1,219 @@
+"""numbaflash's transformers integration (issue 57) on the CPU: registration, the load-time
+checks, and the whole FlashAttention path transformers runs on our functions (padding to varlen,
+packed sequences, windows, softcap, sinks, generate), with numbaflash's two kernel calls replaced
+by a float64 reference of their contract. The kernels themselves: tests/test_transformers_gpu.py."""
+
+import copy
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
+transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+
+import numbaflash.api  # noqa: E402
+from numbaflash.integrations import transformers as nf_hf  # noqa: E402
+
+
+def reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+              learnable_sink=None):
+    """``numbaflash.flash_attention``'s contract in float64: q (b, sq, hq, d), k and v (b, sk,
+    hkv, d or dv); GQA, bottom-right causal and window, softcap, sink; rows with no key give 0."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    qf, kf, vf = (x.double().transpose(1, 2) for x in (q, k, v))
+    kf, vf = (x.repeat_interleave(hq // hkv, dim=1) for x in (kf, vf))
+    s = qf @ kf.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    seen = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    s = s.masked_fill(~seen, -math.inf)
+    if learnable_sink is not None:
+        assert learnable_sink.dtype == torch.float32 and learnable_sink.shape == (hq,)
+        s = torch.cat([s, learnable_sink.double()[None, :, None, None].expand(b, hq, sq, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if learnable_sink is not None:
+        p = p[..., :-1]
+    return (p @ vf).transpose(1, 2).to(q.dtype)
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int) and isinstance(max_k, int)
+    outs = []
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        assert q1 - q0 <= max_q and k1 - k0 <= max_k
+        outs.append(reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **options)[0])
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """numbaflash's two calls replaced by the reference; the calls each made, by path."""
+    calls = {"dense": 0, "varlen": 0}
+
+    def dense(*args, **kwargs):
+        calls["dense"] += 1
+        return reference(*args, **kwargs)
+
+    def varlen(*args, **kwargs):
+        calls["varlen"] += 1
+        return reference_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(numbaflash.api, "flash_attention", dense)
+    monkeypatch.setattr(numbaflash.api, "flash_attention_varlen", varlen)
+    nf_hf.register()
+    return calls
+
+
+def tiny(config_class, **overrides):
+    base = {"vocab_size": 97, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "max_position_embeddings": 256, "pad_token_id": 0}
+    return config_class(**{**base, **overrides})
+
+
+def models(config, seed=0):
+    """The same weights on numbaflash and on eager attention, float32, eval mode."""
+    torch.manual_seed(seed)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                         attn_implementation="numbaflash").eval()
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                          attn_implementation="eager").eval()
+    eager.load_state_dict(ours.state_dict())
+    return ours, eager
+
+
+def assert_close(a, b):
+    assert (a - b).norm() <= 1e-5 * b.norm(), float((a - b).norm() / b.norm())
+
+
+def test_register_makes_the_name_loadable_and_is_idempotent(kernels):
+    assert nf_hf.register() == "numbaflash" == nf_hf.register()
+    ours, _ = models(tiny(transformers.LlamaConfig))
+    assert ours.config._attn_implementation == "numbaflash"
+    eager = transformers.AutoModelForCausalLM.from_config(tiny(transformers.LlamaConfig),
+                                                          attn_implementation="eager")
+    eager.set_attn_implementation("numbaflash")
+    assert eager.config._attn_implementation == "numbaflash"
+    with pytest.raises(ValueError, match="must contain 'flash'"):
+        nf_hf.register("numba")
+
+
+def test_prefill_without_padding_runs_the_dense_call(kernels):
+    ours, eager = models(tiny(transformers.LlamaConfig))
+    ids = torch.randint(1, 97, (3, 40))
+    with torch.no_grad():
+        assert_close(ours(ids).logits, eager(ids).logits)
+    assert kernels["dense"] == 2 and kernels["varlen"] == 0  # one call a layer
+
+
+def test_a_left_padded_batch_runs_varlen_and_generates_eager_s_tokens(kernels):
+    """The 2-D padding mask becomes cu_seqlens (transformers' unpad), for prefill and for each
+    decode step; greedy tokens equal eager's."""
+    ours, eager = models(tiny(transformers.LlamaConfig))
+    ids = torch.randint(1, 97, (4, 24))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 5, 11, 23)):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+        assert_close(got[mask.bool()], want[mask.bool()])
+        assert kernels["varlen"] == 2
+        gen = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+
+
+def test_packed_sequences_by_position_ids_run_varlen(kernels):
+    """One row holding three sequences (position_ids restart): each attends to its own keys."""
+    ours, eager = models(tiny(transformers.LlamaConfig))
+    lengths = (7, 20, 13)
+    ids = torch.randint(1, 97, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = ours(ids, position_ids=positions).logits
+        alone = torch.cat([eager(part).logits for part in ids.split(lengths, dim=1)], dim=1)
+    assert_close(packed, alone)
+    assert kernels["varlen"] == 2 and kernels["dense"] == 0
+
+
+def test_a_sliding_window_reaches_the_kernel(kernels, monkeypatch):
+    """Mistral's sliding window of 8 over 40 tokens: FlashAttention's (w - 1, w - 1) with causal."""
+    seen = []
+    dense = numbaflash.api.flash_attention
+    monkeypatch.setattr(numbaflash.api, "flash_attention",
+                        lambda *a, **kw: seen.append(kw["window_size"]) or dense(*a, **kw))
+    ours, eager = models(tiny(transformers.MistralConfig, sliding_window=8))
+    ids = torch.randint(1, 97, (2, 40))
+    with torch.no_grad():
+        assert_close(ours(ids).logits, eager(ids).logits)
+    assert seen == [(7, 7), (7, 7)]
+
+
+def test_gemma2_softcap_and_alternating_windows(kernels):
+    ours, eager = models(tiny(transformers.Gemma2Config, sliding_window=6, attn_logit_softcapping=5.0,
+                              query_pre_attn_scalar=32))
+    ids = torch.randint(1, 97, (2, 30))
+    with torch.no_grad():
+        assert_close(ours(ids).logits, eager(ids).logits)
+
+
+def test_gpt_oss_sinks(kernels):
+    """gpt-oss's per-head sink logits reach the kernel as float32 (heads_q,)."""
+    config = tiny(transformers.GptOssConfig, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"])
+    ours, eager = models(config)
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            layer.self_attn.sinks.normal_()
+        eager.load_state_dict(ours.state_dict())
+        ids = torch.randint(1, 97, (2, 30))
+        assert_close(ours(ids).logits, eager(ids).logits)
+
+
+def test_training_flows_gradients_to_the_weights(kernels):
+    ours, eager = models(tiny(transformers.LlamaConfig))
+    ours.train()
+    eager.train()
+    ids = torch.randint(1, 97, (2, 16))
+    for model in (ours, eager):
+        model(ids, labels=ids).loss.backward()
+    for (name, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
+        assert_close(a.grad, b.grad), name
+
+
+def test_what_no_kernel_runs_is_refused(kernels):
+    with pytest.raises(ValueError, match="q/k head dim 80 and v head dim 80"):
+        transformers.AutoModelForCausalLM.from_config(tiny(transformers.LlamaConfig, head_dim=80),
+                                                      attn_implementation="numbaflash")
+    ours, _ = models(tiny(transformers.LlamaConfig, attention_dropout=0.1))
+    ours.train()
+    with pytest.raises(ValueError, match="no attention dropout"):
+        ours(torch.randint(1, 97, (1, 8)))
+    ours.eval()
+    with pytest.raises(ValueError, match="output_attentions"):
+        ours(torch.randint(1, 97, (1, 8)), output_attentions=True)
+
+
+def test_head_dims_of_configs():
+    class C:
+        pass
+
+    mla = C()
+    mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim = 128, 64, 128
+    assert nf_hf.head_dims(mla) == (192, 128)
+    plain = C()
+    plain.hidden_size, plain.num_attention_heads = 2048, 16
+    assert nf_hf.head_dims(plain) == (128, 128)
+    assert nf_hf.head_dims(C()) is None
