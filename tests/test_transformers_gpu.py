@@ -1,0 +1,116 @@
+"""numbaflash's transformers integration (issue 57) on the GPU: tiny random-init models built from
+transformers' own config classes, bf16, on numbaflash against the same weights on SDPA (eager
+where SDPA cannot express the option: softcap, sinks).
+
+    NUMBAFLASH_REQUIRE_GPU=1 pytest -m gpu tests/test_transformers_gpu.py
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
+transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+
+from numbaflash.integrations.transformers import register  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def tiny(config_class, **overrides):
+    base = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "max_position_embeddings": 1024, "pad_token_id": 0}
+    return config_class(**{**base, **overrides})
+
+
+MODELS = {
+    "llama": (lambda: tiny(transformers.LlamaConfig), "sdpa"),
+    "qwen3": (lambda: tiny(transformers.Qwen3Config), "sdpa"),
+    "mistral": (lambda: tiny(transformers.MistralConfig, sliding_window=64), "sdpa"),
+    "gemma2": (lambda: tiny(transformers.Gemma2Config, sliding_window=64, attn_logit_softcapping=30.0,
+                            query_pre_attn_scalar=64), "eager"),
+    "gpt_oss": (lambda: tiny(transformers.GptOssConfig, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
+                "eager"),
+}
+
+
+def pair(name, seed=0):
+    """(ours, reference) with the same weights, bf16, on the GPU, eval mode."""
+    register()
+    make, reference = MODELS[name]
+    torch.manual_seed(seed)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(make()),
+                                                         attn_implementation="numbaflash",
+                                                         dtype=torch.bfloat16).cuda().eval()
+    if name == "gpt_oss":
+        with torch.no_grad():
+            for layer in ours.model.layers:
+                layer.self_attn.sinks.normal_()
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(make()),
+                                                        attn_implementation=reference,
+                                                        dtype=torch.bfloat16).cuda().eval()
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def relative(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prefill_logits_match_the_reference(name):
+    ours, ref = pair(name)
+    ids = torch.randint(1, 512, (2, 300), device="cuda")
+    with torch.no_grad():
+        assert relative(ours(ids).logits, ref(ids).logits) <= 0.01
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_left_padded_prefill_and_greedy_generate(name):
+    """A batch of 4 with left padding: the unpadded rows' logits within 1%, and 64 greedy tokens
+    as the reference's (bf16: the first token where they part is printed)."""
+    ours, ref = pair(name)
+    ids = torch.randint(1, 512, (4, 96), device="cuda")
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 7, 33, 80)):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        assert relative(got[mask.bool()], want[mask.bool()]) <= 0.01
+        gen = {"attention_mask": mask, "max_new_tokens": 64, "do_sample": False, "pad_token_id": 0}
+        a, b = ours.generate(ids, **gen), ref.generate(ids, **gen)
+    parted = (a != b).nonzero()
+    assert parted.numel() == 0, f"first differing (row, position): {parted[0].tolist()}"
+
+
+def test_twenty_training_steps_follow_the_reference():
+    """AdamW on a copy task, 20 steps: losses within 0.01 of the same run on SDPA."""
+    losses = {}
+    for which in (0, 1):
+        model = pair("llama")[which].train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        run = []
+        for _ in range(20):
+            ids = torch.randint(1, 512, (4, 256), device="cuda", generator=generator)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.append(loss.item())
+        losses[which] = run
+    worst = max(abs(a - b) for a, b in zip(losses[0], losses[1], strict=True))
+    assert worst <= 0.01, (losses, worst)
+
+
+def test_torch_compile_of_the_model():
+    ours, ref = pair("llama")
+    compiled = torch.compile(ours)
+    ids = torch.randint(1, 512, (2, 256), device="cuda")
+    with torch.no_grad():
+        assert relative(compiled(ids).logits, ref(ids).logits) <= 0.01
