@@ -217,3 +217,34 @@ def test_head_dims_of_configs():
     plain.hidden_size, plain.num_attention_heads = 2048, 16
     assert nf_hf.head_dims(plain) == (128, 128)
     assert nf_hf.head_dims(C()) is None
+
+
+def test_generate_with_the_static_cache(kernels):
+    """transformers' static cache (keys of the cache's full length, a 2-D mask over it): the
+    same greedy tokens as eager's."""
+    ours, eager = models(tiny(transformers.LlamaConfig))
+    ids = torch.randint(1, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    ids[1, :4] = 0
+    mask[1, :4] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+               cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    assert kernels["varlen"] > 0
+
+
+def test_packed_sequences_by_cu_seq_lens_run_varlen(kernels):
+    """transformers' packing keywords (DataCollatorWithFlattening's): cu_seq_lens_q / _k and
+    max_length_q / _k reach flash_attention_varlen as int32 offsets and ints."""
+    ours, eager = models(tiny(transformers.LlamaConfig))
+    lengths = (9, 3, 18)
+    ids = torch.randint(1, 97, (1, sum(lengths)))
+    cu = torch.tensor([0, 9, 12, 30], dtype=torch.int64)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = ours(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=18,
+                      max_length_k=18).logits
+        alone = torch.cat([eager(part).logits for part in ids.split(lengths, dim=1)], dim=1)
+    assert_close(packed, alone)
+    assert kernels["varlen"] == 2 and kernels["dense"] == 0
