@@ -57,10 +57,23 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options):
     return torch.cat(outs)
 
 
+def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, causal=True, softmax_scale=None, softcap=0.0,
+                      learnable_sink=None, cache_leftpad=None):
+    """``flash_attention_with_kvcache``'s contract without new rows: sequence b attends to cache
+    rows cache_leftpad[b] .. cache_seqlens[b] - 1, causal bottom-right over them."""
+    assert cache_seqlens.dtype == cache_leftpad.dtype == torch.int32
+    outs = []
+    for b in range(q.shape[0]):
+        lo, hi = int(cache_leftpad[b]), int(cache_seqlens[b])
+        outs.append(reference(q[b:b + 1], k_cache[b:b + 1, lo:hi], v_cache[b:b + 1, lo:hi], causal=causal,
+                              softmax_scale=softmax_scale, softcap=softcap, learnable_sink=learnable_sink))
+    return torch.cat(outs)
+
+
 @pytest.fixture
 def kernels(monkeypatch):
-    """numbaflash's two calls replaced by the reference; the calls each made, by path."""
-    calls = {"dense": 0, "varlen": 0}
+    """numbaflash's three calls replaced by the reference; the calls each made, by path."""
+    calls = {"dense": 0, "varlen": 0, "kvcache": 0}
 
     def dense(*args, **kwargs):
         calls["dense"] += 1
@@ -70,8 +83,13 @@ def kernels(monkeypatch):
         calls["varlen"] += 1
         return reference_varlen(*args, **kwargs)
 
+    def kvcache(*args, **kwargs):
+        calls["kvcache"] += 1
+        return reference_kvcache(*args, **kwargs)
+
     monkeypatch.setattr(numbaflash.api, "flash_attention", dense)
     monkeypatch.setattr(numbaflash.api, "flash_attention_varlen", varlen)
+    monkeypatch.setattr(numbaflash.api, "flash_attention_with_kvcache", kvcache)
     nf_hf.register()
     return calls
 
@@ -119,8 +137,9 @@ def test_prefill_without_padding_runs_the_dense_call(kernels):
 
 
 def test_a_left_padded_batch_runs_varlen_and_generates_eager_s_tokens(kernels):
-    """The 2-D padding mask becomes cu_seqlens (transformers' unpad), for prefill and for each
-    decode step; greedy tokens equal eager's."""
+    """The 2-D padding mask becomes cu_seqlens (transformers' unpad) for the prefill, and each
+    sequence's first and last cache row for the decode steps (the KV-cache call, 2 a step);
+    greedy tokens equal eager's."""
     ours, eager = models(tiny(transformers.LlamaConfig))
     ids = torch.randint(1, 97, (4, 24))
     mask = torch.ones_like(ids)
@@ -133,6 +152,7 @@ def test_a_left_padded_batch_runs_varlen_and_generates_eager_s_tokens(kernels):
         assert kernels["varlen"] == 2
         gen = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    assert kernels["kvcache"] == 2 * 11 and kernels["varlen"] == 2 + 2  # the prefills: forward and generate
 
 
 def test_packed_sequences_by_position_ids_run_varlen(kernels):
@@ -231,7 +251,26 @@ def test_generate_with_the_static_cache(kernels):
                cache_implementation="static")
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
-    assert kernels["varlen"] > 0
+    assert kernels["kvcache"] == 2 * 8 and kernels["varlen"] == 0  # a prompt of 12 rows is a decode step too
+
+
+def test_a_decode_step_with_a_hole_in_its_mask_fails_on_the_device(kernels):
+    """A sequence whose tokens are not contiguous in the mask cannot be a range of cache rows:
+    the device-side assertion fires (here, on the CPU, at once) instead of attending the hole."""
+    ours, _ = models(tiny(transformers.LlamaConfig))
+    q = torch.randn(2, 4, 1, 32)
+    k, v = torch.randn(2, 2, 10, 32), torch.randn(2, 2, 10, 32)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 4] = 0
+    attention = ours.model.layers[0].self_attn
+    with pytest.raises(RuntimeError, match="contiguous"):
+        nf_hf.attention_forward(attention, q, k, v, mask, scaling=attention.scaling)
+    mask[1, 4] = 1
+    mask[1, :3] = 0
+    out, _ = nf_hf.attention_forward(attention, q, k, v, mask, scaling=attention.scaling)
+    want = reference(q.transpose(1, 2)[1:], k.transpose(1, 2)[1:, 3:], v.transpose(1, 2)[1:, 3:],
+                     causal=True, softmax_scale=attention.scaling)
+    assert_close(out[1:], want)
 
 
 def test_packed_sequences_by_cu_seq_lens_run_varlen(kernels):

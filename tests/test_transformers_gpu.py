@@ -69,10 +69,13 @@ def test_prefill_logits_match_the_reference(name):
         assert relative(ours(ids).logits, ref(ids).logits) <= 0.01
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_left_padded_prefill_and_greedy_generate(name):
+def test_left_padded_prefill_and_greedy_generate(name, cache):
     """A batch of 4 with left padding: the unpadded rows' logits within 1%, and 64 greedy tokens
-    as the reference's (bf16: the first token where they part is printed)."""
+    as the reference's (bf16: the first token where they part is printed). The decode steps of
+    Llama run the KV-cache kernel on transformers' cache (strided views); Mistral's windowed ones
+    transformers' unpad path."""
     ours, ref = pair(name)
     ids = torch.randint(1, 512, (4, 96), device="cuda")
     mask = torch.ones_like(ids)
@@ -82,7 +85,8 @@ def test_left_padded_prefill_and_greedy_generate(name):
     with torch.no_grad():
         got, want = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
         assert relative(got[mask.bool()], want[mask.bool()]) <= 0.01
-        gen = {"attention_mask": mask, "max_new_tokens": 64, "do_sample": False, "pad_token_id": 0}
+        gen = {"attention_mask": mask, "max_new_tokens": 64, "do_sample": False, "pad_token_id": 0,
+               "cache_implementation": cache}
         a, b = ours.generate(ids, **gen), ref.generate(ids, **gen)
     parted = (a != b).nonzero()
     assert parted.numel() == 0, f"first differing (row, position): {parted[0].tolist()}"

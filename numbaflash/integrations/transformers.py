@@ -24,7 +24,10 @@ kernels, as it runs on flash-attn's:
   padded back (left padding in ``generate`` included);
 * packed sequences, given as ``position_ids`` that restart or as ``cu_seq_lens_q`` /
   ``cu_seq_lens_k`` keywords, run through ``flash_attention_varlen`` without padding;
-* anything else (prefill without padding, each decode step against the cache) through
+* a decode step (at most ``DECODE_ROWS`` query rows) with a padding mask, through
+  ``flash_attention_with_kvcache`` on transformers' cache as it is, each sequence's first and
+  last key found from the mask on the device (``decode_step``);
+* anything else (prefill without padding, decode steps of an unpadded batch) through
   ``flash_attention``, causal bottom-right as FlashAttention's.
 
 The model's options come from its attention modules and config, as transformers passes them to
@@ -41,8 +44,8 @@ Refused, with one clear error:
 * at call time, attention dropout during training (no kernel has it: set the config's
   ``attention_dropout`` to 0) and ``output_attentions=True`` (no kernel forms the matrix).
 
-Decode steps run the dense kernel against transformers' cache; the KV-cache kernel and
-static-cache CUDA graphs are not wired in yet.
+Not measured yet: whether the KV-cache kernel beats transformers' unpad path for masked decode
+steps (the issue asks to decide by measurement), and CUDA graphs of static-cache generation.
 """
 
 from __future__ import annotations
@@ -137,9 +140,10 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     """The function ``register`` puts in transformers' ``AttentionInterface``: query (batch,
     heads_q, seqlen_q, head_dim), key and value (batch, heads_kv, seqlen_k, head_dim or v's) as the
     attention modules give them; ``attention_mask`` FlashAttention's (a 2-D padding mask or None).
-    Returns (out (batch, seqlen_q, heads_q, v's head dim), None), through transformers'
-    FlashAttention path (padding, packing, options) with ``flash_attn_func`` and
-    ``flash_attn_varlen_func`` underneath."""
+    Returns (out (batch, seqlen_q, heads_q, v's head dim), None). A decode step with a padding
+    mask runs ``flash_attention_with_kvcache`` on the cache as it is (``decode_step``); everything
+    else transformers' FlashAttention path (padding, packing, options) with ``flash_attn_func``
+    and ``flash_attn_varlen_func`` underneath."""
     from transformers.integrations.flash_attention import get_target_dtype
     from transformers.modeling_flash_attention_utils import _flash_attention_forward
 
@@ -147,14 +151,62 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         raise ValueError("numbaflash does not return attention weights (output_attentions=True): "
                          "use attn_implementation='eager' for them")
     seqlen_q = query.shape[2]
+    is_causal = module.is_causal if is_causal is None else is_causal
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+    target_dtype = get_target_dtype(query, module)
+    if target_dtype is not None:  # float32 activations (PEFT's float32 norms): the kernels' dtype
+        query, key, value = (x.to(target_dtype) for x in (query, key, value))
+    if decodes(query, key, attention_mask, sliding_window, module, kwargs):
+        _refuse_dropout(dropout)
+        return decode_step(query, key, value, attention_mask, is_causal, scaling, softcap, s_aux), None
     out = _flash_attention_forward(
-        query, key, value, attention_mask, query_length=seqlen_q,
-        is_causal=module.is_causal if is_causal is None else is_causal, dropout=dropout,
+        query, key, value, attention_mask, query_length=seqlen_q, is_causal=is_causal, dropout=dropout,
         softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False,
-        target_dtype=get_target_dtype(query, module), attn_implementation=module.config._attn_implementation,
+        target_dtype=None, attn_implementation=module.config._attn_implementation,
         layer_idx=getattr(module, "layer_idx", None), s_aux=s_aux, **kwargs)
     return out, None
+
+
+DECODE_ROWS = 16  # query rows a sequence up to which a masked step runs the KV-cache kernel
+PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's: transformers' path
+
+
+def decodes(query: Any, key: Any, attention_mask: Any, sliding_window: int | None, module: Any,
+            kwargs: dict) -> bool:
+    """Whether a call is a decode step that ``decode_step`` serves: at most ``DECODE_ROWS`` query
+    rows a sequence against keys behind a 2-D padding mask no longer than them (transformers'
+    dynamic cache: as long; its static cache: the mask covers the slots written so far), in
+    eval mode, no paged-cache keywords, no sliding window (transformers' sliding caches are ring
+    buffers whose slots are not in token order). As in transformers' FlashAttention path, a mask
+    outranks packing keywords (``position_ids``, ``cu_seq_lens_*``)."""
+    return (attention_mask is not None and attention_mask.dim() == 2 and query.shape[1] <= DECODE_ROWS
+            and attention_mask.shape[1] <= key.shape[1] and sliding_window is None
+            and not module.training and not any(kwargs.get(k) is not None for k in PAGED_KEYWORDS))
+
+
+def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, scale: float | None,
+                softcap: float | None, sink: Any) -> Any:
+    """One decode step on the cache as transformers holds it: q (batch, seqlen_q, heads_q,
+    head_dim); k_cache and v_cache (batch, slots, heads_kv, head_dim or v's), views of
+    transformers' (batch, heads_kv, slots, .) buffers; ``mask`` (batch, seen) of 1 on each
+    sequence's tokens, 0 on its left padding. Sequence b's keys are slots cache_leftpad[b] ..
+    cache_seqlens[b] - 1 (the mask's first and past-last 1, found on the device: no host sync, so
+    a CUDA graph can capture the step); a mask with a 0 between its 1s fails a device-side
+    assertion rather than attend to its hole. Returns out (batch, seqlen_q, heads_q, v's head
+    dim)."""
+    import torch
+
+    from .. import api
+
+    ones = mask.to(torch.int32)
+    seen = ones.shape[1]
+    leftpad = ones.argmax(dim=1).to(torch.int32)
+    seqlens = (seen - ones.flip(1).argmax(dim=1)).to(torch.int32)
+    torch._assert_async((ones.sum(dim=1) == seqlens - leftpad).all(),
+                        "numbaflash's decode step needs each sequence's tokens contiguous in its mask")
+    return api.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, causal=bool(causal),
+                                            softmax_scale=_scale(scale), softcap=_softcap(softcap),
+                                            learnable_sink=_sink(sink), cache_leftpad=leftpad)
 
 
 # ------------------------------------------------------------------ registration
