@@ -287,3 +287,14 @@ def test_packed_sequences_by_cu_seq_lens_run_varlen(kernels):
         alone = torch.cat([eager(part).logits for part in ids.split(lengths, dim=1)], dim=1)
     assert_close(packed, alone)
     assert kernels["varlen"] == 2 and kernels["dense"] == 0
+
+
+def test_an_unpadded_prefill_compiles_with_no_graph_break(kernels):
+    """torch.compile through transformers' FlashAttention path and our wrappers (the kernels' own
+    tracing is numbaflash's torch ops': tests/test_torch_op_cpu.py)."""
+    import torch._dynamo
+
+    ours, _ = models(tiny(transformers.LlamaConfig))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(ours)(torch.randint(1, 97, (2, 40)))
+    assert explained.graph_break_count == 0, explained.break_reasons
