@@ -242,7 +242,7 @@ def test_head_dims_of_configs():
 def test_generate_with_the_static_cache(kernels):
     """transformers' static cache (keys of the cache's full length, a 2-D mask over it): the
     same greedy tokens as eager's."""
-    ours, eager = models(tiny(transformers.LlamaConfig))
+    ours, eager = models(tiny(transformers.LlamaConfig, max_position_embeddings=32))
     ids = torch.randint(1, 97, (2, 12))
     mask = torch.ones_like(ids)
     ids[1, :4] = 0
@@ -298,3 +298,32 @@ def test_an_unpadded_prefill_compiles_with_no_graph_break(kernels):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(ours)(torch.randint(1, 97, (2, 40)))
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_the_mask_of_a_static_cache_has_the_keys_length(kernels):
+    """FlashAttention's mask function, but a mask shorter than the keys (a static cache's) is
+    padded with 0s to their length, so that every decode step has one mask shape; otherwise as
+    FlashAttention's: None without padding, the padding mask as it is."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS["numbaflash"]
+    given = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    padded = mask_function(batch_size=2, q_length=1, kv_length=9, attention_mask=given)
+    assert padded.shape == (2, 9) and torch.equal(padded[:, :5], given) and not padded[:, 5:].any()
+    assert torch.equal(mask_function(batch_size=2, q_length=1, kv_length=5, attention_mask=given), given)
+    assert mask_function(batch_size=2, q_length=1, kv_length=5, attention_mask=given[:1].expand(2, 5)) is None
+
+
+def test_generate_with_a_sliding_static_cache(kernels):
+    """Mistral's window of 8 with the static cache, 12 prompt and 12 new tokens: its layers' ring
+    buffers wrap; transformers' path (the window's) with our mask gives eager's tokens."""
+    ours, eager = models(tiny(transformers.MistralConfig, sliding_window=8, max_position_embeddings=32))
+    ids = torch.randint(1, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    ids[1, :4] = 0
+    mask[1, :4] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+               cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    assert kernels["kvcache"] == 0

@@ -240,12 +240,29 @@ def register(name: str = NAME) -> str:
         raise RuntimeError(f"transformers {transformers.__version__} lacks {', '.join(missing)}; "
                            f"numbaflash's integration was written against transformers 5")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    AttentionMaskInterface.register(name, _mask_function(ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]))
     if not _NAMES:
         _wrap_loader(fa_utils)
         _wrap_load_check(PreTrainedModel)
     _NAMES.add(name)
     return name
+
+
+def _mask_function(flash_mask: Any) -> Any:
+    """FlashAttention's mask function (a 2-D padding mask, or None where there is no padding),
+    but a mask shorter than the keys (transformers' static cache: it covers the slots written so
+    far) padded with 0s to the keys' length: every decode step then has one mask shape, which a
+    CUDA graph needs, and ``decode_step`` finds each sequence's last key from it as before."""
+
+    def mask(batch_size, q_length, kv_length, *args, **kwargs):
+        found = flash_mask(batch_size, q_length, kv_length, *args, **kwargs)
+        if found is not None and found.shape[-1] < kv_length:
+            import torch
+
+            found = torch.nn.functional.pad(found, (0, kv_length - found.shape[-1]))
+        return found
+
+    return mask
 
 
 def _wrap_loader(fa_utils: Any) -> None:
