@@ -327,3 +327,41 @@ def test_generate_with_a_sliding_static_cache(kernels):
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
     assert kernels["kvcache"] == 0
+
+
+def deepseek_v3(**overrides):
+    """A tiny DeepSeek-V3 (MLA: q/k head dim 128 + 64 rotary, v head dim 128; MoE)."""
+    options = {"vocab_size": 97, "hidden_size": 128, "intermediate_size": 128, "moe_intermediate_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+               "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 256, "pad_token_id": 0}
+    return transformers.DeepseekV3Config(**{**options, **overrides})
+
+
+def test_deepseek_v3_runs_the_pair_of_head_dims(kernels, monkeypatch):
+    """MLA's (192, 128) reaches the kernels as it is (v not padded to q's head dim, as
+    transformers' own FlashAttention wrapper does), prefill with and without padding and
+    generate as eager's; a pair with no kernel is refused at load."""
+    widths = []
+    dense = numbaflash.api.flash_attention
+    def spy(q, k, v, **kw):
+        widths.append((q.shape[-1], v.shape[-1]))
+        return dense(q, k, v, **kw)
+
+    monkeypatch.setattr(numbaflash.api, "flash_attention", spy)
+    ours, eager = models(deepseek_v3())
+    ids = torch.randint(1, 97, (2, 30))
+    mask = torch.ones_like(ids)
+    ids[1, :5] = 0
+    mask[1, :5] = 0
+    with torch.no_grad():
+        assert_close(ours(ids).logits, eager(ids).logits)
+        assert widths == [(192, 128)] * 2
+        got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+        assert_close(got[mask.bool()], want[mask.bool()])
+        gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    with pytest.raises(ValueError, match="q/k head dim 192 and v head dim 64"):
+        transformers.AutoModelForCausalLM.from_config(deepseek_v3(v_head_dim=64),
+                                                      attn_implementation="numbaflash")
