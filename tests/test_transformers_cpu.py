@@ -365,3 +365,17 @@ def test_deepseek_v3_runs_the_pair_of_head_dims(kernels, monkeypatch):
     with pytest.raises(ValueError, match="q/k head dim 192 and v head dim 64"):
         transformers.AutoModelForCausalLM.from_config(deepseek_v3(v_head_dim=64),
                                                       attn_implementation="numbaflash")
+
+
+def test_gradient_checkpointing_and_qwen3(kernels):
+    """Qwen3 (q/k norms) trained with gradient checkpointing: the recomputed attention runs our
+    path again, and every weight's gradient matches eager's."""
+    ours, eager = models(tiny(transformers.Qwen3Config))
+    ids = torch.randint(1, 97, (2, 16))
+    for model in (ours, eager):
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    assert kernels["dense"] == 2 * 2  # each layer's forward, then its recomputation
+    for a, b in zip(ours.parameters(), eager.parameters(), strict=True):
+        assert_close(a.grad, b.grad)

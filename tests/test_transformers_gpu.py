@@ -28,11 +28,12 @@ def tiny(config_class, **overrides):
 
 def deepseek_v3():
     """MLA: q/k head dim 128 + 64 rotary, v head dim 128 (numbaflash's (192, 128) pair); MoE."""
-    return transformers.DeepseekV3Config(
-        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
-        kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=1024, pad_token_id=0)
+    options = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+               "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 128, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 1024, "pad_token_id": 0}
+    return transformers.DeepseekV3Config(**options)
 
 
 MODELS = {
