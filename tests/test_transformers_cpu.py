@@ -379,3 +379,27 @@ def test_gradient_checkpointing_and_qwen3(kernels):
     assert kernels["dense"] == 2 * 2  # each layer's forward, then its recomputation
     for a, b in zip(ours.parameters(), eager.parameters(), strict=True):
         assert_close(a.grad, b.grad)
+
+
+def test_a_decode_step_compiles_whole_and_finds_each_sequence_s_keys(monkeypatch):
+    """decode_step under torch.compile(fullgraph=True): no host sync, no graph break; sequence
+    b's keys are slots cache_leftpad[b] .. cache_seqlens[b] - 1 of its mask (left padding, and
+    slots past the last token: a static cache's)."""
+    found = {}
+
+    def kvcache(q, k_cache, v_cache, cache_seqlens, **options):
+        found.update(seqlens=cache_seqlens, leftpad=options["cache_leftpad"], options=options)
+        return q * 1
+
+    monkeypatch.setattr(numbaflash.api, "flash_attention_with_kvcache", kvcache)
+    q, k, v = torch.randn(3, 1, 4, 32), torch.randn(3, 10, 2, 32), torch.randn(3, 10, 2, 32)
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[0, :8], mask[1, 3:8], mask[2, 7:10] = True, True, True
+    sink = torch.randn(4, dtype=torch.bfloat16)
+    step = torch.compile(nf_hf.decode_step, fullgraph=True, backend="eager")
+    assert torch.equal(step(q, k, v, mask, True, 0.25, 30.0, sink), q)
+    assert found["seqlens"].tolist() == [8, 8, 10] and found["leftpad"].tolist() == [0, 3, 7]
+    assert found["seqlens"].dtype == found["leftpad"].dtype == torch.int32
+    options = found["options"]
+    assert (options["causal"], options["softmax_scale"], options["softcap"]) == (True, 0.25, 30.0)
+    assert options["learnable_sink"].dtype == torch.float32
