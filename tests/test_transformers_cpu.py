@@ -116,6 +116,23 @@ def assert_close(a, b):
     assert (a - b).norm() <= 1e-5 * b.norm(), float((a - b).norm() / b.norm())
 
 
+def left_padded(pads, length):
+    """Token ids (len(pads), length) and their 2-D mask, row r left-padded by pads[r] tokens."""
+    ids = torch.randint(1, 97, (len(pads), length))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def assert_same_tokens(ours, eager, ids, mask, new, **options):
+    """Greedy generation of ``new`` tokens on both models gives the same tokens."""
+    gen = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, **options)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+
+
 def test_register_makes_the_name_loadable_and_is_idempotent(kernels):
     assert nf_hf.register() == "numbaflash" == nf_hf.register()
     ours, _ = models(tiny(transformers.LlamaConfig))
@@ -141,17 +158,12 @@ def test_a_left_padded_batch_runs_varlen_and_generates_eager_s_tokens(kernels):
     sequence's first and last cache row for the decode steps (the KV-cache call, 2 a step);
     greedy tokens equal eager's."""
     ours, eager = models(tiny(transformers.LlamaConfig))
-    ids = torch.randint(1, 97, (4, 24))
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate((0, 5, 11, 23)):
-        ids[row, :pad] = 0
-        mask[row, :pad] = 0
+    ids, mask = left_padded((0, 5, 11, 23), 24)
     with torch.no_grad():
         got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
         assert_close(got[mask.bool()], want[mask.bool()])
         assert kernels["varlen"] == 2
-        gen = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    assert_same_tokens(ours, eager, ids, mask, 12)
     assert kernels["kvcache"] == 2 * 11 and kernels["varlen"] == 2 + 2  # the prefills: forward and generate
 
 
@@ -243,14 +255,7 @@ def test_generate_with_the_static_cache(kernels):
     """transformers' static cache (keys of the cache's full length, a 2-D mask over it): the
     same greedy tokens as eager's."""
     ours, eager = models(tiny(transformers.LlamaConfig, max_position_embeddings=32))
-    ids = torch.randint(1, 97, (2, 12))
-    mask = torch.ones_like(ids)
-    ids[1, :4] = 0
-    mask[1, :4] = 0
-    gen = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-               cache_implementation="static")
-    with torch.no_grad():
-        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    assert_same_tokens(ours, eager, *left_padded((0, 4), 12), 8, cache_implementation="static")
     assert kernels["kvcache"] == 2 * 8 and kernels["varlen"] == 0  # a prompt of 12 rows is a decode step too
 
 
@@ -318,14 +323,7 @@ def test_generate_with_a_sliding_static_cache(kernels):
     """Mistral's window of 8 with the static cache, 12 prompt and 12 new tokens: its layers' ring
     buffers wrap; transformers' path (the window's) with our mask gives eager's tokens."""
     ours, eager = models(tiny(transformers.MistralConfig, sliding_window=8, max_position_embeddings=32))
-    ids = torch.randint(1, 97, (2, 12))
-    mask = torch.ones_like(ids)
-    ids[1, :4] = 0
-    mask[1, :4] = 0
-    gen = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-               cache_implementation="static")
-    with torch.no_grad():
-        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    assert_same_tokens(ours, eager, *left_padded((0, 4), 12), 12, cache_implementation="static")
     assert kernels["kvcache"] == 0
 
 
@@ -351,17 +349,13 @@ def test_deepseek_v3_runs_the_pair_of_head_dims(kernels, monkeypatch):
 
     monkeypatch.setattr(numbaflash.api, "flash_attention", spy)
     ours, eager = models(deepseek_v3())
-    ids = torch.randint(1, 97, (2, 30))
-    mask = torch.ones_like(ids)
-    ids[1, :5] = 0
-    mask[1, :5] = 0
+    ids, mask = left_padded((0, 5), 30)
     with torch.no_grad():
         assert_close(ours(ids).logits, eager(ids).logits)
         assert widths == [(192, 128)] * 2
         got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
         assert_close(got[mask.bool()], want[mask.bool()])
-        gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert torch.equal(ours.generate(ids, **gen), eager.generate(ids, **gen))
+    assert_same_tokens(ours, eager, ids, mask, 6)
     with pytest.raises(ValueError, match="q/k head dim 192 and v head dim 64"):
         transformers.AutoModelForCausalLM.from_config(deepseek_v3(v_head_dim=64),
                                                       attn_implementation="numbaflash")
