@@ -5,6 +5,9 @@ tokens/s of each and whether their tokens agree. Needs a CUDA GPU, torch and tra
 (``pip install ".[cu13,transformers]"``):
 
     python examples/hf_generate.py --batch 4 --prompt 512 --new 64
+    python examples/hf_generate.py --decode-rows 0   # decode steps on transformers' path instead
+
+``--cache static`` uses transformers' static cache.
 """
 
 import argparse
@@ -14,7 +17,7 @@ import time
 import torch
 import transformers
 
-from numbaflash.integrations.transformers import register
+from numbaflash.integrations import transformers as integration
 
 
 def main() -> None:
@@ -23,9 +26,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument("--decode-rows", type=int, default=integration.DECODE_ROWS,
+                        help="query rows up to which a step runs the KV-cache kernel (0: never)")
     args = parser.parse_args()
 
-    register()
+    integration.register()
+    integration.DECODE_ROWS = args.decode_rows
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                       num_hidden_layers=args.layers, num_attention_heads=16,
                                       num_key_value_heads=4, max_position_embeddings=8192, pad_token_id=0)
@@ -43,10 +50,10 @@ def main() -> None:
         ids[row, :pad] = 0
         mask[row, :pad] = 0
     options = {"attention_mask": mask, "max_new_tokens": args.new, "min_new_tokens": args.new,
-               "do_sample": False, "pad_token_id": 0}
+               "do_sample": False, "pad_token_id": 0, "cache_implementation": args.cache}
     tokens = {}
     print(f"GPU: {torch.cuda.get_device_name()}; Llama {args.layers} layers, bf16, batch {args.batch}, "
-          f"prompt {args.prompt}, {args.new} new tokens")
+          f"prompt {args.prompt}, {args.new} new tokens, {args.cache} cache, decode rows {args.decode_rows}")
     for name, model in models.items():
         with torch.no_grad():
             model.generate(ids, **{**options, "max_new_tokens": 2, "min_new_tokens": 2})  # compile, warm up

@@ -60,11 +60,12 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options):
 def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, causal=True, softmax_scale=None, softcap=0.0,
                       learnable_sink=None, cache_leftpad=None):
     """``flash_attention_with_kvcache``'s contract without new rows: sequence b attends to cache
-    rows cache_leftpad[b] .. cache_seqlens[b] - 1, causal bottom-right over them."""
-    assert cache_seqlens.dtype == cache_leftpad.dtype == torch.int32
+    rows cache_leftpad[b] (0 without) .. cache_seqlens[b] - 1, causal bottom-right over them."""
+    assert cache_seqlens.dtype == torch.int32
+    assert cache_leftpad is None or cache_leftpad.dtype == torch.int32
     outs = []
     for b in range(q.shape[0]):
-        lo, hi = int(cache_leftpad[b]), int(cache_seqlens[b])
+        lo, hi = 0 if cache_leftpad is None else int(cache_leftpad[b]), int(cache_seqlens[b])
         outs.append(reference(q[b:b + 1], k_cache[b:b + 1, lo:hi], v_cache[b:b + 1, lo:hi], causal=causal,
                               softmax_scale=softmax_scale, softcap=softcap, learnable_sink=learnable_sink))
     return torch.cat(outs)
@@ -397,3 +398,21 @@ def test_a_decode_step_compiles_whole_and_finds_each_sequence_s_keys(monkeypatch
     options = found["options"]
     assert (options["causal"], options["softmax_scale"], options["softcap"]) == (True, 0.25, 30.0)
     assert options["learnable_sink"].dtype == torch.float32
+
+
+def test_an_unpadded_batch_decodes_on_the_kv_cache_kernel(kernels):
+    """No padding mask: the prompt (40 rows) runs the dense call, each decode step the KV-cache
+    call over every cached key; tokens as eager's. A packed row of several tokens (batch 1,
+    position_ids given) stays on transformers' path."""
+    ours, eager = models(tiny(transformers.LlamaConfig))
+    ids = torch.randint(1, 97, (3, 40))
+    assert_same_tokens(ours, eager, ids, None, 6)
+    assert kernels["dense"] == 2 and kernels["kvcache"] == 2 * 5
+    lengths = (3, 5)
+    packed = torch.randint(1, 97, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        got = ours(packed, position_ids=positions).logits
+        want = torch.cat([eager(part).logits for part in packed.split(lengths, dim=1)], dim=1)
+    assert_close(got, want)
+    assert kernels["varlen"] == 2

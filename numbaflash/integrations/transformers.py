@@ -24,10 +24,11 @@ kernels, as it runs on flash-attn's:
   padded back (left padding in ``generate`` included);
 * packed sequences, given as ``position_ids`` that restart or as ``cu_seq_lens_q`` /
   ``cu_seq_lens_k`` keywords, run through ``flash_attention_varlen`` without padding;
-* a decode step (at most ``DECODE_ROWS`` query rows) with a padding mask, through
+* a decode step (at most ``DECODE_ROWS`` query rows, no window), through
   ``flash_attention_with_kvcache`` on transformers' cache as it is, each sequence's first and
-  last key found from the mask on the device (``decode_step``);
-* anything else (prefill without padding, decode steps of an unpadded batch) through
+  last key found from the padding mask on the device, or every key without one
+  (``decode_step``);
+* anything else (a prefill without padding, a windowed layer's decode step) through
   ``flash_attention``, causal bottom-right as FlashAttention's.
 
 The model's options come from its attention modules and config, as transformers passes them to
@@ -44,8 +45,9 @@ Refused, with one clear error:
 * at call time, attention dropout during training (no kernel has it: set the config's
   ``attention_dropout`` to 0) and ``output_attentions=True`` (no kernel forms the matrix).
 
-Not measured yet: whether the KV-cache kernel beats transformers' unpad path for masked decode
-steps (the issue asks to decide by measurement), and CUDA graphs of static-cache generation.
+Not measured yet: whether the KV-cache kernel beats transformers' path for decode steps (the
+issue asks to decide by measurement: ``examples/hf_generate.py --decode-rows 0`` runs them on
+transformers' path), and CUDA graphs of static-cache generation.
 """
 
 from __future__ import annotations
@@ -167,21 +169,27 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     return out, None
 
 
-DECODE_ROWS = 16  # query rows a sequence up to which a masked step runs the KV-cache kernel
+DECODE_ROWS = 16  # query rows a sequence up to which a step runs the KV-cache kernel (0: never)
 PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's: transformers' path
 
 
 def decodes(query: Any, key: Any, attention_mask: Any, sliding_window: int | None, module: Any,
             kwargs: dict) -> bool:
     """Whether a call is a decode step that ``decode_step`` serves: at most ``DECODE_ROWS`` query
-    rows a sequence against keys behind a 2-D padding mask no longer than them (transformers'
-    dynamic cache: as long; its static cache: the mask covers the slots written so far), in
-    eval mode, no paged-cache keywords, no sliding window (transformers' sliding caches are ring
-    buffers whose slots are not in token order). As in transformers' FlashAttention path, a mask
-    outranks packing keywords (``position_ids``, ``cu_seq_lens_*``)."""
-    return (attention_mask is not None and attention_mask.dim() == 2 and query.shape[1] <= DECODE_ROWS
-            and attention_mask.shape[1] <= key.shape[1] and sliding_window is None
-            and not module.training and not any(kwargs.get(k) is not None for k in PAGED_KEYWORDS))
+    rows a sequence, in eval mode, no paged-cache keywords, no sliding window (transformers'
+    sliding caches are ring buffers whose slots are not in token order), and either a 2-D
+    padding mask no longer than the keys (transformers' dynamic cache: as long; its static
+    cache: ours, padded to the keys' length) or no mask and no packing (as transformers' own
+    test: ``cu_seq_lens_q``, or ``position_ids`` of one sequence of several rows, where they may
+    restart). As in transformers' FlashAttention path, a mask outranks packing keywords."""
+    batch, rows = query.shape[0], query.shape[1]
+    if (rows > DECODE_ROWS or sliding_window is not None or module.training
+            or any(kwargs.get(k) is not None for k in PAGED_KEYWORDS)):
+        return False
+    if attention_mask is None:
+        positions = kwargs.get("position_ids")
+        return kwargs.get("cu_seq_lens_q") is None and (batch > 1 or rows == 1 or positions is None)
+    return attention_mask.dim() == 2 and attention_mask.shape[1] <= key.shape[1]
 
 
 def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, scale: float | None,
@@ -189,21 +197,25 @@ def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, sca
     """One decode step on the cache as transformers holds it: q (batch, seqlen_q, heads_q,
     head_dim); k_cache and v_cache (batch, slots, heads_kv, head_dim or v's), views of
     transformers' (batch, heads_kv, slots, .) buffers; ``mask`` (batch, seen) of 1 on each
-    sequence's tokens, 0 on its left padding. Sequence b's keys are slots cache_leftpad[b] ..
-    cache_seqlens[b] - 1 (the mask's first and past-last 1, found on the device: no host sync, so
-    a CUDA graph can capture the step); a mask with a 0 between its 1s fails a device-side
-    assertion rather than attend to its hole. Returns out (batch, seqlen_q, heads_q, v's head
-    dim)."""
+    sequence's tokens, 0 on its left padding (and past its last token), or None: every slot is a
+    key. Sequence b's keys are slots cache_leftpad[b] .. cache_seqlens[b] - 1, the mask's first
+    and past-last 1, found on the device (no host sync, so a CUDA graph can capture the step); a
+    mask with a 0 between its 1s fails a device-side assertion rather than attend to its hole.
+    Returns out (batch, seqlen_q, heads_q, v's head dim)."""
     import torch
 
     from .. import api
 
-    ones = mask.to(torch.int32)
-    seen = ones.shape[1]
-    leftpad = ones.argmax(dim=1).to(torch.int32)
-    seqlens = (seen - ones.flip(1).argmax(dim=1)).to(torch.int32)
-    torch._assert_async((ones.sum(dim=1) == seqlens - leftpad).all(),
-                        "numbaflash's decode step needs each sequence's tokens contiguous in its mask")
+    if mask is None:  # every slot is a key
+        seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
+        leftpad = None
+    else:
+        ones = mask.to(torch.int32)
+        seen = ones.shape[1]
+        leftpad = ones.argmax(dim=1).to(torch.int32)
+        seqlens = (seen - ones.flip(1).argmax(dim=1)).to(torch.int32)
+        torch._assert_async((ones.sum(dim=1) == seqlens - leftpad).all(),
+                            "numbaflash's decode step needs each sequence's tokens contiguous in its mask")
     return api.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, causal=bool(causal),
                                             softmax_scale=_scale(scale), softcap=_softcap(softcap),
                                             learnable_sink=_sink(sink), cache_leftpad=leftpad)
