@@ -198,10 +198,12 @@ def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, sca
     head_dim); k_cache and v_cache (batch, slots, heads_kv, head_dim or v's), views of
     transformers' (batch, heads_kv, slots, .) buffers; ``mask`` (batch, seen) of 1 on each
     sequence's tokens, 0 on its left padding (and past its last token), or None: every slot is a
-    key. Sequence b's keys are slots cache_leftpad[b] .. cache_seqlens[b] - 1, the mask's first
-    and past-last 1, found on the device (no host sync, so a CUDA graph can capture the step); a
-    mask with a 0 between its 1s fails a device-side assertion rather than attend to its hole.
-    Returns out (batch, seqlen_q, heads_q, v's head dim)."""
+    key, as in transformers' FlashAttention path (a static cache's empty slots too: call a model
+    with a static cache with its attention mask, as ``generate`` does). Sequence b's keys are
+    slots cache_leftpad[b] .. cache_seqlens[b] - 1, the mask's first and past-last 1, found on
+    the device (no host sync, so a CUDA graph can capture the step); a mask with a 0 between its
+    1s fails a device-side assertion rather than attend to its hole. Returns out (batch,
+    seqlen_q, heads_q, v's head dim)."""
     import torch
 
     from .. import api
