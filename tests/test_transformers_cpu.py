@@ -416,3 +416,21 @@ def test_an_unpadded_batch_decodes_on_the_kv_cache_kernel(kernels):
         want = torch.cat([eager(part).logits for part in packed.split(lengths, dim=1)], dim=1)
     assert_close(got, want)
     assert kernels["varlen"] == 2
+
+
+def test_the_layers_of_a_step_share_its_cache_rows():
+    """An eager step computes each sequence's cache rows once for all its layers (the same mask
+    tensor), and again for a changed mask: in place (its version) or another tensor, equal or
+    not."""
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    first = nf_hf.cache_rows(2, 5, "cpu", mask)
+    assert first[0].tolist() == [4, 5] and first[1].tolist() == [1, 0]
+    again = nf_hf.cache_rows(2, 5, "cpu", mask)
+    assert again[0] is first[0] and again[1] is first[1]
+    mask[0, 4] = 1  # in place: the cached entry's version is stale
+    changed = nf_hf.cache_rows(2, 5, "cpu", mask)
+    assert changed[0].tolist() == [5, 5]
+    copy_ = nf_hf.cache_rows(2, 5, "cpu", mask.clone())
+    assert copy_[0] is not changed[0] and torch.equal(copy_[0], changed[0])
+    seqlens, leftpad = nf_hf.cache_rows(2, 7, "cpu", None)
+    assert seqlens.tolist() == [7, 7] and seqlens.dtype == torch.int32 and leftpad is None

@@ -204,23 +204,41 @@ def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, sca
     the device (no host sync, so a CUDA graph can capture the step); a mask with a 0 between its
     1s fails a device-side assertion rather than attend to its hole. Returns out (batch,
     seqlen_q, heads_q, v's head dim)."""
-    import torch
 
     from .. import api
 
-    if mask is None:  # every slot is a key
-        seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
-        leftpad = None
-    else:
-        ones = mask.to(torch.int32)
-        seen = ones.shape[1]
-        leftpad = ones.argmax(dim=1).to(torch.int32)
-        seqlens = (seen - ones.flip(1).argmax(dim=1)).to(torch.int32)
-        torch._assert_async((ones.sum(dim=1) == seqlens - leftpad).all(),
-                            "numbaflash's decode step needs each sequence's tokens contiguous in its mask")
+    seqlens, leftpad = cache_rows(q.shape[0], k_cache.shape[1], q.device, mask)
     return api.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, causal=bool(causal),
                                             softmax_scale=_scale(scale), softcap=_softcap(softcap),
                                             learnable_sink=_sink(sink), cache_leftpad=leftpad)
+
+
+_LAST_MASK: list = []  # [(mask, its version, (cache_seqlens, cache_leftpad))] of the last eager call
+
+
+def cache_rows(batch: int, slots: int, device: Any, mask: Any) -> tuple[Any, Any]:
+    """(cache_seqlens, cache_leftpad), int32 (batch,) device tensors, of ``decode_step``: from
+    ``mask`` (the first and past-last 1 of each row; a 0 between 1s fails a device-side
+    assertion), or (slots for every row, None) without one. Every layer of a forward gets the
+    same mask, so an eager call reuses the last call's tensors while ``mask`` is that very
+    tensor, unchanged (``_version``): 7 small kernels once a step, not once a layer. The entry
+    holds the mask, so that no later mask can take its memory and pass for it. Under
+    torch.compile each call computes them (the graph holds them once anyway)."""
+    import torch
+
+    if mask is None:  # every slot is a key
+        return torch.full((batch,), slots, dtype=torch.int32, device=device), None
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _LAST_MASK and _LAST_MASK[0][0] is mask and _LAST_MASK[0][1] == mask._version:
+        return _LAST_MASK[0][2]
+    ones = mask.to(torch.int32)
+    leftpad = ones.argmax(dim=1).to(torch.int32)
+    seqlens = (ones.shape[1] - ones.flip(1).argmax(dim=1)).to(torch.int32)
+    torch._assert_async((ones.sum(dim=1) == seqlens - leftpad).all(),
+                        "numbaflash's decode step needs each sequence's tokens contiguous in its mask")
+    if not compiling:
+        _LAST_MASK[:] = [(mask, mask._version, (seqlens, leftpad))]
+    return seqlens, leftpad
 
 
 # ------------------------------------------------------------------ registration
