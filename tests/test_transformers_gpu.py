@@ -129,3 +129,30 @@ def test_torch_compile_of_the_model():
     ids = torch.randint(1, 512, (2, 256), device="cuda")
     with torch.no_grad():
         assert relative(compiled(ids).logits, ref(ids).logits) <= 0.01
+
+
+def test_a_captured_decode_step_follows_its_mask():
+    """decode_step captured in a CUDA graph after an eager warm-up with the same mask buffer:
+    replays follow the buffer's new contents (the cache rows are computed in the graph, not
+    taken from the warm-up)."""
+    from numbaflash.integrations.transformers import decode_step
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 4, 96, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # transformers'
+    v = torch.randn(2, 4, 96, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    mask = torch.zeros(2, 96, dtype=torch.bool, device="cuda")
+    mask[0, :40], mask[1, 10:40] = True, True
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode_step(q, k, v, mask, True, None, None, None)  # warm-up: compiles, caches the rows
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_step(q, k, v, mask, True, None, None, None)
+    mask[0, 40:60], mask[1, 40:70] = True, True  # more tokens, in place
+    graph.replay()
+    want = torch.cat([decode_step(q[b:b + 1], k[b:b + 1, lo:hi], v[b:b + 1, lo:hi], None, True, None, None,
+                                  None) for b, (lo, hi) in enumerate(((0, 60), (10, 70)))])
+    assert relative(out, want) <= 1e-2

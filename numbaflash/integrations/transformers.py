@@ -223,20 +223,22 @@ def cache_rows(batch: int, slots: int, device: Any, mask: Any) -> tuple[Any, Any
     same mask, so an eager call reuses the last call's tensors while ``mask`` is that very
     tensor, unchanged (``_version``): 7 small kernels once a step, not once a layer. The entry
     holds the mask, so that no later mask can take its memory and pass for it. Under
-    torch.compile each call computes them (the graph holds them once anyway)."""
+    torch.compile, or while a CUDA graph is captured, each call computes them."""
     import torch
 
     if mask is None:  # every slot is a key
         return torch.full((batch,), slots, dtype=torch.int32, device=device), None
-    compiling = torch.compiler.is_compiling()
-    if not compiling and _LAST_MASK and _LAST_MASK[0][0] is mask and _LAST_MASK[0][1] == mask._version:
+    # not while compiling or capturing a CUDA graph: the graph must compute them from its mask
+    # (a static buffer that changes between replays), not hold tensors computed before it
+    reuse = not (torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if reuse and _LAST_MASK and _LAST_MASK[0][0] is mask and _LAST_MASK[0][1] == mask._version:
         return _LAST_MASK[0][2]
     ones = mask.to(torch.int32)
     leftpad = ones.argmax(dim=1).to(torch.int32)
     seqlens = (ones.shape[1] - ones.flip(1).argmax(dim=1)).to(torch.int32)
     torch._assert_async((ones.sum(dim=1) == seqlens - leftpad).all(),
                         "numbaflash's decode step needs each sequence's tokens contiguous in its mask")
-    if not compiling:
+    if reuse:
         _LAST_MASK[:] = [(mask, mask._version, (seqlens, leftpad))]
     return seqlens, leftpad
 
