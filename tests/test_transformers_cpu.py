@@ -434,3 +434,8 @@ def test_the_layers_of_a_step_share_its_cache_rows():
     assert copy_[0] is not changed[0] and torch.equal(copy_[0], changed[0])
     seqlens, leftpad = nf_hf.cache_rows(2, 7, "cpu", None)
     assert seqlens.tolist() == [7, 7] and seqlens.dtype == torch.int32 and leftpad is None
+    with torch.inference_mode():  # no version counter: computed each call
+        frozen = torch.tensor([[0, 1, 1]])
+        assert nf_hf.cache_rows(1, 3, "cpu", frozen)[1].tolist() == [1]
+        frozen[0, 0] = 1
+        assert nf_hf.cache_rows(1, 3, "cpu", frozen)[1].tolist() == [0]

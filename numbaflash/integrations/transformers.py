@@ -229,8 +229,10 @@ def cache_rows(batch: int, slots: int, device: Any, mask: Any) -> tuple[Any, Any
     if mask is None:  # every slot is a key
         return torch.full((batch,), slots, dtype=torch.int32, device=device), None
     # not while compiling or capturing a CUDA graph: the graph must compute them from its mask
-    # (a static buffer that changes between replays), not hold tensors computed before it
-    reuse = not (torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()))
+    # (a static buffer that changes between replays), not hold tensors computed before it; not
+    # for inference-mode tensors, which keep no version to tell an in-place change by
+    reuse = not (torch.compiler.is_compiling() or mask.is_inference()
+                 or (mask.is_cuda and torch.cuda.is_current_stream_capturing()))
     if reuse and _LAST_MASK and _LAST_MASK[0][0] is mask and _LAST_MASK[0][1] == mask._version:
         return _LAST_MASK[0][2]
     ones = mask.to(torch.int32)
