@@ -142,8 +142,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     """The function ``register`` puts in transformers' ``AttentionInterface``: query (batch,
     heads_q, seqlen_q, head_dim), key and value (batch, heads_kv, seqlen_k, head_dim or v's) as the
     attention modules give them; ``attention_mask`` FlashAttention's (a 2-D padding mask or None).
-    Returns (out (batch, seqlen_q, heads_q, v's head dim), None). A decode step with a padding
-    mask runs ``flash_attention_with_kvcache`` on the cache as it is (``decode_step``); everything
+    Returns (out (batch, seqlen_q, heads_q, v's head dim), None). A decode step (``decodes``)
+    runs ``flash_attention_with_kvcache`` on the cache as it is (``decode_step``); everything
     else transformers' FlashAttention path (padding, packing, options) with ``flash_attn_func``
     and ``flash_attn_varlen_func`` underneath."""
     from transformers.integrations.flash_attention import get_target_dtype
