@@ -439,3 +439,32 @@ def test_the_layers_of_a_step_share_its_cache_rows():
         assert nf_hf.cache_rows(1, 3, "cpu", frozen)[1].tolist() == [1]
         frozen[0, 0] = 1
         assert nf_hf.cache_rows(1, 3, "cpu", frozen)[1].tolist() == [0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_steps_of_random_shapes_match_the_reference(kernels, seed):
+    """decode_step on random shapes (1-16 query rows, GQA, a (192, 128) pair, left padding and a
+    static cache's empty tail, softcap, sink) against the reference on each sequence's own rows."""
+    rng = torch.Generator().manual_seed(seed)
+    batch, rows, slots = 1 + seed % 3, int(torch.randint(1, 17, (1,), generator=rng)), 40
+    heads_kv = (1, 2)[seed % 2]
+    heads_q = heads_kv * (1, 2, 4)[seed % 3]
+    d, dv = ((32, 32), (192, 128), (64, 64))[seed % 3]
+    q = torch.randn(batch, rows, heads_q, d, generator=rng)
+    k = torch.randn(batch, slots, heads_kv, d, generator=rng)
+    v = torch.randn(batch, slots, heads_kv, dv, generator=rng)
+    mask = torch.zeros(batch, slots, dtype=torch.bool)
+    spans = []
+    for b in range(batch):
+        end = int(torch.randint(rows, slots + 1, (1,), generator=rng))
+        start = int(torch.randint(0, end - rows + 1, (1,), generator=rng))
+        mask[b, start:end] = True
+        spans.append((start, end))
+    softcap = (0.0, 20.0)[seed % 2]
+    sink = torch.randn(heads_q, generator=rng) if seed % 3 == 0 else None
+    out = nf_hf.decode_step(q, k, v, mask, True, 0.3, softcap, sink)
+    for b, (start, end) in enumerate(spans):
+        want = reference(q[b:b + 1], k[b:b + 1, start:end], v[b:b + 1, start:end], causal=True,
+                         softmax_scale=0.3, softcap=softcap,
+                         learnable_sink=None if sink is None else sink.float())
+        assert_close(out[b:b + 1], want)
