@@ -58,7 +58,7 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options):
 
 
 def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, causal=True, softmax_scale=None, softcap=0.0,
-                      learnable_sink=None, cache_leftpad=None):
+                      learnable_sink=None, cache_leftpad=None, window_size=(-1, -1)):
     """``flash_attention_with_kvcache``'s contract without new rows: sequence b attends to cache
     rows cache_leftpad[b] (0 without) .. cache_seqlens[b] - 1, causal bottom-right over them."""
     assert cache_seqlens.dtype == torch.int32
@@ -67,7 +67,8 @@ def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, causal=True, softma
     for b in range(q.shape[0]):
         lo, hi = 0 if cache_leftpad is None else int(cache_leftpad[b]), int(cache_seqlens[b])
         outs.append(reference(q[b:b + 1], k_cache[b:b + 1, lo:hi], v_cache[b:b + 1, lo:hi], causal=causal,
-                              softmax_scale=softmax_scale, softcap=softcap, learnable_sink=learnable_sink))
+                              softmax_scale=softmax_scale, softcap=softcap, learnable_sink=learnable_sink,
+                              window_size=window_size))
     return torch.cat(outs)
 
 
@@ -320,12 +321,19 @@ def test_the_mask_of_a_static_cache_has_the_keys_length(kernels):
     assert mask_function(batch_size=2, q_length=1, kv_length=5, attention_mask=given[:1].expand(2, 5)) is None
 
 
-def test_generate_with_a_sliding_static_cache(kernels):
-    """Mistral's window of 8 with the static cache, 12 prompt and 12 new tokens: its layers' ring
-    buffers wrap; transformers' path (the window's) with our mask gives eager's tokens."""
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_with_a_sliding_window_cache(kernels, monkeypatch, cache):
+    """Mistral's window of 8, 12 prompt and 12 new tokens: its layers' sliding caches fill and
+    then drop (dynamic) or roll (static) their oldest slots; the decode steps run the KV-cache
+    call, with transformers' window where the keys outnumber it; eager's tokens."""
+    windows = []
+    kvcache = numbaflash.api.flash_attention_with_kvcache
+    monkeypatch.setattr(numbaflash.api, "flash_attention_with_kvcache",
+                        lambda *a, **kw: windows.append(kw["window_size"]) or kvcache(*a, **kw))
     ours, eager = models(tiny(transformers.MistralConfig, sliding_window=8, max_position_embeddings=32))
-    assert_same_tokens(ours, eager, *left_padded((0, 4), 12), 12, cache_implementation="static")
-    assert kernels["kvcache"] == 0
+    assert_same_tokens(ours, eager, *left_padded((0, 4), 12), 12, cache_implementation=cache)
+    assert len(windows) == 2 * 12 and windows[:2] == [(7, 7)] * 2  # the 12-row prompt too, windowed
+    assert set(windows[2:]) <= {(-1, -1), (7, 7)}
 
 
 def deepseek_v3(**overrides):
@@ -468,3 +476,23 @@ def test_decode_steps_of_random_shapes_match_the_reference(kernels, seed):
                          softmax_scale=0.3, softcap=softcap,
                          learnable_sink=None if sink is None else sink.float())
         assert_close(out[b:b + 1], want)
+
+
+@pytest.mark.parametrize("model", ["gemma2", "gpt_oss"])
+def test_generate_with_alternating_windows_softcap_and_sinks(kernels, model):
+    """Gemma 2 (softcap, sliding and full layers) and gpt-oss (sinks, sliding and full layers):
+    left-padded greedy generation past the window, on the KV-cache call, as eager's."""
+    if model == "gemma2":
+        config = tiny(transformers.Gemma2Config, sliding_window=6, attn_logit_softcapping=5.0,
+                      query_pre_attn_scalar=32)
+    else:
+        config = tiny(transformers.GptOssConfig, num_local_experts=2, num_experts_per_tok=1, sliding_window=6,
+                      layer_types=["sliding_attention", "full_attention"])
+    ours, eager = models(config)
+    if model == "gpt_oss":
+        with torch.no_grad():
+            for layer in ours.model.layers:
+                layer.self_attn.sinks.normal_()
+        eager.load_state_dict(ours.state_dict())
+    assert_same_tokens(ours, eager, *left_padded((0, 3), 10), 10)
+    assert kernels["kvcache"] == 2 * 10

@@ -24,12 +24,12 @@ kernels, as it runs on flash-attn's:
   padded back (left padding in ``generate`` included);
 * packed sequences, given as ``position_ids`` that restart or as ``cu_seq_lens_q`` /
   ``cu_seq_lens_k`` keywords, run through ``flash_attention_varlen`` without padding;
-* a decode step (at most ``DECODE_ROWS`` query rows, no window), through
+* a decode step (at most ``DECODE_ROWS`` query rows), through
   ``flash_attention_with_kvcache`` on transformers' cache as it is, each sequence's first and
   last key found from the padding mask on the device, or every key without one
   (``decode_step``);
-* anything else (a prefill without padding, a windowed layer's decode step) through
-  ``flash_attention``, causal bottom-right as FlashAttention's.
+* anything else (a prefill without padding) through ``flash_attention``, causal bottom-right as
+  FlashAttention's.
 
 The model's options come from its attention modules and config, as transformers passes them to
 FlashAttention: GQA (K and V keep their heads), ``scaling``, the layer's sliding window (as
@@ -158,9 +158,13 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     target_dtype = get_target_dtype(query, module)
     if target_dtype is not None:  # float32 activations (PEFT's float32 norms): the kernels' dtype
         query, key, value = (x.to(target_dtype) for x in (query, key, value))
-    if decodes(query, key, attention_mask, sliding_window, module, kwargs):
+    if decodes(query, attention_mask, key, module, kwargs):
         _refuse_dropout(dropout)
-        return decode_step(query, key, value, attention_mask, is_causal, scaling, softcap, s_aux), None
+        window = (-1, -1)
+        if sliding_window is not None and key.shape[1] > sliding_window:  # transformers' rule
+            window = (sliding_window - 1, sliding_window - 1)
+        out = decode_step(query, key, value, attention_mask, is_causal, scaling, softcap, s_aux, window)
+        return out, None
     out = _flash_attention_forward(
         query, key, value, attention_mask, query_length=seqlen_q, is_causal=is_causal, dropout=dropout,
         softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False,
@@ -173,18 +177,15 @@ DECODE_ROWS = 16  # query rows a sequence up to which a step runs the KV-cache k
 PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's: transformers' path
 
 
-def decodes(query: Any, key: Any, attention_mask: Any, sliding_window: int | None, module: Any,
-            kwargs: dict) -> bool:
+def decodes(query: Any, attention_mask: Any, key: Any, module: Any, kwargs: dict) -> bool:
     """Whether a call is a decode step that ``decode_step`` serves: at most ``DECODE_ROWS`` query
-    rows a sequence, in eval mode, no paged-cache keywords, no sliding window (transformers'
-    sliding caches are ring buffers whose slots are not in token order), and either a 2-D
-    padding mask no longer than the keys (transformers' dynamic cache: as long; its static
+    rows a sequence, in eval mode, no paged-cache keywords, and either a 2-D padding mask no
+    longer than the keys (transformers' dynamic cache: as long; its static
     cache: ours, padded to the keys' length) or no mask and no packing (as transformers' own
     test: ``cu_seq_lens_q``, or ``position_ids`` of one sequence of several rows, where they may
     restart). As in transformers' FlashAttention path, a mask outranks packing keywords."""
     batch, rows = query.shape[0], query.shape[1]
-    if (rows > DECODE_ROWS or sliding_window is not None or module.training
-            or any(kwargs.get(k) is not None for k in PAGED_KEYWORDS)):
+    if rows > DECODE_ROWS or module.training or any(kwargs.get(k) is not None for k in PAGED_KEYWORDS):
         return False
     if attention_mask is None:
         positions = kwargs.get("position_ids")
@@ -193,7 +194,7 @@ def decodes(query: Any, key: Any, attention_mask: Any, sliding_window: int | Non
 
 
 def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, scale: float | None,
-                softcap: float | None, sink: Any) -> Any:
+                softcap: float | None, sink: Any, window: tuple[int, int] = (-1, -1)) -> Any:
     """One decode step on the cache as transformers holds it: q (batch, seqlen_q, heads_q,
     head_dim); k_cache and v_cache (batch, slots, heads_kv, head_dim or v's), views of
     transformers' (batch, heads_kv, slots, .) buffers; ``mask`` (batch, seen) of 1 on each
@@ -202,14 +203,17 @@ def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, sca
     with a static cache with its attention mask, as ``generate`` does). Sequence b's keys are
     slots cache_leftpad[b] .. cache_seqlens[b] - 1, the mask's first and past-last 1, found on
     the device (no host sync, so a CUDA graph can capture the step); a mask with a 0 between its
-    1s fails a device-side assertion rather than attend to its hole. Returns out (batch,
-    seqlen_q, heads_q, v's head dim)."""
+    1s fails a device-side assertion rather than attend to its hole. ``window``: (left, right)
+    over those keys, as ``flash_attention_with_kvcache`` takes it (transformers' sliding layers
+    keep their slots in token order, the static one by rolling). Returns out (batch, seqlen_q,
+    heads_q, v's head dim)."""
 
     from .. import api
 
     seqlens, leftpad = cache_rows(q.shape[0], k_cache.shape[1], q.device, mask)
     return api.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, causal=bool(causal),
-                                            softmax_scale=_scale(scale), softcap=_softcap(softcap),
+                                            softmax_scale=_scale(scale), window_size=_window(window),
+                                            softcap=_softcap(softcap),
                                             learnable_sink=_sink(sink), cache_leftpad=leftpad)
 
 
