@@ -496,3 +496,13 @@ def test_generate_with_alternating_windows_softcap_and_sinks(kernels, model):
         eager.load_state_dict(ours.state_dict())
     assert_same_tokens(ours, eager, *left_padded((0, 3), 10), 10)
     assert kernels["kvcache"] == 2 * 10
+
+
+def test_other_requests_pass_through_the_wrapped_checks(kernels):
+    """After register(): a model on SDPA, one with no request, and a per-sub-config dict of
+    names load as transformers loads them."""
+    config = tiny(transformers.LlamaConfig)
+    for request in ("sdpa", None, {"": "eager"}):
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                              attn_implementation=request)
+        assert model.config._attn_implementation in ("sdpa", "eager")

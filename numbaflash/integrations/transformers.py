@@ -310,7 +310,7 @@ def _wrap_loader(fa_utils: Any) -> None:
     original = fa_utils._lazy_imports
 
     def lazy_imports(implementation, *args, **kwargs):
-        if implementation in _NAMES:
+        if isinstance(implementation, str) and implementation in _NAMES:
             return flash_attn_func, flash_attn_varlen_func, None, fa_utils._pad_input, fa_utils._unpad_input
         return original(implementation, *args, **kwargs)
 
@@ -322,11 +322,12 @@ def _wrap_load_check(model_class: Any) -> None:
     run by ``__init__``, ``from_pretrained`` and ``set_attn_implementation``) also checks the model
     against numbaflash for our names (``check_model``), and keeps our name where a model lists
     hub kernels in ``_compatible_flash_implementations`` (gpt-oss: flash-attn 2 has no sinks;
-    numbaflash has them), which transformers would put in its place."""
+    numbaflash has them), which transformers would put in its place. Other requests (other
+    names, None, a dict of names per sub-config) go through unchanged."""
     original = model_class._check_and_adjust_attn_implementation
 
     def check_and_adjust(self, attn_implementation, *args, **kwargs):
-        if attn_implementation not in _NAMES:
+        if not isinstance(attn_implementation, str) or attn_implementation not in _NAMES:
             return original(self, attn_implementation, *args, **kwargs)
         check_model(self)
         missing = object()
