@@ -180,10 +180,10 @@ PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's:
 def decodes(query: Any, attention_mask: Any, key: Any, module: Any, kwargs: dict) -> bool:
     """Whether a call is a decode step that ``decode_step`` serves: at most ``DECODE_ROWS`` query
     rows a sequence, in eval mode, no paged-cache keywords, and either a 2-D padding mask no
-    longer than the keys (transformers' dynamic cache: as long; its static
-    cache: ours, padded to the keys' length) or no mask and no packing (as transformers' own
-    test: ``cu_seq_lens_q``, or ``position_ids`` of one sequence of several rows, where they may
-    restart). As in transformers' FlashAttention path, a mask outranks packing keywords."""
+    longer than the keys (transformers' dynamic cache: as long; its static cache: ours, padded
+    to the keys' length) or no mask and no packing (as transformers' own test: ``cu_seq_lens_q``,
+    or ``position_ids`` of one sequence of several rows, where they may restart). As in
+    transformers' FlashAttention path, a mask outranks packing keywords."""
     batch, rows = query.shape[0], query.shape[1]
     if rows > DECODE_ROWS or module.training or any(kwargs.get(k) is not None for k in PAGED_KEYWORDS):
         return False
@@ -207,7 +207,6 @@ def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, sca
     over those keys, as ``flash_attention_with_kvcache`` takes it (transformers' sliding layers
     keep their slots in token order, the static one by rolling). Returns out (batch, seqlen_q,
     heads_q, v's head dim)."""
-
     from .. import api
 
     seqlens, leftpad = cache_rows(q.shape[0], k_cache.shape[1], q.device, mask)
