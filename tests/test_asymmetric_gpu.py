@@ -21,15 +21,9 @@ import numbaflash
 from numbaflash import configs
 from numbaflash.configs import ASYMMETRIC_HEAD_DIMS
 from numbaflash.tools.reference import compare_with_reference
+from tests.test_sink_gpu import DTYPES, SHAPES  # the same ragged, masked and GQA shapes, both dtypes
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
-DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 pytestmark = pytest.mark.gpu
-
-# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): equal, seqlen_q above seqlen_k (causal: the first
-# rows see no key) and below it, ragged (multiples of no tile), length 1, GQA and MQA.
-SHAPES = [(2, 200, 200, 4, 2), (1, 333, 129, 4, 1), (1, 129, 517, 4, 4), (2, 1, 300, 4, 1),
-          (1, 300, 1, 4, 2), (1, 1000, 1000, 4, 1)]
 
 
 def random_qkv(rng, batch, sq, sk, hq, hkv, dims, dtype, amplitude=1.0):

@@ -128,6 +128,17 @@ def left_padded(pads, length):
     return ids, mask
 
 
+def packed_and_alone(ours, eager, lengths, **options):
+    """Logits of one row packing sequences of ``lengths`` (position_ids restarting; ``options``
+    passed along) on ``ours``, and of each sequence alone on ``eager``, side by side."""
+    ids = torch.randint(1, 97, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = ours(ids, position_ids=positions, **options).logits
+        alone = torch.cat([eager(part).logits for part in ids.split(lengths, dim=1)], dim=1)
+    return packed, alone
+
+
 def assert_same_tokens(ours, eager, ids, mask, new, **options):
     """Greedy generation of ``new`` tokens on both models gives the same tokens."""
     gen = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, **options)
@@ -172,13 +183,7 @@ def test_a_left_padded_batch_runs_varlen_and_generates_eager_s_tokens(kernels):
 def test_packed_sequences_by_position_ids_run_varlen(kernels):
     """One row holding three sequences (position_ids restart): each attends to its own keys."""
     ours, eager = models(tiny(transformers.LlamaConfig))
-    lengths = (7, 20, 13)
-    ids = torch.randint(1, 97, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = ours(ids, position_ids=positions).logits
-        alone = torch.cat([eager(part).logits for part in ids.split(lengths, dim=1)], dim=1)
-    assert_close(packed, alone)
+    assert_close(*packed_and_alone(ours, eager, (7, 20, 13)))
     assert kernels["varlen"] == 2 and kernels["dense"] == 0
 
 
@@ -284,15 +289,9 @@ def test_packed_sequences_by_cu_seq_lens_run_varlen(kernels):
     """transformers' packing keywords (DataCollatorWithFlattening's): cu_seq_lens_q / _k and
     max_length_q / _k reach flash_attention_varlen as int32 offsets and ints."""
     ours, eager = models(tiny(transformers.LlamaConfig))
-    lengths = (9, 3, 18)
-    ids = torch.randint(1, 97, (1, sum(lengths)))
     cu = torch.tensor([0, 9, 12, 30], dtype=torch.int64)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = ours(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=18,
-                      max_length_k=18).logits
-        alone = torch.cat([eager(part).logits for part in ids.split(lengths, dim=1)], dim=1)
-    assert_close(packed, alone)
+    assert_close(*packed_and_alone(ours, eager, (9, 3, 18), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                   max_length_q=18, max_length_k=18))
     assert kernels["varlen"] == 2 and kernels["dense"] == 0
 
 
@@ -416,13 +415,7 @@ def test_an_unpadded_batch_decodes_on_the_kv_cache_kernel(kernels):
     ids = torch.randint(1, 97, (3, 40))
     assert_same_tokens(ours, eager, ids, None, 6)
     assert kernels["dense"] == 2 and kernels["kvcache"] == 2 * 5
-    lengths = (3, 5)
-    packed = torch.randint(1, 97, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        got = ours(packed, position_ids=positions).logits
-        want = torch.cat([eager(part).logits for part in packed.split(lengths, dim=1)], dim=1)
-    assert_close(got, want)
+    assert_close(*packed_and_alone(ours, eager, (3, 5)))
     assert kernels["varlen"] == 2
 
 
