@@ -303,21 +303,43 @@ def test_an_unpadded_prefill_compiles_with_no_graph_break(kernels):
     ours, _ = models(tiny(transformers.LlamaConfig))
     torch._dynamo.reset()
     explained = torch._dynamo.explain(ours)(torch.randint(1, 97, (2, 40)))
-    assert explained.graph_break_count == 0, explained.break_reasons
+    assert not explained.break_reasons and explained.graph_break_count == 0, explained.break_reasons
 
 
 def test_the_mask_of_a_static_cache_has_the_keys_length(kernels):
     """FlashAttention's mask function, but a mask shorter than the keys (a static cache's) is
-    padded with 0s to their length, so that every decode step has one mask shape; otherwise as
-    FlashAttention's: None without padding, the padding mask as it is."""
+    padded with 0s to their length, so that every decode step has one mask shape, and a decode
+    step keeps an all-1s mask; a prefill as FlashAttention's: None without padding, the padding
+    mask as it is."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from numbaflash.integrations.transformers import DECODE_ROWS
 
     mask_function = ALL_MASK_ATTENTION_FUNCTIONS["numbaflash"]
     given = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
     padded = mask_function(batch_size=2, q_length=1, kv_length=9, attention_mask=given)
     assert padded.shape == (2, 9) and torch.equal(padded[:, :5], given) and not padded[:, 5:].any()
-    assert torch.equal(mask_function(batch_size=2, q_length=1, kv_length=5, attention_mask=given), given)
-    assert mask_function(batch_size=2, q_length=1, kv_length=5, attention_mask=given[:1].expand(2, 5)) is None
+    ones = given[:1].expand(2, 5)
+    for rows in (1, DECODE_ROWS + 1):
+        got = mask_function(batch_size=2, q_length=rows, kv_length=5, attention_mask=given)
+        assert torch.equal(got, given)
+    assert torch.equal(mask_function(batch_size=2, q_length=1, kv_length=5, attention_mask=ones), ones)
+    assert mask_function(batch_size=2, q_length=DECODE_ROWS + 1, kv_length=5, attention_mask=ones) is None
+
+
+def test_a_compiled_decode_step_does_not_break_at_the_mask(kernels):
+    """The mask of a decode step is built without a test of its values in Python
+    (FlashAttention's ``mask.all()`` breaks a compiled step's graph there: a host sync a token,
+    and a step in pieces for CUDA graphs)."""
+    import torch._dynamo
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    ones = torch.ones(2, 5, dtype=torch.bool)
+    for name, breaks in (("numbaflash", 0), ("flash_attention_2", 1)):  # the second: the test is live
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(ALL_MASK_ATTENTION_FUNCTIONS[name])(
+            batch_size=2, q_length=1, kv_length=5, attention_mask=ones)
+        assert len(explained.break_reasons) == breaks, (name, explained.break_reasons)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -264,7 +264,7 @@ def register(name: str = NAME) -> str:
         import transformers
         from transformers import AttentionInterface, PreTrainedModel
         from transformers import modeling_flash_attention_utils as fa_utils
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as error:
         raise ImportError("numbaflash.integrations.transformers needs transformers: "
                           "pip install numbaflash[transformers]") from error
@@ -273,13 +273,11 @@ def register(name: str = NAME) -> str:
                if not hasattr(fa_utils, n)]
     if not hasattr(PreTrainedModel, "_check_and_adjust_attn_implementation"):
         missing.append("PreTrainedModel._check_and_adjust_attn_implementation")
-    if "flash_attention_2" not in ALL_MASK_ATTENTION_FUNCTIONS:
-        missing.append("the flash_attention_2 mask in transformers.masking_utils")
     if missing:
         raise RuntimeError(f"transformers {transformers.__version__} lacks {', '.join(missing)}; "
                            f"numbaflash's integration was written against transformers 5")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, _mask_function(ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]))
+    AttentionMaskInterface.register(name, flash_mask)
     if not _NAMES:
         _wrap_loader(fa_utils)
         _wrap_load_check(PreTrainedModel)
@@ -287,20 +285,25 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def _mask_function(flash_mask: Any) -> Any:
-    """FlashAttention's mask function (a 2-D padding mask, or None where there is no padding),
-    but a mask shorter than the keys (transformers' static cache: it covers the slots written so
-    far) padded with 0s to the keys' length: every decode step then has one mask shape, which a
-    CUDA graph needs, and ``decode_step`` finds each sequence's last key from it as before."""
+def flash_mask(batch_size: int, q_length: int, kv_length: int, *args: Any, attention_mask: Any = None,
+               **kwargs: Any) -> Any:
+    """The mask function ``register`` gives transformers for our names: FlashAttention's (the 2-D
+    padding mask's last ``kv_length`` columns, or None where there is no padding), with two
+    changes. A mask shorter than the keys (transformers' static cache: it covers the slots
+    written so far) is padded with 0s to the keys' length, so that every decode step has one
+    mask shape, which a CUDA graph needs. And a decode step (at most ``DECODE_ROWS`` query rows)
+    keeps its mask even where it is all 1s: FlashAttention's test for that (``mask.all()`` in
+    Python) would stop a compiled step there (a graph break, a host sync each token), and
+    ``decode_step`` reads the mask on the device anyway. Returns (batch, kv_length) or None."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:]
+    if mask.shape[1] < kv_length:
+        import torch
 
-    def mask(batch_size, q_length, kv_length, *args, **kwargs):
-        found = flash_mask(batch_size, q_length, kv_length, *args, **kwargs)
-        if found is not None and found.shape[-1] < kv_length:
-            import torch
-
-            found = torch.nn.functional.pad(found, (0, kv_length - found.shape[-1]))
-        return found
-
+        return torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]))
+    if q_length > DECODE_ROWS and mask.all():
+        return None
     return mask
 
 
