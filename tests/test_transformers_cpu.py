@@ -166,6 +166,46 @@ def test_prefill_without_padding_runs_the_dense_call(kernels):
     assert kernels["dense"] == 2 and kernels["varlen"] == 0  # one call a layer
 
 
+def test_a_batch_of_one_reads_its_positions_once_a_forward(kernels, monkeypatch):
+    """A batch of one: transformers' FlashAttention path tests its position_ids for packing in
+    every layer (a host sync each); ours tests them once a forward (every layer gets the same
+    tensor) and runs the dense call, bypassing that path."""
+    import transformers.modeling_flash_attention_utils as fa_utils
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("transformers' FlashAttention path ran")
+
+    monkeypatch.setattr(fa_utils, "_flash_attention_forward", refuse)
+    tests = []
+    monkeypatch.setattr(nf_hf, "_LAST_POSITIONS", Recorded(tests))
+    ours, eager = models(tiny(transformers.LlamaConfig, num_hidden_layers=3))
+    ids = torch.randint(1, 97, (1, 40))
+    with torch.no_grad():
+        assert_close(ours(ids).logits, eager(ids).logits)
+    assert kernels["dense"] == 3 and len(tests) == 1
+
+
+class Recorded(list):
+    """A list whose slice assignments (``packed`` storing a new answer) are recorded."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def __setitem__(self, index, value):
+        self.record.append(value)
+        super().__setitem__(index, value)
+
+
+def test_packed_tests_position_ids_again_after_an_in_place_change():
+    positions = torch.arange(30)[None]
+    assert nf_hf.packed(positions, 1) is False
+    assert nf_hf.packed(positions, 2) is False and nf_hf.packed(positions[:, :1], 1) is False
+    positions[0, 10:] = torch.arange(20)  # a second sequence starts at row 10: a new version
+    assert nf_hf.packed(positions, 1) is True
+    assert nf_hf.packed(None, 1) is False
+
+
 def test_a_left_padded_batch_runs_varlen_and_generates_eager_s_tokens(kernels):
     """The 2-D padding mask becomes cu_seqlens (transformers' unpad) for the prefill, and each
     sequence's first and last cache row for the decode steps (the KV-cache call, 2 a step);

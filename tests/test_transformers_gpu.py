@@ -49,8 +49,9 @@ MODELS = {
 }
 
 
-def pair(name, seed=0):
-    """(ours, reference) with the same weights, bf16, on the GPU, eval mode."""
+def pair(name, seed=0, reference_dtype=torch.bfloat16):
+    """(ours, reference) with the same weights, on the GPU, eval mode: ours bf16, the reference
+    in ``reference_dtype`` (float32: the same bf16 weights, upcast)."""
     register()
     make, reference = MODELS[name]
     torch.manual_seed(seed)
@@ -63,8 +64,9 @@ def pair(name, seed=0):
                 layer.self_attn.sinks.normal_()
     ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(make()),
                                                         attn_implementation=reference,
-                                                        dtype=torch.bfloat16).cuda().eval()
-    ref.load_state_dict(ours.state_dict())
+                                                        dtype=reference_dtype).cuda().eval()
+    ref.load_state_dict({k: v.to(reference_dtype) if v.is_floating_point() else v
+                         for k, v in ours.state_dict().items()})
     return ours, ref
 
 
@@ -74,7 +76,9 @@ def relative(a, b):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_prefill_logits_match_the_reference(name):
-    ours, ref = pair(name)
+    """Within 1% of the reference model computed in float32 from the same bf16 weights (the bf16
+    reference is itself up to 9% off it where its softmax runs in bf16: gpt-oss's eager)."""
+    ours, ref = pair(name, reference_dtype=torch.float32)
     ids = torch.randint(1, 512, (2, 300), device="cuda")
     with torch.no_grad():
         assert relative(ours(ids).logits, ref(ids).logits) <= 0.01
@@ -83,23 +87,40 @@ def test_prefill_logits_match_the_reference(name):
 @pytest.mark.parametrize(("name", "cache"), [(name, "dynamic") for name in MODELS]
                          + [("llama", "static"), ("mistral", "static")])
 def test_left_padded_prefill_and_greedy_generate(name, cache):
-    """A batch of 4 with left padding: the unpadded rows' logits within 1%, and 64 greedy tokens
-    as the reference's (bf16: the first token where they part is printed). The decode steps run
-    the KV-cache kernel on transformers' cache (strided views), windowed for the sliding layers."""
+    """A batch of 4 with left padding: the unpadded rows' logits within 1% of the float32
+    reference's, and 64 greedy tokens as the bf16 reference's, but where greedy decoding of a
+    random-init model meets a tie that bf16 cannot break (transformers' own SDPA and eager part
+    there too, after 20-40 tokens): a row may part from the reference only at a token whose
+    float32 logit is within twice the bf16 reference's own error of the reference's choice
+    (both given the same prefix). The decode steps run the KV-cache kernel on transformers'
+    cache (strided views), windowed for the sliding layers."""
     ours, ref = pair(name)
+    _, ref32 = pair(name, reference_dtype=torch.float32)
     ids = torch.randint(1, 512, (4, 96), device="cuda")
     mask = torch.ones_like(ids)
     for row, pad in enumerate((0, 7, 33, 80)):
         ids[row, :pad] = 0
         mask[row, :pad] = 0
     with torch.no_grad():
-        got, want = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        got, want = ours(ids, attention_mask=mask).logits, ref32(ids, attention_mask=mask).logits
         assert relative(got[mask.bool()], want[mask.bool()]) <= 0.01
         gen = {"attention_mask": mask, "max_new_tokens": 64, "do_sample": False, "pad_token_id": 0,
                "cache_implementation": cache}
         a, b = ours.generate(ids, **gen), ref.generate(ids, **gen)
-    parted = (a != b).nonzero()
-    assert parted.numel() == 0, f"first differing (row, position): {parted[0].tolist()}"
+        assert a.shape == b.shape
+        for row in range(4):
+            parted = (a[row] != b[row]).nonzero()
+            if parted.numel() == 0:
+                continue
+            at = int(parted[0])
+            prefix_mask = torch.cat([mask[row], mask.new_ones(at - ids.shape[1])])[None]
+            prefix = a[row:row + 1, :at]
+            exact = ref32(prefix, attention_mask=prefix_mask).logits[0, -1]
+            rounded = ref(prefix, attention_mask=prefix_mask).logits[0, -1].float()
+            noise = float((rounded - exact).abs().max())
+            gap = float((exact[b[row, at]] - exact[a[row, at]]).abs())
+            assert gap <= 2 * noise, (f"row {row} parts from the reference at token {at - ids.shape[1]} "
+                                      f"with a float32 logit gap {gap:.4f} > 2 x the bf16 error {noise:.4f}")
 
 
 @pytest.mark.parametrize("name", list(MODELS))

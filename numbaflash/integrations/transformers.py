@@ -165,6 +165,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
             window = (sliding_window - 1, sliding_window - 1)
         out = decode_step(query, key, value, attention_mask, is_causal, scaling, softcap, s_aux, window)
         return out, None
+    if dense(query, attention_mask, kwargs):
+        window = (-1, -1)
+        if sliding_window is not None and key.shape[1] > sliding_window:  # transformers' rule
+            window = (sliding_window - 1, sliding_window - 1)
+        return flash_attn_func(query, key, value, dropout, scaling, is_causal, window, softcap, s_aux), None
     out = _flash_attention_forward(
         query, key, value, attention_mask, query_length=seqlen_q, is_causal=is_causal, dropout=dropout,
         softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap, use_top_left_mask=False,
@@ -191,6 +196,45 @@ def decodes(query: Any, attention_mask: Any, key: Any, module: Any, kwargs: dict
         positions = kwargs.get("position_ids")
         return kwargs.get("cu_seq_lens_q") is None and (batch > 1 or rows == 1 or positions is None)
     return attention_mask.dim() == 2 and attention_mask.shape[1] <= key.shape[1]
+
+
+def dense(query: Any, attention_mask: Any, kwargs: dict) -> bool:
+    """Whether a call that is no decode step is one dense ``flash_attention`` over the batch, as
+    transformers' FlashAttention path would find it, but found without its sync in every layer:
+    no padding mask, no varlen or paged keywords, and ``position_ids`` that do not restart
+    (``packed``). Under torch.compile or CUDA-graph capture, a batch of one with
+    ``position_ids`` of several rows is left to transformers' path (its test reads the values)."""
+    if attention_mask is not None or any(kwargs.get(k) is not None for k in VARLEN_KEYWORDS + PAGED_KEYWORDS):
+        return False
+    return packed(kwargs.get("position_ids"), query.shape[0]) is False
+
+
+VARLEN_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_LAST_POSITIONS: list = []  # [(position_ids, its version, packed)] of the last eager test
+
+
+def packed(position_ids: Any, batch: int) -> bool | None:
+    """transformers' test for packed sequences (``_is_packed_sequence``: a batch of one whose
+    ``position_ids`` restart somewhere), once a forward rather than once a layer: every layer
+    gets the same ``position_ids`` tensor, so an eager call reuses the last answer while
+    ``position_ids`` is that very tensor, unchanged (``_version``; the entry holds it, so that no
+    later tensor can take its memory). The test reads the values (one host sync); under
+    torch.compile or CUDA-graph capture, where it cannot, returns None (not known)."""
+    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+        return False
+    import torch
+
+    if torch.compiler.is_compiling() or (position_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    reuse = not position_ids.is_inference()
+    last = _LAST_POSITIONS[0] if _LAST_POSITIONS else (None, None, None)
+    if reuse and last[0] is position_ids and last[1] == position_ids._version:
+        return last[2]
+    rows = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    found = bool((rows + position_ids.min() - position_ids).abs().sum())
+    if reuse:
+        _LAST_POSITIONS[:] = [(position_ids, position_ids._version, found)]
+    return found
 
 
 def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, scale: float | None,
