@@ -298,12 +298,15 @@ def test_head_dims_of_configs():
     assert nf_hf.head_dims(C()) is None
 
 
-def test_generate_with_the_static_cache(kernels):
-    """transformers' static cache (keys of the cache's full length, a 2-D mask over it): the
-    same greedy tokens as eager's."""
-    ours, eager = models(tiny(transformers.LlamaConfig, max_position_embeddings=32))
-    assert_same_tokens(ours, eager, *left_padded((0, 4), 12), 8, cache_implementation="static")
-    assert kernels["kvcache"] == 2 * 8 and kernels["varlen"] == 0  # a prompt of 12 rows is a decode step too
+@pytest.mark.parametrize("prompt", [12, 24])
+def test_generate_with_the_static_cache(kernels, prompt):
+    """transformers' static cache (keys of the cache's full length, a 2-D mask over the tokens so
+    far): the same greedy tokens as eager's. A prompt of 12 rows is a decode step too; one of 24
+    is a prefill on transformers' path, its mask shorter than the keys."""
+    ours, eager = models(tiny(transformers.LlamaConfig, max_position_embeddings=64))
+    assert_same_tokens(ours, eager, *left_padded((0, 4), prompt), 8, cache_implementation="static")
+    prefill = prompt > nf_hf.DECODE_ROWS
+    assert kernels["kvcache"] == 2 * (8 - prefill) and kernels["varlen"] == 2 * prefill
 
 
 def test_a_decode_step_with_a_hole_in_its_mask_fails_on_the_device(kernels):
@@ -347,10 +350,10 @@ def test_an_unpadded_prefill_compiles_with_no_graph_break(kernels):
 
 
 def test_the_mask_of_a_static_cache_has_the_keys_length(kernels):
-    """FlashAttention's mask function, but a mask shorter than the keys (a static cache's) is
-    padded with 0s to their length, so that every decode step has one mask shape, and a decode
-    step keeps an all-1s mask; a prefill as FlashAttention's: None without padding, the padding
-    mask as it is."""
+    """FlashAttention's mask function, but a decode step's mask shorter than the keys (a static
+    cache's) is padded with 0s to their length, so that every decode step has one mask shape, and
+    a decode step keeps an all-1s mask; a prefill as FlashAttention's: None without padding, the
+    padding mask as it is (shorter than a static cache's keys too)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     from numbaflash.integrations.transformers import DECODE_ROWS
@@ -359,6 +362,8 @@ def test_the_mask_of_a_static_cache_has_the_keys_length(kernels):
     given = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
     padded = mask_function(batch_size=2, q_length=1, kv_length=9, attention_mask=given)
     assert padded.shape == (2, 9) and torch.equal(padded[:, :5], given) and not padded[:, 5:].any()
+    prefill = mask_function(batch_size=2, q_length=DECODE_ROWS + 1, kv_length=9, attention_mask=given)
+    assert torch.equal(prefill, given)  # transformers' FlashAttention path then takes the first 5 keys
     ones = given[:1].expand(2, 5)
     for rows in (1, DECODE_ROWS + 1):
         got = mask_function(batch_size=2, q_length=rows, kv_length=5, attention_mask=given)

@@ -332,23 +332,23 @@ def register(name: str = NAME) -> str:
 def flash_mask(batch_size: int, q_length: int, kv_length: int, *args: Any, attention_mask: Any = None,
                **kwargs: Any) -> Any:
     """The mask function ``register`` gives transformers for our names: FlashAttention's (the 2-D
-    padding mask's last ``kv_length`` columns, or None where there is no padding), with two
-    changes. A mask shorter than the keys (transformers' static cache: it covers the slots
-    written so far) is padded with 0s to the keys' length, so that every decode step has one
-    mask shape, which a CUDA graph needs. And a decode step (at most ``DECODE_ROWS`` query rows)
-    keeps its mask even where it is all 1s: FlashAttention's test for that (``mask.all()`` in
-    Python) would stop a compiled step there (a graph break, a host sync each token), and
-    ``decode_step`` reads the mask on the device anyway. Returns (batch, kv_length) or None."""
+    padding mask's last ``kv_length`` columns, or None where there is no padding; shorter than the
+    keys with transformers' static cache, which then takes the keys it covers) but for a decode
+    step (at most ``DECODE_ROWS`` query rows, ``decode_step``'s), which gets the mask padded with
+    0s to the keys' length, so that every step has one mask shape (a CUDA graph needs it), and
+    gets it even where it is all 1s: FlashAttention's test for that (``mask.all()`` in Python)
+    would stop a compiled step there (a graph break, a host sync each token), and
+    ``decode_step`` reads the mask on the device anyway. Returns (batch, columns) or None."""
     if attention_mask is None:
         return None
     mask = attention_mask[:, -kv_length:]
-    if mask.shape[1] < kv_length:
-        import torch
+    if q_length <= DECODE_ROWS:
+        if mask.shape[1] < kv_length:
+            import torch
 
-        return torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]))
-    if q_length > DECODE_ROWS and mask.all():
-        return None
-    return mask
+            mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]))
+        return mask
+    return None if mask.shape[1] == kv_length and mask.all() else mask
 
 
 def _wrap_loader(fa_utils: Any) -> None:
