@@ -29,7 +29,8 @@ kernels, as it runs on flash-attn's:
   last key found from the padding mask on the device, or every key without one
   (``decode_step``);
 * anything else (a prefill without padding) through ``flash_attention``, causal bottom-right as
-  FlashAttention's.
+  FlashAttention's, called directly (``dense``): transformers' path would test a batch of one's
+  ``position_ids`` for packing in every layer, a host sync each; ``packed`` tests once a forward.
 
 The model's options come from its attention modules and config, as transformers passes them to
 FlashAttention: GQA (K and V keep their heads), ``scaling``, the layer's sliding window (as
