@@ -46,7 +46,7 @@ Refused, with one clear error:
 * at call time, attention dropout during training (no kernel has it: set the config's
   ``attention_dropout`` to 0) and ``output_attentions=True`` (no kernel forms the matrix).
 
-Measured (H200, Llama 8 layers, GQA 16/4, d128, bf16; lab/NOTEBOOK.md "HF2"): decode steps on
+Measured (H200, Llama 8 layers, GQA 16/4, d128, bf16; docs/PERFORMANCE.md): decode steps on
 the KV-cache kernel generate 2.3x faster than on transformers' path (dynamic cache, batch 4:
 422 against 186 tokens/s), whose decode steps sync the host in every layer (``_upad_input``) and,
 with the static cache compiled, break the graph there; so decode steps take the KV-cache kernel.
