@@ -168,6 +168,33 @@ def test_torch_compile_of_the_model():
         assert relative(compiled(ids).logits, ref(ids).logits) <= 0.01
 
 
+def test_torch_compile_of_training_steps():
+    """torch.compile of the whole model for training (a batch of 2: no packing test): three AdamW
+    steps give the losses of the same steps without compile, and no graph break."""
+    import torch._dynamo
+
+    losses = {}
+    for compiled in (False, True):
+        model = pair("llama")[0].train()
+        if compiled:
+            torch._dynamo.reset()
+            breaks = torch._dynamo.explain(model)(torch.randint(1, 512, (2, 256), device="cuda"))
+            assert not breaks.break_reasons, breaks.break_reasons
+            model = torch.compile(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        run = []
+        for _ in range(3):
+            ids = torch.randint(1, 512, (2, 256), device="cuda", generator=generator)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.append(loss.item())
+        losses[compiled] = run
+    assert max(abs(a - b) for a, b in zip(losses[False], losses[True], strict=True)) <= 0.01, losses
+
+
 def test_a_captured_decode_step_follows_its_mask():
     """decode_step captured in a CUDA graph after an eager warm-up with the same mask buffer:
     replays follow the buffer's new contents (the cache rows are computed in the graph, not
