@@ -338,14 +338,19 @@ def test_packed_sequences_by_cu_seq_lens_run_varlen(kernels):
     assert kernels["varlen"] == 2 and kernels["dense"] == 0
 
 
-def test_an_unpadded_prefill_compiles_with_no_graph_break(kernels):
-    """torch.compile through transformers' FlashAttention path and our wrappers (the kernels' own
-    tracing is numbaflash's torch ops': tests/test_torch_op_cpu.py)."""
+@pytest.mark.parametrize("training", [False, True])
+def test_an_unpadded_batch_compiles_with_no_graph_break(kernels, training):
+    """torch.compile through our attention function and wrappers, a prefill and a training
+    step's forward with its loss (the kernels' own tracing is numbaflash's torch ops':
+    tests/test_torch_op_cpu.py). A batch of two: a batch of one with position_ids goes to
+    transformers' path under compile, whose packing test reads the values."""
     import torch._dynamo
 
     ours, _ = models(tiny(transformers.LlamaConfig))
+    ours.train(training)
+    ids = torch.randint(1, 97, (2, 40))
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(ours)(torch.randint(1, 97, (2, 40)))
+    explained = torch._dynamo.explain(ours)(ids, labels=ids if training else None)
     assert not explained.break_reasons and explained.graph_break_count == 0, explained.break_reasons
 
 
