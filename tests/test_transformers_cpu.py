@@ -283,6 +283,10 @@ def test_what_no_kernel_runs_is_refused(kernels):
     ours.eval()
     with pytest.raises(ValueError, match="output_attentions"):
         ours(torch.randint(1, 97, (1, 8)), output_attentions=True)
+    attention = ours.model.layers[0].self_attn
+    q, kv = torch.zeros(1, 4, 1, 32), torch.zeros(1, 2, 8, 32)
+    with pytest.raises(NotImplementedError, match="paged cache"):
+        nf_hf.attention_forward(attention, q, kv, kv, None, block_table=torch.zeros(1, 1, dtype=torch.int32))
 
 
 def test_head_dims_of_configs():

@@ -44,7 +44,8 @@ Refused, with one clear error:
 * at load time, a model class that does not take FlashAttention in transformers
   (``_supports_flash_attn``), or whose head dims have no kernel;
 * at call time, attention dropout during training (no kernel has it: set the config's
-  ``attention_dropout`` to 0) and ``output_attentions=True`` (no kernel forms the matrix).
+  ``attention_dropout`` to 0), ``output_attentions=True`` (no kernel forms the matrix) and
+  transformers' paged cache of continuous batching (``block_table``, ``k_cache``, ``v_cache``).
 
 Measured (H200, Llama 8 layers, GQA 16/4, d128, bf16; docs/PERFORMANCE.md): decode steps on
 the KV-cache kernel generate 2.3x faster than on transformers' path (dynamic cache, batch 4:
@@ -157,6 +158,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if kwargs.get("output_attentions", False):
         raise ValueError("numbaflash does not return attention weights (output_attentions=True): "
                          "use attn_implementation='eager' for them")
+    if any(kwargs.get(k) is not None for k in PAGED_KEYWORDS):
+        raise NotImplementedError("numbaflash's transformers integration does not take transformers' "
+                                  "paged cache (continuous batching: block_table, k_cache, v_cache); "
+                                  "generate with a dynamic or static cache, or use another "
+                                  "attn_implementation for continuous batching")
     seqlen_q = query.shape[2]
     is_causal = module.is_causal if is_causal is None else is_causal
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
@@ -184,7 +190,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
 
 DECODE_ROWS = 16  # query rows a sequence up to which a step runs the KV-cache kernel (0: never)
-PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's: transformers' path
+PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's: refused
 
 
 def decodes(query: Any, attention_mask: Any, key: Any, module: Any, kwargs: dict) -> bool:
