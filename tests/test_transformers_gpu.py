@@ -139,23 +139,26 @@ def test_left_padded_prefill_and_greedy_generate(name, cache):
                                       f"float32 logit gap {gap:.4f} > 2 x the two errors {error:.4f}")
 
 
+def training_losses(model, steps, batch):
+    """The losses of ``steps`` AdamW steps of ``model`` on a copy task, (batch, 256) tokens a
+    step drawn from a fixed seed."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    run = []
+    for _ in range(steps):
+        ids = torch.randint(1, 512, (batch, 256), device="cuda", generator=generator)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.append(loss.item())
+    return run
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_twenty_training_steps_follow_the_reference(name):
     """AdamW on a copy task, 20 steps: losses within 0.01 of the same run on the reference."""
-    losses = {}
-    for which in (0, 1):
-        model = pair(name)[which].train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        generator = torch.Generator(device="cuda").manual_seed(1)
-        run = []
-        for _ in range(20):
-            ids = torch.randint(1, 512, (4, 256), device="cuda", generator=generator)
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            run.append(loss.item())
-        losses[which] = run
+    losses = {which: training_losses(pair(name)[which].train(), 20, 4) for which in (0, 1)}
     worst = max(abs(a - b) for a, b in zip(losses[0], losses[1], strict=True))
     assert worst <= 0.01, (losses, worst)
 
@@ -181,17 +184,7 @@ def test_torch_compile_of_training_steps():
             breaks = torch._dynamo.explain(model)(torch.randint(1, 512, (2, 256), device="cuda"))
             assert not breaks.break_reasons, breaks.break_reasons
             model = torch.compile(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        generator = torch.Generator(device="cuda").manual_seed(1)
-        run = []
-        for _ in range(3):
-            ids = torch.randint(1, 512, (2, 256), device="cuda", generator=generator)
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            run.append(loss.item())
-        losses[compiled] = run
+        losses[compiled] = training_losses(model, 3, 2)
     assert max(abs(a - b) for a, b in zip(losses[False], losses[True], strict=True)) <= 0.01, losses
 
 

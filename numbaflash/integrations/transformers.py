@@ -169,17 +169,14 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     target_dtype = get_target_dtype(query, module)
     if target_dtype is not None:  # float32 activations (PEFT's float32 norms): the kernels' dtype
         query, key, value = (x.to(target_dtype) for x in (query, key, value))
+    window = (-1, -1)
+    if sliding_window is not None and key.shape[1] > sliding_window:  # transformers' rule
+        window = (sliding_window - 1, sliding_window - 1)
     if decodes(query, attention_mask, key, module, kwargs):
         _refuse_dropout(dropout)
-        window = (-1, -1)
-        if sliding_window is not None and key.shape[1] > sliding_window:  # transformers' rule
-            window = (sliding_window - 1, sliding_window - 1)
         out = decode_step(query, key, value, attention_mask, is_causal, scaling, softcap, s_aux, window)
         return out, None
     if dense(query, attention_mask, kwargs):
-        window = (-1, -1)
-        if sliding_window is not None and key.shape[1] > sliding_window:  # transformers' rule
-            window = (sliding_window - 1, sliding_window - 1)
         return flash_attn_func(query, key, value, dropout, scaling, is_causal, window, softcap, s_aux), None
     out = _flash_attention_forward(
         query, key, value, attention_mask, query_length=seqlen_q, is_causal=is_causal, dropout=dropout,
@@ -195,13 +192,13 @@ PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's:
 
 def decodes(query: Any, attention_mask: Any, key: Any, module: Any, kwargs: dict) -> bool:
     """Whether a call is a decode step that ``decode_step`` serves: at most ``DECODE_ROWS`` query
-    rows a sequence, in eval mode, no paged-cache keywords, and either a 2-D padding mask no
+    rows a sequence, in eval mode, and either a 2-D padding mask no
     longer than the keys (transformers' dynamic cache: as long; its static cache: ours, padded
     to the keys' length) or no mask and no packing (as transformers' own test: ``cu_seq_lens_q``,
     or ``position_ids`` of one sequence of several rows, where they may restart). As in
     transformers' FlashAttention path, a mask outranks packing keywords."""
     batch, rows = query.shape[0], query.shape[1]
-    if rows > DECODE_ROWS or module.training or any(kwargs.get(k) is not None for k in PAGED_KEYWORDS):
+    if rows > DECODE_ROWS or module.training:
         return False
     if attention_mask is None:
         positions = kwargs.get("position_ids")
@@ -212,10 +209,10 @@ def decodes(query: Any, attention_mask: Any, key: Any, module: Any, kwargs: dict
 def dense(query: Any, attention_mask: Any, kwargs: dict) -> bool:
     """Whether a call that is no decode step is one dense ``flash_attention`` over the batch, as
     transformers' FlashAttention path would find it, but found without its sync in every layer:
-    no padding mask, no varlen or paged keywords, and ``position_ids`` that do not restart
+    no padding mask, no varlen keywords, and ``position_ids`` that do not restart
     (``packed``). Under torch.compile or CUDA-graph capture, a batch of one with
     ``position_ids`` of several rows is left to transformers' path (its test reads the values)."""
-    if attention_mask is not None or any(kwargs.get(k) is not None for k in VARLEN_KEYWORDS + PAGED_KEYWORDS):
+    if attention_mask is not None or any(kwargs.get(k) is not None for k in VARLEN_KEYWORDS):
         return False
     return packed(kwargs.get("position_ids"), query.shape[0]) is False
 
