@@ -16,7 +16,9 @@ One call launches three kernels on the caller's stream, in this order:
 
 On Hopper at head dims 64 and 128 the main kernel is the warp-specialised one
 (``launch_backward_ws_main``: tensor maps of q, k, v, dout instead of their pointers and strides,
-the same grid); its prepare and dQ kernels are the mma.sync ones of ``config.dq_config()``.
+the same grid, times the CTAs each GQA group is split over where the grid is small:
+``backward_group_splits``); its prepare and dQ kernels are the mma.sync ones of
+``config.dq_config()``.
 
 A packed variable-length call (``VarlenBackwardCall``) launches the varlen builds of the three
 (``launch_varlen_backward_*``) over grids of the maxima, with a workspace of
@@ -50,12 +52,17 @@ class Workspace(NamedTuple):
     flat 1-D: the LSE in log2 units and D, (batch, heads_q, rows) float32 each; the dQ
     accumulator, (batch, heads_q, rows, head_dim) float32, each query block in the main kernel's
     fragment order (``BackwardConfig.dq_position``); the turn counters, (batch, heads_q,
-    rows // block_m) int32."""
+    rows // block_m) int32. Where the Hopper backward splits GQA groups over CTAs
+    (``backward_group_splits`` > 1), also the dK and dV sums, float32, per key block of every
+    (batch, KV head) its dK then its dV in the consumer threads' fragment order, and one int32
+    ticket per key block (both zeroed by the main kernel's launch); else (0, 0) each."""
 
     lse_log2: tuple[int, int]
     delta: tuple[int, int]
     dq_accum: tuple[int, int]
     counters: tuple[int, int]
+    dkv_accum: tuple[int, int] = (0, 0)
+    tickets: tuple[int, int] = (0, 0)
 
 
 class WorkspaceLayout(NamedTuple):
@@ -71,13 +78,21 @@ class WorkspaceLayout(NamedTuple):
     accum_elements: int  # row_elements * head_dim
     counter_elements: int  # batch * heads_q * (rows // block_m)
     total: int
+    # A split GQA group's dK and dV sums and tickets (``Workspace``), after the counters: offsets
+    # and lengths, the lengths 0 where no group is split.
+    dkv_accum: int = 0
+    tickets: int = 0
+    dkv_elements: int = 0  # key blocks (of every batch and KV head) * 2 * block_n * head_dim
+    ticket_elements: int = 0  # key blocks (of every batch and KV head)
 
     def at(self, base: int) -> Workspace:
         """The parts of a workspace allocated at device address ``base``."""
+        split = () if not self.dkv_elements else ((base + 4 * self.dkv_accum, self.dkv_elements),
+                                                  (base + 4 * self.tickets, self.ticket_elements))
         return Workspace((base + 4 * self.lse_log2, self.row_elements),
                          (base + 4 * self.delta, self.row_elements),
                          (base + 4 * self.dq_accum, self.accum_elements),
-                         (base + 4 * self.counters, self.counter_elements))
+                         (base + 4 * self.counters, self.counter_elements), *split)
 
 
 def backward_rows(seqlen_q: int) -> int:
@@ -85,10 +100,16 @@ def backward_rows(seqlen_q: int) -> int:
     return -(-seqlen_q // BACKWARD_ROW_ALIGN) * BACKWARD_ROW_ALIGN
 
 
-def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, block_m: int) -> WorkspaceLayout:
+def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, block_m: int,
+                     split_blocks: int = 0, block_n: int = 0) -> WorkspaceLayout:
     """The workspace of a problem of q shape (batch, seqlen_q, heads_q, head_dim) for a config
-    of ``block_m`` query rows a step. Every part starts at a multiple of 512 bytes (rows is a
-    multiple of 128 rows of 4 bytes)."""
+    of ``block_m`` query rows a step. Every part up to the counters starts at a multiple of 512
+    bytes (rows is a multiple of 128 rows of 4 bytes).
+
+    ``split_blocks``: where the Hopper backward splits GQA groups over CTAs, its key blocks of
+    ``block_n`` keys over every (batch, KV head) (ceil(seqlen_k / block_n) * heads_kv * batch),
+    whose dK and dV sums (2 * block_n * head_dim float32 each, from a multiple of 16 bytes) and
+    tickets (int32) follow the counters; 0: none."""
     rows = backward_rows(seqlen_q)
     if rows % block_m:
         raise ValueError(f"block_m ({block_m}) must divide the workspace's {rows} rows "
@@ -99,8 +120,15 @@ def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, blo
     delta = row_elements
     dq_accum = 2 * row_elements
     counters = dq_accum + accum_elements
+    end = counters + counter_elements
+    if not split_blocks:
+        return WorkspaceLayout(rows, 0, delta, dq_accum, counters, row_elements, accum_elements,
+                               counter_elements, end)
+    dkv_accum = -(-end // 4) * 4  # 16-byte aligned: the sums take 16-byte reductions
+    dkv_elements = split_blocks * 2 * block_n * head_dim
+    tickets = dkv_accum + dkv_elements
     return WorkspaceLayout(rows, 0, delta, dq_accum, counters, row_elements, accum_elements, counter_elements,
-                           counters + counter_elements)
+                           tickets + split_blocks, dkv_accum, tickets, dkv_elements, split_blocks)
 
 
 def backward_grids(seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, batch: int,
@@ -129,6 +157,28 @@ def backward_tail_pairs(key_blocks: int, pairs: int, sm_count: int) -> int:
     (``kernels.blocks.key_block_of``; the causal kernels only): enough for two waves of CTAs
     (``2 * sm_count``), at most all of them."""
     return min(pairs, -(-2 * sm_count // max(key_blocks, 1)))
+
+
+def backward_group_splits(key_blocks: int, heads_kv: int, batch: int, group: int, sm_count: int,
+                          deterministic: bool) -> int:
+    """Over how many CTAs the Hopper backward's main kernel splits each GQA group's ``group`` query
+    heads (``kernels.backward_ws``): 1 in deterministic mode (a split's dK and dV are sums of
+    float32 reductions in no fixed order) and where the grid of ``key_blocks * heads_kv * batch``
+    CTAs already fills two waves of ``sm_count`` SMs; else the smallest divisor of ``group`` whose
+    grid fills them, or ``group``. Two waves: with causal masking key block 0's CTA does about
+    twice the mean work, so one wave ends on it (batch 1, seqlen 4096, 16 / 4 heads, d128: 128
+    CTAs on 132 SMs ran 1.4x cuDNN's time).
+
+    Invariants (``tests/test_backward_gqa_split_cpu.py``): the result divides ``group``; 1 in
+    deterministic mode; non-increasing in ``key_blocks``, ``heads_kv`` and ``batch``,
+    non-decreasing in ``sm_count``."""
+    ctas = key_blocks * heads_kv * batch
+    if deterministic or group <= 1 or ctas >= 2 * sm_count:
+        return 1
+    for splits in range(2, group):
+        if group % splits == 0 and ctas * splits >= 2 * sm_count:
+            return splits
+    return group
 
 
 def check_backward_grid(seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, batch: int) -> None:
@@ -168,6 +218,10 @@ class BackwardCall(NamedTuple):
     # without a sink.
     sink: tuple[int, int] | None = None
     d_sink: tuple[int, int] | None = None
+    # Over how many CTAs the Hopper backward's main kernel splits each GQA group
+    # (``backward_group_splits``; the workspace then holds the dK and dV sums); the mma.sync
+    # backward never splits (1).
+    group_splits: int = 1
 
 
 def sink_arguments(call: BackwardCall) -> tuple:
@@ -235,11 +289,13 @@ class _MapOperands(NamedTuple):
 
 
 def launch_backward_ws_main(config) -> Launch:
-    """The launch of the Hopper backward's main kernel (``BACKWARD_WS_ABI``): the grid, threads and
-    shared memory of ``launch_backward_main``; tensor maps of q, k, v, dout (boxes of block_m,
-    block_n, block_n, block_m rows, cached in device memory by pointers and layout as the Hopper
-    forward's: ``runtime.map_slots``) instead of their pointers and strides; dk, dv by pointer and
-    strides, the workspace, and the scalars."""
+    """The launch of the Hopper backward's main kernel (``BACKWARD_WS_ABI``): the threads and
+    shared memory of ``launch_backward_main``, its grid times ``call.group_splits`` (the CTAs each
+    GQA group is split over: ceil(seqlen_k / block_n) * heads_kv * splits * batch); tensor maps of
+    q, k, v, dout (boxes of block_m, block_n, block_n, block_m rows, cached in device memory by
+    pointers and layout as the Hopper forward's: ``runtime.map_slots``) instead of their pointers
+    and strides; dk, dv by pointer and strides, the workspace, the scalars, and with a split the
+    dK / dV sums and tickets, zeroed first on the call's stream (``GPU.zero_words``)."""
     block_n, threads, shared_bytes = config.block_n, config.threads, config.shared_bytes
     maps_of = _tensor_maps(config, (config.block_m, block_n, block_n, config.block_m))
 
@@ -249,20 +305,24 @@ def launch_backward_ws_main(config) -> Launch:
         _, seqlen_k, heads_kv, _ = k.shape
         sm_count, layout, slots, encode = maps_of(_MapOperands(q, k, v, do, call.device), gpu)
         key_blocks = -(-seqlen_k // block_n)
-        tail_pairs = backward_tail_pairs(key_blocks, heads_kv * batch, sm_count)
+        splits = call.group_splits
+        pairs = heads_kv * splits * batch
+        tail_pairs = backward_tail_pairs(key_blocks, pairs, sm_count)
         dks, dvs = dk.strides, dv.strides
         pointers = (q.pointer, k.pointer, v.pointer, do.pointer)
+        if splits > 1:  # the sums and tickets follow each other in the workspace
+            gpu.zero_words(ws.dkv_accum[0], ws.dkv_accum[1] + ws.tickets[1], call.stream)
         with slots.lock:
             maps, slot = slots.address((layout, *pointers), lambda: encode(*pointers), call.stream)
             try:
-                launcher((key_blocks * heads_kv * batch, 1, 1), threads, call.stream, shared_bytes,
+                launcher((key_blocks * pairs, 1, 1), threads, call.stream, shared_bytes,
                          (maps, 16), (maps + 128, 16), (maps + 256, 16), (maps + 384, 16),
                          (dk.pointer, dk.span), (dv.pointer, dv.span),
                          ws.lse_log2, ws.delta, ws.dq_accum, ws.counters,
                          dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
                          seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
                          call.scale_log2, call.scale, call.deterministic, call.window_left,
-                         call.window_right, call.cap_scale)
+                         call.window_right, call.cap_scale, ws.dkv_accum, ws.tickets, splits)
             finally:  # even after a failed launch: the slot's copy is on the stream
                 slots.used(slot, call.stream)
 
