@@ -573,6 +573,9 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(state, "current", lambda: (gpu.capability, 0))
     monkeypatch.setattr(state, "shared_limit", lambda ordinal: gpu.limit)
     monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
+    gpu.zeroed = []  # (pointer, words, stream) of each GPU.zero_words: a split GQA group's sums
+    monkeypatch.setattr(state, "zero_words",
+                        lambda pointer, count, stream: gpu.zeroed.append((pointer, count, stream)))
 
     def loaded_kernel(spec):
         operation = spec.operation

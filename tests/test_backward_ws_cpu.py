@@ -37,10 +37,12 @@ def fresh_choice():
 
 
 def test_the_abi_is_the_mma_sync_ones_with_tensor_maps():
-    # the mma.sync main kernel's, with four tensor maps in place of q, k, v, dout and their strides
+    # the mma.sync main kernel's, with four tensor maps in place of q, k, v, dout and their strides,
+    # then the GQA group's split (the dK / dV sums, the tickets, splits)
     assert abi.BACKWARD_WS_ABI[:4] == ("array(uint64, 1d, C)",) * 4
     assert abi.BACKWARD_WS_ABI[4:10] == abi.BACKWARD_ABI[4:10]
-    assert abi.BACKWARD_WS_ABI[10:] == abi.BACKWARD_ABI[22:]
+    assert abi.BACKWARD_WS_ABI[10:-3] == abi.BACKWARD_ABI[22:]
+    assert abi.BACKWARD_WS_ABI[-3:] == ("array(float32, 1d, C)", "array(int32, 1d, C)", "int64")
 
 
 def test_the_family_record():
@@ -299,7 +301,8 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
             self.pack(self.buffer, *args)  # the kinds the ABI names
             launches.append((grid, block, stream, shared, args))
 
-    gpu = types.SimpleNamespace(sm_count=lambda ordinal: 132)
+    zeroed = []
+    gpu = types.SimpleNamespace(sm_count=lambda ordinal: 132, zero_words=lambda *a: zeroed.append(a))
     launch = launch_backward_ws_main(config)
     launch(Launcher(), call_, gpu)
     key_blocks = -(-sk // config.block_n)
@@ -312,7 +315,8 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
     assert args[10:16] == (*dk_strides[:3], *dv.strides[:3])
     tail_pairs = min(hkv * b, -(-2 * 132 // key_blocks))
     assert args[16:] == (sq, sk, lay.rows, hq, hq // hkv, hkv, tail_pairs, np.float32(0.5), np.float32(0.25),
-                         True, 5, 7, np.float32(0.125))
+                         True, 5, 7, np.float32(0.125), (0, 0), (0, 0), 1)  # no split: no sums
+    assert zeroed == []
     assert slots.keys[0][1:] == (q.pointer, k.pointer, v.pointer, do.pointer)
     assert slots.used_slots == [(0, 11)]
     assert [(p, box) for p, _, _, box, _, _ in encoded] == [
@@ -338,6 +342,18 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
     with pytest.raises(RuntimeError, match="launch failed"):
         launch(failing, call_._replace(stream=13), gpu)
     assert slots.used_slots[-1] == (1, 13)  # the slot's copy is on the stream: recorded anyway
+    # a GQA group split over 4 CTAs: 4x the CTAs (and the tail's pairs), the sums and tickets
+    # zeroed on the call's stream first, then passed last with the split
+    split_lay = workspace_layout(b, hq, sq, d, config.block_m, key_blocks * hkv * b, config.block_n)
+    split_ws = split_lay.at(7 << 32)
+    assert split_ws[:4] == ws[:4]  # the parts before the sums are where they were
+    launch(Launcher(), call_._replace(workspace=split_ws, group_splits=4, deterministic=False), gpu)
+    grid, _, _, _, args = launches[-1]
+    assert grid == (key_blocks * hkv * 4 * b, 1, 1)
+    assert zeroed == [(split_ws.dkv_accum[0], split_lay.dkv_elements + split_lay.ticket_elements, 11)]
+    assert split_ws.tickets[0] == split_ws.dkv_accum[0] + 4 * split_lay.dkv_elements
+    assert args[22] == min(hkv * 4 * b, -(-2 * 132 // key_blocks))
+    assert args[-3:] == (split_ws.dkv_accum, split_ws.tickets, 4)
 
 
 def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: F811 (the fixture)
@@ -357,9 +373,14 @@ def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: 
     rows = 256
     assert prep[1:5] == ((rows // 64, 8, 3), 128, 0, 0)
     key_blocks = -(-300 // config.block_n)
-    assert main[1:5] == ((key_blocks * 2 * 3, 1, 1), 384, 0, config.shared_bytes)
+    # 3 key blocks x 2 KV heads x batch 3 = 18 CTAs on 132 SMs: each group of 4 query heads is
+    # split over 4 CTAs (backward_group_splits), its dK and dV summed in the workspace
+    assert main[1:5] == ((key_blocks * 2 * 4 * 3, 1, 1), 384, 0, config.shared_bytes)
     assert dqk[1:5] == ((rows // config.block_m, 8, 3), 256, 0, 0)
-    ws = workspace_layout(3, 8, 200, 64, config.block_m).at(main[5][6][0])
+    lay = workspace_layout(3, 8, 200, 64, config.block_m, key_blocks * 2 * 3, config.block_n)
+    ws = lay.at(main[5][6][0])
+    assert main[5][-3:] == (ws.dkv_accum, ws.tickets, 4)
+    assert fake_gpu.zeroed == [(ws.dkv_accum[0], lay.dkv_elements + lay.ticket_elements, 0)]
     assert prep[5][3:7] == (ws.delta, ws.lse_log2, ws.dq_accum, ws.counters)
     assert prep[5][-1] == rows // config.block_m  # counters per (batch, head): the main kernel's blocks
     assert main[5][4:10] == ((dk.pointer, 3 * 300 * 2 * 64), (dv.pointer, 3 * 300 * 2 * 64), ws.lse_log2,
@@ -368,3 +389,10 @@ def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: 
     assert fake_gpu.slots.keys[-1][1:] == tuple(inputs[n].pointer for n in ("q", "k", "v", "dout"))
     assert fake_gpu.slots.used_slots == [(0, 0)]
     assert backward.ready_key(0, 64, True, False) in backward.gpu_state.GPU.launchers
+    # deterministic: no split, the workspace of the unsplit call
+    FakeLauncher.launches.clear()
+    call(inputs, causal=True, softmax_scale=0.25, deterministic=True)
+    _, main, _ = FakeLauncher.launches
+    assert main[1][0] == key_blocks * 2 * 3 and main[5][-3:] == ((0, 0), (0, 0), 1)
+    assert main[5][6] == workspace_layout(3, 8, 200, 64, config.block_m).at(main[5][6][0]).lse_log2
+    assert len(fake_gpu.zeroed) == 1

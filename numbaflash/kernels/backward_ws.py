@@ -159,17 +159,19 @@ def make_placement(config: WsBackwardConfig) -> Placement:
     BLOCK_SUMS = 2 * config.block_n * config.head_dim * 4  # bytes of a key block's dK and dV sums
 
     @cuda.jit(device=True, forceinline=True)
-    def place(cta, key_blocks, tail_pairs, heads_kv, group, splits):
-        """The CTA's ``Place``: ``key_block_of``'s (key block, pair) over the pairs of (batch,
-        unit), unit = kv_head * splits + split; split s of a group walks its group // splits query
-        heads from kv_head * group + s * (group // splits) = unit * (group // splits). 32-bit
-        divisions: ``splits`` is a kernel argument (1 keeps every CTA's work as it was)."""
-        units = uint32(heads_kv) * uint32(splits)
-        n_block, pair = key_block_of(cta, key_blocks, uint32(cuda.gridDim.x) // key_blocks, tail_pairs)
-        unit = uint32(pair) % units
-        heads = uint32(group) // uint32(splits)
-        return Place(n_block, int64(uint32(pair) // units), int64(unit // uint32(splits)),
-                     int64(unit * heads), int64(heads))
+    def place(cta, key_blocks, pairs, tail_pairs, heads_kv, group, splits):
+        """The CTA's ``Place``: ``key_block_of``'s (key block, pair) over ``pairs`` pairs (batch *
+        heads_kv + kv_head) * splits + split; split s of a group walks its group // splits query heads from
+        kv_head * group + s * (group // splits). 32-bit divisions (each result narrowed: Numba
+        widens uint32 arithmetic to 64 bits, and a 64-bit division is a called subroutine);
+        ``splits`` is a kernel argument, 1 keeps every CTA's work as it was."""
+        n_block, pair = key_block_of(cta, key_blocks, pairs, tail_pairs)
+        kv_pair = uint32(uint32(pair) // uint32(splits))
+        split = uint32(uint32(pair) - kv_pair * uint32(splits))
+        heads = uint32(uint32(group) // uint32(splits))
+        kv_head = uint32(kv_pair % uint32(heads_kv))
+        return Place(n_block, int64(uint32(kv_pair // uint32(heads_kv))), int64(kv_head),
+                     int64(kv_head) * group + int64(split * heads), int64(heads))
 
     @cuda.jit(device=True, forceinline=True)
     def split_sums(dkv_acc, tickets, pl, key_blocks, heads_kv, splits):
@@ -579,8 +581,8 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
         key_blocks = uint32((seqlen_k + BN - 1) // BN)
-        pl = placement.place(cuda.blockIdx.x, key_blocks, tail_pairs if CAUSAL or WINDOW else 0, heads_kv,
-                             group, splits)
+        pl = placement.place(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+                             tail_pairs if CAUSAL or WINDOW else 0, heads_kv, group, splits)
         n_block, batch, kv_head = pl.n_block, pl.batch, pl.kv_head
         n0 = n_block * BN
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag

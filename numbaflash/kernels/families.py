@@ -41,6 +41,9 @@ class Family:
     operations: tuple[str, ...]  # in launch order
     varlen: bool = False
     sink: tuple[str, ...] = ()  # the operations it builds with a learnable sink (``KernelSpec.sink``)
+    # Whether its backward main kernel may split a GQA group's query heads over CTAs (the kernel
+    # argument ``splits``: ``operations.launch_backward.backward_group_splits``).
+    group_splits: bool = False
 
     def runs(self, operation: str, varlen: bool = False, sink: bool = False) -> bool:
         """Whether the family has a kernel of ``operation`` (a packed variable-length one: ``varlen``;
@@ -73,7 +76,7 @@ SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward",),
 SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer",
                   BACKWARD_OPERATIONS, varlen=True, sink=("backward_prep",))
 SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", BACKWARD_OPERATIONS,
-                  sink=("backward_prep",))
+                  sink=("backward_prep",), group_splits=True)
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer",
                   DECODE_OPERATIONS, sink=("decode",))
 

@@ -34,7 +34,7 @@ from ..runtime.cache import describe
 from ..runtime.compiler import arch_of
 from . import warm
 from .forward import Variant, loaded_kernel, variant_of
-from .launch_backward import BackwardCall, Launch, workspace_layout
+from .launch_backward import BackwardCall, Launch, WorkspaceLayout, backward_group_splits, workspace_layout
 from .launches import prepare_launch
 
 # driver calls of the numpy path, failures named for this operation
@@ -179,6 +179,25 @@ def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, ca
     return warm.start([s for s in specs if s not in gpu.modules], "backward", describe(main))
 
 
+def call_workspace(config: Any, q_shape: tuple[int, ...], k_shape: tuple[int, ...], deterministic: bool,
+                   device: int) -> tuple[WorkspaceLayout, int]:
+    """(the workspace's layout, the CTAs each GQA group is split over) of a call of ``config`` with
+    q and k of these shapes on device ``device``: the Hopper backward (a family with
+    ``group_splits``) splits its groups where its grid is small (``backward_group_splits``), and
+    its workspace then holds the dK and dV sums of every key block; 1 otherwise."""
+    batch, seqlen_q, heads_q, head_dim = q_shape
+    _, seqlen_k, heads_kv, _ = k_shape
+    splits, split_blocks = 1, 0
+    if family_of(config).group_splits:
+        key_blocks = -(-seqlen_k // config.block_n)
+        splits = backward_group_splits(key_blocks, heads_kv, batch, heads_q // heads_kv,
+                                       gpu_state.GPU.sm_count(device), deterministic)
+        split_blocks = key_blocks * heads_kv * batch if splits > 1 else 0
+    layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, config.block_m, split_blocks,
+                              config.block_n)
+    return layout, splits
+
+
 def launch_all(kernels: BackwardKernels, call: BackwardCall) -> None:
     """The three kernels of one call, in order, on ``call.stream``."""
     gpu = gpu_state.GPU
@@ -234,8 +253,8 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
-    layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
-    workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare kernel initialises it
+    layout, splits = call_workspace(kernels.config, qd.shape, kd.shape, deterministic, device)
+    workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare and main launches initialise it
     stream = stream_handle(qd)
     d_sink, sink_args = None, (None, None)
     if sink is not None:
@@ -244,7 +263,7 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     call = BackwardCall(dod, qd, kd, vd, od, dqd, dkd, dvd, (lsed.pointer, batch * heads_q * seqlen_q),
                         layout.at(device_pointer(workspace)), layout.rows, var.scale_log2,
                         np.float32(scale), deterministic, stream, device, var.window_left,
-                        var.window_right, var.cap_scale, *sink_args)
+                        var.window_right, var.cap_scale, *sink_args, group_splits=splits)
     launch_all(kernels, call)
     return (dq, dk, dv) if sink is None else (dq, dk, dv, d_sink)
 
@@ -294,7 +313,7 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
     kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16",
                                window=var.window, softcap=var.softcap,
                                head_dim_v=0 if v.shape[3] == head_dim else v.shape[3])
-    ws = workspace_layout(batch, heads_q, seqlen_q, head_dim, kernels.config.block_m)
+    ws, splits = call_workspace(kernels.config, q.shape, k.shape, deterministic, device)
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}
     itemsizes = {name: 4 if name == "lse" else 2 for name in shapes}
@@ -321,7 +340,7 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
                             dense("dk"), dense("dv"), (base + lay.offsets["lse"], lse.size),
                             ws.at(base + lay.total - 4 * ws.total), ws.rows, var.scale_log2,
                             np.float32(scale), deterministic, int(stream), device, var.window_left,
-                            var.window_right, var.cap_scale)
+                            var.window_right, var.cap_scale, group_splits=splits)
         launch_all(kernels, call)
         _call(driver.cuMemcpyDtoHAsync(results.ctypes.data, base + lay.inputs, lay.grads, stream),
                      "copying the gradients to the host")
