@@ -36,6 +36,8 @@ def test_instructions(report):
     # the key block, each issued once in the step loop
     d, bm, bn = config.head_dim, config.block_m, config.block_n
     assert report.count("HGMMA") == 2 * d // 16 + 2 * bm // 16 + bn // 16
+    # a split GQA group's epilogue (``Epilogue.gather_split``): one ticket a CTA
+    assert report.count("ATOMG") == 1
 
 
 def test_no_local_memory_spills_or_calls(report):
