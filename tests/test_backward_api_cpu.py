@@ -569,7 +569,7 @@ def fake_gpu(monkeypatch):
     are recorded by ``FakeLauncher``, and new device arrays are ``FakeDeviceArray``s."""
     state = device.GpuState()
     monkeypatch.setattr(device, "GPU", state)
-    gpu = types.SimpleNamespace(capability=HOPPER, limit=227 * 1024, loads=[], raised=[], runs={})
+    gpu = types.SimpleNamespace(capability=HOPPER, limit=227 * 1024, loads=[], specs=[], raised=[], runs={})
     monkeypatch.setattr(state, "current", lambda: (gpu.capability, 0))
     monkeypatch.setattr(state, "shared_limit", lambda ordinal: gpu.limit)
     monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
@@ -580,6 +580,7 @@ def fake_gpu(monkeypatch):
     def loaded_kernel(spec):
         operation = spec.operation
         gpu.loads.append((spec.config, spec.causal, spec.bf16, spec.arch, operation))
+        gpu.specs.append(spec)
         kernel = types.SimpleNamespace(handle=len(gpu.loads), operation=operation,
                                        run=gpu.runs.get(operation))
         return kernel, f"{operation}_entry"

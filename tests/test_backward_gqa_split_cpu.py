@@ -89,12 +89,13 @@ def test_the_sums_are_aligned_after_an_odd_counter_count():
 # ------------------------------------------------------------------ where each CTA works
 
 
-def _place(monkeypatch):
-    """``place``'s Python body, calling ``key_block_of``'s (``test_backward_schedule_cpu.py``)."""
+def _place(monkeypatch, group_split):
+    """``place``'s Python body, calling ``key_block_of``'s (``test_backward_schedule_cpu.py``), of
+    the split build (``group_split``) or of the others."""
     from numbaflash.kernels import backward_ws, blocks
 
     monkeypatch.setattr(backward_ws, "key_block_of", blocks.key_block_of.py_func)
-    return backward_ws.make_placement(WsBackwardConfig(128)).place.py_func
+    return backward_ws.make_placement(WsBackwardConfig(128), group_split).place.py_func
 
 
 @pytest.mark.parametrize(("key_blocks", "heads_kv", "batch", "group", "splits", "tail"), [
@@ -104,14 +105,19 @@ def _place(monkeypatch):
 def test_every_query_head_of_every_key_block_once(monkeypatch, key_blocks, heads_kv, batch, group, splits,
                                                   tail):
     """Over the grid, every (key block, batch, query head) is walked by exactly one CTA, whose KV
-    head is the query head's; splits == 1 gives every CTA its whole group, as before."""
-    place = _place(monkeypatch)
+    head is the query head's; splits == 1 gives every CTA its whole group, as the build that does
+    not split does (its placement: the same CTAs, each its whole group)."""
+    place = _place(monkeypatch, True)
     pairs = heads_kv * splits * batch
     seen = []
     for cta in range(key_blocks * pairs):
-        n_block, b, kv_head, head0, heads = (int(x) for x in place(cta, key_blocks, pairs, min(tail, pairs),
-                                                                    heads_kv, group, splits))
-        assert heads == group // splits and 0 <= b < batch
+        placed = place(cta, key_blocks, pairs, min(tail, pairs), heads_kv, group, splits)
+        n_block, b, kv_head, split_head, heads = (int(x) for x in placed)
+        assert heads == group // splits and 0 <= b < batch and 0 <= split_head <= group - heads
+        head0 = kv_head * group + split_head
+        if splits == 1:
+            unsplit = _place(monkeypatch, False)(cta, key_blocks, pairs, min(tail, pairs), heads_kv, group, 1)
+            assert tuple(int(x) for x in unsplit) == (n_block, b, kv_head, 0, group)
         for head in range(head0, head0 + heads):
             assert head // group == kv_head
             seen.append((n_block, b, head))

@@ -15,6 +15,11 @@ A learnable sink (issue 56, device arrays only) runs the prepare kernel's sink b
 d_sink = -Σ p_sink · D into a zeroed float32 (heads_q,) array (``zeroed_sink_gradient``); the
 main and dQ kernels are the plain ones: with the forward's sink-inclusive LSE their P is already
 the sink softmax's, and D = rowsum(dO ∘ O) is unchanged (the sink has no value row).
+
+Where the Hopper backward's grid is small (``call_group_splits`` > 1: GQA, not deterministic,
+fewer than two waves of CTAs) the call runs the main kernel's GQA-split build
+(``KernelSpec.group_split``, a kernel of its own, compiled on demand or by ``precompile``); every
+other call runs the build without split code.
 """
 
 from __future__ import annotations
@@ -54,13 +59,16 @@ class BackwardKernels(NamedTuple):
 
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, window: bool = False,
-              softcap: bool = False, varlen: bool = False, sink: bool = False, head_dim_v: int = 0) -> tuple:
+              softcap: bool = False, varlen: bool = False, sink: bool = False, head_dim_v: int = 0,
+              group_split: bool = False) -> tuple:
     """The key in ``GPU.launchers`` of the kernels an unforced call runs: what picks the config on
     a device (``configs.backward_config`` is memoised on the same inputs), the main kernel's
-    variant (``Variant.window``, ``Variant.softcap``, packed sequences) and whether the prepare
-    kernel is the learnable sink's build (V's head dim where it differs: one element more)."""
+    variant (``Variant.window``, ``Variant.softcap``, packed sequences, the GQA split) and whether
+    the prepare kernel is the learnable sink's build (V's head dim where it differs, and the GQA
+    split: one element more each)."""
     key = "backward", device, head_dim, causal, bf16, window, softcap, varlen, sink
-    return (*key, head_dim_v) if head_dim_v else key
+    key = (*key, head_dim_v) if head_dim_v else key
+    return (*key, "group_split") if group_split else key
 
 
 def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
@@ -80,7 +88,8 @@ def call_specs(main: KernelSpec, sink: bool = False) -> list[KernelSpec]:
 
 def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
                      bf16: bool, *, window: bool = False, softcap: bool = False,
-                     varlen: bool = False, sink: bool = False, head_dim_v: int = 0) -> BackwardKernels:
+                     varlen: bool = False, sink: bool = False, head_dim_v: int = 0,
+                     group_split: bool = False) -> BackwardKernels:
     """The config and the three loaded kernels of this problem on the current device (ordinal
     ``device``).
 
@@ -98,17 +107,18 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     spec (``kernels.spec``) is built here, once per new problem: the main kernel's, and its
     siblings' (``KernelSpec.sibling``: the prepare and dQ kernels, built without the mask and
     softcap they do not depend on). ``head_dim_v``: V's head dim where it differs
-    (``configs.ASYMMETRIC_HEAD_DIMS``).
+    (``configs.ASYMMETRIC_HEAD_DIMS``). ``group_split``: the main kernel's GQA-split build (a
+    family with ``group_splits`` only: ``call_group_splits`` > 1).
     """
     gpu = gpu_state.GPU
-    hot = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v)
+    hot = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v, group_split)
     if not configs.OVERRIDES:
         ready = gpu.launchers.get(hot)
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
     config, main = backward_specs(capability, limit, head_dim, causal, bf16, window=window, softcap=softcap,
-                                  varlen=varlen, head_dim_v=head_dim_v)
+                                  varlen=varlen, head_dim_v=head_dim_v, group_split=group_split)
     key = ("backward", main, sink, device)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -134,18 +144,21 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
 
 
 def backward_specs(capability: tuple[int, int], limit: int | None, head_dim: int, causal: bool, bf16: bool, *,
-                   window: bool = False, softcap: bool = False,
-                   varlen: bool = False, head_dim_v: int = 0) -> tuple[Any, KernelSpec]:
+                   window: bool = False, softcap: bool = False, varlen: bool = False, head_dim_v: int = 0,
+                   group_split: bool = False) -> tuple[Any, KernelSpec]:
     """(config, main kernel's spec) of a call on a GPU of ``capability`` giving a CTA ``limit`` bytes
     of shared memory (None: ``configs.max_shared_bytes``): ``configs.backward_config``'s config, the
     main kernel's spec for the GPU's own target; ``main.sibling(operation)`` for each of
     ``BACKWARD_OPERATIONS`` gives the call's three kernels.
 
+    ``group_split``: the main kernel's GQA-split build (``KernelSpec.group_split``).
+
     Raises what ``configs.backward_config`` raises (a head dim with no backward, no config that fits)."""
     config = configs.backward_config(capability, head_dim, causal, limit, window=window, softcap=softcap,
                                      varlen=varlen, head_dim_v=head_dim_v)
     main = kernel_spec(family_of(config).name, "backward", config, "bfloat16" if bf16 else "float16",
-                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen)
+                       arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen,
+                       group_split=group_split)
     return config, main
 
 
@@ -179,23 +192,35 @@ def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, ca
     return warm.start([s for s in specs if s not in gpu.modules], "backward", describe(main))
 
 
-def call_workspace(config: Any, q_shape: tuple[int, ...], k_shape: tuple[int, ...], deterministic: bool,
-                   device: int) -> tuple[WorkspaceLayout, int]:
-    """(the workspace's layout, the CTAs each GQA group is split over) of a call of ``config`` with
-    q and k of these shapes on device ``device``: the Hopper backward (a family with
-    ``group_splits``) splits its groups where its grid is small (``backward_group_splits``), and
-    its workspace then holds the dK and dV sums of every key block; 1 otherwise."""
+def call_group_splits(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
+                      q_shape: tuple[int, ...], k_shape: tuple[int, ...], deterministic: bool, *,
+                      window: bool = False, softcap: bool = False, head_dim_v: int = 0) -> int:
+    """Over how many CTAs the call's main kernel splits each GQA group (``backward_group_splits``
+    of its config's key blocks on device ``device``): 1 in deterministic mode, for MHA and where
+    the call's config is not of a family with ``group_splits`` (the mma.sync backward); > 1 runs
+    the main kernel's split build (``backward_kernels(group_split=True)``)."""
+    batch, _, heads_q, _ = q_shape
+    _, seqlen_k, heads_kv, _ = k_shape
+    if deterministic or heads_q == heads_kv:
+        return 1
+    gpu = gpu_state.GPU
+    config = configs.backward_config(capability, head_dim, causal, gpu.shared_limit(device), window=window,
+                                     softcap=softcap, head_dim_v=head_dim_v)
+    if not family_of(config).group_splits:
+        return 1
+    return backward_group_splits(-(-seqlen_k // config.block_n), heads_kv, batch, heads_q // heads_kv,
+                                 gpu.sm_count(device), deterministic)
+
+
+def call_workspace(config: Any, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                   splits: int = 1) -> WorkspaceLayout:
+    """The workspace's layout of a call of ``config`` with q and k of these shapes, its GQA groups
+    split over ``splits`` CTAs (``call_group_splits``): where > 1 it also holds the dK and dV sums
+    of every key block and their tickets."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     _, seqlen_k, heads_kv, _ = k_shape
-    splits, split_blocks = 1, 0
-    if family_of(config).group_splits:
-        key_blocks = -(-seqlen_k // config.block_n)
-        splits = backward_group_splits(key_blocks, heads_kv, batch, heads_q // heads_kv,
-                                       gpu_state.GPU.sm_count(device), deterministic)
-        split_blocks = key_blocks * heads_kv * batch if splits > 1 else 0
-    layout = workspace_layout(batch, heads_q, seqlen_q, head_dim, config.block_m, split_blocks,
-                              config.block_n)
-    return layout, splits
+    split_blocks = -(-seqlen_k // config.block_n) * heads_kv * batch if splits > 1 else 0
+    return workspace_layout(batch, heads_q, seqlen_q, head_dim, config.block_m, split_blocks, config.block_n)
 
 
 def launch_all(kernels: BackwardKernels, call: BackwardCall) -> None:
@@ -247,13 +272,16 @@ def run_device(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand,
     them with a sink."""
     batch, seqlen_q, heads_q, head_dim = qd.shape
     var = backward_variant(causal, window_size, softcap, scale, seqlen_q, kd.shape[1])
+    head_dim_v = 0 if vd.shape[3] == head_dim else vd.shape[3]
+    splits = call_group_splits(capability, device, head_dim, var.causal, qd.shape, kd.shape, deterministic,
+                               window=var.window, softcap=var.softcap, head_dim_v=head_dim_v)
     kernels = backward_kernels(capability, device, head_dim, var.causal, qd.dtype_name == "bfloat16",
                                window=var.window, softcap=var.softcap, sink=sink is not None,
-                               head_dim_v=0 if vd.shape[3] == head_dim else vd.shape[3])
+                               head_dim_v=head_dim_v, group_split=splits > 1)
     dq, dqd = _gradient(grads[0], qd, "dq")
     dk, dkd = _gradient(grads[1], kd, "dk")
     dv, dvd = _gradient(grads[2], vd, "dv")
-    layout, splits = call_workspace(kernels.config, qd.shape, kd.shape, deterministic, device)
+    layout = call_workspace(kernels.config, qd.shape, kd.shape, splits)
     workspace = empty_lse(qd.obj, (layout.total,))  # float32; the prepare and main launches initialise it
     stream = stream_handle(qd)
     d_sink, sink_args = None, (None, None)
@@ -310,10 +338,13 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
     batch, seqlen_q, heads_q, head_dim = q.shape
     dtype_name = "bfloat16" if q.dtype != np.float16 else "float16"
     var = backward_variant(causal, window_size, softcap, scale, seqlen_q, k.shape[1])
+    head_dim_v = 0 if v.shape[3] == head_dim else v.shape[3]
+    splits = call_group_splits(capability, device, head_dim, var.causal, q.shape, k.shape, deterministic,
+                               window=var.window, softcap=var.softcap, head_dim_v=head_dim_v)
     kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16",
-                               window=var.window, softcap=var.softcap,
-                               head_dim_v=0 if v.shape[3] == head_dim else v.shape[3])
-    ws, splits = call_workspace(kernels.config, q.shape, k.shape, deterministic, device)
+                               window=var.window, softcap=var.softcap, head_dim_v=head_dim_v,
+                               group_split=splits > 1)
+    ws = call_workspace(kernels.config, q.shape, k.shape, splits)
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}
     itemsizes = {name: 4 if name == "lse" else 2 for name in shapes}

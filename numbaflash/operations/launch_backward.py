@@ -288,14 +288,16 @@ class _MapOperands(NamedTuple):
     device: int
 
 
-def launch_backward_ws_main(config) -> Launch:
-    """The launch of the Hopper backward's main kernel (``BACKWARD_WS_ABI``): the threads and
-    shared memory of ``launch_backward_main``, its grid times ``call.group_splits`` (the CTAs each
-    GQA group is split over: ceil(seqlen_k / block_n) * heads_kv * splits * batch); tensor maps of
-    q, k, v, dout (boxes of block_m, block_n, block_n, block_m rows, cached in device memory by
-    pointers and layout as the Hopper forward's: ``runtime.map_slots``) instead of their pointers
-    and strides; dk, dv by pointer and strides, the workspace, the scalars, and with a split the
-    dK / dV sums and tickets, zeroed first on the call's stream (``GPU.zero_words``)."""
+def launch_backward_ws_main(config, split: bool = False) -> Launch:
+    """The launch of the Hopper backward's main kernel (``BACKWARD_WS_ABI``): the grid, threads and
+    shared memory of ``launch_backward_main``; tensor maps of q, k, v, dout (boxes of block_m,
+    block_n, block_n, block_m rows, cached in device memory by pointers and layout as the Hopper
+    forward's: ``runtime.map_slots``) instead of their pointers and strides; dk, dv by pointer and
+    strides, the workspace, and the scalars. ``split``: the launch of its GQA-split build
+    (``BACKWARD_WS_SPLIT_ABI``, ``launch_backward_ws_split``): the grid times ``call.group_splits``
+    (the CTAs each GQA group is split over: ceil(seqlen_k / block_n) * heads_kv * splits * batch),
+    and last the dK / dV sums and tickets, zeroed first on the call's stream (``GPU.zero_words``),
+    and ``splits``. Each build takes only its calls (``group_splits`` > 1: the split build)."""
     block_n, threads, shared_bytes = config.block_n, config.threads, config.shared_bytes
     maps_of = _tensor_maps(config, (config.block_m, block_n, block_n, config.block_m))
 
@@ -306,12 +308,18 @@ def launch_backward_ws_main(config) -> Launch:
         sm_count, layout, slots, encode = maps_of(_MapOperands(q, k, v, do, call.device), gpu)
         key_blocks = -(-seqlen_k // block_n)
         splits = call.group_splits
+        if (splits > 1) != split:  # the split build writes the sums: only a split call's workspace has them
+            raise ValueError(f"a call whose GQA groups are split over {splits} CTAs runs the "
+                             f"{'split' if splits > 1 else 'unsplit'} build of the Hopper backward's "
+                             f"main kernel")
         pairs = heads_kv * splits * batch
         tail_pairs = backward_tail_pairs(key_blocks, pairs, sm_count)
         dks, dvs = dk.strides, dv.strides
         pointers = (q.pointer, k.pointer, v.pointer, do.pointer)
-        if splits > 1:  # the sums and tickets follow each other in the workspace
+        extra = ()
+        if split:  # the sums and tickets follow each other in the workspace
             gpu.zero_words(ws.dkv_accum[0], ws.dkv_accum[1] + ws.tickets[1], call.stream)
+            extra = (ws.dkv_accum, ws.tickets, splits)
         with slots.lock:
             maps, slot = slots.address((layout, *pointers), lambda: encode(*pointers), call.stream)
             try:
@@ -322,11 +330,17 @@ def launch_backward_ws_main(config) -> Launch:
                          dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
                          seqlen_q, seqlen_k, call.rows, heads_q, heads_q // heads_kv, heads_kv, tail_pairs,
                          call.scale_log2, call.scale, call.deterministic, call.window_left,
-                         call.window_right, call.cap_scale, ws.dkv_accum, ws.tickets, splits)
+                         call.window_right, call.cap_scale, *extra)
             finally:  # even after a failed launch: the slot's copy is on the stream
                 slots.used(slot, call.stream)
 
     return launch
+
+
+def launch_backward_ws_split(config) -> Launch:
+    """The launch of the GQA-split build of the Hopper backward's main kernel
+    (``launch_backward_ws_main`` with ``split``)."""
+    return launch_backward_ws_main(config, split=True)
 
 
 def _dq_config_launch(launch_of: Callable[[Any], Launch]) -> Callable[[Any], Launch]:
