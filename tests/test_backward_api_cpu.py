@@ -94,6 +94,9 @@ def no_compile(monkeypatch):
         raise AssertionError("would compile a kernel")
 
     monkeypatch.setattr(device.GPU, "current", lambda: (HOPPER, 0))
+    # what picks the GQA split before the kernels (``backward.call_group_splits``): an H100's
+    monkeypatch.setattr(device.GPU, "shared_limit", lambda ordinal: 227 * 1024)
+    monkeypatch.setattr(device.GPU, "sm_count", lambda ordinal: 132)
     monkeypatch.setattr(backward, "backward_kernels", compile_)
     monkeypatch.setattr(backward, "loaded_kernel", compile_)
     monkeypatch.setattr(configs, "kernel_cubin", compile_)
@@ -687,7 +690,8 @@ def test_second_call_is_one_lookup(fake_gpu):
     loads = len(fake_gpu.loads)
     call(device_inputs())
     assert len(fake_gpu.loads) == loads and len(FakeLauncher.launches) == 6
-    assert backward.ready_key(0, 64, False, False) in device.GPU.launchers
+    # 8 / 2 heads on a small grid: the Hopper backward's GQA-split build
+    assert backward.ready_key(0, 64, False, False, group_split=True) in device.GPU.launchers
 
 
 # ------------------------------------------------------------------ numpy staging (driver faked)
@@ -832,9 +836,12 @@ def test_precompile_lists_the_backward_kernels():
                     continue
                 config = configs.backward_config(cap, d, causal)
                 # the prepare and dQ kernels do not depend on causal: built once, as non-causal
-                expected |= {(config, causal and op == "backward", bf16, arch, op)
+                expected |= {(config, causal and op == "backward", bf16, arch, op, False)
                              for bf16 in (False, True) for op in families.BACKWARD_OPERATIONS}
-        found = [(s.config, s.causal, s.bf16, s.arch, s.operation) for s in items]
+                if families.family_of(config).group_splits:  # and its main kernel's GQA-split build
+                    expected |= {(config, causal, bf16, arch, "backward", True) for bf16 in (False, True)}
+        found = [(s.config, s.causal, s.bf16, s.arch, s.operation, s.group_split) for s in items]
+        assert sum(s.group_split for s in items) == (8 if arch == "sm_90a" else 0)
         assert len(found) == len(expected) and set(found) == expected
         with_candidates = precompile.backward_kernels_for(arch, candidates=True)
         # the candidates, and the chosen configs (on Hopper its own backward's at d64 and d128)

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from numbaflash.kernels.shapes import WsBackwardConfig
+from numbaflash.kernels.shapes import BackwardConfig, WsBackwardConfig
 from numbaflash.operations.launch_backward import backward_group_splits, workspace_layout
 
 H200_SMS = 132
@@ -122,3 +122,60 @@ def test_every_query_head_of_every_key_block_once(monkeypatch, key_blocks, heads
             assert head // group == kv_head
             seen.append((n_block, b, head))
     assert sorted(seen) == sorted(itertools.product(range(key_blocks), range(batch), range(heads_kv * group)))
+
+
+# ------------------------------------------------------------------ the split build: a variant axis
+
+
+def test_the_split_build_is_a_spec_axis_with_its_own_cache_key():
+    """``KernelSpec.group_split``: the Hopper backward's main kernel only (the siblings drop it),
+    named in ``kind``, in the cache key, with ``params.GROUP_SPLIT`` last; the mma.sync backward
+    has no split build."""
+    from numbaflash.kernels import families, params
+    from numbaflash.kernels.spec import kernel_spec
+    from numbaflash.runtime import cache
+
+    config = WsBackwardConfig(128)
+    plain = families.spec_of(config, "backward", True, causal=True)
+    split = families.spec_of(config, "backward", True, causal=True, group_split=True)
+    assert split != plain and hash(split) != hash(plain) and split.kind == "sm90bwd.backward+group_split"
+    key = cache.kernel_key
+    assert key(split, sources="s", versions={}) != key(plain, sources="s", versions={})
+    assert [split.sibling(op) for op in ("backward_prep", "backward_dq")] == \
+        [plain.sibling(op) for op in ("backward_prep", "backward_dq")]
+    assert kernel_spec("sm90bwd", "backward_dq", config, group_split=True).group_split is False
+    assert families.kernel_params(plain) == params.WS_BACKWARD
+    assert families.kernel_params(split) == params.WS_BACKWARD + params.GROUP_SPLIT
+    with pytest.raises(NotImplementedError, match="GQA split"):
+        families.make_kernel(families.spec_of(BackwardConfig(128), "backward", group_split=True))
+
+
+def test_the_call_runs_the_split_build_only_where_it_splits(monkeypatch):
+    """``call_group_splits``: > 1 (the split build) only for a GQA call, not deterministic, on the
+    Hopper backward, whose grid is under two waves."""
+    from numbaflash.operations import backward
+    from numbaflash.runtime import device
+
+    state = device.GpuState()
+    monkeypatch.setattr(device, "GPU", state)
+    monkeypatch.setattr(state, "shared_limit", lambda ordinal: 227 * 1024)
+    monkeypatch.setattr(state, "sm_count", lambda ordinal: H200_SMS)
+    hopper, ampere = (9, 0), (8, 0)
+    llama_q, llama_k = (1, 4096, 16, 128), (1, 4096, 4, 128)
+
+    def splits(capability, q, k, deterministic=False, head_dim=128, **variant):
+        return backward.call_group_splits(capability, 0, head_dim, True, q, k, deterministic, **variant)
+
+    assert splits(hopper, llama_q, llama_k) == 4
+    assert splits(hopper, llama_q, llama_k, deterministic=True) == 1
+    assert splits(ampere, llama_q, llama_k) == 1  # the mma.sync backward
+    assert splits(hopper, (1, 4096, 4, 128), llama_k) == 1  # MHA
+    assert splits(hopper, (8, 4096, 16, 128), (8, 4096, 4, 128)) == 1  # 1024 CTAs
+    assert splits(hopper, (1, 4096, 16, 96), (1, 4096, 4, 96), head_dim=96) == 1  # mma.sync at d96
+    assert splits(hopper, llama_q, llama_k, softcap=True) == 4  # the variants split too
+    c = WsBackwardConfig(128)
+    key_blocks = 4096 // c.block_n
+    layout = backward.call_workspace(c, llama_q, llama_k, 4)
+    assert layout == workspace_layout(1, 16, 4096, 128, c.block_m, key_blocks * 4, c.block_n)
+    assert layout.ticket_elements == key_blocks * 4
+    assert backward.call_workspace(c, llama_q, llama_k) == workspace_layout(1, 16, 4096, 128, c.block_m)

@@ -139,7 +139,7 @@ def summary(arch: str, parts: dict[str, list]) -> str:
     """One line of what ``precompile`` builds for ``arch``: ``precompile sm_90a: 228 kernels
     (forward 64, backward 112 of which 16 GQA-split, decode 52)``."""
     def count(specs: list) -> str:
-        split = sum(s.group_split for s in specs)
+        split = sum(getattr(s, "group_split", False) for s in specs)
         return f"{len(specs)}{f' of which {split} GQA-split' if split else ''}"
 
     counts = ", ".join(f"{name} {count(specs)}" for name, specs in parts.items() if specs)
