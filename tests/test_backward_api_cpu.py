@@ -546,6 +546,22 @@ class FakeLauncher:
         if self.kernel.run is not None:
             self.kernel.run(args)
 
+    def bind(self, grid, block, shared, *args):
+        """As ``KernelLauncher.bind``: ``fire(stream, *pointers)`` puts the pointers into the array
+        arguments (the ``(pointer, elements)`` pairs, in order) and launches as a call would."""
+        assert len(args) == len(self.abi), (self.name, len(args), len(self.abi))
+        self._pack(self._buffer, *args)
+        arrays = [i for i, arg in enumerate(args) if type(arg) is tuple]
+
+        def fire(stream, *pointers):
+            assert len(pointers) == len(arrays), (self.name, len(pointers), len(arrays))
+            given = list(args)
+            for i, pointer in zip(arrays, pointers, strict=True):
+                given[i] = (pointer, args[i][1])
+            self(grid, block, stream, shared, *given)
+
+        return fire
+
 
 class FakeSlots:
     """``runtime.map_slots.MapSlots``' interface: a slot per key (maps never encoded), every
