@@ -4,9 +4,12 @@
 
     python benchmarks/backward_speed.py [--seqlens 1k,4k,16k] [--head-dims 64,128]
                                         [--dtypes fp16,bf16] [--causal both] [--tokens 65536]
+                                        [--heads 16:4]
 
 Each problem keeps batch * seqlen = ``--tokens`` and heads * head_dim = 2048 (the forward bench's
-workload). Every implementation is timed on the same random tensors: the median of ``--iters``
+workload); ``--heads Q:KV`` fixes the query and KV heads instead (GQA: SDPA with ``enable_gqa``),
+e.g. ``--tokens 4096 --seqlens 4k --head-dims 128 --heads 16:4`` for a Llama-style training
+step's attention. Every implementation is timed on the same random tensors: the median of ``--iters``
 CUDA-event-timed calls in ``--rounds`` blocks interleaved with the other implementations', each
 block after ``--warmup`` calls and ``--warmup-ms`` of them (the clocks of an H100 step down for
 about a second after a heavy row, so whatever is timed first would pay for it). TFLOP/s counts
@@ -39,18 +42,20 @@ def timed_ms(fn, warmup: int, iters: int) -> float:
 
 
 def sdpa_backward(backend, q, k, v, dout, causal):
-    """(backward call, forward + backward call) of SDPA with ``backend``, on (b, h, s, d) views."""
+    """(backward call, forward + backward call) of SDPA with ``backend``, on (b, h, s, d) views
+    (fewer KV heads than query heads: ``enable_gqa``)."""
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
     dot = dout.transpose(1, 2)
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
     with sdpa_kernel(backend):
-        out = sdpa(qt, kt, vt, is_causal=causal)
+        out = sdpa(qt, kt, vt, is_causal=causal, **gqa)
 
     def backward():
         torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
 
     def both():
         with sdpa_kernel(backend):
-            o = sdpa(qt, kt, vt, is_causal=causal)
+            o = sdpa(qt, kt, vt, is_causal=causal, **gqa)
         torch.autograd.grad(o, (qt, kt, vt), dot)
 
     return backward, both
@@ -75,7 +80,11 @@ def interleaved_medians(calls: dict, warmup: int, iters: int, rounds: int, warmu
 def measure(dtype: torch.dtype, d: int, s: int, causal: bool, args: argparse.Namespace) -> str:
     """One table row: numbaflash's backward and forward + backward beside SDPA flash and cuDNN."""
     b, h = max(1, args.tokens // s), 2048 // d
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
+    h_kv = h
+    if args.heads:
+        h, h_kv = (int(x) for x in args.heads.split(":"))
+    q, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(b, s, h_kv, d, device="cuda", dtype=dtype) for _ in range(2))
     out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
@@ -110,6 +119,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="fp16,bf16")
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--heads", help="Q:KV query and KV heads (GQA), e.g. 16:4 (default: 2048 / d of each)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each timed block")
     p.add_argument("--warmup-ms", type=float, default=250.0,
                    help="and at least this long of them, so that the clocks settle (default 250)")

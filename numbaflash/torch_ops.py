@@ -51,6 +51,22 @@ from .runtime import device as gpu_state
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
+_grad_enabled = torch.is_grad_enabled
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def eager_formula(dout: Tensor) -> bool:
+    """Whether an autograd formula of ours runs eagerly on real tensors, so that it may call its
+    backward op's implementation itself (``run_backward``, ``run_varlen_backward``) instead of the
+    op: grad mode off (a double backward keeps the op, which has no autograd formula and says
+    so), not under torch.compile (Dynamo; AOTAutograd and compiled autograd trace the formula
+    with fake tensors under a dispatch mode), and a plain, non-meta tensor. What the op adds there
+    is torch's dispatch alone (its autograd and device kernels, the aliasing check): some tens of
+    microseconds a call, as much as the backward's whole host cost."""
+    return not (_grad_enabled() or _dynamo_compiling() or _dispatch_modes() or type(dout) is not Tensor
+                or dout.is_meta)
+
 
 def check_tensors(q: Tensor, k: Tensor, v: Tensor, value_dim: bool = False) -> None:
     """The eager API's dtype and shape checks, on metadata only (fake and meta tensors too);
@@ -164,11 +180,20 @@ def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                              window_left: int = -1, window_right: int = -1,
                              softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), each like its input (contiguous); the window and softcap as the forward's."""
-    if window_left == -1 and window_right == -1 and softcap == 0.0:
+    return _dense_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                           (window_left, window_right), softcap)
+
+
+def _dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                    softmax_scale: float, deterministic: bool, window_size: tuple[int, int],
+                    softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward op's implementation (also run by the eager autograd formula, ``_backward``):
+    ``run_backward``, with the window and softcap only when not the defaults."""
+    if window_size == (-1, -1) and softcap == 0.0:
         dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
     else:
-        dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
-                                  (window_left, window_right), softcap)
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_size,
+                                  softcap)
     return dq, dk, dv
 
 
@@ -231,13 +256,21 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
     # (expanded from a sum, a transposed view, an odd offset) becomes one first.
     if not dout.is_contiguous() or dout.storage_offset() % 8:
         dout = dout.clone(memory_format=torch.contiguous_format)
+    eager = eager_formula(dout)  # then the ops' implementations, without torch's dispatch
     if ctx.has_sink:
         sink = ctx.saved_tensors[5]
-        dq, dk, dv, d_sink = flash_attention_sink_backward(dout, q, k, v, out, lse, sink, ctx.causal,
-                                                           ctx.softmax_scale, ctx.deterministic,
-                                                           *ctx.window_size, ctx.softcap)
+        if eager:
+            dq, dk, dv, d_sink = run_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                              ctx.deterministic, ctx.window_size, ctx.softcap, sink)
+        else:
+            dq, dk, dv, d_sink = flash_attention_sink_backward(dout, q, k, v, out, lse, sink, ctx.causal,
+                                                               ctx.softmax_scale, ctx.deterministic,
+                                                               *ctx.window_size, ctx.softcap)
         return dq, dk, dv, None, None, None, None, None, d_sink if ctx.needs_input_grad[8] else None
-    if ctx.window_size == (-1, -1) and ctx.softcap == 0.0:
+    if eager:
+        dq, dk, dv = _dense_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                     ctx.deterministic, ctx.window_size, ctx.softcap)
+    elif ctx.window_size == (-1, -1) and ctx.softcap == 0.0:
         dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                               ctx.deterministic)
     else:
@@ -471,16 +504,28 @@ def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[:7]
     if not dout.is_contiguous() or dout.storage_offset() % 8:  # 16-byte row chunks (as the dense op's)
         dout = dout.clone(memory_format=torch.contiguous_format)
+    eager = eager_formula(dout)  # then the ops' implementations, without torch's dispatch
     if ctx.has_sink:
-        dq, dk, dv, d_sink = flash_attention_varlen_sink_backward(
-            dout, q, k, v, out, lse, ctx.saved_tensors[7], cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
-            ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale, ctx.deterministic, *ctx.window_size, ctx.softcap)
+        sink = ctx.saved_tensors[7]
+        if eager:
+            dq, dk, dv, d_sink = run_varlen_backward(
+                dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_size, ctx.softcap, sink)
+        else:
+            dq, dk, dv, d_sink = flash_attention_varlen_sink_backward(
+                dout, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                ctx.causal, ctx.softmax_scale, ctx.deterministic, *ctx.window_size, ctx.softcap)
         return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
                 d_sink if ctx.needs_input_grad[12] else None)
-    dq, dk, dv = flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                 ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
-                                                 ctx.softmax_scale, ctx.deterministic, *ctx.window_size,
-                                                 ctx.softcap)
+    if eager:
+        dq, dk, dv = run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale,
+                                         ctx.deterministic, ctx.window_size, ctx.softcap)
+    else:
+        dq, dk, dv = flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                     ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
+                                                     ctx.softmax_scale, ctx.deterministic, *ctx.window_size,
+                                                     ctx.softcap)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 

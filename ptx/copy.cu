@@ -57,6 +57,12 @@ extern "C" __device__ float ld_shared_f32(unsigned addr) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
+// 32-bit load of a word from shared memory (a byte address in the shared window).
+extern "C" __device__ unsigned ld_shared_b32(unsigned addr) {
+  unsigned v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 // 32-bit store to shared memory (one packed pair of 16-bit values).
 extern "C" __device__ void st_shared_b32(unsigned addr, unsigned v) {
   asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");

@@ -20,3 +20,14 @@ extern "C" __device__ void red_release_gpu_add_s32(long long addr, int v) {
 extern "C" __device__ void red_global_add_v4_f32(long long addr, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
+// old = *addr; *addr += v, at GPU scope with acquire and release order (a ticket: what this thread
+// saw before is visible first, and what the CTAs that took earlier tickets wrote is seen after).
+extern "C" __device__ int atom_add_acq_rel_gpu_s32(long long addr, int v) {
+  int r; asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(r) : "l"(addr), "r"(v) : "memory"); return r;
+}
+// r[0..3] = addr[0..3], float32, addr 16-byte aligned, a relaxed load at GPU scope: it reads L2,
+// so that after an acquire it sees what other CTAs reduced there (never a stale L1 line).
+extern "C" __device__ void ld_relaxed_gpu_v4_f32(float* r, long long addr) {
+  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "l"(addr) : "memory");
+}

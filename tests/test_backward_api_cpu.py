@@ -94,6 +94,9 @@ def no_compile(monkeypatch):
         raise AssertionError("would compile a kernel")
 
     monkeypatch.setattr(device.GPU, "current", lambda: (HOPPER, 0))
+    # what picks the GQA split before the kernels (``backward.call_group_splits``): an H100's
+    monkeypatch.setattr(device.GPU, "shared_limit", lambda ordinal: 227 * 1024)
+    monkeypatch.setattr(device.GPU, "sm_count", lambda ordinal: 132)
     monkeypatch.setattr(backward, "backward_kernels", compile_)
     monkeypatch.setattr(backward, "loaded_kernel", compile_)
     monkeypatch.setattr(configs, "kernel_cubin", compile_)
@@ -543,6 +546,22 @@ class FakeLauncher:
         if self.kernel.run is not None:
             self.kernel.run(args)
 
+    def bind(self, grid, block, shared, *args):
+        """As ``KernelLauncher.bind``: ``fire(stream, *pointers)`` puts the pointers into the array
+        arguments (the ``(pointer, elements)`` pairs, in order) and launches as a call would."""
+        assert len(args) == len(self.abi), (self.name, len(args), len(self.abi))
+        self._pack(self._buffer, *args)
+        arrays = [i for i, arg in enumerate(args) if type(arg) is tuple]
+
+        def fire(stream, *pointers):
+            assert len(pointers) == len(arrays), (self.name, len(pointers), len(arrays))
+            given = list(args)
+            for i, pointer in zip(arrays, pointers, strict=True):
+                given[i] = (pointer, args[i][1])
+            self(grid, block, stream, shared, *given)
+
+        return fire
+
 
 class FakeSlots:
     """``runtime.map_slots.MapSlots``' interface: a slot per key (maps never encoded), every
@@ -569,14 +588,18 @@ def fake_gpu(monkeypatch):
     are recorded by ``FakeLauncher``, and new device arrays are ``FakeDeviceArray``s."""
     state = device.GpuState()
     monkeypatch.setattr(device, "GPU", state)
-    gpu = types.SimpleNamespace(capability=HOPPER, limit=227 * 1024, loads=[], raised=[], runs={})
+    gpu = types.SimpleNamespace(capability=HOPPER, limit=227 * 1024, loads=[], specs=[], raised=[], runs={})
     monkeypatch.setattr(state, "current", lambda: (gpu.capability, 0))
     monkeypatch.setattr(state, "shared_limit", lambda ordinal: gpu.limit)
     monkeypatch.setattr(state, "sm_count", lambda ordinal: 132)
+    gpu.zeroed = []  # (pointer, words, stream) of each GPU.zero_words: a split GQA group's sums
+    monkeypatch.setattr(state, "zero_words",
+                        lambda pointer, count, stream: gpu.zeroed.append((pointer, count, stream)))
 
     def loaded_kernel(spec):
         operation = spec.operation
         gpu.loads.append((spec.config, spec.causal, spec.bf16, spec.arch, operation))
+        gpu.specs.append(spec)
         kernel = types.SimpleNamespace(handle=len(gpu.loads), operation=operation,
                                        run=gpu.runs.get(operation))
         return kernel, f"{operation}_entry"
@@ -683,7 +706,8 @@ def test_second_call_is_one_lookup(fake_gpu):
     loads = len(fake_gpu.loads)
     call(device_inputs())
     assert len(fake_gpu.loads) == loads and len(FakeLauncher.launches) == 6
-    assert backward.ready_key(0, 64, False, False) in device.GPU.launchers
+    # 8 / 2 heads on a small grid: the Hopper backward's GQA-split build
+    assert backward.ready_key(0, 64, False, False, group_split=True) in device.GPU.launchers
 
 
 # ------------------------------------------------------------------ numpy staging (driver faked)
@@ -828,9 +852,12 @@ def test_precompile_lists_the_backward_kernels():
                     continue
                 config = configs.backward_config(cap, d, causal)
                 # the prepare and dQ kernels do not depend on causal: built once, as non-causal
-                expected |= {(config, causal and op == "backward", bf16, arch, op)
+                expected |= {(config, causal and op == "backward", bf16, arch, op, False)
                              for bf16 in (False, True) for op in families.BACKWARD_OPERATIONS}
-        found = [(s.config, s.causal, s.bf16, s.arch, s.operation) for s in items]
+                if families.family_of(config).group_splits:  # and its main kernel's GQA-split build
+                    expected |= {(config, causal, bf16, arch, "backward", True) for bf16 in (False, True)}
+        found = [(s.config, s.causal, s.bf16, s.arch, s.operation, s.group_split) for s in items]
+        assert sum(s.group_split for s in items) == (8 if arch == "sm_90a" else 0)
         assert len(found) == len(expected) and set(found) == expected
         with_candidates = precompile.backward_kernels_for(arch, candidates=True)
         # the candidates, and the chosen configs (on Hopper its own backward's at d64 and d128)

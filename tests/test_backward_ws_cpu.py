@@ -7,6 +7,7 @@ launches (tensor maps of q, k, v, dout through the map slots)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 import types
 
@@ -19,7 +20,12 @@ from numbaflash.kernels import abi, families
 from numbaflash.kernels.shapes import WARPGROUP_ROWS, BackwardConfig, WsBackwardConfig
 from numbaflash.operands import Operand
 from numbaflash.operations import backward
-from numbaflash.operations.launch_backward import BackwardCall, launch_backward_ws_main, workspace_layout
+from numbaflash.operations.launch_backward import (
+    BackwardCall,
+    launch_backward_ws_main,
+    launch_backward_ws_split,
+    workspace_layout,
+)
 from numbaflash.runtime import launch as runtime_launch
 
 HOPPER, AMPERE, SM86, BLACKWELL = (9, 0), (8, 0), (8, 6), (10, 0)
@@ -37,10 +43,13 @@ def fresh_choice():
 
 
 def test_the_abi_is_the_mma_sync_ones_with_tensor_maps():
-    # the mma.sync main kernel's, with four tensor maps in place of q, k, v, dout and their strides
+    # the mma.sync main kernel's, with four tensor maps in place of q, k, v, dout and their strides;
+    # the GQA-split build's: the same, then the split (the dK / dV sums, the tickets, splits)
     assert abi.BACKWARD_WS_ABI[:4] == ("array(uint64, 1d, C)",) * 4
     assert abi.BACKWARD_WS_ABI[4:10] == abi.BACKWARD_ABI[4:10]
     assert abi.BACKWARD_WS_ABI[10:] == abi.BACKWARD_ABI[22:]
+    assert abi.BACKWARD_WS_SPLIT_ABI[:-3] == abi.BACKWARD_WS_ABI
+    assert abi.BACKWARD_WS_SPLIT_ABI[-3:] == ("array(float32, 1d, C)", "array(int32, 1d, C)", "int64")
 
 
 def test_the_family_record():
@@ -290,16 +299,16 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
     launches = []
 
     class Launcher:
-        def __init__(self):
-            self.pack, size = runtime_launch._packer(runtime_launch.param_layout(abi.BACKWARD_WS_ABI),
-                                                     len(abi.BACKWARD_WS_ABI))
+        def __init__(self, declared=abi.BACKWARD_WS_ABI):
+            self.pack, size = runtime_launch._packer(runtime_launch.param_layout(declared), len(declared))
             self.buffer = ctypes.create_string_buffer(size)
 
         def __call__(self, grid, block, stream, shared, *args):
             self.pack(self.buffer, *args)  # the kinds the ABI names
             launches.append((grid, block, stream, shared, args))
 
-    gpu = types.SimpleNamespace(sm_count=lambda ordinal: 132)
+    zeroed = []
+    gpu = types.SimpleNamespace(sm_count=lambda ordinal: 132, zero_words=lambda *a: zeroed.append(a))
     launch = launch_backward_ws_main(config)
     launch(Launcher(), call_, gpu)
     key_blocks = -(-sk // config.block_n)
@@ -312,7 +321,8 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
     assert args[10:16] == (*dk_strides[:3], *dv.strides[:3])
     tail_pairs = min(hkv * b, -(-2 * 132 // key_blocks))
     assert args[16:] == (sq, sk, lay.rows, hq, hq // hkv, hkv, tail_pairs, np.float32(0.5), np.float32(0.25),
-                         True, 5, 7, np.float32(0.125))
+                         True, 5, 7, np.float32(0.125))  # the unsplit build: no split arguments
+    assert zeroed == []
     assert slots.keys[0][1:] == (q.pointer, k.pointer, v.pointer, do.pointer)
     assert slots.used_slots == [(0, 11)]
     assert [(p, box) for p, _, _, box, _, _ in encoded] == [
@@ -338,6 +348,24 @@ def test_the_main_launch_passes_the_maps_and_the_abi(monkeypatch):
     with pytest.raises(RuntimeError, match="launch failed"):
         launch(failing, call_._replace(stream=13), gpu)
     assert slots.used_slots[-1] == (1, 13)  # the slot's copy is on the stream: recorded anyway
+    # a GQA group split over 4 CTAs: 4x the CTAs (and the tail's pairs), the sums and tickets
+    # zeroed on the call's stream first, then passed last with the split
+    split_lay = workspace_layout(b, hq, sq, d, config.block_m, key_blocks * hkv * b, config.block_n)
+    split_ws = split_lay.at(7 << 32)
+    assert split_ws[:4] == ws[:4]  # the parts before the sums are where they were
+    split_call = call_._replace(workspace=split_ws, group_splits=4, deterministic=False)
+    with pytest.raises(ValueError, match="split build"):  # the unsplit build takes no split call
+        launch(Launcher(), split_call, gpu)
+    with pytest.raises(ValueError, match="unsplit build"):  # nor the split build an unsplit one
+        launch_backward_ws_split(config)(Launcher(), call_, gpu)
+    assert zeroed == []
+    launch_backward_ws_split(config)(Launcher(abi.BACKWARD_WS_SPLIT_ABI), split_call, gpu)
+    grid, _, _, _, args = launches[-1]
+    assert grid == (key_blocks * hkv * 4 * b, 1, 1)
+    assert zeroed == [(split_ws.dkv_accum[0], split_lay.dkv_elements + split_lay.ticket_elements, 11)]
+    assert split_ws.tickets[0] == split_ws.dkv_accum[0] + 4 * split_lay.dkv_elements
+    assert args[22] == min(hkv * 4 * b, -(-2 * 132 // key_blocks))
+    assert args[-3:] == (split_ws.dkv_accum, split_ws.tickets, 4)
 
 
 def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: F811 (the fixture)
@@ -357,9 +385,20 @@ def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: 
     rows = 256
     assert prep[1:5] == ((rows // 64, 8, 3), 128, 0, 0)
     key_blocks = -(-300 // config.block_n)
-    assert main[1:5] == ((key_blocks * 2 * 3, 1, 1), 384, 0, config.shared_bytes)
+    # 3 key blocks x 2 KV heads x batch 3 = 18 CTAs on 132 SMs: each group of 4 query heads is
+    # split over 4 CTAs (backward_group_splits), its dK and dV summed in the workspace
+    assert main[1:5] == ((key_blocks * 2 * 4 * 3, 1, 1), 384, 0, config.shared_bytes)
     assert dqk[1:5] == ((rows // config.block_m, 8, 3), 256, 0, 0)
-    ws = workspace_layout(3, 8, 200, 64, config.block_m).at(main[5][6][0])
+    lay = workspace_layout(3, 8, 200, 64, config.block_m, key_blocks * 2 * 3, config.block_n)
+    ws = lay.at(main[5][6][0])
+    assert main[5][-3:] == (ws.dkv_accum, ws.tickets, 4)
+    assert fake_gpu.zeroed == [(ws.dkv_accum[0], lay.dkv_elements + lay.ticket_elements, 0)]
+    # the main kernel is the split build (its own spec and cache key); the prepare and dQ kernels
+    # are the ones every call runs
+    split_main = [s for s in fake_gpu.specs if s.operation == "backward"]
+    assert [s.group_split for s in split_main] == [True]
+    assert split_main[0].kind == "sm90bwd.backward+group_split"
+    assert not any(s.group_split for s in fake_gpu.specs if s.operation != "backward")
     assert prep[5][3:7] == (ws.delta, ws.lse_log2, ws.dq_accum, ws.counters)
     assert prep[5][-1] == rows // config.block_m  # counters per (batch, head): the main kernel's blocks
     assert main[5][4:10] == ((dk.pointer, 3 * 300 * 2 * 64), (dv.pointer, 3 * 300 * 2 * 64), ws.lse_log2,
@@ -367,4 +406,16 @@ def test_a_hopper_call_loads_and_launches_the_three_kernels(fake_gpu):  # noqa: 
     assert dqk[5][0] == ws.dq_accum and dqk[5][1][0] == dq.pointer
     assert fake_gpu.slots.keys[-1][1:] == tuple(inputs[n].pointer for n in ("q", "k", "v", "dout"))
     assert fake_gpu.slots.used_slots == [(0, 0)]
+    assert backward.ready_key(0, 64, True, False, group_split=True) in backward.gpu_state.GPU.launchers
+    assert backward.ready_key(0, 64, True, False) not in backward.gpu_state.GPU.launchers
+    # deterministic: no split, the workspace of the unsplit call
+    FakeLauncher.launches.clear()
+    call(inputs, causal=True, softmax_scale=0.25, deterministic=True)
+    _, main, _ = FakeLauncher.launches
+    assert main[1][0] == key_blocks * 2 * 3 and len(main[5]) == len(abi.BACKWARD_WS_ABI)  # no split arguments
+    assert main[5][6] == workspace_layout(3, 8, 200, 64, config.block_m).at(main[5][6][0]).lse_log2
+    assert len(fake_gpu.zeroed) == 1
+    plain_main = [s for s in fake_gpu.specs if s.operation == "backward"][1:]  # the unsplit build, loaded now
+    assert [s.group_split for s in plain_main] == [False]
+    assert plain_main[0] == dataclasses.replace(split_main[0], group_split=False)
     assert backward.ready_key(0, 64, True, False) in backward.gpu_state.GPU.launchers

@@ -19,27 +19,30 @@ CASES = [(configs.backward_config((9, 0), 128, True), True, True),
          (configs.backward_config((9, 0), 64, False), False, False)]
 
 
-@pytest.fixture(scope="module", params=CASES,
-                ids=lambda c: f"d{c[0].head_dim}-{'causal' if c[1] else 'full'}")
+@pytest.fixture(scope="module", params=[(*case, split) for case in CASES for split in (False, True)],
+                ids=lambda c: f"d{c[0].head_dim}-{'causal' if c[1] else 'full'}{'-split' if c[3] else ''}")
 def report(request):
-    config, causal, bf16 = request.param
+    """(config, report, whether the GQA-split build) of each case, plain and split."""
+    config, causal, bf16, split = request.param
     assert isinstance(config, WsBackwardConfig), config
-    entry = kernel_cubin(spec_of(config, "backward", bf16, "sm_90a", causal=causal))
-    return config, report_from_cubin(entry.cubin, entry.entry_name, "sm_90a")
+    entry = kernel_cubin(spec_of(config, "backward", bf16, "sm_90a", causal=causal, group_split=split))
+    return config, report_from_cubin(entry.cubin, entry.entry_name, "sm_90a"), split
 
 
 def test_instructions(report):
-    config, report = report
+    config, report, split = report
     for op in ("HGMMA", "UTMALDG", "SYNCS", "MUFU", "REDG"):
         assert report.count(op) > 0, f"no {op} in SASS"
     # one wgmma per k-step: Sᵀ and dPᵀ over the head dim, dV and dK over the query block, dQ over
     # the key block, each issued once in the step loop
     d, bm, bn = config.head_dim, config.block_m, config.block_n
     assert report.count("HGMMA") == 2 * d // 16 + 2 * bm // 16 + bn // 16
+    # a split GQA group's epilogue (``Epilogue.gather_split``), in the split build only: one ticket
+    assert report.count("ATOMG") == (1 if split else 0)
 
 
 def test_no_local_memory_spills_or_calls(report):
-    _, report = report
+    _, report, _ = report
     assert report.local_bytes == 0 and report.stack_bytes == 0, (report.local_bytes, report.stack_bytes)
     assert report.spill_instructions == 0, f"{report.spill_instructions} LDL/STL"
     assert report.calls == 0, "a helper was not inlined"

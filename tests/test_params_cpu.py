@@ -33,7 +33,7 @@ def test_every_registered_kernel_agrees_with_its_declaration(registered):
         function = getattr(kernel, "py_func", kernel)
         assert tuple(inspect.signature(function).parameters) == params.names_of(declared), name
         checked += 1
-    assert 800 < checked <= len(registered) <= 907
+    assert 800 < checked <= len(registered) <= 915  # 907 + the 8 GQA-split builds
     assert not any(getattr(kernel, "spec", None) and kernel.spec.sink for kernel, _, _ in registered.values())
 
 

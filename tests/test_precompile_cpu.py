@@ -33,7 +33,8 @@ def registered_specs():
         for part in (registry.forward_kernels, registry.forward_variant_kernels,
                      registry.forward_varlen_kernels,
                      registry.backward_kernels, registry.backward_variant_kernels,
-                     registry.backward_varlen_kernels, registry.decode_variant_kernels):
+                     registry.backward_varlen_kernels, registry.decode_variant_kernels,
+                     registry.backward_split_kernels, lambda: registry.backward_split_kernels(True)):
             kernels.update(part())
     finally:
         registry._built = saved

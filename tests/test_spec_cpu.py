@@ -109,7 +109,8 @@ def test_a_spec_pickles_into_another_process_with_its_own_hash():
     assert pickle.loads(pickle.dumps(spec)) == spec
     code = ("import pickle, sys; s = pickle.loads(sys.stdin.buffer.read()); "
             "print(s.softcap, hash(s) == hash((s.family, s.operation, s.config, s.dtype, s.arch, s.causal, "
-            "s.window, s.softcap, s.varlen, s.paged, s.sink, s.batch_idx, s.leftpad, s.rotary)))")
+            "s.window, s.softcap, s.varlen, s.paged, s.sink, s.batch_idx, s.leftpad, s.rotary, "
+            "s.group_split)))")
     done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True,
                           check=True)
     assert done.stdout.split() == [b"True", b"True"]

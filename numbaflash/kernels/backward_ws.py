@@ -34,6 +34,15 @@ the block (GQA sums there), as the mma.sync kernel does:
 * **Epilogue**: dK (times the softmax scale) and dV, 16-bit, staged in the K and V tiles and
   stored with 16-byte stores, none past seqlen_k.
 
+**Split GQA groups.** Where the grid is small (``operations.launch_backward.backward_group_splits``
+> 1: fewer than two waves of CTAs, never in deterministic mode) the call runs the kernel's split
+build (``group_split``, ``KernelSpec.group_split``), in which each group's query heads are split
+over ``splits`` CTAs per key block (the kernel argument ``splits``); the other builds walk the
+whole group in one CTA, as above, and hold no split code. Each split CTA adds its dK and dV into
+the key block's float32 sums in the workspace (``red.global.add.v4.f32``, fragment order) and
+takes a ticket; the one that takes the last reads the sums back and runs the epilogue
+(``Epilogue.gather_split``).
+
 Ragged lengths need no special path: TMA zero-fills rows past the end of Q, dO, K and V; the
 workspace's rows past seqlen_q have LSE₂ = +inf (P = 0) and D = 0; keys past seqlen_k and, causal,
 after a query's diagonal are masked. ``softcap`` and ``window`` are the mma.sync kernel's variants
@@ -41,9 +50,10 @@ after a query's diagonal are masked. ``softcap`` and ``window`` are the mma.sync
 
 The factory builds the kernel from named pieces, each a factory returning its steps as a named
 tuple (as ``forward_ws`` does): the rings (``make_rings``), the walk every role shares
-(``make_walk``), the producer (``make_producer``), one step of a consumer (``make_consumer_steps``:
+(``make_walk``) and where a CTA works
+(``make_placement``), the producer (``make_producer``), one step of a consumer (``make_consumer_steps``:
 GEMM issue, masks, the gradient of the scores, dSᵀ and dQ), the consumer's walk
-(``make_consumer``) and the dK / dV epilogue (``make_epilogue``).
+(``make_consumer``) and the dK / dV epilogue (``make_epilogue``, with a split group's sums).
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from numba import cuda, float32, int32, int64, types, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
+from . import params as declarations
 from .blocks import (
     Band,
     band_kv_tiles,
@@ -75,11 +86,13 @@ from .wgmma_gemms import make_backward_gemms
 
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and dout.
 Maps = namedtuple("Maps", ["q", "k", "v", "do"])
-# Where one CTA works: its key block's first key, (batch, KV head), the query blocks it walks per
-# query head (m_first .. m_blocks - 1, walked downwards), the steps of the walk (group x blocks),
+# Where one CTA works: its key block's first key, (batch, KV head), its split's first query head
+# past the group's first (0 in the builds that do not split: ``make_placement``), the query blocks
+# it walks per query head (m_first .. m_blocks - 1, walked downwards), the steps of the walk (its
+# query heads x blocks),
 # the causal diagonal, the window (a blocks.Band) and the workspace's rows per (batch, head).
-Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "m_first", "m_blocks", "steps", "diag",
-                             "band", "rows", "seqlen_q"])
+Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "split_head", "m_first", "m_blocks",
+                             "steps", "diag", "band", "rows", "seqlen_q"])
 # Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q and dO, rows buffer 0 of LSE and
 # D, dSᵀ buffer 0.
 Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds"])
@@ -108,12 +121,25 @@ Step = namedtuple("Step", ["i", "m0", "row", "counter_at", "turn", "next_row"])
 # The rings of one kernel (``ring.RingSteps`` each): the ``stages`` stages of Q and dO, one per
 # step of the walk, and the one-shot barrier of K and V.
 Rings = namedtuple("Rings", ["step", "kv"])
+# Where a CTA of the launch order works (``make_placement``): its key block, (batch, KV head), its
+# split's first query head past the group's first (0 where the group is not split) and how many
+# query heads it walks.
+Place = namedtuple("Place", ["n_block", "batch", "kv_head", "split_head", "heads"])
+# A GQA group split over CTAs (``Epilogue.gather_split``): the byte addresses of this key block's
+# dK and dV sums and of its ticket, and the CTAs the group is split over.
+SplitSums = namedtuple("SplitSums", ["dkv", "ticket", "splits"])
+
 # The pieces' steps (each factory below returns one of these).
+Placement = namedtuple("Placement", ["place", "split_sums"])
+# The kernel's arguments (``params.WS_BACKWARD``, by name) and a split build's last three
+# (``params.GROUP_SPLIT``).
+WsBackwardArgs = namedtuple("WsBackwardArgs", declarations.names_of(declarations.WS_BACKWARD))
+GroupSplit = namedtuple("GroupSplit", declarations.names_of(declarations.GROUP_SPLIT))
 Walk = namedtuple("Walk", ["next_block", "workspace_row"])
 Producer = namedtuple("Producer", ["produce_steps"])
 ConsumerSteps = namedtuple("ConsumerSteps", ["stage_rows", "consume_step"])
 Consumer = namedtuple("Consumer", ["consume"])
-Epilogue = namedtuple("Epilogue", ["store_dkv"])
+Epilogue = namedtuple("Epilogue", ["store_dkv", "gather_split"])
 
 WARPGROUP = 128  # threads
 DS_BARRIER = 1  # named barrier of the consumer warpgroups (bar.sync id; 0 is syncthreads)
@@ -130,6 +156,49 @@ def dq_n_tiles(config: WsBackwardConfig) -> int:
     warpgroups split the query rows), else its share of the head-dim columns."""
     n_tiles = config.head_dim // 8
     return n_tiles if config.dq_split == "m" else n_tiles // config.consumers
+
+
+# ---------------------------------------------------------------------------------- placement
+
+def make_placement(config: WsBackwardConfig, group_split: bool) -> Placement:
+    """Where a CTA works: its key block, (batch, KV head) and query heads, from its place in the
+    launch order; and, in a GQA-split build (``group_split``: each group split over ``splits``
+    CTAs), where its key block's dK and dV sums and ticket are (``abi``'s workspace: per key block
+    of every (batch, KV head), 2 * block_n * head_dim float32, then one int32 ticket each)."""
+    BLOCK_SUMS = 2 * config.block_n * config.head_dim * 4  # bytes of a key block's dK and dV sums
+
+    @cuda.jit(device=True, forceinline=True)
+    def place_group(cta, key_blocks, pairs, tail_pairs, heads_kv, group, splits):
+        """The CTA's ``Place`` in a build that does not split: ``key_block_of``'s (key block, pair)
+        over pairs batch * heads_kv + kv_head, the group's every query head (``splits`` unused: the
+        kernel's SASS is the one from before the split, instruction for instruction)."""
+        n_block, pair = key_block_of(cta, key_blocks, pairs, tail_pairs)
+        kv_head = int64(uint32(pair) % uint32(heads_kv))
+        return Place(n_block, int64(uint32(pair) // uint32(heads_kv)), kv_head, int64(0), group)
+
+    @cuda.jit(device=True, forceinline=True)
+    def place_split(cta, key_blocks, pairs, tail_pairs, heads_kv, group, splits):
+        """The CTA's ``Place`` in a split build: ``key_block_of``'s (key block, pair) over ``pairs``
+        pairs (batch * heads_kv + kv_head) * splits + split; split s of a group walks its group //
+        splits query heads from kv_head * group + s * (group // splits). 32-bit divisions (each
+        result narrowed: Numba widens uint32 arithmetic to 64 bits, and a 64-bit division is a
+        called subroutine)."""
+        n_block, pair = key_block_of(cta, key_blocks, pairs, tail_pairs)
+        kv_pair = uint32(uint32(pair) // uint32(splits))
+        split = uint32(uint32(pair) - kv_pair * uint32(splits))
+        heads = uint32(uint32(group) // uint32(splits))
+        kv_head = uint32(kv_pair % uint32(heads_kv))
+        return Place(n_block, int64(uint32(kv_pair // uint32(heads_kv))), int64(kv_head),
+                     int64(split * heads), int64(heads))
+
+    @cuda.jit(device=True, forceinline=True)
+    def split_sums(split, pl, key_blocks, heads_kv):
+        """The ``SplitSums`` of the key block of ``pl`` (a Place); ``split`` a GroupSplit."""
+        kb = (pl.batch * heads_kv + pl.kv_head) * key_blocks + pl.n_block
+        return SplitSums(ptx.global_address_f32(split.dkv_acc) + kb * BLOCK_SUMS,
+                         ptx.global_address_i32(split.tickets) + kb * 4, split.splits)
+
+    return Placement(place_split if group_split else place_group, split_sums)
 
 
 # ---------------------------------------------------------------------------------- the walk
@@ -173,7 +242,7 @@ def make_producer(config: WsBackwardConfig, rings: Rings, walk: Walk) -> Produce
     @cuda.jit(device=True, forceinline=True)
     def produce_steps(maps, bars, tiles, blk, group):
         """The ring's loads: every step of the walk, each into the next stage once it is free."""
-        head = blk.kv_head * group
+        head = blk.kv_head * group + blk.split_head
         m_block = blk.m_blocks - 1
         for step in range(blk.steps):
             i = uint32(step)
@@ -391,7 +460,7 @@ def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rin
                             hp.smem_descriptor_mn_sw128(tiles.ds + ds_at, BN * 128),
                             hp.smem_descriptor_mn_sw128(tiles.k + k_at, BN * 128))
         io = Io(descs, tiles, bars, blk, sc, ws)
-        head = blk.kv_head * group
+        head = blk.kv_head * group + blk.split_head
         m_block = blk.m_blocks - 1
         if blk.steps > 0:  # the first step's rows, in buffer 0
             stage_rows(tiles, ws, workspace_row(blk, heads_q, head, m_block), uint32(0), seat)
@@ -421,10 +490,14 @@ def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rin
 
 def make_epilogue(config: WsBackwardConfig, bf16: bool) -> Epilogue:
     """A consumer warp's end of the CTA: its 16 rows of dK · scale and dV, 16-bit, staged in the K
-    and V tiles and stored with 16-byte stores, none past seqlen_k."""
+    and V tiles and stored with 16-byte stores, none past seqlen_k (``store_dkv``). Where a GQA
+    group is split over CTAs, each first adds its dK and dV into the key block's float32 sums, and
+    only the last to finish reads them back and stores them (``gather_split``)."""
     D, BN = config.head_dim, config.block_n
     CONSUMER_THREADS = config.consumers * WARPGROUP
     D_N = D // 8  # n-tiles of dK and dV
+    TILE_BYTES = CONSUMER_THREADS * 16  # an n-tile of the sums: four floats a consumer thread
+    DV_AT = D_N * TILE_BYTES  # the dV sums' offset in a key block's (after dK's: block_n * D floats)
     CPR = D // 8  # 16-byte chunks of a K / V row
     STORE_ROWS = 16  # rows of dK and dV each warp stores: its own
     BF16 = bf16
@@ -446,16 +519,58 @@ def make_epilogue(config: WsBackwardConfig, bf16: bool) -> Epilogue:
         store_rows_global(dk_rows, blk.n0 + row0, tiles.k, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
         store_rows_global(dv_rows, blk.n0 + row0, tiles.v, BN, row0, STORE_ROWS, CPR, seat.lane, scratch, 128)
 
-    return Epilogue(store_dkv)
+    @cuda.jit(device=True, forceinline=True)
+    def gather_split(acc, tiles, seat, sums):
+        """This CTA's dK (unscaled) and dV added into the key block's float32 sums (``sums``: a
+        SplitSums; fragment order, n-tile j of consumer thread t at 16 (j * 256 + t) bytes:
+        coalesced ``red.global.add.v4.f32``), then a ticket: the CTA that takes the last of
+        ``sums.splits`` (every other CTA's adds are then done and visible) reads the sums back into
+        ``acc`` and returns True, so that it stores them; the others return False.
+
+        Thread 0 takes the ticket once every consumer thread's adds are fenced (a barrier) and
+        hands it over in the rows buffer, whose last reads were before the walk's last barrier."""
+        at = sums.dkv + seat.thread * 16
+        for j in range(D_N):
+            ptx.red_global_add_v4_f32(at + j * TILE_BYTES, acc.dk[j, 0], acc.dk[j, 1], acc.dk[j, 2],
+                                      acc.dk[j, 3])
+            ptx.red_global_add_v4_f32(at + DV_AT + j * TILE_BYTES, acc.dv[j, 0], acc.dv[j, 1], acc.dv[j, 2],
+                                      acc.dv[j, 3])
+        cuda.threadfence()
+        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        if seat.thread == 0:
+            ptx.st_shared_b32(tiles.lse, uint32(ptx.atom_add_acq_rel_gpu_s32(sums.ticket, int32(1))))
+        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        last = int64(ptx.ld_shared_b32(tiles.lse)) == sums.splits - 1
+        if last:
+            cuda.threadfence()
+            scratch = cuda.local.array(4, float32)
+            for j in range(D_N):
+                ptx.ld_relaxed_gpu_v4_f32(scratch, at + j * TILE_BYTES)
+                for e in range(4):
+                    acc.dk[j, e] = scratch[e]
+                ptx.ld_relaxed_gpu_v4_f32(scratch, at + DV_AT + j * TILE_BYTES)
+                for e in range(4):
+                    acc.dv[j, e] = scratch[e]
+        return last
+
+    return Epilogue(store_dkv, gather_split)
 
 
 # ---------------------------------------------------------------------------------- kernel
 
 def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, window: bool = False,
-                            softcap: bool = False):
+                            softcap: bool = False, group_split: bool = False):
     """The main kernel (``params.WS_BACKWARD``): grid ceil(seqlen_k / block_n) * heads_kv * batch
-    in one dimension (``blocks.key_block_of``), ``config.threads`` threads, ``config.shared_bytes``
-    of dynamic shared memory; jit it with ``launch_bounds=(config.threads, 1)``.
+    in one dimension (``blocks.key_block_of``: ``make_placement``), ``config.threads`` threads,
+    ``config.shared_bytes`` of dynamic shared memory; jit it with ``launch_bounds=(config.threads,
+    1)``. The kernel is the body's entry, generated from its declaration (``params.entry``).
+
+    ``group_split``: the GQA-split build (``params.GROUP_SPLIT`` last: ``dkv_acc``, ``tickets``,
+    zeroed before the launch, and ``splits``), launched where
+    ``operations.launch_backward.backward_group_splits`` > 1: grid ceil(seqlen_k / block_n) *
+    heads_kv * splits * batch, each group's query heads split over ``splits`` CTAs, which add
+    their dK and dV into float32 sums; the last to finish stores them. The other builds have no
+    split code (their SASS is the one before the split existed).
 
     ``window``: a sliding-window kernel (``causal`` must be False: the window's right edge 0 is
     causal masking); ``softcap``: scores capped by tanh (``cap_scale`` = softmax scale / softcap,
@@ -467,30 +582,32 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     CONSUMER_WARPS = config.consumers * WARPGROUP // 32
     lay = config.layout
     KV_BYTES = BN * D * 2
-    CAUSAL, WINDOW = causal, window
+    CAUSAL, WINDOW, GROUP_SPLIT = causal, window, group_split
     rings = make_rings(config)
     ring, kv_once = rings
     load_tile = make_tile_loads(config)
     BARRIER_WORDS = config.barrier_words
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
+    placement = make_placement(config, group_split)
     walk = make_walk(config)
     produce_steps = make_producer(config, rings, walk).produce_steps
     consume = make_consumer(config, causal, bf16, rings, walk, window, softcap).consume
-    store_dkv = make_epilogue(config, bf16).store_dkv
+    store_dkv, gather_split = make_epilogue(config, bf16)
 
-    def flash_backward_ws(map_q, map_k, map_v, map_do, dk, dv, lse2, delta, dq_acc, counters,
-                          dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-                          seqlen_q, seqlen_k, rows, heads_q, group, heads_kv, tail_pairs, scale_log2, scale,
-                          deterministic, window_left, window_right, cap_scale):
+    @cuda.jit(device=True, forceinline=True)
+    def run_cta(a, split):
+        """The kernel's body: ``a`` a WsBackwardArgs (``params.WS_BACKWARD``), ``split`` a
+        GroupSplit (split builds) or an unused placeholder."""
         smem = cuda.shared.array(0, types.uint16)
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
+        seqlen_q, seqlen_k = a.seqlen_q, a.seqlen_k
         key_blocks = uint32((seqlen_k + BN - 1) // BN)
-        n_block, pair = key_block_of(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
-                                     tail_pairs if CAUSAL or WINDOW else 0)
-        kv_head = int64(uint32(pair) % uint32(heads_kv))
-        batch = int64(uint32(pair) // uint32(heads_kv))
+        pl = placement.place(cuda.blockIdx.x, key_blocks, uint32(cuda.gridDim.x) // key_blocks,
+                             a.tail_pairs if CAUSAL or WINDOW else 0, a.heads_kv, a.group,
+                             split.splits if GROUP_SPLIT else 1)
+        n_block, batch, kv_head = pl.n_block, pl.batch, pl.kv_head
         n0 = n_block * BN
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
         m_blocks = (seqlen_q + BM - 1) // BM
@@ -499,12 +616,13 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             m_first = max(n0 - diag, 0) // BM  # the first query block that sees a key of the block
         # read by WINDOW kernels only; 32-bit (fewer registers): the window's edges clamped to the
         # rows and keys that exist (an unbounded side is 2^40), which sees the same keys
-        band = Band(int32(seqlen_k), int32(max(diag - window_left, -seqlen_q)),
-                    int32(min(diag + window_right, seqlen_k)))
+        band = Band(int32(seqlen_k), int32(max(diag - a.window_left, -seqlen_q)),
+                    int32(min(diag + a.window_right, seqlen_k)))
         if WINDOW:
             m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
-        steps = group * max(m_blocks - m_first, 0)
-        blk = Block(n0, n_block, batch, kv_head, m_first, m_blocks, steps, diag, band, rows, seqlen_q)
+        steps = pl.heads * max(m_blocks - m_first, 0)
+        blk = Block(n0, n_block, batch, kv_head, pl.split_head, m_first, m_blocks, steps, diag, band, a.rows,
+                    seqlen_q)
 
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
@@ -518,32 +636,46 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                 hp.mbarrier_init(ring.full(bars, s), 1)
                 hp.mbarrier_init(ring.empty(bars, s), CONSUMER_WARPS)
             hp.fence_mbarrier_init()
-            hp.tma_prefetch_descriptor(map_q)
-            hp.tma_prefetch_descriptor(map_k)
-            hp.tma_prefetch_descriptor(map_v)
-            hp.tma_prefetch_descriptor(map_do)
+            hp.tma_prefetch_descriptor(a.map_q)
+            hp.tma_prefetch_descriptor(a.map_k)
+            hp.tma_prefetch_descriptor(a.map_v)
+            hp.tma_prefetch_descriptor(a.map_do)
         cuda.syncthreads()  # the last CTA-wide barrier: the roles part here
         if tid < WARPGROUP:
             lower_registers()
             if tid == 0:
-                maps = Maps(map_q, map_k, map_v, map_do)
+                maps = Maps(a.map_q, a.map_k, a.map_v, a.map_do)
                 kv_once.arm(kv_bar, 0, 2 * KV_BYTES)
                 load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
                 load_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
-                produce_steps(maps, bars, tiles, blk, group)
+                produce_steps(maps, bars, tiles, blk, a.group)
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
             seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread)
-            sc = Scalars(scale_log2, cap_scale, deterministic)
-            ws = Workspace(ptx.global_address_f32(dq_acc), ptx.global_address_i32(counters), lse2, delta)
-            acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, rows // BM)
-            store_dkv(acc, tiles, blk, seat, dk, dv, (dk_sb, dk_ss, dk_sh), (dv_sb, dv_ss, dv_sh), scale,
-                      seqlen_k)
+            sc = Scalars(a.scale_log2, a.cap_scale, a.deterministic)
+            ws = Workspace(ptx.global_address_f32(a.dq_acc), ptx.global_address_i32(a.counters), a.lse2,
+                           a.delta)
+            acc = consume(tiles, bars, kv_bar, blk, seat, sc, ws, a.heads_q, a.group, a.rows // BM)
+            last = True  # a split group's dK and dV: stored by the split that finishes last
+            if GROUP_SPLIT:
+                last = gather_split(acc, tiles, seat, placement.split_sums(split, pl, key_blocks, a.heads_kv))
+            if last:
+                store_dkv(acc, tiles, blk, seat, a.dk, a.dv, (a.dk_sb, a.dk_ss, a.dk_sh),
+                          (a.dv_sb, a.dv_ss, a.dv_sh), a.scale, seqlen_k)
+
+    names = declarations.names_of(declarations.WS_BACKWARD)
+    flash_backward_ws = declarations.entry(
+        "flash_backward_ws", declarations.WS_BACKWARD + declarations.GROUP_SPLIT if group_split
+        else declarations.WS_BACKWARD,
+        f"run_cta(WsBackwardArgs({', '.join(names)}), "
+        f"{'GroupSplit(dkv_acc, tickets, splits)' if group_split else 'int32(0)'})",
+        {"run_cta": run_cta, "WsBackwardArgs": WsBackwardArgs, "GroupSplit": GroupSplit, "int32": int32})
 
     mask_kind = "window" if window else "causal" if causal else "full"
     flash_backward_ws.__name__ = (f"flash_backward_ws_d{D}_m{BM}_n{BN}{config.tag}_{mask_kind}"
-                                  f"{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}")
+                                  f"{'_softcap' if softcap else ''}{'_split' if group_split else ''}_"
+                                  f"{'bf16' if bf16 else 'f16'}")
     flash_backward_ws.launch_bounds = (config.threads, 1)
     return flash_backward_ws

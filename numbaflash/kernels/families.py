@@ -41,6 +41,10 @@ class Family:
     operations: tuple[str, ...]  # in launch order
     varlen: bool = False
     sink: tuple[str, ...] = ()  # the operations it builds with a learnable sink (``KernelSpec.sink``)
+    # Whether it builds its backward main kernel with a GQA group's query heads split over CTAs
+    # (``KernelSpec.group_split``: launched where ``operations.launch_backward.backward_group_splits``
+    # > 1; the kernel argument ``splits`` says over how many).
+    group_splits: bool = False
 
     def runs(self, operation: str, varlen: bool = False, sink: bool = False) -> bool:
         """Whether the family has a kernel of ``operation`` (a packed variable-length one: ``varlen``;
@@ -49,6 +53,9 @@ class Family:
                 and (not sink or operation in self.sink))
 
     def check(self, spec: KernelSpec) -> None:
+        if spec.group_split and (not self.group_splits or spec.varlen):
+            raise NotImplementedError(f"the {self.name} family has no {spec.kind} kernel (a GQA split: "
+                                      f"the dense Hopper backward's main kernel only)")
         if spec.sink and spec.operation not in self.sink:
             raise NotImplementedError(f"the {self.name} family has no {spec.kind} kernel (a learnable sink: "
                                       f"{', '.join(self.sink) or 'no operation'} only)")
@@ -73,7 +80,7 @@ SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward",),
 SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer",
                   BACKWARD_OPERATIONS, varlen=True, sink=("backward_prep",))
 SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_90a)", BACKWARD_OPERATIONS,
-                  sink=("backward_prep",))
+                  sink=("backward_prep",), group_splits=True)
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer",
                   DECODE_OPERATIONS, sink=("decode",))
 
@@ -141,7 +148,8 @@ def _backward_dq(s: KernelSpec):
 def _backward_ws(s: KernelSpec):
     from .backward_ws import make_backward_ws_kernel
 
-    return make_backward_ws_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap)
+    return make_backward_ws_kernel(s.config, s.causal, s.bf16, window=s.window, softcap=s.softcap,
+                                   group_split=s.group_split)
 
 
 def _decode(s: KernelSpec):
@@ -273,7 +281,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     the packed sequences of a varlen build, the window's and softcap's for a decode variant, and
     the learnable sink's logits last for a sink build (the backward's prepare kernel: the logits
     and d_sink, ``params.SINK_GRADIENT``; a decode build: ``params.decode_params``, then its
-    cache options)."""
+    cache options), and the GQA split's sums, tickets and count last for a split build of the
+    Hopper backward's main kernel (``params.GROUP_SPLIT``)."""
     family, op = spec.family, spec.operation
     if op == "forward":
         if family == "sm90":
@@ -288,7 +297,7 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
         return params.VARLEN_BACKWARD_DQ if spec.varlen else params.BACKWARD_DQ
     if op == "backward":
         if family == "sm90bwd":
-            return params.WS_BACKWARD
+            return params.WS_BACKWARD + params.GROUP_SPLIT if spec.group_split else params.WS_BACKWARD
         return params.VARLEN_BACKWARD if spec.varlen else params.BACKWARD
     if op == "decode":
         return params.decode_params(spec.window or spec.softcap, spec.sink, spec.batch_idx, spec.leftpad,
@@ -310,10 +319,10 @@ def kernel_argtypes(spec: KernelSpec) -> tuple:
 
 def spec_of(config: Any, operation: str = "forward", bf16: bool = False, arch: str | None = None, *,
             causal: bool = False, window: bool = False, softcap: bool = False,
-            varlen: bool = False, sink: bool = False) -> KernelSpec:
+            varlen: bool = False, sink: bool = False, group_split: bool = False) -> KernelSpec:
     """The normalised spec of ``config``'s ``operation`` kernel (``kernels.spec.kernel_spec``) in its
     family; ``arch`` None: the family's own target."""
     family = family_of(config)
     arch = family.arch if arch is None else arch
     return kernel_spec(family.name, operation, config, dtype_name(bf16), arch, causal=causal, window=window,
-                       softcap=softcap, varlen=varlen, sink=sink)
+                       softcap=softcap, varlen=varlen, sink=sink, group_split=group_split)

@@ -92,11 +92,15 @@ BACKWARD = params(
     (I64, strides("q", "k", "v", "do", "dk", "dv")),
 ) + _BACKWARD_SCALARS
 # 2'. The Hopper backward's main kernel (``backward_ws``): tensor maps of q, k, v, dout instead of
-# their pointers and strides. Its prepare and dQ kernels are the mma.sync ones.
+# their pointers and strides. Its prepare and dQ kernels are the mma.sync ones. Its GQA-split build
+# (``KernelSpec.group_split``) takes ``GROUP_SPLIT`` last: the float32 dK / dV sums and int32
+# tickets of its key blocks (zeroed before the launch) and the CTAs each group's query heads are
+# split over.
 WS_BACKWARD = params(
     (U64_ARRAY, "map_q map_k map_v map_do"), (U16_ARRAY, "dk dv"), (F32_ARRAY, "lse2 delta dq_acc"),
     (I32_ARRAY, "counters"), (I64, strides("dk", "dv")),
 ) + _BACKWARD_SCALARS
+GROUP_SPLIT = params((F32_ARRAY, "dkv_acc"), (I32_ARRAY, "tickets"), (I64, "splits"))
 # 3. dQ = the accumulator, scaled, in the input dtype.
 BACKWARD_DQ = params((F32_ARRAY, "dq_acc"), (U16_ARRAY, "dq"), (I64, strides("dq")),
                      (I64, "seqlen_q rows heads_q"), (F32, "scale"))

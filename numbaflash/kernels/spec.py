@@ -14,6 +14,8 @@ Normalisation happens once, here, so that equal kernels have equal specs:
 - the kernels that do not read a learnable sink (``SINK_FREE``: the backward's main and dQ
   kernels, which take the forward's sink-inclusive LSE unchanged, and the combine kernel) are
   built without it: of a backward, only the prepare kernel has a sink build (it adds d_sink);
+- ``group_split`` (a GQA group's query heads split over CTAs, their dK and dV summed) is an axis
+  of the backward's main kernel only (the Hopper backward's: ``Family.group_splits``);
 - the KV-cache call's ``cache_batch_idx``, ``cache_leftpad`` and rotary embedding (``batch_idx``,
   ``leftpad``, ``rotary``) are axes of the decode kernel only (the combine kernel reads no cache).
 
@@ -30,6 +32,8 @@ DTYPES = ("float16", "bfloat16")
 CAUSAL_FREE = frozenset({"backward_prep", "backward_dq", "decode_combine"})
 # Operations whose kernels never read a learnable sink (the backward's prepare kernel does: d_sink).
 SINK_FREE = frozenset({"backward", "backward_dq", "decode_combine"})
+# Operations with a GQA-split build (``KernelSpec.group_split``): the backward's main kernel.
+GROUP_SPLIT_OPERATIONS = frozenset({"backward"})
 # Operations whose kernels serve packed (varlen) and paged calls alike.
 LAYOUT_FREE = frozenset({"decode_combine"})
 
@@ -59,11 +63,13 @@ class KernelSpec:
     batch_idx: bool = False
     leftpad: bool = False
     rotary: int = 0  # the KV-cache call's rotary embedding: 0 none, 1 halves, 2 interleaved
+    group_split: bool = False  # the backward main kernel's GQA split (``kernels.backward_ws``)
     _hash: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = (self.family, self.operation, self.config, self.dtype, self.arch, self.causal, self.window,
-                  self.softcap, self.varlen, self.paged, self.sink, self.batch_idx, self.leftpad, self.rotary)
+                  self.softcap, self.varlen, self.paged, self.sink, self.batch_idx, self.leftpad, self.rotary,
+                  self.group_split)
         object.__setattr__(self, "_hash", hash(fields))
 
     def __hash__(self) -> int:
@@ -93,7 +99,7 @@ class KernelSpec:
         return kernel_spec(self.family, operation, self.config, self.dtype, self.arch, causal=self.causal,
                            window=self.window, softcap=self.softcap, varlen=self.varlen, paged=self.paged,
                            sink=self.sink if sink is None else sink, batch_idx=self.batch_idx,
-                           leftpad=self.leftpad, rotary=self.rotary)
+                           leftpad=self.leftpad, rotary=self.rotary, group_split=self.group_split)
 
     def on(self, arch: str) -> KernelSpec:
         """The same kernel for another target."""
@@ -101,17 +107,18 @@ class KernelSpec:
 
 
 # The variant axes (boolean fields, named in ``KernelSpec.kind``); causal is the mask, not an axis.
-AXES = ("window", "softcap", "varlen", "paged", "sink", "batch_idx", "leftpad", "rotary")
+AXES = ("window", "softcap", "varlen", "paged", "sink", "batch_idx", "leftpad", "rotary", "group_split")
 
 
 def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16", arch: str = "", *,
                 causal: bool = False, window: bool = False, softcap: bool = False, varlen: bool = False,
                 paged: bool = False, sink: bool = False, batch_idx: bool = False,
-                leftpad: bool = False, rotary: int = 0) -> KernelSpec:
+                leftpad: bool = False, rotary: int = 0, group_split: bool = False) -> KernelSpec:
     """The normalised spec of one kernel (see the module's docstring); ``dtype`` "float16" or
     "bfloat16". A decode kernel's paging is its config's (``DecodeConfig.paged``); ``batch_idx``
     and ``leftpad`` (the KV-cache call's ``cache_batch_idx`` and ``cache_leftpad``) and ``rotary``
-    (its rotary embedding: 0 none, 1 halves, 2 interleaved) are the decode kernel's only."""
+    (its rotary embedding: 0 none, 1 halves, 2 interleaved) are the decode kernel's only;
+    ``group_split`` (GQA groups split over CTAs) the backward main kernel's only."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if operation == "decode":
@@ -125,12 +132,15 @@ def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16"
         causal = window = softcap = False
     if operation in SINK_FREE:
         sink = False
+    if operation not in GROUP_SPLIT_OPERATIONS:
+        group_split = False
     if operation in LAYOUT_FREE:
         varlen = paged = False
     if window:
         causal = False
     return KernelSpec(family, operation, config, dtype, arch, bool(causal), bool(window), bool(softcap),
-                      bool(varlen), bool(paged), bool(sink), bool(batch_idx), bool(leftpad), int(rotary))
+                      bool(varlen), bool(paged), bool(sink), bool(batch_idx), bool(leftpad), int(rotary),
+                      bool(group_split))
 
 
 def dtype_name(bf16: bool) -> str:

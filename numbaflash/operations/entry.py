@@ -5,7 +5,7 @@ entries live beside their operations (``varlen``, ``varlen_backward``).
 
 Every check runs before anything is compiled or launched; the device path then costs a few
 dictionary lookups and one launch (``forward.run_device``). Torch tensors of a layout validated
-before skip to the per-call checks and the launch (``forward.run_torch``).
+before skip to the per-call checks and the launch (``forward.run_torch``, ``backward.run_torch``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,14 @@ def direct_flash_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any,
                                     window_size: Any = (-1, -1), softcap: Any = 0.0,
                                     learnable_sink: Any = None) -> tuple[Any, ...]:
     """``api.flash_attention_backward``: validate, then launch (what the custom op runs).
-    With a ``learnable_sink`` (checked as the forward's, ``describe_sink``) returns d_sink too."""
+    With a ``learnable_sink`` (checked as the forward's, ``describe_sink``) returns d_sink too.
+    Torch tensors of a layout validated before take ``backward.run_torch``: its per-call checks,
+    the allocations and the three launches."""
+    if kind_of(q) == "torch":
+        done = backward.run_torch(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv,
+                                  window_size, softcap, learnable_sink)
+        if done is not None:
+            return done
     window_size = check_window_size(window_size)
     qd, kd, vd = describe("q", q), describe("k", k), describe("v", v)
     check_shapes(qd, kd, vd, value_dim=True)

@@ -19,6 +19,7 @@ from .launch_backward import (
     launch_backward_ws_dq,
     launch_backward_ws_main,
     launch_backward_ws_prep,
+    launch_backward_ws_split,
     launch_varlen_backward_dq,
     launch_varlen_backward_main,
     launch_varlen_backward_prep,
@@ -50,6 +51,8 @@ def prepare_launch(spec: KernelSpec) -> Prepare:
         if packed is None:
             raise NotImplementedError(f"no launch for {spec.kind}")
         return packed
+    if spec.group_split:
+        return launch_backward_ws_split  # its parameters end with the sums, tickets and splits
     if spec.operation == "decode" and (spec.window or spec.softcap):
         return launch_decode_variant  # the variants' parameter list (window sides, softcap factor)
     return dense

@@ -18,6 +18,7 @@ from .async_copy import (
     cp_async_wait_group_3,
     global_address,
     ld_global_nc_v4_at,
+    ld_shared_b32,
     ld_shared_f32,
     ld_shared_v4,
     shared_address_f32,
@@ -51,15 +52,18 @@ from .matrix_load import (
 )
 from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
 from .reduce import (
+    atom_add_acq_rel_gpu_s32,
     global_address_f32,
     global_address_i32,
     ld_acquire_gpu_s32,
+    ld_relaxed_gpu_v4_f32,
     red_global_add_f32,
     red_global_add_v4_f32,
     red_release_gpu_add_s32,
 )
 
 __all__ = [
+    "atom_add_acq_rel_gpu_s32",
     "cp_async_16",
     "cp_async_16_at",
     "cp_async_16_zfill",
@@ -80,6 +84,8 @@ __all__ = [
     "grid_dependency_wait",
     "grid_launch_dependents",
     "ld_acquire_gpu_s32",
+    "ld_relaxed_gpu_v4_f32",
+    "ld_shared_b32",
     "ld_shared_v4",
     "log2",
     "ldmatrix_x1",

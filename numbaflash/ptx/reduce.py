@@ -2,7 +2,9 @@
 (``ptx/reduce.cu``): the backward adds dQ into a float32 buffer with ``red_global_add_f32``
 (on sm_90 ``red_global_add_v4_f32``, four adjacent floats at once), and in deterministic mode
 takes turns per query block with ``ld_acquire_gpu_s32`` / ``red_release_gpu_add_s32`` on a
-counter.
+counter; a GQA group split over CTAs adds dK and dV into float32 sums the same way, and the
+CTA that takes the last ticket (``atom_add_acq_rel_gpu_s32``) reads them back
+(``ld_relaxed_gpu_v4_f32``).
 
 Addresses are generic byte addresses of global memory (int64), from ``global_address_f32`` /
 ``global_address_i32`` plus an offset.
@@ -30,6 +32,18 @@ ld_acquire_gpu_s32 = declare("reduce", "ld_acquire_gpu_s32", types.int32(_i64))
 ld_acquire_gpu_s32.__doc__ = "ld_acquire_gpu_s32(address) -> int32 *address, acquire order at GPU scope."
 red_release_gpu_add_s32 = declare("reduce", "red_release_gpu_add_s32", types.void(_i64, types.int32))
 red_release_gpu_add_s32.__doc__ = "red_release_gpu_add_s32(a, v): *a += v, release order at GPU scope."
+atom_add_acq_rel_gpu_s32 = declare("reduce", "atom_add_acq_rel_gpu_s32", types.int32(_i64, types.int32))
+atom_add_acq_rel_gpu_s32.__doc__ = ("atom_add_acq_rel_gpu_s32(a, v) -> the old *a; *a += v, acquire "
+                                    "and release order at GPU scope (a ticket).")
+_ld_relaxed_gpu_v4_f32 = declare("reduce", "ld_relaxed_gpu_v4_f32", types.void(f32p, _i64))
+
+
+@cuda.jit(device=True, forceinline=True)
+def ld_relaxed_gpu_v4_f32(regs, address):
+    """Load the four float32 at the global byte address ``address`` (int64, 16-byte aligned) into
+    ``regs[0:4]``: a relaxed load at GPU scope, which reads L2 (after an acquire it sees what
+    other CTAs reduced there)."""
+    _ld_relaxed_gpu_v4_f32(_ffi.from_buffer(regs), address)
 
 
 @cuda.jit(device=True, forceinline=True)

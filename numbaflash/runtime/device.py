@@ -165,6 +165,14 @@ class GpuState:
             count = self.sm_counts[ordinal] = self._attribute("MULTIPROCESSOR_COUNT", ordinal)
         return count
 
+    def zero_words(self, pointer: int, count: int, stream: int) -> None:
+        """Zero ``count`` 32-bit words of device memory from ``pointer``, on ``stream``
+        (``cuMemsetD32Async``: ordered with the stream's kernels, and captured by CUDA graphs)."""
+        driver = self.driver()
+        result = driver.cuMemsetD32Async(pointer, 0, count, stream)  # a backward plan's every fire
+        if result[0] != driver.CUresult.CUDA_SUCCESS:  # the message only on failure
+            raise RuntimeError(f"cannot zero {count} words of device memory: {result[0].name}")
+
     def scratch_f32(self, ordinal: int) -> tuple[int, int]:
         """(pointer, 1) of a float32 device scalar, one per device, kept for the process: the LSE
         argument when no LSE is asked for (a fresh allocation per call would later be freed with

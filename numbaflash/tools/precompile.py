@@ -78,11 +78,14 @@ def backward_kernels_for(arch: str, candidates: bool, variants: bool = False) ->
     dQ kernels; the mma.sync backward runs on every GPU, Hopper included), with ``variants`` also
     those of its window, softcap and packed variable-length calls (``VARIANTS``, each on the family
     and config its call picks: ``configs.backward_config(window=, softcap=, varlen=)``), and with
-    ``candidates`` the plain kernels of every backward candidate; each once (the prepare and dQ
-    kernels serve causal and non-causal calls, and every window and softcap, alike:
+    ``candidates`` the plain kernels of every backward candidate, and the GQA-split build of each
+    Hopper backward main kernel among them (``KernelSpec.group_split``); each once (the prepare
+    and dQ kernels serve causal and non-causal calls, and every window and softcap, alike:
     ``kernels.spec.CAUSAL_FREE``)."""
+    import dataclasses
+
     from ..configs import BACKWARD_CANDIDATES, BACKWARD_DEFAULTS, backward_config, backward_for_target
-    from ..kernels.families import BACKWARD_OPERATIONS, spec_of
+    from ..kernels.families import BACKWARD_OPERATIONS, FAMILIES, spec_of
 
     cap = capability_of(arch)
     items = []
@@ -100,6 +103,10 @@ def backward_kernels_for(arch: str, candidates: bool, variants: bool = False) ->
                 items += [spec_of(config, operation, bf16, arch, causal=causal, window=window,
                                   softcap=softcap, varlen=varlen)
                           for config in chosen for bf16 in (False, True) for operation in BACKWARD_OPERATIONS]
+    # The GQA-split build of each main kernel of a family that splits (the Hopper backward's:
+    # ``operations.backward.call_group_splits``), which its calls with a small grid run.
+    items += [dataclasses.replace(s, group_split=True) for s in items
+              if s.operation == "backward" and FAMILIES[s.family].group_splits]
     return list(dict.fromkeys(items))
 
 
@@ -129,9 +136,13 @@ def plan(arches: Sequence[str], candidates: bool = False, backward: bool = True,
 
 
 def summary(arch: str, parts: dict[str, list]) -> str:
-    """One line of what ``precompile`` builds for ``arch``: ``precompile sm_90a: 212 kernels
-    (forward 64, backward 96, decode 52)``."""
-    counts = ", ".join(f"{name} {len(specs)}" for name, specs in parts.items() if specs)
+    """One line of what ``precompile`` builds for ``arch``: ``precompile sm_90a: 228 kernels
+    (forward 64, backward 112 of which 16 GQA-split, decode 52)``."""
+    def count(specs: list) -> str:
+        split = sum(getattr(s, "group_split", False) for s in specs)
+        return f"{len(specs)}{f' of which {split} GQA-split' if split else ''}"
+
+    counts = ", ".join(f"{name} {count(specs)}" for name, specs in parts.items() if specs)
     return f"precompile {arch}: {sum(len(specs) for specs in parts.values())} kernels ({counts})"
 
 

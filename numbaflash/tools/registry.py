@@ -26,6 +26,7 @@ def registered_kernels() -> dict:
     kernels.update(backward_kernels())
     kernels.update(backward_variant_kernels())
     kernels.update(backward_varlen_kernels())
+    kernels.update(backward_split_kernels())
     kernels.update(decode_variant_kernels())
     kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
@@ -182,6 +183,26 @@ def backward_variant_kernels() -> dict:
                 kernel, argtypes = _built(_backward_spec(config, "backward", bf16, causal, window, softcap))
                 if kernel.__name__ not in kernels:
                     kernels[kernel.__name__] = (kernel, argtypes, (kernel.spec.arch,))
+    return kernels
+
+
+def backward_split_kernels(variants: bool = False) -> dict:
+    """The GQA-split builds (``KernelSpec.group_split``, ``kernels.backward_ws``) of the Hopper
+    backward's main kernels of ``backward_kernels`` (causal and full, both dtypes: 8, registered),
+    with ``variants`` those of ``backward_variant_kernels`` instead (window, softcap: not
+    registered; the API builds them on first use, ``precompile`` with its variants). Named like
+    the kernel they split with ``_split`` before the dtype
+    (``flash_backward_ws_d128_m64_n128_s2_causal_split_bf16``)."""
+    import dataclasses
+
+    from ..kernels.families import FAMILIES
+
+    kernels = {}
+    for kernel, _, archs in (backward_variant_kernels() if variants else backward_kernels()).values():
+        spec = kernel.spec
+        if spec.operation == "backward" and FAMILIES[spec.family].group_splits:
+            built, argtypes = _built(dataclasses.replace(spec, group_split=True))
+            kernels[built.__name__] = (built, argtypes, archs)
     return kernels
 
 
