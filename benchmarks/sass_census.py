@@ -23,15 +23,15 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
 _KERNELS: dict | None = None
-SINK = False  # --sink: the learnable-sink builds of the forward and backward-prepare kernels (not registered)
+ON_DEMAND = False  # --on-demand: the builds compiled on first use, not registered (sink, GQA split)
 
 
 def _kernels() -> dict:
     global _KERNELS
     if _KERNELS is None:
-        from numbaflash.tools.registry import backward_sink_kernels, forward_sink_kernels, registered_kernels
+        from numbaflash.tools.registry import on_demand_kernels, registered_kernels
 
-        _KERNELS = {**forward_sink_kernels(), **backward_sink_kernels()} if SINK else registered_kernels()
+        _KERNELS = on_demand_kernels() if ON_DEMAND else registered_kernels()
     return _KERNELS
 
 
@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", action="store_true",
                         help="compile through the kernel cache (NUMBAFLASH_CACHE_DIR): the census also "
                              "precompiles every registered kernel for each target")
-    parser.add_argument("--sink", action="store_true",
-                        help="the learnable-sink builds of the forward and backward-prepare kernels instead "
-                             "(tools.registry.forward_sink_kernels, backward_sink_kernels: built on demand, "
+    parser.add_argument("--on-demand", action="store_true",
+                        help="the builds compiled on first use instead (tools.registry.on_demand_kernels: "
+                             "the learnable-sink builds and the Hopper backward's GQA-split builds, "
                              "not registered)")
     args = parser.parse_args(argv)
-    global CACHE, SINK
-    CACHE, SINK = args.cache, args.sink
+    global CACHE, ON_DEMAND
+    CACHE, ON_DEMAND = args.cache, args.on_demand
     if args.compare:
         return compare(*args.compare)
     archs = args.archs.split(",")

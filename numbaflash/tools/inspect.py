@@ -150,7 +150,7 @@ def format_table(reports: Iterable[KernelReport]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .registry import registered_kernels
+    from .registry import on_demand_kernels, registered_kernels
 
     parser = argparse.ArgumentParser(prog="python -m numbaflash.inspect", description=__doc__.split("\n")[0])
     parser.add_argument("pattern", nargs="?", default="", help="only kernels whose name contains this")
@@ -158,8 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="target (repeatable); default sm_80 and sm_90a")
     parser.add_argument("--list", action="store_true", help="list kernel names and exit")
     parser.add_argument("--sass", action="store_true", help="also print the full SASS")
+    parser.add_argument("--on-demand", action="store_true",
+                        help="the builds compiled on first use (learnable sink, GQA split) instead of the "
+                             "registered kernels")
     args = parser.parse_args(argv)
-    kernels = {n: k for n, k in registered_kernels().items() if args.pattern in n}
+    source = on_demand_kernels if args.on_demand else registered_kernels
+    kernels = {n: k for n, k in source().items() if args.pattern in n}
     if args.list:
         print("\n".join(kernels))
         return 0

@@ -26,10 +26,17 @@ def registered_kernels() -> dict:
     kernels.update(backward_kernels())
     kernels.update(backward_variant_kernels())
     kernels.update(backward_varlen_kernels())
-    kernels.update(backward_split_kernels())
     kernels.update(decode_variant_kernels())
     kernels.update(hopper_gemm.registered())  # sm_90a: wgmma / TMA demos
     return kernels
+
+
+def on_demand_kernels() -> dict:
+    """The builds the API compiles on first use and the registry does not count: the learnable-sink
+    builds (``forward_sink_kernels``, ``backward_sink_kernels``) and the Hopper backward's GQA-split
+    builds (``backward_split_kernels``). ``benchmarks/sass_census.py --on-demand`` and
+    ``python -m numbaflash.inspect --on-demand`` check them offline."""
+    return {**forward_sink_kernels(), **backward_sink_kernels(), **backward_split_kernels()}
 
 
 def _built(spec):
@@ -188,9 +195,10 @@ def backward_variant_kernels() -> dict:
 
 def backward_split_kernels(variants: bool = False) -> dict:
     """The GQA-split builds (``KernelSpec.group_split``, ``kernels.backward_ws``) of the Hopper
-    backward's main kernels of ``backward_kernels`` (causal and full, both dtypes: 8, registered),
-    with ``variants`` those of ``backward_variant_kernels`` instead (window, softcap: not
-    registered; the API builds them on first use, ``precompile`` with its variants). Named like
+    backward's main kernels of ``backward_kernels`` (causal and full, both dtypes: 8), with
+    ``variants`` those of ``backward_variant_kernels`` instead (window, softcap). Not registered
+    (``on_demand_kernels``): the API builds a split build on first use, ``precompile`` builds them
+    (the variants' with its variants). Named like
     the kernel they split with ``_split`` before the dtype
     (``flash_backward_ws_d128_m64_n128_s2_causal_split_bf16``)."""
     import dataclasses
