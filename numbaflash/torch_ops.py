@@ -150,6 +150,12 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softm
     seqlen_q). The window
     (``window_left``, ``window_right``; -1 unbounded), ``softcap`` (0: off) and ``learnable_sink``
     (float32 (heads_q,), or None) as in ``numbaflash.flash_attention``."""
+    return _forward(q, k, v, causal, softmax_scale, window_left, window_right, softcap, learnable_sink)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window_left: int,
+             window_right: int, softcap: float, learnable_sink: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The forward op's implementation (also ``EagerAttention``'s forward)."""
     if learnable_sink is not None:
         prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap, None,
                          learnable_sink)
@@ -282,6 +288,31 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
 flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class EagerAttention(torch.autograd.Function):
+    """``flash_attention_forward``'s autograd for eager calls (``torch_route.route`` takes it where
+    grad is needed on plain tensors, outside torch.compile, dispatch modes and torch.func
+    transforms): the op's implementation and formula (``_forward``, ``_setup_context``,
+    ``_backward``) without the dispatch of a custom op, whose autograd wrapper is Python (about
+    50 microseconds a call on the host: docs/PERFORMANCE.md, "Host cost of training calls"). No
+    zero gradient is made for the LSE, which gets none (``set_materialize_grads(False)``).
+    Inputs as the op's, all nine positional."""
+
+    @staticmethod
+    def forward(q, k, v, causal, softmax_scale, window_left, window_right, softcap, learnable_sink):
+        return _forward(q, k, v, causal, softmax_scale, window_left, window_right, softcap, learnable_sink)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:  # only the LSE was used: it is not differentiable, nothing flows back
+            return (None,) * 9
+        return _backward(ctx, dout, dlse)
+
+
 # ------------------------------------------------------------------ decode
 
 
@@ -386,6 +417,15 @@ def flash_attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
     """(out, lse): out like q with v's head dim (total_q, heads_q, head_dim_v), contiguous; lse
     float32 (heads_q, total_q). Autograd: the varlen backward op (the varlen sink backward op with a
     ``learnable_sink``)."""
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                           softmax_scale, window_left, window_right, softcap, learnable_sink)
+
+
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                    window_left: int, window_right: int, softcap: float,
+                    learnable_sink: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The packed forward op's implementation (also ``EagerVarlenAttention``'s forward)."""
     if learnable_sink is not None:
         prepare_backward(q, k, v, causal, softmax_scale, (window_left, window_right), softcap,
                          (max_seqlen_q, max_seqlen_k), learnable_sink)
@@ -530,3 +570,25 @@ def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
 
 
 flash_attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class EagerVarlenAttention(torch.autograd.Function):
+    """``flash_attention_varlen_forward``'s autograd for eager calls, as ``EagerAttention`` is the
+    dense op's. Inputs as the op's, all thirteen positional."""
+
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                window_left, window_right, softcap, learnable_sink):
+        return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                               softmax_scale, window_left, window_right, softcap, learnable_sink)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _varlen_setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:  # only the LSE was used: it is not differentiable, nothing flows back
+            return (None,) * 13
+        return _varlen_backward(ctx, dout, dlse)

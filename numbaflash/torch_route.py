@@ -15,6 +15,8 @@ from torch import Tensor
 from .operands import check_flag, check_softcap, check_softmax_scale, check_window_size
 from .torch_ops import (
     DTYPE_NAMES,
+    EagerAttention,
+    EagerVarlenAttention,
     check_tensors,
     flash_attention_forward,
     flash_attention_varlen_forward,
@@ -25,6 +27,7 @@ from .torch_ops import (
 _grad_enabled = torch.is_grad_enabled
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out, window_size=(-1, -1),
@@ -59,7 +62,10 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
             raise ValueError(f"out must have q's shape {tuple(q.shape)} (v's head dim) and dtype "
                              f"{DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
                              f"{DTYPE_NAMES.get(out.dtype, out.dtype)}")
-    if learnable_sink is not None:
+    if eager_autograd(q, needs_grad):
+        result, lse = EagerAttention.apply(q, k, v, causal, softmax_scale, *window_size, softcap,
+                                           learnable_sink)
+    elif learnable_sink is not None:
         result, lse = flash_attention_forward(q, k, v, causal, softmax_scale, *window_size, softcap,
                                               learnable_sink)
     elif window_size == (-1, -1) and softcap == 0.0:
@@ -69,6 +75,14 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     if out is not None:
         result = out.copy_(result)
     return (result, lse) if return_lse else result
+
+
+def eager_autograd(q: Tensor, needs_grad: bool) -> bool:
+    """Whether a call that needs autograd runs it without the op (``torch_ops.EagerAttention``):
+    plain tensors, outside torch.compile (Dynamo traces only the op), dispatch modes and torch.func
+    transforms, where the op's registrations (fake kernel, functionalization) are what works."""
+    return (needs_grad and not _dynamo_compiling() and type(q) is Tensor and not _dispatch_modes()
+            and not _functorch_active())
 
 
 def sink_requires_grad(learnable_sink) -> bool:
@@ -136,6 +150,11 @@ def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap, softmax_scale)
+    if eager_autograd(q, needs_grad):
+        result, lse = EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                 int(max_seqlen_k), causal, softmax_scale, *window_size,
+                                                 softcap, learnable_sink)
+        return (result, lse) if return_lse else result
     sink = () if learnable_sink is None else (learnable_sink,)
     result, lse = flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                  int(max_seqlen_k), causal, softmax_scale, *window_size,

@@ -327,3 +327,36 @@ def test_compile_dynamic_shapes_lse_and_out(reference_ops, monkeypatch):
     out = torch.zeros_like(q)
     assert torch.compile(into, backend="aot_eager", fullgraph=True)(q, k, v, out) is out
     torch.testing.assert_close(out, reference_forward(q, k, v, False, 0.2)[0], atol=0, rtol=0)
+
+
+def test_eager_autograd_skips_the_op_and_compiled_or_traced_calls_keep_it(reference_ops, monkeypatch):
+    """An eager call that needs grad runs ``torch_ops.EagerAttention`` (the op's implementation and
+    formula, without a custom op's dispatch); under a dispatch mode and a torch.func transform the
+    op runs as before, with the same gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from numbaflash import torch_route
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = leaves((1, 12, 4, 64), (1, 12, 2, 64))
+    dout = torch.randn(1, 12, 4, 64, generator=torch.Generator().manual_seed(3)).half()
+    out = numbaflash.flash_attention(q, k, v, causal=True)
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    eager = torch.autograd.grad(out, (q, k, v), dout)
+    with Passthrough():
+        out = numbaflash.flash_attention(q, k, v, causal=True)
+    assert "numbaflash" in out.grad_fn.name()
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), dout), eager, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_route, "_functorch_active", lambda: True)
+        out = numbaflash.flash_attention(q, k, v, causal=True)
+    assert "numbaflash" in out.grad_fn.name()
+    # the LSE gets no materialised zero gradient
+    out, lse = numbaflash.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert not lse.requires_grad
+    (out.float().sum() + lse.sum()).backward()
+    assert len(reference_ops["backward"]) == 3
