@@ -298,13 +298,14 @@ class EagerAttention(torch.autograd.Function):
     Inputs as the op's, all nine positional."""
 
     @staticmethod
-    def forward(q, k, v, causal, softmax_scale, window_left, window_right, softcap, learnable_sink):
-        return _forward(q, k, v, causal, softmax_scale, window_left, window_right, softcap, learnable_sink)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, learnable_sink):
+        # ctx in forward, not a setup_context: with one, Function.apply binds the arguments through
+        # inspect.signature on every call (tens of microseconds)
+        output = _forward(q, k, v, causal, softmax_scale, window_left, window_right, softcap, learnable_sink)
+        _setup_context(ctx, (q, k, v, causal, softmax_scale, window_left, window_right, softcap,
+                             learnable_sink), output)
         ctx.set_materialize_grads(False)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -577,15 +578,14 @@ class EagerVarlenAttention(torch.autograd.Function):
     dense op's. Inputs as the op's, all thirteen positional."""
 
     @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                 window_left, window_right, softcap, learnable_sink):
-        return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                               softmax_scale, window_left, window_right, softcap, learnable_sink)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                  window_left, window_right, softcap, learnable_sink)
+        output = _varlen_forward(*inputs)
         _varlen_setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
