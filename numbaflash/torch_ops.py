@@ -30,6 +30,11 @@ sink may require grad; q, k, v need not). The packed variable-length forward op
 (``numbaflash::flash_attention_varlen_forward``) has the same kind of autograd: its backward is
 ``numbaflash::flash_attention_varlen_backward`` (with a fake kernel), which saves the offsets
 and maxima with q, k, v, out and lse.
+
+Eager calls that need autograd (plain tensors, outside torch.compile, dispatch modes and torch.func)
+skip the forward ops' dispatch: ``EagerAttention`` and ``EagerVarlenAttention`` are autograd
+Functions that run the same implementations and formulas (``torch_route.eager_autograd`` picks
+them), as the formulas call the backward ops' implementations themselves (``eager_formula``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,9 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
                                       or sink_requires_grad(learnable_sink))
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
-    check_tensors(q, k, v, value_dim=True)
+    eager = eager_autograd(q, needs_grad)
+    if not eager:  # (an eager call's entry runs the same checks on the real tensors)
+        check_tensors(q, k, v, value_dim=True)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     softmax_scale = check_softmax_scale(softmax_scale, q.shape[-1])
@@ -62,7 +64,7 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
             raise ValueError(f"out must have q's shape {tuple(q.shape)} (v's head dim) and dtype "
                              f"{DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
                              f"{DTYPE_NAMES.get(out.dtype, out.dtype)}")
-    if eager_autograd(q, needs_grad):
+    if eager:
         result, lse = EagerAttention.apply(q, k, v, causal, softmax_scale, *window_size, softcap,
                                            learnable_sink)
     elif learnable_sink is not None:
