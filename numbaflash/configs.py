@@ -23,8 +23,9 @@ from .kernels.shapes import BackwardConfig, ForwardConfig, WsBackwardConfig, WsC
 from .kernels.spec import KernelSpec
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
-# (Q's and K's head dim, V's) pairs that differ, with a kernel: DeepSeek-V3-style (192, 128). The
-# forward only, on the mma.sync family (every GPU from sm_80), so far.
+# (Q's and K's head dim, V's) pairs that differ, with a kernel: DeepSeek-V3-style (192, 128). Forward
+# on both families (the Hopper kernel's defaults: ASYMMETRIC_WS_DEFAULTS), backward on the mma.sync
+# family (every GPU from sm_80; no Hopper backward has head dim 192), decode.
 ASYMMETRIC_HEAD_DIMS = ((192, 128),)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
 FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 96, 128, 256)}
