@@ -360,3 +360,28 @@ def test_eager_autograd_skips_the_op_and_compiled_or_traced_calls_keep_it(refere
     assert not lse.requires_grad
     (out.float().sum() + lse.sum()).backward()
     assert len(reference_ops["backward"]) == 3
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_gradients(reference_ops, reentrant, monkeypatch):
+    """``torch.utils.checkpoint`` (as transformers' gradient checkpointing) recomputes the forward
+    in the backward: the gradients equal those of the plain call, bit for bit. (The reentrant
+    kind's first forward runs without grad, on the direct path: here the reference too.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    def direct(q, k, v, causal, softmax_scale, *rest):
+        scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        reference_ops["forward"].append((causal, scale))
+        return reference_forward(q, k, v, causal, scale)[0]
+
+    monkeypatch.setattr(api, "direct_flash_attention", direct)
+
+    q, k, v = leaves((2, 20, 4, 64), (2, 20, 2, 64))
+    dout = torch.randn(2, 20, 4, 64, generator=torch.Generator().manual_seed(5)).half()
+    plain = torch.autograd.grad(numbaflash.flash_attention(q, k, v, causal=True), (q, k, v), dout)
+    out = checkpoint(lambda a, b, c: numbaflash.flash_attention(a, b, c, causal=True) * 1, q, k, v,
+                     use_reentrant=reentrant)
+    out.backward(dout)  # (reentrant checkpoints refuse autograd.grad)
+    for got, want in zip((q.grad, k.grad, v.grad), plain, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert len(reference_ops["forward"]) == 3  # the plain call, the checkpointed one, its recompute
