@@ -28,6 +28,7 @@ _grad_enabled = torch.is_grad_enabled
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_jit_tracing = torch._C._get_tracing_state
 
 
 def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, out, window_size=(-1, -1),
@@ -81,10 +82,11 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
 
 def eager_autograd(q: Tensor, needs_grad: bool) -> bool:
     """Whether a call that needs autograd runs it without the op (``torch_ops.EagerAttention``):
-    plain tensors, outside torch.compile (Dynamo traces only the op), dispatch modes and torch.func
-    transforms, where the op's registrations (fake kernel, functionalization) are what works."""
+    plain tensors, outside torch.compile (Dynamo traces only the op), dispatch modes, torch.func
+    transforms and ``torch.jit.trace``, where the op's registrations (fake kernel,
+    functionalization, a node a trace can record) are what works."""
     return (needs_grad and not _dynamo_compiling() and type(q) is Tensor and not _dispatch_modes()
-            and not _functorch_active())
+            and not _functorch_active() and _jit_tracing() is None)
 
 
 def sink_requires_grad(learnable_sink) -> bool:
