@@ -82,11 +82,11 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
 
 def eager_autograd(q: Tensor, needs_grad: bool) -> bool:
     """Whether a call that needs autograd runs it without the op (``torch_ops.EagerAttention``):
-    plain tensors, outside torch.compile (Dynamo traces only the op), dispatch modes, torch.func
-    transforms and ``torch.jit.trace``, where the op's registrations (fake kernel,
-    functionalization, a node a trace can record) are what works."""
-    return (needs_grad and not _dynamo_compiling() and type(q) is Tensor and not _dispatch_modes()
-            and not _functorch_active() and _jit_tracing() is None)
+    plain tensors, not meta ones, outside torch.compile (Dynamo traces only the op), dispatch
+    modes, torch.func transforms and ``torch.jit.trace``, where the op's registrations (fake
+    kernel, functionalization, a node a trace can record) are what works."""
+    return (needs_grad and not _dynamo_compiling() and type(q) is Tensor and not q.is_meta
+            and not _dispatch_modes() and not _functorch_active() and _jit_tracing() is None)
 
 
 def sink_requires_grad(learnable_sink) -> bool:

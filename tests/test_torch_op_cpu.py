@@ -356,6 +356,10 @@ def test_eager_autograd_skips_the_op_and_compiled_or_traced_calls_keep_it(refere
             patch.setattr(torch_route, rule, lambda: True)
             out = numbaflash.flash_attention(q, k, v, causal=True)
         assert "numbaflash" in out.grad_fn.name(), rule
+    # meta tensors that require grad (a model on the meta device) keep the op and its fake kernel
+    qm, km, vm = (x.detach().to("meta").requires_grad_() for x in (q, k, v))
+    out = numbaflash.flash_attention(qm, km, vm, causal=True)
+    assert out.is_meta and out.shape == q.shape and "numbaflash" in out.grad_fn.name()
     # the LSE gets no materialised zero gradient
     out, lse = numbaflash.flash_attention(q, k, v, causal=True, return_lse=True)
     assert not lse.requires_grad
