@@ -262,14 +262,17 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    q, k, v, out, lse = ctx.saved_tensors[:5]
+    # saved_tensors unpacked once: under non-reentrant activation checkpointing each unpack
+    # recomputes, and a second one is an error (torch.utils.checkpoint.CheckpointError)
+    saved = ctx.saved_tensors
+    q, k, v, out, lse = saved[:5]
     # The kernel reads dO in 16-byte row chunks: a gradient that is not a plain dense tensor
     # (expanded from a sum, a transposed view, an odd offset) becomes one first.
     if not dout.is_contiguous() or dout.storage_offset() % 8:
         dout = dout.clone(memory_format=torch.contiguous_format)
     eager = eager_formula(dout)  # then the ops' implementations, without torch's dispatch
     if ctx.has_sink:
-        sink = ctx.saved_tensors[5]
+        sink = saved[5]
         if eager:
             dq, dk, dv, d_sink = run_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                               ctx.deterministic, ctx.window_size, ctx.softcap, sink)
@@ -547,12 +550,13 @@ def _varlen_setup_context(ctx, inputs, output) -> None:
 
 
 def _varlen_backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[:7]
+    saved = ctx.saved_tensors  # unpacked once (see _backward)
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = saved[:7]
     if not dout.is_contiguous() or dout.storage_offset() % 8:  # 16-byte row chunks (as the dense op's)
         dout = dout.clone(memory_format=torch.contiguous_format)
     eager = eager_formula(dout)  # then the ops' implementations, without torch's dispatch
     if ctx.has_sink:
-        sink = ctx.saved_tensors[7]
+        sink = saved[7]
         if eager:
             dq, dk, dv, d_sink = run_varlen_backward(
                 dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,

@@ -390,3 +390,46 @@ def test_activation_checkpointing_gives_the_same_gradients(reference_ops, reentr
     for got, want in zip((q.grad, k.grad, v.grad), plain, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert len(reference_ops["forward"]) == 3  # the plain call, the checkpointed one, its recompute
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_backward_formulas_unpack_saved_tensors_once(packed, monkeypatch):
+    """Non-reentrant activation checkpointing recomputes the forward when ``ctx.saved_tensors`` is
+    unpacked and refuses a second unpack (``CheckpointError``): found on the H200 with gpt-oss's
+    learnable sinks, whose formula read the sink in a second unpack. Each formula unpacks once,
+    with a sink and without."""
+    q, k, v = leaves((1, 8, 2, 64), (1, 8, 2, 64), requires_grad=False)
+    out, lse, sink = torch.zeros_like(q), torch.zeros(1, 2, 8), torch.zeros(2)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+
+    def fake_backward(dout, q, k, v, *rest):
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        return (*grads, torch.zeros(2)) if isinstance(rest[-1], torch.Tensor) else grads
+
+    monkeypatch.setattr(torch_ops, "run_backward", fake_backward)
+    monkeypatch.setattr(torch_ops, "run_varlen_backward", fake_backward)
+
+    class Ctx:
+        def __init__(self, saved):
+            self._saved, self.unpacks = saved, 0
+
+        @property
+        def saved_tensors(self):
+            self.unpacks += 1
+            return self._saved
+
+    for with_sink in (False, True):
+        extra = (sink,) if with_sink else ()
+        if packed:
+            ctx = Ctx((q[0], k[0], v[0], out[0], lse[0], cu, cu, *extra))
+            ctx.max_seqlen_q = ctx.max_seqlen_k = 8
+            formula, dout = torch_ops._varlen_backward, out[0]
+        else:
+            ctx = Ctx((q, k, v, out, lse, *extra))
+            formula, dout = torch_ops._backward, out
+        ctx.has_sink, ctx.causal, ctx.softmax_scale, ctx.deterministic = with_sink, True, 0.125, False
+        ctx.window_size, ctx.softcap, ctx.needs_input_grad = (-1, -1), 0.0, (True,) * 13
+        with torch.no_grad():  # the eager formula: the implementations, here the fakes
+            grads = formula(ctx, dout, None)
+        assert ctx.unpacks == 1, (with_sink, ctx.unpacks)
+        assert (grads[-1] is not None) == with_sink
