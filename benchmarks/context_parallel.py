@@ -1,0 +1,171 @@
+"""Context-parallel scaling on every GPU of this machine (NCCL, one rank a GPU).
+
+For each method (ring over the zigzag layout, the plain ring over the contiguous layout, and the
+all-to-all over heads) this times forward + backward of causal attention at ``--tokens`` tokens a
+GPU, as the median of CUDA-event-timed iterations after a warm-up (the slowest rank's), against
+the ideal: the single-GPU time (rank 0, same process, before the rings) of forward + backward on
+the gathered sequence, divided by the number of GPUs. ``--long N`` then runs one causal forward
+and backward of N tokens in all over the GPUs and reports each GPU's peak memory.
+
+    python benchmarks/context_parallel.py --tokens 32k --heads 32 --heads-kv 8 --head-dim 128
+    python benchmarks/context_parallel.py --methods zigzag --long 512k
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _tokens(text: str) -> int:
+    text = text.strip().lower()
+    if text[-1] in "km":
+        return int(float(text[:-1]) * (1 << 20 if text.endswith("m") else 1024))
+    return int(text)
+
+
+def _time(fn, iters: int, warmup: int = 2) -> float:
+    """Median ms of ``fn`` over ``iters`` calls (each between barriers), the slowest rank's."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([start.elapsed_time(end)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, init_file: str, args) -> None:
+    import numbaflash
+    import numbaflash.distributed as nd
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    h, hkv, d, T = args.heads, args.heads_kv, args.head_dim, args.tokens
+    S = T * world
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"GPU: {torch.cuda.get_device_name(0)} x{world}; {T} tokens a GPU ({S} in all), heads {h}/{hkv}, "
+        f"d{d}, bf16, causal, batch 1")
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    rows = {}
+    if rank == 0 and not args.skip_ideal:
+        q = torch.randn(1, S, h, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        k = torch.randn(1, S, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        v = torch.randn(1, S, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        dout = torch.randn(1, S, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+        def single():
+            out = numbaflash.flash_attention(q, k, v, causal=True)
+            out.backward(dout)
+
+        for _ in range(2):
+            single()
+        times = []
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            single()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        ideal = statistics.median(times) / world
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+    else:
+        ideal = 0.0
+    t = torch.tensor([ideal], device="cuda")
+    dist.broadcast(t, 0)
+    ideal = t.item()
+    if not args.skip_ideal:
+        say(f"single GPU, {S} tokens forward + backward: {ideal * world:.2f} ms; "
+            f"ideal on {world}: {ideal:.2f} ms")
+    methods = {"zigzag": (nd.ring_attention, "zigzag"), "ring": (nd.ring_attention, "contiguous"),
+               "ulysses": (nd.ulysses_attention, "contiguous")}
+    for name in args.methods:
+        fn, layout = methods[name]
+        if fn is nd.ulysses_attention and (h % world or hkv % world):
+            say(f"{name}: skipped (heads {h}/{hkv} not divisible by {world})")
+            continue
+        q = torch.randn(1, T, h, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        k = torch.randn(1, T, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        v = torch.randn(1, T, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        dout = torch.randn(1, T, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+        def step(fn=fn, layout=layout, q=q, k=k, v=v, dout=dout):
+            out = fn(q, k, v, causal=True, layout=layout)
+            out.backward(dout)
+
+        ms = _time(step, args.iters)
+        rows[name] = ms
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+    if rows:
+        say("\n| method | layout | ms fwd+bwd | ideal ms | % of ideal |\n|---|---|---:|---:|---:|")
+        for name, ms in rows.items():
+            pct = f"{100 * ideal / ms:.1f}" if ideal else "-"
+            say(f"| {name} | {methods[name][1]} | {ms:.2f} | {ideal:.2f} | {pct} |")
+    if args.long:
+        L = args.long // world
+        torch.cuda.reset_peak_memory_stats()
+        q = torch.randn(1, L, h, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        k = torch.randn(1, L, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        v = torch.randn(1, L, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        dout = torch.randn(1, L, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        dist.barrier()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        out = nd.ring_attention(q, k, v, causal=True, layout="zigzag")
+        out.backward(dout)
+        e.record()
+        torch.cuda.synchronize()
+        finite = all(bool(torch.isfinite(x).all()) for x in (out, q.grad, k.grad, v.grad))
+        report = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, s.elapsed_time(e), float(finite)],
+                              device="cuda")
+        reports = [torch.zeros_like(report) for _ in range(world)]
+        dist.all_gather(reports, report)
+        say(f"\n{args.long} tokens causal (batch 1, {h}/{hkv} heads, d{d}) over {world} GPUs, zigzag ring, "
+            "forward + backward:")
+        say("| GPU | peak memory GiB | ms | finite |\n|---|---:|---:|---|")
+        for r, rep in enumerate(reports):
+            say(f"| {r} | {rep[0].item():.1f} | {rep[1].item():.0f} | {bool(rep[2].item())} |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=_tokens, default=32 * 1024, help="tokens a GPU (32k)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["zigzag", "ring", "ulysses"])
+    p.add_argument("--long", type=_tokens, default=0,
+                   help="also one causal forward + backward of this many tokens in all")
+    p.add_argument("--skip-ideal", action="store_true")
+    args = p.parse_args(argv)
+    world = torch.cuda.device_count()
+    if world < 1:
+        raise SystemExit("context_parallel.py needs CUDA GPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), args), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()

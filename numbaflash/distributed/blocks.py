@@ -1,0 +1,264 @@
+"""One ring step's attention calls on tensors: the planner's ``BlockCall``s applied to a dense
+batch (slices, no copies) or to packed sequences (rows gathered per call), the merge of partial
+outputs through their LSEs, and the single-GPU attention the calls run.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from .layout import BlockCall, plan_step, segments
+
+
+class LocalAttention:
+    """The single-GPU attention that each block runs: numbaflash's kernels through the torch ops'
+    implementations (looked up at each call, as the ops do). ``forward`` returns (out, lse) with
+    lse float32 (batch, heads_q, rows); the packed forms take cu_seqlens and give lse (heads_q,
+    rows); ``backward`` gives (dq, dk, dv) in the inputs' dtype."""
+
+    def check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """The kernels' dtype and shape rules; packed (rows, heads, d) inputs as one batch."""
+        from .. import torch_ops
+
+        if q.dim() == 3:
+            q, k, v = q[None], k[None], v[None]
+        torch_ops.check_tensors(q, k, v)
+
+    def forward(self, q, k, v, causal, scale, window, softcap):
+        from .. import torch_ops
+
+        return torch_ops.run_forward(q, k, v, causal, scale, window, softcap)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
+        from .. import torch_ops
+
+        return torch_ops.run_backward(dout, q, k, v, out, lse, causal, scale, False, window, softcap)
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
+        from .. import torch_ops
+
+        return torch_ops.run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap)
+
+    def varlen_backward(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap
+    ):
+        from .. import torch_ops
+
+        return torch_ops.run_varlen_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, False, window, softcap
+        )
+
+
+def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Fold a partial attention (``out``, ``lse``) over other keys into the running float32
+    (``acc_out``, ``acc_lse``), in place: the softmax over the union of the keys. out is (..., rows,
+    heads, d), lse (..., heads, rows). Rows that have seen no key yet carry lse -inf and out 0;
+    a row with -inf on both sides stays (0, -inf), never NaN."""
+    new = torch.logaddexp(acc_lse, lse)
+    base = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w_acc = torch.exp(acc_lse - base).transpose(-1, -2).unsqueeze(-1)
+    w_new = torch.exp(lse.to(new.dtype) - base).transpose(-1, -2).unsqueeze(-1)
+    acc_out.mul_(w_acc).add_(out.to(acc_out.dtype) * w_new)
+    acc_lse.copy_(new)
+
+
+@lru_cache(maxsize=4096)
+def _plan(
+    layout: str, seqlen: int, world: int, rank: int, owner: int, causal: bool, window: tuple[int, int]
+) -> tuple[BlockCall, ...]:
+    return tuple(
+        plan_step(
+            segments(layout, seqlen, world, rank), segments(layout, seqlen, world, owner), causal, window
+        )
+    )
+
+
+class DenseBlock:
+    """A ``BlockCall`` on (batch, rows, heads, d) tensors: views of the rows it covers."""
+
+    def __init__(self, call: BlockCall):
+        self.call = call
+        self.q_rows = slice(call.q_lo, call.q_hi)
+        self.k_rows = slice(call.k_lo, call.k_hi)
+
+    def forward(self, attn, q, k, v, scale, softcap):
+        c = self.call
+        return attn.forward(
+            q[:, self.q_rows], k[:, self.k_rows], v[:, self.k_rows], c.causal, scale, c.window, softcap
+        )
+
+    def covers(self, rows_q: int, rows_k: int) -> tuple[bool, bool]:
+        """Whether the block spans every local query row, and every key row."""
+        c = self.call
+        return c.q_lo == 0 and c.q_hi == rows_q, c.k_lo == 0 and c.k_hi == rows_k
+
+    def merge(self, acc_out, acc_lse, out, lse):
+        merge_(acc_out[:, self.q_rows], acc_lse[:, :, self.q_rows], out, lse)
+
+    def backward(self, attn, dout, q, k, v, out, lse, scale, softcap):
+        c = self.call
+        return attn.backward(
+            dout[:, self.q_rows],
+            q[:, self.q_rows],
+            k[:, self.k_rows],
+            v[:, self.k_rows],
+            out[:, self.q_rows],
+            lse[:, :, self.q_rows].contiguous(),
+            c.causal,
+            scale,
+            c.window,
+            softcap,
+        )
+
+    def add_q(self, acc, g):
+        acc[:, self.q_rows] += g
+
+    def add_k(self, acc, g):
+        acc[:, self.k_rows] += g
+
+
+def dense_blocks(
+    layout: str, seqlen: int, world: int, rank: int, causal: bool, window: tuple[int, int]
+) -> list[list[DenseBlock]]:
+    """For each owner rank, the blocks of local queries against that rank's keys (a sequence of
+    ``seqlen`` tokens in all)."""
+    return [
+        [DenseBlock(c) for c in _plan(layout, seqlen, world, rank, owner, causal, window)]
+        for owner in range(world)
+    ]
+
+
+class PackedBlock:
+    """Calls on packed sequences (rows, heads, d) that share one mask: each sequence's query rows
+    against its key rows form one pseudo-sequence of a varlen call. ``q_index`` / ``k_index``:
+    the local rows, None where they are all rows in order (no gather)."""
+
+    def __init__(self, causal, window, q_index, k_index, cu_q, cu_k, max_q, max_k):
+        self.causal, self.window = causal, window
+        self.q_index, self.k_index = q_index, k_index
+        self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
+
+    @staticmethod
+    def _take(x, index, dim=0):
+        return x if index is None else x.index_select(dim, index)
+
+    def forward(self, attn, q, k, v, scale, softcap):
+        return attn.varlen_forward(
+            self._take(q, self.q_index),
+            self._take(k, self.k_index),
+            self._take(v, self.k_index),
+            self.cu_q,
+            self.cu_k,
+            self.max_q,
+            self.max_k,
+            self.causal,
+            scale,
+            self.window,
+            softcap,
+        )
+
+    def covers(self, rows_q: int, rows_k: int) -> tuple[bool, bool]:
+        """Whether the block spans every local query row, and every key row, in order."""
+        return self.q_index is None, self.k_index is None
+
+    def merge(self, acc_out, acc_lse, out, lse):
+        if self.q_index is None:
+            merge_(acc_out, acc_lse, out, lse)
+            return
+        rows_out = acc_out.index_select(0, self.q_index)
+        rows_lse = acc_lse.index_select(1, self.q_index)
+        merge_(rows_out, rows_lse, out, lse)
+        acc_out.index_copy_(0, self.q_index, rows_out)
+        acc_lse.index_copy_(1, self.q_index, rows_lse)
+
+    def backward(self, attn, dout, q, k, v, out, lse, scale, softcap):
+        return attn.varlen_backward(
+            self._take(dout, self.q_index),
+            self._take(q, self.q_index),
+            self._take(k, self.k_index),
+            self._take(v, self.k_index),
+            self._take(out, self.q_index),
+            self._take(lse, self.q_index, 1).contiguous(),
+            self.cu_q,
+            self.cu_k,
+            self.max_q,
+            self.max_k,
+            self.causal,
+            scale,
+            self.window,
+            softcap,
+        )
+
+    def add_q(self, acc, g):
+        if self.q_index is None:
+            acc += g
+        else:
+            acc.index_add_(0, self.q_index, g.to(acc.dtype))
+
+    def add_k(self, acc, g):
+        if self.k_index is None:
+            acc += g
+        else:
+            acc.index_add_(0, self.k_index, g.to(acc.dtype))
+
+
+def _rows(pieces: list[tuple[int, int]], total: int, device) -> Tensor | None:
+    """The row index of the concatenated [lo, hi) pieces; None when they are all rows in order."""
+    flat = [r for lo, hi in pieces for r in range(lo, hi)]
+    if flat == list(range(total)):
+        return None
+    return torch.tensor(flat, dtype=torch.int64, device=device)
+
+
+def packed_blocks(
+    layout: str, seqlens: list[int], world: int, rank: int, causal: bool, window: tuple[int, int], device
+) -> list[list[PackedBlock]]:
+    """For each owner rank, the varlen calls of local packed queries against that rank's packed
+    keys: sequence i of ``seqlens`` (global lengths) holds ``seqlens[i] / world`` local rows on
+    every rank. The calls of one mask go into one varlen call, one pseudo-sequence each; a
+    sequence that needs two calls of one mask puts them in two varlen calls (no query row twice
+    in one call)."""
+    local = [s // world for s in seqlens]
+    starts = [sum(local[:i]) for i in range(len(local))]
+    total = sum(local)
+    plans = []
+    for owner in range(world):
+        groups: dict = {}
+        for i, seqlen in enumerate(seqlens):
+            if seqlen == 0:
+                continue
+            seen: dict = {}
+            for c in _plan(layout, seqlen, world, rank, owner, causal, window):
+                n = seen[c.mask_key] = seen.get(c.mask_key, -1) + 1
+                groups.setdefault((c.mask_key, n), []).append((starts[i], c))
+        blocks = []
+        for ((causal_c, window_c), _), calls in groups.items():
+            qp = [(s + c.q_lo, s + c.q_hi) for s, c in calls]
+            kp = [(s + c.k_lo, s + c.k_hi) for s, c in calls]
+            cu_q = torch.tensor([0] + _cumsum([hi - lo for lo, hi in qp]), dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0] + _cumsum([hi - lo for lo, hi in kp]), dtype=torch.int32, device=device)
+            blocks.append(
+                PackedBlock(
+                    causal_c,
+                    window_c,
+                    _rows(qp, total, device),
+                    _rows(kp, total, device),
+                    cu_q,
+                    cu_k,
+                    max(hi - lo for lo, hi in qp),
+                    max(hi - lo for lo, hi in kp),
+                )
+            )
+        plans.append(blocks)
+    return plans
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, acc = [], 0
+    for x in xs:
+        acc += x
+        out.append(acc)
+    return out

@@ -1,0 +1,133 @@
+"""All-to-all (DeepSpeed Ulysses) context parallelism: trade the sequence shard for a head shard,
+run the single-GPU attention on the whole sequence for heads/N heads, trade back.
+
+Two all-to-alls of q, k, v and one of out forward; one of dout and three of the gradients back.
+Needs heads_q and heads_kv divisible by the group's size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .blocks import LocalAttention
+from .comm import all_to_all, resolve_group
+from .ring import _check_common, _scale
+from .shard import positions
+
+
+def _order(layout: str, seqlen: int, world: int, device) -> tuple[Tensor | None, Tensor | None]:
+    """(order, inverse): the global position of each row of the rank-ordered concatenation of
+    shards, and the permutation back; None for the contiguous layout (already in order)."""
+    if layout == "contiguous":
+        positions(layout, seqlen, world, 0)  # the layout's own checks
+        return None, None
+    order = torch.tensor(
+        [p for r in range(world) for p in positions(layout, seqlen, world, r)], dtype=torch.int64
+    )
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(seqlen)
+    return order.to(device), inverse.to(device)
+
+
+def _to_heads(x: Tensor, group, world: int, inverse: Tensor | None) -> Tensor:
+    """(batch, s_local, heads, d) sequence shard -> (batch, seqlen, heads / N, d) head shard in
+    global order."""
+    b, s, h, d = x.shape
+    pieces = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4)
+    got = all_to_all(pieces, group)  # piece i: rank i's rows of my heads
+    full = got.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
+    return full if inverse is None else full.index_select(1, inverse)
+
+
+def _to_sequence(x: Tensor, group, world: int, order: Tensor | None) -> Tensor:
+    """The inverse of ``_to_heads``."""
+    b, S, hp, d = x.shape
+    if order is not None:
+        x = x.index_select(1, order)
+    pieces = x.reshape(b, world, S // world, hp, d).permute(1, 0, 2, 3, 4)
+    got = all_to_all(pieces, group)  # piece i: my rows of rank i's heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, S // world, world * hp, d)
+
+
+def _lse_to_sequence(lse: Tensor, group, world: int, order: Tensor | None) -> Tensor:
+    b, hp, S = lse.shape
+    if order is not None:
+        lse = lse.index_select(2, order)
+    pieces = lse.reshape(b, hp, world, S // world).permute(2, 0, 1, 3)
+    got = all_to_all(pieces, group)
+    return got.permute(1, 0, 2, 3).reshape(b, world * hp, S // world)
+
+
+class _Ulysses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, world, attn, causal, scale, window, softcap, order, inverse):
+        qg, kg, vg = (_to_heads(x, group, world, inverse) for x in (q, k, v))
+        out_g, lse_g = attn.forward(qg, kg, vg, causal, scale, window, softcap)
+        ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
+        ctx.args = (group, world, attn, causal, scale, window, softcap, order, inverse)
+        lse = _lse_to_sequence(lse_g, group, world, order)
+        ctx.mark_non_differentiable(lse)
+        return _to_sequence(out_g, group, world, order), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
+        group, world, attn, causal, scale, window, softcap, order, inverse = ctx.args
+        dout_g = _to_heads(dout.contiguous(), group, world, inverse).contiguous()
+        dq, dk, dv = attn.backward(dout_g, qg, kg, vg, out_g, lse_g, causal, scale, window, softcap)
+        grads = [_to_sequence(g, group, world, order) for g in (dq, dk, dv)]
+        return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+    _attention=None,
+):
+    """``ring_attention``'s contract (same shards, same result) by all-to-all over heads.
+
+    heads_q and heads_kv must be multiples of the group's size N. Each rank then attends over the
+    whole gathered sequence for heads/N query heads: the single-GPU kernel at full length (one
+    call, no merge), at the price of moving q, k, v and out (and their gradients) once each.
+    The contiguous layout needs no reordering; zigzag and stripe are put in order around the call.
+    """
+    attn = LocalAttention() if _attention is None else _attention
+    window = _check_common(q, k, v, 4, window_size, softcap, attn)
+    group = resolve_group(group)
+    world = torch.distributed.get_world_size(group)
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        raise ValueError(
+            "ulysses_attention shards q, k and v alike: their seqlen_local must agree, got "
+            f"{q.shape[1]}, {k.shape[1]} and {v.shape[1]}"
+        )
+    if q.shape[2] % world or k.shape[2] % world:
+        raise ValueError(
+            f"ulysses_attention needs heads_q and heads_kv divisible by the group's size {world}, "
+            f"got {q.shape[2]} and {k.shape[2]} (ring_attention has no such limit)"
+        )
+    order, inverse = _order(layout, q.shape[1] * world, world, q.device)
+    out, lse = _Ulysses.apply(
+        q,
+        k,
+        v,
+        group,
+        world,
+        attn,
+        bool(causal),
+        _scale(q, softmax_scale),
+        window,
+        float(softcap),
+        order,
+        inverse,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,503 @@
+"""Context-parallel cases run in spawned processes (gloo on the CPU, NCCL on GPUs): each rank
+shards one random sequence, runs the sharded attention forward and backward, and compares its
+rows with the single-device attention on the gathered sequence.
+
+``ReferenceAttention`` is the float64 stand-in for the single-GPU kernels on the CPU: out and LSE
+from the masked formula, the backward from the *given* out and LSE as the kernels do it
+(P = exp(S - LSE), D = rowsum(dO * O), dS = P * (dP - D)), windows and softcap included.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import partial
+from itertools import pairwise
+
+import torch
+import torch.distributed as dist
+
+
+def _mask(sq: int, sk: int, causal: bool, window: tuple[int, int], device) -> torch.Tensor:
+    """FlashAttention's rule, bottom-right aligned: (sq, sk) bool, True where visible."""
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    m = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        m &= j >= i - left
+    if right >= 0:
+        m &= j <= i + right
+    return m
+
+
+def _scores(q, k, scale, softcap):
+    """(raw, s): QKᵀ·scale and the capped scores, (b, h, sq, sk) float64."""
+    raw = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    return raw, (softcap * torch.tanh(raw / softcap) if softcap > 0 else raw)
+
+
+def _expand(x, heads):
+    return x.repeat_interleave(heads // x.shape[2], dim=2)
+
+
+def reference(q, k, v, causal, scale, window, softcap):
+    """(out, lse) float64 of the masked attention; rows that see nothing: out 0, lse -inf."""
+    q, k, v = q.double(), _expand(k.double(), q.shape[2]), _expand(v.double(), q.shape[2])
+    _, s = _scores(q, k, scale, softcap)
+    m = _mask(q.shape[1], k.shape[1], causal, window, q.device)
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+class ReferenceAttention:
+    """numbaflash's ``LocalAttention`` interface, in float64 on any device."""
+
+    calls = 0
+
+    def check(self, q, k, v):
+        pass
+
+    def forward(self, q, k, v, causal, scale, window, softcap):
+        ReferenceAttention.calls += 1
+        out, lse = reference(q, k, v, causal, scale, window, softcap)
+        return out.to(q.dtype), lse.to(torch.promote_types(q.dtype, torch.float32))
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
+        hq, hkv = q.shape[2], k.shape[2]
+        qd, kd, vd = q.double(), _expand(k.double(), hq), _expand(v.double(), hq)
+        raw, s = _scores(qd, kd, scale, softcap)
+        m = _mask(q.shape[1], k.shape[1], causal, window, q.device)
+        lse = lse.double()
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), float("inf"))[..., None]) * m
+        do = dout.double()
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, vd)
+        d = (do * out.double()).sum(-1).transpose(1, 2)  # (b, h, sq)
+        ds = p * (dp - d[..., None])
+        if softcap > 0:
+            ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kd) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, qd) * scale
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        b, sk, _, dh = dk.shape
+        dk = dk.reshape(b, sk, hkv, hq // hkv, dh).sum(3)
+        dv = dv.reshape(b, sk, hkv, hq // hkv, dv.shape[-1]).sum(3)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def _split(self, cu_q, cu_k):
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        return [(a, b, c, d) for (a, b), (c, d) in zip(pairwise(cq), pairwise(ck), strict=True)]
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
+        assert int((cu_q[1:] - cu_q[:-1]).max()) <= max_q and int((cu_k[1:] - cu_k[:-1]).max()) <= max_k
+        outs, lses = [], []
+        for a, b, c, d in self._split(cu_q, cu_k):
+            o, lse = self.forward(q[None, a:b], k[None, c:d], v[None, c:d], causal, scale, window, softcap)
+            outs.append(o[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def varlen_backward(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap
+    ):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b, c, d in self._split(cu_q, cu_k):
+            g = self.backward(
+                dout[None, a:b],
+                q[None, a:b],
+                k[None, c:d],
+                v[None, c:d],
+                out[None, a:b],
+                lse[None, :, a:b],
+                causal,
+                scale,
+                window,
+                softcap,
+            )
+            dq[a:b] += g[0][0]
+            dk[c:d] += g[1][0]
+            dv[c:d] += g[2][0]
+        return dq, dk, dv
+
+
+def full_reference(q, k, v, causal, scale, window, softcap, dtype=torch.float64):
+    """out, lse and the leaves (q, k, v) whose grads backward gives, on the gathered sequence, by
+    autograd in ``dtype`` (float64: the truth; the inputs' dtype: the bar of the criterion)."""
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    qd, kd, vd = q, _expand(k, q.shape[2]), _expand(v, q.shape[2])
+    _, s = _scores(qd, kd, scale, softcap)
+    m = _mask(q.shape[1], k.shape[1], causal, window, q.device)
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vd)
+    return out, lse, (q, k, v)
+
+
+# ------------------------------------------------------------------------------- process cases
+
+
+def init(rank: int, world: int, init_file: str, backend: str) -> None:
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
+def dense_case(
+    rank,
+    world,
+    *,
+    fn,
+    layout,
+    causal,
+    window,
+    softcap,
+    heads,
+    heads_kv,
+    seq_per_rank,
+    dtype,
+    device,
+    attention=None,
+    seed=0,
+    batch=2,
+    head_dim=16,
+):
+    """One dense case: returns (err_out, err_grads, ref_out_scale) of this rank's rows against the
+    float64 gathered reference; the reference's own rounding to ``dtype`` gives the bar."""
+    import numbaflash.distributed as nd
+
+    g = torch.Generator().manual_seed(seed)
+    S = seq_per_rank * world
+    q = torch.randn(batch, S, heads, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, S, heads_kv, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, S, heads_kv, head_dim, generator=g, dtype=torch.float64)
+    w = torch.randn(batch, S, heads, head_dim, generator=g, dtype=torch.float64)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    scale = 1.0 / math.sqrt(head_dim)
+    ref_out, ref_lse, leaves = full_reference(q, k, v, causal, scale, window, softcap)
+    (ref_out * w).sum().backward()
+    local = [nd.shard(x, layout, world, rank).to(device).requires_grad_() for x in (q, k, v)]
+    out, lse = fn(
+        *local,
+        causal=causal,
+        softmax_scale=scale,
+        window_size=window,
+        softcap=softcap,
+        layout=layout,
+        return_lse=True,
+        _attention=attention,
+    )
+    (out.double() * nd.shard(w, layout, world, rank).to(device)).sum().backward()
+    mine = lambda x: nd.shard(x, layout, world, rank)  # noqa: E731
+    err = {
+        "out": (out.double().cpu() - mine(ref_out.detach())).abs().max().item(),
+        "lse": (lse.double().cpu() - mine(ref_lse.detach().transpose(1, 2)).transpose(1, 2))
+        .abs()
+        .max()
+        .item(),
+    }
+    for name, x, leaf in zip("qkv", local, leaves, strict=True):
+        err["d" + name] = (x.grad.double().cpu() - mine(leaf.grad)).abs().max().item()
+    return err
+
+
+def varlen_case(
+    rank,
+    world,
+    *,
+    layout,
+    causal,
+    window,
+    softcap,
+    heads,
+    heads_kv,
+    seqlens,
+    dtype,
+    device,
+    attention=None,
+    seed=0,
+    head_dim=16,
+):
+    """A packed case: sequences of ``seqlens`` each sharded on its own; errors as ``dense_case``."""
+    import numbaflash.distributed as nd
+
+    g = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for s in seqlens:
+        cu.append(cu[-1] + s)
+    total = cu[-1]
+    q = torch.randn(total, heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(total, heads_kv, head_dim, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(total, heads_kv, head_dim, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(total, heads, head_dim, generator=g, dtype=torch.float64)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref_out = torch.zeros(total, heads, head_dim, dtype=torch.float64)
+    ref_lse = torch.zeros(heads, total, dtype=torch.float64)
+    grads = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    for a, b in pairwise(cu):
+        if b == a:
+            continue
+        o, lse, leaves = full_reference(
+            q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, window, softcap
+        )
+        (o * w[None, a:b]).sum().backward()
+        ref_out[a:b], ref_lse[:, a:b] = o[0].detach(), lse[0].detach()
+        for acc, leaf in zip(grads, leaves, strict=True):
+            acc[a:b] = leaf.grad[0]
+    local = [nd.shard_varlen(x, cu, layout, world, rank).to(device).requires_grad_() for x in (q, k, v)]
+    out, lse = nd.ring_attention_varlen(
+        *local,
+        cu,
+        causal=causal,
+        softmax_scale=scale,
+        window_size=window,
+        softcap=softcap,
+        layout=layout,
+        return_lse=True,
+        _attention=attention,
+    )
+    (out.double() * nd.shard_varlen(w, cu, layout, world, rank).to(device)).sum().backward()
+    mine = lambda x: nd.shard_varlen(x, cu, layout, world, rank)  # noqa: E731
+    err = {
+        "out": (out.double().cpu() - mine(ref_out)).abs().max().item(),
+        "lse": (lse.double().cpu().t() - mine(ref_lse.t())).abs().max().item(),
+    }
+    for name, x, ref in zip("qkv", local, grads, strict=True):
+        err["d" + name] = (x.grad.double().cpu() - mine(ref)).abs().max().item()
+    return err
+
+
+def cpu_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
+    """Every CPU case on gloo, float64 through ``ReferenceAttention``: the ring's schedule, merge
+    and gradient routing must be exact to rounding."""
+    import numbaflash.distributed as nd
+
+    init(rank, world, init_file, "gloo")
+    ref = ReferenceAttention()
+    worst = {}
+    cases = 0
+    windows = [(-1, -1), (3, 0), (5, 2), (0, 0), (2, -1)]
+    for layout in ("zigzag", "contiguous", "stripe"):
+        for causal in (False, True):
+            for window in windows:
+                for heads, heads_kv, softcap in ((4, 4, 0.0), (4, 2, 0.0), (2, 1, 3.0)):
+                    for fn in (nd.ring_attention, nd.ulysses_attention):
+                        if fn is nd.ulysses_attention and (heads % world or heads_kv % world):
+                            continue
+                        err = dense_case(
+                            rank,
+                            world,
+                            fn=fn,
+                            layout=layout,
+                            causal=causal,
+                            window=window,
+                            softcap=softcap,
+                            heads=heads,
+                            heads_kv=heads_kv,
+                            seq_per_rank=6 if layout == "zigzag" else 5,
+                            dtype=torch.float64,
+                            device="cpu",
+                            attention=ref,
+                            seed=cases,
+                        )
+                        cases += 1
+                        for key, e in err.items():
+                            tag = (fn.__name__, layout, causal, window, heads, heads_kv, softcap, key)
+                            assert e < 1e-9, f"rank {rank}: {tag} error {e}"
+                            worst[key] = max(worst.get(key, 0.0), e)
+    for layout in ("zigzag", "contiguous"):
+        for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (3, 0))):
+            seqlens = [2 * world * 3, 0, 2 * world, 2 * world * 5]
+            err = varlen_case(
+                rank,
+                world,
+                layout=layout,
+                causal=causal,
+                window=window,
+                softcap=0.0,
+                heads=4,
+                heads_kv=2,
+                seqlens=seqlens,
+                dtype=torch.float64,
+                device="cpu",
+                attention=ref,
+                seed=cases,
+            )
+            cases += 1
+            for key, e in err.items():
+                assert e < 1e-9, f"rank {rank}: varlen {layout} {causal} {window} {key} error {e}"
+                worst[key] = max(worst.get(key, 0.0), e)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{cases} {worst}\n")
+    dist.destroy_process_group()
+
+
+def gpu_worker(rank: int, world: int, init_file: str, backend: str, result_dir: str) -> None:
+    """The GPU cases: numbaflash's kernels under the ring and the all-to-all, bf16, against the
+    float64 attention of the gathered sequence; FlashAttention's criterion (error at most 3x the
+    same attention's in bf16, plus a floor) on out and on dq, dk, dv. ``backend``: "nccl" (one
+    GPU a rank) or "gloo" (ranks sharing GPUs, tensors staged through the host)."""
+    import numbaflash.distributed as nd
+
+    init(rank, world, init_file, backend)
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    lines = []
+    failures = []
+    cases = [
+        # (fn, layout, causal, window, heads, heads_kv, head_dim, seq_per_rank, softcap)
+        (nd.ring_attention, "zigzag", True, (-1, -1), 8, 2, 128, 2 * 189, 0.0),
+        (nd.ring_attention, "zigzag", False, (-1, -1), 8, 8, 64, 2 * 160, 0.0),
+        (nd.ring_attention, "contiguous", True, (-1, -1), 8, 2, 128, 301, 0.0),
+        (nd.ring_attention, "contiguous", False, (-1, -1), 4, 1, 64, 256, 0.0),
+        (nd.ring_attention, "zigzag", True, (100, 0), 8, 2, 128, 2 * 150, 0.0),
+        (nd.ring_attention, "contiguous", False, (77, 33), 8, 4, 64, 200, 0.0),
+        (nd.ring_attention, "stripe", True, (-1, -1), 8, 2, 128, 200, 0.0),
+        (nd.ring_attention, "zigzag", True, (-1, -1), 8, 2, 128, 2 * 128, 20.0),
+        (nd.ulysses_attention, "contiguous", True, (-1, -1), 8, 4, 128, 300, 0.0),
+        (nd.ulysses_attention, "zigzag", True, (64, 0), 8, 4, 64, 2 * 120, 0.0),
+    ]
+    for i, (fn, layout, causal, window, heads, heads_kv, head_dim, spr, softcap) in enumerate(cases):
+        if fn is nd.ulysses_attention and (heads % world or heads_kv % world):
+            continue
+        tag = f"{fn.__name__} {layout} causal={causal} window={window} {heads}/{heads_kv} d{head_dim}"
+        tag += f" {spr}/rank"
+        if softcap:
+            tag += f" softcap={softcap}"
+        _record(tag, lines, failures, partial(_gpu_dense, rank, world, fn, layout, causal, window, heads,
+                                              heads_kv, head_dim, spr, softcap, device, seed=100 + i))
+    for layout, causal, window in (("zigzag", True, (-1, -1)), ("contiguous", False, (-1, -1)),
+                                   ("zigzag", True, (90, 0))):
+        seqlens = [2 * world * 97, 2 * world * 3, 0, 2 * world * 160]
+        tag = f"ring_attention_varlen {layout} causal={causal} window={window} seqlens={seqlens}"
+        case = partial(_gpu_varlen, rank, world, layout, causal, window, seqlens, device, seed=7)
+        _record(tag, lines, failures, case)
+    torch.cuda.synchronize()
+    with open(os.path.join(result_dir, f"gpu_rank{rank}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+def _record(tag, lines, failures, case):
+    """Run one case and judge it; an exception is recorded (every rank raises alike: the inputs
+    are the same) so that the table of every case comes back."""
+    try:
+        errs = case()
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"{tag}: raised {type(e).__name__}: {e}")
+        failures.append(f"{tag}: raised {e!r}")
+        return
+    _judge(tag, errs, lines, failures)
+
+
+def _judge(tag, errs, lines, failures):
+    """FlashAttention's criterion: each error at most 3x the bf16 attention's, plus a floor."""
+    parts = []
+    for key in ("out", "dq", "dk", "dv"):
+        ours, bar, single = errs[key]
+        ok = ours <= 3 * bar + 1e-4
+        parts.append(
+            f"{key} {ours:.2e} (bf16 {bar:.2e}, single-GPU call {single:.2e}){'' if ok else ' FAIL'}"
+        )
+        if not ok:
+            failures.append(f"{tag}: {key} {ours:.3e} > 3 x {bar:.3e}")
+    lines.append(f"{tag}: " + ", ".join(parts))
+
+
+def _errors(mine, ref64, ref16, single, got):
+    return (
+        (got.double().cpu() - mine(ref64)).abs().max().item(),
+        (mine(ref16).double() - mine(ref64)).abs().max().item(),
+        (mine(single).double() - mine(ref64)).abs().max().item(),
+    )
+
+
+def _gpu_dense(
+    rank, world, fn, layout, causal, window, heads, heads_kv, head_dim, spr, softcap, device, seed
+):
+    import numbaflash
+    import numbaflash.distributed as nd
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    S, b = spr * world, 2
+    q = torch.randn(b, S, heads, head_dim, generator=g, device=device).bfloat16()
+    k = torch.randn(b, S, heads_kv, head_dim, generator=g, device=device).bfloat16()
+    v = torch.randn(b, S, heads_kv, head_dim, generator=g, device=device).bfloat16()
+    w = torch.randn(b, S, heads, head_dim, generator=g, device=device)
+    scale = 1.0 / math.sqrt(head_dim)
+    refs = []
+    for dtype in (torch.float64, torch.bfloat16):
+        out, _, leaves = full_reference(q, k, v, causal, scale, window, softcap, dtype)
+        (out.double() * w).sum().backward()
+        refs.append([out.detach().cpu()] + [x.grad.cpu() for x in leaves])
+    single_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    single = numbaflash.flash_attention(
+        *single_in, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap
+    )
+    (single.double() * w).sum().backward()
+    singles = [single.detach().cpu()] + [x.grad.cpu() for x in single_in]
+    local = [nd.shard(x, layout, world, rank).requires_grad_() for x in (q, k, v)]
+    out = fn(*local, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap, layout=layout)
+    (out.double() * nd.shard(w, layout, world, rank)).sum().backward()
+    got = [out.detach()] + [x.grad for x in local]
+    mine = lambda x: nd.shard(x, layout, world, rank)  # noqa: E731
+    return {
+        key: _errors(mine, refs[0][i], refs[1][i], singles[i], got[i])
+        for i, key in enumerate(("out", "dq", "dk", "dv"))
+    }
+
+
+def _gpu_varlen(
+    rank, world, layout, causal, window, seqlens, device, seed, heads=8, heads_kv=2, head_dim=128
+):
+    import numbaflash
+    import numbaflash.distributed as nd
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    cu = [0]
+    for s in seqlens:
+        cu.append(cu[-1] + s)
+    total = cu[-1]
+    q = torch.randn(total, heads, head_dim, generator=g, device=device).bfloat16()
+    k = torch.randn(total, heads_kv, head_dim, generator=g, device=device).bfloat16()
+    v = torch.randn(total, heads_kv, head_dim, generator=g, device=device).bfloat16()
+    w = torch.randn(total, heads, head_dim, generator=g, device=device)
+    scale = 1.0 / math.sqrt(head_dim)
+    refs = []
+    for dtype in (torch.float64, torch.bfloat16):
+        acc = [torch.zeros(x.shape, dtype=torch.float64) for x in (w, q, k, v)]
+        for a, b in pairwise(cu):
+            if b == a:
+                continue
+            out, _, leaves = full_reference(
+                q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, window, 0.0, dtype
+            )
+            (out.double() * w[None, a:b]).sum().backward()
+            acc[0][a:b] = out[0].detach().double().cpu()
+            for x, leaf in zip(acc[1:], leaves, strict=True):
+                x[a:b] = leaf.grad[0].double().cpu()
+        refs.append(acc)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    single_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    m = max(seqlens)
+    single = numbaflash.flash_attention_varlen(
+        *single_in, cu_t, cu_t, m, m, causal=causal, softmax_scale=scale, window_size=window
+    )
+    (single.double() * w).sum().backward()
+    singles = [single.detach().cpu()] + [x.grad.cpu() for x in single_in]
+    local = [nd.shard_varlen(x, cu, layout, world, rank).requires_grad_() for x in (q, k, v)]
+    out = nd.ring_attention_varlen(
+        *local, cu, causal=causal, softmax_scale=scale, window_size=window, layout=layout
+    )
+    (out.double() * nd.shard_varlen(w, cu, layout, world, rank)).sum().backward()
+    got = [out.detach()] + [x.grad for x in local]
+    mine = lambda x: nd.shard_varlen(x, cu, layout, world, rank)  # noqa: E731
+    return {
+        key: _errors(mine, refs[0][i], refs[1][i], singles[i], got[i])
+        for i, key in enumerate(("out", "dq", "dk", "dv"))
+    }

@@ -1,0 +1,172 @@
+"""Context parallelism on the CPU: the layouts, the ring step planner against a brute-force mask,
+the LSE merge against float64, sharding round trips, the API's errors, and the whole ring and
+all-to-all (forward and backward, every layout, masks, GQA, softcap, packed sequences) in gloo
+processes with a float64 stand-in for the single-GPU kernels, against the gathered float64
+attention."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _distributed_cases import ReferenceAttention, cpu_worker
+
+import numbaflash.distributed as nd
+from numbaflash.distributed import layout as L
+from numbaflash.distributed.blocks import merge_
+
+WINDOWS = [(-1, -1), (0, 0), (1, 0), (3, -1), (-1, 2), (2, 2), (5, 1), (0, -1), (7, 0)]
+
+
+def test_layouts_cover_the_sequence_once():
+    for layout in L.LAYOUTS:
+        for world in (1, 2, 3, 4):
+            seqlen = 3 * L.divisor(layout, world)
+            held = sorted(p for r in range(world) for p in nd.positions(layout, seqlen, world, r))
+            assert held == list(range(seqlen)), layout
+            # every rank holds as many tokens
+            assert len({len(nd.positions(layout, seqlen, world, r)) for r in range(world)}) == 1
+    assert nd.positions("zigzag", 8, 2, 0) == [0, 1, 6, 7]
+    assert nd.positions("stripe", 8, 2, 1) == [1, 3, 5, 7]
+    assert nd.positions("contiguous", 8, 2, 1) == [4, 5, 6, 7]
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        L.segments("ring", 8, 2, 0)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        L.segments("zigzag", 6, 2, 0)
+    with pytest.raises(ValueError, match="rank must lie"):
+        L.segments("contiguous", 8, 2, 2)
+
+
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+def test_plan_covers_exactly_the_mask(layout):
+    """Every ring step's calls, for every rank pair, mask and size: the cells they let through
+    (FlashAttention's rule on their sliced shapes) are the gathered mask's, each once, and no call
+    has a row that sees nothing."""
+    checked = 0
+    for world in (1, 2, 3, 4):
+        d = L.divisor(layout, world)
+        for seqlen in (d, 2 * d, 3 * d):
+            for causal in (False, True):
+                for window in WINDOWS + [(seqlen, 0)]:
+                    for rank in range(world):
+                        qs = L.segments(layout, seqlen, world, rank)
+                        qpos = [p for s in qs for p in s.positions()]
+                        for owner in range(world):
+                            ks = L.segments(layout, seqlen, world, owner)
+                            kpos = [p for s in ks for p in s.positions()]
+                            calls = L.plan_step(qs, ks, causal, window)
+                            want = {
+                                (i, j)
+                                for i, p in enumerate(qpos)
+                                for j, t in enumerate(kpos)
+                                if L.visible(p, t, causal, window)
+                            }
+                            got = []
+                            for c in calls:
+                                cells = L.call_mask(c, len(qpos), len(kpos))
+                                assert {i for i, _ in cells} == set(range(c.q_lo, c.q_hi)), c
+                                got.extend(cells)
+                            assert len(got) == len(set(got)) and set(got) == want, (
+                                world,
+                                seqlen,
+                                causal,
+                                window,
+                                rank,
+                                owner,
+                                calls,
+                            )
+                            checked += 1
+    assert checked > 300
+
+
+def test_zigzag_causal_steps_are_balanced_single_calls():
+    """ring-flash-attention's zigzag schedule: the own block causal over all rows; an earlier
+    rank's block: all queries against its first chunk; a later rank's: the second half of the
+    queries against all its keys; one call each, the same work on every rank."""
+    world, c = 4, 8
+    seqlen = 2 * world * c
+    for rank in range(world):
+        qs = L.segments("zigzag", seqlen, world, rank)
+        for owner in range(world):
+            (call,) = L.plan_step(qs, L.segments("zigzag", seqlen, world, owner), True)
+            if owner == rank:
+                assert call == L.BlockCall(0, 2 * c, 0, 2 * c, True, (-1, -1))
+            elif owner < rank:
+                assert call == L.BlockCall(0, 2 * c, 0, c, False, (-1, -1))
+            else:
+                assert call == L.BlockCall(c, 2 * c, 0, 2 * c, False, (-1, -1))
+
+
+def test_merge_matches_float64_softmax_over_the_union():
+    g = torch.Generator().manual_seed(0)
+    b, s, h, d, n = 2, 7, 3, 5, 9
+    scores = torch.randn(b, h, s, n, generator=g, dtype=torch.float64) * 3
+    values = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    scores[:, :, 0, :] = float("-inf")  # a row that sees no key at all
+    scores[:, :, 1, :4] = float("-inf")  # a row that sees nothing in the first part
+    full_lse = torch.logsumexp(scores, -1)
+    full_out = torch.einsum("bhsn,bnhd->bshd", torch.softmax(scores, -1).nan_to_num(0.0), values)
+    acc = torch.zeros(b, s, h, d, dtype=torch.float32)
+    acc_lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32)
+    for part in (slice(0, 4), slice(4, 6), slice(6, 9)):
+        sc = scores[..., part]
+        lse = torch.logsumexp(sc, -1)
+        p = torch.exp(sc - lse.masked_fill(torch.isinf(lse), 0)[..., None])
+        out = torch.einsum("bhsn,bnhd->bshd", p, values[:, part])
+        merge_(acc, acc_lse, out.to(torch.bfloat16), lse.float())
+    assert not torch.isnan(acc).any() and not torch.isnan(acc_lse).any()
+    assert torch.equal(acc[:, 0], torch.zeros_like(acc[:, 0])) and torch.isinf(acc_lse[:, :, 0]).all()
+    assert (acc_lse.double() - full_lse).abs()[~torch.isinf(full_lse)].max() < 1e-5
+    # each part's out was rounded to bfloat16 (as the kernels return it): 2^-8 relative
+    assert (acc.double() - full_out).abs().max() < 4e-3 * full_out.abs().max()
+
+
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+def test_shard_round_trip(layout):
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for world in (1, 2, 3):
+        parts = [nd.shard(x, layout, world, r) for r in range(world)]
+        assert torch.equal(nd.unshard_parts(parts, layout), x)
+    cu = [0, 12, 12, 36]
+    p = torch.arange(36 * 2).reshape(36, 2)
+    for world in (1, 2, 3):
+        parts = [nd.shard_varlen(p, cu, layout, world, r) for r in range(world)]
+        assert torch.equal(nd.unshard_varlen_parts(parts, cu, layout), p)
+
+
+def test_errors_before_any_transfer():
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        nd.ring_attention(q, q, q, _attention=ReferenceAttention())
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        nd.ring_attention(q.numpy(), q, q)
+    with pytest.raises(ValueError, match="window_size"):
+        nd.ring_attention(q, q, q, window_size=(-2, 0), _attention=ReferenceAttention())
+    with pytest.raises(ValueError, match="4 dimensions"):
+        nd.ring_attention(q[0], q[0], q[0], _attention=ReferenceAttention())
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        nd.ring_attention(q, q, q)  # the kernels' own dtype check, before the process group's
+    with pytest.raises(TypeError, match="float16 or bfloat16"):  # packed inputs reach it too
+        nd.ring_attention_varlen(q[0], q[0], q[0], [0, 8])
+    with pytest.raises(ValueError, match="heads_q a multiple|multiple of"):
+        kv = torch.zeros(8, 3, 16, dtype=torch.float16)  # 2 query heads over 3 KV heads
+        nd.ring_attention_varlen(q[0].half(), kv, kv, [0, 8])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_and_ulysses_in_gloo_processes(tmp_path, world):
+    """Every layout, causal or not, five windows, GQA, softcap, ring and all-to-all, and packed
+    sequences (an empty one among them) over ``world`` gloo processes: each rank's rows of out,
+    LSE, dq, dk and dv equal the gathered float64 attention's to 1e-9 (the assertions run in the
+    ranks; a failure raises here)."""
+    mp.spawn(cpu_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    reports = sorted(f for f in os.listdir(tmp_path) if f.startswith("rank"))
+    assert len(reports) == world
+    for f in reports:
+        cases = int((tmp_path / f).read_text().split()[0])
+        assert cases >= 90
