@@ -9,6 +9,15 @@ and backward of N tokens in all over the GPUs and reports each GPU's peak memory
 
     python benchmarks/context_parallel.py --tokens 32k --heads 32 --heads-kv 8 --head-dim 128
     python benchmarks/context_parallel.py --methods zigzag --long 512k
+
+``--loopback N`` needs one GPU: it runs, one after another in this process, what each of N ranks
+computes (each ring step's kernel calls, merges and gradient sums, through the same autograd
+function), with each transfer replaced by a copy on this GPU; the slowest rank against the
+ideal bounds what the real ring can reach, transfers left out. The Ulysses row is its one
+full-length call on heads/N heads (the all-to-alls left out). ``--long`` then reports one
+rank's peak memory.
+
+    python benchmarks/context_parallel.py --loopback 2 --tokens 32k --long 512k
 """
 
 from __future__ import annotations
@@ -148,6 +157,109 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
     dist.destroy_process_group()
 
 
+class _Loopback:
+    """A ring of ``world`` ranks seen from ``rank``, whose transfers are copies on this GPU."""
+
+    class _Done:
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def wait(self):
+            return self.tensors
+
+    def __init__(self, world: int, rank: int):
+        self.world, self.rank = world, rank
+
+    def send_recv(self, tensors):
+        return self._Done([t.clone() for t in tensors])
+
+
+def _median_ms(fn, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def loopback(args) -> None:
+    import math
+
+    import numbaflash
+    from numbaflash.distributed.blocks import LocalAttention, dense_blocks
+    from numbaflash.distributed.ring import _RingAttention
+
+    world, h, hkv, d, T = args.loopback, args.heads, args.heads_kv, args.head_dim, args.tokens
+    S = T * world
+    print(f"GPU: {torch.cuda.get_device_name(0)}; loopback of {world} ranks, {T} tokens a rank ({S} in all), "
+          f"heads {h}/{hkv}, d{d}, bf16, causal, batch 1; transfers are copies on this GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def leaves(seqlen, heads, heads_kv):
+        make = lambda n: torch.randn(1, seqlen, n, d, device="cuda", generator=gen,  # noqa: E731
+                                     dtype=torch.bfloat16).requires_grad_()
+        return make(heads), make(heads_kv), make(heads_kv), torch.randn(1, seqlen, heads, d, device="cuda",
+                                                                         generator=gen, dtype=torch.bfloat16)
+
+    q, k, v, dout = leaves(S, h, hkv)
+    single = _median_ms(lambda: numbaflash.flash_attention(q, k, v, causal=True).backward(dout), args.iters)
+    ideal = single / world
+    print(f"single GPU, {S} tokens forward + backward: {single:.2f} ms; ideal on {world}: {ideal:.2f} ms")
+    del q, k, v, dout
+    rows = []
+    for name, layout in (("zigzag", "zigzag"), ("ring", "contiguous")):
+        if name not in args.methods:
+            continue
+        per_rank = []
+        q, k, v, dout = leaves(T, h, hkv)
+        for rank in range(world):
+            plans = dense_blocks(layout, S, world, rank, True, (-1, -1))
+            ring = _Loopback(world, rank)
+
+            def step(plans=plans, ring=ring, q=q, k=k, v=v, dout=dout):
+                out, _ = _RingAttention.apply(q, k, v, ring, LocalAttention(), plans, 1 / math.sqrt(d), 0.0,
+                                              (1, h, T))
+                out.backward(dout)
+
+            per_rank.append(_median_ms(step, args.iters))
+        rows.append((name, layout, max(per_rank), per_rank))
+        del q, k, v, dout
+    if "ulysses" in args.methods and h % world == 0 and hkv % world == 0:
+        q, k, v, dout = leaves(S, h // world, hkv // world)
+        ms = _median_ms(lambda: numbaflash.flash_attention(q, k, v, causal=True).backward(dout), args.iters)
+        rows.append(("ulysses (its call only)", "contiguous", ms, [ms]))
+        del q, k, v, dout
+    print("\n| method | layout | slowest rank ms | ideal ms | % of ideal | each rank ms |")
+    print("|---|---|---:|---:|---:|---|")
+    for name, layout, ms, per_rank in rows:
+        each = ", ".join(f"{x:.2f}" for x in per_rank)
+        print(f"| {name} | {layout} | {ms:.2f} | {ideal:.2f} | {100 * ideal / ms:.1f} | {each} |")
+    if args.long:
+        torch.cuda.empty_cache()
+        L = args.long // world
+        torch.cuda.reset_peak_memory_stats()
+        q, k, v, dout = leaves(L, h, hkv)
+        plans = dense_blocks("zigzag", args.long, world, 0, True, (-1, -1))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out, _ = _RingAttention.apply(q, k, v, _Loopback(world, 0), LocalAttention(), plans, 1 / math.sqrt(d),
+                                      0.0, (1, h, L))
+        out.backward(dout)
+        end.record()
+        torch.cuda.synchronize()
+        finite = all(bool(torch.isfinite(x).all()) for x in (out, q.grad, k.grad, v.grad))
+        print(f"\n{args.long} tokens causal over {world} ranks (zigzag), rank 0's work: "
+              f"{start.elapsed_time(end):.0f} ms, peak memory "
+              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, finite {finite}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=_tokens, default=32 * 1024, help="tokens a GPU (32k)")
@@ -159,7 +271,11 @@ def main(argv=None) -> None:
     p.add_argument("--long", type=_tokens, default=0,
                    help="also one causal forward + backward of this many tokens in all")
     p.add_argument("--skip-ideal", action="store_true")
+    p.add_argument("--loopback", type=int, default=0, help="one GPU: each of this many ranks' work, in turn")
     args = p.parse_args(argv)
+    if args.loopback:
+        loopback(args)
+        return
     world = torch.cuda.device_count()
     if world < 1:
         raise SystemExit("context_parallel.py needs CUDA GPUs")
