@@ -148,6 +148,7 @@ def _check_common(q, k, v, dims: int, window_size, softcap, attn):
     return window
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, the ring runs eagerly
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -205,6 +206,7 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, the ring runs eagerly
 def ring_attention_varlen(
     q: Tensor,
     k: Tensor,

@@ -80,6 +80,7 @@ class _Ulysses(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None, None, None)
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, the ring runs eagerly
 def ulysses_attention(
     q: Tensor,
     k: Tensor,
