@@ -270,6 +270,26 @@ def varlen_case(
     return err
 
 
+def _fused_kv_case(rank, world, ref) -> int:
+    """k and v as views of one fused (batch, seqlen, 2 * heads_kv, d) projection (not dense): the
+    ring sends them all the same, and the fused tensor's gradient is the dense call's dk and dv."""
+    import numbaflash.distributed as nd
+
+    g = torch.Generator().manual_seed(99)
+    q, k, v = (torch.randn(2, 4 * world, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    dense = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = nd.ring_attention(*dense, causal=True, _attention=ref)
+    out.sum().backward()
+    fused = torch.cat([k, v], dim=2).requires_grad_()
+    q2 = q.clone().requires_grad_()
+    out2 = nd.ring_attention(q2, fused[:, :, :2], fused[:, :, 2:], causal=True, _attention=ref)
+    out2.sum().backward()
+    assert torch.equal(out, out2), f"rank {rank}: fused k, v changed out"
+    want = torch.cat([dense[1].grad, dense[2].grad], dim=2)
+    assert torch.equal(fused.grad, want), f"rank {rank}: fused grads"
+    return 1
+
+
 def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: bool = True) -> None:
     """Every CPU case on gloo, float64 through ``ReferenceAttention``: the ring's schedule, merge
     and gradient routing must be exact to rounding. ``full=False``: two of the five windows and
@@ -310,6 +330,7 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
                             tag = (fn.__name__, layout, causal, window, heads, heads_kv, softcap, key)
                             assert e < 1e-9, f"rank {rank}: {tag} error {e}"
                             worst[key] = max(worst.get(key, 0.0), e)
+    cases += _fused_kv_case(rank, world, ref)
     for layout in ("zigzag", "contiguous"):
         for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (3, 0))):
             seqlens = [2 * world * 3, 0, 2 * world, 2 * world * 5]

@@ -31,8 +31,9 @@ def _staged(group, tensors: list[Tensor]) -> bool:
 class Pending:
     """Received tensors that are usable once ``wait`` returns them."""
 
-    def __init__(self, requests, received: list[Tensor], targets: list[Tensor] | None):
+    def __init__(self, requests, received: list[Tensor], targets: list[Tensor] | None, sent: list[Tensor]):
         self._requests, self._received, self._targets = requests, received, targets
+        self._sent = sent  # alive until the transfers are waited for
 
     def wait(self) -> list[Tensor]:
         for request in self._requests:
@@ -57,7 +58,8 @@ class Ring:
 
     def send_recv(self, tensors: list[Tensor]) -> Pending:
         """Start sending ``tensors`` to the next rank and receiving as many like them from the
-        previous rank."""
+        previous rank (point-to-point needs dense tensors: a view of a fused projection is copied)."""
+        tensors = [t.contiguous() for t in tensors]
         if _staged(self.group, tensors):
             targets = [torch.empty_like(t) for t in tensors]
             tensors = [t.cpu() for t in tensors]
@@ -66,7 +68,7 @@ class Ring:
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
-        return Pending(dist.batch_isend_irecv(ops), received, targets)
+        return Pending(dist.batch_isend_irecv(ops), received, targets, tensors)
 
 
 def all_to_all(x: Tensor, group) -> Tensor:
