@@ -224,8 +224,8 @@ def loopback(args) -> None:
             ring = _Loopback(world, rank)
 
             def step(plans=plans, ring=ring, q=q, k=k, v=v, dout=dout):
-                out, _ = _RingAttention.apply(q, k, v, ring, LocalAttention(), plans, 1 / math.sqrt(d), 0.0,
-                                              (1, h, T))
+                out, _ = _RingAttention.apply(q, k, v, None, ring, LocalAttention(), plans, 1 / math.sqrt(d),
+                                              0.0, (1, h, T))
                 out.backward(dout)
 
             per_rank.append(_median_ms(step, args.iters))
@@ -249,8 +249,8 @@ def loopback(args) -> None:
         plans = dense_blocks("zigzag", args.long, world, 0, True, (-1, -1))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out, _ = _RingAttention.apply(q, k, v, _Loopback(world, 0), LocalAttention(), plans, 1 / math.sqrt(d),
-                                      0.0, (1, h, L))
+        out, _ = _RingAttention.apply(q, k, v, None, _Loopback(world, 0), LocalAttention(), plans,
+                                      1 / math.sqrt(d), 0.0, (1, h, L))
         out.backward(dout)
         end.record()
         torch.cuda.synchronize()

@@ -124,17 +124,26 @@ class ReferenceAttention:
         return dq, dk, dv
 
 
-def full_reference(q, k, v, causal, scale, window, softcap, dtype=torch.float64):
-    """out, lse and the leaves (q, k, v) whose grads backward gives, on the gathered sequence, by
-    autograd in ``dtype`` (float64: the truth; the inputs' dtype: the bar of the criterion)."""
+def full_reference(q, k, v, causal, scale, window, softcap, dtype=torch.float64, sink=None):
+    """out, lse and the leaves (q, k, v, and the sink when given) whose grads backward gives, on
+    the gathered sequence, by autograd in ``dtype`` (float64: the truth; the inputs' dtype: the
+    bar of the criterion). ``sink``: (heads,) logits in every row's softmax, with no value."""
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
     qd, kd, vd = q, _expand(k, q.shape[2]), _expand(v, q.shape[2])
     _, s = _scores(qd, kd, scale, softcap)
     m = _mask(q.shape[1], k.shape[1], causal, window, q.device)
     s = s.masked_fill(~m, float("-inf"))
+    leaves = (q, k, v)
+    if sink is not None:
+        sink = sink.detach().to(dtype).requires_grad_()
+        leaves += (sink,)
+        s = torch.cat([s, sink.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vd)
-    return out, lse, (q, k, v)
+    p = torch.softmax(s, dim=-1)
+    if sink is not None:
+        p = p[..., :-1]
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vd)
+    return out, lse, leaves
 
 
 # ------------------------------------------------------------------------------- process cases
@@ -164,9 +173,10 @@ def dense_case(
     seed=0,
     batch=2,
     head_dim=16,
+    sink=False,
 ):
-    """One dense case: returns (err_out, err_grads, ref_out_scale) of this rank's rows against the
-    float64 gathered reference; the reference's own rounding to ``dtype`` gives the bar."""
+    """One dense case: the largest errors of this rank's rows of out, lse, dq, dk and dv (and the
+    sink's gradient summed over the ranks, relative) against the float64 gathered reference."""
     import numbaflash.distributed as nd
 
     g = torch.Generator().manual_seed(seed)
@@ -177,9 +187,11 @@ def dense_case(
     w = torch.randn(batch, S, heads, head_dim, generator=g, dtype=torch.float64)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     scale = 1.0 / math.sqrt(head_dim)
-    ref_out, ref_lse, leaves = full_reference(q, k, v, causal, scale, window, softcap)
+    sinks = torch.randn(heads, generator=g).float() if sink else None
+    ref_out, ref_lse, leaves = full_reference(q, k, v, causal, scale, window, softcap, sink=sinks)
     (ref_out * w).sum().backward()
     local = [nd.shard(x, layout, world, rank).to(device).requires_grad_() for x in (q, k, v)]
+    my_sink = sinks.to(device).requires_grad_() if sink else None
     out, lse = fn(
         *local,
         causal=causal,
@@ -188,6 +200,7 @@ def dense_case(
         softcap=softcap,
         layout=layout,
         return_lse=True,
+        learnable_sink=my_sink,
         _attention=attention,
     )
     (out.double() * nd.shard(w, layout, world, rank).to(device)).sum().backward()
@@ -199,8 +212,14 @@ def dense_case(
         .max()
         .item(),
     }
-    for name, x, leaf in zip("qkv", local, leaves, strict=True):
+    for name, x, leaf in zip("qkv", local, leaves[:3], strict=True):
         err["d" + name] = (x.grad.double().cpu() - mine(leaf.grad)).abs().max().item()
+    if sink:
+        total = my_sink.grad.clone()
+        dist.all_reduce(total)  # each rank's share, summed as a weight's gradient is
+        want = leaves[3].grad
+        # relative: the sink and its gradient are float32
+        err["dsink_rel"] = ((total.double().cpu() - want).abs().max() / want.abs().max()).item()
     return err
 
 
@@ -324,11 +343,12 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
                             device="cpu",
                             attention=ref,
                             seed=cases,
+                            sink=heads_kv == 2,  # the GQA case with gpt-oss's learnable sink
                         )
                         cases += 1
                         for key, e in err.items():
                             tag = (fn.__name__, layout, causal, window, heads, heads_kv, softcap, key)
-                            assert e < 1e-9, f"rank {rank}: {tag} error {e}"
+                            assert e < (1e-6 if key == "dsink_rel" else 1e-9), f"rank {rank}: {tag} error {e}"
                             worst[key] = max(worst.get(key, 0.0), e)
     cases += _fused_kv_case(rank, world, ref)
     for layout in ("zigzag", "contiguous"):
@@ -383,15 +403,24 @@ def gpu_worker(rank: int, world: int, init_file: str, backend: str, result_dir: 
         (nd.ulysses_attention, "contiguous", True, (-1, -1), 8, 4, 128, 300, 0.0),
         (nd.ulysses_attention, "zigzag", True, (64, 0), 8, 4, 64, 2 * 120, 0.0),
     ]
-    for i, (fn, layout, causal, window, heads, heads_kv, head_dim, spr, softcap) in enumerate(cases):
+    sink_cases = [  # gpt-oss: a sliding window and a learnable sink
+        (nd.ring_attention, "zigzag", True, (128, 0), 8, 2, 64, 2 * 150, 0.0),
+        (nd.ulysses_attention, "contiguous", True, (-1, -1), 8, 4, 64, 256, 0.0),
+    ]
+    flagged = [(c, False) for c in cases] + [(c, True) for c in sink_cases]
+    for i, (case, sink) in enumerate(flagged):
+        fn, layout, causal, window, heads, heads_kv, head_dim, spr, softcap = case
         if fn is nd.ulysses_attention and (heads % world or heads_kv % world):
             continue
         tag = f"{fn.__name__} {layout} causal={causal} window={window} {heads}/{heads_kv} d{head_dim}"
         tag += f" {spr}/rank"
         if softcap:
             tag += f" softcap={softcap}"
-        _record(tag, lines, failures, partial(_gpu_dense, rank, world, fn, layout, causal, window, heads,
-                                              heads_kv, head_dim, spr, softcap, device, seed=100 + i))
+        if sink:
+            tag += " learnable sink"
+        run = partial(_gpu_dense, rank, world, fn, layout, causal, window, heads, heads_kv, head_dim, spr,
+                      softcap, device, seed=100 + i, sink=sink)
+        _record(tag, lines, failures, run)
     for layout, causal, window in (("zigzag", True, (-1, -1)), ("contiguous", False, (-1, -1)),
                                    ("zigzag", True, (90, 0))):
         seqlens = [2 * world * 97, 2 * world * 3, 0, 2 * world * 160]
@@ -421,8 +450,7 @@ def _record(tag, lines, failures, case):
 def _judge(tag, errs, lines, failures):
     """FlashAttention's criterion: each error at most 3x the bf16 attention's, plus a floor."""
     parts = []
-    for key in ("out", "dq", "dk", "dv"):
-        ours, bar, single = errs[key]
+    for key, (ours, bar, single) in errs.items():
         ok = ours <= 3 * bar + 1e-4
         parts.append(
             f"{key} {ours:.2e} (bf16 {bar:.2e}, single-GPU call {single:.2e}){'' if ok else ' FAIL'}"
@@ -441,7 +469,7 @@ def _errors(mine, ref64, ref16, single, got):
 
 
 def _gpu_dense(
-    rank, world, fn, layout, causal, window, heads, heads_kv, head_dim, spr, softcap, device, seed
+    rank, world, fn, layout, causal, window, heads, heads_kv, head_dim, spr, softcap, device, seed, sink=False
 ):
     import numbaflash
     import numbaflash.distributed as nd
@@ -452,27 +480,37 @@ def _gpu_dense(
     k = torch.randn(b, S, heads_kv, head_dim, generator=g, device=device).bfloat16()
     v = torch.randn(b, S, heads_kv, head_dim, generator=g, device=device).bfloat16()
     w = torch.randn(b, S, heads, head_dim, generator=g, device=device)
+    sinks = torch.randn(heads, generator=g, device=device) if sink else None
     scale = 1.0 / math.sqrt(head_dim)
     refs = []
     for dtype in (torch.float64, torch.bfloat16):
-        out, _, leaves = full_reference(q, k, v, causal, scale, window, softcap, dtype)
+        out, _, leaves = full_reference(q, k, v, causal, scale, window, softcap, dtype, sink=sinks)
         (out.double() * w).sum().backward()
         refs.append([out.detach().cpu()] + [x.grad.cpu() for x in leaves])
     single_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    single = numbaflash.flash_attention(
-        *single_in, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap
-    )
+    single_in += [sinks.clone().requires_grad_()] if sink else []
+    single = numbaflash.flash_attention(*single_in[:3], causal=causal, softmax_scale=scale,
+                                        window_size=window, softcap=softcap,
+                                        learnable_sink=single_in[3] if sink else None)
     (single.double() * w).sum().backward()
     singles = [single.detach().cpu()] + [x.grad.cpu() for x in single_in]
     local = [nd.shard(x, layout, world, rank).requires_grad_() for x in (q, k, v)]
-    out = fn(*local, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap, layout=layout)
+    my_sink = sinks.clone().requires_grad_() if sink else None
+    out = fn(*local, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap, layout=layout,
+             learnable_sink=my_sink)
     (out.double() * nd.shard(w, layout, world, rank)).sum().backward()
     got = [out.detach()] + [x.grad for x in local]
     mine = lambda x: nd.shard(x, layout, world, rank)  # noqa: E731
-    return {
+    errs = {
         key: _errors(mine, refs[0][i], refs[1][i], singles[i], got[i])
         for i, key in enumerate(("out", "dq", "dk", "dv"))
     }
+    if sink:  # the ranks' shares summed, as a weight's gradient is (through the host: any backend)
+        total = my_sink.grad.cpu()
+        dist.all_reduce(total)
+        whole = lambda x: x  # noqa: E731
+        errs["dsink"] = _errors(whole, refs[0][4], refs[1][4], singles[4], total)
+    return errs
 
 
 def _gpu_varlen(

@@ -65,6 +65,24 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     acc_lse.copy_(new)
 
 
+def fold_sink(out: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the softmax over the keys and a learnable sink (gpt-oss, FlashAttention-4's
+    ``learnable_sink``: one logit a head, with no value) from those over the keys alone. out is
+    (..., rows, heads, d), lse (..., heads, rows), sink float32 (heads,)."""
+    folded = torch.logaddexp(lse, sink.to(lse.dtype)[:, None])
+    scale = torch.exp(lse - folded).transpose(-1, -2).unsqueeze(-1)
+    return (out.to(scale.dtype) * scale).to(out.dtype), folded
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """d loss / d sink over these rows: -sum exp(sink - lse) * rowsum(dout * out), per head
+    (``lse`` and ``out`` those with the sink folded in)."""
+    wide = torch.promote_types(lse.dtype, torch.float32)
+    d = (dout.to(wide) * out.to(wide)).sum(-1).transpose(-1, -2)  # (..., heads, rows)
+    p_sink = torch.exp(sink.to(lse.dtype)[:, None] - lse)
+    return -(p_sink * d).reshape(-1, *d.shape[-2:]).sum((0, 2)).to(sink.dtype)
+
+
 @lru_cache(maxsize=4096)
 def _plan(
     layout: str, seqlen: int, world: int, rank: int, owner: int, causal: bool, window: tuple[int, int]

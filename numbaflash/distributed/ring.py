@@ -18,7 +18,7 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from .blocks import LocalAttention, dense_blocks, packed_blocks
+from .blocks import LocalAttention, dense_blocks, fold_sink, packed_blocks, sink_grad
 from .comm import Ring
 
 
@@ -102,20 +102,25 @@ def _ring_backward(ring: Ring, attn, plans, dout, q, k, v, out, lse, scale, soft
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, attn, plans, scale, softcap, lse_shape):
+    def forward(ctx, q, k, v, sink, ring, attn, plans, scale, softcap, lse_shape):
         out, lse = _ring_forward(ring, attn, plans, q, k, v, scale, softcap, lse_shape)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sink is not None:
+            out, lse = fold_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sink is None else (sink,)))
         ctx.ring, ctx.attn, ctx.plans, ctx.scale, ctx.softcap = ring, attn, plans, scale, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(
-            ctx.ring, ctx.attn, ctx.plans, dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.softcap
-        )
-        return dq, dk, dv, None, None, None, None, None, None
+        saved = ctx.saved_tensors
+        q, k, v, out, lse = saved[:5]
+        dout = dout.contiguous()
+        dq, dk, dv = _ring_backward(ctx.ring, ctx.attn, ctx.plans, dout, q, k, v, out, lse, ctx.scale,
+                                    ctx.softcap)
+        # the sink's gradient over this rank's rows (summed over the ranks as the weights' are)
+        d_sink = sink_grad(dout, out, lse, saved[5]) if len(saved) > 5 and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, d_sink, None, None, None, None, None, None
 
 
 def _scale(q: Tensor, softmax_scale: float | None) -> float:
@@ -161,6 +166,7 @@ def ring_attention(
     softcap: float = 0.0,
     layout: str = "zigzag",
     return_lse: bool = False,
+    learnable_sink: Tensor | None = None,
     _attention=None,
 ):
     """Attention over a sequence sharded across the ranks of ``group``, with autograd.
@@ -181,6 +187,9 @@ def ring_attention(
         layout: "zigzag" (rank r holds chunks r and 2N-1-r of 2N: the causal load balance),
             "contiguous" (chunk r of N) or "stripe" (tokens r, r+N, ...).
         return_lse: also return this rank's float32 LSE rows, (batch, heads_q, seqlen_local).
+        learnable_sink: float32 (heads_q,), one logit a head in every row's softmax with no value
+            (gpt-oss; ``flash_attention``'s). Its gradient is this rank's rows' share: sum it over
+            the ranks as the weights' gradients are.
 
     Returns:
         out (batch, seqlen_local, heads_q, head_dim) in q's dtype; with ``return_lse``, (out,
@@ -193,6 +202,7 @@ def ring_attention(
     """
     attn = LocalAttention() if _attention is None else _attention
     window = _check_common(q, k, v, 4, window_size, softcap, attn)
+    _check_sink(learnable_sink, q)
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         raise ValueError(
             "ring_attention shards q, k and v alike: their seqlen_local must agree, got "
@@ -202,7 +212,8 @@ def ring_attention(
     ring = Ring(group)
     plans = dense_blocks(layout, q.shape[1] * ring.world, ring.world, ring.rank, bool(causal), window)
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    out, lse = _RingAttention.apply(q, k, v, ring, attn, plans, scale, float(softcap), lse_shape)
+    out, lse = _RingAttention.apply(q, k, v, learnable_sink, ring, attn, plans, scale, float(softcap),
+                                    lse_shape)
     return (out, lse) if return_lse else out
 
 
@@ -220,6 +231,7 @@ def ring_attention_varlen(
     softcap: float = 0.0,
     layout: str = "zigzag",
     return_lse: bool = False,
+    learnable_sink: Tensor | None = None,
     _attention=None,
 ):
     """``ring_attention`` on packed sequences: each sequence of the pack is sharded by ``layout``
@@ -235,6 +247,7 @@ def ring_attention_varlen(
     """
     attn = LocalAttention() if _attention is None else _attention
     window = _check_common(q, k, v, 3, window_size, softcap, attn)
+    _check_sink(learnable_sink, q)
     ring = Ring(group)
     seqlens = _seqlens(cu_seqlens)
     total = sum(s // ring.world for s in seqlens)
@@ -247,8 +260,20 @@ def ring_attention_varlen(
     scale = _scale(q, softmax_scale)
     plans = packed_blocks(layout, seqlens, ring.world, ring.rank, bool(causal), window, q.device)
     lse_shape = (q.shape[1], q.shape[0])
-    out, lse = _RingAttention.apply(q, k, v, ring, attn, plans, scale, float(softcap), lse_shape)
+    out, lse = _RingAttention.apply(q, k, v, learnable_sink, ring, attn, plans, scale, float(softcap),
+                                    lse_shape)
     return (out, lse) if return_lse else out
+
+
+def _check_sink(sink, q: Tensor) -> None:
+    if sink is None:
+        return
+    heads = q.shape[-2]
+    if not isinstance(sink, Tensor) or sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):
+        got = f"{tuple(sink.shape)} {sink.dtype}" if isinstance(sink, Tensor) else type(sink).__name__
+        raise ValueError(f"learnable_sink must be a float32 tensor of shape ({heads},) (heads_q), got {got}")
+    if sink.device != q.device:
+        raise ValueError(f"learnable_sink must be on q's device {q.device}, got {sink.device}")
 
 
 def _seqlens(cu_seqlens) -> list[int]:

@@ -8,11 +8,12 @@ Needs heads_q and heads_kv divisible by the group's size.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .blocks import LocalAttention
+from .blocks import LocalAttention, fold_sink, sink_grad
 from .comm import all_to_all, resolve_group
-from .ring import _check_common, _scale
+from .ring import _check_common, _check_sink, _scale
 from .shard import positions
 
 
@@ -61,23 +62,34 @@ def _lse_to_sequence(lse: Tensor, group, world: int, order: Tensor | None) -> Te
 
 class _Ulysses(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, world, attn, causal, scale, window, softcap, order, inverse):
+    def forward(ctx, q, k, v, sink, group, world, attn, causal, scale, window, softcap, order, inverse):
         qg, kg, vg = (_to_heads(x, group, world, inverse) for x in (q, k, v))
         out_g, lse_g = attn.forward(qg, kg, vg, causal, scale, window, softcap)
-        ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
-        ctx.args = (group, world, attn, causal, scale, window, softcap, order, inverse)
+        heads = slice(None)
+        if sink is not None:  # this rank's heads of it
+            per = sink.shape[0] // world
+            heads = slice(dist.get_rank(group) * per, (dist.get_rank(group) + 1) * per)
+            out_g, lse_g = fold_sink(out_g, lse_g, sink[heads])
+        ctx.save_for_backward(qg, kg, vg, out_g, lse_g, *(() if sink is None else (sink,)))
+        ctx.args = (group, world, attn, causal, scale, window, softcap, order, inverse, heads)
         lse = _lse_to_sequence(lse_g, group, world, order)
         ctx.mark_non_differentiable(lse)
         return _to_sequence(out_g, group, world, order), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
-        group, world, attn, causal, scale, window, softcap, order, inverse = ctx.args
+        saved = ctx.saved_tensors
+        qg, kg, vg, out_g, lse_g = saved[:5]
+        group, world, attn, causal, scale, window, softcap, order, inverse, heads = ctx.args
         dout_g = _to_heads(dout.contiguous(), group, world, inverse).contiguous()
         dq, dk, dv = attn.backward(dout_g, qg, kg, vg, out_g, lse_g, causal, scale, window, softcap)
         grads = [_to_sequence(g, group, world, order) for g in (dq, dk, dv)]
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        d_sink = None
+        if len(saved) > 5 and ctx.needs_input_grad[3]:
+            # this rank's heads over every row, zero elsewhere: the sum over the ranks is the whole
+            d_sink = torch.zeros_like(saved[5])
+            d_sink[heads] = sink_grad(dout_g, out_g, lse_g, saved[5][heads])
+        return (*grads, d_sink, None, None, None, None, None, None, None, None, None)
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the ring runs eagerly
@@ -93,6 +105,7 @@ def ulysses_attention(
     softcap: float = 0.0,
     layout: str = "contiguous",
     return_lse: bool = False,
+    learnable_sink: Tensor | None = None,
     _attention=None,
 ):
     """``ring_attention``'s contract (same shards, same result) by all-to-all over heads.
@@ -101,9 +114,12 @@ def ulysses_attention(
     whole gathered sequence for heads/N query heads: the single-GPU kernel at full length (one
     call, no merge), at the price of moving q, k, v and out (and their gradients) once each.
     The contiguous layout needs no reordering; zigzag and stripe are put in order around the call.
+    A ``learnable_sink``'s gradient on each rank holds its heads' share (zero at the others): sum
+    it over the ranks as the weights' gradients are.
     """
     attn = LocalAttention() if _attention is None else _attention
     window = _check_common(q, k, v, 4, window_size, softcap, attn)
+    _check_sink(learnable_sink, q)
     group = resolve_group(group)
     world = torch.distributed.get_world_size(group)
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
@@ -121,6 +137,7 @@ def ulysses_attention(
         q,
         k,
         v,
+        learnable_sink,
         group,
         world,
         attn,
