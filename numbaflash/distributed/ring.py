@@ -27,7 +27,7 @@ def _accumulator(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _ring_forward(ring: Ring, attn, plans, q, k, v, scale, softcap, lse_shape):
+def _ring_forward(ring: Ring, attn, plans, q, k, v, scale, softcap, lse_shape, sink=None):
     wide = _accumulator(q)
     acc = acc_lse = None
     kv = [k, v]
@@ -49,6 +49,8 @@ def _ring_forward(ring: Ring, attn, plans, q, k, v, scale, softcap, lse_shape):
     if acc is None:  # no local rows
         empty_lse = torch.full(lse_shape, float("-inf"), device=q.device)
         return q.new_zeros((*q.shape[:-1], v.shape[-1])), empty_lse
+    if sink is not None:  # folded into the float32 sum, before the one rounding to q's dtype
+        acc, acc_lse = fold_sink(acc.to(wide), acc_lse.to(wide), sink)
     return acc.to(q.dtype), acc_lse
 
 
@@ -103,9 +105,7 @@ def _ring_backward(ring: Ring, attn, plans, dout, q, k, v, out, lse, scale, soft
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, ring, attn, plans, scale, softcap, lse_shape):
-        out, lse = _ring_forward(ring, attn, plans, q, k, v, scale, softcap, lse_shape)
-        if sink is not None:
-            out, lse = fold_sink(out, lse, sink)
+        out, lse = _ring_forward(ring, attn, plans, q, k, v, scale, softcap, lse_shape, sink)
         ctx.save_for_backward(q, k, v, out, lse, *(() if sink is None else (sink,)))
         ctx.ring, ctx.attn, ctx.plans, ctx.scale, ctx.softcap = ring, attn, plans, scale, softcap
         ctx.mark_non_differentiable(lse)
