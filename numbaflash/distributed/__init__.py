@@ -11,13 +11,31 @@
 This is a wrapper a training loop calls in place of its attention (torchtitan-style: shard the
 batch's sequence dimension with ``shard``, run the model, every attention layer calls
 ``ring_attention`` on its shard); PyTorch's own ``context_parallel`` only intercepts SDPA. See
-``examples/context_parallel.py``. Importing this module imports torch.
+``examples/context_parallel.py``. The ring, all-to-all and shard functions import torch when
+first used; the layouts (``positions``, ``segments``) need nothing.
 """
 
-from .layout import LAYOUTS, segments
-from .ring import ring_attention, ring_attention_varlen
-from .shard import positions, shard, shard_varlen, unshard, unshard_parts, unshard_varlen_parts
-from .ulysses import ulysses_attention
+from .layout import LAYOUTS, positions, segments
+
+# the torch-facing names load with their modules on first use: the layouts and the planner
+# (``layout``) import nothing but the standard library
+_LAZY = {
+    "ring_attention": "ring", "ring_attention_varlen": "ring", "ulysses_attention": "ulysses",
+    "shard": "sharding", "shard_varlen": "sharding", "unshard": "sharding", "unshard_parts": "sharding",
+    "unshard_varlen_parts": "sharding",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LAYOUTS",

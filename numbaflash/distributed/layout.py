@@ -90,6 +90,12 @@ def segments(layout: str, seqlen: int, world: int, rank: int) -> list[Segment]:
     return [Segment(rank, seqlen // world, world)]
 
 
+def positions(layout: str, seqlen: int, world: int, rank: int) -> list[int]:
+    """The global positions of rank ``rank``'s tokens, in local order (e.g. for rotary
+    embeddings of a shard)."""
+    return [p for s in segments(layout, seqlen, world, rank) for p in s.positions()]
+
+
 def _floor_div(a: float, b: int) -> float:
     return a if a in (_INF, -_INF) else a // b
 

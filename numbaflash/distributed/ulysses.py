@@ -14,7 +14,7 @@ from torch import Tensor
 from .blocks import LocalAttention, fold_sink, sink_grad
 from .comm import all_to_all, resolve_group
 from .ring import _check_common, _check_sink, _scale
-from .shard import positions
+from .sharding import positions
 
 
 def _order(layout: str, seqlen: int, world: int, device) -> tuple[Tensor | None, Tensor | None]:

@@ -8,12 +8,7 @@ import torch
 from torch import Tensor
 
 from .comm import all_gather, resolve_group
-from .layout import segments
-
-
-def positions(layout: str, seqlen: int, world: int, rank: int) -> list[int]:
-    """The global positions of rank ``rank``'s tokens, in local order."""
-    return [p for s in segments(layout, seqlen, world, rank) for p in s.positions()]
+from .layout import positions
 
 
 def shard(x: Tensor, layout: str, world: int, rank: int, dim: int = 1) -> Tensor:
