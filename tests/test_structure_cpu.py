@@ -78,7 +78,7 @@ LAYERS = {
     "kernels": 2,
     "configs": 3, "operands": 3,  # tables, dispatch policy, compile; what an input is
     "operations": 4,
-    "api": 5, "torch_ops": 5, "torch_route": 5,
+    "api": 5, "torch_ops": 5, "torch_route": 5, "fp8": 5,
     "__init__": 6,
     "tools": 7, "demos": 7, "__main__": 7, "bench": 7, "debug": 7, "inspect": 7, "precompile": 7,
     "selftest": 7, "integrations": 7, "distributed": 7,
@@ -300,7 +300,7 @@ def test_tuple_unpack_rule_is_live(tmp_path):
 
 
 # The package top is the public face plus the short ``python -m numbaflash.<tool>`` entry points.
-PUBLIC_MODULES = {"__init__", "__main__", "api", "configs", "operands", "torch_ops", "torch_route"}
+PUBLIC_MODULES = {"__init__", "__main__", "api", "configs", "operands", "torch_ops", "torch_route", "fp8"}
 TOOL_ENTRY_POINTS = {"bench", "debug", "inspect", "precompile", "selftest"}
 SUBPACKAGES = {"kernels", "ptx", "runtime", "tools", "demos", "operations", "integrations", "distributed"}
 
