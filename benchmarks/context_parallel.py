@@ -41,21 +41,13 @@ def _tokens(text: str) -> int:
 
 def _time(fn, iters: int, warmup: int = 2) -> float:
     """Median ms of ``fn`` over ``iters`` calls (each between barriers), the slowest rank's."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end)], device="cuda")
+
+    def slowest(ms: float) -> float:
+        t = torch.tensor([ms], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
+        return t.item()
+
+    return _median_ms(fn, iters, warmup, before=dist.barrier, after=slowest)
 
 
 def _worker(rank: int, world: int, init_file: str, args) -> None:
@@ -81,18 +73,7 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
             out = numbaflash.flash_attention(q, k, v, causal=True)
             out.backward(dout)
 
-        for _ in range(2):
-            single()
-        times = []
-        for _ in range(args.iters):
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            single()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        ideal = statistics.median(times) / world
+        ideal = _median_ms(single, args.iters) / world
         del q, k, v, dout
         torch.cuda.empty_cache()
     else:
@@ -174,18 +155,23 @@ class _Loopback:
         return self._Done([t.clone() for t in tensors])
 
 
-def _median_ms(fn, iters: int, warmup: int = 2) -> float:
+def _median_ms(fn, iters: int, warmup: int = 2, before=None, after=None) -> float:
+    """Median ms of CUDA-event-timed calls of ``fn`` after ``warmup`` untimed ones; ``before`` runs
+    ahead of each timed call, ``after`` maps each time (e.g. to the slowest rank's)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        ms = start.elapsed_time(end)
+        times.append(ms if after is None else after(ms))
     return statistics.median(times)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from itertools import pairwise
+from itertools import pairwise, product
 
 import torch
 import torch.distributed as dist
@@ -146,6 +146,40 @@ def full_reference(q, k, v, causal, scale, window, softcap, dtype=torch.float64,
     return out, lse, leaves
 
 
+def offsets(seqlens: list[int]) -> list[int]:
+    """cu_seqlens of a pack of ``seqlens``."""
+    cu = [0]
+    for n in seqlens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def packed_reference(q, k, v, w, cu, causal, scale, window, softcap, dtype=torch.float64):
+    """float64 CPU tensors [out, lse (heads, total), dq, dk, dv] of a pack, each sequence by
+    ``full_reference`` in ``dtype``, the gradients of sum(out * w)."""
+    out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float64)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
+    grads = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    for a, b in pairwise(cu):
+        if b == a:
+            continue
+        rows = slice(a, b)
+        o, l, leaves = full_reference(q[None, rows], k[None, rows], v[None, rows], causal, scale, window,
+                                      softcap, dtype)
+        (o.double() * w[None, a:b]).sum().backward()
+        out[a:b], lse[:, a:b] = o[0].detach().double().cpu(), l[0].detach().double().cpu()
+        for acc, leaf in zip(grads, leaves, strict=True):
+            acc[a:b] = leaf.grad[0].double().cpu()
+    return [out, lse, *grads]
+
+
+def _check(err: dict, tag, worst: dict, rank: int) -> None:
+    """Each error within rounding of float64 (the sink's gradient, float32, relative)."""
+    for key, e in err.items():
+        assert e < (1e-6 if key == "dsink_rel" else 1e-9), f"rank {rank}: {tag} {key} error {e}"
+        worst[key] = max(worst.get(key, 0.0), e)
+
+
 # ------------------------------------------------------------------------------- process cases
 
 
@@ -244,28 +278,14 @@ def varlen_case(
     import numbaflash.distributed as nd
 
     g = torch.Generator().manual_seed(seed)
-    cu = [0]
-    for s in seqlens:
-        cu.append(cu[-1] + s)
+    cu = offsets(seqlens)
     total = cu[-1]
     q = torch.randn(total, heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
     k = torch.randn(total, heads_kv, head_dim, generator=g, dtype=torch.float64).to(dtype)
     v = torch.randn(total, heads_kv, head_dim, generator=g, dtype=torch.float64).to(dtype)
     w = torch.randn(total, heads, head_dim, generator=g, dtype=torch.float64)
     scale = 1.0 / math.sqrt(head_dim)
-    ref_out = torch.zeros(total, heads, head_dim, dtype=torch.float64)
-    ref_lse = torch.zeros(heads, total, dtype=torch.float64)
-    grads = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    for a, b in pairwise(cu):
-        if b == a:
-            continue
-        o, lse, leaves = full_reference(
-            q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, window, softcap
-        )
-        (o * w[None, a:b]).sum().backward()
-        ref_out[a:b], ref_lse[:, a:b] = o[0].detach(), lse[0].detach()
-        for acc, leaf in zip(grads, leaves, strict=True):
-            acc[a:b] = leaf.grad[0]
+    ref_out, ref_lse, *grads = packed_reference(q, k, v, w, cu, causal, scale, window, softcap)
     local = [nd.shard_varlen(x, cu, layout, world, rank).to(device).requires_grad_() for x in (q, k, v)]
     out, lse = nd.ring_attention_varlen(
         *local,
@@ -346,10 +366,8 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
                             sink=heads_kv == 2,  # the GQA case with gpt-oss's learnable sink
                         )
                         cases += 1
-                        for key, e in err.items():
-                            tag = (fn.__name__, layout, causal, window, heads, heads_kv, softcap, key)
-                            assert e < (1e-6 if key == "dsink_rel" else 1e-9), f"rank {rank}: {tag} error {e}"
-                            worst[key] = max(worst.get(key, 0.0), e)
+                        tag = (fn.__name__, layout, causal, window, heads, heads_kv, softcap)
+                        _check(err, tag, worst, rank)
     cases += _fused_kv_case(rank, world, ref)
     for layout in ("zigzag", "contiguous"):
         for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (3, 0))):
@@ -370,9 +388,7 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
                 seed=cases,
             )
             cases += 1
-            for key, e in err.items():
-                assert e < 1e-9, f"rank {rank}: varlen {layout} {causal} {window} {key} error {e}"
-                worst[key] = max(worst.get(key, 0.0), e)
+            _check(err, ("varlen", layout, causal, window), worst, rank)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{cases} {worst}\n")
     dist.destroy_process_group()
@@ -520,9 +536,7 @@ def _gpu_varlen(
     import numbaflash.distributed as nd
 
     g = torch.Generator(device=device).manual_seed(seed)
-    cu = [0]
-    for s in seqlens:
-        cu.append(cu[-1] + s)
+    cu = offsets(seqlens)
     total = cu[-1]
     q = torch.randn(total, heads, head_dim, generator=g, device=device).bfloat16()
     k = torch.randn(total, heads_kv, head_dim, generator=g, device=device).bfloat16()
@@ -531,18 +545,8 @@ def _gpu_varlen(
     scale = 1.0 / math.sqrt(head_dim)
     refs = []
     for dtype in (torch.float64, torch.bfloat16):
-        acc = [torch.zeros(x.shape, dtype=torch.float64) for x in (w, q, k, v)]
-        for a, b in pairwise(cu):
-            if b == a:
-                continue
-            out, _, leaves = full_reference(
-                q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, window, 0.0, dtype
-            )
-            (out.double() * w[None, a:b]).sum().backward()
-            acc[0][a:b] = out[0].detach().double().cpu()
-            for x, leaf in zip(acc[1:], leaves, strict=True):
-                x[a:b] = leaf.grad[0].double().cpu()
-        refs.append(acc)
+        out, _, *grads = packed_reference(q, k, v, w, cu, causal, scale, window, 0.0, dtype)
+        refs.append([out, *grads])
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     single_in = [x.clone().requires_grad_() for x in (q, k, v)]
     m = max(seqlens)
@@ -562,3 +566,76 @@ def _gpu_varlen(
         key: _errors(mine, refs[0][i], refs[1][i], singles[i], got[i])
         for i, key in enumerate(("out", "dq", "dk", "dv"))
     }
+
+
+def hf_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
+    """transformers models on numbaflash inside ``context_parallel`` (gloo, the kernels replaced
+    by ``ReferenceAttention``): each rank's logits and the weights' gradients summed over the
+    ranks equal the eager model's on the gathered sequence. Llama, Mistral (sliding window) and
+    gpt-oss (sinks, alternating windows), zigzag and contiguous."""
+    import copy
+
+    import transformers
+
+    import numbaflash.distributed as nd
+    from numbaflash import torch_ops
+    from numbaflash.integrations import transformers as nf_hf
+
+    init(rank, world, init_file, "gloo")
+    ref = ReferenceAttention()
+    torch_ops.run_forward = lambda q, k, v, causal, scale, window=(-1, -1), softcap=0.0: ref.forward(
+        q, k, v, causal, scale, window, softcap)
+
+    def backward(dout, q, k, v, out, lse, causal, scale, _deterministic, window=(-1, -1), softcap=0.0):
+        return ref.backward(dout, q, k, v, out, lse, causal, scale, window, softcap)
+
+    torch_ops.run_backward = backward
+    torch_ops.check_tensors = lambda *args, **kwargs: None  # float32 here
+    nf_hf.register()
+    base = {"vocab_size": 97, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "max_position_embeddings": 256, "pad_token_id": 0, "attention_dropout": 0.0}
+    configs = [
+        (transformers.LlamaConfig, {}),
+        (transformers.MistralConfig, {"sliding_window": 6}),
+        (transformers.GptOssConfig, {"num_local_experts": 2, "num_experts_per_tok": 1, "sliding_window": 6,
+                                     "layer_types": ["sliding_attention", "full_attention"]}),
+    ]
+    seqlen = 8 * world
+    worst = 0.0
+    for (config_class, overrides), layout in product(configs, ("zigzag", "contiguous")):
+        config = config_class(**{**base, **overrides})
+        torch.manual_seed(0)
+        make = transformers.AutoModelForCausalLM.from_config
+        ours = make(copy.deepcopy(config), attn_implementation="numbaflash")
+        eager = make(copy.deepcopy(config), attn_implementation="eager")
+        with torch.no_grad():
+            for name, param in ours.named_parameters():
+                if name.endswith("sinks"):
+                    param.normal_()
+        eager.load_state_dict(ours.state_dict())
+        ours.train()
+        eager.train()
+        ids = torch.randint(1, 97, (1, seqlen), generator=torch.Generator().manual_seed(1))
+        labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # shifted on the whole sequence
+        want = eager(ids, use_cache=False).logits
+        F = torch.nn.functional
+        F.cross_entropy(want[0], labels[0], ignore_index=-100, reduction="sum").backward()
+        mine = partial(nd.shard, layout=layout, world=world, rank=rank)
+        positions = torch.tensor(nd.positions(layout, seqlen, world, rank))[None]
+        with nf_hf.context_parallel(layout=layout):
+            got = ours(mine(ids), position_ids=positions, use_cache=False).logits
+        F.cross_entropy(got[0], mine(labels)[0], ignore_index=-100, reduction="sum").backward()
+        err = (got - mine(want)).abs().max().item()
+        for (name, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
+            if a.grad is None:
+                assert b.grad is None or not b.grad.any(), name
+                continue
+            total = a.grad.clone()
+            dist.all_reduce(total)  # the weights' gradients summed over the ranks
+            err = max(err, ((total - b.grad).abs().max() / (b.grad.abs().max() + 1e-12)).item())
+        assert err < 1e-4, f"rank {rank}: {config_class.__name__} {layout}: error {err}"
+        worst = max(worst, err)
+    with open(os.path.join(result_dir, f"hf_rank{rank}.txt"), "w") as f:
+        f.write(f"{len(configs) * 2} {worst}\n")
+    dist.destroy_process_group()

@@ -116,3 +116,17 @@ def test_compiled_caller_breaks_the_graph_around_the_ring(tmp_path):
             torch.testing.assert_close(a, b)
     finally:
         dist.destroy_process_group()
+
+
+def test_transformers_models_in_context_parallel(tmp_path):
+    """``numbaflash.integrations.transformers.context_parallel``: Llama, Mistral (sliding window)
+    and gpt-oss (sinks, alternating windows) trained on two gloo ranks' shards, zigzag and
+    contiguous: each rank's logits and the weights' gradients summed over the ranks equal the
+    eager model's on the gathered sequence (the assertions run in the ranks)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from _distributed_cases import hf_worker
+
+    mp.spawn(hf_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for r in range(2):
+        cases, worst = (tmp_path / f"hf_rank{r}.txt").read_text().split()
+        assert int(cases) == 6 and float(worst) < 1e-4

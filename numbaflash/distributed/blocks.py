@@ -163,20 +163,14 @@ class PackedBlock:
     def _take(x, index, dim=0):
         return x if index is None else x.index_select(dim, index)
 
+    def _mask(self, scale, softcap) -> tuple:
+        """The varlen call's arguments after q, k, v (and dout, out, lse)."""
+        return self.cu_q, self.cu_k, self.max_q, self.max_k, self.causal, scale, self.window, softcap
+
     def forward(self, attn, q, k, v, scale, softcap):
-        return attn.varlen_forward(
-            self._take(q, self.q_index),
-            self._take(k, self.k_index),
-            self._take(v, self.k_index),
-            self.cu_q,
-            self.cu_k,
-            self.max_q,
-            self.max_k,
-            self.causal,
-            scale,
-            self.window,
-            softcap,
-        )
+        take = self._take
+        return attn.varlen_forward(take(q, self.q_index), take(k, self.k_index), take(v, self.k_index),
+                                   *self._mask(scale, softcap))
 
     def covers(self, rows_q: int, rows_k: int) -> tuple[bool, bool]:
         """Whether the block spans every local query row, and every key row, in order."""
@@ -193,22 +187,9 @@ class PackedBlock:
         acc_lse.index_copy_(1, self.q_index, rows_lse)
 
     def backward(self, attn, dout, q, k, v, out, lse, scale, softcap):
-        return attn.varlen_backward(
-            self._take(dout, self.q_index),
-            self._take(q, self.q_index),
-            self._take(k, self.k_index),
-            self._take(v, self.k_index),
-            self._take(out, self.q_index),
-            self._take(lse, self.q_index, 1).contiguous(),
-            self.cu_q,
-            self.cu_k,
-            self.max_q,
-            self.max_k,
-            self.causal,
-            scale,
-            self.window,
-            softcap,
-        )
+        take, qi, ki = self._take, self.q_index, self.k_index
+        return attn.varlen_backward(take(dout, qi), take(q, qi), take(k, ki), take(v, ki), take(out, qi),
+                                    take(lse, qi, 1).contiguous(), *self._mask(scale, softcap))
 
     def add_q(self, acc, g):
         if self.q_index is None:

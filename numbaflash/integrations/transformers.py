@@ -58,6 +58,8 @@ Against SDPA on the same model (``benchmarks/hf_speed.py``): prefill at 4k 1.01x
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
@@ -169,6 +171,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     target_dtype = get_target_dtype(query, module)
     if target_dtype is not None:  # float32 activations (PEFT's float32 norms): the kernels' dtype
         query, key, value = (x.to(target_dtype) for x in (query, key, value))
+    if _CONTEXT_PARALLEL:
+        return context_parallel_step(query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                     softcap, is_causal, s_aux, kwargs), None
     window = (-1, -1)
     if sliding_window is not None and key.shape[1] > sliding_window:  # transformers' rule
         window = (sliding_window - 1, sliding_window - 1)
@@ -184,6 +189,59 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         target_dtype=None, attn_implementation=module.config._attn_implementation,
         layer_idx=getattr(module, "layer_idx", None), s_aux=s_aux, **kwargs)
     return out, None
+
+
+# ------------------------------------------------------------------ context parallelism
+
+_CONTEXT_PARALLEL: dict = {}  # {"group": ..., "layout": ...} inside ``context_parallel``
+
+
+@contextlib.contextmanager
+def context_parallel(group: Any = None, layout: str = "zigzag") -> Iterator[None]:
+    """Within the block, every attention call of a model on numbaflash is context-parallel:
+    ``numbaflash.distributed.ring_attention`` over ``group`` (None: the default process group)
+    on this rank's shard of the sequence, in ``layout``.
+
+    Each rank feeds the model its shard of the tokens (``numbaflash.distributed.shard(ids,
+    layout, world, rank)``) with their global ``position_ids`` (``positions``), so that rotary
+    embeddings see the gathered sequence's positions; labels must be shifted on the gathered
+    sequence before they are sharded (the shift would cross shard boundaries otherwise: pass them
+    as transformers' ``shift_labels``, or take the loss from the logits), and the weights'
+    gradients summed over the ranks. Sliding windows, softcap and sinks apply as on one GPU.
+    Unpadded sequences only: a padding mask, packed sequences and decode steps are refused.
+    """
+    from ..distributed.layout import check_layout
+
+    check_layout(layout)
+    previous = dict(_CONTEXT_PARALLEL)
+    _CONTEXT_PARALLEL.clear()
+    _CONTEXT_PARALLEL.update(group=group, layout=layout)
+    try:
+        yield
+    finally:
+        _CONTEXT_PARALLEL.clear()
+        _CONTEXT_PARALLEL.update(previous)
+
+
+def context_parallel_step(query: Any, key: Any, value: Any, attention_mask: Any, dropout: float,
+                          scaling: float | None, sliding_window: int | None, softcap: float | None,
+                          is_causal: bool, sink: Any, kwargs: dict) -> Any:
+    """One attention call inside ``context_parallel``: q (batch, seqlen_local, heads_q, d), k and v
+    (batch, seqlen_local, heads_kv, d), this rank's shard. The sliding window applies whatever the
+    shard's length (the gathered sequence decides, and a window wider than it changes nothing)."""
+    from ..distributed import ring_attention
+
+    _refuse_dropout(dropout)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("context parallelism takes unpadded sequences: got a padding mask with padding")
+    if any(kwargs.get(k) is not None for k in VARLEN_KEYWORDS) or key.shape[1] != query.shape[1]:
+        raise ValueError("context parallelism runs training and prefill on unpadded, unpacked sequences: got "
+                         "packed-sequence keywords, or keys beyond the queries (a decode step on a KV cache: "
+                         f"{key.shape[1]} keys, {query.shape[1]} queries)")
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    return ring_attention(query, key, value, group=_CONTEXT_PARALLEL["group"], causal=bool(is_causal),
+                          softmax_scale=_scale(scaling), window_size=window, softcap=_softcap(softcap),
+                          layout=_CONTEXT_PARALLEL["layout"], learnable_sink=_sink(sink))
 
 
 DECODE_ROWS = 16  # query rows a sequence up to which a step runs the KV-cache kernel (0: never)
