@@ -262,6 +262,7 @@ def varlen_case(
     world,
     *,
     layout,
+    fn=None,
     causal,
     window,
     softcap,
@@ -287,7 +288,7 @@ def varlen_case(
     scale = 1.0 / math.sqrt(head_dim)
     ref_out, ref_lse, *grads = packed_reference(q, k, v, w, cu, causal, scale, window, softcap)
     local = [nd.shard_varlen(x, cu, layout, world, rank).to(device).requires_grad_() for x in (q, k, v)]
-    out, lse = nd.ring_attention_varlen(
+    out, lse = (fn or nd.ring_attention_varlen)(
         *local,
         cu,
         causal=causal,
@@ -372,6 +373,12 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
     for layout in ("zigzag", "contiguous"):
         for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (3, 0))):
             seqlens = [2 * world * 3, 0, 2 * world, 2 * world * 5]
+            if world in (1, 2):  # heads 4/2 divide over these ranks
+                err = varlen_case(rank, world, layout=layout, fn=nd.ulysses_attention_varlen, causal=causal,
+                                  window=window, softcap=0.0, heads=4, heads_kv=2, seqlens=seqlens,
+                                  dtype=torch.float64, device="cpu", attention=ref, seed=cases)
+                cases += 1
+                _check(err, ("ulysses varlen", layout, causal, window), worst, rank)
             err = varlen_case(
                 rank,
                 world,
@@ -437,11 +444,15 @@ def gpu_worker(rank: int, world: int, init_file: str, backend: str, result_dir: 
         run = partial(_gpu_dense, rank, world, fn, layout, causal, window, heads, heads_kv, head_dim, spr,
                       softcap, device, seed=100 + i, sink=sink)
         _record(tag, lines, failures, run)
-    for layout, causal, window in (("zigzag", True, (-1, -1)), ("contiguous", False, (-1, -1)),
-                                   ("zigzag", True, (90, 0))):
+    for fn, layout, causal, window in ((nd.ring_attention_varlen, "zigzag", True, (-1, -1)),
+                                       (nd.ring_attention_varlen, "contiguous", False, (-1, -1)),
+                                       (nd.ring_attention_varlen, "zigzag", True, (90, 0)),
+                                       (nd.ulysses_attention_varlen, "zigzag", True, (-1, -1))):
+        if fn is nd.ulysses_attention_varlen and (8 % world or 2 % world):
+            continue
         seqlens = [2 * world * 97, 2 * world * 3, 0, 2 * world * 160]
-        tag = f"ring_attention_varlen {layout} causal={causal} window={window} seqlens={seqlens}"
-        case = partial(_gpu_varlen, rank, world, layout, causal, window, seqlens, device, seed=7)
+        tag = f"{fn.__name__} {layout} causal={causal} window={window} seqlens={seqlens}"
+        case = partial(_gpu_varlen, rank, world, layout, causal, window, seqlens, device, seed=7, fn=fn)
         _record(tag, lines, failures, case)
     torch.cuda.synchronize()
     with open(os.path.join(result_dir, f"gpu_rank{rank}.txt"), "w") as f:
@@ -530,7 +541,7 @@ def _gpu_dense(
 
 
 def _gpu_varlen(
-    rank, world, layout, causal, window, seqlens, device, seed, heads=8, heads_kv=2, head_dim=128
+    rank, world, layout, causal, window, seqlens, device, seed, heads=8, heads_kv=2, head_dim=128, fn=None
 ):
     import numbaflash
     import numbaflash.distributed as nd
@@ -556,7 +567,7 @@ def _gpu_varlen(
     (single.double() * w).sum().backward()
     singles = [single.detach().cpu()] + [x.grad.cpu() for x in single_in]
     local = [nd.shard_varlen(x, cu, layout, world, rank).requires_grad_() for x in (q, k, v)]
-    out = nd.ring_attention_varlen(
+    out = (fn or nd.ring_attention_varlen)(
         *local, cu, causal=causal, softmax_scale=scale, window_size=window, layout=layout
     )
     (out.double() * nd.shard_varlen(w, cu, layout, world, rank)).sum().backward()

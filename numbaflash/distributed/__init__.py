@@ -3,8 +3,8 @@
 - ``ring_attention`` / ``ring_attention_varlen``: keys and values pass around the ring of ranks
   (``batch_isend_irecv``, overlapped with the attention of the block before); partial outputs
   merge through their LSEs; autograd sends dK and dV back around the ring to their owners.
-- ``ulysses_attention``: all-to-all over heads (DeepSpeed Ulysses), when the head counts divide
-  by the number of ranks.
+- ``ulysses_attention`` / ``ulysses_attention_varlen``: all-to-all over heads (DeepSpeed
+  Ulysses), when the head counts divide by the number of ranks.
 - ``shard`` / ``unshard`` (and the ``_varlen`` forms): cut a sequence into a layout's shards and
   put it back: "zigzag" (the causal load balance), "contiguous" or "stripe".
 
@@ -21,6 +21,7 @@ from .layout import LAYOUTS, positions, segments
 # (``layout``) import nothing but the standard library
 _LAZY = {
     "ring_attention": "ring", "ring_attention_varlen": "ring", "ulysses_attention": "ulysses",
+    "ulysses_attention_varlen": "ulysses",
     "shard": "sharding", "shard_varlen": "sharding", "unshard": "sharding", "unshard_parts": "sharding",
     "unshard_varlen_parts": "sharding",
 }
@@ -46,6 +47,7 @@ __all__ = [
     "shard",
     "shard_varlen",
     "ulysses_attention",
+    "ulysses_attention_varlen",
     "unshard",
     "unshard_parts",
     "unshard_varlen_parts",

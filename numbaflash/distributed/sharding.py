@@ -33,7 +33,8 @@ def unshard(x: Tensor, layout: str, group=None, dim: int = 1) -> Tensor:
     return unshard_parts(all_gather(x, resolve_group(group)), layout, dim)
 
 
-def _varlen_index(cu_seqlens: list[int], layout: str, world: int, rank: int) -> list[int]:
+def varlen_rows(cu_seqlens: list[int], layout: str, world: int, rank: int) -> list[int]:
+    """The rows of the gathered pack that rank ``rank`` holds, in its local order."""
     index = []
     for a, b in pairwise(cu_seqlens):
         if b > a:
@@ -45,7 +46,7 @@ def shard_varlen(x: Tensor, cu_seqlens: list[int] | Tensor, layout: str, world: 
     """Rank ``rank``'s rows of a pack (total, ...): each sequence sharded by ``layout`` on its own,
     packed in sequence order (what ``ring_attention_varlen`` takes)."""
     cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
-    index = torch.tensor(_varlen_index(cu, layout, world, rank), dtype=torch.int64, device=x.device)
+    index = torch.tensor(varlen_rows(cu, layout, world, rank), dtype=torch.int64, device=x.device)
     return x.index_select(0, index)
 
 
@@ -53,7 +54,7 @@ def unshard_varlen_parts(parts: list[Tensor], cu_seqlens: list[int] | Tensor, la
     """The gathered pack from every rank's rows (in rank order)."""
     cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
     world = len(parts)
-    order = [i for r in range(world) for i in _varlen_index(cu, layout, world, r)]
+    order = [i for r in range(world) for i in varlen_rows(cu, layout, world, r)]
     inverse = torch.empty(len(order), dtype=torch.int64)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     return torch.cat(parts, 0).index_select(0, inverse.to(parts[0].device))

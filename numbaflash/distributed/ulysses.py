@@ -61,17 +61,25 @@ def _lse_to_sequence(lse: Tensor, group, world: int, order: Tensor | None) -> Te
 
 
 class _Ulysses(torch.autograd.Function):
+    """Dense inputs (batch, s_local, heads, d), or a pack as a batch of one (``packed``: the varlen
+    call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of the gathered pack)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sink, group, world, attn, causal, scale, window, softcap, order, inverse):
+    def forward(ctx, q, k, v, sink, group, world, attn, causal, scale, window, softcap, order, inverse,
+                packed):
         qg, kg, vg = (_to_heads(x, group, world, inverse) for x in (q, k, v))
-        out_g, lse_g = attn.forward(qg, kg, vg, causal, scale, window, softcap)
+        if packed is None:
+            out_g, lse_g = attn.forward(qg, kg, vg, causal, scale, window, softcap)
+        else:
+            out_g, lse_g = attn.varlen_forward(qg[0], kg[0], vg[0], *packed, causal, scale, window, softcap)
+            out_g, lse_g = out_g[None], lse_g[None]
         heads = slice(None)
         if sink is not None:  # this rank's heads of it
             per = sink.shape[0] // world
             heads = slice(dist.get_rank(group) * per, (dist.get_rank(group) + 1) * per)
             out_g, lse_g = fold_sink(out_g, lse_g, sink[heads])
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g, *(() if sink is None else (sink,)))
-        ctx.args = (group, world, attn, causal, scale, window, softcap, order, inverse, heads)
+        ctx.args = (group, world, attn, causal, scale, window, softcap, order, inverse, heads, packed)
         lse = _lse_to_sequence(lse_g, group, world, order)
         ctx.mark_non_differentiable(lse)
         return _to_sequence(out_g, group, world, order), lse
@@ -80,16 +88,21 @@ class _Ulysses(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         saved = ctx.saved_tensors
         qg, kg, vg, out_g, lse_g = saved[:5]
-        group, world, attn, causal, scale, window, softcap, order, inverse, heads = ctx.args
+        group, world, attn, causal, scale, window, softcap, order, inverse, heads, packed = ctx.args
         dout_g = _to_heads(dout.contiguous(), group, world, inverse).contiguous()
-        dq, dk, dv = attn.backward(dout_g, qg, kg, vg, out_g, lse_g, causal, scale, window, softcap)
+        if packed is None:
+            dq, dk, dv = attn.backward(dout_g, qg, kg, vg, out_g, lse_g, causal, scale, window, softcap)
+        else:
+            grads = attn.varlen_backward(dout_g[0], qg[0], kg[0], vg[0], out_g[0], lse_g[0], *packed, causal,
+                                         scale, window, softcap)
+            dq, dk, dv = (g[None] for g in grads)
         grads = [_to_sequence(g, group, world, order) for g in (dq, dk, dv)]
         d_sink = None
         if len(saved) > 5 and ctx.needs_input_grad[3]:
             # this rank's heads over every row, zero elsewhere: the sum over the ranks is the whole
             d_sink = torch.zeros_like(saved[5])
             d_sink[heads] = sink_grad(dout_g, out_g, lse_g, saved[5][heads])
-        return (*grads, d_sink, None, None, None, None, None, None, None, None, None)
+        return (*grads, d_sink, None, None, None, None, None, None, None, None, None, None)
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the ring runs eagerly
@@ -147,5 +160,49 @@ def ulysses_attention(
         float(softcap),
         order,
         inverse,
+        None,
     )
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable  # under torch.compile: a graph break, the all-to-alls run eagerly
+def ulysses_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | list[int], *, group=None,
+                             causal: bool = False, softmax_scale: float | None = None,
+                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             layout: str = "zigzag", return_lse: bool = False,
+                             learnable_sink: Tensor | None = None, _attention=None):
+    """``ring_attention_varlen``'s contract (each sequence of the pack sharded by ``layout`` on its
+    own; q (total_local, heads_q, d), k and v (total_local, heads_kv, d); ``cu_seqlens`` the
+    gathered pack's) by all-to-all over heads: one varlen call over the whole pack for heads/N
+    heads. heads_q and heads_kv must be multiples of the group's size; the LSE is (heads_q,
+    total_local)."""
+    from .ring import _seqlens
+    from .sharding import varlen_rows
+
+    attn = LocalAttention() if _attention is None else _attention
+    window = _check_common(q, k, v, 3, window_size, softcap, attn)
+    _check_sink(learnable_sink, q)
+    group = resolve_group(group)
+    world = torch.distributed.get_world_size(group)
+    seqlens = _seqlens(cu_seqlens)
+    cu = [0]
+    for n in seqlens:
+        cu.append(cu[-1] + n)
+    total = cu[-1] // world
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.shape[0] != total:
+            raise ValueError(f"{name} must hold this rank's {total} rows of the pack, got {x.shape[0]}")
+    if q.shape[1] % world or k.shape[1] % world:
+        raise ValueError(f"ulysses_attention_varlen needs heads_q and heads_kv divisible by the group's "
+                         f"size {world}, got {q.shape[1]} and {k.shape[1]} (ring_attention_varlen has no "
+                         "such limit)")
+    rows = [i for r in range(world) for i in varlen_rows(cu, layout, world, r)]
+    order = torch.tensor(rows, dtype=torch.int64)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    packed = (cu_t, cu_t, max(seqlens), max(seqlens))
+    out, lse = _Ulysses.apply(q[None], k[None], v[None], learnable_sink, group, world, attn, bool(causal),
+                              _scale(q, softmax_scale), window, float(softcap), order.to(q.device),
+                              inverse.to(q.device), packed)
+    return (out[0], lse[0]) if return_lse else out[0]
