@@ -370,6 +370,16 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
                         tag = (fn.__name__, layout, causal, window, heads, heads_kv, softcap)
                         _check(err, tag, worst, rank)
     cases += _fused_kv_case(rank, world, ref)
+    if world > 1:  # a group this rank is not in: a clear error, not a hang
+        only_first = dist.new_group([0])
+        if rank > 0:
+            x = torch.zeros(1, 4, 2, 8, dtype=torch.float64)
+            try:
+                nd.ring_attention(x, x, x, group=only_first, _attention=ref)
+            except ValueError as e:
+                assert "not a member" in str(e), e
+            else:
+                raise AssertionError("ring_attention on a group without this rank did not raise")
     for layout in ("zigzag", "contiguous"):
         for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (3, 0))):
             seqlens = [2 * world * 3, 0, 2 * world, 2 * world * 5]

@@ -21,7 +21,11 @@ def resolve_group(group):
             "numbaflash.distributed needs torch.distributed initialised "
             "(torch.distributed.init_process_group, e.g. under torchrun)"
         )
-    return dist.group.WORLD if group is None else group
+    group = dist.group.WORLD if group is None else group
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group "
+                         "given: call with the group of the ranks that hold the sequence's shards")
+    return group
 
 
 def _staged(group, tensors: list[Tensor]) -> bool:
