@@ -130,3 +130,32 @@ def test_transformers_models_in_context_parallel(tmp_path):
     for r in range(2):
         cases, worst = (tmp_path / f"hf_rank{r}.txt").read_text().split()
         assert int(cases) == 6 and float(worst) < 1e-4
+
+
+def test_kernels_get_torchs_deterministic_mode(tmp_path, monkeypatch):
+    """The ring's single-GPU backwards run deterministic where torch asks for it (one rank, in this
+    process, the kernels' implementations replaced by the float64 stand-in behind a spy)."""
+    import torch.distributed as dist
+
+    from numbaflash import torch_ops
+
+    ref, seen = ReferenceAttention(), []
+    monkeypatch.setattr(torch_ops, "check_tensors", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch_ops, "run_forward", lambda q, k, v, causal, scale, window, softcap: ref.forward(
+        q, k, v, causal, scale, window, softcap))
+
+    def backward(dout, q, k, v, out, lse, causal, scale, deterministic, window, softcap):
+        seen.append(deterministic)
+        return ref.backward(dout, q, k, v, out, lse, causal, scale, window, softcap)
+
+    monkeypatch.setattr(torch_ops, "run_backward", backward)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        for mode in (False, True):
+            torch.use_deterministic_algorithms(mode)
+            q = torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True)
+            nd.ring_attention(q, q, q, causal=True).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        dist.destroy_process_group()
+    assert seen == [False, True]

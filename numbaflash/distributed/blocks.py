@@ -13,6 +13,12 @@ from torch import Tensor
 from .layout import BlockCall, plan_step, segments
 
 
+def _deterministic() -> bool:
+    """The single-GPU backward in its deterministic mode where torch asks for it (as the torch ops
+    do); the ring's own sums run in a fixed order, so the whole backward is then repeatable."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
 class LocalAttention:
     """The single-GPU attention that each block runs: numbaflash's kernels through the torch ops'
     implementations (looked up at each call, as the ops do). ``forward`` returns (out, lse) with
@@ -35,7 +41,8 @@ class LocalAttention:
     def backward(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
         from .. import torch_ops
 
-        return torch_ops.run_backward(dout, q, k, v, out, lse, causal, scale, False, window, softcap)
+        return torch_ops.run_backward(dout, q, k, v, out, lse, causal, scale, _deterministic(), window,
+                                      softcap)
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
         from .. import torch_ops
@@ -48,8 +55,8 @@ class LocalAttention:
         from .. import torch_ops
 
         return torch_ops.run_varlen_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, False, window, softcap
-        )
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, _deterministic(), window,
+            softcap)
 
 
 def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
