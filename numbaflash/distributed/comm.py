@@ -29,7 +29,8 @@ def resolve_group(group):
 
 
 def _staged(group, tensors: list[Tensor]) -> bool:
-    return any(t.is_cuda for t in tensors) and dist.get_backend(group) != "nccl"
+    """CUDA tensors on a group without NCCL (gloo alone; "cpu:gloo,cuda:nccl" has it)."""
+    return any(t.is_cuda for t in tensors) and "nccl" not in str(dist.get_backend(group))
 
 
 class Pending:
