@@ -542,8 +542,8 @@ def _gpu_dense(
         key: _errors(mine, refs[0][i], refs[1][i], singles[i], got[i])
         for i, key in enumerate(("out", "dq", "dk", "dv"))
     }
-    if sink:  # the ranks' shares summed, as a weight's gradient is (through the host: any backend)
-        total = my_sink.grad.cpu()
+    if sink:  # the ranks' shares summed, as a weight's gradient is (NCCL and gloo reduce CUDA tensors)
+        total = my_sink.grad.clone()
         dist.all_reduce(total)
         whole = lambda x: x  # noqa: E731
         errs["dsink"] = _errors(whole, refs[0][4], refs[1][4], singles[4], total)
