@@ -347,7 +347,8 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
             for window in windows:
                 for heads, heads_kv, softcap in heads_layouts:
                     for fn in (nd.ring_attention, nd.ulysses_attention):
-                        if fn is nd.ulysses_attention and (heads % world or heads_kv % world):
+                        spread = heads_kv % world == 0 or world % heads_kv == 0
+                        if fn is nd.ulysses_attention and (heads % world or not spread):
                             continue
                         err = dense_case(
                             rank,
@@ -443,7 +444,8 @@ def gpu_worker(rank: int, world: int, init_file: str, backend: str, result_dir: 
     flagged = [(c, False) for c in cases] + [(c, True) for c in sink_cases]
     for i, (case, sink) in enumerate(flagged):
         fn, layout, causal, window, heads, heads_kv, head_dim, spr, softcap = case
-        if fn is nd.ulysses_attention and (heads % world or heads_kv % world):
+        spread = heads_kv % world == 0 or world % heads_kv == 0
+        if fn is nd.ulysses_attention and (heads % world or not spread):
             continue
         tag = f"{fn.__name__} {layout} causal={causal} window={window} {heads}/{heads_kv} d{head_dim}"
         tag += f" {spr}/rank"

@@ -4,7 +4,7 @@
   (``batch_isend_irecv``, overlapped with the attention of the block before); partial outputs
   merge through their LSEs; autograd sends dK and dV back around the ring to their owners.
 - ``ulysses_attention`` / ``ulysses_attention_varlen``: all-to-all over heads (DeepSpeed
-  Ulysses), when the head counts divide by the number of ranks.
+  Ulysses), when heads_q divides by the number of ranks (heads_kv divides by it or into it).
 - ``shard`` / ``unshard`` (and the ``_varlen`` forms): cut a sequence into a layout's shards and
   put it back: "zigzag" (the causal load balance), "contiguous" or "stripe".
 

@@ -2,7 +2,7 @@
 run the single-GPU attention on the whole sequence for heads/N heads, trade back.
 
 Two all-to-alls of q, k, v and one of out forward; one of dout and three of the gradients back.
-Needs heads_q and heads_kv divisible by the group's size.
+Needs heads_q divisible by the group's size, and heads_kv divisible by it or dividing it.
 """
 
 from __future__ import annotations
@@ -58,6 +58,21 @@ def _lse_to_sequence(lse: Tensor, group, world: int, order: Tensor | None) -> Te
     pieces = lse.reshape(b, hp, world, S // world).permute(2, 0, 1, 3)
     got = all_to_all(pieces, group)
     return got.permute(1, 0, 2, 3).reshape(b, world * hp, S // world)
+
+
+def _spread_kv_heads(q: Tensor, k: Tensor, v: Tensor, world: int, name: str,
+                     dim: int) -> tuple[Tensor, Tensor]:
+    """k and v with heads a multiple of ``world``: as they are, or each KV head repeated where the
+    ranks outnumber them (autograd sums the copies' gradients back), so that every rank's query
+    heads find theirs. heads_q must be a multiple of ``world``."""
+    heads_q, heads_kv = q.shape[dim], k.shape[dim]
+    if heads_q % world == 0 and heads_kv % world == 0:
+        return k, v
+    if heads_q % world == 0 and world % heads_kv == 0:
+        copies = world // heads_kv
+        return k.repeat_interleave(copies, dim=dim), v.repeat_interleave(copies, dim=dim)
+    raise ValueError(f"{name} needs heads_q divisible by the group's size {world}, and heads_kv divisible "
+                     f"by it or dividing it; got {heads_q} and {heads_kv} (the ring has no such limit)")
 
 
 class _Ulysses(torch.autograd.Function):
@@ -123,7 +138,8 @@ def ulysses_attention(
 ):
     """``ring_attention``'s contract (same shards, same result) by all-to-all over heads.
 
-    heads_q and heads_kv must be multiples of the group's size N. Each rank then attends over the
+    heads_q must be a multiple of the group's size N, and heads_kv a multiple or a divisor of it (each
+    KV head is then repeated to N, its gradients summed back). Each rank then attends over the
     whole gathered sequence for heads/N query heads: the single-GPU kernel at full length (one
     call, no merge), at the price of moving q, k, v and out (and their gradients) once each.
     The contiguous layout needs no reordering; zigzag and stripe are put in order around the call.
@@ -140,11 +156,7 @@ def ulysses_attention(
             "ulysses_attention shards q, k and v alike: their seqlen_local must agree, got "
             f"{q.shape[1]}, {k.shape[1]} and {v.shape[1]}"
         )
-    if q.shape[2] % world or k.shape[2] % world:
-        raise ValueError(
-            f"ulysses_attention needs heads_q and heads_kv divisible by the group's size {world}, "
-            f"got {q.shape[2]} and {k.shape[2]} (ring_attention has no such limit)"
-        )
+    k, v = _spread_kv_heads(q, k, v, world, "ulysses_attention", 2)
     order, inverse = _order(layout, q.shape[1] * world, world, q.device)
     out, lse = _Ulysses.apply(
         q,
@@ -174,8 +186,7 @@ def ulysses_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor
     """``ring_attention_varlen``'s contract (each sequence of the pack sharded by ``layout`` on its
     own; q (total_local, heads_q, d), k and v (total_local, heads_kv, d); ``cu_seqlens`` the
     gathered pack's) by all-to-all over heads: one varlen call over the whole pack for heads/N
-    heads. heads_q and heads_kv must be multiples of the group's size; the LSE is (heads_q,
-    total_local)."""
+    heads. Head counts as ``ulysses_attention``'s; the LSE is (heads_q, total_local)."""
     from .ring import _seqlens
     from .sharding import varlen_rows
 
@@ -192,10 +203,7 @@ def ulysses_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.shape[0] != total:
             raise ValueError(f"{name} must hold this rank's {total} rows of the pack, got {x.shape[0]}")
-    if q.shape[1] % world or k.shape[1] % world:
-        raise ValueError(f"ulysses_attention_varlen needs heads_q and heads_kv divisible by the group's "
-                         f"size {world}, got {q.shape[1]} and {k.shape[1]} (ring_attention_varlen has no "
-                         "such limit)")
+    k, v = _spread_kv_heads(q, k, v, world, "ulysses_attention_varlen", 1)
     rows = [i for r in range(world) for i in varlen_rows(cu, layout, world, r)]
     order = torch.tensor(rows, dtype=torch.int64)
     inverse = torch.empty_like(order)
