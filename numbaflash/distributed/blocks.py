@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -212,11 +213,13 @@ class PackedBlock:
 
 
 def _rows(pieces: list[tuple[int, int]], total: int, device) -> Tensor | None:
-    """The row index of the concatenated [lo, hi) pieces; None when they are all rows in order."""
-    flat = [r for lo, hi in pieces for r in range(lo, hi)]
-    if flat == list(range(total)):
+    """The row index of the concatenated [lo, hi) pieces (each non-empty); None when they are all
+    rows in order."""
+    ends = [0] + [hi for _, hi in pieces]
+    if all(lo == end for (lo, _), end in zip(pieces, ends, strict=False)) and ends[-1] == total:
         return None
-    return torch.tensor(flat, dtype=torch.int64, device=device)
+    index = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in pieces])
+    return torch.from_numpy(index).to(device)
 
 
 def packed_blocks(

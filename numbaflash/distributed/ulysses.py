@@ -7,28 +7,28 @@ Needs heads_q divisible by the group's size, and heads_kv divisible by it or div
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .blocks import LocalAttention, fold_sink, sink_grad
 from .comm import all_to_all, resolve_group
+from .layout import segments
 from .ring import _check_common, _check_sink, _scale
-from .sharding import positions
+from .sharding import permutation, shard_rows
 
 
+@lru_cache(maxsize=64)
 def _order(layout: str, seqlen: int, world: int, device) -> tuple[Tensor | None, Tensor | None]:
-    """(order, inverse): the global position of each row of the rank-ordered concatenation of
-    shards, and the permutation back; None for the contiguous layout (already in order)."""
+    """(order, inverse) on ``device`` (``sharding.permutation``, once a layout and length); None
+    for the contiguous layout (already in order)."""
     if layout == "contiguous":
-        positions(layout, seqlen, world, 0)  # the layout's own checks
+        segments(layout, seqlen, world, 0)  # the layout's own checks
         return None, None
-    order = torch.tensor(
-        [p for r in range(world) for p in positions(layout, seqlen, world, r)], dtype=torch.int64
-    )
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(seqlen)
-    return order.to(device), inverse.to(device)
+    order, inverse = permutation(lambda r: shard_rows(layout, seqlen, world, r), world)
+    return torch.from_numpy(order).to(device), torch.from_numpy(inverse).to(device)
 
 
 def _to_heads(x: Tensor, group, world: int, inverse: Tensor | None) -> Tensor:
@@ -204,13 +204,11 @@ def ulysses_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor
         if x.shape[0] != total:
             raise ValueError(f"{name} must hold this rank's {total} rows of the pack, got {x.shape[0]}")
     k, v = _spread_kv_heads(q, k, v, world, "ulysses_attention_varlen", 1)
-    rows = [i for r in range(world) for i in varlen_rows(cu, layout, world, r)]
-    order = torch.tensor(rows, dtype=torch.int64)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order))
+    order, inverse = (torch.from_numpy(x).to(q.device)
+                      for x in permutation(lambda r: varlen_rows(cu, layout, world, r), world))
     cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
     packed = (cu_t, cu_t, max(seqlens), max(seqlens))
     out, lse = _Ulysses.apply(q[None], k[None], v[None], learnable_sink, group, world, attn, bool(causal),
-                              _scale(q, softmax_scale), window, float(softcap), order.to(q.device),
-                              inverse.to(q.device), packed)
+                              _scale(q, softmax_scale), window, float(softcap), order, inverse,
+                              packed)
     return (out[0], lse[0]) if return_lse else out[0]
