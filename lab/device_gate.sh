@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The device tool's driver (issue 54's gates): run from the repository root on the GPU machine,
+# with .whl (../shared/device/prepare-wheels.sh) and the carried kernel cache (.cache/cache.txz.*)
+# in the tree:
+#   LIMIT=540 bash lab/device_gate.sh 'pre=python -m numbaflash.precompile --arch sm_90a' \
+#       '&san=python benchmarks/sanitize.py --tools memcheck,racecheck,synccheck --configs 3,4 --jobs 12' \
+#       '&st0=bash lab/device_gate.sh --selftest 1129 0 3 --decode'
+# A stage is 'name=command'; a leading '&' runs it in the background. Every stage is killed at
+# LIMIT seconds, so the cache is always packed back into $OUT/cache.txz.* (xz: 2692 cubins in 18.5
+# MB; copy the parts into .cache/ for the next call), and every log goes into one $OUT/logs.tgz (a
+# call returns at most 8 files). `--selftest SEED PART PARTS FLAGS...` runs the cases PART,
+# PART + PARTS, ... of `selftest --seed SEED --cases 300 FLAGS`: PARTS processes together run the
+# same 300 cases as one.
+if [[ ${1:-} == --selftest ]]; then
+  seed=$2; part=$3; n=$4; shift 4
+  cases=$(python3 -c "print(','.join(str(i) for i in range($part, 300, $n)))")
+  exec python -m numbaflash.selftest --seed "$seed" --cases 300 --case "$cases" "$@"
+fi
+set -uo pipefail
+start=$(date +%s)
+LIMIT=${LIMIT:-540}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export NUMBAFLASH_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 NUMBAFLASH_CACHE_DIR=/tmp/nfcache
+mkdir -p "$NUMBAFLASH_CACHE_DIR"
+if ls .cache/cache.txz.* >/dev/null 2>&1; then cat .cache/cache.txz.* | xz -d -T8 | tar xf - -C "$NUMBAFLASH_CACHE_DIR"; fi
+echo "cache entries at start: $(find "$NUMBAFLASH_CACHE_DIR" -type f | wc -l)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+declare -A pids names
+i=0
+for spec in "$@"; do
+  bg=0; [[ $spec == \&* ]] && { bg=1; spec=${spec:1}; }
+  name=${spec%%=*}; cmd=${spec#*=}
+  left=$(( LIMIT - ($(date +%s) - start) ))
+  (( left < 5 )) && { echo "$name: no time left" | tee "$OUT/$name.log"; continue; }
+  echo "== $name (bg=$bg, ${left}s left): $cmd"
+  if (( bg )); then
+    ( s=$(date +%s); timeout -k 5 "$left" bash -c "$cmd" > "$OUT/$name.log" 2>&1; rc=$?; echo "rc=$rc wall=$(( $(date +%s) - s ))s" >> "$OUT/$name.log"; echo $rc > "$OUT/$name.rc" ) &
+    pids[$i]=$!; names[$i]=$name; i=$((i+1))
+  else
+    s=$(date +%s); timeout -k 5 "$left" bash -c "$cmd" > "$OUT/$name.log" 2>&1; rc=$?
+    echo "rc=$rc wall=$(( $(date +%s) - s ))s" >> "$OUT/$name.log"; echo $rc > "$OUT/$name.rc"
+  fi
+done
+wait
+echo "cache entries at end: $(find "$NUMBAFLASH_CACHE_DIR" -type f | wc -l)"
+tar cf - -C "$NUMBAFLASH_CACHE_DIR" . | xz -T16 -6 | split -b 30M - "$OUT/cache.txz."
+for spec in "$@"; do
+  spec=${spec#&}; name=${spec%%=*}
+  echo "---- $name rc=$(cat "$OUT/$name.rc" 2>/dev/null)"; tail -n "${TAILN:-8}" "$OUT/$name.log"
+done
+# few files come back: everything but the cache goes into one tarball
+(cd "$OUT" && tar czf /tmp/logs.tgz --exclude='cache.txz.*' . && find . -mindepth 1 -maxdepth 1 ! -name 'cache.txz.*' -exec rm -rf {} + && mv /tmp/logs.tgz .)
