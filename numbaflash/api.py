@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .operands import kind_of
-from .operations import decode
+from .operations import decode, head_dims
 from .operations.entry import (
     direct_flash_attention,
     direct_flash_attention_backward,
@@ -38,7 +38,10 @@ def flash_attention(
     Args:
         q: (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16.
         k, v: (batch, seqlen_k, heads_kv, head_dim), same dtype; heads_q a multiple of
-            heads_kv (GQA / MQA). head_dim 32, 64, 96, 128 or 256; any seqlen >= 1.
+            heads_kv (GQA / MQA). head_dim 32, 64, 96, 128 or 256; any seqlen >= 1. Other
+            head dims up to 256 (torch and numpy inputs) run on the next of those kernels with
+            q, k and v copied into zero-padded buffers (``operations.head_dims``; the default
+            scale stays 1/sqrt(head_dim)); out has the true head dim.
             All three numpy arrays (staged through page-locked memory in chunks on several
             streams; the result is a numpy array over pooled pinned memory), or all
             device arrays: torch CUDA tensors, CuPy arrays, Numba device arrays or any
@@ -88,7 +91,12 @@ def flash_attention(
     flash_attention_forward`` (``torch_ops``), which is differentiable; ``out=`` then cannot
     be combined with autograd.
     """
-    if kind_of(q) == "torch":
+    kind = kind_of(q)
+    padded = head_dims.padding_for(q, k, v, kind, 4)
+    if padded is not None:
+        return _padded_forward(flash_attention, padded, kind, q, k, v, (), causal, softmax_scale, window_size,
+                               softcap, return_lse, out, learnable_sink)
+    if kind == "torch":
         route = (_TORCH_ROUTE or _torch_route())[0]
         if learnable_sink is None:
             routed = route(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap)
@@ -104,6 +112,47 @@ def flash_attention(
 
 
 _TORCH_ROUTE: list = []  # [torch_route.route], once a torch tensor has reached the API
+
+
+def _needs_grad(kind: str, *tensors: Any) -> bool:
+    if kind != "torch":
+        return False
+    import torch
+
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _padded_forward(call: Any, padded: int, kind: str, q: Any, k: Any, v: Any, lengths: tuple, causal: Any,
+                    softmax_scale: Any, window_size: Any, softcap: Any, return_lse: Any, out: Any,
+                    learnable_sink: Any) -> Any:
+    """``call`` (``flash_attention`` or ``flash_attention_varlen``, whose ``lengths`` are the
+    offsets and maxima) on q, k and v zero-padded to head dim ``padded`` (``head_dims``)."""
+    name = call.__name__
+    if out is not None and _needs_grad(kind, q, k, v, learnable_sink):
+        raise RuntimeError(f"{name}(): out= does not support automatic differentiation, but q, k, v or "
+                           f"learnable_sink requires grad; call it without out= (or under torch.no_grad())")
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    inputs = (head_dims.pad(x, padded, kind) for x in (q, k, v))
+    scale = head_dims.default_scale(softmax_scale, d_qk)
+    result = call(*inputs, *lengths, causal=causal, softmax_scale=scale, window_size=window_size,
+                  softcap=softcap, return_lse=return_lse, learnable_sink=learnable_sink)
+    o, lse = result if return_lse is True else (result, None)
+    o = head_dims.deliver(head_dims.narrow(o, d_v, kind), out, "out", kind)
+    return (o, lse) if return_lse is True else o
+
+
+def _padded_backward(call: Any, padded: int, kind: str, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                     lengths: tuple, options: dict, given: tuple) -> tuple[Any, ...]:
+    """``call`` (``flash_attention_backward`` or its varlen sibling) on the inputs zero-padded to
+    head dim ``padded`` (``head_dims``); ``given``: the caller's dq, dk, dv (or None)."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    head_dims.check_value_dim(dout, d_v, "dout")
+    head_dims.check_value_dim(out, d_v, "out")
+    options["softmax_scale"] = head_dims.default_scale(options["softmax_scale"], d_qk)
+    grads = call(*(head_dims.pad(x, padded, kind) for x in (dout, q, k, v, out)), lse, *lengths, **options)
+    named = zip(("dq", "dk", "dv"), grads[:3], (d_qk, d_qk, d_v), given, strict=True)
+    return (*(head_dims.deliver(head_dims.narrow(g, d, kind), mine, name, kind)
+              for name, g, d, mine in named), *grads[3:])
 
 
 def _torch_route() -> list:
@@ -139,7 +188,8 @@ def flash_attention_backward(
             ``out``; q's dtype.
         q: (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, as given to the forward.
         k, v: (batch, seqlen_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv
-            (GQA / MQA). head_dim 32, 64, 96, 128 or 256; any seqlen >= 1.
+            (GQA / MQA). head_dim 32, 64, 96, 128 or 256, or (torch and numpy inputs) any other
+            up to 256, run padded as the forward runs it; any seqlen >= 1.
         out: (batch, seqlen_q, heads_q, head_dim), q's dtype: the forward's output.
         lse: (batch, heads_q, seqlen_q) float32, the forward's log-sum-exp as
             ``flash_attention(..., return_lse=True)`` returns it (-inf on rows that see no
@@ -190,6 +240,13 @@ def flash_attention_backward(
         get zero gradients, and give none to k and v. With a ``learnable_sink``:
         ``(dq, dk, dv, d_sink)``, d_sink a new float32 (heads_q,) array of the inputs' library.
     """
+    kind = kind_of(q)
+    padded = head_dims.padding_for(q, k, v, kind, 4)
+    if padded is not None:
+        options = {"causal": causal, "softmax_scale": softmax_scale, "deterministic": deterministic,
+                   "window_size": window_size, "softcap": softcap, "learnable_sink": learnable_sink}
+        return _padded_backward(flash_attention_backward, padded, kind, dout, q, k, v, out, lse, (), options,
+                                (dq, dk, dv))
     return direct_flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
                                            dq, dk, dv, window_size, softcap, learnable_sink)
 
@@ -368,7 +425,13 @@ def flash_attention_varlen(
     """
     from .operations.varlen import direct_flash_attention_varlen
 
-    if kind_of(q) == "torch":
+    kind = kind_of(q)
+    padded = head_dims.padding_for(q, k, v, kind, 3)
+    if padded is not None:
+        lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return _padded_forward(flash_attention_varlen, padded, kind, q, k, v, lengths, causal, softmax_scale,
+                               window_size, softcap, return_lse, out, learnable_sink)
+    if kind == "torch":
         from .torch_route import route_varlen
 
         routed = route_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -432,6 +495,14 @@ def flash_attention_varlen_backward(
         without queries get zero dk and dv. With GQA / MQA dk and dv sum over a KV head's group.
         With a ``learnable_sink``: ``(dq, dk, dv, d_sink)``, d_sink float32 (heads_q,).
     """
+    kind = kind_of(q)
+    padded = head_dims.padding_for(q, k, v, kind, 3)
+    if padded is not None:
+        options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size,
+                   "softcap": softcap, "deterministic": deterministic, "learnable_sink": learnable_sink}
+        lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return _padded_backward(flash_attention_varlen_backward, padded, kind, dout, q, k, v, out, lse,
+                                lengths, options, (dq, dk, dv))
     from .operations.varlen_backward import direct_flash_attention_varlen_backward
 
     return direct_flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,

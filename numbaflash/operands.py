@@ -188,7 +188,9 @@ def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False, value_
                              f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))}) or one of the pairs {pairs}")
         return _check_dtypes_and_places(q, k, v)
     if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d} (flash_attention, "
+                         f"flash_attention_varlen and their backwards pad other head dims up to "
+                         f"{max(SUPPORTED_HEAD_DIMS)} on torch and numpy inputs; the KV-cache call does not)")
     _check_dtypes_and_places(q, k, v)
 
 

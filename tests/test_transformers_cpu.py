@@ -273,8 +273,8 @@ def test_training_flows_gradients_to_the_weights(kernels):
 
 
 def test_what_no_kernel_runs_is_refused(kernels):
-    with pytest.raises(ValueError, match="q/k head dim 80 and v head dim 80"):
-        transformers.AutoModelForCausalLM.from_config(tiny(transformers.LlamaConfig, head_dim=80),
+    with pytest.raises(ValueError, match="q/k head dim 264 and v head dim 264.*pads other head dims to 256"):
+        transformers.AutoModelForCausalLM.from_config(tiny(transformers.LlamaConfig, head_dim=264),
                                                       attn_implementation="numbaflash")
     ours, _ = models(tiny(transformers.LlamaConfig, attention_dropout=0.1))
     ours.train()
@@ -287,6 +287,16 @@ def test_what_no_kernel_runs_is_refused(kernels):
     q, kv = torch.zeros(1, 4, 1, 32), torch.zeros(1, 2, 8, 32)
     with pytest.raises(NotImplementedError, match="paged cache"):
         nf_hf.attention_forward(attention, q, kv, kv, None, block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_a_head_dim_that_runs_padded_loads_and_decodes_without_the_kvcache_call(kernels):
+    """Head dim 80 (Phi-2's) runs padded to 96 in numbaflash's calls (``operations.head_dims``,
+    tested on its own in test_padded_head_dims_cpu); its decode steps take transformers'
+    FlashAttention path, since the KV-cache call would have to copy the cache to pad it."""
+    ours, eager = models(tiny(transformers.LlamaConfig, head_dim=80))
+    ids, mask = left_padded((0, 3), 12)
+    assert_same_tokens(ours, eager, ids, mask, 5)
+    assert kernels["kvcache"] == 0 and kernels["varlen"] > 0
 
 
 def test_head_dims_of_configs():
@@ -440,8 +450,8 @@ def test_deepseek_v3_runs_the_pair_of_head_dims(kernels, monkeypatch):
         got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
         assert_close(got[mask.bool()], want[mask.bool()])
     assert_same_tokens(ours, eager, ids, mask, 6)
-    with pytest.raises(ValueError, match="q/k head dim 192 and v head dim 64"):
-        transformers.AutoModelForCausalLM.from_config(deepseek_v3(v_head_dim=64),
+    with pytest.raises(ValueError, match="q/k head dim 192 and v head dim 264"):
+        transformers.AutoModelForCausalLM.from_config(deepseek_v3(v_head_dim=264),
                                                       attn_implementation="numbaflash")
 
 

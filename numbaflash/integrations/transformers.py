@@ -63,6 +63,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
+from ..operations.head_dims import MAX_HEAD_DIM, padded_head_dim
 
 NAME = "numbaflash"
 _NAMES: set[str] = set()  # names registered in this process
@@ -177,7 +178,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     window = (-1, -1)
     if sliding_window is not None and key.shape[1] > sliding_window:  # transformers' rule
         window = (sliding_window - 1, sliding_window - 1)
-    if decodes(query, attention_mask, key, module, kwargs):
+    if decodes(query, attention_mask, key, value, module, kwargs):
         _refuse_dropout(dropout)
         out = decode_step(query, key, value, attention_mask, is_causal, scaling, softcap, s_aux, window)
         return out, None
@@ -248,15 +249,16 @@ DECODE_ROWS = 16  # query rows a sequence up to which a step runs the KV-cache k
 PAGED_KEYWORDS = ("block_table", "k_cache", "v_cache")  # continuous batching's: refused
 
 
-def decodes(query: Any, attention_mask: Any, key: Any, module: Any, kwargs: dict) -> bool:
+def decodes(query: Any, attention_mask: Any, key: Any, value: Any, module: Any, kwargs: dict) -> bool:
     """Whether a call is a decode step that ``decode_step`` serves: at most ``DECODE_ROWS`` query
     rows a sequence, in eval mode, and either a 2-D padding mask no
     longer than the keys (transformers' dynamic cache: as long; its static cache: ours, padded
     to the keys' length) or no mask and no packing (as transformers' own test: ``cu_seq_lens_q``,
     or ``position_ids`` of one sequence of several rows, where they may restart). As in
-    transformers' FlashAttention path, a mask outranks packing keywords."""
+    transformers' FlashAttention path, a mask outranks packing keywords. Head dims that run padded
+    (``operations.head_dims``) never take it: the KV-cache call would have to copy the cache."""
     batch, rows = query.shape[0], query.shape[1]
-    if rows > DECODE_ROWS or module.training:
+    if rows > DECODE_ROWS or module.training or padded_head_dim(query.shape[-1], value.shape[-1]) is not None:
         return False
     if attention_mask is None:
         positions = kwargs.get("position_ids")
@@ -459,8 +461,9 @@ def _wrap_load_check(model_class: Any) -> None:
 def check_model(model: Any) -> None:
     """A ValueError naming what numbaflash cannot run in ``model`` (a transformers model before
     or after loading): a class that does not take FlashAttention in transformers, or head dims
-    with no kernel (q/k head dim in ``SUPPORTED_HEAD_DIMS``, or (q/k, v) in
-    ``ASYMMETRIC_HEAD_DIMS``)."""
+    that no kernel takes, not even padded (``operations.head_dims``: q/k and v head dims up to
+    ``MAX_HEAD_DIM`` run on the next larger kernel, prefill and training alike; their decode steps
+    take transformers' FlashAttention path instead of the KV-cache call)."""
     name = type(model).__name__
     if not getattr(model, "_supports_flash_attn", False):
         raise ValueError(f"{name} does not take FlashAttention in transformers (_supports_flash_attn is "
@@ -470,10 +473,11 @@ def check_model(model: Any) -> None:
         if dims is None:
             continue
         qk, v = dims
-        if (qk != v or qk not in SUPPORTED_HEAD_DIMS) and (qk, v) not in ASYMMETRIC_HEAD_DIMS:
+        native = (qk == v and qk in SUPPORTED_HEAD_DIMS) or (qk, v) in ASYMMETRIC_HEAD_DIMS
+        if not native and padded_head_dim(qk, v) is None:
             raise ValueError(f"{name}'s attention has q/k head dim {qk} and v head dim {v}: numbaflash "
                              f"has kernels for head dims {SUPPORTED_HEAD_DIMS} and the pairs "
-                             f"{ASYMMETRIC_HEAD_DIMS}")
+                             f"{ASYMMETRIC_HEAD_DIMS}, and pads other head dims to {MAX_HEAD_DIM}")
 
 
 def _text_configs(config: Any) -> list:

@@ -1,0 +1,114 @@
+"""Head dims with no kernel of their own, run on the next larger kernel with zero padding.
+
+The kernels exist for ``configs.SUPPORTED_HEAD_DIMS`` (q, k and v of one head dim) and the pairs
+of ``configs.ASYMMETRIC_HEAD_DIMS``. FlashAttention-2 takes every head dim up to 256 (Phi-2 and
+ViT-H use 80, SigLIP 72, Stable Diffusion's UNet 40, 80 and 160). Here any other (d_qk, d_v) with
+both in 1..256 runs on the kernel of D, the smallest supported head dim >= max(d_qk, d_v): q, k
+and v are copied into zero-filled buffers of head dim D, and out is the first d_v columns of the
+result. Zero columns change no score of QKᵀ (so the default softmax_scale stays 1/sqrt(d_qk), the
+true head dim's) and no column of PV below d_v; in the backward, dout and out padded with zeros
+leave D = rowsum(dout ∘ out) as it is, and dq, dk, dv are the first columns of the padded
+gradients. The price: the copies (q, k, v, and dout and out in the backward) and D / max(d_qk,
+d_v) more tensor-core work.
+
+Torch tensors (autograd flows through the padding: ``torch.nn.functional.pad`` and the slice) and
+numpy arrays are padded; other device arrays (CuPy, Numba) are not (the call raises: pad them to
+a supported head dim with zeros, and pass ``softmax_scale=1/sqrt(d)``). The KV-cache call takes
+supported head dims only: padding a cache would copy all of it every step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
+
+MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
+_NATIVE = frozenset(SUPPORTED_HEAD_DIMS)
+PADDED_KINDS = ("torch", "numpy")
+
+
+def padded_head_dim(d_qk: int, d_v: int) -> int | None:
+    """D, the head dim of the kernel that runs (d_qk, d_v) padded; None where a kernel takes the
+    dims as they are, or where none can (a dim outside 1..256: the call's checks then raise)."""
+    if (d_qk == d_v and d_qk in _NATIVE) or (d_qk, d_v) in ASYMMETRIC_HEAD_DIMS:
+        return None
+    if type(d_qk) is not int or type(d_v) is not int or min(d_qk, d_v) < 1 or max(d_qk, d_v) > MAX_HEAD_DIM:
+        return None
+    top = max(d_qk, d_v)
+    return min(d for d in SUPPORTED_HEAD_DIMS if d >= top)
+
+
+def padding_for(q: Any, k: Any, v: Any, kind: str, ndim: int) -> int | None:
+    """D where the call on q, k and v (``ndim``-dimensional, of ``kind``) runs padded, else None
+    (then the call's own checks take the inputs as they are). A few attribute reads on the common
+    path: q's and v's last dims, equal and supported."""
+    try:
+        d_qk, d_v = q.shape[-1], v.shape[-1]
+        if d_qk == d_v and d_qk in _NATIVE:
+            return None
+        if len(q.shape) != ndim or len(k.shape) != ndim or len(v.shape) != ndim or k.shape[-1] != d_qk:
+            return None
+    except (AttributeError, IndexError, TypeError):
+        return None
+    head_dim = padded_head_dim(int(d_qk), int(d_v))
+    if head_dim is not None and kind not in PADDED_KINDS:
+        raise ValueError(f"head dims ({d_qk}, {d_v}) have no kernel: numbaflash runs them on the head dim "
+                         f"{head_dim} kernel with zero padding for torch and numpy inputs only; pad these "
+                         f"device arrays to head dim {head_dim} with zeros and pass "
+                         f"softmax_scale=1/sqrt({d_qk})")
+    return head_dim
+
+
+def pad(x: Any, head_dim: int, kind: str) -> Any:
+    """x with its last dim zero-padded to ``head_dim`` (a new array; torch: differentiable)."""
+    extra = head_dim - x.shape[-1]
+    if kind == "torch":
+        import torch.nn.functional as F
+
+        return F.pad(x, (0, extra))
+    x = np.asarray(x)
+    return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def narrow(x: Any, d: int, kind: str) -> Any:
+    """The first ``d`` columns of x's last dim: a view for torch (FlashAttention-2's
+    interface returns the same), a C-contiguous array for numpy."""
+    if x.shape[-1] == d:
+        return x
+    if kind == "torch":
+        return x[..., :d]
+    return np.ascontiguousarray(x[..., :d])
+
+
+def check_value_dim(x: Any, d_v: int, name: str) -> None:
+    """``x`` (dout or out of a padded backward) must have v's head dim."""
+    shape = tuple(getattr(x, "shape", ()))
+    if not shape or shape[-1] != d_v:
+        raise ValueError(f"{name} must have v's head dim {d_v} in its last dimension, got shape "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+
+
+def default_scale(softmax_scale: Any, d_qk: int) -> Any:
+    """The true head dim's default scale: the padded call would take 1/sqrt(D)."""
+    return 1.0 / math.sqrt(d_qk) if softmax_scale is None else softmax_scale
+
+
+def deliver(result: Any, given: Any, name: str, kind: str) -> Any:
+    """``result`` written into the caller's ``given`` array (checked: same shape and dtype), or
+    ``result`` itself when none was given."""
+    if given is None:
+        return result
+    if tuple(given.shape) != tuple(result.shape) or given.dtype != result.dtype:
+        raise ValueError(f"{name} must have shape {tuple(result.shape)} and dtype {result.dtype}, got "
+                         f"{tuple(given.shape)} and {given.dtype}")
+    if kind == "torch":
+        given.copy_(result)
+    else:
+        if not isinstance(given, np.ndarray) or not given.flags.writeable:
+            raise ValueError(f"{name} must be a writeable numpy array like the inputs")
+        given[...] = result
+    return given
