@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .operands import kind_of
+from .operands import check_flag, kind_of
 from .operations import decode, head_dims
 from .operations.entry import (
     direct_flash_attention,
@@ -132,13 +132,14 @@ def _padded_forward(call: Any, padded: int, kind: str, q: Any, k: Any, v: Any, l
         raise RuntimeError(f"{name}(): out= does not support automatic differentiation, but q, k, v or "
                            f"learnable_sink requires grad; call it without out= (or under torch.no_grad())")
     d_qk, d_v = q.shape[-1], v.shape[-1]
+    return_lse = check_flag("return_lse", return_lse)
     inputs = (head_dims.pad(x, padded, kind) for x in (q, k, v))
     scale = head_dims.default_scale(softmax_scale, d_qk)
     result = call(*inputs, *lengths, causal=causal, softmax_scale=scale, window_size=window_size,
                   softcap=softcap, return_lse=return_lse, learnable_sink=learnable_sink)
-    o, lse = result if return_lse is True else (result, None)
+    o, lse = result if return_lse else (result, None)
     o = head_dims.deliver(head_dims.narrow(o, d_v, kind), out, "out", kind)
-    return (o, lse) if return_lse is True else o
+    return (o, lse) if return_lse else o
 
 
 def _padded_backward(call: Any, padded: int, kind: str, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,

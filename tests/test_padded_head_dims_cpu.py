@@ -88,7 +88,7 @@ def _inputs(d_qk, d_v, seqlen_q=5, seqlen_k=7, seed=0):
                                                     (160, 160, False)])
 def test_forward_runs_padded_at_the_true_head_dims_scale(stubs, d_qk, d_v, causal):
     q, k, v = _inputs(d_qk, d_v)
-    out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=np.True_)  # numpy's bool too
     assert stubs == [head_dims.padded_head_dim(d_qk, d_v)]
     ref, ref_lse = attention_reference(q, k, v, causal=causal)  # scale 1/sqrt(d_qk)
     assert out.shape == (2, 5, 3, d_v) and out.dtype == np.float16 and out.flags.c_contiguous
