@@ -1,2 +1,3 @@
 """numbaflash inside other libraries. Each integration is its own module and imports its library
-only when called: ``numbaflash.integrations.transformers`` (Hugging Face transformers)."""
+only when called: ``numbaflash.integrations.transformers`` (Hugging Face transformers) and
+``numbaflash.integrations.flash_attn`` (flash-attn's Python interface, for code written for it)."""

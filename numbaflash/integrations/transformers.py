@@ -64,6 +64,11 @@ from typing import Any
 
 from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 from ..operations.head_dims import MAX_HEAD_DIM, padded_head_dim
+from .flash_attn import offsets_of as _offsets
+from .flash_attn import refuse_dropout as _refuse_dropout
+from .flash_attn import scale_of as _scale
+from .flash_attn import softcap_of as _softcap
+from .flash_attn import window_of as _window
 
 NAME = "numbaflash"
 _NAMES: set[str] = set()  # names registered in this process
@@ -107,25 +112,6 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
                                       softcap=_softcap(softcap), learnable_sink=_sink(learnable_sink))
 
 
-def _refuse_dropout(dropout_p: float) -> None:
-    if dropout_p:
-        raise ValueError(f"numbaflash has no attention dropout, got dropout_p={dropout_p}: set the model "
-                         f"config's attention_dropout to 0 (or train with attn_implementation='sdpa')")
-
-
-def _scale(scale: Any) -> float | None:
-    return None if scale is None else float(scale)
-
-
-def _softcap(softcap: Any) -> float:
-    return 0.0 if softcap is None else float(softcap)
-
-
-def _window(window: Any) -> tuple[int, int]:
-    left, right = window
-    return int(left), int(right)
-
-
 def _sink(sink: Any) -> Any:
     """transformers hands FlashAttention the sink in q's dtype; numbaflash takes float32."""
     if sink is None:
@@ -133,12 +119,6 @@ def _sink(sink: Any) -> Any:
     import torch
 
     return sink.to(torch.float32).contiguous()
-
-
-def _offsets(cu: Any) -> Any:
-    import torch
-
-    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
 
 
 # ------------------------------------------------------------------ the attention function
