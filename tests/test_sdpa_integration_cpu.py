@@ -82,6 +82,10 @@ def test_calls_numbaflash_cannot_compute_exactly_go_to_torch(routed):
     assert not sdpa.routes(*(bhsd(1, 4, 6, 264, s) for s in range(3)))  # no kernel, not even padded
     assert not sdpa.routes(q[0], k[0], v[0])  # 3-D
     assert not sdpa.routes(q.float(), k.float(), v.float())  # not a kernel dtype
+    strided = bhsd(1, 4, 64, 6).transpose(2, 3)  # (1, 4, 6, 64), its head dim not contiguous
+    assert strided.shape == q.shape and not sdpa.routes(strided, k, v)
+    odd = bhsd(1, 4, 6, 65)[..., 1:]  # rows off 16-byte boundaries
+    assert sdpa.routes(q, k, v) and not sdpa.routes(odd, k[..., :6, :], v[..., :6, :])
     assert routed == []
 
 

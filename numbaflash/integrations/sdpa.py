@@ -10,7 +10,8 @@ run on numbaflash with one line.
 A call runs on ``numbaflash.flash_attention`` when all of these hold, else it goes to torch's SDPA
 unchanged (``routes`` says which):
 
-- query, key and value are 4-D (batch, heads, seqlen, head_dim) CUDA tensors of one 16-bit dtype;
+- query, key and value are 4-D (batch, heads, seqlen, head_dim) CUDA tensors of one 16-bit dtype,
+  each with a contiguous head dim and rows on 16-byte boundaries (what the kernels read in place);
 - no ``attn_mask`` and ``dropout_p == 0`` (numbaflash has neither);
 - ``is_causal`` only where seqlen_q == seqlen_k: SDPA's causal mask is aligned top-left (query i
   sees keys j <= i), FlashAttention's bottom-right; they agree on square problems only;
@@ -46,6 +47,14 @@ def _on_gpu(t: Any) -> bool:
     return bool(t.is_cuda)
 
 
+def _layout_ok(t: Any) -> bool:
+    """What the kernels read in place: a contiguous head dim, rows on 16-byte boundaries (strides
+    and the storage offset multiples of 8 elements of 2 bytes; torch's allocations are aligned
+    further)."""
+    strides = t.stride()
+    return strides[-1] == 1 and all(s % 8 == 0 for s in strides[:-1]) and t.storage_offset() % 8 == 0
+
+
 def routes(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
            is_causal: bool = False, enable_gqa: bool = False) -> bool:
     """Whether ``scaled_dot_product_attention`` runs this call on numbaflash (the module's rules)."""
@@ -54,7 +63,7 @@ def routes(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: f
     tensors = (query, key, value)
     if attn_mask is not None or dropout_p or not all(type(t) is torch.Tensor for t in tensors):
         return False
-    if any(t.dim() != 4 or t.is_nested or not _on_gpu(t) for t in tensors):
+    if any(t.dim() != 4 or t.is_nested or not _on_gpu(t) or not _layout_ok(t) for t in tensors):
         return False
     if query.dtype not in _dtypes() or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
