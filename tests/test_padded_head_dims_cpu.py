@@ -168,6 +168,12 @@ def test_inputs_the_padding_cannot_help_get_the_usual_errors():
     with pytest.raises(ValueError, match="pad these device arrays to head dim 96"):
         numbaflash.flash_attention(*(DeviceArray(x.shape) for x in (q, k, v)))
 
+    class Unknown:  # no array numbaflash takes: its TypeError, not the padding's advice
+        shape = (2, 5, 3, 80)
+
+    with pytest.raises(TypeError):
+        numbaflash.flash_attention(Unknown(), Unknown(), Unknown())
+
 
 def test_kvcache_names_the_padded_calls():
     q, k, v = _inputs(80, 80)

@@ -55,6 +55,8 @@ def padding_for(q: Any, k: Any, v: Any, kind: str, ndim: int) -> int | None:
     except (AttributeError, IndexError, TypeError):
         return None
     head_dim = padded_head_dim(int(d_qk), int(d_v))
+    if head_dim is not None and kind == "other":  # not an array numbaflash takes: the call's TypeError
+        return None
     if head_dim is not None and kind not in PADDED_KINDS:
         raise ValueError(f"head dims ({d_qk}, {d_v}) have no kernel: numbaflash runs them on the head dim "
                          f"{head_dim} kernel with zero padding for torch and numpy inputs only; pad these "
