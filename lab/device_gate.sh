@@ -4,13 +4,55 @@
 # in the tree:
 #   LIMIT=540 bash lab/device_gate.sh 'pre=python -m numbaflash.precompile --arch sm_90a' \
 #       '&san=python benchmarks/sanitize.py --tools memcheck,racecheck,synccheck --configs 3,4 --jobs 12' \
-#       '&st0=bash lab/device_gate.sh --selftest 1129 0 3 --decode'
+#       '&st0=bash lab/device_gate.sh --selftest 1129 0 3 --decode' \
+#       'suite=bash lab/device_gate.sh --suite'
 # A stage is 'name=command'; a leading '&' runs it in the background. Every stage is killed at
 # LIMIT seconds, so the cache is always packed back into $OUT/cache.txz.* (xz: 2692 cubins in 18.5
 # MB; copy the parts into .cache/ for the next call), and every log goes into one $OUT/logs.tgz (a
 # call returns at most 8 files). `--selftest SEED PART PARTS FLAGS...` runs the cases PART,
 # PART + PARTS, ... of `selftest --seed SEED --cases 300 FLAGS`: PARTS processes together run the
 # same 300 cases as one.
+if [[ ${1:-} == --suite ]]; then  # the GPU suite, resumable: `--suite [PYTEST ARGS...]` as a stage
+  # runs every "gpu or hopper" item not listed in .cache/suite_done.txt (carry it from the last
+  # call's $OUT) with -v into $OUT/suite.txt, so a stopped run still names its failures, and
+  # writes $OUT/suite_done.txt: the items finished so far (passed, failed or skipped).
+  shift
+  exec python - "$@" <<'PY'
+import os, re, signal, subprocess, sys
+out = os.environ["OUT"]
+done = set()
+if os.path.exists(".cache/suite_done.txt"):
+    done = {line.strip() for line in open(".cache/suite_done.txt") if line.strip()}
+marker = ["-m", "gpu or hopper", "-p", "no:cacheprovider"]
+listed = subprocess.run([sys.executable, "-m", "pytest", *marker, "-q", "--collect-only", "tests/"],
+                        capture_output=True, text=True).stdout.splitlines()
+items = [line.strip() for line in listed if line.startswith("tests/") and "::" in line]
+left = [item for item in items if item not in done]
+print(f"{len(items)} items, {len(done)} done before, {len(left)} to run", flush=True)
+finished = re.compile(r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/.+?)\s*$")  # ids may hold spaces
+with open(f"{out}/suite_done.txt", "w") as record:  # appended as items finish: a stopped run keeps it
+    record.write("".join(f"{item}\n" for item in sorted(done)))
+rc = 0
+if left:
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-n", "14", *marker, "-v", "-rfEs", "--durations=30",
+                             *sys.argv[1:], *left], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    signal.signal(signal.SIGTERM, lambda *_: (proc.kill(), sys.exit(124)))
+    with open(f"{out}/suite.txt", "w") as log, open(f"{out}/suite_done.txt", "a") as record:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            m = finished.search(line)
+            if m and m.group(2) not in done:
+                done.add(m.group(2))
+                record.write(m.group(2) + "\n")
+                record.flush()
+                if m.group(1) in ("FAILED", "ERROR"):
+                    print(line.rstrip(), flush=True)
+    rc = proc.wait()
+print(f"{sum(item in done for item in items)} of {len(items)} items done", flush=True)
+sys.exit(rc)
+PY
+fi
 if [[ ${1:-} == --selftest ]]; then
   seed=$2; part=$3; n=$4; shift 4
   cases=$(python3 -c "print(','.join(str(i) for i in range($part, 300, $n)))")
@@ -43,7 +85,7 @@ for spec in "$@"; do
 done
 wait
 echo "cache entries at end: $(find "$NUMBAFLASH_CACHE_DIR" -type f | wc -l)"
-tar cf - -C "$NUMBAFLASH_CACHE_DIR" . | xz -T16 -6 | split -b 30M - "$OUT/cache.txz."
+tar cf - -C "$NUMBAFLASH_CACHE_DIR" . | xz -T16 -6 | split -b 15M - "$OUT/cache.txz."
 for spec in "$@"; do
   spec=${spec#&}; name=${spec%%=*}
   echo "---- $name rc=$(cat "$OUT/$name.rc" 2>/dev/null)"; tail -n "${TAILN:-8}" "$OUT/$name.log"
