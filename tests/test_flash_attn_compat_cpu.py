@@ -105,10 +105,16 @@ def test_kvcache_takes_flash_attn_s_defaults(calls):
     assert seqlens.dtype == torch.int32 and seqlens.tolist() == [5, 5, 5]
     assert kw["causal"] is False and kw["rotary_interleaved"] is True and kw["return_lse"] is False
     new = torch.randn(3, 1, 2, 32)
-    out, lse = fa.flash_attn_with_kvcache(q, cache, cache, k=new, v=new, cache_seqlens=None, causal=True,
+    out, lse = fa.flash_attn_with_kvcache(q, cache, cache, k=new, v=new, cache_seqlens=7, causal=True,
                                           return_softmax_lse=True, num_splits=2)
     _, _, _, _, seqlens, kw = calls[-1]
-    assert seqlens.tolist() == [16, 16, 16] and kw["k_new"] is new and kw["v_new"] is new
+    assert seqlens.tolist() == [7, 7, 7] and kw["k_new"] is new and kw["v_new"] is new
+    count = len(calls)
+    with pytest.raises(ValueError, match="need cache_seqlens"):  # flash-attn's rule: nowhere to append
+        fa.flash_attn_with_kvcache(q, cache, cache, k=new, v=new)
+    assert len(calls) == count
+    fa.flash_attn_with_kvcache(q, cache, cache)
+    assert calls[-1][4].tolist() == [16, 16, 16]  # no new rows: every cache row is a key
     assert kw["causal"] is True and kw["num_splits"] == 2
     pages = torch.zeros(3, 4, dtype=torch.int32)
     fa.flash_attn_with_kvcache(q, cache, cache, block_table=pages, cache_seqlens=torch.tensor([1, 2, 3]))

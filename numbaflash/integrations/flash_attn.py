@@ -196,12 +196,16 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
     (k and v are its ``k_new`` and ``v_new``, appended in place). flash-attn's defaults, which
     differ from numbaflash's: ``causal=False``, ``rotary_interleaved=True``. ``cache_seqlens``:
     an int32 (batch,) tensor, an int (every sequence), or None (every cache row of each sequence's
-    cache is a key). Returns out, or ``(out, softmax_lse)``."""
+    cache is a key; not with k and v, as in flash-attn). Returns out, or ``(out, softmax_lse)``."""
     import torch
 
     from .. import api
 
     _refuse_alibi(alibi_slopes)
+    if cache_seqlens is None and (k is not None or v is not None):
+        raise ValueError("flash_attn_with_kvcache: k and v (rows to append) need cache_seqlens, the cache's "
+                         "current lengths, as in flash-attn (without it every cache row counts as filled, "
+                         "and the new rows would have nowhere to go)")
     batch = q.shape[0]
     if cache_seqlens is None:  # the whole cache: its rows (or its pages' rows) a sequence
         cache_seqlens = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
