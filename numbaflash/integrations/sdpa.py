@@ -29,8 +29,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
-from ..operations.head_dims import padded_head_dim
+from ..operations.head_dims import runs
 
 __all__ = ["scaled_dot_product_attention", "routes", "patched", "install", "uninstall"]
 
@@ -75,9 +74,7 @@ def routes(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: f
         return False
     if is_causal and seqlen_q != seqlen_k:
         return False
-    d_v = value.shape[3]
-    native = (d == d_v and d in SUPPORTED_HEAD_DIMS) or (d, d_v) in ASYMMETRIC_HEAD_DIMS
-    return native or padded_head_dim(d, d_v) is not None
+    return runs(d, value.shape[3])
 
 
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,

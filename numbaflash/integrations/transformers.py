@@ -63,7 +63,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
-from ..operations.head_dims import MAX_HEAD_DIM, padded_head_dim
+from ..operations.head_dims import MAX_HEAD_DIM, padded_head_dim, runs
 from .flash_attn import offsets_of as _offsets
 from .flash_attn import refuse_dropout as _refuse_dropout
 from .flash_attn import scale_of as _scale
@@ -453,8 +453,7 @@ def check_model(model: Any) -> None:
         if dims is None:
             continue
         qk, v = dims
-        native = (qk == v and qk in SUPPORTED_HEAD_DIMS) or (qk, v) in ASYMMETRIC_HEAD_DIMS
-        if not native and padded_head_dim(qk, v) is None:
+        if not runs(qk, v):
             raise ValueError(f"{name}'s attention has q/k head dim {qk} and v head dim {v}: numbaflash "
                              f"has kernels for head dims {SUPPORTED_HEAD_DIMS} and the pairs "
                              f"{ASYMMETRIC_HEAD_DIMS}, and pads other head dims to {MAX_HEAD_DIM}")

@@ -31,10 +31,20 @@ _NATIVE = frozenset(SUPPORTED_HEAD_DIMS)
 PADDED_KINDS = ("torch", "numpy")
 
 
+def native(d_qk: int, d_v: int) -> bool:
+    """Whether a kernel takes head dims (d_qk, d_v) as they are."""
+    return (d_qk == d_v and d_qk in _NATIVE) or (d_qk, d_v) in ASYMMETRIC_HEAD_DIMS
+
+
+def runs(d_qk: int, d_v: int) -> bool:
+    """Whether numbaflash runs head dims (d_qk, d_v) at all: natively, or padded."""
+    return native(d_qk, d_v) or padded_head_dim(d_qk, d_v) is not None
+
+
 def padded_head_dim(d_qk: int, d_v: int) -> int | None:
     """D, the head dim of the kernel that runs (d_qk, d_v) padded; None where a kernel takes the
     dims as they are, or where none can (a dim outside 1..256: the call's checks then raise)."""
-    if (d_qk == d_v and d_qk in _NATIVE) or (d_qk, d_v) in ASYMMETRIC_HEAD_DIMS:
+    if native(d_qk, d_v):
         return None
     if type(d_qk) is not int or type(d_v) is not int or min(d_qk, d_v) < 1 or max(d_qk, d_v) > MAX_HEAD_DIM:
         return None
