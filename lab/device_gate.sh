@@ -16,6 +16,8 @@ if [[ ${1:-} == --suite ]]; then  # the GPU suite, resumable: `--suite [PYTEST A
   # runs every "gpu or hopper" item not listed in .cache/suite_done.txt (carry it from the last
   # call's $OUT) with -v into $OUT/suite.txt, so a stopped run still names its failures, and
   # writes $OUT/suite_done.txt: the items finished so far (passed, failed or skipped).
+  # .cache/suite_only.txt, where carried, limits the run to the ids it lists. Items marked
+  # `timing` (wall-clock bounds) run alone after the rest, as benchmarks/gpu_check.sh runs them.
   shift
   exec python - "$@" <<'PY'
 import os, re, signal, subprocess, sys
@@ -24,31 +26,46 @@ done = set()
 if os.path.exists(".cache/suite_done.txt"):
     done = {line.strip() for line in open(".cache/suite_done.txt") if line.strip()}
 marker = ["-m", "gpu or hopper", "-p", "no:cacheprovider"]
-listed = subprocess.run([sys.executable, "-m", "pytest", *marker, "-q", "--collect-only", "tests/"],
-                        capture_output=True, text=True).stdout.splitlines()
-items = [line.strip() for line in listed if line.startswith("tests/") and "::" in line]
+def collect(expression):
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-m", expression, "-p", "no:cacheprovider", "-q",
+                             "--collect-only", "tests/"], capture_output=True, text=True).stdout.splitlines()
+    return [line.strip() for line in listed if line.startswith("tests/") and "::" in line]
+items = collect("gpu or hopper")
+timing = set(collect("(gpu or hopper) and timing"))  # wall-clock bounds: alone, after the rest
+if os.path.exists(".cache/suite_only.txt"):  # a subset to run: one id per line, as collected
+    only = {line.strip() for line in open(".cache/suite_only.txt") if line.strip()}
+    items = [item for item in items if item in only]
 left = [item for item in items if item not in done]
 print(f"{len(items)} items, {len(done)} done before, {len(left)} to run", flush=True)
-finished = re.compile(r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/.+?)\s*$")  # ids may hold spaces
+status = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+finished = re.compile(rf"({status}) (tests/.+?)\s*$")  # xdist's -v line; ids may hold spaces
+finished_alone = re.compile(rf"^(tests/.+?) ({status})(?: +\[ *\d+%\])?\s*$")  # without xdist
 with open(f"{out}/suite_done.txt", "w") as record:  # appended as items finish: a stopped run keeps it
     record.write("".join(f"{item}\n" for item in sorted(done)))
 rc = 0
-if left:
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-n", "14", *marker, "-v", "-rfEs", "--durations=30",
-                             *sys.argv[1:], *left], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+runs = [(["-n", "14", *sys.argv[1:]], [item for item in left if item not in timing]),
+        (["-p", "no:xdist"], [item for item in left if item in timing])]
+for options, run in runs:
+    if not run:
+        continue
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *options, *marker, "-v", "-rfEs", "--durations=30",
+                             *run], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     signal.signal(signal.SIGTERM, lambda *_: (proc.kill(), sys.exit(124)))
-    with open(f"{out}/suite.txt", "w") as log, open(f"{out}/suite_done.txt", "a") as record:
+    with open(f"{out}/suite.txt", "a") as log, open(f"{out}/suite_done.txt", "a") as record:
         for line in proc.stdout:
             log.write(line)
             log.flush()
             m = finished.search(line)
-            if m and m.group(2) not in done:
-                done.add(m.group(2))
-                record.write(m.group(2) + "\n")
+            found = (m.group(2), m.group(1)) if m else None
+            m = m or finished_alone.search(line)
+            found = found or ((m.group(1), m.group(2)) if m else None)
+            if found and found[0] not in done:
+                done.add(found[0])
+                record.write(found[0] + "\n")
                 record.flush()
-                if m.group(1) in ("FAILED", "ERROR"):
+                if found[1] in ("FAILED", "ERROR"):
                     print(line.rstrip(), flush=True)
-    rc = proc.wait()
+    rc = proc.wait() or rc
 print(f"{sum(item in done for item in items)} of {len(items)} items done", flush=True)
 sys.exit(rc)
 PY

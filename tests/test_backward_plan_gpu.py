@@ -70,10 +70,26 @@ def test_the_plan_gives_the_full_paths_gradients(cuda, served, case, determinist
     assert len(planned) == len(full) == (4 if "learnable_sink" in options else 3)
     for name, a, b in zip(("dq", "dk", "dv", "d_sink"), full, planned, strict=False):
         assert a.data_ptr() != b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype, name
-        if deterministic and name != "d_sink":  # d_sink: one float32 atomic add a CTA
+        if name == "d_sink":  # float32, one atomic add a CTA in either mode
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=name)
+        elif deterministic:
             assert torch.equal(a, b), name
         else:
-            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=name)
+            assert_one_rounding_apart(a, b, name)
+
+
+def assert_one_rounding_apart(a, b, name: str) -> None:
+    """Two non-deterministic gradients: float32 sums (atomic adds) in another order, each rounded
+    once to the gradient's dtype. The sums differ by float32 reordering error (far below 1e-5 of
+    the largest value here), so a rounded element may land one unit in the last place away (for
+    bf16 up to 2**-7 of its value: more than the 2e-3 this test used to allow, which failed once in
+    the whole suite, on d128 GQA's dK) and no further."""
+    scale = b.float().abs().max().item()
+    gap = (a.float() - b.float()).abs()
+    allowed = torch.finfo(b.dtype).eps * torch.maximum(a.float().abs(), b.float().abs()) + 1e-5 * scale
+    worst = (gap / allowed).max().item()
+    assert worst <= 1.0, (f"{name}: {int((gap > allowed).sum())} elements more than one rounding apart, "
+                          f"worst {worst:.2f}x the allowance, largest gap {gap.max().item():.3g}")
 
 
 @pytest.mark.gpu
