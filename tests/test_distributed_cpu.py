@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the context-parallel tests need it")
 
 import torch.multiprocessing as mp  # noqa: E402
-from _distributed_cases import ReferenceAttention, cpu_worker  # noqa: E402
+from _distributed_cases import ReferenceAttention, cpu_worker, sink_rounding_worker  # noqa: E402
 
 import numbaflash.distributed as nd  # noqa: E402
 from numbaflash.distributed import layout as L  # noqa: E402
@@ -92,6 +92,12 @@ def test_ring_and_ulysses_in_gloo_processes(tmp_path, world):
         assert cases >= (150 if full else 30)
 
 
+def test_a_sink_is_folded_in_by_the_kernel_call(tmp_path):
+    """bf16 with a learnable sink on one gloo rank: ring and Ulysses (dense and packed) give the
+    single call's out and LSE bit for bit, i.e. out is rounded once (the assertions run in the rank)."""
+    mp.spawn(sink_rounding_worker, args=(1, str(tmp_path / "init")), nprocs=1)
+
+
 def test_compiled_caller_breaks_the_graph_around_the_ring(tmp_path):
     """A ``torch.compile``d function that calls ``ring_attention`` (one rank, in this process):
     the ring runs eagerly at a graph break, and out and gradients equal the eager call's."""
@@ -141,8 +147,7 @@ def test_kernels_get_torchs_deterministic_mode(tmp_path, monkeypatch):
 
     ref, seen = ReferenceAttention(), []
     monkeypatch.setattr(torch_ops, "check_tensors", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch_ops, "run_forward", lambda q, k, v, causal, scale, window, softcap: ref.forward(
-        q, k, v, causal, scale, window, softcap))
+    monkeypatch.setattr(torch_ops, "run_forward", ref.forward)
 
     def backward(dout, q, k, v, out, lse, causal, scale, deterministic, window, softcap):
         seen.append(deterministic)

@@ -24,7 +24,8 @@ class LocalAttention:
     """The single-GPU attention that each block runs: numbaflash's kernels through the torch ops'
     implementations (looked up at each call, as the ops do). ``forward`` returns (out, lse) with
     lse float32 (batch, heads_q, rows); the packed forms take cu_seqlens and give lse (heads_q,
-    rows); ``backward`` gives (dq, dk, dv) in the inputs' dtype."""
+    rows); ``backward`` gives (dq, dk, dv) in the inputs' dtype. ``sink``: a learnable sink, float32
+    (heads_q,), folded in by the kernel (out rounded once, lse with the sink)."""
 
     def check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         """The kernels' dtype and shape rules; packed (rows, heads, d) inputs as one batch."""
@@ -34,10 +35,10 @@ class LocalAttention:
             q, k, v = q[None], k[None], v[None]
         torch_ops.check_tensors(q, k, v)
 
-    def forward(self, q, k, v, causal, scale, window, softcap):
+    def forward(self, q, k, v, causal, scale, window, softcap, sink=None):
         from .. import torch_ops
 
-        return torch_ops.run_forward(q, k, v, causal, scale, window, softcap)
+        return torch_ops.run_forward(q, k, v, causal, scale, window, softcap, sink)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
         from .. import torch_ops
@@ -45,10 +46,10 @@ class LocalAttention:
         return torch_ops.run_backward(dout, q, k, v, out, lse, causal, scale, _deterministic(), window,
                                       softcap)
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, sink=None):
         from .. import torch_ops
 
-        return torch_ops.run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap)
+        return torch_ops.run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, sink)
 
     def varlen_backward(
         self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap
@@ -110,10 +111,10 @@ class DenseBlock:
         self.q_rows = slice(call.q_lo, call.q_hi)
         self.k_rows = slice(call.k_lo, call.k_hi)
 
-    def forward(self, attn, q, k, v, scale, softcap):
+    def forward(self, attn, q, k, v, scale, softcap, sink=None):
         c = self.call
         return attn.forward(
-            q[:, self.q_rows], k[:, self.k_rows], v[:, self.k_rows], c.causal, scale, c.window, softcap
+            q[:, self.q_rows], k[:, self.k_rows], v[:, self.k_rows], c.causal, scale, c.window, softcap, sink
         )
 
     def covers(self, rows_q: int, rows_k: int) -> tuple[bool, bool]:
@@ -175,10 +176,10 @@ class PackedBlock:
         """The varlen call's arguments after q, k, v (and dout, out, lse)."""
         return self.cu_q, self.cu_k, self.max_q, self.max_k, self.causal, scale, self.window, softcap
 
-    def forward(self, attn, q, k, v, scale, softcap):
+    def forward(self, attn, q, k, v, scale, softcap, sink=None):
         take = self._take
         return attn.varlen_forward(take(q, self.q_index), take(k, self.k_index), take(v, self.k_index),
-                                   *self._mask(scale, softcap))
+                                   *self._mask(scale, softcap), sink)
 
     def covers(self, rows_q: int, rows_k: int) -> tuple[bool, bool]:
         """Whether the block spans every local query row, and every key row, in order."""

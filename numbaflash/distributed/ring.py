@@ -30,13 +30,17 @@ def _accumulator(x: Tensor) -> torch.dtype:
 def _ring_forward(ring: Ring, attn, plans, q, k, v, scale, softcap, lse_shape, sink=None):
     wide = _accumulator(q)
     acc = acc_lse = None
+    folded = sink is None  # the sink: in the first partial over every row, else into the sum at the end
     kv = [k, v]
     for step in range(ring.world):
         pending = ring.send_recv(kv) if step < ring.world - 1 else None
         for block in plans[(ring.rank - step) % ring.world]:
-            out, lse = block.forward(attn, q, kv[0], kv[1], scale, softcap)
-            if acc is None and block.covers(q.shape[-3], k.shape[-3])[0]:
-                acc, acc_lse = out, lse  # a first partial over every row is the running result
+            # a first partial over every row is the running result; it takes the sink, which its
+            # kernel folds in before its one rounding (the whole result where no block follows)
+            first = acc is None and block.covers(q.shape[-3], k.shape[-3])[0]
+            out, lse = block.forward(attn, q, kv[0], kv[1], scale, softcap, sink if first else None)
+            if first:
+                acc, acc_lse, folded = out, lse, True
                 continue
             if acc is None:
                 acc = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=wide, device=q.device)
@@ -49,7 +53,7 @@ def _ring_forward(ring: Ring, attn, plans, q, k, v, scale, softcap, lse_shape, s
     if acc is None:  # no local rows
         empty_lse = torch.full(lse_shape, float("-inf"), device=q.device)
         return q.new_zeros((*q.shape[:-1], v.shape[-1])), empty_lse
-    if sink is not None:  # folded into the float32 sum, before the one rounding to q's dtype
+    if not folded:  # into the float32 sum, before the one rounding to q's dtype
         acc, acc_lse = fold_sink(acc.to(wide), acc_lse.to(wide), sink)
     return acc.to(q.dtype), acc_lse
 

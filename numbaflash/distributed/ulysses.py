@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .blocks import LocalAttention, fold_sink, sink_grad
+from .blocks import LocalAttention, sink_grad
 from .comm import all_to_all, resolve_group
 from .layout import segments
 from .ring import _check_common, _check_sink, _scale
@@ -83,16 +83,17 @@ class _Ulysses(torch.autograd.Function):
     def forward(ctx, q, k, v, sink, group, world, attn, causal, scale, window, softcap, order, inverse,
                 packed):
         qg, kg, vg = (_to_heads(x, group, world, inverse) for x in (q, k, v))
-        if packed is None:
-            out_g, lse_g = attn.forward(qg, kg, vg, causal, scale, window, softcap)
-        else:
-            out_g, lse_g = attn.varlen_forward(qg[0], kg[0], vg[0], *packed, causal, scale, window, softcap)
-            out_g, lse_g = out_g[None], lse_g[None]
-        heads = slice(None)
-        if sink is not None:  # this rank's heads of it
+        heads, mine = slice(None), None
+        if sink is not None:  # this rank's heads of it, folded in by the kernel
             per = sink.shape[0] // world
             heads = slice(dist.get_rank(group) * per, (dist.get_rank(group) + 1) * per)
-            out_g, lse_g = fold_sink(out_g, lse_g, sink[heads])
+            mine = sink[heads].contiguous()
+        if packed is None:
+            out_g, lse_g = attn.forward(qg, kg, vg, causal, scale, window, softcap, mine)
+        else:
+            out_g, lse_g = attn.varlen_forward(qg[0], kg[0], vg[0], *packed, causal, scale, window, softcap,
+                                               mine)
+            out_g, lse_g = out_g[None], lse_g[None]
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g, *(() if sink is None else (sink,)))
         ctx.args = (group, world, attn, causal, scale, window, softcap, order, inverse, heads, packed)
         lse = _lse_to_sequence(lse_g, group, world, order)
