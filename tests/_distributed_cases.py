@@ -672,14 +672,32 @@ def hf_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
 
 
 def sink_rounding_worker(rank: int, world: int, init_file: str) -> None:
-    """One rank, bf16, a learnable sink: the ring's one call and Ulysses' equal the single call
-    with the sink bit for bit (out and lse). The sink must go into that call, which folds it in
-    before its one rounding; folded into the rounded output afterwards, out is rounded twice (on
-    the GPU 1.4-1.9x the single call's error)."""
+    """bf16 with a learnable sink. One rank: the ring's one call and Ulysses' equal the single call
+    with the sink bit for bit (out and lse). Two ranks, zigzag, causal window (3, 0): every row
+    whose keys all lie in its own chunk (its whole result one call's) equals the single call bit
+    for bit. The sink must go into the call that makes a row's result, which folds it in before
+    its one rounding; folded into the rounded output afterwards, out is rounded twice (on the GPU
+    1.4-1.9x the single call's error)."""
     import numbaflash.distributed as nd
 
     init(rank, world, init_file, "gloo")
     ref = ReferenceAttention()
+    if world > 1:
+        g = torch.Generator().manual_seed(11)
+        chunk = 6
+        shape = (1, 2 * chunk * world)
+        q, k, v = (torch.randn(*shape, heads, 16, generator=g).bfloat16() for heads in (4, 2, 2))
+        sink = torch.randn(4, generator=g)
+        want = nd.shard(ref.forward(q, k, v, True, 0.25, (3, 0), 0.0, sink)[0], "zigzag", world, rank)
+        local = [nd.shard(x, "zigzag", world, rank) for x in (q, k, v)]
+        got = nd.ring_attention(*local, causal=True, softmax_scale=0.25, window_size=(3, 0), layout="zigzag",
+                                learnable_sink=sink, _attention=ref)
+        position = torch.tensor(nd.positions("zigzag", q.shape[1], world, rank))
+        alone = (position - 3).clamp(min=0) >= position // chunk * chunk  # the window inside the chunk
+        assert alone.sum() >= chunk
+        gap = (got - want)[0, alone].abs().max().item()
+        assert torch.equal(got[0, alone], want[0, alone]), (rank, gap)
+        return
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 24, heads, 16, generator=g).bfloat16() for heads in (4, 2, 2))
     sink = torch.randn(4, generator=g)

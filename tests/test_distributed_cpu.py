@@ -92,10 +92,13 @@ def test_ring_and_ulysses_in_gloo_processes(tmp_path, world):
         assert cases >= (150 if full else 30)
 
 
-def test_a_sink_is_folded_in_by_the_kernel_call(tmp_path):
-    """bf16 with a learnable sink on one gloo rank: ring and Ulysses (dense and packed) give the
-    single call's out and LSE bit for bit, i.e. out is rounded once (the assertions run in the rank)."""
-    mp.spawn(sink_rounding_worker, args=(1, str(tmp_path / "init")), nprocs=1)
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_sink_is_folded_in_by_the_kernel_call(tmp_path, world):
+    """bf16 with a learnable sink over gloo ranks: where one call makes a row's result (one rank:
+    every row, ring and Ulysses, dense and packed; two ranks: the rows whose window lies in their
+    zigzag chunk) it equals the single call's bit for bit, i.e. out is rounded once (the
+    assertions run in the ranks)."""
+    mp.spawn(sink_rounding_worker, args=(world, str(tmp_path / "init")), nprocs=world)
 
 
 def test_compiled_caller_breaks_the_graph_around_the_ring(tmp_path):

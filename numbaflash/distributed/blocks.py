@@ -74,6 +74,15 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     acc_lse.copy_(new)
 
 
+def fold_sink_rows(out: Tensor, lse: Tensor, sink: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``fold_sink`` on the rows ``rows`` (an index on dim -3 of out, -1 of lse; None: all),
+    the others as they are."""
+    if rows is None:
+        return fold_sink(out, lse, sink)
+    folded_out, folded_lse = fold_sink(out.index_select(-3, rows), lse.index_select(-1, rows), sink)
+    return out.index_copy(-3, rows, folded_out), lse.index_copy(-1, rows, folded_lse)
+
+
 def fold_sink(out: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
     """(out, lse) of the softmax over the keys and a learnable sink (gpt-oss, FlashAttention-4's
     ``learnable_sink``: one logit a head, with no value) from those over the keys alone. out is
@@ -110,6 +119,7 @@ class DenseBlock:
         self.call = call
         self.q_rows = slice(call.q_lo, call.q_hi)
         self.k_rows = slice(call.k_lo, call.k_hi)
+        self.q_pieces = ((call.q_lo, call.q_hi),)  # the local query rows, [lo, hi) ranges
 
     def forward(self, attn, q, k, v, scale, softcap, sink=None):
         c = self.call
@@ -161,10 +171,11 @@ def dense_blocks(
 class PackedBlock:
     """Calls on packed sequences (rows, heads, d) that share one mask: each sequence's query rows
     against its key rows form one pseudo-sequence of a varlen call. ``q_index`` / ``k_index``:
-    the local rows, None where they are all rows in order (no gather)."""
+    the local rows, None where they are all rows in order (no gather); ``q_pieces`` the query
+    rows as [lo, hi) ranges on the host."""
 
-    def __init__(self, causal, window, q_index, k_index, cu_q, cu_k, max_q, max_k):
-        self.causal, self.window = causal, window
+    def __init__(self, causal, window, q_index, k_index, cu_q, cu_k, max_q, max_k, q_pieces=()):
+        self.causal, self.window, self.q_pieces = causal, window, tuple(q_pieces)
         self.q_index, self.k_index = q_index, k_index
         self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
 
@@ -260,6 +271,7 @@ def packed_blocks(
                     cu_k,
                     max(hi - lo for lo, hi in qp),
                     max(hi - lo for lo, hi in kp),
+                    qp,
                 )
             )
         plans.append(blocks)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 from itertools import pairwise
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from .blocks import LocalAttention, dense_blocks, fold_sink, packed_blocks, sink_grad
+from .blocks import LocalAttention, dense_blocks, fold_sink_rows, packed_blocks, sink_grad
 from .comm import Ring
 
 
@@ -30,17 +31,21 @@ def _accumulator(x: Tensor) -> torch.dtype:
 def _ring_forward(ring: Ring, attn, plans, q, k, v, scale, softcap, lse_shape, sink=None):
     wide = _accumulator(q)
     acc = acc_lse = None
-    folded = sink is None  # the sink: in the first partial over every row, else into the sum at the end
+    # the sink, once a row: into the first call over rows none of which has it yet (its kernel
+    # folds it in before its one rounding: the whole result of a row that no other call sees),
+    # into the float32 sum at the end for the rest
+    unfolded = None if sink is None else np.ones(q.shape[-3], dtype=bool)
     kv = [k, v]
     for step in range(ring.world):
         pending = ring.send_recv(kv) if step < ring.world - 1 else None
         for block in plans[(ring.rank - step) % ring.world]:
-            # a first partial over every row is the running result; it takes the sink, which its
-            # kernel folds in before its one rounding (the whole result where no block follows)
-            first = acc is None and block.covers(q.shape[-3], k.shape[-3])[0]
-            out, lse = block.forward(attn, q, kv[0], kv[1], scale, softcap, sink if first else None)
-            if first:
-                acc, acc_lse, folded = out, lse, True
+            takes = unfolded is not None and all(unfolded[lo:hi].all() for lo, hi in block.q_pieces)
+            if takes:
+                for lo, hi in block.q_pieces:
+                    unfolded[lo:hi] = False
+            out, lse = block.forward(attn, q, kv[0], kv[1], scale, softcap, sink if takes else None)
+            if acc is None and block.covers(q.shape[-3], k.shape[-3])[0]:
+                acc, acc_lse = out, lse  # a first partial over every row is the running result
                 continue
             if acc is None:
                 acc = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=wide, device=q.device)
@@ -53,8 +58,9 @@ def _ring_forward(ring: Ring, attn, plans, q, k, v, scale, softcap, lse_shape, s
     if acc is None:  # no local rows
         empty_lse = torch.full(lse_shape, float("-inf"), device=q.device)
         return q.new_zeros((*q.shape[:-1], v.shape[-1])), empty_lse
-    if not folded:  # into the float32 sum, before the one rounding to q's dtype
-        acc, acc_lse = fold_sink(acc.to(wide), acc_lse.to(wide), sink)
+    if unfolded is not None and unfolded.any():  # into the float32 sum, before the one rounding
+        rows = None if unfolded.all() else torch.from_numpy(np.flatnonzero(unfolded)).to(q.device)
+        acc, acc_lse = fold_sink_rows(acc.to(wide), acc_lse.to(wide), sink, rows)
     return acc.to(q.dtype), acc_lse
 
 
