@@ -159,23 +159,27 @@ def offsets(seqlens: list[int]) -> list[int]:
     return cu
 
 
-def packed_reference(q, k, v, w, cu, causal, scale, window, softcap, dtype=torch.float64):
+def packed_reference(q, k, v, w, cu, causal, scale, window, softcap, dtype=torch.float64, sink=None):
     """float64 CPU tensors [out, lse (heads, total), dq, dk, dv] of a pack, each sequence by
-    ``full_reference`` in ``dtype``, the gradients of sum(out * w)."""
+    ``full_reference`` in ``dtype``, the gradients of sum(out * w); with a ``sink``, its gradient
+    (summed over the sequences) last."""
     out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float64)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
     grads = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    d_sink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float64)
     for a, b in pairwise(cu):
         if b == a:
             continue
         rows = slice(a, b)
         o, l, leaves = full_reference(q[None, rows], k[None, rows], v[None, rows], causal, scale, window,
-                                      softcap, dtype)
+                                      softcap, dtype, sink=sink)
         (o.double() * w[None, a:b]).sum().backward()
         out[a:b], lse[:, a:b] = o[0].detach().double().cpu(), l[0].detach().double().cpu()
-        for acc, leaf in zip(grads, leaves, strict=True):
+        for acc, leaf in zip(grads, leaves[:3], strict=True):
             acc[a:b] = leaf.grad[0].double().cpu()
-    return [out, lse, *grads]
+        if sink is not None:
+            d_sink += leaves[3].grad.double().cpu()
+    return [out, lse, *grads] + ([] if sink is None else [d_sink])
 
 
 def _check(err: dict, tag, worst: dict, rank: int) -> None:
@@ -279,8 +283,10 @@ def varlen_case(
     attention=None,
     seed=0,
     head_dim=16,
+    sink=False,
 ):
-    """A packed case: sequences of ``seqlens`` each sharded on its own; errors as ``dense_case``."""
+    """A packed case: sequences of ``seqlens`` each sharded on its own; errors as ``dense_case``
+    (``sink``: a learnable sink, float32, its gradient summed over the ranks)."""
     import numbaflash.distributed as nd
 
     g = torch.Generator().manual_seed(seed)
@@ -291,8 +297,10 @@ def varlen_case(
     v = torch.randn(total, heads_kv, head_dim, generator=g, dtype=torch.float64).to(dtype)
     w = torch.randn(total, heads, head_dim, generator=g, dtype=torch.float64)
     scale = 1.0 / math.sqrt(head_dim)
-    ref_out, ref_lse, *grads = packed_reference(q, k, v, w, cu, causal, scale, window, softcap)
+    sinks = torch.randn(heads, generator=g).float() if sink else None
+    ref_out, ref_lse, *grads = packed_reference(q, k, v, w, cu, causal, scale, window, softcap, sink=sinks)
     local = [nd.shard_varlen(x, cu, layout, world, rank).to(device).requires_grad_() for x in (q, k, v)]
+    my_sink = sinks.to(device).requires_grad_() if sink else None
     out, lse = (fn or nd.ring_attention_varlen)(
         *local,
         cu,
@@ -302,6 +310,7 @@ def varlen_case(
         softcap=softcap,
         layout=layout,
         return_lse=True,
+        learnable_sink=my_sink,
         _attention=attention,
     )
     (out.double() * nd.shard_varlen(w, cu, layout, world, rank).to(device)).sum().backward()
@@ -310,8 +319,12 @@ def varlen_case(
         "out": (out.double().cpu() - mine(ref_out)).abs().max().item(),
         "lse": (lse.double().cpu().t() - mine(ref_lse.t())).abs().max().item(),
     }
-    for name, x, ref in zip("qkv", local, grads, strict=True):
+    for name, x, ref in zip("qkv", local, grads[:3], strict=True):
         err["d" + name] = (x.grad.double().cpu() - mine(ref)).abs().max().item()
+    if sink:
+        total = my_sink.grad.clone()
+        dist.all_reduce(total)  # each rank's share, summed as a weight's gradient is
+        err["dsink_rel"] = ((total.double().cpu() - grads[3]).abs().max() / grads[3].abs().max()).item()
     return err
 
 
@@ -392,7 +405,8 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
             if world in (1, 2):  # heads 4/2 divide over these ranks
                 err = varlen_case(rank, world, layout=layout, fn=nd.ulysses_attention_varlen, causal=causal,
                                   window=window, softcap=0.0, heads=4, heads_kv=2, seqlens=seqlens,
-                                  dtype=torch.float64, device="cpu", attention=ref, seed=cases)
+                                  dtype=torch.float64, device="cpu", attention=ref, seed=cases,
+                                  sink=window != (-1, -1))
                 cases += 1
                 _check(err, ("ulysses varlen", layout, causal, window), worst, rank)
             err = varlen_case(
@@ -409,6 +423,7 @@ def cpu_worker(rank: int, world: int, init_file: str, result_dir: str, full: boo
                 device="cpu",
                 attention=ref,
                 seed=cases,
+                sink=window != (-1, -1),  # packed with gpt-oss's sink and window
             )
             cases += 1
             _check(err, ("varlen", layout, causal, window), worst, rank)
