@@ -56,9 +56,9 @@ for options, run in runs:
             log.write(line)
             log.flush()
             m = finished.search(line)
-            found = (m.group(2), m.group(1)) if m else None
-            m = m or finished_alone.search(line)
-            found = found or ((m.group(1), m.group(2)) if m else None)
+            found = (m.group(2), m.group(1)) if m else None  # (id, status)
+            if found is None and (m := finished_alone.search(line)):
+                found = m.groups()
             if found and found[0] not in done:
                 done.add(found[0])
                 record.write(found[0] + "\n")

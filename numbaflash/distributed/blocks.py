@@ -174,7 +174,7 @@ class PackedBlock:
     the local rows, None where they are all rows in order (no gather); ``q_pieces`` the query
     rows as [lo, hi) ranges on the host."""
 
-    def __init__(self, causal, window, q_index, k_index, cu_q, cu_k, max_q, max_k, q_pieces=()):
+    def __init__(self, causal, window, q_index, k_index, cu_q, cu_k, max_q, max_k, q_pieces):
         self.causal, self.window, self.q_pieces = causal, window, tuple(q_pieces)
         self.q_index, self.k_index = q_index, k_index
         self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
