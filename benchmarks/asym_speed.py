@@ -1,7 +1,7 @@
 """The forward and backward with V's head dim apart from Q's and K's (issue 56 item 2: (192, 128))
 beside SDPA's backends and beside our own d128, in one process (needs a GPU and PyTorch with CUDA).
 
-    python benchmarks/asym_speed.py [--seqlens 4k,16k] [--dtype bf16] [--tokens 65536]
+    python benchmarks/asym_speed.py [--seqlens 4k,16k] [--dtype bf16] [--tokens 65536] [--dims 512/512]
 
 The workload is ``backward_speed.py``'s (batch * seqlen = ``--tokens``, random normal, (batch,
 seqlen, heads, head_dim) tensors) with 16 heads. TFLOP/s count 2 * batch * heads * seqlen^2 *
@@ -10,7 +10,9 @@ one scale; the backward counts 2.5x them. Each call is the median of ``--iters``
 calls in ``--rounds`` blocks interleaved with the others' (``backward_speed.interleaved_medians``);
 our backward is ``flash_attention_backward`` from the forward's out and LSE, SDPA's through
 autograd (``backward_speed.sdpa_backward``). SDPA's backends that refuse the pair print nan. The
-issue's bars, each direction: ours >= SDPA's best backend, and >= 0.95x our d128.
+issue's bars, each direction: ours >= SDPA's best backend, and >= 0.95x our d128. ``--dims``: the
+(d_qk/d_v) pairs, by default every ``ASYMMETRIC_HEAD_DIMS`` pair; 512/512 is head dim 512 (run in
+halves of V: its FLOPs are counted at 512 + 512, the work done, not the work the halves repeat).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--iters", type=int, default=21)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dims", default=",".join(f"{d}/{dv}" for d, dv in ASYMMETRIC_HEAD_DIMS))
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(f"GPU: {torch.cuda.get_device_name()}; numbaflash {numbaflash.__version__}, "
@@ -71,7 +74,7 @@ def main() -> None:
           "| ours / best SDPA | ours d128 TF/s | ours / ours d128 |")
     print("|--|--:|:--|:--|--:|--:|--:|--:|--:|--:|--:|")
     nan = float("nan")
-    for d, dv in ASYMMETRIC_HEAD_DIMS:
+    for d, dv in (tuple(int(x) for x in pair.split("/")) for pair in args.dims.split(",")):
         for s in (seqlen(x) for x in args.seqlens.split(",")):
             for causal in (False, True):
                 calls = calls_for(d, dv, s, causal, dtype, args.tokens, "pair")

@@ -97,18 +97,19 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     if "sm90" in families:  # the pairs' Hopper forward
         found |= {c for c in configs.ASYMMETRIC_WS_DEFAULTS.values() if c.shared_bytes <= limit}
     if "sm80" in families:  # the pairs of head dims (every GPU runs the mma.sync family)
-        found |= {c for c in configs.ASYMMETRIC_DEFAULTS.values() if c.shared_bytes <= limit}
+        small = [c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs]  # where a default won't fit
+        found |= {c for c in (*configs.ASYMMETRIC_DEFAULTS.values(), *small) if c.shared_bytes <= limit}
         pairs = [c for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs]
         found |= {configs.backward_for_target(c, capability) for c in pairs if c.shared_bytes <= limit}
     return sorted(found, key=str)
 
 
 def pair_decode_configs(capability: tuple[int, int]) -> list:
-    """The decode configs of the pairs of head dims (``configs.ASYMMETRIC_HEAD_DIMS``) a GPU of
+    """The decode configs of the pairs of head dims (``configs.DECODE_HEAD_DIM_PAIRS``) a GPU of
     ``capability`` dispatches, contiguous and paged (16 packed rows: head dims above 128 take no
     more)."""
     return [configs.decode_config(capability, d, 16, paged, head_dim_v=dv)
-            for d, dv in configs.ASYMMETRIC_HEAD_DIMS for paged in (False, True)]
+            for d, dv in configs.DECODE_HEAD_DIM_PAIRS for paged in (False, True)]
 
 
 def select_indices(spec: str | None, config_list: list[KernelConfig],
@@ -125,6 +126,7 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
                     for _, _, c in configs.shipped_backward_configs()}
         shipped |= set(configs.shipped_decode_configs()) | set(pair_decode_configs(capability))
         shipped |= set(configs.ASYMMETRIC_DEFAULTS.values()) | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
+        shipped |= {c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs}
         shipped |= {configs.backward_for_target(c, capability)
                     for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs}
         return [i for i, c in enumerate(config_list) if c in shipped]

@@ -126,7 +126,11 @@ def _padded_forward(call: Any, padded: int, kind: str, q: Any, k: Any, v: Any, l
                     softmax_scale: Any, window_size: Any, softcap: Any, return_lse: Any, out: Any,
                     learnable_sink: Any) -> Any:
     """``call`` (``flash_attention`` or ``flash_attention_varlen``, whose ``lengths`` are the
-    offsets and maxima) on q, k and v zero-padded to head dim ``padded`` (``head_dims``)."""
+    offsets and maxima) on q, k and v zero-padded to head dim ``padded`` (``head_dims``), or split
+    where ``padded`` is a ``head_dims.Split``."""
+    if isinstance(padded, head_dims.Split):
+        return _split_forward(call, padded, kind, q, k, v, lengths, causal, softmax_scale, window_size,
+                              softcap, return_lse, out, learnable_sink)
     name = call.__name__
     if out is not None and _needs_grad(kind, q, k, v, learnable_sink):
         raise RuntimeError(f"{name}(): out= does not support automatic differentiation, but q, k, v or "
@@ -145,7 +149,10 @@ def _padded_forward(call: Any, padded: int, kind: str, q: Any, k: Any, v: Any, l
 def _padded_backward(call: Any, padded: int, kind: str, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                      lengths: tuple, options: dict, given: tuple) -> tuple[Any, ...]:
     """``call`` (``flash_attention_backward`` or its varlen sibling) on the inputs zero-padded to
-    head dim ``padded`` (``head_dims``); ``given``: the caller's dq, dk, dv (or None)."""
+    head dim ``padded`` (``head_dims``), or split where ``padded`` is a ``head_dims.Split``;
+    ``given``: the caller's dq, dk, dv (or None)."""
+    if isinstance(padded, head_dims.Split):
+        return _split_backward(call, padded, kind, dout, q, k, v, out, lse, lengths, options, given)
     d_qk, d_v = q.shape[-1], v.shape[-1]
     head_dims.check_value_dim(dout, d_v, "dout")
     head_dims.check_value_dim(out, d_v, "out")
@@ -154,6 +161,45 @@ def _padded_backward(call: Any, padded: int, kind: str, dout: Any, q: Any, k: An
     named = zip(("dq", "dk", "dv"), grads[:3], (d_qk, d_qk, d_v), given, strict=True)
     return (*(head_dims.deliver(head_dims.narrow(g, d, kind), mine, name, kind)
               for name, g, d, mine in named), *grads[3:])
+
+
+def _split_forward(call: Any, part: int, kind: str, q: Any, k: Any, v: Any, lengths: tuple, causal: Any,
+                   softmax_scale: Any, window_size: Any, softcap: Any, return_lse: Any, out: Any,
+                   learnable_sink: Any) -> Any:
+    """``call`` (``flash_attention`` or ``flash_attention_varlen``) once per ``part`` columns of v
+    (``head_dims``: head dim 512 as the pair (512, 256)); out is the parts side by side, the LSE
+    the first call's (every call's scores are the same)."""
+    name = call.__name__
+    if out is not None and _needs_grad(kind, q, k, v, learnable_sink):
+        raise RuntimeError(f"{name}(): out= does not support automatic differentiation, but q, k, v or "
+                           f"learnable_sink requires grad; call it without out= (or under torch.no_grad())")
+    return_lse = check_flag("return_lse", return_lse)
+    options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size,
+               "softcap": softcap, "learnable_sink": learnable_sink}
+    first, *rest = head_dims.parts(v, part, kind)
+    o, lse = call(q, k, first, *lengths, return_lse=True, **options)
+    o = head_dims.join([o, *(call(q, k, vp, *lengths, **options) for vp in rest)], kind)
+    o = head_dims.deliver(o, out, "out", kind)
+    return (o, lse) if return_lse else o
+
+
+def _split_backward(call: Any, part: int, kind: str, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                    lengths: tuple, options: dict, given: tuple) -> tuple[Any, ...]:
+    """``call`` (``flash_attention_backward`` or its varlen sibling) once per ``part`` columns of v,
+    dout and out (``head_dims``): dv is the parts' side by side, dq, dk (and d_sink) the calls'
+    sums. ``given``: the caller's dq, dk, dv (or None)."""
+    d_v = v.shape[-1]
+    head_dims.check_value_dim(dout, d_v, "dout")
+    head_dims.check_value_dim(out, d_v, "out")
+    calls = [call(dp, q, k, vp, op, lse, *lengths, **options)
+             for dp, vp, op in zip(*(head_dims.parts(x, part, kind) for x in (dout, v, out)), strict=True)]
+    summed = [calls[0][i] for i in range(len(calls[0]))]
+    for grads in calls[1:]:
+        for i in (0, 1, *range(3, len(grads))):  # dq, dk, d_sink
+            summed[i] = summed[i] + grads[i]
+    summed[2] = head_dims.join([grads[2] for grads in calls], kind)
+    named = zip(("dq", "dk", "dv"), summed[:3], given, strict=True)
+    return (*(head_dims.deliver(g, mine, name, kind) for name, g, mine in named), *summed[3:])
 
 
 def _torch_route() -> list:

@@ -25,8 +25,12 @@ from .kernels.spec import KernelSpec
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # (Q's and K's head dim, V's) pairs that differ, with a kernel: DeepSeek-V3-style (192, 128). Forward
 # on both families (the Hopper kernel's defaults: ASYMMETRIC_WS_DEFAULTS), backward on the mma.sync
-# family (every GPU from sm_80; no Hopper backward has head dim 192), decode.
-ASYMMETRIC_HEAD_DIMS = ((192, 128),)
+# family (every GPU from sm_80; no Hopper backward has head dim 192), decode. (512, 256): the
+# mma.sync family's forward and backward, the halves of head dim 512 (``operations.head_dims``);
+# no decode kernel (``DECODE_HEAD_DIM_PAIRS``).
+ASYMMETRIC_HEAD_DIMS = ((192, 128), (512, 256))
+# The pairs the KV-cache call (the decode kernel) takes.
+DECODE_HEAD_DIM_PAIRS = ((192, 128),)
 # Head dims each family's own kernel handles; a GPU whose family lacks one runs the sm80 family.
 FAMILY_HEAD_DIMS = {"sm80": SUPPORTED_HEAD_DIMS, "sm90": (64, 96, 128, 256)}
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
@@ -61,6 +65,16 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # and V's 128: 88 KB of shared memory, which fits every sm80-family GPU. Not tuned yet.
 ASYMMETRIC_DEFAULTS: dict[tuple[int, int], ForwardConfig] = {
     (192, 128): ForwardConfig(192, block_m=128, block_n=64, double_buffer=True, early_k=True, head_dim_v=128),
+    # 128 x 64, early K copy, Q's and K's 512 columns: 224 KB (H100, H200, B200); 243-245 registers,
+    # no spill offline. H200, d512 1k: 194 / 161 TF/s full / causal against 174 / 149 for 64 x 64
+    # and 77 / 139 for 128 x 32 (lab/d512_configs.py; notebook D512).
+    (512, 256): ForwardConfig(512, block_m=128, block_n=64, early_k=True, head_dim_v=256),
+}
+# Where a pair's default does not fit a GPU's shared memory, the first of these that does: (512,
+# 256) at 64 x 64 (160 KB: A100) and 64 x 16 (88 KB: sm_86, sm_89, sm_120).
+ASYMMETRIC_FALLBACKS: dict[tuple[int, int], tuple[ForwardConfig, ...]] = {
+    (512, 256): (ForwardConfig(512, block_m=64, block_n=64, early_k=True, head_dim_v=256),
+                 ForwardConfig(512, block_m=64, block_n=16, early_k=True, head_dim_v=256)),
 }
 # The pairs' Hopper forward (sm90 family, dense and packed): d128's 128 x 128 tiles with Q's and
 # K's 192 columns and V's 128. One Q buffer, K and V stages of 48 and 32 KB, O staged in the V
@@ -76,6 +90,10 @@ ASYMMETRIC_WS_DEFAULTS: dict[tuple[int, int], WsConfig] = {
 ASYMMETRIC_BACKWARD_DEFAULTS: dict[tuple[int, int], tuple[BackwardConfig, ...]] = {
     (192, 128): (BackwardConfig(192, block_m=64, block_n=64, head_dim_v=128),
                  BackwardConfig(192, block_m=64, block_n=64, q_stages=1, head_dim_v=128)),
+    # 32 keys a CTA, one Q stage, dQ's rows in 32-row m-tiles (dK 64 + dV 32 + dQ 64 floats a
+    # thread; dQ in two column passes: 254 registers, no spill offline; 2 Q stages need 250 KB, and
+    # dq_tiles=1 spills): 152.5 KB, so no GPU of 99 KB a CTA. Not tuned yet.
+    (512, 256): (BackwardConfig(512, block_m=64, block_n=32, q_stages=1, dq_tiles=2, head_dim_v=256),),
 }
 # What benchmarks/autotune.py tries, by family and head dim, as keyword configs.
 # mma.sync knobs (issue 13): q_in_regs=False streams Q a k-slice at a time instead of holding
@@ -245,8 +263,8 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
 
     ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): a forced config of
     the pair, else on Hopper its ``ASYMMETRIC_WS_DEFAULTS`` config where it fits, else its
-    ``ASYMMETRIC_DEFAULTS`` config (the mma.sync family's, every GPU), dense or packed (no table
-    entries yet).
+    ``ASYMMETRIC_DEFAULTS`` config (the mma.sync family's, every GPU; ``ASYMMETRIC_FALLBACKS``
+    where that does not fit), dense or packed (no table entries yet).
     """
     if head_dim_v and head_dim_v != head_dim:
         pair = (head_dim, head_dim_v)
@@ -262,6 +280,8 @@ def forward_config(capability: tuple[int, int], head_dim: int, causal: bool,
         if (hopper is not None and arch_family(capability) == "sm90" and hopper.shared_bytes <= limit
                 and family_of(hopper).runs("forward", varlen)):
             return hopper
+        if config.shared_bytes > limit:  # the first fallback that fits (else the launch says it does not)
+            return next((c for c in ASYMMETRIC_FALLBACKS.get(pair, ()) if c.shared_bytes <= limit), config)
         return config
     if OVERRIDES:
         forced = OVERRIDES.get(table_key(arch_family(capability), head_dim, causal))
@@ -668,7 +688,7 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     m_tiles = 1 if rows <= 16 or head_dim > 128 else 2
     shapes = ((64, 4), (32, 2))  # (keys a tile, warps), each with a ring of 3, then 2
     if value_dim != head_dim:
-        if (head_dim, value_dim) not in ASYMMETRIC_HEAD_DIMS:
+        if (head_dim, value_dim) not in DECODE_HEAD_DIM_PAIRS:
             raise ValueError(f"no decode kernel for head_dim {head_dim} with head_dim_v {value_dim}")
         tried = [DecodeConfig(head_dim, block_n=n, num_warps=w, m_tiles=m_tiles, stages=s, paged=paged,
                               head_dim_v=value_dim) for n, w in shapes for s in (3, 2)]

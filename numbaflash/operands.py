@@ -153,12 +153,13 @@ def describe(name: str, x: Any) -> Operand:
                    int(cai["data"][0]), cai.get("stream"))
 
 
-def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False, value_dim: bool = False) -> None:
+def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False, value_dim: bool = False,
+                 pairs: tuple[tuple[int, int], ...] = ASYMMETRIC_HEAD_DIMS) -> None:
     """q (batch, seqlen_q, heads_q, head_dim) against k and v (batch, seqlen_k, heads_kv,
     head_dim); ``paged``: k and v are a paged cache (num_pages, page_size, heads_kv, head_dim),
     whose first dimension is not q's batch. ``value_dim``: the call takes v of another head dim
     where a kernel has that pair (``configs.ASYMMETRIC_HEAD_DIMS``: the dense forward's and
-    backward's)."""
+    backward's; ``pairs``: the call's, the KV-cache call's fewer)."""
     for op in (q, k, v):
         if len(op.shape) != 4:
             raise ValueError(
@@ -178,19 +179,20 @@ def check_shapes(q: Operand, k: Operand, v: Operand, paged: bool = False, value_
     if hq % hkv:
         raise ValueError(f"heads of q ({hq}) must be a multiple of heads of k/v ({hkv})")
     if dv != d:
-        pairs = ", ".join(f"({a}, {c})" for a, c in ASYMMETRIC_HEAD_DIMS)
+        listed = ", ".join(f"({a}, {c})" for a, c in pairs)
         if not value_dim:
             raise ValueError(f"v's head_dim ({dv}) differs from q's and k's ({d}): this call needs one "
                              f"head_dim (flash_attention and flash_attention_backward take the pairs "
-                             f"{pairs})")
-        if (d, dv) not in ASYMMETRIC_HEAD_DIMS:
+                             f"{listed})")
+        if (d, dv) not in pairs:
             raise ValueError(f"no kernel for q/k head_dim {d} with v head_dim {dv}: v's head_dim must be q's "
-                             f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))}) or one of the pairs {pairs}")
+                             f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))}) or one of the pairs {listed}")
         return _check_dtypes_and_places(q, k, v)
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d} (flash_attention, "
                          f"flash_attention_varlen and their backwards pad other head dims up to "
-                         f"{max(SUPPORTED_HEAD_DIMS)} on torch and numpy inputs; the KV-cache call does not)")
+                         f"{max(SUPPORTED_HEAD_DIMS)} and run 512 in halves of v on torch and numpy inputs; "
+                         f"the KV-cache call does neither)")
     _check_dtypes_and_places(q, k, v)
 
 

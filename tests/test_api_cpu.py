@@ -49,13 +49,14 @@ def test_other_head_dims_to_256_reach_the_kernel_padded(head_dim, no_compile):
         numbaflash.flash_attention(*qkv((1, 8, 4, head_dim), (1, 8, 2, head_dim)))
 
 
-@pytest.mark.parametrize("head_dim", [264, 512])
+@pytest.mark.parametrize("head_dim", [264, 384, 1024])
 def test_head_dims_past_256_rejected_with_the_supported_list(head_dim, no_compile):
     with pytest.raises(ValueError) as info:
         numbaflash.flash_attention(*qkv((1, 8, 4, head_dim), (1, 8, 2, head_dim)))
     assert str(info.value) == (f"head_dim must be one of (32, 64, 96, 128, 256), got {head_dim} "
                                "(flash_attention, flash_attention_varlen and their backwards pad other head "
-                               "dims up to 256 on torch and numpy inputs; the KV-cache call does not)")
+                               "dims up to 256 and run 512 in halves of v on torch and numpy inputs; the "
+                               "KV-cache call does neither)")
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), 1e300, 1e-300, -0.0, 1e39])

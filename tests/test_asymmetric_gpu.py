@@ -24,6 +24,10 @@ from numbaflash.tools.reference import compare_with_reference
 from tests.test_sink_gpu import DTYPES, SHAPES  # the same ragged, masked and GQA shapes, both dtypes
 
 pytestmark = pytest.mark.gpu
+# (family, pair): the mma.sync family's config of every pair, the Hopper kernel's where it has one
+FAMILY_PAIRS = [("sm80", p) for p in ASYMMETRIC_HEAD_DIMS] + [
+    ("sm90", p) for p in ASYMMETRIC_HEAD_DIMS if p in configs.ASYMMETRIC_WS_DEFAULTS]
+PAIR_IDS = [f"{f}-d{p[0]}v{p[1]}" for f, p in FAMILY_PAIRS]
 
 
 def random_qkv(rng, batch, sq, sk, hq, hkv, dims, dtype, amplitude=1.0):
@@ -67,8 +71,7 @@ def check(q, k, v, sink=None, family="sm80", **options):
     assert not problems, f"{q.shape} {v.shape} {options}: " + "; ".join(problems)
 
 
-@pytest.mark.parametrize("family", ["sm80", "sm90"])
-@pytest.mark.parametrize("dims", ASYMMETRIC_HEAD_DIMS, ids=lambda p: f"d{p[0]}v{p[1]}")
+@pytest.mark.parametrize(("family", "dims"), FAMILY_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
 def test_asymmetric_forward_matches_reference(rng, causal, dtype, dims, family):
@@ -76,11 +79,10 @@ def test_asymmetric_forward_matches_reference(rng, causal, dtype, dims, family):
         check(*random_qkv(rng, *shape, dims, DTYPES[dtype]), family=family, causal=causal)
 
 
-@pytest.mark.parametrize("dims", ASYMMETRIC_HEAD_DIMS, ids=lambda p: f"d{p[0]}v{p[1]}")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("window", "softcap", "sink"), [((127, 0), 0.0, False), ((3, 50), 0.0, True),
                                                          ((-1, -1), 30.0, False), ((16, 0), 50.0, True)])
-@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize(("family", "dims"), FAMILY_PAIRS, ids=PAIR_IDS)
 def test_asymmetric_forward_with_window_softcap_and_sink(rng, window, softcap, sink, dtype, dims, family):
     """The variants are the kernel's own builds: V's width does not touch them."""
     amplitude = 10.0 if softcap else 1.0
@@ -128,10 +130,11 @@ def test_asymmetric_forward_on_numpy_arrays(rng, causal, dtype):
     assert not problems, "; ".join(problems)
 
 
+@pytest.mark.parametrize("dims", ASYMMETRIC_HEAD_DIMS, ids=lambda p: f"d{p[0]}v{p[1]}")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("causal", "window", "softcap"), [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                            (False, (40, 7), 0.0), (True, (-1, -1), 30.0)])
-def test_asymmetric_backward_matches_reference(rng, causal, window, softcap, dtype):
+def test_asymmetric_backward_matches_reference(rng, causal, window, softcap, dtype, dims):
     """dq, dk (Q's and K's head dim) and dv (V's) against float64 by FlashAttention's criterion,
     from the forward's out and LSE: device arrays (gradients poisoned with NaN, given as outputs)
     and numpy inputs (the LSE float32 in device memory)."""
@@ -140,7 +143,6 @@ def test_asymmetric_backward_matches_reference(rng, causal, window, softcap, dty
     from numbaflash.runtime.buffers import DeviceBuffer
     from numbaflash.tools.reference import compare_gradients_with_reference
 
-    dims = ASYMMETRIC_HEAD_DIMS[0]
     amplitude = 10.0 if softcap else 1.0
     options = {"causal": causal, "window_size": window, "softcap": softcap}
     for shape in ((2, 200, 200, 4, 2), (1, 333, 129, 4, 1), (1, 129, 517, 4, 4)):

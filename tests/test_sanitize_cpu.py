@@ -117,7 +117,9 @@ def test_runnable_configs(capability, families):
         for d in FAMILY_HEAD_DIMS[fam]:
             assert set(CANDIDATES[(fam, d)]) <= set(got)
     limit = configs.max_shared_bytes(capability)
-    pairs = set(configs.ASYMMETRIC_DEFAULTS.values())  # (192, 128): every GPU runs the mma.sync family
+    # the pairs: every GPU runs the mma.sync family's (and (512, 256)'s small config, the 99 KB GPUs')
+    fallbacks = [c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs]
+    pairs = {c for c in (*configs.ASYMMETRIC_DEFAULTS.values(), *fallbacks) if c.shared_bytes <= limit}
     if "sm90" in families:  # and Hopper its own forward of the pair
         pairs |= set(configs.ASYMMETRIC_WS_DEFAULTS.values())
     pairs |= set(san.pair_decode_configs(capability))  # and the pair's decode, contiguous and paged
@@ -164,6 +166,7 @@ def test_select_indices():
                                for _, _, c in san.configs.shipped_backward_configs()}
                             | set(san.configs.shipped_decode_configs())
                             | set(configs.ASYMMETRIC_DEFAULTS.values())
+                            | {c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs}
                             | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
                             | set(san.pair_decode_configs((9, 0)))
                             | {configs.backward_for_target(c, (9, 0))

@@ -9,9 +9,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from numbaflash import configs
 from numbaflash.kernels.families import family_of
 from numbaflash.tools import selftest
+from numbaflash.tools.selftest_common import DRAWN_HEAD_DIMS
 
 BOTH = ["sm90", "sm80"]
 SEEDS = (0, 1, 12345, 2**32 - 1)
@@ -176,7 +176,8 @@ def test_value_dims_are_drawn_for_cases_of_both_forward_families_and_the_backwar
     the pair (``pair_config``)."""
     cases = [selftest.draw_case(s, i, BOTH) for s in (0, 1) for i in range(600)]
     pairs = [c for c in cases if c.value_dims]
-    assert pairs and all(c.value_dims in configs.ASYMMETRIC_HEAD_DIMS for c in pairs)
+    assert pairs and all(c.value_dims in DRAWN_HEAD_DIMS for c in pairs)
+    assert {c.value_dims for c in pairs} == set(DRAWN_HEAD_DIMS)  # (512, 512) too: run split
     plain_case = next(c for c in cases if not c.value_dims)
     assert all(c.dims == c.value_dims for c in pairs) and plain_case.dims == (plain_case.head_dim,) * 2
     assert {c.family for c in pairs} == set(selftest.VALUE_DIM_FAMILIES) and any(c.varlen for c in pairs)

@@ -27,7 +27,7 @@ from .common import FULL_MASK, NEG_INF
 from .epilogue import store_rows_global
 from .fragments import store_fragment_rows
 from .shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
-from .smem import global_rows
+from .smem import GlobalRows, global_rows
 
 LOG2_E = 1.4426950408889634
 INF = float32(math.inf)
@@ -345,9 +345,14 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
     CPR = D // 8
     STORE_ROWS = BM // config.num_warps  # rows each warp writes out
     VEC = config.dq_vector
-    TILE = BM * D  # 16-bit elements of the block's shared tile
-    if TILE * 2 > 48 * 1024:
-        raise ValueError(f"the dQ kernel's static shared tile ({BM} x {D} 16-bit) exceeds 48 KB: {config}")
+    # The block goes out through a static shared tile (48 KB at most) in column passes: one up to
+    # head dim 256 (64 x 256), two above (head dim 512: a warp's dQ columns lie in one pass's).
+    PASSES = 1 if BM * D * 2 <= 48 * 1024 else 2
+    WIDTH = D // PASSES  # columns of the tile
+    TILE = BM * WIDTH  # 16-bit elements of the block's shared tile
+    if TILE * 2 > 48 * 1024 or WIDTH % DQ_COLS:
+        raise ValueError(f"the dQ kernel's static shared tile ({BM} x {WIDTH} 16-bit) exceeds 48 KB, or "
+                         f"a warp's {DQ_COLS} columns straddle two passes: {config}")
     BF16 = bf16
     source = make_row_source(BM, varlen)
 
@@ -368,20 +373,42 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
             return
         ws_row0 = source.workspace_row0(batch, source.workspace_start(batch, start_q), head, heads_q, rows)
         at = (ws_row0 + m0) * D + VEC * tid
-        acc = cuda.local.array((QMT, DQ_N, 4), float32)
-        for mt in range(QMT):
-            for j in range(DQ_N):
-                for e in range(4):  # config.dq_offset(tid, 4 (mt DQ_N + j) + e) in the block
-                    acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS + e % VEC]
+        if PASSES == 1:
+            acc = cuda.local.array((QMT, DQ_N, 4), float32)
+            for mt in range(QMT):
+                for j in range(DQ_N):
+                    for e in range(4):  # config.dq_offset(tid, 4 (mt DQ_N + j) + e) in the block
+                        acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS
+                                               + e % VEC]
+            row0 = (warp % QR) * 16 * QMT
+            col0 = (warp // QR) * DQ_COLS
+            for mt in range(QMT):
+                store_fragment_rows(tile, acc[mt], DQ_N, BM, row0 + 16 * mt, col0, lane, BF16, RB, scale)
+            cuda.syncthreads()
+            scratch = cuda.local.array(4, uint32)
+            first = warp * STORE_ROWS
+            dq_rows = source.rows(dq, batch, start_q, head, seqlen_q)
+            store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
+            return
         row0 = (warp % QR) * 16 * QMT
         col0 = (warp // QR) * DQ_COLS
-        for mt in range(QMT):
-            store_fragment_rows(tile, acc[mt], DQ_N, BM, row0 + 16 * mt, col0, lane, BF16, RB, scale)
-        cuda.syncthreads()
         scratch = cuda.local.array(4, uint32)
         first = warp * STORE_ROWS
         dq_rows = source.rows(dq, batch, start_q, head, seqlen_q)
-        store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
+        part_acc = cuda.local.array((DQ_N, 4), float32)  # one m-tile at a time: 128 floats spill
+        for h in range(PASSES):  # the warps whose columns are this pass's fill the tile; all store it
+            if col0 // WIDTH == h:
+                for mt in range(QMT):
+                    for j in range(DQ_N):
+                        for e in range(4):
+                            part_acc[j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS
+                                                    + e % VEC]
+                    store_fragment_rows(tile, part_acc, DQ_N, BM, row0 + 16 * mt, col0 - h * WIDTH, lane,
+                                        BF16, RB, scale)
+            cuda.syncthreads()
+            part = GlobalRows(dq_rows.address + h * WIDTH * 2, dq_rows.stride, dq_rows.num_rows)
+            store_rows_global(part, m0 + first, tile, BM, first, STORE_ROWS, WIDTH // 8, lane, scratch, RB)
+            cuda.syncthreads()  # the tile is free for the next pass
 
     seqs = "PackedRows(cu_seqlens_q, cu_seqlens_k, total_q)" if varlen else "int64(0)"
     kernel = params.entry(

@@ -148,7 +148,10 @@ WarpGemm = namedtuple("WarpGemm", ["parts", "frags", "offsets"])
 Accumulators = namedtuple("Accumulators", ["dk", "dv", "s", "dp", "q"])
 # The operands of one dV or dK product (``product_tn``) and of one dQ product (``dq_product``).
 TnProduct = namedtuple("TnProduct", ["acc", "a_tile", "b_tile", "frags", "offsets"])
-DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets"])
+DqProduct = namedtuple("DqProduct", ["acc", "ds_tile", "sk", "frags", "offsets", "j0"])
+# The operands of one Sᵀ or dPᵀ product (``product_nt``) and of one pass of dQ's (``add_dq``).
+NtProduct = namedtuple("NtProduct", ["acc", "a_tile", "b_tile", "frags", "offsets"])
+DqPass = namedtuple("DqPass", ["ds_tile", "sk", "dq_at", "frags", "offsets", "acc_q"])
 
 # The rooms' steps (each factory below returns one of these).
 Gemms = namedtuple("Gemms", ["parts", "lane_offsets", "transposed_scores", "product_dv", "product_dk",
@@ -167,7 +170,7 @@ Placement = namedtuple("Placement", ["launch_order", "place", "window", "query_b
 Shape = namedtuple("Shape", [
     "d", "bm", "bn", "threads", "kr", "qr", "kmt", "sq", "s_n", "dc", "kv_n", "qmt", "dq_cols", "dq_n",
     "a_tiles", "cpr", "rb", "kb", "stages", "store_rows", "dq_vector", "layout", "dv", "dcv", "kv_nv",
-    "cprv"])
+    "cprv", "dq_pass_n"])
 PB = 128  # bytes per row of a column block of the Pᵀ and dSᵀ tiles (block_m is 64 or 128)
 
 
@@ -178,14 +181,16 @@ def backward_shape(config: BackwardConfig) -> Shape:
     16-byte chunks a row (cpr), 16-column blocks per column block (kb), rows of dK and dV each warp
     writes out (store_rows); ``layout``: the shared byte offsets (``config.shared_layout``); V's
     side (V, dO, dV: ``config.value_dim``): dv, its columns of a warp's dV (dcv; kv_nv n-tiles)
-    and 16-byte chunks a row (cprv), the same as head_dim's unless the config says otherwise."""
+    and 16-byte chunks a row (cprv), the same as head_dim's unless the config says otherwise; the
+    n-tiles of a warp's dQ that one pass computes (dq_pass_n: all of them up to head dim 256,
+    half above, so that dQ's accumulator never holds more than 64 floats a thread)."""
     D, DV, BM, BN = config.head_dim, config.value_dim, config.block_m, config.block_n
     KR, KC, QR, QC = config.key_warps, config.col_warps, config.dq_row_warps, config.dq_col_warps
     KMT, QMT = BN // (16 * KR), BM // (16 * QR)
     return Shape(D, BM, BN, config.threads, KR, QR, KMT, BM // KC, BM // KC // 8, D // KC, D // KC // 8, QMT,
                  D // QC, D // QC // 8, max(KMT, QMT), D // 8, config.row_bytes, config.row_bytes // 32,
                  config.q_stages, BN // config.num_warps, config.dq_vector, config.shared_layout, DV,
-                 DV // KC, DV // KC // 8, DV // 8)
+                 DV // KC, DV // KC // 8, DV // 8, D // QC // 8 // (2 if D > 256 else 1))
 
 
 def make_gemms(s: Shape, bf16: bool) -> Gemms:
@@ -197,6 +202,7 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
     D, DV, BM, BN, RB, KB = s.d, s.dv, s.bm, s.bn, s.rb, s.kb
     KMT, S_N, KV_N, KV_NV, QMT, DQ_N = s.kmt, s.s_n, s.kv_n, s.kv_nv, s.qmt, s.dq_n
     KR, QR, SQ, DC, DCV, DQ_COLS = s.kr, s.qr, s.sq, s.dc, s.dcv, s.dq_cols
+    DQ_PASS_N = s.dq_pass_n
     VALUE_DIM = DV != D
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
@@ -224,14 +230,27 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
         load)."""
 
         @cuda.jit(device=True, forceinline=True)
+        def nt_step(kt, st):
+            """k-tile ``kt`` (16 head-dim columns) of the product; ``st``: an NtProduct."""
+            block = (kt // KB) * RB  # the column block, per row of the tile
+            for mt in range(KMT):
+                at = st.a_tile + st.offsets.nt_a[kt % KB] + block * BN + 16 * mt * RB
+                ptx.ldmatrix_x4(st.frags.a[mt], at)
+            for j2 in range(S_N // 2):
+                ptx.ldmatrix_x4(st.frags.b, st.b_tile + st.offsets.nt_b[kt % KB] + block * BM + 16 * j2 * RB)
+                mma_b_pair(st.acc, st.frags, KMT, j2)
+
+        # Above 16 k-tiles (head dim 512) unrolled in Python: NVVM leaves a loop that long rolled,
+        # and the offsets it then indexes at run time go to local memory.
+        steps = unroll(nt_step, depth // 16) if depth > 256 else None
+
+        @cuda.jit(device=True, forceinline=True)
         def product_nt(acc, a_tile, b_tile, frags, offsets):
+            if depth > 256:
+                steps(NtProduct(acc, a_tile, b_tile, frags, offsets))
+                return
             for kt in range(depth // 16):
-                block = (kt // KB) * RB  # the column block, per row of the tile
-                for mt in range(KMT):
-                    ptx.ldmatrix_x4(frags.a[mt], a_tile + offsets.nt_a[kt % KB] + block * BN + 16 * mt * RB)
-                for j2 in range(S_N // 2):
-                    ptx.ldmatrix_x4(frags.b, b_tile + offsets.nt_b[kt % KB] + block * BM + 16 * j2 * RB)
-                    mma_b_pair(acc, frags, KMT, j2)
+                nt_step(kt, NtProduct(acc, a_tile, b_tile, frags, offsets))
 
         return product_nt
 
@@ -271,11 +290,12 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
 
     @cuda.jit(device=True, forceinline=True)
     def dq_step(kt, st):
-        """k-tile ``kt`` (16 keys) of ``dq_product``."""
+        """k-tile ``kt`` (16 keys) of ``dq_product``: the pass's n-tiles (``dq_pass_n``) from
+        n-tile pair ``st.j0`` of the warp's columns."""
         for mt in range(QMT):  # A(m = query, k = key) of the keys x queries tile, transposed
             ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + st.offsets.dq_a[mt] + 16 * kt * PB)
-        for j2 in range(DQ_N // 2):
-            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + st.offsets.dq_b[j2] + 16 * kt * RB)
+        for j2 in range(DQ_PASS_N // 2):
+            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + st.offsets.dq_b[st.j0 + j2] + 16 * kt * RB)
             mma_b_pair(st.acc, st.frags, QMT, j2)
 
     # dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` .. of this step (a DqProduct): dS (from
@@ -515,7 +535,8 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
     """``accumulate``: one query block's dV += Pᵀ dO, its dQ = dS K added into the float32
     accumulator (in deterministic mode in the key blocks' turn), and dK += dSᵀ Q."""
     D, BM, BN, THREADS = s.d, s.bm, s.bn, s.threads
-    QMT, DQ_N, DQ_VECTOR = s.qmt, s.dq_n, s.dq_vector
+    QMT, DQ_N, DQ_VECTOR, DQ_PASS_N = s.qmt, s.dq_n, s.dq_vector, s.dq_pass_n
+    DQ_PASSES = DQ_N // DQ_PASS_N
     SK, SP, SDS = s.layout["k"], s.layout["p"], s.layout["ds"]
     WINDOW = window
 
@@ -526,17 +547,30 @@ def make_accumulation(s: Shape, source: RowSource, gemms: Gemms, window: bool = 
         dq_vector tid): with dq_vector 1 element ``i`` of the thread's fragment by
         ``red.global.add.f32`` at ``dq_at`` + 4 i threads, with 4 the four floats of an n-tile
         by one ``red.global.add.v4.f32`` at ``dq_at`` + 16 (i // 4) threads."""
-        zero_fragments(acc_q, QMT, DQ_N)
-        gemms.dq_product(DqProduct(acc_q, ds_tile, sk, frags, offsets))
+        if DQ_PASSES == 1:
+            dq_pass(0, DqPass(ds_tile, sk, dq_at, frags, offsets, acc_q))
+        else:
+            dq_passes(DqPass(ds_tile, sk, dq_at, frags, offsets, acc_q))
+
+    @cuda.jit(device=True, forceinline=True)
+    def dq_pass(h, st):
+        """Pass ``h`` of ``add_dq``: the warp's n-tiles ``h * DQ_PASS_N`` .. of dQ, computed in
+        ``st.acc_q`` and added (the accumulator's order is the whole product's); ``st``: a DqPass."""
+        acc_q, dq_at = st.acc_q, st.dq_at
+        zero_fragments(acc_q, QMT, DQ_PASS_N)
+        gemms.dq_product(DqProduct(acc_q, st.ds_tile, st.sk, st.frags, st.offsets, h * DQ_PASS_N // 2))
         for mt in range(QMT):
-            for j in range(DQ_N):
+            for jp in range(DQ_PASS_N):
+                j = h * DQ_PASS_N + jp
                 if DQ_VECTOR == 4:
-                    ptx.red_global_add_v4_f32(dq_at + (mt * DQ_N + j) * (THREADS * 16), acc_q[mt, j, 0],
-                                              acc_q[mt, j, 1], acc_q[mt, j, 2], acc_q[mt, j, 3])
+                    ptx.red_global_add_v4_f32(dq_at + (mt * DQ_N + j) * (THREADS * 16), acc_q[mt, jp, 0],
+                                              acc_q[mt, jp, 1], acc_q[mt, jp, 2], acc_q[mt, jp, 3])
                 else:
                     for e in range(4):
                         ptx.red_global_add_f32(dq_at + ((mt * DQ_N + j) * 4 + e) * (THREADS * 4),
-                                               acc_q[mt, j, e])
+                                               acc_q[mt, jp, e])
+
+    dq_passes = unroll(dq_pass, DQ_PASSES)
 
     @cuda.jit(device=True, forceinline=True)
     def accumulate(acc, tiles, wg, cta, blk):
@@ -632,7 +666,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     VALUE_DIM, KV_NV, KV_PAIRS_V = s.dv != s.d, s.kv_nv, s.kv_nv // 2  # V's head dim apart: dV's own
     STAGES = s.stages
     STAGE, SQ0, SDO0, SLSE0, SDELTA0 = (s.layout[name] for name in ("stage", "q", "do", "lse", "delta"))
-    KMT, S_N, KV_N, QMT, DQ_N, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.dq_n, s.kb
+    KMT, S_N, KV_N, QMT, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.kb
+    DQ_PASS_N = s.dq_pass_n
     source = make_row_source(BM, varlen)
     placement = make_placement(s, causal, source, window)
     loads = make_loads(s, source, placement)
@@ -680,7 +715,7 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         acc = Accumulators(cuda.local.array((KMT, KV_N, 4), float32),
                            cuda.local.array((KMT, KV_NV, 4), float32),
                            cuda.local.array((KMT, S_N, 4), float32), cuda.local.array((KMT, S_N, 4), float32),
-                           cuda.local.array((QMT, DQ_N, 4), float32))
+                           cuda.local.array((QMT, DQ_PASS_N, 4), float32))
         zero_fragments(acc.dk, KMT, KV_N)
         zero_fragments(acc.dv, KMT, KV_NV)
 

@@ -42,6 +42,9 @@ MmaShape = namedtuple("MmaShape", ["head_dim", "q_rows", "kv_rows", "keys", "m_t
                                    "value_dim"], defaults=(0,))
 # S = Q Kᵀ (``make_qk_steps``): a Q k-slice's ldmatrix, and the whole product.
 QkSteps = namedtuple("QkSteps", ["load_q_slice", "qk_scores"])
+# One k-slice of S = Q Kᵀ (``make_qk_steps``): qk_scores' arguments.
+QkSlice = namedtuple("QkSlice", ["acc_s", "q_frag", "q_tile", "a_offsets", "k_tile", "k_offsets", "b_frag",
+                                 "key_slice"])
 # O += P V (``make_pv_steps``): a V pair's ldmatrix, one 16-key slice, and the whole product.
 PvSteps = namedtuple("PvSteps", ["v_load", "pv_slice", "pv_accumulate"])
 # The online softmax (``make_online_softmax``).
@@ -72,6 +75,9 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
     S_STEPS = D_K_TILES * S_PAIRS  # K loads of one S product (even: D_K_TILES is)
     Q_RESIDENT = q_resident
     DOUBLE_BUFFER = double_buffer
+    # Unrolled in Python above 16 k-slices (head_dim 512): NVVM leaves a 32-slice loop rolled, and
+    # the ldmatrix offsets it then indexes at run time go to local memory.
+    UNROLL_SLICES = D_K_TILES > 16
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, forceinline=True)
@@ -127,18 +133,30 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
                     qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, 0, i)
                     qk_step(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, 1, i + 1)
             return
+        if UNROLL_SLICES:  # head dims above 256: NVVM leaves a loop this long rolled
+            qk_slices(QkSlice(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, key_slice))
+            return
         for kt in range(D_K_TILES):
-            qt = kt
-            if not Q_RESIDENT:
-                qt = 0
-                if kt > 0:
-                    load_q_slice(q_frag, 0, q_tile, a_offsets, kt)
-            for j2 in range(S_PAIRS):
-                k_at = k_tile + block_offset(k_offsets, kt, BN, RB) + (key_slice * KEYS + j2 * 16) * RB
-                ptx.ldmatrix_x4(b_frag[0], k_at)
-                for mt in range(MT):
-                    mma(acc_s[mt, 2 * j2], q_frag[mt, qt], b_frag[0, 0:2])
-                    mma(acc_s[mt, 2 * j2 + 1], q_frag[mt, qt], b_frag[0, 2:4])
+            qk_slice(kt, QkSlice(acc_s, q_frag, q_tile, a_offsets, k_tile, k_offsets, b_frag, key_slice))
+
+    @cuda.jit(device=True, forceinline=True)
+    def qk_slice(kt, state):
+        """k-slice ``kt`` of S = Q Kᵀ (not double-buffered): Q's slice (not resident), then the
+        K pairs' ldmatrix and mma.sync. ``state``: a QkSlice, qk_scores' arguments."""
+        qt = kt
+        if not Q_RESIDENT:
+            qt = 0
+            if kt > 0:
+                load_q_slice(state.q_frag, 0, state.q_tile, state.a_offsets, kt)
+        for j2 in range(S_PAIRS):
+            k_at = (state.k_tile + block_offset(state.k_offsets, kt, BN, RB)
+                    + (state.key_slice * KEYS + j2 * 16) * RB)
+            ptx.ldmatrix_x4(state.b_frag[0], k_at)
+            for mt in range(MT):
+                mma(state.acc_s[mt, 2 * j2], state.q_frag[mt, qt], state.b_frag[0, 0:2])
+                mma(state.acc_s[mt, 2 * j2 + 1], state.q_frag[mt, qt], state.b_frag[0, 2:4])
+
+    qk_slices = unroll(qk_slice, D_K_TILES)
 
     return QkSteps(load_q_slice, qk_scores)
 

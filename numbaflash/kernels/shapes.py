@@ -11,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, NamedTuple
 
+# Q's and K's head dim above 256 that the mma.sync kernels take, with V's at most 256 (O's registers
+# are d256's): head dim 512 runs as two calls of (512, 256), one per half of V
+# (``operations.head_dims``). Their S = Q Kᵀ loops are unrolled in Python there.
+WIDE_HEAD_DIM = 512
 WARPGROUP_ROWS = 64  # query rows of one consumer warpgroup of the Hopper kernel (wgmma m64)
 MBARRIER_BYTES = 8  # one mbarrier: a 64-bit shared word
 SMEM_ALIGN = 1024  # the Hopper kernel's tiles start 1024-aligned (swizzle atoms)
@@ -116,8 +120,13 @@ class ForwardConfig(ValueDim):
         return ((self.block_m + self.block_n) * self.head_dim + self.block_n * self.value_dim) * 2
 
     def check(self) -> None:
-        if self.head_dim % 32 or not 32 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {self.head_dim}")
+        if not (self.head_dim == WIDE_HEAD_DIM and 0 < self.head_dim_v <= 256) and (
+                self.head_dim % 32 or not 32 <= self.head_dim <= 256):
+            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256 (or {WIDE_HEAD_DIM} with "
+                             f"head_dim_v at most 256), got {self.head_dim}")
+        if self.head_dim > 256 and self.double_buffer:
+            raise ValueError(f"head_dim {self.head_dim} runs without double_buffer (its S loop is "
+                             f"unrolled in Python only there), got {self}")
         if self.head_dim_v:
             # O is staged in the Q tile (so at most head_dim wide), and the tiles share one swizzle
             # (so both multiples of 64, or neither).
@@ -410,8 +419,9 @@ class BackwardConfig(ValueDim):
 
     def check(self) -> None:
         d = self.head_dim
-        if d % 32 or not 32 <= d <= 256:
-            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {d}")
+        if not (d == WIDE_HEAD_DIM and 0 < self.head_dim_v <= 256) and (d % 32 or not 32 <= d <= 256):
+            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256 (or {WIDE_HEAD_DIM} with "
+                             f"head_dim_v at most 256), got {d}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128 (whole 128-byte rows of the Pᵀ tile), got {self}")
         if self.key_tiles not in (1, 2) or self.dq_tiles not in (1, 2):

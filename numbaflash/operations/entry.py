@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..configs import DECODE_HEAD_DIM_PAIRS
 from ..operands import (
     Operand,
     check_device_layout,
@@ -152,7 +153,8 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     qd, kcd, vcd = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
     # with cache_batch_idx the cache's batch (or the block table's rows) is its own; v_cache may have
     # another head dim where a kernel has the pair (out then has it)
-    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None, value_dim=True)
+    check_shapes(qd, kcd, vcd, paged=block_table is not None or cache_batch_idx is not None, value_dim=True,
+                 pairs=DECODE_HEAD_DIM_PAIRS)
     if not qd.on_device:
         raise TypeError("flash_attention_with_kvcache takes device arrays (torch, CuPy, Numba), got numpy")
     batch, seqlen_q, heads_q, head_dim = qd.shape

@@ -15,6 +15,15 @@ Torch tensors (autograd flows through the padding: ``torch.nn.functional.pad`` a
 numpy arrays are padded; other device arrays (CuPy, Numba) are not (the call raises: pad them to
 a supported head dim with zeros, and pass ``softmax_scale=1/sqrt(d)``). The KV-cache call takes
 supported head dims only: padding a cache would copy all of it every step.
+
+Head dim 512 (q, k and v) runs split instead (``SPLIT_HEAD_DIMS``): one call of the pair (512, 256)
+per half of V's columns, each on the same q and k (V's halves are views). Both calls compute the
+same scores, so each half of out is exact and the LSE is either call's; the gradient is linear in
+the halves: dv is the two dv halves side by side, dq and dk are the two calls' sums (each call's
+D = rowsum(dout ∘ out) is its half's, and the halves' D add up to the whole), and so is a learnable
+sink's gradient. The price: QKᵀ is computed twice (1.5x the forward's tensor-core work, 1.6x the
+backward's), for head dims whose O would not fit a warp's registers. Torch tensors (autograd
+composes the two calls) and numpy arrays are split; other device arrays raise with what to do.
 """
 
 from __future__ import annotations
@@ -29,6 +38,13 @@ from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
 _NATIVE = frozenset(SUPPORTED_HEAD_DIMS)
 PADDED_KINDS = ("torch", "numpy")
+# Head dims run as calls of the pair (d, part), one per ``d // part`` columns of V: 512 as (512, 256).
+SPLIT_HEAD_DIMS = {512: 256}
+
+
+class Split(int):
+    """``padding_for``'s answer for a head dim run split (``SPLIT_HEAD_DIMS``): the width of V's
+    parts."""
 
 
 def native(d_qk: int, d_v: int) -> bool:
@@ -37,8 +53,14 @@ def native(d_qk: int, d_v: int) -> bool:
 
 
 def runs(d_qk: int, d_v: int) -> bool:
-    """Whether numbaflash runs head dims (d_qk, d_v) at all: natively, or padded."""
-    return native(d_qk, d_v) or padded_head_dim(d_qk, d_v) is not None
+    """Whether numbaflash runs head dims (d_qk, d_v) at all: natively, padded or split."""
+    return native(d_qk, d_v) or padded_head_dim(d_qk, d_v) is not None or split_part(d_qk, d_v) is not None
+
+
+def split_part(d_qk: int, d_v: int) -> int | None:
+    """The width of V's parts where head dims (d_qk, d_v) run split (``SPLIT_HEAD_DIMS``), else None."""
+    part = SPLIT_HEAD_DIMS.get(d_v) if d_qk == d_v else None
+    return part if part is not None and (d_qk, part) in ASYMMETRIC_HEAD_DIMS else None
 
 
 def padded_head_dim(d_qk: int, d_v: int) -> int | None:
@@ -53,9 +75,10 @@ def padded_head_dim(d_qk: int, d_v: int) -> int | None:
 
 
 def padding_for(q: Any, k: Any, v: Any, kind: str, ndim: int) -> int | None:
-    """D where the call on q, k and v (``ndim``-dimensional, of ``kind``) runs padded, else None
-    (then the call's own checks take the inputs as they are). A few attribute reads on the common
-    path: q's and v's last dims, equal and supported."""
+    """D where the call on q, k and v (``ndim``-dimensional, of ``kind``) runs padded, a ``Split``
+    (V's part width) where it runs split, else None (then the call's own checks take the inputs
+    as they are). A few attribute reads on the common path: q's and v's last dims, equal and
+    supported."""
     try:
         d_qk, d_v = q.shape[-1], v.shape[-1]
         if d_qk == d_v and d_qk in _NATIVE:
@@ -64,6 +87,14 @@ def padding_for(q: Any, k: Any, v: Any, kind: str, ndim: int) -> int | None:
             return None
     except (AttributeError, IndexError, TypeError):
         return None
+    part = split_part(int(d_qk), int(d_v))
+    if part is not None and kind in PADDED_KINDS:
+        return Split(part)
+    if part is not None and kind != "other":
+        raise ValueError(f"head dim {d_qk} runs as calls of the pair ({d_qk}, {part}), one per {part} "
+                         f"columns of v, for torch and numpy inputs only; with these device arrays call "
+                         f"it on v[..., i:i + {part}] for each i and join the outputs (dq and dk of the "
+                         f"backward are the calls' sums)")
     head_dim = padded_head_dim(int(d_qk), int(d_v))
     if head_dim is not None and kind == "other":  # not an array numbaflash takes: the call's TypeError
         return None
@@ -84,6 +115,21 @@ def pad(x: Any, head_dim: int, kind: str) -> Any:
         return F.pad(x, (0, extra))
     x = np.asarray(x)
     return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def parts(x: Any, part: int, kind: str) -> list:
+    """x's last dim in parts of ``part`` columns: views for torch, C-contiguous copies for numpy."""
+    found = [x[..., i:i + part] for i in range(0, x.shape[-1], part)]
+    return found if kind == "torch" else [np.ascontiguousarray(p) for p in found]
+
+
+def join(xs: list, kind: str) -> Any:
+    """The arrays ``xs`` side by side along their last dim (torch: differentiable)."""
+    if kind == "torch":
+        import torch
+
+        return torch.cat(xs, dim=-1)
+    return np.concatenate(xs, axis=-1)
 
 
 def narrow(x: Any, d: int, kind: str) -> Any:

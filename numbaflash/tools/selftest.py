@@ -49,6 +49,7 @@ from ..configs import (
     KernelConfig,
     forward_config,
 )
+from ..operations.head_dims import split_part
 from .reference import (
     compare_gradients_with_reference,
     compare_varlen_gradients_with_reference,
@@ -92,9 +93,24 @@ VALUE_DIM_FAMILIES, VALUE_DIM_SHARE = ("sm80", "sm90"), 0.15
 
 def pair_config(family: str, pair: tuple[int, ...]):
     """The forward config a case of ``family`` runs for a pair of head dims: the Hopper kernel's
-    (``configs.ASYMMETRIC_WS_DEFAULTS``) or the mma.sync kernel's (``configs.ASYMMETRIC_DEFAULTS``)."""
-    table = ASYMMETRIC_WS_DEFAULTS if family == "sm90" else ASYMMETRIC_DEFAULTS
-    return table[tuple(pair)]
+    (``configs.ASYMMETRIC_WS_DEFAULTS``) or the mma.sync kernel's (``configs.ASYMMETRIC_DEFAULTS``;
+    the only one of a pair the Hopper kernel lacks). Head dim 512 runs its halves' pair."""
+    d_qk, d_v = pair
+    part = split_part(d_qk, d_v)
+    key = (d_qk, part) if part else (d_qk, d_v)
+    if family == "sm90" and key in ASYMMETRIC_WS_DEFAULTS:
+        return ASYMMETRIC_WS_DEFAULTS[key]
+    return ASYMMETRIC_DEFAULTS[key]
+
+
+def run_kind(case: Any) -> str:
+    """The input kind a case runs: its own, but numba for torch without a CUDA torch, and torch (else
+    numpy) for a numba case of a head dim run split (``operations.head_dims``: torch and numpy
+    inputs only)."""
+    kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
+    if kind == "numba" and split_part(*case.dims) is not None:
+        kind = "torch" if cuda_torch() is not None else "numpy"
+    return kind
 
 
 def describe_problem(case: Any) -> str:
@@ -379,7 +395,7 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
     start = time.perf_counter()
     try:
         q, k, v = make_inputs(case)
-        kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
+        kind = run_kind(case)
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         out = None
         if case.use_out:
@@ -529,7 +545,7 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
         v = rng.standard_normal((*rows_k, case.heads_kv, value_dim))
         dout = rng.standard_normal((*q.shape[:-1], value_dim))
         q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
-        kind = case.kind if case.kind != "torch" or cuda_torch() is not None else "numba"
+        kind = run_kind(case)
         args = (q, k, v) if kind == "numpy" else tuple(to_device(x, kind) for x in (q, k, v))
         dout_in = dout if kind == "numpy" else to_device(dout, kind)
         extras = {"window_size": case.window_size, "softcap": case.softcap}
@@ -612,6 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make every case varlen, sliding-window or softcap (or several), on the "
                         "families with those kernels; with --backward too; with --decode, every case "
                         "a window, a softcap or both")
+    p.add_argument("--pairs", action="store_true",
+                   help="every forward or backward case runs a pair of head dims in place of its own: "
+                        "(192, 128), (512, 256) or head dim 512 (run in halves of v)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every case")
     return p
 
@@ -626,7 +645,7 @@ def variant_label(args: argparse.Namespace) -> str:
 def replay_command(args: argparse.Namespace, seed: int, index: int) -> str:
     flags = (" --quick" if args.quick else "") + (f" --family {args.family}" if args.family else "") + (
         " --backward" if args.backward else "") + (" --decode" if args.decode else "") + (
-        " --variants" if args.variants else "")
+        " --variants" if args.variants else "") + (" --pairs" if args.pairs else "")
     return f"python -m numbaflash.selftest --seed {seed}{flags} --case {index}"
 
 
@@ -649,6 +668,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--backward and --decode test different operations: give one of them")
     if args.decode and args.family:
         parser.error("--decode has one kernel family per GPU: --family does not apply")
+    if args.decode and args.pairs:
+        parser.error("--pairs applies to the forward and the backward (decode takes (192, 128) in its share)")
+    if args.pairs:  # every case draws a pair (draw_value_dims' share)
+        global VALUE_DIM_SHARE
+        VALUE_DIM_SHARE = 1.0
     from numba import cuda
 
     from ..configs import runnable_families

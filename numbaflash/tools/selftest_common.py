@@ -123,11 +123,16 @@ def draw_sink(seed: int, index: int, heads_q: int, share: float, stream: int = 9
     return tuple(float(x) for x in logits.astype(np.float32))
 
 
-def draw_value_dims(seed: int, index: int, share: float,
-                    stream: int = 26) -> tuple[int, ...]:
-    """The pair of head dims a case runs (``share`` of them: one of ``configs.ASYMMETRIC_HEAD_DIMS``),
-    else (), from a stream of its own (every other field of the case is what it was before)."""
+# The head dims a forward or backward case draws in place of its stratum's: the pairs with a
+# kernel and head dim 512 (run split: ``operations.head_dims``).
+DRAWN_HEAD_DIMS = (*ASYMMETRIC_HEAD_DIMS, (512, 512))
+
+
+def draw_value_dims(seed: int, index: int, share: float, stream: int = 26,
+                    pairs: tuple[tuple[int, int], ...] = DRAWN_HEAD_DIMS) -> tuple[int, ...]:
+    """The pair of head dims a case runs (``share`` of them: one of ``pairs``), else (), from a
+    stream of its own (every other field of the case is what it was before)."""
     rng = np.random.default_rng([seed, index, stream])
     if rng.random() >= share:
         return ()
-    return tuple(ASYMMETRIC_HEAD_DIMS[int(rng.integers(0, len(ASYMMETRIC_HEAD_DIMS)))])
+    return tuple(pairs[int(rng.integers(0, len(pairs)))])

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..configs import SUPPORTED_HEAD_DIMS
+from ..configs import DECODE_HEAD_DIM_PAIRS, SUPPORTED_HEAD_DIMS
 from .reference import compare_varlen_with_reference, rotary_embedding, rotary_query_step
 from .selftest_common import (
     DTYPE_NAMES,
@@ -49,7 +49,7 @@ DECODE_KINDS = ("torch", "numba")
 DECODE_SINK_SHARE, DECODE_SINK_SHARE_VARIANTS = 0.15, 1 / 3  # cases with a learnable sink
 DECODE_CACHE_OPTION_SHARE = 0.25  # cases with cache_batch_idx, cache_leftpad or both (a third each)
 DECODE_ROTARY_SHARE = 0.4  # of the cases with new rows: a rotary embedding
-DECODE_VALUE_DIM_SHARE = 0.15  # a pair of head dims (``configs.ASYMMETRIC_HEAD_DIMS``) in place of head_dim
+DECODE_VALUE_DIM_SHARE = 0.15  # a pair of head dims (``configs.DECODE_HEAD_DIM_PAIRS``) in place of head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +225,7 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     sink = draw_sink(seed, index, heads_kv * group, sink_share, stream=23)
     idx, pad = draw_cache_options(seed, index, seqlens)
     rotary, rotary_dim = draw_rotary(seed, index, head_dim, seqlen_new)
-    value_dims = draw_value_dims(seed, index, DECODE_VALUE_DIM_SHARE, stream=28)
+    value_dims = draw_value_dims(seed, index, DECODE_VALUE_DIM_SHARE, stream=28, pairs=DECODE_HEAD_DIM_PAIRS)
     if value_dims:  # the rotary dim within q's and k's head dim
         rotary_dim = min(rotary_dim, value_dims[0])
     return DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
