@@ -51,7 +51,9 @@ def flash_attention(
             v's head dim may differ from q's and k's where a kernel has the pair
             (``configs.ASYMMETRIC_HEAD_DIMS``: (192, 128), DeepSeek-V3's); out then has v's head
             dim (Hopper: its TMA kernel, ``configs.ASYMMETRIC_WS_DEFAULTS``; other GPUs: the
-            mma.sync kernel). ``flash_attention_with_kvcache`` takes the pair too.
+            mma.sync kernel). ``flash_attention_with_kvcache`` takes the pair too. (512, 256) is a
+            pair of the mma.sync kernels; head dim 512 (q, k and v; torch and numpy inputs) runs as
+            one call of it per half of v (``operations.head_dims``), out the halves side by side.
         causal: (bool) mask keys after the diagonal, bottom-right aligned (query i sees key
             j iff j <= i + seqlen_k - seqlen_q). Rows that see no key give 0.
         softmax_scale: positive real scale of QKᵀ; default 1/sqrt(head_dim).
@@ -236,7 +238,8 @@ def flash_attention_backward(
         q: (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, as given to the forward.
         k, v: (batch, seqlen_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv
             (GQA / MQA). head_dim 32, 64, 96, 128 or 256, or (torch and numpy inputs) any other
-            up to 256, run padded as the forward runs it; any seqlen >= 1.
+            up to 256, run padded as the forward runs it, or 512, run per half of v (dq and dk the
+            halves' sums, dv side by side); any seqlen >= 1.
         out: (batch, seqlen_q, heads_q, head_dim), q's dtype: the forward's output.
         lse: (batch, heads_q, seqlen_q) float32, the forward's log-sum-exp as
             ``flash_attention(..., return_lse=True)`` returns it (-inf on rows that see no
@@ -443,7 +446,8 @@ def flash_attention_varlen(
     Args:
         q: (total_q, heads_q, head_dim) float16 or bfloat16: the sequences' query rows, packed.
         k, v: (total_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv (GQA /
-            MQA); head_dim 32, 64, 96, 128 or 256. All numpy arrays or all device arrays (torch
+            MQA); head_dim 32, 64, 96, 128 or 256 (others as for ``flash_attention``: padded up
+            to 256, 512 per half of v). All numpy arrays or all device arrays (torch
             CUDA tensors, CuPy, Numba device arrays), as for ``flash_attention``.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative offsets: sequence b owns query
             rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and key rows cu_seqlens_k[b] ..

@@ -66,8 +66,8 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 ASYMMETRIC_DEFAULTS: dict[tuple[int, int], ForwardConfig] = {
     (192, 128): ForwardConfig(192, block_m=128, block_n=64, double_buffer=True, early_k=True, head_dim_v=128),
     # 128 x 64, early K copy, Q's and K's 512 columns: 224 KB (H100, H200, B200); 243-245 registers,
-    # no spill offline. H200, d512 1k: 194 / 161 TF/s full / causal against 174 / 149 for 64 x 64
-    # and 77 / 139 for 128 x 32 (lab/d512_configs.py; notebook D512).
+    # no spill offline. H200, head dim 512 at 4k: 211 / 199 TF/s full / causal against 190 / 180 for
+    # 64 x 64 and 178 / 171 for 128 x 32 (docs/PERFORMANCE.md [D512]).
     (512, 256): ForwardConfig(512, block_m=128, block_n=64, early_k=True, head_dim_v=256),
 }
 # Where a pair's default does not fit a GPU's shared memory, the first of these that does: (512,
