@@ -1,5 +1,5 @@
 """Every decode config this GPU dispatches (``configs.decode_configs_for``, and the configs of the
-head-dim pairs, ``configs.ASYMMETRIC_HEAD_DIMS``) runs inside a CUDA graph whose replays follow
+head-dim pairs, ``configs.DECODE_HEAD_DIM_PAIRS``) runs inside a CUDA graph whose replays follow
 ``cache_seqlens`` advancing on the device (issue 58): a step that appends its rows to the cache
 and advances the lengths is captured once; each replay's output equals an eager call's on a mirror
 of the cache bit for bit, and the caches end equal. Each case first checks that its call
@@ -30,7 +30,7 @@ def _shapes(capability: tuple[int, int]) -> list[tuple]:
     """(config, head_dim, head_dim_v, rows, paged, wide) of each config the GPU dispatches: the
     first call shape (packed rows 16 or 32, contiguous or paged, a grid within the SMs or wider)
     that ``configs.decode_config`` answers with it."""
-    pairs = [(d, 0) for d in configs.SUPPORTED_HEAD_DIMS] + list(configs.ASYMMETRIC_HEAD_DIMS)
+    pairs = [(d, 0) for d in configs.SUPPORTED_HEAD_DIMS] + list(configs.DECODE_HEAD_DIM_PAIRS)
     found, seen = [], set()
     for d, dv in pairs:
         for rows in (16, 32):

@@ -170,7 +170,7 @@ Placement = namedtuple("Placement", ["launch_order", "place", "window", "query_b
 Shape = namedtuple("Shape", [
     "d", "bm", "bn", "threads", "kr", "qr", "kmt", "sq", "s_n", "dc", "kv_n", "qmt", "dq_cols", "dq_n",
     "a_tiles", "cpr", "rb", "kb", "stages", "store_rows", "dq_vector", "layout", "dv", "dcv", "kv_nv",
-    "cprv", "dq_pass_n"])
+    "cprv", "dq_pass_n", "offset_pairs"])
 PB = 128  # bytes per row of a column block of the Pᵀ and dSᵀ tiles (block_m is 64 or 128)
 
 
@@ -183,14 +183,16 @@ def backward_shape(config: BackwardConfig) -> Shape:
     side (V, dO, dV: ``config.value_dim``): dv, its columns of a warp's dV (dcv; kv_nv n-tiles)
     and 16-byte chunks a row (cprv), the same as head_dim's unless the config says otherwise; the
     n-tiles of a warp's dQ that one pass computes (dq_pass_n: all of them up to head dim 256,
-    half above, so that dQ's accumulator never holds more than 64 floats a thread)."""
+    half above, so that dQ's accumulator never holds more than 64 floats a thread); the transposed B
+    offsets a warp keeps per product (offset_pairs: 4 above head dim 256, one 64-column block's,
+    else 0 for one a pair: ``make_gemms``)."""
     D, DV, BM, BN = config.head_dim, config.value_dim, config.block_m, config.block_n
     KR, KC, QR, QC = config.key_warps, config.col_warps, config.dq_row_warps, config.dq_col_warps
     KMT, QMT = BN // (16 * KR), BM // (16 * QR)
     return Shape(D, BM, BN, config.threads, KR, QR, KMT, BM // KC, BM // KC // 8, D // KC, D // KC // 8, QMT,
                  D // QC, D // QC // 8, max(KMT, QMT), D // 8, config.row_bytes, config.row_bytes // 32,
                  config.q_stages, BN // config.num_warps, config.dq_vector, config.shared_layout, DV,
-                 DV // KC, DV // KC // 8, DV // 8, D // QC // 8 // (2 if D > 256 else 1))
+                 DV // KC, DV // KC // 8, DV // 8, D // QC // 8 // (2 if D > 256 else 1), 4 if D > 256 else 0)
 
 
 def make_gemms(s: Shape, bf16: bool) -> Gemms:
@@ -204,6 +206,15 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
     KR, QR, SQ, DC, DCV, DQ_COLS = s.kr, s.qr, s.sq, s.dc, s.dcv, s.dq_cols
     DQ_PASS_N = s.dq_pass_n
     VALUE_DIM = DV != D
+    # Above head dim 256 a warp's dK, dV and dQ columns start on 64-column blocks, so the transposed
+    # B operands' offsets repeat every 4 pairs, a block (BM or BN rows) further: 4 registers each
+    # (``s.offset_pairs``), the rest an immediate away. (Up to 256 every pair keeps its own.)
+    WIDE = s.offset_pairs > 0
+    TN_PAIRS = s.offset_pairs or KV_N // 2  # the offsets kept: dK's (tn_b), dV's (tn_bv), dQ's (dq_b)
+    TN_PAIRS_V = min(s.offset_pairs, KV_NV // 2) or KV_NV // 2
+    DQ_OFFSET_PAIRS = s.offset_pairs or DQ_N // 2
+    if WIDE and (DC % 64 or DCV % 64 or DQ_COLS % 64 or RB != 128):
+        raise ValueError(f"head dim {D}: a warp's columns must start on 64-column blocks")
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, forceinline=True)
@@ -280,7 +291,10 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
                 ptx.ldmatrix_x4(st.frags.a[mt], at)
             b_offsets = st.offsets.tn_bv if value else st.offsets.tn_b
             for j2 in range(n_tiles // 2):
-                ptx.ldmatrix_x4_trans(st.frags.b, st.b_tile + b_offsets[j2] + 16 * kt * RB)
+                at = st.b_tile + b_offsets[j2] + 16 * kt * RB
+                if WIDE:
+                    at = st.b_tile + b_offsets[j2 % 4] + (j2 // 4) * (BM * RB) + 16 * kt * RB
+                ptx.ldmatrix_x4_trans(st.frags.b, at)
                 mma_b_pair(st.acc, st.frags, KMT, j2)
 
         return unroll(tn_step, BM // 16)
@@ -295,7 +309,11 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
         for mt in range(QMT):  # A(m = query, k = key) of the keys x queries tile, transposed
             ptx.ldmatrix_x4_trans(st.frags.a[mt], st.ds_tile + st.offsets.dq_a[mt] + 16 * kt * PB)
         for j2 in range(DQ_PASS_N // 2):
-            ptx.ldmatrix_x4_trans(st.frags.b, st.sk + st.offsets.dq_b[st.j0 + j2] + 16 * kt * RB)
+            at = st.sk + st.offsets.dq_b[st.j0 + j2] + 16 * kt * RB
+            if WIDE:
+                jj = st.j0 + j2
+                at = st.sk + st.offsets.dq_b[jj % 4] + (jj // 4) * (BN * RB) + 16 * kt * RB
+            ptx.ldmatrix_x4_trans(st.frags.b, at)
             mma_b_pair(st.acc, st.frags, QMT, j2)
 
     # dQ rows ``part.row0`` + 16 mt, columns ``part.col0`` .. of this step (a DqProduct): dS (from
@@ -315,18 +333,18 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
             offsets.nt_b[b] = keep_in_register(offsets.nt_b[b] + s_part.col0 * RB, lane)
         for b in range(4):
             offsets.tn_a[b] = keep_in_register(offsets.tn_a[b] + kv_part.row0 * PB, lane)
-        for j2 in range(KV_N // 2):
+        for j2 in range(TN_PAIRS):
             chunk = kv_part.col0 // 8 + 2 * j2 + lane // 16
             offsets.tn_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BM, RB), lane)
         if VALUE_DIM:  # dO's columns of the warp's dV (else tn_bv is tn_b)
-            for j2 in range(KV_NV // 2):
+            for j2 in range(TN_PAIRS_V):
                 chunk = kvv_part.col0 // 8 + 2 * j2 + lane // 16
                 offsets.tn_bv[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BM, RB), lane)
         for mt in range(QMT):
             key = lane % 8 + 8 * (lane // 16)
             query_chunk = (q_part.row0 + 16 * mt) // 8 + (lane // 8) % 2
             offsets.dq_a[mt] = keep_in_register(swizzled_offset(key, query_chunk, BN, PB), lane)
-        for j2 in range(DQ_N // 2):
+        for j2 in range(DQ_OFFSET_PAIRS):
             chunk = q_part.col0 // 8 + 2 * j2 + lane // 16
             offsets.dq_b[j2] = keep_in_register(swizzled_offset(lane % 16, chunk, BN, RB), lane)
         for j in range(S_N):
@@ -662,8 +680,10 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
     s = backward_shape(config)
-    BM, BN, A_TILES, KV_PAIRS, DQ_PAIRS = s.bm, s.bn, s.a_tiles, s.kv_n // 2, s.dq_n // 2
-    VALUE_DIM, KV_NV, KV_PAIRS_V = s.dv != s.d, s.kv_nv, s.kv_nv // 2  # V's head dim apart: dV's own
+    BM, BN, A_TILES = s.bm, s.bn, s.a_tiles
+    KV_PAIRS, DQ_PAIRS = s.offset_pairs or s.kv_n // 2, s.offset_pairs or s.dq_n // 2  # offsets kept
+    VALUE_DIM, KV_NV = s.dv != s.d, s.kv_nv  # V's head dim apart: dV's own
+    KV_PAIRS_V = min(s.offset_pairs, KV_NV // 2) or KV_NV // 2
     STAGES = s.stages
     STAGE, SQ0, SDO0, SLSE0, SDELTA0 = (s.layout[name] for name in ("stage", "q", "do", "lse", "delta"))
     KMT, S_N, KV_N, QMT, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.kb
