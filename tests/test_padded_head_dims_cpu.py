@@ -129,20 +129,27 @@ def test_backward_runs_padded(stubs, d_qk, d_v):
         numbaflash.flash_attention_backward(dout[..., :-8], q, k, v, out, lse, causal=True)
 
 
-def test_varlen_runs_padded(monkeypatch):
+def _varlen_stub(calls, monkeypatch, dim=0):
+    """The packed forward's entry replaced by a float64 stand-in that takes supported dims only and
+    records each call's head dim (``dim``: 0 q's, 2 v's)."""
     from numbaflash.operations import varlen
     from numbaflash.tools.reference import varlen_attention_reference
-
-    calls = []
 
     def direct(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap, return_lse,
                out, sink=None):
         _native(q, k, v)
-        calls.append(q.shape[-1])
+        calls.append((q, k, v)[dim].shape[-1])
         o, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale)
         return (o.astype(q.dtype), lse) if return_lse else o.astype(q.dtype)
 
     monkeypatch.setattr(varlen, "direct_flash_attention_varlen", direct)
+
+
+def test_varlen_runs_padded(monkeypatch):
+    from numbaflash.tools.reference import varlen_attention_reference
+
+    calls = []
+    _varlen_stub(calls, monkeypatch)
     rng = np.random.default_rng(3)
     cu = np.array([0, 3, 8], np.int32)
     q, k, v = (rng.standard_normal((8, 2, 80)).astype(np.float16) for _ in range(3))
@@ -181,27 +188,38 @@ def test_kvcache_names_the_padded_calls():
         numbaflash.flash_attention_with_kvcache(q[:, :1], k, v, np.array([7, 7], np.int32))
 
 
-def test_torch_autograd_flows_through_the_padding(monkeypatch):
-    torch = pytest.importorskip("torch")
-    calls = []
+def _torch_attend(q, k, v, causal, softmax_scale, return_lse):
+    """Attention in torch (GQA, causal; the default scale 1/sqrt(q's head dim)), differentiable."""
+    import torch
 
-    def attend(q, k, v, causal, softmax_scale, return_lse):
-        group = q.shape[2] // k.shape[2]
-        kk, vv = (x.repeat_interleave(group, dim=2) for x in (k, v))
-        s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * softmax_scale
-        if causal:
-            seen = torch.from_numpy(visible_keys(q.shape[1], k.shape[1], True))
-            s = s.masked_fill(~seen, -math.inf)
-        lse = torch.logsumexp(s, -1)
-        o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
-        return (o, lse) if return_lse else o
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * (softmax_scale or 1 / math.sqrt(q.shape[-1]))
+    if causal:
+        seen = torch.from_numpy(visible_keys(q.shape[1], k.shape[1], True))
+        s = s.masked_fill(~seen, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+    return (o, lse) if return_lse else o
+
+
+def _torch_route_stub(calls, monkeypatch, dim=0):
+    """The API's torch route replaced by ``_torch_attend`` on supported dims only, recording each
+    call's head dim (``dim``: 0 q's, 2 v's)."""
 
     def route(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap, sink=None):
         _native(q, k, v)
-        calls.append(q.shape[-1])
-        return attend(q, k, v, causal, softmax_scale, return_lse)
+        calls.append((q, k, v)[dim].shape[-1])
+        return _torch_attend(q, k, v, causal, softmax_scale, return_lse)
 
     monkeypatch.setattr(api, "_TORCH_ROUTE", [route])
+
+
+def test_torch_autograd_flows_through_the_padding(monkeypatch):
+    torch = pytest.importorskip("torch")
+    calls = []
+    _torch_route_stub(calls, monkeypatch)
+    attend = _torch_attend
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 5, 4, 80, dtype=torch.float64, generator=gen, requires_grad=True)
     k, v = (torch.randn(1, 7, 2, 80, dtype=torch.float64, generator=gen, requires_grad=True)

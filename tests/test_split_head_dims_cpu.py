@@ -14,8 +14,15 @@ import pytest
 import numbaflash
 from numbaflash import api
 from numbaflash.operations import head_dims
-from numbaflash.tools.reference import attention_backward_reference, attention_reference, visible_keys
-from tests.test_padded_head_dims_cpu import _backward_from_stored, _forward_stub, _native
+from numbaflash.tools.reference import attention_backward_reference, attention_reference
+from tests.test_padded_head_dims_cpu import (
+    _backward_from_stored,
+    _forward_stub,
+    _native,
+    _torch_attend,
+    _torch_route_stub,
+    _varlen_stub,
+)
 
 
 @pytest.mark.parametrize(("dims", "part"), [((512, 512), 256), ((512, 256), None), ((256, 512), None),
@@ -123,19 +130,10 @@ def test_a_sinks_gradient_is_the_calls_sum(monkeypatch):
 
 
 def test_varlen_runs_split(monkeypatch):
-    from numbaflash.operations import varlen
     from numbaflash.tools.reference import varlen_attention_reference
 
     calls = []
-
-    def direct(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap, return_lse,
-               out, sink=None):
-        _native(q, k, v)
-        calls.append(v.shape[-1])
-        o, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale)
-        return (o.astype(q.dtype), lse) if return_lse else o.astype(q.dtype)
-
-    monkeypatch.setattr(varlen, "direct_flash_attention_varlen", direct)
+    _varlen_stub(calls, monkeypatch, dim=2)
     rng = np.random.default_rng(5)
     cu = np.array([0, 3, 8], np.int32)
     q, k, v = ((rng.standard_normal((8, 2, 512)) * 0.5).astype(np.float16) for _ in range(3))
@@ -162,21 +160,8 @@ def test_other_device_arrays_are_told_what_to_do():
 def test_torch_autograd_composes_the_halves(monkeypatch):
     torch = pytest.importorskip("torch")
     calls = []
-
-    def attend(q, k, v, causal, softmax_scale, return_lse):
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (softmax_scale or 1 / math.sqrt(q.shape[-1]))
-        if causal:
-            s = s.masked_fill(~torch.from_numpy(visible_keys(q.shape[1], k.shape[1], True)), -math.inf)
-        lse = torch.logsumexp(s, -1)
-        o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
-        return (o, lse) if return_lse else o
-
-    def route(q, k, v, causal, softmax_scale, return_lse, out, window_size, softcap, sink=None):
-        _native(q, k, v)
-        calls.append(v.shape[-1])
-        return attend(q, k, v, causal, softmax_scale, return_lse)
-
-    monkeypatch.setattr(api, "_TORCH_ROUTE", [route])
+    _torch_route_stub(calls, monkeypatch, dim=2)
+    attend = _torch_attend
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 6, 2, 512, dtype=torch.float64, generator=gen, requires_grad=True)
                for _ in range(3))
