@@ -51,7 +51,7 @@ def bhsd(batch, heads, seqlen, d, seed=0):
 
 @pytest.mark.parametrize(("sq", "sk", "heads_kv", "d", "causal", "scale"), [
     (7, 11, 4, 64, False, None), (9, 9, 4, 64, True, None), (9, 9, 2, 128, True, 0.2),
-    (5, 5, 4, 80, True, None), (1, 30, 1, 96, False, None),
+    (5, 5, 4, 80, True, None), (1, 30, 1, 96, False, None), (6, 6, 2, 512, True, None),  # 512: in halves
 ])
 def test_routed_calls_mean_what_sdpa_means(routed, sq, sk, heads_kv, d, causal, scale):
     q, k, v = bhsd(2, 4, sq, d, 1), bhsd(2, heads_kv, sk, d, 2), bhsd(2, heads_kv, sk, d, 3)

@@ -299,6 +299,15 @@ def test_a_head_dim_that_runs_padded_loads_and_decodes_without_the_kvcache_call(
     assert kernels["kvcache"] == 0 and kernels["varlen"] > 0
 
 
+def test_head_dim_512_loads_and_decodes_without_the_kvcache_call(kernels):
+    """Head dim 512 runs in halves of v in numbaflash's calls (``operations.head_dims``); the
+    KV-cache call takes no 512, so its decode steps take transformers' FlashAttention path."""
+    ours, eager = models(tiny(transformers.LlamaConfig, head_dim=512))
+    ids, mask = left_padded((0, 3), 12)
+    assert_same_tokens(ours, eager, ids, mask, 3)
+    assert kernels["kvcache"] == 0 and kernels["varlen"] > 0
+
+
 def test_head_dims_of_configs():
     class C:
         pass

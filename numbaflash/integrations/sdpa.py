@@ -17,7 +17,8 @@ unchanged (``routes`` says which):
   sees keys j <= i), FlashAttention's bottom-right; they agree on square problems only;
 - as many query heads as key/value heads, or with ``enable_gqa`` a multiple of them;
 - q's and k's head dim up to 256 (other than numbaflash's kernels' dims: padded,
-  ``operations.head_dims``), v's where a kernel takes the pair or up to 256 padded.
+  ``operations.head_dims``), v's where a kernel takes the pair or up to 256 padded; or q, k and v
+  all at 512 (run in halves of v, ``operations.head_dims``).
 
 The result is numbaflash's output transposed back to SDPA's layout (a view); autograd,
 torch.compile and CUDA graphs work as for ``numbaflash.flash_attention``.

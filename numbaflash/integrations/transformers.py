@@ -63,7 +63,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
-from ..operations.head_dims import MAX_HEAD_DIM, padded_head_dim, runs
+from ..operations.head_dims import MAX_HEAD_DIM, kv_cache_native, runs
 from .flash_attn import offsets_of as _offsets
 from .flash_attn import refuse_dropout as _refuse_dropout
 from .flash_attn import scale_of as _scale
@@ -236,9 +236,9 @@ def decodes(query: Any, attention_mask: Any, key: Any, value: Any, module: Any, 
     to the keys' length) or no mask and no packing (as transformers' own test: ``cu_seq_lens_q``,
     or ``position_ids`` of one sequence of several rows, where they may restart). As in
     transformers' FlashAttention path, a mask outranks packing keywords. Head dims that run padded
-    (``operations.head_dims``) never take it: the KV-cache call would have to copy the cache."""
+    or split (``operations.head_dims``) never take it: the KV-cache call would have to copy the cache."""
     batch, rows = query.shape[0], query.shape[1]
-    if rows > DECODE_ROWS or module.training or padded_head_dim(query.shape[-1], value.shape[-1]) is not None:
+    if rows > DECODE_ROWS or module.training or not kv_cache_native(query.shape[-1], value.shape[-1]):
         return False
     if attention_mask is None:
         positions = kwargs.get("position_ids")

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
+from ..configs import ASYMMETRIC_HEAD_DIMS, DECODE_HEAD_DIM_PAIRS, SUPPORTED_HEAD_DIMS
 
 MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
 _NATIVE = frozenset(SUPPORTED_HEAD_DIMS)
@@ -50,6 +50,12 @@ class Split(int):
 def native(d_qk: int, d_v: int) -> bool:
     """Whether a kernel takes head dims (d_qk, d_v) as they are."""
     return (d_qk == d_v and d_qk in _NATIVE) or (d_qk, d_v) in ASYMMETRIC_HEAD_DIMS
+
+
+def kv_cache_native(d_qk: int, d_v: int) -> bool:
+    """Whether the KV-cache call (the decode kernel) takes head dims (d_qk, d_v): it neither pads
+    nor splits (a cache would be copied every step)."""
+    return (d_qk == d_v and d_qk in _NATIVE) or (d_qk, d_v) in DECODE_HEAD_DIM_PAIRS
 
 
 def runs(d_qk: int, d_v: int) -> bool:
