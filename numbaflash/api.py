@@ -130,15 +130,15 @@ def _padded_forward(call: Any, padded: int, kind: str, q: Any, k: Any, v: Any, l
     """``call`` (``flash_attention`` or ``flash_attention_varlen``, whose ``lengths`` are the
     offsets and maxima) on q, k and v zero-padded to head dim ``padded`` (``head_dims``), or split
     where ``padded`` is a ``head_dims.Split``."""
-    if isinstance(padded, head_dims.Split):
-        return _split_forward(call, padded, kind, q, k, v, lengths, causal, softmax_scale, window_size,
-                              softcap, return_lse, out, learnable_sink)
     name = call.__name__
     if out is not None and _needs_grad(kind, q, k, v, learnable_sink):
         raise RuntimeError(f"{name}(): out= does not support automatic differentiation, but q, k, v or "
                            f"learnable_sink requires grad; call it without out= (or under torch.no_grad())")
-    d_qk, d_v = q.shape[-1], v.shape[-1]
     return_lse = check_flag("return_lse", return_lse)
+    if isinstance(padded, head_dims.Split):
+        return _split_forward(call, padded, kind, q, k, v, lengths, causal, softmax_scale, window_size,
+                              softcap, return_lse, out, learnable_sink)
+    d_qk, d_v = q.shape[-1], v.shape[-1]
     inputs = (head_dims.pad(x, padded, kind) for x in (q, k, v))
     scale = head_dims.default_scale(softmax_scale, d_qk)
     result = call(*inputs, *lengths, causal=causal, softmax_scale=scale, window_size=window_size,
@@ -153,11 +153,11 @@ def _padded_backward(call: Any, padded: int, kind: str, dout: Any, q: Any, k: An
     """``call`` (``flash_attention_backward`` or its varlen sibling) on the inputs zero-padded to
     head dim ``padded`` (``head_dims``), or split where ``padded`` is a ``head_dims.Split``;
     ``given``: the caller's dq, dk, dv (or None)."""
-    if isinstance(padded, head_dims.Split):
-        return _split_backward(call, padded, kind, dout, q, k, v, out, lse, lengths, options, given)
     d_qk, d_v = q.shape[-1], v.shape[-1]
     head_dims.check_value_dim(dout, d_v, "dout")
     head_dims.check_value_dim(out, d_v, "out")
+    if isinstance(padded, head_dims.Split):
+        return _split_backward(call, padded, kind, dout, q, k, v, out, lse, lengths, options, given)
     options["softmax_scale"] = head_dims.default_scale(options["softmax_scale"], d_qk)
     grads = call(*(head_dims.pad(x, padded, kind) for x in (dout, q, k, v, out)), lse, *lengths, **options)
     named = zip(("dq", "dk", "dv"), grads[:3], (d_qk, d_qk, d_v), given, strict=True)
@@ -170,12 +170,8 @@ def _split_forward(call: Any, part: int, kind: str, q: Any, k: Any, v: Any, leng
                    learnable_sink: Any) -> Any:
     """``call`` (``flash_attention`` or ``flash_attention_varlen``) once per ``part`` columns of v
     (``head_dims``: head dim 512 as the pair (512, 256)); out is the parts side by side, the LSE
-    the first call's (every call's scores are the same)."""
-    name = call.__name__
-    if out is not None and _needs_grad(kind, q, k, v, learnable_sink):
-        raise RuntimeError(f"{name}(): out= does not support automatic differentiation, but q, k, v or "
-                           f"learnable_sink requires grad; call it without out= (or under torch.no_grad())")
-    return_lse = check_flag("return_lse", return_lse)
+    the first call's (every call's scores are the same). ``_padded_forward`` checked out= and
+    return_lse."""
     options = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size,
                "softcap": softcap, "learnable_sink": learnable_sink}
     first, *rest = head_dims.parts(v, part, kind)
@@ -189,17 +185,11 @@ def _split_backward(call: Any, part: int, kind: str, dout: Any, q: Any, k: Any, 
                     lengths: tuple, options: dict, given: tuple) -> tuple[Any, ...]:
     """``call`` (``flash_attention_backward`` or its varlen sibling) once per ``part`` columns of v,
     dout and out (``head_dims``): dv is the parts' side by side, dq, dk (and d_sink) the calls'
-    sums. ``given``: the caller's dq, dk, dv (or None)."""
-    d_v = v.shape[-1]
-    head_dims.check_value_dim(dout, d_v, "dout")
-    head_dims.check_value_dim(out, d_v, "out")
+    sums. ``given``: the caller's dq, dk, dv (or None); ``_padded_backward`` checked dout and out."""
     calls = [call(dp, q, k, vp, op, lse, *lengths, **options)
              for dp, vp, op in zip(*(head_dims.parts(x, part, kind) for x in (dout, v, out)), strict=True)]
-    summed = [calls[0][i] for i in range(len(calls[0]))]
-    for grads in calls[1:]:
-        for i in (0, 1, *range(3, len(grads))):  # dq, dk, d_sink
-            summed[i] = summed[i] + grads[i]
-    summed[2] = head_dims.join([grads[2] for grads in calls], kind)
+    summed = [sum(each[1:], each[0]) for each in zip(*calls, strict=True)]  # dq, dk (and d_sink)
+    summed[2] = head_dims.join([grads[2] for grads in calls], kind)  # dv: side by side
     named = zip(("dq", "dk", "dv"), summed[:3], given, strict=True)
     return (*(head_dims.deliver(g, mine, name, kind) for name, g, mine in named), *summed[3:])
 

@@ -62,8 +62,9 @@ def _backward_from_stored(dout, q, k, v, out, lse, causal, scale):
     return tuple(np.ascontiguousarray(g.transpose(0, 2, 1, 3)).astype(q.dtype) for g in grads)
 
 
-@pytest.fixture
-def stubs(monkeypatch):
+def _stub_kernels(monkeypatch, record):
+    """The forward's and backward's entries replaced by float64 stand-ins on supported dims only;
+    the backward's calls recorded as ``record(q, k, v)`` says (the scale: given, else 1/sqrt(d_qk))."""
     calls: list = []
     monkeypatch.setattr(api, "direct_flash_attention", _forward_stub(calls))
 
@@ -71,11 +72,18 @@ def stubs(monkeypatch):
                  softcap, sink):
         _native(q, k, v)
         assert dout.shape == out.shape and out.shape[-1] == v.shape[-1] and dq is None
-        calls.append(q.shape[-1])
-        return _backward_from_stored(dout, q, k, v, out, lse, causal, softmax_scale)
+        assert all(x.flags.c_contiguous for x in (dout, v, out))
+        calls.append(record(q, k, v))
+        scale = softmax_scale or 1 / math.sqrt(q.shape[-1])
+        return _backward_from_stored(dout, q, k, v, out, lse, causal, scale)
 
     monkeypatch.setattr(api, "direct_flash_attention_backward", backward)
     return calls
+
+
+@pytest.fixture
+def stubs(monkeypatch):
+    return _stub_kernels(monkeypatch, lambda q, k, v: q.shape[-1])
 
 
 def _inputs(d_qk, d_v, seqlen_q=5, seqlen_k=7, seed=0):

@@ -17,8 +17,8 @@ from numbaflash.operations import head_dims
 from numbaflash.tools.reference import attention_backward_reference, attention_reference
 from tests.test_padded_head_dims_cpu import (
     _backward_from_stored,
-    _forward_stub,
     _native,
+    _stub_kernels,
     _torch_attend,
     _torch_route_stub,
     _varlen_stub,
@@ -35,19 +35,7 @@ def test_split_part(dims, part):
 
 @pytest.fixture
 def stubs(monkeypatch):
-    calls: list = []
-    monkeypatch.setattr(api, "direct_flash_attention", _forward_stub(calls))
-
-    def backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size,
-                 softcap, sink):
-        _native(q, k, v)
-        assert dout.shape == out.shape and out.shape[-1] == v.shape[-1] and dq is None
-        assert all(x.flags.c_contiguous for x in (dout, v, out))
-        calls.append((q.shape[-1], v.shape[-1]))
-        return _backward_from_stored(dout, q, k, v, out, lse, causal, softmax_scale or 1 / math.sqrt(512))
-
-    monkeypatch.setattr(api, "direct_flash_attention_backward", backward)
-    return calls
+    return _stub_kernels(monkeypatch, lambda q, k, v: (q.shape[-1], v.shape[-1]))
 
 
 def _inputs(seqlen_q=5, seqlen_k=7, seed=0, d=512):

@@ -195,6 +195,16 @@ def backward_shape(config: BackwardConfig) -> Shape:
                  DV // KC, DV // KC // 8, DV // 8, D // QC // 8 // (2 if D > 256 else 1), 4 if D > 256 else 0)
 
 
+def kept_offsets(s: Shape) -> tuple[int, int, int]:
+    """How many transposed B offsets a warp keeps in registers for dK's (``tn_b``), dV's
+    (``tn_bv``) and dQ's (``dq_b``) products: one a pair of n-tiles, or above head dim 256 one
+    64-column block's (``s.offset_pairs``; the rest are whole blocks further: ``make_gemms``)."""
+    kv, kvv, dq = s.kv_n // 2, s.kv_nv // 2, s.dq_n // 2
+    if not s.offset_pairs:
+        return kv, kvv, dq
+    return s.offset_pairs, min(s.offset_pairs, kvv), s.offset_pairs
+
+
 def make_gemms(s: Shape, bf16: bool) -> Gemms:
     """The warp's products, each m16n8k16 mma.sync over ldmatrix fragments: ``parts(warp)`` (its
     Parts), ``lane_offsets`` (its Offsets, once), ``transposed_scores`` (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ),
@@ -202,7 +212,7 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
     Where V's head dim differs (``s.dv``), dPᵀ = V dOᵀ runs over it and dV has its columns (its
     own Part and dO column offsets); else dV's product is dK's, on the same offsets."""
     D, DV, BM, BN, RB, KB = s.d, s.dv, s.bm, s.bn, s.rb, s.kb
-    KMT, S_N, KV_N, KV_NV, QMT, DQ_N = s.kmt, s.s_n, s.kv_n, s.kv_nv, s.qmt, s.dq_n
+    KMT, S_N, KV_N, KV_NV, QMT = s.kmt, s.s_n, s.kv_n, s.kv_nv, s.qmt
     KR, QR, SQ, DC, DCV, DQ_COLS = s.kr, s.qr, s.sq, s.dc, s.dcv, s.dq_cols
     DQ_PASS_N = s.dq_pass_n
     VALUE_DIM = DV != D
@@ -210,9 +220,7 @@ def make_gemms(s: Shape, bf16: bool) -> Gemms:
     # B operands' offsets repeat every 4 pairs, a block (BM or BN rows) further: 4 registers each
     # (``s.offset_pairs``), the rest an immediate away. (Up to 256 every pair keeps its own.)
     WIDE = s.offset_pairs > 0
-    TN_PAIRS = s.offset_pairs or KV_N // 2  # the offsets kept: dK's (tn_b), dV's (tn_bv), dQ's (dq_b)
-    TN_PAIRS_V = min(s.offset_pairs, KV_NV // 2) or KV_NV // 2
-    DQ_OFFSET_PAIRS = s.offset_pairs or DQ_N // 2
+    TN_PAIRS, TN_PAIRS_V, DQ_OFFSET_PAIRS = kept_offsets(s)  # dK's (tn_b), dV's (tn_bv), dQ's (dq_b)
     if WIDE and (DC % 64 or DCV % 64 or DQ_COLS % 64 or RB != 128):
         raise ValueError(f"head dim {D}: a warp's columns must start on 64-column blocks")
     mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
@@ -681,9 +689,8 @@ def make_backward_kernel(config: BackwardConfig, causal: bool, bf16: bool, windo
     config.check()
     s = backward_shape(config)
     BM, BN, A_TILES = s.bm, s.bn, s.a_tiles
-    KV_PAIRS, DQ_PAIRS = s.offset_pairs or s.kv_n // 2, s.offset_pairs or s.dq_n // 2  # offsets kept
+    KV_PAIRS, KV_PAIRS_V, DQ_PAIRS = kept_offsets(s)
     VALUE_DIM, KV_NV = s.dv != s.d, s.kv_nv  # V's head dim apart: dV's own
-    KV_PAIRS_V = min(s.offset_pairs, KV_NV // 2) or KV_NV // 2
     STAGES = s.stages
     STAGE, SQ0, SDO0, SLSE0, SDELTA0 = (s.layout[name] for name in ("stage", "q", "do", "lse", "delta"))
     KMT, S_N, KV_N, QMT, KB = s.kmt, s.s_n, s.kv_n, s.qmt, s.kb
