@@ -662,15 +662,18 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     KV head times seqlen_q need more and the head dim is at most 128 (at d256 a thread's O for
     32 rows is 256 floats: 600 spill instructions, half the speed of two 16-row blocks that read
     K and V twice, on an H100); 64 keys over 4 warps and a ring of 3, else smaller,
-    whichever first fits the GPU's shared memory a CTA; at head dim 64 with 16 rows and a
-    contiguous cache, 128 keys over 4 warps and a ring of 2 first (1.2% faster at 128 x 2048 keys
-    on an H100; the paged and 32-row builds would fit only 2 CTAs a SM).
+    whichever first fits the GPU's shared memory a CTA; at head dim 64 with 16 rows, 128 keys
+    over 4 warps and a ring of 2 first (1.2% faster at 128 x 2048 keys on an H100; paged, H200:
+    0.93-0.97 of the contiguous cache at pages of 16-256, 0.82-0.85 with 64 keys and a ring of 3).
 
     ``wide``: the call's (batch, KV head, row block) CTAs outnumber the SMs. At head dim 128 and
     16 rows a ring of 3 streams best at one CTA a SM (``launch_decode.streaming_ctas``), which
     such a grid fills in two waves or more; a ring of 2 runs two a SM, in half the waves (H100:
     32 x 4096 keys 0.986-0.990 of cuDNN with the ring of 3, 1.007-1.012 with the ring of
-    2; 64 x 32768 level). With 16 rows and a contiguous cache, head dim 32 takes 256-key tiles
+    2; 64 x 32768 level). A paged cache takes the ring of 2 whatever the grid: its walk issues
+    more per tile (the rows' addresses from shared memory), which one CTA's 4 warps cannot hide
+    (H200, pages of 64: 0.82-0.88 of the contiguous cache at one CTA a SM, 0.93-1.00 at two).
+    With 16 rows and a contiguous cache, head dim 32 takes 256-key tiles
     (its 64-byte rows: 64 keys a tile made 4 KB requests; 8 x 8192 keys 0.88-0.90 of the best SDPA
     backend -> 0.95-0.96, 64 x 4096 1.01-1.02 -> 1.14) and head dim 96 a ring of 2 (8 x 8192 0.95
     -> 0.96-0.98, 64 x 4096 and 1 x 65536 +2-5%); paged too (paged / contiguous at
@@ -694,9 +697,9 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
                               head_dim_v=value_dim) for n, w in shapes for s in (3, 2)]
     else:
         tried = []
-        if head_dim == 64 and m_tiles == 1 and not paged:  # 128 keys, ring of 2: +1.2% (H100)
-            tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2))
-        if head_dim == 128 and m_tiles == 1 and wide:  # two CTAs a SM in one wave (H100)
+        if head_dim == 64 and m_tiles == 1:  # 128 keys, ring of 2: +1.2% (H100)
+            tried.append(DecodeConfig(64, block_n=128, num_warps=4, stages=2, paged=paged))
+        if head_dim == 128 and m_tiles == 1 and (wide or paged):  # two CTAs a SM (H100, H200)
             tried.append(DecodeConfig(128, block_n=64, num_warps=4, stages=2, paged=paged))
         if head_dim == 32 and m_tiles == 1:  # 256 keys: +7-12%, paged +4-8% (H100)
             tried.append(DecodeConfig(32, block_n=256, num_warps=4, stages=3, paged=paged))

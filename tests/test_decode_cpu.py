@@ -34,11 +34,13 @@ def test_configs_fit_and_the_merge_fits_over_the_ring(head_dim, m_tiles):
 
 # ------------------------------------------------------------------ the API's checks and launches
 
+import dataclasses  # noqa: E402
 import types  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import numbaflash  # noqa: E402
+from numbaflash import configs  # noqa: E402
 from numbaflash.operations import decode as decode_op  # noqa: E402
 from numbaflash.operations.launch_decode import (  # noqa: E402
     MAX_SPLITS,
@@ -285,7 +287,9 @@ def test_launches_match_the_abi(fake_gpu, paged, splits):
     _, grid, block, shared, args = FakeLauncher.launches[0]
     rows = 4 * 2  # group 4 x seqlen_q 2: one row block of 16
     assert grid == (splits, 1 * 2, 2) and block == 128 and rows <= 16
-    assert shared == 227 * 1024  # d128 streams best at one CTA a SM: the launch holds the SM to it
+    # d128 streams best at one CTA a SM (the ring of 3): the launch holds the SM to it; a paged
+    # cache at two a SM (the ring of 2), where the second CTA hides the block table's work
+    assert shared == (113 if paged else 227) * 1024
     assert args[-3] == splits
     assert args[-1] is (splits == 1)  # the decode kernel writes the LSE only without a combine
     if splits > 1:  # one combine warp per 32 columns of the 2 x 8 x 2 rows; it sees the whole scratch
@@ -308,6 +312,42 @@ def test_a_grid_wider_than_the_sms_runs_the_ring_of_2_two_a_sm(fake_gpu, monkeyp
         _, grid, _, launch_shared, _ = FakeLauncher.launches[0]
         assert grid[0] == splits and launch_shared == shared
         assert resident_ctas(128, 168, launch_shared, 227 * 1024) == (1 if stages == 3 else 2)
+
+
+def test_a_paged_cache_runs_two_ctas_a_sm(fake_gpu, monkeypatch):
+    """A paged cache's walk issues more than a contiguous one's (the rows' addresses from shared
+    memory): at one CTA a SM (4 warps) it streamed at 0.72-0.83 of the contiguous cache on an
+    H200, at two a SM 0.92-1.00 (docs/PERFORMANCE.md [PG]). So at d128 and 16 rows a paged cache
+    takes the ring of 2 at two CTAs a SM with twice the splits, and at d64 the 128-key tiles."""
+    built = []
+    monkeypatch.setattr(decode_op, "loaded_kernel", lambda spec:
+                        (built.append(spec.config) or types.SimpleNamespace(handle=1), spec.operation))
+    for paged, stages, splits, shared in ((False, 3, 2, 227 * 1024), (True, 2, 4, 113 * 1024)):
+        FakeLauncher.launches.clear()
+        x = inputs(batch=32, capacity=4096)  # 64 (batch, KV head) CTAs, 4096 keys each
+        if paged:  # the same keys in pages of 64
+            x["k_cache"], x["v_cache"] = (FakeDeviceArray((32 * 64, 64, 2, 128)) for _ in range(2))
+            x["block_table"] = FakeDeviceArray((32, 64), "<i4")
+        call(x)
+        assert built[-1].stages == stages and built[-1].block_n == 64 and built[-1].paged == paged
+        _, grid, _, launch_shared, _ = FakeLauncher.launches[0]
+        assert grid[0] == splits and launch_shared == shared
+    assert configs.decode_config((9, 0), 64, 16, True) == DecodeConfig(64, block_n=128, num_warps=4, stages=2,
+                                                                       paged=True)
+
+
+def test_a_paged_configs_row_addresses_follow_its_shared_memory():
+    """The paged walk's two buffers of key-row addresses (16 bytes a row, ``st.shared.v4``) sit
+    16-byte aligned after the Q tile and the ring or the merge, inside the shared memory the
+    config asks for; a contiguous config asks for none."""
+    shipped = configs.shipped_decode_configs()
+    assert any(c.paged for c in shipped)
+    for config in shipped:
+        assert config.page_rows_at % 16 == 0
+        extra = 2 * config.block_n * 16 if config.paged else 0
+        assert config.shared_bytes == config.page_rows_at + extra <= 227 * 1024
+        same = dataclasses.replace(config, paged=not config.paged)
+        assert same.page_rows_at == config.page_rows_at
 
 
 @pytest.mark.parametrize(("capability", "expected"), [((9, 0), True), ((8, 0), False), ((8, 9), False)])

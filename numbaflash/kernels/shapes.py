@@ -621,12 +621,19 @@ class DecodeConfig(ValueDim):
         return (self.stages - 1) * self.stage_bytes
 
     @property
-    def shared_bytes(self) -> int:
-        """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring."""
+    def page_rows_at(self) -> int:
+        """Paged: the byte offset of the key rows' cache offsets (two buffers, by tile parity, of
+        ``block_n`` rows x (K's, V's) int64), after the Q tile and the ring (or the merge)."""
         q_tile = self.rows * self.head_dim * 2
         ring = self.stages * self.stage_bytes
         merge = self.num_warps * self.rows * (self.merge_row + 2) * 4
         return q_tile + max(ring, merge)
+
+    @property
+    def shared_bytes(self) -> int:
+        """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring;
+        paged, the key rows' cache offsets after them (``page_rows_at``)."""
+        return self.page_rows_at + (2 * self.block_n * 16 if self.paged else 0)
 
     def check(self) -> None:
         d, dv = self.head_dim, self.value_dim
