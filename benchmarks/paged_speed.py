@@ -1,9 +1,11 @@
-"""Where the paged decode's time goes (issue 58 item 2): device time of the KV-cache call on a
-contiguous cache beside paged caches of several page sizes, with the pages shuffled and with the
-block table the identity (then the paged cache's memory is the contiguous one's, byte for byte,
-so the two differ only in the lookup). CUDA-graph replays, one process, interleaved rounds.
+"""Paged decode speed (issue 58 item 2; needs a GPU and PyTorch with CUDA): device time of the
+KV-cache call on a contiguous cache beside paged caches of several page sizes, with the pages
+shuffled (``s``) and with the block table the identity (``i``: then the paged cache's memory is
+the contiguous one's, byte for byte, so the two differ only in the lookup). CUDA-graph replays,
+one process, 3 interleaved rounds; where a paged output differs from the contiguous call's (their
+split counts may differ), the largest difference is printed.
 
-    python lab/paged_probe.py [--dtype bf16] [--pages 1,16,64,256] [--ncu]
+    python benchmarks/paged_speed.py [--dtype bf16] [--pages 1,16,64,256] [--shapes 0,1] [--ncu]
 
 ``--ncu``: one call of each variant of the 8 x 8192 row, between cudaProfilerStart/Stop, for
 ``ncu --profile-from-start off``.
