@@ -38,11 +38,13 @@ PAGE = 64
 ROTATION_BYTES = 300_000_000
 
 
-def paged_copy(kc, vc, page: int):
-    """The caches as shuffled pages of ``page`` rows and their block table."""
+def paged_copy(kc, vc, page: int, shuffle: bool = True):
+    """The caches as shuffled pages of ``page`` rows and their block table (``shuffle`` False:
+    the identity table, the pages in the contiguous cache's order)."""
     b, sk, hkv, d = kc.shape
     n = b * sk // page
-    table = torch.randperm(n, device="cuda").to(torch.int32).reshape(b, sk // page)
+    order = torch.randperm(n, device="cuda") if shuffle else torch.arange(n, device="cuda")
+    table = order.to(torch.int32).reshape(b, sk // page)
     kp = torch.empty(n, page, hkv, d, device="cuda", dtype=kc.dtype)
     vp = torch.empty_like(kp)
     kp[table.long()] = kc.reshape(b, sk // page, page, hkv, d)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
+from decode_speed import graph_times, paged_copy
 
 import numbaflash
 
@@ -29,22 +29,10 @@ SHAPES = [  # batch, seqlen_k, heads_q, heads_kv, head_dim
 ROTATION_BYTES = 300_000_000
 
 
-def paged(kc, vc, page: int, shuffle: bool):
-    b, sk, hkv, d = kc.shape
-    n = b * sk // page
-    order = torch.randperm(n, device="cuda") if shuffle else torch.arange(n, device="cuda")
-    table = order.to(torch.int32).reshape(b, sk // page)
-    kp = torch.empty(n, page, hkv, d, device="cuda", dtype=kc.dtype)
-    vp = torch.empty_like(kp)
-    kp[table.long()] = kc.reshape(b, sk // page, page, hkv, d)
-    vp[table.long()] = vc.reshape(b, sk // page, page, hkv, d)
-    return kp, vp, table
-
-
 def variants(dtype, b, sk, hq, hkv, d, pages, copies):
     calls: dict[str, list] = {}
     lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
-    for _ in range(copies):
+    for copy in range(copies):
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
         kc = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
         vc = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
@@ -57,42 +45,15 @@ def variants(dtype, b, sk, hq, hkv, d, pages, copies):
             if sk % page:
                 continue
             for shuffle in (False, True):
-                kp, vp, table = paged(kc, vc, page, shuffle)
+                kp, vp, table = paged_copy(kc, vc, page, shuffle)
                 got = numbaflash.flash_attention_with_kvcache(q, kp, vp, lens, block_table=table)
-                if not torch.equal(got, ref):
+                if copy == 0 and not torch.equal(got, ref):
                     print(f"page {page} shuffle {shuffle}: max |paged - contiguous| "
                           f"{(got.float() - ref.float()).abs().max().item():.3g}", flush=True)
                 calls.setdefault(f"p{page}{'s' if shuffle else 'i'}", []).append(
                     lambda q=q, kp=kp, vp=vp, table=table, out=out: numbaflash.flash_attention_with_kvcache(
                         q, kp, vp, lens, block_table=table, out=out))
     return calls
-
-
-def graph_times(fns: list, rounds: int) -> list[float]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            for fn in fns:
-                fn()
-    end = time.perf_counter() + 0.1
-    while time.perf_counter() < end:
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1000 / (4 * len(fns)))
-    return times
 
 
 def main() -> None:
@@ -130,7 +91,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {label: [] for label in calls}
         for r in range(3):
             for label in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-                samples[label] += graph_times(calls[label], 10)
+                samples[label] += [1000 * t for t in graph_times(calls[label], 10)]
         base = statistics.median(samples["contiguous"])
         cells = " ".join(f"{label}={statistics.median(t):.1f}({base / statistics.median(t):.2f})"
                          for label, t in samples.items())
