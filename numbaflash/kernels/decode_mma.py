@@ -11,7 +11,9 @@ Key j of batch b comes from the cache when j < cache_seqlens[b], from the new ro
 v_new) at j - cache_seqlens[b] when those are given, and is masked at or past the total length
 L = cache_seqlens[b] + seqlen_new; with causal masking query i sees keys j <= L - seqlen_q + i
 (bottom-right). A paged cache maps key j to row j % page_size of page block_table[b, j //
-page_size]. The CTA that loads a new row also writes it into the cache (once: row block 0).
+page_size]; a CTA looks each key row's page up once, a tile ahead, and hands the row's K and V
+addresses to the copying threads through shared memory (``make_page_table``). The CTA that loads
+a new row also writes it into the cache (once: row block 0).
 
 K and V tiles of ``block_n`` keys stream through a ring of ``stages`` swizzled shared tiles.
 Each warp takes ``block_n / num_warps`` keys of every tile: S = Q K_wᵀ, its own online softmax,
@@ -43,9 +45,10 @@ shared memory once it lands and the new K rows as the threads load them, before 
 cache get them.
 
 The kernel is built from rooms: ``make_decode_rows`` (the row source: Q's packed rows, a dense or
-paged cache and the appended rows), ``make_decode_step`` (the walk over the key tiles, on the
-forward's QK and PV steps, online softmax and masker from ``mma_pieces``) and ``make_warp_stash``
-(the first half of the warps' merge); ``run_decode`` holds the prologue and the merge itself.
+paged cache and the appended rows), ``make_page_table`` (a paged cache's block table),
+``make_decode_step`` (the ring's first tiles and the walk over the key tiles, on the forward's QK
+and PV steps, online softmax and masker from ``mma_pieces``) and ``make_warp_stash`` (the first
+half of the warps' merge); ``run_decode`` holds the prologue and the merge itself.
 """
 
 from __future__ import annotations
