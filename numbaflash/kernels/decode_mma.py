@@ -289,7 +289,7 @@ def make_page_table(config: DecodeConfig) -> PageTable:
     the rows' K and V addresses are handed to the copying threads through shared memory (two
     buffers of ``block_n`` x 16 bytes at ``config.page_rows_at``, by tile parity). Before, each
     of a row's 16-byte chunks' threads looked its page up again: 1.7x the contiguous walk's
-    instructions at one CTA a SM (H200: 0.72-0.76 of the contiguous cache's speed)."""
+    instructions (docs/PERFORMANCE.md, "Paged caches at any page size")."""
     BN = config.block_n
     THREADS = config.threads
     PAGED = config.paged
