@@ -62,6 +62,15 @@ def _backward_from_stored(dout, q, k, v, out, lse, causal, scale):
     return tuple(np.ascontiguousarray(g.transpose(0, 2, 1, 3)).astype(q.dtype) for g in grads)
 
 
+def _returned_into_given(dout, q, k, v, out, lse):
+    """The causal backward with dq, dk and dv given: the very arrays come back (filled)."""
+    given = [np.empty_like(x) for x in (q, k, v)]
+    returned = numbaflash.flash_attention_backward(dout, q, k, v, out, lse, causal=True, dq=given[0],
+                                                   dk=given[1], dv=given[2])
+    assert all(a is b for a, b in zip(returned, given, strict=True))
+    return given
+
+
 def _stub_kernels(monkeypatch, record):
     """The forward's and backward's entries replaced by float64 stand-ins on supported dims only;
     the backward's calls recorded as ``record(q, k, v)`` says (the scale: given, else 1/sqrt(d_qk))."""
@@ -128,10 +137,7 @@ def test_backward_runs_padded(stubs, d_qk, d_v):
     for got, want, d in zip((dq, dk, dv), ref, (d_qk, d_qk, d_v), strict=True):
         assert got.shape[-1] == d and got.flags.c_contiguous
         np.testing.assert_allclose(got.astype(np.float64), want, atol=2e-2, rtol=2e-2)
-    given = [np.empty_like(x) for x in (q, k, v)]
-    returned = numbaflash.flash_attention_backward(dout, q, k, v, out, lse, causal=True, dq=given[0],
-                                                   dk=given[1], dv=given[2])
-    assert all(a is b for a, b in zip(returned, given, strict=True))
+    given = _returned_into_given(dout, q, k, v, out, lse)
     np.testing.assert_array_equal(given[0], dq)
     with pytest.raises(ValueError, match="dout must have v's head dim"):
         numbaflash.flash_attention_backward(dout[..., :-8], q, k, v, out, lse, causal=True)
