@@ -51,9 +51,9 @@ Measured (H200, Llama 8 layers, GQA 16/4, d128, bf16; docs/PERFORMANCE.md): deco
 the KV-cache kernel generate 2.3x faster than on transformers' path (dynamic cache, batch 4:
 422 against 186 tokens/s), whose decode steps sync the host in every layer (``_upad_input``) and,
 with the static cache compiled, break the graph there; so decode steps take the KV-cache kernel.
-Against SDPA on the same model (``benchmarks/hf_speed.py``): prefill at 4k 1.01x, static-cache
-``generate`` with CUDA graphs 0.95x at batch 1 and 1.04x at batch 16, a training step at 4k 0.93x
-(the GQA backward kernel and its host cost).
+Against SDPA on the same model (``benchmarks/hf_speed.py``, one run): prefill at 4k 1.02x, a
+training step at 4k 1.01x, static-cache ``generate`` with CUDA graphs 1.10x at batch 1 and 1.28x
+at batch 16.
 """
 
 from __future__ import annotations
