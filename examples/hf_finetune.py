@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
 
     register()
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
@@ -65,7 +67,7 @@ def main() -> None:
             losses[name].append(loss)
             if i >= args.warmup:
                 times[name].append(seconds)
-    medians = {name: statistics.median(times[name]) if times[name] else float("nan") for name in names}
+    medians = {name: statistics.median(times[name]) for name in names}
     for name in names:
         print(f"{name:>10}: {medians[name] * 1e3:8.1f} ms a step; losses "
               f"{' '.join(f'{x:.3f}' for x in losses[name])}")
