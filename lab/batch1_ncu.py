@@ -55,12 +55,12 @@ def main() -> None:
         for _ in range(3):
             call()
     torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
+    torch.cuda.profiler.start()
     for call in calls.values():
         for _ in range(args.calls):
             call()
         torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    torch.cuda.profiler.stop()
     print(f"GPU: {torch.cuda.get_device_name()}; profiled {args.calls} calls each of {', '.join(calls)} "
           f"(1 x {sk} keys, bf16, GQA {hq}/{hkv}, d{d})")
 
