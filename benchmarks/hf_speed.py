@@ -5,12 +5,13 @@ process (needs a GPU, torch and transformers).
                                   [--batches 1,16] [--iters 10] [--rounds 3]
 
 The model is ``examples/hf_generate.py``'s Llama (hidden 2048, 16 query and 4 KV heads, head dim
-128, bf16, random init). Three workloads, each the median of ``--iters`` CUDA-event-timed calls in
-``--rounds`` blocks alternating between the two models after a warm-up:
+128, bf16, random init). Three workloads; prefill and the training step are each the median of
+``--iters`` x ``--rounds`` CUDA-event-timed calls of each model, the two models taking turns call
+by call after a warm-up:
 
 * prefill: one forward of a batch-1 sequence of ``--seqlen`` tokens, no grad;
-* training step: forward, loss and backward of the same sequence (no optimizer: it is the same
-  for both);
+* training step: forward, loss and backward of the same sequence, then the gradients set to None
+  as an optimizer's ``zero_grad`` does (no optimizer step: it is the same for both);
 * generate: greedy ``generate`` of ``--new`` tokens after a ``--prompt``-token prompt with the
   static cache, which transformers compiles with ``mode="reduce-overhead"`` (CUDA graphs), at each
   batch of ``--batches``; tokens/s counts the new tokens.
@@ -60,14 +61,18 @@ def timed(call, iters: int) -> list[float]:
 
 
 def alternating(calls: dict, iters: int, rounds: int) -> dict:
-    """name: median seconds, blocks of ``iters`` calls alternating between the names, after two
-    warm-up calls each."""
+    """name: median seconds of ``iters * rounds`` calls each, after two warm-up calls each, the
+    names taking turns call by call (the order reversed every other turn). The GPU's clocks drift
+    over seconds (a training step measured 38-39 ms in one block of five and 35 ms a few blocks
+    later, for both models alike), so blocks of several calls of one model would add that drift
+    to the ratio; turns call by call put both models under it alike."""
     for call in calls.values():
         call(), call()
-    samples = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-            samples[name] += timed(calls[name], iters)
+    samples: dict = {name: [] for name in calls}
+    names = list(calls)
+    for i in range(iters * rounds):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            samples[name] += timed(calls[name], 1)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -98,6 +103,7 @@ def main() -> None:
     def step(model):
         def call():
             model(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)  # as an optimizer's: no gradient is accumulated into
         return call
 
     for model in pair.values():
@@ -107,7 +113,7 @@ def main() -> None:
                  got["sdpa"] / got["numbaflash"]))
     for model in pair.values():
         model.train()
-    got = alternating({n: step(m) for n, m in pair.items()}, max(3, args.iters // 2), args.rounds)
+    got = alternating({n: step(m) for n, m in pair.items()}, args.iters, args.rounds)
     rows.append((f"train step {args.seqlen}", "ms", got["numbaflash"] * 1e3, got["sdpa"] * 1e3,
                  got["sdpa"] / got["numbaflash"]))
     for model in pair.values():

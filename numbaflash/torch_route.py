@@ -46,6 +46,7 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     if not (_dynamo_compiling() or needs_grad or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
         return None
     eager = eager_autograd(q, needs_grad)
+    given = (causal, softmax_scale, window_size, softcap)
     if not eager:  # (an eager call's entry runs the same checks on the real tensors)
         check_tensors(q, k, v, value_dim=True)
     causal = check_flag("causal", causal)
@@ -66,6 +67,8 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
                              f"{DTYPE_NAMES.get(q.dtype, q.dtype)}, got {tuple(out.shape)} "
                              f"{DTYPE_NAMES.get(out.dtype, out.dtype)}")
     if eager:
+        if learnable_sink is None and type(given[2]) is tuple:
+            _remember(given, q.shape[-1], v.shape[-1], (causal, softmax_scale, window_size, softcap))
         result, lse = EagerAttention.apply(q, k, v, causal, softmax_scale, *window_size, softcap,
                                            learnable_sink)
     elif learnable_sink is not None:
@@ -78,6 +81,40 @@ def route(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale, return_lse, ou
     if out is not None:
         result = out.copy_(result)
     return (result, lse) if return_lse else result
+
+
+# route's checks of the scalars, kept for ``attention_autograd``: (causal, softmax_scale,
+# window_size, softcap as given, q's and v's head dims) -> the checked four
+_CHECKED: dict = {}
+_CHECKED_KEPT = 64
+_apply_eager = torch._C._FunctionBase.__dict__["apply"].__get__(None, EagerAttention)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _remember(given: tuple, head_dim: int, head_dim_v: int, checked: tuple) -> None:
+    if len(_CHECKED) >= _CHECKED_KEPT:
+        _CHECKED.clear()
+    _CHECKED[(*given, head_dim, head_dim_v)] = checked
+
+
+def attention_autograd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
+                       window_size: tuple[int, int], softcap: float) -> Tensor | None:
+    """``flash_attention(q, k, v, causal=, softmax_scale=, window_size=, softcap=)`` for a caller
+    that makes the same call layer after layer (the transformers integration in training): the
+    eager autograd branch of ``route`` (``torch_ops.EagerAttention``, entered below
+    ``autograd.Function.apply``'s Python wrapper, tensors unwrapped as it would) for scalars that
+    ``route`` checked before with these head dims, which it keeps. The tensors get the checks
+    of every eager call (the forward's ``run_torch``, else the entry). Returns out (batch,
+    seqlen_q, heads_q, v's head dim), or None where ``route`` must decide: scalars not seen
+    (``window_size`` a tuple), no grad needed, or not an eager autograd call (``eager_autograd``);
+    call ``api.flash_attention`` then, which checks and keeps them."""
+    checked = _CHECKED.get((causal, softmax_scale, window_size, softcap, q.shape[-1], v.shape[-1]))
+    if (checked is None or not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            or not eager_autograd(q, True)):
+        return None
+    causal, softmax_scale, window_size, softcap = checked
+    return _apply_eager(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), causal, softmax_scale,
+                        window_size[0], window_size[1], softcap, None)[0]
 
 
 def eager_autograd(q: Tensor, needs_grad: bool) -> bool:

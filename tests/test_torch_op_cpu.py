@@ -367,6 +367,41 @@ def test_eager_autograd_skips_the_op_and_compiled_or_traced_calls_keep_it(refere
     assert len(reference_ops["backward"]) == 3
 
 
+def test_attention_autograd_reuses_routes_checks_only(reference_ops, monkeypatch):
+    """``torch_route.attention_autograd`` (the transformers integration's training call) runs
+    ``EagerAttention`` with the scalars ``route`` checked for the same given values and head dims:
+    None before route has seen them, for a call that needs no grad and under a dispatch mode or
+    torch.func; after, the same out and gradients as ``flash_attention``, bit for bit, with the
+    scale route computed (the default 1/sqrt(head_dim))."""
+    from numbaflash import torch_route
+
+    monkeypatch.setattr(torch_route, "_CHECKED", {})
+    q, k, v = leaves((1, 12, 4, 64), (1, 12, 2, 64), seed=5)
+    dout = torch.randn(1, 12, 4, 64, generator=torch.Generator().manual_seed(6)).half()
+    options = (True, None, (-1, -1), 0.0)
+    assert torch_route.attention_autograd(q, k, v, *options) is None  # not seen: the caller routes it
+    want = numbaflash.flash_attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(want, (q, k, v), dout)
+    got = torch_route.attention_autograd(q, k, v, *options)
+    assert type(got.grad_fn).__name__ == "EagerAttentionBackward"
+    assert reference_ops["forward"][-1] == (True, 1 / math.sqrt(64))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), grads, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert torch_route.attention_autograd(q, k, v, True, None, (-1, -1), 1.0) is None  # other softcap
+    assert torch_route.attention_autograd(q[..., :32], k[..., :32], v[..., :32], *options) is None
+    with torch.no_grad():
+        assert torch_route.attention_autograd(q, k, v, *options) is None
+    for rule in ("_functorch_active", "_jit_tracing"):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch_route, rule, lambda: True)
+            assert torch_route.attention_autograd(q, k, v, *options) is None, rule
+    # route keeps no entry for a window given as a list (unhashable; the integration gives tuples)
+    before = dict(torch_route._CHECKED)
+    numbaflash.flash_attention(q, k, v, causal=True, window_size=[-1, -1])
+    assert torch_route._CHECKED == before
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_activation_checkpointing_gives_the_same_gradients(reference_ops, reentrant, monkeypatch):
     """``torch.utils.checkpoint`` (as transformers' gradient checkpointing) recomputes the forward

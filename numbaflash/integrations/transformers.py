@@ -138,6 +138,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     from transformers.integrations.flash_attention import get_target_dtype
     from transformers.modeling_flash_attention_utils import _flash_attention_forward
 
+    from ..torch_route import attention_autograd
+
     if kwargs.get("output_attentions", False):
         raise ValueError("numbaflash does not return attention weights (output_attentions=True): "
                          "use attn_implementation='eager' for them")
@@ -163,6 +165,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         out = decode_step(query, key, value, attention_mask, is_causal, scaling, softcap, s_aux, window)
         return out, None
     if dense(query, attention_mask, kwargs):
+        if s_aux is None and not dropout:  # training: the options the last layer's call checked
+            out = attention_autograd(query, key, value, bool(is_causal), _scale(scaling), window,
+                                     _softcap(softcap))
+            if out is not None:
+                return out, None
         return flash_attn_func(query, key, value, dropout, scaling, is_causal, window, softcap, s_aux), None
     out = _flash_attention_forward(
         query, key, value, attention_mask, query_length=seqlen_q, is_causal=is_causal, dropout=dropout,
