@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="the transformers integration needs 
 transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
 
 import numbaflash.api  # noqa: E402
+from numbaflash import torch_route  # noqa: E402
 from numbaflash.integrations import transformers as nf_hf  # noqa: E402
 
 
@@ -92,6 +93,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(numbaflash.api, "flash_attention", dense)
     monkeypatch.setattr(numbaflash.api, "flash_attention_varlen", varlen)
     monkeypatch.setattr(numbaflash.api, "flash_attention_with_kvcache", kvcache)
+    # no scalars checked by an earlier test's route: the training call takes api.flash_attention
+    monkeypatch.setattr(torch_route, "_CHECKED", {})
     nf_hf.register()
     return calls
 
@@ -183,6 +186,34 @@ def test_a_batch_of_one_reads_its_positions_once_a_forward(kernels, monkeypatch)
     with torch.no_grad():
         assert_close(ours(ids).logits, eager(ids).logits)
     assert kernels["dense"] == 3 and len(tests) == 1
+
+
+def test_a_model_that_makes_its_position_ids_is_not_read(kernels, monkeypatch):
+    """Given no position_ids, transformers' decoders make consecutive ones (``arange`` from the
+    cache's length): a batch of one runs the dense call without reading them (no host sync).
+    position_ids given (by keyword or position, packed or not) are read once a forward; the count
+    of forwards that make their own returns to zero after each, one that raises too."""
+    reads = []
+    real = nf_hf.restarts
+    monkeypatch.setattr(nf_hf, "restarts", lambda positions: reads.append(positions) or real(positions))
+    ours, eager = models(tiny(transformers.LlamaConfig, num_hidden_layers=3))
+    ids = torch.randint(1, 97, (1, 40))
+    with torch.no_grad():
+        want = eager(ids).logits
+        assert_close(ours(ids).logits, want)
+        assert reads == [] and kernels["dense"] == 3 and not nf_hf.made_positions()
+        assert_close(ours(ids, position_ids=torch.arange(40)[None]).logits, want)
+        assert len(reads) == 1 and kernels["dense"] == 6
+        assert_close(ours(ids, None, torch.arange(40)[None]).logits, want)  # (input_ids, mask, positions)
+        assert len(reads) == 2
+        assert_close(*packed_and_alone(ours, eager, (7, 20, 13)))
+        assert len(reads) == 3 and kernels["varlen"] == 3
+        with pytest.raises(Exception):  # noqa: B017 (any error: the count must come back to zero)
+            ours(ids.float())
+    assert not nf_hf.made_positions() and not nf_hf._MADE.stack
+    ours.train()
+    ours(ids).logits.sum().backward()  # training: the dense call, no read
+    assert len(reads) == 3
 
 
 class Recorded(list):

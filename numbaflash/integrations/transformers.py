@@ -55,13 +55,16 @@ Against SDPA on the same model (``benchmarks/hf_speed.py``, ``examples/hf_finetu
 runs on four machines, docs/PERFORMANCE.md [HF4]): static-cache ``generate`` with CUDA graphs
 1.00-1.19x at batch 1 and 1.15-1.28x at batch 16; prefill at 4k 0.98-1.02x and a training step at
 4k 0.94-1.03x, at parity. The packed-sequence test (``packed``) reads the device once a forward
-for a batch of one sequence with ``position_ids``: about 2 ms a step where the training loop never
-waits for the device (it waits there for the previous step's work).
+for a batch of one sequence called with ``position_ids``: about 2 ms a step where the training
+loop never waits for the device (it waits there for the previous step's work). A model called
+without them makes consecutive ones, which are not read (``made_positions``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -276,8 +279,10 @@ def packed(position_ids: Any, batch: int) -> bool | None:
     ``position_ids`` restart somewhere), once a forward rather than once a layer: every layer
     gets the same ``position_ids`` tensor, so an eager call reuses the last answer while
     ``position_ids`` is that very tensor, unchanged (``_version``; the entry holds it, so that no
-    later tensor can take its memory). The test reads the values (one host sync); under
-    torch.compile or CUDA-graph capture, where it cannot, returns None (not known)."""
+    later tensor can take its memory). The test reads the values (``restarts``: one host sync,
+    which waits for all the work queued before it), but where the model made them itself
+    (``made_positions``); under torch.compile or CUDA-graph capture, where it cannot, returns
+    None (not known)."""
     if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
         return False
     import torch
@@ -288,11 +293,74 @@ def packed(position_ids: Any, batch: int) -> bool | None:
     last = _LAST_POSITIONS[0] if _LAST_POSITIONS else (None, None, None)
     if reuse and last[0] is position_ids and last[1] == position_ids._version:
         return last[2]
-    rows = torch.arange(position_ids.shape[-1], device=position_ids.device)
-    found = bool((rows + position_ids.min() - position_ids).abs().sum())
+    found = False if made_positions() else restarts(position_ids)
     if reuse:
         _LAST_POSITIONS[:] = [(position_ids, position_ids._version, found)]
     return found
+
+
+def restarts(position_ids: Any) -> bool:
+    """Whether (1, seqlen) ``position_ids`` restart somewhere (transformers' test: they differ from
+    consecutive positions from their least). Reads the device: one host sync."""
+    import torch
+
+    rows = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return bool((rows + position_ids.min() - position_ids).abs().sum())
+
+
+# ------------------------------------------------------------------ position_ids a model makes
+
+_MADE = threading.local()  # per thread: .depth, forwards running that make their own position_ids
+_FORWARD_PARAMS: dict = {}  # model class -> its forward's parameter names after self
+
+
+def made_positions() -> bool:
+    """Whether a forward of a model on numbaflash runs on this thread that was given neither
+    ``position_ids`` nor ``cache_position``, so that it makes its position_ids itself: transformers'
+    decoders take consecutive positions from the cache's length (``arange``), in which no packed
+    sequence can hide, so ``packed`` need not read them (a forward pre-hook, ``track_positions``,
+    counts these forwards). Models given position_ids (packed or not) have them read once a forward."""
+    return getattr(_MADE, "depth", 0) > 0
+
+
+def track_positions(model: Any) -> None:
+    """Hooks on ``model``'s forward that keep ``made_positions`` (once a model)."""
+    if model.__dict__.get("_numbaflash_positions_tracked"):
+        return
+    model.register_forward_pre_hook(_forward_begins, with_kwargs=True)
+    model.register_forward_hook(_forward_ends, with_kwargs=True, always_call=True)
+    model.__dict__["_numbaflash_positions_tracked"] = True
+
+
+def _forward_begins(module: Any, args: tuple, kwargs: dict) -> None:
+    import torch
+
+    if torch.compiler.is_compiling():  # not traced: the compiled path never reads the positions
+        return
+    params = _FORWARD_PARAMS.get(type(module))
+    if params is None:
+        params = _FORWARD_PARAMS[type(module)] = tuple(inspect.signature(type(module).forward).parameters)[1:]
+
+    def given(name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        return args[params.index(name)] if name in params and params.index(name) < len(args) else None
+
+    makes = "position_ids" in params and given("position_ids") is None and given("cache_position") is None
+    stack = _MADE.__dict__.setdefault("stack", [])
+    stack.append(makes)
+    if makes:
+        _MADE.depth = getattr(_MADE, "depth", 0) + 1
+
+
+def _forward_ends(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    import torch
+
+    if torch.compiler.is_compiling():
+        return
+    stack = _MADE.__dict__.get("stack")
+    if stack and stack.pop():
+        _MADE.depth -= 1
 
 
 def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, scale: float | None,
@@ -434,6 +502,7 @@ def _wrap_load_check(model_class: Any) -> None:
         if not isinstance(attn_implementation, str) or attn_implementation not in _NAMES:
             return original(self, attn_implementation, *args, **kwargs)
         check_model(self)
+        track_positions(self)
         missing = object()
         own = self.__dict__.get("_compatible_flash_implementations", missing)
         self.__dict__["_compatible_flash_implementations"] = None
