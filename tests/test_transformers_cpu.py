@@ -210,10 +210,12 @@ def test_a_model_that_makes_its_position_ids_is_not_read(kernels, monkeypatch):
         assert len(reads) == 3 and kernels["varlen"] == 3
         with pytest.raises(Exception):  # noqa: B017 (any error: the count must come back to zero)
             ours(ids.float())
-    assert not nf_hf.made_positions() and not nf_hf._MADE.stack
+        assert not nf_hf.made_positions() and not nf_hf._MADE.modules
+        ours(ids, position_ids=torch.arange(40)[None])  # given after the error: read
+        assert len(reads) == 4
     ours.train()
     ours(ids).logits.sum().backward()  # training: the dense call, no read
-    assert len(reads) == 3
+    assert len(reads) == 4
 
 
 class Recorded(list):

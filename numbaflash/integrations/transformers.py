@@ -310,7 +310,7 @@ def restarts(position_ids: Any) -> bool:
 
 # ------------------------------------------------------------------ position_ids a model makes
 
-_MADE = threading.local()  # per thread: .depth, forwards running that make their own position_ids
+_MADE = threading.local()  # per thread: .modules, ids of the models whose running forward makes them
 _FORWARD_PARAMS: dict = {}  # model class -> its forward's parameter names after self
 
 
@@ -320,7 +320,7 @@ def made_positions() -> bool:
     decoders take consecutive positions from the cache's length (``arange``), in which no packed
     sequence can hide, so ``packed`` need not read them (a forward pre-hook, ``track_positions``,
     counts these forwards). Models given position_ids (packed or not) have them read once a forward."""
-    return getattr(_MADE, "depth", 0) > 0
+    return bool(getattr(_MADE, "modules", None))
 
 
 def track_positions(model: Any) -> None:
@@ -346,21 +346,19 @@ def _forward_begins(module: Any, args: tuple, kwargs: dict) -> None:
             return kwargs[name]
         return args[params.index(name)] if name in params and params.index(name) < len(args) else None
 
-    makes = "position_ids" in params and given("position_ids") is None and given("cache_position") is None
-    stack = _MADE.__dict__.setdefault("stack", [])
-    stack.append(makes)
-    if makes:
-        _MADE.depth = getattr(_MADE, "depth", 0) + 1
+    if "position_ids" in params and given("position_ids") is None and given("cache_position") is None:
+        _MADE.__dict__.setdefault("modules", []).append(id(module))
 
 
 def _forward_ends(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    """(Also after a forward that raised: ``always_call``.) Only this model's own entry leaves."""
     import torch
 
     if torch.compiler.is_compiling():
         return
-    stack = _MADE.__dict__.get("stack")
-    if stack and stack.pop():
-        _MADE.depth -= 1
+    modules = _MADE.__dict__.get("modules")
+    if modules and modules[-1] == id(module):
+        modules.pop()
 
 
 def decode_step(q: Any, k_cache: Any, v_cache: Any, mask: Any, causal: bool, scale: float | None,
