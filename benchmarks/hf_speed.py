@@ -11,7 +11,10 @@ by call after a warm-up:
 
 * prefill: one forward of a batch-1 sequence of ``--seqlen`` tokens, no grad;
 * training step: forward, loss and backward of the same sequence, then the gradients set to None
-  as an optimizer's ``zero_grad`` does (no optimizer step: it is the same for both);
+  as an optimizer's ``zero_grad`` does (no optimizer step: it is the same for both), each call
+  on an idle device; and the same steps back to back, ``--iters`` a block with no wait between
+  them, as a training loop issues them (ms a step by wall clock, the median of ``2 x --rounds``
+  blocks of each model, taking turns);
 * generate: greedy ``generate`` of ``--new`` tokens after a ``--prompt``-token prompt with the
   static cache, which transformers compiles with ``mode="reduce-overhead"`` (CUDA graphs), at each
   batch of ``--batches``; tokens/s counts the new tokens.
@@ -76,6 +79,23 @@ def alternating(calls: dict, iters: int, rounds: int) -> dict:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def back_to_back(calls: dict, iters: int, rounds: int) -> dict:
+    """name: median seconds a call over ``2 * rounds`` blocks of ``iters`` calls issued with no
+    wait between them (as a training loop runs: the host queues a step while the device runs the
+    last), the device synchronised at each block's ends; the names take turns block by block."""
+    samples: dict = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(2 * rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                calls[name]()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / iters)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -115,6 +135,9 @@ def main() -> None:
         model.train()
     got = alternating({n: step(m) for n, m in pair.items()}, args.iters, args.rounds)
     rows.append((f"train step {args.seqlen}", "ms", got["numbaflash"] * 1e3, got["sdpa"] * 1e3,
+                 got["sdpa"] / got["numbaflash"]))
+    got = back_to_back({n: step(m) for n, m in pair.items()}, args.iters, args.rounds)
+    rows.append((f"train steps back to back {args.seqlen}", "ms", got["numbaflash"] * 1e3, got["sdpa"] * 1e3,
                  got["sdpa"] / got["numbaflash"]))
     for model in pair.values():
         model.eval()
