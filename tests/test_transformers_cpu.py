@@ -305,6 +305,32 @@ def test_training_flows_gradients_to_the_weights(kernels):
         assert_close(a.grad, b.grad), name
 
 
+def test_training_layers_after_the_first_take_the_checked_fast_path(monkeypatch):
+    """In training the first layer's call goes through ``api.flash_attention`` (``route`` checks
+    the scalars and keeps them); every later layer enters ``EagerAttention`` directly
+    (``torch_route.attention_autograd``). The weights' gradients equal eager attention's. The
+    kernels here are the float64 references behind ``torch_ops.run_forward`` / ``run_backward``."""
+    from numbaflash import torch_ops
+    from tests._torch_attention import reference_backward, reference_forward
+
+    monkeypatch.setattr(torch_ops, "run_forward", reference_forward)
+    monkeypatch.setattr(torch_ops, "run_backward", reference_backward)
+    monkeypatch.setattr(torch_route, "_CHECKED", {})
+    routed = []
+    route = torch_route.route
+    monkeypatch.setattr(numbaflash.api, "_TORCH_ROUTE", [lambda *a: routed.append(1) or route(*a)])
+    nf_hf.register()
+    ours, eager = models(tiny(transformers.LlamaConfig, num_hidden_layers=3))
+    ours.train()
+    eager.train()
+    ids = torch.randint(1, 97, (1, 24))
+    for model in (ours, eager):
+        model(ids, labels=ids).loss.backward()
+    assert routed == [1]  # the first layer only
+    for (name, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
+        assert_close(a.grad, b.grad), name
+
+
 def test_what_no_kernel_runs_is_refused(kernels):
     with pytest.raises(ValueError, match="q/k head dim 264 and v head dim 264.*pads other head dims to 256"):
         transformers.AutoModelForCausalLM.from_config(tiny(transformers.LlamaConfig, head_dim=264),
