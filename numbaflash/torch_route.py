@@ -92,9 +92,12 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _remember(given: tuple, head_dim: int, head_dim_v: int, checked: tuple) -> None:
+    key = (*given, head_dim, head_dim_v)
+    if key in _CHECKED:
+        return
     if len(_CHECKED) >= _CHECKED_KEPT:
         _CHECKED.clear()
-    _CHECKED[(*given, head_dim, head_dim_v)] = checked
+    _CHECKED[key] = checked
 
 
 def attention_autograd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,

@@ -311,7 +311,7 @@ def restarts(position_ids: Any) -> bool:
 # ------------------------------------------------------------------ position_ids a model makes
 
 _MADE = threading.local()  # per thread: .modules, ids of the models whose running forward makes them
-_FORWARD_PARAMS: dict = {}  # model class -> its forward's parameter names after self
+_FORWARD_PARAMS: dict = {}  # model class -> {parameter name: position in args} of its forward
 
 
 def made_positions() -> bool:
@@ -339,12 +339,14 @@ def _forward_begins(module: Any, args: tuple, kwargs: dict) -> None:
         return
     params = _FORWARD_PARAMS.get(type(module))
     if params is None:
-        params = _FORWARD_PARAMS[type(module)] = tuple(inspect.signature(type(module).forward).parameters)[1:]
+        names = tuple(inspect.signature(type(module).forward).parameters)[1:]  # after self
+        params = _FORWARD_PARAMS[type(module)] = {name: i for i, name in enumerate(names)}
 
     def given(name: str) -> Any:
         if name in kwargs:
             return kwargs[name]
-        return args[params.index(name)] if name in params and params.index(name) < len(args) else None
+        i = params.get(name, len(args))
+        return args[i] if i < len(args) else None
 
     if "position_ids" in params and given("position_ids") is None and given("cache_position") is None:
         _MADE.__dict__.setdefault("modules", []).append(id(module))
