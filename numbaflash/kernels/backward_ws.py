@@ -339,14 +339,16 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
     def store_ds(ds_tile, ds_frag, seat):
         """This warp's dSᵀ (16 keys x the block's queries; its A fragments, whose word 2 half + r
         of k-step kt is the pair of n-tile 2 kt + half, row half r) into the swizzled dSᵀ tile
-        (``block_n`` key rows of 128-byte column blocks of 64 queries)."""
-        g = seat.lane // 4
-        t = seat.lane % 4
-        for r in range(2):
-            key = seat.wg * WARPGROUP_ROWS + seat.warp * 16 + g + 8 * r
-            for j in range(S_N):
-                ptx.st_shared_b32(ds_tile + swizzled_offset(key, j, BN, 128) + 4 * t,
-                                  ds_frag[j // 2, 2 * (j % 2) + r])
+        (``block_n`` key rows of 128-byte column blocks of 64 queries): one stmatrix.x4 a k-step,
+        word i the 8x8 matrix i, whose row r lane 8 i + r addresses (key half i % 2, query half
+        i // 2)."""
+        regs = cuda.local.array(4, uint32)
+        matrix = seat.lane // 8
+        key = seat.wg * WARPGROUP_ROWS + seat.warp * 16 + (matrix % 2) * 8 + seat.lane % 8
+        for kt in range(P_K):
+            for i in range(4):
+                regs[i] = ds_frag[kt, i]
+            hp.stmatrix_x4(uint32(ds_tile + swizzled_offset(key, 2 * kt + matrix // 2, BN, 128)), regs)
 
     @cuda.jit(device=True, forceinline=True)
     def add_dq(acc_q, ws, row, seat, counter_at, turn, deterministic):
@@ -608,7 +610,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                              a.tail_pairs if CAUSAL or WINDOW else 0, a.heads_kv, a.group,
                              split.splits if GROUP_SPLIT else 1)
         n_block, batch, kv_head = pl.n_block, pl.batch, pl.kv_head
-        n0 = n_block * BN
+        n0 = int32(n_block * BN)  # 32-bit: a key index (no 64-bit high word held through the walk)
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
         m_blocks = (seqlen_q + BM - 1) // BM
         m_first = int64(0)
@@ -652,8 +654,10 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
-            seat = Seat(thread // uint32(WARPGROUP), (thread // uint32(32)) % uint32(4), thread % uint32(32),
-                        thread)
+            # the warpgroup as a broadcast from lane 0, which ptxas knows to be warp-uniform: what
+            # derives from it (the wgmma descriptors, the tiles' rows) can live in uniform registers
+            wg = uint32(cuda.shfl_sync(FULL_MASK, int32(thread // uint32(WARPGROUP)), 0))
+            seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32), thread)
             sc = Scalars(a.scale_log2, a.cap_scale, a.deterministic)
             ws = Workspace(ptx.global_address_f32(a.dq_acc), ptx.global_address_i32(a.counters), a.lse2,
                            a.delta)
