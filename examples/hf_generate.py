@@ -1,7 +1,8 @@
 """Greedy generation with a Hugging Face model on numbaflash, beside the same model on SDPA.
 
 A small random-init Llama (transformers' own config class), bf16, a left-padded batch; prints
-tokens/s of each and whether their tokens agree. Needs a CUDA GPU, torch and transformers
+tokens/s of each and whether their tokens agree, and for each row where they part, how close the
+two choices were there (``partings``). Needs a CUDA GPU, torch and transformers
 (``pip install ".[cu13,transformers]"``):
 
     python examples/hf_generate.py --batch 4 --prompt 512 --new 64
@@ -65,6 +66,36 @@ def main() -> None:
         print(f"{name:>10}: {args.batch * args.new / seconds:8.1f} tokens/s")
     same = torch.equal(tokens["numbaflash"], tokens["sdpa"])
     print(f"tokens equal to SDPA's: {same}")
+    for line in partings(models["numbaflash"], models["sdpa"], tokens["numbaflash"], tokens["sdpa"], mask):
+        print(line)
+
+
+def partings(ours_model, sdpa_model, ours, theirs, mask) -> list[str]:
+    """One line for each row where the two generations part: the new token where they do, and,
+    after the common prefix, the gap between the two choices' logits beside the largest difference
+    between the two models' logits there. A random-init model's greedy choice often meets a
+    near-tie that the two attention implementations' roundings decide differently (everything
+    after it differs): a gap within twice that difference (each model's own rounding, the
+    tolerance ``tests/test_transformers_gpu.py`` allows against float32) is such a tie.
+    ``ours`` and ``theirs``: (batch, prompt + new) token ids; ``mask``: the prompt's padding mask."""
+    lines = []
+    prompt = mask.shape[1]
+    for row in range(ours.shape[0]):
+        parted = (ours[row] != theirs[row]).nonzero()
+        if parted.numel() == 0:
+            continue
+        at = int(parted[0])
+        prefix = {"input_ids": ours[row:row + 1, :at],
+                  "attention_mask": torch.cat([mask[row], mask.new_ones(at - prompt)])[None]}
+        with torch.no_grad():
+            mine, other = (model(**prefix).logits[0, -1].float() for model in (ours_model, sdpa_model))
+        chosen, rival = int(ours[row, at]), int(theirs[row, at])
+        gap = abs(float(other[chosen] - other[rival]))
+        differ = float((mine - other).abs().max())
+        verdict = "a near-tie" if gap <= 2 * differ else "wider than twice that: worth a look"
+        lines.append(f"  row {row} parts at new token {at - prompt}: the two choices' logits {gap:.4f} "
+                     f"apart, the models' logits up to {differ:.4f}: {verdict}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -653,3 +653,40 @@ def test_other_requests_pass_through_the_wrapped_checks(kernels):
         model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                               attn_implementation=request)
         assert model.config._attn_implementation in ("sdpa", "eager")
+
+
+def test_hf_generate_example_says_where_and_how_close_each_row_parts():
+    """``examples/hf_generate.py``'s ``partings``: no line where the rows agree; for a row that
+    parts, the new token where it does, the gap between the two choices' logits (the second
+    model's, after the common prefix) and the models' largest logit difference there, called a
+    near-tie only within twice that difference."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
+    spec = importlib.util.spec_from_file_location("hf_generate_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    config = tiny(transformers.LlamaConfig)
+    torch.manual_seed(0)
+    first, second = (transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                                   attn_implementation=name).eval()
+                     for name in ("eager", "sdpa"))
+    second.load_state_dict(first.state_dict())
+    ids, mask = left_padded((0, 2), 5)
+    ours = torch.cat([ids, torch.randint(1, 97, (2, 4))], dim=1)
+    assert example.partings(first, second, ours, ours.clone(), mask) == []
+    theirs = ours.clone()
+    theirs[1, 7] = ours[1, 7] % 96 + 1  # row 1 parts at its third new token
+    prefix = {"input_ids": ours[1:2, :7], "attention_mask": torch.cat([mask[1], mask.new_ones(2)])[None]}
+    with torch.no_grad():
+        logits = second(**prefix).logits[0, -1]
+    gap = abs(float(logits[int(ours[1, 7])] - logits[int(theirs[1, 7])]))
+    (line,) = example.partings(first, second, ours, theirs, mask)
+    assert line.startswith("  row 1 parts at new token 2:") and f"{gap:.4f} apart" in line
+    assert line.endswith("worth a look")  # float32 twins differ far less than two random logits
+    with torch.no_grad():  # make the two choices a tie in the second model, near one in the first
+        second.lm_head.weight[int(theirs[1, 7])] = second.lm_head.weight[int(ours[1, 7])]
+        first.lm_head.weight[int(theirs[1, 7])] = first.lm_head.weight[int(ours[1, 7])] * 1.01
+    (line,) = example.partings(first, second, ours, theirs, mask)
+    assert line.endswith("a near-tie")
