@@ -141,11 +141,18 @@ def tensor(shape, requires_grad=True, is_cuda=True):
     import torch
 
     return types.SimpleNamespace(shape=shape, dtype=torch.bfloat16, requires_grad=requires_grad,
-                                 is_cuda=is_cuda)
+                                 is_cuda=is_cuda, get_device=lambda: 0 if is_cuda else -1)
 
 
-def test_a_forward_that_needs_grad_prepares_the_backward_it_will_run(workers, hopper_state):
+def torch_ops_fresh(monkeypatch):
+    """``numbaflash.torch_ops`` (skipped without torch) with no call prepared yet in this process."""
     torch_ops = pytest.importorskip("numbaflash.torch_ops")
+    monkeypatch.setattr(torch_ops, "_PREPARED_CALLS", set())
+    return torch_ops
+
+
+def test_a_forward_that_needs_grad_prepares_the_backward_it_will_run(workers, hopper_state, monkeypatch):
+    torch_ops = torch_ops_fresh(monkeypatch)
     q, k = tensor((2, 1024, 8, 128)), tensor((2, 1024, 8, 128), requires_grad=False)
     plain = tensor((2, 1024, 8, 128), requires_grad=False)
     assert torch_ops.prepare_backward(plain, plain, plain, True, 0.1) == 0  # no grad: no backward follows
@@ -161,8 +168,8 @@ def test_a_forward_that_needs_grad_prepares_the_backward_it_will_run(workers, ho
     assert _warm_fake.compiles(workers) == sorted(BACKWARD_OPERATIONS)
 
 
-def test_a_variant_prepares_its_own_kernels(workers, hopper_state):
-    torch_ops = pytest.importorskip("numbaflash.torch_ops")
+def test_a_variant_prepares_its_own_kernels(workers, hopper_state, monkeypatch):
+    torch_ops = torch_ops_fresh(monkeypatch)
     q = tensor((1, 4096, 4, 64))
     # a window whose sides bound the problem: the window kernel of the causal config
     assert torch_ops.prepare_backward(q, q, q, False, 0.1, (256, 0)) == 3
