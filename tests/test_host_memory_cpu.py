@@ -14,6 +14,9 @@ from numbaflash.runtime import host_memory as hm
 from numbaflash.runtime import pipeline as pl
 
 MB = 1 << 20
+# Blocks and registrations end in finalizers that run when the last reference goes (refcounting).
+# gc.collect(0) is the guard against a young cycle; a full collection walks the whole process's
+# heap, which after the offline compile tests of a CI run costs seconds a call.
 
 
 class FakeDriver:
@@ -77,10 +80,10 @@ def test_pool_block_comes_back_when_the_result_dies(fake):
     address = a.ctypes.data
     view = a[1:3]
     del a
-    gc.collect()
+    gc.collect(0)
     assert hm.POOL.in_use > 0, "a view still holds the block"
     del view
-    gc.collect()
+    gc.collect(0)
     assert hm.POOL.in_use == 0 and len(hm.POOL.idle) == 1
     b = hm.POOL.empty((4, 1000, 8, 64), np.float16, 64 * MB, "ctx")
     assert b.ctypes.data == address, "the block is reused, not allocated again"
@@ -91,7 +94,7 @@ def test_pool_respects_the_cap_and_drops_idle_blocks_for_room(fake):
     a = hm.POOL.empty((3 * MB,), np.uint8, 8 * MB, "ctx")  # a 4 MB block
     assert hm.POOL.empty((6 * MB,), np.uint8, 8 * MB, "ctx") is None  # 4 + 6 > 8: caller copies
     del a
-    gc.collect()
+    gc.collect(0)
     big = hm.POOL.empty((6 * MB,), np.uint8, 8 * MB, "ctx")  # the idle 4 MB block is freed first
     assert big is not None and hm.POOL.held == 6 * MB
     assert sum(1 for e in fake.log if e[0] == "free") == 1
@@ -100,7 +103,7 @@ def test_pool_respects_the_cap_and_drops_idle_blocks_for_room(fake):
 def test_pool_does_not_hand_a_small_request_a_huge_block(fake):
     big = hm.POOL.empty((64 * MB,), np.uint8, 256 * MB, "ctx")
     del big
-    gc.collect()
+    gc.collect(0)
     small = hm.POOL.empty((1 * MB,), np.uint8, 256 * MB, "ctx")
     assert hm.POOL.in_use == 2 * MB and len(hm.POOL.idle) == 1
     del small
@@ -119,7 +122,7 @@ def test_array_is_registered_on_its_second_use_and_unregistered_when_it_dies(fak
     regs.done(users)
     address = x.ctypes.data
     del x
-    gc.collect()
+    gc.collect(0)
     assert fake.registered == {} and ("unregister", address) in fake.log
     assert regs.registered_bytes == 0 and not regs.live and not regs.seen
 
