@@ -268,3 +268,14 @@ def test_main_with_variants_on_a_family_without_them(fake_hopper, capsys, monkey
     monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     assert selftest.main(["--variants", "--family", "sm90", "--quick", "--seed", "5"]) == 2
     assert "sm90 has no window/softcap or varlen kernels" in capsys.readouterr().err and not fake_hopper
+
+
+def test_a_case_run_on_other_inputs_says_why():
+    """A numba case of a split head dim runs on torch: its line says so, not that torch was missing
+    (the line a d512 backward case printed on an H200 with torch, G54d)."""
+    from numbaflash.tools.selftest_common import kind_note
+
+    assert kind_note("numba", "numba") == ""
+    assert kind_note("torch", "numba") == " (torch with CUDA not importable: ran as numba)"
+    note = kind_note("numba", "torch")
+    assert "split head dim" in note and note.endswith("ran as torch)") and "not importable" not in note

@@ -65,6 +65,7 @@ from .selftest_common import (
     draw_sink,
     draw_value_dims,
     draw_window_softcap,
+    kind_note,
     log_uniform,
     numpy_dtype,
     to_device,
@@ -432,7 +433,7 @@ def run_case(case: Case, capability: tuple[int, int]) -> CaseResult:
         else:
             ratio, found = compare_with_reference(q, k, v, got, lse, **options)
         problems += found
-        note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
+        note = kind_note(case.kind, kind)
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
     except Exception as exc:
         return CaseResult(case, False, math.inf, time.perf_counter() - start,
@@ -592,7 +593,7 @@ def run_backward_case(case: BackwardCase) -> CaseResult:
             ratio, found = compare_gradients_with_reference(q, k, v, dout, host_grads, causal=case.causal,
                                                             softmax_scale=case.softmax_scale, **checks)
         problems += found
-        note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
+        note = kind_note(case.kind, kind)
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
     except Exception as exc:
         return CaseResult(case, False, math.inf, time.perf_counter() - start,

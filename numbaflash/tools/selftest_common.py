@@ -83,6 +83,16 @@ def cuda_torch() -> Any:
     return torch if torch.cuda.is_available() else None
 
 
+def kind_note(asked: str, ran: str) -> str:
+    """What a case's line says when it ran on other inputs than it drew: a torch case without a CUDA
+    torch runs on numba (or numpy) arrays, and a numba case of a head dim run split on torch (or
+    numpy) ones (``operations.head_dims`` takes those two only)."""
+    if asked == ran:
+        return ""
+    why = "torch with CUDA not importable" if asked == "torch" else "a split head dim takes torch or numpy"
+    return f" ({why}: ran as {ran})"
+
+
 def to_device(x: np.ndarray, kind: str) -> Any:
     """``x`` as a torch CUDA tensor or a Numba device array (a DeviceBuffer for bfloat16); int32
     (varlen offsets) and float32 (a learnable sink) as they are."""

@@ -35,6 +35,7 @@ from .selftest_common import (
     draw_sink,
     draw_value_dims,
     draw_window_softcap,
+    kind_note,
     log_uniform,
     numpy_dtype,
     to_device,
@@ -405,7 +406,7 @@ def run_decode_case(case: DecodeCase) -> Any:
                                     (dev["k_cache"], dev["v_cache"]), strict=True):
             if not same_cache(to_host(have), want.astype(np.float64), case.rotary != 0, case.dtype):
                 problems.append(f"{name} after the call is not the cache with the new rows appended")
-        note = "" if kind == case.kind else " (torch with CUDA not importable: ran as numba)"
+        note = kind_note(case.kind, kind)
         return CaseResult(case, not problems, ratio, time.perf_counter() - start, "; ".join(problems) + note)
     except Exception as exc:
         return CaseResult(case, False, math.inf, time.perf_counter() - start,
