@@ -53,7 +53,8 @@ class Mbarrier:
         return self.completed % 2 != parity
 
 
-@pytest.mark.parametrize(("stages", "consumers", "seed"), itertools.product([1, 2, 3, 4], [1, 3], range(3)))
+@pytest.mark.parametrize(("stages", "consumers", "seed"),
+                         list(itertools.product([1, 2, 3, 4], [1, 3], range(3))))
 def test_ring_protocol_never_overwrites_or_reads_early(stages, consumers, seed):
     """A producer and ``consumers`` warps, interleaved at random, go through 40 uses of a ring
     by its steps' arithmetic (wait_full / wait_empty parities, slots): the producer fills a
