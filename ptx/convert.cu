@@ -8,6 +8,15 @@ extern "C" __device__ unsigned cvt_rn_f16x2_f32(float lo, float hi) {
 extern "C" __device__ unsigned cvt_rn_bf16x2_f32(float lo, float hi) {
   unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
+// Four f32 -> four e4m3 (sm_89+: round to nearest even, finite values past +-448 saturate to
+// +-448, NaN stays NaN), packed in one register: a0 in bits 0-7, a1 in 8-15, a2 in 16-23, a3 in
+// 24-31 (the byte order of an 8-bit mma.sync operand register: a0 is the lowest column).
+extern "C" __device__ unsigned cvt_rn_satfinite_e4m3x4_f32(float a0, float a1, float a2, float a3) {
+  unsigned r;
+  asm("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1; cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;"
+      " mov.b32 %0, {lo, hi}; }" : "=r"(r) : "f"(a0), "f"(a1), "f"(a2), "f"(a3));
+  return r;
+}
 // 2^x, approximate (about 2 ulp), subnormals flushed to zero; ex2(-inf) = 0.
 extern "C" __device__ float ex2_approx_ftz_f32(float x) {
   float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;

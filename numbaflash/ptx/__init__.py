@@ -1,8 +1,8 @@
 """PTX bindings: every instruction Numba cannot express, as a device function.
 
 Kernels import from here and never see cffi, raw pointers or address spaces.
-Families: async_copy, matrix_load, mma, convert, math, reduce (sm_80+); grid (sm_90+, no-ops
-below); hopper (sm_90a).
+Families: async_copy, matrix_load, mma, convert, math, reduce (sm_80+; the e4m3 mma and packing
+sm_89+); grid (sm_90+, no-ops below); hopper (sm_90a).
 """
 
 from .async_copy import (
@@ -37,6 +37,7 @@ from .convert import (
     f32_from_f16_bits,
     log2,
     pack_bf16x2,
+    pack_e4m3x4,
     pack_f16x2,
     reciprocal,
 )
@@ -50,7 +51,7 @@ from .matrix_load import (
     ldmatrix_x4,
     ldmatrix_x4_trans,
 )
-from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16
+from .mma import mma_m16n8k16_bf16, mma_m16n8k16_f16, mma_m16n8k32_e4m3
 from .reduce import (
     atom_add_acq_rel_gpu_s32,
     global_address_f32,
@@ -96,7 +97,9 @@ __all__ = [
     "ldmatrix_x4_trans",
     "mma_m16n8k16_bf16",
     "mma_m16n8k16_f16",
+    "mma_m16n8k32_e4m3",
     "pack_bf16x2",
+    "pack_e4m3x4",
     "pack_f16x2",
     "reciprocal",
     "red_global_add_f32",

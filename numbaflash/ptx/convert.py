@@ -14,6 +14,9 @@ pack_f16x2 = declare("convert", "cvt_rn_f16x2_f32", types.uint32(_f32, _f32))
 pack_f16x2.__doc__ = "pack_f16x2(lo, hi) -> uint32 with f16(lo) in bits 0-15, f16(hi) in 16-31."
 pack_bf16x2 = declare("convert", "cvt_rn_bf16x2_f32", types.uint32(_f32, _f32))
 pack_bf16x2.__doc__ = "pack_bf16x2(lo, hi) -> uint32 with bf16(lo) low, bf16(hi) high."
+pack_e4m3x4 = declare("convert", "cvt_rn_satfinite_e4m3x4_f32", types.uint32(_f32, _f32, _f32, _f32))
+pack_e4m3x4.__doc__ = ("pack_e4m3x4(a0, a1, a2, a3) -> uint32 of four e4m3 (sm_89+), a0 in bits 0-7 ... a3 "
+                       "in 24-31; round to nearest even, finite values past +-448 saturate, NaN stays NaN.")
 exp2 = declare("convert", "ex2_approx_ftz_f32", _f32(_f32))
 exp2.__doc__ = "exp2(x) -> 2**x (ex2.approx.ftz.f32)."
 reciprocal = declare("convert", "rcp_approx_ftz_f32", _f32(_f32))
