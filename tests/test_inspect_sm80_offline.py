@@ -11,6 +11,8 @@ from pathlib import Path
 
 import _sm80_kernels as K
 import pytest
+from _sass import report_cache
+from _sass import sass_lines as _sass_lines
 
 from numbaflash.runtime import sources
 from numbaflash.tools import inspect as nfi
@@ -22,19 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def reports():
     """Compiled reports, shared by every test of this module: ``reports(name, arch)``."""
-    cache = {}
-
-    def get(name: str, arch: str) -> nfi.KernelReport:
-        if (name, arch) not in cache:
-            pyfunc, argtypes = K.KERNELS[name]
-            cache[name, arch] = nfi.inspect_kernel(pyfunc, argtypes, arch, name)
-        return cache[name, arch]
-
-    return get
-
-
-def _sass_lines(report: nfi.KernelReport, pattern: str) -> list[str]:
-    return [line for line in report.sass.splitlines() if re.search(pattern, line)]
+    return report_cache(K.KERNELS)
 
 
 # --------------------------------------------------------------------------- every kernel

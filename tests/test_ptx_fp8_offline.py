@@ -11,10 +11,10 @@ Pinned facts of the toolchain, which the FP8 kernels are designed around:
 
 from __future__ import annotations
 
-import re
-
 import _fp8_kernels as K
 import pytest
+from _sass import report_cache
+from _sass import sass_lines as _lines
 
 from numbaflash.tools import inspect as nfi
 
@@ -23,20 +23,8 @@ ARCHS = ("sm_89", "sm_90a")
 
 @pytest.fixture(scope="module")
 def reports():
-    """Compiled reports, shared by this module's tests: ``reports(name, arch)``."""
-    cache = {}
-
-    def get(name: str, arch: str) -> nfi.KernelReport:
-        if (name, arch) not in cache:
-            pyfunc, argtypes = K.KERNELS[name]
-            cache[name, arch] = nfi.inspect_kernel(pyfunc, argtypes, arch, name)
-        return cache[name, arch]
-
-    return get
-
-
-def _lines(report: nfi.KernelReport, pattern: str) -> list[str]:
-    return [line for line in report.sass.splitlines() if re.search(pattern, line)]
+    """Compiled reports, shared by every test of this module: ``reports(name, arch)``."""
+    return report_cache(K.KERNELS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
