@@ -26,3 +26,12 @@ def report_cache(kernels: dict) -> Callable[[str, str], nfi.KernelReport]:
 
 def sass_lines(report: nfi.KernelReport, pattern: str) -> list[str]:
     return [line for line in report.sass.splitlines() if re.search(pattern, line)]
+
+
+def assert_fully_inlined(report: nfi.KernelReport) -> None:
+    """Every helper inlined (no CALL), no stack, no local memory, no spill, and SASS really read."""
+    assert report.calls == 0, "a helper was not inlined"
+    assert report.stack_bytes == 0
+    assert report.local_bytes == 0
+    assert report.spill_instructions == 0, sass_lines(report, r"\b(LDL|STL)\b")
+    assert report.count("EXIT") >= 1  # the SASS was really read

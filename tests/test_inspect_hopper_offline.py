@@ -12,6 +12,7 @@ import re
 import _hopper_probes as probes
 import numpy as np
 import pytest
+from _sass import assert_fully_inlined as assert_clean
 
 from numbaflash.demos import hopper_gemm as hd
 from numbaflash.ptx import hopper as hp
@@ -39,15 +40,6 @@ def reports():
 
 def _lines(report: nfi.KernelReport, pattern: str) -> list[str]:
     return [line.strip() for line in report.sass.splitlines() if re.search(pattern, line)]
-
-
-def assert_clean(r: nfi.KernelReport) -> None:
-    """Every helper inlined, nothing in local memory."""
-    assert r.calls == 0, "a helper was not inlined"
-    assert r.stack_bytes == 0
-    assert r.local_bytes == 0
-    assert r.spill_instructions == 0, _lines(r, r"\b(LDL|STL)\b")
-    assert r.count("EXIT") >= 1  # the SASS was really read
 
 
 def test_registry_lists_hopper_demos_not_probes():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import _fp8_kernels as K
 import pytest
-from _sass import report_cache
+from _sass import assert_fully_inlined, report_cache
 from _sass import sass_lines as _lines
 
 from numbaflash.tools import inspect as nfi
@@ -30,10 +30,7 @@ def reports():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", list(K.KERNELS))
 def test_fully_inlined_no_local_memory(reports, name, arch):
-    r = reports(name, arch)
-    assert r.calls == 0 and r.stack_bytes == 0 and r.local_bytes == 0
-    assert r.spill_instructions == 0, _lines(r, r"\b(LDL|STL)\b")
-    assert r.count("EXIT") >= 1  # the SASS was really read
+    assert_fully_inlined(reports(name, arch))
 
 
 def test_ada_runs_the_e4m3_mma_natively(reports):
