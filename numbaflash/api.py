@@ -32,6 +32,10 @@ def flash_attention(
     return_lse: bool = False,
     out: Any = None,
     learnable_sink: Any = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
+    out_dtype: Any = None,
 ) -> Any:
     """Exact attention ``O = softmax(Q Kᵀ · scale) V`` on tensor cores.
 
@@ -79,6 +83,13 @@ def flash_attention(
             LSE = the sink. A kernel variant of its own (compiled on first use), on both kernel
             families. Device inputs only. Its backward: ``flash_attention_backward(...,
             learnable_sink=)``; under autograd the sink may require grad.
+        q_descale, k_descale, v_descale: FP8 inputs only (FlashAttention-3's API): q, k and v of
+            dtype ``float8_e4m3fn`` (torch CUDA tensors, or numpy ``ml_dtypes`` arrays) hold
+            x / descale; each descale is a float32 torch tensor of shape (batch, heads_kv) (q's
+            heads share their KV head's), None for 1. Hopper only; head dims 64, 128 and 256;
+            causal, GQA, window, softcap and a learnable sink as in 16 bits; no varlen, no
+            backward. ``numbaflash.fp8.quantize`` makes the inputs and descales.
+        out_dtype: FP8 inputs only: the output's dtype, torch.bfloat16 (default) or torch.float16.
 
     Raises:
         TypeError, ValueError: bad input, before anything is compiled or launched.
@@ -86,13 +97,23 @@ def flash_attention(
         RuntimeError: no usable GPU of compute capability 8.0 or newer.
 
     Returns:
-        ``out`` (batch, seqlen_q, heads_q, v's head_dim) in q's dtype, or ``(out, lse)``.
+        ``out`` (batch, seqlen_q, heads_q, v's head_dim) in q's dtype (FP8: in ``out_dtype``), or
+        ``(out, lse)``.
 
     On torch tensors that need autograd (or under torch.compile, a fake-tensor mode or
     another dispatch mode) the call goes through the custom op ``numbaflash::
     flash_attention_forward`` (``torch_ops``), which is differentiable; ``out=`` then cannot
     be combined with autograd.
     """
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or getattr(getattr(q, "dtype", None), "itemsize", 2) == 1):
+        from .operations.fp8_forward import flash_attention_fp8
+
+        return flash_attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                   softcap=softcap, return_lse=return_lse, out=out,
+                                   learnable_sink=learnable_sink,
+                                   out_dtype=out_dtype)
     kind = kind_of(q)
     padded = head_dims.padding_for(q, k, v, kind, 4)
     if padded is not None:

@@ -60,6 +60,15 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     # (128 x 80 does not spill without causal masking: see the tuned table.)
     ("sm90", 256): WsConfig(256, block_n=64, stages=2, q_stages=1, o_in_q=True),
 }
+# The e4m3 (FP8) Hopper forward's config per head dim (``WsConfig.fp8``; ``operations.fp8_forward``):
+# the 16-bit table's shapes where they fit, O always in a tile of its own (e4m3 tiles are half
+# the bytes). d256: one Q buffer (Q 32 KB, K and V 2 x 2 x 32 KB, O 64 KB). Not tuned yet.
+FP8_DEFAULTS: dict[int, WsConfig] = {
+    64: WsConfig(64, block_n=128, stages=2, consumers=3, fp8=True),
+    128: WsConfig(128, block_n=128, stages=2, fp8=True),
+    256: WsConfig(256, block_n=128, stages=2, q_stages=1, fp8=True),
+}
+FP8_HEAD_DIMS = tuple(FP8_DEFAULTS)
 # (head_dim, head_dim_v) pairs' forward config (``ASYMMETRIC_HEAD_DIMS``), on every GPU: d256's
 # table shape (128 x 64, Q by k-slices, double buffered, early K copy) at Q's and K's 192 columns
 # and V's 128: 88 KB of shared memory, which fits every sm80-family GPU. Not tuned yet.

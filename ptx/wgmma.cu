@@ -1,6 +1,6 @@
 // Warpgroup MMA (sm_90a): wgmma.fence / commit_group / wait_group and wgmma.mma_async
-// m64nNk16 with f32 accumulators and f16 or bf16 inputs. One asm statement per function;
-// the macros below only spell out the long operand lists.
+// m64nNk16 with f32 accumulators and f16 or bf16 inputs, and m64nNk32 with e4m3 inputs. One asm
+// statement per function; the macros below only spell out the long operand lists.
 //
 // A warpgroup (4 consecutive warps, the first warp index a multiple of 4) issues each
 // instruction together. d points at this thread's N/2 f32 accumulators (a local array that
@@ -9,7 +9,9 @@
 // in the _rs forms A is 4 registers of packed 16-bit pairs (the m16n8k16 A-fragment layout,
 // one 16-row slice per warp). Suffix _tb: B is MN-major (transposed, imm-trans-b = 1);
 // suffix _ta_tb (the _ss forms): A and B both MN-major (imm-trans-a = imm-trans-b = 1);
-// without them both operands are K-major.
+// without them both operands are K-major. The e4m3 forms (k32: 32 elements, 32 bytes, a k-step)
+// take no transpose: 8-bit operands are K-major only; their A fragment (_rs) is 4 registers of
+// four e4m3 each, the mma.sync m16n8k32 A-fragment layout.
 
 extern "C" __device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 extern "C" __device__ void wgmma_commit_group() {
@@ -92,6 +94,26 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
                  : "memory");                                                                      \
   }
 
+// The e4m3 forms: m64nNk32, both operands K-major (no imm-trans arguments for 8-bit types).
+#define WGMMA_SS_E4M3(NAME, N, NACC, IA, IB, IS)                                                   \
+  extern "C" __device__ void NAME(float* d, unsigned long long desc_a, unsigned long long desc_b,   \
+                                  unsigned scale_d) {                                              \
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %" IS ", 0; "                                     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS_##NACC            \
+                 ", %" IA ", %" IB ", p, 1, 1; }"                                                 \
+                 : ACC_##NACC : "l"(desc_a), "l"(desc_b), "r"(scale_d) : "memory");                 \
+  }
+#define WGMMA_RS_E4M3(NAME, N, NACC, IA0, IA1, IA2, IA3, IB, IS)                                   \
+  extern "C" __device__ void NAME(float* d, const unsigned* a, unsigned long long desc_b,          \
+                                  unsigned scale_d) {                                              \
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %" IS ", 0; "                                     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS_##NACC            \
+                 ", {%" IA0 ", %" IA1 ", %" IA2 ", %" IA3 "}, %" IB ", p, 1, 1; }"                  \
+                 : ACC_##NACC                                                                      \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)            \
+                 : "memory");                                                                      \
+  }
+
 // An empty asm that "reads and writes" every accumulator: keeps the compiler from moving
 // accumulator reads or writes across wgmma fence/commit/wait (the hardware updates them
 // asynchronously, between mma_async and wait_group).
@@ -113,6 +135,8 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
   WGMMA_RS(wgmma_m64n##N##k16_f32_f16_rs_tb, N, "f16", 1, NACC, I0, I1, I2, I3, I4, I5)           \
   WGMMA_RS(wgmma_m64n##N##k16_f32_bf16_rs, N, "bf16", 0, NACC, I0, I1, I2, I3, I4, I5)            \
   WGMMA_RS(wgmma_m64n##N##k16_f32_bf16_rs_tb, N, "bf16", 1, NACC, I0, I1, I2, I3, I4, I5)         \
+  WGMMA_SS_E4M3(wgmma_m64n##N##k32_f32_e4m3_ss, N, NACC, I0, I1, I2)                               \
+  WGMMA_RS_E4M3(wgmma_m64n##N##k32_f32_e4m3_rs, N, NACC, I0, I1, I2, I3, I4, I5)                   \
   WGMMA_FENCE_OPERAND(NACC)
 
 #if !defined(WGMMA_SOME_N) || defined(WGMMA_N8)

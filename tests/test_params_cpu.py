@@ -55,6 +55,27 @@ def test_every_sink_build_agrees_with_its_declaration():
     assert any(k.spec.varlen for k, _, _ in sinks.values())
 
 
+def test_every_fp8_build_agrees_with_its_declaration():
+    """The e4m3 Hopper forward builds (on demand, not registered): the 16-bit kernel's parameters,
+    then the descales (``params.DESCALES``); with a sink, the sink's logits after them."""
+    import dataclasses
+
+    from numbaflash.tools.registry import _built, forward_fp8_kernels
+
+    fp8 = forward_fp8_kernels()
+    assert len(fp8) == 12
+    for name, (kernel, argtypes, _) in fp8.items():
+        for spec in (kernel.spec, dataclasses.replace(kernel.spec, sink=True)):
+            built, types = _built(spec) if spec.sink else (kernel, argtypes)
+            declared = kernel_params(spec)
+            assert spec.config.fp8 and "_e4m3_" in name, name
+            assert declared[:len(params.WS_FORWARD)] == params.WS_FORWARD
+            assert declared[len(params.WS_FORWARD):] == params.DESCALES + (params.SINK if spec.sink else ())
+            assert kernel_abi(spec) == tuple(str(t) for t in types), name
+            function = getattr(built, "py_func", built)
+            assert tuple(inspect.signature(function).parameters) == params.names_of(declared), name
+
+
 def test_every_gqa_split_build_agrees_with_its_declaration():
     """The Hopper backward's GQA-split builds (built on demand, not registered): the declaration is
     the kernel's parameter list, and each is the split build of a registered main kernel."""

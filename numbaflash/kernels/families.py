@@ -278,7 +278,8 @@ def make_kernel(spec: KernelSpec):
 
 def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     """The parameters of ``spec``'s kernel, in order (``kernels.params``): its operation's, with
-    the packed sequences of a varlen build, the window's and softcap's for a decode variant, and
+    the packed sequences of a varlen build, an e4m3 build's descales, the window's and softcap's for
+    a decode variant, and
     the learnable sink's logits last for a sink build (the backward's prepare kernel: the logits
     and d_sink, ``params.SINK_GRADIENT``; a decode build: ``params.decode_params``, then its
     cache options), and the GQA split's sums, tickets and count last for a split build of the
@@ -287,6 +288,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     if op == "forward":
         if family == "sm90":
             declared = params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
+            if spec.config.fp8:  # e4m3 inputs: their descales (``params.DESCALES``)
+                declared += params.DESCALES
         else:
             declared = params.VARLEN_FORWARD if spec.varlen else params.FORWARD
         return declared + params.SINK if spec.sink else declared

@@ -85,11 +85,13 @@ from .ring import RingBarriers, make_ring
 from .shapes import WARPGROUP_ROWS, WsConfig
 from .smem import global_rows, swizzle_phase
 from .softmax import (
+    P_SCALE_E4M3,
     adopt_row_max,
     cap_scores,
     exponentiate,
     max_grew,
     pack_16bit,
+    pack_p_e4m3,
     pack_p_fragments,
     row_sum_inverse,
     scale_o_rows,
@@ -114,18 +116,21 @@ Tiles = namedtuple("Tiles", ["q", "k", "v", "o"])
 # Per-warp online-softmax state: running row maxes (scaled, log2), this lane's part of the
 # row sums, a tile's row maxes, and the O rescale factors of the last max change.
 RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx", "alpha"])
-# A consumer warp's register arrays: the S accumulator, the O accumulator, P as 16-bit A
-# fragments of the PV wgmma, and 4 words to stage stmatrix operands.
+# A consumer warp's register arrays: the S accumulator, the O accumulator, P as 16-bit (or e4m3)
+# A fragments of the PV wgmma, and 4 words to stage stmatrix operands.
 Accumulators = namedtuple("Accumulators", ["s", "o", "p", "regs"])
 # wgmma descriptors: this warpgroup's Q rows (K-major), K stage 0 (K-major) and V stage 0
 # (MN-major: head-dim blocks block_n * row_bytes bytes apart); a tile's Q buffer is added to q.
 Descriptors = namedtuple("Descriptors", ["q", "k", "v"])
 # What a consumer reads and writes besides its registers, the exponent factor (softmax scale, or
 # the softcap, times log2(e)), softmax scale / softcap (softcap kernels), for packed sequences
-# (varlen kernels; else unused) the PackedSequences and the PackedOut, and the learnable sink's
-# float32 (heads_q,) logits (sink kernels; else unused).
+# (varlen kernels; else unused) the PackedSequences and the PackedOut, the learnable sink's
+# float32 (heads_q,) logits (sink kernels; else unused), and the Descales (e4m3 kernels; else unused).
 Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2", "cap_scale",
-                       "seqs", "out", "sink"])
+                       "seqs", "out", "sink", "descales"])
+# An e4m3 kernel's float32 (batch * heads_kv,) descales of q, k and v (x = x8 * descale, one per
+# (batch, KV head); q's heads share their KV head's).
+Descales = namedtuple("Descales", ["q", "k", "v"])
 # Where a varlen kernel's threads store O and the LSE: out (flat 16-bit), its row and head strides
 # (elements), and the LSE's head stride (total_q).
 PackedOut = namedtuple("PackedOut", ["o", "row_stride", "head_stride", "lse_head_stride"])
@@ -196,6 +201,24 @@ def make_tile_loads(config: WsConfig, columns: int = 0):
     return load_tile
 
 
+def make_vt_loads(config: WsConfig):
+    """e4m3: ``load_tile(dst, tmap, bar, key0, head, batch, rows)`` for V transposed: TMA the
+    keys key0 .. key0 + rows (``rows`` = block_n) of one (batch, KV head) of the (batch, heads_kv,
+    head_dim, keys) V as head-dim rows of ``vt_row_bytes`` keys, one box per block of keys,
+    ``head_dim * vt_row_bytes`` bytes apart (the map is over (keys, head_dim, heads_kv, batch))."""
+    VRB = config.vt_row_bytes
+    D = config.value_dim
+    BLOCKS = config.block_n // VRB
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_tile(dst, tmap, bar, key0, head, batch, rows):
+        for c in range(BLOCKS):
+            hp.tma_load_4d(dst + c * D * VRB, tmap, bar, int32(key0 + c * VRB), int32(0), int32(head),
+                           int32(batch))
+
+    return load_tile
+
+
 # ---------------------------------------------------------------------------------- producer
 
 def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = False,
@@ -208,8 +231,12 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = F
     O_IN_V = config.o_in_v
     q_ring, kv_ring, o_ring, v_ring = rings
     load_tile = make_tile_loads(config)
-    load_v_tile = (load_tile if config.value_dim == config.head_dim
-                   else make_tile_loads(config, config.value_dim))  # V's columns
+    if config.fp8:
+        load_v_tile = make_vt_loads(config)  # V transposed
+    elif config.value_dim == config.head_dim:
+        load_v_tile = load_tile
+    else:
+        load_v_tile = make_tile_loads(config, config.value_dim)  # V's columns
 
     @cuda.jit(device=True, forceinline=True)
     def wait_o_stored(bars, round_q):
@@ -272,15 +299,24 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
     BN = config.block_n
     D_N_TILES = config.value_dim // 8  # 8-column tiles of the O accumulator
     S_N_TILES = BN // 8
-    P_K_STEPS = BN // 16
+    P_K_STEPS = BN * config.element_bytes // 32  # k-steps of the PV wgmma (16 keys, or 32 in e4m3)
     CONSUMERS = config.consumers
-    CAUSAL, BF16 = causal, bf16
+    CAUSAL, BF16, FP8 = causal, bf16, config.fp8
     WINDOW, SOFTCAP = window, softcap
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
     q_ring, kv_ring, _, v_ring = rings
     issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(config.head_dim, config.block_m, BN, bf16,
-                                                               config.row_bytes, config.value_dim)
+                                                               config.row_bytes, config.value_dim, FP8,
+                                                               config.vt_row_bytes)
+
+    @cuda.jit(device=True, forceinline=True)
+    def pack_p(p_frag, acc_s):
+        """P -> the PV product's A fragments: e4m3 (keys in ``fp8_layout.KEY_ORDER``), or 16-bit."""
+        if FP8:
+            pack_p_e4m3(p_frag, acc_s, P_K_STEPS)
+        else:
+            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
 
     @cuda.jit(device=True, forceinline=True)
     def take_turn(seat):
@@ -389,7 +425,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         if n_tiles > 0:
             first_s(acc_s, bars, descs, kv0, seat)
             softmax_scores(acc_s, stats, n_first, sc)  # no PV yet: nothing to rescale
-            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+            pack_p(p_frag, acc_s)
             for j in range(1, n_tiles):
                 i = kv0 + uint32(j)
                 paired_issue(acc, bars, descs, i, seat, ONE if j > 1 else ZERO)
@@ -397,7 +433,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
                 retire_pv(acc_o, bars, i - ONE, seat)
                 if grew:
                     rescale_o(acc_o, stats)
-                pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
+                pack_p(p_frag, acc_s)
         release_q(bars, work, seat)
         if n_tiles > 0:
             last_pv(acc, bars, descs, kv0 + uint32(n_tiles) - ONE, seat, ONE if n_tiles > 1 else ZERO)
@@ -431,8 +467,8 @@ def make_epilogue(config: WsConfig, bf16: bool, rings: Rings, varlen: bool = Fal
     has V's head dim (``config.value_dim``)."""
     D, BM = config.value_dim, config.block_m
     D_N_TILES = D // 8  # 8-column tiles of the O accumulator
-    RB = config.row_bytes
-    BOX = config.box_cols
+    RB = config.o_row_bytes  # O is 16-bit whatever the inputs
+    BOX = config.o_box_cols
     D_CHUNKS = D // BOX
     CHUNKS_PER_ROW = RB // 16  # 16-byte chunks in a block row (8 or 4)
     CONSUMER_THREADS = config.consumers * WARPGROUP
@@ -543,11 +579,12 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     D, BM, BN = config.value_dim, config.block_m, config.block_n  # D: O's columns (V's head dim)
     D_N_TILES = D // 8
     S_N_TILES = BN // 8
-    P_K_STEPS = BN // 16
+    P_K_STEPS = BN * config.element_bytes // 32  # k-steps of the PV wgmma
     RB = config.row_bytes
     CONSUMERS = config.consumers
     CAUSAL = causal
     SINK = sink
+    FP8, SOFTCAP = config.fp8, softcap
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
     # A consumer warpgroup whose 64 rows all lie past seqlen_q skips the tile (skip_tiles)
@@ -561,9 +598,11 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     q_ring, kv_ring, _, _ = rings
     steps = make_consumer_steps(config, causal, bf16, rings, window, softcap)
     epilogue = make_epilogue(config, bf16, rings, varlen)
-    # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle.
+    # Descriptors of K-major (Q, K) and MN-major (V) tiles in this head dim's swizzle; e4m3: of the
+    # transposed V, K-major in its own swizzle.
     desc_k_major = hp.smem_descriptor_k_sw128 if RB == 128 else hp.smem_descriptor_k_sw64
     desc_mn_major = hp.smem_descriptor_mn_sw128 if RB == 128 else hp.smem_descriptor_mn_sw64
+    desc_vt = hp.smem_descriptor_k_sw128 if config.vt_row_bytes == 128 else hp.smem_descriptor_k_sw64
     fence_o = hp.wgmma_fence_operand(D)
 
     @cuda.jit(device=True, forceinline=True)
@@ -598,6 +637,30 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
         return ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
 
     @cuda.jit(device=True, forceinline=True)
+    def scoring(io, work, at):
+        """How this tile's scores become probabilities; e4m3: the raw scores are times q's and k's
+        descales of the tile's (batch, KV head), folded into the exponent factor (or the softcap's)."""
+        problem = work.place.problem
+        band = Band(problem.seqlen_k, problem.first, problem.last)
+        if FP8:
+            pair = work.place.batch * (problem.heads_q // problem.group) + work.tile.kv_head
+            qk = io.descales.q[pair] * io.descales.k[pair]
+            if SOFTCAP:
+                return Scoring(at, band, io.scale_log2, io.cap_scale * qk)
+            return Scoring(at, band, io.scale_log2 * qk, io.cap_scale)
+        return Scoring(at, band, io.scale_log2, io.cap_scale)
+
+    @cuda.jit(device=True, forceinline=True)
+    def descale_o(acc_o, io, work):
+        """e4m3: O times v's descale of the tile's (batch, KV head), over P's scale
+        (``softmax.P_SCALE_E4M3``)."""
+        problem = work.place.problem
+        pair = work.place.batch * (problem.heads_q // problem.group) + work.tile.kv_head
+        v = io.descales.v[pair] * float32(1.0 / P_SCALE_E4M3)
+        for r in range(2):
+            scale_o_rows(acc_o, D_N_TILES, r, v)
+
+    @cuda.jit(device=True, forceinline=True)
     def attend_tile(acc, stats, descs, io, work, seat):
         """One query tile for this warpgroup: S, softmax and PV over its KV tiles, then the
         epilogue (O, LSE) and the Q buffer's release."""
@@ -605,13 +668,14 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
             zero_o(acc.o)
             fence_o(acc.o)  # keeps this a branch: speculated, it is 128 selects on every tile
         reset_stats(stats, io, work.tile.head)
-        problem = work.place.problem
-        at = tile_mask(work.tile, problem, seat)
-        sc = Scoring(at, Band(problem.seqlen_k, problem.first, problem.last), io.scale_log2, io.cap_scale)
+        at = tile_mask(work.tile, work.place.problem, seat)
+        sc = scoring(io, work, at)
         q_ring.wait_full(io.bars.q, work.round_q)
         q_at = q_ring.offset(q_ring.slot(work.round_q))
         tile_descs = Descriptors(hp.descriptor_add(descs.q, q_at), descs.k, descs.v)
         steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, sc)
+        if FP8:
+            descale_o(acc.o, io, work)
         epilogue.finish_tile(acc.o, stats, io, work.tile, work.place, at, work.round_q, seat, acc.regs)
 
     @cuda.jit(device=True, forceinline=True)
@@ -653,7 +717,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
                          cuda.local.array(2, float32), cuda.local.array(2, float32))
         tiles = io.tiles
         descs = Descriptors(desc_k_major(tiles.q + seat.wg * WG_ROWS * RB), desc_k_major(tiles.k),
-                            desc_mn_major(tiles.v, BN * RB))
+                            desc_vt(tiles.v) if FP8 else desc_mn_major(tiles.v, BN * RB))
         if PINGPONG and seat.wg == CONSUMERS - 1:
             hp.named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP)  # consumer 0 issues first
         walk(ConsumerState(acc, stats, descs, io, seat), io.problem, io.seqs)
@@ -684,11 +748,15 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     (1, total, heads, head_dim) views, and the threads store O (no TMA store: it would clip only at
     total_q) and the (heads_q, total_q) LSE; seqlen_q and seqlen_k are the maxima. ``sink``: a
     learnable sink (``params.SINK`` last: float32 (heads_q,) logits) starts each row's softmax
-    (``make_consumer``); kernels without it compile as before it existed. The kernel is the body's
+    (``make_consumer``); kernels without it compile as before it existed. ``config.fp8``: e4m3 q, k
+    and v (``params.DESCALES`` after the others: their float32 (batch * heads_kv,) descales), V
+    transposed (``fp8_layout``), O in ``bf16``'s 16-bit type. The kernel is the body's
     entry, generated from its declaration (``params.entry``)."""
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
+    if config.fp8 and varlen:
+        raise NotImplementedError("the e4m3 Hopper forward has no packed (varlen) build")
     D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
     CONSUMERS = config.consumers
     QS = config.q_stages
@@ -712,9 +780,10 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     consumer = make_consumer(config, causal, bf16, rings, window, softcap, varlen, sink)
 
     @cuda.jit(device=True, forceinline=True)
-    def run_cta(params, seqs, out, sink):
+    def run_cta(params, seqs, out, sink, descales):
         """The kernel's body (``params``: a WsParams); ``seqs`` and ``out``: a PackedSequences and
-        a PackedOut (varlen), or unused placeholders; ``sink``: the sink's logits, or unused."""
+        a PackedOut (varlen), or unused placeholders; ``sink``: the sink's logits, or unused;
+        ``descales``: the Descales (e4m3), or unused."""
         smem = cuda.shared.array(0, types.uint16)
         bar_words = cuda.shared.array(BARRIER_WORDS, types.uint64)
         tid = cuda.threadIdx.x
@@ -767,18 +836,20 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
             io = Io(maps, bars, tiles, problem, params.lse, params.write_lse, params.scale_log2,
-                    params.cap_scale, seqs, out, sink)
+                    params.cap_scale, seqs, out, sink, descales)
             consumer.consume(io, seat)
 
-    declared = declarations.VARLEN_WS_FORWARD if varlen else declarations.WS_FORWARD
+    declared = ((declarations.VARLEN_WS_FORWARD if varlen else declarations.WS_FORWARD)
+                + (declarations.DESCALES if config.fp8 else ()) + (declarations.SINK if sink else ()))
     placed = ("PackedSequences(cu_seqlens_q, cu_seqlens_k, window_left, window_right), "
               "PackedOut(o, o_row_stride, o_head_stride, total_q)") if varlen else "int32(0), int32(0)"
+    descaled = "Descales(q_descale, k_descale, v_descale)" if config.fp8 else "int32(0)"
     flash_forward_ws = declarations.entry(
-        "flash_forward_ws", declared + declarations.SINK if sink else declared,
+        "flash_forward_ws", declared,
         f"run_cta(WsParams({', '.join(declarations.names_of(declarations.WS_FORWARD))}), {placed}, "
-        f"{'sink' if sink else 'int32(0)'})",
+        f"{'sink' if sink else 'int32(0)'}, {descaled})",
         {"run_cta": run_cta, "WsParams": WsParams, "PackedSequences": PackedSequences, "PackedOut": PackedOut,
-         "int32": int32})
+         "Descales": Descales, "int32": int32})
 
     dims = f"d{D}v{config.value_dim}" if config.value_dim != D else f"d{D}"
     flash_forward_ws.__name__ = (
@@ -786,7 +857,7 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
         f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
         f"{'varlen_' if varlen else ''}{'window' if window else 'causal' if causal else 'full'}"
         f"{'_softcap' if softcap else ''}_"
-        f"{'bf16' if bf16 else 'f16'}{'_sink' if sink else ''}"
+        f"{'e4m3_' if config.fp8 else ''}{'bf16' if bf16 else 'f16'}{'_sink' if sink else ''}"
     )
     # One CTA per SM; the cap at entry (65536 / threads) is what setmaxnreg moves around.
     flash_forward_ws.launch_bounds = (config.threads, 1)

@@ -51,6 +51,9 @@ SEQUENCES = params((I32_ARRAY, "cu_seqlens_q cu_seqlens_k"), (I64, "total_q"))
 # A learnable sink's logits (FlashAttention-4's ``learnable_sink``): float32 (heads_q,), natural-log
 # units, one per query head; the last parameter of a sink build (``KernelSpec.sink``).
 SINK = params((F32_ARRAY, "sink"))
+# An e4m3 forward's descales (``WsConfig.fp8``): float32 (batch * heads_kv,) each, x = x8 * descale;
+# after the kernel's other parameters, before the sink's.
+DESCALES = params((F32_ARRAY, "q_descale k_descale v_descale"))
 # The backward's prepare kernel with a learnable sink: the logits, then the float32 (heads_q,)
 # gradient it adds each CTA's part of d_sink into (zeroed before the launch).
 SINK_GRADIENT = params((F32_ARRAY, "sink d_sink"))

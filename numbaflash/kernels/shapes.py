@@ -185,10 +185,19 @@ class WsConfig(ValueDim):
     # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
     # (``ForwardConfig.head_dim_v``; ``WS_VALUE_DIMS`` lists the pairs). A shape of the call, not a knob.
     head_dim_v: int = 0
+    # q, k and v in e4m3 (one byte an element), O in 16 bits: S and PV as m64nNk32 wgmma, whose
+    # 8-bit operands are K-major only, so V arrives transposed, (batch, heads_kv, head_dim, keys)
+    # with its keys in ``fp8_layout.KEY_ORDER`` within each 32. A dtype of the call, not a knob.
+    fp8: bool = False
 
     @property
     def block_m(self) -> int:
         return WARPGROUP_ROWS * self.consumers
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one q, k or v element: 1 (e4m3) or 2."""
+        return 1 if self.fp8 else 2
 
     @property
     def threads(self) -> int:
@@ -211,21 +220,40 @@ class WsConfig(ValueDim):
 
     @property
     def row_bytes(self) -> int:
-        """Bytes per row of one swizzle block (and TMA box): 128 (128B swizzle, 64 columns)
-        where 64 divides the head dim, else 64 (64B swizzle, 32 columns: head dim 96)."""
-        return 128 if self.head_dim % 64 == 0 else 64
+        """Bytes per row of one swizzle block (and TMA box) of Q and K (16-bit: of V too): 128
+        (128B swizzle) where 128 divides a row's bytes, else 64 (64B swizzle: head dim 96, and
+        e4m3 head dim 64)."""
+        return 128 if (self.head_dim * self.element_bytes) % 128 == 0 else 64
 
     @property
     def box_cols(self) -> int:
-        """Head-dim columns of one TMA box (one swizzle block)."""
-        return self.row_bytes // 2
+        """Head-dim columns of one TMA box (one swizzle block) of Q and K."""
+        return self.row_bytes // self.element_bytes
+
+    @property
+    def o_row_bytes(self) -> int:
+        """Bytes per row of one swizzle block of the 16-bit O tile (128B swizzle where 64 divides
+        O's columns, else 64B): ``row_bytes`` but for e4m3 kernels."""
+        return 128 if self.value_dim % 64 == 0 else 64
+
+    @property
+    def o_box_cols(self) -> int:
+        """O's columns in one TMA box (one swizzle block of the O tile)."""
+        return self.o_row_bytes // 2
+
+    @property
+    def vt_row_bytes(self) -> int:
+        """e4m3: bytes (keys) per row of one swizzle block of the transposed V tile (head-dim
+        rows of ``block_n`` keys): 128 where 128 divides block_n, else 64."""
+        return 128 if self.block_n % 128 == 0 else 64
 
     @property
     def tile_bytes(self) -> dict[str, int]:
         """Bytes of one Q buffer, K stage and V stage, and of the O tile (0 when O is staged in the
-        Q buffer or V ring); V and O have ``value_dim`` columns."""
-        return {"q": self.block_m * self.head_dim * 2, "k": self.block_n * self.head_dim * 2,
-                "v": self.block_n * self.value_dim * 2,
+        Q buffer or V ring); V and O have ``value_dim`` columns, O 16 bits whatever the input."""
+        e = self.element_bytes
+        return {"q": self.block_m * self.head_dim * e, "k": self.block_n * self.head_dim * e,
+                "v": self.block_n * self.value_dim * e,
                 "o": 0 if self.o_in_q or self.o_in_v else self.block_m * self.value_dim * 2}
 
     @property
@@ -266,6 +294,11 @@ class WsConfig(ValueDim):
             raise ValueError(f"block_n must be 64, 80, 128, 176 or 192, got {self.block_n}")
         if self.consumers not in (2, 3):
             raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
+        if self.fp8 and (self.head_dim not in (64, 128, 256) or self.head_dim_v or self.block_n % 64
+                         or self.o_in_q or self.o_in_v):
+            raise ValueError("an e4m3 kernel needs head_dim 64, 128 or 256 (V's the same), block_n a "
+                             "multiple of 64 (the transposed V's swizzle) and O in a tile of its own, "
+                             f"got {self}")
         if self.consumers == 3 and (self.head_dim != 64 or self.block_n > 128):
             raise ValueError("3 consumers (160 registers each) need head_dim 64 and block_n <= 128 "
                              f"(O, S and P of a warpgroup must fit), got {self}")

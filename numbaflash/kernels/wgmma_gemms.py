@@ -10,6 +10,12 @@ blocks of 128-byte rows (128B swizzle; head dims 64, 128, 256) or 32-column bloc
 rows (64B swizzle; head dim 96, whose 192-byte rows do not split into 128-byte blocks). A block
 of a ``rows``-row tile is ``rows * row_bytes`` bytes; a k-step (16 columns) is 32 bytes of a
 row, so the k-step ``kk`` of a K-major operand sits in block ``kk // (row_bytes // 32)``.
+
+With e4m3 inputs (``fp8``) both products are m64nNk32 (a k-step is 32 columns, still 32 bytes of
+a K-major row) and both operands of each are K-major: S as above, and
+
+    O += P V    wgmma m64n{head_dim}k32, P (e4m3, ``softmax.pack_p_e4m3``) from registers, V
+                transposed (head-dim rows of block_n keys, in ``vt_row_bytes``-byte blocks), K-major
 """
 
 from __future__ import annotations
@@ -27,22 +33,28 @@ AttentionGemms = namedtuple("AttentionGemms", ["issue_s", "issue_pv", "fence_s",
 
 
 def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
-                         row_bytes: int = 128, value_dim: int = 0) -> AttentionGemms:
+                         row_bytes: int = 128, value_dim: int = 0, fp8: bool = False,
+                         vt_row_bytes: int = 128) -> AttentionGemms:
     """The GEMM steps for a Q tile of ``block_m`` rows and K / V tiles of ``block_n`` rows, in
     blocks of ``row_bytes``-byte rows (128 or 64; the descriptors' swizzle must match). S's depth
-    is ``head_dim`` (Q's and K's), O's width ``value_dim`` (V's; 0: ``head_dim``)."""
-    if row_bytes not in (64, 128):
-        raise ValueError(f"row_bytes must be 64 or 128, got {row_bytes}")
+    is ``head_dim`` (Q's and K's), O's width ``value_dim`` (V's; 0: ``head_dim``). ``fp8``: e4m3
+    inputs (``bf16`` is then unused), V transposed in blocks of ``vt_row_bytes`` keys."""
+    if row_bytes not in (64, 128) or vt_row_bytes not in (64, 128):
+        raise ValueError(f"row_bytes and vt_row_bytes must be 64 or 128, got {row_bytes}, {vt_row_bytes}")
     value_dim = value_dim or head_dim
-    dtype = "bf16" if bf16 else "f16"
+    dtype = "e4m3" if fp8 else "bf16" if bf16 else "f16"
     mma_s = hp.wgmma_ss(block_n, dtype)
-    mma_o = hp.wgmma_rs(value_dim, dtype, trans_b=True)
+    mma_o = hp.wgmma_rs(value_dim, dtype, trans_b=not fp8)
     fence_s = hp.wgmma_fence_operand(block_n)
     fence_o = hp.wgmma_fence_operand(value_dim)
-    D_K_STEPS = head_dim // 16  # k-steps of the S wgmma
-    P_K_STEPS = block_n // 16  # k-steps of the PV wgmma
+    ELEMENT = 1 if fp8 else 2  # bytes of an input element
+    D_K_STEPS = head_dim * ELEMENT // 32  # k-steps (32 bytes of a K-major row each) of the S wgmma
+    P_K_STEPS = block_n * ELEMENT // 32  # k-steps of the PV wgmma (16 keys, or 32 in e4m3)
     BM, BN, RB = block_m, block_n, row_bytes
-    STEPS_PER_BLOCK = row_bytes // 32  # k-steps of 16 columns (32 bytes) in one block row
+    STEPS_PER_BLOCK = row_bytes // 32  # k-steps (32 bytes) in one block row
+    FP8 = fp8
+    VT_STEPS = vt_row_bytes // 32  # e4m3: k-steps of 32 keys in one block row of transposed V
+    VT_BLOCK = value_dim * vt_row_bytes  # e4m3: bytes of one block of the transposed V tile
 
     @cuda.jit(device=True, forceinline=True)
     def issue_s(acc_s, desc_q, desc_k):
@@ -58,13 +70,17 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
 
     @cuda.jit(device=True, forceinline=True)
     def issue_pv(acc_o, p_frag, desc_v, accumulate):
-        """Start O += P V (async), P from registers, V MN-major (16 keys = 16 rows); with
-        ``accumulate`` 0 the first k-step overwrites O (O = P V: a tile's first PV, so O needs
-        no zeroing before it)."""
+        """Start O += P V (async), P from registers, V MN-major (16 keys = 16 rows), or in e4m3
+        transposed and K-major (32 keys = 32 bytes of each head-dim row); with ``accumulate`` 0
+        the first k-step overwrites O (O = P V: a tile's first PV, so O needs no zeroing before it)."""
         fence_o(acc_o)
         hp.wgmma_fence()
         for kk in range(P_K_STEPS):
-            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, kk * 16 * RB), accumulate if kk == 0 else 1)
+            if FP8:
+                at = (kk // VT_STEPS) * VT_BLOCK + (kk % VT_STEPS) * 32
+            else:
+                at = kk * 16 * RB
+            mma_o(acc_o, p_frag[kk], hp.descriptor_add(desc_v, at), accumulate if kk == 0 else 1)
         hp.wgmma_commit_group()
 
     return AttentionGemms(issue_s, issue_pv, fence_s, fence_o)

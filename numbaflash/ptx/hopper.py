@@ -49,7 +49,7 @@ wgmma_wait_group_3 = declare("wgmma", "wgmma_wait_group_3", _void())
 for _n, _f in enumerate((wgmma_wait_group_0, wgmma_wait_group_1, wgmma_wait_group_2, wgmma_wait_group_3)):
     _f.__doc__ = f"wgmma.wait_group {_n}: wait until at most {_n} committed groups are pending."
 
-_DTYPES = ("f16", "bf16")
+_DTYPES = ("f16", "bf16", "e4m3")
 
 
 def _check_shape(n: int, dtype: str) -> None:
@@ -59,15 +59,25 @@ def _check_shape(n: int, dtype: str) -> None:
         raise ValueError(f"wgmma input type must be one of {_DTYPES}, not {dtype!r}")
 
 
+def _wgmma_name(n: int, dtype: str, form: str) -> str:
+    """The helper's name in ptx/wgmma.cu: m64nNk16 for the 16-bit types, m64nNk32 for e4m3 (a
+    k-step is 32 bytes of a K-major row either way)."""
+    k = 32 if dtype == "e4m3" else 16
+    return f"wgmma_m64n{n}k{k}_f32_{dtype}_{form}"
+
+
 def wgmma_ss(n: int, dtype: str = "f16", trans_b: bool = False, trans_a: bool = False):
     """Device function ``mma(acc, desc_a, desc_b, scale_d)`` for wgmma m64nNk16, A and B from
     shared memory: ``acc[0:n/2]`` (float32, in place) = A(64x16) @ B(16xN) + (acc if scale_d).
 
     ``desc_a``/``desc_b`` are uint64 matrix descriptors (``smem_descriptor``); A is K-major,
     or MN-major when ``trans_a`` (bound only together with ``trans_b``); B is K-major, or
-    MN-major when ``trans_b``. ``scale_d`` is 0 (ignore acc) or 1.
+    MN-major when ``trans_b``. ``scale_d`` is 0 (ignore acc) or 1. ``dtype`` "e4m3": m64nNk32
+    (A 64x32, B 32xN), both operands K-major (8-bit types take no transpose).
     """
     _check_shape(n, dtype)
+    if dtype == "e4m3" and (trans_a or trans_b):
+        raise ValueError("e4m3 wgmma operands are K-major only (no trans_a / trans_b)")
     if trans_a and not trans_b:
         raise ValueError("wgmma_ss binds an MN-major A only with an MN-major B (trans_a needs trans_b)")
     return _wgmma_ss(n, dtype, bool(trans_b), bool(trans_a))
@@ -75,7 +85,7 @@ def wgmma_ss(n: int, dtype: str = "f16", trans_b: bool = False, trans_a: bool = 
 
 @functools.cache
 def _wgmma_ss(n: int, dtype: str, trans_b: bool, trans_a: bool = False):
-    name = f"wgmma_m64n{n}k16_f32_{dtype}_ss" + ("_ta" if trans_a else "") + ("_tb" if trans_b else "")
+    name = _wgmma_name(n, dtype, "ss") + ("_ta" if trans_a else "") + ("_tb" if trans_b else "")
     fn = declare("wgmma", name, _void(f32p, _u64, _u64, _u32))
 
     @cuda.jit(device=True, forceinline=True)
@@ -89,14 +99,17 @@ def wgmma_rs(n: int, dtype: str = "f16", trans_b: bool = False):
     """Device function ``mma(acc, a, desc_b, scale_d)`` for wgmma m64nNk16 with A from
     registers: ``a[0:4]`` (uint32, packed 16-bit pairs) is this thread's A fragment, laid out
     like the mma.sync m16n8k16 A fragment for rows 16*(warp%4) .. +15. B from shared memory
-    as in ``wgmma_ss``."""
+    as in ``wgmma_ss``. ``dtype`` "e4m3": m64nNk32, ``a[0:4]`` four e4m3 each in the mma.sync
+    m16n8k32 A-fragment layout, B K-major."""
     _check_shape(n, dtype)
+    if dtype == "e4m3" and trans_b:
+        raise ValueError("e4m3 wgmma operands are K-major only (no trans_b)")
     return _wgmma_rs(n, dtype, bool(trans_b))
 
 
 @functools.cache
 def _wgmma_rs(n: int, dtype: str, trans_b: bool):
-    name = f"wgmma_m64n{n}k16_f32_{dtype}_rs" + ("_tb" if trans_b else "")
+    name = _wgmma_name(n, dtype, "rs") + ("_tb" if trans_b else "")
     fn = declare("wgmma", name, _void(f32p, u32p, _u64, _u32))
 
     @cuda.jit(device=True, forceinline=True)

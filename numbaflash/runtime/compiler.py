@@ -493,7 +493,7 @@ def _operator_functions() -> frozenset:
 # "declare void @wgmma_m64n128k16_f32_bf16_ss(float*, i64, i64, i32)": a function the module calls
 _DECLARE = re.compile(r'^declare [^@\n]*@"?([A-Za-z_][A-Za-z0-9_]*)"?\(', re.MULTILINE)
 # The wgmma shape (N) of a wgmma helper's name; the accumulator fence is named by N / 2.
-_WGMMA_N = re.compile(r"^wgmma_m64n(\d+)k16_")
+_WGMMA_N = re.compile(r"^wgmma_m64n(\d+)k(?:16|32)_")
 _WGMMA_FENCE = re.compile(r"^wgmma_fence_operand_(\d+)$")
 
 

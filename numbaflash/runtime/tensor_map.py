@@ -77,9 +77,11 @@ def _data_type(dtype: str | None):
         "f16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         "bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         "u16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        "u8": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
     }
     if dtype not in kinds:
-        raise ValueError(f"tensor maps here are for 16-bit data (f16, bf16, u16); got {dtype!r}")
+        raise ValueError(f"tensor maps here are for 16-bit data (f16, bf16, u16) or bytes (u8: e4m3); "
+                         f"got {dtype!r}")
     return kinds[dtype]
 
 
@@ -121,9 +123,10 @@ def encode_tensor_map(
     dtype: str = "f16",
     l2_promotion: int = 128,
 ) -> np.ndarray:
-    """The 128 bytes (``uint64[16]``) of a tiled tensor map over 16-bit data at device
-    ``address`` with ``shape`` and byte ``strides`` (array order, outermost first; the last
-    stride must be 2) and boxes of shape ``box``; the checks of ``make_tensor_map``. For
+    """The 128 bytes (``uint64[16]``) of a tiled tensor map over 16-bit data (or bytes: ``dtype``
+    "u8", e4m3 operands) at device ``address`` with ``shape`` and byte ``strides`` (array order,
+    outermost first; the last stride must be the element's size) and boxes of shape ``box``; the
+    checks of ``make_tensor_map``. For
     callers that know a tensor's pointer and strides (torch bfloat16 tensors, for one, have
     no ``__cuda_array_interface__``)."""
     from cuda.bindings import driver
@@ -134,7 +137,7 @@ def encode_tensor_map(
         raise ValueError(f"tensor maps are 2-D to 5-D here; the array is {rank}-D")
     if len(box) != rank or len(strides) != rank:
         raise ValueError(f"box {tuple(box)} must have one extent per dimension of {shape}")
-    itemsize = 2
+    itemsize = 1 if dtype == "u8" else 2
     strides = tuple(int(s) for s in strides)
     if strides[-1] != itemsize:
         raise ValueError("the innermost dimension must be contiguous")
@@ -151,7 +154,8 @@ def encode_tensor_map(
         raise ValueError(f"swizzle must be one of {list(SWIZZLE_BYTES)}, not {swizzle!r}")
     span = SWIZZLE_BYTES[swizzle]
     if span and inner_bytes > span:
-        raise ValueError(f"with {swizzle} swizzle the box's innermost extent is at most {span // 2} elements")
+        raise ValueError(f"with {swizzle} swizzle the box's innermost extent is at most {span // itemsize} "
+                         "elements")
 
     swizzles = {
         0: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,

@@ -29,7 +29,7 @@ ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120a")
 
 # SASS opcodes worth counting: tensor-core, copy, memory, barrier and trouble makers.
 WATCHED_OPCODES = (
-    "HMMA", "HGMMA", "LDSM", "STSM", "LDGSTS", "UTMALDG", "UBLKCP", "SYNCS", "WARPGROUP",
+    "HMMA", "HGMMA", "QGMMA", "LDSM", "STSM", "LDGSTS", "UTMALDG", "UBLKCP", "SYNCS", "WARPGROUP",
     "LDG", "STG", "LDS", "STS", "BAR", "SHFL", "MUFU", "LDL", "STL", "CALL",
 )
 

@@ -34,9 +34,28 @@ def registered_kernels() -> dict:
 def on_demand_kernels() -> dict:
     """The builds the API compiles on first use and the registry does not count: the learnable-sink
     builds (``forward_sink_kernels``, ``backward_sink_kernels``) and the Hopper backward's GQA-split
-    builds (``backward_split_kernels``). ``benchmarks/sass_census.py --on-demand`` and
+    builds (``backward_split_kernels``), and the e4m3 forward (``forward_fp8_kernels``).
+    ``benchmarks/sass_census.py --on-demand`` and
     ``python -m numbaflash.inspect --on-demand`` check them offline."""
-    return {**forward_sink_kernels(), **backward_sink_kernels(), **backward_split_kernels()}
+    return {**forward_sink_kernels(), **backward_sink_kernels(), **backward_split_kernels(),
+            **forward_fp8_kernels()}
+
+
+def forward_fp8_kernels() -> dict:
+    """The e4m3 (FP8) Hopper forward kernels (issue 60, ``WsConfig.fp8``): each head dim's config
+    (``configs.FP8_DEFAULTS``), full and causal, bf16 and fp16 output, for sm_90a. Not registered,
+    never precompiled: the API builds one on first use. Named like the 16-bit kernels with
+    ``e4m3_`` before the output dtype (``..._causal_e4m3_bf16_sm90``)."""
+    from ..configs import FP8_DEFAULTS
+    from ..kernels.families import spec_of
+
+    kernels = {}
+    for config in FP8_DEFAULTS.values():
+        for causal in (False, True):
+            for bf16 in (True, False):
+                kernel, argtypes = _built(spec_of(config, "forward", bf16, causal=causal))
+                kernels[f"{kernel.__name__}_sm90"] = (kernel, argtypes, ("sm_90a",))
+    return kernels
 
 
 def _built(spec):

@@ -1,0 +1,155 @@
+"""The e4m3 Hopper forward's host side and data movement, on the CPU (issue 60): the transposed,
+key-permuted V against the fragment layouts the kernel packs P in, the config's byte layout, and
+the API's errors before anything launches. The kernel itself: ``test_fp8_forward_gpu.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numbaflash.kernels.fp8_layout import KEY_GROUP, KEY_ORDER, key_index, padded_keys
+from numbaflash.kernels.shapes import WsConfig
+
+LANES = 32
+
+
+def _s_fragments(p: np.ndarray) -> list[list[list[float]]]:
+    """Each lane's fp32 accumulators of the 16 x 32 scores ``p`` (four 8-column n-tiles), as wgmma's
+    and mma.sync's accumulators hold them: n-tile j, element e: row g + 8 (e // 2), column
+    8j + 2t + e % 2 (g = lane // 4, t = lane % 4)."""
+    frags = []
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        frags.append([[p[g + 8 * (e // 2), 8 * j + 2 * t + e % 2] for e in range(4)] for j in range(4)])
+    return frags
+
+
+def _packed_p(s: list[list[float]]) -> list[list[float]]:
+    """``softmax.pack_p_e4m3``'s four registers of one lane, one 32-key step (kk = 0): register
+    2h + r holds s[2h][2r], s[2h][2r + 1], s[2h + 1][2r], s[2h + 1][2r + 1], lowest byte first."""
+    return [[s[2 * h][2 * r], s[2 * h][2 * r + 1], s[2 * h + 1][2 * r], s[2 * h + 1][2 * r + 1]]
+            for h in range(2) for r in range(2)]
+
+
+def _a_matrix(regs: list[list[list[float]]]) -> np.ndarray:
+    """The 16 x 32 A operand the lanes' 8-bit registers spell (PTX's m16n8k32 / wgmma m64nNk32
+    A fragment, per warp): register r row g + 8 (r % 2), columns 16 (r // 2) + 4t .. + 3."""
+    a = np.full((16, KEY_GROUP), np.nan)
+    for lane, four in enumerate(regs):
+        g, t = divmod(lane, 4)
+        for r, values in enumerate(four):
+            col = 16 * (r // 2) + 4 * t
+            a[g + 8 * (r % 2), col:col + 4] = values
+    return a
+
+
+def test_key_order_is_a_permutation_of_each_group():
+    assert sorted(KEY_ORDER) == list(range(KEY_GROUP))
+    assert KEY_ORDER[:4] == (0, 1, 8, 9)  # lane 0's first register: n-tiles 0 and 1, two keys each
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_p_times_permuted_vt_is_p_times_v(seed):
+    """P packed from the lanes' own accumulators (no shuffle) times V stored transposed with its keys
+    in ``KEY_ORDER`` (B K-major: B[k, n] = Vt[n, k]) is P·V; with V merely transposed it is not."""
+    rng = np.random.default_rng(seed)
+    p = rng.standard_normal((16, KEY_GROUP))
+    v = rng.standard_normal((KEY_GROUP, 24))
+    a = _a_matrix([_packed_p(s) for s in _s_fragments(p)])
+    assert not np.isnan(a).any()
+    vt = v[list(KEY_ORDER)].T  # column c of the transposed V holds key KEY_ORDER[c]
+    np.testing.assert_allclose(a @ vt.T, p @ v, rtol=1e-12, atol=1e-12)
+    assert np.abs(a @ v - p @ v).max() > 0.1
+
+
+@pytest.mark.parametrize("seqlen_k", [1, 31, 32, 33, 100, 128])
+def test_key_index_covers_the_padded_keys(seqlen_k):
+    keys = padded_keys(seqlen_k)
+    assert keys % KEY_GROUP == 0 and seqlen_k <= keys < seqlen_k + KEY_GROUP
+    index = key_index(seqlen_k)
+    assert sorted(index) == list(range(keys))
+    assert index[:KEY_GROUP] == list(KEY_ORDER)
+
+
+@pytest.mark.parametrize("seqlen_k", [1, 45, 64])
+def test_transposed_v_on_torch(seqlen_k):
+    torch = pytest.importorskip("torch")
+    from numbaflash.operations.fp8_forward import transposed_v
+
+    v = (torch.randn(2, seqlen_k, 3, 64) * 4).to(torch.float8_e4m3fn)
+    vt = transposed_v(torch, v)
+    keys = padded_keys(seqlen_k)
+    assert vt.shape == (2, 3, 64, keys) and vt.dtype == torch.uint8 and vt.is_contiguous()
+    raw = v.view(torch.uint8)
+    for col, key in enumerate(key_index(seqlen_k)):
+        if key < seqlen_k:
+            assert torch.equal(vt[:, :, :, col], raw[:, key].permute(0, 1, 2))
+        else:
+            assert not vt[:, :, :, col].any()
+
+
+def test_fp8_config_bytes():
+    c = WsConfig(128, block_n=128, fp8=True)
+    assert (c.element_bytes, c.row_bytes, c.box_cols, c.o_row_bytes, c.o_box_cols, c.vt_row_bytes) == (
+        1, 128, 128, 128, 64, 128)
+    assert c.tile_bytes == {"q": 128 * 128, "k": 128 * 128, "v": 128 * 128, "o": 128 * 128 * 2}
+    d64 = WsConfig(64, block_n=192, consumers=3, fp8=True)
+    assert (d64.row_bytes, d64.box_cols, d64.vt_row_bytes) == (64, 64, 64)
+    sixteen = WsConfig(128, block_n=128)  # the 16-bit kernels' layout is unchanged
+    layout = (sixteen.row_bytes, sixteen.box_cols, sixteen.o_row_bytes, sixteen.o_box_cols)
+    assert layout == (128, 64, 128, 64)
+    for bad in (WsConfig(96, fp8=True), WsConfig(128, block_n=80, fp8=True),
+                WsConfig(256, block_n=64, q_stages=1, o_in_q=True, fp8=True)):
+        with pytest.raises(ValueError, match="e4m3 kernel needs"):
+            bad.check()
+
+
+def test_fp8_defaults_fit_and_check():
+    from numbaflash import configs
+
+    for head_dim, config in configs.FP8_DEFAULTS.items():
+        assert config.fp8 and config.head_dim == head_dim
+        config.check()  # shared memory included
+
+
+def _fp8(torch, *shape, dtype=None):
+    return torch.randn(*shape).to(dtype or torch.float8_e4m3fn)
+
+
+def test_api_errors_before_launch():
+    torch = pytest.importorskip("torch")
+    import numbaflash as nf
+
+    q = _fp8(torch, 1, 64, 4, 128)
+    k = _fp8(torch, 1, 64, 2, 128)
+    with pytest.raises(TypeError, match="must all be float8_e4m3fn"):
+        nf.flash_attention(q, k, k.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="not e5m2"):
+        nf.flash_attention(q, k, _fp8(torch, 1, 64, 2, 128, dtype=torch.float8_e5m2))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):  # descales with 16-bit inputs
+        nf.flash_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), k.to(torch.bfloat16),
+                           q_descale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"q_descale must be float32 of shape \(batch, heads_kv\) = \(1, 2"):
+        nf.flash_attention(q, k, k, q_descale=torch.ones(1, 4))
+    with pytest.raises(ValueError, match="v_descale must be float32"):
+        nf.flash_attention(q, k, k, v_descale=torch.ones(1, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="head dims"):
+        nf.flash_attention(_fp8(torch, 1, 8, 2, 96), _fp8(torch, 1, 8, 2, 96), _fp8(torch, 1, 8, 2, 96))
+    with pytest.raises(ValueError, match="multiple of heads_kv"):
+        nf.flash_attention(_fp8(torch, 1, 8, 3, 64), _fp8(torch, 1, 8, 2, 64), _fp8(torch, 1, 8, 2, 64))
+    with pytest.raises(ValueError, match="out_dtype"):
+        nf.flash_attention(q, k, k, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="one CUDA device"):  # every other check passed on the CPU
+        nf.flash_attention(q, k, k, q_descale=torch.ones(1, 2), out_dtype=torch.float16)
+
+
+def test_numpy_fp8_inputs_are_recognised():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    pytest.importorskip("torch")
+    import numbaflash as nf
+
+    q = np.zeros((1, 8, 2, 64), ml_dtypes.float8_e4m3fn)
+    with pytest.raises(TypeError, match="must all be float8_e4m3fn"):
+        nf.flash_attention(q, q, q.astype(np.float16))
+    with pytest.raises(TypeError, match="not e5m2"):
+        nf.flash_attention(q, q, q.astype(ml_dtypes.float8_e5m2))

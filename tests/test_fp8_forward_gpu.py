@@ -1,0 +1,163 @@
+"""The e4m3 Hopper forward on the GPU (issue 60), against float64 attention of the dequantized
+inputs (x8 · descale).
+
+Tolerance (docs/PERFORMANCE.md, "FP8 forward"): FlashAttention's rule with the FP8 computation as
+the "same computation in the input precision": the kernel's largest error against exact attention
+of the dequantized inputs is at most 3x that of the float64 computation with P rounded to e4m3
+(what any e4m3 PV product does; ``fp8.P_SCALE`` as the kernel scales it), plus the output's own
+rounding (2^-8 of the largest |O|, bf16). Outputs are poisoned with NaN before the launch.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+
+gpu = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+
+def _hopper() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the e4m3 forward runs on Hopper (sm_90) only")
+
+
+def _reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, sink=None, p_fp8=False):
+    """float64 attention of float (b, s, h, d) q, k, v with FlashAttention's masks (bottom-right),
+    softcap and learnable sink: (out, lse); ``p_fp8``: P = exp(s - max) rounded to e4m3 (times
+    ``fp8.P_SCALE``) before P·V, the row sum taken before the rounding. Rows with no key: 0, -inf."""
+    from numbaflash.fp8 import P_SCALE
+
+    q, k, v = (x.double() for x in (q, k, v))
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(hq // hk, dim=2)
+    v = v.repeat_interleave(hq // hk, dim=2)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    s = s.masked_fill(~visible, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.double()[None, :, None, None].expand(b, hq, sq, 1)], dim=-1)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    total = p.sum(dim=-1, keepdim=True)
+    lse = (m + torch.log(total)).squeeze(-1)
+    if sink is not None:
+        p = p[..., :-1]
+    if p_fp8:
+        p = (p * P_SCALE).float().to(torch.float8_e4m3fn).double() / P_SCALE
+    out = torch.einsum("bhqk,bkhd->bqhd", p / total.clamp_min(1e-300), v)
+    return out, lse
+
+
+def _case(seed, b, sq, sk, hq, hk, d, outliers=False, unit=False):
+    """Random inputs quantized with ``fp8.quantize`` (descales per (batch, KV head)); ``unit``: N(0, 1)
+    values cast to e4m3 as they are, descales 1 (what a call without descales means)."""
+    from numbaflash import fp8
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    if outliers:
+        k = k + 20 * (torch.rand(k.shape, device="cuda", generator=g) < 1e-3)
+    if unit:
+        ones = torch.ones(b, hk, device="cuda")
+        return fp8.Quantized(*(x.to(torch.float8_e4m3fn) for x in (q, k, v)), ones, ones, ones, None, None)
+    return fp8.quantize(q, k, v)
+
+
+def _check(out, quantized, **mask):
+    q, k, v = quantized.dequantize()
+    exact, lse = _reference(q, k, v, **mask)
+    rounded, _ = _reference(q, k, v, p_fp8=True, **mask)
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison) or is not finite"
+    err = (out.double() - exact).abs().max().item()
+    bound = 3 * (rounded - exact).abs().max().item() + 2**-8 * exact.abs().max().item()
+    assert err <= bound, (err, bound)
+    return lse
+
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
+    (2, 128, 128, 4, 2, 128),
+    (1, 77, 300, 4, 4, 128),  # ragged, seqlen_q far below seqlen_k
+    (2, 300, 77, 2, 1, 64),  # ragged the other way (causal: rows that see no key)
+    (1, 1, 513, 8, 1, 256),
+    (1, 1000, 1000, 2, 2, 64),
+    (3, 200, 333, 6, 2, 256),
+]
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_forward_matches_float64(shape, causal):
+    _hopper()
+    import numbaflash as nf
+
+    b, sq, sk, hq, hk, d = shape
+    x = _case(zlib.crc32(repr((shape, causal)).encode()), b, sq, sk, hq, hk, d)
+    out = torch.full((b, sq, hq, d), math.nan, dtype=torch.bfloat16, device="cuda")
+    got, lse = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale,
+                                  v_descale=x.v_descale, causal=causal, out=out, return_lse=True)
+    assert got is out and got.dtype == torch.bfloat16
+    want_lse = _check(got, x, causal=causal)
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen], want_lse[seen].float(), rtol=0, atol=5e-3)
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["window", "softcap", "sink", "fp16", "no_descale", "outliers"])
+def test_fp8_forward_variants(variant):
+    _hopper()
+    import numbaflash as nf
+
+    b, sq, sk, hq, hk, d = 2, 190, 260, 4, 2, 128
+    x = _case(zlib.crc32(variant.encode()), b, sq, sk, hq, hk, d, outliers=variant == "outliers",
+              unit=variant == "no_descale")
+    kwargs, mask = {}, {}
+    if variant == "window":
+        kwargs["window_size"] = mask["window"] = (50, 7)
+    elif variant == "softcap":
+        kwargs["softcap"] = mask["softcap"] = 2.0
+    elif variant == "sink":
+        kwargs["learnable_sink"] = mask["sink"] = torch.randn(hq, device="cuda")
+    elif variant == "fp16":
+        kwargs["out_dtype"] = torch.float16
+    descales = {} if variant == "no_descale" else dict(q_descale=x.q_descale, k_descale=x.k_descale,
+                                                       v_descale=x.v_descale)
+    out = nf.flash_attention(x.q, x.k, x.v, **descales, **kwargs)
+    assert out.dtype == (torch.float16 if variant == "fp16" else torch.bfloat16)
+    _check(out, x, **mask)
+
+
+@gpu
+def test_fp8_numpy_inputs():
+    _hopper()
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    import numbaflash as nf
+
+    x = _case(7, 1, 64, 64, 2, 2, 64)
+    q, k, v = (t.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn) for t in (x.q, x.k, x.v))
+    q_d, k_d, v_d = (d.cpu().numpy() for d in (x.q_descale, x.k_descale, x.v_descale))
+    out = nf.flash_attention(q, k, v, q_descale=q_d, k_descale=k_d, v_descale=v_d)
+    assert isinstance(out, np.ndarray) and out.dtype == ml_dtypes.bfloat16
+    _check(torch.from_numpy(out.astype(np.float32)).cuda(), x)

@@ -1,0 +1,28 @@
+"""Offline SASS of the e4m3 Hopper forward (issue 60), compiled for sm_90a with no GPU: every
+product an 8-bit wgmma (``QGMMA``, none of the 16-bit ``HGMMA``), P packed by the e4m3 conversion,
+every helper inlined, no local memory and no spill. One build per head dim (full, bf16 output);
+the causal and fp16 builds differ only in the mask and the output's conversion."""
+
+from __future__ import annotations
+
+import pytest
+from _sass import assert_fully_inlined
+
+from numbaflash import configs
+from numbaflash.kernels.families import kernel_argtypes, make_kernel, spec_of
+from numbaflash.tools import inspect as nfi
+
+
+@pytest.mark.parametrize("head_dim", configs.FP8_HEAD_DIMS)
+def test_fp8_forward_sass(head_dim):
+    config = configs.FP8_DEFAULTS[head_dim]
+    spec = spec_of(config, "forward", True)
+    kernel = make_kernel(spec)
+    report = nfi.inspect_kernel(kernel, kernel_argtypes(spec), "sm_90a", kernel.__name__)
+    assert_fully_inlined(report)
+    s_steps = head_dim // 32  # k-steps of S = Q Kᵀ (32 bytes each)
+    pv_steps = config.block_n // 32  # k-steps of O += P V
+    # S: a tile's first alone and each paired issue; PV: each paired issue and a tile's last.
+    assert report.count("QGMMA") == 2 * s_steps + 2 * pv_steps, report.opcodes
+    assert report.count("HGMMA") == 0
+    assert report.count("F2FP") >= 2 * 2 * pv_steps * 4  # two P packings (4 registers, 2 cvt each)
