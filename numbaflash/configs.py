@@ -60,13 +60,15 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
     # (128 x 80 does not spill without causal masking: see the tuned table.)
     ("sm90", 256): WsConfig(256, block_n=64, stages=2, q_stages=1, o_in_q=True),
 }
-# The e4m3 (FP8) Hopper forward's config per head dim (``WsConfig.fp8``; ``operations.fp8_forward``):
-# the 16-bit table's shapes where they fit, O always in a tile of its own (e4m3 tiles are half
-# the bytes). d256: one Q buffer (Q 32 KB, K and V 2 x 2 x 32 KB, O 64 KB). Not tuned yet.
+# The e4m3 (FP8) Hopper forward's config per head dim (``WsConfig.fp8``; ``operations.fp8_forward``),
+# O always in a tile of its own (e4m3 tiles are half the bytes). Chosen on an H200 among 18 shapes
+# (docs/PERFORMANCE.md, "The FP8 forward"): d128 192 keys a tile (4-8% over 128 at 4k and 16k);
+# d256 one Q buffer (Q 32 KB, K and V 2 x 2 x 32 KB, O 64 KB) with ping-pong (5-9% at 4k, -2..0%
+# at 16k); d64 the 16-bit table's three consumers.
 FP8_DEFAULTS: dict[int, WsConfig] = {
     64: WsConfig(64, block_n=128, stages=2, consumers=3, fp8=True),
-    128: WsConfig(128, block_n=128, stages=2, fp8=True),
-    256: WsConfig(256, block_n=128, stages=2, q_stages=1, fp8=True),
+    128: WsConfig(128, block_n=192, stages=2, fp8=True),
+    256: WsConfig(256, block_n=128, stages=2, q_stages=1, pingpong=True, fp8=True),
 }
 FP8_HEAD_DIMS = tuple(FP8_DEFAULTS)
 # (head_dim, head_dim_v) pairs' forward config (``ASYMMETRIC_HEAD_DIMS``), on every GPU: d256's

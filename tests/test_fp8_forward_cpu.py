@@ -72,12 +72,12 @@ def test_key_index_covers_the_padded_keys(seqlen_k):
 
 
 @pytest.mark.parametrize("seqlen_k", [1, 45, 64])
-def test_transposed_v_on_torch(seqlen_k):
+def test_reference_vt_model(seqlen_k):
     torch = pytest.importorskip("torch")
-    from numbaflash.operations.fp8_forward import transposed_v
+    from _fp8_model import reference_vt
 
     v = (torch.randn(2, seqlen_k, 3, 64) * 4).to(torch.float8_e4m3fn)
-    vt = transposed_v(torch, v)
+    vt = reference_vt(torch, v)
     keys = padded_keys(seqlen_k)
     assert vt.shape == (2, 3, 64, keys) and vt.dtype == torch.uint8 and vt.is_contiguous()
     raw = v.view(torch.uint8)

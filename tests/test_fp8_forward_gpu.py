@@ -161,3 +161,41 @@ def test_fp8_numpy_inputs():
     out = nf.flash_attention(q, k, v, q_descale=q_d, k_descale=k_d, v_descale=v_d)
     assert isinstance(out, np.ndarray) and out.dtype == ml_dtypes.bfloat16
     _check(torch.from_numpy(out.astype(np.float32)).cuda(), x)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(2, 1, 3, 64), (1, 100, 2, 128), (3, 257, 1, 256), (1, 4096, 8, 128)])
+def test_fp8_v_prep_kernel(shape):
+    """``kernels.fp8_prep`` against the torch model of the layout, on contiguous and strided V; every
+    byte of the poisoned output written."""
+    _hopper()
+    from _fp8_model import reference_vt
+
+    from numbaflash.kernels.fp8_layout import padded_keys
+    from numbaflash.operations.fp8_forward import transpose_v
+
+    b, s, h, d = shape
+    wide = torch.randn(b, s, h, 2 * d, device="cuda").to(torch.float8_e4m3fn)
+    for v in (wide[..., :d].contiguous(), wide[..., d:]):  # dense, and rows 2 * d apart
+        vt = torch.full((b, h, d, padded_keys(s)), 0xAB, dtype=torch.uint8, device="cuda")
+        transpose_v(v, vt, torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert torch.equal(vt, reference_vt(torch, v))
+
+
+@gpu
+def test_fp8_configs_on_the_same_tensors(monkeypatch):
+    """Two e4m3 configs (128 and 192 keys a tile: the transposed V in 128- and 64-byte swizzle
+    blocks) one after the other on the same tensors: each launch gets its own config's tensor maps."""
+    _hopper()
+    import numbaflash as nf
+    from numbaflash import configs
+    from numbaflash.kernels.shapes import WsConfig
+
+    x = _case(11, 2, 333, 517, 4, 2, 128)
+    for config in (WsConfig(128, block_n=128, fp8=True), WsConfig(128, block_n=192, fp8=True)):
+        monkeypatch.setitem(configs.FP8_DEFAULTS, 128, config)
+        for causal in (False, True):
+            out = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale,
+                                     v_descale=x.v_descale, causal=causal)
+            _check(out, x, causal=causal)

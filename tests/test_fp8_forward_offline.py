@@ -26,3 +26,20 @@ def test_fp8_forward_sass(head_dim):
     assert report.count("QGMMA") == 2 * s_steps + 2 * pv_steps, report.opcodes
     assert report.count("HGMMA") == 0
     assert report.count("F2FP") >= 2 * 2 * pv_steps * 4  # two P packings (4 registers, 2 cvt each)
+
+
+@pytest.mark.parametrize("head_dim", configs.FP8_HEAD_DIMS)
+def test_fp8_v_prep_sass(head_dim):
+    """The V prep (``kernels.fp8_prep``): every load of a thread issued before its first shared store
+    (as many global loads as words it reads), four whole-word stores, no local memory or spill
+    within its launch bounds' registers."""
+    from numbaflash.kernels.fp8_prep import KEYS_PER_CTA, THREADS
+
+    spec = spec_of(configs.FP8_DEFAULTS[head_dim], "fp8_v", True)
+    kernel = make_kernel(spec)
+    report = nfi.inspect_kernel(kernel, kernel_argtypes(spec), "sm_90a", kernel.__name__)
+    assert_fully_inlined(report)
+    reads = KEYS_PER_CTA * head_dim // 4 // THREADS
+    assert report.count("LDG") == reads and report.count("STS") == reads, report.opcodes
+    assert report.count("STG") == 4 and report.count("LDS") == 4
+    assert report.registers <= 65536 // (THREADS * kernel.launch_bounds[1])

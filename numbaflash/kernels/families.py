@@ -75,7 +75,7 @@ DECODE_OPERATIONS = ("decode", "decode_combine")  # launch order (the combine: m
 # decode against a KV cache.
 SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capability 8.0 or newer",
               ("forward",), varlen=True, sink=("forward",))
-SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward",), varlen=True,
+SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward", "fp8_v"), varlen=True,
               sink=("forward",))
 SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer",
                   BACKWARD_OPERATIONS, varlen=True, sink=("backward_prep",))
@@ -152,6 +152,12 @@ def _backward_ws(s: KernelSpec):
                                    group_split=s.group_split)
 
 
+def _fp8_v(s: KernelSpec):
+    from .fp8_prep import make_transpose_v_kernel
+
+    return make_transpose_v_kernel(s.config.head_dim)
+
+
 def _decode(s: KernelSpec):
     from .decode_mma import make_decode_kernel
 
@@ -174,6 +180,7 @@ def _mma_backward_config(config: BackwardConfig | WsBackwardConfig) -> BackwardC
 FACTORIES: dict[tuple[str, str], Callable[[KernelSpec], Any]] = {
     ("sm80", "forward"): _forward,
     ("sm90", "forward"): _forward_ws,
+    ("sm90", "fp8_v"): _fp8_v,
     ("sm80bwd", "backward_prep"): _backward_prep,
     ("sm80bwd", "backward"): _backward,
     ("sm80bwd", "backward_dq"): _backward_dq,
@@ -285,6 +292,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     cache options), and the GQA split's sums, tickets and count last for a split build of the
     Hopper backward's main kernel (``params.GROUP_SPLIT``)."""
     family, op = spec.family, spec.operation
+    if op == "fp8_v":
+        return params.FP8_V
     if op == "forward":
         if family == "sm90":
             declared = params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD

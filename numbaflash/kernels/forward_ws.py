@@ -89,6 +89,7 @@ from .softmax import (
     adopt_row_max,
     cap_scores,
     exponentiate,
+    exponentiate_e4m3,
     max_grew,
     pack_16bit,
     pack_p_e4m3,
@@ -362,7 +363,10 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         grew = cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD))
         if grew:
             adopt_maxes(stats)
-        exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, sc.scale_log2)
+        if FP8:
+            exponentiate_e4m3(acc_s, S_N_TILES, stats.m_run, stats.l_run, sc.scale_log2)
+        else:
+            exponentiate(acc_s, S_N_TILES, stats.m_run, stats.l_run, sc.scale_log2)
         return grew
 
     # ------------------------------------------------------------------ KV loops
@@ -625,6 +629,9 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
         the learnable sink's term of query head ``head``."""
         if SINK:
             start_at_sink(stats.m_run, stats.l_run, sink_logit(io.sink, head))
+            if FP8:  # the sink's term carries P's scale, as every other term of the sums
+                for r in range(2):
+                    stats.l_run[r] *= float32(P_SCALE_E4M3)
         else:
             for r in range(2):
                 stats.m_run[r] = NEG_INF
@@ -651,14 +658,15 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
         return Scoring(at, band, io.scale_log2, io.cap_scale)
 
     @cuda.jit(device=True, forceinline=True)
-    def descale_o(acc_o, io, work):
-        """e4m3: O times v's descale of the tile's (batch, KV head), over P's scale
-        (``softmax.P_SCALE_E4M3``)."""
+    def descale_o(acc_o, stats, io, work):
+        """e4m3: O times v's descale of the tile's (batch, KV head), and O and the row sums over
+        P's scale (``softmax.P_SCALE_E4M3``, which both carry)."""
         problem = work.place.problem
         pair = work.place.batch * (problem.heads_q // problem.group) + work.tile.kv_head
         v = io.descales.v[pair] * float32(1.0 / P_SCALE_E4M3)
         for r in range(2):
             scale_o_rows(acc_o, D_N_TILES, r, v)
+            stats.l_run[r] *= float32(1.0 / P_SCALE_E4M3)
 
     @cuda.jit(device=True, forceinline=True)
     def attend_tile(acc, stats, descs, io, work, seat):
@@ -675,7 +683,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
         tile_descs = Descriptors(hp.descriptor_add(descs.q, q_at), descs.k, descs.v)
         steps.attend_overlapped(acc, stats, io.bars, tile_descs, work, seat, sc)
         if FP8:
-            descale_o(acc.o, io, work)
+            descale_o(acc.o, stats, io, work)
         epilogue.finish_tile(acc.o, stats, io, work.tile, work.place, at, work.round_q, seat, acc.regs)
 
     @cuda.jit(device=True, forceinline=True)

@@ -21,6 +21,7 @@ U16_ARRAY = "array(uint16, 1d, C)"  # flat 16-bit bits of q, k, v, o, gradients
 F32_ARRAY = "array(float32, 1d, C)"
 I32_ARRAY = "array(int32, 1d, C)"
 U64_ARRAY = "array(uint64, 1d, C)"  # a 128-byte tensor map (16 words) in global memory
+U32_ARRAY = "array(uint32, 1d, C)"  # e4m3 bytes, four a word
 I64, I32, F32, BOOL = "int64", "int32", "float32", "bool"
 
 
@@ -54,6 +55,9 @@ SINK = params((F32_ARRAY, "sink"))
 # An e4m3 forward's descales (``WsConfig.fp8``): float32 (batch * heads_kv,) each, x = x8 * descale;
 # after the kernel's other parameters, before the sink's.
 DESCALES = params((F32_ARRAY, "q_descale k_descale v_descale"))
+# The e4m3 forward's V, transposed for its PV product (``fp8_prep``): V and Vt as 4-byte words, V's
+# batch, sequence and head strides in words, its keys, Vt's padded keys, the KV heads.
+FP8_V = params((U32_ARRAY, "v vt"), (I64, "v_sb v_ss v_sh seqlen_k keys heads_kv"))
 # The backward's prepare kernel with a learnable sink: the logits, then the float32 (heads_q,)
 # gradient it adds each CTA's part of d_sink into (zeroed before the launch).
 SINK_GRADIENT = params((F32_ARRAY, "sink d_sink"))

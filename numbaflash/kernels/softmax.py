@@ -142,27 +142,44 @@ def pack_p_fragments(p_frag, p, k_tiles, bf16):
         pack_p_slice(p_frag, p, kt, bf16)
 
 
-# P (in [0, 1]) is cast to e4m3 times this power of two (exact), so that small probabilities land
-# on e4m3's normals (from 2^-6) rather than its subnormals or zero; O is divided by it at the end
-# (FlashAttention-3's static P scale; ``fp8.P_SCALE``, which the reference rounds P with).
+# The e4m3 kernels compute P (in [0, 1]) times this power of two, so that small probabilities land
+# on e4m3's normals (from 2^-6) rather than its subnormals or zero (FlashAttention-3's static P
+# scale; ``fp8.P_SCALE``, which the reference rounds P with). It costs nothing: the exponent's
+# offset is the row max less log2 of it (``exponentiate_e4m3``); the row sums, which then carry
+# the factor too, and O are divided by it once a tile.
 P_SCALE_E4M3 = 256.0
+P_SCALE_LOG2 = 8.0
+
+
+@cuda.jit(device=True, forceinline=True)
+def exponentiate_e4m3(s, n_tiles, m_run, l_run, scale_log2):
+    """``exponentiate`` for the e4m3 kernels: P·``P_SCALE_E4M3`` = exp2(S·scale·log2(e) - m + 8) in
+    place, the row sums (``l_run``) of those."""
+    for r in range(2):
+        m_use = (m_run[r] if m_run[r] != NEG_INF else float32(0.0)) - float32(P_SCALE_LOG2)
+        row_sum = float32(0.0)
+        for j in range(n_tiles):
+            for e in range(2):
+                p = ptx.exp2(s[j, 2 * r + e] * scale_log2 - m_use)
+                s[j, 2 * r + e] = p
+                row_sum += p
+        l_run[r] += row_sum
 
 
 @cuda.jit(device=True, forceinline=True)
 def pack_p_e4m3(p_frag, p, k_steps):
-    """P (fp32 fragments) times ``P_SCALE_E4M3`` -> e4m3 A fragments of an m64nNk32 PV product, in
-    registers, with no shuffle: ``p_frag[kk]`` takes S n-tiles 4kk .. 4kk+3 in the lane's own
-    order, so A's column 4t + i of a 32-key step holds key ``fp8_layout.KEY_ORDER[4t + i]`` (t =
-    lane % 4), not key 4t + i. V's keys are stored in that order (``fp8_layout``), so P·V is
-    unchanged. Register 2h + r: row half r (rows g, g + 8), n-tiles 4kk + 2h and 4kk + 2h + 1, two
-    keys each."""
-    c = float32(P_SCALE_E4M3)
+    """P (fp32 fragments, already times ``P_SCALE_E4M3``) -> e4m3 A fragments of an m64nNk32 PV
+    product, in registers, with no shuffle: ``p_frag[kk]`` takes S n-tiles 4kk .. 4kk+3 in the
+    lane's own order, so A's column 4t + i of a 32-key step holds key ``fp8_layout.KEY_ORDER[4t +
+    i]`` (t = lane % 4), not key 4t + i. V's keys are stored in that order (``fp8_layout``), so P·V
+    is unchanged. Register 2h + r: row half r (rows g, g + 8), n-tiles 4kk + 2h and 4kk + 2h + 1,
+    two keys each."""
     for kk in range(k_steps):
         for h in range(2):
             j = 4 * kk + 2 * h
             for r in range(2):
-                p_frag[kk, 2 * h + r] = ptx.pack_e4m3x4(p[j, 2 * r] * c, p[j, 2 * r + 1] * c,
-                                                        p[j + 1, 2 * r] * c, p[j + 1, 2 * r + 1] * c)
+                p_frag[kk, 2 * h + r] = ptx.pack_e4m3x4(p[j, 2 * r], p[j, 2 * r + 1], p[j + 1, 2 * r],
+                                                        p[j + 1, 2 * r + 1])
 
 
 @cuda.jit(device=True, forceinline=True)

@@ -10,7 +10,8 @@ Normalisation happens once, here, so that equal kernels have equal specs:
 - a sliding-window kernel is built non-causal (a window whose right side is 0 is causal masking);
 - the kernels that do not depend on the mask or the softcap (``CAUSAL_FREE``: the backward's
   prepare and dQ kernels, the decode's combine kernel) are built without them, so one kernel
-  serves every call; the combine kernel also serves packed and paged calls alike;
+  serves every call; the combine kernel also serves packed and paged calls alike; the e4m3
+  forward's V prep (``fp8_v``) is built once per config, free of all of them and of the dtype;
 - the kernels that do not read a learnable sink (``SINK_FREE``: the backward's main and dQ
   kernels, which take the forward's sink-inclusive LSE unchanged, and the combine kernel) are
   built without it: of a backward, only the prepare kernel has a sink build (it adds d_sink);
@@ -29,13 +30,16 @@ from typing import Any
 
 DTYPES = ("float16", "bfloat16")
 # Operations whose kernels do not depend on causal masking, the window or the softcap.
-CAUSAL_FREE = frozenset({"backward_prep", "backward_dq", "decode_combine"})
+CAUSAL_FREE = frozenset({"backward_prep", "backward_dq", "decode_combine", "fp8_v"})
 # Operations whose kernels never read a learnable sink (the backward's prepare kernel does: d_sink).
-SINK_FREE = frozenset({"backward", "backward_dq", "decode_combine"})
+SINK_FREE = frozenset({"backward", "backward_dq", "decode_combine", "fp8_v"})
 # Operations with a GQA-split build (``KernelSpec.group_split``): the backward's main kernel.
 GROUP_SPLIT_OPERATIONS = frozenset({"backward"})
 # Operations whose kernels serve packed (varlen) and paged calls alike.
-LAYOUT_FREE = frozenset({"decode_combine"})
+LAYOUT_FREE = frozenset({"decode_combine", "fp8_v"})
+# Operations whose kernels do not depend on the 16-bit dtype (the e4m3 forward's V prep: bytes in,
+# bytes out): built as float16 whatever the call's output dtype.
+DTYPE_FREE = frozenset({"fp8_v"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,7 +48,8 @@ class KernelSpec:
     once (the spec keys dictionaries on the dispatch path).
 
     ``family``: "sm80", "sm90", "sm80bwd", "sm90bwd" or "sm80dec"; ``operation``: "forward",
-    "backward_prep", "backward", "backward_dq", "decode" or "decode_combine"; ``config``: the
+    "fp8_v" (the e4m3 forward's V prep), "backward_prep", "backward", "backward_dq", "decode" or
+    "decode_combine"; ``config``: the
     family's frozen config (``kernels.shapes``); ``dtype``: "float16" or "bfloat16"; ``arch``:
     the compile target ("sm_80", "sm_90a", ...; "" where not yet known). A new axis is a new
     field with a default (its default the kernel of today)."""
@@ -136,6 +141,8 @@ def kernel_spec(family: str, operation: str, config: Any, dtype: str = "float16"
         group_split = False
     if operation in LAYOUT_FREE:
         varlen = paged = False
+    if operation in DTYPE_FREE:
+        dtype = DTYPES[0]
     if window:
         causal = False
     return KernelSpec(family, operation, config, dtype, arch, bool(causal), bool(window), bool(softcap),

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from .. import configs
-from ..kernels.fp8_layout import key_index, padded_keys
+from ..kernels.fp8_layout import padded_keys
 from ..kernels.spec import kernel_spec
 from ..runtime import device as gpu_state
 from .forward import loaded_kernel, variant_of
 
-E4M3_NAMES = ("float8_e4m3fn",)
+MAX_SEQLEN_K = 65535 * 128 * 8  # the V prep's grid: 65535 runs of 8 tiles of 128 keys (``fp8_prep``)
 FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 OUT_DTYPES = ("bfloat16", "float16")
 
@@ -101,22 +101,6 @@ def _descale(torch, x: Any, name: str, shape: tuple[int, int], device: Any):
     return x.contiguous().reshape(-1)
 
 
-def transposed_v(torch, v: Any):
-    """V (batch, seqlen_k, heads_kv, head_dim) e4m3 -> the kernel's (batch, heads_kv, head_dim,
-    padded keys) bytes, keys in ``fp8_layout`` order, zero past seqlen_k."""
-    b, s, h, d = v.shape
-    keys = padded_keys(s)
-    order = _KEY_ORDERS.get((keys, v.device))
-    if order is None:
-        order = _KEY_ORDERS[keys, v.device] = torch.tensor(key_index(keys), dtype=torch.long, device=v.device)
-    vt = torch.zeros((b, h, d, keys), dtype=torch.uint8, device=v.device)
-    vt[..., :s] = v.view(torch.uint8).permute(0, 2, 3, 1)
-    return vt.index_select(3, order)
-
-
-_KEY_ORDERS: dict = {}
-
-
 def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_descale: Any = None,
                         v_descale: Any = None, causal: bool = False, softmax_scale: float | None = None,
                         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -149,6 +133,10 @@ def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_desc
         raise ValueError(f"FP8 attention takes head dims {configs.FP8_HEAD_DIMS}, got {head_dim}")
     if min(batch, seqlen_q, seqlen_k, heads_kv) < 1 or heads_q % heads_kv:
         raise ValueError(f"empty input, or heads_q ({heads_q}) not a multiple of heads_kv ({heads_kv})")
+    if max(batch, heads_kv) > 65535 or seqlen_q >= 2**31 or seqlen_k > MAX_SEQLEN_K:
+        raise ValueError("FP8 attention takes batch and heads_kv up to 65535, seqlen_q under 2^31 and "
+                         f"seqlen_k up to {MAX_SEQLEN_K} (the V prep's grid), got batch {batch}, "
+                         f"heads_kv {heads_kv}, seqlens {seqlen_q}, {seqlen_k}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_layout(name, x, 1)
     out_name = "bfloat16" if out_dtype is None else str(out_dtype).removeprefix("torch.")
@@ -190,25 +178,20 @@ def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_desc
     with torch.cuda.device(device):
         capability, ordinal = gpu_state.GPU.current()
         _check_gpu(capability)
-        vt = transposed_v(torch, v)
-        _launch(q, k, vt, out, lse, descales, sink, var, return_lse, ordinal, out_name,
-                torch.cuda.current_stream(device).cuda_stream, heads_kv, seqlen_k)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        vt = torch.empty((batch, heads_kv, head_dim, padded_keys(seqlen_k)), dtype=torch.uint8, device=device)
+        transpose_v(v, vt, ordinal, stream)
+        _launch(q, k, vt, out, lse, descales, sink, var, return_lse, ordinal, out_name, stream, heads_kv,
+                seqlen_k)
     return (out, lse) if return_lse else out
 
 
-def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: int, out_name: str,
-            stream: int, heads_kv: int, seqlen_k: int) -> None:
-    """Encode the four tensor maps and launch the e4m3 kernel on ``stream``."""
-    from ..kernels import params
+def _launcher(spec, device: int, shared_bytes: int):
+    """The loaded kernel of ``spec`` on ``device`` as a ``KernelLauncher`` (loaded once)."""
     from ..kernels.families import kernel_abi
     from ..runtime.launch import KernelLauncher, set_dynamic_shared_limit
-    from ..runtime.map_slots import map_slots
-    from ..runtime.tensor_map import encode_tensor_map
 
     gpu = gpu_state.GPU
-    config = configs.FP8_DEFAULTS[q.shape[3]]
-    spec = kernel_spec("sm90", "forward", config, out_name, "sm_90a", causal=var.causal, window=var.window,
-                       softcap=var.softcap, sink=sink is not None)
     key = (spec, device)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -216,9 +199,44 @@ def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: in
             ready = gpu.launchers.get(key)
             if ready is None:
                 kernel, name = loaded_kernel(spec)
-                set_dynamic_shared_limit(kernel.handle, device, config.shared_bytes)
+                if shared_bytes:
+                    set_dynamic_shared_limit(kernel.handle, device, shared_bytes)
                 ready = gpu.launchers[key] = KernelLauncher(kernel, kernel_abi(spec), name)
-    launcher = ready
+    return ready
+
+
+def transpose_v(v: Any, vt: Any, device: int, stream: int) -> None:
+    """V (batch, seqlen_k, heads_kv, head_dim) e4m3, head dim contiguous, 16-byte aligned strides
+    -> ``vt`` (batch, heads_kv, head_dim, padded keys) uint8, contiguous: the e4m3 kernel's V
+    (``kernels.fp8_prep``: keys in ``fp8_layout`` order, zero past seqlen_k), on ``stream``."""
+    from ..kernels import params
+    from ..kernels.fp8_prep import KEYS_PER_CTA, THREADS, TILE_RUN
+
+    batch, seqlen_k, heads_kv, head_dim = v.shape
+    config = configs.FP8_DEFAULTS[head_dim]
+    spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a")
+    keys = vt.shape[3]
+    sb, ss, sh, _ = v.stride()
+    span = (sum((n - 1) * st for n, st in zip(v.shape, v.stride(), strict=True)) + 4) // 4
+    args = params.ordered(params.FP8_V, v=(v.data_ptr(), span), vt=(vt.data_ptr(), vt.numel() // 4),
+                          v_sb=sb // 4, v_ss=ss // 4, v_sh=sh // 4, seqlen_k=seqlen_k, keys=keys,
+                          heads_kv=heads_kv)
+    grid = (heads_kv * TILE_RUN, -(-keys // (KEYS_PER_CTA * TILE_RUN)), batch)
+    _launcher(spec, device, 0)(grid, THREADS, stream, 0, *args)
+
+
+def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: int, out_name: str,
+            stream: int, heads_kv: int, seqlen_k: int) -> None:
+    """Encode the four tensor maps and launch the e4m3 kernel on ``stream``."""
+    from ..kernels import params
+    from ..runtime.map_slots import map_slots
+    from ..runtime.tensor_map import encode_tensor_map
+
+    gpu = gpu_state.GPU
+    config = configs.FP8_DEFAULTS[q.shape[3]]
+    spec = kernel_spec("sm90", "forward", config, out_name, "sm_90a", causal=var.causal, window=var.window,
+                       softcap=var.softcap, sink=sink is not None)
+    launcher = _launcher(spec, device, config.shared_bytes)
     batch, seqlen_q, heads_q, head_dim = q.shape
     out_map = "bf16" if out_name == "bfloat16" else "f16"
     maps_given = (
@@ -249,7 +267,7 @@ def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: in
     if sink is not None:
         values["sink"] = (sink.data_ptr(), sink.numel())
     with slots.lock:
-        key = ("fp8",) + tuple(m[:3] for m in maps_given)
+        key = ("fp8", config) + tuple(m[:3] for m in maps_given)  # the config fixes the boxes
         maps, slot = slots.address(key, encode, stream)
         try:
             args = params.ordered(_declared(spec), map_q=(maps, 16), map_k=(maps + 128, 16),

@@ -1,0 +1,32 @@
+"""Small ragged and fully masked e4m3 cases for compute-sanitizer (issue 60): every shipped FP8 config
+(``configs.FP8_DEFAULTS``), full and causal, on rows that see no key (seqlen_q > seqlen_k, causal),
+seqlen_q far below seqlen_k, one query row and a square tile edge; window, softcap and a learnable
+sink at d128; the V prep kernel on each. Every output finite.
+
+    compute-sanitizer --tool {memcheck,racecheck,synccheck} --report-api-errors no \
+        --error-exitcode 9 python benchmarks/fp8_cases.py
+"""
+
+import torch
+
+import numbaflash as nf
+from numbaflash import fp8
+
+torch.manual_seed(0)
+cases = []
+for d in (64, 128, 256):
+    for b, sq, sk, hq, hk in ((1, 300, 77, 2, 1), (2, 77, 300, 2, 2), (1, 1, 33, 4, 2), (1, 200, 200, 2, 1)):
+        for causal in (False, True):
+            cases.append((d, b, sq, sk, hq, hk, dict(causal=causal)))
+for kw in (dict(window_size=(20, 3)), dict(softcap=3.0), dict(learnable_sink=torch.randn(2, device="cuda"))):
+    cases.append((128, 1, 150, 260, 2, 1, kw))
+for d, b, sq, sk, hq, hk, kw in cases:
+    q = torch.randn(b, sq, hq, d, device="cuda")
+    k = torch.randn(b, sk, hk, d, device="cuda")
+    v = torch.randn(b, sk, hk, d, device="cuda")
+    x = fp8.quantize(q, k, v)
+    o = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale, v_descale=x.v_descale,
+                           **kw)
+    assert torch.isfinite(o).all()
+torch.cuda.synchronize()
+print("cases", len(cases), "ok")

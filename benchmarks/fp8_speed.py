@@ -1,0 +1,72 @@
+"""The e4m3 (FP8) Hopper forward against our bf16 forward, in one process (issue 60).
+
+Shapes of record: 64k tokens (batch x seqlen), model width 2048 (heads = 2048 / head dim),
+random N(0, 1) inputs quantized by ``numbaflash.fp8.quantize`` (descales per (batch, head)).
+Times are medians of CUDA-event-timed calls after a warm-up; FLOPs 4·B·H·S²·D, halved for
+causal. Columns: bf16 TFLOP/s; FP8 TFLOP/s of the whole call (V's transposition included);
+FP8 TFLOP/s of the attention kernel alone (the call less the V prep, timed apart); the prep's
+time; the ratios to bf16.
+
+    python benchmarks/fp8_speed.py [--shapes 128:4096,128:16384,64:16384,256:16384,128:1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+import numbaflash as nf
+from numbaflash import fp8
+from numbaflash.kernels.fp8_layout import padded_keys
+from numbaflash.operations.fp8_forward import transpose_v
+
+
+def median_seconds(fn, n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[n // 2] * 1e-3
+
+
+def shape_rows(d: int, s: int) -> None:
+    """Print the rows of head dim ``d`` at ``s`` tokens a sequence (full and causal)."""
+    heads, batch = 2048 // d, 65536 // s
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    x = fp8.quantize(q, k, v)
+    vt = torch.empty((batch, heads, d, padded_keys(s)), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    prep = median_seconds(lambda: transpose_v(x.v, vt, torch.cuda.current_device(), stream))
+    for causal in (False, True):
+        flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
+        t16 = median_seconds(functools.partial(nf.flash_attention, q, k, v, causal=causal))
+        t8 = median_seconds(functools.partial(nf.flash_attention, x.q, x.k, x.v, q_descale=x.q_descale,
+                                              k_descale=x.k_descale, v_descale=x.v_descale, causal=causal))
+        tf16, tf8, tfk = flops / t16 / 1e12, flops / t8 / 1e12, flops / (t8 - prep) / 1e12
+        print(f"| {d} | {s} | {causal} | {tf16:.0f} | {tf8:.0f} | {tfk:.0f} | {prep * 1e6:.0f} | "
+              f"{tf8 / tf16:.2f} | {tfk / tf16:.2f} |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="128:4096,128:16384,64:16384,256:16384,128:1024",
+                   help="head_dim:seqlen pairs")
+    args = p.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| head dim | seqlen | causal | bf16 TFLOP/s | FP8 call | FP8 kernel | V prep (us) | call / bf16 | "
+          "kernel / bf16 |\n|--:|--:|:--|--:|--:|--:|--:|--:|--:|")
+    for pair in args.shapes.split(","):
+        d, s = (int(x) for x in pair.split(":"))
+        shape_rows(d, s)
+
+if __name__ == "__main__":
+    main()
