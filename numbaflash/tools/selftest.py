@@ -20,6 +20,9 @@ several of them): about a third varlen, the rest and half the varlen ones a wind
 both (``variant_shares``), cycling through the families that have these kernels
 (``VARLEN_FAMILIES``, ``WINDOW_SOFTCAP_FAMILIES``).
 
+``--fp8`` tests the e4m3 Hopper forward instead (``selftest_fp8``: float8_e4m3fn q, k, v with
+their descales, against float64 attention of the dequantized inputs; Hopper and torch only).
+
 ``--decode`` tests ``flash_attention_with_kvcache`` instead (``selftest_decode``): ragged cache
 lengths (empty and full ones too), new rows appended, paged caches, GQA, seqlen_q 1 to 16, forced
 split counts, NaN in every cache row no sequence owns; with ``--variants`` every case has a
@@ -72,6 +75,7 @@ from .selftest_common import (
     to_host,
 )
 from .selftest_decode import draw_decode_case, run_decode_case
+from .selftest_fp8 import draw_fp8_case, run_fp8_case
 
 FAMILIES = ("sm90", "sm80")
 # (longest seqlen, cap on batch * heads_q * seqlen_q * seqlen_k, max batch, max heads_kv)
@@ -625,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="store_true",
                    help="test flash_attention_with_kvcache (decode against a KV cache) instead of the "
                         "forward")
+    p.add_argument("--fp8", action="store_true",
+                   help="test the e4m3 (FP8) Hopper forward instead of the 16-bit one (torch and an "
+                        "sm_90 GPU)")
     p.add_argument("--variants", action="store_true",
                    help="make every case varlen, sliding-window or softcap (or several), on the "
                         "families with those kernels; with --backward too; with --decode, every case "
@@ -646,6 +653,7 @@ def variant_label(args: argparse.Namespace) -> str:
 def replay_command(args: argparse.Namespace, seed: int, index: int) -> str:
     flags = (" --quick" if args.quick else "") + (f" --family {args.family}" if args.family else "") + (
         " --backward" if args.backward else "") + (" --decode" if args.decode else "") + (
+        " --fp8" if args.fp8 else "") + (
         " --variants" if args.variants else "") + (" --pairs" if args.pairs else "")
     return f"python -m numbaflash.selftest --seed {seed}{flags} --case {index}"
 
@@ -669,6 +677,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--backward and --decode test different operations: give one of them")
     if args.decode and args.family:
         parser.error("--decode has one kernel family per GPU: --family does not apply")
+    if args.fp8 and (args.backward or args.decode or args.pairs or args.family):
+        parser.error("--fp8 tests the e4m3 forward alone: --backward, --decode, --pairs and --family do "
+                     "not apply")
     if args.decode and args.pairs:
         parser.error("--pairs applies to the forward and the backward (decode takes (192, 128) in its share)")
     if args.pairs:  # every case draws a pair (draw_value_dims' share)
@@ -698,6 +709,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"numbaflash self-test: --variants: {args.family} has no window/softcap or varlen kernels "
                   f"(they are in {sorted({*WINDOW_SOFTCAP_FAMILIES, *VARLEN_FAMILIES})})", file=sys.stderr)
             return 2
+    if args.fp8:
+        if capability[0] != 9 or cuda_torch() is None:
+            print("numbaflash self-test: --fp8 needs a Hopper GPU (sm_90) and torch with CUDA; this is "
+                  f"{name} (sm_{capability[0]}{capability[1]})", file=sys.stderr)
+            return 2
+        families = ["fp8"]
     if args.backward or args.decode:
         families = ["backward" if args.backward else "decode"]
     seed = secrets.randbits(32) if args.seed is None else args.seed
@@ -712,6 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_backward_case(draw_backward_case(seed, index, args.quick, args.variants))
         elif args.decode:
             result = run_decode_case(draw_decode_case(seed, index, args.quick, args.variants))
+        elif args.fp8:
+            result = run_fp8_case(draw_fp8_case(seed, index, args.quick, args.variants))
         else:
             result = run_case(draw_case(seed, index, families, args.quick, args.variants), capability)
         results.append(result)
@@ -721,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for family in families:
         rs = [r for r in results if r.case.family == family]
         worst = max((r.ratio for r in rs), default=0.0)
-        varlen = sum(r.case.varlen for r in rs)
+        varlen = sum(getattr(r.case, "varlen", False) for r in rs)  # (an FP8 case has no varlen)
         windowed = sum(r.case.window_size != (-1, -1) or r.case.softcap > 0 for r in rs)
         counts = ((varlen, "varlen"), (windowed, "window/softcap"))
         kinds = ", ".join(f"{n} {what}" for n, what in counts if n)
