@@ -9,8 +9,12 @@ before the rounding), which no e4m3 PV product can avoid. A case passes when
     max |out - exact| <= 3 max |rounded - exact| + 2^-8 max |exact|
 
 (the last term: the 16-bit output's own rounding), and its LSE, where asked, matches the exact one
-within ``reference.lse_tolerance`` (the scores are exact products of e4m3 values, summed in fp32).
-Rows that see no key must give 0 and LSE -inf (or the sink's logit).
+within ``lse_tolerance``: the 16-bit kernels' (``reference.lse_tolerance``) plus 2^-11 of the
+largest Σ_d |q_d k_d| · scale of the case. The scores are exact products of e4m3 values, but
+Hopper's FP8 wgmma sums them with less than fp32's precision: on an H200 the 48 LSE errors past
+the 16-bit tolerance (300 cases, seed 1130; docs/PERFORMANCE.md, "The FP8 forward") were 2^-12.2
+to 2^-14.5 of that sum, where the 16-bit kernels' fp32 sums stay within 2^-15 of the LSE. Rows
+that see no key must give 0 and LSE -inf (or the sink's logit).
 
 Cases draw head dims 64, 128 and 256; batch, lengths (log-uniform, seqlen_q far from seqlen_k),
 GQA groups, causal masking, windows, softcaps (``draw_window_softcap``; every case with
@@ -27,7 +31,8 @@ import time
 import numpy as np
 
 from ..configs import FP8_HEAD_DIMS
-from .reference import lse_tolerance, visible_keys
+from .reference import lse_tolerance as lse_tolerance_16
+from .reference import visible_keys
 from .selftest_common import GROUPS, CaseResult, draw_sink, draw_window_softcap, log_uniform
 
 P_SCALE = 256.0  # the kernel's static P scale (``kernels.softmax.P_SCALE_E4M3``)
@@ -90,9 +95,16 @@ def draw_fp8_case(seed: int, index: int, quick: bool = False, variants: bool = F
                    sink=draw_sink(seed, index, heads_q, 0.15, stream=62))
 
 
+def lse_tolerance(ref_lse: np.ndarray, magnitude: float) -> float:
+    """The FP8 kernel's LSE tolerance: the 16-bit kernels' plus 2^-11 of ``magnitude``, the largest
+    Σ_d |q_d k_d| · scale (what the tensor cores' e4m3 sums hold; module docstring)."""
+    return lse_tolerance_16(ref_lse) + 2.0**-11 * magnitude
+
+
 def _reference(q, k, v, case: Fp8Case):
-    """float64 (exact, rounded, lse): attention of the dequantized q, k, v (numpy (b, s, h, d)), and
-    the same with P rounded to e4m3 as the kernel scales it."""
+    """float64 (exact, rounded, lse, magnitude): attention of the dequantized q, k, v (numpy (b, s,
+    h, d)), the same with P rounded to e4m3 as the kernel scales it, and the largest Σ_d |q_d k_d| ·
+    scale (``lse_tolerance``)."""
     import ml_dtypes
 
     b, sq, hq, d = q.shape
@@ -101,6 +113,7 @@ def _reference(q, k, v, case: Fp8Case):
     kf = np.repeat(k, group, axis=2).transpose(0, 2, 1, 3)
     vf = np.repeat(v, group, axis=2).transpose(0, 2, 1, 3)
     s = qf @ kf.transpose(0, 1, 3, 2) / np.sqrt(d)
+    magnitude = float((np.abs(qf) @ np.abs(kf).transpose(0, 1, 3, 2)).max(initial=0.0)) / np.sqrt(d)
     if case.softcap > 0:
         s = case.softcap * np.tanh(s / case.softcap)
     if case.causal or case.window_size != (-1, -1):
@@ -118,7 +131,7 @@ def _reference(q, k, v, case: Fp8Case):
     rounded_p = (p * P_SCALE).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / P_SCALE
     exact = ((p * inverse) @ vf).transpose(0, 2, 1, 3)
     rounded = ((rounded_p * inverse) @ vf).transpose(0, 2, 1, 3)
-    return exact, rounded, lse
+    return exact, rounded, lse, magnitude
 
 
 def run_fp8_case(case: Fp8Case) -> CaseResult:
@@ -153,7 +166,7 @@ def run_fp8_case(case: Fp8Case) -> CaseResult:
         got, lse = result if case.return_lse else (result, None)
         torch.cuda.synchronize()
         got = got.double().cpu().numpy()
-        exact, rounded, ref_lse = _reference(*deq, case)
+        exact, rounded, ref_lse, magnitude = _reference(*deq, case)
         seconds = time.perf_counter() - start
         if not np.isfinite(got).all():
             return CaseResult(case, False, float("inf"), seconds,
@@ -166,8 +179,9 @@ def run_fp8_case(case: Fp8Case) -> CaseResult:
             seen = np.isfinite(ref_lse)
             if not np.array_equal(np.isfinite(lse), seen):
                 message += " LSE: finite where the reference is not (or the other way)"
-            elif seen.any() and np.abs(lse[seen] - ref_lse[seen]).max() > lse_tolerance(ref_lse):
-                message += f" LSE error {np.abs(lse[seen] - ref_lse[seen]).max():.3g}"
+            elif seen.any() and np.abs(lse[seen] - ref_lse[seen]).max() > lse_tolerance(ref_lse, magnitude):
+                message += (f" LSE error {np.abs(lse[seen] - ref_lse[seen]).max():.3g} over "
+                            f"{lse_tolerance(ref_lse, magnitude):.3g}")
         return CaseResult(case, not message, ratio, seconds, message.strip())
     except Exception as exc:  # noqa: BLE001 - a case that raises fails, and the run goes on
         return CaseResult(case, False, float("inf"), time.perf_counter() - start,
