@@ -62,7 +62,7 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 }
 # The e4m3 (FP8) Hopper forward's config per head dim (``WsConfig.fp8``; ``operations.fp8_forward``),
 # O always in a tile of its own (e4m3 tiles are half the bytes). Chosen on an H200 among 18 shapes
-# (docs/PERFORMANCE.md, "The FP8 forward"): d128 192 keys a tile (4-8% over 128 at 4k and 16k);
+# (docs/PERFORMANCE.md, "The FP8 forward"): d128 192 keys a tile (3-12% over 128 at 4k and 16k);
 # d256 one Q buffer (Q 32 KB, K and V 2 x 2 x 32 KB, O 64 KB) with ping-pong (5-9% at 4k, -2..0%
 # at 16k); d64 the 16-bit table's three consumers.
 FP8_DEFAULTS: dict[int, WsConfig] = {
