@@ -155,15 +155,7 @@ P_SCALE_LOG2 = 8.0
 def exponentiate_e4m3(s, n_tiles, m_run, l_run, scale_log2):
     """``exponentiate`` for the e4m3 kernels: P·``P_SCALE_E4M3`` = exp2(S·scale·log2(e) - m + 8) in
     place, the row sums (``l_run``) of those."""
-    for r in range(2):
-        m_use = (m_run[r] if m_run[r] != NEG_INF else float32(0.0)) - float32(P_SCALE_LOG2)
-        row_sum = float32(0.0)
-        for j in range(n_tiles):
-            for e in range(2):
-                p = ptx.exp2(s[j, 2 * r + e] * scale_log2 - m_use)
-                s[j, 2 * r + e] = p
-                row_sum += p
-        l_run[r] += row_sum
+    exponentiate_shifted(s, n_tiles, m_run, l_run, scale_log2, float32(P_SCALE_LOG2))
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -207,8 +199,15 @@ def exponentiate_slice(s, kt, m_use, row_sum, scale_log2):
 def exponentiate(s, n_tiles, m_run, l_run, scale_log2):
     """P = exp2(S·scale·log2(e) - m) in place (one FFMA + one ex2 per score), and add this
     lane's part of each row sum to ``l_run``. Rows with no key yet (m = -inf) give 0."""
+    exponentiate_shifted(s, n_tiles, m_run, l_run, scale_log2, float32(0.0))  # (x - 0 folds away)
+
+
+@cuda.jit(device=True, forceinline=True)
+def exponentiate_shifted(s, n_tiles, m_run, l_run, scale_log2, shift):
+    """P = exp2(S·scale·log2(e) - m + shift) in place, this lane's row sums added to ``l_run``:
+    ``exponentiate`` (shift 0) and ``exponentiate_e4m3`` (P times 2^shift)."""
     for r in range(2):
-        m_use = m_run[r] if m_run[r] != NEG_INF else float32(0.0)
+        m_use = (m_run[r] if m_run[r] != NEG_INF else float32(0.0)) - shift
         row_sum = float32(0.0)
         for j in range(n_tiles):
             for e in range(2):
