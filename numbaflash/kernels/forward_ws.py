@@ -51,6 +51,13 @@ TMA zero-fills and whose warpgroups skip, so a ragged block is the lightest of a
 Tensor maps are 4-D (batch, seqlen, heads, head_dim) over the
 caller's strides, so GQA is a kv-head coordinate and strided inputs cost nothing.
 
+The e4m3 build (``config.fp8``; ``operations.fp8_forward``) runs both products as m64nNk32 wgmma on
+tiles of one byte an element. 8-bit operands are K-major only, so its V arrives transposed,
+(batch, heads_kv, head_dim, keys), from ``fp8_prep``, with each 32 keys in the order a lane's S
+accumulators hold them (``fp8_layout``): P goes from S to the PV product with no shuffle
+(``softmax.pack_p_e4m3``). q's and k's descales multiply the exponent factor (or the softcap's), v's
+and P's static scale (``softmax.P_SCALE_E4M3``) O at the end; O stays a 16-bit tile.
+
 The factory builds the kernel from named pieces, each a factory returning its steps as a
 named tuple (as ``wgmma_gemms.make_attention_gemms`` does): the rings (``ring.make_ring``), the
 tile walk every role shares (``blocks.make_tile_walk``), the producer (``make_producer``), the
@@ -121,7 +128,8 @@ RowStats = namedtuple("RowStats", ["m_run", "l_run", "mx", "alpha"])
 # A fragments of the PV wgmma, and 4 words to stage stmatrix operands.
 Accumulators = namedtuple("Accumulators", ["s", "o", "p", "regs"])
 # wgmma descriptors: this warpgroup's Q rows (K-major), K stage 0 (K-major) and V stage 0
-# (MN-major: head-dim blocks block_n * row_bytes bytes apart); a tile's Q buffer is added to q.
+# (MN-major: head-dim blocks block_n * row_bytes bytes apart; e4m3: transposed V, K-major); a
+# tile's Q buffer is added to q.
 Descriptors = namedtuple("Descriptors", ["q", "k", "v"])
 # What a consumer reads and writes besides its registers, the exponent factor (softmax scale, or
 # the softcap, times log2(e)), softmax scale / softcap (softcap kernels), for packed sequences
