@@ -36,7 +36,7 @@ def test_normalisation_happens_once_when_built():
     config = BackwardConfig(64)
     window = kernel_spec("sm80bwd", "backward", config, causal=True, window=True)
     assert not window.causal  # a window kernel is built non-causal
-    for operation in CAUSAL_FREE - {"decode_combine"}:
+    for operation in CAUSAL_FREE - {"decode_combine", "fp8_v"}:
         spec = kernel_spec("sm80bwd", operation, config, causal=True, window=True, softcap=True, varlen=True)
         assert (spec.causal, spec.window, spec.softcap, spec.varlen) == (False, False, False, True)
         assert window.sibling(operation) == kernel_spec("sm80bwd", operation, config, varlen=False)
@@ -45,6 +45,10 @@ def test_normalisation_happens_once_when_built():
     assert decode.paged and decode.causal
     assert decode.sibling("decode_combine") == kernel_spec("sm80dec", "decode_combine", paged)
     assert not decode.sibling("decode_combine").paged  # one combine kernel serves paged calls too
+    fp8 = WsConfig(128, fp8=True)  # the e4m3 forward's V prep: one kernel per config, whatever the call
+    prep = kernel_spec("sm90", "fp8_v", fp8, "bfloat16", causal=True, window=True, softcap=True, varlen=True,
+                       sink=True)
+    assert prep == kernel_spec("sm90", "fp8_v", fp8) and prep.dtype == "float16"
 
 
 def test_kind_names_every_set_axis():
@@ -56,7 +60,7 @@ def test_kind_names_every_set_axis():
 def test_every_family_operation_has_a_factory_and_nothing_else():
     pairs = {(f.name, op) for f in families.FAMILIES.values() for op in f.operations}
     assert pairs == set(families.FACTORIES)
-    assert len(families.FACTORIES) == 10
+    assert len(families.FACTORIES) == 11
     for config in CONFIGS:
         family = families.family_of(config)
         for operation in family.operations:
