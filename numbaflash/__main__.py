@@ -125,8 +125,8 @@ def run_offline(args: argparse.Namespace) -> None:
     reports.append(inspect_kernel(make_tile_gemm(False), TILE_GEMM_ARGTYPES, "sm_80", "tile_gemm_f16"))
     print(f"  tile_gemm_f16 for sm_80 ({time.perf_counter() - start:.1f} s)\n", flush=True)
     print(format_table(reports))
-    print("\nHMMA = tensor-core mma.sync, HGMMA = wgmma, LDSM = ldmatrix, LDGSTS = cp.async, "
-          "UTMALDG = TMA load, SYNCS = mbarrier; LDL/STL/CALL must be 0.")
+    print("\nHMMA = tensor-core mma.sync, HGMMA = wgmma, QGMMA = 8-bit (e4m3) wgmma, LDSM = ldmatrix, "
+          "LDGSTS = cp.async, UTMALDG = TMA load, SYNCS = mbarrier; LDL/STL/CALL must be 0.")
     print("Every shipped kernel on every target: python -m numbaflash.inspect")
 
 

@@ -155,12 +155,13 @@ def test_format_table():
     assert len(table) == 4
     head = table[0].split()
     assert head[:6] == ["kernel", "arch", "regs", "stack", "smem", "local"]
-    assert head[6:] == ["HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SYNCS", "BAR", "LDL", "STL", "CALL"]
+    assert head[6:] == ["HMMA", "HGMMA", "QGMMA", "LDSM", "LDGSTS", "UTMALDG", "SYNCS", "BAR", "LDL", "STL",
+                        "CALL"]
     assert set(table[1]) == {"-", " "}
     assert len({len(line) for line in table}) == 1  # fixed width
     first = table[2].split()
     assert first[:6] == ["tile_gemm_f16", "sm_80", "40", "0", "16384", "0"]
-    assert first[6:] == ["16", "0", "10", "8", "0", "0", "0", "0", "0", "0"]
+    assert first[6:] == ["16", "0", "0", "10", "8", "0", "0", "0", "0", "0", "0"]
     assert table[3].split()[-1] == "2"
     # Name columns are left-aligned, numbers right-aligned.
     assert table[3].startswith("k ")

@@ -130,7 +130,7 @@ def inspect_kernel(pyfunc, argtypes: Sequence, arch: str, name: str | None = Non
 
 def format_table(reports: Iterable[KernelReport]) -> str:
     """A fixed-width table, one row per (kernel, arch)."""
-    cols = ["HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SYNCS", "BAR", "LDL", "STL", "CALL"]
+    cols = ["HMMA", "HGMMA", "QGMMA", "LDSM", "LDGSTS", "UTMALDG", "SYNCS", "BAR", "LDL", "STL", "CALL"]
     head = ["kernel", "arch", "regs", "stack", "smem", "local"] + cols
     rows = [
         [r.name, r.arch, str(r.registers), str(r.stack_bytes), str(r.shared_bytes), str(r.local_bytes)]
