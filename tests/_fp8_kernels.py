@@ -6,29 +6,18 @@ example argument types for offline compilation in ``KERNELS``; launch shapes in 
 
 from __future__ import annotations
 
-from numba import cuda, float32, types, uint32
+from _sm80_kernels import MMA_ARGTYPES, make_mma_kernel
+from numba import cuda, types
 
 from numbaflash import ptx
 
 LANES = 32
 
 
-def mma_e4m3_kernel(a, b, acc_in, out):
-    """Launch [1, 32]. ``a`` (32, 4) and ``b`` (32, 2) uint32: each lane's A and B registers
-    (four e4m3 each); ``acc_in`` (32, 4) float32: its accumulators; ``out`` (32, 4) float32:
-    the accumulators after one m16n8k32 mma."""
-    lane = cuda.threadIdx.x
-    ra = cuda.local.array(4, uint32)
-    rb = cuda.local.array(2, uint32)
-    acc = cuda.local.array(4, float32)
-    for i in range(4):
-        ra[i] = a[lane, i]
-        acc[i] = acc_in[lane, i]
-    for i in range(2):
-        rb[i] = b[lane, i]
-    ptx.mma_m16n8k32_e4m3(acc, ra, rb)
-    for i in range(4):
-        out[lane, i] = acc[i]
+# One m16n8k32 e4m3 mma: the sm80 probes' one-mma kernel (``_sm80_kernels.make_mma_kernel``). Launch
+# [1, 32]: ``a`` (32, 4) and ``b`` (32, 2) uint32, each lane's A and B registers (four e4m3 each);
+# ``c`` (32, 4) float32 its accumulators; ``d`` (32, 4) the accumulators after the mma.
+mma_e4m3_kernel = make_mma_kernel(ptx.mma_m16n8k32_e4m3)
 
 
 def pack_e4m3_kernel(x, out):
@@ -39,9 +28,8 @@ def pack_e4m3_kernel(x, out):
         out[i] = ptx.pack_e4m3x4(x[i, 0], x[i, 1], x[i, 2], x[i, 3])
 
 
-_U32_2D = types.Array(types.uint32, 2, "C")
 _F32_2D = types.Array(types.float32, 2, "C")
 KERNELS = {
-    "mma_e4m3": (mma_e4m3_kernel, (_U32_2D, _U32_2D, _F32_2D, _F32_2D)),
+    "mma_e4m3": (mma_e4m3_kernel, MMA_ARGTYPES),
     "pack_e4m3": (pack_e4m3_kernel, (_F32_2D, types.Array(types.uint32, 1, "C"))),
 }

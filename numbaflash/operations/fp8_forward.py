@@ -26,7 +26,6 @@ from ..runtime import device as gpu_state
 from .forward import loaded_kernel, variant_of
 
 MAX_SEQLEN_K = 65535 * 128 * 8  # the V prep's grid: 65535 runs of 8 tiles of 128 keys (``fp8_prep``)
-FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 OUT_DTYPES = ("bfloat16", "float16")
 
 
@@ -36,12 +35,6 @@ def _dtype_name(x: Any) -> str:
     if type(x).__module__.startswith("torch"):
         return str(dtype).removeprefix("torch.")
     return np.dtype(dtype).name
-
-
-def is_fp8(x: Any) -> bool:
-    """Whether ``x`` (a torch tensor or numpy array) holds an 8-bit float type."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and str(dtype).removeprefix("torch.") in FP8_NAMES
 
 
 def check_dtypes(q: Any, k: Any, v: Any) -> None:
@@ -229,6 +222,7 @@ def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: in
             stream: int, heads_kv: int, seqlen_k: int) -> None:
     """Encode the four tensor maps and launch the e4m3 kernel on ``stream``."""
     from ..kernels import params
+    from ..kernels.families import kernel_params
     from ..runtime.map_slots import map_slots
     from ..runtime.tensor_map import encode_tensor_map
 
@@ -270,17 +264,11 @@ def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: in
         key = ("fp8", config) + tuple(m[:3] for m in maps_given)  # the config fixes the boxes
         maps, slot = slots.address(key, encode, stream)
         try:
-            args = params.ordered(_declared(spec), map_q=(maps, 16), map_k=(maps + 128, 16),
+            args = params.ordered(kernel_params(spec), map_q=(maps, 16), map_k=(maps + 128, 16),
                                   map_v=(maps + 256, 16), map_o=(maps + 384, 16), **values)
             launcher(grid, config.threads, stream, config.shared_bytes, *args)
         finally:
             slots.used(slot, stream)
-
-
-def _declared(spec):
-    from ..kernels.families import kernel_params
-
-    return kernel_params(spec)
 
 
 def _byte_strides(shape: tuple, strides: tuple) -> list[int]:
