@@ -1,7 +1,8 @@
 """Small ragged and fully masked e4m3 cases for compute-sanitizer (issue 60): every shipped FP8 config
 (``configs.FP8_DEFAULTS``), full and causal, on rows that see no key (seqlen_q > seqlen_k, causal),
 seqlen_q far below seqlen_k, one query row and a square tile edge; window, softcap and a learnable
-sink at d128; the V prep kernel on each. Every output finite.
+sink at d128; the V prep kernel on each; packed (varlen) calls with empty sequences, rows that see
+no key and a sequence longer than the prep's grid, every config, full and causal. Every output finite.
 
     compute-sanitizer --tool {memcheck,racecheck,synccheck} --report-api-errors no \
         --error-exitcode 9 python benchmarks/fp8_cases.py
@@ -28,5 +29,18 @@ for d, b, sq, sk, hq, hk, kw in cases:
     o = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale, v_descale=x.v_descale,
                            **kw)
     assert torch.isfinite(o).all()
+packed = 0
+for d in (64, 128, 256):
+    for causal in (False, True):
+        lengths_q, lengths_k = [300, 0, 1, 77, 5], [77, 9, 0, 300, 200]
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                      for n in (lengths_q, lengths_k))
+        q = torch.randn(int(cu_q[-1]), 4, d, device="cuda").to(torch.float8_e4m3fn)
+        k = torch.randn(int(cu_k[-1]), 2, d, device="cuda").to(torch.float8_e4m3fn)
+        v = torch.randn(int(cu_k[-1]), 2, d, device="cuda").to(torch.float8_e4m3fn)
+        ones = torch.ones(len(lengths_q), 2, device="cuda")
+        o = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=causal, q_descale=ones)
+        assert torch.isfinite(o).all()
+        packed += 1
 torch.cuda.synchronize()
-print("cases", len(cases), "ok")
+print("cases", len(cases) + packed, "ok")

@@ -8,6 +8,11 @@ FP8 TFLOP/s of the attention kernel alone (the call less the V prep, timed apart
 time; the ratios to bf16.
 
     python benchmarks/fp8_speed.py [--shapes 128:4096,128:16384,64:16384,256:16384,128:1024]
+    python benchmarks/fp8_speed.py --varlen [--shapes ...]   # packed calls against dense ones
+
+``--varlen``: the same tokens as packed sequences of equal length through
+``flash_attention_varlen`` (descales per sequence) beside the dense FP8 call on the same data:
+TFLOP/s of both whole calls, their V preps' times and the ratio packed / dense.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import torch
 
 import numbaflash as nf
 from numbaflash import fp8
-from numbaflash.kernels.fp8_layout import padded_keys
-from numbaflash.operations.fp8_forward import transpose_v
+from numbaflash.kernels.fp8_layout import packed_vt_keys, padded_keys
+from numbaflash.operations.fp8_forward import transpose_v, transpose_v_varlen
 
 
 def median_seconds(fn, n: int = 20) -> float:
@@ -56,12 +61,42 @@ def shape_rows(d: int, s: int) -> None:
               f"{tf8 / tf16:.2f} | {tfk / tf16:.2f} |", flush=True)
 
 
+def varlen_rows(d: int, s: int) -> None:
+    """Packed against dense rows of head dim ``d``, ``s`` tokens a sequence (full and causal)."""
+    heads, batch = 2048 // d, 65536 // s
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    x = fp8.quantize(q, k, v)
+    packed = [t.reshape(batch * s, heads, d) for t in (x.q, x.k, x.v)]
+    cu = torch.arange(0, batch * s + 1, s, dtype=torch.int32, device="cuda")
+    descales = dict(q_descale=x.q_descale, k_descale=x.k_descale, v_descale=x.v_descale)
+    stream, device = torch.cuda.current_stream().cuda_stream, torch.cuda.current_device()
+    vt = torch.empty((batch, heads, d, padded_keys(s)), dtype=torch.uint8, device="cuda")
+    vt_packed = torch.empty((1, heads, d, packed_vt_keys(batch * s, batch)), dtype=torch.uint8, device="cuda")
+    prep = median_seconds(lambda: transpose_v(x.v, vt, device, stream))
+    prep_packed = median_seconds(lambda: transpose_v_varlen(packed[2], cu, vt_packed, s, device, stream))
+    for causal in (False, True):
+        flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
+        dense = median_seconds(functools.partial(nf.flash_attention, x.q, x.k, x.v, causal=causal,
+                                                 **descales))
+        varlen = median_seconds(functools.partial(nf.flash_attention_varlen, *packed, cu, cu, s, s,
+                                                  causal=causal, **descales))
+        print(f"| {d} | {s} | {causal} | {flops / dense / 1e12:.0f} | {flops / varlen / 1e12:.0f} | "
+              f"{prep * 1e6:.0f} | {prep_packed * 1e6:.0f} | {dense / varlen:.3f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="128:4096,128:16384,64:16384,256:16384,128:1024",
                    help="head_dim:seqlen pairs")
+    p.add_argument("--varlen", action="store_true", help="packed calls against dense ones")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.varlen:
+        print("| head dim | seqlen | causal | dense FP8 call | packed FP8 call | dense V prep (us) | "
+              "packed V prep (us) | packed / dense |\n|--:|--:|:--|--:|--:|--:|--:|--:|")
+        for pair in args.shapes.split(","):
+            varlen_rows(*(int(x) for x in pair.split(":")))
+        return
     print("| head dim | seqlen | causal | bf16 TFLOP/s | FP8 call | FP8 kernel | V prep (us) | call / bf16 | "
           "kernel / bf16 |\n|--:|--:|:--|--:|--:|--:|--:|--:|--:|")
     for pair in args.shapes.split(","):

@@ -87,8 +87,9 @@ def flash_attention(
             dtype ``float8_e4m3fn`` (torch CUDA tensors, or numpy ``ml_dtypes`` arrays) hold
             x / descale; each descale is a float32 torch tensor of shape (batch, heads_kv) (q's
             heads share their KV head's), None for 1. Hopper only; head dims 64, 128 and 256;
-            causal, GQA, window, softcap and a learnable sink as in 16 bits; no varlen, no
-            backward. ``numbaflash.fp8.quantize`` makes the inputs and descales.
+            causal, GQA, window, softcap and a learnable sink as in 16 bits; packed sequences
+            through ``flash_attention_varlen``; no backward. ``numbaflash.fp8.quantize`` makes the
+            inputs and descales.
         out_dtype: FP8 inputs only: the output's dtype, torch.bfloat16 (default) or torch.float16.
 
     Raises:
@@ -450,6 +451,10 @@ def flash_attention_varlen(
     return_lse: bool = False,
     out: Any = None,
     learnable_sink: Any = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
+    out_dtype: Any = None,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func``), each sequence attending to its own keys only.
@@ -475,6 +480,10 @@ def flash_attention_varlen(
         out: optional output like q.
         learnable_sink: optional float32 (heads_q,) device array, as for ``flash_attention``
             (each sequence's rows; a row that sees no key gives 0 and LSE = the sink).
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs only, as for ``flash_attention``:
+            e4m3 q, k and v (torch CUDA tensors with int32 CUDA offsets, or numpy ``ml_dtypes``
+            arrays with numpy offsets), descales float32 (batch, heads_kv), one row per sequence;
+            out in ``out_dtype`` (bfloat16 by default). Hopper only, head dims 64, 128 and 256.
 
     Runs the GPU's own kernel: on Hopper at head dims 64, 96, 128 and 256 the TMA kernel, whose
     persistent schedule walks only the blocks that lie in a sequence; elsewhere the mma.sync
@@ -485,6 +494,15 @@ def flash_attention_varlen(
     Returns:
         ``out`` (total_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
     """
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or getattr(getattr(q, "dtype", None), "itemsize", 2) == 1):
+        from .operations.fp8_forward import flash_attention_varlen_fp8
+
+        return flash_attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                          softcap=softcap, return_lse=return_lse, out=out,
+                                          learnable_sink=learnable_sink, out_dtype=out_dtype)
     from .operations.varlen import direct_flash_attention_varlen
 
     kind = kind_of(q)

@@ -16,3 +16,21 @@ def reference_vt(torch, v):
     vt[..., :s] = v.view(torch.uint8).permute(0, 2, 3, 1)
     order = torch.tensor(key_index(s), dtype=torch.long, device=v.device)
     return vt.index_select(3, order)
+
+
+def reference_vt_packed(torch, v, cu_seqlens_k):
+    """Packed V (total_k, heads_kv, head_dim) e4m3 and its (batch + 1,) offsets -> (1, heads_kv,
+    head_dim, ``packed_vt_keys``) uint8: sequence b's ``reference_vt`` from column
+    ``sequence_vt_start(cu[b], b)``, zeros up to the next sequence's first column."""
+    from numbaflash.kernels.fp8_layout import packed_vt_keys, sequence_vt_start
+
+    cu = [int(x) for x in cu_seqlens_k]
+    batch = len(cu) - 1
+    _, h, d = v.shape
+    vt = torch.zeros((1, h, d, packed_vt_keys(cu[-1], batch)), dtype=torch.uint8, device=v.device)
+    for b in range(batch):
+        if cu[b + 1] > cu[b]:
+            one = reference_vt(torch, v[None, cu[b]:cu[b + 1]])
+            start = sequence_vt_start(cu[b], b)
+            vt[..., start:start + one.shape[3]] = one
+    return vt

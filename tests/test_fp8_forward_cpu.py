@@ -153,3 +153,66 @@ def test_numpy_fp8_inputs_are_recognised():
         nf.flash_attention(q, q, q.astype(np.float16))
     with pytest.raises(TypeError, match="not e5m2"):
         nf.flash_attention(q, q, q.astype(ml_dtypes.float8_e5m2))
+
+
+@pytest.mark.parametrize("lengths", [[1], [0, 5, 0], [31, 1, 33, 64, 0, 2], [100, 7, 129, 32]])
+def test_packed_vt_columns(lengths):
+    """A packed call's transposed V: each sequence's columns start a whole group, hold its padded
+    keys and end where the next sequence's start; the device's ``vt_start`` is the same formula."""
+    from numbaflash.kernels.fp8_layout import packed_vt_keys, sequence_vt_start
+    from numbaflash.kernels.fp8_prep import vt_start
+
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    starts = [sequence_vt_start(int(c), b) for b, c in enumerate(cu)]
+    assert starts[-1] == packed_vt_keys(int(cu[-1]), len(lengths))
+    for b, n in enumerate(lengths):
+        assert starts[b] % KEY_GROUP == 0
+        assert starts[b + 1] - starts[b] >= padded_keys(n) if n else starts[b + 1] >= starts[b]
+        assert vt_start.py_func(int(cu[b]), b) == starts[b]
+
+
+def test_reference_vt_packed_model():
+    torch = pytest.importorskip("torch")
+    from _fp8_model import reference_vt, reference_vt_packed
+
+    from numbaflash.kernels.fp8_layout import sequence_vt_start
+
+    lengths = [45, 0, 3, 70]
+    cu = [0, *np.cumsum(lengths).tolist()]
+    v = (torch.randn(cu[-1], 2, 64) * 4).to(torch.float8_e4m3fn)
+    vt = reference_vt_packed(torch, v, cu)
+    covered = torch.zeros(vt.shape[3], dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        if n:
+            start = sequence_vt_start(cu[b], b)
+            one = reference_vt(torch, v[None, cu[b]:cu[b + 1]])[0]
+            assert torch.equal(vt[0, :, :, start:start + one.shape[2]], one)
+            covered[start:start + one.shape[2]] = True
+    assert not vt[..., ~covered].any()  # the gaps between sequences are zero
+
+
+def test_varlen_api_errors_before_launch():
+    torch = pytest.importorskip("torch")
+    import numbaflash as nf
+
+    q = _fp8(torch, 70, 4, 128)
+    k = _fp8(torch, 50, 2, 128)
+    cu_q = torch.tensor([0, 30, 70], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 50], dtype=torch.int32)
+    with pytest.raises(TypeError, match="must all be float8_e4m3fn"):
+        nf.flash_attention_varlen(q, k, k.to(torch.bfloat16), cu_q, cu_k, 40, 40)
+    with pytest.raises(ValueError, match="3-D"):
+        nf.flash_attention_varlen(q[None], k[None], k[None], cu_q, cu_k, 40, 40)
+    with pytest.raises(TypeError, match="int32"):
+        nf.flash_attention_varlen(q, k, k, cu_q.long(), cu_k, 40, 40)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch tensor"):
+        nf.flash_attention_varlen(q, k, k, cu_q, cu_k.numpy(), 40, 40)
+    with pytest.raises(ValueError, match="same length"):
+        nf.flash_attention_varlen(q, k, k, cu_q, cu_k[:2], 40, 40)
+    with pytest.raises(ValueError, match="max_seqlen_q must be a positive int"):
+        nf.flash_attention_varlen(q, k, k, cu_q, cu_k, 0, 40)
+    with pytest.raises(ValueError, match=r"k_descale must be float32 of shape \(batch, heads_kv\) = \(2, 2"):
+        nf.flash_attention_varlen(q, k, k, cu_q, cu_k, 40, 40, k_descale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="one CUDA device"):  # every other check passed on the CPU
+        nf.flash_attention_varlen(q, k, k, cu_q, cu_k, 40, 40, q_descale=torch.ones(2, 2),
+                                  out_dtype=torch.float16)

@@ -199,3 +199,167 @@ def test_fp8_configs_on_the_same_tensors(monkeypatch):
             out = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale,
                                      v_descale=x.v_descale, causal=causal)
             _check(out, x, causal=causal)
+
+
+# ---------------------------------------------------------------------------------- packed (varlen)
+
+PACKED = [  # (sequence lengths (seqlen_q, seqlen_k) each, heads_q, heads_kv, head_dim)
+    ([(128, 128), (77, 300), (1, 1)], 4, 2, 128),
+    ([(300, 77), (0, 5), (64, 0), (190, 190)], 2, 1, 64),  # empty sequences, rows that see no key
+    ([(1, 513), (200, 333), (33, 31)], 4, 2, 256),
+    ([(1000, 1000), (5, 900), (640, 17)], 6, 2, 64),
+]
+
+
+def _packed_case(seed, lengths, hq, hk, d):
+    """Random e4m3 packed q, k, v (N(0, 1) cast), descales per (sequence, KV head) in [0.5, 2], the
+    int32 offsets on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    k = torch.randn(int(cu_k[-1]), hk, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    v = torch.randn(int(cu_k[-1]), hk, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    descales = [0.5 + 1.5 * torch.rand(len(lengths), hk, device="cuda", generator=g) for _ in range(3)]
+    return q, k, v, descales, cu_q.cuda(), cu_k.cuda()
+
+
+def _sequence(b, q, k, v, descales, cu_q, cu_k):
+    """Sequence b of a packed case as a dense batch of one: a ``fp8.Quantized`` and its rows."""
+    from numbaflash import fp8
+
+    qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+    one = [d[b:b + 1] for d in descales]
+    return fp8.Quantized(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], *one, None, None), slice(qs, qe)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", PACKED)
+def test_fp8_varlen_matches_float64_and_dense(case, causal):
+    """Each sequence of a packed call against float64 (the dense tests' bound) and against the dense
+    FP8 call on that sequence alone, to the output's rounding; empty sequences and rows that see no key
+    give 0 and LSE -inf; the poisoned output is written everywhere."""
+    _hopper()
+    import numbaflash as nf
+
+    lengths, hq, hk, d = case
+    seed = zlib.crc32(repr((case, causal)).encode())
+    q, k, v, descales, cu_q, cu_k = _packed_case(seed, lengths, hq, hk, d)
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device="cuda")
+    max_q, max_k = max(a for a, _ in lengths), max(b for _, b in lengths)
+    got, lse = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, q_descale=descales[0],
+                                         k_descale=descales[1], v_descale=descales[2], causal=causal, out=out,
+                                         return_lse=True)
+    assert got is out and lse.shape == (hq, q.shape[0])
+    assert torch.isfinite(out).all(), "an output row was not written (NaN poison)"
+    for b, (sq, sk) in enumerate(lengths):
+        if sq == 0:
+            continue
+        x, rows = _sequence(b, q, k, v, descales, cu_q, cu_k)
+        if sk == 0:
+            assert not out[rows].any() and torch.isneginf(lse[:, rows]).all()
+            continue
+        want_lse = _check(out[None, rows], x, causal=causal)[0]
+        seen = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse[:, rows]), seen)
+        torch.testing.assert_close(lse[:, rows][seen], want_lse[seen].float(), rtol=0, atol=5e-3)
+        dense, dense_lse = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale,
+                                              v_descale=x.v_descale, causal=causal, return_lse=True)
+        top = dense.float().abs().max().item()
+        torch.testing.assert_close(out[rows].float(), dense[0].float(), rtol=0, atol=2**-8 * top + 1e-6)
+        torch.testing.assert_close(lse[:, rows][seen], dense_lse[0][seen], rtol=0, atol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["window", "softcap", "sink", "fp16"])
+def test_fp8_varlen_variants(variant):
+    _hopper()
+    import numbaflash as nf
+
+    lengths, hq, hk, d = [(190, 260), (3, 70), (129, 128)], 4, 2, 128
+    q, k, v, descales, cu_q, cu_k = _packed_case(zlib.crc32(variant.encode()), lengths, hq, hk, d)
+    kwargs, mask = {}, {}
+    if variant == "window":
+        kwargs["window_size"] = mask["window"] = (50, 7)
+    elif variant == "softcap":
+        kwargs["softcap"] = mask["softcap"] = 2.0
+    elif variant == "sink":
+        kwargs["learnable_sink"] = mask["sink"] = torch.randn(hq, device="cuda")
+    elif variant == "fp16":
+        kwargs["out_dtype"] = torch.float16
+    out = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 190, 260, q_descale=descales[0],
+                                    k_descale=descales[1], v_descale=descales[2], **kwargs)
+    assert out.dtype == (torch.float16 if variant == "fp16" else torch.bfloat16)
+    for b in range(len(lengths)):
+        x, rows = _sequence(b, q, k, v, descales, cu_q, cu_k)
+        _check(out[None, rows], x, **mask)
+
+
+@gpu
+@pytest.mark.parametrize("lengths", [[1], [0, 5, 0], [31, 1, 33, 64, 0, 2], [1000, 7, 129, 32, 3000]])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_v_prep_varlen_kernel(lengths, head_dim):
+    """The packed V prep against the torch model, with the grid sized for a smaller maximum than
+    the longest sequence (the CTAs loop): every byte of the poisoned output written."""
+    _hopper()
+    from _fp8_model import reference_vt_packed
+
+    from numbaflash.kernels.fp8_layout import packed_vt_keys
+    from numbaflash.operations.fp8_forward import transpose_v_varlen
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    h = 3
+    wide = torch.randn(int(cu[-1]), h, 2 * head_dim, device="cuda").to(torch.float8_e4m3fn)
+    for v in (wide[..., :head_dim].contiguous(), wide[..., head_dim:]):
+        vt = torch.full((1, h, head_dim, packed_vt_keys(int(cu[-1]), len(lengths))), 0xAB, dtype=torch.uint8,
+                        device="cuda")
+        transpose_v_varlen(v, cu, vt, 1, torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert torch.equal(vt, reference_vt_packed(torch, v, cu.tolist()))
+
+
+@gpu
+def test_fp8_varlen_numpy_inputs():
+    _hopper()
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    import numbaflash as nf
+
+    lengths = [(40, 70), (9, 3)]
+    q, k, v, descales, cu_q, cu_k = _packed_case(5, lengths, 2, 1, 64)
+    host = [t.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn) for t in (q, k, v)]
+    out = nf.flash_attention_varlen(*host, cu_q.cpu().numpy(), cu_k.cpu().numpy(), 40, 70,
+                                    q_descale=descales[0].cpu().numpy(), k_descale=descales[1].cpu().numpy(),
+                                    v_descale=descales[2].cpu().numpy())
+    assert isinstance(out, np.ndarray) and out.dtype == ml_dtypes.bfloat16 and out.shape == q.shape
+    got = torch.from_numpy(out.astype(np.float32)).cuda()
+    for b in range(len(lengths)):
+        x, rows = _sequence(b, q, k, v, descales, cu_q, cu_k)
+        _check(got[None, rows], x)
+
+
+@gpu
+def test_fp8_varlen_in_a_cuda_graph():
+    """The packed call reads no device value on the host: captured once, replayed on new offsets
+    (the same totals) it gives the new sequences' attention."""
+    _hopper()
+    import numbaflash as nf
+
+    lengths = [(100, 150), (60, 90)]
+    q, k, v, descales, cu_q, cu_k = _packed_case(9, lengths, 4, 2, 128)
+    nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 160, 240, q_descale=descales[0], k_descale=descales[1],
+                              v_descale=descales[2])  # compiled and loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 160, 240, q_descale=descales[0],
+                                        k_descale=descales[1], v_descale=descales[2])
+    cu_q.copy_(torch.tensor([0, 10, 160], dtype=torch.int32))
+    cu_k.copy_(torch.tensor([0, 200, 240], dtype=torch.int32))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    for b in range(2):
+        x, rows = _sequence(b, q, k, v, descales, cu_q, cu_k)
+        _check(out[None, rows], x)

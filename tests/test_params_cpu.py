@@ -56,25 +56,29 @@ def test_every_sink_build_agrees_with_its_declaration():
 
 
 def test_every_fp8_build_agrees_with_its_declaration():
-    """The e4m3 Hopper forward builds (on demand, not registered): the 16-bit kernel's parameters,
-    then the descales (``params.DESCALES``); with a sink, the sink's logits after them."""
+    """The e4m3 Hopper forward builds (on demand, not registered): the 16-bit kernel's parameters
+    (packed: the varlen kernel's), then the descales (``params.DESCALES``); with a sink, the sink's
+    logits after them. The V preps, dense and packed, have their own lists."""
     import dataclasses
 
     from numbaflash.tools.registry import _built, forward_fp8_kernels
 
     fp8 = forward_fp8_kernels()
-    assert len(fp8) == 15
+    assert len(fp8) == 24  # per head dim: 2 preps, 4 dense and 2 packed forward builds
+    assert sum(k.spec.varlen for k, _, _ in fp8.values()) == 9
     for name, (kernel, argtypes, _) in fp8.items():
         if kernel.spec.operation == "fp8_v":  # the V prep: its own parameter list
-            assert kernel_params(kernel.spec) == params.FP8_V and "fp8_transpose_v" in name, name
+            want = params.FP8_V_VARLEN if kernel.spec.varlen else params.FP8_V
+            assert kernel_params(kernel.spec) == want and "fp8_transpose_v" in name, name
             assert kernel_abi(kernel.spec) == tuple(str(t) for t in argtypes), name
             continue
         for spec in (kernel.spec, dataclasses.replace(kernel.spec, sink=True)):
             built, types = _built(spec) if spec.sink else (kernel, argtypes)
             declared = kernel_params(spec)
             assert spec.config.fp8 and "_e4m3_" in name, name
-            assert declared[:len(params.WS_FORWARD)] == params.WS_FORWARD
-            assert declared[len(params.WS_FORWARD):] == params.DESCALES + (params.SINK if spec.sink else ())
+            base = params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
+            assert declared[:len(base)] == base
+            assert declared[len(base):] == params.DESCALES + (params.SINK if spec.sink else ())
             assert kernel_abi(spec) == tuple(str(t) for t in types), name
             function = getattr(built, "py_func", built)
             assert tuple(inspect.signature(function).parameters) == params.names_of(declared), name

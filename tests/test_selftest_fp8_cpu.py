@@ -39,3 +39,17 @@ def test_reference_matches_fp8_attention_reference():
         np.testing.assert_allclose(exact, fp8.attention_reference(x, causal=causal, p_fp8=False).numpy(),
                                    atol=1e-12)
         assert lse.shape == (2, 4, 37) and 0 < magnitude
+
+
+def test_packed_draws():
+    cases = [draw_fp8_case(11, i) for i in range(200)]
+    packed = [c for c in cases if c.q_lengths]
+    assert 30 < len(packed) < 90  # about 30%
+    longest, cap = LIMITS[False]
+    for c in packed:
+        assert len(c.q_lengths) == len(c.k_lengths) == c.batch and 2 <= c.batch <= 4
+        assert max(c.q_lengths) == c.seqlen_q and max(c.k_lengths) == c.seqlen_k
+        assert min(c.q_lengths + c.k_lengths) >= 0
+        assert c.batch * c.heads_q * c.seqlen_q * c.seqlen_k <= cap
+    plain = [c for c in cases if not c.q_lengths]
+    assert all(c == draw_fp8_case(11, c.index) for c in plain)

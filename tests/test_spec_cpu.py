@@ -45,10 +45,11 @@ def test_normalisation_happens_once_when_built():
     assert decode.paged and decode.causal
     assert decode.sibling("decode_combine") == kernel_spec("sm80dec", "decode_combine", paged)
     assert not decode.sibling("decode_combine").paged  # one combine kernel serves paged calls too
-    fp8 = WsConfig(128, fp8=True)  # the e4m3 forward's V prep: one kernel per config, whatever the call
-    prep = kernel_spec("sm90", "fp8_v", fp8, "bfloat16", causal=True, window=True, softcap=True, varlen=True,
-                       sink=True)
-    assert prep == kernel_spec("sm90", "fp8_v", fp8) and prep.dtype == "float16"
+    fp8 = WsConfig(128, fp8=True)  # the e4m3 forward's V prep: one kernel per config and layout
+    prep = kernel_spec("sm90", "fp8_v", fp8, "bfloat16", causal=True, window=True, softcap=True, sink=True)
+    assert prep == kernel_spec("sm90", "fp8_v", fp8) and prep.dtype == "float16" and not prep.varlen
+    packed = kernel_spec("sm90", "fp8_v", fp8, "bfloat16", causal=True, varlen=True, sink=True)
+    assert packed == kernel_spec("sm90", "fp8_v", fp8, varlen=True) and packed != prep
 
 
 def test_kind_names_every_set_axis():

@@ -155,7 +155,7 @@ def _backward_ws(s: KernelSpec):
 def _fp8_v(s: KernelSpec):
     from .fp8_prep import make_transpose_v_kernel
 
-    return make_transpose_v_kernel(s.config.head_dim)
+    return make_transpose_v_kernel(s.config.head_dim, s.varlen)
 
 
 def _decode(s: KernelSpec):
@@ -293,7 +293,7 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
     Hopper backward's main kernel (``params.GROUP_SPLIT``)."""
     family, op = spec.family, spec.operation
     if op == "fp8_v":
-        return params.FP8_V
+        return params.FP8_V_VARLEN if spec.varlen else params.FP8_V
     if op == "forward":
         if family == "sm90":
             declared = params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD

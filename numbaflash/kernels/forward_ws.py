@@ -56,7 +56,9 @@ tiles of one byte an element. 8-bit operands are K-major only, so its V arrives 
 (batch, heads_kv, head_dim, keys), from ``fp8_prep``, with each 32 keys in the order a lane's S
 accumulators hold them (``fp8_layout``): P goes from S to the PV product with no shuffle
 (``softmax.pack_p_e4m3``). q's and k's descales multiply the exponent factor (or the softcap's), v's
-and P's static scale (``softmax.P_SCALE_E4M3``) O at the end; O stays a 16-bit tile.
+and P's static scale (``softmax.P_SCALE_E4M3``) O at the end; O stays a 16-bit tile. Its packed
+(varlen) build reads a sequence's V columns from ``fp8_prep.vt_start`` of its key offset, and the
+descales of (sequence, KV head).
 
 The factory builds the kernel from named pieces, each a factory returning its steps as a
 named tuple (as ``wgmma_gemms.make_attention_gemms`` does): the rings (``ring.make_ring``), the
@@ -88,6 +90,7 @@ from .blocks import (
 )
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse, store_rows_global
+from .fp8_prep import vt_start
 from .ring import RingBarriers, make_ring
 from .shapes import WARPGROUP_ROWS, WsConfig
 from .smem import global_rows, swizzle_phase
@@ -239,6 +242,7 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = F
     Q_BYTES, K_BYTES, V_BYTES = (config.tile_bytes[name] for name in ("q", "k", "v"))
     O_IN_V = config.o_in_v
     q_ring, kv_ring, o_ring, v_ring = rings
+    FP8_VARLEN = config.fp8 and varlen
     load_tile = make_tile_loads(config)
     if config.fp8:
         load_v_tile = make_vt_loads(config)  # V transposed
@@ -255,6 +259,14 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = F
         than one completion ahead of the wait."""
         if O_IN_V and round_q > 0:
             o_ring.wait_empty(bars.o, round_q)
+
+    @cuda.jit(device=True, forceinline=True)
+    def v_key(n0, place, tile):
+        """V's first row (its tile's key ``n0``), or e4m3 packed: the transposed V's column of
+        that key (the sequence's keys start at ``fp8_prep.vt_start``, not at its K row)."""
+        if FP8_VARLEN:
+            return int32(vt_start(int64(place.start_k), int64(tile.batch)) + (n0 - place.start_k))
+        return n0
 
     @cuda.jit(device=True, forceinline=True)
     def produce_tile(state, turn):
@@ -282,8 +294,8 @@ def make_producer(config: WsConfig, causal: bool, rings: Rings, window: bool = F
                 wait_o_stored(bars, round_q)
             kv_ring.wait_empty(bars.v, load)
             kv_ring.arm(bars.v, s, V_BYTES)
-            load_v_tile(tiles.v + v_ring.offset(s), maps.v, kv_ring.full(bars.v, s), n0, tile.kv_head,
-                        place.batch, BN)
+            load_v_tile(tiles.v + v_ring.offset(s), maps.v, kv_ring.full(bars.v, s), v_key(n0, place, tile),
+                        tile.kv_head, place.batch, BN)
             load = kv_ring.advance(load, 1)
         return load
 
@@ -597,6 +609,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     CAUSAL = causal
     SINK = sink
     FP8, SOFTCAP = config.fp8, softcap
+    VARLEN = varlen
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
     # A consumer warpgroup whose 64 rows all lie past seqlen_q skips the tile (skip_tiles)
@@ -652,13 +665,20 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
         return ScoreMask(row_first, seat.lane, problem.seqlen_k, problem.seqlen_k - problem.seqlen_q)
 
     @cuda.jit(device=True, forceinline=True)
+    def descale_pair(work):
+        """e4m3: the index of the tile's (batch, KV head) in the descales (varlen: the sequence's)."""
+        problem = work.place.problem
+        batch = work.tile.batch if VARLEN else work.place.batch  # (a packed Place's batch is 0)
+        return batch * (problem.heads_q // problem.group) + work.tile.kv_head
+
+    @cuda.jit(device=True, forceinline=True)
     def scoring(io, work, at):
         """How this tile's scores become probabilities; e4m3: the raw scores are times q's and k's
         descales of the tile's (batch, KV head), folded into the exponent factor (or the softcap's)."""
         problem = work.place.problem
         band = Band(problem.seqlen_k, problem.first, problem.last)
         if FP8:
-            pair = work.place.batch * (problem.heads_q // problem.group) + work.tile.kv_head
+            pair = descale_pair(work)
             qk = io.descales.q[pair] * io.descales.k[pair]
             if SOFTCAP:
                 return Scoring(at, band, io.scale_log2, io.cap_scale * qk)
@@ -669,8 +689,7 @@ def make_consumer(config: WsConfig, causal: bool, bf16: bool, rings: Rings, wind
     def descale_o(acc_o, stats, io, work):
         """e4m3: O times v's descale of the tile's (batch, KV head), and O and the row sums over
         P's scale (``softmax.P_SCALE_E4M3``, which both carry)."""
-        problem = work.place.problem
-        pair = work.place.batch * (problem.heads_q // problem.group) + work.tile.kv_head
+        pair = descale_pair(work)
         v = io.descales.v[pair] * float32(1.0 / P_SCALE_E4M3)
         for r in range(2):
             scale_o_rows(acc_o, D_N_TILES, r, v)
@@ -771,8 +790,6 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
     config.check()
-    if config.fp8 and varlen:
-        raise NotImplementedError("the e4m3 Hopper forward has no packed (varlen) build")
     D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
     CONSUMERS = config.consumers
     QS = config.q_stages

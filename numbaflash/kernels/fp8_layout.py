@@ -37,3 +37,22 @@ def key_index(seqlen_k: int) -> list[int]:
     """For each column of the transposed V's padded key axis, the key it holds (``seqlen_k``
     or more: a padding key, zero)."""
     return [KEY_GROUP * g + k for g in range(padded_keys(seqlen_k) // KEY_GROUP) for k in KEY_ORDER]
+
+
+def sequence_vt_start(start_k: int, sequence: int) -> int:
+    """Packed (varlen) calls: the first column of sequence ``sequence``'s keys in the transposed
+    V, whose keys start at row ``start_k`` (``cu_seqlens_k[sequence]``) of the packed V: start_k
+    rounded up to a whole group, plus one group per sequence before it. Each sequence's keys
+    start a group (the key order is per group of its own keys) and never reach the next
+    sequence's first column: from roundup(cu[b]) + 32 b to roundup(cu[b + 1]) + 32 (b + 1) there
+    are at least roundup(cu[b + 1] - cu[b]) columns. Closed form, so the prep and the forward
+    find a sequence's columns from its offset alone (no prefix sum, nothing read on the host).
+    ``fp8_prep.vt_start`` computes the same on the device."""
+    return -(-start_k // KEY_GROUP) * KEY_GROUP + KEY_GROUP * sequence
+
+
+def packed_vt_keys(total_k: int, batch: int) -> int:
+    """Columns of a packed call's transposed V, (1, heads_kv, head_dim, columns): the start of a
+    sequence after the last (``sequence_vt_start(total_k, batch)``). The prep writes every one of
+    them: a sequence's keys, then zeros up to the next sequence's first column."""
+    return sequence_vt_start(total_k, batch)

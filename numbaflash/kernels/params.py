@@ -58,6 +58,9 @@ DESCALES = params((F32_ARRAY, "q_descale k_descale v_descale"))
 # The e4m3 forward's V, transposed for its PV product (``fp8_prep``): V and Vt as 4-byte words, V's
 # batch, sequence and head strides in words, its keys, Vt's padded keys, the KV heads.
 FP8_V = params((U32_ARRAY, "v vt"), (I64, "v_sb v_ss v_sh seqlen_k keys heads_kv"))
+# Its packed build: V (total_k, heads_kv, head_dim) and Vt as words, the key offsets, V's sequence and
+# head strides in words, Vt's columns (``fp8_layout.packed_vt_keys``), the KV heads.
+FP8_V_VARLEN = params((U32_ARRAY, "v vt"), (I32_ARRAY, "cu_seqlens_k"), (I64, "v_ss v_sh keys heads_kv"))
 # The backward's prepare kernel with a learnable sink: the logits, then the float32 (heads_q,)
 # gradient it adds each CTA's part of d_sink into (zeroed before the launch).
 SINK_GRADIENT = params((F32_ARRAY, "sink d_sink"))

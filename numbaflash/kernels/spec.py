@@ -11,7 +11,8 @@ Normalisation happens once, here, so that equal kernels have equal specs:
 - the kernels that do not depend on the mask or the softcap (``CAUSAL_FREE``: the backward's
   prepare and dQ kernels, the decode's combine kernel) are built without them, so one kernel
   serves every call; the combine kernel also serves packed and paged calls alike; the e4m3
-  forward's V prep (``fp8_v``) is built once per config, free of all of them and of the dtype;
+  forward's V prep (``fp8_v``) is built once per config and layout (dense or packed), free of
+  all of them and of the dtype;
 - the kernels that do not read a learnable sink (``SINK_FREE``: the backward's main and dQ
   kernels, which take the forward's sink-inclusive LSE unchanged, and the combine kernel) are
   built without it: of a backward, only the prepare kernel has a sink build (it adds d_sink);
@@ -36,7 +37,7 @@ SINK_FREE = frozenset({"backward", "backward_dq", "decode_combine", "fp8_v"})
 # Operations with a GQA-split build (``KernelSpec.group_split``): the backward's main kernel.
 GROUP_SPLIT_OPERATIONS = frozenset({"backward"})
 # Operations whose kernels serve packed (varlen) and paged calls alike.
-LAYOUT_FREE = frozenset({"decode_combine", "fp8_v"})
+LAYOUT_FREE = frozenset({"decode_combine"})
 # Operations whose kernels do not depend on the 16-bit dtype (the e4m3 forward's V prep: bytes in,
 # bytes out): built as float16 whatever the call's output dtype.
 DTYPE_FREE = frozenset({"fp8_v"})

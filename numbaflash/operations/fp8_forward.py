@@ -15,12 +15,13 @@ anything is compiled or launched.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from typing import Any
 
 import numpy as np
 
 from .. import configs
-from ..kernels.fp8_layout import padded_keys
+from ..kernels.fp8_layout import KEY_GROUP, packed_vt_keys, padded_keys
 from ..kernels.spec import kernel_spec
 from ..runtime import device as gpu_state
 from .forward import loaded_kernel, variant_of
@@ -94,44 +95,16 @@ def _descale(torch, x: Any, name: str, shape: tuple[int, int], device: Any):
     return x.contiguous().reshape(-1)
 
 
-def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_descale: Any = None,
-                        v_descale: Any = None, causal: bool = False, softmax_scale: float | None = None,
-                        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                        return_lse: bool = False, out: Any = None, learnable_sink: Any = None,
-                        out_dtype: Any = None) -> Any:
-    """The e4m3 forward (``flash_attention``'s FP8 inputs; see there). numpy inputs run through
-    torch and come back as numpy arrays."""
-    check_dtypes(q, k, v)
-    if isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
-        return _numpy_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, window_size,
-                          softcap, return_lse, out, learnable_sink, out_dtype)
-    import torch
+Options = namedtuple("Options", ["out_name", "scale", "softcap", "window", "descales", "sink"])
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
-    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
-        raise TypeError("FP8 q, k and v must all be torch tensors (or all numpy arrays), got "
-                        f"{[type(x).__name__ for x in (q, k, v)]}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
-                                  "tensors that do not require grad")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (batch, seqlen, heads, head_dim), got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    _, seqlen_k, heads_kv, _ = k.shape
-    if k.shape[0] != batch or k.shape[3] != head_dim or tuple(v.shape) != tuple(k.shape):
-        raise ValueError("k and v must be (batch, seqlen_k, heads_kv, head_dim) with q's batch and head dim: "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (FP8 has no separate "
-                         "value head dim)")
-    if head_dim not in configs.FP8_HEAD_DIMS:
-        raise ValueError(f"FP8 attention takes head dims {configs.FP8_HEAD_DIMS}, got {head_dim}")
-    if min(batch, seqlen_q, seqlen_k, heads_kv) < 1 or heads_q % heads_kv:
-        raise ValueError(f"empty input, or heads_q ({heads_q}) not a multiple of heads_kv ({heads_kv})")
-    if max(batch, heads_kv) > 65535 or seqlen_q >= 2**31 or seqlen_k > MAX_SEQLEN_K:
-        raise ValueError("FP8 attention takes batch and heads_kv up to 65535, seqlen_q under 2^31 and "
-                         f"seqlen_k up to {MAX_SEQLEN_K} (the V prep's grid), got batch {batch}, "
-                         f"heads_kv {heads_kv}, seqlens {seqlen_q}, {seqlen_k}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_layout(name, x, 1)
+
+def _options(torch, q: Any, k: Any, v: Any, pairs: tuple[int, int], descales: tuple, softmax_scale, softcap,
+             window_size, learnable_sink, out_dtype) -> Options:
+    """The checks the dense and packed FP8 calls share, before anything launches: output dtype,
+    scale, softcap, window, descales of shape ``pairs`` = (batch, heads_kv), then q, k, v on one
+    CUDA device, then the sink; with the descales made device tensors."""
+    heads_q, head_dim = q.shape[-2], q.shape[-1]
     out_name = "bfloat16" if out_dtype is None else str(out_dtype).removeprefix("torch.")
     if out_name not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
@@ -144,38 +117,164 @@ def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_desc
     left, right = (int(window_size[0]), int(window_size[1]))
     if left < -1 or right < -1:
         raise ValueError(f"window_size sides must be >= -1, got {window_size}")
-    pairs = (batch, heads_kv)
-    named = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    named = tuple(zip(DESCALE_NAMES, descales, strict=True))
     for name, x in named:
         check_descale(torch, x, name, pairs)
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (q.device == k.device == v.device):
         raise ValueError(f"FP8 q, k and v must be on one CUDA device, got {q.device}, {k.device}, {v.device}")
     device = q.device
-    descales = [_descale(torch, x, name, pairs, device) for name, x in named]
+    on_device = [_descale(torch, x, name, pairs, device) for name, x in named]
     sink = None
     if learnable_sink is not None:
         if (not isinstance(learnable_sink, torch.Tensor) or learnable_sink.dtype != torch.float32
                 or tuple(learnable_sink.shape) != (heads_q,) or learnable_sink.device != device):
             raise ValueError(f"learnable_sink must be a float32 ({heads_q},) tensor on {device}")
         sink = learnable_sink.contiguous()
-    dtype = getattr(torch, out_name)
+    return Options(out_name, scale, softcap, (left, right), on_device, sink)
+
+
+def _check_torch_inputs(torch, q: Any, k: Any, v: Any, dims: int, shape_names: str) -> None:
+    """All torch tensors, none needing grad, of ``dims`` dimensions, k and v alike, a head dim with
+    a kernel, heads_q a multiple of heads_kv, TMA's layout."""
+    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        raise TypeError("FP8 q, k and v must all be torch tensors (or all numpy arrays), got "
+                        f"{[type(x).__name__ for x in (q, k, v)]}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
+                                  "tensors that do not require grad")
+    if q.dim() != dims or k.dim() != dims or v.dim() != dims:
+        raise ValueError(f"q, k, v must be {dims}-D ({shape_names}), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    batch_differs = dims == 4 and k.shape[0] != q.shape[0]
+    if tuple(v.shape) != tuple(k.shape) or k.shape[-1] != q.shape[-1] or batch_differs:
+        raise ValueError(f"k and v must be ({shape_names.replace('seqlen', 'seqlen_k')}) with q's "
+                         f"{'batch and ' if dims == 4 else ''}head dim: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)} (FP8 has no separate value head dim)")
+    head_dim, heads_q, heads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if head_dim not in configs.FP8_HEAD_DIMS:
+        raise ValueError(f"FP8 attention takes head dims {configs.FP8_HEAD_DIMS}, got {head_dim}")
+    if min(*q.shape, *k.shape) < 1 or heads_q % heads_kv:
+        raise ValueError(f"empty input, or heads_q ({heads_q}) not a multiple of heads_kv ({heads_kv}): q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_layout(name, x, 1)
+
+
+def _check_out(torch, out: Any, shape: tuple, dtype: Any, device: Any) -> Any:
+    """``out`` checked (or made): ``dtype``, ``shape``, on ``device``, TMA's layout."""
     if out is None:
-        out = torch.empty((batch, seqlen_q, heads_q, head_dim), dtype=dtype, device=device)
-    elif (not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
-          or out.device != device):
-        raise ValueError(f"out must be a {dtype} tensor of shape {tuple(q.shape)} on {device}")
-    else:
-        _check_layout("out", out, 2)
+        return torch.empty(shape, dtype=dtype, device=device)
+    if (not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != tuple(shape)
+            or out.device != device):
+        raise ValueError(f"out must be a {dtype} tensor of shape {tuple(shape)} on {device}")
+    _check_layout("out", out, 2)
+    return out
+
+
+def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_descale: Any = None,
+                        v_descale: Any = None, causal: bool = False, softmax_scale: float | None = None,
+                        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        return_lse: bool = False, out: Any = None, learnable_sink: Any = None,
+                        out_dtype: Any = None) -> Any:
+    """The e4m3 forward (``flash_attention``'s FP8 inputs; see there). numpy inputs run through
+    torch and come back as numpy arrays."""
+    check_dtypes(q, k, v)
+    options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
+                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
+    if isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
+        return _numpy_fp8(flash_attention_fp8, (q, k, v), (), options)
+    import torch
+
+    _check_torch_inputs(torch, q, k, v, 4, "batch, seqlen, heads, head_dim")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    if max(batch, heads_kv) > 65535 or seqlen_q >= 2**31 or seqlen_k > MAX_SEQLEN_K:
+        raise ValueError("FP8 attention takes batch and heads_kv up to 65535, seqlen_q under 2^31 and "
+                         f"seqlen_k up to {MAX_SEQLEN_K} (the V prep's grid), got batch {batch}, "
+                         f"heads_kv {heads_kv}, seqlens {seqlen_q}, {seqlen_k}")
+    opts = _options(torch, q, k, v, (batch, heads_kv), (q_descale, k_descale, v_descale), softmax_scale,
+                    softcap, window_size, learnable_sink, out_dtype)
+    device = q.device
+    out = _check_out(torch, out, tuple(q.shape), getattr(torch, opts.out_name), device)
     lse = torch.empty((batch, heads_q, seqlen_q) if return_lse else (1,), dtype=torch.float32, device=device)
-    var = variant_of(causal, (left, right), softcap, scale, seqlen_q, seqlen_k)
+    var = variant_of(causal, opts.window, opts.softcap, opts.scale, seqlen_q, seqlen_k)
     with torch.cuda.device(device):
         capability, ordinal = gpu_state.GPU.current()
         _check_gpu(capability)
         stream = torch.cuda.current_stream(device).cuda_stream
         vt = torch.empty((batch, heads_kv, head_dim, padded_keys(seqlen_k)), dtype=torch.uint8, device=device)
         transpose_v(v, vt, ordinal, stream)
-        _launch(q, k, vt, out, lse, descales, sink, var, return_lse, ordinal, out_name, stream, heads_kv,
-                seqlen_k)
+        _launch(q, k, vt, out, lse, opts, var, return_lse, ordinal, stream, heads_kv, seqlen_k)
+    return (out, lse) if return_lse else out
+
+
+def _check_offsets(torch, cu_seqlens_q: Any, cu_seqlens_k: Any, device: Any) -> int:
+    """Torch offsets: int32 (batch + 1,) tensors of one length on q's device; returns batch. Their
+    values are never read on the host (a call can be captured in a CUDA graph)."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.device != device:
+            where = f" on {cu.device}" if isinstance(cu, torch.Tensor) else ""
+            raise TypeError(f"{name} must be an int32 torch tensor on q's device ({device}) for torch "
+                            f"inputs, got {type(cu).__name__}{where}")
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+            raise TypeError(f"{name} must be int32 of shape (batch + 1,) with batch >= 1, got {cu.dtype} "
+                            f"{tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    return cu_seqlens_q.shape[0] - 1
+
+
+def flash_attention_varlen_fp8(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                               max_seqlen_q: int, max_seqlen_k: int, *, q_descale: Any = None,
+                               k_descale: Any = None, v_descale: Any = None, causal: bool = False,
+                               softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                               softcap: float = 0.0, return_lse: bool = False, out: Any = None,
+                               learnable_sink: Any = None, out_dtype: Any = None) -> Any:
+    """The packed e4m3 forward (``flash_attention_varlen``'s FP8 inputs; see there): q (total_q,
+    heads_q, head_dim), k and v (total_k, heads_kv, head_dim) e4m3; descales (batch, heads_kv), one
+    row per sequence; out (total_q, heads_q, head_dim) bf16 or fp16, the LSE (heads_q, total_q).
+    numpy inputs (and numpy offsets) run through torch and come back as numpy arrays."""
+    from .varlen import check_max_seqlen, check_sequences
+
+    check_dtypes(q, k, v)
+    options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
+                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
+    if isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
+        if not all(isinstance(x, np.ndarray) for x in (q, k, v)) or any(x.ndim != 3 for x in (q, k, v)):
+            raise ValueError("FP8 numpy q, k and v must all be 3-D numpy arrays (total, heads, head_dim)")
+        check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], False)
+        return _numpy_fp8(flash_attention_varlen_fp8, (q, k, v), (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                               max_seqlen_k), options)
+    import torch
+
+    _check_torch_inputs(torch, q, k, v, 3, "total, heads, head_dim")
+    total_q, heads_q, head_dim = q.shape
+    total_k, heads_kv, _ = k.shape
+    batch = _check_offsets(torch, cu_seqlens_q, cu_seqlens_k, q.device)
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if max(batch, heads_kv) > 65535 or max(total_q, total_k) >= 2**31 - packed_vt_keys(0, 65536):
+        raise ValueError("packed FP8 attention takes up to 65535 sequences and KV heads and totals under "
+                         f"2^31 - 2^21, got batch {batch}, heads_kv {heads_kv}, totals {total_q}, {total_k}")
+    opts = _options(torch, q, k, v, (batch, heads_kv), (q_descale, k_descale, v_descale), softmax_scale,
+                    softcap, window_size, learnable_sink, out_dtype)
+    device = q.device
+    out = _check_out(torch, out, tuple(q.shape), getattr(torch, opts.out_name), device)
+    lse = torch.empty((heads_q, total_q) if return_lse else (1,), dtype=torch.float32, device=device)
+    var = variant_of(causal, opts.window, opts.softcap, opts.scale, max_q, max_k)
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    with torch.cuda.device(device):
+        capability, ordinal = gpu_state.GPU.current()
+        _check_gpu(capability)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        vt = torch.empty((1, heads_kv, head_dim, packed_vt_keys(total_k, batch)), dtype=torch.uint8,
+                         device=device)
+        transpose_v_varlen(v, cu_k, vt, max_k, ordinal, stream)
+        _launch(q[None], k[None], vt, out[None], lse, opts, var, return_lse, ordinal, stream, heads_kv, max_k,
+                packed=Packed(cu_q, cu_k, batch, max_q, out))
     return (out, lse) if return_lse else out
 
 
@@ -210,17 +309,56 @@ def transpose_v(v: Any, vt: Any, device: int, stream: int) -> None:
     spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a")
     keys = vt.shape[3]
     sb, ss, sh, _ = v.stride()
-    span = (sum((n - 1) * st for n, st in zip(v.shape, v.stride(), strict=True)) + 4) // 4
-    args = params.ordered(params.FP8_V, v=(v.data_ptr(), span), vt=(vt.data_ptr(), vt.numel() // 4),
+    args = params.ordered(params.FP8_V, v=(v.data_ptr(), _word_span(v)), vt=(vt.data_ptr(), vt.numel() // 4),
                           v_sb=sb // 4, v_ss=ss // 4, v_sh=sh // 4, seqlen_k=seqlen_k, keys=keys,
                           heads_kv=heads_kv)
     grid = (heads_kv * TILE_RUN, -(-keys // (KEYS_PER_CTA * TILE_RUN)), batch)
     _launcher(spec, device, 0)(grid, THREADS, stream, 0, *args)
 
 
-def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: int, out_name: str,
-            stream: int, heads_kv: int, seqlen_k: int) -> None:
-    """Encode the four tensor maps and launch the e4m3 kernel on ``stream``."""
+def transpose_v_varlen(v: Any, cu_seqlens_k: Any, vt: Any, max_seqlen_k: int, device: int,
+                       stream: int) -> None:
+    """Packed V (total_k, heads_kv, head_dim) e4m3 and its int32 (batch + 1,) key offsets -> ``vt``
+    (1, heads_kv, head_dim, ``fp8_layout.packed_vt_keys``) uint8, contiguous: each sequence's keys
+    from ``fp8_layout.sequence_vt_start``, zeros up to the next's (``kernels.fp8_prep``'s varlen
+    build). ``max_seqlen_k`` sizes the grid only: the CTAs loop over longer sequences' keys."""
+    from ..kernels import params
+    from ..kernels.fp8_prep import KEYS_PER_CTA, THREADS, TILE_RUN
+
+    _, heads_kv, head_dim = v.shape
+    batch = cu_seqlens_k.shape[0] - 1
+    config = configs.FP8_DEFAULTS[head_dim]
+    spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a", varlen=True)
+    keys = vt.shape[3]
+    ss, sh, _ = v.stride()
+    args = params.ordered(params.FP8_V_VARLEN, v=(v.data_ptr(), _word_span(v)),
+                          vt=(vt.data_ptr(), vt.numel() // 4),
+                          cu_seqlens_k=(cu_seqlens_k.data_ptr(), batch + 1), v_ss=ss // 4, v_sh=sh // 4,
+                          keys=keys, heads_kv=heads_kv)
+    runs = -(-(padded_keys(max_seqlen_k) + 2 * KEY_GROUP) // (KEYS_PER_CTA * TILE_RUN))
+    grid = (heads_kv * TILE_RUN, min(runs, 65535), batch)
+    _launcher(spec, device, 0)(grid, THREADS, stream, 0, *args)
+
+
+def _span(x: Any) -> int:
+    """Elements from a tensor's first element to its last, inclusive (its array's extent)."""
+    return sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True)) + 1
+
+
+def _word_span(x: Any) -> int:
+    """4-byte words covering an e4m3 tensor's extent."""
+    return (_span(x) + 3) // 4
+
+
+# A packed call's extra launch values: the offsets (int32 tensors), the sequences, max_seqlen_q and
+# the (total_q, heads_q, head_dim) output the threads store into.
+Packed = namedtuple("Packed", ["cu_seqlens_q", "cu_seqlens_k", "batch", "max_seqlen_q", "out"])
+
+
+def _launch(q, k, vt, out, lse, opts: Options, var, write_lse: bool, device: int, stream: int, heads_kv: int,
+            seqlen_k: int, packed: Packed | None = None) -> None:
+    """Encode the four tensor maps and launch the e4m3 kernel on ``stream``. q, k, out: 4-D
+    (packed: (1, total, heads, head_dim) views); ``seqlen_k``: the keys (packed: the maximum)."""
     from ..kernels import params
     from ..kernels.families import kernel_params
     from ..runtime.map_slots import map_slots
@@ -228,11 +366,15 @@ def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: in
 
     gpu = gpu_state.GPU
     config = configs.FP8_DEFAULTS[q.shape[3]]
-    spec = kernel_spec("sm90", "forward", config, out_name, "sm_90a", causal=var.causal, window=var.window,
-                       softcap=var.softcap, sink=sink is not None)
+    sink = opts.sink
+    spec = kernel_spec("sm90", "forward", config, opts.out_name, "sm_90a", causal=var.causal,
+                       window=var.window, softcap=var.softcap, sink=sink is not None,
+                       varlen=packed is not None)
     launcher = _launcher(spec, device, config.shared_bytes)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    out_map = "bf16" if out_name == "bfloat16" else "f16"
+    if packed is not None:
+        batch, seqlen_q = packed.batch, packed.max_seqlen_q
+    out_map = "bf16" if opts.out_name == "bfloat16" else "f16"
     maps_given = (
         (q.data_ptr(), tuple(q.shape), tuple(q.stride()), (1, config.block_m, 1, config.box_cols),
          f"{config.row_bytes}B", "u8"),
@@ -251,13 +393,20 @@ def _launch(q, k, vt, out, lse, descales, sink, var, write_lse: bool, device: in
 
     slots = map_slots(device)
     tiles = -(-seqlen_q // config.block_m) * heads_q * batch
-    grid = (min(tiles, gpu.sm_count(device)), 1, 1)
+    grid = (max(1, min(tiles, gpu.sm_count(device))), 1, 1)
+    descales = opts.descales
     span = {"q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2]}
     values = dict(lse=(lse.data_ptr(), lse.numel()), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                  row_lead=config.first_block_lead(seqlen_q), heads_q=heads_q, group=heads_q // heads_kv,
-                  batch_size=batch, scale_log2=var.scale_log2, write_lse=write_lse,
+                  row_lead=0 if packed is not None else config.first_block_lead(seqlen_q), heads_q=heads_q,
+                  group=heads_q // heads_kv, batch_size=batch, scale_log2=var.scale_log2, write_lse=write_lse,
                   window_left=var.window_left, window_right=var.window_right, cap_scale=var.cap_scale,
                   **{name: (t.data_ptr(), t.numel()) for name, t in span.items()})
+    if packed is not None:
+        o = packed.out
+        values.update(cu_seqlens_q=(packed.cu_seqlens_q.data_ptr(), batch + 1),
+                      cu_seqlens_k=(packed.cu_seqlens_k.data_ptr(), batch + 1), total_q=o.shape[0],
+                      o=(o.data_ptr(), _span(o)),
+                      o_row_stride=o.stride(0), o_head_stride=o.stride(1))
     if sink is not None:
         values["sink"] = (sink.data_ptr(), sink.numel())
     with slots.lock:
@@ -281,16 +430,16 @@ def _byte_strides(shape: tuple, strides: tuple) -> list[int]:
     return [*reversed(out), strides[-1]]
 
 
-def _numpy_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, window_size, softcap,
-               return_lse, out, learnable_sink, out_dtype):
-    """numpy ml_dtypes e4m3 inputs: through torch on the current device, back as numpy."""
+def _numpy_fp8(run, arrays: tuple, lengths: tuple, options: dict):
+    """numpy ml_dtypes e4m3 inputs (and, packed, numpy int32 offsets): ``run`` on torch copies on
+    the current device, the results back as numpy."""
     try:
         import torch
     except ImportError as error:  # pragma: no cover - torch is how FP8 numpy inputs reach the GPU
         raise NotImplementedError("FP8 numpy inputs need torch (to move them to the GPU)") from error
-    if not all(isinstance(x, np.ndarray) for x in (q, k, v)):
+    if not all(isinstance(x, np.ndarray) for x in arrays):
         raise TypeError("FP8 q, k and v must all be numpy arrays (or all torch tensors)")
-    if out is not None or learnable_sink is not None:
+    if options["out"] is not None or options["learnable_sink"] is not None:
         raise NotImplementedError("FP8 numpy inputs take no out= or learnable_sink=")
 
     def to_gpu(x):
@@ -299,15 +448,19 @@ def _numpy_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, 
     def descale(x):
         return None if x is None else torch.from_numpy(np.asarray(x, dtype=np.float32)).cuda()
 
-    result = flash_attention_fp8(to_gpu(q), to_gpu(k), to_gpu(v), q_descale=descale(q_descale),
-                                 k_descale=descale(k_descale), v_descale=descale(v_descale), causal=causal,
-                                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                 return_lse=return_lse, out_dtype=out_dtype)
-    o, lse = result if return_lse else (result, None)
+    given = dict(options)
+    for name in ("q_descale", "k_descale", "v_descale"):
+        given[name] = descale(options[name])
+    if lengths:
+        cu_q, cu_k, max_q, max_k = lengths
+        lengths = (torch.from_numpy(np.ascontiguousarray(cu_q)).cuda(),
+                   torch.from_numpy(np.ascontiguousarray(cu_k)).cuda(), max_q, max_k)
+    result = run(*(to_gpu(x) for x in arrays), *lengths, **given)
+    o, lse = result if options["return_lse"] else (result, None)
     if o.dtype == torch.bfloat16:
         import ml_dtypes
 
         o_host = o.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
     else:
         o_host = o.cpu().numpy()
-    return (o_host, lse.cpu().numpy()) if return_lse else o_host
+    return (o_host, lse.cpu().numpy()) if options["return_lse"] else o_host

@@ -43,21 +43,24 @@ def on_demand_kernels() -> dict:
 
 def forward_fp8_kernels() -> dict:
     """The e4m3 (FP8) Hopper forward kernels (issue 60, ``WsConfig.fp8``): each head dim's config
-    (``configs.FP8_DEFAULTS``), full and causal, bf16 and fp16 output, and its V prep
-    (``kernels.fp8_prep``), for sm_90a. Not registered, never precompiled: the API builds one on
-    first use. Named like the 16-bit kernels with ``e4m3_`` before the output dtype
+    (``configs.FP8_DEFAULTS``), full and causal, bf16 and fp16 output (packed: bf16), and its V
+    prep (``kernels.fp8_prep``), dense and packed, for sm_90a. Not registered, never precompiled:
+    the API builds one on first use. Named like the 16-bit kernels with ``e4m3_`` before the output dtype
     (``..._causal_e4m3_bf16_sm90``); the preps ``fp8_transpose_v_d<head dim>_sm90``."""
     from ..configs import FP8_DEFAULTS
     from ..kernels.families import spec_of
 
     kernels = {}
     for config in FP8_DEFAULTS.values():
-        kernel, argtypes = _built(spec_of(config, "fp8_v"))
-        kernels[f"{kernel.__name__}_sm90"] = (kernel, argtypes, ("sm_90a",))
+        for varlen in (False, True):
+            kernel, argtypes = _built(spec_of(config, "fp8_v", varlen=varlen))
+            kernels[f"{kernel.__name__}_sm90"] = (kernel, argtypes, ("sm_90a",))
         for causal in (False, True):
             for bf16 in (True, False):
                 kernel, argtypes = _built(spec_of(config, "forward", bf16, causal=causal))
                 kernels[f"{kernel.__name__}_sm90"] = (kernel, argtypes, ("sm_90a",))
+            kernel, argtypes = _built(spec_of(config, "forward", True, causal=causal, varlen=True))
+            kernels[f"{kernel.__name__}_sm90"] = (kernel, argtypes, ("sm_90a",))
     return kernels
 
 

@@ -20,7 +20,10 @@ Cases draw head dims 64, 128 and 256; batch, lengths (log-uniform, seqlen_q far 
 GQA groups, causal masking, windows, softcaps (``draw_window_softcap``; every case with
 ``--variants``), learnable sinks, bf16 or fp16 output, descales per (batch, KV head) from
 ``fp8.quantize`` (some with the Hadamard rotation of q and k) or none (e4m3 values as they are),
-and amplitudes that make the softmax flat or peaked. Needs torch with CUDA and a Hopper GPU.
+and amplitudes that make the softmax flat or peaked. About 30% of the cases (half with
+``--variants``) are packed: 2-4 sequences of their own lengths (empty ones too) through
+``flash_attention_varlen``, each judged against its own reference. Needs torch with CUDA and a
+Hopper GPU.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ class Fp8Case:
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     sink: tuple[float, ...] = ()
+    # packed (``flash_attention_varlen``): each sequence's own lengths, at most seqlen_q and seqlen_k
+    # (the first's are those); empty: a dense call
+    q_lengths: tuple[int, ...] = ()
+    k_lengths: tuple[int, ...] = ()
     family: str = "fp8"
 
     def describe(self) -> str:
@@ -67,7 +74,8 @@ class Fp8Case:
                 f"out={self.out_dtype} lse={int(self.return_lse)}"
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
                 + (f" softcap={self.softcap:g}" if self.softcap else "")
-                + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else ""))
+                + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else "")
+                + (f" packed q{list(self.q_lengths)} k{list(self.k_lengths)}" if self.q_lengths else ""))
 
 
 def draw_fp8_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> Fp8Case:
@@ -80,6 +88,10 @@ def draw_fp8_case(seed: int, index: int, quick: bool = False, variants: bool = F
     heads_q = heads_kv * group
     batch = int(rng.integers(1, 4))
     seqlen_q, seqlen_k = log_uniform(rng, longest), log_uniform(rng, longest)
+    packing = np.random.default_rng([seed, index, 63])  # its own stream: the other draws stay as they were
+    packed = packing.random() < (0.5 if variants else 0.3)
+    if packed:
+        batch = int(packing.integers(2, 5))
     while batch * heads_q * seqlen_q * seqlen_k > cap:
         seqlen_q, seqlen_k = max(1, seqlen_q // 2), max(1, seqlen_k // 2)
     causal = bool(rng.random() < 0.5)
@@ -88,11 +100,18 @@ def draw_fp8_case(seed: int, index: int, quick: bool = False, variants: bool = F
                                           share=1.0 if variants else 0.3)
     if window != (-1, -1):
         causal = False
+    q_lengths = k_lengths = ()
+    if packed:
+        q_lengths = (seqlen_q, *(int(packing.integers(0, seqlen_q + 1)) for _ in range(batch - 1)))
+        k_lengths = (seqlen_k, *(int(packing.integers(0, seqlen_k + 1)) for _ in range(batch - 1)))
+        order = packing.permutation(batch)  # the longest anywhere in the pack
+        q_lengths, k_lengths = tuple(q_lengths[i] for i in order), tuple(k_lengths[i] for i in order)
     return Fp8Case(seed, index, head_dim, causal, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
                    amplitude=float(rng.choice([0.5, 1.0, 3.0])), scaling=scaling,
                    out_dtype=str(rng.choice(["bfloat16", "float16"], p=[0.75, 0.25])),
                    return_lse=bool(rng.random() < 0.5), window_size=window, softcap=softcap,
-                   sink=draw_sink(seed, index, heads_q, 0.15, stream=62))
+                   sink=draw_sink(seed, index, heads_q, 0.15, stream=62), q_lengths=q_lengths,
+                   k_lengths=k_lengths)
 
 
 def lse_tolerance(ref_lse: np.ndarray, magnitude: float) -> float:
@@ -134,6 +153,40 @@ def _reference(q, k, v, case: Fp8Case):
     return exact, rounded, lse, magnitude
 
 
+def _run_packed(case: Fp8Case, q8, k8, v8, deq, options: dict):
+    """A packed case: each sequence's first rows of the dense draws, packed, through
+    ``flash_attention_varlen``; (out, lse, exact, rounded, ref_lse, magnitude), the outputs and
+    references as flat rows (rows, heads, head_dim) and LSEs as (heads, rows) of every sequence."""
+    import torch
+
+    import numbaflash as nf
+
+    def pack(x, lengths):
+        return torch.cat([x[b, :n] for b, n in enumerate(lengths)]).cuda()
+
+    cu_q = np.concatenate([[0], np.cumsum(case.q_lengths)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(case.k_lengths)]).astype(np.int32)
+    q, k, v = pack(q8, case.q_lengths), pack(k8, case.k_lengths), pack(v8, case.k_lengths)
+    out = torch.full((q.shape[0], case.heads_q, case.head_dim), float("nan"), dtype=options["out_dtype"],
+                     device="cuda")
+    result = nf.flash_attention_varlen(q, k, v, torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda(),
+                                       case.seqlen_q, case.seqlen_k, out=out, **options)
+    got, lse = result if case.return_lse else (result, None)
+    torch.cuda.synchronize()
+    parts, magnitude = [], 0.0
+    for b, (sq, sk) in enumerate(zip(case.q_lengths, case.k_lengths, strict=True)):
+        one = dataclasses.replace(case, batch=1, seqlen_q=sq, seqlen_k=sk, q_lengths=(), k_lengths=())
+        q_b, k_b, v_b = deq[0][b:b + 1, :sq], deq[1][b:b + 1, :sk], deq[2][b:b + 1, :sk]
+        exact, rounded, ref_lse, m = _reference(q_b, k_b, v_b, one)
+        parts.append((exact[0], rounded[0], ref_lse[0]))
+        magnitude = max(magnitude, m)
+    exact = np.concatenate([p[0] for p in parts])  # (rows, heads, head_dim)
+    rounded = np.concatenate([p[1] for p in parts])
+    ref_lse = np.concatenate([p[2] for p in parts], axis=-1)  # (heads, rows)
+    return (got.double().cpu().numpy(), None if lse is None else lse.double().cpu().numpy(), exact, rounded,
+            ref_lse, magnitude)
+
+
 def run_fp8_case(case: Fp8Case) -> CaseResult:
     """Run one case on the GPU and judge it (``CaseResult.ratio``: the error over the bound)."""
     import torch
@@ -157,16 +210,20 @@ def run_fp8_case(case: Fp8Case) -> CaseResult:
             descales = {name: getattr(x, name).cuda() for name in ("q_descale", "k_descale", "v_descale")}
             deq = tuple(t.double().numpy() for t in x.dequantize())
         out_dtype = getattr(torch, case.out_dtype)
-        out = torch.full((case.batch, case.seqlen_q, case.heads_q, case.head_dim), float("nan"),
-                         dtype=out_dtype, device="cuda")
         sink = torch.tensor(case.sink, dtype=torch.float32, device="cuda") if case.sink else None
-        result = nf.flash_attention(q8.cuda(), k8.cuda(), v8.cuda(), **descales, causal=case.causal,
-                                    window_size=case.window_size, softcap=case.softcap, out=out,
-                                    return_lse=case.return_lse, learnable_sink=sink, out_dtype=out_dtype)
-        got, lse = result if case.return_lse else (result, None)
-        torch.cuda.synchronize()
-        got = got.double().cpu().numpy()
-        exact, rounded, ref_lse, magnitude = _reference(*deq, case)
+        options = dict(**descales, causal=case.causal, window_size=case.window_size, softcap=case.softcap,
+                       return_lse=case.return_lse, learnable_sink=sink, out_dtype=out_dtype)
+        if case.q_lengths:
+            got, lse, exact, rounded, ref_lse, magnitude = _run_packed(case, q8, k8, v8, deq, options)
+        else:
+            out = torch.full((case.batch, case.seqlen_q, case.heads_q, case.head_dim), float("nan"),
+                             dtype=out_dtype, device="cuda")
+            result = nf.flash_attention(q8.cuda(), k8.cuda(), v8.cuda(), out=out, **options)
+            got, lse = result if case.return_lse else (result, None)
+            torch.cuda.synchronize()
+            got = got.double().cpu().numpy()
+            lse = None if lse is None else lse.double().cpu().numpy()
+            exact, rounded, ref_lse, magnitude = _reference(*deq, case)
         seconds = time.perf_counter() - start
         if not np.isfinite(got).all():
             return CaseResult(case, False, float("inf"), seconds,
@@ -175,7 +232,6 @@ def run_fp8_case(case: Fp8Case) -> CaseResult:
         ratio = float(np.abs(got - exact).max()) / bound
         message = "" if ratio <= 1 else f"max error {ratio * bound:.3g} over the bound {bound:.3g}"
         if lse is not None:
-            lse = lse.double().cpu().numpy()
             seen = np.isfinite(ref_lse)
             if not np.array_equal(np.isfinite(lse), seen):
                 message += " LSE: finite where the reference is not (or the other way)"
