@@ -9,6 +9,10 @@ time; the ratios to bf16.
 
     python benchmarks/fp8_speed.py [--shapes 128:4096,128:16384,64:16384,256:16384,128:1024]
     python benchmarks/fp8_speed.py --varlen [--shapes ...]   # packed calls against dense ones
+    python benchmarks/fp8_speed.py --host                    # host cost per call
+
+``--host``: the host cost of a call (wall time per call of a loop of small calls, the GPU never
+the limit), dense and packed FP8 beside the 16-bit call on the same shape.
 
 ``--varlen``: the same tokens as packed sequences of equal length through
 ``flash_attention_varlen`` (descales per sequence) beside the dense FP8 call on the same data:
@@ -84,13 +88,48 @@ def varlen_rows(d: int, s: int) -> None:
               f"{prep * 1e6:.0f} | {prep_packed * 1e6:.0f} | {dense / varlen:.3f} |", flush=True)
 
 
+def host_rows() -> None:
+    """Microseconds of host time a call (median of 5 rounds of 200 calls; batch 2, 128 tokens, 8
+    heads, d128: each kernel a few microseconds, queued far ahead of the GPU)."""
+    import time
+
+    b, s, h, d = 2, 128, 8, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    x = fp8.quantize(q, k, v)
+    packed = [t.reshape(b * s, h, d) for t in (x.q, x.k, x.v)]
+    cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda")
+    descales = dict(q_descale=x.q_descale, k_descale=x.k_descale, v_descale=x.v_descale)
+    calls = {
+        "bf16 dense": lambda: nf.flash_attention(q, k, v, causal=True),
+        "FP8 dense": lambda: nf.flash_attention(x.q, x.k, x.v, causal=True, **descales),
+        "FP8 dense, no descales": lambda: nf.flash_attention(x.q, x.k, x.v, causal=True),
+        "FP8 packed": lambda: nf.flash_attention_varlen(*packed, cu, cu, s, s, causal=True, **descales),
+    }
+    for name, call in calls.items():
+        rounds = []
+        for _ in range(5):
+            call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(200):
+                call()
+            rounds.append((time.perf_counter() - start) / 200)
+            torch.cuda.synchronize()
+        print(f"| {name} | {sorted(rounds)[2] * 1e6:.1f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="128:4096,128:16384,64:16384,256:16384,128:1024",
                    help="head_dim:seqlen pairs")
     p.add_argument("--varlen", action="store_true", help="packed calls against dense ones")
+    p.add_argument("--host", action="store_true", help="host cost per call")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.host:
+        print("| call | host µs a call |\n|:--|--:|")
+        host_rows()
+        return
     if args.varlen:
         print("| head dim | seqlen | causal | dense FP8 call | packed FP8 call | dense V prep (us) | "
               "packed V prep (us) | packed / dense |\n|--:|--:|:--|--:|--:|--:|--:|--:|")

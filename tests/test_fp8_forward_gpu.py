@@ -363,3 +363,36 @@ def test_fp8_varlen_in_a_cuda_graph():
     for b in range(2):
         x, rows = _sequence(b, q, k, v, descales, cu_q, cu_k)
         _check(out[None, rows], x)
+
+
+@gpu
+def test_fp8_launch_plans_serve_new_memory():
+    """A layout's second call (its launch plan kept) on new memory, with and without out= and
+    descales, dense and packed, gives that memory's attention; an out that overlaps an input is
+    refused before any launch, on a kept plan too."""
+    _hopper()
+    import numbaflash as nf
+
+    for seed in (21, 22):  # the second seed runs on the kept plans
+        x = _case(seed, 2, 150, 260, 4, 2, 128)
+        out = torch.full((2, 150, 4, 128), math.nan, dtype=torch.bfloat16, device="cuda")
+        got = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale,
+                                 v_descale=x.v_descale, causal=True, out=out)
+        assert got is out
+        _check(out, x, causal=True)
+        unit = _case(seed, 1, 70, 90, 2, 1, 64, unit=True)
+        _check(nf.flash_attention(unit.q, unit.k, unit.v), unit)
+        lengths = [(40, 70), (9, 3)]
+        q, k, v, descales, cu_q, cu_k = _packed_case(seed, lengths, 2, 1, 256)
+        packed = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 40, 70, q_descale=descales[0],
+                                           k_descale=descales[1], v_descale=descales[2])
+        for b in range(len(lengths)):
+            one, rows = _sequence(b, q, k, v, descales, cu_q, cu_k)
+            _check(packed[None, rows], one)
+    shared = torch.empty(2 * 150 * 4 * 128 * 2, dtype=torch.uint8, device="cuda")
+    q_in = shared[:2 * 150 * 4 * 128].view(torch.float8_e4m3fn).view(2, 150, 4, 128)
+    q_in.copy_(x.q)
+    overlapping = shared.view(torch.bfloat16).view(2, 150, 4, 128)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="out shares memory with q"):
+            nf.flash_attention(q_in, x.k, x.v, causal=True, out=overlapping)

@@ -14,6 +14,7 @@ anything is compiled or launched.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import namedtuple
 from typing import Any
@@ -85,26 +86,24 @@ def check_descale(torch, x: Any, name: str, shape: tuple[int, int]) -> None:
                          f"{tuple(x.shape)}")
 
 
-def _descale(torch, x: Any, name: str, shape: tuple[int, int], device: Any):
-    """A checked descale as a contiguous float32 (batch * heads_kv,) tensor on ``device`` (ones
-    for None)."""
-    if x is None:
-        return torch.ones(shape[0] * shape[1], dtype=torch.float32, device=device)
-    if x.device != device:
+def _check_descale_device(x: Any, name: str, device: Any) -> None:
+    """A given descale is on q's device."""
+    if x is not None and x.device != device:
         raise ValueError(f"{name} must be on {device}, with q, got {x.device}")
-    return x.contiguous().reshape(-1)
 
 
 Options = namedtuple("Options", ["out_name", "scale", "softcap", "window", "descales", "sink"])
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
-def _options(torch, q: Any, k: Any, v: Any, pairs: tuple[int, int], descales: tuple, softmax_scale, softcap,
-             window_size, learnable_sink, out_dtype) -> Options:
+def _options(torch, q: Any, k: Any, v: Any, pairs: tuple[int, int], options: dict) -> Options:
     """The checks the dense and packed FP8 calls share, before anything launches: output dtype,
     scale, softcap, window, descales of shape ``pairs`` = (batch, heads_kv), then q, k, v on one
-    CUDA device, then the sink; with the descales made device tensors."""
+    CUDA device, then the sink. ``Options.descales``: which descales were given."""
     heads_q, head_dim = q.shape[-2], q.shape[-1]
+    out_dtype, softmax_scale, softcap = options["out_dtype"], options["softmax_scale"], options["softcap"]
+    window_size, learnable_sink = options["window_size"], options["learnable_sink"]
+    descales = _descales_of(options)
     out_name = "bfloat16" if out_dtype is None else str(out_dtype).removeprefix("torch.")
     if out_name not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
@@ -123,14 +122,15 @@ def _options(torch, q: Any, k: Any, v: Any, pairs: tuple[int, int], descales: tu
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (q.device == k.device == v.device):
         raise ValueError(f"FP8 q, k and v must be on one CUDA device, got {q.device}, {k.device}, {v.device}")
     device = q.device
-    on_device = [_descale(torch, x, name, pairs, device) for name, x in named]
+    for name, x in named:
+        _check_descale_device(x, name, device)
     sink = None
     if learnable_sink is not None:
         if (not isinstance(learnable_sink, torch.Tensor) or learnable_sink.dtype != torch.float32
                 or tuple(learnable_sink.shape) != (heads_q,) or learnable_sink.device != device):
             raise ValueError(f"learnable_sink must be a float32 ({heads_q},) tensor on {device}")
         sink = learnable_sink.contiguous()
-    return Options(out_name, scale, softcap, (left, right), on_device, sink)
+    return Options(out_name, scale, softcap, (left, right), tuple(x is not None for x in descales), sink)
 
 
 def _check_torch_inputs(torch, q: Any, k: Any, v: Any, dims: int, shape_names: str) -> None:
@@ -186,6 +186,16 @@ def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_desc
         return _numpy_fp8(flash_attention_fp8, (q, k, v), (), options)
     import torch
 
+    key = _plan_key(torch, (q, k, v), (), options)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _dense_plan(torch, q, k, v, options)
+        _keep(key, plan)
+    return _run(torch, plan, q, k, v, None, None, options)
+
+
+def _dense_plan(torch, q: Any, k: Any, v: Any, options: dict) -> Plan:
+    """Every check of a dense call (nothing launched), then its bound launches."""
     _check_torch_inputs(torch, q, k, v, 4, "batch, seqlen, heads, head_dim")
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
@@ -193,20 +203,13 @@ def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_desc
         raise ValueError("FP8 attention takes batch and heads_kv up to 65535, seqlen_q under 2^31 and "
                          f"seqlen_k up to {MAX_SEQLEN_K} (the V prep's grid), got batch {batch}, "
                          f"heads_kv {heads_kv}, seqlens {seqlen_q}, {seqlen_k}")
-    opts = _options(torch, q, k, v, (batch, heads_kv), (q_descale, k_descale, v_descale), softmax_scale,
-                    softcap, window_size, learnable_sink, out_dtype)
+    opts = _options(torch, q, k, v, (batch, heads_kv), options)
     device = q.device
-    out = _check_out(torch, out, tuple(q.shape), getattr(torch, opts.out_name), device)
-    lse = torch.empty((batch, heads_q, seqlen_q) if return_lse else (1,), dtype=torch.float32, device=device)
-    var = variant_of(causal, opts.window, opts.softcap, opts.scale, seqlen_q, seqlen_k)
-    with torch.cuda.device(device):
-        capability, ordinal = gpu_state.GPU.current()
-        _check_gpu(capability)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        vt = torch.empty((batch, heads_kv, head_dim, padded_keys(seqlen_k)), dtype=torch.uint8, device=device)
-        transpose_v(v, vt, ordinal, stream)
-        _launch(q, k, vt, out, lse, opts, var, return_lse, ordinal, stream, heads_kv, seqlen_k)
-    return (out, lse) if return_lse else out
+    out = _check_out(torch, options["out"], tuple(q.shape), getattr(torch, opts.out_name), device)
+    var = variant_of(options["causal"], opts.window, opts.softcap, opts.scale, seqlen_q, seqlen_k)
+    vt_shape = (batch, heads_kv, head_dim, padded_keys(seqlen_k))
+    lse_shape = (batch, heads_q, seqlen_q) if options["return_lse"] else (1,)
+    return _build_plan(torch, q, k, v, out, vt_shape, lse_shape, opts, var, options["return_lse"], seqlen_k)
 
 
 def _check_offsets(torch, cu_seqlens_q: Any, cu_seqlens_k: Any, device: Any) -> int:
@@ -236,20 +239,33 @@ def flash_attention_varlen_fp8(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seq
     heads_q, head_dim), k and v (total_k, heads_kv, head_dim) e4m3; descales (batch, heads_kv), one
     row per sequence; out (total_q, heads_q, head_dim) bf16 or fp16, the LSE (heads_q, total_q).
     numpy inputs (and numpy offsets) run through torch and come back as numpy arrays."""
-    from .varlen import check_max_seqlen, check_sequences
+    from .varlen import check_sequences
 
     check_dtypes(q, k, v)
     options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
                    softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
         if not all(isinstance(x, np.ndarray) for x in (q, k, v)) or any(x.ndim != 3 for x in (q, k, v)):
             raise ValueError("FP8 numpy q, k and v must all be 3-D numpy arrays (total, heads, head_dim)")
-        check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], False)
-        return _numpy_fp8(flash_attention_varlen_fp8, (q, k, v), (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               max_seqlen_k), options)
+        check_sequences(*lengths, q.shape[0], k.shape[0], False)
+        return _numpy_fp8(flash_attention_varlen_fp8, (q, k, v), lengths, options)
     import torch
 
+    key = _plan_key(torch, (q, k, v, cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k), options)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _packed_plan(torch, q, k, v, lengths, options)
+        _keep(key, plan)
+    return _run(torch, plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+
+
+def _packed_plan(torch, q: Any, k: Any, v: Any, lengths: tuple, options: dict) -> Plan:
+    """Every check of a packed call (nothing launched), then its bound launches."""
+    from .varlen import check_max_seqlen
+
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = lengths
     _check_torch_inputs(torch, q, k, v, 3, "total, heads, head_dim")
     total_q, heads_q, head_dim = q.shape
     total_k, heads_kv, _ = k.shape
@@ -259,23 +275,192 @@ def flash_attention_varlen_fp8(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seq
     if max(batch, heads_kv) > 65535 or max(total_q, total_k) >= 2**31 - packed_vt_keys(0, 65536):
         raise ValueError("packed FP8 attention takes up to 65535 sequences and KV heads and totals under "
                          f"2^31 - 2^21, got batch {batch}, heads_kv {heads_kv}, totals {total_q}, {total_k}")
-    opts = _options(torch, q, k, v, (batch, heads_kv), (q_descale, k_descale, v_descale), softmax_scale,
-                    softcap, window_size, learnable_sink, out_dtype)
+    opts = _options(torch, q, k, v, (batch, heads_kv), options)
+    out = _check_out(torch, options["out"], tuple(q.shape), getattr(torch, opts.out_name), q.device)
+    var = variant_of(options["causal"], opts.window, opts.softcap, opts.scale, max_q, max_k)
+    vt_shape = (1, heads_kv, head_dim, packed_vt_keys(total_k, batch))
+    lse_shape = (heads_q, total_q) if options["return_lse"] else (1,)
+    return _build_plan(torch, q[None], k[None], v, out[None], vt_shape, lse_shape, opts, var,
+                       options["return_lse"], max_k, packed=(batch, max_q, out))
+
+
+# ------------------------------------------------------------------------------ launch plans
+#
+# A call's checks and everything its two launches need but the memory (grids, parameter buffers,
+# tensor-map layouts, the kernels) are worked out once per layout and kept (``_PLANS``), keyed by
+# what the checks read: shapes, strides, dtypes and devices of every tensor, the options. A later
+# call of that layout checks only what its memory may change (base alignment, out's overlap with
+# the inputs, grad mode) and fires the two bound launches.
+
+Plan = namedtuple("Plan", ["device", "out_shape", "out_dtype", "lse_shape", "vt_shape", "prep", "forward",
+                           "ones", "packed"])
+_PLANS: dict[tuple, Plan] = {}
+PLANS_KEPT = 1024
+
+
+def _meta(torch, x: Any) -> tuple | None:
+    """What the checks read of an optional tensor argument; raises TypeError for other objects."""
+    if x is None:
+        return None
+    if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
+        raise TypeError
+    return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
+
+
+def _plan_key(torch, tensors: tuple, scalars: tuple, options: dict) -> tuple | None:
+    """The plan key of a call (None where an argument is not hashable or not a tensor: the call
+    then takes the checks' path, which says what is wrong)."""
+    try:
+        key = (scalars, tuple(_meta(torch, x) for x in tensors),
+               tuple(_meta(torch, options[name]) for name in (*DESCALE_NAMES, "out", "learnable_sink")),
+               options["causal"], options["softmax_scale"], tuple(options["window_size"]), options["softcap"],
+               options["return_lse"], options["out_dtype"])
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _keep(key: tuple | None, plan: Plan) -> None:
+    if key is None:
+        return
+    if len(_PLANS) >= PLANS_KEPT:
+        _PLANS.clear()  # a miss costs the checks again, never a wrong launch
+    _PLANS[key] = plan
+
+
+def _descales_of(options: dict) -> tuple:
+    return tuple(options[name] for name in DESCALE_NAMES)
+
+
+def _build_plan(torch, q, k, v, out, vt_shape: tuple, lse_shape: tuple, opts: Options, var, write_lse: bool,
+                seqlen_k: int, packed: tuple | None = None) -> Plan:
+    """The bound V prep and forward of a checked call: q, k, out 4-D (packed: (1, total, heads,
+    head_dim) views; v as given); ``seqlen_k`` the keys (packed: the maximum); ``packed``: (batch,
+    max_seqlen_q, the 3-D out)."""
+    from ..kernels import params
+    from ..kernels.families import kernel_params
+    from ..kernels.fp8_prep import THREADS as PREP_THREADS
+    from ..runtime.map_slots import map_slots
+    from ..runtime.tensor_map import encode_tensor_map
+    from .launch_forward import map_layout_id
+
     device = q.device
-    out = _check_out(torch, out, tuple(q.shape), getattr(torch, opts.out_name), device)
-    lse = torch.empty((heads_q, total_q) if return_lse else (1,), dtype=torch.float32, device=device)
-    var = variant_of(causal, opts.window, opts.softcap, opts.scale, max_q, max_k)
-    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     with torch.cuda.device(device):
         capability, ordinal = gpu_state.GPU.current()
         _check_gpu(capability)
+    gpu = gpu_state.GPU
+    head_dim = q.shape[3]
+    config = configs.FP8_DEFAULTS[head_dim]
+    heads_kv = k.shape[2]
+    batch, seqlen_q, heads_q, _ = q.shape
+    if packed is not None:
+        batch, seqlen_q, flat_out = packed
+    prep_spec, prep_grid, prep_args = _prep_launch(v, vt_shape, batch, seqlen_k)  # the V prep
+    prep = _launcher(prep_spec, ordinal, 0).bind(prep_grid, PREP_THREADS, 0, *prep_args)
+    # the forward
+    spec = kernel_spec("sm90", "forward", config, opts.out_name, "sm_90a", causal=var.causal,
+                       window=var.window, softcap=var.softcap, sink=opts.sink is not None,
+                       varlen=packed is not None)
+    launcher = _launcher(spec, ordinal, config.shared_bytes)
+    out_map = "bf16" if opts.out_name == "bfloat16" else "f16"
+    vt_strides = tuple(int(np.prod(vt_shape[i + 1:])) for i in range(4))
+    swizzle = f"{config.row_bytes}B"
+    layouts = (
+        (tuple(q.shape), tuple(q.stride()), (1, config.block_m, 1, config.box_cols), swizzle, "u8"),
+        (tuple(k.shape), tuple(k.stride()), (1, config.block_n, 1, config.box_cols), swizzle, "u8"),
+        (vt_shape, vt_strides, (1, 1, head_dim, config.vt_row_bytes), f"{config.vt_row_bytes}B", "u8"),
+        (tuple(out.shape), tuple(2 * s for s in out.stride()), (1, 64, 1, config.o_box_cols),
+         f"{config.o_row_bytes}B", out_map),
+    )
+
+    def encode(*pointers: int):
+        return np.stack([encode_tensor_map(pointer, shape, _byte_strides(shape, strides), box, swizzle=sw,
+                                           dtype=dtype)
+                         for pointer, (shape, strides, box, sw, dtype) in zip(pointers, layouts,
+                                                                                strict=True)])
+
+    tiles = -(-seqlen_q // config.block_m) * heads_q * batch
+    grid = (max(1, min(tiles, gpu.sm_count(ordinal))), 1, 1)
+    pairs = batch * heads_kv
+    values = dict(lse=(0, int(np.prod(lse_shape))), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                  row_lead=0 if packed is not None else config.first_block_lead(seqlen_q), heads_q=heads_q,
+                  group=heads_q // heads_kv, batch_size=batch, scale_log2=var.scale_log2, write_lse=write_lse,
+                  window_left=var.window_left, window_right=var.window_right, cap_scale=var.cap_scale,
+                  q_descale=(0, pairs), k_descale=(0, pairs), v_descale=(0, pairs))
+    if packed is not None:
+        values.update(cu_seqlens_q=(0, batch + 1), cu_seqlens_k=(0, batch + 1), total_q=flat_out.shape[0],
+                      o=(0, _span(flat_out)), o_row_stride=flat_out.stride(0),
+                      o_head_stride=flat_out.stride(1))
+    if opts.sink is not None:
+        values["sink"] = (0, heads_q)
+    args = params.ordered(kernel_params(spec), map_q=(0, 16), map_k=(0, 16), map_v=(0, 16), map_o=(0, 16),
+                          **values)
+    bound = launcher.bind(grid, config.threads, config.shared_bytes, *args)
+    slots = map_slots(ordinal)
+    lock, address, used = slots.lock, slots.address, slots.used
+    layout = map_layout_id(("fp8", config, layouts))  # the config fixes the boxes
+
+    def forward(stream: int, q: int, k: int, vt: int, o: int, *rest: int) -> None:
+        with lock:
+            maps, slot = address((layout, q, k, vt, o), lambda: encode(q, k, vt, o), stream)
+            try:
+                bound(stream, maps, maps + 128, maps + 256, maps + 384, *rest)
+            finally:  # even after a failed launch: the slot's copy is on the stream
+                used(slot, stream)
+
+    ones = None if all(opts.descales) else torch.ones(pairs, dtype=torch.float32, device=device)
+    out_shape = tuple(flat_out.shape if packed is not None else out.shape)
+    return Plan(device, out_shape, getattr(torch, opts.out_name), lse_shape, vt_shape, prep, forward, ones,
+                packed is not None)
+
+
+def _run(torch, plan: Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options: dict):
+    """One call on ``plan``: the checks its memory needs, the outputs, the two launches."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
+                                  "tensors that do not require grad")
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if (pointers[0] | pointers[1] | pointers[2]) % 16:
+        raise ValueError("FP8 q, k and v must be 16-byte aligned (TMA)")
+    device = plan.device
+    out = options["out"]
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=device)
+    else:
+        if out.data_ptr() % 16:
+            raise ValueError("out's data must be 16-byte aligned")
+        _check_out_overlap(out, (q, k, v))
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+    vt = torch.empty(plan.vt_shape, dtype=torch.uint8, device=device)
+    descales = [(x.contiguous().view(-1) if x is not None else plan.ones) for x in _descales_of(options)]
+    sink = options["learnable_sink"]
+    rest = [d.data_ptr() for d in descales]
+    if sink is not None:
+        sink = sink.contiguous()
+        rest.append(sink.data_ptr())
+    prep_pointers = (pointers[2], vt.data_ptr())
+    if plan.packed:
+        prep_pointers += (cu_seqlens_k.data_ptr(),)
+        rest = [cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), *rest]
+    _, ordinal = gpu_state.GPU.current()  # (a context current on this thread)
+    with contextlib.nullcontext() if ordinal == device.index else torch.cuda.device(device):
+        if ordinal != device.index:
+            gpu_state.GPU.current()
         stream = torch.cuda.current_stream(device).cuda_stream
-        vt = torch.empty((1, heads_kv, head_dim, packed_vt_keys(total_k, batch)), dtype=torch.uint8,
-                         device=device)
-        transpose_v_varlen(v, cu_k, vt, max_k, ordinal, stream)
-        _launch(q[None], k[None], vt, out[None], lse, opts, var, return_lse, ordinal, stream, heads_kv, max_k,
-                packed=Packed(cu_q, cu_k, batch, max_q, out))
-    return (out, lse) if return_lse else out
+        plan.prep(stream, *prep_pointers)
+        plan.forward(stream, pointers[0], pointers[1], vt.data_ptr(), out.data_ptr(), lse.data_ptr(), *rest)
+    return (out, lse) if options["return_lse"] else out
+
+
+def _check_out_overlap(out: Any, inputs: tuple) -> None:
+    """out must share no byte with q, k or v (the kernel reads them while it writes out)."""
+    start = out.data_ptr()
+    end = start + _span(out) * out.element_size()
+    for name, x in zip(("q", "k", "v"), inputs, strict=True):
+        lo = x.data_ptr()
+        if lo < end and start < lo + _span(x) * x.element_size():
+            raise ValueError(f"out shares memory with {name}; pass an out that does not overlap q, k or v")
 
 
 def _launcher(spec, device: int, shared_bytes: int):
@@ -297,23 +482,42 @@ def _launcher(spec, device: int, shared_bytes: int):
     return ready
 
 
+def _prep_launch(v: Any, vt_shape: tuple, batch: int, max_seqlen_k: int) -> tuple:
+    """(spec, grid, arguments) of the V prep (``kernels.fp8_prep``) for V as given (dense: (batch,
+    seqlen_k, heads_kv, head_dim); packed: (total_k, heads_kv, head_dim) with ``batch`` sequences,
+    the longest at most ``max_seqlen_k``: it sizes the grid only) into a contiguous Vt of
+    ``vt_shape``; array arguments as (0, elements): the pointers come at launch."""
+    from ..kernels import params
+    from ..kernels.fp8_prep import KEYS_PER_CTA, TILE_RUN
+
+    heads_kv, head_dim = v.shape[-2], v.shape[-1]
+    config = configs.FP8_DEFAULTS[head_dim]
+    keys = vt_shape[3]
+    words = (0, int(np.prod(vt_shape)) // 4)
+    run = KEYS_PER_CTA * TILE_RUN
+    if v.dim() == 3:
+        spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a", varlen=True)
+        ss, sh, _ = v.stride()
+        args = params.ordered(params.FP8_V_VARLEN, v=(0, _word_span(v)), vt=words,
+                              cu_seqlens_k=(0, batch + 1), v_ss=ss // 4, v_sh=sh // 4, keys=keys,
+                              heads_kv=heads_kv)
+        runs = min(-(-(padded_keys(max_seqlen_k) + 2 * KEY_GROUP) // run), 65535)
+        return spec, (heads_kv * TILE_RUN, runs, batch), args
+    spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a")
+    sb, ss, sh, _ = v.stride()
+    args = params.ordered(params.FP8_V, v=(0, _word_span(v)), vt=words, v_sb=sb // 4, v_ss=ss // 4,
+                          v_sh=sh // 4, seqlen_k=v.shape[1], keys=keys, heads_kv=heads_kv)
+    return spec, (heads_kv * TILE_RUN, -(-keys // run), v.shape[0]), args
+
+
 def transpose_v(v: Any, vt: Any, device: int, stream: int) -> None:
     """V (batch, seqlen_k, heads_kv, head_dim) e4m3, head dim contiguous, 16-byte aligned strides
     -> ``vt`` (batch, heads_kv, head_dim, padded keys) uint8, contiguous: the e4m3 kernel's V
     (``kernels.fp8_prep``: keys in ``fp8_layout`` order, zero past seqlen_k), on ``stream``."""
-    from ..kernels import params
-    from ..kernels.fp8_prep import KEYS_PER_CTA, THREADS, TILE_RUN
+    from ..kernels.fp8_prep import THREADS
 
-    batch, seqlen_k, heads_kv, head_dim = v.shape
-    config = configs.FP8_DEFAULTS[head_dim]
-    spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a")
-    keys = vt.shape[3]
-    sb, ss, sh, _ = v.stride()
-    args = params.ordered(params.FP8_V, v=(v.data_ptr(), _word_span(v)), vt=(vt.data_ptr(), vt.numel() // 4),
-                          v_sb=sb // 4, v_ss=ss // 4, v_sh=sh // 4, seqlen_k=seqlen_k, keys=keys,
-                          heads_kv=heads_kv)
-    grid = (heads_kv * TILE_RUN, -(-keys // (KEYS_PER_CTA * TILE_RUN)), batch)
-    _launcher(spec, device, 0)(grid, THREADS, stream, 0, *args)
+    spec, grid, args = _prep_launch(v, tuple(vt.shape), v.shape[0], v.shape[1])
+    _launcher(spec, device, 0).bind(grid, THREADS, 0, *args)(stream, v.data_ptr(), vt.data_ptr())
 
 
 def transpose_v_varlen(v: Any, cu_seqlens_k: Any, vt: Any, max_seqlen_k: int, device: int,
@@ -322,22 +526,11 @@ def transpose_v_varlen(v: Any, cu_seqlens_k: Any, vt: Any, max_seqlen_k: int, de
     (1, heads_kv, head_dim, ``fp8_layout.packed_vt_keys``) uint8, contiguous: each sequence's keys
     from ``fp8_layout.sequence_vt_start``, zeros up to the next's (``kernels.fp8_prep``'s varlen
     build). ``max_seqlen_k`` sizes the grid only: the CTAs loop over longer sequences' keys."""
-    from ..kernels import params
-    from ..kernels.fp8_prep import KEYS_PER_CTA, THREADS, TILE_RUN
+    from ..kernels.fp8_prep import THREADS
 
-    _, heads_kv, head_dim = v.shape
-    batch = cu_seqlens_k.shape[0] - 1
-    config = configs.FP8_DEFAULTS[head_dim]
-    spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a", varlen=True)
-    keys = vt.shape[3]
-    ss, sh, _ = v.stride()
-    args = params.ordered(params.FP8_V_VARLEN, v=(v.data_ptr(), _word_span(v)),
-                          vt=(vt.data_ptr(), vt.numel() // 4),
-                          cu_seqlens_k=(cu_seqlens_k.data_ptr(), batch + 1), v_ss=ss // 4, v_sh=sh // 4,
-                          keys=keys, heads_kv=heads_kv)
-    runs = -(-(padded_keys(max_seqlen_k) + 2 * KEY_GROUP) // (KEYS_PER_CTA * TILE_RUN))
-    grid = (heads_kv * TILE_RUN, min(runs, 65535), batch)
-    _launcher(spec, device, 0)(grid, THREADS, stream, 0, *args)
+    spec, grid, args = _prep_launch(v, tuple(vt.shape), cu_seqlens_k.shape[0] - 1, max_seqlen_k)
+    _launcher(spec, device, 0).bind(grid, THREADS, 0, *args)(stream, v.data_ptr(), vt.data_ptr(),
+                                                             cu_seqlens_k.data_ptr())
 
 
 def _span(x: Any) -> int:
@@ -348,76 +541,6 @@ def _span(x: Any) -> int:
 def _word_span(x: Any) -> int:
     """4-byte words covering an e4m3 tensor's extent."""
     return (_span(x) + 3) // 4
-
-
-# A packed call's extra launch values: the offsets (int32 tensors), the sequences, max_seqlen_q and
-# the (total_q, heads_q, head_dim) output the threads store into.
-Packed = namedtuple("Packed", ["cu_seqlens_q", "cu_seqlens_k", "batch", "max_seqlen_q", "out"])
-
-
-def _launch(q, k, vt, out, lse, opts: Options, var, write_lse: bool, device: int, stream: int, heads_kv: int,
-            seqlen_k: int, packed: Packed | None = None) -> None:
-    """Encode the four tensor maps and launch the e4m3 kernel on ``stream``. q, k, out: 4-D
-    (packed: (1, total, heads, head_dim) views); ``seqlen_k``: the keys (packed: the maximum)."""
-    from ..kernels import params
-    from ..kernels.families import kernel_params
-    from ..runtime.map_slots import map_slots
-    from ..runtime.tensor_map import encode_tensor_map
-
-    gpu = gpu_state.GPU
-    config = configs.FP8_DEFAULTS[q.shape[3]]
-    sink = opts.sink
-    spec = kernel_spec("sm90", "forward", config, opts.out_name, "sm_90a", causal=var.causal,
-                       window=var.window, softcap=var.softcap, sink=sink is not None,
-                       varlen=packed is not None)
-    launcher = _launcher(spec, device, config.shared_bytes)
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    if packed is not None:
-        batch, seqlen_q = packed.batch, packed.max_seqlen_q
-    out_map = "bf16" if opts.out_name == "bfloat16" else "f16"
-    maps_given = (
-        (q.data_ptr(), tuple(q.shape), tuple(q.stride()), (1, config.block_m, 1, config.box_cols),
-         f"{config.row_bytes}B", "u8"),
-        (k.data_ptr(), tuple(k.shape), tuple(k.stride()), (1, config.block_n, 1, config.box_cols),
-         f"{config.row_bytes}B", "u8"),
-        (vt.data_ptr(), tuple(vt.shape), tuple(vt.stride()), (1, 1, head_dim, config.vt_row_bytes),
-         f"{config.vt_row_bytes}B", "u8"),
-        (out.data_ptr(), tuple(out.shape), tuple(2 * s for s in out.stride()),
-         (1, 64, 1, config.o_box_cols), f"{config.o_row_bytes}B", out_map),
-    )
-
-    def encode():
-        return np.stack([encode_tensor_map(pointer, shape, _byte_strides(shape, strides), box,
-                                           swizzle=swizzle, dtype=dtype)
-                         for pointer, shape, strides, box, swizzle, dtype in maps_given])
-
-    slots = map_slots(device)
-    tiles = -(-seqlen_q // config.block_m) * heads_q * batch
-    grid = (max(1, min(tiles, gpu.sm_count(device))), 1, 1)
-    descales = opts.descales
-    span = {"q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2]}
-    values = dict(lse=(lse.data_ptr(), lse.numel()), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                  row_lead=0 if packed is not None else config.first_block_lead(seqlen_q), heads_q=heads_q,
-                  group=heads_q // heads_kv, batch_size=batch, scale_log2=var.scale_log2, write_lse=write_lse,
-                  window_left=var.window_left, window_right=var.window_right, cap_scale=var.cap_scale,
-                  **{name: (t.data_ptr(), t.numel()) for name, t in span.items()})
-    if packed is not None:
-        o = packed.out
-        values.update(cu_seqlens_q=(packed.cu_seqlens_q.data_ptr(), batch + 1),
-                      cu_seqlens_k=(packed.cu_seqlens_k.data_ptr(), batch + 1), total_q=o.shape[0],
-                      o=(o.data_ptr(), _span(o)),
-                      o_row_stride=o.stride(0), o_head_stride=o.stride(1))
-    if sink is not None:
-        values["sink"] = (sink.data_ptr(), sink.numel())
-    with slots.lock:
-        key = ("fp8", config) + tuple(m[:3] for m in maps_given)  # the config fixes the boxes
-        maps, slot = slots.address(key, encode, stream)
-        try:
-            args = params.ordered(kernel_params(spec), map_q=(maps, 16), map_k=(maps + 128, 16),
-                                  map_v=(maps + 256, 16), map_o=(maps + 384, 16), **values)
-            launcher(grid, config.threads, stream, config.shared_bytes, *args)
-        finally:
-            slots.used(slot, stream)
 
 
 def _byte_strides(shape: tuple, strides: tuple) -> list[int]:
