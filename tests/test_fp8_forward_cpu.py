@@ -216,3 +216,33 @@ def test_varlen_api_errors_before_launch():
     with pytest.raises(ValueError, match="one CUDA device"):  # every other check passed on the CPU
         nf.flash_attention_varlen(q, k, k, cu_q, cu_k, 40, 40, q_descale=torch.ones(2, 2),
                                   out_dtype=torch.float16)
+
+
+def test_launch_plan_keys_and_out_overlap():
+    """A kept launch plan serves exactly the calls whose checks read the same: the key changes with
+    any shape, stride, dtype, device or option, and is None for what the checks must refuse; out's
+    overlap with q, k or v is checked on every call's memory."""
+    torch = pytest.importorskip("torch")
+    from numbaflash.operations.fp8_forward import _check_out_overlap, _plan_key
+
+    q = _fp8(torch, 1, 64, 4, 128)
+    k = _fp8(torch, 1, 64, 2, 128)
+    options = dict(q_descale=None, k_descale=torch.ones(1, 2), v_descale=None, causal=True,
+                   softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, out=None,
+                   learnable_sink=None, out_dtype=None)
+    key = _plan_key(torch, (q, k, k), (), options)
+    assert key is not None and key == _plan_key(torch, (q.clone(), k.clone(), k.clone()), (), dict(options))
+    wide = _fp8(torch, 1, 64, 4, 256)[..., :128]
+    assert _plan_key(torch, (wide, k, k), (), options) != key  # strides
+    for change in (dict(causal=False), dict(k_descale=torch.ones(1, 2, dtype=torch.float64)),
+                   dict(window_size=(8, 0)), dict(out_dtype=torch.float16), dict(return_lse=True)):
+        assert _plan_key(torch, (q, k, k), (), {**options, **change}) != key, change
+    assert _plan_key(torch, (q, k, k), (), {**options, "window_size": [8, 0]}) is not None  # a list is fine
+    assert _plan_key(torch, (q, k, k), (), {**options, "q_descale": [[1.0, 1.0]]}) is None  # not a tensor
+    buffer = torch.zeros(4 * 64 * 4 * 128, dtype=torch.uint8)
+    q_in = buffer[:64 * 4 * 128].view(torch.float8_e4m3fn).view(1, 64, 4, 128)
+    out = buffer.view(torch.bfloat16)[:64 * 4 * 128].view(1, 64, 4, 128)
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        _check_out_overlap(out, (q_in, k, k))
+    apart = buffer.view(torch.bfloat16)[64 * 4 * 128:].view(1, 64, 4, 128)
+    _check_out_overlap(apart, (q_in, k, k))

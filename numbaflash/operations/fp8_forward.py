@@ -14,8 +14,8 @@ anything is compiled or launched.
 
 from __future__ import annotations
 
-import contextlib
 import math
+import sys
 from collections import namedtuple
 from typing import Any
 
@@ -24,6 +24,7 @@ import numpy as np
 from .. import configs
 from ..kernels.fp8_layout import KEY_GROUP, packed_vt_keys, padded_keys
 from ..kernels.spec import kernel_spec
+from ..operands import torch_stream
 from ..runtime import device as gpu_state
 from .forward import loaded_kernel, variant_of
 
@@ -49,6 +50,16 @@ def check_dtypes(q: Any, k: Any, v: Any) -> None:
     if any(n != "float8_e4m3fn" for n in names):
         raise TypeError("q, k and v must all be float8_e4m3fn (FP8 operands are not mixed with others); got "
                         f"q {names[0]}, k {names[1]}, v {names[2]}")
+
+
+def _all_e4m3_tensors(q: Any, k: Any, v: Any) -> bool:
+    """q, k, v all torch tensors of dtype float8_e4m3fn (the common case, checked in a few attribute
+    reads; anything else goes through ``check_dtypes``)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(q, torch.Tensor):
+        return False
+    e4m3 = torch.float8_e4m3fn
+    return q.dtype == e4m3 and getattr(k, "dtype", None) == e4m3 and getattr(v, "dtype", None) == e4m3
 
 
 def _check_gpu(capability: tuple[int, int]) -> None:
@@ -178,7 +189,8 @@ def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_desc
                         out_dtype: Any = None) -> Any:
     """The e4m3 forward (``flash_attention``'s FP8 inputs; see there). numpy inputs run through
     torch and come back as numpy arrays."""
-    check_dtypes(q, k, v)
+    if not _all_e4m3_tensors(q, k, v):
+        check_dtypes(q, k, v)
     options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
                    softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
@@ -209,7 +221,8 @@ def _dense_plan(torch, q: Any, k: Any, v: Any, options: dict) -> Plan:
     var = variant_of(options["causal"], opts.window, opts.softcap, opts.scale, seqlen_q, seqlen_k)
     vt_shape = (batch, heads_kv, head_dim, padded_keys(seqlen_k))
     lse_shape = (batch, heads_q, seqlen_q) if options["return_lse"] else (1,)
-    return _build_plan(torch, q, k, v, out, vt_shape, lse_shape, opts, var, options["return_lse"], seqlen_k)
+    return _build_plan(torch, q, k, v, out, vt_shape, lse_shape, opts, var, options["return_lse"], seqlen_k,
+                       _descales_of(options))
 
 
 def _check_offsets(torch, cu_seqlens_q: Any, cu_seqlens_k: Any, device: Any) -> int:
@@ -241,7 +254,8 @@ def flash_attention_varlen_fp8(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seq
     numpy inputs (and numpy offsets) run through torch and come back as numpy arrays."""
     from .varlen import check_sequences
 
-    check_dtypes(q, k, v)
+    if not _all_e4m3_tensors(q, k, v):
+        check_dtypes(q, k, v)
     options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
                    softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
@@ -281,7 +295,7 @@ def _packed_plan(torch, q: Any, k: Any, v: Any, lengths: tuple, options: dict) -
     vt_shape = (1, heads_kv, head_dim, packed_vt_keys(total_k, batch))
     lse_shape = (heads_q, total_q) if options["return_lse"] else (1,)
     return _build_plan(torch, q[None], k[None], v, out[None], vt_shape, lse_shape, opts, var,
-                       options["return_lse"], max_k, packed=(batch, max_q, out))
+                       options["return_lse"], max_k, _descales_of(options), packed=(batch, max_q, out))
 
 
 # ------------------------------------------------------------------------------ launch plans
@@ -292,8 +306,11 @@ def _packed_plan(torch, q: Any, k: Any, v: Any, lengths: tuple, options: dict) -
 # call of that layout checks only what its memory may change (base alignment, out's overlap with
 # the inputs, grad mode) and fires the two bound launches.
 
-Plan = namedtuple("Plan", ["device", "out_shape", "out_dtype", "lse_shape", "vt_shape", "prep", "forward",
-                           "ones", "packed"])
+# device (torch's), the outputs' shapes, a 1-element tensor of each dtype to make them from (new_empty),
+# the 1-element LSE placeholder of calls with no LSE, the bound launches, float32 ones (None where every
+# descale is given) and which given descales need a contiguous copy, the layout (packed or dense).
+Plan = namedtuple("Plan", ["device", "out_shape", "lse_shape", "vt_shape", "out_template", "lse_template",
+                           "vt_template", "prep", "forward", "ones", "copy_descales", "packed"])
 _PLANS: dict[tuple, Plan] = {}
 PLANS_KEPT = 1024
 
@@ -302,18 +319,20 @@ def _meta(torch, x: Any) -> tuple | None:
     """What the checks read of an optional tensor argument; raises TypeError for other objects."""
     if x is None:
         return None
-    if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor):
         raise TypeError
-    return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
+    return (x.shape, x.stride(), x.dtype, x.device)
 
 
 def _plan_key(torch, tensors: tuple, scalars: tuple, options: dict) -> tuple | None:
-    """The plan key of a call (None where an argument is not hashable or not a tensor: the call
-    then takes the checks' path, which says what is wrong)."""
+    """The plan key of a call: shapes, strides, dtypes and devices of every tensor, the options
+    (None where an argument is not hashable or not a tensor: the call then takes the checks'
+    path, which says what is wrong). q, k, v are e4m3 tensors here or fail the checks."""
     try:
-        key = (scalars, tuple(_meta(torch, x) for x in tensors),
-               tuple(_meta(torch, options[name]) for name in (*DESCALE_NAMES, "out", "learnable_sink")),
-               options["causal"], options["softmax_scale"], tuple(options["window_size"]), options["softcap"],
+        key = (scalars, *(_meta(torch, x) for x in tensors), _meta(torch, options["q_descale"]),
+               _meta(torch, options["k_descale"]), _meta(torch, options["v_descale"]),
+               _meta(torch, options["out"]), _meta(torch, options["learnable_sink"]), options["causal"],
+               options["softmax_scale"], tuple(options["window_size"]), options["softcap"],
                options["return_lse"], options["out_dtype"])
         hash(key)
     except TypeError:
@@ -334,10 +353,10 @@ def _descales_of(options: dict) -> tuple:
 
 
 def _build_plan(torch, q, k, v, out, vt_shape: tuple, lse_shape: tuple, opts: Options, var, write_lse: bool,
-                seqlen_k: int, packed: tuple | None = None) -> Plan:
+                seqlen_k: int, descales: tuple, packed: tuple | None = None) -> Plan:
     """The bound V prep and forward of a checked call: q, k, out 4-D (packed: (1, total, heads,
-    head_dim) views; v as given); ``seqlen_k`` the keys (packed: the maximum); ``packed``: (batch,
-    max_seqlen_q, the 3-D out)."""
+    head_dim) views; v as given); ``seqlen_k`` the keys (packed: the maximum); ``descales``: as
+    given; ``packed``: (batch, max_seqlen_q, the 3-D out)."""
     from ..kernels import params
     from ..kernels.families import kernel_params
     from ..kernels.fp8_prep import THREADS as PREP_THREADS
@@ -411,8 +430,12 @@ def _build_plan(torch, q, k, v, out, vt_shape: tuple, lse_shape: tuple, opts: Op
 
     ones = None if all(opts.descales) else torch.ones(pairs, dtype=torch.float32, device=device)
     out_shape = tuple(flat_out.shape if packed is not None else out.shape)
-    return Plan(device, out_shape, getattr(torch, opts.out_name), lse_shape, vt_shape, prep, forward, ones,
-                packed is not None)
+    copy = tuple(x is not None and not x.is_contiguous() for x in descales)
+    return Plan(device, out_shape, lse_shape, vt_shape,
+                torch.empty(1, dtype=getattr(torch, opts.out_name), device=device),
+                torch.empty(1, dtype=torch.float32, device=device),
+                torch.empty(1, dtype=torch.uint8, device=device),
+                prep, forward, ones, copy, packed is not None)
 
 
 def _run(torch, plan: Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options: dict):
@@ -420,36 +443,39 @@ def _run(torch, plan: Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options: dict):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
                                   "tensors that do not require grad")
-    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-    if (pointers[0] | pointers[1] | pointers[2]) % 16:
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (qp | kp | vp) % 16:
         raise ValueError("FP8 q, k and v must be 16-byte aligned (TMA)")
-    device = plan.device
     out = options["out"]
     if out is None:
-        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=device)
+        out = plan.out_template.new_empty(plan.out_shape)
     else:
         if out.data_ptr() % 16:
             raise ValueError("out's data must be 16-byte aligned")
         _check_out_overlap(out, (q, k, v))
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
-    vt = torch.empty(plan.vt_shape, dtype=torch.uint8, device=device)
-    descales = [(x.contiguous().view(-1) if x is not None else plan.ones) for x in _descales_of(options)]
+    lse = plan.lse_template.new_empty(plan.lse_shape) if options["return_lse"] else plan.lse_template
+    vt = plan.vt_template.new_empty(plan.vt_shape)
+    vtp, op = vt.data_ptr(), out.data_ptr()
+    rest = []
+    for name, copy in zip(DESCALE_NAMES, plan.copy_descales, strict=True):
+        x = options[name]
+        rest.append(plan.ones.data_ptr() if x is None else (x.contiguous() if copy else x).data_ptr())
     sink = options["learnable_sink"]
-    rest = [d.data_ptr() for d in descales]
     if sink is not None:
-        sink = sink.contiguous()
-        rest.append(sink.data_ptr())
-    prep_pointers = (pointers[2], vt.data_ptr())
+        rest.append(sink.contiguous().data_ptr())  # (one element apart: contiguous already, or a copy)
     if plan.packed:
-        prep_pointers += (cu_seqlens_k.data_ptr(),)
-        rest = [cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), *rest]
-    _, ordinal = gpu_state.GPU.current()  # (a context current on this thread)
-    with contextlib.nullcontext() if ordinal == device.index else torch.cuda.device(device):
-        if ordinal != device.index:
+        rest = [cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), op, *rest]
+    device = plan.device.index
+    if gpu_state.GPU.current()[1] == device:  # (a context current on this thread)
+        stream = torch_stream(device)
+        plan.prep(stream, vp, vtp, *((cu_seqlens_k.data_ptr(),) if plan.packed else ()))
+        plan.forward(stream, qp, kp, vtp, op, lse.data_ptr(), *rest)
+    else:
+        with torch.cuda.device(device):
             gpu_state.GPU.current()
-        stream = torch.cuda.current_stream(device).cuda_stream
-        plan.prep(stream, *prep_pointers)
-        plan.forward(stream, pointers[0], pointers[1], vt.data_ptr(), out.data_ptr(), lse.data_ptr(), *rest)
+            stream = torch_stream(device)
+            plan.prep(stream, vp, vtp, *((cu_seqlens_k.data_ptr(),) if plan.packed else ()))
+            plan.forward(stream, qp, kp, vtp, op, lse.data_ptr(), *rest)
     return (out, lse) if options["return_lse"] else out
 
 
