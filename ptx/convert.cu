@@ -51,3 +51,8 @@ extern "C" __device__ float cvt_f32_f16_bits(unsigned h) {
 extern "C" __device__ float cvt_f32_bf16_bits(unsigned h) {
   float r; asm("{ .reg .b32 t; shl.b32 t, %1, 16; mov.b32 %0, t; }" : "=f"(r) : "r"(h)); return r;
 }
+// Byte permute (prmt.b32, default mode): byte i of the result is byte (selector >> 4i) & 7 of the
+// eight bytes {b, a} (a's bytes 0-3, then b's 4-7); four bytes of two registers in one instruction.
+extern "C" __device__ unsigned prmt_b32(unsigned a, unsigned b, unsigned selector) {
+  unsigned r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector)); return r;
+}

@@ -28,6 +28,14 @@ def pack_e4m3_kernel(x, out):
         out[i] = ptx.pack_e4m3x4(x[i, 0], x[i, 1], x[i, 2], x[i, 3])
 
 
+def byte_perm_kernel(a, b, selector, out):
+    """Launch [ceil(n / 128), 128]: ``out[i] = ptx.byte_perm(a[i], b[i], selector[i])`` (uint32 each;
+    the FP8 V prep's 4 x 4 byte transpose; any GPU)."""
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        out[i] = ptx.byte_perm(a[i], b[i], selector[i])
+
+
 _F32_2D = types.Array(types.float32, 2, "C")
 KERNELS = {
     "mma_e4m3": (mma_e4m3_kernel, MMA_ARGTYPES),

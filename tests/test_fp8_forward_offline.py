@@ -40,8 +40,9 @@ def test_fp8_forward_sass(head_dim, build):
 @pytest.mark.parametrize("head_dim", configs.FP8_HEAD_DIMS)
 def test_fp8_v_prep_sass(head_dim, varlen):
     """The V prep (``kernels.fp8_prep``): every load of a thread issued before its first shared store
-    (as many global loads as words it reads; packed: and the sequence's two offsets), four
-    whole-word stores, no local memory or spill within its launch bounds' registers."""
+    (as many global loads as words it reads; packed: and the sequence's two offsets); then, for
+    each head-dim word a lane transposes, four shared loads, eight byte permutes and four
+    whole-word stores; no local memory or spill within its launch bounds' registers."""
     from numbaflash.kernels.fp8_prep import KEYS_PER_CTA, THREADS
 
     spec = spec_of(configs.FP8_DEFAULTS[head_dim], "fp8_v", True, varlen=varlen)
@@ -50,5 +51,7 @@ def test_fp8_v_prep_sass(head_dim, varlen):
     assert_fully_inlined(report)
     reads = KEYS_PER_CTA * head_dim // 4 // THREADS
     assert report.count("LDG") == reads + 2 * varlen and report.count("STS") == reads, report.opcodes
-    assert report.count("STG") == 4 and report.count("LDS") == 4
+    words = head_dim // 4 // (THREADS // 32)  # head-dim words a lane transposes
+    assert report.count("STG") == 4 * words and report.count("LDS") == 4 * words, report.opcodes
+    assert report.count("PRMT") == 8 * words, report.opcodes
     assert report.registers <= 65536 // (THREADS * kernel.launch_bounds[1])

@@ -106,3 +106,26 @@ def test_pack_e4m3x4_rounds_as_ml_dtypes_and_saturates():
     nan = np.isnan(x)
     assert ((got_bytes[nan] & 0x7F) == 0x7F).all(), "NaN did not stay NaN"
     assert (got_bytes[~nan] == want[~nan]).all(), np.argwhere(got_bytes != want)[:5]
+
+
+@gpu
+def test_byte_perm_matches_prmt_semantics():
+    """``ptx.byte_perm`` (prmt.b32, default mode) against the PTX ISA's rule on random words and
+    selectors (the prep's four among them): byte i of the result is byte (selector >> 4i) & 7 of
+    {b, a}; the selectors' sign bits (0x8 of a nibble) are left out: the prep never sets them."""
+    rng = _rng("byte_perm")
+    n = 4096
+    a = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    selector = np.zeros(n, np.uint32)
+    for i in range(4):
+        selector |= (rng.integers(0, 8, n).astype(np.uint32) << np.uint32(4 * i))
+    selector[:4] = (0x5140, 0x7362, 0x5410, 0x7632)
+    out = np.full(n, 0xDEADBEEF, np.uint32)
+    (*_, got) = _run(K.byte_perm_kernel, (n + 127) // 128, 128, a, b, selector, out)
+    pool = a.astype(np.uint64) | (b.astype(np.uint64) << np.uint64(32))
+    want = np.zeros(n, np.uint64)
+    for i in range(4):
+        pick = (selector.astype(np.uint64) >> np.uint64(4 * i)) & np.uint64(7)
+        want |= ((pool >> (np.uint64(8) * pick)) & np.uint64(0xFF)) << np.uint64(8 * i)
+    np.testing.assert_array_equal(got, want.astype(np.uint32))

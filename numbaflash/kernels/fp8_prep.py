@@ -25,8 +25,9 @@ sequence's first column; grid.z the sequence, each CTA looping over its sequence
 
 from __future__ import annotations
 
-from numba import cuda, int32, int64, uint32
+from numba import cuda, int64, uint32, uint64
 
+from .. import ptx
 from .fp8_layout import KEY_GROUP
 
 KEYS_PER_CTA = 128
@@ -42,8 +43,8 @@ def vt_start(start_k, sequence):
 
 
 def make_transpose_v_kernel(head_dim: int, varlen: bool = False):
-    """The kernel for ``head_dim`` (a multiple of 4); parameters ``params.FP8_V``: V and Vt as
-    4-byte words, V's batch, sequence and head strides in words. ``varlen``: packed sequences
+    """The kernel for ``head_dim`` (64, 128 or 256); parameters ``params.FP8_V``: V and Vt as 4-byte
+    words, V's batch, sequence and head strides in words. ``varlen``: packed sequences
     (``params.FP8_V_VARLEN``): V (total_k, heads_kv, head_dim), the int32 offsets
     ``cu_seqlens_k``, Vt (1, heads_kv, head_dim, keys) with sequence b's columns from
     ``vt_start(cu_seqlens_k[b], b)`` to the next sequence's (``fp8_layout.sequence_vt_start``):
@@ -52,57 +53,74 @@ def make_transpose_v_kernel(head_dim: int, varlen: bool = False):
     W = head_dim // 4  # 4-byte words of a V row
     ROW = W + 1  # words of a shared row (padded by one)
     KT = KEYS_PER_CTA
-    QUADS = KT // 4  # 4-key words of a Vt row segment
+    QUADS = KT // 4  # 4-key words of a Vt row segment: one a lane
     TILE_WORDS = KT * ROW + 9
     READS = KT * W // THREADS  # words a thread reads: all issued before the first is stored
+    ROWS_A_PASS = THREADS // W  # key rows the CTA reads a pass (whole rows: W divides 256)
+    WORD_ROWS = W // (THREADS // QUADS)  # head-dim words a warp transposes (8 warps share the W)
     RUN_KEYS = KT * TILE_RUN
+    assert QUADS == 32 and THREADS % W == 0 and W % (THREADS // QUADS) == 0
 
     @cuda.jit(device=True, forceinline=True)
     def at(row):
         """The first word of key row ``row`` in the tile (rows shifted by 0, 1, 8, 9 per 32)."""
-        return row * ROW + (row // 32) % 2 + 8 * ((row // 64) % 2)
+        one = uint32(1)
+        return row * uint32(ROW) + ((row >> uint32(5)) & one) + uint32(8) * ((row >> uint32(6)) & one)
 
     @cuda.jit(device=True, forceinline=True)
     def key_of(c):
         """``KEY_ORDER[c]`` (0 <= c < 32) by arithmetic (no table: a constant-memory table
         serialises when a warp's lanes read different entries)."""
-        i = c % 4
-        return 16 * (c // 16) + 8 * (i // 2) + 2 * ((c % 16) // 4) + i % 2
-
-    @cuda.jit(device=True, forceinline=True)
-    def byte(word, j):
-        return (word >> uint32(8 * j)) & uint32(0xFF)
+        i = c & uint32(3)
+        return (uint32(16) * (c >> uint32(4)) + uint32(8) * (i >> uint32(1))
+                + uint32(2) * ((c & uint32(15)) >> uint32(2)) + (i & uint32(1)))
 
     @cuda.jit(device=True, forceinline=True)
     def transpose_tile(v, vt, row0, v_ss, seqlen, key0, out, keys, columns):
         """Keys key0 .. key0 + KT of one (sequence, KV head): V's rows from word ``row0`` (+ key
         * ``v_ss``; zero from ``seqlen`` on) -> Vt's head-dim rows, ``keys`` bytes apart, from
-        byte ``out`` (key0's column), the columns below ``columns`` (relative to the sequence)."""
+        byte ``out`` (key0's column, a multiple of 4), the columns below ``columns`` (relative to
+        the sequence). Unsigned offsets throughout (no negative-index wraparound in the address
+        arithmetic); a lane's four keys and their shared rows are the same for every word it
+        transposes, and the 4 x 4 byte transpose is eight byte permutes."""
         tile = cuda.shared.array(TILE_WORDS, uint32)
         words = cuda.local.array(READS, uint32)
-        tid = int32(cuda.threadIdx.x)
-        for n in range(READS):  # read: word w of key row r (a warp: whole rows), all loads in flight
-            i = tid + n * THREADS
-            key = key0 + i // W
-            words[n] = v[row0 + key * v_ss + i % W] if key < seqlen else uint32(0)
+        tid = uint32(cuda.threadIdx.x)
+        first_row = tid // uint32(W)  # read: word tid % W of rows first_row + n * ROWS_A_PASS
+        col = tid % uint32(W)
+        rows_left = seqlen - key0  # rows of this tile that hold keys (may be <= 0 or >= KT)
+        address = uint64(row0 + (key0 + int64(first_row)) * v_ss + int64(col))
+        step = uint64(ROWS_A_PASS * v_ss)
+        for n in range(READS):  # every load in flight before the first shared store
+            if int64(first_row + uint32(n * ROWS_A_PASS)) < rows_left:
+                words[n] = v[address]
+            else:
+                words[n] = uint32(0)
+            address += step
         for n in range(READS):
-            i = tid + n * THREADS
-            tile[at(i // W) + i % W] = words[n]
+            tile[at(first_row + uint32(n * ROWS_A_PASS)) + col] = words[n]
         cuda.syncthreads()
-        for i in range(tid, W * QUADS, THREADS):  # keys c .. c + 3 of head-dim rows 4w .. 4w + 3
-            q = int32(i % QUADS)
-            w = int32(i // QUADS)
-            c = 4 * q
-            if key0 + c < columns:
-                group = (c // KEY_GROUP) * KEY_GROUP
-                k0 = tile[at(group + key_of(c % KEY_GROUP)) + w]
-                k1 = tile[at(group + key_of(c % KEY_GROUP + 1)) + w]
-                k2 = tile[at(group + key_of(c % KEY_GROUP + 2)) + w]
-                k3 = tile[at(group + key_of(c % KEY_GROUP + 3)) + w]
-                for j in range(4):  # head-dim column 4w + j: byte j of each key's word
-                    word = byte(k0, j) | (byte(k1, j) << uint32(8)) | (byte(k2, j) << uint32(16)) | (
-                        byte(k3, j) << uint32(24))
-                    vt[(out + (4 * w + j) * keys + c) // 4] = word
+        lane = tid % uint32(32)  # write: keys 4 lane .. + 3 (their order's) of head-dim words w
+        c = uint32(4) * lane
+        if key0 + int64(c) < columns:
+            group = (c // uint32(KEY_GROUP)) * uint32(KEY_GROUP)
+            r0 = at(group + key_of(c % uint32(KEY_GROUP)))
+            r1 = at(group + key_of(c % uint32(KEY_GROUP) + uint32(1)))
+            r2 = at(group + key_of(c % uint32(KEY_GROUP) + uint32(2)))
+            r3 = at(group + key_of(c % uint32(KEY_GROUP) + uint32(3)))
+            row_words = uint64(keys // 4)
+            for m in range(WORD_ROWS):
+                w = tid // uint32(32) + uint32(m * (THREADS // QUADS))
+                k0, k1, k2, k3 = tile[r0 + w], tile[r1 + w], tile[r2 + w], tile[r3 + w]
+                pairs_lo = ptx.byte_perm(k0, k1, uint32(0x5140))  # k0.0 k1.0 k0.1 k1.1
+                pairs_hi = ptx.byte_perm(k0, k1, uint32(0x7362))  # k0.2 k1.2 k0.3 k1.3
+                pairs2_lo = ptx.byte_perm(k2, k3, uint32(0x5140))
+                pairs2_hi = ptx.byte_perm(k2, k3, uint32(0x7362))
+                at_word = uint64(out // 4) + uint64(4 * w) * row_words + uint64(lane)
+                vt[at_word] = ptx.byte_perm(pairs_lo, pairs2_lo, uint32(0x5410))  # column 4w: k0 k1 k2 k3
+                vt[at_word + row_words] = ptx.byte_perm(pairs_lo, pairs2_lo, uint32(0x7632))
+                vt[at_word + uint64(2) * row_words] = ptx.byte_perm(pairs_hi, pairs2_hi, uint32(0x5410))
+                vt[at_word + uint64(3) * row_words] = ptx.byte_perm(pairs_hi, pairs2_hi, uint32(0x7632))
 
     def transpose_v(v, vt, v_sb, v_ss, v_sh, seqlen_k, keys, heads_kv):
         head = int64(cuda.blockIdx.x) % heads_kv

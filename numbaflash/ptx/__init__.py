@@ -31,6 +31,7 @@ from .async_copy import (
     st_shared_v4,
 )
 from .convert import (
+    byte_perm,
     exp2,
     exp2_poly,
     f32_from_bf16_bits,
@@ -65,6 +66,7 @@ from .reduce import (
 
 __all__ = [
     "atom_add_acq_rel_gpu_s32",
+    "byte_perm",
     "cp_async_16",
     "cp_async_16_at",
     "cp_async_16_zfill",

@@ -30,3 +30,6 @@ f32_from_f16_bits = declare("convert", "cvt_f32_f16_bits", _f32(types.uint32))
 f32_from_f16_bits.__doc__ = "f32_from_f16_bits(h) -> the f16 in the low 16 bits of h, as f32 (exact)."
 f32_from_bf16_bits = declare("convert", "cvt_f32_bf16_bits", _f32(types.uint32))
 f32_from_bf16_bits.__doc__ = "f32_from_bf16_bits(h) -> the bf16 in the low 16 bits of h, as f32 (exact)."
+byte_perm = declare("convert", "prmt_b32", types.uint32(types.uint32, types.uint32, types.uint32))
+byte_perm.__doc__ = ("byte_perm(a, b, selector) -> uint32 whose byte i is byte (selector >> 4i) & 7 of the "
+                     "eight bytes of a (0-3) and b (4-7) (prmt.b32).")
