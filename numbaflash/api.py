@@ -110,11 +110,16 @@ def flash_attention(
             or getattr(getattr(q, "dtype", None), "itemsize", 2) == 1):
         from .operations.fp8_forward import flash_attention_fp8
 
-        return flash_attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                   softcap=softcap, return_lse=return_lse, out=out,
-                                   learnable_sink=learnable_sink,
-                                   out_dtype=out_dtype)
+        options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
+                       softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                       return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
+        if kind_of(q) == "torch":
+            from .torch_route import route_fp8
+
+            routed = route_fp8(q, k, v, None, options)
+            if routed is not None:
+                return routed
+        return flash_attention_fp8(q, k, v, **options)
     kind = kind_of(q)
     padded = head_dims.padding_for(q, k, v, kind, 4)
     if padded is not None:
@@ -498,11 +503,17 @@ def flash_attention_varlen(
             or getattr(getattr(q, "dtype", None), "itemsize", 2) == 1):
         from .operations.fp8_forward import flash_attention_varlen_fp8
 
-        return flash_attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                          softcap=softcap, return_lse=return_lse, out=out,
-                                          learnable_sink=learnable_sink, out_dtype=out_dtype)
+        options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
+                       softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                       return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
+        lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if kind_of(q) == "torch":
+            from .torch_route import route_fp8
+
+            routed = route_fp8(q, k, v, lengths, options)
+            if routed is not None:
+                return routed
+        return flash_attention_varlen_fp8(q, k, v, *lengths, **options)
     from .operations.varlen import direct_flash_attention_varlen
 
     kind = kind_of(q)

@@ -616,3 +616,79 @@ class EagerVarlenAttention(torch.autograd.Function):
         if dout is None:  # only the LSE was used: it is not differentiable, nothing flows back
             return (None,) * 13
         return _varlen_backward(ctx, dout, dlse)
+
+
+# ------------------------------------------------------------------------------ FP8 (e4m3) forwards
+# No backward: the ops exist so that torch.compile, torch.export and fake-tensor tracing see an FP8
+# call as one op (the direct path reads data pointers, which fake tensors do not have).
+
+def _fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, softcap,
+                 learnable_sink, out_dtype) -> dict:
+    return dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
+                softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
+                return_lse=True, learnable_sink=learnable_sink, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("numbaflash::flash_attention_fp8_forward", mutates_args=())
+def flash_attention_fp8_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor | None,
+                                k_descale: Tensor | None, v_descale: Tensor | None, causal: bool,
+                                softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                                learnable_sink: Tensor | None,
+                                out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the e4m3 forward (``numbaflash.flash_attention`` with FP8 inputs): out
+    (batch, seqlen_q, heads_q, head_dim) in ``out_dtype``, lse float32 (batch, heads_q, seqlen_q)."""
+    from .operations.fp8_forward import flash_attention_fp8
+
+    return flash_attention_fp8(q, k, v, **_fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale,
+                                                       window_left, window_right, softcap, learnable_sink,
+                                                       out_dtype))
+
+
+def _check_fp8_fake(q: Tensor, k: Tensor, v: Tensor, dims: int, out_dtype: torch.dtype) -> None:
+    """What the FP8 ops' fake implementations can check of meta data (the real call checks all)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != torch.float8_e4m3fn or x.dim() != dims:
+            raise TypeError(f"{name} must be a {dims}-D float8_e4m3fn tensor, got {x.dtype} {tuple(x.shape)}")
+    if tuple(k.shape) != tuple(v.shape) or k.shape[-1] != q.shape[-1] or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"FP8 q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                         "together")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+
+
+@flash_attention_fp8_forward.register_fake
+def _fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right,
+              softcap, learnable_sink, out_dtype):
+    _check_fp8_fake(q, k, v, 4, out_dtype)
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("numbaflash::flash_attention_varlen_fp8_forward", mutates_args=())
+def flash_attention_varlen_fp8_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                       cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                       q_descale: Tensor | None, k_descale: Tensor | None,
+                                       v_descale: Tensor | None, causal: bool, softmax_scale: float,
+                                       window_left: int, window_right: int, softcap: float,
+                                       learnable_sink: Tensor | None,
+                                       out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the packed e4m3 forward (``numbaflash.flash_attention_varlen`` with FP8
+    inputs): out (total_q, heads_q, head_dim) in ``out_dtype``, lse float32 (heads_q, total_q)."""
+    from .operations.fp8_forward import flash_attention_varlen_fp8
+
+    return flash_attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      **_fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale,
+                                                     window_left, window_right, softcap, learnable_sink,
+                                                     out_dtype))
+
+
+@flash_attention_varlen_fp8_forward.register_fake
+def _varlen_fp8_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale,
+                     v_descale, causal, softmax_scale, window_left, window_right, softcap, learnable_sink,
+                     out_dtype):
+    _check_fp8_fake(q, k, v, 3, out_dtype)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
+    total_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((heads_q, total_q), dtype=torch.float32)

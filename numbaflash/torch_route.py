@@ -204,3 +204,37 @@ def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                                  int(max_seqlen_k), causal, softmax_scale, *window_size,
                                                  softcap, *sink)
     return (result, lse) if return_lse else result
+
+
+def route_fp8(q: Tensor, k, v, lengths: tuple | None, options: dict):
+    """An FP8 call (``flash_attention``, or ``flash_attention_varlen`` with ``lengths`` = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)) on torch tensors: None where the direct path serves
+    it (plain tensors, eager), else its result through the FP8 op (``torch_ops``): under
+    torch.compile / torch.export, on tensor subclasses or meta tensors, under a dispatch mode. The
+    FP8 forward has no backward: tensors that require grad (grad mode on) are refused."""
+    if not (_dynamo_compiling() or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    from .torch_ops import flash_attention_fp8_forward, flash_attention_varlen_fp8_forward
+
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
+                                  "tensors that do not require grad")
+    causal = check_flag("causal", options["causal"])
+    return_lse = check_flag("return_lse", options["return_lse"])
+    softmax_scale = check_softmax_scale(options["softmax_scale"], q.shape[-1])
+    window = check_window_size(options["window_size"])
+    softcap = check_softcap(options["softcap"], softmax_scale)
+    out_dtype = torch.bfloat16 if options["out_dtype"] is None else options["out_dtype"]
+    scalars = (options["q_descale"], options["k_descale"], options["v_descale"], causal, softmax_scale,
+               window[0], window[1], softcap, options["learnable_sink"], out_dtype)
+    if lengths is None:
+        result, lse = flash_attention_fp8_forward(q, k, v, *scalars)
+    else:
+        cu_q, cu_k, max_q, max_k = lengths
+        result, lse = flash_attention_varlen_fp8_forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k),
+                                                         *scalars)
+    out = options["out"]
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, lse) if return_lse else result

@@ -246,3 +246,26 @@ def test_launch_plan_keys_and_out_overlap():
         _check_out_overlap(out, (q_in, k, k))
     apart = buffer.view(torch.bfloat16)[64 * 4 * 128:].view(1, 64, 4, 128)
     _check_out_overlap(apart, (q_in, k, k))
+
+
+def test_fp8_calls_trace_as_one_op_under_fake_tensors():
+    """Under a FakeTensorMode (what torch.compile and torch.export trace with) an FP8 call is the FP8
+    op of ``torch_ops``: its output's shape and dtype and the LSE's, with no kernel and no data."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import numbaflash as nf
+
+    with FakeTensorMode():
+        q = torch.empty(2, 64, 4, 128, dtype=torch.float8_e4m3fn)
+        k = torch.empty(2, 80, 2, 128, dtype=torch.float8_e4m3fn)
+        out, lse = nf.flash_attention(q, k, k, q_descale=torch.ones(2, 2), causal=True, return_lse=True,
+                                      out_dtype=torch.float16)
+        assert out.shape == q.shape and out.dtype == torch.float16
+        assert lse.shape == (2, 4, 64) and lse.dtype == torch.float32
+        packed = nf.flash_attention_varlen(q[0], k[0], k[0], torch.zeros(3, dtype=torch.int32),
+                                           torch.zeros(3, dtype=torch.int32), 40, 50)
+        assert packed.shape == q[0].shape and packed.dtype == torch.bfloat16
+        with pytest.raises(TypeError, match="float8_e4m3fn"):
+            torch.ops.numbaflash.flash_attention_fp8_forward(q.to(torch.bfloat16), k, k, None, None, None,
+                                                             False, 0.1, -1, -1, 0.0, None, torch.bfloat16)

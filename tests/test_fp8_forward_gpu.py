@@ -396,3 +396,31 @@ def test_fp8_launch_plans_serve_new_memory():
     for _ in range(2):
         with pytest.raises(ValueError, match="out shares memory with q"):
             nf.flash_attention(q_in, x.k, x.v, causal=True, out=overlapping)
+
+
+@gpu
+def test_fp8_under_torch_compile():
+    """FP8 calls inside ``torch.compile(fullgraph=True)`` (the FP8 ops of ``torch_ops``, dense and
+    packed) give the eager calls' results bit for bit."""
+    _hopper()
+    import numbaflash as nf
+
+    x = _case(31, 2, 150, 260, 4, 2, 128)
+    lengths = [(40, 70), (9, 3)]
+    q, k, v, descales, cu_q, cu_k = _packed_case(31, lengths, 2, 1, 64)
+
+    def dense(q8, k8, v8, qd, kd, vd):
+        out, lse = nf.flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True,
+                                      return_lse=True)
+        return out * 2, lse
+
+    def packed(q8, k8, v8, cq, ck, qd, kd, vd):
+        return nf.flash_attention_varlen(q8, k8, v8, cq, ck, 40, 70, q_descale=qd, k_descale=kd, v_descale=vd,
+                                         window_size=(20, 0), out_dtype=torch.float16) + 1
+
+    torch._dynamo.reset()
+    args = (x.q, x.k, x.v, x.q_descale, x.k_descale, x.v_descale)
+    for got, want in zip(torch.compile(dense, fullgraph=True)(*args), dense(*args), strict=True):
+        assert torch.equal(got, want)
+    args = (q, k, v, cu_q, cu_k, *descales)
+    assert torch.equal(torch.compile(packed, fullgraph=True)(*args), packed(*args))
