@@ -2,7 +2,8 @@
 (``configs.FP8_DEFAULTS``), full and causal, on rows that see no key (seqlen_q > seqlen_k, causal),
 seqlen_q far below seqlen_k, one query row and a square tile edge; window, softcap and a learnable
 sink at d128; the V prep kernel on each; packed (varlen) calls with empty sequences, rows that see
-no key and a sequence longer than the prep's grid, every config, full and causal. Every output finite.
+no key and a sequence longer than the prep's grid, every config, full and causal; window, softcap, sink
+and fp16 output packed at d128. Every output finite.
 
     compute-sanitizer --tool {memcheck,racecheck,synccheck} --report-api-errors no \
         --error-exitcode 9 python benchmarks/fp8_cases.py
@@ -42,5 +43,14 @@ for d in (64, 128, 256):
         o = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=causal, q_descale=ones)
         assert torch.isfinite(o).all()
         packed += 1
+for kw in (dict(window_size=(20, 3)), dict(softcap=3.0), dict(learnable_sink=torch.randn(4, device="cuda")),
+           dict(out_dtype=torch.float16, causal=True)):  # the packed variants at d128
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for n in ([150, 0, 33], [260, 7, 0]))
+    q = torch.randn(int(cu_q[-1]), 4, 128, device="cuda").to(torch.float8_e4m3fn)
+    k = torch.randn(int(cu_k[-1]), 2, 128, device="cuda").to(torch.float8_e4m3fn)
+    o = nf.flash_attention_varlen(q, k, k, cu_q, cu_k, 150, 260, q_descale=torch.ones(3, 2, device="cuda"), **kw)
+    assert torch.isfinite(o).all()
+    packed += 1
 torch.cuda.synchronize()
 print("cases", len(cases) + packed, "ok")
