@@ -49,7 +49,8 @@ for kw in (dict(window_size=(20, 3)), dict(softcap=3.0), dict(learnable_sink=tor
                   for n in ([150, 0, 33], [260, 7, 0]))
     q = torch.randn(int(cu_q[-1]), 4, 128, device="cuda").to(torch.float8_e4m3fn)
     k = torch.randn(int(cu_k[-1]), 2, 128, device="cuda").to(torch.float8_e4m3fn)
-    o = nf.flash_attention_varlen(q, k, k, cu_q, cu_k, 150, 260, q_descale=torch.ones(3, 2, device="cuda"), **kw)
+    o = nf.flash_attention_varlen(q, k, k, cu_q, cu_k, 150, 260, q_descale=torch.ones(3, 2, device="cuda"),
+                                  **kw)
     assert torch.isfinite(o).all()
     packed += 1
 torch.cuda.synchronize()
