@@ -93,6 +93,21 @@ def _check(out, quantized, **mask):
     return lse
 
 
+def _variant(variant: str, heads_q: int) -> tuple[dict, dict]:
+    """(the call's keyword arguments, the reference's) of a variant test: a window, a softcap, a
+    learnable sink or fp16 output (anything else: neither)."""
+    kwargs, mask = {}, {}
+    if variant == "window":
+        kwargs["window_size"] = mask["window"] = (50, 7)
+    elif variant == "softcap":
+        kwargs["softcap"] = mask["softcap"] = 2.0
+    elif variant == "sink":
+        kwargs["learnable_sink"] = mask["sink"] = torch.randn(heads_q, device="cuda")
+    elif variant == "fp16":
+        kwargs["out_dtype"] = torch.float16
+    return kwargs, mask
+
+
 SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
     (2, 128, 128, 4, 2, 128),
     (1, 77, 300, 4, 4, 128),  # ragged, seqlen_q far below seqlen_k
@@ -131,15 +146,7 @@ def test_fp8_forward_variants(variant):
     b, sq, sk, hq, hk, d = 2, 190, 260, 4, 2, 128
     x = _case(zlib.crc32(variant.encode()), b, sq, sk, hq, hk, d, outliers=variant == "outliers",
               unit=variant == "no_descale")
-    kwargs, mask = {}, {}
-    if variant == "window":
-        kwargs["window_size"] = mask["window"] = (50, 7)
-    elif variant == "softcap":
-        kwargs["softcap"] = mask["softcap"] = 2.0
-    elif variant == "sink":
-        kwargs["learnable_sink"] = mask["sink"] = torch.randn(hq, device="cuda")
-    elif variant == "fp16":
-        kwargs["out_dtype"] = torch.float16
+    kwargs, mask = _variant(variant, hq)
     descales = {} if variant == "no_descale" else dict(q_descale=x.q_descale, k_descale=x.k_descale,
                                                        v_descale=x.v_descale)
     out = nf.flash_attention(x.q, x.k, x.v, **descales, **kwargs)
@@ -279,15 +286,7 @@ def test_fp8_varlen_variants(variant):
 
     lengths, hq, hk, d = [(190, 260), (3, 70), (129, 128)], 4, 2, 128
     q, k, v, descales, cu_q, cu_k = _packed_case(zlib.crc32(variant.encode()), lengths, hq, hk, d)
-    kwargs, mask = {}, {}
-    if variant == "window":
-        kwargs["window_size"] = mask["window"] = (50, 7)
-    elif variant == "softcap":
-        kwargs["softcap"] = mask["softcap"] = 2.0
-    elif variant == "sink":
-        kwargs["learnable_sink"] = mask["sink"] = torch.randn(hq, device="cuda")
-    elif variant == "fp16":
-        kwargs["out_dtype"] = torch.float16
+    kwargs, mask = _variant(variant, hq)
     out = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 190, 260, q_descale=descales[0],
                                     k_descale=descales[1], v_descale=descales[2], **kwargs)
     assert out.dtype == (torch.float16 if variant == "fp16" else torch.bfloat16)
