@@ -84,9 +84,9 @@ def main() -> None:
                  kernel(plain)))
     for label, kw in (("FP8, a scale per (batch, head)", {}),
                       (f"FP8, a scale per {args.block} tokens", {"block": args.block}),
-                      ("FP8, per head + Hadamard", {"hadamard_rotation": True}),
+                      ("FP8, per head + Hadamard", {"hadamard": True}),
                       (f"FP8, per {args.block} tokens + Hadamard",
-                       {"block": args.block, "hadamard_rotation": True})):
+                       {"block": args.block, "hadamard": True})):
         quant = fp8.quantize(q, k, v, seed=args.seed, **kw)
         rows.append((label, _rmse(fp8.attention_reference(quant), ref), kernel(quant)))
         if not kw:

@@ -90,8 +90,11 @@ def _quantize(x: Tensor, block: int | None, group: int) -> tuple[Tensor, Tensor]
     return x8, (descale if block is not None else descale[..., 0]).contiguous()
 
 
-def quantize(q: Tensor, k: Tensor, v: Tensor, *, block: int | None = None, hadamard_rotation: bool = False,
-             seed: int = 0) -> Quantized:
+_random_hadamard = hadamard  # (``quantize``'s option of that name hides the function there)
+
+
+def quantize(q: Tensor, k: Tensor, v: Tensor, *, block: int | None = None, hadamard: bool = False,
+             seed: int = 0, hadamard_rotation: bool | None = None) -> Quantized:
     """e4m3 q, k, v and their descales.
 
     Args:
@@ -99,13 +102,16 @@ def quantize(q: Tensor, k: Tensor, v: Tensor, *, block: int | None = None, hadam
             any floating dtype, heads_q a multiple of heads_kv.
         block: None (one scale per batch and KV head: FlashAttention-3's descale shape (batch,
             heads_kv)) or tokens per scale block (descales (batch, heads_kv, blocks)).
-        hadamard_rotation: rotate q and k by ``hadamard(head_dim, seed)`` first (head_dim a power
-            of two). QKᵀ is unchanged; v and the output are not rotated.
+        hadamard: rotate q and k by ``hadamard(head_dim, seed)`` first (head_dim a power of two).
+            QKᵀ is unchanged; v and the output are not rotated. (``hadamard_rotation``: the same
+            option under its earlier name.)
         seed: the rotation's random signs.
 
     Returns:
         ``Quantized``: x ≈ x8 · descale (the rotated x for q and k).
     """
+    if hadamard_rotation is not None:
+        hadamard = hadamard_rotation
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating torch.Tensor (batch, seqlen, heads, head_dim), got "
@@ -118,8 +124,8 @@ def quantize(q: Tensor, k: Tensor, v: Tensor, *, block: int | None = None, hadam
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block must be None or a positive int, got {block!r}")
     rotation = None
-    if hadamard_rotation:
-        rotation = hadamard(q.shape[3], seed, q.device)
+    if hadamard:
+        rotation = _random_hadamard(q.shape[3], seed, q.device)
         q, k = q.float() @ rotation, k.float() @ rotation
     group = q.shape[2] // k.shape[2]
     q8, qd = _quantize(q, block, group)

@@ -55,7 +55,7 @@ def test_query_heads_share_their_kv_heads_scale():
 
 def test_hadamard_rotation_keeps_qk_and_v():
     q, k, v = _inputs()
-    out = fp8.quantize(q, k, v, hadamard_rotation=True, seed=3)
+    out = fp8.quantize(q, k, v, hadamard=True, seed=3)
     r = out.rotation
     torch.testing.assert_close(r @ r.T, torch.eye(64), atol=1e-6, rtol=0)
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(2, 2))
@@ -63,6 +63,9 @@ def test_hadamard_rotation_keeps_qk_and_v():
     torch.testing.assert_close(s_rot, s, atol=1e-3, rtol=1e-4)
     # v is quantized as it is
     assert torch.equal(out.v, fp8.quantize(q, k, v).v)
+    earlier = fp8.quantize(q, k, v, hadamard_rotation=True, seed=3)  # the option's earlier name
+    assert torch.equal(earlier.rotation, r)
+    assert torch.equal(earlier.q.view(torch.uint8), out.q.view(torch.uint8))
 
 
 def test_errors():
@@ -89,6 +92,6 @@ def test_outliers_accuracy_ordering():
         return math.sqrt(float(((fp8.attention_reference(quant, **kw) - ref) ** 2).mean()))
 
     per_head = rmse(fp8.quantize(q, k, v))
-    rotated = rmse(fp8.quantize(q, k, v, hadamard_rotation=True))
+    rotated = rmse(fp8.quantize(q, k, v, hadamard=True))
     assert rotated < per_head / 1.3
     assert rmse(fp8.quantize(q, k, v), p_fp8=False) <= per_head * 1.05

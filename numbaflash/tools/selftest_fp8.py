@@ -205,7 +205,7 @@ def run_fp8_case(case: Fp8Case) -> CaseResult:
             descales = {}
             deq = tuple(x.double().numpy() for x in (q8, k8, v8))
         else:
-            x = fp8.quantize(q, k, v, hadamard_rotation=case.scaling == "hadamard", seed=case.index)
+            x = fp8.quantize(q, k, v, hadamard=case.scaling == "hadamard", seed=case.index)
             q8, k8, v8 = x.q, x.k, x.v
             descales = {name: getattr(x, name).cuda() for name in ("q_descale", "k_descale", "v_descale")}
             deq = tuple(t.double().numpy() for t in x.dequantize())
