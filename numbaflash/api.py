@@ -106,20 +106,11 @@ def flash_attention(
     flash_attention_forward`` (``torch_ops``), which is differentiable; ``out=`` then cannot
     be combined with autograd.
     """
-    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
-            or getattr(getattr(q, "dtype", None), "itemsize", 2) == 1):
-        from .operations.fp8_forward import flash_attention_fp8
-
-        options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
-                       softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                       return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
-        if kind_of(q) == "torch":
-            from .torch_route import route_fp8
-
-            routed = route_fp8(q, k, v, None, options)
-            if routed is not None:
-                return routed
-        return flash_attention_fp8(q, k, v, **options)
+    if _is_fp8(q, q_descale, k_descale, v_descale, out_dtype):
+        return _fp8(q, k, v, None, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                        causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                        softcap=softcap, return_lse=return_lse, out=out,
+                                        learnable_sink=learnable_sink, out_dtype=out_dtype))
     kind = kind_of(q)
     padded = head_dims.padding_for(q, k, v, kind, 4)
     if padded is not None:
@@ -141,6 +132,27 @@ def flash_attention(
 
 
 _TORCH_ROUTE: list = []  # [torch_route.route], once a torch tensor has reached the API
+
+
+def _is_fp8(q: Any, q_descale: Any, k_descale: Any, v_descale: Any, out_dtype: Any) -> bool:
+    """A call for the FP8 forward: one-byte q, or any FP8-only argument (whose checks then say
+    what is wrong with 16-bit inputs)."""
+    return (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or getattr(getattr(q, "dtype", None), "itemsize", 2) == 1)
+
+
+def _fp8(q: Any, k: Any, v: Any, lengths: tuple | None, options: dict) -> Any:
+    """An FP8 call (``operations.fp8_forward.fp8_attention``), through its custom op where torch
+    traces (``torch_route.route_fp8``)."""
+    from .operations.fp8_forward import fp8_attention
+
+    if kind_of(q) == "torch":
+        from .torch_route import route_fp8
+
+        routed = route_fp8(q, k, v, lengths, options)
+        if routed is not None:
+            return routed
+    return fp8_attention(q, k, v, lengths, options)
 
 
 def _needs_grad(kind: str, *tensors: Any) -> bool:
@@ -499,21 +511,11 @@ def flash_attention_varlen(
     Returns:
         ``out`` (total_q, heads_q, head_dim) in q's dtype, or ``(out, lse)``.
     """
-    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
-            or getattr(getattr(q, "dtype", None), "itemsize", 2) == 1):
-        from .operations.fp8_forward import flash_attention_varlen_fp8
-
-        options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
-                       softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                       return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
-        lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if kind_of(q) == "torch":
-            from .torch_route import route_fp8
-
-            routed = route_fp8(q, k, v, lengths, options)
-            if routed is not None:
-                return routed
-        return flash_attention_varlen_fp8(q, k, v, *lengths, **options)
+    if _is_fp8(q, q_descale, k_descale, v_descale, out_dtype):
+        return _fp8(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                    dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
+                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                         return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype))
     from .operations.varlen import direct_flash_attention_varlen
 
     kind = kind_of(q)

@@ -626,7 +626,7 @@ def _fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale, window_
                  learnable_sink, out_dtype) -> dict:
     return dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
                 softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
-                return_lse=True, learnable_sink=learnable_sink, out_dtype=out_dtype)
+                return_lse=True, out=None, learnable_sink=learnable_sink, out_dtype=out_dtype)
 
 
 @torch.library.custom_op("numbaflash::flash_attention_fp8_forward", mutates_args=())
@@ -637,11 +637,11 @@ def flash_attention_fp8_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Tens
                                 out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(out, lse) of the e4m3 forward (``numbaflash.flash_attention`` with FP8 inputs): out
     (batch, seqlen_q, heads_q, head_dim) in ``out_dtype``, lse float32 (batch, heads_q, seqlen_q)."""
-    from .operations.fp8_forward import flash_attention_fp8
+    from .operations.fp8_forward import fp8_attention
 
-    return flash_attention_fp8(q, k, v, **_fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale,
-                                                       window_left, window_right, softcap, learnable_sink,
-                                                       out_dtype))
+    return fp8_attention(q, k, v, None, _fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale,
+                                                     window_left, window_right, softcap, learnable_sink,
+                                                     out_dtype))
 
 
 def _check_fp8_fake(q: Tensor, k: Tensor, v: Tensor, dims: int, out_dtype: torch.dtype) -> None:
@@ -674,12 +674,11 @@ def flash_attention_varlen_fp8_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqle
                                        out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(out, lse) of the packed e4m3 forward (``numbaflash.flash_attention_varlen`` with FP8
     inputs): out (total_q, heads_q, head_dim) in ``out_dtype``, lse float32 (heads_q, total_q)."""
-    from .operations.fp8_forward import flash_attention_varlen_fp8
+    from .operations.fp8_forward import fp8_attention
 
-    return flash_attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      **_fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale,
-                                                     window_left, window_right, softcap, learnable_sink,
-                                                     out_dtype))
+    return fp8_attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                         _fp8_options(q_descale, k_descale, v_descale, causal, softmax_scale, window_left,
+                                      window_right, softcap, learnable_sink, out_dtype))
 
 
 @flash_attention_varlen_fp8_forward.register_fake

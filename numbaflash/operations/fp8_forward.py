@@ -182,28 +182,42 @@ def _check_out(torch, out: Any, shape: tuple, dtype: Any, device: Any) -> Any:
     return out
 
 
-def flash_attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_descale: Any = None,
-                        v_descale: Any = None, causal: bool = False, softmax_scale: float | None = None,
-                        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                        return_lse: bool = False, out: Any = None, learnable_sink: Any = None,
-                        out_dtype: Any = None) -> Any:
-    """The e4m3 forward (``flash_attention``'s FP8 inputs; see there). numpy inputs run through
-    torch and come back as numpy arrays."""
+def fp8_attention(q: Any, k: Any, v: Any, lengths: tuple | None, options: dict) -> Any:
+    """The e4m3 forward of ``flash_attention`` (``lengths`` None: q (batch, seqlen_q, heads_q,
+    head_dim)) or of ``flash_attention_varlen`` (``lengths`` = (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k): q (total_q, heads_q, head_dim), descales one row per sequence);
+    ``options``: the call's keyword arguments (q_descale, k_descale, v_descale, causal,
+    softmax_scale, window_size, softcap, return_lse, out, learnable_sink, out_dtype). numpy inputs
+    (and, packed, numpy offsets) run through torch and come back as numpy arrays."""
     if not _all_e4m3_tensors(q, k, v):
         check_dtypes(q, k, v)
-    options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
-                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                   return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
     if isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
-        return _numpy_fp8(flash_attention_fp8, (q, k, v), (), options)
+        if lengths is not None:
+            from .varlen import check_sequences
+
+            if not all(isinstance(x, np.ndarray) for x in (q, k, v)) or any(x.ndim != 3 for x in (q, k, v)):
+                raise ValueError("FP8 numpy q, k and v must all be 3-D numpy arrays (total, heads, head_dim)")
+            check_sequences(*lengths, q.shape[0], k.shape[0], False)
+        return _numpy_fp8((q, k, v), lengths, options)
     import torch
 
-    key = _plan_key(torch, (q, k, v), (), options)
-    plan = _PLANS.get(key) if key is not None else None
+    tensors, scalars = (q, k, v), ()
+    if lengths is not None:
+        tensors, scalars = (q, k, v, lengths[0], lengths[1]), (lengths[2], lengths[3])
+    key = _plan_key(torch, tensors, scalars, options)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an option that is not hashable: the checks say what is wrong with it
+        key = plan = None
     if plan is None:
-        plan = _dense_plan(torch, q, k, v, options)
+        if lengths is None:
+            plan = _dense_plan(torch, q, k, v, options)
+        else:
+            plan = _packed_plan(torch, q, k, v, lengths, options)
         _keep(key, plan)
-    return _run(torch, plan, q, k, v, None, None, options)
+    if lengths is None:
+        return _run(torch, plan, q, k, v, None, None, options)
+    return _run(torch, plan, q, k, v, lengths[0], lengths[1], options)
 
 
 def _dense_plan(torch, q: Any, k: Any, v: Any, options: dict) -> Plan:
@@ -240,39 +254,6 @@ def _check_offsets(torch, cu_seqlens_q: Any, cu_seqlens_k: Any, device: Any) -> 
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     return cu_seqlens_q.shape[0] - 1
-
-
-def flash_attention_varlen_fp8(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
-                               max_seqlen_q: int, max_seqlen_k: int, *, q_descale: Any = None,
-                               k_descale: Any = None, v_descale: Any = None, causal: bool = False,
-                               softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
-                               softcap: float = 0.0, return_lse: bool = False, out: Any = None,
-                               learnable_sink: Any = None, out_dtype: Any = None) -> Any:
-    """The packed e4m3 forward (``flash_attention_varlen``'s FP8 inputs; see there): q (total_q,
-    heads_q, head_dim), k and v (total_k, heads_kv, head_dim) e4m3; descales (batch, heads_kv), one
-    row per sequence; out (total_q, heads_q, head_dim) bf16 or fp16, the LSE (heads_q, total_q).
-    numpy inputs (and numpy offsets) run through torch and come back as numpy arrays."""
-    from .varlen import check_sequences
-
-    if not _all_e4m3_tensors(q, k, v):
-        check_dtypes(q, k, v)
-    options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal,
-                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                   return_lse=return_lse, out=out, learnable_sink=learnable_sink, out_dtype=out_dtype)
-    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
-        if not all(isinstance(x, np.ndarray) for x in (q, k, v)) or any(x.ndim != 3 for x in (q, k, v)):
-            raise ValueError("FP8 numpy q, k and v must all be 3-D numpy arrays (total, heads, head_dim)")
-        check_sequences(*lengths, q.shape[0], k.shape[0], False)
-        return _numpy_fp8(flash_attention_varlen_fp8, (q, k, v), lengths, options)
-    import torch
-
-    key = _plan_key(torch, (q, k, v, cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k), options)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _packed_plan(torch, q, k, v, lengths, options)
-        _keep(key, plan)
-    return _run(torch, plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
 
 def _packed_plan(torch, q: Any, k: Any, v: Any, lengths: tuple, options: dict) -> Plan:
@@ -326,18 +307,17 @@ def _meta(torch, x: Any) -> tuple | None:
 
 def _plan_key(torch, tensors: tuple, scalars: tuple, options: dict) -> tuple | None:
     """The plan key of a call: shapes, strides, dtypes and devices of every tensor, the options
-    (None where an argument is not hashable or not a tensor: the call then takes the checks'
-    path, which says what is wrong). q, k, v are e4m3 tensors here or fail the checks."""
+    (None where an argument that should be a tensor is not: the call then takes the checks'
+    path, which says what is wrong; an unhashable option fails the lookup the same way). q, k, v
+    are e4m3 tensors here or fail the checks."""
     try:
-        key = (scalars, *(_meta(torch, x) for x in tensors), _meta(torch, options["q_descale"]),
-               _meta(torch, options["k_descale"]), _meta(torch, options["v_descale"]),
-               _meta(torch, options["out"]), _meta(torch, options["learnable_sink"]), options["causal"],
-               options["softmax_scale"], tuple(options["window_size"]), options["softcap"],
-               options["return_lse"], options["out_dtype"])
-        hash(key)
+        return (scalars, *(_meta(torch, x) for x in tensors), _meta(torch, options["q_descale"]),
+                _meta(torch, options["k_descale"]), _meta(torch, options["v_descale"]),
+                _meta(torch, options["out"]), _meta(torch, options["learnable_sink"]), options["causal"],
+                options["softmax_scale"], tuple(options["window_size"]), options["softcap"],
+                options["return_lse"], options["out_dtype"])
     except TypeError:
         return None
-    return key
 
 
 def _keep(key: tuple | None, plan: Plan) -> None:
@@ -579,9 +559,9 @@ def _byte_strides(shape: tuple, strides: tuple) -> list[int]:
     return [*reversed(out), strides[-1]]
 
 
-def _numpy_fp8(run, arrays: tuple, lengths: tuple, options: dict):
-    """numpy ml_dtypes e4m3 inputs (and, packed, numpy int32 offsets): ``run`` on torch copies on
-    the current device, the results back as numpy."""
+def _numpy_fp8(arrays: tuple, lengths: tuple | None, options: dict):
+    """numpy ml_dtypes e4m3 inputs (and, packed, numpy int32 offsets): ``fp8_attention`` on torch
+    copies on the current device, the results back as numpy."""
     try:
         import torch
     except ImportError as error:  # pragma: no cover - torch is how FP8 numpy inputs reach the GPU
@@ -600,11 +580,11 @@ def _numpy_fp8(run, arrays: tuple, lengths: tuple, options: dict):
     given = dict(options)
     for name in ("q_descale", "k_descale", "v_descale"):
         given[name] = descale(options[name])
-    if lengths:
+    if lengths is not None:
         cu_q, cu_k, max_q, max_k = lengths
         lengths = (torch.from_numpy(np.ascontiguousarray(cu_q)).cuda(),
                    torch.from_numpy(np.ascontiguousarray(cu_k)).cuda(), max_q, max_k)
-    result = run(*(to_gpu(x) for x in arrays), *lengths, **given)
+    result = fp8_attention(*(to_gpu(x) for x in arrays), lengths, given)
     o, lse = result if options["return_lse"] else (result, None)
     if o.dtype == torch.bfloat16:
         import ml_dtypes
