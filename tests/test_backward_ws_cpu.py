@@ -29,7 +29,7 @@ from numbaflash.operations.launch_backward import (
 from numbaflash.runtime import launch as runtime_launch
 
 HOPPER, AMPERE, SM86, BLACKWELL = (9, 0), (8, 0), (8, 6), (10, 0)
-WS_CONFIGS = [WsBackwardConfig(64, block_m=128), WsBackwardConfig(128, block_m=64)]
+WS_CONFIGS = [WsBackwardConfig(64, block_m=128), WsBackwardConfig(128, block_m=64, late_rows=True)]
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_the_family_record():
 def test_hopper_runs_its_own_backward_at_d64_and_d128(causal, fresh_choice):
     assert set(configs.BACKWARD_WS_DEFAULTS) == {64, 128}
     assert configs.BACKWARD_WS_DEFAULTS[64] == [WsBackwardConfig(64, block_m=128)]
-    assert configs.BACKWARD_WS_DEFAULTS[128] == [WsBackwardConfig(128, block_m=64)]
+    assert configs.BACKWARD_WS_DEFAULTS[128] == [WsBackwardConfig(128, block_m=64, late_rows=True)]
     for d in (64, 128):
         config = configs.backward_config(HOPPER, d, causal)
         assert config == configs.BACKWARD_WS_DEFAULTS[d][0]

@@ -7,6 +7,8 @@ included."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from numbaflash import configs
@@ -39,6 +41,16 @@ def test_instructions(report):
     assert report.count("HGMMA") == 2 * d // 16 + 2 * bm // 16 + bn // 16
     # a split GQA group's epilogue (``Epilogue.gather_split``), in the split build only: one ticket
     assert report.count("ATOMG") == (1 if split else 0)
+
+
+def test_the_next_rows_are_staged_where_the_config_says(report):
+    """``late_rows`` (the d128 config): a step stages the next step's LSE and D rows (two LDGSTS)
+    after issuing its Sᵀ and dPᵀ, so only the first step's, staged before the walk, precede the
+    first HGMMA; otherwise the loop's own precede it too."""
+    config, report, _ = report
+    ops = [op for line in report.sass.splitlines() for op in ("LDGSTS", "HGMMA")
+           if re.search(rf"\b{op}\b", line)]
+    assert ops[:ops.index("HGMMA")].count("LDGSTS") == (2 if config.late_rows else 4), ops[:8]
 
 
 def test_no_local_memory_spills_or_calls(report):

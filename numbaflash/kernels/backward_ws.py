@@ -275,6 +275,9 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
     DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
     DQ_COLS = DQ_N * 8
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
+    # the window and softcap builds keep the rows before their first GEMMs: staged late, their
+    # extra live values spill there (window 6 LDL / 12 STL, causal softcap 8 / 3; sm_90a)
+    LATE_ROWS = config.late_rows and not (window or softcap)
     ring = rings.step
     gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
 
@@ -380,11 +383,14 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
         s = ring.slot(i)
         q_at = ring.offset(s)
         parity = i & ONE
-        if step.next_row >= 0:  # the other buffer's last reads were before the previous step's barrier
+        # the other rows buffer's last reads were before the previous step's barrier
+        if not LATE_ROWS and step.next_row >= 0:
             stage_rows(tiles, ws, step.next_row, parity ^ ONE, seat)
         ring.wait_full(bars, i)
         gemms.issue_scores(acc.s, descs.k, hp.descriptor_add(descs.q, q_at))
         gemms.issue_scores(acc.dp, descs.v, hp.descriptor_add(descs.do, q_at))
+        if LATE_ROWS and step.next_row >= 0:
+            stage_rows(tiles, ws, step.next_row, parity ^ ONE, seat)
         hp.wgmma_wait_group_1()
         gemms.fence_scores(acc.s)
         if SOFTCAP:  # before the masks: tanh(-inf) is not -inf

@@ -521,6 +521,11 @@ class WsBackwardConfig:
 
     head_dim: int
     block_m: int = 64  # query rows per step of the walk (the N of Sᵀ and dPᵀ, the K of dV and dK)
+    # Where a step stages the next step's LSE and D rows (cp.async): before the step's Sᵀ and dPᵀ
+    # (False), or once both are issued (True). The staging waits on the LSU, which the last step's
+    # dQ adds (eight RED.128 a thread) still hold; issued after them, Sᵀ runs meanwhile. Measured
+    # on an H200: d128 +2-3%, d64 -1% (docs/PERFORMANCE.md, "The backward's rows staged late").
+    late_rows: bool = False
     # Not knobs: every shipped and tuned config has a ring of 2 and 2 consumer warpgroups.
     stages: ClassVar[int] = 2  # Q / dO ring depth
     consumers: ClassVar[int] = 2  # warpgroups of 64 keys: block_n = 64 x consumers
@@ -554,7 +559,7 @@ class WsBackwardConfig:
 
     @property
     def tag(self) -> str:
-        return f"_s{self.stages}"
+        return f"_s{self.stages}" + ("_lr" if self.late_rows else "")
 
     def dq_config(self) -> BackwardConfig:
         """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this
