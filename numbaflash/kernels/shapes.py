@@ -524,7 +524,7 @@ class WsBackwardConfig:
     # Where a step stages the next step's LSE and D rows (cp.async): before the step's Sᵀ and dPᵀ
     # (False), or once both are issued (True). The staging waits on the LSU, which the last step's
     # dQ adds (eight RED.128 a thread) still hold; issued after them, Sᵀ runs meanwhile. Measured
-    # on an H200: d128 +2-3%, d64 -1% (docs/PERFORMANCE.md, "The backward's rows staged late").
+    # on an H200: d128 +1.1% to +3.5%, d64 -1% (docs/PERFORMANCE.md [BWL]).
     late_rows: bool = False
     # Not knobs: every shipped and tuned config has a ring of 2 and 2 consumer warpgroups.
     stages: ClassVar[int] = 2  # Q / dO ring depth
