@@ -1,0 +1,109 @@
+"""Two trees' backward side by side: our ``flash_attention_backward`` and SDPA cuDNN's backward (the
+in-process yardstick) on the bench workload (bf16, 64k tokens, width 2048), one line a shape; run
+once per tree in alternating processes, then ``summary`` tabulates the lines (section BWL).
+
+    git archive HEAD numbaflash ptx | tar x -C /tmp/base          # the tree before the change
+    for r in 1 2 3; do
+      PYTHONPATH=/tmp/base python lab/backward_ab.py base$r >> ab.txt
+      PYTHONPATH=$PWD      python lab/backward_ab.py new$r  >> ab.txt
+    done
+    python lab/backward_ab.py summary ab.txt
+
+``TAG [SHAPES]``: SHAPES a comma list of head_dim:seqlen:causal (0 or 1), default d64 and d128
+at 1k, 4k and 16k, causal and not. Each timing is the median of 25 CUDA-event-timed calls after
+5 warm-up calls and 250 ms of settling, two blocks per implementation, interleaved.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import statistics
+import sys
+import time
+
+SHAPES = ",".join(f"{d}:{s}:{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in (0, 1))
+LINE = re.compile(r"(\D+)\d* (\S+ \S+ \S+): ours ([\d.]+) TF/s cudnn ([\d.]+) ratio ([\d.]+)")
+
+
+def timed_ms(torch, fn, calls: int = 25) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.time()
+    while time.time() - start < 0.25:  # the clocks settle under load
+        fn()
+        torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    events[0].record()
+    for i in range(calls):
+        fn()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(calls))
+
+
+def measure(tag: str, d: int, s: int, causal: bool) -> str:
+    """One shape's line: both backwards' TF/s (2.5x the forward's FLOPs) and cuDNN's time over ours."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import numbaflash
+
+    b, h = 65536 // s, 2048 // d
+    torch.manual_seed(1)
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o2 = sdpa(qt, kt, vt, is_causal=causal)
+    dot = do.transpose(1, 2)
+
+    def ours():
+        numbaflash.flash_attention_backward(do, q, k, v, out, lse, causal=causal)
+
+    def cudnn():
+        torch.autograd.grad(o2, (qt, kt, vt), dot, retain_graph=True)
+
+    flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+    blocks = [(timed_ms(torch, ours), timed_ms(torch, cudnn)) for _ in range(2)]
+    t_ours, t_cudnn = (statistics.median(x[i] for x in blocks) for i in (0, 1))
+    return (f"{tag} d{d} s{s} {'causal' if causal else 'full'}: ours {flops / t_ours / 1e9:.1f} TF/s "
+            f"cudnn {flops / t_cudnn / 1e9:.1f} ratio {t_cudnn / t_ours:.4f}")
+
+
+def run(tag: str, shapes: str) -> None:
+    for shape in shapes.split(","):
+        d, s, c = (int(x) for x in shape.split(":"))
+        print(measure(tag, d, s, bool(c)), flush=True)
+
+
+def summary(path: str) -> None:
+    """A markdown row a shape: each tree's TF/s run by run, the ratio of their means, and each
+    tree's mean ratio to cuDNN (the yardstick that moves with the clocks)."""
+    rows = collections.defaultdict(lambda: collections.defaultdict(list))
+    trees = []
+    for line in open(path):
+        if m := LINE.match(line):
+            rows[m[2]][m[1]].append((float(m[3]), float(m[5])))
+            if m[1] not in trees:
+                trees.append(m[1])
+    a, b = trees[0], trees[-1]
+    print(f"| shape | {a} TF/s | {b} TF/s | {b} / {a} | {a} / cuDNN | {b} / cuDNN |")
+    print("|:--|--:|--:|--:|--:|--:|")
+    for shape, by in rows.items():
+        mean = {t: statistics.mean(x[0] for x in by[t]) for t in (a, b)}
+        ratio = {t: statistics.mean(x[1] for x in by[t]) for t in (a, b)}
+        runs = {t: " ".join(f"{x[0]:.0f}" for x in by[t]) for t in (a, b)}
+        print(f"| {shape} | {runs[a]} | {runs[b]} | {mean[b] / mean[a]:.3f} | {ratio[a]:.3f} "
+              f"| {ratio[b]:.3f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "summary":
+        summary(sys.argv[2])
+    elif len(sys.argv) in (2, 3):
+        run(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else SHAPES)
+    else:
+        sys.exit(__doc__)
