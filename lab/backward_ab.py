@@ -20,27 +20,17 @@ import collections
 import re
 import statistics
 import sys
-import time
 
 SHAPES = ",".join(f"{d}:{s}:{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in (0, 1))
 LINE = re.compile(r"(\D+)\d* (\S+ \S+ \S+): ours ([\d.]+) TF/s cudnn ([\d.]+) ratio ([\d.]+)")
 
 
-def timed_ms(torch, fn, calls: int = 25) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.time()
-    while time.time() - start < 0.25:  # the clocks settle under load
-        fn()
-        torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
-    events[0].record()
-    for i in range(calls):
-        fn()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(calls))
+def timed_ms(torch, fns, calls: int = 25) -> float:
+    """Median of ``calls`` CUDA-event-timed calls (``fns`` in turn) after 5 warm-up calls and
+    250 ms of them (``tools.bench.time_with_events``)."""
+    from numbaflash.tools.bench import Device, time_with_events
+
+    return statistics.median(time_with_events(Device(torch), fns, 5, calls, warmup_ms=250.0))
 
 
 def measure(tag: str, d: int, s: int, causal: bool) -> str:
@@ -67,7 +57,7 @@ def measure(tag: str, d: int, s: int, causal: bool) -> str:
         torch.autograd.grad(o2, (qt, kt, vt), dot, retain_graph=True)
 
     flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-    blocks = [(timed_ms(torch, ours), timed_ms(torch, cudnn)) for _ in range(2)]
+    blocks = [(timed_ms(torch, [ours]), timed_ms(torch, [cudnn])) for _ in range(2)]
     t_ours, t_cudnn = (statistics.median(x[i] for x in blocks) for i in (0, 1))
     return (f"{tag} d{d} s{s} {'causal' if causal else 'full'}: ours {flops / t_ours / 1e9:.1f} TF/s "
             f"cudnn {flops / t_cudnn / 1e9:.1f} ratio {t_cudnn / t_ours:.4f}")

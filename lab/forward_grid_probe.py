@@ -18,26 +18,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 
 def timed_ms(torch, fns, calls: int = 25) -> float:
-    for f in fns[:2]:
-        f()
-    torch.cuda.synchronize()
-    start = time.time()
-    i = 0
-    while time.time() - start < 0.25:  # the clocks settle under load
-        fns[i % len(fns)]()
-        i += 1
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
-    events[0].record()
-    for j in range(calls):
-        fns[j % len(fns)]()
-        events[j + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[j].elapsed_time(events[j + 1]) for j in range(calls))
+    """Median of ``calls`` CUDA-event-timed calls (``fns`` in turn) after 5 warm-up calls and
+    250 ms of them (``tools.bench.time_with_events``)."""
+    from numbaflash.tools.bench import Device, time_with_events
+
+    return statistics.median(time_with_events(Device(torch), fns, 5, calls, warmup_ms=250.0))
 
 
 def measure(d: int, s: int, causal: bool, rounds: int) -> str:

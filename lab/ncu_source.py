@@ -126,11 +126,7 @@ def _number(text: str) -> float:
 
 
 def summary(path: str, top: int = 30) -> None:
-    rows = list(csv.reader(open(path)))
-    at = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
-    header = rows[at]
-    body = [r for r in rows[at + 1:] if len(r) == len(header)]
-    col = {name: i for i, name in enumerate(header)}
+    col, body = _source_page(path)
     samples, runs = col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
     total = sum(_number(r[samples]) for r in body) or 1.0
     classes: collections.Counter = collections.Counter()
@@ -144,7 +140,7 @@ def summary(path: str, top: int = 30) -> None:
     print("|--:|--:|--:|")
     for n, share in classes.most_common(12):
         print(f"| {n} | {100 * share / total:.2f}% | {first[n]} |")
-    stalls = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
+    stalls = [name for name in col if name.startswith("stall_") and "Not Issued" not in name]
     print(f"\nhottest {top} instructions (index, share, times run, main stall reasons, SASS):")
     for i in sorted(sorted(range(len(body)), key=lambda i: -_number(body[i][samples]))[:top]):
         r = body[i]

@@ -73,6 +73,14 @@ def _check_gpu(capability: tuple[int, int]) -> None:
                        f"{capability[0]}{capability[1]}")
 
 
+def refuse_grad(torch, q: Any, k: Any, v: Any) -> None:
+    """NotImplementedError where grad mode is on and q, k or v requires grad: the FP8 forward has no
+    backward."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
+                                  "tensors that do not require grad")
+
+
 def _check_layout(name: str, x: Any, element: int) -> None:
     """Head dim contiguous, outer strides and the pointer 16-byte aligned (TMA)."""
     strides = x.stride()
@@ -150,9 +158,7 @@ def _check_torch_inputs(torch, q: Any, k: Any, v: Any, dims: int, shape_names: s
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         raise TypeError("FP8 q, k and v must all be torch tensors (or all numpy arrays), got "
                         f"{[type(x).__name__ for x in (q, k, v)]}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
-                                  "tensors that do not require grad")
+    refuse_grad(torch, q, k, v)
     if q.dim() != dims or k.dim() != dims or v.dim() != dims:
         raise ValueError(f"q, k, v must be {dims}-D ({shape_names}), got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -420,9 +426,7 @@ def _build_plan(torch, q, k, v, out, vt_shape: tuple, lse_shape: tuple, opts: Op
 
 def _run(torch, plan: Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options: dict):
     """One call on ``plan``: the checks its memory needs, the outputs, the two launches."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad(), or on "
-                                  "tensors that do not require grad")
+    refuse_grad(torch, q, k, v)
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (qp | kp | vp) % 16:
         raise ValueError("FP8 q, k and v must be 16-byte aligned (TMA)")
@@ -446,16 +450,19 @@ def _run(torch, plan: Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options: dict):
     if plan.packed:
         rest = [cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), op, *rest]
     device = plan.device.index
-    if gpu_state.GPU.current()[1] == device:  # (a context current on this thread)
+    prep_rest = (cu_seqlens_k.data_ptr(),) if plan.packed else ()
+
+    def launch() -> None:
         stream = torch_stream(device)
-        plan.prep(stream, vp, vtp, *((cu_seqlens_k.data_ptr(),) if plan.packed else ()))
+        plan.prep(stream, vp, vtp, *prep_rest)
         plan.forward(stream, qp, kp, vtp, op, lse.data_ptr(), *rest)
+
+    if gpu_state.GPU.current()[1] == device:  # (a context current on this thread)
+        launch()
     else:
         with torch.cuda.device(device):
             gpu_state.GPU.current()
-            stream = torch_stream(device)
-            plan.prep(stream, vp, vtp, *((cu_seqlens_k.data_ptr(),) if plan.packed else ()))
-            plan.forward(stream, qp, kp, vtp, op, lse.data_ptr(), *rest)
+            launch()
     return (out, lse) if options["return_lse"] else out
 
 
