@@ -10,8 +10,10 @@ once per tree in alternating processes, then ``summary`` tabulates the lines (se
     python lab/backward_ab.py summary ab.txt
 
 ``TAG [SHAPES]``: SHAPES a comma list of head_dim:seqlen:causal (0 or 1), default d64 and d128
-at 1k, 4k and 16k, causal and not. Each timing is the median of 25 CUDA-event-timed calls after
-5 warm-up calls and 250 ms of settling, two blocks per implementation, interleaved.
+at 1k, 4k and 16k, causal and not; a head dim written ``f128`` times the forward instead
+(``flash_attention`` beside cuDNN's forward, 4·B·H·S²·D FLOPs, halved causal; section FA4R).
+Each timing is the median of 25 CUDA-event-timed calls after 5 warm-up calls and 250 ms of
+settling, two blocks per implementation, interleaved.
 """
 
 from __future__ import annotations
@@ -63,10 +65,38 @@ def measure(tag: str, d: int, s: int, causal: bool) -> str:
             f"cudnn {flops / t_cudnn / 1e9:.1f} ratio {t_cudnn / t_ours:.4f}")
 
 
+def measure_forward(tag: str, d: int, s: int, causal: bool) -> str:
+    """One shape's line for the forward: both forwards' TF/s and cuDNN's time over ours."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import numbaflash
+
+    b, h = 65536 // s, 2048 // d
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def ours():
+        numbaflash.flash_attention(q, k, v, causal=causal)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            sdpa(qt, kt, vt, is_causal=causal)
+
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    blocks = [(timed_ms(torch, [ours]), timed_ms(torch, [cudnn])) for _ in range(2)]
+    t_ours, t_cudnn = (statistics.median(x[i] for x in blocks) for i in (0, 1))
+    return (f"{tag} f{d} s{s} {'causal' if causal else 'full'}: ours {flops / t_ours / 1e9:.1f} TF/s "
+            f"cudnn {flops / t_cudnn / 1e9:.1f} ratio {t_cudnn / t_ours:.4f}")
+
+
 def run(tag: str, shapes: str) -> None:
     for shape in shapes.split(","):
-        d, s, c = (int(x) for x in shape.split(":"))
-        print(measure(tag, d, s, bool(c)), flush=True)
+        d, s, c = shape.split(":")
+        timed = measure_forward if d.startswith("f") else measure
+        print(timed(tag, int(d.lstrip("f")), int(s), c == "1"), flush=True)
 
 
 def summary(path: str) -> None:
