@@ -304,11 +304,12 @@ def device_functions_shared() -> Iterator[None]:
 
     A call with literal arguments (``f(x, 16)``: Numba types the 16 as ``Literal[int](16)``, a
     signature of its own) is compiled for the literals' own types (``int64``) where the function
-    types that way, so that ``f(x, 16)``, ``f(x, 64)`` and ``f(x, n)`` share one compile (NVVM
-    inlines the function and folds the constant all the same); a function whose typing needs the
-    literal is compiled for it, as before (and remembered, ``_NEEDS_LITERALS``)."""
+    compiles that way, so that ``f(x, 16)``, ``f(x, 64)`` and ``f(x, n)`` share one compile (NVVM
+    inlines the function and folds the constant all the same); a function that needs the literal
+    (Numba raises for the general types) is compiled for it, as before (and remembered,
+    ``_NEEDS_LITERALS``)."""
     from numba.core import types as nb_types
-    from numba.core.errors import TypingError
+    from numba.core.errors import NumbaError
     from numba.cuda import dispatcher
 
     compile_device = dispatcher.CUDADispatcher.compile_device
@@ -321,7 +322,7 @@ def device_functions_shared() -> Iterator[None]:
             if (function_fingerprint(self), general) not in _NEEDS_LITERALS:
                 try:  # the caller's typing then casts its literals to these types
                     return shared(self, general)
-                except TypingError:  # a function that needs a literal (an array's shape, a loop to unroll)
+                except NumbaError:  # a function that needs a literal (an array's shape, a loop to unroll)
                     _NEEDS_LITERALS.add((function_fingerprint(self), general))
         key = (function_fingerprint(self), args, return_type,
                tuple(dispatcher.get_current_device().compute_capability))
