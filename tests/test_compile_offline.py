@@ -419,40 +419,6 @@ def test_device_functions_shared_types_an_equal_closure_once():
     assert alone is not shared and _sass_text(alone) == _sass_text(shared)
 
 
-def test_literal_arguments_share_the_general_compile():
-    """``compiler.device_functions_shared``: calls of a device function with literal arguments
-    (``shift(x, 3)``, ``shift(x, 5)``) and with a variable share one compile for the literals'
-    own type (int64), and give the same results; a function whose typing needs its literal (a
-    local array's shape) is compiled for the literal, as without sharing."""
-    from numbaflash.runtime import compiler
-
-    @cuda.jit(device=True, forceinline=True)
-    def shift(x, n):
-        return x + float32(n)
-
-    @cuda.jit(device=True, forceinline=True)
-    def summed(x, n):
-        scratch = cuda.local.array(n, float32)
-        for j in range(n):
-            scratch[j] = x * float32(j)
-        total = float32(0.0)
-        for j in range(n):
-            total += scratch[j]
-        return total
-
-    def kernel(out, x, m):
-        i = cuda.threadIdx.x
-        out[i] = shift(x[i], 3) + shift(x[i], 5) + shift(x[i], m) + summed(x[i], 4)
-
-    argtypes = (types.float32[::1], types.float32[::1], types.int64)
-    compiler._DEVICE_RESULTS.clear()
-    cubin = compile_cubin(kernel, argtypes, "sm_80")
-    assert list(shift.overloads) == [(types.float32, types.int64)]
-    assert list(summed.overloads) == [(types.float32, types.IntegerLiteral(4))]
-    assert (compiler.function_fingerprint(summed), (types.float32, types.int64)) in compiler._NEEDS_LITERALS
-    assert len(_sass_text(cubin)) > 10
-
-
 def _sass_text(cubin) -> list[str]:
     """The instructions of ``cubin`` with their encodings (the entry name differs between compiles)."""
     from numbaflash.tools.inspect import report_from_cubin

@@ -191,9 +191,6 @@ _KERNEL_CUBINS_LOCK = threading.Lock()
 KERNEL_CUBINS_KEPT = 256
 # (device function fingerprint, argument types, return type, compute capability) -> Numba's result
 _DEVICE_RESULTS: dict = {}
-# (device function fingerprint, argument types without literals) of the functions whose typing
-# needs their literal arguments (``device_functions_shared``)
-_NEEDS_LITERALS: set = set()
 # id(object) -> (object, fingerprint): each function's fingerprint, computed once (the object is
 # kept, so that its id is never another's)
 _FINGERPRINTS: dict = {}
@@ -300,16 +297,7 @@ def device_functions_shared() -> Iterator[None]:
     stored as its overload (Numba's own table, which typing and lowering read: the caller then
     calls the first function's symbol, which its target context already holds). Call it under
     Numba's compiler lock (``target_capability`` holds it); ``tests/test_compile_offline.py``
-    pins what it relies on.
-
-    A call with literal arguments (``f(x, 16)``: Numba types the 16 as ``Literal[int](16)``, a
-    signature of its own) is compiled for the literals' own types (``int64``) where the function
-    compiles that way, so that ``f(x, 16)``, ``f(x, 64)`` and ``f(x, n)`` share one compile (NVVM
-    inlines the function and folds the constant all the same); a function that needs the literal
-    (Numba raises for the general types) is compiled for it, as before (and remembered,
-    ``_NEEDS_LITERALS``)."""
-    from numba.core import types as nb_types
-    from numba.core.errors import NumbaError
+    pins what it relies on."""
     from numba.cuda import dispatcher
 
     compile_device = dispatcher.CUDADispatcher.compile_device
@@ -317,13 +305,6 @@ def device_functions_shared() -> Iterator[None]:
     def shared(self, args, return_type=None):
         if args in self.overloads:
             return self.overloads[args]
-        if return_type is None and any(isinstance(a, nb_types.Literal) for a in args):
-            general = tuple(nb_types.unliteral(a) for a in args)
-            if (function_fingerprint(self), general) not in _NEEDS_LITERALS:
-                try:  # the caller's typing then casts its literals to these types
-                    return shared(self, general)
-                except NumbaError:  # a function that needs a literal (an array's shape, a loop to unroll)
-                    _NEEDS_LITERALS.add((function_fingerprint(self), general))
         key = (function_fingerprint(self), args, return_type,
                tuple(dispatcher.get_current_device().compute_capability))
         known = _DEVICE_RESULTS.get(key)
