@@ -54,10 +54,11 @@ with the static cache compiled, break the graph there; so decode steps take the 
 Against SDPA on the same model (``benchmarks/hf_speed.py``, ``examples/hf_finetune.py``; ten
 runs on six machines, docs/PERFORMANCE.md [HF4]): static-cache ``generate`` with CUDA graphs
 1.00-1.19x at batch 1 and 1.03-1.28x at batch 16; prefill at 4k 0.98-1.03x and a training step at
-4k 0.94-1.03x, and 1.02-1.03x in the last three runs (the current kernels). The packed-sequence test (``packed``) reads the device once a forward
-for a batch of one sequence called with ``position_ids``: about 2 ms a step where the training
-loop never waits for the device (it waits there for the previous step's work). A model called
-without them makes consecutive ones, which are not read (``made_positions``).
+4k 0.94-1.03x, and 1.02-1.03x in the last three runs (the current kernels). The packed-sequence
+test (``packed``) reads the device once a forward for a batch of one sequence called with
+``position_ids``: about 2 ms a step where the training loop never waits for the device (it waits
+there for the previous step's work). A model called without them makes consecutive ones, which
+are not read (``made_positions``).
 """
 
 from __future__ import annotations
