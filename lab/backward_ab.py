@@ -59,10 +59,16 @@ def measure(tag: str, d: int, s: int, causal: bool) -> str:
         torch.autograd.grad(o2, (qt, kt, vt), dot, retain_graph=True)
 
     flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+    return line(torch, f"{tag} d{d} s{s} {'causal' if causal else 'full'}", flops, ours, cudnn)
+
+
+def line(torch, label: str, flops: float, ours, cudnn) -> str:
+    """``label``'s line: two interleaved blocks of each call, the medians' TF/s and cuDNN's time
+    over ours."""
     blocks = [(timed_ms(torch, [ours]), timed_ms(torch, [cudnn])) for _ in range(2)]
     t_ours, t_cudnn = (statistics.median(x[i] for x in blocks) for i in (0, 1))
-    return (f"{tag} d{d} s{s} {'causal' if causal else 'full'}: ours {flops / t_ours / 1e9:.1f} TF/s "
-            f"cudnn {flops / t_cudnn / 1e9:.1f} ratio {t_cudnn / t_ours:.4f}")
+    return (f"{label}: ours {flops / t_ours / 1e9:.1f} TF/s cudnn {flops / t_cudnn / 1e9:.1f} "
+            f"ratio {t_cudnn / t_ours:.4f}")
 
 
 def measure_forward(tag: str, d: int, s: int, causal: bool) -> str:
@@ -86,10 +92,7 @@ def measure_forward(tag: str, d: int, s: int, causal: bool) -> str:
             sdpa(qt, kt, vt, is_causal=causal)
 
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
-    blocks = [(timed_ms(torch, [ours]), timed_ms(torch, [cudnn])) for _ in range(2)]
-    t_ours, t_cudnn = (statistics.median(x[i] for x in blocks) for i in (0, 1))
-    return (f"{tag} f{d} s{s} {'causal' if causal else 'full'}: ours {flops / t_ours / 1e9:.1f} TF/s "
-            f"cudnn {flops / t_cudnn / 1e9:.1f} ratio {t_cudnn / t_ours:.4f}")
+    return line(torch, f"{tag} f{d} s{s} {'causal' if causal else 'full'}", flops, ours, cudnn)
 
 
 def run(tag: str, shapes: str) -> None:

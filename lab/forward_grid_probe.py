@@ -19,13 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-
-def timed_ms(torch, fns, calls: int = 25) -> float:
-    """Median of ``calls`` CUDA-event-timed calls (``fns`` in turn) after 5 warm-up calls and
-    250 ms of them (``tools.bench.time_with_events``)."""
-    from numbaflash.tools.bench import Device, time_with_events
-
-    return statistics.median(time_with_events(Device(torch), fns, 5, calls, warmup_ms=250.0))
+from backward_ab import timed_ms  # (lab/, this script's folder, is first on sys.path)
 
 
 def measure(d: int, s: int, causal: bool, rounds: int) -> str:
