@@ -43,7 +43,7 @@ import numpy as np
 
 from numbaflash import configs
 from numbaflash.configs import KernelConfig
-from numbaflash.kernels.families import SM80_BWD, SM80_DEC, SM90_BWD, family_of
+from numbaflash.kernels.families import SM80_BWD, SM80_DEC, SM80_MLA, SM90_BWD, family_of
 from numbaflash.kernels.shapes import BackwardConfig
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
@@ -93,6 +93,7 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {configs.backward_for_target(c, capability) for _, _, c in configs.shipped_backward_configs()
               if c.shared_bytes <= limit and configs.backward_runnable(c, capability)}
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
+    found |= {c for c in configs.shipped_mla_decode_configs() if c.shared_bytes <= limit}
     found |= set(pair_decode_configs(capability))
     if "sm90" in families:  # the pairs' Hopper forward
         found |= {c for c in configs.ASYMMETRIC_WS_DEFAULTS.values() if c.shared_bytes <= limit}
@@ -125,6 +126,7 @@ def select_indices(spec: str | None, config_list: list[KernelConfig],
         shipped |= {configs.backward_for_target(c, capability)
                     for _, _, c in configs.shipped_backward_configs()}
         shipped |= set(configs.shipped_decode_configs()) | set(pair_decode_configs(capability))
+        shipped |= set(configs.shipped_mla_decode_configs())
         shipped |= set(configs.ASYMMETRIC_DEFAULTS.values()) | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
         shipped |= {c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs}
         shipped |= {configs.backward_for_target(c, capability)
@@ -628,6 +630,62 @@ def run_decode_worker(config) -> int:
     return WORKER_WRONG if failures else 0
 
 
+def mla_cases(config) -> list[tuple[int, int]]:
+    """(query heads, seqlen_q) whose packed rows dispatch to the MLA ``config`` (its rows, the second
+    case ragged: not a multiple of 16, over two row blocks where it has 64)."""
+    return {16: [(16, 1), (5, 3)], 32: [(32, 1), (9, 3)], 64: [(64, 1), (40, 3)]}[config.rows]
+
+
+def run_mla_worker(config) -> int:
+    """MLA decode (``flash_mla_with_kvcache``) on ``config``'s shapes (``mla_cases``): ragged cache
+    lengths (1, 77, 0 and the capacity), one and three splits, causal or not, both dtypes, contiguous
+    or (its kind) paged with shuffled pages of 16; every row past a sequence's length, every unused
+    page and ``out`` NaN; each sequence against float64 (``compare_mla_with_reference``)."""
+    import ml_dtypes
+    from numba import cuda
+
+    from numbaflash import flash_mla_with_kvcache
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_mla_with_reference
+
+    rng = np.random.default_rng(0)
+    capacity, page = 208, 16
+    d, dv = config.head_dim, config.value_dim
+    lens = np.array([1, 77, 0, capacity], np.int32)
+    batch = len(lens)
+    failures = 0
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        rows = rng.standard_normal((batch, capacity, 1, d)).astype(dtype)
+        for b, n in enumerate(lens):
+            rows[b, n:] = np.nan
+        table, cache = None, rows
+        if config.paged:
+            per_seq = capacity // page
+            order = rng.permutation(batch * per_seq + 2)[:batch * per_seq]
+            table = order.astype(np.int32).reshape(batch, per_seq)
+            cache = np.full((batch * per_seq + 2, page, 1, d), np.nan, dtype)
+            cache[table] = rows.reshape(batch, per_seq, page, 1, d)
+        for heads, sq in mla_cases(config):
+            q = rng.standard_normal((batch, sq, heads, d)).astype(dtype)
+            for splits in (1, 3):
+                for causal in (False, True):
+                    out = DeviceBuffer(np.full((batch, sq, heads, dv), np.nan, dtype))
+                    with configs.force_decode_config(config):
+                        _, lse = flash_mla_with_kvcache(
+                            DeviceBuffer(q), DeviceBuffer(cache), cuda.to_device(lens),
+                            None if table is None else cuda.to_device(table), causal=causal,
+                            num_splits=splits, return_lse=True, out=out)
+                    got = out.copy_to_host()
+                    problems = compare_mla_with_reference(q, cache, lens, got, lse.copy_to_host(),
+                                                          block_table=table, causal=causal)
+                    for p in problems:
+                        print(f"WRONG {config} {np.dtype(dtype).name} heads={heads} sq={sq} splits={splits} "
+                              f"causal={causal}: {p}", flush=True)
+                    failures += bool(problems)
+    print(f"{WORKER_DONE} {config}: {failures} wrong results", flush=True)
+    return WORKER_WRONG if failures else 0
+
+
 # --------------------------------------------------------------------------- parent
 
 
@@ -720,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
             config = config_list[args.config_index]
             if family_of(config) is SM80_DEC:
                 return run_decode_worker(config)
+            if family_of(config) is SM80_MLA:
+                return run_mla_worker(config)
             if family_of(config) in (SM80_BWD, SM90_BWD):
                 return run_backward_worker(config)
             return run_worker(config)

@@ -17,6 +17,7 @@ from .operations.entry import (
     direct_flash_attention,
     direct_flash_attention_backward,
     direct_flash_attention_with_kvcache,
+    direct_flash_mla_with_kvcache,
 )
 
 
@@ -450,6 +451,58 @@ def flash_attention_with_kvcache(
                                                causal, softmax_scale, num_splits, return_lse, out,
                                                window_size, softcap, learnable_sink, cache_batch_idx,
                                                cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
+
+
+def flash_mla_with_kvcache(
+    q: Any,
+    kv_cache: Any,
+    cache_seqlens: Any,
+    block_table: Any = None,
+    *,
+    head_dim_v: int = 512,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: Any = None,
+) -> Any:
+    """Multi-head latent attention decode (DeepSeek-V2/V3, Kimi K2), in FlashMLA's spirit: every
+    query head attends to one shared latent cache, whose row of 576 values a token is the key and
+    whose first 512 values are the value (the absorbed-weights form).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, 576) float16 or bfloat16 device array (torch, CuPy, Numba);
+            heads_q any count (16-128 in the models); seqlen_q from 1 (decode) to a few
+            (multi-token prediction).
+        kv_cache: q's dtype; with ``block_table`` a paged cache (num_pages, page_size, 1, 576) of
+            any page size (FlashMLA's 64, vLLM's 16, SGLang's 1), else (batch, capacity, 1, 576).
+            Read only: the caller writes new rows into it.
+        cache_seqlens: int32 (batch,) device array: the valid rows of each sequence (read on the
+            device, so a captured CUDA graph follows them). Rows past them are never read.
+        block_table: optional int32 (batch, max_pages): page i of sequence b is
+            ``block_table[b, i]``.
+        head_dim_v: 512, V's (and the output's) head dim, as FlashMLA's argument of that name.
+        causal: query i (of seqlen_q) sees keys j <= L - seqlen_q + i, L = cache_seqlens[b]
+            (bottom-right, FlashMLA's rule); else every key below L. Rows that see no key give 0
+            (LSE -inf).
+        softmax_scale: default 1/sqrt(576), as FlashMLA's.
+        num_splits: CTAs that share one sequence's keys; 0 chooses from the shapes and the SM
+            count (never from cache_seqlens' values).
+        return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp (natural log).
+        out: optional (batch, seqlen_q, heads_q, 512) device array of q's dtype.
+
+    The kernel (``kernels.mla_decode``, mma.sync, every GPU from sm_80) reads the cache once per
+    64 query rows (heads x seqlen_q) and is compiled on first use. Not yet routed through a torch
+    custom op: under torch.compile the call breaks the graph.
+
+    Raises:
+        TypeError, ValueError: bad input, before anything is compiled or launched.
+
+    Returns:
+        ``out`` (batch, seqlen_q, heads_q, 512), and with ``return_lse`` the LSE.
+    """
+    return direct_flash_mla_with_kvcache(q, kv_cache, cache_seqlens, block_table, head_dim_v, causal,
+                                         softmax_scale, num_splits, return_lse, out)
 
 
 def flash_attention_varlen(

@@ -726,6 +726,46 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
                        "a CTA")
 
 
+# MLA decode's (head_dim, head_dim_v): DeepSeek's latent cache row (512 latent + 64 rotary), V its
+# first 512 values (``api.flash_mla_with_kvcache``).
+MLA_HEAD_DIMS = (576, 512)
+
+
+def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, shared_limit: int | None = None):
+    """The MLA decode kernel's config (``kernels.mla_decode``) for ``rows`` packed query rows (query
+    heads times seqlen_q): the fewest 16-row m-tiles (1, 2 or 4) that hold them, so that the cache is
+    read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB) with 16 or 32 rows,
+    32-key tiles in a ring of 3 with 64 (64-key tiles do not leave room for P and the block table);
+    whichever first fits the GPU's shared memory a CTA (99 KB GPUs: 16 rows, 32-key tiles, 2 warps).
+    Not tuned yet."""
+    from .kernels.shapes import MlaDecodeConfig
+
+    if DECODE_FORCED and isinstance(DECODE_FORCED[0], MlaDecodeConfig):
+        return dataclasses.replace(DECODE_FORCED[0], paged=paged)
+    limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+    m16 = MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, paged=paged)
+    m32 = MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, paged=paged)
+    m64 = MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=3, paged=paged)
+    small = MlaDecodeConfig(m_tiles=1, block_n=32, num_warps=2, key_warps=2, stages=2, paged=paged)
+    tried = [m16, small] if rows <= 16 else [m32, m16, small] if rows <= 32 else [m64, m32, m16, small]
+    for config in tried:
+        if config.shared_bytes <= limit:
+            return config
+    raise RuntimeError(f"no MLA decode config fits in {limit} bytes of shared memory a CTA")
+
+
+def mla_decode_configs_for(capability: tuple[int, int]) -> list:
+    """The MLA decode configs a GPU of ``capability`` dispatches (16, 32 and 64 rows, contiguous or
+    paged), each once."""
+    found = []
+    for rows in (16, 32, 64):
+        for paged in (False, True):
+            config = mla_decode_config(capability, rows, paged)
+            if config not in found:
+                found.append(config)
+    return found
+
+
 def decode_configs_for(capability: tuple[int, int]) -> list:
     """The decode configs a GPU of ``capability`` dispatches: each head dim, 16 or more packed
     rows, contiguous or paged, a grid within the SMs or wider; each once, in that order."""
@@ -749,4 +789,13 @@ def shipped_decode_configs() -> list:
     shipped = []
     for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
         shipped += [c for c in decode_configs_for(cap) if c not in shipped]
+    return shipped
+
+
+def shipped_mla_decode_configs() -> list:
+    """Every MLA decode config the representative GPUs can launch (``mla_decode_configs_for``
+    each), each once."""
+    shipped = []
+    for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
+        shipped += [c for c in mla_decode_configs_for(cap) if c not in shipped]
     return shipped

@@ -13,7 +13,7 @@ from _benchmarks import load_benchmark
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WsConfig
 from numbaflash.kernels.families import SM90_BWD, family_of
-from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig
+from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig, MlaDecodeConfig
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -127,6 +127,7 @@ def test_runnable_configs(capability, families):
         (192, 128, False), (192, 128, True)}
     pairs |= {configs.backward_for_target(c, capability)
               for cs in configs.ASYMMETRIC_BACKWARD_DEFAULTS.values() for c in cs if c.shared_bytes <= limit}
+    pairs |= {c for c in configs.shipped_mla_decode_configs() if c.shared_bytes <= limit}  # MLA decode's
     assert {c.head_dim for c in got if c not in pairs} == set(SUPPORTED_HEAD_DIMS)  # the new dims too
     assert pairs <= set(got)
     shipped = {c for fam, _, _, c in configs.shipped_configs() if fam in families}
@@ -147,6 +148,7 @@ def test_runnable_configs(capability, families):
     assert shipped_backward - own <= expected
     expected |= shipped_backward
     expected |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}  # decode's
+    expected |= {c for c in configs.shipped_mla_decode_configs() if c.shared_bytes <= limit}  # MLA's
     assert set(got) == expected | pairs
 
 
@@ -165,6 +167,7 @@ def test_select_indices():
                             | {configs.backward_for_target(c, (9, 0))
                                for _, _, c in san.configs.shipped_backward_configs()}
                             | set(san.configs.shipped_decode_configs())
+                            | set(san.configs.shipped_mla_decode_configs())
                             | set(configs.ASYMMETRIC_DEFAULTS.values())
                             | {c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs}
                             | set(configs.ASYMMETRIC_WS_DEFAULTS.values())
@@ -176,7 +179,7 @@ def test_select_indices():
 
 def test_worker_shapes_cover_the_edges():
     for config in san.runnable_configs((9, 0)):
-        if isinstance(config, DecodeConfig):  # decode_cases instead (test_decode_cases_dispatch)
+        if isinstance(config, (DecodeConfig, MlaDecodeConfig)):  # decode_cases, mla_cases instead
             continue
         rows = config.block_n if isinstance(config, san.BackwardConfig) else config.block_m  # CTA blocks
         shapes = san.worker_shapes(rows)
@@ -409,6 +412,13 @@ def test_decode_cases_dispatch_to_their_config():
         for group, sq in san.decode_cases(config):
             chosen = configs.decode_config((9, 0), config.head_dim, group * sq, config.paged)
             assert chosen.m_tiles == config.m_tiles
+
+
+def test_mla_cases_dispatch_to_their_config():
+    """The MLA worker's (heads, seqlen_q) cases pack into the rows of the config they test."""
+    for config in configs.shipped_mla_decode_configs():
+        for heads, sq in san.mla_cases(config):
+            assert configs.mla_decode_config((9, 0), heads * sq, config.paged).rows == config.rows
 
 
 @pytest.mark.parametrize("broken", [False, True])

@@ -11,11 +11,18 @@ import pytest
 
 from numbaflash import configs
 from numbaflash.kernels import families
-from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsBackwardConfig, WsConfig
+from numbaflash.kernels.shapes import (
+    BackwardConfig,
+    DecodeConfig,
+    ForwardConfig,
+    MlaDecodeConfig,
+    WsBackwardConfig,
+    WsConfig,
+)
 from numbaflash.kernels.spec import AXES, CAUSAL_FREE, kernel_spec
 
 CONFIGS = [ForwardConfig(64), WsConfig(128), BackwardConfig(64), WsBackwardConfig(128, block_m=64),
-           DecodeConfig(128)]
+           DecodeConfig(128), MlaDecodeConfig()]
 
 
 def test_a_spec_is_immutable_hashable_and_equal_by_value():
@@ -61,7 +68,7 @@ def test_kind_names_every_set_axis():
 def test_every_family_operation_has_a_factory_and_nothing_else():
     pairs = {(f.name, op) for f in families.FAMILIES.values() for op in f.operations}
     assert pairs == set(families.FACTORIES)
-    assert len(families.FACTORIES) == 11
+    assert len(families.FACTORIES) == 13
     for config in CONFIGS:
         family = families.family_of(config)
         for operation in family.operations:

@@ -342,11 +342,15 @@ def make_page_table(config: DecodeConfig) -> PageTable:
     return PageTable(ROWS, page_index, fetch_pages, publish_pages)
 
 
-def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) -> DecodeRows:
+def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0,
+                     v_in_k: bool = False) -> DecodeRows:
     """The row source: Q's packed rows, and the key rows of a dense or paged cache with the new
     rows appended (cp.async into the ring's swizzled K and V tiles). ``rotary`` (1: halves, 2:
     interleaved; ``make_rotary``): Q's rows and the new K rows are rotated at their positions,
-    the new K rows loaded, rotated and stored by the threads (into the tile and the cache)."""
+    the new K rows loaded, rotated and stored by the threads (into the tile and the cache).
+    ``v_in_k``: V is K's first ``value_dim`` columns (MLA's latent cache, ``mla_decode``): no V
+    tile is copied (nor appended); the PV product reads K's tile. ``config`` a DecodeConfig or an
+    ``MlaDecodeConfig``."""
     BN = config.block_n
     BM = config.rows
     THREADS = config.threads
@@ -354,6 +358,7 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
     CPR = config.head_dim // 8  # 16-byte chunks per row (of Q and K; a thread's slots walk them)
     CPR_V = config.value_dim // 8  # of V: a slot's chunk past them copies no V
     VALUE_DIM = CPR_V != CPR
+    COPY_V = not v_in_k
     RB = config.row_bytes
     TILE_BYTES = BN * config.head_dim * 2  # K's tile: V's follows it
     Q_CHUNKS = BM * CPR
@@ -397,7 +402,7 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
                 v_at = vs.cache + seq.cache_b * vs.cache_sb + r * vs.cache_ss
             at = dst + swizzled_offset(row, chunk, BN, RB)
             ptx.cp_async_16_at(at, k_at + chunk * 16)
-            if not VALUE_DIM or chunk < CPR_V:
+            if COPY_V and (not VALUE_DIM or chunk < CPR_V):
                 ptx.cp_async_16_at(at + TILE_BYTES, v_at + chunk * 16)
 
     @cuda.jit(device=True, forceinline=True)
@@ -464,7 +469,7 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
                                 at, chunk, seq.start + seq.cache_len + place.new_row, seq.rotary)
             else:
                 copy_row_chunk(dst, row, chunk, ks, place, seq.b, append)
-            if not VALUE_DIM or chunk < CPR_V:
+            if COPY_V and (not VALUE_DIM or chunk < CPR_V):
                 copy_row_chunk(dst + TILE_BYTES, row, chunk, vs, place, seq.b, append)
 
     @cuda.jit(device=True, forceinline=True)
@@ -503,7 +508,7 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0) 
                     ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
             at, to_cache = row_address(vs, place, seq.b)
-            if to_cache != 0 and (not VALUE_DIM or chunk < CPR_V):
+            if COPY_V and to_cache != 0 and (not VALUE_DIM or chunk < CPR_V):
                 ptx.ld_global_nc_v4_at(scratch, at + chunk * 16)
                 ptx.st_global_v4_at(to_cache + chunk * 16, scratch)
 

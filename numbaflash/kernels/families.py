@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import params
-from .shapes import BackwardConfig, DecodeConfig, ForwardConfig, WsBackwardConfig, WsConfig
+from .shapes import BackwardConfig, DecodeConfig, ForwardConfig, MlaDecodeConfig, WsBackwardConfig, WsConfig
 from .spec import KernelSpec, dtype_name, kernel_spec
 
 
@@ -33,7 +33,7 @@ class Family:
     variable-length kernels (``varlen``; every family builds the window and softcap variants of
     its masked kernels)."""
 
-    name: str  # "sm80" | "sm90" | "sm80bwd" | "sm90bwd" | "sm80dec"
+    name: str  # "sm80" | "sm90" | "sm80bwd" | "sm90bwd" | "sm80dec" | "sm80mla"
     config_type: type
     table_kind: str  # the tuned table's "kernel" field for its configs
     arch: str  # the target it compiles for
@@ -83,8 +83,12 @@ SM90_BWD = Family("sm90bwd", WsBackwardConfig, "ws_bwd", "sm_90a", "Hopper (sm_9
                   sink=("backward_prep",), group_splits=True)
 SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute capability 8.0 or newer",
                   DECODE_OPERATIONS, sink=("decode",))
+# MLA decode (DeepSeek's latent cache: V is K's first columns; ``kernels.mla_decode``), whose combine
+# kernel is decode's.
+SM80_MLA = Family("sm80mla", MlaDecodeConfig, "mma_mla", "sm_80", "a GPU of compute capability 8.0 or newer",
+                  DECODE_OPERATIONS)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC, SM80_MLA)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
 _BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}
 
@@ -165,6 +169,12 @@ def _decode(s: KernelSpec):
                               batch_idx=s.batch_idx, leftpad=s.leftpad, rotary=s.rotary)
 
 
+def _mla_decode(s: KernelSpec):
+    from .mla_decode import make_mla_decode_kernel
+
+    return make_mla_decode_kernel(s.config, s.causal, s.bf16)
+
+
 def _decode_combine(s: KernelSpec):
     from .decode_mma import make_decode_combine_kernel
 
@@ -189,6 +199,8 @@ FACTORIES: dict[tuple[str, str], Callable[[KernelSpec], Any]] = {
     ("sm90bwd", "backward_dq"): _backward_dq,
     ("sm80dec", "decode"): _decode,
     ("sm80dec", "decode_combine"): _decode_combine,
+    ("sm80mla", "decode"): _mla_decode,
+    ("sm80mla", "decode_combine"): _decode_combine,
 }
 
 

@@ -688,3 +688,110 @@ class DecodeConfig(ValueDim):
             raise ValueError(f"m_tiles must be 1 or 2 and stages 2 to 5, got {self}")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaDecodeConfig(ValueDim):
+    """Compile-time shape of the MLA decode kernel (``mla_decode``, issue 58): DeepSeek's latent
+    cache, one row a token of ``head_dim`` values (576: 512 latent + 64 rotary) shared by every
+    query head, K the whole row and V its first ``head_dim_v`` (512). One CTA takes ``rows``
+    packed query rows (query heads times seqlen_q) and one split of the keys; ``block_n``-key
+    K tiles stream through a ring of ``stages`` (no V tile: PV reads K's first columns).
+
+    O (rows x 512 float32) does not fit one warp's registers, so the warps split the two
+    products differently: S = Q Kᵀ by ``key_warps`` key slices times ``num_warps / key_warps``
+    m-tile groups, O by ``head_dim_v / num_warps`` columns a warp over every key of the tile,
+    P and the row maxima passing through shared memory."""
+
+    head_dim: int = 576
+    head_dim_v: int = 512
+    m_tiles: int = 1  # 16-row m-tiles of packed query rows a CTA
+    block_n: int = 64  # keys a tile
+    num_warps: int = 4
+    key_warps: int = 4  # the S product's key slices (the warps' other factor splits the m-tiles)
+    stages: int = 2
+    paged: bool = False  # K through a block table
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def row_bytes(self) -> int:
+        return 128
+
+    @property
+    def score_keys(self) -> int:
+        """Keys of a tile one warp scores (its key slice)."""
+        return self.block_n // self.key_warps
+
+    @property
+    def score_m_tiles(self) -> int:
+        """m-tiles one warp scores (its m-tile group's)."""
+        return self.m_tiles // (self.num_warps // self.key_warps)
+
+    @property
+    def value_columns(self) -> int:
+        """O's columns one warp accumulates."""
+        return self.value_dim // self.num_warps
+
+    @property
+    def tag(self) -> str:
+        return (f"_m{self.rows}_n{self.block_n}_w{self.num_warps}k{self.key_warps}_s{self.stages}"
+                + ("_paged" if self.paged else ""))
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: a K tile (V is its first ``value_dim`` columns)."""
+        return self.block_n * self.head_dim * 2
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return (self.stages - 1) * self.stage_bytes
+
+    @property
+    def ring_at(self) -> int:
+        return self.rows * self.head_dim * 2  # after the Q tile
+
+    @property
+    def p_at(self) -> int:
+        """P's tile (16-bit A fragments in fragment order: [m-tile][16-key slice][lane] x 16 bytes)."""
+        return self.ring_at + self.stages * self.stage_bytes
+
+    @property
+    def maxes_at(self) -> int:
+        """The key slices' row maxima ([key_warps][rows] float32), then their row sums at the end."""
+        return self.p_at + self.rows * self.block_n * 2
+
+    @property
+    def page_rows_at(self) -> int:
+        """Paged: two buffers of the key rows' cache offsets (``decode_mma.make_page_table``)."""
+        return self.maxes_at + self.key_warps * self.rows * 4
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.page_rows_at + (2 * self.block_n * 16 if self.paged else 0)
+
+    def check(self) -> None:
+        d, dv = self.head_dim, self.value_dim
+        if d % 64 or dv % 64 or dv > d:
+            raise ValueError(f"head_dim and head_dim_v must be multiples of 64, head_dim_v <= head_dim, "
+                             f"got {self}")
+        if (self.m_tiles not in (1, 2, 4) or self.num_warps not in (2, 4, 8)
+                or self.key_warps not in (1, 2, 4, 8)):
+            raise ValueError(f"m_tiles must be 1, 2 or 4, num_warps 2, 4 or 8, key_warps 1 to 8, got {self}")
+        groups = self.num_warps // self.key_warps
+        if self.num_warps % self.key_warps or self.m_tiles % groups:
+            raise ValueError(f"key_warps must divide num_warps and the m-tile groups m_tiles, got {self}")
+        if self.score_keys % 16 or self.value_columns % 64:
+            raise ValueError(f"a warp scores a multiple of 16 keys and accumulates a multiple of 64 of O's "
+                             f"columns, got {self}")
+        if (self.block_n * d // 8) % self.threads or not 2 <= self.stages <= 4:
+            raise ValueError(f"a tile's 16-byte chunks must divide over the threads, stages 2 to 4, "
+                             f"got {self}")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

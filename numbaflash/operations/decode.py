@@ -130,22 +130,29 @@ class DecodeKernels(NamedTuple):
 def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows: int, paged: bool,
                    causal: bool, bf16: bool, *, window: bool = False, softcap: bool = False,
                    wide: bool = False, sink: bool = False, batch_idx: bool = False,
-                   leftpad: bool = False, rotary: int = 0, head_dim_v: int = 0) -> DecodeKernels:
+                   leftpad: bool = False, rotary: int = 0, head_dim_v: int = 0,
+                   latent: bool = False) -> DecodeKernels:
     """The config and the two loaded kernels of this problem on the current device: the attention
     kernel (``window``, ``softcap``: a variant) and the combine kernel, their specs
     (``kernels.spec``) built here once per new problem. ``wide``: the call's CTAs before any split
     outnumber the SMs (``configs.decode_config``). ``sink``: the learnable sink's build of the
     attention kernel (the combine kernel is the same); ``batch_idx``, ``leftpad``, ``rotary``: the
     builds of ``cache_batch_idx``, ``cache_leftpad`` and the rotary embedding (``KernelSpec``'s
-    axes of those names); ``head_dim_v``: V's head dim where it differs (``configs.decode_config``)."""
+    axes of those names); ``head_dim_v``: V's head dim where it differs (``configs.decode_config``).
+    ``latent``: MLA decode (V is K's first head_dim_v columns: ``configs.mla_decode_config``, whose
+    config depends on the 16, 32 or 64 rows)."""
     gpu = gpu_state.GPU
-    short_key = ("decode", capability, device, head_dim, rows > 16, paged, causal, bf16, window, softcap,
-                 wide, sink, batch_idx, leftpad, rotary, head_dim_v)
+    row_kind = min(-(-rows // 16), 4) if latent else rows > 16
+    short_key = ("decode", capability, device, head_dim, row_kind, paged, causal, bf16, window, softcap, wide,
+                 sink, batch_idx, leftpad, rotary, head_dim_v, latent)
     ready = gpu.launchers.get(short_key)
     if ready is not None and not configs.DECODE_FORCED:
         return ready
-    config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide,
-                                   head_dim_v)
+    if latent:
+        config = configs.mla_decode_config(capability, rows, paged, gpu.shared_limit(device))
+    else:
+        config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide,
+                                       head_dim_v)
     main = kernel_spec(family_of(config).name, "decode", config, "bfloat16" if bf16 else "float16",
                        arch_of(capability), causal=causal, window=window, softcap=softcap, sink=sink,
                        batch_idx=batch_idx, leftpad=leftpad, rotary=rotary)
@@ -205,16 +212,17 @@ def _layout(op: Operand | None) -> tuple | None:
 
 def plan_key(device: int, dtype_name: str, causal: bool, scale_key: float | None, num_splits: int,
              return_lse: bool, ops: tuple, window_size: tuple[int, int] = (-1, -1),
-             softcap: float = 0.0, sink: bool = False, options: tuple = ()) -> tuple:
+             softcap: float = 0.0, sink: bool = False, options: tuple = (), latent: bool = False) -> tuple:
     """The key of a decode plan in ``GPU.plans``: the device, the dtype, the flags, the scale as
     the caller gave it (None or a float), the split request, the window (a tuple of two ints) and
     the softcap (a float) as validated, and (shape, strides) of q, k_cache, v_cache,
     cache_seqlens, k_new, v_new, block_table and out (None where absent); ``run_torch`` builds
     the same key from torch's metadata. A call with a learnable sink (``sink``) or cache options
     (``options``: (name, (shape, strides)) of cache_batch_idx and cache_leftpad where given, then
-    the rotary embedding's entry; ``run_torch`` appends them the same way) has a longer key."""
-    key = ("decode", device, dtype_name, causal, scale_key, num_splits, return_lse, window_size, softcap,
-           *map(_layout, ops))
+    the rotary embedding's entry; ``run_torch`` appends them the same way) has a longer key; an
+    MLA call (``latent``) is keyed apart ("mla" in place of "decode")."""
+    key = ("mla" if latent else "decode", device, dtype_name, causal, scale_key, num_splits, return_lse,
+           window_size, softcap, *map(_layout, ops))
     key = (*key, "sink") if sink else key
     return (*key, *options) if options else key
 
@@ -224,7 +232,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
                 scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
                 device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                 sd: Operand | None = None, bid: Operand | None = None,
-                lpd: Operand | None = None, rot: RotaryCall | None = None) -> DecodePlan:
+                lpd: Operand | None = None, rot: RotaryCall | None = None,
+                latent: bool = False) -> DecodePlan:
     """The plan of a validated call: from ``GPU.plans``, else made (variant, config, kernels,
     split count, bound launches) and kept there unless a config is forced. With a window whose
     left side is bounded, the split count is chosen for the keys a row block's windows reach
@@ -232,14 +241,15 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     ``sd``: a learnable sink (float32 (heads_q,)): the sink build, whose fire takes its pointer
     after the plain ones; ``bid``, ``lpd``: cache_batch_idx, cache_leftpad (int32 (batch,)), and
     ``rot`` a rotary embedding: their builds, whose fire takes their pointers last (the rotary
-    tables' cos then sin)."""
+    tables' cos then sin). ``latent``: MLA decode (``vcd`` is the first columns of ``kcd``, one KV
+    head; ``entry.direct_flash_mla_with_kvcache``)."""
     gpu = gpu_state.GPU
     forced = bool(configs.DECODE_FORCED)
     key = plan_key(device, qd.dtype_name, causal, scale_key, num_splits, return_lse,
                    (qd, kcd, vcd, seqd, knd, vnd, btd, outd), window_size, softcap, sd is not None,
                    tuple((op.name, _layout(op)) for op in (bid, lpd) if op is not None)
                    + (() if rot is None else (("rotary", _layout(rot.cos), _layout(rot.sin), rot.kind,
-                                               rot.q_step),)))
+                                               rot.q_step),)), latent)
     plan = None if forced else gpu.plans.get(key)
     if plan is not None:
         return plan
@@ -257,7 +267,7 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, window=var.window,
                              softcap=var.softcap, wide=wide, sink=sd is not None, batch_idx=bid is not None,
                              leftpad=lpd is not None, rotary=0 if rot is None else rot.kind,
-                             head_dim_v=0 if value_dim == head_dim else value_dim)
+                             head_dim_v=0 if value_dim == head_dim else value_dim, latent=latent)
     config = kernels.config
     row_blocks = -(-rows // config.rows)
     if var.window_keys is not None:
@@ -294,12 +304,13 @@ def run_device(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vnd
                scale_key: float | None, num_splits: int, return_lse: bool, capability: tuple[int, int],
                device: int, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                sd: Operand | None = None, bid: Operand | None = None,
-               lpd: Operand | None = None, rot: RotaryCall | None = None) -> tuple[Any, Any]:
+               lpd: Operand | None = None, rot: RotaryCall | None = None,
+               latent: bool = False) -> tuple[Any, Any]:
     """Launch decode (and combine) on the inputs' stream; returns (out, lse or None). ``sd``: a
     learnable sink, float32 (heads_q,); ``bid``, ``lpd``: cache_batch_idx, cache_leftpad, int32
-    (batch,); ``rot``: a rotary embedding."""
+    (batch,); ``rot``: a rotary embedding; ``latent``: MLA decode (``device_plan``)."""
     plan = device_plan(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, scale, scale_key, num_splits,
-                       return_lse, capability, device, window_size, softcap, sd, bid, lpd, rot)
+                       return_lse, capability, device, window_size, softcap, sd, bid, lpd, rot, latent)
     if outd is None:
         out = empty_like(qd.obj, plan.shape, qd.dtype_name)
         out_pointer = device_pointer(out)

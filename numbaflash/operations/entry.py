@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..configs import DECODE_HEAD_DIM_PAIRS
+from ..configs import DECODE_HEAD_DIM_PAIRS, MLA_HEAD_DIMS
 from ..operands import (
     Operand,
     check_device_layout,
@@ -216,4 +216,62 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     result, lse = decode.run_device(qd, kcd, vcd, knd, vnd, seqd, btd, outd, causal, softmax_scale, scale_key,
                                     num_splits, return_lse, capability, device, window_size, softcap, sd,
                                     bid, lpd, rot)
+    return (result, lse) if return_lse else result
+
+
+def direct_flash_mla_with_kvcache(q: Any, kv_cache: Any, cache_seqlens: Any, block_table: Any,
+                                  head_dim_v: Any, causal: Any, softmax_scale: Any, num_splits: Any,
+                                  return_lse: Any, out: Any) -> Any:
+    """``api.flash_mla_with_kvcache``: validate, then launch the MLA decode kernel
+    (``kernels.mla_decode``) through decode's plan (``decode.run_device(.., latent=True)``), V
+    described as the first ``head_dim_v`` columns of the cache."""
+    qd, kcd = describe("q", q), describe("kv_cache", kv_cache)
+    for op in (qd, kcd):
+        if len(op.shape) != 4 or 0 in op.shape:
+            raise ValueError(f"{op.name} must have 4 non-empty dimensions, got shape {op.shape}")
+    d_qk, d_v = MLA_HEAD_DIMS
+    batch, seqlen_q, heads_q, head_dim = qd.shape
+    if head_dim != d_qk:
+        raise ValueError(f"q's head_dim must be {d_qk} (512 latent + 64 rotary), got {head_dim}")
+    if kcd.shape[2:] != (1, d_qk) or kcd.dtype_name != qd.dtype_name:
+        raise ValueError(f"kv_cache must be a {qd.dtype_name} array of shape (batch or num_pages, rows, 1, "
+                         f"{d_qk}) (one latent row a token), got {kcd.shape} {kcd.dtype_name}")
+    if isinstance(head_dim_v, bool) or head_dim_v != d_v:
+        raise ValueError(f"head_dim_v must be {d_v} (V is the cache's first {d_v} values), "
+                         f"got {head_dim_v!r}")
+    for op in (qd, kcd):
+        if not op.on_device:
+            raise TypeError(f"flash_mla_with_kvcache takes device arrays (torch, CuPy, Numba), got a numpy "
+                            f"{op.name}")
+    btd = None
+    if block_table is not None:
+        shape = tuple(getattr(block_table, "shape", ()))
+        if len(shape) != 2 or shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, max_pages), "
+                             f"got {shape}")
+        btd = describe_index("block_table", block_table, shape)
+    elif kcd.shape[0] != batch:
+        raise ValueError(f"a contiguous kv_cache must have q's batch ({batch}) first, got {kcd.shape}; "
+                         "a paged one needs block_table")
+    seqd = describe_index("cache_seqlens", cache_seqlens, (batch,))
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    scale_key = softmax_scale
+    softmax_scale = check_softmax_scale(softmax_scale, head_dim)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+    check_device_layout(qd)
+    check_device_layout(kcd)
+    vcd = Operand("kv_cache[..., :head_dim_v]", (*kcd.shape[:3], d_v), kcd.dtype_name, True, kv_cache,
+                  kcd.strides, kcd.pointer, kcd.stream, kcd.device)
+    outd = None
+    if out is not None:
+        outd = describe_out(out, qd, d_v)
+        check_device_layout(outd)
+        check_no_self_overlap(outd)
+        check_outputs_disjoint([outd], [qd, kcd])
+    capability, device = gpu_state.GPU.current()
+    check_same_device([qd, kcd, seqd, *(op for op in (btd, outd) if op is not None)], device)
+    result, lse = decode.run_device(qd, kcd, vcd, None, None, seqd, btd, outd, causal, softmax_scale,
+                                    scale_key, num_splits, return_lse, capability, device, latent=True)
     return (result, lse) if return_lse else result

@@ -41,6 +41,8 @@ LAUNCHES: dict[tuple[str, str], tuple[Prepare, Prepare | None]] = {
     ("sm90bwd", "backward_dq"): (launch_backward_ws_dq, None),
     ("sm80dec", "decode"): (launch_decode, None),
     ("sm80dec", "decode_combine"): (launch_decode_combine, None),
+    ("sm80mla", "decode"): (launch_decode, None),
+    ("sm80mla", "decode_combine"): (launch_decode_combine, None),
 }
 
 

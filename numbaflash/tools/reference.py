@@ -607,3 +607,36 @@ def kvcache_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, c
                                    **options)
         out[b], lse[b] = o[0], s[0]
     return out, lse, k_after, v_after
+
+
+def compare_mla_with_reference(q: np.ndarray, kv_cache: np.ndarray, cache_seqlens: np.ndarray,
+                               out: np.ndarray, lse: np.ndarray | None = None, *,
+                               block_table: np.ndarray | None = None,
+                               head_dim_v: int = 512, causal: bool = False,
+                               softmax_scale: float | None = None) -> list[str]:
+    """``numbaflash.flash_mla_with_kvcache``'s result against float64, sequence by sequence, with
+    ``compare_with_reference``'s criterion: sequence b's keys are the first cache_seqlens[b] rows
+    of its cache (``kv_cache`` (batch, capacity, 1, d), or paged (num_pages, page_size, 1, d)
+    through ``block_table``), its values their first ``head_dim_v`` columns. A sequence of no key
+    must give exactly 0 and LSE -inf. Returns the problems, each naming its sequence (empty: all
+    hold)."""
+    problems = []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        if block_table is None:
+            rows = kv_cache[b, :n]
+        else:
+            page = kv_cache.shape[1]
+            pages = block_table[b, :-(-n // page)]
+            rows = np.concatenate([kv_cache[int(p)] for p in pages])[:n] if n else None
+        if not n:
+            if not (np.asarray(out[b], np.float64) == 0).all():
+                problems.append(f"sequence {b} (no key): output not exactly 0")
+            if lse is not None and not np.isneginf(np.asarray(lse[b], np.float64)).all():
+                problems.append(f"sequence {b} (no key): LSE not -inf")
+            continue
+        _, found = compare_with_reference(q[b:b + 1], rows[None], rows[None, ..., :head_dim_v], out[b:b + 1],
+                                          None if lse is None else lse[b:b + 1], causal=causal,
+                                          softmax_scale=softmax_scale)
+        problems += [f"sequence {b} ({n} keys): {p}" for p in found]
+    return problems

@@ -34,11 +34,29 @@ def registered_kernels() -> dict:
 def on_demand_kernels() -> dict:
     """The builds the API compiles on first use and the registry does not count: the learnable-sink
     builds (``forward_sink_kernels``, ``backward_sink_kernels``) and the Hopper backward's GQA-split
-    builds (``backward_split_kernels``), and the e4m3 forward (``forward_fp8_kernels``).
-    ``benchmarks/sass_census.py --on-demand`` and
+    builds (``backward_split_kernels``), the e4m3 forward (``forward_fp8_kernels``) and MLA decode
+    (``mla_decode_kernels``). ``benchmarks/sass_census.py --on-demand`` and
     ``python -m numbaflash.inspect --on-demand`` check them offline."""
     return {**forward_sink_kernels(), **backward_sink_kernels(), **backward_split_kernels(),
-            **forward_fp8_kernels()}
+            **forward_fp8_kernels(), **mla_decode_kernels()}
+
+
+def mla_decode_kernels() -> dict:
+    """The MLA decode kernels (issue 58, ``kernels.mla_decode``) of every shipped MLA config
+    (``configs.shipped_mla_decode_configs``), full and causal, both dtypes, for sm_80 and Hopper
+    (sm_90a). Not registered, never precompiled: the API builds one on first use
+    (``flash_mla_with_kvcache``); named ``flash_mla_decode_d576v512_m<rows>_n<keys>_w<warps>k<key
+    slices>_s<stages>[_paged]_<full|causal>_<dtype>``."""
+    from ..configs import shipped_mla_decode_configs
+    from ..kernels.families import spec_of
+
+    kernels = {}
+    for config in shipped_mla_decode_configs():
+        for causal in (False, True):
+            for bf16 in (False, True):
+                kernel, argtypes = _built(spec_of(config, "decode", bf16, causal=causal))
+                kernels[kernel.__name__] = (kernel, argtypes, ("sm_80", "sm_90a"))
+    return kernels
 
 
 def forward_fp8_kernels() -> dict:

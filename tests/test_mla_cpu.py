@@ -1,0 +1,93 @@
+"""MLA decode (issue 58) without a GPU: the configs and their dispatch, the family and its launches,
+the shared-memory layout, and the call's checks before anything launches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numbaflash
+from numbaflash import configs
+from numbaflash.kernels import families
+from numbaflash.kernels.shapes import MlaDecodeConfig
+from numbaflash.kernels.spec import kernel_spec
+from numbaflash.operations.launches import LAUNCHES
+
+
+def test_every_shipped_config_checks_and_fits():
+    shipped = configs.shipped_mla_decode_configs()
+    assert {c.rows for c in shipped} == {16, 32, 64} and {c.paged for c in shipped} == {False, True}
+    for config in shipped:
+        config.check()
+        assert (config.head_dim, config.value_dim) == configs.MLA_HEAD_DIMS
+        assert config.score_keys % 16 == 0 and config.value_columns % 64 == 0
+        # every warp's O columns and every key slice's rows are covered once
+        assert config.value_columns * config.num_warps == config.value_dim
+        assert config.score_keys * config.key_warps == config.block_n
+        assert config.score_m_tiles * (config.num_warps // config.key_warps) == config.m_tiles
+
+
+def test_layout_regions_follow_each_other():
+    config = MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=3, paged=True)
+    assert config.ring_at == 64 * 576 * 2
+    assert config.p_at == config.ring_at + 3 * 32 * 576 * 2
+    assert config.maxes_at == config.p_at + 64 * 32 * 2  # P: rows x keys 16-bit values
+    assert config.page_rows_at == config.maxes_at + 2 * 64 * 4
+    assert config.shared_bytes == config.page_rows_at + 2 * 32 * 16
+
+
+@pytest.mark.parametrize("rows, expected", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (128, 64)])
+def test_dispatch_takes_the_fewest_m_tiles_that_hold_the_rows(rows, expected):
+    for paged in (False, True):
+        config = configs.mla_decode_config((9, 0), rows, paged)
+        assert config.rows == expected and config.paged == paged
+        assert config.shared_bytes <= configs.max_shared_bytes((9, 0))
+
+
+def test_small_shared_memory_gpus_get_a_config_that_fits():
+    for rows in (16, 64):
+        config = configs.mla_decode_config((8, 6), rows, True)
+        assert config.shared_bytes <= configs.max_shared_bytes((8, 6))
+        config.check()
+
+
+@pytest.mark.parametrize("bad", [dict(num_warps=8, key_warps=8),  # 8-key slices
+                                 dict(m_tiles=1, num_warps=8, key_warps=4),  # 2 m-tile groups, 1 m-tile
+                                 dict(m_tiles=4, block_n=64, stages=3),  # > 227 KB
+                                 dict(head_dim=576, head_dim_v=600)])
+def test_bad_configs_are_refused(bad):
+    with pytest.raises(ValueError):
+        MlaDecodeConfig(**bad).check()
+
+
+def test_family_factories_and_launches():
+    config = configs.mla_decode_config((9, 0), 64, True)
+    assert families.family_of(config) is families.SM80_MLA
+    spec = kernel_spec("sm80mla", "decode", config, "bfloat16", "sm_80", causal=True)
+    assert spec.paged and spec.kind == "sm80mla.decode+paged"
+    combine = spec.sibling("decode_combine")
+    assert not combine.causal and not combine.paged
+    for operation in families.DECODE_OPERATIONS:
+        assert ("sm80mla", operation) in families.FACTORIES and ("sm80mla", operation) in LAUNCHES
+    decode = kernel_spec("sm80dec", "decode", configs.decode_config((9, 0), 128, 16, True))
+    assert families.kernel_params(spec) == families.kernel_params(decode)  # the plain decode kernel's
+    names = {p.name for p in families.kernel_source_files("sm80mla", "decode")}
+    assert {"mla_decode.py", "decode_mma.py", "mma_pieces.py"} <= names
+
+
+def test_checks_before_anything_launches():
+    q = np.zeros((2, 1, 16, 576), np.float16)
+    cache = np.zeros((2, 64, 1, 576), np.float16)
+    lens = np.array([3, 64], np.int32)
+    with pytest.raises(ValueError, match="q's head_dim must be 576"):
+        numbaflash.flash_mla_with_kvcache(q[..., :512], cache, lens)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        numbaflash.flash_mla_with_kvcache(q, np.zeros((2, 64, 2, 576), np.float16), lens)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        numbaflash.flash_mla_with_kvcache(q, cache.astype(np.float32).astype(np.float16)[..., :512], lens)
+    with pytest.raises(ValueError, match="head_dim_v must be 512"):
+        numbaflash.flash_mla_with_kvcache(q, cache, lens, head_dim_v=256)
+    with pytest.raises(ValueError, match="head_dim_v must be 512"):
+        numbaflash.flash_mla_with_kvcache(q, cache, lens, head_dim_v=True)
+    with pytest.raises(TypeError, match="takes device arrays"):
+        numbaflash.flash_mla_with_kvcache(q, cache, lens)
