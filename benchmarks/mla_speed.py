@@ -7,7 +7,8 @@ call on torch tensors.
 
     python benchmarks/mla_speed.py [--dtype bf16] [--rows 0,1] [--peak-tbs 4.8] [--configs]
 
-``--configs`` also times each 64-row candidate on the 64-row and 128-head rows (forced).
+``--configs`` also times the candidates (``CANDIDATES``) on the 16-row and the 64-row and longer rows
+(forced).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ ROWS = [  # batch, query heads, cached tokens, seqlen_q, page size (None: contig
     (64, 128, 4096, 2, 64, True),  # multi-token prediction
 ]
 ROTATION_BYTES = 400_000_000
-CANDIDATES_64 = [MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=3),
-                 MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2),
-                 MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=2)]
+CANDIDATES = {  # by the call's packed rows: the shipped config's alternatives
+    16: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2)],  # 8 warps, rows idle
+    64: [MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2),
+         MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=2)],
+}
 
 
 def calls_for(dtype, b, h, s, sq, page, causal):
@@ -75,7 +78,7 @@ def main() -> None:
     p.add_argument("--rows", default="", help="indices of ROWS (default all)")
     p.add_argument("--peak-tbs", type=float, default=4.8,
                    help="the GPU's HBM peak, TB/s (H200 4.8, H100 3.35)")
-    p.add_argument("--configs", action="store_true", help="time the 64-row candidates too")
+    p.add_argument("--configs", action="store_true", help="time the candidates too")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     rows = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
@@ -88,8 +91,8 @@ def main() -> None:
         name = f"{b} x {h} x {s} x {sq}, {where}{' causal' if causal else ''}"
         ms = statistics.median(graph_times(fns, 3))
         print(line(name, b, h, s, sq, ms, args.peak_tbs), flush=True)
-        if args.configs and h * sq > 32:
-            for config in CANDIDATES_64:
+        if args.configs and (h * sq > 32 or h * sq <= 16):
+            for config in CANDIDATES[64 if h * sq > 32 else 16]:
                 forced = dataclasses.replace(config, paged=page is not None)
                 with configs.force_decode_config(forced):
                     ms = statistics.median(graph_times(fns, 3))

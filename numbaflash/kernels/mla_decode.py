@@ -37,9 +37,9 @@ from .. import ptx
 from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll
 from .decode_mma import KeyRows, decode_entry, decode_split, make_decode_rows, make_sequence_source
 from .epilogue import log_sum_exp
-from .mma_pieces import MmaShape, make_masker, make_pv_steps, make_qk_steps
+from .mma_pieces import MmaShape, make_masker, make_pv_steps
 from .shapes import MlaDecodeConfig
-from .smem import ldmatrix_offsets
+from .smem import block_offset, ldmatrix_offsets
 from .softmax import exponentiate, max_grew, pack_16bit, pack_p_fragments, quad_sum, rescale_rows, row_max
 
 # What one tile's steps share (``make_mla_walk``): the CTA's shared base and Q tile, the thread, the
@@ -50,6 +50,12 @@ MlaLoop = namedtuple("MlaLoop", ["base", "sq", "tid", "key_slice", "mt0", "lane"
                                  "k_offsets", "acc_s", "acc_o", "q_frag", "p_mine", "p_all", "b_frag",
                                  "m_run", "l_run", "mx", "scale_log2", "upper"])
 
+# Independent accumulator sets of S = Q Kᵀ's 36 k-slices (``make_mla_walk``'s ``score``).
+SCORE_CHAINS = 4
+# One k-slice of the score (``score_slice``): the accumulator sets, Q's fragment buffer and the scored
+# m-tiles' rows, the ldmatrix offsets of Q, the key slice's K rows, K's offsets and fragment buffer.
+ScoreSlice = namedtuple("ScoreSlice", ["parts", "q_frag", "q_tile", "a_offsets", "k_tile", "k_offsets",
+                                       "b_frag"])
 # What the rows' writer (``write_row``) reads: the parameters, O, the running maxima, the shared
 # memory (the key slices' row sums), the batch, the block's first row, the rows that exist, the
 # split, the warp and the lane.
@@ -75,18 +81,52 @@ def make_mla_walk(config: MlaDecodeConfig, causal: bool, bf16: bool):
     WK = config.key_warps
     CAUSAL = causal
     BF16 = bf16
+    D_K_TILES = config.head_dim // 16  # k-slices of S = Q Kᵀ
+    S_PAIRS = KW // 16  # K ldmatrix.x4 loads a k-slice (two n-tiles each)
+    mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
     score_shape = MmaShape(config.head_dim, BM, BN, KW, MTW, RB, 0)
-    qk = make_qk_steps(score_shape, False, False, bf16)
     pv = make_pv_steps(MmaShape(config.head_dim, BM, BN, 16, MT, RB, DVW), False, bf16)
     mask_rows = make_masker(score_shape, causal, False).mask_rows
-    qk_scores, pv_slice = qk.qk_scores, pv.pv_slice
+    pv_slice = pv.pv_slice
+
+    @cuda.jit(device=True, forceinline=True)
+    def score_slice(kt, st):
+        """k-slice ``kt`` of S = Q Kᵀ into accumulator set kt % SCORE_CHAINS (``st``: a ScoreSlice):
+        the scored m-tiles' Q slice and the key slice's K pairs by ldmatrix, then their mma.sync."""
+        a = kt % SCORE_CHAINS
+        for mt in range(MTW):
+            q_at = st.q_tile + block_offset(st.a_offsets, kt, BM, RB) + mt * 16 * RB
+            ptx.ldmatrix_x4(st.q_frag[mt, 0], q_at)
+        for j2 in range(S_PAIRS):
+            ptx.ldmatrix_x4(st.b_frag[0], st.k_tile + block_offset(st.k_offsets, kt, BN, RB) + j2 * 16 * RB)
+            for mt in range(MTW):
+                mma(st.parts[a, mt, 2 * j2], st.q_frag[mt, 0], st.b_frag[0, 0:2])
+                mma(st.parts[a, mt, 2 * j2 + 1], st.q_frag[mt, 0], st.b_frag[0, 2:4])
+
+    score_slices = unroll(score_slice, D_K_TILES)  # NVVM leaves a 36-slice loop rolled
 
     @cuda.jit(device=True, forceinline=True)
     def score(loop, sk, key0, total, diag, r0, group):
         """S of the warp's key slice (keys key0 ..) and scored m-tiles against the K tile at ``sk``;
-        -inf past the keys and (causal) after each row's diagonal."""
-        qk_scores(loop.acc_s, loop.q_frag, loop.sq + loop.mt0 * 16 * RB, loop.a_offsets, sk, loop.k_offsets,
-                  loop.b_frag, loop.key_slice)
+        -inf past the keys and (causal) after each row's diagonal. The 36 k-slices accumulate into
+        SCORE_CHAINS sets, summed at the end: one set made a chain of 36 dependent mma.sync, which
+        a warp cannot hide with the few warps an SM holds here."""
+        parts = cuda.local.array((SCORE_CHAINS, MTW, S_N_TILES, 4), float32)
+        for a in range(SCORE_CHAINS):
+            for i in range(MTW):
+                for j in range(S_N_TILES):
+                    for e in range(4):
+                        parts[a, i, j, e] = 0.0
+        k_tile = sk + loop.key_slice * KW * RB
+        score_slices(ScoreSlice(parts, loop.q_frag, loop.sq + loop.mt0 * 16 * RB, loop.a_offsets, k_tile,
+                                loop.k_offsets, loop.b_frag))
+        for i in range(MTW):
+            for j in range(S_N_TILES):
+                for e in range(4):
+                    total_s = parts[0, i, j, e]
+                    for a in range(1, SCORE_CHAINS):
+                        total_s += parts[a, i, j, e]
+                    loop.acc_s[i, j, e] = total_s
         if key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + (r0 + 16 * loop.mt0) // group):
             mask_rows(loop.acc_s, key0, loop.lane, total, loop.upper, loop.upper)
 
