@@ -42,8 +42,7 @@ ROWS = [  # batch, query heads, cached tokens, seqlen_q, page size (None: contig
 ROTATION_BYTES = 400_000_000
 CANDIDATES = {  # by the call's packed rows: the shipped config's alternatives
     16: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2)],  # 8 warps, rows idle
-    64: [MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2),
-         MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=2)],
+    64: [MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=3)],
 }
 
 

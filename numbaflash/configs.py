@@ -734,10 +734,11 @@ MLA_HEAD_DIMS = (576, 512)
 def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, shared_limit: int | None = None):
     """The MLA decode kernel's config (``kernels.mla_decode``) for ``rows`` packed query rows (query
     heads times seqlen_q): the fewest 16-row m-tiles (1, 2 or 4) that hold them, so that the cache is
-    read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB) with 16 or 32 rows,
-    32-key tiles in a ring of 3 with 64 (64-key tiles do not leave room for P and the block table);
-    whichever first fits the GPU's shared memory a CTA (99 KB GPUs: 16 rows, 32-key tiles, 2 warps).
-    Not tuned yet."""
+    read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB), which with 64 rows
+    fills the 227 KB of a Hopper CTA to the byte (H200, 64 x 4096 tokens, pages of 64: 393 µs at
+    128 heads and 241 at 64, against 474 and 283 with 32-key tiles in a ring of 3; docs/PERFORMANCE.md,
+    "MLA decode"); whichever first fits the GPU's shared memory a CTA (99 KB GPUs: 16 rows, 32-key
+    tiles, 2 warps)."""
     from .kernels.shapes import MlaDecodeConfig
 
     if DECODE_FORCED and isinstance(DECODE_FORCED[0], MlaDecodeConfig):
@@ -745,7 +746,7 @@ def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, share
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     m16 = MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, paged=paged)
     m32 = MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, paged=paged)
-    m64 = MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=3, paged=paged)
+    m64 = MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2, paged=paged)
     small = MlaDecodeConfig(m_tiles=1, block_n=32, num_warps=2, key_warps=2, stages=2, paged=paged)
     tried = [m16, small] if rows <= 16 else [m32, m16, small] if rows <= 32 else [m64, m32, m16, small]
     for config in tried:

@@ -34,6 +34,8 @@ def test_layout_regions_follow_each_other():
     assert config.maxes_at == config.p_at + 64 * 32 * 2  # P: rows x keys 16-bit values
     assert config.page_rows_at == config.maxes_at + 2 * 64 * 4
     assert config.shared_bytes == config.page_rows_at + 2 * 32 * 16
+    widest = configs.mla_decode_config((9, 0), 64, True)  # Hopper's 64 rows: the CTA's whole 227 KB
+    assert widest.shared_bytes == configs.max_shared_bytes((9, 0)) == 227 * 1024
 
 
 @pytest.mark.parametrize("rows, expected", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (128, 64)])

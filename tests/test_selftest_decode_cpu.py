@@ -53,7 +53,8 @@ def test_cases_are_valid_calls_within_the_reference_budget(quick):
     assert any(c.page_size == 1 for c in cases) and any(c.page_size == 7 for c in cases)
     assert any(c.page_size == 0 for c in cases) and any(c.num_splits == 32 for c in cases)
     assert any(c.capacity > 1024 for c in cases) or quick
-    variant = sum(c.window_size != (-1, -1) or c.softcap > 0 for c in cases) / len(cases)
+    plain = [c for c in cases if not c.mla]  # MLA cases take no window or softcap
+    variant = sum(c.window_size != (-1, -1) or c.softcap > 0 for c in plain) / len(plain)
     assert abs(variant - sd.DECODE_WINDOW_SOFTCAP_SHARE) < 0.05
 
 
@@ -185,7 +186,7 @@ def test_an_options_case_is_the_reference_call(paged):
     from numbaflash.tools.reference import kvcache_reference
 
     c = next(c for i in range(3000) if (c := sd.draw_decode_case(7, i, quick=True)).cache_batch_idx
-             and c.cache_leftpad and c.seqlen_new and (c.page_size > 0) == paged
+             and c.cache_leftpad and c.seqlen_new and (c.page_size > 0) == paged and not c.rotary
              and any(0 < p < n for p, n in zip(c.cache_leftpad, c.cache_seqlens, strict=True)))
     x = sd.make_decode_inputs(c)
     assert tuple(x.cache_batch_idx) == c.cache_batch_idx and tuple(x.cache_leftpad) == c.cache_leftpad
@@ -195,7 +196,7 @@ def test_an_options_case_is_the_reference_call(paged):
     q, k, v, cu_q, cu_k = sd.packed_problem(c, x)
     assert not np.isnan(k.astype(np.float64)).any() and not np.isnan(out).any()
     packed_out, packed_lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=c.causal)
-    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, c.head_dim))
+    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, c.dims[1]))
     assert np.array_equal(packed_lse, lse.transpose(1, 0, 2).reshape(c.heads_q, -1))
     want_k, want_v = sd.expected_caches(c, x)
     for got, want in ((k_after, want_k), (v_after, want_v)):
@@ -235,7 +236,7 @@ def test_a_rotary_case_is_the_reference_call(paged):
     q, k, v, cu_q, cu_k = sd.packed_problem(c, x)
     packed_out, packed_lse = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=c.causal,
                                                         window_size=c.window_size)
-    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, c.head_dim))
+    assert np.array_equal(packed_out, out.reshape(-1, c.heads_q, c.dims[1]))
     assert np.array_equal(packed_lse, lse.transpose(1, 0, 2).reshape(c.heads_q, -1))
     want_k, want_v = sd.expected_caches(c, x)
     for got, want in ((k_after, want_k), (v_after, want_v)):
@@ -286,3 +287,37 @@ def test_a_share_of_decode_cases_runs_a_pair_of_head_dims_as_the_reference_call(
     assert np.array_equal(packed_lse, lse.transpose(1, 0, 2).reshape(c.heads_q, -1))
     assert np.array_equal(v_after.astype(np.float64), sd.expected_caches(c, x)[1].astype(np.float64),
                           equal_nan=True)
+
+
+def test_a_share_of_decode_cases_runs_mla_decode():
+    """About 10% of the cases are MLA decode, from a stream of their own: one latent KV head of 576
+    columns whose first 512 are V (the host v_cache is k_cache's first columns), 1 to 128 query
+    heads, no new rows, window, softcap, sink, cache options or rotary; every other case is drawn
+    as without it. The packed problem's values are its keys' first 512 columns."""
+    import dataclasses
+
+    cases = [sd.draw_decode_case(s, i) for s in (0, 1) for i in range(500)]
+    mla = [c for c in cases if c.mla]
+    assert abs(len(mla) / len(cases) - sd.DECODE_MLA_SHARE) < 0.04
+    assert {c.heads_q for c in mla} <= set(sd.MLA_HEADS) and len({c.heads_q for c in mla}) > 3
+    assert any(c.page_size == 1 for c in cases if c.page_size) and any(c.page_size for c in mla)
+    for c in mla:
+        assert c.dims == (576, 512) and c.heads_kv == 1 and c.seqlen_new == 0 and not c.value_dims
+        assert c.window_size == (-1, -1) and not (c.softcap or c.sink or c.cache_batch_idx or c.cache_leftpad
+                                                  or c.rotary)
+        assert c.describe().startswith("mla d576v512")
+    with_mla = {(c.seed, c.index) for c in mla}
+    saved = sd.DECODE_MLA_SHARE
+    try:
+        sd.DECODE_MLA_SHARE = 0.0
+        assert all(sd.draw_decode_case(c.seed, c.index) == c for c in cases[:300]
+                   if (c.seed, c.index) not in with_mla)
+    finally:
+        sd.DECODE_MLA_SHARE = saved
+    c = next(c for c in mla if c.batch > 1 and max(c.cache_seqlens) > 0)
+    x = sd.make_decode_inputs(c)
+    assert x.q.shape[3] == x.k_cache.shape[3] == 576 and x.v_cache.shape[3] == 512
+    assert np.array_equal(x.v_cache, x.k_cache[..., :512], equal_nan=True)
+    q, k, v, _, _ = sd.packed_problem(c, x)
+    assert np.array_equal(v, k[..., :512])
+    assert dataclasses.replace(c, mla=False).dims != c.dims

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..configs import DECODE_HEAD_DIM_PAIRS, SUPPORTED_HEAD_DIMS
+from ..configs import DECODE_HEAD_DIM_PAIRS, MLA_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 from .reference import compare_varlen_with_reference, rotary_embedding, rotary_query_step
 from .selftest_common import (
     DTYPE_NAMES,
@@ -51,6 +51,8 @@ DECODE_SINK_SHARE, DECODE_SINK_SHARE_VARIANTS = 0.15, 1 / 3  # cases with a lear
 DECODE_CACHE_OPTION_SHARE = 0.25  # cases with cache_batch_idx, cache_leftpad or both (a third each)
 DECODE_ROTARY_SHARE = 0.4  # of the cases with new rows: a rotary embedding
 DECODE_VALUE_DIM_SHARE = 0.15  # a pair of head dims (``configs.DECODE_HEAD_DIM_PAIRS``) in place of head_dim
+DECODE_MLA_SHARE = 0.1  # MLA decode (``flash_mla_with_kvcache``) in place of the KV-cache call
+MLA_HEADS = (1, 5, 16, 32, 64, 128)  # its query heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +95,15 @@ class DecodeCase:
     # A pair of head dims (q's and k's, v's and out's; ``configs.ASYMMETRIC_HEAD_DIMS``) run in
     # place of ``head_dim``, () for none; drawn from a stream of its own (``draw_value_dims``, 28).
     value_dims: tuple[int, ...] = ()
+    # MLA decode (issue 58; ``draw_mla``, a stream of its own): ``flash_mla_with_kvcache`` on a latent
+    # cache (one KV head of ``configs.MLA_HEAD_DIMS``, V its first columns), no new rows or options.
+    mla: bool = False
 
     @property
     def dims(self) -> tuple[int, int]:
         """(q's and k's head dim, v's and out's)."""
+        if self.mla:
+            return MLA_HEAD_DIMS
         return self.value_dims if self.value_dims else (self.head_dim, self.head_dim)
 
     @property
@@ -130,7 +137,8 @@ class DecodeCase:
         cache = f"paged{self.page_size}" if self.page_size else "contiguous"
         d, dv = self.dims
         dims = f"d{d}v{dv}" if dv != d else f"d{d}"
-        return (f"decode {dims} {'causal' if self.causal else 'full'} {self.dtype} "
+        call = "mla" if self.mla else "decode"
+        return (f"{call} {dims} {'causal' if self.causal else 'full'} {self.dtype} "
                 f"b{self.batch} sq{self.seqlen_q} h{self.heads_q}/{self.heads_kv} {cache} "
                 f"capacity{self.capacity} cache_seqlens={','.join(map(str, self.cache_seqlens))} "
                 f"new{self.seqlen_new} splits={self.num_splits or 'auto'} {self.kind} "
@@ -229,11 +237,36 @@ def draw_decode_case(seed: int, index: int, quick: bool = False, variants: bool 
     value_dims = draw_value_dims(seed, index, DECODE_VALUE_DIM_SHARE, stream=28, pairs=DECODE_HEAD_DIM_PAIRS)
     if value_dims:  # the rotary dim within q's and k's head dim
         rotary_dim = min(rotary_dim, value_dims[0])
-    return DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
+    case = DecodeCase(seed, index, head_dim, causal, dtype, seqlen_q, heads_kv * group, heads_kv, capacity,
                       tuple(seqlens), seqlen_new, page_size, splits, kind, amplitude, scale,
                       bool(rng.random() < 0.5), bool(rng.random() < 0.3), window, softcap, sink=sink,
                       cache_batch_idx=idx, cache_leftpad=pad, rotary=rotary, rotary_dim=rotary_dim,
                       value_dims=value_dims)
+    return case if variants else draw_mla(case, cap)
+
+
+def draw_mla(case: DecodeCase, cap: int) -> DecodeCase:
+    """``DECODE_MLA_SHARE`` of the cases (not of a ``variants`` run: MLA takes no window or softcap)
+    become MLA decode, from a stream of their own (29): the
+    case's lengths, cache, dtype, causality, seqlen_q, split count, scale and outputs, with one
+    latent KV head and ``MLA_HEADS`` query heads, and nothing the MLA call does not take (new rows,
+    window, softcap, sink, cache options, rotary, another pair). Batch, then heads, shrink to a
+    quarter of the reference's budget ``cap`` (576 columns: about 4x a d128 key's cost)."""
+    rng = np.random.default_rng([case.seed, case.index, 29])
+    if rng.random() >= DECODE_MLA_SHARE:
+        return case
+    heads = int(rng.choice(MLA_HEADS))
+    seqlens = list(case.cache_seqlens)
+    while len(seqlens) * heads * case.seqlen_q * max(1, case.capacity) > cap // 4:
+        if len(seqlens) > 1:
+            seqlens.pop()
+        elif heads > 1:
+            heads //= 2
+        else:
+            break
+    return dataclasses.replace(case, heads_q=heads, heads_kv=1, cache_seqlens=tuple(seqlens), seqlen_new=0,
+                               window_size=(-1, -1), softcap=0.0, sink=(), cache_batch_idx=(),
+                               cache_leftpad=(), rotary=0, rotary_dim=0, value_dims=(), mla=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +322,8 @@ def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
         # the rows before the left padding stay NaN (rows 0 .. n drawn as ever: the data of a case
         # without options is as before)
         where = cache_rows(case, table, s, 0, n)
-        keys, values = rng.standard_normal((n, hkv, d)) * case.amplitude, rng.standard_normal((n, hkv, dv))
+        keys = rng.standard_normal((n, hkv, d)) * case.amplitude
+        values = keys[..., :dv] if case.mla else rng.standard_normal((n, hkv, dv))  # MLA: V in K
         start = case.start_of(s)
         k_cache[where[0][start:], where[1][start:]] = keys[start:]
         v_cache[where[0][start:], where[1][start:]] = values[start:]
@@ -386,11 +420,17 @@ def run_decode_case(case: DecodeCase) -> Any:
                 extra[name] = dev[name]
         if case.rotary:
             extra["rotary_interleaved"] = case.rotary == 2
-        result = numbaflash.flash_attention_with_kvcache(
-            dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"], k_new=dev["k_new"],
-            v_new=dev["v_new"], block_table=dev["block_table"], causal=case.causal,
-            softmax_scale=case.softmax_scale, window_size=case.window_size, softcap=case.softcap,
-            num_splits=case.num_splits, return_lse=case.return_lse, out=out, **extra)
+        if case.mla:
+            result = numbaflash.flash_mla_with_kvcache(
+                dev["q"], dev["k_cache"], dev["cache_seqlens"], dev["block_table"], causal=case.causal,
+                softmax_scale=case.softmax_scale, num_splits=case.num_splits, return_lse=case.return_lse,
+                out=out)
+        else:
+            result = numbaflash.flash_attention_with_kvcache(
+                dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"], k_new=dev["k_new"],
+                v_new=dev["v_new"], block_table=dev["block_table"], causal=case.causal,
+                softmax_scale=case.softmax_scale, window_size=case.window_size, softcap=case.softcap,
+                num_splits=case.num_splits, return_lse=case.return_lse, out=out, **extra)
         got, lse = result if case.return_lse else (result, None)
         problems = [] if out is None or got is out else ["the result is not the given out"]
         got = to_host(got).reshape(-1, case.heads_q, case.dims[1])
