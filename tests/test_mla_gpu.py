@@ -123,3 +123,24 @@ def test_bad_input_is_refused_before_launch():
         numbaflash.flash_mla_with_kvcache(q, cache, lens, torch.zeros(3, 1, dtype=torch.int32, device="cuda"))
     with pytest.raises(ValueError, match="cache_seqlens"):
         numbaflash.flash_mla_with_kvcache(q, cache, lens[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 64])
+def test_known_layouts_take_the_fast_path_with_the_same_bits(monkeypatch, page):
+    """A second call of a validated layout skips the checks (``decode.run_torch(.., latent=True)``)
+    and gives the same bits; a call the fast path cannot vouch for (a head_dim_v of another type)
+    falls back to the full checks."""
+    from numbaflash.operations import decode as decode_op
+
+    q, cache, seqlens, table = mla_problem(3, 3, 1, 32, [9, 300, 64], page, torch.bfloat16)
+    first, lse = numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, return_lse=True, num_splits=2)
+    fast = []
+    real = decode_op.run_torch
+    monkeypatch.setattr(decode_op, "run_torch", lambda *a, **k: fast.append(real(*a, **k)) or fast[-1])
+    second, lse2 = numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, return_lse=True, num_splits=2)
+    assert fast and fast[0] is not None, "the second call did not take the fast path"
+    assert torch.equal(first, second) and torch.equal(lse, lse2)
+    with pytest.raises(ValueError, match="head_dim_v must be 512"):
+        numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, head_dim_v=512.5)
+    check(q, cache, seqlens, table, second, lse2, False, "fast path")

@@ -361,7 +361,7 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
               block_table: Any, causal: Any, softmax_scale: Any, num_splits: Any, return_lse: Any, out: Any,
               window_size: Any = (-1, -1), softcap: Any = 0.0, learnable_sink: Any = None,
               cache_batch_idx: Any = None, cache_leftpad: Any = None, rotary_cos: Any = None,
-              rotary_sin: Any = None, rotary_interleaved: Any = False):
+              rotary_sin: Any = None, rotary_interleaved: Any = False, latent: bool = False):
     """Decode on torch tensors whose layout was validated before (a plan in ``GPU.plans``): the
     per-call checks (CUDA tensors of the right dtypes on the current device, aligned pointers,
     a given out overlapping no input; a learnable sink, cache_batch_idx and cache_leftpad
@@ -369,7 +369,9 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
     layout in the key), the allocations and the fires. None where it cannot tell that the call is
     good: the full path (``entry.direct_flash_attention_with_kvcache``) then runs and gives the
     errors. A window or softcap of another type than the validated ones (a tuple of two ints, a
-    float), or a rotary_interleaved that is not a bool, takes the full path too."""
+    float), or a rotary_interleaved that is not a bool, takes the full path too. ``latent``: an MLA
+    call (``entry.direct_flash_mla_with_kvcache``, ``v_cache`` the latent cache itself): V's layout is
+    its first ``configs.MLA_HEAD_DIMS[1]`` columns, the plan's key is MLA's."""
     gpu = gpu_state.GPU
     plans = gpu.plans
     if (not plans or configs.DECODE_FORCED or (causal is not True and causal is not False)
@@ -394,7 +396,9 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
             or k_cache.get_device() != device or v_cache.get_device() != device
             or cache_seqlens.dtype is not _INT32[0] or cache_seqlens.get_device() != device):
         return None
-    layouts = [(q.shape, q.stride()), (k_cache.shape, k_cache.stride()), (v_cache.shape, v_cache.stride()),
+    v_layout = (((*k_cache.shape[:3], configs.MLA_HEAD_DIMS[1]), k_cache.stride()) if latent
+                else (v_cache.shape, v_cache.stride()))
+    layouts = [(q.shape, q.stride()), (k_cache.shape, k_cache.stride()), v_layout,
                (cache_seqlens.shape, cache_seqlens.stride())]
     pointers = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()]
     for x in (k_new, v_new):
@@ -418,8 +422,8 @@ def run_torch(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, k_new: Any
         layouts.append((out.shape, out.stride()))
     else:
         layouts.append(None)
-    key = ("decode", device, name, causal, softmax_scale, num_splits, return_lse, window_size, softcap,
-           *layouts)  # plan_key's
+    key = ("mla" if latent else "decode", device, name, causal, softmax_scale, num_splits, return_lse,
+           window_size, softcap, *layouts)  # plan_key's
     extra = []  # the options' pointers, in the fire's order: sink, cache_batch_idx, cache_leftpad
     if learnable_sink is not None:
         pointer = torch_small_pointer(learnable_sink, FLOAT32[0], q.shape[2], device)

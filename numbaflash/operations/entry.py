@@ -224,7 +224,13 @@ def direct_flash_mla_with_kvcache(q: Any, kv_cache: Any, cache_seqlens: Any, blo
                                   return_lse: Any, out: Any) -> Any:
     """``api.flash_mla_with_kvcache``: validate, then launch the MLA decode kernel
     (``kernels.mla_decode``) through decode's plan (``decode.run_device(.., latent=True)``), V
-    described as the first ``head_dim_v`` columns of the cache."""
+    described as the first ``head_dim_v`` columns of the cache. Torch tensors of a layout validated
+    before take ``decode.run_torch(.., latent=True)``: its per-call checks and the launches."""
+    if kind_of(q) == "torch" and type(head_dim_v) is int and head_dim_v == MLA_HEAD_DIMS[1]:
+        done = decode.run_torch(q, kv_cache, kv_cache, cache_seqlens, None, None, block_table, causal,
+                                softmax_scale, num_splits, return_lse, out, latent=True)
+        if done is not None:
+            return done
     qd, kcd = describe("q", q), describe("kv_cache", kv_cache)
     for op in (qd, kcd):
         if len(op.shape) != 4 or 0 in op.shape:
