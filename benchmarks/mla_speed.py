@@ -7,8 +7,7 @@ call on torch tensors.
 
     python benchmarks/mla_speed.py [--dtype bf16] [--rows 0,1] [--peak-tbs 4.8] [--configs]
 
-``--configs`` also times the candidates (``CANDIDATES``) on the 16-row and the 64-row and longer rows
-(forced).
+``--configs`` also times the candidates (``CANDIDATES``, forced) on each row.
 """
 
 from __future__ import annotations
@@ -40,9 +39,12 @@ ROWS = [  # batch, query heads, cached tokens, seqlen_q, page size (None: contig
     (64, 128, 4096, 2, 64, True),  # multi-token prediction
 ]
 ROTATION_BYTES = 400_000_000
-CANDIDATES = {  # by the call's packed rows: the shipped config's alternatives
-    16: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2)],  # 8 warps, rows idle
-    64: [MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=3)],
+CANDIDATES = {  # by the call's packed rows (16, 32, 64): the shipped config's alternatives
+    16: [MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, score_chains=2),
+         MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, score_chains=4)],
+    32: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, score_chains=2),
+         MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, score_chains=4)],
+    64: [MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2, score_chains=2)],
 }
 
 
@@ -90,8 +92,8 @@ def main() -> None:
         name = f"{b} x {h} x {s} x {sq}, {where}{' causal' if causal else ''}"
         ms = statistics.median(graph_times(fns, 3))
         print(line(name, b, h, s, sq, ms, args.peak_tbs), flush=True)
-        if args.configs and (h * sq > 32 or h * sq <= 16):
-            for config in CANDIDATES[64 if h * sq > 32 else 16]:
+        if args.configs:
+            for config in CANDIDATES[16 if h * sq <= 16 else 32 if h * sq <= 32 else 64]:
                 forced = dataclasses.replace(config, paged=page is not None)
                 with configs.force_decode_config(forced):
                     ms = statistics.median(graph_times(fns, 3))

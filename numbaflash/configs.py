@@ -737,8 +737,9 @@ def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, share
     read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB), which with 64 rows
     fills the 227 KB of a Hopper CTA to the byte (H200, 64 x 4096 tokens, pages of 64: 393 µs at
     128 heads and 241 at 64, against 474 and 283 with 32-key tiles in a ring of 3; docs/PERFORMANCE.md,
-    "MLA decode"); whichever first fits the GPU's shared memory a CTA (99 KB GPUs: 16 rows, 32-key
-    tiles, 2 warps)."""
+    "MLA decode"); whichever first fits the GPU's shared memory a CTA (163 KB GPUs such as the A100:
+    32-key tiles, the 16-row tile's 168 KB does not fit; 99 KB GPUs: 16 rows, 32-key tiles, 2 warps).
+    The A100's and 99 KB GPUs' configs are checked on an H200 (forced), not timed on their GPUs."""
     from .kernels.shapes import MlaDecodeConfig
 
     if DECODE_FORCED and isinstance(DECODE_FORCED[0], MlaDecodeConfig):
@@ -747,8 +748,16 @@ def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, share
     m16 = MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, paged=paged)
     m32 = MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, paged=paged)
     m64 = MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2, paged=paged)
+    # 163 KB GPUs (A100): 32-key tiles for 32 and 64 rows; 99 KB GPUs: 16 rows, 2 warps
+    m32_163 = MlaDecodeConfig(m_tiles=2, block_n=32, num_warps=4, key_warps=2, stages=3, paged=paged)
+    m64_163 = MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=2, paged=paged)
     small = MlaDecodeConfig(m_tiles=1, block_n=32, num_warps=2, key_warps=2, stages=2, paged=paged)
-    tried = [m16, small] if rows <= 16 else [m32, m16, small] if rows <= 32 else [m64, m32, m16, small]
+    if rows <= 16:
+        tried = [m16, small]
+    elif rows <= 32:
+        tried = [m32, m32_163, small]
+    else:
+        tried = [m64, m64_163, m32_163, small]
     for config in tried:
         if config.shared_bytes <= limit:
             return config

@@ -46,11 +46,14 @@ def test_dispatch_takes_the_fewest_m_tiles_that_hold_the_rows(rows, expected):
         assert config.shared_bytes <= configs.max_shared_bytes((9, 0))
 
 
-def test_small_shared_memory_gpus_get_a_config_that_fits():
-    for rows in (16, 64):
-        config = configs.mla_decode_config((8, 6), rows, True)
-        assert config.shared_bytes <= configs.max_shared_bytes((8, 6))
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (12, 0)])
+def test_smaller_shared_memory_gpus_get_configs_that_fit(capability):
+    for rows in (16, 32, 64):
+        config = configs.mla_decode_config(capability, rows, True)
+        assert config.shared_bytes <= configs.max_shared_bytes(capability)
         config.check()
+    if capability == (8, 0):  # the A100: 32-key tiles keep 32 and 64 rows a CTA
+        assert [configs.mla_decode_config(capability, r, False).rows for r in (16, 32, 64)] == [16, 32, 64]
 
 
 @pytest.mark.parametrize("bad", [dict(num_warps=8, key_warps=8),  # 8-key slices
