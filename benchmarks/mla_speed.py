@@ -40,11 +40,9 @@ ROWS = [  # batch, query heads, cached tokens, seqlen_q, page size (None: contig
 ]
 ROTATION_BYTES = 400_000_000
 CANDIDATES = {  # by the call's packed rows (16, 32, 64): the shipped config's alternatives
-    16: [MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, score_chains=2),
-         MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, score_chains=4)],
-    32: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, score_chains=2),
-         MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, score_chains=4)],
-    64: [MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2, score_chains=2)],
+    16: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2)],  # 8 warps, rows idle
+    32: [MlaDecodeConfig(m_tiles=2, block_n=32, num_warps=4, key_warps=2, stages=3)],  # the A100's
+    64: [MlaDecodeConfig(m_tiles=4, block_n=32, num_warps=8, key_warps=2, stages=2)],  # the A100's
 }
 
 

@@ -50,9 +50,9 @@ MlaLoop = namedtuple("MlaLoop", ["base", "sq", "tid", "key_slice", "mt0", "lane"
                                  "k_offsets", "acc_s", "acc_o", "q_frag", "p_mine", "p_all", "b_frag",
                                  "m_run", "l_run", "mx", "scale_log2", "upper"])
 
-# One k-slice of the score (``score_slice``): S's accumulator sets, Q's fragment buffer and the scored
-# m-tiles' rows, the ldmatrix offsets of Q, the key slice's K rows, K's offsets and fragment buffer.
-ScoreSlice = namedtuple("ScoreSlice", ["parts", "q_frag", "q_tile", "a_offsets", "k_tile", "k_offsets",
+# One k-slice of the score (``score_slice``): S, Q's fragment buffer and the scored m-tiles' rows,
+# the ldmatrix offsets of Q, the key slice's K rows, K's offsets and fragment buffer.
+ScoreSlice = namedtuple("ScoreSlice", ["acc_s", "q_frag", "q_tile", "a_offsets", "k_tile", "k_offsets",
                                        "b_frag"])
 # What the rows' writer (``write_row``) reads: the parameters, O, the running maxima, the shared
 # memory (the key slices' row sums), the batch, the block's first row, the rows that exist, the
@@ -77,7 +77,6 @@ def make_mla_walk(config: MlaDecodeConfig, causal: bool, bf16: bool):
     MAXES = config.maxes_at // 4  # float32 index
     P_AT = config.p_at
     WK = config.key_warps
-    CHAINS = config.score_chains
     CAUSAL = causal
     BF16 = bf16
     D_K_TILES = config.head_dim // 16  # k-slices of S = Q Kᵀ
@@ -90,40 +89,30 @@ def make_mla_walk(config: MlaDecodeConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, forceinline=True)
     def score_slice(kt, st):
-        """k-slice ``kt`` of S = Q Kᵀ into accumulator set kt % CHAINS (``st``: a ScoreSlice): the
-        scored m-tiles' Q slice and the key slice's K pairs by ldmatrix, then their mma.sync."""
-        a = kt % CHAINS
+        """k-slice ``kt`` of S = Q Kᵀ (``st``: a ScoreSlice): the scored m-tiles' Q slice and the key
+        slice's K pairs by ldmatrix, then their mma.sync."""
         for mt in range(MTW):
             q_at = st.q_tile + block_offset(st.a_offsets, kt, BM, RB) + mt * 16 * RB
             ptx.ldmatrix_x4(st.q_frag[mt, 0], q_at)
         for j2 in range(S_PAIRS):
             ptx.ldmatrix_x4(st.b_frag[0], st.k_tile + block_offset(st.k_offsets, kt, BN, RB) + j2 * 16 * RB)
             for mt in range(MTW):
-                mma(st.parts[a, mt, 2 * j2], st.q_frag[mt, 0], st.b_frag[0, 0:2])
-                mma(st.parts[a, mt, 2 * j2 + 1], st.q_frag[mt, 0], st.b_frag[0, 2:4])
+                mma(st.acc_s[mt, 2 * j2], st.q_frag[mt, 0], st.b_frag[0, 0:2])
+                mma(st.acc_s[mt, 2 * j2 + 1], st.q_frag[mt, 0], st.b_frag[0, 2:4])
 
     score_slices = unroll(score_slice, D_K_TILES)  # NVVM leaves a 36-slice loop rolled
 
     @cuda.jit(device=True, forceinline=True)
     def score(loop, sk, key0, total, diag, r0, group):
-        """S of the warp's key slice (keys key0 ..) and scored m-tiles against the K tile at ``sk``,
-        over ``config.score_chains`` accumulator sets, then summed; -inf past the keys and (causal)
-        after each row's diagonal."""
-        parts = cuda.local.array((CHAINS, MTW, S_N_TILES, 4), float32)
-        for a in range(CHAINS):
-            for i in range(MTW):
-                for j in range(S_N_TILES):
-                    for e in range(4):
-                        parts[a, i, j, e] = 0.0
-        score_slices(ScoreSlice(parts, loop.q_frag, loop.sq + loop.mt0 * 16 * RB, loop.a_offsets,
-                                sk + loop.key_slice * KW * RB, loop.k_offsets, loop.b_frag))
+        """S of the warp's key slice (keys key0 ..) and scored m-tiles against the K tile at ``sk``;
+        -inf past the keys and (causal) after each row's diagonal. (S over 2 or 4 accumulator sets,
+        against the chain of 36 dependent mma.sync: no gain, lab/NOTEBOOK.md MLA.)"""
         for i in range(MTW):
             for j in range(S_N_TILES):
                 for e in range(4):
-                    sum_s = parts[0, i, j, e]
-                    for a in range(1, CHAINS):
-                        sum_s += parts[a, i, j, e]
-                    loop.acc_s[i, j, e] = sum_s
+                    loop.acc_s[i, j, e] = 0.0
+        score_slices(ScoreSlice(loop.acc_s, loop.q_frag, loop.sq + loop.mt0 * 16 * RB, loop.a_offsets,
+                                sk + loop.key_slice * KW * RB, loop.k_offsets, loop.b_frag))
         if key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + (r0 + 16 * loop.mt0) // group):
             mask_rows(loop.acc_s, key0, loop.lane, total, loop.upper, loop.upper)
 

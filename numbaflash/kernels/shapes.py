@@ -711,9 +711,6 @@ class MlaDecodeConfig(ValueDim):
     key_warps: int = 4  # the S product's key slices (the warps' other factor splits the m-tiles)
     stages: int = 2
     paged: bool = False  # K through a block table
-    # Independent accumulator sets of S = Q Kᵀ's 36 k-slices (k-slice kt into set kt % score_chains,
-    # summed at the end): 1 makes each S fragment a chain of 36 dependent mma.sync.
-    score_chains: int = 1
 
     @property
     def rows(self) -> int:
@@ -745,7 +742,6 @@ class MlaDecodeConfig(ValueDim):
     @property
     def tag(self) -> str:
         return (f"_m{self.rows}_n{self.block_n}_w{self.num_warps}k{self.key_warps}_s{self.stages}"
-                + (f"_c{self.score_chains}" if self.score_chains > 1 else "")
                 + ("_paged" if self.paged else ""))
 
     @property
@@ -794,8 +790,6 @@ class MlaDecodeConfig(ValueDim):
         if self.score_keys % 16 or self.value_columns % 64:
             raise ValueError(f"a warp scores a multiple of 16 keys and accumulates a multiple of 64 of O's "
                              f"columns, got {self}")
-        if self.score_chains not in (1, 2, 3, 4):
-            raise ValueError(f"score_chains must be 1 to 4, got {self}")
         if (self.block_n * d // 8) % self.threads or not 2 <= self.stages <= 4:
             raise ValueError(f"a tile's 16-byte chunks must divide over the threads, stages 2 to 4, "
                              f"got {self}")
