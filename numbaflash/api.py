@@ -492,8 +492,9 @@ def flash_mla_with_kvcache(
         out: optional (batch, seqlen_q, heads_q, 512) device array of q's dtype.
 
     The kernel (``kernels.mla_decode``, mma.sync, every GPU from sm_80) reads the cache once per
-    64 query rows (heads x seqlen_q) and is compiled on first use. Not yet routed through a torch
-    custom op: under torch.compile the call breaks the graph.
+    64 query rows (heads x seqlen_q) and is compiled on first use. Under torch.compile (or fake
+    tensors, a dispatch mode) the call is the custom op ``numbaflash::flash_mla_with_kvcache``, so a
+    compiled decode step has no graph break (``out=`` is refused there).
 
     Raises:
         TypeError, ValueError: bad input, before anything is compiled or launched.
@@ -501,6 +502,13 @@ def flash_mla_with_kvcache(
     Returns:
         ``out`` (batch, seqlen_q, heads_q, 512), and with ``return_lse`` the LSE.
     """
+    if kind_of(q) == "torch":  # torch.compile, fake tensors: the custom op
+        from .torch_route import route_mla
+
+        routed = route_mla(q, kv_cache, cache_seqlens, block_table, head_dim_v, causal, softmax_scale,
+                           num_splits, return_lse, out)
+        if routed is not None:
+            return routed
     return direct_flash_mla_with_kvcache(q, kv_cache, cache_seqlens, block_table, head_dim_v, causal,
                                          softmax_scale, num_splits, return_lse, out)
 

@@ -9,6 +9,9 @@ numbaflash`` never imports torch). Two ops under the ``numbaflash`` namespace:
   window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)``
 - ``numbaflash::flash_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale,
   deterministic, window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``
+- ``numbaflash::flash_mla_with_kvcache(q, kv_cache, cache_seqlens, block_table, causal,
+  softmax_scale, num_splits) -> (out, lse)``: MLA decode (reads the cache only; no autograd);
+  ``numbaflash::flash_attention_with_kvcache`` is decode's (it appends in place);
 - ``numbaflash::flash_attention_sink_backward(dout, q, k, v, out, lse, learnable_sink, causal,
   softmax_scale, deterministic, window_left, window_right, softcap) -> (dq, dk, dv, d_sink)``:
   the backward of a forward with a learnable sink (its own op, so that the sinkless op's schema
@@ -49,6 +52,7 @@ from .operations.entry import (
     direct_flash_attention,
     direct_flash_attention_backward,
     direct_flash_attention_with_kvcache,
+    direct_flash_mla_with_kvcache,
 )
 from .operations.forward import variant_of
 from .operations.varlen import check_offsets_shape, check_packed_shapes, direct_flash_attention_varlen, packed
@@ -691,3 +695,30 @@ def _varlen_fp8_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise TypeError(f"{name} must be a 1-D int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
     total_q, heads_q, _ = q.shape
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((heads_q, total_q), dtype=torch.float32)
+
+
+def run_mla(q: Tensor, kv_cache: Tensor, cache_seqlens: Tensor, block_table: Tensor | None, causal: bool,
+            softmax_scale: float, num_splits: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of MLA decode on real tensors (``entry.direct_flash_mla_with_kvcache``)."""
+    return direct_flash_mla_with_kvcache(q, kv_cache, cache_seqlens, block_table, configs.MLA_HEAD_DIMS[1],
+                                         causal, softmax_scale, num_splits, True, None)
+
+
+@torch.library.custom_op("numbaflash::flash_mla_with_kvcache", mutates_args=())
+def flash_mla_with_kvcache(q: Tensor, kv_cache: Tensor, cache_seqlens: Tensor, block_table: Tensor | None,
+                           causal: bool, softmax_scale: float, num_splits: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of MLA decode (``api.flash_mla_with_kvcache``; the cache is only read)."""
+    return run_mla(q, kv_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits)
+
+
+@flash_mla_with_kvcache.register_fake
+def _mla_fake(q, kv_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits):
+    d_qk, d_v = configs.MLA_HEAD_DIMS
+    if q.dim() != 4 or q.shape[3] != d_qk:
+        raise ValueError(f"q's head_dim must be {d_qk} (512 latent + 64 rotary), got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 4 or tuple(kv_cache.shape[2:]) != (1, d_qk) or kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache must be a {q.dtype} tensor of shape (batch or num_pages, rows, 1, "
+                         f"{d_qk}), got {kv_cache.dtype} of shape {tuple(kv_cache.shape)}")
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (q.new_empty((batch, seqlen_q, heads_q, d_v)),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))

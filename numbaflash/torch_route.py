@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .configs import MLA_HEAD_DIMS
 from .operands import check_flag, check_softcap, check_softmax_scale, check_window_size
 from .torch_ops import (
     DTYPE_NAMES,
@@ -21,6 +22,7 @@ from .torch_ops import (
     flash_attention_forward,
     flash_attention_varlen_forward,
     flash_attention_with_kvcache,
+    flash_mla_with_kvcache,
     out_shape,
 )
 
@@ -169,6 +171,26 @@ def route_kvcache(q: Tensor, k_cache, v_cache, cache_seqlens, k_new, v_new, bloc
     else:
         result, lse = flash_attention_with_kvcache(*args, *window_size, softcap)
     return (result, lse) if return_lse else result
+
+
+def route_mla(q: Tensor, kv_cache, cache_seqlens, block_table, head_dim_v, causal, softmax_scale, num_splits,
+              return_lse, out):
+    """``flash_mla_with_kvcache`` on torch tensors: None where the direct path serves the call, else
+    its result through the custom op (under torch.compile / export, fake or meta tensors, a dispatch
+    mode), so that a compiled decode step has no graph break."""
+    if not (_dynamo_compiling() or type(q) is not Tensor or q.is_meta or _dispatch_modes()):
+        return None
+    if out is not None:
+        raise RuntimeError("flash_mla_with_kvcache(): out= is not supported under torch.compile or a "
+                           "dispatch mode; use the returned tensor")
+    if isinstance(head_dim_v, bool) or head_dim_v != MLA_HEAD_DIMS[1]:
+        raise ValueError(f"head_dim_v must be {MLA_HEAD_DIMS[1]} (V is the cache's first {MLA_HEAD_DIMS[1]} "
+                         f"values), got {head_dim_v!r}")
+    causal = check_flag("causal", causal)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    result, lse = flash_mla_with_kvcache(q, kv_cache, cache_seqlens, block_table, causal, scale,
+                                         int(num_splits))
+    return (result, lse) if check_flag("return_lse", return_lse) else result
 
 
 def route_varlen(q: Tensor, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,

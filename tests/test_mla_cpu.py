@@ -96,3 +96,81 @@ def test_checks_before_anything_launches():
         numbaflash.flash_mla_with_kvcache(q, cache, lens, head_dim_v=True)
     with pytest.raises(TypeError, match="takes device arrays"):
         numbaflash.flash_mla_with_kvcache(q, cache, lens)
+
+
+def reference_mla(q, kv_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits):
+    """MLA decode in float32 torch (the custom op's stand-in on CPU tensors): (out, lse)."""
+    import torch
+
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        rows = (kv_cache[b, :n, 0] if block_table is None
+                else torch.cat([kv_cache[int(p), :, 0] for p in block_table[b]])[:n]).float()
+        s = torch.einsum("qhd,kd->hqk", q[b].float(), rows) * softmax_scale
+        if causal:
+            sq = q.shape[1]
+            s = s.masked_fill(torch.arange(n)[None, :] > n - sq + torch.arange(sq)[:, None], float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.nan_to_num(torch.exp(s - lse[..., None]))
+        outs.append(torch.einsum("hqk,kd->qhd", p, rows[:, :512]).to(q.dtype))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def mla_tensors(torch, paged=True):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 8, 576, generator=gen).half()
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    if not paged:
+        return q, torch.randn(2, 40, 1, 576, generator=gen).half(), lens, None
+    cache = torch.randn(5, 16, 1, 576, generator=gen).half()
+    return q, cache, lens, torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+
+
+def test_mla_op_fake_kernel_and_opcheck(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from numbaflash import torch_ops
+
+    monkeypatch.setattr(torch_ops, "run_mla", reference_mla)
+    with FakeTensorMode():
+        q = torch.empty(3, 2, 16, 576, dtype=torch.bfloat16, device="cuda")
+        cache = torch.empty(10, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+        lens = torch.empty(3, dtype=torch.int32, device="cuda")
+        table = torch.empty(3, 4, dtype=torch.int32, device="cuda")
+        out, lse = numbaflash.flash_mla_with_kvcache(q, cache, lens, table, return_lse=True)
+        assert (tuple(out.shape), out.dtype) == ((3, 2, 16, 512), q.dtype)
+        assert (tuple(lse.shape), lse.dtype) == ((3, 16, 2), torch.float32)
+        with pytest.raises(ValueError, match="kv_cache must be"):
+            numbaflash.flash_mla_with_kvcache(q, cache[..., :512], lens, table)
+        with pytest.raises(ValueError, match="head_dim_v must be 512"):
+            numbaflash.flash_mla_with_kvcache(q, cache, lens, table, head_dim_v=256)
+        with pytest.raises(RuntimeError, match="out= is not supported"):
+            numbaflash.flash_mla_with_kvcache(q, cache, lens, table, out=out)
+    for paged in (False, True):
+        q, cache, lens, table = mla_tensors(torch, paged)
+        torch.library.opcheck(torch.ops.numbaflash.flash_mla_with_kvcache.default,
+                              (q, cache, lens, table, paged, 0.05, 0))
+
+
+def test_compiled_mla_step_has_no_graph_break(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from numbaflash import torch_ops
+
+    monkeypatch.setattr(torch_ops, "run_mla", reference_mla)
+    torch._dynamo.reset()
+
+    def step(q, cache, lens, table):
+        out = numbaflash.flash_mla_with_kvcache(q, cache, lens, table, causal=True)
+        lens.add_(1)
+        return out
+
+    q, cache, lens, table = mla_tensors(torch)
+    explained = torch._dynamo.explain(step)(q, cache, lens.clone(), table)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(q, cache, lens.clone(), table)
+    want, _ = reference_mla(q, cache, lens, table, True, 576 ** -0.5, 0)
+    assert torch.equal(got, want)

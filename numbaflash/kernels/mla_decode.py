@@ -106,7 +106,7 @@ def make_mla_walk(config: MlaDecodeConfig, causal: bool, bf16: bool):
     def score(loop, sk, key0, total, diag, r0, group):
         """S of the warp's key slice (keys key0 ..) and scored m-tiles against the K tile at ``sk``;
         -inf past the keys and (causal) after each row's diagonal. (S over 2 or 4 accumulator sets,
-        against the chain of 36 dependent mma.sync: no gain, lab/NOTEBOOK.md MLA.)"""
+        against the chain of 36 dependent mma.sync: no gain, docs/PERFORMANCE.md [MLA].)"""
         for i in range(MTW):
             for j in range(S_N_TILES):
                 for e in range(4):
