@@ -144,3 +144,19 @@ def test_known_layouts_take_the_fast_path_with_the_same_bits(monkeypatch, page):
     with pytest.raises(ValueError, match="head_dim_v must be 512"):
         numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, head_dim_v=512.5)
     check(q, cache, seqlens, table, second, lse2, False, "fast path")
+
+
+@pytest.mark.gpu
+def test_compiled_decode_step_runs_the_custom_op_with_the_same_bits():
+    """A decode step under torch.compile (fullgraph) runs ``numbaflash::flash_mla_with_kvcache``:
+    the same output and LSE as the eager call."""
+    q, cache, seqlens, table = mla_problem(11, 2, 2, 16, [100, 700], 64, torch.bfloat16)
+    eager, eager_lse = numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, causal=True,
+                                                         return_lse=True)
+
+    def step(q, cache, lens, table):
+        return numbaflash.flash_mla_with_kvcache(q, cache, lens, table, causal=True, return_lse=True)
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True)(q, cache, seqlens, table)
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
