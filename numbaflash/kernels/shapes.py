@@ -609,8 +609,21 @@ class WsBackwardConfig:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
 
+class PackedRows:
+    """What the decode configs share (``DecodeConfig``, ``MlaDecodeConfig``): a CTA's packed query
+    rows, ``m_tiles`` 16-row m-tiles, and its threads, ``num_warps`` warps."""
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig(ValueDim):
+class DecodeConfig(ValueDim, PackedRows):
     """Compile-time shape of the decode kernel (``decode_mma``): one CTA takes
     ``rows`` packed query rows (the query heads of one KV head times seqlen_q) and one split of
     the keys; ``block_n`` keys a tile stream through a ring of ``stages`` K and V tiles, and each
@@ -625,14 +638,6 @@ class DecodeConfig(ValueDim):
     # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
     # (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
     head_dim_v: int = 0
-
-    @property
-    def rows(self) -> int:
-        return 16 * self.m_tiles
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
 
     @property
     def row_bytes(self) -> int:
@@ -691,7 +696,7 @@ class DecodeConfig(ValueDim):
 
 
 @dataclasses.dataclass(frozen=True)
-class MlaDecodeConfig(ValueDim):
+class MlaDecodeConfig(ValueDim, PackedRows):
     """Compile-time shape of the MLA decode kernel (``mla_decode``, issue 58): DeepSeek's latent
     cache, one row a token of ``head_dim`` values (576: 512 latent + 64 rotary) shared by every
     query head, K the whole row and V its first ``head_dim_v`` (512). One CTA takes ``rows``
@@ -711,14 +716,6 @@ class MlaDecodeConfig(ValueDim):
     key_warps: int = 4  # the S product's key slices (the warps' other factor splits the m-tiles)
     stages: int = 2
     paged: bool = False  # K through a block table
-
-    @property
-    def rows(self) -> int:
-        return 16 * self.m_tiles
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
 
     @property
     def row_bytes(self) -> int:
