@@ -88,36 +88,43 @@ def make_mla_walk(config: MlaDecodeConfig, causal: bool, bf16: bool):
     pv_slice = pv.pv_slice
 
     @cuda.jit(device=True, forceinline=True)
-    def score_slice(k4, st):
-        """k-slice ``k4`` (0-3) of the 64-column block of S = Q Kᵀ whose Q and K columns start at
-        ``st.q_tile`` and ``st.k_tile`` (``st``: a ScoreSlice): the scored m-tiles' Q slice and the
-        key slice's K pairs by ldmatrix, then their mma.sync."""
+    def score_slice(kt, st):
+        """k-slice ``kt`` of S = Q Kᵀ, counted from the columns at ``st.q_tile`` and ``st.k_tile``
+        (``st``: a ScoreSlice): the scored m-tiles' Q slice and the key slice's K pairs by ldmatrix,
+        then their mma.sync."""
         for mt in range(MTW):
-            q_at = st.q_tile + block_offset(st.a_offsets, k4, BM, RB) + mt * 16 * RB
+            q_at = st.q_tile + block_offset(st.a_offsets, kt, BM, RB) + mt * 16 * RB
             ptx.ldmatrix_x4(st.q_frag[mt, 0], q_at)
         for j2 in range(S_PAIRS):
-            ptx.ldmatrix_x4(st.b_frag[0], st.k_tile + block_offset(st.k_offsets, k4, BN, RB) + j2 * 16 * RB)
+            ptx.ldmatrix_x4(st.b_frag[0], st.k_tile + block_offset(st.k_offsets, kt, BN, RB) + j2 * 16 * RB)
             for mt in range(MTW):
                 mma(st.acc_s[mt, 2 * j2], st.q_frag[mt, 0], st.b_frag[0, 0:2])
                 mma(st.acc_s[mt, 2 * j2 + 1], st.q_frag[mt, 0], st.b_frag[0, 2:4])
 
-    score_block = unroll(score_slice, 4)  # a column block's four k-slices
+    score_block = unroll(score_slice, 4)  # a 64-column block's four k-slices
+    score_all = unroll(score_slice, D_BLOCKS * 4)  # every k-slice (NVVM leaves a 36-slice loop rolled)
 
     @cuda.jit(device=True, forceinline=True)
     def score(loop, sk, key0, total, diag, r0, group):
-        """S of the warp's key slice (keys key0 ..) and scored m-tiles against the K tile at ``sk``,
-        a 64-column block (four k-slices, unrolled) at a time; -inf past the keys and (causal) after
-        each row's diagonal. (S over 2 or 4 accumulator sets, against the chain of 36 dependent
-        mma.sync: no gain, docs/PERFORMANCE.md [MLA].)"""
+        """S of the warp's key slice (keys key0 ..) and scored m-tiles against the K tile at ``sk``;
+        -inf past the keys and (causal) after each row's diagonal. One scored m-tile: a loop over
+        the 64-column blocks, four k-slices each (NVVM unrolls it all the same: the same instruction
+        count, half the compile time); two or more: every k-slice unrolled in Python (the loop, left
+        partly rolled there, was 1.5% slower at 64 and 128 heads). (S over 2 or 4 accumulator sets,
+        against the chain of 36 dependent mma.sync: no gain.) docs/PERFORMANCE.md [MLA]."""
         for i in range(MTW):
             for j in range(S_N_TILES):
                 for e in range(4):
                     loop.acc_s[i, j, e] = 0.0
         q_tile = loop.sq + loop.mt0 * 16 * RB
         k_tile = sk + loop.key_slice * KW * RB
-        for block in range(D_BLOCKS):
-            score_block(ScoreSlice(loop.acc_s, loop.q_frag, q_tile + block * (BM * RB), loop.a_offsets,
-                                   k_tile + block * (BN * RB), loop.k_offsets, loop.b_frag))
+        if MTW > 1:
+            score_all(ScoreSlice(loop.acc_s, loop.q_frag, q_tile, loop.a_offsets, k_tile, loop.k_offsets,
+                                 loop.b_frag))
+        else:
+            for block in range(D_BLOCKS):
+                score_block(ScoreSlice(loop.acc_s, loop.q_frag, q_tile + block * (BM * RB), loop.a_offsets,
+                                       k_tile + block * (BN * RB), loop.k_offsets, loop.b_frag))
         if key0 + KW > total or (CAUSAL and key0 + KW - 1 > diag + (r0 + 16 * loop.mt0) // group):
             mask_rows(loop.acc_s, key0, loop.lane, total, loop.upper, loop.upper)
 
