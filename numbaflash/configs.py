@@ -735,8 +735,8 @@ def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, share
     """The MLA decode kernel's config (``kernels.mla_decode``) for ``rows`` packed query rows (query
     heads times seqlen_q): the fewest 16-row m-tiles (1, 2 or 4) that hold them, so that the cache is
     read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB), which with 64 rows
-    fills the 227 KB of a Hopper CTA to the byte (H200, 64 x 4096 tokens, pages of 64: 393 µs at
-    128 heads and 241 at 64, against 474 and 283 with 32-key tiles in a ring of 3; docs/PERFORMANCE.md,
+    fills the 227 KB of a Hopper CTA to the byte (H200, 64 x 4096 tokens, pages of 64: 314 µs at
+    128 heads and 206 at 64, against 403 and 254 with 32-key tiles in a ring of 3; docs/PERFORMANCE.md,
     "MLA decode"); whichever first fits the GPU's shared memory a CTA (163 KB GPUs such as the A100:
     32-key tiles, the 16-row tile's 168 KB does not fit; 99 KB GPUs: 16 rows, 32-key tiles, 2 warps).
     The A100's and 99 KB GPUs' configs are checked on an H200 (forced), not timed on their GPUs."""
