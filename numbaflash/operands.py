@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .configs import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS
+from .configs import ASYMMETRIC_HEAD_DIMS, MLA_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 
 FLOAT16 = np.dtype(np.float16)
 
@@ -647,3 +647,19 @@ def describe_sink(x: Any, heads_q: int, on_device: bool, function: str = "flash_
     if pointer % 4:
         raise ValueError(f"learnable_sink must start on a 4-byte boundary, got pointer {pointer:#x}")
     return Operand("learnable_sink", dims, "float32", True, x, (1,), pointer, device=device)
+
+
+def check_mla_shapes(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], q_dtype: str, kv_dtype: str,
+                     head_dim_v: Any) -> None:
+    """MLA decode's operands (``flash_mla_with_kvcache``, its torch route and its custom op's fake
+    kernel): q's head dim ``MLA_HEAD_DIMS[0]`` (576), a latent cache (batch or num_pages, rows, 1,
+    576) of q's dtype, and ``head_dim_v`` ``MLA_HEAD_DIMS[1]`` (512)."""
+    d_qk, d_v = MLA_HEAD_DIMS
+    if len(q_shape) != 4 or q_shape[3] != d_qk:
+        raise ValueError(f"q's head_dim must be {d_qk} (512 latent + 64 rotary), got shape {tuple(q_shape)}")
+    if len(kv_shape) != 4 or tuple(kv_shape[2:]) != (1, d_qk) or kv_dtype != q_dtype:
+        raise ValueError(f"kv_cache must be a {q_dtype} array of shape (batch or num_pages, rows, 1, {d_qk}) "
+                         f"(one latent row a token), got {tuple(kv_shape)} {kv_dtype}")
+    if isinstance(head_dim_v, bool) or head_dim_v != d_v:
+        raise ValueError(f"head_dim_v must be {d_v} (V is the cache's first {d_v} values), "
+                         f"got {head_dim_v!r}")

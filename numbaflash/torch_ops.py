@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from . import configs
-from .operands import Operand, check_shapes, check_softcap, check_window_size
+from .operands import Operand, check_mla_shapes, check_shapes, check_softcap, check_window_size
 from .operations import backward as backward_operation
 from .operations.entry import (
     direct_flash_attention,
@@ -713,12 +713,8 @@ def flash_mla_with_kvcache(q: Tensor, kv_cache: Tensor, cache_seqlens: Tensor, b
 
 @flash_mla_with_kvcache.register_fake
 def _mla_fake(q, kv_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits):
-    d_qk, d_v = configs.MLA_HEAD_DIMS
-    if q.dim() != 4 or q.shape[3] != d_qk:
-        raise ValueError(f"q's head_dim must be {d_qk} (512 latent + 64 rotary), got shape {tuple(q.shape)}")
-    if kv_cache.dim() != 4 or tuple(kv_cache.shape[2:]) != (1, d_qk) or kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache must be a {q.dtype} tensor of shape (batch or num_pages, rows, 1, "
-                         f"{d_qk}), got {kv_cache.dtype} of shape {tuple(kv_cache.shape)}")
+    check_mla_shapes(tuple(q.shape), tuple(kv_cache.shape), str(q.dtype), str(kv_cache.dtype),
+                     configs.MLA_HEAD_DIMS[1])
     batch, seqlen_q, heads_q, _ = q.shape
-    return (q.new_empty((batch, seqlen_q, heads_q, d_v)),
+    return (q.new_empty((batch, seqlen_q, heads_q, configs.MLA_HEAD_DIMS[1])),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .configs import MLA_HEAD_DIMS
-from .operands import check_flag, check_softcap, check_softmax_scale, check_window_size
+from .operands import check_flag, check_mla_shapes, check_softcap, check_softmax_scale, check_window_size
 from .torch_ops import (
     DTYPE_NAMES,
     EagerAttention,
@@ -183,9 +182,7 @@ def route_mla(q: Tensor, kv_cache, cache_seqlens, block_table, head_dim_v, causa
     if out is not None:
         raise RuntimeError("flash_mla_with_kvcache(): out= is not supported under torch.compile or a "
                            "dispatch mode; use the returned tensor")
-    if isinstance(head_dim_v, bool) or head_dim_v != MLA_HEAD_DIMS[1]:
-        raise ValueError(f"head_dim_v must be {MLA_HEAD_DIMS[1]} (V is the cache's first {MLA_HEAD_DIMS[1]} "
-                         f"values), got {head_dim_v!r}")
+    check_mla_shapes(tuple(q.shape), tuple(kv_cache.shape), str(q.dtype), str(kv_cache.dtype), head_dim_v)
     causal = check_flag("causal", causal)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     result, lse = flash_mla_with_kvcache(q, kv_cache, cache_seqlens, block_table, causal, scale,

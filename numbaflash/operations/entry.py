@@ -18,6 +18,7 @@ from ..operands import (
     check_device_layout,
     check_flag,
     check_like,
+    check_mla_shapes,
     check_no_self_overlap,
     check_out_aliasing,
     check_outputs_disjoint,
@@ -198,8 +199,7 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
                                 decode.rotary_q_step(causal, window_size, room))
     sd = (None if learnable_sink is None
           else describe_sink(learnable_sink, heads_q, True, "flash_attention_with_kvcache"))
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+    check_num_splits(num_splits)
     outd = None
     if out is not None:
         outd = describe_out(out, qd, None if vcd.shape[3] == head_dim else vcd.shape[3])
@@ -219,6 +219,12 @@ def direct_flash_attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cach
     return (result, lse) if return_lse else result
 
 
+def check_num_splits(num_splits: Any) -> None:
+    """The KV-cache and MLA calls' ``num_splits``: an int from 0 (automatic) to ``MAX_SPLITS``."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+
+
 def direct_flash_mla_with_kvcache(q: Any, kv_cache: Any, cache_seqlens: Any, block_table: Any,
                                   head_dim_v: Any, causal: Any, softmax_scale: Any, num_splits: Any,
                                   return_lse: Any, out: Any) -> Any:
@@ -235,16 +241,9 @@ def direct_flash_mla_with_kvcache(q: Any, kv_cache: Any, cache_seqlens: Any, blo
     for op in (qd, kcd):
         if len(op.shape) != 4 or 0 in op.shape:
             raise ValueError(f"{op.name} must have 4 non-empty dimensions, got shape {op.shape}")
-    d_qk, d_v = MLA_HEAD_DIMS
+    check_mla_shapes(qd.shape, kcd.shape, qd.dtype_name, kcd.dtype_name, head_dim_v)
+    d_v = MLA_HEAD_DIMS[1]
     batch, seqlen_q, heads_q, head_dim = qd.shape
-    if head_dim != d_qk:
-        raise ValueError(f"q's head_dim must be {d_qk} (512 latent + 64 rotary), got {head_dim}")
-    if kcd.shape[2:] != (1, d_qk) or kcd.dtype_name != qd.dtype_name:
-        raise ValueError(f"kv_cache must be a {qd.dtype_name} array of shape (batch or num_pages, rows, 1, "
-                         f"{d_qk}) (one latent row a token), got {kcd.shape} {kcd.dtype_name}")
-    if isinstance(head_dim_v, bool) or head_dim_v != d_v:
-        raise ValueError(f"head_dim_v must be {d_v} (V is the cache's first {d_v} values), "
-                         f"got {head_dim_v!r}")
     for op in (qd, kcd):
         if not op.on_device:
             raise TypeError(f"flash_mla_with_kvcache takes device arrays (torch, CuPy, Numba), got a numpy "
@@ -264,8 +263,7 @@ def direct_flash_mla_with_kvcache(q: Any, kv_cache: Any, cache_seqlens: Any, blo
     return_lse = check_flag("return_lse", return_lse)
     scale_key = softmax_scale
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+    check_num_splits(num_splits)
     check_device_layout(qd)
     check_device_layout(kcd)
     vcd = Operand("kv_cache[..., :head_dim_v]", (*kcd.shape[:3], d_v), kcd.dtype_name, True, kv_cache,
