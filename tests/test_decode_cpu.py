@@ -163,6 +163,26 @@ def test_streaming_ctas_keep_64_kb_in_flight_a_sm():
     assert streaming_ctas(DecodeConfig(256).bytes_in_flight, 1) == 1
 
 
+def test_streaming_ctas_scale_with_each_sms_share_of_the_hbm():
+    """An H200's SMs each get 1.47x an H100's bandwidth: d64's 32 KB a CTA takes three a SM (the
+    nearest count to 94 KB), d128's ring of 3 (64 KB) still one, and MLA's 72 KB one; an H100's
+    own bandwidth, a slower GPU's, or none reported (0) keep the H100's counts."""
+    from numbaflash.kernels.shapes import DecodeConfig
+    from numbaflash.operations.launch_decode import REFERENCE_SM_BANDWIDTH, streaming_ctas
+
+    d128, d64 = DecodeConfig(128), DecodeConfig(64, block_n=128, stages=2)
+    h200 = 4.92e12 / 132
+    assert streaming_ctas(d64.bytes_in_flight, 3, h200) == 3
+    assert streaming_ctas(d64.bytes_in_flight, 2, h200) == 2  # never more than the SM holds
+    assert streaming_ctas(d128.bytes_in_flight, 2, h200) == 1
+    assert streaming_ctas(72 * 1024, 2, h200) == 1
+    assert streaming_ctas(48 * 1024, 3, h200) == 2  # the H100's ceiling is a floor: ceil(64 / 48)
+    for bandwidth in (REFERENCE_SM_BANDWIDTH, 2.0e12 / 108, 0.0):
+        assert streaming_ctas(d64.bytes_in_flight, 3, bandwidth) == 2
+        assert streaming_ctas(d128.bytes_in_flight, 2, bandwidth) == 1
+        assert streaming_ctas(48 * 1024, 3, bandwidth) == 2
+
+
 @pytest.mark.parametrize("limit", [99 * 1024, 163 * 1024, 227 * 1024])
 def test_occupancy_shared_holds_an_sm_to_the_streaming_ctas(limit):
     from numbaflash.kernels.shapes import DecodeConfig

@@ -132,3 +132,40 @@ def test_device_limit_is_read_once_per_device(monkeypatch):
     assert gpu.shared_limit(3) == 101376
     assert gpu.shared_limit(3) == 101376
     assert calls == [(97, 3)]
+
+
+def test_memory_bandwidth_is_read_once_and_zero_where_not_reported(monkeypatch):
+    """Peak bandwidth = 2 transfers a memory clock (kHz) x the bus width (bits) / 8; a driver
+    without those attributes gives 0.0 (``launch_decode.streaming_ctas`` then keeps the H100's
+    counts)."""
+    calls = []
+
+    class Attr:
+        CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE = 36
+        CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH = 37
+
+    class Result:
+        CUDA_SUCCESS = 0
+
+    class FakeDriver:
+        CUdevice_attribute = Attr
+        CUresult = Result
+
+        @staticmethod
+        def cuDeviceGetAttribute(attr, ordinal):
+            calls.append((attr, ordinal))
+            return 0, {36: 2619000, 37: 5120}[attr]
+
+    gpu = device.GpuState()
+    monkeypatch.setattr(gpu, "driver", lambda: FakeDriver)
+    assert gpu.memory_bandwidth(1) == pytest.approx(3.352e12, rel=1e-3)  # an H100 SXM
+    assert gpu.memory_bandwidth(1) == pytest.approx(3.352e12, rel=1e-3)
+    assert calls == [(36, 1), (37, 1)]
+
+    class OldAttr:
+        pass
+
+    FakeDriver.CUdevice_attribute = OldAttr
+    gpu = device.GpuState()
+    monkeypatch.setattr(gpu, "driver", lambda: FakeDriver)
+    assert gpu.memory_bandwidth(0) == 0.0

@@ -172,7 +172,8 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                         limit = gpu.shared_limit(device)
                         resident = resident_ctas(config.threads, kernel_registers(kernel.handle, device),
                                                  config.shared_bytes, limit)
-                        ctas_per_sm = streaming_ctas(config.bytes_in_flight, resident)
+                        ctas_per_sm = streaming_ctas(config.bytes_in_flight, resident,
+                                                     gpu.memory_bandwidth(device) / gpu.sm_count(device))
                         if ctas_per_sm < resident:  # hold the SM to the CTAs that stream best
                             shared_bytes = occupancy_shared(config.shared_bytes, ctas_per_sm, limit)
                         set_dynamic_shared_limit(kernel.handle, device, shared_bytes)

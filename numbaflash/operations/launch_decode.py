@@ -35,8 +35,10 @@ MAX_SPLITS = 32  # a fixed ceiling, so that a captured graph's scratch never gro
 # too, and drops those values (``kernels.decode_mma.make_decode_combine_kernel``).
 SCRATCH_TAIL_ROWS = 32
 MIN_TILES_PER_SPLIT = 4  # keys a split reads at the least, in tiles: below, the merge costs more
-# K and V bytes on the way that keep one SM's share of the HBM busy (``streaming_ctas``).
+# K and V bytes on the way that keep one SM's share of the HBM busy (``streaming_ctas``), measured
+# on an H100 SXM, whose SMs each get REFERENCE_SM_BANDWIDTH bytes a second of its HBM's peak.
 STREAM_BYTES_PER_SM = 64 * 1024
+REFERENCE_SM_BANDWIDTH = 3.35e12 / 132
 
 
 def resident_ctas(threads: int, registers: int, shared_bytes: int, shared_limit: int,
@@ -67,15 +69,24 @@ def occupancy_shared(shared_bytes: int, ctas: int, shared_limit: int) -> int:
     return max(shared_bytes, min(shared_limit, (shared_limit + 1024) // ctas - 1024))
 
 
-def streaming_ctas(bytes_in_flight: int, resident: int) -> int:
+def streaming_ctas(bytes_in_flight: int, resident: int, sm_bandwidth: float = 0.0) -> int:
     """Decode CTAs an SM should run at once: as many as keep ``STREAM_BYTES_PER_SM`` of K and V
-    on the way (``DecodeConfig.bytes_in_flight`` a CTA), at most the ``resident`` it holds.
+    on the way (``DecodeConfig.bytes_in_flight`` a CTA), at most the ``resident`` it holds; on a
+    GPU whose HBM serves each SM faster than the H100's (``sm_bandwidth``: bytes a second an SM,
+    the device's peak over its SMs), at least the nearest count to that many bytes scaled by the
+    ratio (Little's law at the same latency).
 
     Measured on an H100 (docs/PERFORMANCE.md; CUDA graphs, forced split counts): at d128 (64-key
     tiles, a ring of 3: 64 KB in flight a CTA) one CTA a SM streams 2-3% faster than two (8 x
     8192 keys: 2 splits 2799-2862 GB/s, 4 splits 2734-2798; 1 x 131072: 16 splits against 32,
-    +2%), at d64 (32 KB a CTA) two a SM are 2-4% faster than one or three."""
-    return max(1, min(resident, -(-STREAM_BYTES_PER_SM // bytes_in_flight)))
+    +2%), at d64 (32 KB a CTA) two a SM are 2-4% faster than one or three. On an H200 (1.47x the
+    H100's bandwidth a SM: 94 KB) d64 takes three (128 x 2048 keys +2%, paged +2.5%) and d128's
+    ring of 3 still one (two: 2-4% slower at 8 x 8192 and 1 x 131072; docs/PERFORMANCE.md [SB])."""
+    ctas = -(-STREAM_BYTES_PER_SM // bytes_in_flight)
+    scale = sm_bandwidth / REFERENCE_SM_BANDWIDTH
+    if scale > 1.0:
+        ctas = max(ctas, int(STREAM_BYTES_PER_SM * scale / bytes_in_flight + 0.5))
+    return max(1, min(resident, ctas))
 
 
 def decode_splits(batch: int, heads_kv: int, row_blocks: int, max_keys: int, block_n: int, sm_count: int,

@@ -49,6 +49,7 @@ class GpuState:
         self.capabilities: dict[int, tuple[int, int]] = {}
         self.shared_limits: dict[int, int] = {}
         self.sm_counts: dict[int, int] = {}
+        self.bandwidths: dict[int, float] = {}
         self.scratch: dict[int, int] = {}  # ordinal -> a float32 device scalar (unused LSE)
         self.modules: dict[tuple, tuple[Any, str]] = {}  # (config, causal, bf16, arch, op) -> (Kernel, name)
         self.launchers: dict[tuple, Any] = {}  # (config, ..., ordinal) -> (launcher, config, launch)
@@ -164,6 +165,20 @@ class GpuState:
         if count is None:
             count = self.sm_counts[ordinal] = self._attribute("MULTIPROCESSOR_COUNT", ordinal)
         return count
+
+    def memory_bandwidth(self, ordinal: int) -> float:
+        """Device ``ordinal``'s peak memory bandwidth in bytes a second, from the driver's memory
+        clock (kHz, two transfers a clock) and bus width (bits): 3.35e12 on an H100 SXM, 4.9e12 on
+        an H200; 0.0 where the driver reports neither."""
+        bandwidth = self.bandwidths.get(ordinal)
+        if bandwidth is None:
+            try:
+                clock_khz = self._attribute("MEMORY_CLOCK_RATE", ordinal)
+                bus_bits = self._attribute("GLOBAL_MEMORY_BUS_WIDTH", ordinal)
+            except (AttributeError, RuntimeError):  # an attribute this driver no longer has
+                clock_khz = bus_bits = 0
+            bandwidth = self.bandwidths[ordinal] = 2.0 * clock_khz * 1000 * bus_bits / 8
+        return bandwidth
 
     def zero_words(self, pointer: int, count: int, stream: int) -> None:
         """Zero ``count`` 32-bit words of device memory from ``pointer``, on ``stream``
