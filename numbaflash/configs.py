@@ -740,9 +740,9 @@ def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, share
     "MLA decode"); whichever first fits the GPU's shared memory a CTA (163 KB GPUs such as the A100:
     32-key tiles, the 16-row tile's 168 KB does not fit; 99 KB GPUs: 16 rows, 32-key tiles, 2 warps).
     The A100's and 99 KB GPUs' configs are checked on an H200 (forced), not timed on their GPUs."""
-    from .kernels.shapes import MlaDecodeConfig
+    from .kernels.shapes import MlaDecodeConfig, MlaWsConfig
 
-    if DECODE_FORCED and isinstance(DECODE_FORCED[0], MlaDecodeConfig):
+    if DECODE_FORCED and isinstance(DECODE_FORCED[0], (MlaDecodeConfig, MlaWsConfig)):
         return dataclasses.replace(DECODE_FORCED[0], paged=paged)
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     m16 = MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, paged=paged)

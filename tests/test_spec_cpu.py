@@ -16,13 +16,14 @@ from numbaflash.kernels.shapes import (
     DecodeConfig,
     ForwardConfig,
     MlaDecodeConfig,
+    MlaWsConfig,
     WsBackwardConfig,
     WsConfig,
 )
 from numbaflash.kernels.spec import AXES, CAUSAL_FREE, kernel_spec
 
 CONFIGS = [ForwardConfig(64), WsConfig(128), BackwardConfig(64), WsBackwardConfig(128, block_m=64),
-           DecodeConfig(128), MlaDecodeConfig()]
+           DecodeConfig(128), MlaDecodeConfig(), MlaWsConfig()]
 
 
 def test_a_spec_is_immutable_hashable_and_equal_by_value():
@@ -68,7 +69,7 @@ def test_kind_names_every_set_axis():
 def test_every_family_operation_has_a_factory_and_nothing_else():
     pairs = {(f.name, op) for f in families.FAMILIES.values() for op in f.operations}
     assert pairs == set(families.FACTORIES)
-    assert len(families.FACTORIES) == 13
+    assert len(families.FACTORIES) == 15
     for config in CONFIGS:
         family = families.family_of(config)
         for operation in family.operations:

@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from . import params
-from .shapes import BackwardConfig, DecodeConfig, ForwardConfig, MlaDecodeConfig, WsBackwardConfig, WsConfig
+from .shapes import (
+    BackwardConfig,
+    DecodeConfig,
+    ForwardConfig,
+    MlaDecodeConfig,
+    MlaWsConfig,
+    WsBackwardConfig,
+    WsConfig,
+)
 from .spec import KernelSpec, dtype_name, kernel_spec
 
 
@@ -33,7 +41,7 @@ class Family:
     variable-length kernels (``varlen``; every family builds the window and softcap variants of
     its masked kernels)."""
 
-    name: str  # "sm80" | "sm90" | "sm80bwd" | "sm90bwd" | "sm80dec" | "sm80mla"
+    name: str  # "sm80" | "sm90" | "sm80bwd" | "sm90bwd" | "sm80dec" | "sm80mla" | "sm90mla"
     config_type: type
     table_kind: str  # the tuned table's "kernel" field for its configs
     arch: str  # the target it compiles for
@@ -87,8 +95,11 @@ SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute
 # kernel is decode's.
 SM80_MLA = Family("sm80mla", MlaDecodeConfig, "mma_mla", "sm_80", "a GPU of compute capability 8.0 or newer",
                   DECODE_OPERATIONS)
+# MLA decode on Hopper (wgmma; ``kernels.mla_ws``), the same launch and combine kernel.
+SM90_MLA = Family("sm90mla", MlaWsConfig, "ws_mla", "sm_90a", "Hopper (sm_90a)", DECODE_OPERATIONS)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC, SM80_MLA)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC, SM80_MLA,
+                                                    SM90_MLA)}
 _BY_TYPE: dict[type, Family] = {f.config_type: f for f in FAMILIES.values()}
 _BY_TABLE_KIND: dict[str, Family] = {f.table_kind: f for f in FAMILIES.values()}
 
@@ -175,6 +186,12 @@ def _mla_decode(s: KernelSpec):
     return make_mla_decode_kernel(s.config, s.causal, s.bf16)
 
 
+def _mla_ws_decode(s: KernelSpec):
+    from .mla_ws import make_mla_ws_kernel
+
+    return make_mla_ws_kernel(s.config, s.causal, s.bf16)
+
+
 def _decode_combine(s: KernelSpec):
     from .decode_mma import make_decode_combine_kernel
 
@@ -201,6 +218,8 @@ FACTORIES: dict[tuple[str, str], Callable[[KernelSpec], Any]] = {
     ("sm80dec", "decode_combine"): _decode_combine,
     ("sm80mla", "decode"): _mla_decode,
     ("sm80mla", "decode_combine"): _decode_combine,
+    ("sm90mla", "decode"): _mla_ws_decode,
+    ("sm90mla", "decode_combine"): _decode_combine,
 }
 
 

@@ -34,6 +34,7 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
+from ..ptx import hopper as hp
 from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll
 from .decode_mma import KeyRows, decode_entry, decode_split, make_decode_rows, make_sequence_source
 from .epilogue import log_sum_exp
@@ -195,6 +196,68 @@ def make_mla_walk(config: MlaDecodeConfig, causal: bool, bf16: bool):
     return score, publish_maxes, adopt_maxes, share_p, accumulate
 
 
+# The latent cache's ring (``make_latent_ring``): ``fill(base, first, last, seq, ks, tid, pending)`` copies
+# the first tiles; ``advance(base, t, first, last, seq, ks, tid, pending)`` waits for tile t, starts
+# tile t + stages - 1 and returns tile t's shared address.
+LatentRing = namedtuple("LatentRing", ["fill", "advance"])
+
+
+def make_latent_ring(config, rows, proxy_fence: bool = False) -> LatentRing:
+    """The K ring of an MLA kernel (``config`` an ``MlaDecodeConfig`` or ``MlaWsConfig``; ``rows`` its
+    ``decode_mma.make_decode_rows(.., v_in_k=True)``), every thread copying by cp.async: ``fill``, the
+    first stages - 1 tiles, a copy group each (Q's copies, issued before, in the first), and (paged)
+    the next tile's block-table look-ahead into ``pending``; ``advance`` at tile t: wait until it (and
+    Q) have landed, (paged) publish the rows of tile t + stages - 1 looked up a tile ago, a CTA
+    barrier (every warp is then done with tile t - 1's stage), start that tile's copy and the next
+    one's look-up. ``proxy_fence``: each thread's landed copies are made visible to the async proxy
+    before the barrier (wgmma reads the tiles there)."""
+    BN = config.block_n
+    STAGES = config.stages
+    RING = config.ring_at
+    STAGE_BYTES = config.stage_bytes
+    PAGED = config.paged
+    PAGE_ROWS_AT = config.page_rows_at
+    PAGE_BUFFER = BN * 16
+    PROXY_FENCE = proxy_fence
+    wait_ring, load_tiles = rows.wait_ring, rows.load_tiles
+    fetch_pages, publish_pages = rows.pages.fetch_pages, rows.pages.publish_pages
+
+    @cuda.jit(device=True, forceinline=True)
+    def fill(base, first, last, seq, ks, tid, pending):
+        for s in range(STAGES - 1):
+            if first + s < last:
+                n0 = (first + s) * BN
+                page_rows = base + PAGE_ROWS_AT + (s % 2) * PAGE_BUFFER
+                if PAGED:
+                    fetch_pages(pending, n0, seq, tid)
+                    publish_pages(page_rows, pending, ks, ks, tid)
+                    cuda.syncthreads()
+                load_tiles(base + RING + s * STAGE_BYTES, n0, seq, ks, ks, tid, False, page_rows)
+            ptx.cp_async_commit_group()
+        if first + STAGES - 1 < last:
+            fetch_pages(pending, (first + STAGES - 1) * BN, seq, tid)
+
+    @cuda.jit(device=True, forceinline=True)
+    def advance(base, t, first, last, seq, ks, tid, pending):
+        wait_ring()  # tile t (and Q) have landed ...
+        if PROXY_FENCE:
+            hp.fence_proxy_async_shared_cta()
+        nxt = t + STAGES - 1
+        page_rows = base + PAGE_ROWS_AT + ((nxt - first) % 2) * PAGE_BUFFER
+        if PAGED and nxt < last:  # tile nxt's rows, looked up a tile ago, for the copies below
+            publish_pages(page_rows, pending, ks, ks, tid)
+        cuda.syncthreads()  # ... for everyone, and every warp is done with tile t - 1
+        if nxt < last:
+            load_tiles(base + RING + ((nxt - first) % STAGES) * STAGE_BYTES, nxt * BN, seq, ks, ks, tid,
+                       False, page_rows)
+            if nxt + 1 < last:
+                fetch_pages(pending, (nxt + 1) * BN, seq, tid)
+        ptx.cp_async_commit_group()
+        return base + RING + ((t - first) % STAGES) * STAGE_BYTES
+
+    return LatentRing(fill, advance)
+
+
 def make_mla_decode_kernel(config: MlaDecodeConfig, causal: bool, bf16: bool):
     """The MLA decode kernel (``params.DECODE``, the plain decode kernel's parameters: ``v_cache``
     and ``k_new``/``v_new`` are not read, ``heads_kv`` is 1 and ``seqlen_new`` 0): grid (num_splits,
@@ -211,38 +274,15 @@ def make_mla_decode_kernel(config: MlaDecodeConfig, causal: bool, bf16: bool):
     S_N_TILES = KW // 8
     KW_TILES = KW // 16
     WK = config.key_warps
-    STAGES = config.stages
     SQ = 0
-    RING = config.ring_at
-    STAGE_BYTES = config.stage_bytes
     MAXES = config.maxes_at // 4
-    PAGED = config.paged
-    PAGE_ROWS_AT = config.page_rows_at
-    PAGE_BUFFER = BN * 16
     BF16 = bf16
     rows = make_decode_rows(config, bf16, 0, v_in_k=True)
     PAGE_ROWS = rows.pages.rows
-    prepare_q, wait_ring, load_tiles = rows.prepare_q, rows.wait_ring, rows.load_tiles
-    fetch_pages, publish_pages = rows.pages.fetch_pages, rows.pages.publish_pages
+    prepare_q = rows.prepare_q
+    ring = make_latent_ring(config, rows)
     sequence_of = make_sequence_source(False, False)
     score, publish_maxes, adopt_maxes, share_p, accumulate = make_mla_walk(config, causal, bf16)
-
-    @cuda.jit(device=True, forceinline=True)
-    def fill_ring(base, first, last, seq, ks, tid, pending):
-        """The ring's first STAGES - 1 tiles, a copy group each (Q's copies in the first), and (paged)
-        the next tile's block-table look-ahead into ``pending``."""
-        for s in range(STAGES - 1):
-            if first + s < last:
-                n0 = (first + s) * BN
-                page_rows = base + PAGE_ROWS_AT + (s % 2) * PAGE_BUFFER
-                if PAGED:
-                    fetch_pages(pending, n0, seq, tid)
-                    publish_pages(page_rows, pending, ks, ks, tid)
-                    cuda.syncthreads()
-                load_tiles(base + RING + s * STAGE_BYTES, n0, seq, ks, ks, tid, False, page_rows)
-            ptx.cp_async_commit_group()
-        if first + STAGES - 1 < last:
-            fetch_pages(pending, (first + STAGES - 1) * BN, seq, tid)
 
     @cuda.jit(device=True, forceinline=True)
     def write_row(k, at):
@@ -310,7 +350,7 @@ def make_mla_decode_kernel(config: MlaDecodeConfig, causal: bool, bf16: bool):
         prepare_q(sq, (ptx.global_address(p.q) + b * p.q_sb * 2, p.q_ss * 2, p.q_sh * 2), int64(0), p.group,
                   rows_total, r0, tid)
         pending = cuda.local.array((PAGE_ROWS, 2), int32)  # paged: the next tile's block-table entries
-        fill_ring(base, first, last, seq, ks, tid, pending)
+        ring.fill(base, first, last, seq, ks, tid, pending)
 
         acc_o = cuda.local.array((MT, O_N_TILES, 4), float32)
         for mt in range(MT):
@@ -341,19 +381,7 @@ def make_mla_decode_kernel(config: MlaDecodeConfig, causal: bool, bf16: bool):
                        p_mine, p_all, b_frag, m_run, l_run, mx, p.scale_log2, upper)
 
         for t in range(first, last):
-            wait_ring()  # tile t (and Q) have landed ...
-            nxt = t + STAGES - 1
-            page_rows = base + PAGE_ROWS_AT + ((nxt - first) % 2) * PAGE_BUFFER
-            if PAGED and nxt < last:  # tile nxt's rows, looked up a tile ago, for the copies below
-                publish_pages(page_rows, pending, ks, ks, tid)
-            cuda.syncthreads()  # ... for everyone, and every warp is done with tile t - 1
-            if nxt < last:
-                load_tiles(base + RING + ((nxt - first) % STAGES) * STAGE_BYTES, nxt * BN, seq, ks, ks, tid,
-                           False, page_rows)
-                if nxt + 1 < last:
-                    fetch_pages(pending, (nxt + 1) * BN, seq, tid)
-            ptx.cp_async_commit_group()
-            sk = base + RING + ((t - first) % STAGES) * STAGE_BYTES
+            sk = ring.advance(base, t, first, last, seq, ks, tid, pending)
             score(loop, sk, t * BN + key_slice * KW, total, diag, r0, p.group)
             publish_maxes(smem_f, loop)
             cuda.syncthreads()  # every key slice's maxima are in

@@ -792,3 +792,66 @@ class MlaDecodeConfig(ValueDim, PackedRows):
                              f"got {self}")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaWsConfig(ValueDim, PackedRows):
+    """Compile-time shape of the Hopper MLA decode kernel (``mla_ws``, issue 58): wgmma on the latent
+    cache. One CTA takes 64 packed query rows (query heads times seqlen_q) and one split of the
+    keys, in two warpgroups: each computes S = Q Kᵀ for all 64 rows and every key of a tile (the
+    same S: no exchange of P or row maxima between them) and keeps half of O's columns (64 x 256
+    float32, 128 registers a thread), O += P V with V the K tile's first columns. ``block_n``-key K
+    tiles stream through a ring of ``stages`` by cp.async (all 256 threads; a paged cache through
+    ``decode_mma.make_page_table``), laid out as the 128B-swizzle tiles wgmma's descriptors read."""
+
+    head_dim: int = 576
+    head_dim_v: int = 512
+    block_n: int = 64  # keys a tile
+    stages: int = 2
+    paged: bool = False  # K through a block table
+    m_tiles: ClassVar[int] = 4  # 64 rows: wgmma's M
+    num_warps: ClassVar[int] = 8  # two warpgroups, each half of O's columns
+    ALIGN: ClassVar[int] = 1024  # the 128B-swizzle atom: the tiles' base is aligned up to it
+
+    @property
+    def row_bytes(self) -> int:
+        return 128
+
+    @property
+    def value_columns(self) -> int:
+        """O's columns one warpgroup accumulates."""
+        return self.value_dim // 2
+
+    @property
+    def tag(self) -> str:
+        return f"_ws_n{self.block_n}_s{self.stages}" + ("_paged" if self.paged else "")
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: a K tile (V is its first ``value_dim`` columns)."""
+        return self.block_n * self.head_dim * 2
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return (self.stages - 1) * self.stage_bytes
+
+    @property
+    def ring_at(self) -> int:
+        return self.rows * self.head_dim * 2  # after the Q tile, from the aligned base
+
+    @property
+    def page_rows_at(self) -> int:
+        """Paged: two buffers of the key rows' cache offsets (``decode_mma.make_page_table``)."""
+        return self.ring_at + self.stages * self.stage_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.page_rows_at + (2 * self.block_n * 16 if self.paged else 0) + self.ALIGN
+
+    def check(self) -> None:
+        if (self.head_dim, self.value_dim) != (576, 512):
+            raise ValueError(f"the Hopper MLA kernel takes head dims (576, 512), got {self}")
+        if self.block_n not in (32, 64) or not 2 <= self.stages <= 4:
+            raise ValueError(f"block_n must be 32 or 64 and stages 2 to 4, got {self}")
+        if self.shared_bytes > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")

@@ -25,6 +25,7 @@ from collections import namedtuple
 from numba import cuda
 
 from ..ptx import hopper as hp
+from .common import unroll
 
 # issue_s(acc_s, desc_q, desc_k) and issue_pv(acc_o, p_frag, desc_v, accumulate) start a GEMM (commit
 # group); fence_s(acc_s) / fence_o(acc_o) keep the accumulators' registers out of reordering
@@ -57,15 +58,29 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
     VT_BLOCK = value_dim * vt_row_bytes  # e4m3: bytes of one block of the transposed V tile
 
     @cuda.jit(device=True, forceinline=True)
+    def s_step(kk, state):
+        """k-step ``kk`` of S = Q Kᵀ (``state``: the accumulator and Q's and K's descriptors)."""
+        acc_s, desc_q, desc_k = state
+        block = (kk // STEPS_PER_BLOCK) * RB  # the block's offset, in bytes per tile row
+        step = (kk % STEPS_PER_BLOCK) * 32
+        mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + step),
+              hp.descriptor_add(desc_k, block * BN + step), 0 if kk == 0 else 1)
+
+    # Above 16 k-steps (MLA's 576 columns: 36) NVVM leaves the loop rolled, each wgmma's descriptors
+    # computed at run time and the group closed by an empty wgmma: the steps are unrolled in Python.
+    UNROLLED = D_K_STEPS > 16
+    s_steps = unroll(s_step, D_K_STEPS)
+
+    @cuda.jit(device=True, forceinline=True)
     def issue_s(acc_s, desc_q, desc_k):
         """Start S = Q Kᵀ (async; the first k-step overwrites the accumulator)."""
         fence_s(acc_s)
         hp.wgmma_fence()
-        for kk in range(D_K_STEPS):
-            block = (kk // STEPS_PER_BLOCK) * RB  # the block's offset, in bytes per tile row
-            step = (kk % STEPS_PER_BLOCK) * 32
-            mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + step),
-                  hp.descriptor_add(desc_k, block * BN + step), 0 if kk == 0 else 1)
+        if UNROLLED:
+            s_steps((acc_s, desc_q, desc_k))
+        else:
+            for kk in range(D_K_STEPS):
+                s_step(kk, (acc_s, desc_q, desc_k))
         hp.wgmma_commit_group()
 
     @cuda.jit(device=True, forceinline=True)

@@ -43,6 +43,8 @@ LAUNCHES: dict[tuple[str, str], tuple[Prepare, Prepare | None]] = {
     ("sm80dec", "decode_combine"): (launch_decode_combine, None),
     ("sm80mla", "decode"): (launch_decode, None),
     ("sm80mla", "decode_combine"): (launch_decode_combine, None),
+    ("sm90mla", "decode"): (launch_decode, None),
+    ("sm90mla", "decode_combine"): (launch_decode_combine, None),
 }
 
 
