@@ -22,7 +22,7 @@ from decode_speed import graph_times
 
 import numbaflash
 from numbaflash import configs
-from numbaflash.kernels.shapes import MlaDecodeConfig, MlaWsConfig
+from numbaflash.kernels.shapes import MlaDecodeConfig, WsMlaConfig
 
 D, DV = 576, 512
 ROWS = [  # batch, query heads, cached tokens, seqlen_q, page size (None: contiguous), causal
@@ -40,7 +40,7 @@ ROWS = [  # batch, query heads, cached tokens, seqlen_q, page size (None: contig
 ]
 ROTATION_BYTES = 400_000_000
 # The Hopper wgmma kernel's configs (64-key tiles in a ring of 2, 32-key tiles in a ring of 4)
-WS = [MlaWsConfig(block_n=64, stages=2), MlaWsConfig(block_n=32, stages=4)]
+WS = [WsMlaConfig(block_n=64, stages=2), WsMlaConfig(block_n=32, stages=4)]
 CANDIDATES = {  # by the call's packed rows (16, 32, 64): the shipped config's alternatives
     16: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2), *WS],  # 8 warps
     32: [MlaDecodeConfig(m_tiles=2, block_n=32, num_warps=4, key_warps=2, stages=3), *WS],  # the A100's

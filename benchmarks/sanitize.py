@@ -43,7 +43,7 @@ import numpy as np
 
 from numbaflash import configs
 from numbaflash.configs import KernelConfig
-from numbaflash.kernels.families import SM80_BWD, SM80_DEC, SM80_MLA, SM90_BWD, family_of
+from numbaflash.kernels.families import SM80_BWD, SM80_DEC, SM80_MLA, SM90_BWD, SM90_MLA, family_of
 from numbaflash.kernels.shapes import BackwardConfig
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
@@ -778,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             config = config_list[args.config_index]
             if family_of(config) is SM80_DEC:
                 return run_decode_worker(config)
-            if family_of(config) is SM80_MLA:
+            if family_of(config) in (SM80_MLA, SM90_MLA):
                 return run_mla_worker(config)
             if family_of(config) in (SM80_BWD, SM90_BWD):
                 return run_backward_worker(config)

@@ -732,19 +732,30 @@ MLA_HEAD_DIMS = (576, 512)
 
 
 def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, shared_limit: int | None = None):
-    """The MLA decode kernel's config (``kernels.mla_decode``) for ``rows`` packed query rows (query
-    heads times seqlen_q): the fewest 16-row m-tiles (1, 2 or 4) that hold them, so that the cache is
-    read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB), which with 64 rows
-    fills the 227 KB of a Hopper CTA to the byte (H200, 64 x 4096 tokens, pages of 64: 314 µs at
-    128 heads and 206 at 64, against 403 and 254 with 32-key tiles in a ring of 3; docs/PERFORMANCE.md,
-    "MLA decode"); whichever first fits the GPU's shared memory a CTA (163 KB GPUs such as the A100:
-    32-key tiles, the 16-row tile's 168 KB does not fit; 99 KB GPUs: 16 rows, 32-key tiles, 2 warps).
-    The A100's and 99 KB GPUs' configs are checked on an H200 (forced), not timed on their GPUs."""
-    from .kernels.shapes import MlaDecodeConfig, MlaWsConfig
+    """The MLA decode kernel's config for ``rows`` packed query rows (query heads times seqlen_q).
 
-    if DECODE_FORCED and isinstance(DECODE_FORCED[0], (MlaDecodeConfig, MlaWsConfig)):
+    Hopper (sm_90) above 16 rows: the wgmma kernel (``kernels.mla_ws``, 64 rows a CTA, 64-key tiles
+    in a ring of 2; H200, 64 x 4096 tokens, pages of 64: 200 µs at 128 heads, 156 at 64, 124 at 32,
+    against the mma.sync kernel's 313, 208 and 128; 32-key tiles in a ring of 4: 269, 193, 158;
+    docs/PERFORMANCE.md [MLAW]). At 16 rows it is slower (109 µs against 94: 48 of its 64 rows idle)
+    and the mma.sync kernel (``kernels.mla_decode``) stays.
+
+    The mma.sync kernel elsewhere: the fewest 16-row m-tiles (1, 2 or 4) that hold the rows, so that
+    the cache is read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB), which with
+    64 rows fills the 227 KB of a Hopper CTA to the byte (H200, 64 x 4096 tokens, pages of 64: 314 µs
+    at 128 heads and 206 at 64, against 403 and 254 with 32-key tiles in a ring of 3;
+    docs/PERFORMANCE.md, "MLA decode"); whichever first fits the GPU's shared memory a CTA (163 KB
+    GPUs such as the A100: 32-key tiles, the 16-row tile's 168 KB does not fit; 99 KB GPUs: 16 rows,
+    32-key tiles, 2 warps). The A100's and 99 KB GPUs' configs are checked on an H200 (forced), not
+    timed on their GPUs."""
+    from .kernels.shapes import MlaDecodeConfig, WsMlaConfig
+
+    if DECODE_FORCED and isinstance(DECODE_FORCED[0], (MlaDecodeConfig, WsMlaConfig)):
         return dataclasses.replace(DECODE_FORCED[0], paged=paged)
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+    hopper = WsMlaConfig(block_n=64, stages=2, paged=paged)
+    if capability[0] == 9 and rows > 16 and hopper.shared_bytes <= limit:  # wgmma: sm_90a, not sm_100
+        return hopper
     m16 = MlaDecodeConfig(m_tiles=1, block_n=64, num_warps=4, key_warps=4, stages=2, paged=paged)
     m32 = MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2, paged=paged)
     m64 = MlaDecodeConfig(m_tiles=4, block_n=64, num_warps=8, key_warps=4, stages=2, paged=paged)

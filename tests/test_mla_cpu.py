@@ -9,7 +9,7 @@ import pytest
 import numbaflash
 from numbaflash import configs
 from numbaflash.kernels import families
-from numbaflash.kernels.shapes import MlaDecodeConfig
+from numbaflash.kernels.shapes import MlaDecodeConfig, WsMlaConfig
 from numbaflash.kernels.spec import kernel_spec
 from numbaflash.operations.launches import LAUNCHES
 
@@ -20,6 +20,10 @@ def test_every_shipped_config_checks_and_fits():
     for config in shipped:
         config.check()
         assert (config.head_dim, config.value_dim) == configs.MLA_HEAD_DIMS
+        if isinstance(config, WsMlaConfig):  # two warpgroups: half of O's columns and of a tile's keys each
+            assert config.value_columns * 2 == config.value_dim and config.block_n % 32 == 0
+            assert config.threads == 256 and config.rows == 64
+            continue
         assert config.score_keys % 16 == 0 and config.value_columns % 64 == 0
         # every warp's O columns and every key slice's rows are covered once
         assert config.value_columns * config.num_warps == config.value_dim
@@ -38,12 +42,41 @@ def test_layout_regions_follow_each_other():
     assert widest.shared_bytes == configs.max_shared_bytes((9, 0)) == 227 * 1024
 
 
+def test_hopper_layout_fills_the_cta_and_keeps_the_swizzle_atoms_aligned():
+    """Q, the ring, P's tile and (paged) the page rows follow each other from a base aligned up to
+    1024 bytes (the slack is in ``shared_bytes``); every tile starts on a 128B-swizzle atom, and each
+    warpgroup's half of a K tile too."""
+    for block_n, stages in ((64, 2), (32, 4)):
+        for paged in (False, True):
+            c = WsMlaConfig(block_n=block_n, stages=stages, paged=paged)
+            c.check()
+            assert c.ring_at == 64 * 576 * 2 and c.p_at == c.ring_at + stages * block_n * 576 * 2
+            assert c.page_rows_at == c.p_at + 64 * block_n * 2  # P: 64 rows x the tile's keys, 16 bits
+            assert c.shared_bytes == c.page_rows_at + (2 * block_n * 16 if paged else 0) + 1024
+            assert c.shared_bytes <= 227 * 1024 and c.p_at >= 2 * 2 * 64 * 4  # the row maxima fit in P's tile
+            assert all(at % 1024 == 0 for at in (c.ring_at, c.stage_bytes, block_n // 2 * 128))
+    assert WsMlaConfig(paged=True).shared_bytes == 227 * 1024  # to the byte
+    with pytest.raises(ValueError, match="block_n must be 32 or 64"):
+        WsMlaConfig(block_n=128).check()
+    with pytest.raises(ValueError, match="takes head dims"):
+        WsMlaConfig(head_dim=512, head_dim_v=512).check()
+
+
 @pytest.mark.parametrize("rows, expected", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (128, 64)])
 def test_dispatch_takes_the_fewest_m_tiles_that_hold_the_rows(rows, expected):
+    for paged in (False, True):  # the mma.sync kernel (an A100's configs)
+        config = configs.mla_decode_config((8, 0), rows, paged)
+        assert config.rows == expected and config.paged == paged
+        assert config.shared_bytes <= configs.max_shared_bytes((8, 0))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 64, 128])
+def test_hopper_takes_the_wgmma_kernel_above_16_rows(rows):
     for paged in (False, True):
         config = configs.mla_decode_config((9, 0), rows, paged)
-        assert config.rows == expected and config.paged == paged
+        assert isinstance(config, WsMlaConfig) == (rows > 16) and config.paged == paged
         assert config.shared_bytes <= configs.max_shared_bytes((9, 0))
+        assert families.family_of(config).name == ("sm90mla" if rows > 16 else "sm80mla")
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (12, 0)])
@@ -66,7 +99,7 @@ def test_bad_configs_are_refused(bad):
 
 
 def test_family_factories_and_launches():
-    config = configs.mla_decode_config((9, 0), 64, True)
+    config = configs.mla_decode_config((8, 0), 64, True)
     assert families.family_of(config) is families.SM80_MLA
     spec = kernel_spec("sm80mla", "decode", config, "bfloat16", "sm_80", causal=True)
     assert spec.paged and spec.kind == "sm80mla.decode+paged"
@@ -78,6 +111,14 @@ def test_family_factories_and_launches():
     assert families.kernel_params(spec) == families.kernel_params(decode)  # the plain decode kernel's
     names = {p.name for p in families.kernel_source_files("sm80mla", "decode")}
     assert {"mla_decode.py", "decode_mma.py", "mma_pieces.py"} <= names
+    hopper = configs.mla_decode_config((9, 0), 64, True)
+    assert families.family_of(hopper) is families.SM90_MLA
+    ws = kernel_spec("sm90mla", "decode", hopper, "bfloat16", "sm_90a", causal=True)
+    assert ws.kind == "sm90mla.decode+paged" and families.kernel_params(ws) == families.kernel_params(decode)
+    for operation in families.DECODE_OPERATIONS:
+        assert ("sm90mla", operation) in families.FACTORIES and ("sm90mla", operation) in LAUNCHES
+    names = {p.name for p in families.kernel_source_files("sm90mla", "decode")}
+    assert {"mla_ws.py", "mla_decode.py", "wgmma_gemms.py", "decode_mma.py"} <= names
 
 
 def test_checks_before_anything_launches():

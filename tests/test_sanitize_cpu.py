@@ -13,7 +13,7 @@ from _benchmarks import load_benchmark
 from numbaflash import configs
 from numbaflash.configs import CANDIDATES, FAMILY_HEAD_DIMS, SUPPORTED_HEAD_DIMS, ForwardConfig, WsConfig
 from numbaflash.kernels.families import SM90_BWD, family_of
-from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig, MlaDecodeConfig
+from numbaflash.kernels.shapes import BackwardConfig, DecodeConfig, MlaDecodeConfig, WsMlaConfig
 from numbaflash.tools.reference import attention_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def test_select_indices():
 
 def test_worker_shapes_cover_the_edges():
     for config in san.runnable_configs((9, 0)):
-        if isinstance(config, (DecodeConfig, MlaDecodeConfig)):  # decode_cases, mla_cases instead
+        if isinstance(config, (DecodeConfig, MlaDecodeConfig, WsMlaConfig)):  # decode_cases, mla_cases
             continue
         rows = config.block_n if isinstance(config, san.BackwardConfig) else config.block_m  # CTA blocks
         shapes = san.worker_shapes(rows)
@@ -415,10 +415,12 @@ def test_decode_cases_dispatch_to_their_config():
 
 
 def test_mla_cases_dispatch_to_their_config():
-    """The MLA worker's (heads, seqlen_q) cases pack into the rows of the config they test."""
+    """The MLA worker's (heads, seqlen_q) cases dispatch to the config they test on a GPU that ships it."""
+    caps = [*configs.FAMILY_CAPABILITY.values(), *configs.SMALL_SHARED_CAPABILITIES]
     for config in configs.shipped_mla_decode_configs():
+        ships = [cap for cap in caps if config in configs.mla_decode_configs_for(cap)]
         for heads, sq in san.mla_cases(config):
-            assert configs.mla_decode_config((9, 0), heads * sq, config.paged).rows == config.rows
+            assert any(configs.mla_decode_config(cap, heads * sq, config.paged) == config for cap in ships)
 
 
 @pytest.mark.parametrize("broken", [False, True])

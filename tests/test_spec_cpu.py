@@ -16,14 +16,14 @@ from numbaflash.kernels.shapes import (
     DecodeConfig,
     ForwardConfig,
     MlaDecodeConfig,
-    MlaWsConfig,
     WsBackwardConfig,
     WsConfig,
+    WsMlaConfig,
 )
 from numbaflash.kernels.spec import AXES, CAUSAL_FREE, kernel_spec
 
 CONFIGS = [ForwardConfig(64), WsConfig(128), BackwardConfig(64), WsBackwardConfig(128, block_m=64),
-           DecodeConfig(128), MlaDecodeConfig(), MlaWsConfig()]
+           DecodeConfig(128), MlaDecodeConfig(), WsMlaConfig()]
 
 
 def test_a_spec_is_immutable_hashable_and_equal_by_value():

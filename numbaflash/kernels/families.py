@@ -28,9 +28,9 @@ from .shapes import (
     DecodeConfig,
     ForwardConfig,
     MlaDecodeConfig,
-    MlaWsConfig,
     WsBackwardConfig,
     WsConfig,
+    WsMlaConfig,
 )
 from .spec import KernelSpec, dtype_name, kernel_spec
 
@@ -96,7 +96,7 @@ SM80_DEC = Family("sm80dec", DecodeConfig, "mma_dec", "sm_80", "a GPU of compute
 SM80_MLA = Family("sm80mla", MlaDecodeConfig, "mma_mla", "sm_80", "a GPU of compute capability 8.0 or newer",
                   DECODE_OPERATIONS)
 # MLA decode on Hopper (wgmma; ``kernels.mla_ws``), the same launch and combine kernel.
-SM90_MLA = Family("sm90mla", MlaWsConfig, "ws_mla", "sm_90a", "Hopper (sm_90a)", DECODE_OPERATIONS)
+SM90_MLA = Family("sm90mla", WsMlaConfig, "ws_mla", "sm_90a", "Hopper (sm_90a)", DECODE_OPERATIONS)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (SM80, SM90, SM80_BWD, SM90_BWD, SM80_DEC, SM80_MLA,
                                                     SM90_MLA)}

@@ -203,7 +203,7 @@ LatentRing = namedtuple("LatentRing", ["fill", "advance"])
 
 
 def make_latent_ring(config, rows, proxy_fence: bool = False) -> LatentRing:
-    """The K ring of an MLA kernel (``config`` an ``MlaDecodeConfig`` or ``MlaWsConfig``; ``rows`` its
+    """The K ring of an MLA kernel (``config`` an ``MlaDecodeConfig`` or ``WsMlaConfig``; ``rows`` its
     ``decode_mma.make_decode_rows(.., v_in_k=True)``), every thread copying by cp.async: ``fill``, the
     first stages - 1 tiles, a copy group each (Q's copies, issued before, in the first), and (paged)
     the next tile's block-table look-ahead into ``pending``; ``advance`` at tile t: wait until it (and

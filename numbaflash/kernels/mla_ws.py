@@ -9,16 +9,19 @@ and several splits merge in ``decode_mma.make_decode_combine_kernel``.
 
 The products are warpgroup MMAs (``wgmma_gemms.make_attention_gemms``), in two warpgroups that
 split O by columns: O is 64 x 512 float32, 256 registers a thread for one warpgroup, 128 for each of
-two. Each warpgroup computes the whole S = Q Kᵀ of a tile (m64n{block_n}k16 over the 576 columns,
-Q and K from shared memory), its own online softmax (the same in both: the same S), and O's 256
-columns of its half += P V (m64n256k16, P from registers, V the K tile's columns of that half read
-MN-major). So the warpgroups share nothing but the ring: no P or row maxima pass between them, at
-the price of S computed twice (2 x 576 + 512 against 576 + 512 multiply-adds a key and row).
+two. Both need P for every key of a tile, so each scores half of the tile's keys (S = Q Kᵀ,
+m64n{block_n / 2}k16 over the 576 columns, Q and K from shared memory), and the halves meet in
+shared memory twice a tile: the row maxima (each warpgroup's, so that both adopt the same running
+max and rescale alike) and P (16-bit A fragments, in fragment order). Then each computes its 256
+columns of O += P V over every key (m64n256k16, P from shared memory into registers, V the K tile's
+columns of its half read MN-major). The row sums stay each warpgroup's (its keys') until they meet
+at the end.
 
-One tile a step: wait for the tile (the ring's barrier), S, wait, masks and softmax, PV, wait; the
-next tile's copies run meanwhile. Causal masking is bottom-right (query i of seqlen_q sees keys
-j <= L - seqlen_q + i). At the end each thread writes its rows' columns of O (one split: in the input
-dtype, with the LSE from the first warpgroup) or the split's float32 partials and LSE.
+A tile is: the ring's barrier, S, its masks and row maxima, a barrier, the maxima of both, a barrier
+(the maxima and P share their shared memory), the softmax, P, a barrier, PV; the next tile's copies
+run meanwhile. Causal masking is bottom-right (query i of seqlen_q sees keys j <= L - seqlen_q + i).
+At the end each thread writes its rows' columns of O (one split: in the input dtype, with the LSE
+from the first warpgroup) or the split's float32 partials and LSE.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll
 from .decode_mma import KeyRows, decode_entry, decode_split, make_decode_rows, make_sequence_source
 from .epilogue import log_sum_exp
 from .mla_decode import make_latent_ring
-from .shapes import MlaWsConfig
+from .shapes import WsMlaConfig
 from .softmax import (
     exponentiate,
     max_grew,
@@ -48,13 +51,13 @@ from .wgmma_gemms import make_attention_gemms
 WARPGROUP = 128
 
 # What the rows' writer (``write_row``) reads: the parameters, this warpgroup's O, the running maxima
-# and row sums, the batch, the block's first row, the rows that exist, the split, the warpgroup, its
-# warp (0-3) and the lane.
+# and the row sums (both warpgroups' keys), the batch, the block's first row, the rows that exist,
+# the split, the warpgroup, its warp (0-3) and the lane.
 WsRows = namedtuple("WsRows", ["p", "acc_o", "m_run", "l_run", "b", "r0", "rows_total", "split", "wg", "wq",
                                "lane"])
 
 
-def make_mla_ws_kernel(config: MlaWsConfig, causal: bool, bf16: bool):
+def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
     """The Hopper MLA decode kernel (``params.DECODE``, the MLA kernel's parameters: ``v_cache``,
     ``k_new`` and ``v_new`` are not read, ``heads_kv`` is 1 and ``seqlen_new`` 0): grid
     (num_splits, row_blocks, batch), 256 threads, ``config.shared_bytes`` of dynamic shared memory."""
@@ -64,9 +67,12 @@ def make_mla_ws_kernel(config: MlaWsConfig, causal: bool, bf16: bool):
     DV = config.value_dim
     DVH = config.value_columns  # O's columns a warpgroup
     O_N_TILES = DVH // 8
-    S_N_TILES = BN // 8
-    P_K_STEPS = BN // 16
+    KH = BN // 2  # keys a warpgroup scores: its half of the tile
+    S_N_TILES = KH // 8
+    P_OWN = KH // 16  # P's 16-key slices a warpgroup scores
+    P_K_STEPS = BN // 16  # of the tile: PV's k-steps
     V_AT = (DVH // 64) * (BN * RB)  # from a K tile to the second warpgroup's V columns
+    P_AT = config.p_at
     ALIGN = config.ALIGN
     CAUSAL = causal
     BF16 = bf16
@@ -75,7 +81,9 @@ def make_mla_ws_kernel(config: MlaWsConfig, causal: bool, bf16: bool):
     prepare_q = rows.prepare_q
     ring = make_latent_ring(config, rows, proxy_fence=True)
     sequence_of = make_sequence_source(False, False)
-    issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(config.head_dim, BM, BN, bf16, RB, DVH)
+    # S over this warpgroup's half of a tile's keys; PV over every key of it
+    issue_s, _, fence_s, _ = make_attention_gemms(config.head_dim, BM, KH, bf16, RB, DVH, k_rows=BN)
+    _, issue_pv, _, fence_o = make_attention_gemms(config.head_dim, BM, BN, bf16, RB, DVH)
 
     @cuda.jit(device=True, forceinline=True)
     def mask_keys(acc_s, key0, lane, total, upper):
@@ -89,13 +97,13 @@ def make_mla_ws_kernel(config: MlaWsConfig, causal: bool, bf16: bool):
 
     @cuda.jit(device=True, forceinline=True)
     def write_row(r, at):
-        """Fragment row half ``r`` of this thread's O columns (``at``: a WsRows), over its row sum:
+        """Fragment row half ``r`` of this thread's O columns (``at``: a WsRows), over the row's sum:
         one split, O in the input dtype (and the LSE, by the first warpgroup); else the split's
         float32 partials and LSE. Unrolled in Python (``write_rows``): O stays in registers."""
         p = at.p
         row = 16 * at.wq + at.lane // 4 + 8 * r
         rr = at.r0 + row
-        l_all = quad_sum(at.l_run[r])
+        l_all = at.l_run[r]
         if rr < at.rows_total:
             inv = float32(1.0) / l_all if l_all > 0 else float32(0.0)
             lse = log_sum_exp(at.m_run[r], l_all)
@@ -120,6 +128,32 @@ def make_mla_ws_kernel(config: MlaWsConfig, causal: bool, bf16: bool):
                     p.lse_part[uint64(row_id * p.num_splits + at.split)] = lse
 
     write_rows = unroll(write_row, 2)
+
+    @cuda.jit(device=True, forceinline=True)
+    def meet_rows(smem_f, at, values, wg, wq, lane, combine_max):
+        """Both warpgroups' values of this thread's two fragment rows (quad-uniform: the row maxima,
+        the row sums) through shared memory at float index ``at``: each writes its own, a barrier,
+        ``values[r]`` becomes the max (``combine_max``) or the sum of the two, and a barrier (P,
+        written next, shares the place)."""
+        for r in range(2):
+            if lane % 4 == 0:
+                smem_f[at + wg * BM + 16 * wq + lane // 4 + 8 * r] = values[r]
+        cuda.syncthreads()
+        for r in range(2):
+            row = 16 * wq + lane // 4 + 8 * r
+            first, second = smem_f[at + row], smem_f[at + BM + row]
+            values[r] = max(first, second) if combine_max else first + second
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, forceinline=True)
+    def share_p(base, p_own, p_all, wg, wq, lane):
+        """This warpgroup's P slices into shared memory (slot: 16-key slice of the tile, warp of the
+        warpgroup, lane: 16 bytes), a barrier, then every slice of the tile into ``p_all``."""
+        for k in range(P_OWN):
+            ptx.st_shared_v4(base + P_AT + (((wg * P_OWN + k) * 4 + wq) * 32 + lane) * 16, p_own[k])
+        cuda.syncthreads()
+        for kk in range(P_K_STEPS):
+            ptx.ld_shared_v4(p_all[kk], base + P_AT + ((kk * 4 + wq) * 32 + lane) * 16)
 
     @cuda.jit(device=True, forceinline=True)
     def run_mla(p, window_left, window_right, cap_scale, sink, cache_batch_idx, cache_leftpad, rotary):
@@ -152,7 +186,8 @@ def make_mla_ws_kernel(config: MlaWsConfig, causal: bool, bf16: bool):
             for e in range(4):
                 acc_o[j, e] = 0.0
         acc_s = cuda.local.array((S_N_TILES, 4), float32)
-        p_frag = cuda.local.array((P_K_STEPS, 4), uint32)
+        p_own = cuda.local.array((P_OWN, 4), uint32)
+        p_all = cuda.local.array((P_K_STEPS, 4), uint32)
         m_run = cuda.local.array(2, float32)
         l_run = cuda.local.array(2, float32)
         mx = cuda.local.array(2, float32)
@@ -161,26 +196,34 @@ def make_mla_ws_kernel(config: MlaWsConfig, causal: bool, bf16: bool):
             m_run[r] = NEG_INF
             l_run[r] = 0.0
             upper[r] = diag + (r0 + 16 * wq + lane // 4 + 8 * r) // p.group
+        smem_f = cuda.shared.array(0, float32)
+        meet_at = (base - raw + P_AT) // 4  # float index of P's tile, where rows meet
         desc_q = hp.smem_descriptor_k_sw128(base)
         for t in range(first, last):
             sk = ring.advance(base, t, first, last, seq, ks, tid, pending)
-            issue_s(acc_s, desc_q, hp.smem_descriptor_k_sw128(sk))
+            issue_s(acc_s, desc_q, hp.smem_descriptor_k_sw128(sk + wg * KH * RB))  # this half's keys
             hp.wgmma_wait_group_0()
             fence_s(acc_s)
-            key0 = t * BN
-            if key0 + BN > total or (CAUSAL and key0 + BN - 1 > diag + (r0 + 16 * wq) // p.group):
+            key0 = t * BN + wg * KH
+            if key0 + KH > total or (CAUSAL and key0 + KH - 1 > diag + (r0 + 16 * wq) // p.group):
                 mask_keys(acc_s, key0, lane, total, upper)
             scaled_row_maxes(acc_s, S_N_TILES, mx, p.scale_log2)
-            if cuda.any_sync(FULL_MASK, max_grew(mx, m_run, THRESHOLD)):
+            meet_rows(smem_f, meet_at, mx, wg, wq, lane, True)  # the tile's row maxima, both halves
+            if cuda.any_sync(FULL_MASK, max_grew(mx, m_run, THRESHOLD)):  # alike in both warpgroups
                 rescale_rows(acc_o, O_N_TILES, m_run, l_run, mx)
             exponentiate(acc_s, S_N_TILES, m_run, l_run, p.scale_log2)
-            pack_p_fragments(p_frag, acc_s, P_K_STEPS, BF16)
-            issue_pv(acc_o, p_frag, hp.smem_descriptor_mn_sw128(sk + wg * V_AT, BN * RB), 1)
+            pack_p_fragments(p_own, acc_s, P_OWN, BF16)
+            share_p(base, p_own, p_all, wg, wq, lane)
+            issue_pv(acc_o, p_all, hp.smem_descriptor_mn_sw128(sk + wg * V_AT, BN * RB), 1)
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
 
         ptx.grid_launch_dependents()  # the combine kernel (sm_90: launched programmatically) may start
         ptx.cp_async_wait_group_0()  # a split with no tile still has Q's copies in flight
+        for r in range(2):
+            l_run[r] = quad_sum(l_run[r])
+        cuda.syncthreads()  # every warp is done with the last P
+        meet_rows(smem_f, meet_at, l_run, wg, wq, lane, False)  # the row sums over both halves' keys
         write_rows(WsRows(p, acc_o, m_run, l_run, b, r0, rows_total, split, wg, wq, lane))
 
     kernel = decode_entry(run_mla, False)

@@ -610,8 +610,8 @@ class WsBackwardConfig:
 
 
 class PackedRows:
-    """What the decode configs share (``DecodeConfig``, ``MlaDecodeConfig``): a CTA's packed query
-    rows, ``m_tiles`` 16-row m-tiles, and its threads, ``num_warps`` warps."""
+    """What the decode configs share (``DecodeConfig``, ``MlaDecodeConfig``, ``WsMlaConfig``): a CTA's
+    packed query rows, ``m_tiles`` 16-row m-tiles, and its threads, ``num_warps`` warps."""
 
     @property
     def rows(self) -> int:
@@ -795,14 +795,15 @@ class MlaDecodeConfig(ValueDim, PackedRows):
 
 
 @dataclasses.dataclass(frozen=True)
-class MlaWsConfig(ValueDim, PackedRows):
+class WsMlaConfig(ValueDim, PackedRows):
     """Compile-time shape of the Hopper MLA decode kernel (``mla_ws``, issue 58): wgmma on the latent
     cache. One CTA takes 64 packed query rows (query heads times seqlen_q) and one split of the
-    keys, in two warpgroups: each computes S = Q Kᵀ for all 64 rows and every key of a tile (the
-    same S: no exchange of P or row maxima between them) and keeps half of O's columns (64 x 256
-    float32, 128 registers a thread), O += P V with V the K tile's first columns. ``block_n``-key K
-    tiles stream through a ring of ``stages`` by cp.async (all 256 threads; a paged cache through
-    ``decode_mma.make_page_table``), laid out as the 128B-swizzle tiles wgmma's descriptors read."""
+    keys, in two warpgroups: each scores half of a tile's keys (S = Q Kᵀ, all 64 rows) and keeps
+    half of O's columns (64 x 256 float32, 128 registers a thread), O += P V over every key of the
+    tile with V the K tile's first columns; the row maxima and P pass between them through shared
+    memory. ``block_n``-key K tiles stream through a ring of ``stages`` by cp.async (all 256
+    threads; a paged cache through ``decode_mma.make_page_table``), laid out as the 128B-swizzle
+    tiles wgmma's descriptors read."""
 
     head_dim: int = 576
     head_dim_v: int = 512
@@ -840,9 +841,15 @@ class MlaWsConfig(ValueDim, PackedRows):
         return self.rows * self.head_dim * 2  # after the Q tile, from the aligned base
 
     @property
+    def p_at(self) -> int:
+        """P's tile (16-bit A fragments in fragment order: [16-key slice][warp of a warpgroup][lane] x
+        16 bytes); the row maxima and, at the end, the row sums pass through it too."""
+        return self.ring_at + self.stages * self.stage_bytes
+
+    @property
     def page_rows_at(self) -> int:
         """Paged: two buffers of the key rows' cache offsets (``decode_mma.make_page_table``)."""
-        return self.ring_at + self.stages * self.stage_bytes
+        return self.p_at + self.rows * self.block_n * 2
 
     @property
     def shared_bytes(self) -> int:

@@ -35,11 +35,13 @@ AttentionGemms = namedtuple("AttentionGemms", ["issue_s", "issue_pv", "fence_s",
 
 def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
                          row_bytes: int = 128, value_dim: int = 0, fp8: bool = False,
-                         vt_row_bytes: int = 128) -> AttentionGemms:
+                         vt_row_bytes: int = 128, k_rows: int = 0) -> AttentionGemms:
     """The GEMM steps for a Q tile of ``block_m`` rows and K / V tiles of ``block_n`` rows, in
     blocks of ``row_bytes``-byte rows (128 or 64; the descriptors' swizzle must match). S's depth
     is ``head_dim`` (Q's and K's), O's width ``value_dim`` (V's; 0: ``head_dim``). ``fp8``: e4m3
-    inputs (``bf16`` is then unused), V transposed in blocks of ``vt_row_bytes`` keys."""
+    inputs (``bf16`` is then unused), V transposed in blocks of ``vt_row_bytes`` keys. ``k_rows``:
+    the rows of the K tile's column blocks where S takes only ``block_n`` of them (0: ``block_n``;
+    MLA's warpgroups each score half a tile's keys, ``mla_ws``)."""
     if row_bytes not in (64, 128) or vt_row_bytes not in (64, 128):
         raise ValueError(f"row_bytes and vt_row_bytes must be 64 or 128, got {row_bytes}, {vt_row_bytes}")
     value_dim = value_dim or head_dim
@@ -51,7 +53,8 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
     ELEMENT = 1 if fp8 else 2  # bytes of an input element
     D_K_STEPS = head_dim * ELEMENT // 32  # k-steps (32 bytes of a K-major row each) of the S wgmma
     P_K_STEPS = block_n * ELEMENT // 32  # k-steps of the PV wgmma (16 keys, or 32 in e4m3)
-    BM, BN, RB = block_m, block_n, row_bytes
+    BM, RB = block_m, row_bytes
+    KR = k_rows or block_n  # rows of a K column block
     STEPS_PER_BLOCK = row_bytes // 32  # k-steps (32 bytes) in one block row
     FP8 = fp8
     VT_STEPS = vt_row_bytes // 32  # e4m3: k-steps of 32 keys in one block row of transposed V
@@ -64,7 +67,7 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
         block = (kk // STEPS_PER_BLOCK) * RB  # the block's offset, in bytes per tile row
         step = (kk % STEPS_PER_BLOCK) * 32
         mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + step),
-              hp.descriptor_add(desc_k, block * BN + step), 0 if kk == 0 else 1)
+              hp.descriptor_add(desc_k, block * KR + step), 0 if kk == 0 else 1)
 
     # Above 16 k-steps (MLA's 576 columns: 36) NVVM leaves the loop rolled, each wgmma's descriptors
     # computed at run time and the group closed by an empty wgmma: the steps are unrolled in Python.
@@ -80,7 +83,10 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
             s_steps((acc_s, desc_q, desc_k))
         else:
             for kk in range(D_K_STEPS):
-                s_step(kk, (acc_s, desc_q, desc_k))
+                block = (kk // STEPS_PER_BLOCK) * RB  # the block's offset, in bytes per tile row
+                step = (kk % STEPS_PER_BLOCK) * 32
+                mma_s(acc_s, hp.descriptor_add(desc_q, block * BM + step),
+                      hp.descriptor_add(desc_k, block * KR + step), 0 if kk == 0 else 1)
         hp.wgmma_commit_group()
 
     @cuda.jit(device=True, forceinline=True)

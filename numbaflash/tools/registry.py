@@ -48,14 +48,15 @@ def mla_decode_kernels() -> dict:
     (``flash_mla_with_kvcache``); named ``flash_mla_decode_d576v512_m<rows>_n<keys>_w<warps>k<key
     slices>_s<stages>[_paged]_<full|causal>_<dtype>``."""
     from ..configs import shipped_mla_decode_configs
-    from ..kernels.families import spec_of
+    from ..kernels.families import family_of, spec_of
 
     kernels = {}
     for config in shipped_mla_decode_configs():
+        targets = ("sm_90a",) if family_of(config).arch == "sm_90a" else ("sm_80", "sm_90a")
         for causal in (False, True):
             for bf16 in (False, True):
                 kernel, argtypes = _built(spec_of(config, "decode", bf16, causal=causal))
-                kernels[kernel.__name__] = (kernel, argtypes, ("sm_80", "sm_90a"))
+                kernels[kernel.__name__] = (kernel, argtypes, targets)
     return kernels
 
 
