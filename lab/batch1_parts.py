@@ -22,21 +22,15 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from batch1_probe import cudnn  # noqa: E402  (lab/, this script's folder)
 from decode_speed import graph_times, paged_copy  # noqa: E402
 
 import numbaflash  # noqa: E402
 from numbaflash.runtime import device as gpu_state  # noqa: E402
 
 ROTATION_BYTES = 300_000_000
-
-
-def cudnn(x):
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return sdpa(x.q.transpose(1, 2), x.kc.transpose(1, 2), x.vc.transpose(1, 2), enable_gqa=True)
 
 
 def ours(x, paged: bool):

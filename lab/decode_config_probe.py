@@ -23,21 +23,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import decode_speed  # noqa: E402
+from stream_bytes_probe import use  # noqa: E402  (lab/, this script's folder)
 
 from numbaflash import configs  # noqa: E402
 from numbaflash.kernels.shapes import DecodeConfig  # noqa: E402
-from numbaflash.operations import launch_decode  # noqa: E402
 from numbaflash.runtime import device as gpu_state  # noqa: E402
-
-
-def use(kb: int) -> None:
-    """Take ``kb`` KB a SM from the next call on: the kernels' launch choices and plans made again."""
-    launch_decode.STREAM_BYTES_PER_SM = kb * 1024
-    launch_decode.REFERENCE_SM_BANDWIDTH = float("inf")  # kb as given, not scaled by the GPU's bandwidth
-    gpu = gpu_state.GPU
-    for key in [k for k in gpu.launchers if k[0] == "decode"]:
-        del gpu.launchers[key]
-    gpu.plans.clear()
 
 
 def timed(fns, config) -> float:

@@ -695,8 +695,31 @@ class DecodeConfig(ValueDim, PackedRows):
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
 
+class LatentTiles:
+    """What the MLA configs share (``MlaDecodeConfig``, ``WsMlaConfig``): the Q tile of ``rows`` latent
+    rows, then a ring of ``stages`` K tiles of ``block_n`` rows (V is a K tile's first ``value_dim``
+    columns), in column blocks of 128-byte rows."""
+
+    @property
+    def row_bytes(self) -> int:
+        return 128
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: a K tile (V is its first ``value_dim`` columns)."""
+        return self.block_n * self.head_dim * 2
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return (self.stages - 1) * self.stage_bytes
+
+    @property
+    def ring_at(self) -> int:
+        return self.rows * self.head_dim * 2  # after the Q tile
+
+
 @dataclasses.dataclass(frozen=True)
-class MlaDecodeConfig(ValueDim, PackedRows):
+class MlaDecodeConfig(LatentTiles, ValueDim, PackedRows):
     """Compile-time shape of the MLA decode kernel (``mla_decode``, issue 58): DeepSeek's latent
     cache, one row a token of ``head_dim`` values (576: 512 latent + 64 rotary) shared by every
     query head, K the whole row and V its first ``head_dim_v`` (512). One CTA takes ``rows``
@@ -718,10 +741,6 @@ class MlaDecodeConfig(ValueDim, PackedRows):
     paged: bool = False  # K through a block table
 
     @property
-    def row_bytes(self) -> int:
-        return 128
-
-    @property
     def score_keys(self) -> int:
         """Keys of a tile one warp scores (its key slice)."""
         return self.block_n // self.key_warps
@@ -740,19 +759,6 @@ class MlaDecodeConfig(ValueDim, PackedRows):
     def tag(self) -> str:
         return (f"_m{self.rows}_n{self.block_n}_w{self.num_warps}k{self.key_warps}_s{self.stages}"
                 + ("_paged" if self.paged else ""))
-
-    @property
-    def stage_bytes(self) -> int:
-        """One stage of the ring: a K tile (V is its first ``value_dim`` columns)."""
-        return self.block_n * self.head_dim * 2
-
-    @property
-    def bytes_in_flight(self) -> int:
-        return (self.stages - 1) * self.stage_bytes
-
-    @property
-    def ring_at(self) -> int:
-        return self.rows * self.head_dim * 2  # after the Q tile
 
     @property
     def p_at(self) -> int:
@@ -795,7 +801,7 @@ class MlaDecodeConfig(ValueDim, PackedRows):
 
 
 @dataclasses.dataclass(frozen=True)
-class WsMlaConfig(ValueDim, PackedRows):
+class WsMlaConfig(LatentTiles, ValueDim, PackedRows):
     """Compile-time shape of the Hopper MLA decode kernel (``mla_ws``, issue 58): wgmma on the latent
     cache. One CTA takes 64 packed query rows (query heads times seqlen_q) and one split of the
     keys, in two warpgroups: each scores half of a tile's keys (S = Q Kᵀ, all 64 rows) and keeps
@@ -815,10 +821,6 @@ class WsMlaConfig(ValueDim, PackedRows):
     ALIGN: ClassVar[int] = 1024  # the 128B-swizzle atom: the tiles' base is aligned up to it
 
     @property
-    def row_bytes(self) -> int:
-        return 128
-
-    @property
     def value_columns(self) -> int:
         """O's columns one warpgroup accumulates."""
         return self.value_dim // 2
@@ -826,19 +828,6 @@ class WsMlaConfig(ValueDim, PackedRows):
     @property
     def tag(self) -> str:
         return f"_ws_n{self.block_n}_s{self.stages}" + ("_paged" if self.paged else "")
-
-    @property
-    def stage_bytes(self) -> int:
-        """One stage of the ring: a K tile (V is its first ``value_dim`` columns)."""
-        return self.block_n * self.head_dim * 2
-
-    @property
-    def bytes_in_flight(self) -> int:
-        return (self.stages - 1) * self.stage_bytes
-
-    @property
-    def ring_at(self) -> int:
-        return self.rows * self.head_dim * 2  # after the Q tile, from the aligned base
 
     @property
     def p_at(self) -> int:
