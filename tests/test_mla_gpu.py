@@ -4,7 +4,7 @@ lengths from 0 to the full cache, contiguous and paged caches (pages of 1, 16, 6
 shuffled), every row past a sequence's length and every unused page NaN, 16 to 128 query heads
 (each MLA config: 16, 32 and 64 packed rows, two row blocks), seqlen_q 1 to 3 with causal masking,
 forced and automatic split counts, a given ``out``, and a CUDA graph whose replays follow
-cache_seqlens."""
+cache_seqlens. On Hopper the wgmma kernel (above 16 rows) is also forced on every case."""
 
 from __future__ import annotations
 
@@ -83,6 +83,27 @@ def test_mla_matches_reference(heads, seqlen_q, page, dtype, causal, splits):
     check(q, cache, seqlens, table, out, lse, causal, f"heads {heads} sq {seqlen_q} page {page} {dtype}")
     plain = numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, causal=causal, num_splits=splits)
     assert torch.equal(plain, out), "the call without out or LSE gives other bits"
+
+
+# The Hopper kernel forced (``kernels.mla_ws``: it takes more than 16 rows on its own; forced, the
+# 16-row calls too), on CASES and two more: fp16 causal with splits, 128 heads x 2 causal contiguous.
+HOPPER_CASES = [*CASES, (64, 1, 64, "float16", True, 2), (128, 2, None, "bfloat16", True, 0)]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("heads, seqlen_q, page, dtype, causal, splits", HOPPER_CASES)
+def test_hopper_kernel_matches_reference(heads, seqlen_q, page, dtype, causal, splits):
+    from numbaflash import configs
+    from numbaflash.kernels.shapes import WsMlaConfig
+
+    dt = getattr(torch, dtype)
+    lengths = [1, 300, 0, 77, 513] if page != 1 else [1, 130, 0, 57]
+    q, cache, seqlens, table = mla_problem(heads + seqlen_q, len(lengths), seqlen_q, heads, lengths, page, dt)
+    out = torch.full((*q.shape[:3], DV), float("nan"), device="cuda", dtype=dt)
+    with configs.force_decode_config(WsMlaConfig(paged=page is not None)):
+        _, lse = numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, causal=causal, num_splits=splits,
+                                                   return_lse=True, out=out)
+    check(q, cache, seqlens, table, out, lse, causal, f"wgmma: heads {heads} sq {seqlen_q} page {page}")
 
 
 @pytest.mark.gpu
