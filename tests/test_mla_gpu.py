@@ -56,6 +56,15 @@ def check(q, cache, seqlens, table, out, lse, causal, context):
     assert not problems, f"{context}: " + "; ".join(problems)
 
 
+def case_problem(heads, seqlen_q, page, dtype):
+    """A CASES row's problem (ragged lengths with an empty sequence; shorter ones at page size 1) and a
+    NaN-filled ``out``."""
+    lengths = [1, 300, 0, 77, 513] if page != 1 else [1, 130, 0, 57]
+    dt = getattr(torch, dtype)
+    q, cache, seqlens, table = mla_problem(heads + seqlen_q, len(lengths), seqlen_q, heads, lengths, page, dt)
+    return q, cache, seqlens, table, torch.full((*q.shape[:3], DV), float("nan"), device="cuda", dtype=dt)
+
+
 # (heads, seqlen_q, page, dtype, causal, splits): each MLA config (16, 32, 64 rows; two row blocks
 # at 128), contiguous and paged at pages of 1, 16, 64 and 256, one fp16 case.
 CASES = [
@@ -72,10 +81,7 @@ CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, seqlen_q, page, dtype, causal, splits", CASES)
 def test_mla_matches_reference(heads, seqlen_q, page, dtype, causal, splits):
-    dt = getattr(torch, dtype)
-    lengths = [1, 300, 0, 77, 513] if page != 1 else [1, 130, 0, 57]
-    q, cache, seqlens, table = mla_problem(heads + seqlen_q, len(lengths), seqlen_q, heads, lengths, page, dt)
-    out = torch.full((*q.shape[:3], DV), float("nan"), device="cuda", dtype=dt)
+    q, cache, seqlens, table, out = case_problem(heads, seqlen_q, page, dtype)
     got, lse = numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, causal=causal, num_splits=splits,
                                                  return_lse=True, out=out)
     assert got.data_ptr() == out.data_ptr() and got.shape == (*q.shape[:3], DV)
@@ -96,10 +102,7 @@ def test_hopper_kernel_matches_reference(heads, seqlen_q, page, dtype, causal, s
     from numbaflash import configs
     from numbaflash.kernels.shapes import WsMlaConfig
 
-    dt = getattr(torch, dtype)
-    lengths = [1, 300, 0, 77, 513] if page != 1 else [1, 130, 0, 57]
-    q, cache, seqlens, table = mla_problem(heads + seqlen_q, len(lengths), seqlen_q, heads, lengths, page, dt)
-    out = torch.full((*q.shape[:3], DV), float("nan"), device="cuda", dtype=dt)
+    q, cache, seqlens, table, out = case_problem(heads, seqlen_q, page, dtype)
     with configs.force_decode_config(WsMlaConfig(paged=page is not None)):
         _, lse = numbaflash.flash_mla_with_kvcache(q, cache, seqlens, table, causal=causal, num_splits=splits,
                                                    return_lse=True, out=out)

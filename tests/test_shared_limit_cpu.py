@@ -109,26 +109,29 @@ def test_forced_config_too_big_fails_with_a_message(monkeypatch):
             forward.forward_kernel((8, 6), 0, 256, False, False)
 
 
-def test_device_limit_is_read_once_per_device(monkeypatch):
-    calls = []
-
-    class Attr:
-        CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
-
-    class Result:
-        CUDA_SUCCESS = 0
+def gpu_with_attributes(monkeypatch, values: dict, calls: list):
+    """A GpuState over a stand-in driver whose attributes are ``values`` ({name: (id, value)}, the
+    name without CU_DEVICE_ATTRIBUTE_); each read is appended to ``calls`` as (id, ordinal)."""
+    attr = type("Attr", (), {f"CU_DEVICE_ATTRIBUTE_{name}": id_ for name, (id_, _) in values.items()})
+    by_id = {id_: value for id_, value in values.values()}
 
     class FakeDriver:
-        CUdevice_attribute = Attr
-        CUresult = Result
+        CUdevice_attribute = attr
+        CUresult = type("Result", (), {"CUDA_SUCCESS": 0})
 
         @staticmethod
-        def cuDeviceGetAttribute(attr, ordinal):
-            calls.append((attr, ordinal))
-            return 0, 101376
+        def cuDeviceGetAttribute(attr_id, ordinal):
+            calls.append((attr_id, ordinal))
+            return 0, by_id[attr_id]
 
     gpu = device.GpuState()
     monkeypatch.setattr(gpu, "driver", lambda: FakeDriver)
+    return gpu
+
+
+def test_device_limit_is_read_once_per_device(monkeypatch):
+    calls = []
+    gpu = gpu_with_attributes(monkeypatch, {"MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": (97, 101376)}, calls)
     assert gpu.shared_limit(3) == 101376
     assert gpu.shared_limit(3) == 101376
     assert calls == [(97, 3)]
@@ -139,33 +142,11 @@ def test_memory_bandwidth_is_read_once_and_zero_where_not_reported(monkeypatch):
     without those attributes gives 0.0 (``launch_decode.streaming_ctas`` then keeps the H100's
     counts)."""
     calls = []
-
-    class Attr:
-        CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE = 36
-        CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH = 37
-
-    class Result:
-        CUDA_SUCCESS = 0
-
-    class FakeDriver:
-        CUdevice_attribute = Attr
-        CUresult = Result
-
-        @staticmethod
-        def cuDeviceGetAttribute(attr, ordinal):
-            calls.append((attr, ordinal))
-            return 0, {36: 2619000, 37: 5120}[attr]
-
-    gpu = device.GpuState()
-    monkeypatch.setattr(gpu, "driver", lambda: FakeDriver)
+    gpu = gpu_with_attributes(monkeypatch, {"MEMORY_CLOCK_RATE": (36, 2619000),
+                                            "GLOBAL_MEMORY_BUS_WIDTH": (37, 5120)}, calls)
     assert gpu.memory_bandwidth(1) == pytest.approx(3.352e12, rel=1e-3)  # an H100 SXM
     assert gpu.memory_bandwidth(1) == pytest.approx(3.352e12, rel=1e-3)
     assert calls == [(36, 1), (37, 1)]
 
-    class OldAttr:
-        pass
-
-    FakeDriver.CUdevice_attribute = OldAttr
-    gpu = device.GpuState()
-    monkeypatch.setattr(gpu, "driver", lambda: FakeDriver)
+    gpu = gpu_with_attributes(monkeypatch, {}, calls)
     assert gpu.memory_bandwidth(0) == 0.0
