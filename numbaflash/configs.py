@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -475,6 +476,13 @@ BACKWARD_WS_DEFAULTS: dict[int, list[WsBackwardConfig]] = {
     64: [_WB(64, block_m=128)],
     128: [_WB(128, block_m=64, late_rows=True)],
 }
+# Where calls of long query sequences (at least BACKWARD_LONG_SEQLEN rows; no window, no softcap)
+# take another Hopper tile ahead of the defaults: at d128 FA4's non-causal one, 80 query rows a step,
+# the warpgroups computing dQᵀ = Kᵀ dSᵀ (wgmma's M is 64: 80 rows cannot be dQ's M). H200, bf16,
+# against 64 rows (docs/PERFORMANCE.md [B80]): 1k -3%, 2k -1%, 4k and 8k tied, 16k +1 to +2%
+# (causal +1.4%), 32k +2%: the last query block's padding (up to 79 rows) weighs less there.
+BACKWARD_LONG_SEQLEN = 16384
+BACKWARD_WS_LONG: dict[int, list[WsBackwardConfig]] = {128: [_WB(128, block_m=80, late_rows=True)]}
 _BACKWARD_DEFAULTS_OF = {SM80_BWD.name: BACKWARD_DEFAULTS, SM90_BWD.name: BACKWARD_WS_DEFAULTS}
 
 
@@ -513,7 +521,8 @@ def backward_runnable(config: BackwardConfig | WsBackwardConfig, capability: tup
 
 def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
                     shared_limit: int | None = None, *, window: bool = False, softcap: bool = False,
-                    varlen: bool = False, head_dim_v: int = 0) -> BackwardConfig | WsBackwardConfig:
+                    varlen: bool = False, head_dim_v: int = 0, long: bool = False
+                    ) -> BackwardConfig | WsBackwardConfig:
     """The backward configuration to launch on this GPU for a call of the variant ``window``,
     ``softcap``, ``varlen``: in the family of ``backward_dispatch_family``, a forced one
     (``force_config``), else the tuned table's entry (``backward_table_key``), else the first of
@@ -531,6 +540,9 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
 
     ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
     ``ASYMMETRIC_BACKWARD_DEFAULTS`` config on every GPU (dense or packed).
+
+    ``long``: the call has at least ``BACKWARD_LONG_SEQLEN`` query rows (``backward_is_long``):
+    without a window or softcap, on Hopper, ``BACKWARD_WS_LONG``'s config comes first.
     """
     if head_dim_v and head_dim_v != head_dim:
         choices = ASYMMETRIC_BACKWARD_DEFAULTS.get((head_dim, head_dim_v))
@@ -557,7 +569,7 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     if family != BACKWARD_FAMILY:
         try:
-            return _backward_choice(head_dim, causal, limit, family)
+            return _backward_choice(head_dim, causal, limit, family, long and not (window or softcap))
         except RuntimeError:  # no Hopper tile fits a lowered limit: the mma.sync backward's
             pass
     return backward_for_target(_backward_choice(head_dim, causal, limit), capability)
@@ -575,10 +587,11 @@ def backward_for_target(config: BackwardConfig, capability: tuple[int, int]) -> 
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_choice(head_dim: int, causal: bool, limit: int,
-                     family: str = BACKWARD_FAMILY) -> BackwardConfig | WsBackwardConfig:
+def _backward_choice(head_dim: int, causal: bool, limit: int, family: str = BACKWARD_FAMILY,
+                     long: bool = False) -> BackwardConfig | WsBackwardConfig:
     """``backward_config`` of ``family`` without a forced config (the table is read once per
-    process)."""
+    process); ``long``: a call of at least ``BACKWARD_LONG_SEQLEN`` query rows with no window and
+    no softcap, which on Hopper tries ``BACKWARD_WS_LONG`` before the defaults."""
     defaults = _BACKWARD_DEFAULTS_OF[family]
     if head_dim not in defaults:
         raise ValueError(f"head_dim must be one of {tuple(defaults)} for the backward, got {head_dim}")
@@ -590,6 +603,8 @@ def _backward_choice(head_dim: int, causal: bool, limit: int,
             raise ValueError(f"the tuned table's entry {key} must be a {FAMILIES[family].table_kind} "
                              f"config of head_dim {head_dim}, got {config}")
         tried.append(config)
+    if long and family == SM90_BWD.name:
+        tried += BACKWARD_WS_LONG.get(head_dim, [])
     tried += defaults[head_dim]
     for config in tried:
         if config.shared_bytes <= limit:
@@ -599,20 +614,27 @@ def _backward_choice(head_dim: int, causal: bool, limit: int,
                        f"a CTA ({needs})")
 
 
+def backward_is_long(seqlen_q: int, varlen: bool = False) -> bool:
+    """Whether a dense backward call of ``seqlen_q`` query rows takes the long-sequence configs
+    (``BACKWARD_WS_LONG``): packed (``varlen``) calls never do."""
+    return not varlen and seqlen_q >= BACKWARD_LONG_SEQLEN
+
+
 def shipped_backward_configs(window: bool = False, softcap: bool = False, varlen: bool = False
                              ) -> list[tuple[int, bool, BackwardConfig | WsBackwardConfig]]:
     """Every (head dim, causal, config) the backward can launch unforced for a call of the variant
     ``window``, ``softcap``, ``varlen`` on the representative GPUs (``FAMILY_CAPABILITY`` and
     ``SMALL_SHARED_CAPABILITIES``): the mma.sync backward's and, on Hopper, the Hopper backward's
     (``backward_dispatch_family``; ``varlen`` gives the mma.sync configs Hopper runs packed calls
-    with); each once; a GPU where no config of a head dim fits adds nothing for it."""
+    with), short and long query sequences (``backward_is_long``); each once; a GPU where no config
+    of a head dim fits adds nothing for it."""
     shipped = []
     for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
         for d in BACKWARD_DEFAULTS:
-            for causal in (False, True):
+            for causal, long in itertools.product((False, True), (False,) if varlen else (False, True)):
                 try:
                     item = (d, causal, backward_config(cap, d, causal, window=window, softcap=softcap,
-                                                       varlen=varlen))
+                                                       varlen=varlen, long=long))
                 except RuntimeError:
                     continue
                 if item not in shipped:

@@ -150,11 +150,13 @@ def prepare_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scal
         var = variant_of(causal, window_size, softcap, softmax_scale, seqlen_q, seqlen_k)
     except (RuntimeError, ValueError, TypeError):
         return 0
+    long = configs.backward_is_long(seqlen_q, varlen=max_seqlens is not None)
     started = backward_operation.prepare_backward(capability, device, q.shape[-1], var.causal,
                                                   dtype_name == "bfloat16", window=var.window,
                                                   softcap=var.softcap, varlen=max_seqlens is not None,
                                                   sink=learnable_sink is not None,
-                                                  head_dim_v=0 if v.shape[-1] == q.shape[-1] else v.shape[-1])
+                                                  head_dim_v=0 if v.shape[-1] == q.shape[-1] else v.shape[-1],
+                                                  long=long)
     if not configs.OVERRIDES and device == seen[0]:
         if len(_PREPARED_CALLS) >= 256:
             _PREPARED_CALLS.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import re
 import sys
 import threading
@@ -847,17 +848,18 @@ def test_precompile_lists_the_backward_kernels():
         items = precompile.backward_kernels_for(arch, candidates=False)
         expected = set()
         for d in configs.BACKWARD_DEFAULTS:
-            for causal in (False, True):
+            for causal, long in itertools.product((False, True), (False, True)):  # short and long sequences
                 if cap == SM86 and d == 256:
                     continue
-                config = configs.backward_config(cap, d, causal)
+                config = configs.backward_config(cap, d, causal, long=long)
                 # the prepare and dQ kernels do not depend on causal: built once, as non-causal
                 expected |= {(config, causal and op == "backward", bf16, arch, op, False)
                              for bf16 in (False, True) for op in families.BACKWARD_OPERATIONS}
                 if families.family_of(config).group_splits:  # and its main kernel's GQA-split build
                     expected |= {(config, causal, bf16, arch, "backward", True) for bf16 in (False, True)}
         found = [(s.config, s.causal, s.bf16, s.arch, s.operation, s.group_split) for s in items]
-        assert sum(s.group_split for s in items) == (8 if arch == "sm_90a" else 0)
+        # Hopper: d64 and d128, causal or not, and d128's long-sequence config, causal or not
+        assert sum(s.group_split for s in items) == (12 if arch == "sm_90a" else 0)
         assert len(found) == len(expected) and set(found) == expected
         with_candidates = precompile.backward_kernels_for(arch, candidates=True)
         # the candidates, and the chosen configs (on Hopper its own backward's at d64 and d128)

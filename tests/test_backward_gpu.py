@@ -3,7 +3,8 @@
 Criterion (FlashAttention's, ``tools.reference.compare_gradients_with_reference``): for each of
 dq, dk, dv the max error is at most twice that of the same backward done in the input dtype,
 plus a rounding floor; no NaN; dq exactly 0 on rows that see no key. Every head dim, both
-dtypes, causal or not, GQA and MQA, seqlen_q far from seqlen_k, length 1, large inputs;
+dtypes, causal or not, GQA and MQA, seqlen_q far from seqlen_k, length 1, large inputs, a
+long query sequence (the long-sequence config);
 deterministic mode bit-identical run to run; given dq/dk/dv written in place (poisoned first);
 every config autotune may pick, forced.
 """
@@ -128,6 +129,24 @@ def test_causal_launch_order_with_a_plain_head_and_an_interleaved_tail(rng, dete
     q, k, v, dout = problem(rng, 3, 300, 2100, 8, 8, 64, np.float16)
     grads, _ = run_backward(q, k, v, dout, True, deterministic=deterministic)
     check(q, k, v, dout, True, grads)
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_query_sequences(rng, causal, deterministic):
+    """A query sequence of ``configs.BACKWARD_LONG_SEQLEN`` rows or more, unforced: on Hopper at d128
+    the long-sequence config (80 query rows a step, dQ transposed), whose last query block is
+    ragged (16437 = 205 x 80 + 37 rows), GQA 4:1; few keys keep the float64 reference cheap."""
+    from numba import cuda
+
+    sq = configs.BACKWARD_LONG_SEQLEN + 53
+    capability = tuple(cuda.get_current_device().compute_capability)
+    if capability[0] == 9:
+        assert configs.backward_config(capability, 128, causal, long=True) in configs.BACKWARD_WS_LONG[128]
+    q, k, v, dout = problem(rng, 1, sq, 333, 4, 1, 128, ml_dtypes.bfloat16)
+    grads, _ = run_backward(q, k, v, dout, causal, deterministic=deterministic)
+    check(q, k, v, dout, causal, grads)
 
 
 @gpu

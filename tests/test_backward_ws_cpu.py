@@ -22,6 +22,7 @@ from numbaflash.operands import Operand
 from numbaflash.operations import backward
 from numbaflash.operations.launch_backward import (
     BackwardCall,
+    backward_rows,
     launch_backward_ws_main,
     launch_backward_ws_split,
     workspace_layout,
@@ -30,6 +31,8 @@ from numbaflash.runtime import launch as runtime_launch
 
 HOPPER, AMPERE, SM86, BLACKWELL = (9, 0), (8, 0), (8, 6), (10, 0)
 WS_CONFIGS = [WsBackwardConfig(64, block_m=128), WsBackwardConfig(128, block_m=64, late_rows=True)]
+# 80 query rows a step: dQᵀ = Kᵀ dSᵀ (FA4's d128 non-causal tile)
+WS_80 = WsBackwardConfig(128, block_m=80, late_rows=True)
 
 
 @pytest.fixture
@@ -174,11 +177,41 @@ def test_force_config_with_a_hopper_config(fresh_choice):
     assert configs.backward_runnable(forced, HOPPER)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_query_sequences_take_80_row_steps_at_d128(causal, fresh_choice):
+    """From ``BACKWARD_LONG_SEQLEN`` query rows (dense calls only) Hopper's d128 backward takes 80
+    query rows a step (``BACKWARD_WS_LONG``), causal or not; its window and softcap builds, d64,
+    the mma.sync GPUs and packed calls keep their configs."""
+    assert configs.BACKWARD_WS_LONG == {128: [WS_80]}
+    assert WS_80.dq_split == "t" and WS_80.dq_config().dq_transposed
+    assert not configs.backward_is_long(configs.BACKWARD_LONG_SEQLEN - 1)
+    assert configs.backward_is_long(configs.BACKWARD_LONG_SEQLEN)
+    assert not configs.backward_is_long(1 << 20, varlen=True)
+    assert configs.backward_config(HOPPER, 128, causal, long=True) == WS_80
+    assert configs.backward_config(HOPPER, 128, causal) == configs.BACKWARD_WS_DEFAULTS[128][0]
+    for window, softcap in ((True, False), (False, True)):
+        assert (configs.backward_config(HOPPER, 128, causal, window=window, softcap=softcap, long=True)
+                == configs.backward_config(HOPPER, 128, causal, window=window, softcap=softcap))
+    for d, cap in ((64, HOPPER), (128, AMPERE), (64, AMPERE)):
+        assert configs.backward_config(cap, d, causal, long=True) == configs.backward_config(cap, d, causal)
+    assert configs.backward_config(HOPPER, 128, causal, varlen=True, long=True).block_m == 64  # mma.sync
+
+
+def test_the_workspace_rows_hold_whole_80_row_blocks():
+    """A config of 80 query rows a step gets rows in multiples of 640 (whole 80-row blocks and
+    whole 128-row alignment: the prepare kernel's 64-row blocks), the others as before."""
+    assert [backward_rows(s, 80) for s in (1, 640, 641, 16384)] == [640, 640, 1280, 16640]
+    assert [backward_rows(s, 64) for s in (1, 129)] == [backward_rows(s) for s in (1, 129)] == [128, 256]
+    lay = workspace_layout(2, 3, 1000, 128, 80)
+    assert lay.rows == 1280 and lay.counter_elements == 2 * 3 * 16
+
+
 def test_shipped_backward_configs_hold_the_hopper_ones():
     shipped = configs.shipped_backward_configs()
     own = {(d, causal, c) for d, causal, c in shipped if families.family_of(c) is families.SM90_BWD}
     assert own == {(d, causal, configs.BACKWARD_WS_DEFAULTS[d][0])
-                   for d in (64, 128) for causal in (False, True)}
+                   for d in (64, 128) for causal in (False, True)} | {(128, causal, WS_80)
+                                                                    for causal in (False, True)}
     for d in configs.BACKWARD_DEFAULTS:
         for causal in (False, True):
             for cap in (AMPERE, HOPPER):
@@ -203,32 +236,38 @@ def test_precompile_and_inspect_list_the_hopper_kernels():
 # ------------------------------------------------------------------ the dQ accumulator's order
 
 
-@pytest.mark.parametrize("config", WS_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", [*WS_CONFIGS, WS_80], ids=str)
 def test_the_dq_fragments_are_the_consumer_warps_wgmma_accumulators(config):
     """``dq_config().dq_position`` is where the consumer warps' wgmma accumulators of dQ = dS K
     sit: warp ``warp`` of warpgroup w holds rows 16 (warp % 4) (+ 64 w when the warpgroups split
     dQ by rows, ``dq_split`` "m") of every column, or (split "n") of the columns from
     head_dim / consumers · w; element 4 j + e of its lane the m64nN accumulator's (rows lane / 4
-    + 8 (e / 2), column 8 j + 2 (lane % 4) + e % 2). The positions cover the query block once,
-    and ``dq_offset`` (four floats of an n-tile adjacent) is a bijection onto it too."""
+    + 8 (e / 2), column 8 j + 2 (lane % 4) + e % 2). With 80 query rows (split "t") the
+    accumulator is dQᵀ's: its rows are head-dim columns 64 w + 16 warp .., its columns queries.
+    The positions cover the query block once, and ``dq_offset`` (four floats of an n-tile
+    adjacent) is a bijection onto it too."""
     config.check()
     dq = config.dq_config()
+    dq.check()
     assert dq.threads == 128 * config.consumers == config.threads - 128  # the consumer threads
     assert (dq.block_m, dq.block_n, dq.head_dim, dq.dq_vector) == (config.block_m, config.block_n,
                                                                    config.head_dim, 4)
-    split_m = config.dq_split == "m"
+    split_m, split_t = config.dq_split == "m", config.dq_split == "t"
     assert split_m == (config.block_m == WARPGROUP_ROWS * config.consumers)
-    cols = config.head_dim if split_m else config.head_dim // config.consumers  # a warpgroup's
+    assert split_t == dq.dq_transposed == (config.block_m % WARPGROUP_ROWS != 0)
+    cols = config.block_m if split_t else config.head_dim if split_m else config.head_dim // config.consumers
     elements = config.block_m * config.head_dim // dq.threads
     assert dq.dq_fragment_elements == elements == cols // 8 * 4
     positions, offsets = set(), set()
     for tid in range(dq.threads):
         wg, warp, lane = tid // 128, (tid // 32) % 4, tid % 32
-        row0 = 16 * warp + (WARPGROUP_ROWS * wg if split_m else 0)
-        col0 = 0 if split_m else cols * wg
+        row0 = 16 * warp + (WARPGROUP_ROWS * wg if split_m or split_t else 0)
+        col0 = 0 if split_m or split_t else cols * wg
         for i in range(elements):
             j, e = divmod(i, 4)
             expected = (row0 + lane // 4 + 8 * (e // 2), col0 + 8 * j + 2 * (lane % 4) + e % 2)
+            if split_t:  # (query, head-dim column)
+                expected = expected[::-1]
             assert dq.dq_position(tid, i) == expected, (tid, i)
             positions.add(expected)
             offsets.add(dq.dq_offset(tid, i))

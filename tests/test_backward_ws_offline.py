@@ -18,11 +18,13 @@ from numbaflash.kernels.shapes import WsBackwardConfig
 from numbaflash.tools.inspect import report_from_cubin
 
 CASES = [(configs.backward_config((9, 0), 128, True), True, True),
-         (configs.backward_config((9, 0), 64, False), False, False)]
+         (configs.backward_config((9, 0), 64, False), False, False),
+         (configs.backward_config((9, 0), 128, False, long=True), False, True)]  # 80 rows, dQᵀ
 
 
 @pytest.fixture(scope="module", params=[(*case, split) for case in CASES for split in (False, True)],
-                ids=lambda c: f"d{c[0].head_dim}-{'causal' if c[1] else 'full'}{'-split' if c[3] else ''}")
+                ids=lambda c: f"d{c[0].head_dim}-m{c[0].block_m}-{'causal' if c[1] else 'full'}"
+                                  f"{'-split' if c[3] else ''}")
 def report(request):
     """(config, report, whether the GQA-split build) of each case, plain and split."""
     config, causal, bf16, split = request.param

@@ -9,6 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from numbaflash import configs
 from numbaflash.kernels.families import family_of
 from numbaflash.tools import selftest
 from numbaflash.tools.selftest_common import DRAWN_HEAD_DIMS
@@ -52,7 +53,8 @@ def test_every_variants_case_is_varlen_windowed_or_softcapped(quick):
             False, True}, name
         max_seq, cap = selftest.LIMITS[quick][:2]
         for c in cases:
-            assert selftest.reference_cost(c) <= cap and 1 <= c.seqlen_q <= max_seq, c.describe()
+            long = c.family == "backward" and c.seqlen_q >= configs.BACKWARD_LONG_SEQLEN and c.batch == 1
+            assert selftest.reference_cost(c) <= cap and (1 <= c.seqlen_q <= max_seq or long), c.describe()
 
 
 def test_variants_draw_only_the_families_with_those_kernels(monkeypatch):
@@ -208,6 +210,7 @@ def test_default_mode_draws_are_unchanged(monkeypatch):
     for the window, softcap and packed sequences (which replace the dense shape) of its sm90 cases."""
     shipped = selftest.WINDOW_SOFTCAP_FAMILIES, selftest.VARLEN_FAMILIES
     monkeypatch.setattr(selftest, "VALUE_DIM_SHARE", 0.0)  # the pairs of head dims came after
+    monkeypatch.setattr(selftest, "LONG_SHARE", 0.0)  # and the long query sequences
     monkeypatch.setattr(selftest, "WINDOW_SOFTCAP_FAMILIES", ("sm80",))
     monkeypatch.setattr(selftest, "VARLEN_FAMILIES", ("sm80",))
     then = [selftest.draw_case(s, i, BOTH) for s in SEEDS for i in range(300)]
@@ -279,3 +282,17 @@ def test_a_case_run_on_other_inputs_says_why():
     assert kind_note("torch", "numba") == " (torch with CUDA not importable: ran as numba)"
     note = kind_note("numba", "torch")
     assert "split head dim" in note and note.endswith("ran as torch)") and "not importable" not in note
+
+
+def test_backward_draws_long_query_sequences():
+    """About ``LONG_SHARE`` of the dense backward cases have one query sequence of at least
+    ``configs.BACKWARD_LONG_SEQLEN`` rows (the long-sequence configs), within the reference's
+    budget; none with ``quick``, a sink or packed sequences."""
+    cases = [selftest.draw_backward_case(s, i) for s in (0, 1, 2) for i in range(300)]
+    long = [c for c in cases if c.seqlen_q >= configs.BACKWARD_LONG_SEQLEN]
+    assert abs(len(long) / len(cases) - selftest.LONG_SHARE) < 0.03
+    assert all(c.batch == 1 and not c.varlen and not c.sink and c.heads_q <= 4 for c in long)
+    assert all(selftest.reference_cost(c) <= selftest.LIMITS[False][1] for c in long)
+    assert any(c.head_dim == 128 for c in long) and len({c.seqlen_q for c in long}) > 5
+    assert not any(selftest.draw_backward_case(0, i, quick=True).seqlen_q >= configs.BACKWARD_LONG_SEQLEN
+                   for i in range(300))

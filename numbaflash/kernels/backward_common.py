@@ -25,7 +25,7 @@ from .. import ptx
 from . import abi, params
 from .common import FULL_MASK, NEG_INF
 from .epilogue import store_rows_global
-from .fragments import store_fragment_rows
+from .fragments import store_fragment_rows, store_transposed_fragment
 from .shapes import PREP_ROWS, PREP_THREADS, BackwardConfig, prep_split
 from .smem import GlobalRows, global_rows
 
@@ -238,6 +238,7 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
     SHUFFLES = tuple(TPR >> i for i in range(1, TPR.bit_length()))  # TPR/2 .. 1
     ZERO_STORES = PREP_ROWS * D // 4 // PREP_THREADS  # 16-byte stores a thread
     BF16 = bf16
+    WHOLE_BLOCKS = BM % PREP_ROWS == 0  # a query block starts only at the first of a CTA's rows
     source = make_row_source(BM, varlen)
     sink_gradient = make_sink_gradient(sink)
 
@@ -254,6 +255,8 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
         part = tid % TPR
         start_q, seqlen_q = source.queries(seqs, batch, seqlen_q)
         if source.past(row_base, varlen_padded_rows(seqlen_q)):  # past the sequence's workspace rows
+            return
+        if not WHOLE_BLOCKS and row_base >= (seqlen_q + BM - 1) // BM * BM:  # rows no query block reads
             return
         ws_row0 = source.workspace_row0(batch, source.workspace_start(batch, start_q), head, heads_q, ws.rows)
         o_at = ptx.global_address(o.data) + 2 * source.row0(o, batch, start_q, head) + 16 * part
@@ -302,9 +305,15 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
         zero_at = ptx.global_address_f32(ws.dq_acc) + 4 * (ws_row0 + row_base) * D + 16 * tid
         for i in range(ZERO_STORES):
             ptx.st_global_v4_at(zero_at + 16 * PREP_THREADS * i, zeros)
-        if tid == 0 and row_base % BM == 0:
-            ws.counters[source.counter(batch, heads_q, head, ws_row0 + row_base, row_base // BM,
-                                       ws.counters_per_head)] = 0
+        if WHOLE_BLOCKS:
+            if tid == 0 and row_base % BM == 0:
+                ws.counters[source.counter(batch, heads_q, head, ws_row0 + row_base, row_base // BM,
+                                           ws.counters_per_head)] = 0
+        elif tid == 0:  # the query block that starts in these rows, if one does (block_m 80)
+            block = (row_base + BM - 1) // BM
+            if block * BM < row_base + PREP_ROWS:
+                ws.counters[source.counter(batch, heads_q, head, ws_row0 + block * BM, block,
+                                           ws.counters_per_head)] = 0
 
     seqs = "PackedRows(cu_seqlens_q, cu_seqlens_k, total_q)" if varlen else "int64(0)"
     declared = params.VARLEN_BACKWARD_PREP if varlen else params.BACKWARD_PREP
@@ -354,6 +363,8 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
         raise ValueError(f"the dQ kernel's static shared tile ({BM} x {WIDTH} 16-bit) exceeds 48 KB, or "
                          f"a warp's {DQ_COLS} columns straddle two passes: {config}")
     BF16 = bf16
+    TRANSPOSED = config.dq_transposed  # (``dq_position``): 8-query n-tiles of 16 head-dim columns a warp
+    T_N = BM // 8
     source = make_row_source(BM, varlen)
 
     @cuda.jit(device=True, forceinline=True)
@@ -373,6 +384,18 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
             return
         ws_row0 = source.workspace_row0(batch, source.workspace_start(batch, start_q), head, heads_q, rows)
         at = (ws_row0 + m0) * D + VEC * tid
+        if TRANSPOSED:  # a dQᵀ fragment: its rows are this warp's 16 head-dim columns
+            acc_t = cuda.local.array((T_N, 4), float32)
+            for j in range(T_N):
+                for e in range(4):  # config.dq_offset(tid, 4 j + e)
+                    acc_t[j, e] = dq_acc[at + j * 4 * THREADS + e]
+            store_transposed_fragment(tile, acc_t, T_N, BM, 16 * warp, lane, BF16, RB, scale)
+            cuda.syncthreads()
+            scratch = cuda.local.array(4, uint32)
+            first = warp * STORE_ROWS
+            dq_rows = source.rows(dq, batch, start_q, head, seqlen_q)
+            store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
+            return
         if PASSES == 1:
             acc = cuda.local.array((QMT, DQ_N, 4), float32)
             for mt in range(QMT):

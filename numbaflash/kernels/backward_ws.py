@@ -154,6 +154,8 @@ def make_rings(config: WsBackwardConfig) -> Rings:
 def dq_n_tiles(config: WsBackwardConfig) -> int:
     """The 8-column n-tiles of a consumer warpgroup's dQ: every column with ``dq_split`` "m" (the
     warpgroups split the query rows), else its share of the head-dim columns."""
+    if config.dq_split == "t":  # dQᵀ: the block's queries are the N
+        return config.block_m // 8
     n_tiles = config.head_dim // 8
     return n_tiles if config.dq_split == "m" else n_tiles // config.consumers
 
@@ -279,7 +281,7 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
     # extra live values spill there (window 6 LDL / 12 STL, causal softcap 8 / 3; sm_90a)
     LATE_ROWS = config.late_rows and not (window or softcap)
     ring = rings.step
-    gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16)
+    gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16, dq_transposed=config.dq_split == "t")
 
     @cuda.jit(device=True, forceinline=True)
     def stage_rows(tiles, ws, row, buffer, seat):
@@ -435,6 +437,7 @@ def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rin
     P_K = BM // 16  # k-steps of dV and dK
     D_N = D // 8  # n-tiles of dK and dV
     SPLIT_M = config.dq_split == "m"
+    DQ_T = config.dq_split == "t"
     DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
     DQ_COLS = DQ_N * 8
     WINDOW = window
@@ -457,6 +460,9 @@ def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rin
         if SPLIT_M:  # dQ rows 64 wg ..: the dSᵀ tile's column block wg; every K column
             ds_at = seat.wg * (BN * 128)
             k_at = 0
+        elif DQ_T:  # dQᵀ rows (head-dim columns) 64 wg ..: K's column block wg
+            ds_at = 0
+            k_at = seat.wg * (BN * 128)
         else:  # dQ columns DQ_COLS wg ..: the whole dSᵀ tile; K's column blocks from DQ_COLS wg
             ds_at = 0
             k_at = seat.wg * (DQ_COLS // 64) * (BN * 128)

@@ -360,13 +360,18 @@ class BackwardConfig(ValueDim):
     # V's (and dO's, O's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's):
     # 0 for the same (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
     head_dim_v: int = 0
+    # The dQ accumulator's order is that of dQᵀ (``dq_position``): set only on the prepare and dQ
+    # kernels' config of a Hopper backward whose query blocks are not whole wgmma m-tiles
+    # (``WsBackwardConfig.dq_config``, block_m 80). No mma.sync main kernel is built with it.
+    dq_transposed: bool = False
 
     @property
     def tag(self) -> str:
         return (f"_w{self.num_warps}" + ("_s1" if self.q_stages == 1 else "")
                 + (f"_k{self.key_tiles}" if self.key_tiles != 1 else "")
                 + (f"_q{self.dq_tiles}" if self.dq_tiles != 1 else "")
-                + (f"_v{self.dq_vector}" if self.dq_vector != 1 else ""))
+                + (f"_v{self.dq_vector}" if self.dq_vector != 1 else "")
+                + ("_t" if self.dq_transposed else ""))
 
     @property
     def threads(self) -> int:
@@ -411,6 +416,9 @@ class BackwardConfig(ValueDim):
         The dQ kernel reads it back with this map, which is a bijection onto the block
         (``tests/test_backward_api_cpu.py``)."""
         warp, lane = divmod(tid, 32)
+        if self.dq_transposed:  # a wgmma dQᵀ fragment: warp w's 16 rows are head-dim columns 16 w ..
+            j, e = divmod(i, 4)
+            return 8 * j + 2 * (lane % 4) + e % 2, 16 * warp + lane // 4 + 8 * (e // 2)
         n_tiles = self.head_dim // self.dq_col_warps // 8
         tile, e = divmod(i, 4)
         mt, j = divmod(tile, n_tiles)
@@ -455,6 +463,11 @@ class BackwardConfig(ValueDim):
         if not (d == WIDE_HEAD_DIM and 0 < self.head_dim_v <= 256) and (d % 32 or not 32 <= d <= 256):
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256 (or {WIDE_HEAD_DIM} with "
                              f"head_dim_v at most 256), got {d}")
+        if self.dq_transposed:
+            if (d, self.block_m, self.dq_vector, self.value_dim) != (128, 80, 4, 128):
+                raise ValueError(f"dq_transposed is the dQ order of the Hopper backward's 80-row query "
+                                 f"blocks: head_dim 128, block_m 80, dq_vector 4, got {self}")
+            return
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128 (whole 128-byte rows of the Pᵀ tile), got {self}")
         if self.key_tiles not in (1, 2) or self.dq_tiles not in (1, 2):
@@ -554,7 +567,10 @@ class WsBackwardConfig:
     @property
     def dq_split(self) -> str:
         """How the consumer warpgroups split dQ = dS K: by rows ("m": 64 query rows each, when
-        block_m = 64 x consumers) or by head-dim columns ("n": block_m = 64)."""
+        block_m = 64 x consumers) or by head-dim columns ("n": block_m = 64); or, where block_m is
+        not a whole wgmma m-tile (80), they compute dQᵀ = Kᵀ dSᵀ, 64 head-dim columns each ("t")."""
+        if self.block_m % WARPGROUP_ROWS:
+            return "t"
         return "m" if self.block_m == WARPGROUP_ROWS * self.consumers else "n"
 
     @property
@@ -564,7 +580,8 @@ class WsBackwardConfig:
     def dq_config(self) -> BackwardConfig:
         """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this
         kernel's consumer warps add in, and whose prepare and dQ kernels it shares."""
-        return BackwardConfig(self.head_dim, block_m=self.block_m, block_n=self.block_n, dq_vector=4)
+        return BackwardConfig(self.head_dim, block_m=self.block_m, block_n=self.block_n, dq_vector=4,
+                              dq_transposed=self.dq_split == "t")
 
     @property
     def layout(self) -> WsBackwardLayout:
@@ -572,7 +589,7 @@ class WsBackwardConfig:
         kv = bn * d * 2
         q_stage = bm * d * 2
         rows_stage = bm * 4
-        ds_bytes = bn * bm * 2
+        ds_bytes = bn * 128 * -(-bm // 64)  # whole 128-byte column blocks of 64 queries
         k = 0
         v = k + kv
         q = v + kv
@@ -600,8 +617,10 @@ class WsBackwardConfig:
     def check(self) -> None:
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-        if self.block_m not in (64, 128):
-            raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
+        if self.block_m not in (64, 80, 128):
+            raise ValueError(f"block_m must be 64, 80 or 128, got {self.block_m}")
+        if self.block_m == 80 and (self.head_dim != 128 or self.consumers != 2):
+            raise ValueError(f"block_m 80 (dQ transposed) needs head_dim 128 and 2 consumers, got {self}")
         if self.block_m == 64 and self.head_dim % (64 * self.consumers):
             raise ValueError(f"block_m 64 splits dQ's head-dim columns over the consumers in 64-column "
                              f"blocks: head_dim must be a multiple of {64 * self.consumers}, got {self}")

@@ -120,7 +120,8 @@ BackwardGemms = namedtuple("BackwardGemms", ["issue_scores", "issue_dkv", "issue
                                              "fence_dkv", "fence_dq"])
 
 
-def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf16: bool) -> BackwardGemms:
+def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf16: bool,
+                        dq_transposed: bool = False) -> BackwardGemms:
     """The GEMM steps for key tiles of ``block_n`` rows, query tiles of ``block_m`` rows, and a dQ
     product ``dq_n`` head-dim columns wide, all in 64-column blocks of 128-byte rows (128B
     swizzle). A k-step of a K-major operand is 32 bytes of a row; of an MN-major one, 16 rows
@@ -128,10 +129,12 @@ def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf
     dtype = "bf16" if bf16 else "f16"
     mma_scores = hp.wgmma_ss(block_m, dtype)
     mma_dkv = hp.wgmma_rs(head_dim, dtype, trans_b=True)
-    mma_dq = hp.wgmma_ss(dq_n, dtype, trans_b=True, trans_a=True)
+    # dQ, or with ``dq_transposed`` dQᵀ = Kᵀ dSᵀ (64 head-dim columns x the block's queries)
+    mma_dq = hp.wgmma_ss(block_m if dq_transposed else dq_n, dtype, trans_b=True, trans_a=True)
+    DQ_T = dq_transposed
     fence_scores = hp.wgmma_fence_operand(block_m)
     fence_dkv = hp.wgmma_fence_operand(head_dim)
-    fence_dq = hp.wgmma_fence_operand(dq_n)
+    fence_dq = hp.wgmma_fence_operand(block_m if dq_transposed else dq_n)
     D_K_STEPS = head_dim // 16  # k-steps of Sᵀ and dPᵀ
     M_K_STEPS = block_m // 16  # k-steps of dV and dK
     N_K_STEPS = block_n // 16  # k-steps of dQ
@@ -166,8 +169,12 @@ def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf
         fence_dq(acc)
         hp.wgmma_fence()
         for kk in range(N_K_STEPS):
-            mma_dq(acc, hp.descriptor_add(desc_ds, kk * 2048), hp.descriptor_add(desc_k, kk * 2048),
-                   0 if kk == 0 else 1)
+            if DQ_T:  # A the K tile (its 64 columns as M), B the dSᵀ tile (queries as N)
+                mma_dq(acc, hp.descriptor_add(desc_k, kk * 2048), hp.descriptor_add(desc_ds, kk * 2048),
+                       0 if kk == 0 else 1)
+            else:
+                mma_dq(acc, hp.descriptor_add(desc_ds, kk * 2048), hp.descriptor_add(desc_k, kk * 2048),
+                       0 if kk == 0 else 1)
         hp.wgmma_commit_group()
 
     return BackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)

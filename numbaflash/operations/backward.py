@@ -75,15 +75,16 @@ class BackwardKernels(NamedTuple):
 
 def ready_key(device: int, head_dim: int, causal: bool, bf16: bool, window: bool = False,
               softcap: bool = False, varlen: bool = False, sink: bool = False, head_dim_v: int = 0,
-              group_split: bool = False) -> tuple:
+              group_split: bool = False, long: bool = False) -> tuple:
     """The key in ``GPU.launchers`` of the kernels an unforced call runs: what picks the config on
     a device (``configs.backward_config`` is memoised on the same inputs), the main kernel's
     variant (``Variant.window``, ``Variant.softcap``, packed sequences, the GQA split) and whether
-    the prepare kernel is the learnable sink's build (V's head dim where it differs, and the GQA
-    split: one element more each)."""
+    the prepare kernel is the learnable sink's build (V's head dim where it differs, the GQA
+    split and a long query sequence, ``configs.backward_is_long``: one element more each)."""
     key = "backward", device, head_dim, causal, bf16, window, softcap, varlen, sink
     key = (*key, head_dim_v) if head_dim_v else key
-    return (*key, "group_split") if group_split else key
+    key = (*key, "group_split") if group_split else key
+    return (*key, "long") if long else key
 
 
 def backward_variant(causal: bool, window_size: tuple[int, int], softcap: float, scale: float,
@@ -104,7 +105,7 @@ def call_specs(main: KernelSpec, sink: bool = False) -> list[KernelSpec]:
 def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, causal: bool,
                      bf16: bool, *, window: bool = False, softcap: bool = False,
                      varlen: bool = False, sink: bool = False, head_dim_v: int = 0,
-                     group_split: bool = False) -> BackwardKernels:
+                     group_split: bool = False, long: bool = False) -> BackwardKernels:
     """The config and the three loaded kernels of this problem on the current device (ordinal
     ``device``).
 
@@ -123,17 +124,19 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
     siblings' (``KernelSpec.sibling``: the prepare and dQ kernels, built without the mask and
     softcap they do not depend on). ``head_dim_v``: V's head dim where it differs
     (``configs.ASYMMETRIC_HEAD_DIMS``). ``group_split``: the main kernel's GQA-split build (a
-    family with ``group_splits`` only: ``call_group_splits`` > 1).
+    family with ``group_splits`` only: ``call_group_splits`` > 1). ``long``: the call's query
+    sequence is long (``configs.backward_is_long``), which may pick another config.
     """
     gpu = gpu_state.GPU
-    hot = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v, group_split)
+    hot = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v, group_split,
+                    long)
     if not configs.OVERRIDES:
         ready = gpu.launchers.get(hot)
         if ready is not None:
             return ready
     limit = gpu.shared_limit(device)
     config, main = backward_specs(capability, limit, head_dim, causal, bf16, window=window, softcap=softcap,
-                                  varlen=varlen, head_dim_v=head_dim_v, group_split=group_split)
+                                  varlen=varlen, head_dim_v=head_dim_v, group_split=group_split, long=long)
     key = ("backward", main, sink, device)
     ready = gpu.launchers.get(key)
     if ready is None:
@@ -160,17 +163,18 @@ def backward_kernels(capability: tuple[int, int], device: int, head_dim: int, ca
 
 def backward_specs(capability: tuple[int, int], limit: int | None, head_dim: int, causal: bool, bf16: bool, *,
                    window: bool = False, softcap: bool = False, varlen: bool = False, head_dim_v: int = 0,
-                   group_split: bool = False) -> tuple[Any, KernelSpec]:
+                   group_split: bool = False, long: bool = False) -> tuple[Any, KernelSpec]:
     """(config, main kernel's spec) of a call on a GPU of ``capability`` giving a CTA ``limit`` bytes
     of shared memory (None: ``configs.max_shared_bytes``): ``configs.backward_config``'s config, the
     main kernel's spec for the GPU's own target; ``main.sibling(operation)`` for each of
     ``BACKWARD_OPERATIONS`` gives the call's three kernels.
 
-    ``group_split``: the main kernel's GQA-split build (``KernelSpec.group_split``).
+    ``group_split``: the main kernel's GQA-split build (``KernelSpec.group_split``); ``long``: a
+    long query sequence (``configs.backward_is_long``).
 
     Raises what ``configs.backward_config`` raises (a head dim with no backward, no config that fits)."""
     config = configs.backward_config(capability, head_dim, causal, limit, window=window, softcap=softcap,
-                                     varlen=varlen, head_dim_v=head_dim_v)
+                                     varlen=varlen, head_dim_v=head_dim_v, long=long)
     main = kernel_spec(family_of(config).name, "backward", config, "bfloat16" if bf16 else "float16",
                        arch_of(capability), causal=causal, window=window, softcap=softcap, varlen=varlen,
                        group_split=group_split)
@@ -184,14 +188,14 @@ _PREPARED: set = set()
 
 def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, causal: bool, bf16: bool, *,
                      window: bool = False, softcap: bool = False, varlen: bool = False,
-                     sink: bool = False, head_dim_v: int = 0) -> int:
+                     sink: bool = False, head_dim_v: int = 0, long: bool = False) -> int:
     """Start compiling, in worker processes, the kernels the backward of this call will load
     (``backward_kernels``' three, by ``backward_specs``), where they are neither loaded nor cached
     (``operations.warm``; the backward waits on them there); returns how many. What the forward
     runs when a backward will follow (its inputs require grad), before it compiles its own kernel.
     Once per problem kind (``ready_key``) and device; nothing under a forced config, and nothing
     where the backward has no config (it raises then, with the message)."""
-    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v)
+    key = ready_key(device, head_dim, causal, bf16, window, softcap, varlen, sink, head_dim_v, long=long)
     if key in _PREPARED or configs.OVERRIDES or not warm.enabled():
         return 0
     _PREPARED.add(key)
@@ -200,7 +204,7 @@ def prepare_backward(capability: tuple[int, int], device: int, head_dim: int, ca
         return 0
     try:
         _, main = backward_specs(capability, gpu.shared_limit(device), head_dim, causal, bf16, window=window,
-                                 softcap=softcap, varlen=varlen, head_dim_v=head_dim_v)
+                                 softcap=softcap, varlen=varlen, head_dim_v=head_dim_v, long=long)
     except (ValueError, RuntimeError):
         return 0
     specs = call_specs(main, sink)
@@ -214,13 +218,14 @@ def call_group_splits(capability: tuple[int, int], device: int, head_dim: int, c
     of its config's key blocks on device ``device``): 1 in deterministic mode, for MHA and where
     the call's config is not of a family with ``group_splits`` (the mma.sync backward); > 1 runs
     the main kernel's split build (``backward_kernels(group_split=True)``)."""
-    batch, _, heads_q, _ = q_shape
+    batch, seqlen_q, heads_q, _ = q_shape
     _, seqlen_k, heads_kv, _ = k_shape
     if deterministic or heads_q == heads_kv:
         return 1
     gpu = gpu_state.GPU
     config = configs.backward_config(capability, head_dim, causal, gpu.shared_limit(device), window=window,
-                                     softcap=softcap, head_dim_v=head_dim_v)
+                                     softcap=softcap, head_dim_v=head_dim_v,
+                                     long=configs.backward_is_long(seqlen_q))
     if not family_of(config).group_splits:
         return 1
     return backward_group_splits(-(-seqlen_k // config.block_n), heads_kv, batch, heads_q // heads_kv,
@@ -378,7 +383,7 @@ def device_plan(dod: Operand, qd: Operand, kd: Operand, vd: Operand, od: Operand
                                window=var.window, softcap=var.softcap, head_dim_v=head_dim_v)
     kernels = backward_kernels(capability, device, head_dim, var.causal, qd.dtype_name == "bfloat16",
                                window=var.window, softcap=var.softcap, sink=sink, head_dim_v=head_dim_v,
-                               group_split=splits > 1)
+                               group_split=splits > 1, long=configs.backward_is_long(seqlen_q))
     dqd, dkd, dvd = (given or Operand(name, ref.shape, ref.dtype_name, True, None, _dense(ref.shape), 0,
                                       device=ref.device)
                      for given, ref, name in zip(grads, (qd, kd, vd), ("dq", "dk", "dv"), strict=True))
@@ -567,7 +572,7 @@ def run_numpy(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out
                                window=var.window, softcap=var.softcap, head_dim_v=head_dim_v)
     kernels = backward_kernels(capability, device, head_dim, var.causal, dtype_name == "bfloat16",
                                window=var.window, softcap=var.softcap, head_dim_v=head_dim_v,
-                               group_split=splits > 1)
+                               group_split=splits > 1, long=configs.backward_is_long(seqlen_q))
     ws = call_workspace(kernels.config, q.shape, k.shape, splits)
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     shapes = {**{name: x.shape for name, x in arrays.items()}, "dq": q.shape, "dk": k.shape, "dv": v.shape}

@@ -25,13 +25,14 @@ A packed variable-length call (``VarlenBackwardCall``) launches the varlen build
 ``varlen_workspace_layout`` (each sequence's rows from ``abi.varlen_row_offset``, padded to
 whole 128-row blocks).
 
-rows = seqlen_q rounded up to ``BACKWARD_ROW_ALIGN``. The prepare and dQ grids are not folded
-as the forward's is: y and z are the head and the batch, each at most 65535
+rows = seqlen_q rounded up to ``BACKWARD_ROW_ALIGN`` (or more: ``backward_rows``). The prepare
+and dQ grids are not folded as the forward's is: y and z are the head and the batch, each at most 65535
 (``check_backward_grid``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -95,9 +96,15 @@ class WorkspaceLayout(NamedTuple):
                          (base + 4 * self.counters, self.counter_elements), *split)
 
 
-def backward_rows(seqlen_q: int) -> int:
-    """seqlen_q rounded up to ``BACKWARD_ROW_ALIGN`` (128): the workspace's rows per (batch, head)."""
-    return -(-seqlen_q // BACKWARD_ROW_ALIGN) * BACKWARD_ROW_ALIGN
+def backward_rows(seqlen_q: int, block_m: int = BACKWARD_ROW_ALIGN) -> int:
+    """The workspace's rows per (batch, head): seqlen_q rounded up to ``BACKWARD_ROW_ALIGN`` (128),
+    or for query blocks of ``block_m`` rows that do not divide it (the Hopper backward's 80) to a
+    multiple of both (640), so that the prepare kernel's 64-row blocks and the query blocks both
+    tile the rows."""
+    align = BACKWARD_ROW_ALIGN
+    if BACKWARD_ROW_ALIGN % block_m and block_m % BACKWARD_ROW_ALIGN:
+        align = math.lcm(BACKWARD_ROW_ALIGN, block_m)
+    return -(-seqlen_q // align) * align
 
 
 def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, block_m: int,
@@ -110,7 +117,7 @@ def workspace_layout(batch: int, heads_q: int, seqlen_q: int, head_dim: int, blo
     ``block_n`` keys over every (batch, KV head) (ceil(seqlen_k / block_n) * heads_kv * batch),
     whose dK and dV sums (2 * block_n * head_dim float32 each, from a multiple of 16 bytes) and
     tickets (int32) follow the counters; 0: none."""
-    rows = backward_rows(seqlen_q)
+    rows = backward_rows(seqlen_q, block_m)
     if rows % block_m:
         raise ValueError(f"block_m ({block_m}) must divide the workspace's {rows} rows "
                          f"(seqlen_q rounded up to {BACKWARD_ROW_ALIGN})")

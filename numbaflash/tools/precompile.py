@@ -77,7 +77,8 @@ def backward_kernels_for(arch: str, candidates: bool, variants: bool = False) ->
     """The specs of every backward kernel a GPU of ``arch`` runs (each config's prepare, main and
     dQ kernels; the mma.sync backward runs on every GPU, Hopper included), with ``variants`` also
     those of its window, softcap and packed variable-length calls (``VARIANTS``, each on the family
-    and config its call picks: ``configs.backward_config(window=, softcap=, varlen=)``), and with
+    and config its call picks: ``configs.backward_config(window=, softcap=, varlen=)``; short and
+    long query sequences, ``long=``), and with
     ``candidates`` the plain kernels of every backward candidate, and the GQA-split build of each
     Hopper backward main kernel among them (``KernelSpec.group_split``); each once (the prepare
     and dQ kernels serve causal and non-causal calls, and every window and softcap, alike:
@@ -92,11 +93,15 @@ def backward_kernels_for(arch: str, candidates: bool, variants: bool = False) ->
     for head_dim in BACKWARD_DEFAULTS:
         for causal in (False, True):
             for window, softcap, varlen in VARIANTS if variants else PLAIN:
-                try:
-                    chosen = [backward_config(cap, head_dim, causal, window=window, softcap=softcap,
-                                              varlen=varlen)]
-                except RuntimeError:  # no tile of this head dim fits the GPU (d256 on 99 KB a CTA)
-                    chosen = []
+                chosen = []
+                for long in (False, True) if not varlen else (False,):  # ``configs.backward_is_long``
+                    try:
+                        config = backward_config(cap, head_dim, causal, window=window, softcap=softcap,
+                                                 varlen=varlen, long=long)
+                    except RuntimeError:  # no tile of this head dim fits the GPU (d256 on 99 KB a CTA)
+                        continue
+                    if config not in chosen:
+                        chosen.append(config)
                 if candidates and (window, softcap, varlen) == PLAIN[0]:
                     chosen += [t for c in BACKWARD_CANDIDATES[head_dim]
                                if (t := backward_for_target(c, cap)) not in chosen]

@@ -493,6 +493,26 @@ class BackwardCase:
 
 
 BACKWARD_BLOCK = 128  # rows of the backward's key blocks (the widest): "empty_ctas" shapes use it
+LONG_SHARE = 0.05  # dense backward cases of a long query sequence (``draw_long_sequence``)
+
+
+def draw_long_sequence(seed: int, index: int, share: float, cap: int, stream: int = 28
+                       ) -> tuple[int, int, int, int] | None:
+    """(heads_kv, group, seqlen_q, seqlen_k) of a dense backward case of a long query sequence
+    (``share`` of them, from a stream of their own): at least ``configs.BACKWARD_LONG_SEQLEN``
+    query rows, ragged, the config such calls take (``configs.backward_is_long``); at most 4 query
+    heads and few keys, so that one sequence's float64 reference stays within ``cap``. None for
+    the other cases."""
+    from ..configs import BACKWARD_LONG_SEQLEN
+
+    rng = np.random.default_rng([seed, index, stream])
+    if rng.random() >= share:
+        return None
+    heads_kv = int(rng.integers(1, 3))
+    group = int(rng.choice([1, 2])) if heads_kv == 2 else int(rng.choice([1, 2, 4]))
+    sq = BACKWARD_LONG_SEQLEN + int(rng.integers(0, 160))
+    sk = int(rng.integers(1, max(2, cap // (sq * heads_kv * group)) + 1))
+    return heads_kv, group, sq, sk
 
 
 def draw_backward_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> BackwardCase:
@@ -500,7 +520,9 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
     cycle; shapes are drawn as for the forward (ragged, equal, length 1, causal rows that see no
     key), within half the forward's reference budget. ``variants``: every case varlen, windowed
     or softcapped (``variant_shares``). Device cases take a learnable sink as the forward's do
-    (``SINK_SHARE``; stream 10)."""
+    (``SINK_SHARE``; stream 10). ``LONG_SHARE`` of the dense cases have a long query sequence
+    (``draw_long_sequence``, stream 28; not with ``quick``, nor with a sink: its logits are per
+    query head of the shape drawn first)."""
     from ..configs import SUPPORTED_HEAD_DIMS
 
     combos = [(d, c, t) for d in SUPPORTED_HEAD_DIMS for c in (False, True) for t in DTYPE_NAMES]
@@ -526,6 +548,10 @@ def draw_backward_case(seed: int, index: int, quick: bool = False, variants: boo
         sink = draw_sink(seed, index, heads_kv * group, SINK_SHARE_VARIANTS if variants else SINK_SHARE,
                          stream=10)
     value_dims = draw_value_dims(seed, index, VALUE_DIM_SHARE, stream=27)
+    long = None if lengths is not None or quick or sink else draw_long_sequence(seed, index, LONG_SHARE, cap)
+    if long is not None:  # one sequence (the window, drawn for the shape it replaces, still holds)
+        batch = 1
+        heads_kv, group, sq, sk = long
     return BackwardCase(seed, index, head_dim, causal, dtype, batch, sq, sk, heads_kv * group, heads_kv,
                         kind, amplitude, scale, deterministic, use_outs, window_size=window,
                         softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k, sink=sink,
