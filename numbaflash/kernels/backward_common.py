@@ -384,29 +384,24 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
             return
         ws_row0 = source.workspace_row0(batch, source.workspace_start(batch, start_q), head, heads_q, rows)
         at = (ws_row0 + m0) * D + VEC * tid
-        if TRANSPOSED:  # a dQᵀ fragment: its rows are this warp's 16 head-dim columns
-            acc_t = cuda.local.array((T_N, 4), float32)
-            for j in range(T_N):
-                for e in range(4):  # config.dq_offset(tid, 4 j + e)
-                    acc_t[j, e] = dq_acc[at + j * 4 * THREADS + e]
-            store_transposed_fragment(tile, acc_t, T_N, BM, 16 * warp, lane, BF16, RB, scale)
-            cuda.syncthreads()
-            scratch = cuda.local.array(4, uint32)
-            first = warp * STORE_ROWS
-            dq_rows = source.rows(dq, batch, start_q, head, seqlen_q)
-            store_rows_global(dq_rows, m0 + first, tile, BM, first, STORE_ROWS, CPR, lane, scratch, RB)
-            return
-        if PASSES == 1:
-            acc = cuda.local.array((QMT, DQ_N, 4), float32)
-            for mt in range(QMT):
-                for j in range(DQ_N):
-                    for e in range(4):  # config.dq_offset(tid, 4 (mt DQ_N + j) + e) in the block
-                        acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS
-                                               + e % VEC]
-            row0 = (warp % QR) * 16 * QMT
-            col0 = (warp // QR) * DQ_COLS
-            for mt in range(QMT):
-                store_fragment_rows(tile, acc[mt], DQ_N, BM, row0 + 16 * mt, col0, lane, BF16, RB, scale)
+        if TRANSPOSED or PASSES == 1:  # the block in one pass
+            if TRANSPOSED:  # a dQᵀ fragment: its rows are this warp's 16 head-dim columns
+                acc_t = cuda.local.array((T_N, 4), float32)
+                for j in range(T_N):
+                    for e in range(4):  # config.dq_offset(tid, 4 j + e)
+                        acc_t[j, e] = dq_acc[at + j * 4 * THREADS + e]
+                store_transposed_fragment(tile, acc_t, T_N, BM, 16 * warp, lane, BF16, RB, scale)
+            else:
+                acc = cuda.local.array((QMT, DQ_N, 4), float32)
+                for mt in range(QMT):
+                    for j in range(DQ_N):
+                        for e in range(4):  # config.dq_offset(tid, 4 (mt DQ_N + j) + e) in the block
+                            acc[mt, j, e] = dq_acc[at + ((mt * DQ_N + j) * 4 + e // VEC * VEC) * THREADS
+                                                   + e % VEC]
+                row0 = (warp % QR) * 16 * QMT
+                col0 = (warp // QR) * DQ_COLS
+                for mt in range(QMT):
+                    store_fragment_rows(tile, acc[mt], DQ_N, BM, row0 + 16 * mt, col0, lane, BF16, RB, scale)
             cuda.syncthreads()
             scratch = cuda.local.array(4, uint32)
             first = warp * STORE_ROWS
