@@ -620,21 +620,22 @@ def backward_is_long(seqlen_q: int, varlen: bool = False) -> bool:
     return not varlen and seqlen_q >= BACKWARD_LONG_SEQLEN
 
 
-def shipped_backward_configs(window: bool = False, softcap: bool = False, varlen: bool = False
-                             ) -> list[tuple[int, bool, BackwardConfig | WsBackwardConfig]]:
+def shipped_backward_configs(window: bool = False, softcap: bool = False, varlen: bool = False,
+                             long: bool = True) -> list[tuple[int, bool, BackwardConfig | WsBackwardConfig]]:
     """Every (head dim, causal, config) the backward can launch unforced for a call of the variant
     ``window``, ``softcap``, ``varlen`` on the representative GPUs (``FAMILY_CAPABILITY`` and
     ``SMALL_SHARED_CAPABILITIES``): the mma.sync backward's and, on Hopper, the Hopper backward's
     (``backward_dispatch_family``; ``varlen`` gives the mma.sync configs Hopper runs packed calls
-    with), short and long query sequences (``backward_is_long``); each once; a GPU where no config
-    of a head dim fits adds nothing for it."""
+    with), short query sequences and, with ``long``, long ones (``backward_is_long``); each once; a GPU
+    where no config of a head dim fits adds nothing for it."""
     shipped = []
     for cap in (*FAMILY_CAPABILITY.values(), *SMALL_SHARED_CAPABILITIES):
         for d in BACKWARD_DEFAULTS:
-            for causal, long in itertools.product((False, True), (False,) if varlen else (False, True)):
+            for causal, is_long in itertools.product((False, True), (False, True) if long and not varlen
+                                                     else (False,)):
                 try:
                     item = (d, causal, backward_config(cap, d, causal, window=window, softcap=softcap,
-                                                       varlen=varlen, long=long))
+                                                       varlen=varlen, long=is_long))
                 except RuntimeError:
                     continue
                 if item not in shipped:

@@ -893,7 +893,7 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     fake_ws.make_backward_ws_kernel = factory("backward")
     monkeypatch.setitem(sys.modules, "numbaflash.kernels.backward_ws", fake_ws)
     kernels = registry.backward_kernels()
-    shipped = configs.shipped_backward_configs()
+    shipped = configs.shipped_backward_configs(long=False)  # the long-sequence ones: on demand
     # a main kernel per (config, causal), one prepare and one dQ kernel per config; both dtypes
     assert len(kernels) == len(made) == 2 * (len(shipped) + 2 * len({c for _, _, c in shipped}))
     argtypes = {"backward_prep": params.BACKWARD_PREP, "backward": params.BACKWARD,
@@ -924,6 +924,10 @@ def test_registry_names_every_shipped_backward_kernel(monkeypatch):
     own = {c.head_dim for _, _, c in shipped if families.family_of(c) is families.SM90_BWD}
     assert own == set(configs.BACKWARD_WS_DEFAULTS)  # Hopper's own backward at d64 and d128
     assert {c.head_dim for c in mma if c.dq_vector == 4} | own == set(configs.SUPPORTED_HEAD_DIMS)
+    made.clear()  # what long query sequences add (built on demand, not registered)
+    long = [item for item in configs.shipped_backward_configs() if item not in shipped]
+    assert {c for _, _, c in long} == {c for cs in configs.BACKWARD_WS_LONG.values() for c in cs}
+    assert len(registry.backward_kernels(long=True)) == len(made) == 2 * (len(long) + 2)
 
 
 @pytest.mark.parametrize("head_dim", range(32, 257, 32))

@@ -34,7 +34,8 @@ def registered_specs():
                      registry.forward_varlen_kernels,
                      registry.backward_kernels, registry.backward_variant_kernels,
                      registry.backward_varlen_kernels, registry.decode_variant_kernels,
-                     registry.backward_split_kernels, lambda: registry.backward_split_kernels(True)):
+                     registry.backward_split_kernels, lambda: registry.backward_split_kernels(True),
+                     registry.backward_long_kernels):
             kernels.update(part())
     finally:
         registry._built = saved

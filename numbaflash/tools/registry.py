@@ -34,11 +34,12 @@ def registered_kernels() -> dict:
 def on_demand_kernels() -> dict:
     """The builds the API compiles on first use and the registry does not count: the learnable-sink
     builds (``forward_sink_kernels``, ``backward_sink_kernels``) and the Hopper backward's GQA-split
-    builds (``backward_split_kernels``), the e4m3 forward (``forward_fp8_kernels``) and MLA decode
+    builds (``backward_split_kernels``), the long-sequence backward (``backward_long_kernels``), the
+    e4m3 forward (``forward_fp8_kernels``) and MLA decode
     (``mla_decode_kernels``). ``benchmarks/sass_census.py --on-demand`` and
     ``python -m numbaflash.inspect --on-demand`` check them offline."""
     return {**forward_sink_kernels(), **backward_sink_kernels(), **backward_split_kernels(),
-            **forward_fp8_kernels(), **mla_decode_kernels()}
+            **backward_long_kernels(), **forward_fp8_kernels(), **mla_decode_kernels()}
 
 
 def mla_decode_kernels() -> dict:
@@ -189,8 +190,9 @@ def _backward_spec(config, operation: str, bf16: bool, causal: bool, window: boo
                    softcap=softcap, varlen=varlen)
 
 
-def backward_kernels() -> dict:
-    """The shipped backward configurations (``configs.shipped_backward_configs``): each config's
+def backward_kernels(long: bool = False) -> dict:
+    """The shipped backward configurations (``configs.shipped_backward_configs``; with ``long`` only
+    those that long query sequences add, ``backward_long_kernels``): each config's
     prepare, main and dQ kernels, causal and not, both dtypes, for the target that compiles
     each (``configs.backward_for_target``): the A100's and smaller GPUs' for sm_80, the H100's
     (the same mma.sync backward, dQ added four floats at a time) for sm_90a, and the Hopper
@@ -203,7 +205,9 @@ def backward_kernels() -> dict:
     from ..kernels.families import BACKWARD_OPERATIONS, SM90_BWD, family_of
 
     kernels = {}
-    for _, causal, config in shipped_backward_configs():
+    short = shipped_backward_configs(long=False)
+    chosen = [item for item in shipped_backward_configs() if item not in short] if long else short
+    for _, causal, config in chosen:
         for bf16 in (False, True):
             for operation in BACKWARD_OPERATIONS:
                 spec = _backward_spec(config, operation, bf16, causal)
@@ -216,6 +220,24 @@ def backward_kernels() -> dict:
                 if name not in kernels:
                     kernel, argtypes = _built(spec)
                     kernels[name] = (kernel, argtypes, (spec.arch,))
+    return kernels
+
+
+def backward_long_kernels() -> dict:
+    """The kernels only long query sequences run (``configs.BACKWARD_WS_LONG``: the d128 Hopper
+    backward of 80 query rows a step, its prepare and dQ kernels, causal and full, both dtypes), and
+    their main kernels' GQA-split builds. Not registered (``on_demand_kernels``): the API builds them
+    on first use, ``precompile`` builds them. Named as ``backward_kernels``' (the ``m80`` tells)."""
+    import dataclasses
+
+    from ..kernels.families import FAMILIES
+
+    kernels = backward_kernels(long=True)
+    for kernel, _, archs in list(kernels.values()):
+        spec = kernel.spec
+        if spec.operation == "backward" and FAMILIES[spec.family].group_splits:
+            built, argtypes = _built(dataclasses.replace(spec, group_split=True))
+            kernels[built.__name__] = (built, argtypes, archs)
     return kernels
 
 
