@@ -18,7 +18,8 @@ the block (GQA sums there), as the mma.sync kernel does:
       dV += Pᵀ dO      wgmma RS: Pᵀ from registers (the accumulator is the A layout), dO MN-major
       dQ  = dS K       wgmma SS over the block's keys: dSᵀ stored to shared memory by both
                        warpgroups (a named barrier), read MN-major as dS; the warpgroups split dQ
-                       by query rows or head-dim columns (``WsBackwardConfig.dq_split``)
+                       by query rows or head-dim columns (``WsBackwardConfig.dq_split``), or, with
+                       80 query rows (not a wgmma M), each computes dQᵀ = Kᵀ dSᵀ for 64 columns
       dK += dSᵀ Q      wgmma RS, issued after dQ so that it runs while dQ is added
 
   The query rows' LSE (log2 units) and D come from the workspace by the consumers' own cp.async,

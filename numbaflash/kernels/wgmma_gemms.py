@@ -114,7 +114,8 @@ def make_attention_gemms(head_dim: int, block_m: int, block_n: int, bf16: bool,
 #   issue_dkv(acc, frag, desc_mn)         dV += Pᵀ dO or dK += dSᵀ Q: wgmma RS m64n{head_dim}k16, Pᵀ or
 #                                         dSᵀ (16-bit) from registers, dO or Q MN-major
 #   issue_dq(acc, desc_ds, desc_k)        dQ = dS K: wgmma SS m64n{dq_n}k16 over the block's keys, the
-#                                         dSᵀ tile and K both MN-major (the first k-step overwrites dQ)
+#                                         dSᵀ tile and K both MN-major (the first k-step overwrites dQ);
+#                                         with dq_transposed dQᵀ = Kᵀ dSᵀ, m64n{block_m}k16
 # fence_scores / fence_dkv / fence_dq keep each accumulator's registers on their side of a wait.
 BackwardGemms = namedtuple("BackwardGemms", ["issue_scores", "issue_dkv", "issue_dq", "fence_scores",
                                              "fence_dkv", "fence_dq"])
