@@ -61,6 +61,16 @@ def test_sink_backward_matches_reference(rng, causal, dtype, head_dim):
         check(q, k, v, dout, random_sink(rng, shape[3]), causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_backward_of_a_long_query_sequence(rng, causal):
+    """A query sequence of ``configs.BACKWARD_LONG_SEQLEN`` rows or more (on Hopper at d128 the
+    long-sequence config: its prepare kernel's sink build over 80-row query blocks), GQA 4:1, a
+    ragged last block; few keys keep the float64 reference cheap."""
+    sq = configs.BACKWARD_LONG_SEQLEN + 53
+    q, k, v, dout = problem(rng, 1, sq, 333, 4, 1, 128, DTYPES["bfloat16"])
+    check(q, k, v, dout, random_sink(rng, 4), causal=causal)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
