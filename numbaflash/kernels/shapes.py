@@ -736,6 +736,11 @@ class LatentTiles:
     def ring_at(self) -> int:
         return self.rows * self.head_dim * 2  # after the Q tile
 
+    @property
+    def p_at(self) -> int:
+        """P's tile, after the ring (16-bit A fragments in the order each kernel's class names)."""
+        return self.ring_at + self.stages * self.stage_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class MlaDecodeConfig(LatentTiles, ValueDim, PackedRows):
@@ -748,7 +753,8 @@ class MlaDecodeConfig(LatentTiles, ValueDim, PackedRows):
     O (rows x 512 float32) does not fit one warp's registers, so the warps split the two
     products differently: S = Q Kᵀ by ``key_warps`` key slices times ``num_warps / key_warps``
     m-tile groups, O by ``head_dim_v / num_warps`` columns a warp over every key of the tile,
-    P and the row maxima passing through shared memory."""
+    P and the row maxima passing through shared memory (P's tile, ``p_at``: 16-bit A fragments,
+    [m-tile][16-key slice][lane] x 16 bytes)."""
 
     head_dim: int = 576
     head_dim_v: int = 512
@@ -778,11 +784,6 @@ class MlaDecodeConfig(LatentTiles, ValueDim, PackedRows):
     def tag(self) -> str:
         return (f"_m{self.rows}_n{self.block_n}_w{self.num_warps}k{self.key_warps}_s{self.stages}"
                 + ("_paged" if self.paged else ""))
-
-    @property
-    def p_at(self) -> int:
-        """P's tile (16-bit A fragments in fragment order: [m-tile][16-key slice][lane] x 16 bytes)."""
-        return self.ring_at + self.stages * self.stage_bytes
 
     @property
     def maxes_at(self) -> int:
@@ -828,7 +829,8 @@ class WsMlaConfig(LatentTiles, ValueDim, PackedRows):
     tile with V the K tile's first columns; the row maxima and P pass between them through shared
     memory. ``block_n``-key K tiles stream through a ring of ``stages`` by cp.async (all 256
     threads; a paged cache through ``decode_mma.make_page_table``), laid out as the 128B-swizzle
-    tiles wgmma's descriptors read."""
+    tiles wgmma's descriptors read. P's tile (``p_at``: [16-key slice][warp of a
+    warpgroup][lane] x 16 bytes) also carries the row maxima and, at the end, the row sums."""
 
     head_dim: int = 576
     head_dim_v: int = 512
@@ -847,12 +849,6 @@ class WsMlaConfig(LatentTiles, ValueDim, PackedRows):
     @property
     def tag(self) -> str:
         return f"_ws_n{self.block_n}_s{self.stages}" + ("_paged" if self.paged else "")
-
-    @property
-    def p_at(self) -> int:
-        """P's tile (16-bit A fragments in fragment order: [16-key slice][warp of a warpgroup][lane] x
-        16 bytes); the row maxima and, at the end, the row sums pass through it too."""
-        return self.ring_at + self.stages * self.stage_bytes
 
     @property
     def page_rows_at(self) -> int:
