@@ -95,8 +95,9 @@ def runnable_configs(capability: tuple[int, int]) -> list[KernelConfig | Backwar
     found |= {c for c in configs.shipped_decode_configs() if c.shared_bytes <= limit}
     found |= {c for c in configs.shipped_mla_decode_configs() if c.shared_bytes <= limit}
     found |= set(pair_decode_configs(capability))
-    if "sm90" in families:  # the pairs' Hopper forward
+    if "sm90" in families:  # the pairs' Hopper forward and backward
         found |= {c for c in configs.ASYMMETRIC_WS_DEFAULTS.values() if c.shared_bytes <= limit}
+        found |= {c for c in configs.ASYMMETRIC_BACKWARD_WS.values() if c.shared_bytes <= limit}
     if "sm80" in families:  # the pairs of head dims (every GPU runs the mma.sync family)
         small = [c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs]  # where a default won't fit
         found |= {c for c in (*configs.ASYMMETRIC_DEFAULTS.values(), *small) if c.shared_bytes <= limit}

@@ -107,6 +107,13 @@ ASYMMETRIC_BACKWARD_DEFAULTS: dict[tuple[int, int], tuple[BackwardConfig, ...]] 
     # dq_tiles=1 spills): 152.5 KB, so no GPU of 99 KB a CTA. Not tuned yet.
     (512, 256): (BackwardConfig(512, block_m=64, block_n=32, q_stages=1, dq_tiles=2, head_dim_v=256),),
 }
+# The pairs' Hopper backward (dense calls; packed ones run the mma.sync configs above): (192, 128)
+# on FlashAttention-3's head-dim-192 tile (``kernels.backward_ws_rows``: three consumer warpgroups,
+# 96 keys a CTA, S and dP by query rows; 206 KB). Every dense variant (full, causal, window,
+# softcap) builds without a spill offline (sm_90a).
+ASYMMETRIC_BACKWARD_WS: dict[tuple[int, int], WsBackwardConfig] = {
+    (192, 128): WsBackwardConfig(192, head_dim_v=128),
+}
 # What benchmarks/autotune.py tries, by family and head dim, as keyword configs.
 # mma.sync knobs (issue 13): q_in_regs=False streams Q a k-slice at a time instead of holding
 # it in registers, double_buffer double-buffers the shared-memory fragments in registers,
@@ -538,8 +545,10 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
         ValueError: a head dim with no backward configs.
         RuntimeError: no config of this head dim fits in ``shared_limit``.
 
-    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the pair's
-    ``ASYMMETRIC_BACKWARD_DEFAULTS`` config on every GPU (dense or packed).
+    ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): on Hopper, for a dense
+    call, the pair's ``ASYMMETRIC_BACKWARD_WS`` config where it has one and it fits; else the pair's
+    ``ASYMMETRIC_BACKWARD_DEFAULTS`` config (every GPU, dense or packed). A forced config of the
+    pair's head dims (either family) is returned as it is.
 
     ``long``: the call has at least ``BACKWARD_LONG_SEQLEN`` query rows (``backward_is_long``):
     without a window or softcap, on Hopper, ``BACKWARD_WS_LONG``'s config comes first.
@@ -548,10 +557,19 @@ def backward_config(capability: tuple[int, int], head_dim: int, causal: bool,
         choices = ASYMMETRIC_BACKWARD_DEFAULTS.get((head_dim, head_dim_v))
         if choices is None:
             raise ValueError(f"no backward kernel for head_dim {head_dim} with head_dim_v {head_dim_v}")
-        forced = OVERRIDES.get(backward_table_key(head_dim, causal)) if OVERRIDES else None
-        if isinstance(forced, BackwardConfig) and forced.value_dim == head_dim_v:  # force_config's
-            return backward_for_target(forced, capability)
+        pair = (head_dim, head_dim_v)
+        keys = [backward_table_key(head_dim, causal)]
+        if not varlen:  # the Hopper backward has no packed kernels
+            keys.insert(0, backward_table_key(head_dim, causal, SM90_BWD.name))
+        for key in keys:
+            forced = OVERRIDES.get(key) if OVERRIDES else None
+            if forced is not None and forced.value_dim == head_dim_v:  # force_config's
+                return backward_for_target(forced, capability)
         limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
+        hopper = ASYMMETRIC_BACKWARD_WS.get(pair)
+        if (hopper is not None and arch_family(capability) == "sm90" and not varlen
+                and hopper.shared_bytes <= limit):
+            return hopper
         for config in choices:
             if config.shared_bytes <= limit:
                 return backward_for_target(config, capability)

@@ -169,6 +169,11 @@ def test_the_backward_config_of_the_pair_fits_every_gpu():
             config.check()
             assert (config.head_dim, config.value_dim) == (d, dv)
             assert config.shared_bytes <= configs.max_shared_bytes(capability)
+            if capability == (9, 0) and (d, dv) in configs.ASYMMETRIC_BACKWARD_WS:  # the Hopper tile
+                assert config == configs.ASYMMETRIC_BACKWARD_WS[(d, dv)]
+                packed = configs.backward_config(capability, d, True, head_dim_v=dv, varlen=True)
+                assert packed.dq_vector == 4 and packed.value_dim == dv  # packed calls: mma.sync
+                continue
             assert config.dq_vector == (4 if capability[0] >= 9 else 1)
     layout = configs.ASYMMETRIC_BACKWARD_DEFAULTS[(192, 128)][0].shared_layout
     assert layout["p"] - layout["v"] == 64 * 128 * 2 and layout["do"] - layout["q"] == 64 * 192 * 2
@@ -176,7 +181,13 @@ def test_the_backward_config_of_the_pair_fits_every_gpu():
     one_stage = configs.ASYMMETRIC_BACKWARD_DEFAULTS[(192, 128)][1]
     with configs.force_config((9, 0), True, one_stage):  # what the sanitizer's worker does
         assert configs.backward_config((9, 0), 192, True, head_dim_v=128).q_stages == 1
-    assert configs.backward_config((9, 0), 192, True, head_dim_v=128).q_stages == 2
+    assert configs.backward_config((8, 0), 192, True, head_dim_v=128).q_stages == 2
+    assert configs.backward_config((9, 0), 192, True, head_dim_v=128, varlen=True).q_stages == 2
+    hopper = configs.ASYMMETRIC_BACKWARD_WS[(192, 128)]
+    with configs.force_config((9, 0), True, hopper):
+        assert configs.backward_config((9, 0), 192, True, head_dim_v=128) is hopper
+        # packed calls have no Hopper kernels: the mma.sync config, forced or not
+        assert configs.backward_config((9, 0), 192, True, head_dim_v=128, varlen=True).q_stages == 2
 
 
 def test_the_float64_backward_reference_takes_v_s_head_dim():

@@ -36,7 +36,8 @@ def test_the_backward_kernels_compile_with_no_local_memory_or_calls(arch, tmp_pa
 
     monkeypatch.setenv("NUMBAFLASH_CACHE_DIR", str(tmp_path))
     capability = (8, 0) if arch == "sm_80" else (9, 0)
-    config = configs.backward_config(capability, 192, True, head_dim_v=128)
+    # on Hopper the mma.sync kernels run packed calls (dense ones: the Hopper backward's, below)
+    config = configs.backward_config(capability, 192, True, head_dim_v=128, varlen=arch == "sm_90a")
     main = kernel_spec("sm80bwd", "backward", config, "bfloat16", arch, causal=True)
     names = []
     for spec in (main, main.sibling("backward_prep"), main.sibling("backward_dq")):
@@ -47,6 +48,33 @@ def test_the_backward_kernels_compile_with_no_local_memory_or_calls(arch, tmp_pa
     vector = "_v4" if arch == "sm_90a" else ""
     assert names == [f"flash_backward_d192v128_m64_n64_w8{vector}_causal_bf16",
                      "flash_backward_prep_d192v128_m64_bf16", f"flash_backward_dq_d192_m64_w8{vector}_bf16"]
+
+
+@pytest.mark.parametrize(("causal", "window", "softcap"), [(True, False, False), (False, True, True)])
+def test_the_hopper_backward_compiles_with_no_local_memory_or_calls(causal, window, softcap, tmp_path,
+                                                                  monkeypatch):
+    """The pair's Hopper backward (``kernels.backward_ws_rows``, what an H100 or H200 dispatches for
+    dense calls): three consumer warpgroups in 160 registers each with nothing spilled, its GEMMs'
+    k-steps (S 12 and dP 8 of m64n32, dQ 6 of m64n64, dKᵀ and dVᵀ 4 each of m64n96), and the
+    prepare and dQ kernels the mma.sync config's on sm_90a."""
+    pytest.importorskip("numba")
+    from numbaflash.kernels.families import make_kernel
+    from numbaflash.kernels.spec import kernel_spec
+    from numbaflash.tools.inspect import report_from_cubin
+
+    monkeypatch.setenv("NUMBAFLASH_CACHE_DIR", str(tmp_path))
+    config = configs.backward_config((9, 0), 192, causal, window=window, softcap=softcap, head_dim_v=128)
+    assert config == configs.ASYMMETRIC_BACKWARD_WS[(192, 128)] and not config.swapped
+    main = kernel_spec("sm90bwd", "backward", config, "bfloat16", "sm_90a", causal=causal, window=window,
+                       softcap=softcap)
+    kind = "window_softcap" if window else "causal"
+    assert make_kernel(main).__name__ == f"flash_backward_ws_d192_m64_n96_s2_v128_{kind}_bf16"
+    entry = configs.kernel_cubin(main)
+    report = report_from_cubin(entry.cubin, entry.entry_name, "sm_90a")
+    assert report.spill_instructions == 0 and report.calls == 0 and report.local_bytes == 0, report
+    assert report.count("HGMMA") == 12 + 8 + 6 + 4 + 4
+    assert [make_kernel(main.sibling(op)).__name__ for op in ("backward_prep", "backward_dq")] == [
+        "flash_backward_prep_d192v128_m64_bf16", "flash_backward_dq_d192_m64_w8_v4_bf16"]
 
 
 @pytest.mark.parametrize(("causal", "varlen"), [(True, False), (False, True)])

@@ -66,6 +66,7 @@ from numba import cuda, float32, int32, int64, types, uint32
 from .. import ptx
 from ..ptx import hopper as hp
 from . import params as declarations
+from .backward_ws_rows import make_rows_consumer, make_rows_consumer_steps, make_rows_epilogue
 from .blocks import (
     Band,
     band_kv_tiles,
@@ -95,8 +96,8 @@ Maps = namedtuple("Maps", ["q", "k", "v", "do"])
 Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "split_head", "m_first", "m_blocks",
                              "steps", "diag", "band", "rows", "seqlen_q"])
 # Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q and dO, rows buffer 0 of LSE and
-# D, dSᵀ buffer 0.
-Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds"])
+# D, dSᵀ buffer 0 (the unswapped tile's: dS, and P buffer 0).
+Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds", "p"])
 # A consumer warp's seat: its warpgroup, warp in it, lane, thread among the consumers (0 .. 255).
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 # A consumer warp's registers: Sᵀ (then Pᵀ), dPᵀ (then dSᵀ), Pᵀ and dSᵀ as 16-bit A fragments,
@@ -138,7 +139,9 @@ WsBackwardArgs = namedtuple("WsBackwardArgs", declarations.names_of(declarations
 GroupSplit = namedtuple("GroupSplit", declarations.names_of(declarations.GROUP_SPLIT))
 Walk = namedtuple("Walk", ["next_block", "workspace_row"])
 Producer = namedtuple("Producer", ["produce_steps"])
+RowStaging = namedtuple("RowStaging", ["stage_rows"])
 ConsumerSteps = namedtuple("ConsumerSteps", ["stage_rows", "consume_step"])
+ConsumerWalk = namedtuple("ConsumerWalk", ["walk_steps"])
 Consumer = namedtuple("Consumer", ["consume"])
 Epilogue = namedtuple("Epilogue", ["store_dkv", "gather_split"])
 
@@ -238,8 +241,11 @@ def make_producer(config: WsBackwardConfig, rings: Rings, walk: Walk) -> Produce
     kernel's)."""
     BM = config.block_m
     STEP_BYTES = config.step_bytes
+    DO_STAGE = config.layout.do_stage
+    SAME_DIMS = config.value_dim == config.head_dim  # dO's stages are Q's: the ring's offsets
     ring = rings.step
     load_tile = make_tile_loads(config)
+    load_do_tile = make_tile_loads(config, config.value_dim)
     next_block = walk.next_block
 
     @cuda.jit(device=True, forceinline=True)
@@ -255,7 +261,8 @@ def make_producer(config: WsBackwardConfig, rings: Rings, walk: Walk) -> Produce
             ring.arm(bars, s, STEP_BYTES)
             m0 = m_block * BM
             load_tile(tiles.q + ring.offset(s), maps.q, full, m0, head, blk.batch, BM)
-            load_tile(tiles.do + ring.offset(s), maps.do, full, m0, head, blk.batch, BM)
+            do_at = ring.offset(s) if SAME_DIMS else s * uint32(DO_STAGE)
+            load_do_tile(tiles.do + do_at, maps.do, full, m0, head, blk.batch, BM)
             head, m_block = next_block(head, m_block, blk)
 
     return Producer(produce_steps)
@@ -263,26 +270,11 @@ def make_producer(config: WsBackwardConfig, rings: Rings, walk: Walk) -> Produce
 
 # ---------------------------------------------------------------------------------- consumer steps
 
-def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rings,
-                        window: bool = False, softcap: bool = False) -> ConsumerSteps:
-    """One step of the walk for a consumer warpgroup: the five GEMMs of a query block, the masks,
-    the gradient of the scores, dSᵀ through shared memory and dQ's adds; and the cp.async copies
-    of a step's LSE₂ and D rows."""
-    D, BM, BN = config.head_dim, config.block_m, config.block_n
-    CONSUMER_THREADS = config.consumers * WARPGROUP
-    lay = config.layout
-    ROWS_BYTES = lay.rows_stage
+def make_row_staging(config: WsBackwardConfig) -> RowStaging:
+    """The consumers' copies of a step's query rows (LSE₂ and D) into a rows buffer, shared by both
+    tiles (``backward_ws_rows``)."""
+    ROWS_BYTES = config.layout.rows_stage
     ROW_CHUNKS = ROWS_BYTES // 16  # 16-byte copies of a block's LSE (and of its D)
-    S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
-    P_K = BM // 16  # k-steps of dV and dK
-    DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
-    DQ_COLS = DQ_N * 8
-    CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
-    # the window and softcap builds keep the rows before their first GEMMs: staged late, their
-    # extra live values spill there (window 6 LDL / 12 STL, causal softcap 8 / 3; sm_90a)
-    LATE_ROWS = config.late_rows and not (window or softcap)
-    ring = rings.step
-    gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16, dq_transposed=config.dq_split == "t")
 
     @cuda.jit(device=True, forceinline=True)
     def stage_rows(tiles, ws, row, buffer, seat):
@@ -300,6 +292,31 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
             ptx.cp_async_16_at(tiles.delta + at + e * uint32(16),
                                ptx.global_address_f32(ws.delta) + row * 4 + e * 16)
         ptx.cp_async_commit_group()
+
+    return RowStaging(stage_rows)
+
+
+def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rings,
+                        window: bool = False, softcap: bool = False) -> ConsumerSteps:
+    """One step of the walk for a consumer warpgroup: the five GEMMs of a query block, the masks,
+    the gradient of the scores, dSᵀ through shared memory and dQ's adds; and the cp.async copies
+    of a step's LSE₂ and D rows."""
+    D, BM, BN = config.head_dim, config.block_m, config.block_n
+    CONSUMER_THREADS = config.consumers * WARPGROUP
+    lay = config.layout
+    ROWS_BYTES = lay.rows_stage
+    S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
+    P_K = BM // 16  # k-steps of dV and dK
+    DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
+    DQ_COLS = DQ_N * 8
+    CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
+    # the window and softcap builds keep the rows before their first GEMMs: staged late, their
+    # extra live values spill there (window 6 LDL / 12 STL, causal softcap 8 / 3; sm_90a)
+    LATE_ROWS = config.late_rows and not (window or softcap)
+    ring = rings.step
+    gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16, dq_transposed=config.dq_split == "t")
+
+    stage_rows = make_row_staging(config).stage_rows
 
     @cuda.jit(device=True, forceinline=True)
     def mask_scores(acc_s, blk, m0, seat, seqlen_k):
@@ -427,13 +444,52 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
 
 # ---------------------------------------------------------------------------------- consumer
 
+def make_consumer_walk(config: WsBackwardConfig, rings: Rings, walk: Walk, stage_rows, consume_step,
+                       window: bool = False) -> ConsumerWalk:
+    """A consumer warpgroup's walk, shared by both tiles: the first step's rows, K and V's wait,
+    then every step (``consume_step(acc, io, Step, seat)``) with its workspace row, turn counter
+    and the next step's rows (``window``: a window build's turns)."""
+    BM, BN = config.block_m, config.block_n
+    CONSUMER_THREADS = config.consumers * WARPGROUP
+    WINDOW = window
+    kv_once = rings.kv
+    next_block, workspace_row = walk
+
+    @cuda.jit(device=True, forceinline=True)
+    def walk_steps(acc, io, kv_bar, seat, heads_q, group, counters_per_head):
+        """Every step of the walk for this warpgroup (``io``: an Io)."""
+        blk, ws = io.blk, io.ws
+        head = blk.kv_head * group + blk.split_head
+        m_block = blk.m_blocks - 1
+        if blk.steps > 0:  # the first step's rows, in buffer 0
+            stage_rows(io.tiles, ws, workspace_row(blk, heads_q, head, m_block), uint32(0), seat)
+            ptx.cp_async_wait_group_0()
+            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        kv_once.wait_full(kv_bar, uint32(0))
+        for step in range(blk.steps):
+            m0 = m_block * BM
+            bh = blk.batch * heads_q + head
+            turn = blk.n_block
+            if WINDOW:  # the key blocks that visit a query block are consecutive
+                turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
+            counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
+            head1, m_block1 = next_block(head, m_block, blk)
+            next_row = int64(-1)
+            if step + 1 < blk.steps:
+                next_row = workspace_row(blk, heads_q, head1, m_block1)
+            row = workspace_row(blk, heads_q, head, m_block)
+            consume_step(acc, io, Step(uint32(step), m0, row, counter_at, turn, next_row), seat)
+            head, m_block = head1, m_block1
+
+    return ConsumerWalk(walk_steps)
+
+
 def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rings, walk: Walk,
                   window: bool = False, softcap: bool = False) -> Consumer:
-    """A consumer warpgroup's walk: its registers and wgmma descriptors, the first step's rows,
-    then every step (``make_consumer_steps``) with its workspace row, turn counter and the next
-    step's rows; dK and dV stay in registers throughout."""
+    """A consumer warpgroup of the swapped tile: its registers and wgmma descriptors, then the walk
+    (``make_consumer_walk`` over ``make_consumer_steps``); dK and dV stay in registers
+    throughout."""
     D, BM, BN = config.head_dim, config.block_m, config.block_n
-    CONSUMER_THREADS = config.consumers * WARPGROUP
     S_N = BM // 8  # n-tiles of Sᵀ and dPᵀ (queries)
     P_K = BM // 16  # k-steps of dV and dK
     D_N = D // 8  # n-tiles of dK and dV
@@ -441,10 +497,8 @@ def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rin
     DQ_T = config.dq_split == "t"
     DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
     DQ_COLS = DQ_N * 8
-    WINDOW = window
-    kv_once = rings.kv
-    next_block, workspace_row = walk
     stage_rows, consume_step = make_consumer_steps(config, causal, bf16, rings, window, softcap)
+    walk_steps = make_consumer_walk(config, rings, walk, stage_rows, consume_step, window).walk_steps
 
     @cuda.jit(device=True, forceinline=True)
     def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
@@ -474,28 +528,7 @@ def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rin
                             hp.smem_descriptor_mn_sw128(tiles.do, BM * 128),
                             hp.smem_descriptor_mn_sw128(tiles.ds + ds_at, BN * 128),
                             hp.smem_descriptor_mn_sw128(tiles.k + k_at, BN * 128))
-        io = Io(descs, tiles, bars, blk, sc, ws)
-        head = blk.kv_head * group + blk.split_head
-        m_block = blk.m_blocks - 1
-        if blk.steps > 0:  # the first step's rows, in buffer 0
-            stage_rows(tiles, ws, workspace_row(blk, heads_q, head, m_block), uint32(0), seat)
-            ptx.cp_async_wait_group_0()
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-        kv_once.wait_full(kv_bar, uint32(0))
-        for step in range(blk.steps):
-            m0 = m_block * BM
-            bh = blk.batch * heads_q + head
-            turn = blk.n_block
-            if WINDOW:  # the key blocks that visit a query block are consecutive, from its first
-                turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
-            counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
-            head1, m_block1 = next_block(head, m_block, blk)
-            next_row = int64(-1)
-            if step + 1 < blk.steps:
-                next_row = workspace_row(blk, heads_q, head1, m_block1)
-            row = workspace_row(blk, heads_q, head, m_block)
-            consume_step(acc, io, Step(uint32(step), m0, row, counter_at, turn, next_row), seat)
-            head, m_block = head1, m_block1
+        walk_steps(acc, Io(descs, tiles, bars, blk, sc, ws), kv_bar, seat, heads_q, group, counters_per_head)
         return acc
 
     return Consumer(consume)
@@ -596,19 +629,31 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     D, BM, BN, STAGES = config.head_dim, config.block_m, config.block_n, config.stages
     CONSUMER_WARPS = config.consumers * WARPGROUP // 32
     lay = config.layout
-    KV_BYTES = BN * D * 2
+    KV_BYTES = BN * (D + config.value_dim) * 2  # K and V
     CAUSAL, WINDOW, GROUP_SPLIT = causal, window, group_split
     rings = make_rings(config)
     ring, kv_once = rings
     load_tile = make_tile_loads(config)
+    load_v_tile = make_tile_loads(config, config.value_dim)
     BARRIER_WORDS = config.barrier_words
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     placement = make_placement(config, group_split)
     walk = make_walk(config)
     produce_steps = make_producer(config, rings, walk).produce_steps
-    consume = make_consumer(config, causal, bf16, rings, walk, window, softcap).consume
-    store_dkv, gather_split = make_epilogue(config, bf16)
+    if config.swapped:
+        consume = make_consumer(config, causal, bf16, rings, walk, window, softcap).consume
+        store_dkv, gather_split = make_epilogue(config, bf16)
+    else:  # FlashAttention-3's head-dim-192 tile: S and dP by rows, three warpgroups
+        if group_split:
+            raise ValueError(f"{config} has no GQA-split build (WsBackwardConfig.splits_groups)")
+        stage_rows = make_row_staging(config).stage_rows
+        consume_step = make_rows_consumer_steps(config, causal, bf16, rings, stage_rows, window,
+                                                softcap).consume_step
+        walk_steps = make_consumer_walk(config, rings, walk, stage_rows, consume_step, window).walk_steps
+        consume = make_rows_consumer(config, walk_steps).consume
+        store_dkv = make_rows_epilogue(config, bf16).store_dkv
+        gather_split = None
 
     @cuda.jit(device=True, forceinline=True)
     def run_cta(a, split):
@@ -641,7 +686,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
 
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
-                      base + lay.delta, base + lay.ds)
+                      base + lay.delta, base + lay.ds, base + lay.p)
         b = ptx.shared_address_u64(bar_words)
         kv_bar = RingBarriers(b, b)
         bars = RingBarriers(b + 8, b + 8 + 8 * STAGES)
@@ -660,9 +705,9 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             lower_registers()
             if tid == 0:
                 maps = Maps(a.map_q, a.map_k, a.map_v, a.map_do)
-                kv_once.arm(kv_bar, 0, 2 * KV_BYTES)
+                kv_once.arm(kv_bar, 0, KV_BYTES)
                 load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
-                load_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
+                load_v_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
                 produce_steps(maps, bars, tiles, blk, a.group)
         else:
             raise_registers()

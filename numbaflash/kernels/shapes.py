@@ -510,7 +510,7 @@ class WsBackwardLayout(NamedTuple):
     k: int
     v: int
     q: int  # stage s at q + s * q_stage
-    do: int
+    do: int  # stage s at do + s * do_stage
     lse: int  # buffer b (step parity) at lse + b * rows_stage
     delta: int
     ds: int  # buffer b at ds + b * ds_bytes
@@ -518,19 +518,28 @@ class WsBackwardLayout(NamedTuple):
     rows_stage: int
     ds_bytes: int
     end: int
+    # The unswapped tile's (``WsBackwardConfig.swapped`` False) P buffers, buffer b at p + b *
+    # ds_bytes (0 in the swapped tile, whose Pᵀ stays in registers); dO's stage bytes (Q's where
+    # the head dims are equal).
+    p: int = 0
+    do_stage: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
-class WsBackwardConfig:
+class WsBackwardConfig(ValueDim):
     """Compile-time shape of the warp-specialised Hopper backward (``backward_ws``): one CTA per
     block of ``block_n`` keys of one (batch, kv head) keeps dK and dV of the block in registers
-    (``consumers`` warpgroups of 64 keys each) while a producer warp streams the ``block_m``-row
-    query blocks that see it (Q and dO) through a ring of ``stages``; the consumers stage the
-    blocks' LSE and D themselves.
+    while a producer warp streams the ``block_m``-row query blocks that see it (Q and dO) through
+    a ring of ``stages``; the consumers stage the blocks' LSE and D themselves.
+
+    Two tiles (``swapped``): at head dims 64 and 128 two consumer warpgroups of 64 keys each
+    compute Sᵀ and dPᵀ (keys as wgmma's M) and hold their keys' dK and dV rows; at (192, 128)
+    FlashAttention-3's head-dim-192 tile (``backward_ws_rows``): three warpgroups split 96 keys
+    for S and dP (queries as M) and split the head dim for dKᵀ, dVᵀ and dQ.
 
     The dQ accumulator's order and the prepare and dQ kernels are the mma.sync backward's, for
     the equivalent ``BackwardConfig`` (``dq_config``): the consumer warps hold dQ as that config's
-    warps do."""
+    warps do (the unswapped tile maps its fragments there: ``dq_add_at``)."""
 
     head_dim: int
     block_m: int = 64  # query rows per step of the walk (the N of Sᵀ and dPᵀ, the K of dV and dK)
@@ -539,13 +548,28 @@ class WsBackwardConfig:
     # dQ adds (eight RED.128 a thread) still hold; issued after them, Sᵀ runs meanwhile. Measured
     # on an H200: d128 +1.1% to +3.5%, d64 -1% (docs/PERFORMANCE.md [BWL]).
     late_rows: bool = False
-    # Not knobs: every shipped and tuned config has a ring of 2 and 2 consumer warpgroups.
+    # V's (and dO's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's): 0 for
+    # the same (``BackwardConfig.head_dim_v``). A shape of the call, not a knob: (192, 128) only.
+    head_dim_v: int = 0
+    # Not a knob: every shipped and tuned config has a ring of 2.
     stages: ClassVar[int] = 2  # Q / dO ring depth
-    consumers: ClassVar[int] = 2  # warpgroups of 64 keys: block_n = 64 x consumers
+
+    @property
+    def swapped(self) -> bool:
+        """Whether S and dP are computed transposed (Sᵀ = K Qᵀ: each consumer warpgroup owns 64 keys
+        and holds their dK and dV rows over the whole head dim): every head dim but 192, whose dK
+        rows (96 floats a thread) beside dV's and Sᵀ's and dPᵀ's would need 224 registers."""
+        return self.head_dim != 192
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups: 2 (swapped: 64 keys each), or 3 (one per 64 of the 192 head-dim
+        columns of dKᵀ and dQ)."""
+        return 2 if self.swapped else 3
 
     @property
     def block_n(self) -> int:
-        return WARPGROUP_ROWS * self.consumers
+        return WARPGROUP_ROWS * self.consumers if self.swapped else 96
 
     @property
     def threads(self) -> int:
@@ -553,8 +577,9 @@ class WsBackwardConfig:
 
     @property
     def register_split(self) -> tuple[int, int]:
-        """(producer, consumer) registers per thread after ``setmaxnreg``: 24 x 128 + 240 x 256."""
-        return (24, 240)
+        """(producer, consumer) registers per thread after ``setmaxnreg``: 24 x 128 + 240 x 256, or
+        24 x 128 + 160 x 384 (three consumer warpgroups)."""
+        return (24, 240) if self.consumers == 2 else (24, 160)
 
     @property
     def row_bytes(self) -> int:
@@ -575,35 +600,56 @@ class WsBackwardConfig:
 
     @property
     def tag(self) -> str:
-        return f"_s{self.stages}" + ("_lr" if self.late_rows else "")
+        return f"_s{self.stages}" + ("_lr" if self.late_rows else "") + (
+            f"_v{self.head_dim_v}" if self.head_dim_v else "")
 
     def dq_config(self) -> BackwardConfig:
         """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this
-        kernel's consumer warps add in, and whose prepare and dQ kernels it shares."""
-        return BackwardConfig(self.head_dim, block_m=self.block_m, block_n=self.block_n, dq_vector=4,
-                              dq_transposed=self.dq_split == "t")
+        kernel's consumer warps add in, and whose prepare and dQ kernels it shares (the unswapped
+        tile: the pair's mma.sync config of 64-key blocks, whose order ``dq_add_at`` maps onto)."""
+        return BackwardConfig(self.head_dim, block_m=self.block_m,
+                              block_n=self.block_n if self.swapped else 64, dq_vector=4,
+                              head_dim_v=self.head_dim_v, dq_transposed=self.dq_split == "t")
+
+    def dq_add_at(self, wg: int, warp: int, lane: int, j: int) -> int:
+        """The unswapped tile: the offset (float32 elements) in a query block's dQ accumulator of
+        the four floats of n-tile ``j`` (columns 64 wg + 8 j ..) that lane ``lane`` of warp ``warp``
+        of consumer warpgroup ``wg`` adds (rows 16 warp + lane // 4 and + 8), in ``dq_config``'s
+        order: its warps 4 h .. 4 h + 3 hold columns 96 h .. (h = the column half), 12 n-tiles
+        each. The kernel computes the same (``backward_ws_rows``); the map onto ``dq_position`` is
+        checked on the CPU (``tests/test_backward_ws_rows_cpu.py``)."""
+        col = 64 * wg + 8 * j
+        half, rest = divmod(col, 96)
+        return (rest // 8) * 4 * 256 + 4 * (32 * (warp + 4 * half) + lane)
 
     @property
     def layout(self) -> WsBackwardLayout:
-        d, bm, bn = self.head_dim, self.block_m, self.block_n
-        kv = bn * d * 2
+        d, dv, bm, bn = self.head_dim, self.value_dim, self.block_m, self.block_n
         q_stage = bm * d * 2
+        do_stage = bm * dv * 2
         rows_stage = bm * 4
-        ds_bytes = bn * 128 * -(-bm // 64)  # whole 128-byte column blocks of 64 queries
+        if self.swapped:
+            ds_bytes = bn * 128 * -(-bm // 64)  # dSᵀ: whole 128-byte column blocks of 64 queries
+            p_buffers = 0
+        else:  # P and dS: block_m query rows of whole 128-byte column blocks of 64 keys
+            ds_bytes = bm * 128 * -(-bn // 64)
+            p_buffers = 2
         k = 0
-        v = k + kv
-        q = v + kv
+        v = k + bn * d * 2
+        q = v + bn * dv * 2
         do = q + self.stages * q_stage
-        ds = do + self.stages * q_stage
-        lse = ds + 2 * ds_bytes
+        ds = do + self.stages * do_stage
+        p = ds + 2 * ds_bytes
+        lse = p + p_buffers * ds_bytes
         delta = lse + 2 * rows_stage
         end = delta + 2 * rows_stage
-        return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end)
+        return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end,
+                                p if p_buffers else 0, do_stage)
 
     @property
     def step_bytes(self) -> int:
         """Bytes one ring stage receives: Q and dO."""
-        return 2 * self.layout.q_stage
+        return self.layout.q_stage + self.layout.do_stage
 
     @property
     def barrier_words(self) -> int:
@@ -615,8 +661,12 @@ class WsBackwardConfig:
         return self.layout.end + SMEM_ALIGN
 
     def check(self) -> None:
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if not self.swapped:
+            if (self.value_dim, self.block_m, self.late_rows) != (128, 64, False):
+                raise ValueError(f"head_dim 192 is the unswapped tile of head_dim_v 128, block_m 64, "
+                                 f"late_rows False, got {self}")
+        elif self.head_dim not in (64, 128) or self.head_dim_v:
+            raise ValueError(f"head_dim must be 64 or 128 (or 192 with head_dim_v 128), got {self}")
         if self.block_m not in (64, 80, 128):
             raise ValueError(f"block_m must be 64, 80 or 128, got {self.block_m}")
         if self.block_m == 80 and (self.head_dim != 128 or self.consumers != 2):

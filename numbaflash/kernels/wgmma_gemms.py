@@ -179,3 +179,75 @@ def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf
         hp.wgmma_commit_group()
 
     return BackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)
+
+
+# The GEMM steps of the Hopper backward's unswapped tile (``backward_ws_rows``: FlashAttention-3's
+# head-dim-192 tile), each issued by one of three warpgroups (one commit group each; every tile
+# is 64-column blocks of 128-byte rows, 128B swizzle; P and dS are ``block_m`` query rows x the
+# block's keys):
+#   issue_scores(acc, desc_qdo, desc_kv, depth)  S = Q Kᵀ or dP = dO Vᵀ: wgmma SS m64n{keys}k16 over
+#                                                ``depth`` head-dim columns, the query rows and this
+#                                                warpgroup's key rows, both K-major
+#   issue_dkv(acc, desc_mn, desc_pds)            dKᵀ += Qᵀ dS or dVᵀ += dOᵀ P: wgmma SS
+#                                                m64n{block_n}k16 over the query block: Q's or dO's
+#                                                64 head-dim columns (M) and the P / dS tile (the
+#                                                block's keys as N), both MN-major
+#   issue_dq(acc, desc_ds, desc_k)               dQ = dS K: wgmma SS m64n64k16 over the block's keys,
+#                                                the dS tile K-major, K's 64 columns MN-major
+# fence_scores / fence_dkv / fence_dq keep each accumulator's registers on their side of a wait.
+RowsBackwardGemms = namedtuple("RowsBackwardGemms", ["issue_scores", "issue_dkv", "issue_dq",
+                                                     "fence_scores", "fence_dkv", "fence_dq"])
+
+
+def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) -> RowsBackwardGemms:
+    """The GEMM steps for query tiles of ``block_m`` rows, key tiles of ``block_n`` rows of which a
+    warpgroup's S and dP take ``keys``, and dQ of 64 head-dim columns a warpgroup. A k-step of a
+    K-major operand is 32 bytes of a row (the next 64-column block ``rows * 128`` bytes on); of an
+    MN-major one, 16 rows (2048 bytes)."""
+    dtype = "bf16" if bf16 else "f16"
+    mma_scores = hp.wgmma_ss(keys, dtype)
+    mma_dkv = hp.wgmma_ss(block_n, dtype, trans_b=True, trans_a=True)
+    mma_dq = hp.wgmma_ss(64, dtype, trans_b=True)
+    fence_scores = hp.wgmma_fence_operand(keys)
+    fence_dkv = hp.wgmma_fence_operand(block_n)
+    fence_dq = hp.wgmma_fence_operand(64)
+    M_K_STEPS = block_m // 16  # k-steps of dKᵀ and dVᵀ
+    N_K_STEPS = block_n // 16  # k-steps of dQ
+    BM, BN = block_m, block_n
+
+    @cuda.jit(device=True, forceinline=True)
+    def issue_scores(acc, desc_qdo, desc_kv, depth):
+        """Start S = Q Kᵀ (or dP = dO Vᵀ) over ``depth`` head-dim columns (async; overwrites ``acc``)."""
+        fence_scores(acc)
+        hp.wgmma_fence()
+        for kk in range(depth // 16):
+            block = (kk // 4) * 128  # the 64-column block's offset, in bytes per tile row
+            step = (kk % 4) * 32
+            mma_scores(acc, hp.descriptor_add(desc_qdo, block * BM + step),
+                       hp.descriptor_add(desc_kv, block * BN + step), 0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, forceinline=True)
+    def issue_dkv(acc, desc_mn, desc_pds):
+        """Start dKᵀ += Qᵀ dS (or dVᵀ += dOᵀ P) over the query block (async), 16 query rows a k-step
+        of both operands."""
+        fence_dkv(acc)
+        hp.wgmma_fence()
+        for kk in range(M_K_STEPS):
+            mma_dkv(acc, hp.descriptor_add(desc_mn, kk * 2048), hp.descriptor_add(desc_pds, kk * 2048), 1)
+        hp.wgmma_commit_group()
+
+    @cuda.jit(device=True, forceinline=True)
+    def issue_dq(acc, desc_ds, desc_k):
+        """Start dQ = dS K over the key block (async; overwrites ``acc``): A the dS tile (query rows
+        x keys, K-major: 16 keys a k-step, the next 64 keys a column block on), B the K tile's 64
+        columns (MN-major: 16 key rows a k-step)."""
+        fence_dq(acc)
+        hp.wgmma_fence()
+        for kk in range(N_K_STEPS):
+            at = (kk // 4) * (BM * 128) + (kk % 4) * 32
+            mma_dq(acc, hp.descriptor_add(desc_ds, at), hp.descriptor_add(desc_k, kk * 2048),
+                   0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    return RowsBackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)

@@ -216,7 +216,8 @@ def call_group_splits(capability: tuple[int, int], device: int, head_dim: int, c
                       window: bool = False, softcap: bool = False, head_dim_v: int = 0) -> int:
     """Over how many CTAs the call's main kernel splits each GQA group (``backward_group_splits``
     of its config's key blocks on device ``device``): 1 in deterministic mode, for MHA and where
-    the call's config is not of a family with ``group_splits`` (the mma.sync backward); > 1 runs
+    the call's config is not of a family with ``group_splits`` (the mma.sync backward) or is the
+    Hopper backward's unswapped tile (``WsBackwardConfig.swapped``: (192, 128)); > 1 runs
     the main kernel's split build (``backward_kernels(group_split=True)``)."""
     batch, seqlen_q, heads_q, _ = q_shape
     _, seqlen_k, heads_kv, _ = k_shape
@@ -226,7 +227,7 @@ def call_group_splits(capability: tuple[int, int], device: int, head_dim: int, c
     config = configs.backward_config(capability, head_dim, causal, gpu.shared_limit(device), window=window,
                                      softcap=softcap, head_dim_v=head_dim_v,
                                      long=configs.backward_is_long(seqlen_q))
-    if not family_of(config).group_splits:
+    if not family_of(config).group_splits or not config.swapped:  # the (192, 128) tile has no split build
         return 1
     return backward_group_splits(-(-seqlen_k // config.block_n), heads_kv, batch, heads_q // heads_kv,
                                  gpu.sm_count(device), deterministic)
