@@ -96,8 +96,8 @@ Maps = namedtuple("Maps", ["q", "k", "v", "do"])
 Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "split_head", "m_first", "m_blocks",
                              "steps", "diag", "band", "rows", "seqlen_q"])
 # Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q and dO, rows buffer 0 of LSE and
-# D, dSᵀ buffer 0 (the unswapped tile's: dS, and P buffer 0, and its dQ buffer where it has one).
-Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds", "p", "dq"])
+# D, dSᵀ buffer 0 (the unswapped tile's: dS, and P buffer 0).
+Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds", "p"])
 # A consumer warp's seat: its warpgroup, warp in it, lane, thread among the consumers (0 .. 255).
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 # A consumer warp's registers: Sᵀ (then Pᵀ), dPᵀ (then dSᵀ), Pᵀ and dSᵀ as 16-bit A fragments,
@@ -686,7 +686,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
 
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
-                      base + lay.delta, base + lay.ds, base + lay.p, base + lay.dq)
+                      base + lay.delta, base + lay.ds, base + lay.p)
         b = ptx.shared_address_u64(bar_words)
         kv_bar = RingBarriers(b, b)
         bars = RingBarriers(b + 8, b + 8 + 8 * STAGES)

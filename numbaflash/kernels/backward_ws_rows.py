@@ -18,7 +18,8 @@ so that each holds a third of dK (and, two of them, half of dV) in 160 registers
     dKᵀ += Qᵀ dS    wgmma SS m64n96, Q's 64 head-dim columns of the warpgroup (MN-major) x the dS tile
     dVᵀ += dOᵀ P    wgmma SS m64n96, warpgroups 0 and 1 only (V's 128 columns are two m-tiles)
 
-P and dS have two buffers each (step parity): a warpgroup writes step i's after the barrier of
+After the barrier, dVᵀ, dQ and dKᵀ are issued in that order, so that dQ's adds run beside dKᵀ. The
+rows' LSE₂ and D are read while S runs (H200, 4k: +1.5%). P and dS have two buffers each (step parity): a warpgroup writes step i's after the barrier of
 step i - 1, which every warpgroup passes only once its GEMMs of step i - 2 are done. The walk,
 the producer, the rows' staging and the kernel around them are ``backward_ws``'s.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
@@ -76,8 +77,6 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
     S_N = KEYS // 8  # n-tiles of S and dP
     VALUE_WGS = DV // WARPGROUP_ROWS  # warpgroups that hold dVᵀ (its 64-row m-tiles)
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
-    DQ_BULK = config.dq_bulk
-    DQ_BYTES = BM * D * 4  # a query block's dQ accumulator
     ring = rings.step
     gemms = make_backward_rows_gemms(BM, BN, KEYS, bf16)
 
@@ -146,39 +145,6 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
                 ptx.red_release_gpu_add_s32(counter_at, int32(1))
 
     @cuda.jit(device=True, forceinline=True)
-    def put_dq_columns(acc_q, at, wg):
-        """``add_dq_columns``' offsets, into the dQ buffer (``st.shared.v4``) from the thread's ``at``."""
-        for j in range(DQ_N):
-            col = WARPGROUP_ROWS * wg + 8 * j
-            half = col // 96
-            ptx.st_shared_v4_f32(at + uint32(((col - 96 * half) // 8) * 4096 + half * 2048), acc_q[j, 0],
-                                 acc_q[j, 1], acc_q[j, 2], acc_q[j, 3])
-
-    @cuda.jit(device=True, forceinline=True)
-    def put_dq(acc_q, at, seat):
-        """This step's dQ into the dQ buffer, in the accumulator's order (``dq_add_at``)."""
-        if seat.wg == 0:
-            put_dq_columns(acc_q, at, 0)
-        elif seat.wg == 1:
-            put_dq_columns(acc_q, at, 1)
-        else:
-            put_dq_columns(acc_q, at, 2)
-
-    @cuda.jit(device=True, forceinline=True)
-    def reduce_dq(buffer, ws, row, counter_at, turn, deterministic):
-        """One thread: the dQ buffer added into the query block's accumulator by a bulk reduce; in
-        deterministic mode once the key blocks before this one have added theirs, and waited for."""
-        if deterministic:
-            while ptx.ld_acquire_gpu_s32(counter_at) != turn:
-                pass
-        hp.bulk_reduce_add_f32(uint64(ws.dq + row * (D * 4)), buffer, uint32(DQ_BYTES))
-        hp.tma_store_commit_group()
-        if deterministic:
-            hp.tma_store_wait_group_0()
-            cuda.threadfence()
-            ptx.red_release_gpu_add_s32(counter_at, int32(1))
-
-    @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
         """One query block for this warpgroup: S and dP, P and dS through shared memory, dQ's adds,
         dKᵀ and dVᵀ; the stage is released at the end."""
@@ -208,7 +174,7 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
                 for e in range(4):
                     acc.s[j, e] = ptx.tanh(acc.s[j, e] * sc.cap_scale)
         mask_rows(acc.s, blk, step.m0, seat, blk.band.seqlen_k)
-        buffer = uint32(0) if DQ_BULK else parity * uint32(DS_BYTES)
+        buffer = parity * uint32(DS_BYTES)
         if not SOFTCAP:  # P now, while dP runs
             for h in range(2):
                 lse = lse1 if h else lse0
@@ -236,8 +202,6 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         store_tile(tiles.ds + buffer, acc.dp, seat)
         hp.fence_proxy_async_shared_cta()
         ptx.cp_async_wait_group_0()  # the next step's rows
-        if DQ_BULK and seat.thread == 0:  # the last step's dQ is read out of its buffer
-            hp.tma_store_wait_group_read_0()
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # every warpgroup's P and dS, the next rows
         if seat.wg < VALUE_WGS:
             gemms.issue_dkv(acc.dv, hp.descriptor_add(descs.do_mn, do_at),
@@ -245,25 +209,12 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         gemms.issue_dq(acc.dq, hp.descriptor_add(descs.ds_k, buffer), descs.k_mn)
         gemms.issue_dkv(acc.dk, hp.descriptor_add(descs.q_mn, q_at),
                         hp.descriptor_add(descs.ds_mn, buffer))
-        if DQ_BULK:
-            hp.wgmma_wait_group_1()  # dVᵀ and dQ done; dKᵀ may still run
-            gemms.fence_dq(acc.dq)
-            put_dq(acc.dq, tiles.dq + 16 * (seat.thread % uint32(WARPGROUP)), seat)
-            hp.fence_proxy_async_shared_cta()
-            hp.wgmma_wait_group_0()
-            gemms.fence_dkv(acc.dk)
-            gemms.fence_dkv(acc.dv)
-            # every warpgroup's dQ in the buffer; every GEMM of the step done (P and dS free)
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-            if seat.thread == 0:
-                reduce_dq(tiles.dq, ws, step.row, step.counter_at, step.turn, sc.deterministic)
-        else:
-            hp.wgmma_wait_group_1()  # dVᵀ and dQ done; dKᵀ may still run
-            gemms.fence_dq(acc.dq)
-            add_dq(acc.dq, ws, step.row, seat, step.counter_at, step.turn, sc.deterministic)
-            hp.wgmma_wait_group_0()
-            gemms.fence_dkv(acc.dk)
-            gemms.fence_dkv(acc.dv)
+        hp.wgmma_wait_group_1()  # dVᵀ and dQ done; dKᵀ may still run
+        gemms.fence_dq(acc.dq)
+        add_dq(acc.dq, ws, step.row, seat, step.counter_at, step.turn, sc.deterministic)
+        hp.wgmma_wait_group_0()
+        gemms.fence_dkv(acc.dk)
+        gemms.fence_dkv(acc.dv)
         ring.release(bars, i, seat.lane)
 
     return RowsConsumerSteps(consume_step)
@@ -276,7 +227,6 @@ def make_rows_consumer(config: WsBackwardConfig, walk_steps) -> RowsConsumer:
     BM, BN = config.block_m, config.block_n
     D_N = BN // 8  # n-tiles of dKᵀ and dVᵀ (the block's keys)
     S_N = KEYS // 8
-    DQ_BULK = config.dq_bulk
 
     @cuda.jit(device=True, forceinline=True)
     def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
@@ -301,8 +251,6 @@ def make_rows_consumer(config: WsBackwardConfig, walk_steps) -> RowsConsumer:
                                 hp.smem_descriptor_mn_sw128(tiles.k + seat.wg * (BN * 128), BN * 128))
         walk_steps(acc, RowsIo(descs, tiles, bars, blk, sc, ws), kv_bar, seat, heads_q, group,
                    counters_per_head)
-        if DQ_BULK and seat.thread == 0:  # the last bulk reduce's reads of shared memory
-            hp.tma_store_wait_group_0()
         return acc
 
     return RowsConsumer(consume)

@@ -523,7 +523,6 @@ class WsBackwardLayout(NamedTuple):
     # the head dims are equal).
     p: int = 0
     do_stage: int = 0
-    dq: int = 0  # the dQ buffer of ``WsBackwardConfig.dq_bulk`` (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,10 +551,6 @@ class WsBackwardConfig(ValueDim):
     # V's (and dO's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's): 0 for
     # the same (``BackwardConfig.head_dim_v``). A shape of the call, not a knob: (192, 128) only.
     head_dim_v: int = 0
-    # EXPERIMENT (unswapped tile): dQ through a shared buffer, added into the accumulator by one bulk
-    # reduce (cp.reduce.async.bulk) a step instead of the consumer threads' red.global.add.v4; P and
-    # dS then have one buffer each
-    dq_bulk: bool = False
     # Not a knob: every shipped and tuned config has a ring of 2.
     stages: ClassVar[int] = 2  # Q / dO ring depth
 
@@ -606,7 +601,7 @@ class WsBackwardConfig(ValueDim):
     @property
     def tag(self) -> str:
         return f"_s{self.stages}" + ("_lr" if self.late_rows else "") + (
-            f"_v{self.head_dim_v}" if self.head_dim_v else "") + ("_dqb" if self.dq_bulk else "")
+            f"_v{self.head_dim_v}" if self.head_dim_v else "")
 
     def dq_config(self) -> BackwardConfig:
         """The mma.sync config whose dQ fragment order (``BackwardConfig.dq_position``) this
@@ -638,20 +633,18 @@ class WsBackwardConfig(ValueDim):
             p_buffers = 0
         else:  # P and dS: block_m query rows of whole 128-byte column blocks of 64 keys
             ds_bytes = bm * 128 * -(-bn // 64)
-            p_buffers = 1 if self.dq_bulk else 2
-        ds_buffers = 1 if self.dq_bulk else 2
+            p_buffers = 2
         k = 0
         v = k + bn * d * 2
         q = v + bn * dv * 2
         do = q + self.stages * q_stage
         ds = do + self.stages * do_stage
-        p = ds + ds_buffers * ds_bytes
-        dq = p + p_buffers * ds_bytes
-        lse = dq + (bm * d * 4 if self.dq_bulk else 0)
+        p = ds + 2 * ds_bytes
+        lse = p + p_buffers * ds_bytes
         delta = lse + 2 * rows_stage
         end = delta + 2 * rows_stage
         return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end,
-                                p if p_buffers else 0, do_stage, dq if self.dq_bulk else 0)
+                                p if p_buffers else 0, do_stage)
 
     @property
     def step_bytes(self) -> int:
@@ -672,7 +665,7 @@ class WsBackwardConfig(ValueDim):
             if (self.value_dim, self.block_m, self.late_rows) != (128, 64, False):
                 raise ValueError(f"head_dim 192 is the unswapped tile of head_dim_v 128, block_m 64, "
                                  f"late_rows False, got {self}")
-        elif self.head_dim not in (64, 128) or self.head_dim_v or self.dq_bulk:
+        elif self.head_dim not in (64, 128) or self.head_dim_v:
             raise ValueError(f"head_dim must be 64 or 128 (or 192 with head_dim_v 128), got {self}")
         if self.block_m not in (64, 80, 128):
             raise ValueError(f"block_m must be 64, 80 or 128, got {self.block_m}")

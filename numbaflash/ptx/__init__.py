@@ -29,7 +29,6 @@ from .async_copy import (
     st_global_v4_at,
     st_shared_b32,
     st_shared_v4,
-    st_shared_v4_f32,
 )
 from .convert import (
     byte_perm,
@@ -118,7 +117,6 @@ __all__ = [
     "ld_shared_f32",
     "st_shared_b32",
     "st_shared_v4",
-    "st_shared_v4_f32",
     "tanh",
 ]
 

@@ -37,9 +37,6 @@ CP_ASYNC_WAIT_GROUP = (cp_async_wait_group_0, cp_async_wait_group_1, cp_async_wa
 _ld_shared_v4 = declare("copy", "ld_shared_v4_b32", types.void(u32p, _u32))
 _st_shared_v4 = declare("copy", "st_shared_v4_b32", types.void(_u32, u32p))
 st_shared_b32 = declare("copy", "st_shared_b32", types.void(_u32, _u32))
-st_shared_v4_f32 = declare("copy", "st_shared_v4_f32", types.void(_u32, types.float32, types.float32,
-                                                                  types.float32, types.float32))
-st_shared_v4_f32.__doc__ = "st_shared_v4_f32(address, a, b, c, d): four floats, 16 bytes at a shared address."
 ld_shared_f32 = declare("copy", "ld_shared_f32", types.float32(_u32))
 ld_shared_b32 = declare("copy", "ld_shared_b32", _u32(_u32))
 ld_shared_b32.__doc__ = "ld_shared_b32(address) -> uint32 at a shared byte address."

@@ -249,10 +249,6 @@ _load_4d = declare("tma", "tma_load_4d", _void(_u32, u64p, _u32, _i32, _i32, _i3
 _store_2d = declare("tma", "tma_store_2d", _void(u64p, _u32, _i32, _i32))
 _store_3d = declare("tma", "tma_store_3d", _void(u64p, _u32, _i32, _i32, _i32))
 _store_4d = declare("tma", "tma_store_4d", _void(u64p, _u32, _i32, _i32, _i32, _i32))
-bulk_reduce_add_f32 = declare("tma", "bulk_reduce_add_f32", _void(_u64, _u32, _u32))
-bulk_reduce_add_f32.__doc__ = ("cp.reduce.async.bulk .add.f32 (dst, src, bytes): add ``bytes`` of float32 "
-                               "from shared ``src`` into global ``dst`` asynchronously (a bulk group: "
-                               "commit, then wait as for TMA stores).")
 tma_store_commit_group = declare("tma", "cp_async_bulk_commit_group", _void())
 tma_store_commit_group.__doc__ = "cp.async.bulk.commit_group: close the group of TMA stores issued so far."
 tma_store_wait_group_0 = declare("tma", "cp_async_bulk_wait_group_0", _void())
@@ -442,7 +438,6 @@ __all__ = [
     "tma_store_2d",
     "tma_store_3d",
     "tma_store_4d",
-    "bulk_reduce_add_f32",
     "tma_store_commit_group",
     "tma_store_wait_group_0",
     "tma_store_wait_group_read_0",
