@@ -185,6 +185,42 @@ def test_asymmetric_autograd_on_torch_tensors(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("shape", "causal"), [((1, 1000, 600, 4, 2), True), ((1, 3000, 300, 2, 2), True),
+                                               ((1, 300, 3000, 2, 1), False), ((2, 97, 193, 3, 3), True)],
+                         ids=["gqa", "long-q", "long-k", "ragged"])
+def test_the_hopper_backward_of_the_pair(rng, shape, causal, dtype):
+    """The pair's Hopper backward (``configs.ASYMMETRIC_BACKWARD_WS``: what dense calls on an H100 or
+    H200 run) on long walks (GQA groups, many query blocks), key blocks no query sees (causal, seqlen_q
+    far from seqlen_k: their dK and dV must be written as 0) and ragged blocks, in both modes: against
+    float64, gradients poisoned with NaN, and deterministic mode bit for bit twice."""
+    from numba import cuda
+
+    from numbaflash.kernels.shapes import WsBackwardConfig
+    from numbaflash.runtime.buffers import DeviceBuffer
+    from numbaflash.tools.reference import compare_gradients_with_reference
+
+    capability = tuple(cuda.get_current_device().compute_capability)
+    if capability[0] != 9:
+        pytest.skip("the pair's Hopper backward needs an H100 or H200")
+    assert isinstance(configs.backward_config(capability, 192, causal, head_dim_v=128), WsBackwardConfig)
+    q, k, v = random_qkv(rng, *shape, (192, 128), DTYPES[dtype])
+    dout = rng.standard_normal((*q.shape[:3], 128)).astype(DTYPES[dtype])
+    device = [DeviceBuffer(x) for x in (q, k, v)]
+    out, lse = numbaflash.flash_attention(*device, causal=causal, return_lse=True)
+    runs = []
+    for deterministic in (False, True, True):
+        grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+        numbaflash.flash_attention_backward(DeviceBuffer(dout), *device, out, lse, causal=causal,
+                                            deterministic=deterministic, dq=grads[0], dk=grads[1],
+                                            dv=grads[2])
+        runs.append([g.copy_to_host() for g in grads])
+        _, problems = compare_gradients_with_reference(q, k, v, dout, tuple(runs[-1]), causal=causal)
+        assert not problems, f"deterministic={deterministic}: " + "; ".join(problems)
+    for a, b in zip(runs[1], runs[2], strict=True):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), "deterministic runs differ"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
 def test_asymmetric_varlen_forward_and_backward(rng, causal, dtype):
     """The packed calls with the pair: three sequences (one with no query, one query row with no
