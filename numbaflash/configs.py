@@ -110,7 +110,9 @@ ASYMMETRIC_BACKWARD_DEFAULTS: dict[tuple[int, int], tuple[BackwardConfig, ...]] 
 # The pairs' Hopper backward (dense calls; packed ones run the mma.sync configs above): (192, 128)
 # on FlashAttention-3's head-dim-192 tile (``kernels.backward_ws_rows``: three consumer warpgroups,
 # 96 keys a CTA, S and dP by query rows; 206 KB). Every dense variant (full, causal, window,
-# softcap) builds without a spill offline (sm_90a).
+# softcap) builds without a spill offline (sm_90a). H200, bf16, 4k and 16k: 385-442 TF/s, about 2x
+# the mma.sync kernels, 1.01-1.44x cuDNN but 0.95x at 16k causal (docs/PERFORMANCE.md [B192]);
+# ``late_rows`` measured 0.95-1.00x there, so it stays off.
 ASYMMETRIC_BACKWARD_WS: dict[tuple[int, int], WsBackwardConfig] = {
     (192, 128): WsBackwardConfig(192, head_dim_v=128),
 }
