@@ -140,6 +140,7 @@ GroupSplit = namedtuple("GroupSplit", declarations.names_of(declarations.GROUP_S
 Walk = namedtuple("Walk", ["next_block", "workspace_row"])
 Producer = namedtuple("Producer", ["produce_steps"])
 RowStaging = namedtuple("RowStaging", ["stage_rows"])
+DqTurns = namedtuple("DqTurns", ["wait_turn", "pass_turn"])
 ConsumerSteps = namedtuple("ConsumerSteps", ["stage_rows", "consume_step"])
 ConsumerWalk = namedtuple("ConsumerWalk", ["walk_steps"])
 Consumer = namedtuple("Consumer", ["consume"])
@@ -270,6 +271,31 @@ def make_producer(config: WsBackwardConfig, rings: Rings, walk: Walk) -> Produce
 
 # ---------------------------------------------------------------------------------- consumer steps
 
+def make_dq_turns(config: WsBackwardConfig) -> DqTurns:
+    """Deterministic mode's turns, shared by both tiles (``backward_ws_rows``): a query block's key
+    blocks add their dQ one after the other, in the order of its turn counter."""
+    CONSUMER_THREADS = config.consumers * WARPGROUP
+
+    @cuda.jit(device=True, forceinline=True)
+    def wait_turn(seat, counter_at, turn):
+        """Every consumer thread waits until the counter at ``counter_at`` reaches ``turn`` (the key
+        blocks before this one have added theirs): thread 0 polls it, then a barrier."""
+        if seat.thread == 0:
+            while ptx.ld_acquire_gpu_s32(counter_at) != turn:
+                pass
+        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+
+    @cuda.jit(device=True, forceinline=True)
+    def pass_turn(seat, counter_at):
+        """Once every consumer thread's adds are fenced (a barrier), thread 0 passes the turn on."""
+        cuda.threadfence()
+        hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+        if seat.thread == 0:
+            ptx.red_release_gpu_add_s32(counter_at, int32(1))
+
+    return DqTurns(wait_turn, pass_turn)
+
+
 def make_row_staging(config: WsBackwardConfig) -> RowStaging:
     """The consumers' copies of a step's query rows (LSE₂ and D) into a rows buffer, shared by both
     tiles (``backward_ws_rows``)."""
@@ -317,6 +343,7 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
     gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16, dq_transposed=config.dq_split == "t")
 
     stage_rows = make_row_staging(config).stage_rows
+    wait_turn, pass_turn = make_dq_turns(config)
 
     @cuda.jit(device=True, forceinline=True)
     def mask_scores(acc_s, blk, m0, seat, seqlen_k):
@@ -379,19 +406,13 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
         (fragment order, four floats an n-tile); in deterministic mode once the key blocks before
         this one have added theirs (``turn``: the count this block's counter must reach)."""
         if deterministic:
-            if seat.thread == 0:
-                while ptx.ld_acquire_gpu_s32(counter_at) != turn:
-                    pass
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+            wait_turn(seat, counter_at, turn)
         dq_at = ws.dq + (row * D + 4 * seat.thread) * 4
         for j in range(DQ_N):
             ptx.red_global_add_v4_f32(dq_at + j * (CONSUMER_THREADS * 16), acc_q[j, 0], acc_q[j, 1],
                                       acc_q[j, 2], acc_q[j, 3])
         if deterministic:
-            cuda.threadfence()
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-            if seat.thread == 0:
-                ptx.red_release_gpu_add_s32(counter_at, int32(1))
+            pass_turn(seat, counter_at)
 
     @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
@@ -646,10 +667,10 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         store_dkv, gather_split = make_epilogue(config, bf16)
     else:  # FlashAttention-3's head-dim-192 tile: S and dP by rows, three warpgroups
         if group_split:
-            raise ValueError(f"{config} has no GQA-split build (WsBackwardConfig.splits_groups)")
+            raise ValueError(f"{config} has no GQA-split build (its tile is unswapped: WsBackwardConfig)")
         stage_rows = make_row_staging(config).stage_rows
-        consume_step = make_rows_consumer_steps(config, causal, bf16, rings, stage_rows, window,
-                                                softcap).consume_step
+        consume_step = make_rows_consumer_steps(config, causal, bf16, rings, stage_rows,
+                                                make_dq_turns(config), window, softcap).consume_step
         walk_steps = make_consumer_walk(config, rings, walk, stage_rows, consume_step, window).walk_steps
         consume = make_rows_consumer(config, walk_steps).consume
         store_dkv = make_rows_epilogue(config, bf16).store_dkv

@@ -18,8 +18,9 @@ so that each holds a third of dK (and, two of them, half of dV) in 160 registers
     dKᵀ += Qᵀ dS    wgmma SS m64n96, Q's 64 head-dim columns of the warpgroup (MN-major) x the dS tile
     dVᵀ += dOᵀ P    wgmma SS m64n96, warpgroups 0 and 1 only (V's 128 columns are two m-tiles)
 
-After the barrier, dVᵀ, dQ and dKᵀ are issued in that order, so that dQ's adds run beside dKᵀ. The
-rows' LSE₂ and D are read while S runs (H200, 4k: +1.5%). P and dS have two buffers each (step parity): a warpgroup writes step i's after the barrier of
+After the barrier, dVᵀ, dQ and dKᵀ are issued in that order, so that dQ's adds run beside dKᵀ.
+The rows' LSE₂ and D are read while S runs (H200, 4k: +1.5%). P and dS have two buffers each (step
+parity): a warpgroup writes step i's after the barrier of
 step i - 1, which every warpgroup passes only once its GEMMs of step i - 2 are done. The walk,
 the producer, the rows' staging and the kernel around them are ``backward_ws``'s.
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 
 from .. import ptx
 from ..ptx import hopper as hp
@@ -64,10 +65,11 @@ RowsConsumer = namedtuple("RowsConsumer", ["consume"])
 RowsEpilogue = namedtuple("RowsEpilogue", ["store_dkv"])
 
 
-def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, rings, stage_rows,
+def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, rings, stage_rows, turns,
                              window: bool = False, softcap: bool = False) -> RowsConsumerSteps:
     """One step of the walk for a consumer warpgroup of the unswapped tile (``rings``:
-    ``backward_ws.Rings``; ``stage_rows``: ``backward_ws.make_row_staging``'s)."""
+    ``backward_ws.Rings``; ``stage_rows``: ``backward_ws.make_row_staging``'s; ``turns``:
+    ``backward_ws.make_dq_turns``', deterministic mode's)."""
     D, DV, BM, BN = config.head_dim, config.value_dim, config.block_m, config.block_n
     CONSUMER_THREADS = config.consumers * WARPGROUP
     lay = config.layout
@@ -78,6 +80,7 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
     VALUE_WGS = DV // WARPGROUP_ROWS  # warpgroups that hold dVᵀ (its 64-row m-tiles)
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
     ring = rings.step
+    wait_turn, pass_turn = turns
     gemms = make_backward_rows_gemms(BM, BN, KEYS, bf16)
 
     @cuda.jit(device=True, forceinline=True)
@@ -125,10 +128,7 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         column half h = (64 wg + 8 j) // 96 of the mma.sync order, n-tile (64 wg + 8 j - 96 h) / 8 of
         its warps 4 h ..; in deterministic mode once the key blocks before this one have added."""
         if deterministic:
-            if seat.thread == 0:
-                while ptx.ld_acquire_gpu_s32(counter_at) != turn:
-                    pass
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
+            wait_turn(seat, counter_at, turn)
         at = ws.dq + row * (D * 4) + 16 * (seat.thread % uint32(WARPGROUP))
         # one branch per warpgroup, each with constant offsets (offsets computed from the warpgroup
         # are eight loop invariants, which spill)
@@ -139,10 +139,7 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         else:
             add_dq_columns(acc_q, at, 2)
         if deterministic:
-            cuda.threadfence()
-            hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-            if seat.thread == 0:
-                ptx.red_release_gpu_add_s32(counter_at, int32(1))
+            pass_turn(seat, counter_at)
 
     @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
