@@ -120,8 +120,8 @@ def test_runnable_configs(capability, families):
     # the pairs: every GPU runs the mma.sync family's (and (512, 256)'s small config, the 99 KB GPUs')
     fallbacks = [c for cs in configs.ASYMMETRIC_FALLBACKS.values() for c in cs]
     pairs = {c for c in (*configs.ASYMMETRIC_DEFAULTS.values(), *fallbacks) if c.shared_bytes <= limit}
-    if "sm90" in families:  # and Hopper its own forward of the pair
-        pairs |= set(configs.ASYMMETRIC_WS_DEFAULTS.values())
+    if "sm90" in families:  # and Hopper its own forward and backward of the pair
+        pairs |= set(configs.ASYMMETRIC_WS_DEFAULTS.values()) | set(configs.ASYMMETRIC_BACKWARD_WS.values())
     pairs |= set(san.pair_decode_configs(capability))  # and the pair's decode, contiguous and paged
     assert {(c.head_dim, c.value_dim, c.paged) for c in san.pair_decode_configs(capability)} == {
         (192, 128, False), (192, 128, True)}
