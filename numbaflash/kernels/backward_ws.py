@@ -83,7 +83,7 @@ from .fragments import store_fragment_rows
 from .ring import RingBarriers, make_ring
 from .shapes import WARPGROUP_ROWS, WsBackwardConfig
 from .smem import global_rows, swizzled_offset
-from .softmax import pack_16bit
+from .softmax import cap_scores, pack_16bit
 from .wgmma_gemms import make_backward_gemms
 
 # Tensor maps of one call: 4-D (batch, seqlen, heads, head_dim) maps of q, k, v and dout.
@@ -435,9 +435,7 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
         hp.wgmma_wait_group_1()
         gemms.fence_scores(acc.s)
         if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
-            for j in range(S_N):
-                for e in range(4):
-                    acc.s[j, e] = ptx.tanh(acc.s[j, e] * sc.cap_scale)
+            cap_scores(acc.s, S_N, sc.cap_scale)
         mask_scores(acc.s, blk, m0, seat, blk.band.seqlen_k)
         hp.wgmma_wait_group_0()
         gemms.fence_scores(acc.dp)

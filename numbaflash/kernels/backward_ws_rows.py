@@ -41,7 +41,7 @@ from .epilogue import store_rows_global
 from .fragments import store_transposed_fragment
 from .shapes import WARPGROUP_ROWS, WsBackwardConfig
 from .smem import global_rows, swizzled_offset
-from .softmax import pack_16bit
+from .softmax import cap_scores, pack_16bit
 from .wgmma_gemms import make_backward_rows_gemms
 
 WARPGROUP = 128  # threads
@@ -167,9 +167,7 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         hp.wgmma_wait_group_1()
         gemms.fence_scores(acc.s)
         if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
-            for j in range(S_N):
-                for e in range(4):
-                    acc.s[j, e] = ptx.tanh(acc.s[j, e] * sc.cap_scale)
+            cap_scores(acc.s, S_N, sc.cap_scale)
         mask_rows(acc.s, blk, step.m0, seat, blk.band.seqlen_k)
         buffer = parity * uint32(DS_BYTES)
         if not SOFTCAP:  # P now, while dP runs

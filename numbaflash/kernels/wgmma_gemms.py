@@ -121,6 +121,26 @@ BackwardGemms = namedtuple("BackwardGemms", ["issue_scores", "issue_dkv", "issue
                                              "fence_dkv", "fence_dq"])
 
 
+def make_k_major_steps(mma, fence, rows_a: int, rows_b: int):
+    """``issue(acc, desc_a, desc_b, depth)``: start ``acc = A Bᵀ`` over ``depth`` columns (async, one
+    commit group; overwrites ``acc``), A and B both K-major tiles of ``rows_a`` and ``rows_b`` rows in
+    64-column blocks of 128-byte rows: k-step kk sits in block kk // 4, 32 bytes a step. The backward's
+    scores (Sᵀ and dPᵀ of the swapped tile, S and dP of the unswapped one)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def issue(acc, desc_a, desc_b, depth):
+        fence(acc)
+        hp.wgmma_fence()
+        for kk in range(depth // 16):
+            block = (kk // 4) * 128  # the 64-column block's offset, in bytes per tile row
+            step = (kk % 4) * 32
+            mma(acc, hp.descriptor_add(desc_a, block * rows_a + step),
+                hp.descriptor_add(desc_b, block * rows_b + step), 0 if kk == 0 else 1)
+        hp.wgmma_commit_group()
+
+    return issue
+
+
 def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf16: bool,
                         dq_transposed: bool = False) -> BackwardGemms:
     """The GEMM steps for key tiles of ``block_n`` rows, query tiles of ``block_m`` rows, and a dQ
@@ -136,22 +156,15 @@ def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf
     fence_scores = hp.wgmma_fence_operand(block_m)
     fence_dkv = hp.wgmma_fence_operand(head_dim)
     fence_dq = hp.wgmma_fence_operand(block_m if dq_transposed else dq_n)
-    D_K_STEPS = head_dim // 16  # k-steps of Sᵀ and dPᵀ
+    D = head_dim
     M_K_STEPS = block_m // 16  # k-steps of dV and dK
     N_K_STEPS = block_n // 16  # k-steps of dQ
-    BM, BN = block_m, block_n
+    scores = make_k_major_steps(mma_scores, fence_scores, block_n, block_m)
 
     @cuda.jit(device=True, forceinline=True)
     def issue_scores(acc, desc_kv, desc_qdo):
         """Start Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ) over the head dim (async; overwrites ``acc``)."""
-        fence_scores(acc)
-        hp.wgmma_fence()
-        for kk in range(D_K_STEPS):
-            block = (kk // 4) * 128  # the 64-column block's offset, in bytes per tile row
-            step = (kk % 4) * 32
-            mma_scores(acc, hp.descriptor_add(desc_kv, block * BN + step),
-                       hp.descriptor_add(desc_qdo, block * BM + step), 0 if kk == 0 else 1)
-        hp.wgmma_commit_group()
+        scores(acc, desc_kv, desc_qdo, D)
 
     @cuda.jit(device=True, forceinline=True)
     def issue_dkv(acc, frag, desc_mn):
@@ -213,19 +226,9 @@ def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) 
     fence_dq = hp.wgmma_fence_operand(64)
     M_K_STEPS = block_m // 16  # k-steps of dKᵀ and dVᵀ
     N_K_STEPS = block_n // 16  # k-steps of dQ
-    BM, BN = block_m, block_n
-
-    @cuda.jit(device=True, forceinline=True)
-    def issue_scores(acc, desc_qdo, desc_kv, depth):
-        """Start S = Q Kᵀ (or dP = dO Vᵀ) over ``depth`` head-dim columns (async; overwrites ``acc``)."""
-        fence_scores(acc)
-        hp.wgmma_fence()
-        for kk in range(depth // 16):
-            block = (kk // 4) * 128  # the 64-column block's offset, in bytes per tile row
-            step = (kk % 4) * 32
-            mma_scores(acc, hp.descriptor_add(desc_qdo, block * BM + step),
-                       hp.descriptor_add(desc_kv, block * BN + step), 0 if kk == 0 else 1)
-        hp.wgmma_commit_group()
+    BM = block_m
+    # S = Q Kᵀ (or dP = dO Vᵀ) over ``depth`` head-dim columns: issue_scores(acc, desc_qdo, desc_kv, depth)
+    issue_scores = make_k_major_steps(mma_scores, fence_scores, block_m, block_n)
 
     @cuda.jit(device=True, forceinline=True)
     def issue_dkv(acc, desc_mn, desc_pds):
