@@ -6,13 +6,23 @@ no key and a sequence longer than the prep's grid, every config, full and causal
 and fp16 output packed at d128. Every output finite.
 
     compute-sanitizer --tool {memcheck,racecheck,synccheck} --report-api-errors no \
-        --error-exitcode 9 python benchmarks/fp8_cases.py
+        --error-exitcode 9 python benchmarks/fp8_cases.py [--mma]
+
+``--mma``: the dense cases on the mma.sync e4m3 kernel (``configs.FP8_MMA_DEFAULTS``, forced on Hopper;
+the kernel of every other FP8 GPU), every head dim with the window, softcap and sink; no packed cases
+(that kernel has none).
 """
+
+import sys
 
 import torch
 
 import numbaflash as nf
-from numbaflash import fp8
+from numbaflash import configs, fp8
+
+MMA = "--mma" in sys.argv[1:]
+if MMA and torch.cuda.get_device_capability()[0] == 9:
+    configs.FP8_DEFAULTS.update(configs.FP8_MMA_DEFAULTS)
 
 torch.manual_seed(0)
 cases = []
@@ -20,8 +30,10 @@ for d in (64, 128, 256):
     for b, sq, sk, hq, hk in ((1, 300, 77, 2, 1), (2, 77, 300, 2, 2), (1, 1, 33, 4, 2), (1, 200, 200, 2, 1)):
         for causal in (False, True):
             cases.append((d, b, sq, sk, hq, hk, dict(causal=causal)))
-for kw in (dict(window_size=(20, 3)), dict(softcap=3.0), dict(learnable_sink=torch.randn(2, device="cuda"))):
-    cases.append((128, 1, 150, 260, 2, 1, kw))
+for d in (64, 128, 256) if MMA else (128,):
+    sink = torch.randn(2, device="cuda")
+    for kw in (dict(window_size=(20, 3)), dict(softcap=3.0), dict(learnable_sink=sink)):
+        cases.append((d, 1, 150, 260, 2, 1, kw))
 for d, b, sq, sk, hq, hk, kw in cases:
     q = torch.randn(b, sq, hq, d, device="cuda")
     k = torch.randn(b, sk, hk, d, device="cuda")
@@ -31,7 +43,7 @@ for d, b, sq, sk, hq, hk, kw in cases:
                            **kw)
     assert torch.isfinite(o).all()
 packed = 0
-for d in (64, 128, 256):
+for d in () if MMA else (64, 128, 256):
     for causal in (False, True):
         lengths_q, lengths_k = [300, 0, 1, 77, 5], [77, 9, 0, 300, 200]
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -43,8 +55,9 @@ for d in (64, 128, 256):
         o = nf.flash_attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=causal, q_descale=ones)
         assert torch.isfinite(o).all()
         packed += 1
-for kw in (dict(window_size=(20, 3)), dict(softcap=3.0), dict(learnable_sink=torch.randn(4, device="cuda")),
-           dict(out_dtype=torch.float16, causal=True)):  # the packed variants at d128
+for kw in () if MMA else (dict(window_size=(20, 3)), dict(softcap=3.0),
+                           dict(learnable_sink=torch.randn(4, device="cuda")),
+                           dict(out_dtype=torch.float16, causal=True)):  # the packed variants at d128
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for n in ([150, 0, 33], [260, 7, 0]))
     q = torch.randn(int(cu_q[-1]), 4, 128, device="cuda").to(torch.float8_e4m3fn)

@@ -66,12 +66,28 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # (docs/PERFORMANCE.md, "The FP8 forward"): d128 192 keys a tile (3-12% over 128 at 4k and 16k);
 # d256 one Q buffer (Q 32 KB, K and V 2 x 2 x 32 KB, O 64 KB) with ping-pong (5-9% at 4k, -2..0%
 # at 16k); d64 the 16-bit table's three consumers.
-FP8_DEFAULTS: dict[int, WsConfig] = {
+# A ``ForwardConfig`` with ``fp8`` set in its place runs the mma.sync build on Hopper too (tests and
+# tools).
+FP8_DEFAULTS: dict[int, WsConfig | ForwardConfig] = {
     64: WsConfig(64, block_n=128, stages=2, consumers=3, fp8=True),
     128: WsConfig(128, block_n=192, stages=2, fp8=True),
     256: WsConfig(256, block_n=128, stages=2, q_stages=1, pingpong=True, fp8=True),
 }
 FP8_HEAD_DIMS = tuple(FP8_DEFAULTS)
+# The e4m3 mma.sync forward (``ForwardConfig.fp8``: m16n8k32, sm_89 on) on every other FP8 GPU (Ada
+# sm_89, Blackwell sm_100 and sm_120): FlashAttention-2's tile shapes with the tiles' bytes halved,
+# 24-48 KB of shared memory (any sm_89+ GPU). Not tuned: no such GPU has measured them yet.
+FP8_MMA_DEFAULTS: dict[int, ForwardConfig] = {
+    64: ForwardConfig(64, block_m=128, block_n=128, fp8=True),
+    128: ForwardConfig(128, block_m=128, block_n=128, fp8=True),
+    256: ForwardConfig(256, block_m=64, block_n=64, fp8=True),
+}
+
+
+def fp8_config(capability: tuple[int, int], head_dim: int) -> WsConfig | ForwardConfig:
+    """The e4m3 forward's config for ``head_dim`` on a GPU of ``capability``: the Hopper kernel's
+    (``FP8_DEFAULTS``) on sm_90, the mma.sync kernel's (``FP8_MMA_DEFAULTS``) on the others."""
+    return (FP8_DEFAULTS if arch_family(capability) == "sm90" else FP8_MMA_DEFAULTS)[head_dim]
 # (head_dim, head_dim_v) pairs' forward config (``ASYMMETRIC_HEAD_DIMS``), on every GPU: d256's
 # table shape (128 x 64, Q by k-slices, double buffered, early K copy) at Q's and K's 192 columns
 # and V's 128: 88 KB of shared memory, which fits every sm80-family GPU. Not tuned yet.

@@ -56,16 +56,18 @@ def test_every_sink_build_agrees_with_its_declaration():
 
 
 def test_every_fp8_build_agrees_with_its_declaration():
-    """The e4m3 Hopper forward builds (on demand, not registered): the 16-bit kernel's parameters
-    (packed: the varlen kernel's), then the descales (``params.DESCALES``); with a sink, the sink's
-    logits after them. The V preps, dense and packed, have their own lists."""
+    """The e4m3 forward builds (on demand, not registered), Hopper's and the mma.sync one's: their
+    16-bit kernel's parameters (packed: the varlen kernel's), then the descales
+    (``params.DESCALES``); with a sink, the sink's logits after them. The V preps, dense and packed,
+    have their own lists."""
     import dataclasses
 
     from numbaflash.tools.registry import _built, forward_fp8_kernels
 
     fp8 = forward_fp8_kernels()
-    assert len(fp8) == 24  # per head dim: 2 preps, 4 dense and 2 packed forward builds
+    assert len(fp8) == 36  # per head dim: 2 preps, 4 dense and 2 packed Hopper builds, 4 mma.sync ones
     assert sum(k.spec.varlen for k, _, _ in fp8.values()) == 9
+    assert sum(k.spec.family == "sm80" for k, _, _ in fp8.values()) == 12
     for name, (kernel, argtypes, _) in fp8.items():
         if kernel.spec.operation == "fp8_v":  # the V prep: its own parameter list
             want = params.FP8_V_VARLEN if kernel.spec.varlen else params.FP8_V
@@ -76,7 +78,10 @@ def test_every_fp8_build_agrees_with_its_declaration():
             built, types = _built(spec) if spec.sink else (kernel, argtypes)
             declared = kernel_params(spec)
             assert spec.config.fp8 and "_e4m3_" in name, name
-            base = params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
+            if spec.family == "sm80":
+                base = params.FORWARD
+            else:
+                base = params.VARLEN_WS_FORWARD if spec.varlen else params.WS_FORWARD
             assert declared[:len(base)] == base
             assert declared[len(base):] == params.DESCALES + (params.SINK if spec.sink else ())
             assert kernel_abi(spec) == tuple(str(t) for t in types), name

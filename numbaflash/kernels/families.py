@@ -82,7 +82,7 @@ DECODE_OPERATIONS = ("decode", "decode_combine")  # launch order (the combine: m
 # ``WsBackwardConfig.dq_config()``; no packed kernels: those calls run sm80bwd on Hopper too) and
 # decode against a KV cache.
 SM80 = Family("sm80", ForwardConfig, "mma", "sm_80", "a GPU of compute capability 8.0 or newer",
-              ("forward",), varlen=True, sink=("forward",))
+              ("forward", "fp8_v"), varlen=True, sink=("forward",))
 SM90 = Family("sm90", WsConfig, "ws", "sm_90a", "Hopper (sm_90a)", ("forward", "fp8_v"), varlen=True,
               sink=("forward",))
 SM80_BWD = Family("sm80bwd", BackwardConfig, "mma_bwd", "sm_80", "a GPU of compute capability 8.0 or newer",
@@ -208,6 +208,7 @@ FACTORIES: dict[tuple[str, str], Callable[[KernelSpec], Any]] = {
     ("sm80", "forward"): _forward,
     ("sm90", "forward"): _forward_ws,
     ("sm90", "fp8_v"): _fp8_v,
+    ("sm80", "fp8_v"): _fp8_v,
     ("sm80bwd", "backward_prep"): _backward_prep,
     ("sm80bwd", "backward"): _backward,
     ("sm80bwd", "backward_dq"): _backward_dq,
@@ -332,6 +333,8 @@ def kernel_params(spec: KernelSpec) -> tuple[params.Param, ...]:
                 declared += params.DESCALES
         else:
             declared = params.VARLEN_FORWARD if spec.varlen else params.FORWARD
+            if spec.config.fp8:
+                declared += params.DESCALES
         return declared + params.SINK if spec.sink else declared
     if op == "backward_prep":
         declared = params.VARLEN_BACKWARD_PREP if spec.varlen else params.BACKWARD_PREP

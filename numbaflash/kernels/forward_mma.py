@@ -57,10 +57,12 @@ from . import params
 from .blocks import Band, ScoreMask, band_kv_tiles, query_block, visible_kv_tiles
 from .common import NEG_INF, keep_in_register
 from .epilogue import stage_output_rows, store_lse, store_rows_global
+from .fp8_layout import Descales
+from .fp8_prep import vt_start
 from .mma_pieces import MmaShape, make_masker, make_online_softmax, make_pv_steps, make_qk_steps
 from .shapes import ForwardConfig
-from .smem import copy_tile_async, drain_copies, global_rows, ldmatrix_offsets, load_a_fragments
-from .softmax import sink_logit
+from .smem import GlobalRows, copy_tile_async, drain_copies, global_rows, ldmatrix_offsets, load_a_fragments
+from .softmax import P_SCALE_E4M3, scale_o_rows, sink_logit
 
 # What a varlen kernel passes in the body's ``batch_size`` slot: the number of sequences, the
 # int32 cumulative offsets of their queries and keys (count + 1,), and the LSE's head stride.
@@ -89,9 +91,22 @@ WarpRows = namedtuple("WarpRows", ["span", "batch", "head", "sq", "warp_row", "r
 
 
 def forward_shape(config: ForwardConfig) -> MmaShape:
-    """The pieces' shape of a forward config: a warp takes every key of a tile."""
+    """The pieces' shape of a forward config: a warp takes every key of a tile. An e4m3 config's
+    Q and K tiles are described as 16-bit tiles of half the columns (``make_qk_steps``' ``fp8``),
+    O keeps its ``head_dim`` 16-bit columns (``value_dim``)."""
+    if config.fp8:
+        return MmaShape(config.head_dim // 2, config.block_m, config.block_n, config.block_n,
+                        config.warp_m_tiles, config.row_bytes, config.head_dim)
     return MmaShape(config.head_dim, config.block_m, config.block_n, config.block_n, config.warp_m_tiles,
                     128 if config.head_dim % 64 == 0 else 64, config.head_dim_v)
+
+
+def vt_shape(config: ForwardConfig) -> MmaShape:
+    """An e4m3 config's O += P V as ``make_qk_steps`` sees it: P's fragments resident (the "Q" of
+    ``block_n`` bytes a row, 32 keys a k-step), the transposed V tile (``head_dim`` rows of
+    ``block_n`` keys, ``fp8_layout``) the B tile whose ``head_dim`` rows are O's columns."""
+    return MmaShape(config.block_n // 2, config.block_m, config.head_dim, config.head_dim,
+                    config.warp_m_tiles, config.vt_row_bytes)
 
 
 def interleaves(config: ForwardConfig, softcap: bool) -> bool:
@@ -155,18 +170,27 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
     ``early_k`` or ``interleave_pv``: the softmax too)."""
     shape = forward_shape(config)
     BN = config.block_n
+    D = config.head_dim
     THREADS = config.threads
-    CPR = config.head_dim // 8  # 16-byte chunks per row of K
+    CPR = config.head_dim * config.element_bytes // 16  # 16-byte chunks per row of K
     CPR_V = config.value_dim // 8  # of V
     RB = shape.row_bytes
     INTERLEAVE = interleaves(config, softcap)
     EARLY_K = config.early_k
     SOFTCAP = softcap
-    qk = make_qk_steps(shape, config.q_in_regs, config.double_buffer, bf16)
-    pv = make_pv_steps(shape, config.double_buffer, bf16)
-    softmax = make_online_softmax(shape, bf16, pv, config.double_buffer, sink)
+    FP8 = config.fp8
+    qk = make_qk_steps(shape, config.q_in_regs, config.double_buffer, bf16, fp8=FP8)
+    if FP8:  # O += P V on P's resident fragments and the transposed V tile (``vt_shape``)
+        vt = vt_shape(config)
+        RB_V, CPR_VT = vt.row_bytes, BN // 16
+        pv = None
+        pv_accumulate = make_qk_steps(vt, True, False, bf16, fp8=True, accumulate=True).qk_scores
+    else:
+        pv = make_pv_steps(shape, config.double_buffer, bf16)
+        pv_accumulate = pv.pv_accumulate
+    softmax = make_online_softmax(shape, bf16, pv, config.double_buffer, sink, fp8=FP8)
     masker = make_masker(shape, causal, window)
-    qk_scores, pv_accumulate = qk.qk_scores, pv.pv_accumulate
+    qk_scores = qk.qk_scores
     online_softmax, softmax_into_pv, cap = softmax.online_softmax, softmax.softmax_into_pv, softmax.cap
     mask_tile = masker.mask_tile
 
@@ -180,7 +204,11 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
         acc_s, acc_o = loop.acc_s, loop.acc_o
         ptx.cp_async_wait_group_0()  # K_j has landed ...
         cuda.syncthreads()  # ... for everyone, and every warp is done with V_{j-1}
-        copy_tile_async(sv + zero, BN, loop.v_rows, n0, CPR_V, tid, THREADS, RB)
+        if FP8:  # the transposed V's head-dim rows, keys n0 .. n0 + BN (bytes)
+            vt_rows = GlobalRows(loop.v_rows.address + n0, loop.v_rows.stride, loop.v_rows.num_rows)
+            copy_tile_async(sv + zero, D, vt_rows, 0, CPR_VT, tid, THREADS, RB_V)
+        else:
+            copy_tile_async(sv + zero, BN, loop.v_rows, n0, CPR_V, tid, THREADS, RB)
         ptx.cp_async_commit_group()
 
         qk_scores(acc_s, loop.q_frag, loop.q_warp + zero, loop.v_offsets, sk, loop.k_offsets, loop.b_frag, 0)
@@ -208,7 +236,10 @@ def make_kv_step(config: ForwardConfig, causal: bool, bf16: bool, window: bool =
                 if n_block + 1 < loop.n_tiles:
                     copy_tile_async(sk + zero, BN, loop.k_rows, n0 + BN, CPR, tid, THREADS, RB)
                     ptx.cp_async_commit_group()
-            pv_accumulate(acc_o, loop.p_frag, sv, loop.v_offsets, loop.b_frag, 0)
+            if FP8:  # (P's fragments are resident: the "Q" tile and offsets are not read)
+                pv_accumulate(acc_o, loop.p_frag, sv, loop.v_offsets, sv, loop.v_offsets, loop.b_frag, 0)
+            else:
+                pv_accumulate(acc_o, loop.p_frag, sv, loop.v_offsets, loop.b_frag, 0)
 
     return KvStep(softmax.start_rows, attend_tile)
 
@@ -221,7 +252,7 @@ def make_forward_epilogue(config: ForwardConfig, bf16: bool, rows: RowSource):
     MT = config.warp_m_tiles
     D_N_TILES = config.value_dim // 8  # of O
     CPR = config.value_dim // 8
-    RB = forward_shape(config).row_bytes
+    RB = config.o_row_bytes  # O's 16-bit rows (an e4m3 Q tile's rows are half as wide)
     BF16 = bf16
     rows_of, lse_base = rows.rows_of, rows.lse_base
 
@@ -271,18 +302,23 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     BN = config.block_n
     MT = config.warp_m_tiles
     THREADS = config.threads
-    CPR = D // 8  # 16-byte chunks per row
-    RB = forward_shape(config).row_bytes  # bytes per row of a swizzle column block (smem)
+    EB = config.element_bytes
+    CPR = D * EB // 16  # 16-byte chunks per row of Q and K
+    RB = config.row_bytes  # bytes per row of a swizzle column block of Q and K (smem)
     Q_RESIDENT = config.q_in_regs  # Q fragments in registers for the whole loop, else per k-slice
-    D_K_TILES = D // 16  # k-tiles of the QKᵀ product
+    D_K_TILES = forward_shape(config).head_dim // 16  # k-tiles of the QKᵀ product (e4m3: 32 bytes)
     D_N_TILES = config.value_dim // 8  # n-tiles of the O accumulator
     S_N_TILES = BN // 8  # n-tiles of the S accumulator
-    P_K_TILES = BN // 16  # k-tiles of the PV product
+    P_K_TILES = BN // (32 if config.fp8 else 16)  # k-tiles of the PV product
     Q_BUFFERS = 2 if config.double_buffer else 1  # Q k-slice buffers when Q is not resident
     CAUSAL = causal
     WINDOW = window
     REVERSE = causal or window  # heaviest query blocks first (blocks.query_block)
     SINK = sink
+    FP8 = config.fp8
+    VARLEN = varlen
+    SOFTCAP = softcap
+    RB_V = config.vt_row_bytes if FP8 else RB  # of the V tile (e4m3: the transposed V's key rows)
     rows = make_row_source(varlen)
     locate, rows_of = rows.locate, rows.rows_of
     start_rows, attend_tile = make_kv_step(config, causal, bf16, window, softcap, sink)
@@ -290,7 +326,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
 
     def flash_forward(q, k, v, o, lse, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                       o_sb, o_ss, o_sh, seqlen_q, seqlen_k, batch_size, heads_q, group, scale_log2,
-                      write_lse, window_left, window_right, cap_scale, sink):
+                      write_lse, window_left, window_right, cap_scale, sink, descales):
         smem = cuda.shared.array(0, types.uint16)
         tid = cuda.threadIdx.x & 1023  # known to be in [0, 1024): its // and % are shifts and masks
         warp = tid // 32
@@ -304,11 +340,24 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag
 
         sq = ptx.shared_address_u16(smem)
-        sk = sq + BM * D * 2
-        sv = sk + BN * D * 2  # after K's D columns: V's are config.value_dim
+        sk = sq + BM * D * EB
+        sv = sk + BN * D * EB  # after K's D columns: V's are config.value_dim
         q_rows = rows_of(q, span.start_q, batch, q_sb, q_ss, q_sh, head, seqlen_q)
         k_rows = rows_of(k, span.start_k, batch, k_sb, k_ss, k_sh, kv_head, seqlen_k)
-        v_rows = rows_of(v, span.start_k, batch, v_sb, v_ss, v_sh, kv_head, seqlen_k)
+        if FP8:  # V transposed (``fp8_layout``): the KV head's D rows of keys; strides in 16-bit units
+            vt_first = batch * v_sb  # (a packed call's sequence starts at its column, no batch stride)
+            if VARLEN:
+                vt_first = vt_start(span.start_k, batch) // 2
+            v_rows = global_rows(v, vt_first + kv_head * v_sh, v_ss, D)
+        else:
+            v_rows = rows_of(v, span.start_k, batch, v_sb, v_ss, v_sh, kv_head, seqlen_k)
+        if FP8:  # q's and k's descales of the (batch, KV head) fold into the exponent (or softcap) factor
+            pair = batch * (heads_q // group) + kv_head
+            qk_descale = descales.q[pair] * descales.k[pair]
+            if SOFTCAP:
+                cap_scale *= qk_descale
+            else:
+                scale_log2 *= qk_descale
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
         kv_first = int64(0)  # the loop reads KV tiles kv_first .. kv_first + n_tiles - 1
@@ -357,7 +406,10 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         k_offsets = cuda.local.array(4, uint32)
         ldmatrix_offsets(k_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB)
         v_offsets = cuda.local.array(4, uint32)
-        ldmatrix_offsets(v_offsets, lane % 16, lane // 16, RB)
+        if FP8:  # the transposed V is a B tile as K is (its rows O's columns), with its own swizzle
+            ldmatrix_offsets(v_offsets, lane % 8 + (lane // 16) * 8, (lane // 8) % 2, RB_V)
+        else:
+            ldmatrix_offsets(v_offsets, lane % 16, lane // 16, RB)
         for b in range(RB // 32):  # computed once: keep them in registers (see keep_in_register)
             k_offsets[b] = keep_in_register(k_offsets[b], lane)
             v_offsets[b] = keep_in_register(v_offsets[b], lane)
@@ -368,11 +420,21 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         for n_block in range(n_tiles):
             attend_tile(n_block, loop)
 
+        if FP8:
+            # O times v's descale, and O and the row sums over P's scale (both carry it); then a
+            # barrier: O's 16-bit rows, staged from the Q tile on, are twice Q's e4m3 rows, so a
+            # warp's staged rows are not the Q rows it read
+            v_scale = descales.v[pair] * float32(1.0 / P_SCALE_E4M3)
+            for mt in range(MT):
+                for r in range(2):
+                    scale_o_rows(acc_o[mt], D_N_TILES, r, v_scale)
+                    l_run[mt, r] *= float32(1.0 / P_SCALE_E4M3)
+            cuda.syncthreads()
         finish(acc_o, m_run, l_run, OutRows(o, o_sb, o_ss, o_sh, lse, write_lse, heads_q, batch_size),
                WarpRows(span, batch, head, sq, warp_row, row_first, lane))
 
     mask_kind = "window" if window else "causal" if causal else "full"
-    kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'bf16' if bf16 else 'f16'}"
+    kind = f"{mask_kind}{'_softcap' if softcap else ''}_{'e4m3_' if FP8 else ''}{'bf16' if bf16 else 'f16'}"
     if varlen:
         kind = f"varlen_{kind}"
     dropped_ip = config.interleave_pv and not interleaves(config, softcap)
@@ -380,13 +442,14 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     dims = f"d{D}v{config.head_dim_v}" if config.head_dim_v else f"d{D}"
     name = f"flash_forward_{dims}_m{BM}x{MT}_n{BN}{tag}_{kind}{'_sink' if sink else ''}"
     body = cuda.jit(device=True, forceinline=True)(flash_forward)
-    declared = params.VARLEN_FORWARD if varlen else params.FORWARD
+    declared = (params.VARLEN_FORWARD if varlen else params.FORWARD) + (params.DESCALES if FP8 else ())
     seqs = "Sequences(batch_size, cu_seqlens_q, cu_seqlens_k, lse_head_stride)" if varlen else "batch_size"
     args = [seqs if p == "batch_size" else p for p in params.names_of(params.FORWARD)]
+    descaled = "Descales(q_descale, k_descale, v_descale)" if FP8 else "None"
     kernel = params.entry("flash_forward_varlen" if varlen else "flash_forward",
                           declared + params.SINK if sink else declared,
-                          f"body({', '.join(args)}, {'sink' if sink else 'None'})",
-                          {"body": body, "Sequences": Sequences})
+                          f"body({', '.join(args)}, {'sink' if sink else 'None'}, {descaled})",
+                          {"body": body, "Sequences": Sequences, "Descales": Descales})
     kernel.__name__ = name
     # ptxas may use 65536 / (threads * min_ctas) registers a thread (at most 255).
     kernel.launch_bounds = (THREADS, config.min_ctas)

@@ -90,6 +90,7 @@ from .blocks import (
 )
 from .common import FULL_MASK, NEG_INF, THRESHOLD
 from .epilogue import store_lse, store_rows_global
+from .fp8_layout import Descales
 from .fp8_prep import vt_start
 from .ring import RingBarriers, make_ring
 from .shapes import WARPGROUP_ROWS, WsConfig
@@ -140,9 +141,6 @@ Descriptors = namedtuple("Descriptors", ["q", "k", "v"])
 # float32 (heads_q,) logits (sink kernels; else unused), and the Descales (e4m3 kernels; else unused).
 Io = namedtuple("Io", ["maps", "bars", "tiles", "problem", "lse", "write_lse", "scale_log2", "cap_scale",
                        "seqs", "out", "sink", "descales"])
-# An e4m3 kernel's float32 (batch * heads_kv,) descales of q, k and v (x = x8 * descale, one per
-# (batch, KV head); q's heads share their KV head's).
-Descales = namedtuple("Descales", ["q", "k", "v"])
 # Where a varlen kernel's threads store O and the LSE: out (flat 16-bit), its row and head strides
 # (elements), and the LSE's head stride (total_q).
 PackedOut = namedtuple("PackedOut", ["o", "row_stride", "head_stride", "lse_head_stride"])

@@ -11,6 +11,13 @@ the transposed V holds key ``32 * group + KEY_ORDER[c]``. The product is then PÂ
 
 from __future__ import annotations
 
+from collections import namedtuple
+
+# An e4m3 kernel's float32 (batch * heads_kv,) descales of q, k and v (x = x8 * descale, one per
+# (batch, KV head), a packed call's per sequence; q's heads share their KV head's): what the Hopper
+# forward (``forward_ws``) and the mma.sync forward (``forward_mma``) read them as.
+Descales = namedtuple("Descales", ["q", "k", "v"])
+
 KEY_GROUP = 32  # keys of one k-step of the e4m3 PV product
 
 

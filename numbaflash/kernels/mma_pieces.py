@@ -22,11 +22,14 @@ from .blocks import band_needs_mask, mask_band, mask_scores
 from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll
 from .smem import block_offset
 from .softmax import (
+    P_SCALE_E4M3,
     cap_scores,
     exponent_offsets,
     exponentiate,
+    exponentiate_e4m3,
     exponentiate_slice,
     max_grew,
+    pack_p_e4m3,
     pack_p_fragments,
     pack_p_slice,
     rescale_rows,
@@ -59,11 +62,18 @@ PvSlices = namedtuple("PvSlices", ["acc_s", "acc_o", "p_frag", "m_use", "row_sum
                                    "v_offsets", "b_frag"])
 
 
-def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: bool) -> QkSteps:
+def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: bool, fp8: bool = False,
+                  accumulate: bool = False) -> QkSteps:
     """S = Q Kᵀ for a warp's m-tiles against its ``shape.keys`` keys. ``q_resident``: Q's
     fragments ``q_frag[mt, kt]`` stay in registers (loaded once by the kernel), else each
     k-slice is loaded from the Q tile into ``q_frag[mt, buf]``. ``double_buffer``: the next K
-    pair (and Q slice) is loaded before the current mma.sync, into the other buffer."""
+    pair (and Q slice) is loaded before the current mma.sync, into the other buffer.
+
+    ``fp8``: e4m3 operands, m16n8k32. Its A and B fragments are the m16n8k16 ones with each byte
+    pair read as one 16-bit element, so the tiles are described as 16-bit tiles of half the
+    columns (``shape.head_dim`` = bytes / 2) and loaded alike; only the mma differs.
+    ``accumulate``: add to the accumulator instead of zeroing it first (the e4m3 forward's
+    O += P V is this product, P's fragments resident, V transposed as the B tile)."""
     MT = shape.m_tiles
     RB = shape.row_bytes
     BM = shape.q_rows
@@ -78,7 +88,8 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
     # Unrolled in Python above 16 k-slices (head_dim 512): NVVM leaves a 32-slice loop rolled, and
     # the ldmatrix offsets it then indexes at run time go to local memory.
     UNROLL_SLICES = D_K_TILES > 16
-    mma = ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
+    ZERO = not accumulate
+    mma = ptx.mma_m16n8k32_e4m3 if fp8 else ptx.mma_m16n8k16_bf16 if bf16 else ptx.mma_m16n8k16_f16
 
     @cuda.jit(device=True, forceinline=True)
     def load_q_slice(q_frag, buf, q_tile, a_offsets, kt):
@@ -119,10 +130,11 @@ def make_qk_steps(shape: MmaShape, q_resident: bool, double_buffer: bool, bf16: 
         ``key_slice`` of the K tile at ``k_tile`` (its ``keys`` rows from ``key_slice * keys``;
         0 with DOUBLE_BUFFER): K fragments by ldmatrix, two n-tiles per load. With DOUBLE_BUFFER
         the steps go in pairs so that every buffer index is a constant before unrolling."""
-        for mt in range(MT):
-            for j in range(S_N_TILES):
-                for e in range(4):
-                    acc_s[mt, j, e] = 0.0
+        if ZERO:
+            for mt in range(MT):
+                for j in range(S_N_TILES):
+                    for e in range(4):
+                        acc_s[mt, j, e] = 0.0
         if not Q_RESIDENT:
             load_q_slice(q_frag, 0, q_tile, a_offsets, 0)
         if DOUBLE_BUFFER:
@@ -226,8 +238,8 @@ def make_pv_steps(shape: MmaShape, double_buffer: bool, bf16: bool) -> PvSteps:
     return PvSteps(v_load, pv_slice, pv_accumulate)
 
 
-def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer: bool,
-                        sink: bool = False) -> SoftmaxSteps:
+def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps | None, double_buffer: bool,
+                        sink: bool = False, fp8: bool = False) -> SoftmaxSteps:
     """The online softmax of a warp's S fragments in the exp2 domain (``m_run``, ``l_run``: the
     running row maxes, scaled, and this lane's partial row sums, (m_tiles, 2) float32; ``mx``:
     scratch of that shape). ``start_rows``: the state before the first tile (max -inf, sum 0; with
@@ -237,7 +249,11 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
     when a row max of the warp grew by more than ``common.THRESHOLD``), then ``exponentiate_tile``
     (P and the partial row sums). ``softmax_into_pv``: the same, each 16-key
     slice's exponentials followed by its PV mma.sync (``pv``), so that a warp's MUFU work
-    overlaps its tensor-core work."""
+    overlaps its tensor-core work.
+
+    ``fp8``: P for an e4m3 PV product (``softmax.exponentiate_e4m3``: P times ``P_SCALE_E4M3``, which
+    the row sums carry too, the sink's term included; ``softmax.pack_p_e4m3``: 32 keys a k-step in
+    ``fp8_layout.KEY_ORDER``); no ``softmax_into_pv`` (``pv`` None)."""
     MT = shape.m_tiles
     D_N_TILES = (shape.value_dim or shape.head_dim) // 8  # of O
     S_N_TILES = shape.keys // 8
@@ -245,7 +261,9 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
     DOUBLE_BUFFER = double_buffer
     BF16 = bf16
     SINK = sink
-    v_load, pv_slice = pv.v_load, pv.pv_slice
+    FP8 = fp8
+    P_STEPS = shape.keys // 32  # e4m3: k-steps of the PV product
+    v_load, pv_slice = (pv.v_load, pv.pv_slice) if pv is not None else (None, None)
 
     @cuda.jit(device=True, forceinline=True)
     def start_rows(m_run, l_run, logit):
@@ -254,6 +272,9 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
         for mt in range(MT):
             if SINK:
                 start_at_sink(m_run[mt], l_run[mt], logit)
+                if FP8:  # the sink's term carries P's scale, as every other term of the sums
+                    for r in range(2):
+                        l_run[mt, r] *= float32(P_SCALE_E4M3)
             else:
                 for r in range(2):
                     m_run[mt, r] = NEG_INF
@@ -313,8 +334,12 @@ def make_online_softmax(shape: MmaShape, bf16: bool, pv: PvSteps, double_buffer:
         """S -> P (16-bit fragments) in the exp2 domain against the running row maxes, and
         this lane's partial row sums."""
         for mt in range(MT):
-            exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
-            pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
+            if FP8:
+                exponentiate_e4m3(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
+                pack_p_e4m3(p_frag[mt], acc_s[mt], P_STEPS)
+            else:
+                exponentiate(acc_s[mt], S_N_TILES, m_run[mt], l_run[mt], scale_log2)
+                pack_p_fragments(p_frag[mt], acc_s[mt], P_K_TILES, BF16)
 
     @cuda.jit(device=True, forceinline=True)
     def online_softmax(acc_s, acc_o, p_frag, m_run, l_run, mx, scale_log2):

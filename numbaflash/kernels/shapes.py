@@ -88,6 +88,10 @@ class ForwardConfig(ValueDim):
     # V's (and O's) head dim where it differs from Q's and K's (``head_dim``): 0 for the same.
     # DeepSeek-V3-style attention takes (192, 128). A shape, not a knob: it is the call's.
     head_dim_v: int = 0
+    # q, k and v in e4m3 (one byte an element; sm_89 on), O in 16 bits: S and PV as mma.sync
+    # m16n8k32, V transposed as for the Hopper e4m3 kernel (``fp8_layout``), Q resident. A dtype of
+    # the call, not a knob (``configs.FP8_MMA_DEFAULTS``).
+    fp8: bool = False
     # CTAs an SM the registers must leave room for: ptxas then keeps a thread within
     # 65536 / (threads * min_ctas) registers (launch bounds). 1 lets a thread use 255 registers.
     # Not a knob: 3 (at most 168 registers, 3 warps a scheduler instead of 2) lost 5-20% on an
@@ -95,9 +99,31 @@ class ForwardConfig(ValueDim):
     min_ctas: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        if self.head_dim > 128 and self.q_in_regs:  # one spelling per kernel: Q is never resident there
-            object.__setattr__(self, "q_in_regs", False)
+        if self.head_dim > 128 and self.q_in_regs and not self.fp8:  # one spelling per kernel: Q is
+            object.__setattr__(self, "q_in_regs", False)  # never resident there (e4m3: half the bytes)
         super().__post_init__()
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one q, k or v element: 1 (e4m3) or 2."""
+        return 1 if self.fp8 else 2
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row of one swizzle column block of the Q and K tiles: 128 where 128 divides a
+        row's bytes (64 columns of 16 bits, 128 of e4m3), else 64."""
+        return 128 if (self.head_dim * self.element_bytes) % 128 == 0 else 64
+
+    @property
+    def o_row_bytes(self) -> int:
+        """Of the 16-bit O rows the epilogue stages (``row_bytes`` but for e4m3 configs)."""
+        return 128 if self.value_dim % 64 == 0 else 64
+
+    @property
+    def vt_row_bytes(self) -> int:
+        """e4m3: bytes (keys) per row of one swizzle block of the transposed V tile (head-dim rows
+        of ``block_n`` keys): 128 where 128 divides block_n, else 64."""
+        return 128 if self.block_n % 128 == 0 else 64
 
     @property
     def tag(self) -> str:
@@ -116,10 +142,14 @@ class ForwardConfig(ValueDim):
 
     @property
     def shared_bytes(self) -> int:
-        """Q tile + one K tile + one V tile, 16-bit elements."""
-        return ((self.block_m + self.block_n) * self.head_dim + self.block_n * self.value_dim) * 2
+        """Q tile + one K tile + one V tile, 16-bit elements (e4m3: bytes; O's 16-bit rows are then
+        staged over the Q and K tiles, so ``check`` keeps block_n >= block_m)."""
+        e = self.element_bytes
+        return ((self.block_m + self.block_n) * self.head_dim + self.block_n * self.value_dim) * e
 
     def check(self) -> None:
+        if self.fp8:
+            self._check_fp8()
         if not (self.head_dim == WIDE_HEAD_DIM and 0 < self.head_dim_v <= 256) and (
                 self.head_dim % 32 or not 32 <= self.head_dim <= 256):
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256 (or {WIDE_HEAD_DIM} with "
@@ -143,14 +173,29 @@ class ForwardConfig(ValueDim):
         if self.interleave_pv and self.early_k:
             raise ValueError("interleave_pv already copies K_(j+1) right after S_j: early_k must be False, "
                              f"got {self}")
-        block_chunks = 8 if self.head_dim % 64 == 0 else 4  # 16-byte chunks per swizzle block row
+        block_chunks = self.row_bytes // 16  # 16-byte chunks per swizzle block row
         if self.threads // block_chunks % 8:
             raise ValueError(f"{self.threads} threads do not copy whole 8-row swizzle groups")
-        for rows, width in ((self.block_m, self.head_dim), (self.block_n, self.head_dim),
-                            (self.block_n, self.value_dim), (self.block_m, self.value_dim)):
-            if rows * width // 8 % self.threads:
-                raise ValueError(f"tile of {rows} rows x {width} does not split evenly over {self.threads} "
-                                 "threads")
+        e = self.element_bytes
+        tiles = ((self.block_m, self.head_dim * e), (self.block_n, self.head_dim * e),
+                 (self.block_n, self.value_dim * e) if not self.fp8 else (self.head_dim, self.block_n),
+                 (self.block_m, self.value_dim * 2))  # rows x bytes: Q, K, V (e4m3: transposed), O
+        for rows, width in tiles:
+            if rows * width // 16 % self.threads:
+                raise ValueError(f"tile of {rows} rows x {width} bytes does not split evenly over "
+                                 f"{self.threads} threads")
+
+    def _check_fp8(self) -> None:
+        """An e4m3 config: head dims 64, 128, 256 (V's the same); 32 keys a PV k-step, the transposed V
+        tile's rows at least one 64-byte swizzle row; Q resident; O staged over the Q and K tiles
+        (block_n >= block_m); none of the 16-bit knobs (their PV steps are 16 keys)."""
+        if self.head_dim not in (64, 128, 256) or self.head_dim_v:
+            raise ValueError(f"an e4m3 config needs head_dim 64, 128 or 256 (V's the same), got {self}")
+        if self.block_n % 64 or self.block_n < self.block_m or not self.q_in_regs:
+            raise ValueError("an e4m3 config needs block_n a multiple of 64 and >= block_m (O is staged "
+                             f"over the Q and K tiles) and Q in registers, got {self}")
+        if self.double_buffer or self.early_k or self.interleave_pv:
+            raise ValueError(f"an e4m3 config takes no double_buffer, early_k or interleave_pv, got {self}")
 
 
 # The (Q's and K's, V's) head dims the Hopper forward takes apart (``WsConfig.head_dim_v``): both

@@ -63,14 +63,9 @@ def _all_e4m3_tensors(q: Any, k: Any, v: Any) -> bool:
 
 
 def _check_gpu(capability: tuple[int, int]) -> None:
-    if capability[0] == 9:
-        return
-    if capability >= (8, 9):
-        raise NotImplementedError("FP8 attention runs on Hopper (sm_90) only for now; this GPU is sm_"
-                                  f"{capability[0]}{capability[1]} (its FP8 mma.sync kernel is not built "
-                                  "yet)")
-    raise RuntimeError(f"FP8 attention needs FP8 tensor cores (sm_89 or newer); this GPU is sm_"
-                       f"{capability[0]}{capability[1]}")
+    if tuple(capability) < (8, 9):
+        raise RuntimeError(f"FP8 attention needs FP8 tensor cores (sm_89 or newer); this GPU is sm_"
+                           f"{capability[0]}{capability[1]}")
 
 
 def refuse_grad(torch, q: Any, k: Any, v: Any) -> None:
@@ -344,7 +339,7 @@ def _build_plan(torch, q, k, v, out, vt_shape: tuple, lse_shape: tuple, opts: Op
     head_dim) views; v as given); ``seqlen_k`` the keys (packed: the maximum); ``descales``: as
     given; ``packed``: (batch, max_seqlen_q, the 3-D out)."""
     from ..kernels import params
-    from ..kernels.families import kernel_params
+    from ..kernels.families import family_of, kernel_params
     from ..kernels.fp8_prep import THREADS as PREP_THREADS
     from ..runtime.map_slots import map_slots
     from ..runtime.tensor_map import encode_tensor_map
@@ -356,13 +351,25 @@ def _build_plan(torch, q, k, v, out, vt_shape: tuple, lse_shape: tuple, opts: Op
         _check_gpu(capability)
     gpu = gpu_state.GPU
     head_dim = q.shape[3]
-    config = configs.FP8_DEFAULTS[head_dim]
+    config = configs.fp8_config(capability, head_dim)
     heads_kv = k.shape[2]
     batch, seqlen_q, heads_q, _ = q.shape
     if packed is not None:
         batch, seqlen_q, flat_out = packed
-    prep_spec, prep_grid, prep_args = _prep_launch(v, vt_shape, batch, seqlen_k)  # the V prep
+    mma = family_of(config).name == "sm80"  # the mma.sync build (else the Hopper one)
+    if mma:  # it reads whole tiles of the transposed V
+        if packed is not None:
+            raise NotImplementedError("packed (varlen) FP8 attention runs on the Hopper kernel (sm_90) only, "
+                                      f"not on the mma.sync one this GPU (sm_{capability[0]}{capability[1]}) "
+                                      "runs")
+        vt_shape = (*vt_shape[:3], -(-seqlen_k // config.block_n) * config.block_n)
+    prep_spec, prep_grid, prep_args = _prep_launch(v, vt_shape, batch, seqlen_k, config, capability)  # V prep
     prep = _launcher(prep_spec, ordinal, 0).bind(prep_grid, PREP_THREADS, 0, *prep_args)
+    if mma:
+        forward = _mma_forward(q, k, out, vt_shape, lse_shape, opts, var, write_lse, config, capability,
+                               ordinal)
+        return _plan(torch, device, out.shape, vt_shape, lse_shape, opts, descales, prep, forward,
+                     batch * heads_kv, False)
     # the forward
     spec = kernel_spec("sm90", "forward", config, opts.out_name, "sm_90a", causal=var.causal,
                        window=var.window, softcap=var.softcap, sink=opts.sink is not None,
@@ -414,14 +421,55 @@ def _build_plan(torch, q, k, v, out, vt_shape: tuple, lse_shape: tuple, opts: Op
             finally:  # even after a failed launch: the slot's copy is on the stream
                 used(slot, stream)
 
+    out_shape = flat_out.shape if packed is not None else out.shape
+    return _plan(torch, device, out_shape, vt_shape, lse_shape, opts, descales, prep, forward, pairs,
+                 packed is not None)
+
+
+def _plan(torch, device: Any, out_shape: tuple, vt_shape: tuple, lse_shape: tuple, opts: Options,
+          descales: tuple, prep: Any, forward: Any, pairs: int, packed: bool) -> Plan:
+    """The Plan of a call's bound launches; ``pairs``: the descales' (batch, heads_kv) elements."""
     ones = None if all(opts.descales) else torch.ones(pairs, dtype=torch.float32, device=device)
-    out_shape = tuple(flat_out.shape if packed is not None else out.shape)
     copy = tuple(x is not None and not x.is_contiguous() for x in descales)
-    return Plan(device, out_shape, lse_shape, vt_shape,
+    return Plan(device, tuple(out_shape), lse_shape, vt_shape,
                 torch.empty(1, dtype=getattr(torch, opts.out_name), device=device),
                 torch.empty(1, dtype=torch.float32, device=device),
                 torch.empty(1, dtype=torch.uint8, device=device),
-                prep, forward, ones, copy, packed is not None)
+                prep, forward, ones, copy, packed)
+
+
+def _mma_forward(q: Any, k: Any, out: Any, vt_shape: tuple, lse_shape: tuple, opts: Options, var,
+                 write_lse: bool, config: Any, capability: tuple[int, int], ordinal: int):
+    """The bound e4m3 mma.sync forward (``ForwardConfig.fp8``) of a dense call:
+    ``forward(stream, q, k, vt, o, lse, q_descale, k_descale, v_descale[, sink])`` (pointers). q and k
+    are read as 16-bit words (their byte strides halved: 16-byte multiples, checked), the transposed
+    V (``vt_shape``, contiguous, keys padded to whole tiles) likewise."""
+    from ..kernels import params
+    from ..kernels.families import kernel_params
+    from ..runtime.compiler import arch_of
+    from .launch_forward import forward_grid
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    keys = vt_shape[3]
+    spec = kernel_spec("sm80", "forward", config, opts.out_name, arch_of(capability), causal=var.causal,
+                       window=var.window, softcap=var.softcap, sink=opts.sink is not None)
+    launcher = _launcher(spec, ordinal, config.shared_bytes)
+    half = tuple(s // 2 for s in q.stride()[:3]), tuple(s // 2 for s in k.stride()[:3])
+    vt = (heads_kv * head_dim * keys // 2, keys // 2, head_dim * keys // 2)  # batch, row, head
+    pairs = batch * heads_kv
+    values = dict(q=(0, (_span(q) + 1) // 2), k=(0, (_span(k) + 1) // 2), v=(0, int(np.prod(vt_shape)) // 2),
+                  o=(0, _span(out)), lse=(0, int(np.prod(lse_shape))), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                  batch_size=batch, heads_q=heads_q, group=heads_q // heads_kv, scale_log2=var.scale_log2,
+                  write_lse=write_lse, window_left=var.window_left, window_right=var.window_right,
+                  cap_scale=var.cap_scale, q_descale=(0, pairs), k_descale=(0, pairs), v_descale=(0, pairs))
+    for name, strides in (("q", half[0]), ("k", half[1]), ("v", vt), ("o", out.stride()[:3])):
+        values.update({f"{name}_sb": strides[0], f"{name}_ss": strides[1], f"{name}_sh": strides[2]})
+    if opts.sink is not None:
+        values["sink"] = (0, heads_q)
+    grid = forward_grid(-(-seqlen_q // config.block_m), heads_q, batch)
+    return launcher.bind(grid, config.threads, config.shared_bytes,
+                         *params.ordered(kernel_params(spec), **values))
 
 
 def _run(torch, plan: Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, options: dict):
@@ -495,28 +543,32 @@ def _launcher(spec, device: int, shared_bytes: int):
     return ready
 
 
-def _prep_launch(v: Any, vt_shape: tuple, batch: int, max_seqlen_k: int) -> tuple:
+def _prep_launch(v: Any, vt_shape: tuple, batch: int, max_seqlen_k: int, config: Any = None,
+                 capability: tuple[int, int] = (9, 0)) -> tuple:
     """(spec, grid, arguments) of the V prep (``kernels.fp8_prep``) for V as given (dense: (batch,
     seqlen_k, heads_kv, head_dim); packed: (total_k, heads_kv, head_dim) with ``batch`` sequences,
     the longest at most ``max_seqlen_k``: it sizes the grid only) into a contiguous Vt of
     ``vt_shape``; array arguments as (0, elements): the pointers come at launch."""
     from ..kernels import params
+    from ..kernels.families import family_of
     from ..kernels.fp8_prep import KEYS_PER_CTA, TILE_RUN
+    from ..runtime.compiler import arch_of
 
     heads_kv, head_dim = v.shape[-2], v.shape[-1]
-    config = configs.FP8_DEFAULTS[head_dim]
+    config = config or configs.FP8_DEFAULTS[head_dim]
+    family, arch = family_of(config).name, arch_of(tuple(capability))
     keys = vt_shape[3]
     words = (0, int(np.prod(vt_shape)) // 4)
     run = KEYS_PER_CTA * TILE_RUN
     if v.dim() == 3:
-        spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a", varlen=True)
+        spec = kernel_spec(family, "fp8_v", config, "float16", arch, varlen=True)
         ss, sh, _ = v.stride()
         args = params.ordered(params.FP8_V_VARLEN, v=(0, _word_span(v)), vt=words,
                               cu_seqlens_k=(0, batch + 1), v_ss=ss // 4, v_sh=sh // 4, keys=keys,
                               heads_kv=heads_kv)
         runs = min(-(-(padded_keys(max_seqlen_k) + 2 * KEY_GROUP) // run), 65535)
         return spec, (heads_kv * TILE_RUN, runs, batch), args
-    spec = kernel_spec("sm90", "fp8_v", config, "float16", "sm_90a")
+    spec = kernel_spec(family, "fp8_v", config, "float16", arch)
     sb, ss, sh, _ = v.stride()
     args = params.ordered(params.FP8_V, v=(0, _word_span(v)), vt=words, v_sb=sb // 4, v_ss=ss // 4,
                           v_sh=sh // 4, seqlen_k=v.shape[1], keys=keys, heads_kv=heads_kv)

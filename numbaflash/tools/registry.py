@@ -66,8 +66,10 @@ def forward_fp8_kernels() -> dict:
     (``configs.FP8_DEFAULTS``), full and causal, bf16 and fp16 output (packed: bf16), and its V
     prep (``kernels.fp8_prep``), dense and packed, for sm_90a. Not registered, never precompiled:
     the API builds one on first use. Named like the 16-bit kernels with ``e4m3_`` before the output dtype
-    (``..._causal_e4m3_bf16_sm90``); the preps ``fp8_transpose_v_d<head dim>_sm90``."""
-    from ..configs import FP8_DEFAULTS
+    (``..._causal_e4m3_bf16_sm90``); the preps ``fp8_transpose_v_d<head dim>_sm90``. Then the e4m3
+    mma.sync forward of the other FP8 GPUs (``configs.FP8_MMA_DEFAULTS``), full and causal, bf16 and
+    fp16 output, for sm_89 (``..._e4m3_bf16_sm89``)."""
+    from ..configs import FP8_DEFAULTS, FP8_MMA_DEFAULTS
     from ..kernels.families import spec_of
 
     kernels = {}
@@ -81,6 +83,11 @@ def forward_fp8_kernels() -> dict:
                 kernels[f"{kernel.__name__}_sm90"] = (kernel, argtypes, ("sm_90a",))
             kernel, argtypes = _built(spec_of(config, "forward", True, causal=causal, varlen=True))
             kernels[f"{kernel.__name__}_sm90"] = (kernel, argtypes, ("sm_90a",))
+    for config in FP8_MMA_DEFAULTS.values():
+        for causal in (False, True):
+            for bf16 in (True, False):
+                kernel, argtypes = _built(spec_of(config, "forward", bf16, "sm_89", causal=causal))
+                kernels[f"{kernel.__name__}_sm89"] = (kernel, argtypes, ("sm_89",))
     return kernels
 
 

@@ -656,8 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test flash_attention_with_kvcache (decode against a KV cache) instead of the "
                         "forward")
     p.add_argument("--fp8", action="store_true",
-                   help="test the e4m3 (FP8) Hopper forward instead of the 16-bit one (torch and an "
-                        "sm_90 GPU)")
+                   help="test the e4m3 (FP8) forward instead of the 16-bit one: the Hopper kernel, and "
+                        "the mma.sync one on 30%% of the dense cases (torch and an sm_90 GPU)")
     p.add_argument("--variants", action="store_true",
                    help="make every case varlen, sliding-window or softcap (or several), on the "
                         "families with those kernels; with --backward too; with --decode, every case "

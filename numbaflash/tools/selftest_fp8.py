@@ -22,8 +22,9 @@ GQA groups, causal masking, windows, softcaps (``draw_window_softcap``; every ca
 ``fp8.quantize`` (some with the Hadamard rotation of q and k) or none (e4m3 values as they are),
 and amplitudes that make the softmax flat or peaked. About 30% of the cases (half with
 ``--variants``) are packed: 2-4 sequences of their own lengths (empty ones too) through
-``flash_attention_varlen``, each judged against its own reference. Needs torch with CUDA and a
-Hopper GPU.
+``flash_attention_varlen``, each judged against its own reference. About 30% of the dense cases run
+the mma.sync e4m3 kernel (``ForwardConfig.fp8``), forced on Hopper. Needs torch with CUDA and an FP8
+GPU (sm_89 on; packed cases: Hopper).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .reference import visible_keys
 from .selftest_common import GROUPS, CaseResult, draw_sink, draw_window_softcap, log_uniform
 
 P_SCALE = 256.0  # the kernel's static P scale (``kernels.softmax.P_SCALE_E4M3``)
+MMA_SHARE = 0.3  # of the dense cases: the mma.sync e4m3 kernel (forced on Hopper)
 LIMITS = {False: (4096, 10**7), True: (512, 10**6)}  # (longest seqlen, b·h·sq·sk cap: the float64 reference)
 
 
@@ -67,6 +69,9 @@ class Fp8Case:
     q_lengths: tuple[int, ...] = ()
     k_lengths: tuple[int, ...] = ()
     family: str = "fp8"
+    # dense cases: the mma.sync e4m3 kernel (``ForwardConfig.fp8``) instead of the Hopper one, forced
+    # on Hopper (every dense case runs it on other FP8 GPUs)
+    mma: bool = False
 
     def describe(self) -> str:
         return (f"d{self.head_dim} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.heads_q}/"
@@ -75,7 +80,8 @@ class Fp8Case:
                 + (f" window={self.window_size}" if self.window_size != (-1, -1) else "")
                 + (f" softcap={self.softcap:g}" if self.softcap else "")
                 + (f" sink={','.join(f'{x:.3g}' for x in self.sink)}" if self.sink else "")
-                + (f" packed q{list(self.q_lengths)} k{list(self.k_lengths)}" if self.q_lengths else ""))
+                + (f" packed q{list(self.q_lengths)} k{list(self.k_lengths)}" if self.q_lengths else "")
+                + (" mma" if self.mma else ""))
 
 
 def draw_fp8_case(seed: int, index: int, quick: bool = False, variants: bool = False) -> Fp8Case:
@@ -106,12 +112,13 @@ def draw_fp8_case(seed: int, index: int, quick: bool = False, variants: bool = F
         k_lengths = (seqlen_k, *(int(packing.integers(0, seqlen_k + 1)) for _ in range(batch - 1)))
         order = packing.permutation(batch)  # the longest anywhere in the pack
         q_lengths, k_lengths = tuple(q_lengths[i] for i in order), tuple(k_lengths[i] for i in order)
+    mma = not packed and np.random.default_rng([seed, index, 64]).random() < MMA_SHARE  # its own stream
     return Fp8Case(seed, index, head_dim, causal, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
                    amplitude=float(rng.choice([0.5, 1.0, 3.0])), scaling=scaling,
                    out_dtype=str(rng.choice(["bfloat16", "float16"], p=[0.75, 0.25])),
                    return_lse=bool(rng.random() < 0.5), window_size=window, softcap=softcap,
                    sink=draw_sink(seed, index, heads_q, 0.15, stream=62), q_lengths=q_lengths,
-                   k_lengths=k_lengths)
+                   k_lengths=k_lengths, mma=bool(mma))
 
 
 def lse_tolerance(ref_lse: np.ndarray, magnitude: float) -> float:
@@ -188,7 +195,27 @@ def _run_packed(case: Fp8Case, q8, k8, v8, deq, options: dict):
 
 
 def run_fp8_case(case: Fp8Case) -> CaseResult:
-    """Run one case on the GPU and judge it (``CaseResult.ratio``: the error over the bound)."""
+    """Run one case on the GPU and judge it (``CaseResult.ratio``: the error over the bound); an
+    ``mma`` case on Hopper with the mma.sync configs in ``configs.FP8_DEFAULTS`` for its call."""
+    import torch
+
+    from numbaflash import configs
+    from numbaflash.operations import fp8_forward
+
+    if not (case.mma and torch.cuda.get_device_capability()[0] == 9):
+        return _run_fp8_case(case)
+    saved, plans = dict(configs.FP8_DEFAULTS), dict(fp8_forward._PLANS)
+    configs.FP8_DEFAULTS.update(configs.FP8_MMA_DEFAULTS)
+    fp8_forward._PLANS.clear()  # (plans key the layout, not the config)
+    try:
+        return _run_fp8_case(case)
+    finally:
+        configs.FP8_DEFAULTS.update(saved)
+        fp8_forward._PLANS.clear()
+        fp8_forward._PLANS.update(plans)
+
+
+def _run_fp8_case(case: Fp8Case) -> CaseResult:
     import torch
 
     import numbaflash as nf
