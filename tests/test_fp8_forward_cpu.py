@@ -1,4 +1,4 @@
-"""The e4m3 Hopper forward's host side and data movement, on the CPU (issue 60): the transposed,
+"""The e4m3 forward's host side and data movement, on the CPU (issue 60): the transposed,
 key-permuted V against the fragment layouts the kernel packs P in, the config's byte layout, and
 the API's errors before anything launches. The kernel itself: ``test_fp8_forward_gpu.py``."""
 
@@ -110,6 +110,38 @@ def test_fp8_defaults_fit_and_check():
     for head_dim, config in configs.FP8_DEFAULTS.items():
         assert config.fp8 and config.head_dim == head_dim
         config.check()  # shared memory included
+
+
+def test_fp8_mma_configs():
+    """The e4m3 mma.sync forward's configs (``ForwardConfig.fp8``): byte layouts (Q and K rows of
+    head_dim bytes, the transposed V's of block_n keys, O's 16-bit rows), shared memory that fits
+    every sm_89+ GPU (99 KB) with O's staging over the Q and K tiles, Q resident at head dim 256 too,
+    the checks; and the dispatch: Hopper's kernel on sm_90, this one on every other FP8 GPU."""
+    from numbaflash import configs
+    from numbaflash.kernels.shapes import ForwardConfig
+    from numbaflash.operations.fp8_forward import _check_gpu
+
+    for head_dim, c in configs.FP8_MMA_DEFAULTS.items():
+        assert c.fp8 and c.head_dim == head_dim and c.q_in_regs
+        c.check()
+        assert c.shared_bytes == (c.block_m + 2 * c.block_n) * head_dim <= configs.SMALLEST_SHARED_BYTES
+        assert (c.block_m + c.block_n) * head_dim >= c.block_m * head_dim * 2  # O's staging
+        assert c.o_row_bytes == 128 and c.row_bytes == (64 if head_dim == 64 else 128)
+        assert configs.fp8_config((8, 9), head_dim) is c and configs.fp8_config((12, 0), head_dim) is c
+        assert configs.fp8_config((9, 0), head_dim) is configs.FP8_DEFAULTS[head_dim]
+    assert ForwardConfig(128, block_n=64, fp8=True).vt_row_bytes == 64
+    assert ForwardConfig(128).row_bytes == 128 and ForwardConfig(96).row_bytes == 64  # 16-bit: unchanged
+    for bad, match in ((ForwardConfig(96, block_m=64, block_n=64, fp8=True), "head_dim 64, 128 or 256"),
+                       (ForwardConfig(128, block_m=128, block_n=64, fp8=True), ">= block_m"),
+                       (ForwardConfig(128, block_m=64, block_n=96, fp8=True), "multiple of 64"),
+                       (ForwardConfig(128, block_m=64, block_n=64, early_k=True, fp8=True),
+                        "no double_buffer")):
+        with pytest.raises(ValueError, match=match):
+            bad.check()
+    _check_gpu((8, 9))
+    _check_gpu((12, 0))
+    with pytest.raises(RuntimeError, match="sm_89 or newer"):
+        _check_gpu((8, 6))
 
 
 def _fp8(torch, *shape, dtype=None):

@@ -55,3 +55,20 @@ def test_fp8_v_prep_sass(head_dim, varlen):
     assert report.count("STG") == 4 * words and report.count("LDS") == 4 * words, report.opcodes
     assert report.count("PRMT") == 8 * words, report.opcodes
     assert report.registers <= 65536 // (THREADS * kernel.launch_bounds[1])
+
+
+@pytest.mark.parametrize("head_dim", configs.FP8_HEAD_DIMS)
+def test_fp8_mma_forward_sass(head_dim):
+    """The e4m3 mma.sync forward (``configs.FP8_MMA_DEFAULTS``) for sm_89, causal: every product an
+    8-bit mma.sync (``QMMA``: S's D / 32 k-steps and PV's block_n / 32 over their n-tiles), none of
+    the 16-bit ``HMMA``, every helper inlined, no local memory and no spill."""
+    config = configs.FP8_MMA_DEFAULTS[head_dim]
+    spec = spec_of(config, "forward", True, "sm_89", causal=True)
+    kernel = make_kernel(spec)
+    report = nfi.inspect_kernel(kernel, kernel_argtypes(spec), "sm_89", kernel.__name__,
+                                launch_bounds=kernel.launch_bounds)
+    assert_fully_inlined(report)
+    s_mma = head_dim // 32 * config.block_n // 8
+    pv_mma = config.block_n // 32 * head_dim // 8
+    assert report.count("QMMA") == config.warp_m_tiles * (s_mma + pv_mma), report.opcodes
+    assert report.count("HMMA") == 0
