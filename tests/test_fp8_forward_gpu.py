@@ -198,10 +198,13 @@ def test_fp8_configs_on_the_same_tensors(monkeypatch):
     import numbaflash as nf
     from numbaflash import configs
     from numbaflash.kernels.shapes import WsConfig
+    from numbaflash.operations import fp8_forward
 
     x = _case(11, 2, 333, 517, 4, 2, 128)
+    monkeypatch.setattr(fp8_forward, "_PLANS", {})
     for config in (WsConfig(128, block_n=128, fp8=True), WsConfig(128, block_n=192, fp8=True)):
         monkeypatch.setitem(configs.FP8_DEFAULTS, 128, config)
+        fp8_forward._PLANS.clear()  # (a plan keys the layout, not the config)
         for causal in (False, True):
             out = nf.flash_attention(x.q, x.k, x.v, q_descale=x.q_descale, k_descale=x.k_descale,
                                      v_descale=x.v_descale, causal=causal)
