@@ -9,7 +9,6 @@ NaN before the launch.
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
@@ -17,15 +16,10 @@ import pytest
 gpu = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
-SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
-    (2, 128, 128, 4, 2, 128),
-    (1, 77, 300, 4, 4, 128),  # ragged, seqlen_q far below seqlen_k
-    (2, 300, 77, 2, 1, 64),  # ragged the other way (causal: rows that see no key)
-    (1, 1, 513, 8, 1, 256),
-    (1, 1000, 1000, 2, 2, 64),
-    (3, 200, 333, 6, 2, 256),
-    (1, 129, 1, 2, 1, 128),  # one key
-]
+import test_fp8_forward_gpu  # noqa: E402 (after the skip: it needs torch too)
+
+# the Hopper FP8 tests' shapes, and one key
+SHAPES = [*test_fp8_forward_gpu.SHAPES, (1, 129, 1, 2, 1, 128)]
 
 
 @pytest.fixture
@@ -56,17 +50,10 @@ def _call(x, out=None, **kwargs):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_mma_forward_matches_float64(mma_fp8, shape, causal):
-    from test_fp8_forward_gpu import _case, _check
+    from test_fp8_forward_gpu import _case, check_dense_call
 
     b, sq, sk, hq, hk, d = shape
-    x = _case(zlib.crc32(repr(("mma", shape, causal)).encode()), b, sq, sk, hq, hk, d)
-    out = torch.full((b, sq, hq, d), math.nan, dtype=torch.bfloat16, device="cuda")
-    got, lse = _call(x, out, causal=causal, return_lse=True)
-    assert got is out and got.dtype == torch.bfloat16
-    want_lse = _check(got, x, causal=causal)
-    seen = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(lse), seen)
-    torch.testing.assert_close(lse[seen], want_lse[seen].float(), rtol=0, atol=5e-3)
+    check_dense_call(_case(zlib.crc32(repr(("mma", shape, causal)).encode()), b, sq, sk, hq, hk, d), causal)
 
 
 @gpu
