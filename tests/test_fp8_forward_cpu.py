@@ -138,6 +138,10 @@ def test_fp8_mma_configs():
                         "no double_buffer")):
         with pytest.raises(ValueError, match=match):
             bad.check()
+    from numbaflash.kernels.families import make_kernel, spec_of
+
+    with pytest.raises(NotImplementedError, match="no packed"):  # packed e4m3 calls: Hopper's kernel
+        make_kernel(spec_of(configs.FP8_MMA_DEFAULTS[128], "forward", True, "sm_89", varlen=True))
     _check_gpu((8, 9))
     _check_gpu((12, 0))
     with pytest.raises(RuntimeError, match="sm_89 or newer"):

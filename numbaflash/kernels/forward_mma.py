@@ -41,6 +41,13 @@ A fourth, ``sink`` (a learnable sink, FlashAttention-4's ``learnable_sink``), ta
 (``softmax.start_at_sink``): the loop and the epilogue are the plain ones. Every build's kernel is
 the body's entry, generated from its declaration (``params.entry``).
 
+A fifth, the e4m3 build (``config.fp8``, sm_89 on: FP8 on Ada and Blackwell; ``operations.fp8_forward``),
+runs both products as mma.sync m16n8k32 e4m3: the Q and K tiles (head_dim bytes a row) are described
+to ``mma_pieces`` as 16-bit tiles of half the columns, whose fragments are the 8-bit ones; V arrives
+transposed with its keys in ``fp8_layout.KEY_ORDER`` (the Hopper build's prep), so O += P V is the
+same product again with P's e4m3 fragments resident and the V tile's head-dim rows as the B tile; the
+descales of q and k scale the exponent (or softcap) factor, v's O. Dense calls only.
+
 The kernel is built from rooms, each returning its named steps: ``make_row_source`` (dense or
 varlen rows), ``make_kv_step`` (one KV tile: copies, and the QK / PV steps, online softmax and
 masker of ``mma_pieces``, which the decode kernel shares) and ``make_forward_epilogue``.
@@ -58,7 +65,6 @@ from .blocks import Band, ScoreMask, band_kv_tiles, query_block, visible_kv_tile
 from .common import NEG_INF, keep_in_register
 from .epilogue import stage_output_rows, store_lse, store_rows_global
 from .fp8_layout import Descales
-from .fp8_prep import vt_start
 from .mma_pieces import MmaShape, make_masker, make_online_softmax, make_pv_steps, make_qk_steps
 from .shapes import ForwardConfig
 from .smem import GlobalRows, copy_tile_async, drain_copies, global_rows, ldmatrix_offsets, load_a_fragments
@@ -296,6 +302,9 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     """
     if window and causal:
         raise ValueError("a window kernel's causal masking is its right edge 0: build it with causal=False")
+    if config.fp8 and varlen:  # a sequence's last V tile would read the next sequence's columns
+        raise NotImplementedError(f"{config} has no packed (varlen) build: packed e4m3 calls run the Hopper "
+                                  "kernel")
     config.check()
     D = config.head_dim
     BM = config.block_m
@@ -316,7 +325,6 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
     REVERSE = causal or window  # heaviest query blocks first (blocks.query_block)
     SINK = sink
     FP8 = config.fp8
-    VARLEN = varlen
     SOFTCAP = softcap
     RB_V = config.vt_row_bytes if FP8 else RB  # of the V tile (e4m3: the transposed V's key rows)
     rows = make_row_source(varlen)
@@ -345,10 +353,7 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         q_rows = rows_of(q, span.start_q, batch, q_sb, q_ss, q_sh, head, seqlen_q)
         k_rows = rows_of(k, span.start_k, batch, k_sb, k_ss, k_sh, kv_head, seqlen_k)
         if FP8:  # V transposed (``fp8_layout``): the KV head's D rows of keys; strides in 16-bit units
-            vt_first = batch * v_sb  # (a packed call's sequence starts at its column, no batch stride)
-            if VARLEN:
-                vt_first = vt_start(span.start_k, batch) // 2
-            v_rows = global_rows(v, vt_first + kv_head * v_sh, v_ss, D)
+            v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, D)
         else:
             v_rows = rows_of(v, span.start_k, batch, v_sb, v_ss, v_sh, kv_head, seqlen_k)
         if FP8:  # q's and k's descales of the (batch, KV head) fold into the exponent (or softcap) factor
