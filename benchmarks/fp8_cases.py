@@ -18,11 +18,12 @@ import sys
 import torch
 
 import numbaflash as nf
-from numbaflash import configs, fp8
+from numbaflash import fp8
+from numbaflash.operations.fp8_forward import mma_kernel_forced
 
 MMA = "--mma" in sys.argv[1:]
-if MMA and torch.cuda.get_device_capability()[0] == 9:
-    configs.FP8_DEFAULTS.update(configs.FP8_MMA_DEFAULTS)
+if MMA:
+    mma_kernel_forced().__enter__()  # for the whole run
 
 torch.manual_seed(0)
 cases = []

@@ -23,20 +23,17 @@ SHAPES = [*test_fp8_forward_gpu.SHAPES, (1, 129, 1, 2, 1, 128)]
 
 
 @pytest.fixture
-def mma_fp8(monkeypatch):
+def mma_fp8():
     """The mma.sync e4m3 forward on this GPU: forced on Hopper, its own elsewhere (sm_89 on)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     capability = torch.cuda.get_device_capability()
     if capability < (8, 9):
         pytest.skip(f"FP8 tensor cores need sm_89 or newer, this GPU is sm_{capability[0]}{capability[1]}")
-    from numbaflash import configs
-    from numbaflash.operations import fp8_forward
+    from numbaflash.operations.fp8_forward import mma_kernel_forced
 
-    monkeypatch.setattr(fp8_forward, "_PLANS", {})  # plans of other configs are not reused
-    if capability[0] == 9:
-        for head_dim, config in configs.FP8_MMA_DEFAULTS.items():
-            monkeypatch.setitem(configs.FP8_DEFAULTS, head_dim, config)
+    with mma_kernel_forced():
+        yield
 
 
 def _call(x, out=None, **kwargs):

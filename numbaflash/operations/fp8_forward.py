@@ -14,9 +14,11 @@ anything is compiled or launched.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections import namedtuple
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -295,6 +297,22 @@ Plan = namedtuple("Plan", ["device", "out_shape", "lse_shape", "vt_shape", "out_
                            "vt_template", "prep", "forward", "ones", "copy_descales", "packed"])
 _PLANS: dict[tuple, Plan] = {}
 PLANS_KEPT = 1024
+
+
+@contextlib.contextmanager
+def mma_kernel_forced() -> Iterator[None]:
+    """Within the block, FP8 calls on Hopper run the mma.sync e4m3 kernel (``configs.FP8_MMA_DEFAULTS``,
+    the kernel of every other FP8 GPU, where this changes nothing), and the launch plans kept so far
+    are set aside (a plan keys the layout, not the config). Not thread-safe: for tests and tools."""
+    saved, plans = dict(configs.FP8_DEFAULTS), dict(_PLANS)
+    configs.FP8_DEFAULTS.update(configs.FP8_MMA_DEFAULTS)
+    _PLANS.clear()
+    try:
+        yield
+    finally:
+        configs.FP8_DEFAULTS.update(saved)
+        _PLANS.clear()
+        _PLANS.update(plans)
 
 
 def _meta(torch, x: Any) -> tuple | None:

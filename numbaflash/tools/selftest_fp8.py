@@ -197,22 +197,12 @@ def _run_packed(case: Fp8Case, q8, k8, v8, deq, options: dict):
 def run_fp8_case(case: Fp8Case) -> CaseResult:
     """Run one case on the GPU and judge it (``CaseResult.ratio``: the error over the bound); an
     ``mma`` case on Hopper with the mma.sync configs in ``configs.FP8_DEFAULTS`` for its call."""
-    import torch
+    from numbaflash.operations.fp8_forward import mma_kernel_forced
 
-    from numbaflash import configs
-    from numbaflash.operations import fp8_forward
-
-    if not (case.mma and torch.cuda.get_device_capability()[0] == 9):
+    if not case.mma:
         return _run_fp8_case(case)
-    saved, plans = dict(configs.FP8_DEFAULTS), dict(fp8_forward._PLANS)
-    configs.FP8_DEFAULTS.update(configs.FP8_MMA_DEFAULTS)
-    fp8_forward._PLANS.clear()  # (plans key the layout, not the config)
-    try:
+    with mma_kernel_forced():
         return _run_fp8_case(case)
-    finally:
-        configs.FP8_DEFAULTS.update(saved)
-        fp8_forward._PLANS.clear()
-        fp8_forward._PLANS.update(plans)
 
 
 def _run_fp8_case(case: Fp8Case) -> CaseResult:
