@@ -159,7 +159,9 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
     def run_mla(p, window_left, window_right, cap_scale, sink, cache_batch_idx, cache_leftpad, rotary):
         """The kernel's body (``decode_mma.decode_entry``'s signature; only ``p`` is read)."""
         tid = cuda.threadIdx.x & 1023
-        wg = tid // WARPGROUP
+        # the warpgroup as a broadcast from lane 0, which ptxas knows to be warp-uniform: the wgmma
+        # descriptors that derive from it stay in uniform registers (no R2UR before each wgmma)
+        wg = int64(cuda.shfl_sync(FULL_MASK, int32(tid // WARPGROUP), 0))
         wq = (tid // 32) % 4  # the warp in its warpgroup: rows 16 * wq ..
         lane = tid % 32
         split = int64(cuda.blockIdx.x)
@@ -172,6 +174,10 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
         total = seq.total
         diag = total - p.seqlen_q  # query i sees keys j <= i + diag
         first, last = decode_split((total + BN - 1) // BN, p.num_splits, split)
+        # the tile range as broadcasts from lane 0 (ptxas cannot know a loaded length to be
+        # warp-uniform): the ring's stages and the wgmma descriptors then stay in uniform registers
+        first = int64(cuda.shfl_sync(FULL_MASK, int32(first), 0))
+        last = int64(cuda.shfl_sync(FULL_MASK, int32(last), 0))
 
         raw = ptx.shared_address_u16(cuda.shared.array(0, types.uint16))
         base = (raw + uint32(ALIGN - 1)) & uint32(~(ALIGN - 1) & 0xFFFFFFFF)  # wgmma's swizzle atoms
