@@ -76,7 +76,7 @@ from .blocks import (
     mask_band_transposed,
     mask_transposed,
 )
-from .common import FULL_MASK
+from .common import FULL_MASK, warp_uniform
 from .epilogue import store_rows_global
 from .forward_ws import make_tile_loads
 from .fragments import store_fragment_rows
@@ -731,9 +731,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)
-            # the warpgroup as a broadcast from lane 0, which ptxas knows to be warp-uniform: what
-            # derives from it (the wgmma descriptors, the tiles' rows) can live in uniform registers
-            wg = uint32(cuda.shfl_sync(FULL_MASK, int32(thread // uint32(WARPGROUP)), 0))
+            wg = uint32(warp_uniform(thread // uint32(WARPGROUP)))  # descriptors, rows: uniform registers
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32), thread)
             sc = Scalars(a.scale_log2, a.cap_scale, a.deterministic)
             ws = Workspace(ptx.global_address_f32(a.dq_acc), ptx.global_address_i32(a.counters), a.lse2,

@@ -30,6 +30,15 @@ def keep_in_register(value, lane):
     return uint32(cuda.shfl_sync(FULL_MASK, int32(value), lane))
 
 
+@cuda.jit(device=True, forceinline=True)
+def warp_uniform(value):
+    """``value`` (int32) as lane 0 of the warp holds it, by a ``shfl.sync`` broadcast: for a value every
+    lane computes alike but ptxas cannot prove so (a quotient of the thread index, a length loaded
+    from memory). What derives from it (wgmma descriptors, ring stages, a branch) can then live in
+    uniform registers instead of being moved into them (R2UR) before each use."""
+    return cuda.shfl_sync(FULL_MASK, int32(value), 0)
+
+
 def unroll(step, count: int):
     """A device function ``run(state)`` that calls ``step(0, state)``, ..., ``step(count - 1,
     state)``: a loop unrolled in Python. For loop bodies too large for NVVM to unroll fully: a

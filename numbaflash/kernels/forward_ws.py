@@ -88,7 +88,7 @@ from .blocks import (
     mask_if_needed,
     visible_kv_tiles,
 )
-from .common import FULL_MASK, NEG_INF, THRESHOLD
+from .common import FULL_MASK, NEG_INF, THRESHOLD, warp_uniform
 from .epilogue import store_lse, store_rows_global
 from .fp8_layout import Descales
 from .fp8_prep import vt_start
@@ -861,9 +861,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
             raise_registers()
             thread = uint32(tid - WARPGROUP)
             wg = thread // uint32(WARPGROUP)
-            if SKIP_IDLE:  # a broadcast from lane 0, which ptxas knows to be warp-uniform: a
-                # branch on it (skip_tiles) keeps the ring arithmetic in uniform registers
-                wg = uint32(cuda.shfl_sync(FULL_MASK, int32(wg), 0))
+            if SKIP_IDLE:  # a branch on it (skip_tiles) keeps the ring arithmetic in uniform registers
+                wg = uint32(warp_uniform(wg))
             seat = Seat(wg, (thread // uint32(32)) % uint32(4), thread % uint32(32),
                         thread % uint32(WARPGROUP))
             io = Io(maps, bars, tiles, problem, params.lse, params.write_lse, params.scale_log2,

@@ -32,7 +32,7 @@ from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
 from ..ptx import hopper as hp
-from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll
+from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll, warp_uniform
 from .decode_mma import KeyRows, decode_entry, decode_split, make_decode_rows, make_sequence_source
 from .epilogue import log_sum_exp
 from .mla_decode import make_latent_ring
@@ -159,9 +159,7 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
     def run_mla(p, window_left, window_right, cap_scale, sink, cache_batch_idx, cache_leftpad, rotary):
         """The kernel's body (``decode_mma.decode_entry``'s signature; only ``p`` is read)."""
         tid = cuda.threadIdx.x & 1023
-        # the warpgroup as a broadcast from lane 0, which ptxas knows to be warp-uniform: the wgmma
-        # descriptors that derive from it stay in uniform registers (no R2UR before each wgmma)
-        wg = int64(cuda.shfl_sync(FULL_MASK, int32(tid // WARPGROUP), 0))
+        wg = int64(warp_uniform(tid // WARPGROUP))  # (and the tile range below: the wgmma descriptors)
         wq = (tid // 32) % 4  # the warp in its warpgroup: rows 16 * wq ..
         lane = tid % 32
         split = int64(cuda.blockIdx.x)
@@ -174,10 +172,7 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
         total = seq.total
         diag = total - p.seqlen_q  # query i sees keys j <= i + diag
         first, last = decode_split((total + BN - 1) // BN, p.num_splits, split)
-        # the tile range as broadcasts from lane 0 (ptxas cannot know a loaded length to be
-        # warp-uniform): the ring's stages and the wgmma descriptors then stay in uniform registers
-        first = int64(cuda.shfl_sync(FULL_MASK, int32(first), 0))
-        last = int64(cuda.shfl_sync(FULL_MASK, int32(last), 0))
+        first, last = int64(warp_uniform(first)), int64(warp_uniform(last))  # from a loaded length
 
         raw = ptx.shared_address_u16(cuda.shared.array(0, types.uint16))
         base = (raw + uint32(ALIGN - 1)) & uint32(~(ALIGN - 1) & 0xFFFFFFFF)  # wgmma's swizzle atoms
