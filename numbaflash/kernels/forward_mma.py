@@ -354,15 +354,15 @@ def make_forward_kernel(config: ForwardConfig, causal: bool, bf16: bool, window:
         k_rows = rows_of(k, span.start_k, batch, k_sb, k_ss, k_sh, kv_head, seqlen_k)
         if FP8:  # V transposed (``fp8_layout``): the KV head's D rows of keys; strides in 16-bit units
             v_rows = global_rows(v, batch * v_sb + kv_head * v_sh, v_ss, D)
-        else:
-            v_rows = rows_of(v, span.start_k, batch, v_sb, v_ss, v_sh, kv_head, seqlen_k)
-        if FP8:  # q's and k's descales of the (batch, KV head) fold into the exponent (or softcap) factor
+            # q's and k's descales of the (batch, KV head) fold into the exponent (or softcap) factor
             pair = batch * (heads_q // group) + kv_head
             qk_descale = descales.q[pair] * descales.k[pair]
             if SOFTCAP:
                 cap_scale *= qk_descale
             else:
                 scale_log2 *= qk_descale
+        else:
+            v_rows = rows_of(v, span.start_k, batch, v_sb, v_ss, v_sh, kv_head, seqlen_k)
 
         n_tiles = visible_kv_tiles(m0, BM, BN, seqlen_k, diag, CAUSAL)
         kv_first = int64(0)  # the loop reads KV tiles kv_first .. kv_first + n_tiles - 1
