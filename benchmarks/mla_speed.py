@@ -39,8 +39,8 @@ ROWS = [  # batch, query heads, cached tokens, seqlen_q, page size (None: contig
     (64, 128, 4096, 2, 64, True),  # multi-token prediction
 ]
 ROTATION_BYTES = 400_000_000
-# The Hopper wgmma kernel's configs (64-key tiles in a ring of 2, 32-key tiles in a ring of 4)
-WS = [WsMlaConfig(block_n=64, stages=2), WsMlaConfig(block_n=32, stages=4)]
+# The Hopper wgmma kernel's config (64-key tiles in a ring of 2, a stage a warpgroup)
+WS = [WsMlaConfig()]
 CANDIDATES = {  # by the call's packed rows (16, 32, 64): the shipped config's alternatives
     16: [MlaDecodeConfig(m_tiles=2, block_n=64, num_warps=8, key_warps=4, stages=2), *WS],  # 8 warps
     32: [MlaDecodeConfig(m_tiles=2, block_n=32, num_warps=4, key_warps=2, stages=3), *WS],  # the A100's

@@ -794,10 +794,12 @@ def mla_decode_config(capability: tuple[int, int], rows: int, paged: bool, share
     """The MLA decode kernel's config for ``rows`` packed query rows (query heads times seqlen_q).
 
     Hopper (sm_90) above 16 rows: the wgmma kernel (``kernels.mla_ws``, 64 rows a CTA, 64-key tiles
-    in a ring of 2; H200, 64 x 4096 tokens, pages of 64: 196-198 µs at 128 heads, 155-156 at 64, 124
-    at 32, against the mma.sync kernel's 313, 208 and 128; 32-key tiles in a ring of 4: 269, 193,
-    158; docs/PERFORMANCE.md [MLAW], [MLAU]). At 16 rows it is slower (109 µs against 94: 48 of its
-    64 rows idle) and the mma.sync kernel (``kernels.mla_decode``) stays.
+    in a ring of 2, a stage a warpgroup, taken in pairs; H200, 64 x 4096 tokens, pages of 64: 179 µs
+    at 128 heads, 153-154 at 64, 124-125 at 32, against the mma.sync kernel's 313, 208 and 128, and
+    the first wgmma schedule's 195, 156 and 123 (each warpgroup half of every tile's keys; 32-key
+    tiles in a ring of 4: 269, 193, 158); docs/PERFORMANCE.md [MLAP], [MLAW]). At 16 rows it is
+    slower (109 µs against 94: 48 of its 64 rows idle) and the mma.sync kernel
+    (``kernels.mla_decode``) stays.
 
     The mma.sync kernel elsewhere: the fewest 16-row m-tiles (1, 2 or 4) that hold the rows, so that
     the cache is read once per 64 rows; 64-key tiles in a ring of 2 (a K tile is 72 KB), which with

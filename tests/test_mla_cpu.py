@@ -43,21 +43,23 @@ def test_layout_regions_follow_each_other():
 
 
 def test_hopper_layout_fills_the_cta_and_keeps_the_swizzle_atoms_aligned():
-    """Q, the ring, P's tile and (paged) the page rows follow each other from a base aligned up to
-    1024 bytes (the slack is in ``shared_bytes``); every tile starts on a 128B-swizzle atom, and each
-    warpgroup's half of a K tile too."""
-    for block_n, stages in ((64, 2), (32, 4)):
-        for paged in (False, True):
-            c = WsMlaConfig(block_n=block_n, stages=stages, paged=paged)
-            c.check()
-            assert c.ring_at == 64 * 576 * 2 and c.p_at == c.ring_at + stages * block_n * 576 * 2
-            assert c.page_rows_at == c.p_at + 64 * block_n * 2  # P: 64 rows x the tile's keys, 16 bits
-            assert c.shared_bytes == c.page_rows_at + (2 * block_n * 16 if paged else 0) + 1024
-            assert c.shared_bytes <= 227 * 1024 and c.p_at >= 2 * 2 * 64 * 4  # the row maxima fit in P's tile
-            assert all(at % 1024 == 0 for at in (c.ring_at, c.stage_bytes, block_n // 2 * 128))
+    """Q, the ring (a stage a warpgroup), the tile where rows meet and (paged) the page rows, a
+    buffer a warpgroup, follow each other from a base aligned up to 1024 bytes (the slack is in
+    ``shared_bytes``); every tile starts on a 128B-swizzle atom, and so does a K tile's rotary
+    block, where its P goes to the other warpgroup."""
+    for paged in (False, True):
+        c = WsMlaConfig(paged=paged)
+        c.check()
+        assert c.ring_at == 64 * 576 * 2 and c.p_at == c.ring_at + 2 * 64 * 576 * 2
+        assert c.page_rows_at == c.p_at + 64 * 64 * 2
+        assert c.shared_bytes == c.page_rows_at + (2 * 64 * 16 if paged else 0) + 1024
+        assert c.shared_bytes <= 227 * 1024 and c.p_at >= 2 * 2 * 64 * 4  # the row maxima fit
+        assert all(at % 1024 == 0 for at in (c.ring_at, c.stage_bytes, 8 * 64 * 128))
+        assert 64 * 64 * 2 <= c.stage_bytes - 8 * 64 * 128  # a tile's P fits its rotary block
     assert WsMlaConfig(paged=True).shared_bytes == 227 * 1024  # to the byte
-    with pytest.raises(ValueError, match="block_n must be 32 or 64"):
-        WsMlaConfig(block_n=128).check()
+    for block_n, stages in ((32, 4), (128, 2), (64, 3)):
+        with pytest.raises(ValueError, match="64-key tiles in a ring of 2"):
+            WsMlaConfig(block_n=block_n, stages=stages).check()
     with pytest.raises(ValueError, match="takes head dims"):
         WsMlaConfig(head_dim=512, head_dim_v=512).check()
 
@@ -118,7 +120,7 @@ def test_family_factories_and_launches():
     for operation in families.DECODE_OPERATIONS:
         assert ("sm90mla", operation) in families.FACTORIES and ("sm90mla", operation) in LAUNCHES
     names = {p.name for p in families.kernel_source_files("sm90mla", "decode")}
-    assert {"mla_ws.py", "mla_decode.py", "wgmma_gemms.py", "decode_mma.py"} <= names
+    assert {"mla_ws.py", "wgmma_gemms.py", "decode_mma.py"} <= names
 
 
 def test_checks_before_anything_launches():

@@ -34,7 +34,6 @@ from collections import namedtuple
 from numba import cuda, float32, int32, int64, types, uint16, uint32, uint64
 
 from .. import ptx
-from ..ptx import hopper as hp
 from .common import FULL_MASK, NEG_INF, THRESHOLD, unroll
 from .decode_mma import KeyRows, decode_entry, decode_split, make_decode_rows, make_sequence_source
 from .epilogue import log_sum_exp
@@ -202,15 +201,14 @@ def make_mla_walk(config: MlaDecodeConfig, causal: bool, bf16: bool):
 LatentRing = namedtuple("LatentRing", ["fill", "advance"])
 
 
-def make_latent_ring(config, rows, proxy_fence: bool = False) -> LatentRing:
-    """The K ring of an MLA kernel (``config`` an ``MlaDecodeConfig`` or ``WsMlaConfig``; ``rows`` its
+def make_latent_ring(config, rows) -> LatentRing:
+    """The K ring of the mma.sync MLA kernel (``config`` an ``MlaDecodeConfig``; ``rows`` its
     ``decode_mma.make_decode_rows(.., v_in_k=True)``), every thread copying by cp.async: ``fill``, the
     first stages - 1 tiles, a copy group each (Q's copies, issued before, in the first), and (paged)
     the next tile's block-table look-ahead into ``pending``; ``advance`` at tile t: wait until it (and
     Q) have landed, (paged) publish the rows of tile t + stages - 1 looked up a tile ago, a CTA
     barrier (every warp is then done with tile t - 1's stage), start that tile's copy and the next
-    one's look-up. ``proxy_fence``: each thread's landed copies are made visible to the async proxy
-    before the barrier (wgmma reads the tiles there)."""
+    one's look-up."""
     BN = config.block_n
     STAGES = config.stages
     RING = config.ring_at
@@ -218,7 +216,6 @@ def make_latent_ring(config, rows, proxy_fence: bool = False) -> LatentRing:
     PAGED = config.paged
     PAGE_ROWS_AT = config.page_rows_at
     PAGE_BUFFER = BN * 16
-    PROXY_FENCE = proxy_fence
     wait_ring, load_tiles = rows.wait_ring, rows.load_tiles
     fetch_pages, publish_pages = rows.pages.fetch_pages, rows.pages.publish_pages
 
@@ -240,8 +237,6 @@ def make_latent_ring(config, rows, proxy_fence: bool = False) -> LatentRing:
     @cuda.jit(device=True, forceinline=True)
     def advance(base, t, first, last, seq, ks, tid, pending):
         wait_ring()  # tile t (and Q) have landed ...
-        if PROXY_FENCE:
-            hp.fence_proxy_async_shared_cta()
         nxt = t + STAGES - 1
         page_rows = base + PAGE_ROWS_AT + ((nxt - first) % 2) * PAGE_BUFFER
         if PAGED and nxt < last:  # tile nxt's rows, looked up a tile ago, for the copies below

@@ -919,13 +919,13 @@ class MlaDecodeConfig(LatentTiles, ValueDim, PackedRows):
 class WsMlaConfig(LatentTiles, ValueDim, PackedRows):
     """Compile-time shape of the Hopper MLA decode kernel (``mla_ws``, issue 58): wgmma on the latent
     cache. One CTA takes 64 packed query rows (query heads times seqlen_q) and one split of the
-    keys, in two warpgroups: each scores half of a tile's keys (S = Q Kᵀ, all 64 rows) and keeps
-    half of O's columns (64 x 256 float32, 128 registers a thread), O += P V over every key of the
-    tile with V the K tile's first columns; the row maxima and P pass between them through shared
-    memory. ``block_n``-key K tiles stream through a ring of ``stages`` by cp.async (all 256
-    threads; a paged cache through ``decode_mma.make_page_table``), laid out as the 128B-swizzle
-    tiles wgmma's descriptors read. P's tile (``p_at``: [16-key slice][warp of a
-    warpgroup][lane] x 16 bytes) also carries the row maxima and, at the end, the row sums."""
+    keys, in two warpgroups that each keep half of O's columns (64 x 256 float32, 128 registers a
+    thread) and take the split's ``block_n``-key tiles in turns: warpgroup w copies (cp.async, its
+    128 threads; a paged cache through ``decode_mma.make_page_table``) and scores (S = Q Kᵀ, all 64
+    rows) the tiles of stage w of a ring of ``stages`` = 2, laid out as the 128B-swizzle tiles
+    wgmma's descriptors read; then both take O += P V over both tiles of the pair, V a K tile's
+    first columns. The row maxima meet in the tile at ``p_at`` (as the row sums at the end); a
+    tile's P goes across in its rotary columns."""
 
     head_dim: int = 576
     head_dim_v: int = 512
@@ -947,7 +947,8 @@ class WsMlaConfig(LatentTiles, ValueDim, PackedRows):
 
     @property
     def page_rows_at(self) -> int:
-        """Paged: two buffers of the key rows' cache offsets (``decode_mma.make_page_table``)."""
+        """Paged: two buffers of the key rows' cache offsets (``decode_mma.make_page_table``), one a
+        warpgroup."""
         return self.p_at + self.rows * self.block_n * 2
 
     @property
@@ -957,7 +958,8 @@ class WsMlaConfig(LatentTiles, ValueDim, PackedRows):
     def check(self) -> None:
         if (self.head_dim, self.value_dim) != (576, 512):
             raise ValueError(f"the Hopper MLA kernel takes head dims (576, 512), got {self}")
-        if self.block_n not in (32, 64) or not 2 <= self.stages <= 4:
-            raise ValueError(f"block_n must be 32 or 64 and stages 2 to 4, got {self}")
+        if (self.block_n, self.stages) != (64, 2):
+            raise ValueError(f"the Hopper MLA kernel takes 64-key tiles in a ring of 2 (a stage a "
+                             f"warpgroup), got {self}")
         if self.shared_bytes > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
