@@ -170,3 +170,21 @@ def test_schedule_keeps_every_process_busy_with_neighbours():
             heapq.heappush(heap, (clock[worker], worker))
     assert sorted(map(repr, taken)) == sorted(map(repr, planned))
     assert max(clock.values()) <= 1.05 * sum(map(precompile.compile_cost, planned)) / 16
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_precompile_covers_mla_decode(arch):
+    """Every MLA decode kernel a GPU of ``arch`` dispatches (16, 32 and 64 rows, contiguous or paged,
+    causal or not, both dtypes) and its combine kernel are in the plan, and only with decode's."""
+    from numbaflash.kernels.families import spec_of
+
+    parts = precompile.plan([arch])[arch]
+    cap = precompile.capability_of(arch)
+    for rows in (16, 32, 64):
+        for paged in (False, True):
+            config = configs.mla_decode_config(cap, rows, paged)
+            for causal in (False, True):
+                for bf16 in (False, True):
+                    spec = spec_of(config, "decode", bf16, arch, causal=causal)
+                    assert spec in parts["mla"] and spec.sibling("decode_combine") in parts["mla"]
+    assert not precompile.plan([arch], decode=False)[arch]["mla"]

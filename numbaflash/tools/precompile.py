@@ -3,7 +3,8 @@
 By default: every kernel a GPU of each target may run unforced, float16 and bfloat16, causal and
 not: the forward kernels it dispatches, the backward's three kernels (prepare, main, dQ) of each
 config it runs, and decode's, each plain and in the variants a call may ask for (a sliding window,
-a softcap, both; packed variable-length sequences for the forward and the backward).
+a softcap, both; packed variable-length sequences for the forward and the backward), and MLA
+decode's (``flash_mla_with_kvcache``).
 
     python -m numbaflash.precompile                        # what sm_80, sm_86, sm_89, sm_90a GPUs run
     python -m numbaflash.precompile --arch sm_90a          # one target
@@ -130,13 +131,29 @@ def decode_kernels_for(arch: str, variants: bool = False) -> list:
     return list(dict.fromkeys(items))
 
 
+def mla_kernels_for(arch: str) -> list:
+    """The specs of every MLA decode kernel (``flash_mla_with_kvcache``) a GPU of ``arch`` runs: the
+    attention kernel of each config it dispatches (``configs.mla_decode_configs_for``: 16, 32 and 64
+    rows, contiguous or paged), causal or not, both dtypes, and each config's combine kernel; each
+    once."""
+    from ..configs import mla_decode_configs_for
+    from ..kernels.families import DECODE_OPERATIONS, spec_of
+
+    items = [spec_of(config, operation, bf16, arch, causal=causal)
+             for config in mla_decode_configs_for(capability_of(arch)) for operation in DECODE_OPERATIONS
+             for causal in (False, True) for bf16 in (False, True)]
+    return list(dict.fromkeys(items))
+
+
 def plan(arches: Sequence[str], candidates: bool = False, backward: bool = True, decode: bool = True,
          variants: bool = True) -> dict[str, dict[str, list]]:
-    """What ``precompile`` builds: arch -> {"forward", "backward", "decode"} -> specs (``backward``,
-    ``decode`` False: none of theirs; ``variants`` False: the plain kernels only)."""
+    """What ``precompile`` builds: arch -> {"forward", "backward", "decode", "mla"} -> specs
+    (``backward``, ``decode`` False: none of theirs, nor MLA decode's; ``variants`` False: the plain
+    kernels only)."""
     return {arch: {"forward": kernels_for(arch, candidates, variants),
                    "backward": backward_kernels_for(arch, candidates, variants) if backward else [],
-                   "decode": decode_kernels_for(arch, variants) if decode else []}
+                   "decode": decode_kernels_for(arch, variants) if decode else [],
+                   "mla": mla_kernels_for(arch) if decode else []}
             for arch in arches}
 
 
