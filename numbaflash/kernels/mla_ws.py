@@ -295,12 +295,14 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
                     copy_tile(stage, t + 2, last, seq, ks, wt, pending, page_rows)
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
-            if t + 3 < last:  # B's stage takes tile t + 3 likewise
+            if t + 2 < last:  # B's stage takes tile t + 3 likewise (the hand-over even with no tile t + 3:
+                # each warpgroup then waits once for the other a pair, which racecheck needs to see)
                 if wg == 0:
                     hp.named_barrier_arrive(B_FREE, 2 * WARPGROUP)
                 else:
                     hp.named_barrier_sync(B_FREE, 2 * WARPGROUP)
-                    copy_tile(stage, t + 3, last, seq, ks, wt, pending, page_rows)
+                    if t + 3 < last:
+                        copy_tile(stage, t + 3, last, seq, ks, wt, pending, page_rows)
 
         ptx.grid_launch_dependents()  # the combine kernel (sm_90: launched programmatically) may start
         ptx.cp_async_wait_group_0()  # a split with no tile still has Q's copies in flight
