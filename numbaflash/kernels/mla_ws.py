@@ -173,6 +173,13 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
             fetch_half(pending, (tile + 2) * BN, seq, wt)
 
     @cuda.jit(device=True, forceinline=True)
+    def p_slot(k, wq, lane):
+        """Where this lane's P fragment of 16-key slice ``k`` sits in a tile's rotary block (bytes from
+        the stage): [slice][warp of the warpgroup][lane] x 16 bytes, so the other warpgroup's lane of
+        the same warp and rows reads what this one wrote."""
+        return P_IN_STAGE + ((k * 4 + wq) * 32 + lane) * 16
+
+    @cuda.jit(device=True, forceinline=True)
     def mask_keys(acc_s, key0, lane, total, upper):
         """-inf on the keys from ``key0`` (a tile) at or past ``total`` and (causal) past each fragment
         row's last key ``upper[r]``."""
@@ -209,6 +216,7 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
         prepare_q(base, (ptx.global_address(p.q) + b * p.q_sb * 2, p.q_ss * 2, p.q_sh * 2), int64(0), p.group,
                   rows_total, r0, tid)
         stage = base + RING + uint32(wg * STAGE_BYTES)  # this warpgroup's: tiles first + wg, + 2, ..
+        other = base + RING + uint32((1 - wg) * STAGE_BYTES)  # the other warpgroup's
         page_rows = base + PAGE_ROWS_AT + uint32(wg * BN * 16)
         pending = cuda.local.array((1, 2), int32)  # paged: the block-table entry of the next tile's row
         if PAGED:
@@ -247,6 +255,7 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
         for t in range(first, last, 2):
             has_b = t + 1 < last
             own = wg == 0 or has_b
+            more = t + 2 < last  # a next pair: both stages are handed over
             if t > first:  # this warpgroup's tile has landed (the first pair's: waited above)
                 ptx.cp_async_wait_group_0()
                 hp.fence_proxy_async_shared_cta()
@@ -269,14 +278,13 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
                 exponentiate(acc_s, S_N_TILES, m_run, l_run, p.scale_log2)
                 pack_p_fragments(p_own, acc_s, P_K_STEPS, BF16)
                 for k in range(P_K_STEPS):
-                    ptx.st_shared_v4(stage + P_IN_STAGE + ((k * 4 + wq) * 32 + lane) * 16, p_own[k])
+                    ptx.st_shared_v4(stage + p_slot(k, wq, lane), p_own[k])
             if PAGED and t + 2 + wg < last:  # the rows of this warpgroup's next tile, for its copies
                 publish_half(page_rows, pending, ks, ks, wt)
             cuda.syncthreads()
             if wg == 1 or has_b:  # the other warpgroup's P
                 for k in range(P_K_STEPS):
-                    ptx.ld_shared_v4(p_other[k], base + RING + uint32((1 - wg) * STAGE_BYTES) + P_IN_STAGE
-                                     + ((k * 4 + wq) * 32 + lane) * 16)
+                    ptx.ld_shared_v4(p_other[k], other + p_slot(k, wq, lane))
             for k in range(P_K_STEPS):
                 for e in range(4):
                     p_a[k, e] = p_own[k, e] if wg == 0 else p_other[k, e]
@@ -287,7 +295,7 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
                 hp.wgmma_wait_group_1()  # A's product has retired
             else:
                 hp.wgmma_wait_group_0()
-            if t + 2 < last:  # A's stage takes tile t + 2 once both warpgroups are past A
+            if more:  # A's stage takes tile t + 2 once both warpgroups are past A
                 if wg == 1:
                     hp.named_barrier_arrive(A_FREE, 2 * WARPGROUP)
                 else:
@@ -295,8 +303,8 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
                     copy_tile(stage, t + 2, last, seq, ks, wt, pending, page_rows)
             hp.wgmma_wait_group_0()
             fence_o(acc_o)
-            if t + 2 < last:  # B's stage takes tile t + 3 likewise (the hand-over even with no tile t + 3:
-                # each warpgroup then waits once for the other a pair, which racecheck needs to see)
+            if more:  # B's stage takes tile t + 3 likewise (the hand-over even with no tile t + 3: each
+                # warpgroup then waits once for the other a pair, which racecheck needs to see)
                 if wg == 0:
                     hp.named_barrier_arrive(B_FREE, 2 * WARPGROUP)
                 else:
