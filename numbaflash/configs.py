@@ -65,11 +65,12 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # O always in a tile of its own (e4m3 tiles are half the bytes). Chosen on an H200 among 18 shapes
 # (docs/PERFORMANCE.md, "The FP8 forward"): d128 192 keys a tile (3-12% over 128 at 4k and 16k);
 # d256 one Q buffer (Q 32 KB, K and V 2 x 2 x 32 KB, O 64 KB) with ping-pong (5-9% at 4k, -2..0%
-# at 16k); d64 the 16-bit table's three consumers.
+# at 16k); d64 the 16-bit table's three consumers, PV's wait pinned below the exponentials
+# (``late_pv_wait``: causal +8%, full tied).
 # A ``ForwardConfig`` with ``fp8`` set in its place runs the mma.sync build on Hopper too (tests and
 # tools).
 FP8_DEFAULTS: dict[int, WsConfig | ForwardConfig] = {
-    64: WsConfig(64, block_n=128, stages=2, consumers=3, fp8=True),
+    64: WsConfig(64, block_n=128, stages=2, consumers=3, late_pv_wait=True, fp8=True),
     128: WsConfig(128, block_n=192, stages=2, fp8=True),
     256: WsConfig(256, block_n=128, stages=2, q_stages=1, pingpong=True, fp8=True),
 }

@@ -6,6 +6,15 @@
 extern "C" __device__ void fence_proxy_async_shared_cta() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
+// A CTA-scope acquire-release fence (MEMBAR.ALL.CTA) once a and b are computed. The forward's
+// consumers use it where no memory needs ordering, as a fence for the compilers' schedulers:
+// passed the row sums, it comes after every exponential that feeds them (NVVM may not sink them
+// below it), and ptxas does not hoist a wgmma.wait_group above it, so the wait that retires the
+// PV product stays below the softmax's exponentials, which then run beside PV
+// (WsConfig.late_pv_wait; lab/NOTEBOOK.md [WAITPOS]).
+extern "C" __device__ void fence_acq_rel_cta_after(float a, float b) {
+  asm volatile("fence.acq_rel.cta;" :: "f"(a), "f"(b) : "memory");
+}
 // Acquire a 128-byte tensor map in global memory for the tensormap proxy (needed only when
 // the map was written after the launch began, e.g. by device code).
 extern "C" __device__ void fence_proxy_tensormap_acquire(const unsigned long long* tmap) {

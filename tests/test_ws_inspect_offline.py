@@ -176,3 +176,43 @@ def test_encode_tensor_map_checks():
         encode_tensor_map(0x1000, shape, strides, (1, 64, 1, 128))
     with pytest.raises(ValueError, match="16-bit data"):
         encode_tensor_map(0x1000, shape, strides, (1, 64, 1, 64), dtype="f32")
+
+
+def _exponentials_beside_pv(report) -> list[int]:
+    """For each wait of the KV loop that leaves PV in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``):
+    the MUFU.EX2 issued before the next wait that retires it (``... 0x0``)."""
+    counts, open_ = [], None
+    for line in report.sass.splitlines():
+        if re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b", line):
+            open_ = 0
+        elif open_ is not None and "MUFU.EX2" in line:
+            open_ += 1
+        elif open_ is not None and re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", line):
+            counts.append(open_)
+            open_ = None
+    return counts
+
+
+def test_late_pv_wait_keeps_the_exponentials_beside_pv():
+    """``WsConfig.late_pv_wait`` (the shipped e4m3 head-dim-64 config): every exponential of a
+    tile's softmax (64 a thread: 64 rows x 128 keys over a warpgroup) is issued while PV is in
+    flight. Without it ptxas hoists the wait that retires PV above them; should a later ptxas
+    stop doing so, the knob is no longer needed (docs/PERFORMANCE.md [WAITPOS])."""
+    import dataclasses
+
+    from numbaflash import configs
+    from numbaflash.configs import kernel_cubin
+    from numbaflash.kernels.families import spec_of
+
+    shipped = configs.FP8_DEFAULTS[64]
+    assert shipped.late_pv_wait
+    per_thread = 64 * shipped.block_n // 128
+    for late in (True, False):
+        config = dataclasses.replace(shipped, late_pv_wait=late)
+        spec = spec_of(config, "forward", True, ARCH, causal=True)
+        counts = _exponentials_beside_pv(nfi.report_from_cubin(kernel_cubin(spec).cubin, "fp8", ARCH))
+        assert counts, "no KV loop with PV in flight"
+        if late:
+            assert min(counts) >= per_thread, counts
+        else:
+            assert max(counts) < per_thread, counts

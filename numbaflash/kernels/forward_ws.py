@@ -324,6 +324,7 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
     WINDOW, SOFTCAP = window, softcap
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
+    LATE_PV_WAIT = config.late_pv_wait
     q_ring, kv_ring, _, v_ring = rings
     issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(config.head_dim, config.block_m, BN, bf16,
                                                                config.row_bytes, config.value_dim, FP8,
@@ -452,6 +453,9 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
                 i = kv0 + uint32(j)
                 paired_issue(acc, bars, descs, i, seat, ONE if j > 1 else ZERO)
                 grew = softmax_scores(acc_s, stats, n_first + j * BN, sc)
+                if LATE_PV_WAIT:
+                    # after the row sums (every exponential); ptxas hoists PV's wait no higher
+                    hp.fence_acq_rel_cta_after(stats.l_run[0], stats.l_run[1])
                 retire_pv(acc_o, bars, i - ONE, seat)
                 if grew:
                     rescale_o(acc_o, stats)
@@ -884,7 +888,8 @@ def make_forward_ws_kernel(config: WsConfig, causal: bool, bf16: bool, window: b
     dims = f"d{D}v{config.value_dim}" if config.value_dim != D else f"d{D}"
     flash_forward_ws.__name__ = (
         f"flash_forward_ws_{dims}_m{BM}_n{BN}_s{STAGES}"
-        f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}_"
+        f"{'_pp' if config.pingpong else ''}{'_oq' if O_IN_Q else ''}{'_ov' if config.o_in_v else ''}"
+        f"{'_lw' if config.late_pv_wait else ''}_"
         f"{'varlen_' if varlen else ''}{'window' if window else 'causal' if causal else 'full'}"
         f"{'_softcap' if softcap else ''}_"
         f"{'e4m3_' if config.fp8 else ''}{'bf16' if bf16 else 'f16'}{'_sink' if sink else ''}"

@@ -230,6 +230,12 @@ class WsConfig(ValueDim):
     # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
     # (``ForwardConfig.head_dim_v``; ``WS_VALUE_DIMS`` lists the pairs). A shape of the call, not a knob.
     head_dim_v: int = 0
+    # Pin the wait that retires a tile's PV product below the next tile's exponentials (a CTA
+    # fence, ``ptx.hopper.fence_acq_rel_cta``, which ptxas does not hoist a wgmma wait above):
+    # without it ptxas hoists the wait above them, so the softmax's exponentials run after PV
+    # rather than beside it. H200: e4m3 head dim 64 causal +8%, full tied; 16-bit head dim 128
+    # tied, e4m3 128 -1% (docs/PERFORMANCE.md [WAITPOS]).
+    late_pv_wait: bool = False
     # q, k and v in e4m3 (one byte an element), O in 16 bits: S and PV as m64nNk32 wgmma, whose
     # 8-bit operands are K-major only, so V arrives transposed, (batch, heads_kv, head_dim, keys)
     # with its keys in ``fp8_layout.KEY_ORDER`` within each 32. A dtype of the call, not a knob.

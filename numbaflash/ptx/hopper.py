@@ -360,6 +360,11 @@ fence_proxy_async_shared_cta.__doc__ = (
     "fence.proxy.async.shared::cta: make this thread's ordinary shared-memory writes visible to "
     "wgmma/TMA (async proxy) after the next barrier."
 )
+fence_acq_rel_cta_after = declare("fence", "fence_acq_rel_cta_after", _void(types.float32, types.float32))
+fence_acq_rel_cta_after.__doc__ = (
+    "fence.acq_rel.cta (MEMBAR.ALL.CTA) once its two float32 arguments are computed; ptxas does "
+    "not move a wgmma wait above it, so it pins a wait below the work that made them."
+)
 _tensormap_acquire = declare("fence", "fence_proxy_tensormap_acquire", _void(u64p))
 
 
@@ -401,6 +406,7 @@ __all__ = [
     "WGMMA_N",
     "descriptor_add",
     "encode_smem_descriptor",
+    "fence_acq_rel_cta_after",
     "fence_mbarrier_init",
     "fence_proxy_async_shared_cta",
     "fence_proxy_tensormap_acquire",
