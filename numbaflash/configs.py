@@ -66,7 +66,7 @@ DEFAULTS: dict[tuple[str, int], KernelConfig] = {
 # (docs/PERFORMANCE.md, "The FP8 forward"): d128 192 keys a tile (3-12% over 128 at 4k and 16k);
 # d256 one Q buffer (Q 32 KB, K and V 2 x 2 x 32 KB, O 64 KB) with ping-pong (5-9% at 4k, -2..0%
 # at 16k); d64 the 16-bit table's three consumers, PV's wait pinned below the exponentials
-# (``late_pv_wait``: causal +8%, full tied).
+# (``late_pv_wait``: causal +3-10%, full 0 to -1%).
 # A ``ForwardConfig`` with ``fp8`` set in its place runs the mma.sync build on Hopper too (tests and
 # tools).
 FP8_DEFAULTS: dict[int, WsConfig | ForwardConfig] = {

@@ -11,7 +11,8 @@ extern "C" __device__ void fence_proxy_async_shared_cta() {
 // passed the row sums, it comes after every exponential that feeds them (NVVM may not sink them
 // below it), and ptxas does not hoist a wgmma.wait_group above it, so the wait that retires the
 // PV product stays below the softmax's exponentials, which then run beside PV
-// (WsConfig.late_pv_wait; lab/NOTEBOOK.md [WAITPOS]).
+// (WsConfig.late_pv_wait; docs/PERFORMANCE.md [WAITPOS]). The fence names no register, so
+// ptxas may still move it, and the wait, above ALU work where nothing else orders them.
 extern "C" __device__ void fence_acq_rel_cta_after(float a, float b) {
   asm volatile("fence.acq_rel.cta;" :: "f"(a), "f"(b) : "memory");
 }
