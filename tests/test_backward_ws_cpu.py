@@ -85,7 +85,7 @@ def test_the_family_record():
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_runs_its_own_backward_at_d64_and_d128(causal, fresh_choice):
     assert set(configs.BACKWARD_WS_DEFAULTS) == {64, 128}
-    assert configs.BACKWARD_WS_DEFAULTS[64] == [WsBackwardConfig(64, block_m=128)]
+    assert configs.BACKWARD_WS_DEFAULTS[64] == [WsBackwardConfig(64, block_m=128, early_p=True)]
     assert configs.BACKWARD_WS_DEFAULTS[128] == [WsBackwardConfig(128, block_m=64, late_rows=True)]
     for d in (64, 128):
         config = configs.backward_config(HOPPER, d, causal)

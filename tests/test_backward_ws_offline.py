@@ -89,3 +89,35 @@ def test_every_shipped_build_keeps_to_registers(variant, config, causal):
     assert report.local_bytes == 0 and report.spill_instructions == 0 and report.calls == 0, (
         f"{entry.entry_name}: {report.spill_instructions} LDL/STL, {report.local_bytes} B local, "
         f"{report.calls} CALL")
+
+
+def _exponentials_before_dp_wait(report) -> int:
+    """MUFU.EX2 between the step's first wgmma wait of a whole group (dPᵀ's) and the one before."""
+    count = 0
+    for line in report.sass.splitlines():
+        if "MUFU.EX2" in line:
+            count += 1
+        elif re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", line):
+            return count
+    raise AssertionError("no wgmma wait_group 0 in SASS")
+
+
+def test_early_p_runs_exponentials_beside_dp():
+    """``WsBackwardConfig.early_p`` (the d64 config): the step makes Pᵀ between Sᵀ's wait and
+    dPᵀ's, so that its exponentials run beside dPᵀ's GEMM. Without it, every one comes after dPᵀ's
+    wait. ptxas sinks some below even with the fence (25-28 of the 64 a thread with CUDA 13.0 and 13.5);
+    should no more than a third stay above it, the knob no longer does its job (docs/PERFORMANCE.md
+    [EARLYP])."""
+    import dataclasses
+
+    shipped = configs.BACKWARD_WS_DEFAULTS[64][0]
+    assert shipped.early_p
+    per_thread = 64 * shipped.block_m // 128  # 64 keys x block_m queries over a warpgroup
+    for early in (True, False):
+        config = dataclasses.replace(shipped, early_p=early)
+        entry = kernel_cubin(spec_of(config, "backward", True, "sm_90a", causal=True))
+        count = _exponentials_before_dp_wait(report_from_cubin(entry.cubin, entry.entry_name, "sm_90a"))
+        if early:
+            assert count >= per_thread // 3, count
+        else:
+            assert count == 0, count

@@ -22,7 +22,8 @@ def test_the_tile_is_three_warpgroups_of_32_keys():
     ROWS.check()
     for wrong in (WsBackwardConfig(192), WsBackwardConfig(192, block_m=128, head_dim_v=128),
                   WsBackwardConfig(128, head_dim_v=64),
-                  WsBackwardConfig(192, late_rows=True, head_dim_v=128)):
+                  WsBackwardConfig(192, late_rows=True, head_dim_v=128),
+                  WsBackwardConfig(192, early_p=True, head_dim_v=128)):  # the swapped tile's knob
         with pytest.raises(ValueError):
             wrong.check()
 

@@ -339,6 +339,7 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
     # the window and softcap builds keep the rows before their first GEMMs: staged late, their
     # extra live values spill there (window 6 LDL / 12 STL, causal softcap 8 / 3; sm_90a)
     LATE_ROWS = config.late_rows and not (window or softcap)
+    EARLY_P = config.early_p and not softcap
     ring = rings.step
     gemms = make_backward_gemms(D, BM, BN, DQ_COLS, bf16, dq_transposed=config.dq_split == "t")
 
@@ -357,6 +358,15 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
             mask_transposed(acc_s, S_N, key0, m0, seat.lane, seqlen_k, blk.diag, CAUSAL)
 
     @cuda.jit(device=True, forceinline=True)
+    def exponentiate_scores(acc_s, lse_at, scale_log2):
+        """Sᵀ -> Pᵀ = exp2(Sᵀ·scale − LSE₂) in place (``EARLY_P``: while dPᵀ's GEMM runs)."""
+        for j in range(S_N):
+            for e in range(2):
+                lse = ptx.ld_shared_f32(lse_at + (8 * j + e) * 4)
+                for r in range(2):
+                    acc_s[j, 2 * r + e] = ptx.exp2(acc_s[j, 2 * r + e] * scale_log2 - lse)
+
+    @cuda.jit(device=True, forceinline=True)
     def gradient_of_scores(acc, lse_at, delta_at, scale_log2):
         """Sᵀ -> Pᵀ and dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ − D), each packed at once into the 16-bit A fragments
         of dV and dK (``acc.p``, ``acc.ds``: k-step kt holds n-tiles 2 kt and 2 kt + 1, the m16k16 A
@@ -367,7 +377,7 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
             for half in range(2):
                 j = 2 * kt + half
                 for e in range(2):
-                    lse = ptx.ld_shared_f32(lse_at + (8 * j + e) * 4)
+                    lse = float32(0.0) if EARLY_P else ptx.ld_shared_f32(lse_at + (8 * j + e) * 4)
                     d = ptx.ld_shared_f32(delta_at + (8 * j + e) * 4)
                     for r in range(2):
                         s = acc_s[j, 2 * r + e]
@@ -375,7 +385,7 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
                             # (dPᵀ − D)·(1 − t²) first, so that t's register is free before P is made
                             acc_dp[j, 2 * r + e] = ((acc_dp[j, 2 * r + e] - d)
                                                     * max(float32(1.0) - s * s, float32(0.0)))
-                        p = ptx.exp2(s * scale_log2 - lse)
+                        p = s if EARLY_P else ptx.exp2(s * scale_log2 - lse)
                         acc_s[j, 2 * r + e] = p
                         if SOFTCAP:
                             acc_dp[j, 2 * r + e] = p * acc_dp[j, 2 * r + e]
@@ -437,10 +447,15 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
         if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
             cap_scores(acc.s, S_N, sc.cap_scale)
         mask_scores(acc.s, blk, m0, seat, blk.band.seqlen_k)
-        hp.wgmma_wait_group_0()
-        gemms.fence_scores(acc.dp)
         first = uint32(8 * (seat.lane % 4))  # the lane's first column, in bytes of float32
         rows_at = parity * uint32(ROWS_BYTES) + first
+        if EARLY_P:
+            exponentiate_scores(acc.s, tiles.lse + rows_at, sc.scale_log2)
+            # NVVM keeps the exponentials above the fence, and ptxas does not hoist dPᵀ's wait
+            # above it; ptxas still sinks some exponentials below both (d64: 25-28 of 64)
+            hp.fence_acq_rel_cta_after(acc.s[S_N - 1, 2], acc.s[S_N - 1, 3])
+        hp.wgmma_wait_group_0()
+        gemms.fence_scores(acc.dp)
         gradient_of_scores(acc, tiles.lse + rows_at, tiles.delta + rows_at, sc.scale_log2)
         gemms.issue_dkv(acc.dv, acc.p, hp.descriptor_add(descs.do_mn, q_at))
         buffer = parity * uint32(lay.ds_bytes)

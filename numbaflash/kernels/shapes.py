@@ -601,6 +601,12 @@ class WsBackwardConfig(ValueDim):
     # dQ adds (eight RED.128 a thread) still hold; issued after them, Sᵀ runs meanwhile. Measured
     # on an H200: d128 +1.1% to +3.5%, d64 -1% (docs/PERFORMANCE.md [BWL]).
     late_rows: bool = False
+    # Pᵀ = exp2(Sᵀ·scale − LSE₂) in place between Sᵀ's wait and dPᵀ's, the wait kept below the
+    # exponentials by a CTA fence (``ptx.hopper.fence_acq_rel_cta_after``), so that they run beside
+    # dPᵀ's GEMM (FlashAttention-3's order; dV still issued after dSᵀ). Swapped tile, not in softcap
+    # builds (they need the capped score after P is made). Measured on an H200, bf16: d64 +0.6% to
+    # +2.8%; d128 -3% (64 rows) and -23% (80 rows) (docs/PERFORMANCE.md [EARLYP]).
+    early_p: bool = False
     # V's (and dO's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's): 0 for
     # the same (``BackwardConfig.head_dim_v``). A shape of the call, not a knob: (192, 128) only.
     head_dim_v: int = 0
@@ -653,7 +659,7 @@ class WsBackwardConfig(ValueDim):
 
     @property
     def tag(self) -> str:
-        return f"_s{self.stages}" + ("_lr" if self.late_rows else "") + (
+        return f"_s{self.stages}" + ("_lr" if self.late_rows else "") + ("_ep" if self.early_p else "") + (
             f"_v{self.head_dim_v}" if self.head_dim_v else "")
 
     def dq_config(self) -> BackwardConfig:
@@ -720,6 +726,8 @@ class WsBackwardConfig(ValueDim):
                                  f"late_rows False, got {self}")
         elif self.head_dim not in (64, 128) or self.head_dim_v:
             raise ValueError(f"head_dim must be 64 or 128 (or 192 with head_dim_v 128), got {self}")
+        if self.early_p and not self.swapped:
+            raise ValueError(f"early_p needs the swapped tile (head dims 64 and 128), got {self}")
         if self.block_m not in (64, 80, 128):
             raise ValueError(f"block_m must be 64, 80 or 128, got {self.block_m}")
         if self.block_m == 80 and (self.head_dim != 128 or self.consumers != 2):
