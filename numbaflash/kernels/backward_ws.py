@@ -14,7 +14,8 @@ the block (GQA sums there), as the mma.sync kernel does:
 
       Sᵀ  = K Qᵀ       wgmma SS m64n{block_m}: keys x queries, so that a warp's rows are its keys
       dPᵀ = V dOᵀ      wgmma SS, issued with Sᵀ
-      Pᵀ  = exp2(Sᵀ·scale·log2e − LSE₂), masked;  dSᵀ = Pᵀ ∘ (dPᵀ − D)   (registers)
+      Pᵀ  = exp2(Sᵀ·scale·log2e − LSE₂), masked;  dSᵀ = Pᵀ ∘ (dPᵀ − D)   (registers; Pᵀ
+                       while dPᵀ runs where ``WsBackwardConfig.early_p``, else after it)
       dV += Pᵀ dO      wgmma RS: Pᵀ from registers (the accumulator is the A layout), dO MN-major
       dQ  = dS K       wgmma SS over the block's keys: dSᵀ stored to shared memory by both
                        warpgroups (a named barrier), read MN-major as dS; the warpgroups split dQ

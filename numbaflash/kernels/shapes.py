@@ -604,8 +604,9 @@ class WsBackwardConfig(ValueDim):
     # Pᵀ = exp2(Sᵀ·scale − LSE₂) in place between Sᵀ's wait and dPᵀ's, the wait kept below the
     # exponentials by a CTA fence (``ptx.hopper.fence_acq_rel_cta_after``), so that they run beside
     # dPᵀ's GEMM (FlashAttention-3's order; dV still issued after dSᵀ). Swapped tile, not in softcap
-    # builds (they need the capped score after P is made). Measured on an H200, bf16: d64 +0.6% to
-    # +2.8%; d128 -3% (64 rows) and -23% (80 rows) (docs/PERFORMANCE.md [EARLYP]).
+    # builds (they need the capped score after P is made). Measured on an H200, bf16: d64 +0.2% to
+    # +4% (1k-16k); d128 -3% (64 rows) and -23% (80 rows: ptxas serialises every wgmma)
+    # (docs/PERFORMANCE.md [EARLYP]).
     early_p: bool = False
     # V's (and dO's, dV's) head dim where it differs from ``head_dim`` (Q's, K's, dQ's, dK's): 0 for
     # the same (``BackwardConfig.head_dim_v``). A shape of the call, not a knob: (192, 128) only.
