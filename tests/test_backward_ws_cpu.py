@@ -30,7 +30,8 @@ from numbaflash.operations.launch_backward import (
 from numbaflash.runtime import launch as runtime_launch
 
 HOPPER, AMPERE, SM86, BLACKWELL = (9, 0), (8, 0), (8, 6), (10, 0)
-WS_CONFIGS = [WsBackwardConfig(64, block_m=128), WsBackwardConfig(128, block_m=64, late_rows=True)]
+WS_CONFIGS = [WsBackwardConfig(64, block_m=128, early_p=True),
+              WsBackwardConfig(128, block_m=64, late_rows=True)]
 # 80 query rows a step: dQᵀ = Kᵀ dSᵀ (FA4's d128 non-causal tile)
 WS_80 = WsBackwardConfig(128, block_m=80, late_rows=True)
 
