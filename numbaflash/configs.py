@@ -495,9 +495,9 @@ BACKWARD_CANDIDATES: dict[int, list[BackwardConfig]] = {
 # The Hopper backward (``WsBackwardConfig``), per head dim in order of preference: two consumer
 # warpgroups of 64 keys (128 keys a CTA) and a ring of two query blocks; at d64 128 query rows a
 # step (the warpgroups split dQ by rows) with P's exponentials beside dPᵀ's GEMM (``early_p``),
-# at d128 64 (they split dQ's head-dim columns) with the
-# next step's rows staged once the step's first GEMMs are issued (``late_rows``). Head dims
-# without an entry run the mma.sync backward on Hopper (``backward_dispatch_family``).
+# at d128 64 (they split dQ's head-dim columns) with the next step's rows staged once the step's
+# first GEMMs are issued (``late_rows``). Head dims without an entry run the mma.sync backward on
+# Hopper (``backward_dispatch_family``).
 _WB = WsBackwardConfig
 BACKWARD_WS_DEFAULTS: dict[int, list[WsBackwardConfig]] = {
     64: [_WB(64, block_m=128, early_p=True)],
