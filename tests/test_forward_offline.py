@@ -58,3 +58,16 @@ def test_fits_register_file(request, report):
     allocated = -(-report.registers // REGISTER_GRANULE) * REGISTER_GRANULE
     assert report.registers <= 255
     assert allocated * threads <= REGISTER_FILE, f"{report.registers} registers x {threads} threads"
+
+
+D96_WS = [name for name in sorted(KERNELS) if name.startswith("flash_forward_ws_d96_")]
+
+
+@pytest.mark.parametrize("name", D96_WS)
+def test_d96_descriptors_stay_uniform(name):
+    """The d96 Hopper forward takes its warpgroup index by a lane-0 broadcast (``forward_ws``'s
+    ``UNIFORM_WG``, +1-2% measured there), so that ptxas keeps the wgmma descriptors in uniform
+    registers: 30-39 R2UR moves with it, 54-68 without (sm_90a, CUDA 13.0 and 13.5)."""
+    report = report_from_cubin(kernel_cubin(KERNELS[name][0].spec.on("sm_90a")).cubin, name, "sm_90a")
+    moves = report.count("R2UR")
+    assert moves <= 45, f"{moves} R2UR: the descriptors left the uniform registers"
