@@ -378,14 +378,16 @@ FAMILY_CAPABILITY = {"sm80": (8, 0), "sm90": (9, 0)}  # a representative GPU of 
 SMALL_SHARED_CAPABILITIES = ((8, 6),)
 
 
-def shipped_configs(window: bool = False, varlen: bool = False) -> list[tuple[str, int, bool, KernelConfig]]:
+def shipped_configs(window: bool = False, varlen: bool = False,
+                    long: bool = True) -> list[tuple[str, int, bool, KernelConfig]]:
     """Every (family, head dim, causal, config) the dispatcher can launch for the variant (each
     family at its own head dims: the others run the sm80 family's config), including the sm80
     family's configs for GPUs of 99 KB of shared memory a CTA where they differ, and each family's
-    short- and long-sequence configs (``SHORT_SEQLEN``, ``LONG_SEQLEN``) where they differ."""
+    short- and, with ``long``, long-sequence configs (``SHORT_SEQLEN``, ``LONG_SEQLEN``) where they
+    differ."""
     # (family, GPU capability, seqlen) of each dispatch that may pick its own configs
     points = [(family, cap, None) for family, cap in FAMILY_CAPABILITY.items()]
-    points += [(family, cap, span) for span in (SHORT_SEQLEN, LONG_SEQLEN)
+    points += [(family, cap, span) for span in (SHORT_SEQLEN, LONG_SEQLEN) if long or span != LONG_SEQLEN
                for family, cap in FAMILY_CAPABILITY.items()]
     points += [("sm80", cap, None) for cap in SMALL_SHARED_CAPABILITIES]
     shipped = []

@@ -31,7 +31,7 @@ def registered_specs():
     try:
         kernels = {}
         for part in (registry.forward_kernels, registry.forward_variant_kernels,
-                     registry.forward_varlen_kernels,
+                     registry.forward_varlen_kernels, registry.forward_long_variant_kernels,
                      registry.backward_kernels, registry.backward_variant_kernels,
                      registry.backward_varlen_kernels, registry.decode_variant_kernels,
                      registry.backward_split_kernels, lambda: registry.backward_split_kernels(True),

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 # (window, softcap) of the variants of a masked kernel (issue 35)
 VARIANTS = ((True, False), (False, True), (True, True))
+# (window, softcap, varlen) of the forward's dense variant builds and of its packed builds
+WINDOW_SOFTCAP = tuple((w, c, False) for w, c in VARIANTS)
+PACKED = tuple((w, c, True) for w in (False, True) for c in (False, True))
 
 
 def registered_kernels() -> dict:
@@ -34,12 +37,15 @@ def registered_kernels() -> dict:
 def on_demand_kernels() -> dict:
     """The builds the API compiles on first use and the registry does not count: the learnable-sink
     builds (``forward_sink_kernels``, ``backward_sink_kernels``) and the Hopper backward's GQA-split
-    builds (``backward_split_kernels``), the long-sequence backward (``backward_long_kernels``), the
+    builds (``backward_split_kernels``), the window, softcap and packed builds of the forward configs
+    only long sequences pick (``forward_long_variant_kernels``), the long-sequence backward
+    (``backward_long_kernels``), the
     e4m3 forward (``forward_fp8_kernels``) and MLA decode
     (``mla_decode_kernels``). ``benchmarks/sass_census.py --on-demand`` and
     ``python -m numbaflash.inspect --on-demand`` check them offline."""
-    return {**forward_sink_kernels(), **backward_sink_kernels(), **backward_split_kernels(),
-            **backward_long_kernels(), **forward_fp8_kernels(), **mla_decode_kernels()}
+    return {**forward_sink_kernels(), **forward_long_variant_kernels(), **backward_sink_kernels(),
+            **backward_split_kernels(), **backward_long_kernels(), **forward_fp8_kernels(),
+            **mla_decode_kernels()}
 
 
 def mla_decode_kernels() -> dict:
@@ -107,21 +113,34 @@ def forward_kernels() -> dict:
 
 def forward_variant_kernels() -> dict:
     """The sliding-window and softcap kernels (issue 35) of every forward config the dispatcher
-    picks for them (``shipped_configs(window=...)``), both dtypes: the mma.sync family's for sm_80
+    picks for them below ``configs.LONG_SEQLEN`` (``shipped_configs(window=..., long=False)``;
+    ``forward_long_variant_kernels`` has the others), both dtypes: the mma.sync family's for sm_80
     and for Hopper (sm_90a), which runs them at the head dims its own kernel lacks, and the Hopper
     kernel's for sm_90a. Compiled on demand by the API, or by ``precompile``; named like the plain
     kernels with ``window`` in place of ``full|causal`` and ``_softcap`` after it
     (``..._window_softcap_f16_sm80``)."""
-    return _forward_kernels(tuple((w, c, False) for w, c in VARIANTS))
+    return _forward_kernels(WINDOW_SOFTCAP, long=False)
 
 
 def forward_varlen_kernels() -> dict:
     """The packed variable-length kernels (``flash_attention_varlen``) of every forward config the
-    dispatcher picks for them: plain (full and causal), window, softcap and window + softcap, both
-    dtypes, for the targets of ``forward_variant_kernels``. Compiled on demand, or by
-    ``precompile``; named like the plain kernels with ``varlen_`` before ``full|causal|window``
-    (``..._varlen_causal_f16_sm80``)."""
-    return _forward_kernels(tuple((w, c, True) for w in (False, True) for c in (False, True)))
+    dispatcher picks for them below ``configs.LONG_SEQLEN``: plain (full and causal), window,
+    softcap and window + softcap, both dtypes, for the targets of ``forward_variant_kernels``.
+    Compiled on demand, or by ``precompile``; named like the plain kernels with ``varlen_`` before
+    ``full|causal|window`` (``..._varlen_causal_f16_sm80``)."""
+    return _forward_kernels(PACKED, long=False)
+
+
+def forward_long_variant_kernels() -> dict:
+    """The window, softcap and packed builds (``forward_variant_kernels``' and
+    ``forward_varlen_kernels``' kinds) of the forward configs only sequences of
+    ``configs.LONG_SEQLEN`` and more pick (the ``/long`` table entries: d128 128 x 176, d96 128 x
+    192). Not registered (``on_demand_kernels``), as the long-sequence backward's are not: the API
+    builds them on first use, ``precompile`` builds them; their plain builds are registered
+    (``forward_kernels``)."""
+    everything = _forward_kernels(WINDOW_SOFTCAP + PACKED)
+    registered = {**forward_variant_kernels(), **forward_varlen_kernels()}
+    return {name: kernel for name, kernel in everything.items() if name not in registered}
 
 
 def forward_sink_kernels() -> dict:
@@ -155,16 +174,16 @@ def backward_sink_kernels() -> dict:
     return kernels
 
 
-def _forward_kernels(variants: tuple[tuple[bool, bool, bool], ...]) -> dict:
+def _forward_kernels(variants: tuple[tuple[bool, bool, bool], ...], long: bool = True) -> dict:
     """name -> (kernel, argument types, targets) of the (window, softcap, varlen) ``variants``'
     forward kernels, each on the configs the dispatcher picks for it (a window kernel is built
-    once, as non-causal)."""
+    once, as non-causal; ``long`` False: not those only long sequences pick)."""
     from ..configs import shipped_configs
     from ..kernels.families import spec_of
 
     kernels = {}
     for window, softcap, varlen in variants:
-        for family, _, causal, config in shipped_configs(window=window, varlen=varlen):
+        for family, _, causal, config in shipped_configs(window=window, varlen=varlen, long=long):
             spec0 = spec_of(config)
             # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
             archs = ("sm_80", "sm_90a") if spec0.arch == "sm_80" else (spec0.arch,)
