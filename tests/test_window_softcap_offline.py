@@ -10,9 +10,14 @@ import pytest
 
 from numbaflash.configs import kernel_cubin
 from numbaflash.tools.inspect import report_from_cubin
-from numbaflash.tools.registry import forward_variant_kernels, forward_varlen_kernels
+from numbaflash.tools.registry import (
+    forward_long_variant_kernels,
+    forward_variant_kernels,
+    forward_varlen_kernels,
+)
 
-KERNELS = {**forward_variant_kernels(), **forward_varlen_kernels()}
+# registered, and (d128's 128 x 176 and d96's 128 x 192, the /long entries' tiles) built on demand
+KERNELS = {**forward_variant_kernels(), **forward_varlen_kernels(), **forward_long_variant_kernels()}
 WINDOW_SOFTCAP = {next(n for n in KERNELS if n.startswith(f"flash_forward_d{d}_")
                        and n.endswith("_window_softcap_f16_sm80")) for d in (32, 64, 96, 128, 256)}
 D64_SOFTCAP = {n for n in KERNELS
