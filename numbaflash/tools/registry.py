@@ -138,9 +138,7 @@ def forward_long_variant_kernels() -> dict:
     192). Not registered (``on_demand_kernels``), as the long-sequence backward's are not: the API
     builds them on first use, ``precompile`` builds them; their plain builds are registered
     (``forward_kernels``)."""
-    everything = _forward_kernels(WINDOW_SOFTCAP + PACKED)
-    registered = {**forward_variant_kernels(), **forward_varlen_kernels()}
-    return {name: kernel for name, kernel in everything.items() if name not in registered}
+    return _forward_kernels(WINDOW_SOFTCAP + PACKED, long=None)
 
 
 def forward_sink_kernels() -> dict:
@@ -174,16 +172,21 @@ def backward_sink_kernels() -> dict:
     return kernels
 
 
-def _forward_kernels(variants: tuple[tuple[bool, bool, bool], ...], long: bool = True) -> dict:
+def _forward_kernels(variants: tuple[tuple[bool, bool, bool], ...], long: bool | None = True) -> dict:
     """name -> (kernel, argument types, targets) of the (window, softcap, varlen) ``variants``'
     forward kernels, each on the configs the dispatcher picks for it (a window kernel is built
-    once, as non-causal; ``long`` False: not those only long sequences pick)."""
+    once, as non-causal). ``long``: True every config, False not those only long sequences pick,
+    None only those (``backward_kernels(long=...)``'s split)."""
     from ..configs import shipped_configs
     from ..kernels.families import spec_of
 
     kernels = {}
     for window, softcap, varlen in variants:
-        for family, _, causal, config in shipped_configs(window=window, varlen=varlen, long=long):
+        chosen = shipped_configs(window=window, varlen=varlen, long=long is not False)
+        if long is None:
+            short = shipped_configs(window=window, varlen=varlen, long=False)
+            chosen = [item for item in chosen if item not in short]
+        for family, _, causal, config in chosen:
             spec0 = spec_of(config)
             # The mma.sync kernel runs on every GPU from sm_80 on: check it for Hopper too.
             archs = ("sm_80", "sm_90a") if spec0.arch == "sm_80" else (spec0.arch,)
