@@ -25,7 +25,9 @@ one head (equal cost per unit; see ``blocks.work_units``).
   together; the softmax of j+1 runs while PV_j is still in flight (``wgmma.wait_group 1``),
   and O is rescaled only after PV_j has completed.
 * **Ping-pong** (``config.pingpong``): the consumer warpgroups take turns, round robin, issuing
-  their GEMMs (named barriers), so that one's softmax overlaps the others' tensor-core work.
+  their GEMMs (named barriers), so that one's softmax overlaps the others' tensor-core work;
+  their row maxes are adopted and O rescaled on every KV tile (no vote, no branch; not with a
+  softcap), otherwise only when some row's max grew.
 * **Epilogue**: O is normalised in registers, written with ``stmatrix`` into a swizzled
   shared tile and stored by TMA, whose tensor map clips rows past seqlen_q; LSE as before.
   With ``config.o_in_q`` (head dim 256, where shared memory holds no O tile) each consumer
@@ -325,6 +327,13 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
     O_IN_Q = config.o_in_q
     PINGPONG = config.pingpong
     LATE_PV_WAIT = config.late_pv_wait
+    # Under ping-pong (16-bit, no softcap), the row maxes are adopted and O rescaled on every KV
+    # tile, with no warp vote and no branch, as FlashAttention-4 does: alpha is exactly 1 where no
+    # max grew, so the results are the lazy rescale's. H200, bf16 (docs/PERFORMANCE.md [RSA]): the
+    # three-consumer d64 ping-pong builds +2-3% (three runs), d96 tied; without ping-pong it loses
+    # 1-7%. The softcap builds keep the vote: with it, the d64 three-consumer causal packed softcap
+    # build spilled 122 (sm_90a).
+    RESCALE_ALWAYS = PINGPONG and not FP8 and not SOFTCAP
     q_ring, kv_ring, _, v_ring = rings
     issue_s, issue_pv, fence_s, fence_o = make_attention_gemms(config.head_dim, config.block_m, BN, bf16,
                                                                config.row_bytes, config.value_dim, FP8,
@@ -379,9 +388,13 @@ def make_consumer_steps(config: WsConfig, causal: bool, bf16: bool, rings: Rings
         else:
             mask_if_needed(acc_s, S_N_TILES, n0, BN, at, CAUSAL)
         scaled_row_maxes(acc_s, S_N_TILES, stats.mx, sc.scale_log2)
-        grew = cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD))
-        if grew:
+        if RESCALE_ALWAYS:
+            grew = True
             adopt_maxes(stats)
+        else:
+            grew = cuda.any_sync(FULL_MASK, max_grew(stats.mx, stats.m_run, THRESHOLD))
+            if grew:
+                adopt_maxes(stats)
         if FP8:
             exponentiate_e4m3(acc_s, S_N_TILES, stats.m_run, stats.l_run, sc.scale_log2)
         else:
