@@ -71,3 +71,20 @@ def test_d96_descriptors_stay_uniform(name):
     report = report_from_cubin(kernel_cubin(KERNELS[name][0].spec.on("sm_90a")).cubin, name, "sm_90a")
     moves = report.count("R2UR")
     assert moves <= 45, f"{moves} R2UR: the descriptors left the uniform registers"
+
+
+WS_16BIT = [name for name in sorted(KERNELS) if "_ws_" in name and "e4m3" not in name]
+
+
+@pytest.mark.parametrize("name", WS_16BIT)
+def test_ping_pong_rescales_without_a_vote(name):
+    """The Hopper forward's ping-pong builds adopt the row maxes and rescale O on every KV tile
+    (``forward_ws``'s ``RESCALE_ALWAYS``: d64 +2-3% measured there), so their SASS has no warp
+    vote (``VOTE``; ``VOTEU`` is the elect of uniform code); the other builds rescale only when a
+    warp's vote says some row max grew."""
+    report = report_from_cubin(kernel_cubin(KERNELS[name][0].spec.on("sm_90a")).cubin, name, "sm_90a")
+    votes = report.count("VOTE")
+    if "_pp_" in name:
+        assert votes == 0, f"{votes} VOTE: the ping-pong build rescales lazily"
+    else:
+        assert votes > 0, "no VOTE: the build rescales O on every tile"
