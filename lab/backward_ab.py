@@ -14,6 +14,11 @@ at 1k, 4k and 16k, causal and not; a head dim written ``f128`` times the forward
 (``flash_attention`` beside cuDNN's forward, 4·B·H·S²·D FLOPs, halved causal; section FA4R).
 Each timing is the median of 25 CUDA-event-timed calls after 5 warm-up calls and 250 ms of
 settling, two blocks per implementation, interleaved.
+
+``AB_FORCE`` (environment): a config to launch instead of the dispatched one, written as its repr
+(``AB_FORCE="WsConfig(128, block_n=128, pingpong=True)"``; ``WsConfig``, ``WsBackwardConfig``,
+``ForwardConfig`` and ``BackwardConfig`` are in scope), for causal and non-causal calls alike
+(``configs.force_config``): a candidate against the shipped entry in the same rounds (section RSA).
 """
 
 from __future__ import annotations
@@ -96,10 +101,22 @@ def measure_forward(tag: str, d: int, s: int, causal: bool) -> str:
 
 
 def run(tag: str, shapes: str) -> None:
-    for shape in shapes.split(","):
-        d, s, c = shape.split(":")
-        timed = measure_forward if d.startswith("f") else measure
-        print(timed(tag, int(d.lstrip("f")), int(s), c == "1"), flush=True)
+    import contextlib
+    import os
+
+    with contextlib.ExitStack() as forced:
+        if os.environ.get("AB_FORCE"):
+            from numbaflash import configs
+            from numbaflash.kernels.shapes import BackwardConfig, ForwardConfig, WsBackwardConfig, WsConfig
+
+            names = {c.__name__: c for c in (WsConfig, WsBackwardConfig, ForwardConfig, BackwardConfig)}
+            config = eval(os.environ["AB_FORCE"], names)
+            for causal in (False, True):
+                forced.enter_context(configs.force_config((9, 0), causal, config))
+        for shape in shapes.split(","):
+            d, s, c = shape.split(":")
+            timed = measure_forward if d.startswith("f") else measure
+            print(timed(tag, int(d.lstrip("f")), int(s), c == "1"), flush=True)
 
 
 def summary(path: str) -> None:
