@@ -106,13 +106,16 @@ def run(tag: str, shapes: str) -> None:
 
     with contextlib.ExitStack() as forced:
         if os.environ.get("AB_FORCE"):
+            import torch
+
             from numbaflash import configs
             from numbaflash.kernels.shapes import BackwardConfig, ForwardConfig, WsBackwardConfig, WsConfig
 
             names = {c.__name__: c for c in (WsConfig, WsBackwardConfig, ForwardConfig, BackwardConfig)}
             config = eval(os.environ["AB_FORCE"], names)
+            capability = torch.cuda.get_device_capability()  # the table key of this GPU's family
             for causal in (False, True):
-                forced.enter_context(configs.force_config((9, 0), causal, config))
+                forced.enter_context(configs.force_config(capability, causal, config))
         for shape in shapes.split(","):
             d, s, c = shape.split(":")
             timed = measure_forward if d.startswith("f") else measure
@@ -133,6 +136,8 @@ def summary(path: str) -> None:
     print(f"| shape | {a} TF/s | {b} TF/s | {b} / {a} | {a} / cuDNN | {b} / cuDNN |")
     print("|:--|--:|--:|--:|--:|--:|")
     for shape, by in rows.items():
+        if not (by[a] and by[b]):  # a shape only one tree ran (AB_FORCE rounds of a few shapes)
+            continue
         mean = {t: statistics.mean(x[0] for x in by[t]) for t in (a, b)}
         ratio = {t: statistics.mean(x[1] for x in by[t]) for t in (a, b)}
         runs = {t: " ".join(f"{x[0]:.0f}" for x in by[t]) for t in (a, b)}
