@@ -237,9 +237,10 @@ def dispatch_family(capability: tuple[int, int], head_dim: int, varlen: bool = F
 
 # A problem whose seqlen_q and seqlen_k are both at most SHORT_SEQLEN first looks for a
 # "short" table entry (``<key>/short``): at short sequences tile padding and the causal
-# diagonal weigh more, so other configs can win (d64 non-causal: ping-pong between the three
-# consumer warpgroups; d64 causal lost its short entry once the 192-row tiles
-# had caught up at 1k and pulled ahead at 2k).
+# diagonal weigh more, so other configs can win (the mma.sync d128 causal entry; d64 lost both of
+# its short entries: the causal one once the 192-row tiles had caught up at 1k and pulled ahead at
+# 2k, the non-causal one, three ping-pong consumer warpgroups, once that tile won at 4k and 8k
+# too, docs/PERFORMANCE.md [PP64]).
 SHORT_SEQLEN = 2048
 # A problem whose longer sequence is at least LONG_SEQLEN first looks for a "long" entry
 # (``<key>/long``): there a KV tile that does not divide the length costs little (d128 128 x 176,
