@@ -18,6 +18,7 @@ Then::
     /tmp/fa4v/bin/python lab/fa4_offline_sass.py dump 128 4096 1 [--out /tmp/fa4dump]  # d seqlen causal
     python lab/fa4_offline_sass.py loops /tmp/fa4dump/d128_s4096_c1/*bwd_sm90*.cubin
     python lab/fa4_offline_sass.py ours backward 128 1 [--sass /tmp/ours.sass]  # ours, the same summary
+    python lab/fa4_offline_sass.py ours forward 128 0 --config "WsConfig(128, pingpong=True)"  # a candidate
 
 ``dump`` compiles FA4's forward and backward (bf16, 64k tokens, width 2048: the bench workload's
 shapes) into ``OUT/d{d}_s{seqlen}_c{causal}``. ``loops`` and ``ours`` (run where numbaflash and a
@@ -106,13 +107,18 @@ def loops(sass: str) -> None:
         print("  order: " + " | ".join(f"{t} x{n}" if n > 1 else t for t, n in runs))
 
 
-def ours(operation: str, d: int, causal: bool) -> str:
-    """The SASS of our shipped Hopper build (``operation`` forward or backward, bf16, sm_90a)."""
+def ours(operation: str, d: int, causal: bool, config_text: str | None = None) -> str:
+    """The SASS of our shipped Hopper build (``operation`` forward or backward, bf16, sm_90a), or of
+    ``config_text`` (a config's repr, e.g. ``"WsConfig(128, pingpong=True)"``: a candidate)."""
     from numbaflash import configs
     from numbaflash.kernels.families import spec_of
+    from numbaflash.kernels.shapes import WsBackwardConfig, WsConfig
 
-    config = (configs.BACKWARD_WS_DEFAULTS[d][0] if operation == "backward"
-              else configs.forward_config((9, 0), d, causal, seqlen=4096))
+    if config_text:
+        config = eval(config_text, {"WsConfig": WsConfig, "WsBackwardConfig": WsBackwardConfig})
+    else:
+        config = (configs.BACKWARD_WS_DEFAULTS[d][0] if operation == "backward"
+                  else configs.forward_config((9, 0), d, causal, seqlen=4096))
     entry = configs.kernel_cubin(spec_of(config, operation, True, "sm_90a", causal=causal))
     path = f"/tmp/ours_{operation}_d{d}_c{int(causal)}.cubin"
     with open(path, "wb") as f:
@@ -130,7 +136,8 @@ if __name__ == "__main__":
             print(path)
             loops(sass_of(path))
     elif args[:1] == ["ours"]:
-        text = ours(args[1], int(args[2]), args[3] == "1")
+        text = ours(args[1], int(args[2]), args[3] == "1",
+                    args[args.index("--config") + 1] if "--config" in args else None)
         if "--sass" in args:
             with open(args[args.index("--sass") + 1], "w") as f:
                 f.write(text)
