@@ -715,7 +715,12 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                     int32(min(diag + a.window_right, seqlen_k)))
         if WINDOW:
             m_first, m_blocks = band_query_blocks(n0, min(BN, seqlen_k - n0), BM, seqlen_q, band)
-        steps = pl.heads * max(m_blocks - m_first, 0)
+        if GROUP_SPLIT:  # a 32-bit count: the 64-bit one's high word, held through the walk, spilled
+            # in the d128 window and 80-row causal split builds (8 LDL/STL each, sm_90a); the other
+            # builds keep theirs (their SASS as measured)
+            steps = int32(pl.heads * max(m_blocks - m_first, 0))
+        else:
+            steps = pl.heads * max(m_blocks - m_first, 0)
         blk = Block(n0, n_block, batch, kv_head, pl.split_head, m_first, m_blocks, steps, diag, band, a.rows,
                     seqlen_q)
 

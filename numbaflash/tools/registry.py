@@ -36,16 +36,15 @@ def registered_kernels() -> dict:
 
 def on_demand_kernels() -> dict:
     """The builds the API compiles on first use and the registry does not count: the learnable-sink
-    builds (``forward_sink_kernels``, ``backward_sink_kernels``) and the Hopper backward's GQA-split
-    builds (``backward_split_kernels``), the window, softcap and packed builds of the forward configs
-    only long sequences pick (``forward_long_variant_kernels``), the long-sequence backward
-    (``backward_long_kernels``), the
-    e4m3 forward (``forward_fp8_kernels``) and MLA decode
-    (``mla_decode_kernels``). ``benchmarks/sass_census.py --on-demand`` and
+    builds (``forward_sink_kernels``, ``backward_sink_kernels``), the Hopper backward's GQA-split
+    builds (``backward_split_kernels``: plain, and window / softcap), the window, softcap and packed
+    builds of the forward configs only long sequences pick (``forward_long_variant_kernels``), the
+    long-sequence backward (``backward_long_kernels``), the e4m3 forward (``forward_fp8_kernels``)
+    and MLA decode (``mla_decode_kernels``). ``benchmarks/sass_census.py --on-demand`` and
     ``python -m numbaflash.inspect --on-demand`` check them offline."""
     return {**forward_sink_kernels(), **forward_long_variant_kernels(), **backward_sink_kernels(),
-            **backward_split_kernels(), **backward_long_kernels(), **forward_fp8_kernels(),
-            **mla_decode_kernels()}
+            **backward_split_kernels(), **backward_split_kernels(variants=True),
+            **backward_long_kernels(), **forward_fp8_kernels(), **mla_decode_kernels()}
 
 
 def mla_decode_kernels() -> dict:
