@@ -77,7 +77,7 @@ def _shipped_variant_builds():
     return builds
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["", "split"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("variant,config,causal", _shipped_variant_builds(),
                          ids=lambda v: v if isinstance(v, str) else getattr(v, "head_dim", v))
 def test_every_shipped_build_keeps_to_registers(variant, config, causal, split):
