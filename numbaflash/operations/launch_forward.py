@@ -266,8 +266,9 @@ def launch_sm90(config, ctas: int | None = None) -> ForwardLaunch:
     """The launch of the warp-specialised Hopper kernel of ``config`` (``WS_ABI``): tensor maps
     of q, k, v, out (cached in device memory by pointers and layout: ``runtime.map_slots``) and a
     persistent grid of at most one CTA per SM (``ctas``: fewer, for tests that make each CTA walk
-    many tiles). What depends only on the config is worked out here, once; what depends on the
-    layout, once per bind."""
+    many tiles; one CTA a work unit instead loses 1.5-10.5% on an H200, most at 1k keys:
+    docs/PERFORMANCE.md, "Measurements behind dispatch rules"). What depends only on the config
+    is worked out here, once; what depends on the layout, once per bind."""
     block_m, threads, shared_bytes = config.block_m, config.threads, config.shared_bytes
     maps_of = _tensor_maps(config)
 
