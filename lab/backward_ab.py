@@ -8,6 +8,7 @@ once per tree in alternating processes, then ``summary`` tabulates the lines (se
       PYTHONPATH=$PWD      python lab/backward_ab.py new$r  >> ab.txt
     done
     python lab/backward_ab.py summary ab.txt
+    python lab/backward_ab.py summary ab.txt base pp    # two of several tags (AB_FORCE rounds)
 
 ``TAG [SHAPES]``: SHAPES a comma list of head_dim:seqlen:causal (0 or 1), default d64 and d128
 at 1k, 4k and 16k, causal and not; a head dim written ``f128`` times the forward instead
@@ -122,9 +123,10 @@ def run(tag: str, shapes: str) -> None:
             print(timed(tag, int(d.lstrip("f")), int(s), c == "1"), flush=True)
 
 
-def summary(path: str) -> None:
+def summary(path: str, pair: tuple[str, str] | None = None) -> None:
     """A markdown row a shape: each tree's TF/s run by run, the ratio of their means, and each
-    tree's mean ratio to cuDNN (the yardstick that moves with the clocks)."""
+    tree's mean ratio to cuDNN (the yardstick that moves with the clocks). ``pair``: the two tags
+    (without their round numbers) to set side by side; by default the first and the last tag."""
     rows = collections.defaultdict(lambda: collections.defaultdict(list))
     trees = []
     for line in open(path):
@@ -132,7 +134,7 @@ def summary(path: str) -> None:
             rows[m[2]][m[1]].append((float(m[3]), float(m[5])))
             if m[1] not in trees:
                 trees.append(m[1])
-    a, b = trees[0], trees[-1]
+    a, b = pair or (trees[0], trees[-1])
     print(f"| shape | {a} TF/s | {b} TF/s | {b} / {a} | {a} / cuDNN | {b} / cuDNN |")
     print("|:--|--:|--:|--:|--:|--:|")
     for shape, by in rows.items():
@@ -146,8 +148,8 @@ def summary(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "summary":
-        summary(sys.argv[2])
+    if len(sys.argv) in (3, 5) and sys.argv[1] == "summary":
+        summary(sys.argv[2], tuple(sys.argv[3:5]) or None)
     elif len(sys.argv) in (2, 3):
         run(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else SHAPES)
     else:
