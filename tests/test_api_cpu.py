@@ -456,6 +456,18 @@ def test_hopper_plan_keys_its_tensor_maps_by_layout_and_pointers(fake_device):
     assert len(fake_device.launches.seen) == 2 and len(device.GPU.plans) == 1
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_grid_is_persistent(fake_device, causal):
+    """The Hopper forward launches at most one CTA a SM, each walking work units (one CTA a work
+    unit lost 1.5-10.5% on an H200: docs/PERFORMANCE.md, "Measurements behind dispatch rules"),
+    and no more CTAs than the problem's query blocks."""
+    big, small = (2, 4096, 16, 128), (1, 256, 2, 128)  # 1024 and 4 query blocks of 128 rows
+    for shape, ctas in ((big, 132), (small, 4)):
+        numbaflash.flash_attention(*fake_qkv(shape, shape), causal=causal)
+        assert fake_device.loads[-1][0].__class__.__name__ == "WsConfig"
+        assert fake_device.launches.seen[-1][1] == (ctas, 1, 1)
+
+
 def test_plans_are_bounded(fake_device, monkeypatch):
     monkeypatch.setattr(forward, "PLANS_KEPT", 2)
     for seqlen in (64, 65, 66):
