@@ -6,9 +6,10 @@ Python path of ``benchmarks/launch_overhead.py`` (issue 32) measured and profile
 
 For each kernel family, as ``launch_overhead.py`` runs them on an H100 (``sm90`` at head dim 128
 and ``sm80`` at head dim 32, both on a pretend sm_90 device; problem (1, 256, 1, d) fp16,
-causal), with and without ``out=``: the best of ``--repeats`` wall times of ``--calls``
-back-to-back calls, in microseconds a call; ``--profile`` adds a cProfile of each, sorted by
-own time.
+causal), with and without ``out=``, and ``flash_attention_with_kvcache`` as ``decode_speed.py
+--host`` calls it (batch 1, 256 keys, GQA 32/8, d128; also paged, pages of 64): the best of
+``--repeats`` wall times of ``--calls`` back-to-back calls, in microseconds a call; ``--profile``
+adds a cProfile of each, sorted by own time.
 
 What is real and what is faked:
 
@@ -22,8 +23,10 @@ What is real and what is faked:
   (capability, shared-memory limit, SM count, an LSE scratch address); the kernels "load" as
   stand-ins (nothing is compiled), and ``KernelLauncher`` is the real one: it packs every
   parameter, then calls a C function through ctypes with the real argument types in place of
-  ``cuLaunchKernel`` (libc ``abs``, whose result is 0 for the stand-in kernel handle 0), so the
-  ctypes conversion is counted. The current-context query is libc ``strlen`` on the zeroed
+  ``cuLaunchKernel`` (libc ``abs``, whose result is 0 for the stand-in kernel handle 0; for the
+  decode's programmatic launch, ``cuLaunchKernelEx``, libc ``sched_yield``), so the ctypes
+  conversion is counted; the decode kernel's registers are given (186, its d128 build's). The
+  current-context query is libc ``strlen`` on the zeroed
   ``c_int`` (0: device 0) through ctypes.
 - torch's current stream is a Python function that returns 0 (the real one,
   ``torch._C._cuda_getCurrentRawStream``, is a C call of about 0.1 us); the Hopper kernel's
@@ -55,7 +58,7 @@ from torch._C import _disabled_torch_function_impl
 
 import numbaflash
 from numbaflash import operands, torch_route
-from numbaflash.operations import forward
+from numbaflash.operations import decode, forward
 from numbaflash.runtime import device as gpu_state
 from numbaflash.runtime import launch as runtime_launch
 from numbaflash.runtime import map_slots as map_slots_module
@@ -92,6 +95,17 @@ def fake_launch_function() -> Callable[..., int]:
     fn = _libc().abs
     p, u = ctypes.c_void_p, ctypes.c_uint
     fn.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def fake_launch_ex_function() -> Callable[..., int]:
+    """libc ``sched_yield`` typed as ``cuLaunchKernelEx`` (4 arguments, ignored; result 0): the
+    programmatic launch of the decode's split kernels. A system call, about as cheap as the
+    driver's launch is not: it counts the ctypes conversion, not the driver."""
+    fn = _libc().sched_yield
+    fn.argtypes = [ctypes.POINTER(runtime_launch._LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -153,9 +167,13 @@ def install_fakes() -> None:
     state.scratch[0] = 1 << 33
     gpu_state.GPU = state
     launch_function = fake_launch_function()
-    runtime_launch._libcuda = lambda: types.SimpleNamespace(cuLaunchKernel=launch_function)
+    libcuda = types.SimpleNamespace(cuLaunchKernel=launch_function,
+                                    cuLaunchKernelEx=fake_launch_ex_function())
+    runtime_launch._libcuda = lambda: libcuda
     runtime_launch.set_dynamic_shared_limit = lambda handle, device, nbytes: None
+    runtime_launch.kernel_registers = lambda handle, device: 186  # decode's CTAs a SM (its d128 build)
     forward.loaded_kernel = lambda spec: (types.SimpleNamespace(handle=0), f"{spec.operation}_entry")
+    decode.loaded_kernel = forward.loaded_kernel  # (imported there by name)
     slots: dict[int, HostSlots] = {}
     map_slots_module.map_slots = lambda device: slots.setdefault(device, HostSlots())
     operands._RAW_STREAM = lambda device: 0
@@ -173,6 +191,27 @@ def calls_for(head_dim: int) -> dict[str, Callable[[], Any]]:
         numbaflash.flash_attention(q, k, v, causal=True, out=out)
 
     return {"": plain, " out=": given_out}
+
+
+def decode_calls() -> dict[str, Callable[[], Any]]:
+    """``decode_speed.py --host``'s call: batch 1, 256 cached keys, GQA 32/8, d128, one query row,
+    a new out, out= given, and the cache paged (pages of 64, out= given)."""
+    q, out = cuda_like((1, 1, 32, 128)), cuda_like((1, 1, 32, 128))
+    k, v = cuda_like((1, 256, 8, 128)), cuda_like((1, 256, 8, 128))
+    pages_k, pages_v = cuda_like((4, 64, 8, 128)), cuda_like((4, 64, 8, 128))
+    seqlens = torch.Tensor._make_subclass(CudaLike, torch.full((1,), 256, dtype=torch.int32))
+    table = torch.Tensor._make_subclass(CudaLike, torch.arange(4, dtype=torch.int32).reshape(1, 4))
+
+    def plain():
+        numbaflash.flash_attention_with_kvcache(q, k, v, seqlens)
+
+    def given_out():
+        numbaflash.flash_attention_with_kvcache(q, k, v, seqlens, out=out)
+
+    def paged():
+        numbaflash.flash_attention_with_kvcache(q, pages_k, pages_v, seqlens, block_table=table, out=out)
+
+    return {"": plain, " out=": given_out, " paged out=": paged}
 
 
 def us_per_call(call: Callable[[], Any], calls: int, repeats: int) -> float:
@@ -208,17 +247,19 @@ def main() -> None:
     print(f"torch {torch.__version__}; (1, 256, 1, d) fp16 causal on a pretend sm_90; best of "
           f"{args.repeats} x {args.calls} calls")
     rows, profiles = [], []
-    for family, head_dim in FAMILIES.items():
-        for suffix, call in calls_for(head_dim).items():
+    runs = [(family, calls_for(head_dim), f"d{head_dim}") for family, head_dim in FAMILIES.items()]
+    runs.append(("decode", decode_calls(), "d128"))
+    for family, calls, dim in runs:
+        for suffix, call in calls.items():
             for _ in range(100):  # load, prepare, fill the ready table and the map slots
                 call()
-            name = f"{family} d{head_dim}{suffix}"
+            name = f"{family} {dim}{suffix}"
             rows.append((name, us_per_call(call, args.calls, args.repeats)))
             if args.profile:
                 profiles.append((name, profile(call, args.calls, args.top)))
-    print(f"{'call':<16} {'us/call':>8}")
+    print(f"{'call':<22} {'us/call':>8}")
     for name, us in rows:
-        print(f"{name:<16} {us:>8.2f}")
+        print(f"{name:<22} {us:>8.2f}")
     for name, text in profiles:
         print(f"\n--- {name}\n{text}")
 
