@@ -16,6 +16,7 @@ Setup, once (Python 3.11: the CPU torch wheel on this machine's disk; FA4's own 
 Then::
 
     /tmp/fa4v/bin/python lab/fa4_offline_sass.py dump 128 4096 1 [--out /tmp/fa4dump]  # d seqlen causal
+    /tmp/fa4v/bin/python lab/fa4_offline_sass.py dump 192/128 4096 0  # V's head dim apart
     python lab/fa4_offline_sass.py loops /tmp/fa4dump/d128_s4096_c1/*bwd_sm90*.cubin
     python lab/fa4_offline_sass.py ours backward 128 1 [--sass /tmp/ours.sass]  # ours, the same summary
     python lab/fa4_offline_sass.py ours forward 128 0 --config "WsConfig(128, pingpong=True)"  # a candidate
@@ -36,9 +37,10 @@ import subprocess
 import sys
 
 
-def dump(d: int, seqlen: int, causal: bool, out: str) -> None:
-    """FA4's forward and backward for (d, seqlen, causal), cubins and PTX into ``out``/..."""
-    folder = f"{out}/d{d}_s{seqlen}_c{int(causal)}"
+def dump(d: int, seqlen: int, causal: bool, out: str, dv: int | None = None) -> None:
+    """FA4's forward and backward for (d, seqlen, causal), cubins and PTX into ``out``/...; ``dv``:
+    V's head dim where it differs from Q's and K's (``dump 192/128 ...``: 16 heads, as asym_speed)."""
+    folder = f"{out}/d{d}{f'v{dv}' if dv else ''}_s{seqlen}_c{int(causal)}"
     os.makedirs(folder, exist_ok=True)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
@@ -52,10 +54,11 @@ def dump(d: int, seqlen: int, causal: bool, out: str) -> None:
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # what the interface dispatches on
     from flash_attn.cute import interface
 
-    batch, heads = max(1, 65536 // seqlen), 2048 // d
+    batch, heads = max(1, 65536 // seqlen), (16 if dv else 2048 // d)
     with FakeTensorMode(allow_non_fake_inputs=True):
         shape = (batch, seqlen, heads, d)
-        q, k, v = (torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        q, k = (torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        v = torch.empty((*shape[:3], dv or d), dtype=torch.bfloat16, device="cuda")
         start = time.perf_counter()
         out_, lse = interface.flash_attn_func(q, k, v, causal=causal, return_lse=True)[:2]
         middle = time.perf_counter()
@@ -130,7 +133,8 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["dump"]:
         out = args[args.index("--out") + 1] if "--out" in args else "/tmp/fa4dump"
-        dump(int(args[1]), int(args[2]), args[3] == "1", out)
+        d, _, dv = args[1].partition("/")
+        dump(int(d), int(args[2]), args[3] == "1", out, int(dv) if dv else None)
     elif args[:1] == ["loops"]:
         for path in args[1:]:
             print(path)
