@@ -51,6 +51,10 @@ extern "C" __device__ void st_shared_v4_b32(unsigned addr, const unsigned* r) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
                :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
+// 16-byte vector store of four floats to shared memory (a dQ fragment staged for a bulk reduce).
+extern "C" __device__ void st_shared_v4_f32(unsigned addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 // 32-bit load of a float from shared memory (a byte address in the shared window).
 extern "C" __device__ float ld_shared_f32(unsigned addr) {
   float v;

@@ -39,6 +39,12 @@ extern "C" __device__ void tma_store_4d(const unsigned long long* tmap, unsigned
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
                :: "l"(tmap), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// Add `bytes` (a multiple of 16) of float32 at shared address `src` into global `dst`, element by
+// element (a bulk reduce by the copy engine; both 16-byte aligned), in the thread's open bulk group.
+extern "C" __device__ void bulk_reduce_add_f32(long long dst, unsigned src, unsigned bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
 extern "C" __device__ void cp_async_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until at most 0 committed bulk groups are pending (writes to global done).
 extern "C" __device__ void cp_async_bulk_wait_group_0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }

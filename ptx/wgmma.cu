@@ -44,6 +44,7 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 #define REGS_4 "{%0, %1, %2, %3}"
 #define REGS_8 "{" R8_0 "}"
 #define REGS_16 "{" R8_0 ", " R8_1 "}"
+#define REGS_24 "{" R8_0 ", " R8_1 ", " R8_2 "}"
 #define REGS_32 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 "}"
 #define REGS_40 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 "}"
 #define REGS_48 "{" R8_0 ", " R8_1 ", " R8_2 ", " R8_3 ", " R8_4 ", " R8_5 "}"
@@ -64,6 +65,7 @@ extern "C" __device__ void wgmma_wait_group_3() { asm volatile("wgmma.wait_group
 #define ACC_4 ACC4(0)
 #define ACC_8 ACC8(0)
 #define ACC_16 ACC16(0)
+#define ACC_24 ACC16(0), ACC8(16)
 #define ACC_32 ACC32(0)
 #define ACC_40 ACC32(0), ACC8(32)
 #define ACC_48 ACC32(0), ACC16(32)
@@ -147,6 +149,9 @@ WGMMA_N(16, 8, "8", "9", "10", "11", "12", "13")
 #endif
 #if !defined(WGMMA_SOME_N) || defined(WGMMA_N32)
 WGMMA_N(32, 16, "16", "17", "18", "19", "20", "21")
+#endif
+#if !defined(WGMMA_SOME_N) || defined(WGMMA_N48)
+WGMMA_N(48, 24, "24", "25", "26", "27", "28", "29")
 #endif
 #if !defined(WGMMA_SOME_N) || defined(WGMMA_N64)
 WGMMA_N(64, 32, "32", "33", "34", "35", "36", "37")

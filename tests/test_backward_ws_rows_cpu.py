@@ -13,10 +13,11 @@ from numbaflash.kernels.shapes import SMEM_ALIGN, WsBackwardConfig
 ROWS = WsBackwardConfig(192, head_dim_v=128)
 
 
-def test_the_tile_is_three_warpgroups_of_32_keys():
+def test_the_tile_is_two_warpgroups_of_48_keys():
     assert not ROWS.swapped and WsBackwardConfig(128).swapped
-    assert (ROWS.consumers, ROWS.block_n, ROWS.threads, ROWS.register_split) == (3, 96, 512, (24, 160))
-    assert 128 * ROWS.register_split[0] + 3 * 128 * ROWS.register_split[1] <= 65536
+    assert (ROWS.consumers, ROWS.block_n, ROWS.threads, ROWS.register_split) == (2, 96, 384, (24, 240))
+    assert 128 * ROWS.register_split[0] + 2 * 128 * ROWS.register_split[1] <= 65536
+    assert ROWS.barrier_words == 1 + 2 * ROWS.stages + 2  # and the staged dQ's full and empty
     assert ROWS.dq_split == "n" and ROWS.tag == "_s2_v128"
     assert WsBackwardConfig(192, head_dim_v=192) == WsBackwardConfig(192)  # one spelling
     ROWS.check()
@@ -30,8 +31,9 @@ def test_the_tile_is_three_warpgroups_of_32_keys():
 
 def test_dq_adds_land_where_the_dq_kernel_reads_them():
     """Element e of n-tile j of lane ``lane`` of warp ``warp`` of warpgroup ``wg`` is dQ's (row 16 warp
-    + lane // 4 + 8 (e // 2), column 64 wg + 8 j + 2 (lane % 4) + e % 2): its offset, ``dq_add_at`` + e,
-    is where ``dq_config``'s thread that holds that position stores it; every offset once."""
+    + lane // 4 + 8 (e // 2), column 96 wg + 8 j + 2 (lane % 4) + e % 2): its offset, ``dq_add_at`` + e,
+    is where ``dq_config``'s thread that holds that position stores it; every offset once, and the
+    kernel's staging offset 4 (256 j + thread) (``backward_ws_rows.stage_dq``)."""
     mma = ROWS.dq_config()
     assert (mma.head_dim, mma.value_dim, mma.block_m, mma.dq_vector) == (192, 128, 64, 4)
     assert not mma.dq_transposed
@@ -45,12 +47,12 @@ def test_dq_adds_land_where_the_dq_kernel_reads_them():
     for wg in range(ROWS.consumers):
         for warp in range(4):
             for lane in range(32):
-                for j in range(8):
+                for j in range(12):
                     at = ROWS.dq_add_at(wg, warp, lane, j)
-                    assert at % 4 == 0  # a 16-byte red.global.add.v4
+                    assert at == 4 * (256 * j + 128 * wg + 32 * warp + lane)  # 16 bytes, as staged
                     for e in range(4):
                         row = 16 * warp + lane // 4 + 8 * (e // 2)
-                        col = 64 * wg + 8 * j + 2 * (lane % 4) + e % 2
+                        col = 96 * wg + 8 * j + 2 * (lane % 4) + e % 2
                         assert where[(row, col)] == at + e
                         seen.add(at + e)
     assert seen == set(range(64 * 192))
@@ -59,9 +61,8 @@ def test_dq_adds_land_where_the_dq_kernel_reads_them():
 def test_the_shared_layout():
     lay = ROWS.layout
     regions = [("k", lay.k, 96 * 192 * 2), ("v", lay.v, 96 * 128 * 2), ("q", lay.q, 2 * 64 * 192 * 2),
-               ("do", lay.do, 2 * 64 * 128 * 2), ("ds", lay.ds, 2 * lay.ds_bytes),
-               ("p", lay.p, 2 * lay.ds_bytes),
-               ("lse", lay.lse, 2 * 64 * 4), ("delta", lay.delta, 2 * 64 * 4)]
+               ("do", lay.do, 2 * 64 * 128 * 2), ("ds", lay.ds, lay.ds_bytes), ("p", lay.p, lay.ds_bytes),
+               ("dq", lay.dq, 64 * 192 * 4), ("lse", lay.lse, 2 * 64 * 4), ("delta", lay.delta, 2 * 64 * 4)]
     assert lay.ds_bytes == 64 * 128 * 2  # 64 query rows of two 128-byte column blocks of 64 keys
     assert (lay.q_stage, lay.do_stage) == (64 * 192 * 2, 64 * 128 * 2)
     assert ROWS.step_bytes == lay.q_stage + lay.do_stage
@@ -70,11 +71,12 @@ def test_the_shared_layout():
         assert at == end, name
         if name not in ("lse", "delta"):
             assert at % SMEM_ALIGN == 0
-            assert name not in ("q", "do", "ds", "p") or size // 2 % SMEM_ALIGN == 0  # each stage too
+            assert name not in ("q", "do") or size // 2 % SMEM_ALIGN == 0  # each stage too
         end = at + size
     assert lay.end == end and ROWS.shared_bytes == end + SMEM_ALIGN <= 227 * 1024
     swapped = WsBackwardConfig(128, late_rows=True).layout
-    assert swapped.p == 0 and swapped.do_stage == swapped.q_stage  # the swapped tile's, as before
+    assert swapped.p == swapped.dq == 0 and swapped.do_stage == swapped.q_stage  # the swapped tile's
+    assert swapped.lse == swapped.ds + 2 * swapped.ds_bytes
 
 
 def test_dense_hopper_calls_take_the_tile():

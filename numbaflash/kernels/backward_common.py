@@ -390,7 +390,7 @@ def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, va
                 for j in range(T_N):
                     for e in range(4):  # config.dq_offset(tid, 4 j + e)
                         acc_t[j, e] = dq_acc[at + j * 4 * THREADS + e]
-                store_transposed_fragment(tile, acc_t, T_N, BM, 16 * warp, lane, BF16, RB, scale)
+                store_transposed_fragment(tile, acc_t, T_N, BM, 0, 16 * warp, lane, BF16, RB, scale)
             else:
                 acc = cuda.local.array((QMT, DQ_N, 4), float32)
                 for mt in range(QMT):

@@ -97,8 +97,8 @@ Maps = namedtuple("Maps", ["q", "k", "v", "do"])
 Block = namedtuple("Block", ["n0", "n_block", "batch", "kv_head", "split_head", "m_first", "m_blocks",
                              "steps", "diag", "band", "rows", "seqlen_q"])
 # Shared tiles (32-bit shared addresses): K, V, ring stage 0 of Q and dO, rows buffer 0 of LSE and
-# D, dSᵀ buffer 0 (the unswapped tile's: dS, and P buffer 0).
-Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds", "p"])
+# D, dSᵀ buffer 0 (the unswapped tile's: its dS and P buffers, and its staged dQ).
+Tiles = namedtuple("Tiles", ["k", "v", "q", "do", "lse", "delta", "ds", "p", "dq"])
 # A consumer warp's seat: its warpgroup, warp in it, lane, thread among the consumers (0 .. 255).
 Seat = namedtuple("Seat", ["wg", "warp", "lane", "thread"])
 # A consumer warp's registers: Sᵀ (then Pᵀ), dPᵀ (then dSᵀ), Pᵀ and dSᵀ as 16-bit A fragments,
@@ -138,8 +138,9 @@ Placement = namedtuple("Placement", ["place", "split_sums"])
 # (``params.GROUP_SPLIT``).
 WsBackwardArgs = namedtuple("WsBackwardArgs", declarations.names_of(declarations.WS_BACKWARD))
 GroupSplit = namedtuple("GroupSplit", declarations.names_of(declarations.GROUP_SPLIT))
-Walk = namedtuple("Walk", ["next_block", "workspace_row"])
+Walk = namedtuple("Walk", ["next_block", "workspace_row", "turn_of"])
 Producer = namedtuple("Producer", ["produce_steps"])
+DqWriter = namedtuple("DqWriter", ["dq_barriers", "write_dq_steps"])
 RowStaging = namedtuple("RowStaging", ["stage_rows"])
 DqTurns = namedtuple("DqTurns", ["wait_turn", "pass_turn"])
 ConsumerSteps = namedtuple("ConsumerSteps", ["stage_rows", "consume_step"])
@@ -211,10 +212,12 @@ def make_placement(config: WsBackwardConfig, group_split: bool) -> Placement:
 
 # ---------------------------------------------------------------------------------- the walk
 
-def make_walk(config: WsBackwardConfig) -> Walk:
+def make_walk(config: WsBackwardConfig, window: bool = False) -> Walk:
     """The walk every role shares: each (query head of the group, query block) step of a CTA, the
-    query blocks walked downwards, and where a step's rows sit in the workspace."""
-    BM = config.block_m
+    query blocks walked downwards, where a step's rows sit in the workspace, and the key block's
+    turn at a query block's dQ in deterministic mode (``window``: a window build's)."""
+    BM, BN = config.block_m, config.block_n
+    WINDOW = window
 
     @cuda.jit(device=True, forceinline=True)
     def next_block(head, m_block, blk):
@@ -232,7 +235,17 @@ def make_walk(config: WsBackwardConfig) -> Walk:
         query head ``head`` of the block's batch."""
         return (blk.batch * heads_q + head) * blk.rows + m_block * BM
 
-    return Walk(next_block, workspace_row)
+    @cuda.jit(device=True, forceinline=True)
+    def turn_of(blk, m0):
+        """The count the turn counter of the query block from row ``m0`` must reach before this
+        key block adds its dQ: the key blocks before it (in a window, those that see the block:
+        they are consecutive)."""
+        turn = blk.n_block
+        if WINDOW:
+            turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
+        return turn
+
+    return Walk(next_block, workspace_row, turn_of)
 
 
 # ---------------------------------------------------------------------------------- producer
@@ -270,11 +283,61 @@ def make_producer(config: WsBackwardConfig, rings: Rings, walk: Walk) -> Produce
     return Producer(produce_steps)
 
 
+def make_dq_writer(config: WsBackwardConfig, walk: Walk) -> DqWriter:
+    """The unswapped tile's dQ: one thread of the producer warpgroup adds each step's staged dQ (the
+    consumers' ``tiles.dq``, in ``dq_config``'s order: the query block's accumulator rows are one
+    contiguous range) into the workspace with a bulk reduce, in deterministic mode in its key block's turn.
+    The buffer is a one-stage ring (``ring.make_ring``) whose roles are the other way round: the
+    consumer warps fill it (``wait_empty``, then one arrival a warp on the full barrier) and this
+    thread drains it (``wait_full``, the reduce's reads, then ``release``)."""
+    BM, D = config.block_m, config.head_dim
+    DQ_BYTES = BM * D * 4
+    STAGES = config.stages
+    dq_ring = make_ring(1)
+    next_block, workspace_row, turn_of = walk
+
+    @cuda.jit(device=True, forceinline=True)
+    def dq_barriers(bars):
+        """The dQ buffer's full and empty mbarriers, after the step ring's (``bars``)."""
+        return RingBarriers(bars.empty + uint32(8 * STAGES), bars.empty + uint32(8 * STAGES + 8))
+
+    @cuda.jit(device=True, forceinline=True)
+    def write_dq_steps(tiles, bars, blk, ws, heads_q, group, counters_per_head, deterministic):
+        """Every step's dQ, once the consumers have staged it."""
+        dq_bars = dq_barriers(bars)
+        head = blk.kv_head * group + blk.split_head
+        m_block = blk.m_blocks - 1
+        for step in range(blk.steps):
+            i = uint32(step)
+            dq_ring.wait_full(dq_bars, i)
+            at = ws.dq + workspace_row(blk, heads_q, head, m_block) * (D * 4)
+            if deterministic:  # after the key blocks before this one; complete before passing on
+                counter_at = ws.counters + ((blk.batch * heads_q + head) * counters_per_head + m_block) * 4
+                turn = turn_of(blk, m_block * BM)
+                while ptx.ld_acquire_gpu_s32(counter_at) != turn:
+                    pass
+                hp.bulk_reduce_add_f32(at, tiles.dq, DQ_BYTES)
+                hp.tma_store_commit_group()
+                hp.tma_store_wait_group_0()
+                cuda.threadfence()
+                ptx.red_release_gpu_add_s32(counter_at, int32(1))
+            else:
+                hp.bulk_reduce_add_f32(at, tiles.dq, DQ_BYTES)
+                hp.tma_store_commit_group()
+                hp.tma_store_wait_group_read_0()
+            dq_ring.release(dq_bars, i, 0)
+            head, m_block = next_block(head, m_block, blk)
+        hp.tma_store_wait_group_0()
+
+    return DqWriter(dq_barriers, write_dq_steps)
+
+
 # ---------------------------------------------------------------------------------- consumer steps
 
 def make_dq_turns(config: WsBackwardConfig) -> DqTurns:
-    """Deterministic mode's turns, shared by both tiles (``backward_ws_rows``): a query block's key
-    blocks add their dQ one after the other, in the order of its turn counter."""
+    """Deterministic mode's turns of the swapped tile (the unswapped tile's dQ writer takes its own,
+    ``make_dq_writer``): a query block's key blocks add their dQ one after the other, in the order
+    of its turn counter."""
     CONSUMER_THREADS = config.consumers * WARPGROUP
 
     @cuda.jit(device=True, forceinline=True)
@@ -479,16 +542,15 @@ def make_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, ring
 
 # ---------------------------------------------------------------------------------- consumer
 
-def make_consumer_walk(config: WsBackwardConfig, rings: Rings, walk: Walk, stage_rows, consume_step,
-                       window: bool = False) -> ConsumerWalk:
+def make_consumer_walk(config: WsBackwardConfig, rings: Rings, walk: Walk, stage_rows,
+                       consume_step) -> ConsumerWalk:
     """A consumer warpgroup's walk, shared by both tiles: the first step's rows, K and V's wait,
     then every step (``consume_step(acc, io, Step, seat)``) with its workspace row, turn counter
-    and the next step's rows (``window``: a window build's turns)."""
-    BM, BN = config.block_m, config.block_n
+    (``Walk.turn_of``) and the next step's rows."""
+    BM = config.block_m
     CONSUMER_THREADS = config.consumers * WARPGROUP
-    WINDOW = window
     kv_once = rings.kv
-    next_block, workspace_row = walk
+    next_block, workspace_row, turn_of = walk
 
     @cuda.jit(device=True, forceinline=True)
     def walk_steps(acc, io, kv_bar, seat, heads_q, group, counters_per_head):
@@ -504,9 +566,7 @@ def make_consumer_walk(config: WsBackwardConfig, rings: Rings, walk: Walk, stage
         for step in range(blk.steps):
             m0 = m_block * BM
             bh = blk.batch * heads_q + head
-            turn = blk.n_block
-            if WINDOW:  # the key blocks that visit a query block are consecutive
-                turn = blk.n_block - band_kv_tiles(m0, min(BM, blk.seqlen_q - m0), BN, blk.band)[0]
+            turn = turn_of(blk, m0)
             counter_at = ws.counters + (bh * counters_per_head + m_block) * 4
             head1, m_block1 = next_block(head, m_block, blk)
             next_row = int64(-1)
@@ -533,7 +593,7 @@ def make_consumer(config: WsBackwardConfig, causal: bool, bf16: bool, rings: Rin
     DQ_N = dq_n_tiles(config)  # n-tiles of a warpgroup's dQ
     DQ_COLS = DQ_N * 8
     stage_rows, consume_step = make_consumer_steps(config, causal, bf16, rings, window, softcap)
-    walk_steps = make_consumer_walk(config, rings, walk, stage_rows, consume_step, window).walk_steps
+    walk_steps = make_consumer_walk(config, rings, walk, stage_rows, consume_step).walk_steps
 
     @cuda.jit(device=True, forceinline=True)
     def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
@@ -674,18 +734,20 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
     raise_registers = getattr(hp, f"setmaxnreg_inc_{config.register_split[1]}")
     placement = make_placement(config, group_split)
-    walk = make_walk(config)
+    walk = make_walk(config, window)
+    BULK_DQ = not config.swapped  # the unswapped tile's dQ: staged, then a bulk reduce
+    dq_barriers, write_dq_steps = make_dq_writer(config, walk)
     produce_steps = make_producer(config, rings, walk).produce_steps
     if config.swapped:
         consume = make_consumer(config, causal, bf16, rings, walk, window, softcap).consume
         store_dkv, gather_split = make_epilogue(config, bf16)
-    else:  # FlashAttention-3's head-dim-192 tile: S and dP by rows, three warpgroups
+    else:  # FlashAttention-4's (192, 128) tile: S and dP by rows, 48 keys a warpgroup
         if group_split:
             raise ValueError(f"{config} has no GQA-split build (its tile is unswapped: WsBackwardConfig)")
         stage_rows = make_row_staging(config).stage_rows
-        consume_step = make_rows_consumer_steps(config, causal, bf16, rings, stage_rows,
-                                                make_dq_turns(config), window, softcap).consume_step
-        walk_steps = make_consumer_walk(config, rings, walk, stage_rows, consume_step, window).walk_steps
+        consume_step = make_rows_consumer_steps(config, causal, bf16, rings, stage_rows, dq_barriers, window,
+                                                softcap).consume_step
+        walk_steps = make_consumer_walk(config, rings, walk, stage_rows, consume_step).walk_steps
         consume = make_rows_consumer(config, walk_steps).consume
         store_dkv = make_rows_epilogue(config, bf16).store_dkv
         gather_split = None
@@ -726,7 +788,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
 
         base = (ptx.shared_address_u16(smem) + 1023) & ~uint32(1023)  # swizzle atoms: 1024-aligned
         tiles = Tiles(base + lay.k, base + lay.v, base + lay.q, base + lay.do, base + lay.lse,
-                      base + lay.delta, base + lay.ds, base + lay.p)
+                      base + lay.delta, base + lay.ds, base + lay.p, base + lay.dq)
         b = ptx.shared_address_u64(bar_words)
         kv_bar = RingBarriers(b, b)
         bars = RingBarriers(b + 8, b + 8 + 8 * STAGES)
@@ -735,6 +797,10 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             for s in range(STAGES):
                 hp.mbarrier_init(ring.full(bars, s), 1)
                 hp.mbarrier_init(ring.empty(bars, s), CONSUMER_WARPS)
+            if BULK_DQ:  # filled by the consumer warps, drained by one thread
+                dq_bars = dq_barriers(bars)
+                hp.mbarrier_init(dq_bars.full, CONSUMER_WARPS)
+                hp.mbarrier_init(dq_bars.empty, 1)
             hp.fence_mbarrier_init()
             hp.tma_prefetch_descriptor(a.map_q)
             hp.tma_prefetch_descriptor(a.map_k)
@@ -749,6 +815,10 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
                 load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
                 load_v_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
                 produce_steps(maps, bars, tiles, blk, a.group)
+            elif BULK_DQ and tid == 32:
+                ws = Workspace(ptx.global_address_f32(a.dq_acc), ptx.global_address_i32(a.counters), a.lse2,
+                               a.delta)
+                write_dq_steps(tiles, bars, blk, ws, a.heads_q, a.group, a.rows // BM, a.deterministic)
         else:
             raise_registers()
             thread = uint32(tid - WARPGROUP)

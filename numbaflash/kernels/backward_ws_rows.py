@@ -1,31 +1,39 @@
-"""The Hopper backward's unswapped tile (``WsBackwardConfig.swapped`` False): FlashAttention-3's
-head-dim-192 tile, here for head dims (192, 128) (DeepSeek's prefill and training: 128 + 64
-rotary for Q and K, 128 for V). Our own code.
+"""The Hopper backward's unswapped tile (``WsBackwardConfig.swapped`` False), for head dims (192,
+128) (DeepSeek's prefill and training: 128 + 64 rotary for Q and K, 128 for V): FlashAttention-4's
+tile for the pair, our own code.
 
 The swapped tile (``backward_ws``) cannot take head dim 192: a warpgroup owning 64 keys would hold
 their dK rows (96 floats a thread) beside dV's (64), Sᵀ's and dPᵀ's (32 each): 224 of 240
-registers. Here three consumer warpgroups share a CTA's block of 96 keys and split every product
-so that each holds a third of dK (and, two of them, half of dV) in 160 registers:
+registers. Here two consumer warpgroups of 240 registers share a CTA's block of 96 keys, each
+owning 48 of them for every product but dQ (dKᵀ 72 + dVᵀ 48 + S 24 + dP 24 + dQ 48 floats a
+thread):
 
-    S   = Q Kᵀ      wgmma SS m64n32: the 64 query rows x the warpgroup's 32 keys (rows are queries:
+    S   = Q Kᵀ      wgmma SS m64n48: the 64 query rows x the warpgroup's 48 keys (rows are queries:
                     the forward's masks, two LSE and two D a thread)
-    dP  = dO Vᵀ     wgmma SS m64n32, issued with S
+    dP  = dO Vᵀ     wgmma SS m64n48, issued with S
     P   = exp2(S·scale·log2e − LSE₂), masked;  dS = P ∘ (dP − D)   (registers)
-                    both stored, 16-bit, to shared tiles of the 64 rows x the block's 96 keys
-                    (``store_tile``), then a named barrier of the three warpgroups
-    dQ  = dS K      wgmma SS m64n64: the warpgroup's 64 head-dim columns; added into the float32
-                    accumulator in the mma.sync order of ``WsBackwardConfig.dq_config`` (``dq_add_at``)
-    dKᵀ += Qᵀ dS    wgmma SS m64n96, Q's 64 head-dim columns of the warpgroup (MN-major) x the dS tile
-    dVᵀ += dOᵀ P    wgmma SS m64n96, warpgroups 0 and 1 only (V's 128 columns are two m-tiles)
+                    both stored, 16-bit, to shared tiles of the 64 rows x 128-byte column blocks,
+                    the warpgroup's 48 keys in column block wg (``store_tile``), then a named
+                    barrier of both warpgroups
+    dVᵀ += dOᵀ P    wgmma SS m64n48 for V's two 64-column m-tiles, the warpgroup's own P
+    dQ  = dS K      wgmma SS m64n32 + m64n64: the warpgroup's 96 head-dim columns over all 96 keys
+                    (both warpgroups' dS; K's columns 96 wg ..: 64 of them one column block, 32 half
+                    of one, read from a 64-byte start offset, as the swizzle is of the address)
+    dKᵀ += Qᵀ dS    wgmma SS m64n48 for Q's three 64-column m-tiles, the warpgroup's own dS
 
-After the barrier, dVᵀ, dQ and dKᵀ are issued in that order, so that dQ's adds run beside dKᵀ.
-The rows' LSE₂ and D are read while S runs (H200, 4k: +1.5%). P and dS have two buffers each (step
-parity): a warpgroup writes step i's after the barrier of
-step i - 1, which every warpgroup passes only once its GEMMs of step i - 2 are done. The walk,
-the producer, the rows' staging and the kernel around them are ``backward_ws``'s.
+dVᵀ, dQ and dKᵀ are issued in that order; once dVᵀ and dQ are done, dQ is staged in shared memory
+(``stage_dq``: in ``dq_config``'s fragment order, so that a query block's accumulator rows are one
+contiguous range) while dKᵀ runs, and one thread of the producer warpgroup adds it into the
+accumulator with a bulk reduce (``backward_ws.make_dq_writer``; FlashAttention-4's, where every
+consumer thread's ``red.global.add.v4`` stalled the step: +2-5% on an H200). To make room for the
+48 KB of staged dQ, P and dS have one buffer each: a warpgroup writes step i's P after its own
+GEMMs of step i - 1 are done (only it reads its P), and step i's dS once every warpgroup has
+staged its dQ of step i - 1 (the staging buffer's full barrier: their dQ GEMMs, which read every
+dS, are done). The rows' LSE₂ and D are read while S runs. The walk, the producer, the rows'
+staging and the kernel around them are ``backward_ws``'s.
 
 The epilogue stores dKᵀ (times the softmax scale) and dVᵀ transposed into the K and V tiles
-(``fragments.store_transposed_fragment``), then every consumer warp writes 8 rows of each out.
+(``fragments.store_transposed_fragment``), then every consumer warp writes 12 key rows of each out.
 """
 
 from __future__ import annotations
@@ -37,8 +45,10 @@ from numba import cuda, float32, uint32
 from .. import ptx
 from ..ptx import hopper as hp
 from .blocks import band_needs_mask, mask_band, mask_scores
+from .common import FULL_MASK
 from .epilogue import store_rows_global
 from .fragments import store_transposed_fragment
+from .ring import make_ring
 from .shapes import WARPGROUP_ROWS, WsBackwardConfig
 from .smem import global_rows, swizzled_offset
 from .softmax import cap_scores, pack_16bit
@@ -47,17 +57,19 @@ from .wgmma_gemms import make_backward_rows_gemms
 WARPGROUP = 128  # threads
 DS_BARRIER = 1  # named barrier of the consumer warpgroups (backward_ws's)
 ONE = uint32(1)
-KEYS = 32  # keys of a warpgroup's S and dP (block_n / consumers)
-DQ_N = WARPGROUP_ROWS // 8  # n-tiles of a warpgroup's dQ: 64 head-dim columns
+TILE_BYTES = 256 * 16  # an n-tile of a query block's dQ (``dq_add_at``): four floats a consumer thread
+DQ_N = 12  # n-tiles of a warpgroup's dQ: 96 head-dim columns
 
-# A consumer warp's registers: S (then P), dP (then dS), dKᵀ and dVᵀ (its warpgroup's 64 head-dim
-# rows x the block's keys) and this step's dQ (64 query rows x its 64 head-dim columns).
+# A consumer warp's registers: S (then P), dP (then dS), dKᵀ and dVᵀ (m-tile t of the head dim as
+# [t], x the warpgroup's keys) and this step's dQ (64 query rows x the warpgroup's 96 head-dim
+# columns: the m64n32 product's in [0:4], the m64n64's in [4:12]).
 RowsAccumulators = namedtuple("RowsAccumulators", ["s", "dp", "dk", "dv", "dq"])
 # wgmma descriptors: ring stage 0's Q and dO (K-major: A of S and dP), this warpgroup's K and V
-# rows (K-major: B of S and dP), its 64 columns of Q and dO (MN-major: A of dKᵀ and dVᵀ), P and dS
-# buffer 0 (MN-major: B of dVᵀ and dKᵀ; K-major: A of dQ) and its 64 columns of K (MN-major: B of dQ).
+# rows (K-major: B of S and dP), Q and dO (MN-major: A of dKᵀ and dVᵀ, m-tile t a column block on),
+# this warpgroup's column block of P and dS (MN-major: B of dVᵀ and dKᵀ), the dS tile (K-major: A
+# of dQ) and K's columns of its m64n64 and m64n32 dQ products (MN-major: B of dQ).
 RowsDescriptors = namedtuple("RowsDescriptors", ["q", "do", "k", "v", "q_mn", "do_mn", "p_mn", "ds_mn",
-                                                 "ds_k", "k_mn"])
+                                                 "ds_k", "k_mn64", "k_mn32"])
 # What a consumer reads besides its registers (``backward_ws.Io``'s fields).
 RowsIo = namedtuple("RowsIo", ["descs", "tiles", "bars", "blk", "sc", "ws"])
 RowsConsumerSteps = namedtuple("RowsConsumerSteps", ["consume_step"])
@@ -65,28 +77,28 @@ RowsConsumer = namedtuple("RowsConsumer", ["consume"])
 RowsEpilogue = namedtuple("RowsEpilogue", ["store_dkv"])
 
 
-def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, rings, stage_rows, turns,
-                             window: bool = False, softcap: bool = False) -> RowsConsumerSteps:
+def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool, rings, stage_rows,
+                             dq_barriers, window: bool = False,
+                             softcap: bool = False) -> RowsConsumerSteps:
     """One step of the walk for a consumer warpgroup of the unswapped tile (``rings``:
-    ``backward_ws.Rings``; ``stage_rows``: ``backward_ws.make_row_staging``'s; ``turns``:
-    ``backward_ws.make_dq_turns``', deterministic mode's)."""
+    ``backward_ws.Rings``; ``stage_rows``: ``backward_ws.make_row_staging``'s; ``dq_barriers``:
+    ``backward_ws.DqWriter``'s, the staging buffer's mbarriers)."""
     D, DV, BM, BN = config.head_dim, config.value_dim, config.block_m, config.block_n
     CONSUMER_THREADS = config.consumers * WARPGROUP
-    lay = config.layout
-    ROWS_BYTES = lay.rows_stage
-    DS_BYTES = lay.ds_bytes
-    DO_STAGE = lay.do_stage
+    ROWS_BYTES = config.layout.rows_stage
+    DO_STAGE = config.layout.do_stage
+    KEYS = BN // config.consumers  # keys of a warpgroup: 48
     S_N = KEYS // 8  # n-tiles of S and dP
-    VALUE_WGS = DV // WARPGROUP_ROWS  # warpgroups that hold dVᵀ (its 64-row m-tiles)
+    D_TILES, V_TILES = D // WARPGROUP_ROWS, DV // WARPGROUP_ROWS  # m-tiles of dKᵀ and dVᵀ
     CAUSAL, WINDOW, SOFTCAP, BF16 = causal, window, softcap, bf16
+    dq_ring = make_ring(1)  # the staged dQ (``backward_ws.make_dq_writer``)
     ring = rings.step
-    wait_turn, pass_turn = turns
     gemms = make_backward_rows_gemms(BM, BN, KEYS, bf16)
 
     @cuda.jit(device=True, forceinline=True)
     def mask_rows(acc_s, blk, m0, seat, seqlen_k):
         """Scores of keys past the last, causal after the diagonal, or outside the window: -inf
-        (only on tiles that hold one: the warp's 16 query rows x the warpgroup's 32 keys)."""
+        (only on tiles that hold one: the warp's 16 query rows x the warpgroup's keys)."""
         key0 = blk.n0 + seat.wg * KEYS
         row0 = m0 + seat.warp * 16
         if WINDOW:
@@ -97,9 +109,9 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
 
     @cuda.jit(device=True, forceinline=True)
     def store_tile(tile, acc, seat):
-        """This warp's 16 query rows x the warpgroup's 32 keys of P (or dS), 16-bit, into a P / dS
-        tile (``block_m`` query rows of 128-byte column blocks of 64 keys): one stmatrix.x4 per two
-        n-tiles, word i the 8x8 matrix (n-tile 2 p + i // 2, row half i % 2), whose row r lane
+        """This warp's 16 query rows x the warpgroup's keys of P (or dS), 16-bit, into column block
+        wg of a P / dS tile (``block_m`` query rows of 128-byte column blocks): one stmatrix.x4 per
+        two n-tiles, word i the 8x8 matrix (n-tile 2 p + i // 2, row half i % 2), whose row r lane
         8 i + r addresses."""
         regs = cuda.local.array(4, uint32)
         matrix = seat.lane // 8
@@ -109,42 +121,34 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
                 j = 2 * pair + i // 2
                 h = i % 2
                 regs[i] = pack_16bit(acc[j, 2 * h], acc[j, 2 * h + 1], BF16)
-            chunk = seat.wg * (KEYS // 8) + 2 * pair + matrix // 2
+            chunk = seat.wg * 8 + 2 * pair + matrix // 2
             hp.stmatrix_x4(uint32(tile + swizzled_offset(row, chunk, BM, 128)), regs)
 
     @cuda.jit(device=True, forceinline=True)
-    def add_dq_columns(acc_q, at, wg):
-        """The ``red.global.add.v4`` of warpgroup ``wg`` (a constant), from the thread's ``at``."""
-        for j in range(DQ_N):
-            col = WARPGROUP_ROWS * wg + 8 * j
-            half = col // 96
-            ptx.red_global_add_v4_f32(at + ((col - 96 * half) // 8) * 4096 + half * 2048, acc_q[j, 0],
-                                      acc_q[j, 1], acc_q[j, 2], acc_q[j, 3])
-
-    @cuda.jit(device=True, forceinline=True)
-    def add_dq(acc_q, ws, row, seat, counter_at, turn, deterministic):
-        """This step's dQ into the query block's accumulator by ``red.global.add.v4`` (four floats an
-        n-tile), each at ``WsBackwardConfig.dq_add_at``: n-tile j's columns 64 wg + 8 j lie in the
-        column half h = (64 wg + 8 j) // 96 of the mma.sync order, n-tile (64 wg + 8 j - 96 h) / 8 of
-        its warps 4 h ..; in deterministic mode once the key blocks before this one have added."""
-        if deterministic:
-            wait_turn(seat, counter_at, turn)
-        at = ws.dq + row * (D * 4) + 16 * (seat.thread % uint32(WARPGROUP))
-        # one branch per warpgroup, each with constant offsets (offsets computed from the warpgroup
-        # are eight loop invariants, which spill)
-        if seat.wg == 0:
-            add_dq_columns(acc_q, at, 0)
-        elif seat.wg == 1:
-            add_dq_columns(acc_q, at, 1)
-        else:
-            add_dq_columns(acc_q, at, 2)
-        if deterministic:
-            pass_turn(seat, counter_at)
+    def stage_dq(acc_q, tiles, bars, i, seat):
+        """This step's dQ into the staging buffer once the bulk reduce of the step before has read
+        it, then one arrival a warp. Columns 96 wg + 8 j sit at 16 (256 j + thread) bytes
+        (``WsBackwardConfig.dq_add_at``): the m64n32 product's n-tile k is j = k + 8 (wg 0) or k
+        (wg 1), the m64n64's k or k + 4."""
+        dq_bars = dq_barriers(bars)
+        dq_ring.wait_empty(dq_bars, i)
+        at = tiles.dq + 16 * seat.thread
+        at32 = at + (ONE - seat.wg) * uint32(8 * TILE_BYTES)
+        at64 = at + seat.wg * uint32(4 * TILE_BYTES)
+        for k in range(4):
+            ptx.st_shared_v4_f32(at32 + k * TILE_BYTES, acc_q[k, 0], acc_q[k, 1], acc_q[k, 2], acc_q[k, 3])
+        for k in range(8):
+            ptx.st_shared_v4_f32(at64 + k * TILE_BYTES, acc_q[4 + k, 0], acc_q[4 + k, 1], acc_q[4 + k, 2],
+                                 acc_q[4 + k, 3])
+        hp.fence_proxy_async_shared_cta()  # the bulk reduce reads through the async proxy
+        cuda.syncwarp(FULL_MASK)
+        if seat.lane == 0:
+            hp.mbarrier_arrive(dq_bars.full)
 
     @cuda.jit(device=True, forceinline=True)
     def consume_step(acc, io, step, seat):
-        """One query block for this warpgroup: S and dP, P and dS through shared memory, dQ's adds,
-        dKᵀ and dVᵀ; the stage is released at the end."""
+        """One query block for this warpgroup: S and dP, P and dS through shared memory, dVᵀ, dQ
+        (staged) and dKᵀ; the stage is released at the end."""
         descs, tiles, bars, blk = io.descs, io.tiles, io.bars, io.blk
         sc, ws = io.sc, io.ws
         i = step.i
@@ -169,14 +173,13 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         if SOFTCAP:  # before the masks: tanh(-inf) is not -inf
             cap_scores(acc.s, S_N, sc.cap_scale)
         mask_rows(acc.s, blk, step.m0, seat, blk.band.seqlen_k)
-        buffer = parity * uint32(DS_BYTES)
-        if not SOFTCAP:  # P now, while dP runs
+        if not SOFTCAP:  # P now, while dP runs (this warpgroup's dVᵀ of the step before is done)
             for h in range(2):
                 lse = lse1 if h else lse0
                 for j in range(S_N):
                     for e in range(2):
                         acc.s[j, 2 * h + e] = ptx.exp2(acc.s[j, 2 * h + e] * sc.scale_log2 - lse)
-            store_tile(tiles.p + buffer, acc.s, seat)
+            store_tile(tiles.p, acc.s, seat)
         hp.wgmma_wait_group_0()
         gemms.fence_scores(acc.dp)
         for h in range(2):
@@ -193,23 +196,24 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
                     else:
                         acc.dp[j, x] = acc.s[j, x] * (acc.dp[j, x] - d)
         if SOFTCAP:
-            store_tile(tiles.p + buffer, acc.s, seat)
-        store_tile(tiles.ds + buffer, acc.dp, seat)
+            store_tile(tiles.p, acc.s, seat)
+        if i > 0:  # every warpgroup's dQ of the step before, which read this dS tile, is staged
+            dq_ring.wait_full(dq_barriers(bars), i - ONE)
+        store_tile(tiles.ds, acc.dp, seat)
         hp.fence_proxy_async_shared_cta()
         ptx.cp_async_wait_group_0()  # the next step's rows
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # every warpgroup's P and dS, the next rows
-        if seat.wg < VALUE_WGS:
-            gemms.issue_dkv(acc.dv, hp.descriptor_add(descs.do_mn, do_at),
-                            hp.descriptor_add(descs.p_mn, buffer))
-        gemms.issue_dq(acc.dq, hp.descriptor_add(descs.ds_k, buffer), descs.k_mn)
-        gemms.issue_dkv(acc.dk, hp.descriptor_add(descs.q_mn, q_at),
-                        hp.descriptor_add(descs.ds_mn, buffer))
+        gemms.issue_dkv(acc.dv, hp.descriptor_add(descs.do_mn, do_at), descs.p_mn, V_TILES)
+        gemms.issue_dq(acc.dq, descs.ds_k, descs.k_mn32, descs.k_mn64)
+        gemms.issue_dkv(acc.dk, hp.descriptor_add(descs.q_mn, q_at), descs.ds_mn, D_TILES)
         hp.wgmma_wait_group_1()  # dVᵀ and dQ done; dKᵀ may still run
         gemms.fence_dq(acc.dq)
-        add_dq(acc.dq, ws, step.row, seat, step.counter_at, step.turn, sc.deterministic)
+        stage_dq(acc.dq, tiles, bars, i, seat)
         hp.wgmma_wait_group_0()
-        gemms.fence_dkv(acc.dk)
-        gemms.fence_dkv(acc.dv)
+        for t in range(D_TILES):
+            gemms.fence_scores(acc.dk[t])
+        for t in range(V_TILES):
+            gemms.fence_scores(acc.dv[t])
         ring.release(bars, i, seat.lane)
 
     return RowsConsumerSteps(consume_step)
@@ -219,31 +223,37 @@ def make_rows_consumer(config: WsBackwardConfig, walk_steps) -> RowsConsumer:
     """A consumer warpgroup of the unswapped tile: its registers and wgmma descriptors, then the walk
     (``walk_steps``: ``backward_ws.make_consumer_walk``'s over ``make_rows_consumer_steps``); dKᵀ and
     dVᵀ stay in registers throughout."""
-    BM, BN = config.block_m, config.block_n
-    D_N = BN // 8  # n-tiles of dKᵀ and dVᵀ (the block's keys)
-    S_N = KEYS // 8
+    D, DV, BM, BN = config.head_dim, config.value_dim, config.block_m, config.block_n
+    KEYS = BN // config.consumers
+    S_N = KEYS // 8  # n-tiles of S and dP, and of dKᵀ and dVᵀ (its own keys)
+    D_TILES, V_TILES = D // WARPGROUP_ROWS, DV // WARPGROUP_ROWS
 
     @cuda.jit(device=True, forceinline=True)
     def consume(tiles, bars, kv_bar, blk, seat, sc, ws, heads_q, group, counters_per_head):
         """Every step of the walk for this warpgroup; returns dKᵀ and dVᵀ (registers)."""
         acc = RowsAccumulators(cuda.local.array((S_N, 4), float32), cuda.local.array((S_N, 4), float32),
-                               cuda.local.array((D_N, 4), float32), cuda.local.array((D_N, 4), float32),
+                               cuda.local.array((D_TILES, S_N, 4), float32),
+                               cuda.local.array((V_TILES, S_N, 4), float32),
                                cuda.local.array((DQ_N, 4), float32))
-        for j in range(D_N):
-            for e in range(4):
-                acc.dk[j, e] = 0.0
-                acc.dv[j, e] = 0.0
-        keys_at = seat.wg * (KEYS * 128)  # this warpgroup's 32 key rows
-        cols_at = seat.wg * (BM * 128)  # its 64-column block of Q and dO (dO: warpgroups 0, 1)
+        for t in range(D_TILES):
+            for j in range(S_N):
+                for e in range(4):
+                    acc.dk[t, j, e] = 0.0
+                    if t < V_TILES:
+                        acc.dv[t, j, e] = 0.0
+        keys_at = seat.wg * (KEYS * 128)  # this warpgroup's key rows
+        pds_at = seat.wg * (BM * 128)  # its column block of P and dS
         descs = RowsDescriptors(hp.smem_descriptor_k_sw128(tiles.q), hp.smem_descriptor_k_sw128(tiles.do),
                                 hp.smem_descriptor_k_sw128(tiles.k + keys_at),
                                 hp.smem_descriptor_k_sw128(tiles.v + keys_at),
-                                hp.smem_descriptor_mn_sw128(tiles.q + cols_at, BM * 128),
-                                hp.smem_descriptor_mn_sw128(tiles.do + cols_at, BM * 128),
-                                hp.smem_descriptor_mn_sw128(tiles.p, BM * 128),
-                                hp.smem_descriptor_mn_sw128(tiles.ds, BM * 128),
+                                hp.smem_descriptor_mn_sw128(tiles.q, BM * 128),
+                                hp.smem_descriptor_mn_sw128(tiles.do, BM * 128),
+                                hp.smem_descriptor_mn_sw128(tiles.p + pds_at, BM * 128),
+                                hp.smem_descriptor_mn_sw128(tiles.ds + pds_at, BM * 128),
                                 hp.smem_descriptor_k_sw128(tiles.ds),
-                                hp.smem_descriptor_mn_sw128(tiles.k + seat.wg * (BN * 128), BN * 128))
+                                # K's columns 0 .. 63 (wg 0) or 128 .. 191, and 64 .. 95 or 96 .. 127
+                                hp.smem_descriptor_mn_sw128(tiles.k + seat.wg * (2 * BN * 128), BN * 128),
+                                hp.smem_descriptor_mn_sw128(tiles.k + BN * 128 + seat.wg * 64, BN * 128))
         walk_steps(acc, RowsIo(descs, tiles, bars, blk, sc, ws), kv_bar, seat, heads_q, group,
                    counters_per_head)
         return acc
@@ -253,24 +263,28 @@ def make_rows_consumer(config: WsBackwardConfig, walk_steps) -> RowsConsumer:
 
 def make_rows_epilogue(config: WsBackwardConfig, bf16: bool) -> RowsEpilogue:
     """A consumer warp's end of the CTA: its warpgroup's dKᵀ (times the softmax scale) and dVᵀ stored
-    transposed, 16-bit, into the K and V tiles, then 8 key rows of each written out with 16-byte
+    transposed, 16-bit, into the K and V tiles, then 12 key rows of each written out with 16-byte
     stores, none past seqlen_k."""
     D, DV, BN = config.head_dim, config.value_dim, config.block_n
     CONSUMER_THREADS = config.consumers * WARPGROUP
-    D_N = BN // 8
-    VALUE_WGS = DV // WARPGROUP_ROWS
+    KEYS = BN // config.consumers
+    S_N = KEYS // 8  # n-tiles of dKᵀ and dVᵀ
+    D_TILES, V_TILES = D // WARPGROUP_ROWS, DV // WARPGROUP_ROWS
     STORE_ROWS = BN // (config.consumers * 4)  # key rows each consumer warp writes out
     BF16 = bf16
 
     @cuda.jit(device=True, forceinline=True)
     def store_dkv(acc, tiles, blk, seat, dk, dv, dk_strides, dv_strides, scale, seqlen_k):
         """dK · scale and dV, 16-bit, through the K and V tiles (every GEMM that reads them is done:
-        a barrier of the consumers first, and another once the tiles are whole)."""
+        a barrier of the consumers first, and another once the tiles are whole): the warpgroup's
+        key rows, the warp's 16 columns of each 64-column m-tile."""
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
-        col0 = seat.wg * WARPGROUP_ROWS + seat.warp * 16  # the warp's 16 head-dim columns
-        store_transposed_fragment(tiles.k, acc.dk, D_N, BN, col0, seat.lane, BF16, 128, scale)
-        if seat.wg < VALUE_WGS:
-            store_transposed_fragment(tiles.v, acc.dv, D_N, BN, col0, seat.lane, BF16, 128, float32(1.0))
+        for t in range(D_TILES):
+            store_transposed_fragment(tiles.k, acc.dk[t], S_N, BN, seat.wg * KEYS,
+                                      t * WARPGROUP_ROWS + seat.warp * 16, seat.lane, BF16, 128, scale)
+        for t in range(V_TILES):
+            store_transposed_fragment(tiles.v, acc.dv[t], S_N, BN, seat.wg * KEYS,
+                                      t * WARPGROUP_ROWS + seat.warp * 16, seat.lane, BF16, 128, float32(1.0))
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)
         row0 = (seat.wg * 4 + seat.warp) * STORE_ROWS
         scratch = cuda.local.array(4, uint32)

@@ -39,10 +39,10 @@ def store_fragment_rows(tile, acc, n_tiles, tile_rows, row0, col0, lane, bf16, r
 
 
 @cuda.jit(device=True, forceinline=True)
-def store_transposed_fragment(tile, acc, n_tiles, tile_rows, col0, lane, bf16, row_bytes, scale):
+def store_transposed_fragment(tile, acc, n_tiles, tile_rows, row0, col0, lane, bf16, row_bytes, scale):
     """Store a fragment whose rows are the tile's columns (a dQᵀ accumulator): ``acc[j, e]``, times
-    ``scale``, is row 8 j + 2 t + e % 2, column ``col0`` + g + 8 (e // 2) of the swizzled shared
-    tile (16 columns from ``col0``, a multiple of 8; ``8 * n_tiles`` rows). Lanes g and g ^ 1 hold
+    ``scale``, is row ``row0`` + 8 j + 2 t + e % 2, column ``col0`` + g + 8 (e // 2) of the swizzled
+    shared tile (16 columns from ``col0``, a multiple of 8; ``8 * n_tiles`` rows). Lanes g and g ^ 1 hold
     neighbouring columns, so each pair swaps one value (a shuffle) and stores two adjacent columns
     of one row as a 16-bit pair: the even lane's row 8 j + 2 t, the odd lane's the next."""
     g = lane // 4
@@ -53,7 +53,7 @@ def store_transposed_fragment(tile, acc, n_tiles, tile_rows, col0, lane, bf16, r
             first = acc[j, 2 * h] * scale  # row 8 j + 2 t
             second = acc[j, 2 * h + 1] * scale  # row 8 j + 2 t + 1
             other = cuda.shfl_xor_sync(FULL_MASK, first if odd else second, 4)
-            row = 8 * j + 2 * t + odd
+            row = row0 + 8 * j + 2 * t + odd
             col = col0 + 8 * h + g - odd
             packed = pack_16bit(other, second, bf16) if odd else pack_16bit(first, other, bf16)
             at = tile + swizzled_offset(row, col // 8, tile_rows, row_bytes) + 2 * (col % 8)

@@ -576,6 +576,9 @@ class WsBackwardLayout(NamedTuple):
     # the head dims are equal).
     p: int = 0
     do_stage: int = 0
+    # ``WsBackwardConfig.bulk_dq``: a query block's float32 dQ (block_m x head_dim), staged for the
+    # bulk reduce (0 without)
+    dq: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,8 +590,9 @@ class WsBackwardConfig(ValueDim):
 
     Two tiles (``swapped``): at head dims 64 and 128 two consumer warpgroups of 64 keys each
     compute Sᵀ and dPᵀ (keys as wgmma's M) and hold their keys' dK and dV rows; at (192, 128)
-    FlashAttention-3's head-dim-192 tile (``backward_ws_rows``): three warpgroups split 96 keys
-    for S and dP (queries as M) and split the head dim for dKᵀ, dVᵀ and dQ.
+    FlashAttention-4's tile for the pair (``backward_ws_rows``): two warpgroups of 48 keys each
+    compute S and dP (queries as M) and hold their keys' dKᵀ and dVᵀ over the whole head dims
+    (the head dim as M); dQ is staged in shared memory and added by a bulk reduce.
 
     The dQ accumulator's order and the prepare and dQ kernels are the mma.sync backward's, for
     the equivalent ``BackwardConfig`` (``dq_config``): the consumer warps hold dQ as that config's
@@ -623,9 +627,8 @@ class WsBackwardConfig(ValueDim):
 
     @property
     def consumers(self) -> int:
-        """Consumer warpgroups: 2 (swapped: 64 keys each), or 3 (one per 64 of the 192 head-dim
-        columns of dKᵀ and dQ)."""
-        return 2 if self.swapped else 3
+        """Consumer warpgroups: 2 (swapped: 64 keys each; unswapped: 48 keys each)."""
+        return 2
 
     @property
     def block_n(self) -> int:
@@ -637,9 +640,8 @@ class WsBackwardConfig(ValueDim):
 
     @property
     def register_split(self) -> tuple[int, int]:
-        """(producer, consumer) registers per thread after ``setmaxnreg``: 24 x 128 + 240 x 256, or
-        24 x 128 + 160 x 384 (three consumer warpgroups)."""
-        return (24, 240) if self.consumers == 2 else (24, 160)
+        """(producer, consumer) registers per thread after ``setmaxnreg``: 24 x 128 + 240 x 256."""
+        return (24, 240)
 
     @property
     def row_bytes(self) -> int:
@@ -673,12 +675,13 @@ class WsBackwardConfig(ValueDim):
 
     def dq_add_at(self, wg: int, warp: int, lane: int, j: int) -> int:
         """The unswapped tile: the offset (float32 elements) in a query block's dQ accumulator of
-        the four floats of n-tile ``j`` (columns 64 wg + 8 j ..) that lane ``lane`` of warp ``warp``
+        the four floats of n-tile ``j`` (columns 96 wg + 8 j ..) that lane ``lane`` of warp ``warp``
         of consumer warpgroup ``wg`` adds (rows 16 warp + lane // 4 and + 8), in ``dq_config``'s
         order: its warps 4 h .. 4 h + 3 hold columns 96 h .. (h = the column half), 12 n-tiles
         each. The kernel computes the same (``backward_ws_rows``); the map onto ``dq_position`` is
-        checked on the CPU (``tests/test_backward_ws_rows_cpu.py``)."""
-        col = 64 * wg + 8 * j
+        checked on the CPU (``tests/test_backward_ws_rows_cpu.py``). Warpgroup ``wg`` holds column
+        half wg (j < 12), so the offset is 4 (256 j + thread), thread = 128 wg + 32 warp + lane."""
+        col = 96 * wg + 8 * j
         half, rest = divmod(col, 96)
         return (rest // 8) * 4 * 256 + 4 * (32 * (warp + 4 * half) + lane)
 
@@ -693,18 +696,20 @@ class WsBackwardConfig(ValueDim):
             p_buffers = 0
         else:  # P and dS: block_m query rows of whole 128-byte column blocks of 64 keys
             ds_bytes = bm * 128 * -(-bn // 64)
-            p_buffers = 2
+            p_buffers = 1  # one buffer of each: room for the staged dQ
+        ds_buffers = 2 if self.swapped else 1
         k = 0
         v = k + bn * d * 2
         q = v + bn * dv * 2
         do = q + self.stages * q_stage
         ds = do + self.stages * do_stage
-        p = ds + 2 * ds_bytes
-        lse = p + p_buffers * ds_bytes
+        p = ds + ds_buffers * ds_bytes
+        dq = p + p_buffers * ds_bytes
+        lse = dq + (0 if self.swapped else bm * d * 4)
         delta = lse + 2 * rows_stage
         end = delta + 2 * rows_stage
         return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end,
-                                p if p_buffers else 0, do_stage)
+                                p if p_buffers else 0, do_stage, 0 if self.swapped else dq)
 
     @property
     def step_bytes(self) -> int:
@@ -713,7 +718,8 @@ class WsBackwardConfig(ValueDim):
 
     @property
     def barrier_words(self) -> int:
-        return 1 + 2 * self.stages
+        """The K/V barrier, the ring's full and empty barriers, and (unswapped) the staged dQ's."""
+        return 1 + 2 * self.stages + (0 if self.swapped else 2)
 
     @property
     def shared_bytes(self) -> int:
@@ -733,7 +739,7 @@ class WsBackwardConfig(ValueDim):
             raise ValueError(f"block_m must be 64, 80 or 128, got {self.block_m}")
         if self.block_m == 80 and (self.head_dim != 128 or self.consumers != 2):
             raise ValueError(f"block_m 80 (dQ transposed) needs head_dim 128 and 2 consumers, got {self}")
-        if self.block_m == 64 and self.head_dim % (64 * self.consumers):
+        if self.block_m == 64 and self.swapped and self.head_dim % (64 * self.consumers):
             raise ValueError(f"block_m 64 splits dQ's head-dim columns over the consumers in 64-column "
                              f"blocks: head_dim must be a multiple of {64 * self.consumers}, got {self}")
         if self.shared_bytes > 227 * 1024:

@@ -194,63 +194,65 @@ def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf
     return BackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)
 
 
-# The GEMM steps of the Hopper backward's unswapped tile (``backward_ws_rows``: FlashAttention-3's
-# head-dim-192 tile), each issued by one of three warpgroups (one commit group each; every tile
-# is 64-column blocks of 128-byte rows, 128B swizzle; P and dS are ``block_m`` query rows x the
-# block's keys):
+# The GEMM steps of the Hopper backward's unswapped tile (``backward_ws_rows``, FlashAttention-4's (192,
+# 128) tile): two warpgroups, each owning ``keys`` (48) of the block's keys; the P and dS tiles hold
+# a warpgroup's keys in its own 128-byte column block (``keys`` of its 64 columns), so that each
+# warpgroup's B of dKᵀ and dVᵀ is one MN-major atom wide:
 #   issue_scores(acc, desc_qdo, desc_kv, depth)  S = Q Kᵀ or dP = dO Vᵀ: wgmma SS m64n{keys}k16 over
 #                                                ``depth`` head-dim columns, the query rows and this
 #                                                warpgroup's key rows, both K-major
-#   issue_dkv(acc, desc_mn, desc_pds)            dKᵀ += Qᵀ dS or dVᵀ += dOᵀ P: wgmma SS
-#                                                m64n{block_n}k16 over the query block: Q's or dO's
-#                                                64 head-dim columns (M) and the P / dS tile (the
-#                                                block's keys as N), both MN-major
-#   issue_dq(acc, desc_ds, desc_k)               dQ = dS K: wgmma SS m64n64k16 over the block's keys,
-#                                                the dS tile K-major, K's 64 columns MN-major
-# fence_scores / fence_dkv / fence_dq keep each accumulator's registers on their side of a wait.
+#   issue_dkv(acc, desc_mn, desc_pds, m_tiles)   dKᵀ += Qᵀ dS or dVᵀ += dOᵀ P for the warpgroup's own
+#                                                keys: ``m_tiles`` wgmma SS m64n{keys}k16 a k-step,
+#                                                m-tile t (``acc[t]``) Q's or dO's 64 head-dim
+#                                                columns 64 t .., both operands MN-major
+#   issue_dq(acc, desc_ds, desc_k32, desc_k64)   dQ = dS K over the block's keys for the warpgroup's
+#                                                96 head-dim columns: wgmma SS m64n32k16 into
+#                                                ``acc[0:4]`` and m64n64k16 into ``acc[4:12]``, the dS
+#                                                tile K-major (both column blocks), K MN-major
 RowsBackwardGemms = namedtuple("RowsBackwardGemms", ["issue_scores", "issue_dkv", "issue_dq",
-                                                     "fence_scores", "fence_dkv", "fence_dq"])
+                                                     "fence_scores", "fence_dq"])
 
 
 def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) -> RowsBackwardGemms:
-    """The GEMM steps for query tiles of ``block_m`` rows, key tiles of ``block_n`` rows of which a
-    warpgroup's S and dP take ``keys``, and dQ of 64 head-dim columns a warpgroup. A k-step of a
-    K-major operand is 32 bytes of a row (the next 64-column block ``rows * 128`` bytes on); of an
-    MN-major one, 16 rows (2048 bytes)."""
+    """The GEMM steps of the two-warpgroup unswapped tile (above): query tiles of ``block_m`` rows,
+    key tiles of ``block_n`` rows, ``keys`` a warpgroup."""
     dtype = "bf16" if bf16 else "f16"
     mma_scores = hp.wgmma_ss(keys, dtype)
-    mma_dkv = hp.wgmma_ss(block_n, dtype, trans_b=True, trans_a=True)
-    mma_dq = hp.wgmma_ss(64, dtype, trans_b=True)
+    mma_dkv = hp.wgmma_ss(keys, dtype, trans_b=True, trans_a=True)
+    mma_dq32 = hp.wgmma_ss(32, dtype, trans_b=True)
+    mma_dq64 = hp.wgmma_ss(64, dtype, trans_b=True)
     fence_scores = hp.wgmma_fence_operand(keys)
-    fence_dkv = hp.wgmma_fence_operand(block_n)
-    fence_dq = hp.wgmma_fence_operand(64)
+    fence_dq = hp.wgmma_fence_operand(96)
     M_K_STEPS = block_m // 16  # k-steps of dKᵀ and dVᵀ
-    N_K_STEPS = block_n // 16  # k-steps of dQ
+    WG_K_STEPS = keys // 16  # k-steps of dQ in one warpgroup's column block of dS
+    N_K_STEPS = block_n // 16
     BM = block_m
-    # S = Q Kᵀ (or dP = dO Vᵀ) over ``depth`` head-dim columns: issue_scores(acc, desc_qdo, desc_kv, depth)
     issue_scores = make_k_major_steps(mma_scores, fence_scores, block_m, block_n)
 
     @cuda.jit(device=True, forceinline=True)
-    def issue_dkv(acc, desc_mn, desc_pds):
-        """Start dKᵀ += Qᵀ dS (or dVᵀ += dOᵀ P) over the query block (async), 16 query rows a k-step
-        of both operands."""
-        fence_dkv(acc)
+    def issue_dkv(acc, desc_mn, desc_pds, m_tiles):
+        """Start dKᵀ (or dVᵀ) += over the query block (async), 16 query rows a k-step of both
+        operands; m-tile t's A is ``desc_mn``'s column block t."""
+        for t in range(m_tiles):
+            fence_scores(acc[t])
         hp.wgmma_fence()
         for kk in range(M_K_STEPS):
-            mma_dkv(acc, hp.descriptor_add(desc_mn, kk * 2048), hp.descriptor_add(desc_pds, kk * 2048), 1)
+            for t in range(m_tiles):
+                mma_dkv(acc[t], hp.descriptor_add(desc_mn, t * (BM * 128) + kk * 2048),
+                        hp.descriptor_add(desc_pds, kk * 2048), 1)
         hp.wgmma_commit_group()
 
     @cuda.jit(device=True, forceinline=True)
-    def issue_dq(acc, desc_ds, desc_k):
-        """Start dQ = dS K over the key block (async; overwrites ``acc``): A the dS tile (query rows
-        x keys, K-major: 16 keys a k-step, the next 64 keys a column block on), B the K tile's 64
-        columns (MN-major: 16 key rows a k-step)."""
+    def issue_dq(acc, desc_ds, desc_k32, desc_k64):
+        """Start dQ = dS K over the key block (async; overwrites ``acc``): k-step kk is 16 keys of
+        warpgroup kk // 3's column block of dS, 32 bytes a step, and K's key rows 16 kk .."""
         fence_dq(acc)
         hp.wgmma_fence()
         for kk in range(N_K_STEPS):
-            at = (kk // 4) * (BM * 128) + (kk % 4) * 32
-            mma_dq(acc, hp.descriptor_add(desc_ds, at), hp.descriptor_add(desc_k, kk * 2048),
-                   0 if kk == 0 else 1)
+            at = (kk // WG_K_STEPS) * (BM * 128) + (kk % WG_K_STEPS) * 32
+            a = hp.descriptor_add(desc_ds, at)
+            mma_dq32(acc[0:4], a, hp.descriptor_add(desc_k32, kk * 2048), 0 if kk == 0 else 1)
+            mma_dq64(acc[4:12], a, hp.descriptor_add(desc_k64, kk * 2048), 0 if kk == 0 else 1)
         hp.wgmma_commit_group()
 
-    return RowsBackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)
+    return RowsBackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dq)

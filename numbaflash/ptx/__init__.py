@@ -29,6 +29,7 @@ from .async_copy import (
     st_global_v4_at,
     st_shared_b32,
     st_shared_v4,
+    st_shared_v4_f32,
 )
 from .convert import (
     byte_perm,
@@ -116,6 +117,7 @@ __all__ = [
     "ld_global_nc_v4_at",
     "ld_shared_f32",
     "st_shared_b32",
+    "st_shared_v4_f32",
     "st_shared_v4",
     "tanh",
 ]

@@ -35,7 +35,7 @@ _void = types.void
 # wgmma: fence, commit, wait, mma_async
 # ---------------------------------------------------------------------------------------------
 
-WGMMA_N = (8, 16, 32, 64, 80, 96, 128, 176, 192, 256)
+WGMMA_N = (8, 16, 32, 48, 64, 80, 96, 128, 176, 192, 256)
 """The N of every wgmma m64nNk16 shape bound here (accumulators per thread: N / 2)."""
 
 wgmma_fence = declare("wgmma", "wgmma_fence", _void())
@@ -255,6 +255,10 @@ tma_store_wait_group_0 = declare("tma", "cp_async_bulk_wait_group_0", _void())
 tma_store_wait_group_0.__doc__ = "cp.async.bulk.wait_group 0: all committed TMA stores are complete."
 tma_store_wait_group_read_0 = declare("tma", "cp_async_bulk_wait_group_read_0", _void())
 tma_store_wait_group_read_0.__doc__ = "cp.async.bulk.wait_group.read 0: their shared sources may be reused."
+bulk_reduce_add_f32 = declare("tma", "bulk_reduce_add_f32", _void(types.int64, _u32, _u32))
+bulk_reduce_add_f32.__doc__ = ("bulk_reduce_add_f32(global_address, shared_address, nbytes): global "
+                               "float32 += shared (cp.reduce.async.bulk .add.f32; committed and waited "
+                               "for like a TMA store).")
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -404,6 +408,7 @@ __all__ = [
     "SWIZZLE_64B",
     "SWIZZLE_NONE",
     "WGMMA_N",
+    "bulk_reduce_add_f32",
     "descriptor_add",
     "encode_smem_descriptor",
     "fence_acq_rel_cta_after",
