@@ -125,11 +125,11 @@ ASYMMETRIC_BACKWARD_DEFAULTS: dict[tuple[int, int], tuple[BackwardConfig, ...]] 
     (512, 256): (BackwardConfig(512, block_m=64, block_n=32, q_stages=1, dq_tiles=2, head_dim_v=256),),
 }
 # The pairs' Hopper backward (dense calls; packed ones run the mma.sync configs above): (192, 128)
-# on FlashAttention-3's head-dim-192 tile (``kernels.backward_ws_rows``: three consumer warpgroups,
-# 96 keys a CTA, S and dP by query rows; 206 KB). Every dense variant (full, causal, window,
-# softcap) builds without a spill offline (sm_90a). H200, bf16, 4k and 16k: 385-442 TF/s, about 2x
-# the mma.sync kernels, 1.01-1.44x cuDNN but 0.95x at 16k causal (docs/PERFORMANCE.md [B192]);
-# ``late_rows`` measured 0.95-1.00x there, so it stays off.
+# on FlashAttention-4's tile for the pair (``kernels.backward_ws_rows``: two consumer warpgroups of
+# 48 keys each, 96 keys a CTA, S and dP by query rows, dQ staged and bulk-reduced; 222 KB). Every
+# dense variant builds without a spill offline (sm_90a). H200, bf16, 4k and 16k: 402-461 TF/s,
+# 1.02-1.05x FlashAttention-3's three-warpgroup tile it replaced, 1.06-1.50x cuDNN but 0.96x at 16k
+# causal (docs/PERFORMANCE.md [B192], [OK192]).
 ASYMMETRIC_BACKWARD_WS: dict[tuple[int, int], WsBackwardConfig] = {
     (192, 128): WsBackwardConfig(192, head_dim_v=128),
 }
