@@ -15,7 +15,7 @@ ROWS = WsBackwardConfig(192, head_dim_v=128)
 
 def test_the_tile_is_two_warpgroups_of_48_keys():
     assert not ROWS.swapped and WsBackwardConfig(128).swapped
-    assert (ROWS.consumers, ROWS.block_n, ROWS.threads, ROWS.register_split) == (2, 96, 384, (32, 240))
+    assert (ROWS.consumers, ROWS.block_n, ROWS.threads, ROWS.register_split) == (2, 96, 384, (24, 240))
     assert 128 * ROWS.register_split[0] + 2 * 128 * ROWS.register_split[1] <= 65536
     assert ROWS.barrier_words == 1 + 2 * ROWS.stages + 2  # and the staged dQ's full and empty
     assert ROWS.dq_split == "n" and ROWS.tag == "_s2_v128"

@@ -640,10 +640,9 @@ class WsBackwardConfig(ValueDim):
 
     @property
     def register_split(self) -> tuple[int, int]:
-        """(producer, consumer) registers per thread after ``setmaxnreg``: 24 x 128 + 240 x 256, or
-        (unswapped) 32 x 128 + 240 x 256, all 64K: its producer warpgroup also runs the dQ writer,
-        whose window builds spilled in 24."""
-        return (24, 240) if self.swapped else (32, 240)
+        """(producer, consumer) registers per thread after ``setmaxnreg``: 24 x 128 + 240 x 256, the
+        168 x 384 a CTA of launch_bounds (384, 1) is given (more would never be granted)."""
+        return (24, 240)
 
     @property
     def row_bytes(self) -> int:
