@@ -126,9 +126,8 @@ ASYMMETRIC_BACKWARD_DEFAULTS: dict[tuple[int, int], tuple[BackwardConfig, ...]] 
 }
 # The pairs' Hopper backward (dense calls; packed ones run the mma.sync configs above): (192, 128)
 # on FlashAttention-4's tile for the pair (``kernels.backward_ws_rows``: two consumer warpgroups of
-# 48 keys each, 96 keys a CTA, S and dP by query rows, dQ staged and bulk-reduced; 222 KB). Its consumers
-# build without a spill offline (sm_90a); in window builds the producer warpgroup's dQ writer (24
-# registers) spills 2 instructions. H200, bf16, 4k and 16k: 402-461 TF/s,
+# 48 keys each, 96 keys a CTA, S and dP by query rows, dQ staged and bulk-reduced; 222 KB). Every dense
+# variant builds without a spill offline (sm_90a). H200, bf16, 4k and 16k: 402-461 TF/s,
 # 1.02-1.05x FlashAttention-3's three-warpgroup tile it replaced, 1.06-1.50x cuDNN but 0.96x at 16k
 # causal (docs/PERFORMANCE.md [B192], [OK192]).
 ASYMMETRIC_BACKWARD_WS: dict[tuple[int, int], WsBackwardConfig] = {

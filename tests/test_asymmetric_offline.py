@@ -50,11 +50,7 @@ def test_the_backward_kernels_compile_with_no_local_memory_or_calls(arch, tmp_pa
                      "flash_backward_prep_d192v128_m64_bf16", f"flash_backward_dq_d192_m64_w8{vector}_bf16"]
 
 
-@pytest.mark.parametrize(("causal", "window", "softcap"), [
-    (True, False, False),
-    pytest.param(False, True, True, marks=pytest.mark.xfail(strict=True, reason=(
-        "known (issue 56, session of 2026-12-03): the dQ writer thread of the producer warpgroup, at 24 "
-        "registers, spills 2 instructions and calls a subroutine in the window build (its turn)")))])
+@pytest.mark.parametrize(("causal", "window", "softcap"), [(True, False, False), (False, True, True)])
 def test_the_hopper_backward_compiles_with_no_local_memory_or_calls(causal, window, softcap, tmp_path,
                                                                   monkeypatch):
     """The pair's Hopper backward (``kernels.backward_ws_rows``, what an H100 or H200 dispatches for

@@ -62,7 +62,8 @@ def test_the_shared_layout():
     lay = ROWS.layout
     regions = [("k", lay.k, 96 * 192 * 2), ("v", lay.v, 96 * 128 * 2), ("q", lay.q, 2 * 64 * 192 * 2),
                ("do", lay.do, 2 * 64 * 128 * 2), ("ds", lay.ds, lay.ds_bytes), ("p", lay.p, lay.ds_bytes),
-               ("dq", lay.dq, 64 * 192 * 4), ("lse", lay.lse, 2 * 64 * 4), ("delta", lay.delta, 2 * 64 * 4)]
+               ("dq", lay.dq, 64 * 192 * 4 + 16),  # and the step's turn
+               ("lse", lay.lse, 2 * 64 * 4), ("delta", lay.delta, 2 * 64 * 4)]
     assert lay.ds_bytes == 64 * 128 * 2  # 64 query rows of two 128-byte column blocks of 64 keys
     assert (lay.q_stage, lay.do_stage) == (64 * 192 * 2, 64 * 128 * 2)
     assert ROWS.step_bytes == lay.q_stage + lay.do_stage

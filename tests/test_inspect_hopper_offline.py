@@ -161,7 +161,7 @@ def test_wgmma_factories():
     assert hp.wgmma_ss(64) is hp.wgmma_ss(64, "f16", False)  # cached
     assert hp.wgmma_rs(128, "bf16", True) is not hp.wgmma_rs(128, "bf16", False)
     with pytest.raises(ValueError, match="N must be one of"):
-        hp.wgmma_ss(48)
+        hp.wgmma_ss(40)
     with pytest.raises(ValueError, match="input type"):
         hp.wgmma_rs(64, "f32")
 

@@ -289,12 +289,14 @@ def make_dq_writer(config: WsBackwardConfig, walk: Walk) -> DqWriter:
     contiguous range) into the workspace with a bulk reduce, in deterministic mode in its key block's turn.
     The buffer is a one-stage ring (``ring.make_ring``) whose roles are the other way round: the
     consumer warps fill it (``wait_empty``, then one arrival a warp on the full barrier) and this
-    thread drains it (``wait_full``, the reduce's reads, then ``release``)."""
+    thread drains it (``wait_full``, the reduce's reads, then ``release``). Consumer thread 0 hands
+    over the step's turn in the word after the staged dQ: the turn of a window build (a division)
+    spilled in this thread's 24 registers."""
     BM, D = config.block_m, config.head_dim
     DQ_BYTES = BM * D * 4
     STAGES = config.stages
     dq_ring = make_ring(1)
-    next_block, workspace_row, turn_of = walk
+    next_block, workspace_row = walk.next_block, walk.workspace_row
 
     @cuda.jit(device=True, forceinline=True)
     def dq_barriers(bars):
@@ -313,7 +315,7 @@ def make_dq_writer(config: WsBackwardConfig, walk: Walk) -> DqWriter:
             at = ws.dq + workspace_row(blk, heads_q, head, m_block) * (D * 4)
             if deterministic:  # after the key blocks before this one; complete before passing on
                 counter_at = ws.counters + ((blk.batch * heads_q + head) * counters_per_head + m_block) * 4
-                turn = turn_of(blk, m_block * BM)
+                turn = int32(ptx.ld_shared_b32(tiles.dq + DQ_BYTES))  # the consumers' (``Walk.turn_of``)
                 while ptx.ld_acquire_gpu_s32(counter_at) != turn:
                     pass
                 hp.bulk_reduce_add_f32(at, tiles.dq, DQ_BYTES)

@@ -125,9 +125,10 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
             hp.stmatrix_x4(uint32(tile + swizzled_offset(row, chunk, BM, 128)), regs)
 
     @cuda.jit(device=True, forceinline=True)
-    def stage_dq(acc_q, tiles, bars, i, seat):
-        """This step's dQ into the staging buffer once the bulk reduce of the step before has read
-        it, then one arrival a warp. Columns 96 wg + 8 j sit at 16 (256 j + thread) bytes
+    def stage_dq(acc_q, tiles, bars, i, turn, seat):
+        """This step's dQ into the staging buffer (and thread 0 its ``turn`` after it: the dQ
+        writer's in deterministic mode) once the bulk reduce of the step before has read it, then
+        one arrival a warp. Columns 96 wg + 8 j sit at 16 (256 j + thread) bytes
         (``WsBackwardConfig.dq_add_at``): the m64n32 product's n-tile k is j = k + 8 (wg 0) or k
         (wg 1), the m64n64's k or k + 4."""
         dq_bars = dq_barriers(bars)
@@ -140,6 +141,8 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         for k in range(8):
             ptx.st_shared_v4_f32(at64 + k * TILE_BYTES, acc_q[4 + k, 0], acc_q[4 + k, 1], acc_q[4 + k, 2],
                                  acc_q[4 + k, 3])
+        if seat.thread == 0:
+            ptx.st_shared_b32(tiles.dq + DQ_N * TILE_BYTES, uint32(turn))
         hp.fence_proxy_async_shared_cta()  # the bulk reduce reads through the async proxy
         cuda.syncwarp(FULL_MASK)
         if seat.lane == 0:
@@ -208,7 +211,7 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         gemms.issue_dkv(acc.dk, hp.descriptor_add(descs.q_mn, q_at), descs.ds_mn, D_TILES)
         hp.wgmma_wait_group_1()  # dVᵀ and dQ done; dKᵀ may still run
         gemms.fence_dq(acc.dq)
-        stage_dq(acc.dq, tiles, bars, i, seat)
+        stage_dq(acc.dq, tiles, bars, i, step.turn, seat)
         hp.wgmma_wait_group_0()
         for t in range(D_TILES):
             gemms.fence_scores(acc.dk[t])

@@ -576,8 +576,9 @@ class WsBackwardLayout(NamedTuple):
     # the head dims are equal).
     p: int = 0
     do_stage: int = 0
-    # ``WsBackwardConfig.bulk_dq``: a query block's float32 dQ (block_m x head_dim), staged for the
-    # bulk reduce (0 without)
+    # The unswapped tile's (``WsBackwardConfig.swapped`` False): a query block's float32 dQ (block_m x
+    # head_dim), staged for the bulk reduce, then 16 bytes whose first word is the step's turn
+    # (deterministic mode); 0 in the swapped tile
     dq: int = 0
 
 
@@ -706,11 +707,11 @@ class WsBackwardConfig(ValueDim):
         ds = do + self.stages * do_stage
         p = ds + ds_buffers * ds_bytes
         dq = p + p_buffers * ds_bytes
-        lse = dq + (0 if self.swapped else bm * d * 4)
+        lse = dq + (bm * d * 4 + 16 if not self.swapped else 0)  # and the step's turn (a word)
         delta = lse + 2 * rows_stage
         end = delta + 2 * rows_stage
         return WsBackwardLayout(k, v, q, do, lse, delta, ds, q_stage, rows_stage, ds_bytes, end,
-                                p if p_buffers else 0, do_stage, 0 if self.swapped else dq)
+                                p if p_buffers else 0, do_stage, dq if not self.swapped else 0)
 
     @property
     def step_bytes(self) -> int:
@@ -720,7 +721,7 @@ class WsBackwardConfig(ValueDim):
     @property
     def barrier_words(self) -> int:
         """The K/V barrier, the ring's full and empty barriers, and (unswapped) the staged dQ's."""
-        return 1 + 2 * self.stages + (0 if self.swapped else 2)
+        return 1 + 2 * self.stages + (2 if not self.swapped else 0)
 
     @property
     def shared_bytes(self) -> int:
