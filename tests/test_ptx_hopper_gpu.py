@@ -421,3 +421,31 @@ def test_wgmma_rs_gemm_demo(bf16, rng):
     b = rng.integers(-8, 9, (192, 256)).astype(np.float32)  # K x N
     c = hd.run_wgmma_rs_gemm(to_bits(a, dtype), to_bits(b, dtype), bf16=bf16)
     np.testing.assert_array_equal(c, a @ b)
+
+
+def test_bulk_reduce_add_after_vector_stores(rng):
+    """``st_shared_v4_f32`` fills a shared buffer, four floats a thread; after fence.proxy.async and
+    a barrier one thread adds it into global memory twice with ``bulk_reduce_add_f32`` (each
+    committed and waited for): dst = dst0 + 2 src (the (192, 128) backward's dQ path)."""
+    from numba import cuda, float32
+
+    from numbaflash import ptx
+
+    def probe(dst, src):
+        smem = cuda.shared.array(0, float32)
+        t = cuda.threadIdx.x
+        base = ptx.shared_address_f32(smem)
+        ptx.st_shared_v4_f32(base + 16 * t, src[4 * t], src[4 * t + 1], src[4 * t + 2], src[4 * t + 3])
+        hp.fence_proxy_async_shared_cta()
+        cuda.syncthreads()
+        if t == 0:
+            for _ in range(2):
+                hp.bulk_reduce_add_f32(ptx.global_address_f32(dst), base, 2048)
+                hp.tma_store_commit_group()
+                hp.tma_store_wait_group_0()
+
+    src = rng.integers(-8, 8, 512).astype(np.float32)
+    dst0 = rng.integers(-8, 8, 512).astype(np.float32)
+    dst = cuda.to_device(dst0)
+    cuda.jit(probe)[1, 128, 0, 2048](dst, cuda.to_device(src))
+    np.testing.assert_array_equal(dst.copy_to_host(), dst0 + 2 * src)
