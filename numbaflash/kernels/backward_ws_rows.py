@@ -213,10 +213,8 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         gemms.fence_dq(acc.dq)
         stage_dq(acc.dq, tiles, bars, i, step.turn, seat)
         hp.wgmma_wait_group_0()
-        for t in range(D_TILES):
-            gemms.fence_scores(acc.dk[t])
-        for t in range(V_TILES):
-            gemms.fence_scores(acc.dv[t])
+        gemms.fence_dkv(acc.dk, D_TILES)
+        gemms.fence_dkv(acc.dv, V_TILES)
         ring.release(bars, i, seat.lane)
 
     return RowsConsumerSteps(consume_step)

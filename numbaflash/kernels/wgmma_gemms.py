@@ -209,8 +209,10 @@ def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf
 #                                                96 head-dim columns: wgmma SS m64n32k16 into
 #                                                ``acc[0:4]`` and m64n64k16 into ``acc[4:12]``, the dS
 #                                                tile K-major (both column blocks), K MN-major
+# fence_scores / fence_dkv(acc, m_tiles) / fence_dq keep each accumulator's registers on their side
+# of a wait.
 RowsBackwardGemms = namedtuple("RowsBackwardGemms", ["issue_scores", "issue_dkv", "issue_dq",
-                                                     "fence_scores", "fence_dq"])
+                                                     "fence_scores", "fence_dkv", "fence_dq"])
 
 
 def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) -> RowsBackwardGemms:
@@ -230,11 +232,16 @@ def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) 
     issue_scores = make_k_major_steps(mma_scores, fence_scores, block_m, block_n)
 
     @cuda.jit(device=True, forceinline=True)
+    def fence_dkv(acc, m_tiles):
+        """The operand fence of dKᵀ's (or dVᵀ's) ``m_tiles`` m-tiles."""
+        for t in range(m_tiles):
+            fence_scores(acc[t])
+
+    @cuda.jit(device=True, forceinline=True)
     def issue_dkv(acc, desc_mn, desc_pds, m_tiles):
         """Start dKᵀ (or dVᵀ) += over the query block (async), 16 query rows a k-step of both
         operands; m-tile t's A is ``desc_mn``'s column block t."""
-        for t in range(m_tiles):
-            fence_scores(acc[t])
+        fence_dkv(acc, m_tiles)
         hp.wgmma_fence()
         for kk in range(M_K_STEPS):
             for t in range(m_tiles):
@@ -255,4 +262,4 @@ def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) 
             mma_dq64(acc[4:12], a, hp.descriptor_add(desc_k64, kk * 2048), 0 if kk == 0 else 1)
         hp.wgmma_commit_group()
 
-    return RowsBackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dq)
+    return RowsBackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)
