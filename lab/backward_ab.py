@@ -11,7 +11,8 @@ once per tree in alternating processes, then ``summary`` tabulates the lines (se
     python lab/backward_ab.py summary ab.txt base pp    # two of several tags (AB_FORCE rounds)
 
 ``TAG [SHAPES]``: SHAPES a comma list of head_dim:seqlen:causal (0 or 1), default d64 and d128
-at 1k, 4k and 16k, causal and not; a head dim written ``f128`` times the forward instead
+at 1k, 4k and 16k, causal and not; a head dim written ``192/128`` is the pair (V's head dim apart:
+16 heads, ``benchmarks/asym_speed.py``'s FLOPs); written ``f128`` it times the forward instead
 (``flash_attention`` beside cuDNN's forward, 4·B·H·S²·D FLOPs, halved causal; section FA4R).
 Each timing is the median of 25 CUDA-event-timed calls after 5 warm-up calls and 250 ms of
 settling, two blocks per implementation, interleaved.
@@ -41,17 +42,21 @@ def timed_ms(torch, fns, calls: int = 25) -> float:
     return statistics.median(time_with_events(Device(torch), fns, 5, calls, warmup_ms=250.0))
 
 
-def measure(tag: str, d: int, s: int, causal: bool) -> str:
-    """One shape's line: both backwards' TF/s (2.5x the forward's FLOPs) and cuDNN's time over ours."""
+def measure(tag: str, d: int, s: int, causal: bool, dv: int = 0) -> str:
+    """One shape's line: both backwards' TF/s (2.5x the forward's FLOPs) and cuDNN's time over ours.
+    ``dv``: V's head dim where it differs (the pair (192, 128): 16 heads, FLOPs 2·B·H·S²·(d + dv),
+    as ``benchmarks/asym_speed.py`` counts them)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import numbaflash
 
-    b, h = 65536 // s, 2048 // d
+    b, h = 65536 // s, (16 if dv else 2048 // d)
+    dv = dv or d
     torch.manual_seed(1)
-    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out, lse = numbaflash.flash_attention(q, k, v, causal=causal, return_lse=True)
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -64,8 +69,9 @@ def measure(tag: str, d: int, s: int, causal: bool) -> str:
     def cudnn():
         torch.autograd.grad(o2, (qt, kt, vt), dot, retain_graph=True)
 
-    flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-    return line(torch, f"{tag} d{d} s{s} {'causal' if causal else 'full'}", flops, ours, cudnn)
+    flops = 2.5 * 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
+    name = f"d{d}/{dv}" if dv != d else f"d{d}"
+    return line(torch, f"{tag} {name} s{s} {'causal' if causal else 'full'}", flops, ours, cudnn)
 
 
 def line(torch, label: str, flops: float, ours, cudnn) -> str:
@@ -119,8 +125,11 @@ def run(tag: str, shapes: str) -> None:
                 forced.enter_context(configs.force_config(capability, causal, config))
         for shape in shapes.split(","):
             d, s, c = shape.split(":")
-            timed = measure_forward if d.startswith("f") else measure
-            print(timed(tag, int(d.lstrip("f")), int(s), c == "1"), flush=True)
+            if d.startswith("f"):
+                print(measure_forward(tag, int(d[1:]), int(s), c == "1"), flush=True)
+            else:
+                dqk, _, dv = d.partition("/")
+                print(measure(tag, int(dqk), int(s), c == "1", int(dv or 0)), flush=True)
 
 
 def summary(path: str, pair: tuple[str, str] | None = None) -> None:
