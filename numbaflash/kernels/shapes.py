@@ -683,9 +683,7 @@ class WsBackwardConfig(ValueDim):
         each. The kernel computes the same (``backward_ws_rows``); the map onto ``dq_position`` is
         checked on the CPU (``tests/test_backward_ws_rows_cpu.py``). Warpgroup ``wg`` holds column
         half wg (j < 12), so the offset is 4 (256 j + thread), thread = 128 wg + 32 warp + lane."""
-        col = 96 * wg + 8 * j
-        half, rest = divmod(col, 96)
-        return (rest // 8) * 4 * 256 + 4 * (32 * (warp + 4 * half) + lane)
+        return 4 * (256 * j + 128 * wg + 32 * warp + lane)
 
     @property
     def layout(self) -> WsBackwardLayout:
@@ -739,8 +737,8 @@ class WsBackwardConfig(ValueDim):
             raise ValueError(f"early_p needs the swapped tile (head dims 64 and 128), got {self}")
         if self.block_m not in (64, 80, 128):
             raise ValueError(f"block_m must be 64, 80 or 128, got {self.block_m}")
-        if self.block_m == 80 and (self.head_dim != 128 or self.consumers != 2):
-            raise ValueError(f"block_m 80 (dQ transposed) needs head_dim 128 and 2 consumers, got {self}")
+        if self.block_m == 80 and self.head_dim != 128:
+            raise ValueError(f"block_m 80 (dQ transposed) needs head_dim 128, got {self}")
         if self.block_m == 64 and self.swapped and self.head_dim % (64 * self.consumers):
             raise ValueError(f"block_m 64 splits dQ's head-dim columns over the consumers in 64-column "
                              f"blocks: head_dim must be a multiple of {64 * self.consumers}, got {self}")
