@@ -31,7 +31,7 @@ import statistics
 import sys
 
 SHAPES = ",".join(f"{d}:{s}:{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in (0, 1))
-LINE = re.compile(r"(\S+?)\d* (\S+ \S+ \S+): ours ([\d.]+) TF/s cudnn ([\d.]+) ratio ([\d.]+)")
+LINE = re.compile(r"(\S+?)\d? (\S+ \S+ \S+): ours ([\d.]+) TF/s cudnn ([\d.]+) ratio ([\d.]+)")
 
 
 def timed_ms(torch, fns, calls: int = 25) -> float:

@@ -80,6 +80,20 @@ def test_the_shared_layout():
     assert swapped.lse == swapped.ds + 2 * swapped.ds_bytes
 
 
+def test_k_is_in_64_byte_rows_so_a_warpgroup_s_dq_is_one_wgmma():
+    """K's tile in 32-column blocks of 64-byte rows (FlashAttention-4's layout for the pair): each
+    warpgroup's 96 columns of it, dQ's B, are three whole blocks, one m64n96 a k-step; 64-column
+    blocks split them into an m64n64 and an m64n32 that read dS twice (docs/PERFORMANCE.md
+    [SW64K]). The swapped tiles keep 128-byte rows; each 64-byte block of K is 1024-aligned."""
+    assert ROWS.k_row_bytes == 64 and ROWS.row_bytes == 128  # V, Q, dO and the rest: 128
+    assert all(WsBackwardConfig(d, **kw).k_row_bytes == 128
+               for d, kw in ((128, {}), (128, {"block_m": 80, "late_rows": True}), (64, {"block_m": 128})))
+    block_cols = ROWS.k_row_bytes // 2
+    assert (96 % block_cols, 96 // block_cols) == (0, 3)  # a warpgroup's dQ columns: whole blocks
+    assert ROWS.block_n * ROWS.k_row_bytes % SMEM_ALIGN == 0  # each block of the tile aligned
+    assert ROWS.head_dim // block_cols * ROWS.block_n * ROWS.k_row_bytes == 96 * 192 * 2  # the same bytes
+
+
 def test_dense_hopper_calls_take_the_tile():
     for causal in (False, True):
         for window, softcap in ((False, False), (True, False), (False, True), (True, True)):

@@ -212,3 +212,24 @@ def test_the_backward_launches_pass_their_arguments_in_declared_order(varlen):
     dq = params.ordered(declared[2], dq_acc=ws.dq_accum, **_named(ops, "dq"), **scalars, scale=call.scale,
                         **extra)
     assert recorded == [prep, main, dq]
+
+
+@pytest.mark.parametrize("block_m, seqlen_q", [(64, 256), (64, 255), (80, 77), (80, 256), (128, 1)])
+def test_the_dq_launch_covers_the_query_blocks_only(block_m, seqlen_q):
+    """The dQ kernel's grid is one CTA per query block of the sequence, not per ``block_m`` rows of
+    the workspace: at block_m 80 the workspace's rows align to 640, and a CTA past the last query
+    block read accumulator rows nothing had written (initcheck, notebook ICTMA) to store nothing."""
+    import types
+
+    from numbaflash.kernels.shapes import BackwardConfig
+    from numbaflash.operations import launch_backward as lb
+
+    call, ops = _backward_call(False)
+    ops["q"].shape = (2, seqlen_q, 4, 64)
+    call = call._replace(rows=lb.backward_rows(seqlen_q, block_m))
+    config = types.SimpleNamespace(block_m=block_m, threads=BackwardConfig(64).threads)
+    grids = []
+    lb.launch_backward_dq(config)(lambda grid, *rest: grids.append(grid), call,
+                                  types.SimpleNamespace(sm_count=lambda device: 132))
+    assert grids == [(-(-seqlen_q // block_m), 4, 2)]
+    assert grids[0][0] * block_m <= call.rows  # within the workspace's rows

@@ -34,7 +34,7 @@ BACKWARD_WS_ABI = _p.types_of(_p.WS_BACKWARD)
 # 2''. Its GQA-split build (``KernelSpec.group_split``): grid ceil(seqlen_k / block_n) * heads_kv *
 #    splits * batch, the same parameters then the dK / dV sums, the tickets and ``splits``.
 BACKWARD_WS_SPLIT_ABI = _p.types_of(_p.WS_BACKWARD + _p.GROUP_SPLIT)
-# 3. dQ: grid (rows // block_m, heads_q, batch), config.threads (the main kernel's, whose fragment
+# 3. dQ: grid (ceil(seqlen_q / block_m), heads_q, batch), config.threads (the main kernel's, whose fragment
 #    order it reads).
 BACKWARD_DQ_ABI = _p.types_of(_p.BACKWARD_DQ)
 

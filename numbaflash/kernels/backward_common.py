@@ -333,7 +333,7 @@ def make_backward_prep_kernel(config: BackwardConfig, causal: bool, bf16: bool, 
 
 
 def make_backward_dq_kernel(config: BackwardConfig, causal: bool, bf16: bool, varlen: bool = False):
-    """The dQ kernel (``abi.BACKWARD_DQ_ABI``): grid (rows // block_m, heads_q, batch),
+    """The dQ kernel (``abi.BACKWARD_DQ_ABI``): grid (ceil(seqlen_q / block_m), heads_q, batch),
     ``config.threads`` threads. Thread ``tid`` reads back the accumulator elements that thread
     ``tid`` of the main kernel added (fragment order, ``BackwardConfig.dq_position``: coalesced
     loads), stores them scaled, as 16-bit pairs, into a swizzled shared tile of the block, and the

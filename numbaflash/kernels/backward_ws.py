@@ -730,7 +730,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
     CAUSAL, WINDOW, GROUP_SPLIT = causal, window, group_split
     rings = make_rings(config)
     ring, kv_once = rings
-    load_tile = make_tile_loads(config)
+    load_k_tile = make_tile_loads(config, row_bytes=config.k_row_bytes)
     load_v_tile = make_tile_loads(config, config.value_dim)
     BARRIER_WORDS = config.barrier_words
     lower_registers = getattr(hp, f"setmaxnreg_dec_{config.register_split[0]}")
@@ -814,7 +814,7 @@ def make_backward_ws_kernel(config: WsBackwardConfig, causal: bool, bf16: bool, 
             if tid == 0:
                 maps = Maps(a.map_q, a.map_k, a.map_v, a.map_do)
                 kv_once.arm(kv_bar, 0, KV_BYTES)
-                load_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
+                load_k_tile(tiles.k, maps.k, kv_bar.full, n0, kv_head, batch, BN)
                 load_v_tile(tiles.v, maps.v, kv_bar.full, n0, kv_head, batch, BN)
                 produce_steps(maps, bars, tiles, blk, a.group)
             elif BULK_DQ and tid == 32:

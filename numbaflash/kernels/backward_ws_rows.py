@@ -16,9 +16,10 @@ thread):
                     the warpgroup's 48 keys in column block wg (``store_tile``), then a named
                     barrier of both warpgroups
     dVᵀ += dOᵀ P    wgmma SS m64n48 for V's two 64-column m-tiles, the warpgroup's own P
-    dQ  = dS K      wgmma SS m64n32 + m64n64: the warpgroup's 96 head-dim columns over all 96 keys
-                    (both warpgroups' dS; K's columns 96 wg ..: 64 of them one column block, 32 half
-                    of one, read from a 64-byte start offset, as the swizzle is of the address)
+    dQ  = dS K      wgmma SS m64n96: the warpgroup's 96 head-dim columns over all 96 keys (both
+                    warpgroups' dS; K's columns 96 wg ..: three of its 32-column blocks, as K's tile
+                    is in 64-byte rows, ``WsBackwardConfig.k_row_bytes``: FlashAttention-4's layout;
+                    with 128-byte rows they were an m64n64 and an m64n32 reading dS twice, [SW64K])
     dKᵀ += Qᵀ dS    wgmma SS m64n48 for Q's three 64-column m-tiles, the warpgroup's own dS
 
 dVᵀ, dQ and dKᵀ are issued in that order; once dVᵀ and dQ are done, dQ is staged in shared memory
@@ -62,14 +63,14 @@ DQ_N = 12  # n-tiles of a warpgroup's dQ: 96 head-dim columns
 
 # A consumer warp's registers: S (then P), dP (then dS), dKᵀ and dVᵀ (m-tile t of the head dim as
 # [t], x the warpgroup's keys) and this step's dQ (64 query rows x the warpgroup's 96 head-dim
-# columns: the m64n32 product's in [0:4], the m64n64's in [4:12]).
+# columns, n-tile j columns 96 wg + 8 j ..).
 RowsAccumulators = namedtuple("RowsAccumulators", ["s", "dp", "dk", "dv", "dq"])
 # wgmma descriptors: ring stage 0's Q and dO (K-major: A of S and dP), this warpgroup's K and V
 # rows (K-major: B of S and dP), Q and dO (MN-major: A of dKᵀ and dVᵀ, m-tile t a column block on),
 # this warpgroup's column block of P and dS (MN-major: B of dVᵀ and dKᵀ), the dS tile (K-major: A
-# of dQ) and K's columns of its m64n64 and m64n32 dQ products (MN-major: B of dQ).
+# of dQ) and K's columns of its dQ (MN-major: B of dQ).
 RowsDescriptors = namedtuple("RowsDescriptors", ["q", "do", "k", "v", "q_mn", "do_mn", "p_mn", "ds_mn",
-                                                 "ds_k", "k_mn64", "k_mn32"])
+                                                 "ds_k", "k_mn"])
 # What a consumer reads besides its registers (``backward_ws.Io``'s fields).
 RowsIo = namedtuple("RowsIo", ["descs", "tiles", "bars", "blk", "sc", "ws"])
 RowsConsumerSteps = namedtuple("RowsConsumerSteps", ["consume_step"])
@@ -128,19 +129,13 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
     def stage_dq(acc_q, tiles, bars, i, turn, seat):
         """This step's dQ into the staging buffer (and thread 0 its ``turn`` after it: the dQ
         writer's in deterministic mode) once the bulk reduce of the step before has read it, then
-        one arrival a warp. Columns 96 wg + 8 j sit at 16 (256 j + thread) bytes
-        (``WsBackwardConfig.dq_add_at``): the m64n32 product's n-tile k is j = k + 8 (wg 0) or k
-        (wg 1), the m64n64's k or k + 4."""
+        one arrival a warp. Columns 96 wg + 8 j (n-tile j) sit at 16 (256 j + thread) bytes
+        (``WsBackwardConfig.dq_add_at``)."""
         dq_bars = dq_barriers(bars)
         dq_ring.wait_empty(dq_bars, i)
         at = tiles.dq + 16 * seat.thread
-        at32 = at + (ONE - seat.wg) * uint32(8 * TILE_BYTES)
-        at64 = at + seat.wg * uint32(4 * TILE_BYTES)
-        for k in range(4):
-            ptx.st_shared_v4_f32(at32 + k * TILE_BYTES, acc_q[k, 0], acc_q[k, 1], acc_q[k, 2], acc_q[k, 3])
-        for k in range(8):
-            ptx.st_shared_v4_f32(at64 + k * TILE_BYTES, acc_q[4 + k, 0], acc_q[4 + k, 1], acc_q[4 + k, 2],
-                                 acc_q[4 + k, 3])
+        for j in range(DQ_N):
+            ptx.st_shared_v4_f32(at + j * TILE_BYTES, acc_q[j, 0], acc_q[j, 1], acc_q[j, 2], acc_q[j, 3])
         if seat.thread == 0:
             ptx.st_shared_b32(tiles.dq + DQ_N * TILE_BYTES, uint32(turn))
         hp.fence_proxy_async_shared_cta()  # the bulk reduce reads through the async proxy
@@ -163,8 +158,8 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         if step.next_row >= 0:
             stage_rows(tiles, ws, step.next_row, parity ^ ONE, seat)
         ring.wait_full(bars, i)
-        gemms.issue_scores(acc.s, hp.descriptor_add(descs.q, q_at), descs.k, D)
-        gemms.issue_scores(acc.dp, hp.descriptor_add(descs.do, do_at), descs.v, DV)
+        gemms.issue_s(acc.s, hp.descriptor_add(descs.q, q_at), descs.k, D)
+        gemms.issue_dp(acc.dp, hp.descriptor_add(descs.do, do_at), descs.v, DV)
         # the thread's two query rows' LSE₂ and D (rows 16 warp + lane // 4 and 8 on), read while S runs
         rows_at = parity * uint32(ROWS_BYTES) + (seat.warp * uint32(16) + seat.lane // uint32(4)) * uint32(4)
         lse0 = ptx.ld_shared_f32(tiles.lse + rows_at)
@@ -207,7 +202,7 @@ def make_rows_consumer_steps(config: WsBackwardConfig, causal: bool, bf16: bool,
         ptx.cp_async_wait_group_0()  # the next step's rows
         hp.named_barrier_sync(DS_BARRIER, CONSUMER_THREADS)  # every warpgroup's P and dS, the next rows
         gemms.issue_dkv(acc.dv, hp.descriptor_add(descs.do_mn, do_at), descs.p_mn, V_TILES)
-        gemms.issue_dq(acc.dq, descs.ds_k, descs.k_mn32, descs.k_mn64)
+        gemms.issue_dq(acc.dq, descs.ds_k, descs.k_mn)
         gemms.issue_dkv(acc.dk, hp.descriptor_add(descs.q_mn, q_at), descs.ds_mn, D_TILES)
         hp.wgmma_wait_group_1()  # dVᵀ and dQ done; dKᵀ may still run
         gemms.fence_dq(acc.dq)
@@ -242,19 +237,18 @@ def make_rows_consumer(config: WsBackwardConfig, walk_steps) -> RowsConsumer:
                     acc.dk[t, j, e] = 0.0
                     if t < V_TILES:
                         acc.dv[t, j, e] = 0.0
-        keys_at = seat.wg * (KEYS * 128)  # this warpgroup's key rows
         pds_at = seat.wg * (BM * 128)  # its column block of P and dS
         descs = RowsDescriptors(hp.smem_descriptor_k_sw128(tiles.q), hp.smem_descriptor_k_sw128(tiles.do),
-                                hp.smem_descriptor_k_sw128(tiles.k + keys_at),
-                                hp.smem_descriptor_k_sw128(tiles.v + keys_at),
+                                # this warpgroup's key rows: of 64 bytes in K's blocks, 128 in V's
+                                hp.smem_descriptor_k_sw64(tiles.k + seat.wg * (KEYS * 64)),
+                                hp.smem_descriptor_k_sw128(tiles.v + seat.wg * (KEYS * 128)),
                                 hp.smem_descriptor_mn_sw128(tiles.q, BM * 128),
                                 hp.smem_descriptor_mn_sw128(tiles.do, BM * 128),
                                 hp.smem_descriptor_mn_sw128(tiles.p + pds_at, BM * 128),
                                 hp.smem_descriptor_mn_sw128(tiles.ds + pds_at, BM * 128),
                                 hp.smem_descriptor_k_sw128(tiles.ds),
-                                # K's columns 0 .. 63 (wg 0) or 128 .. 191, and 64 .. 95 or 96 .. 127
-                                hp.smem_descriptor_mn_sw128(tiles.k + seat.wg * (2 * BN * 128), BN * 128),
-                                hp.smem_descriptor_mn_sw128(tiles.k + BN * 128 + seat.wg * 64, BN * 128))
+                                # K's columns 96 wg ..: its 32-column blocks 3 wg .. 3 wg + 2
+                                hp.smem_descriptor_mn_sw64(tiles.k + seat.wg * (3 * BN * 64), BN * 64))
         walk_steps(acc, RowsIo(descs, tiles, bars, blk, sc, ws), kv_bar, seat, heads_q, group,
                    counters_per_head)
         return acc

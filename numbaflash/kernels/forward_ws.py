@@ -194,12 +194,14 @@ def make_rings(config: WsConfig) -> Rings:
                  kv if t["v"] == t["k"] else make_ring(config.stages, t["v"]))
 
 
-def make_tile_loads(config: WsConfig, columns: int = 0):
+def make_tile_loads(config: WsConfig, columns: int = 0, row_bytes: int = 0):
     """``load_tile(dst, tmap, bar, row0, head, batch, rows)``: TMA the rows row0 .. row0 + rows
     of one (batch, head) into a swizzled tile, one box per column block; ``columns`` wide (0:
-    the head dim; V's tiles: ``config.value_dim``)."""
-    RB = config.row_bytes  # bytes per row of one swizzle block (128 or 64)
-    BOX = config.box_cols  # head-dim columns of one block (64 or 32)
+    the head dim; V's tiles: ``config.value_dim``); ``row_bytes`` a block's row (0: the config's
+    ``row_bytes``; the unswapped backward's K: ``WsBackwardConfig.k_row_bytes``), which its
+    tensor map's box and swizzle must match."""
+    RB = row_bytes or config.row_bytes  # bytes per row of one swizzle block (128 or 64)
+    BOX = config.box_cols * RB // config.row_bytes  # head-dim columns of one block (64 or 32)
     D_CHUNKS = (columns or config.head_dim) // BOX  # blocks of a tile: one TMA box each
 
     @cuda.jit(device=True, forceinline=True)

@@ -654,6 +654,15 @@ class WsBackwardConfig(ValueDim):
         return 64
 
     @property
+    def k_row_bytes(self) -> int:
+        """Bytes of a row of one swizzle block of K's tile: 128 (64 columns, 128B swizzle), but 64
+        (32 columns, 64B swizzle) in the unswapped tile. There each warpgroup's dQ = dS K takes 96 of
+        K's head-dim columns as its B (MN-major), which in 32-column blocks is one m64n96 wgmma a
+        k-step (FlashAttention-4's layout for the pair); 64-column blocks need an m64n64 and an
+        m64n32 that read dS twice (5% more shared-memory traffic at 16k causal, [SW64K])."""
+        return 128 if self.swapped else 64
+
+    @property
     def dq_split(self) -> str:
         """How the consumer warpgroups split dQ = dS K: by rows ("m": 64 query rows each, when
         block_m = 64 x consumers) or by head-dim columns ("n": block_m = 64); or, where block_m is

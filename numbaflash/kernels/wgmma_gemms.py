@@ -121,21 +121,22 @@ BackwardGemms = namedtuple("BackwardGemms", ["issue_scores", "issue_dkv", "issue
                                              "fence_dkv", "fence_dq"])
 
 
-def make_k_major_steps(mma, fence, rows_a: int, rows_b: int):
+def make_k_major_steps(mma, fence, rows_a: int, rows_b: int, row_bytes_b: int = 128):
     """``issue(acc, desc_a, desc_b, depth)``: start ``acc = A Bᵀ`` over ``depth`` columns (async, one
-    commit group; overwrites ``acc``), A and B both K-major tiles of ``rows_a`` and ``rows_b`` rows in
-    64-column blocks of 128-byte rows: k-step kk sits in block kk // 4, 32 bytes a step. The backward's
-    scores (Sᵀ and dPᵀ of the swapped tile, S and dP of the unswapped one)."""
+    commit group; overwrites ``acc``), A and B both K-major tiles of ``rows_a`` and ``rows_b`` rows, A in
+    64-column blocks of 128-byte rows: k-step kk sits in block kk // 4, 32 bytes a step; B likewise,
+    or in 32-column blocks of 64-byte rows (``row_bytes_b`` 64: block kk // 2). The backward's scores
+    (Sᵀ and dPᵀ of the swapped tile, S and dP of the unswapped one)."""
+    B_STEPS = row_bytes_b // 32  # k-steps in a row of one of B's blocks
 
     @cuda.jit(device=True, forceinline=True)
     def issue(acc, desc_a, desc_b, depth):
         fence(acc)
         hp.wgmma_fence()
         for kk in range(depth // 16):
-            block = (kk // 4) * 128  # the 64-column block's offset, in bytes per tile row
-            step = (kk % 4) * 32
-            mma(acc, hp.descriptor_add(desc_a, block * rows_a + step),
-                hp.descriptor_add(desc_b, block * rows_b + step), 0 if kk == 0 else 1)
+            a_at = (kk // 4) * 128 * rows_a + (kk % 4) * 32
+            b_at = (kk // B_STEPS) * row_bytes_b * rows_b + (kk % B_STEPS) * 32
+            mma(acc, hp.descriptor_add(desc_a, a_at), hp.descriptor_add(desc_b, b_at), 0 if kk == 0 else 1)
         hp.wgmma_commit_group()
 
     return issue
@@ -197,21 +198,24 @@ def make_backward_gemms(head_dim: int, block_m: int, block_n: int, dq_n: int, bf
 # The GEMM steps of the Hopper backward's unswapped tile (``backward_ws_rows``, FlashAttention-4's (192,
 # 128) tile): two warpgroups, each owning ``keys`` (48) of the block's keys; the P and dS tiles hold
 # a warpgroup's keys in its own 128-byte column block (``keys`` of its 64 columns), so that each
-# warpgroup's B of dKᵀ and dVᵀ is one MN-major atom wide:
-#   issue_scores(acc, desc_qdo, desc_kv, depth)  S = Q Kᵀ or dP = dO Vᵀ: wgmma SS m64n{keys}k16 over
-#                                                ``depth`` head-dim columns, the query rows and this
-#                                                warpgroup's key rows, both K-major
+# warpgroup's B of dKᵀ and dVᵀ is one MN-major atom wide; K's tile is in 32-column blocks of 64-byte
+# rows (``WsBackwardConfig.k_row_bytes``), so that a warpgroup's 96 columns of it are one B of dQ:
+#   issue_s(acc, desc_q, desc_k, depth)          S = Q Kᵀ: wgmma SS m64n{keys}k16 over ``depth``
+#                                                head-dim columns, the query rows and this
+#                                                warpgroup's key rows, both K-major (K's blocks of
+#                                                64-byte rows)
+#   issue_dp(acc, desc_do, desc_v, depth)        dP = dO Vᵀ: the same, V in 128-byte rows
 #   issue_dkv(acc, desc_mn, desc_pds, m_tiles)   dKᵀ += Qᵀ dS or dVᵀ += dOᵀ P for the warpgroup's own
 #                                                keys: ``m_tiles`` wgmma SS m64n{keys}k16 a k-step,
 #                                                m-tile t (``acc[t]``) Q's or dO's 64 head-dim
 #                                                columns 64 t .., both operands MN-major
-#   issue_dq(acc, desc_ds, desc_k32, desc_k64)   dQ = dS K over the block's keys for the warpgroup's
-#                                                96 head-dim columns: wgmma SS m64n32k16 into
-#                                                ``acc[0:4]`` and m64n64k16 into ``acc[4:12]``, the dS
-#                                                tile K-major (both column blocks), K MN-major
+#   issue_dq(acc, desc_ds, desc_k)               dQ = dS K over the block's keys for the warpgroup's
+#                                                96 head-dim columns: wgmma SS m64n96k16, the dS
+#                                                tile K-major (both column blocks), K MN-major (three
+#                                                of its 32-column blocks)
 # fence_scores / fence_dkv(acc, m_tiles) / fence_dq keep each accumulator's registers on their side
 # of a wait.
-RowsBackwardGemms = namedtuple("RowsBackwardGemms", ["issue_scores", "issue_dkv", "issue_dq",
+RowsBackwardGemms = namedtuple("RowsBackwardGemms", ["issue_s", "issue_dp", "issue_dkv", "issue_dq",
                                                      "fence_scores", "fence_dkv", "fence_dq"])
 
 
@@ -221,15 +225,15 @@ def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) 
     dtype = "bf16" if bf16 else "f16"
     mma_scores = hp.wgmma_ss(keys, dtype)
     mma_dkv = hp.wgmma_ss(keys, dtype, trans_b=True, trans_a=True)
-    mma_dq32 = hp.wgmma_ss(32, dtype, trans_b=True)
-    mma_dq64 = hp.wgmma_ss(64, dtype, trans_b=True)
+    mma_dq = hp.wgmma_ss(96, dtype, trans_b=True)
     fence_scores = hp.wgmma_fence_operand(keys)
     fence_dq = hp.wgmma_fence_operand(96)
     M_K_STEPS = block_m // 16  # k-steps of dKᵀ and dVᵀ
     WG_K_STEPS = keys // 16  # k-steps of dQ in one warpgroup's column block of dS
     N_K_STEPS = block_n // 16
     BM = block_m
-    issue_scores = make_k_major_steps(mma_scores, fence_scores, block_m, block_n)
+    issue_s = make_k_major_steps(mma_scores, fence_scores, block_m, block_n, row_bytes_b=64)
+    issue_dp = make_k_major_steps(mma_scores, fence_scores, block_m, block_n)
 
     @cuda.jit(device=True, forceinline=True)
     def fence_dkv(acc, m_tiles):
@@ -250,16 +254,16 @@ def make_backward_rows_gemms(block_m: int, block_n: int, keys: int, bf16: bool) 
         hp.wgmma_commit_group()
 
     @cuda.jit(device=True, forceinline=True)
-    def issue_dq(acc, desc_ds, desc_k32, desc_k64):
+    def issue_dq(acc, desc_ds, desc_k):
         """Start dQ = dS K over the key block (async; overwrites ``acc``): k-step kk is 16 keys of
-        warpgroup kk // 3's column block of dS, 32 bytes a step, and K's key rows 16 kk .."""
+        warpgroup kk // 3's column block of dS, 32 bytes a step, and K's key rows 16 kk .. (16
+        rows of 64 bytes a step in each of its 32-column blocks)."""
         fence_dq(acc)
         hp.wgmma_fence()
         for kk in range(N_K_STEPS):
             at = (kk // WG_K_STEPS) * (BM * 128) + (kk % WG_K_STEPS) * 32
-            a = hp.descriptor_add(desc_ds, at)
-            mma_dq32(acc[0:4], a, hp.descriptor_add(desc_k32, kk * 2048), 0 if kk == 0 else 1)
-            mma_dq64(acc[4:12], a, hp.descriptor_add(desc_k64, kk * 2048), 0 if kk == 0 else 1)
+            mma_dq(acc, hp.descriptor_add(desc_ds, at), hp.descriptor_add(desc_k, kk * 1024),
+                   0 if kk == 0 else 1)
         hp.wgmma_commit_group()
 
-    return RowsBackwardGemms(issue_scores, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)
+    return RowsBackwardGemms(issue_s, issue_dp, issue_dkv, issue_dq, fence_scores, fence_dkv, fence_dq)

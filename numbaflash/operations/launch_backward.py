@@ -11,8 +11,8 @@ One call launches three kernels on the caller's stream, in this order:
    Grid ceil(seqlen_k / block_n) * heads_kv * batch in one dimension, in the launch order of
    ``kernels.blocks.key_block_of`` (``backward_tail_pairs``), ``config.threads``,
    ``config.shared_bytes``.
-3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (rows // block_m,
-   heads_q, batch), ``config.threads``.
+3. dQ (``backward_dq``): the accumulator, scaled, in the input dtype. Grid (ceil(seqlen_q /
+   block_m), heads_q, batch), ``config.threads``.
 
 On Hopper at head dims 64 and 128 the main kernel is the warp-specialised one
 (``launch_backward_ws_main``: tensor maps of q, k, v, dout instead of their pointers and strides,
@@ -395,16 +395,17 @@ class MappedLaunch(Launch):
 def launch_backward_ws_main(config, split: bool = False) -> Launch:
     """The launch of the Hopper backward's main kernel (``BACKWARD_WS_ABI``; a ``MappedLaunch``): the
     grid, threads and shared memory of ``launch_backward_main``; tensor maps of q, k, v, dout
-    (boxes of block_m, block_n, block_n, block_m rows, cached in device memory by pointers and
-    layout as the Hopper forward's: ``runtime.map_slots``) instead of their pointers and strides;
-    dk, dv by pointer and strides, the workspace, and the scalars. ``split``: the launch of its
-    GQA-split build (``BACKWARD_WS_SPLIT_ABI``, ``launch_backward_ws_split``): the grid times
-    ``call.group_splits`` (the CTAs each GQA group is split over: ceil(seqlen_k / block_n) *
-    heads_kv * splits * batch), and last the dK / dV sums and tickets, zeroed first on the call's
-    stream (``MappedLaunch``'s ``split``), and ``splits``. Each build takes only its calls
+    (boxes of block_m, block_n, block_n, block_m rows, K's of ``config.k_row_bytes``, cached in
+    device memory by pointers and layout as the Hopper forward's: ``runtime.map_slots``) instead
+    of their pointers and strides; dk, dv by pointer and strides, the workspace, and the scalars.
+    ``split``: the launch of its GQA-split build (``BACKWARD_WS_SPLIT_ABI``,
+    ``launch_backward_ws_split``): the grid times ``call.group_splits`` (the CTAs each GQA group
+    is split over: ceil(seqlen_k / block_n) * heads_kv * splits * batch), and last the dK / dV
+    sums and tickets, zeroed first on the call's stream (``MappedLaunch``'s ``split``), and
+    ``splits``. Each build takes only its calls
     (``group_splits`` > 1: the split build; ValueError otherwise, before anything is launched)."""
     block_n, threads, shared_bytes = config.block_n, config.threads, config.shared_bytes
-    maps_of = _tensor_maps(config, (config.block_m, block_n, block_n, config.block_m))
+    maps_of = _tensor_maps(config, (config.block_m, block_n, block_n, config.block_m), config.k_row_bytes)
 
     def arguments(call: BackwardCall, gpu: Any, maps: int) -> tuple:
         q, k, dk, dv, ws = call.q, call.k, call.dk, call.dv, call.workspace
@@ -548,8 +549,12 @@ def launch_varlen_backward_dq(config) -> Callable[..., None]:
 
 def launch_backward_dq(config) -> Launch:
     """The launch of the dQ kernel (``BACKWARD_DQ_ABI``): the accumulator, scaled, into dq (by
-    pointer and strides); one CTA of the main kernel's ``threads`` per query block (it reads the
-    accumulator in the main kernel's fragment order). A bound launch's pointers: dq_acc, dq."""
+    pointer and strides); one CTA of the main kernel's ``threads`` per query block of the
+    sequence, ceil(seqlen_q / block_m) of them (it reads the accumulator in the main kernel's
+    fragment order). Not ``rows // block_m``: a CTA past the last query block stores nothing,
+    and at block_m 80 (rows aligned to 640) it read up to 560 rows a head that neither the
+    prepare kernel zeroes nor the main kernel adds to (compute-sanitizer's initcheck flagged the
+    reads: docs/PERFORMANCE.md [SW64K]). A bound launch's pointers: dq_acc, dq."""
 
     block_m, threads = config.block_m, config.threads
 
@@ -557,7 +562,7 @@ def launch_backward_dq(config) -> Launch:
         dq = call.dq
         batch, seqlen_q, heads_q, _ = call.q.shape
         s = dq.strides
-        return ((call.rows // block_m, heads_q, batch), threads, 0,
+        return ((-(-seqlen_q // block_m), heads_q, batch), threads, 0,
                 (call.workspace.dq_accum, (dq.pointer, dq.span), s[0], s[1], s[2],
                  seqlen_q, call.rows, heads_q, call.scale))
 

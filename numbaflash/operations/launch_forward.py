@@ -221,18 +221,20 @@ def map_layout_id(layout: tuple) -> int:
     return found
 
 
-def _tensor_maps(config, rows: tuple[int, int, int, int] | None = None):
+def _tensor_maps(config, rows: tuple[int, int, int, int] | None = None, k_row_bytes: int = 0):
     """What the Hopper kernels' launches share: ``maps_of(call, gpu)`` gives (the device's SM
     count, the layout's id, its map slots, ``encode(q, k, v, o)``: the four tensor maps of q, k,
     v, out as uint64 words for those pointers). ``call`` needs q, k, v, o (operands) and device.
     ``rows``: the boxes' rows of the four maps (by default the forward's: block_m, block_n,
-    block_n, 64; the backward's fourth map is dout's, of block_m rows)."""
+    block_n, 64; the backward's fourth map is dout's, of block_m rows). ``k_row_bytes``: K's
+    swizzle row where it differs from the others' (``WsBackwardConfig.k_row_bytes``)."""
     from ..runtime.map_slots import map_slots
 
     if rows is None:
         rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
-    cols = config.box_cols  # one swizzle block: 64 columns (128B swizzle) or 32 (64B, head dim 96)
-    swizzle = f"{config.row_bytes}B"
+    # one swizzle block a box: 64 columns (128B swizzle) or 32 (64B: head dim 96, the pair's K)
+    row_bytes = (config.row_bytes, k_row_bytes or config.row_bytes, config.row_bytes, config.row_bytes)
+    cols = tuple(config.box_cols * b // config.row_bytes for b in row_bytes)
     sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)
 
     def maps_of(call: ForwardCall, gpu: Any):
@@ -240,14 +242,15 @@ def _tensor_maps(config, rows: tuple[int, int, int, int] | None = None):
         dtype = "bf16" if q.dtype_name == "bfloat16" else "f16"
         layout = map_layout_id((dtype, rows, cols, q.shape, q.strides, k.shape, k.strides, v.shape,
                                 v.strides, o.shape, o.strides))
-        boxes = [(op.shape, tma_strides(op), (1, r, 1, cols))
-                 for op, r in zip((q, k, v, o), rows, strict=True)]
+        boxes = [(op.shape, tma_strides(op), (1, r, 1, c), f"{b}B")
+                 for op, r, c, b in zip((q, k, v, o), rows, cols, row_bytes, strict=True)]
 
         def encode(*pointers: int):
             from ..runtime.tensor_map import encode_tensor_map
 
             return np.stack([encode_tensor_map(pointer, shape, strides, box, swizzle=swizzle, dtype=dtype)
-                             for pointer, (shape, strides, box) in zip(pointers, boxes, strict=True)])
+                             for pointer, (shape, strides, box, swizzle) in zip(pointers, boxes,
+                                                                                strict=True)])
 
         device = sms.get(call.device)
         if device is None:
