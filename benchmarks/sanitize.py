@@ -371,15 +371,16 @@ def run_worker(config: KernelConfig) -> int:
     return WORKER_WRONG if failures else 0
 
 
-def poisoned_out(dout: np.ndarray):
-    """A device buffer of ``dout``'s shape and dtype filled with NaN, for the forward's ``out=``
-    before a backward: poisoned like the gradients, and written from the host. initcheck does not
-    see the Hopper forward's TMA bulk stores (on the H200, a torch kernel reading a fresh O the
-    forward stored is flagged element for element, notebook ICTMA); an O it knows was written by the
-    host keeps the backward's reads of O checked like any other's."""
+def poisoned(like: np.ndarray):
+    """A device buffer of ``like``'s shape and dtype filled with NaN, written from the host: the
+    backward workers' dq, dk, dv (``like`` q, k, v) and the O their forward writes (``out=``,
+    ``like`` dout). Poisoned, so an element a kernel skips is caught; written from the host, as
+    initcheck does not see the Hopper forward's TMA bulk stores (on the H200, a torch kernel
+    reading a fresh O the forward stored is flagged element for element, notebook ICTMA), so the
+    backward's reads of O are checked like any other's."""
     from numbaflash.runtime.buffers import DeviceBuffer
 
-    return DeviceBuffer(np.full(dout.shape, np.nan, dout.dtype))
+    return DeviceBuffer(np.full(like.shape, np.nan, like.dtype))
 
 
 def run_backward_worker(config: BackwardConfig) -> int:
@@ -404,9 +405,9 @@ def run_backward_worker(config: BackwardConfig) -> int:
             v = rng.standard_normal((b, sk, hkv, dv)).astype(dtype)
             device = [DeviceBuffer(x) for x in (q, k, v)]
             for causal in (False, True):
-                out, lse = flash_attention(*device, causal=causal, return_lse=True, out=poisoned_out(dout))
+                out, lse = flash_attention(*device, causal=causal, return_lse=True, out=poisoned(dout))
                 for deterministic in (False, True):
-                    grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+                    grads = [poisoned(x) for x in (q, k, v)]
                     with configs.force_config(capability, causal, config):
                         flash_attention_backward(DeviceBuffer(dout), *device, out, lse, causal=causal,
                                                  deterministic=deterministic, dq=grads[0], dk=grads[1],
@@ -421,8 +422,8 @@ def run_backward_worker(config: BackwardConfig) -> int:
             # The main kernel's window and softcap variants (issue 35): one case each
             for window, softcap, deterministic in BACKWARD_WINDOW_SOFTCAP_CASES:
                 extras = {"window_size": window, "softcap": softcap}
-                out, lse = flash_attention(*device, return_lse=True, out=poisoned_out(dout), **extras)
-                grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+                out, lse = flash_attention(*device, return_lse=True, out=poisoned(dout), **extras)
+                grads = [poisoned(x) for x in (q, k, v)]
                 # a window runs the causal or the full config, whatever ``causal`` is: force both
                 forced = (configs.force_config(capability, c, config) for c in (False, True))
                 with next(forced), next(forced):
@@ -461,9 +462,9 @@ def run_backward_sink_cases(config: BackwardConfig, capability: tuple[int, int],
     for window, softcap, causal, deterministic in BACKWARD_SINK_CASES:
         extras = {"window_size": window, "softcap": softcap, "causal": causal}
         sink_d = cuda.to_device(sink)
-        out, lse = flash_attention(*device, return_lse=True, learnable_sink=sink_d, out=poisoned_out(dout),
+        out, lse = flash_attention(*device, return_lse=True, learnable_sink=sink_d, out=poisoned(dout),
                                    **extras)
-        grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+        grads = [poisoned(x) for x in (q, k, v)]
         forced = (configs.force_config(capability, c, config) for c in (False, True))
         with next(forced), next(forced):
             *_, d_sink = flash_attention_backward(DeviceBuffer(dout), *device, out, lse, dq=grads[0],
@@ -503,8 +504,8 @@ def run_varlen_backward_case(config: BackwardConfig, capability: tuple[int, int]
     offsets = [cuda.to_device(cu_q), cuda.to_device(cu_k), max_q, max_k]
     with_sink = {} if sink is None else {"learnable_sink": cuda.to_device(sink)}
     out, lse = flash_attention_varlen(*device, *offsets, causal=causal, return_lse=True,
-                                      out=poisoned_out(dout), **with_sink)
-    grads = [DeviceBuffer(np.full(x.shape, np.nan, x.dtype)) for x in (q, k, v)]
+                                      out=poisoned(dout), **with_sink)
+    grads = [poisoned(x) for x in (q, k, v)]
     with configs.force_config(capability, causal, config):
         found = flash_attention_varlen_backward(DeviceBuffer(dout), *device, out, lse, *offsets,
                                                 causal=causal, deterministic=True, dq=grads[0], dk=grads[1],
