@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from numbaflash import configs
-from numbaflash.kernels.shapes import SMEM_ALIGN, WsBackwardConfig
+from numbaflash.kernels.shapes import SMEM_ALIGN, WsBackwardConfig, WsConfig, block_columns
 
 ROWS = WsBackwardConfig(192, head_dim_v=128)
 
@@ -88,7 +88,8 @@ def test_k_is_in_64_byte_rows_so_a_warpgroup_s_dq_is_one_wgmma():
     assert ROWS.k_row_bytes == 64 and ROWS.row_bytes == 128  # V, Q, dO and the rest: 128
     assert all(WsBackwardConfig(d, **kw).k_row_bytes == 128
                for d, kw in ((128, {}), (128, {"block_m": 80, "late_rows": True}), (64, {"block_m": 128})))
-    block_cols = ROWS.k_row_bytes // 2
+    block_cols = block_columns(ROWS, ROWS.k_row_bytes)  # what K's tile loads and its tensor map take
+    assert (block_cols, block_columns(ROWS)) == (32, 64)  # V, Q and dO: 64-column blocks
     assert (96 % block_cols, 96 // block_cols) == (0, 3)  # a warpgroup's dQ columns: whole blocks
     assert ROWS.block_n * ROWS.k_row_bytes % SMEM_ALIGN == 0  # each block of the tile aligned
     assert ROWS.head_dim // block_cols * ROWS.block_n * ROWS.k_row_bytes == 96 * 192 * 2  # the same bytes
@@ -116,3 +117,11 @@ def test_the_tile_has_no_gqa_split_build():
 
     with pytest.raises(ValueError, match="no GQA-split build"):
         make_backward_ws_kernel(ROWS, True, True, group_split=True)
+
+
+def test_the_forward_s_blocks_follow_its_swizzle_rows():
+    """``block_columns`` for the forward's configs (the same rule for its tile loads and its tensor
+    maps): 64 columns in 128-byte rows, 32 in 64-byte rows (head dim 96), and e4m3's 64 one-byte
+    columns a 64-byte row at head dim 64."""
+    assert [block_columns(WsConfig(d)) for d in (64, 96, 128, 256)] == [64, 32, 64, 64]
+    assert block_columns(WsConfig(64, fp8=True)) == 64 and WsConfig(64, fp8=True).row_bytes == 64

@@ -95,7 +95,7 @@ from .epilogue import store_lse, store_rows_global
 from .fp8_layout import Descales
 from .fp8_prep import vt_start
 from .ring import RingBarriers, make_ring
-from .shapes import WARPGROUP_ROWS, WsConfig
+from .shapes import WARPGROUP_ROWS, WsConfig, block_columns
 from .smem import global_rows, swizzle_phase
 from .softmax import (
     P_SCALE_E4M3,
@@ -201,7 +201,7 @@ def make_tile_loads(config: WsConfig, columns: int = 0, row_bytes: int = 0):
     ``row_bytes``; the unswapped backward's K: ``WsBackwardConfig.k_row_bytes``), which its
     tensor map's box and swizzle must match."""
     RB = row_bytes or config.row_bytes  # bytes per row of one swizzle block (128 or 64)
-    BOX = config.box_cols * RB // config.row_bytes  # head-dim columns of one block (64 or 32)
+    BOX = block_columns(config, RB)  # head-dim columns of one block (64 or 32)
     D_CHUNKS = (columns or config.head_dim) // BOX  # blocks of a tile: one TMA box each
 
     @cuda.jit(device=True, forceinline=True)

@@ -367,6 +367,14 @@ class WsConfig(ValueDim):
             raise ValueError(f"{self} needs {self.shared_bytes} bytes of shared memory (> 227 KB)")
 
 
+def block_columns(config: WsConfig | WsBackwardConfig, row_bytes: int = 0) -> int:
+    """Head-dim columns of one swizzle block (and TMA box) whose rows are ``row_bytes`` bytes (0:
+    the config's ``row_bytes``): 64 in 128-byte rows of 16-bit values, 32 in 64-byte rows (head dim
+    96, the pair's K in the unswapped backward tile, ``WsBackwardConfig.k_row_bytes``). The kernel's
+    tile loads and the launch's tensor maps read it here, so that their boxes agree."""
+    return config.box_cols * (row_bytes or config.row_bytes) // config.row_bytes
+
+
 PREP_ROWS = 64  # query rows per CTA of the backward's prepare kernel
 PREP_THREADS = 128  # threads per CTA of the prepare kernel
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..kernels import params
 from ..kernels.params import ordered
+from ..kernels.shapes import block_columns
 
 if TYPE_CHECKING:
     from ..operands import Operand
@@ -234,7 +235,7 @@ def _tensor_maps(config, rows: tuple[int, int, int, int] | None = None, k_row_by
         rows = (config.block_m, config.block_n, config.block_n, 64)  # box rows of q, k, v, o
     # one swizzle block a box: 64 columns (128B swizzle) or 32 (64B: head dim 96, the pair's K)
     row_bytes = (config.row_bytes, k_row_bytes or config.row_bytes, config.row_bytes, config.row_bytes)
-    cols = tuple(config.box_cols * b // config.row_bytes for b in row_bytes)
+    cols = tuple(block_columns(config, b) for b in row_bytes)
     sms: dict[int, tuple[int, Any]] = {}  # device -> (SM count, its tensor-map slots)
 
     def maps_of(call: ForwardCall, gpu: Any):
