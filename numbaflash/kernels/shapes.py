@@ -370,7 +370,8 @@ class WsConfig(ValueDim):
 def block_columns(config: WsConfig | WsBackwardConfig, row_bytes: int = 0) -> int:
     """Head-dim columns of one swizzle block (and TMA box) whose rows are ``row_bytes`` bytes (0:
     the config's ``row_bytes``): 64 in 128-byte rows of 16-bit values, 32 in 64-byte rows (head dim
-    96, the pair's K in the unswapped backward tile, ``WsBackwardConfig.k_row_bytes``). The kernel's
+    96, the pair's K in the unswapped backward tile, ``WsBackwardConfig.k_row_bytes``), 64 in the
+    64-byte rows of e4m3 at head dim 64. The kernel's
     tile loads and the launch's tensor maps read it here, so that their boxes agree."""
     return config.box_cols * (row_bytes or config.row_bytes) // config.row_bytes
 
