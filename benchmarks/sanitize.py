@@ -556,8 +556,9 @@ def run_decode_worker(config) -> int:
     (``DECODE_WINDOW_SOFTCAP_CASES``), the sink cases (``DECODE_SINK_CASES``) and the cache options'
     and rotary embedding's (``DECODE_OPTION_CASES``; -1 in a cache_leftpad: the sequence's
     cache_seqlens), both dtypes,
-    contiguous or (its kind) paged with shuffled pages; ``out`` poisoned with NaN; each sequence
-    against float64."""
+    contiguous or (its kind) paged with shuffled pages (of 16 rows; page tiles: of ``block_n``, and no
+    cache_leftpad, which such a cache does not dispatch to them); ``out`` poisoned with NaN; each
+    sequence against float64."""
     import ml_dtypes
     from numba import cuda
 
@@ -567,6 +568,9 @@ def run_decode_worker(config) -> int:
 
     rng = np.random.default_rng(0)
     batch, heads_kv, capacity, page = 3, 2, 208, 16
+    if config.page_tiles:
+        page = config.block_n
+        capacity = max(-(-capacity // page), 2) * page
     d, dv = config.head_dim, config.value_dim
     failures = 0
     for dtype in (np.float16, ml_dtypes.bfloat16):
@@ -592,6 +596,8 @@ def run_decode_worker(config) -> int:
                                                              *DECODE_WINDOW_SOFTCAP_CASES)]
                 cases += [(*c, sink_logits(heads_kv * group), None, None, 0) for c in DECODE_SINK_CASES]
                 for w, s, c, idx, pad, rotary in DECODE_OPTION_CASES:  # a leftpad of -1: the whole cache
+                    if config.page_tiles and pad is not None:
+                        continue
                     pad = None if pad is None else np.where(np.array(pad) < 0, lens, pad)
                     if n_new or not rotary:
                         cases.append((w, s, c, None, idx, pad, rotary))

@@ -734,7 +734,8 @@ def force_decode_config(config):
 
 
 def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: bool,
-                  shared_limit: int | None = None, wide: bool = False, head_dim_v: int = 0):
+                  shared_limit: int | None = None, wide: bool = False, head_dim_v: int = 0,
+                  page_size: int = 0):
     """The decode kernel's config: 16 packed query rows a CTA, or 32 where the query heads of a
     KV head times seqlen_q need more and the head dim is at most 128 (at d256 a thread's O for
     32 rows is 256 floats: 600 spill instructions, half the speed of two 16-row blocks that read
@@ -758,12 +759,23 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     docs/PERFORMANCE.md, "Measurements behind dispatch rules".
 
     ``head_dim_v``: V's head dim where it differs (``ASYMMETRIC_HEAD_DIMS``): the general shapes
-    below with V's tiles and O that wide (not tuned yet)."""
+    below with V's tiles and O that wide (not tuned yet).
+
+    ``page_size``: a paged cache's page size where each sequence's keys start at row 0 of its first
+    page (no cache_leftpad; 0: unknown or not so). Where the paged config's tiles divide it, it
+    runs with ``page_tiles`` (a tile's page looked up once, its rows copied as contiguous ones):
+    H200, pages of 64, paged / contiguous 0.96-0.98 against 0.94-0.97 by rows, 0.90-0.94 on the
+    contiguous config (a ring of 3 at one CTA a SM: the look-ups' latency shows; docs/PERFORMANCE.md
+    [PT])."""
     from .kernels.shapes import DecodeConfig
 
     value_dim = head_dim_v or head_dim
     if DECODE_FORCED and (DECODE_FORCED[0].head_dim, DECODE_FORCED[0].value_dim) == (head_dim, value_dim):
         return DECODE_FORCED[0]
+    if paged and page_size > 0:
+        by_rows = decode_config(capability, head_dim, rows, True, shared_limit, wide, head_dim_v)
+        if page_size % by_rows.block_n == 0:
+            return dataclasses.replace(by_rows, page_tiles=True)
     limit = max_shared_bytes(capability) if shared_limit is None else shared_limit
     m_tiles = 1 if rows <= 16 or head_dim > 128 else 2
     shapes = ((64, 4), (32, 2))  # (keys a tile, warps), each with a ring of 3, then 2
@@ -856,14 +868,15 @@ def mla_decode_configs_for(capability: tuple[int, int]) -> list:
 
 def decode_configs_for(capability: tuple[int, int]) -> list:
     """The decode configs a GPU of ``capability`` dispatches: each head dim, 16 or more packed
-    rows, contiguous or paged, a grid within the SMs or wider; each once, in that order."""
+    rows, contiguous, paged by rows or by tiles (pages of 256 rows: every tile divides them), a
+    grid within the SMs or wider; each once, in that order."""
     found = []
     for d in SUPPORTED_HEAD_DIMS:
         for rows in (16, 32):
-            for paged in (False, True):
+            for paged, page_size in ((False, 0), (True, 0), (True, 256)):
                 for wide in (False, True):
                     try:
-                        config = decode_config(capability, d, rows, paged, wide=wide)
+                        config = decode_config(capability, d, rows, paged, wide=wide, page_size=page_size)
                     except RuntimeError:  # nothing of this head dim fits the GPU's shared memory
                         continue
                     if config not in found:

@@ -334,26 +334,41 @@ def test_a_grid_wider_than_the_sms_runs_the_ring_of_2_two_a_sm(fake_gpu, monkeyp
         assert resident_ctas(128, 168, launch_shared, 227 * 1024) == (1 if stages == 3 else 2)
 
 
-def test_a_paged_cache_runs_two_ctas_a_sm(fake_gpu, monkeypatch):
-    """A paged cache's walk issues more than a contiguous one's (the rows' addresses from shared
-    memory): at one CTA a SM (4 warps) it streamed at 0.72-0.83 of the contiguous cache on an
-    H200, at two a SM 0.92-1.00 (docs/PERFORMANCE.md [PG]). So at d128 and 16 rows a paged cache
-    takes the ring of 2 at two CTAs a SM with twice the splits, and at d64 the 128-key tiles."""
+def test_a_paged_cache_runs_two_ctas_a_sm_by_rows_or_by_tiles(fake_gpu, monkeypatch):
+    """A paged cache whose rows are looked up one by one issues more than a contiguous one's walk
+    (the rows' addresses from shared memory): at one CTA a SM (4 warps) it streamed at 0.72-0.83 of
+    the contiguous cache on an H200, at two a SM 0.92-1.00 (docs/PERFORMANCE.md [PG]). So at d128
+    and 16 rows it takes the ring of 2 at two CTAs a SM with twice the splits (pages of 16), and
+    at d64 the 128-key tiles. Pages that hold whole tiles (64 rows here) take the same config with
+    ``page_tiles`` (a tile's page looked up once: 0.96-0.98 of the contiguous cache against
+    0.94-0.97, docs/PERFORMANCE.md [PT]), and a cache_leftpad (keys from any row of a page) keeps
+    the lookup by rows."""
     built = []
     monkeypatch.setattr(decode_op, "loaded_kernel", lambda spec:
                         (built.append(spec.config) or types.SimpleNamespace(handle=1), spec.operation))
-    for paged, stages, splits, shared in ((False, 3, 2, 227 * 1024), (True, 2, 4, 113 * 1024)):
+    cases = ((0, 3, 2, 227 * 1024), (16, 2, 4, 113 * 1024), (64, 2, 4, 113 * 1024))  # page 0: contiguous
+    for page, stages, splits, shared in cases:
         FakeLauncher.launches.clear()
         x = inputs(batch=32, capacity=4096)  # 64 (batch, KV head) CTAs, 4096 keys each
-        if paged:  # the same keys in pages of 64
-            x["k_cache"], x["v_cache"] = (FakeDeviceArray((32 * 64, 64, 2, 128)) for _ in range(2))
-            x["block_table"] = FakeDeviceArray((32, 64), "<i4")
+        if page:  # the same keys in pages
+            x["k_cache"], x["v_cache"] = (FakeDeviceArray((32 * 4096 // page, page, 2, 128)) for _ in "kv")
+            x["block_table"] = FakeDeviceArray((32, 4096 // page), "<i4")
         call(x)
-        assert built[-1].stages == stages and built[-1].block_n == 64 and built[-1].paged == paged
+        config = built[-1]
+        assert config.stages == stages and config.block_n == 64 and config.paged == (page > 0)
+        assert config.page_tiles == (page == 64)
         _, grid, _, launch_shared, _ = FakeLauncher.launches[0]
         assert grid[0] == splits and launch_shared == shared
+        if page == 64:  # the same cache with a cache_leftpad: rows of any page offset
+            call(x, cache_leftpad=FakeDeviceArray((32,), "<i4"))
+            assert built[-1].paged and not built[-1].page_tiles and built[-1].stages == 2
     assert configs.decode_config((9, 0), 64, 16, True) == DecodeConfig(64, block_n=128, num_warps=4, stages=2,
                                                                        paged=True)
+    assert configs.decode_config((9, 0), 64, 16, True, page_size=64).page_tiles is False  # 128-key tiles
+    assert configs.decode_config((9, 0), 64, 16, True, page_size=256) == DecodeConfig(
+        64, block_n=128, num_warps=4, stages=2, paged=True, page_tiles=True)
+    assert configs.decode_config((9, 0), 128, 16, True, page_size=256) == dataclasses.replace(
+        configs.decode_config((9, 0), 128, 16, True), page_tiles=True)
 
 
 def test_a_paged_configs_row_addresses_follow_its_shared_memory():
@@ -364,10 +379,11 @@ def test_a_paged_configs_row_addresses_follow_its_shared_memory():
     assert any(c.paged for c in shipped)
     for config in shipped:
         assert config.page_rows_at % 16 == 0
-        extra = 2 * config.block_n * 16 if config.paged else 0
+        extra = 2 * config.block_n * 16 if config.paged and not config.page_tiles else 0
         assert config.shared_bytes == config.page_rows_at + extra <= 227 * 1024
-        same = dataclasses.replace(config, paged=not config.paged)
+        same = dataclasses.replace(config, paged=not config.paged, page_tiles=False)
         assert same.page_rows_at == config.page_rows_at
+    assert any(c.page_tiles for c in shipped)
 
 
 @pytest.mark.parametrize(("capability", "expected"), [((9, 0), True), ((8, 0), False), ((8, 9), False)])

@@ -15,8 +15,7 @@ from numbaflash.operations import decode as decode_op
 from numbaflash.runtime import device as gpu_state
 
 torch = pytest.importorskip("torch")
-PAGE = 64
-CAPACITY = 256  # keys a sequence can hold (paged: CAPACITY / PAGE pages)
+CAPACITY = 256  # keys a sequence can hold (paged: CAPACITY / page pages)
 STEPS = 4  # graph replays, each appending seqlen_q rows
 
 
@@ -27,29 +26,32 @@ def _capability() -> tuple[int, int]:
 
 
 def _shapes(capability: tuple[int, int]) -> list[tuple]:
-    """(config, head_dim, head_dim_v, rows, paged, wide) of each config the GPU dispatches: the
-    first call shape (packed rows 16 or 32, contiguous or paged, a grid within the SMs or wider)
-    that ``configs.decode_config`` answers with it."""
+    """(config, head_dim, head_dim_v, rows, page, wide) of each config the GPU dispatches: the
+    first call shape (packed rows 16 or 32; contiguous (page 0), paged by rows (pages of 16) or by
+    tiles (pages of the config's block_n); a grid within the SMs or wider) that
+    ``configs.decode_config`` answers with it."""
     pairs = [(d, 0) for d in configs.SUPPORTED_HEAD_DIMS] + list(configs.DECODE_HEAD_DIM_PAIRS)
     found, seen = [], set()
     for d, dv in pairs:
         for rows in (16, 32):
-            for paged in (False, True):
+            for page in (0, 16, 256):
                 for wide in (False, True):
                     try:
-                        config = configs.decode_config(capability, d, rows, paged, wide=wide, head_dim_v=dv)
+                        config = configs.decode_config(capability, d, rows, page > 0, wide=wide,
+                                                       head_dim_v=dv, page_size=page)
                     except RuntimeError:  # nothing of this head dim fits the GPU's shared memory
                         continue
                     if config not in seen:
                         seen.add(config)
-                        found.append((config, d, dv or d, rows, paged, wide))
+                        found.append((config, d, dv or d, rows, config.block_n if config.page_tiles else page,
+                                      wide))
     return found
 
 
 SHAPES = _shapes(_capability())
 
 
-def _problem(seed, batch, seqlen_q, heads_kv, group, d, dv, paged, dtype):
+def _problem(seed, batch, seqlen_q, heads_kv, group, d, dv, page, dtype):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def rand(*shape, width):
@@ -60,28 +62,28 @@ def _problem(seed, batch, seqlen_q, heads_kv, group, d, dv, paged, dtype):
     seqlens = torch.randint(1, room + 1, (batch,), generator=g, device="cuda").to(torch.int32)
     seqlens[0] = room  # one sequence filled to the last row the steps leave
     k_new, v_new = rand(batch, seqlen_q, heads_kv, width=d), rand(batch, seqlen_q, heads_kv, width=dv)
-    if not paged:
+    if not page:
         return q, rand(batch, CAPACITY, heads_kv, width=d), rand(batch, CAPACITY, heads_kv, width=dv), \
             seqlens, k_new, v_new, None
-    per_seq = CAPACITY // PAGE
+    per_seq = CAPACITY // page
     pages = batch * per_seq + 3
     order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed))[:batch * per_seq]
     table = order.reshape(batch, per_seq).to(torch.int32).cuda()
-    return q, rand(pages, PAGE, heads_kv, width=d), rand(pages, PAGE, heads_kv, width=dv), seqlens, \
+    return q, rand(pages, page, heads_kv, width=d), rand(pages, page, heads_kv, width=dv), seqlens, \
         k_new, v_new, table
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[str(s[0]) for s in SHAPES])
 def test_every_decode_config_replays_in_a_graph(shape, monkeypatch):
-    config, d, dv, rows, paged, wide = shape
+    config, d, dv, rows, page, wide = shape
     heads_kv = 2
     seqlen_q, group = (2, 8) if rows == 16 else (4, 8)  # rows = group * seqlen_q
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms // (heads_kv * (rows // 16)) + 1 if wide else 3
     dtype = (torch.float16, torch.bfloat16)[SHAPES.index(shape) % 2]
     q, kc, vc, seqlens, k_new, v_new, table = _problem(SHAPES.index(shape), batch, seqlen_q, heads_kv, group,
-                                                       d, dv, paged, dtype)
+                                                       d, dv, page, dtype)
     chosen = []  # the config of each plan made (a fresh plan cache: this call makes one)
     real = decode_op.decode_kernels
     monkeypatch.setattr(decode_op, "decode_kernels",

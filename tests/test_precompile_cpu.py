@@ -34,6 +34,7 @@ def registered_specs():
                      registry.forward_varlen_kernels, registry.forward_long_variant_kernels,
                      registry.backward_kernels, registry.backward_variant_kernels,
                      registry.backward_varlen_kernels, registry.decode_variant_kernels,
+                     lambda: registry.decode_variant_kernels(page_tiles=True),
                      registry.backward_split_kernels, lambda: registry.backward_split_kernels(True),
                      registry.backward_long_kernels):
             kernels.update(part())

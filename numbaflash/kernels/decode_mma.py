@@ -130,8 +130,9 @@ def window_tiles(total, seqlen_q, group, r0, rows, block_n, window_left, window_
 DecodeRows = namedtuple("DecodeRows", ["pages", "wait_ring", "load_tiles", "prepare_q", "finish_q",
                                        "append_new_rows"])
 # A paged cache's block table (``make_page_table``): the key rows a thread looks up a tile, the
-# page of a key row, the look-ahead of a tile's rows and their publication in shared memory.
-PageTable = namedtuple("PageTable", ["rows", "page_index", "fetch_pages", "publish_pages"])
+# page of a key row, the look-ahead of a tile's rows and their publication in shared memory, and
+# where a tile of consecutive rows starts.
+PageTable = namedtuple("PageTable", ["rows", "page_index", "fetch_pages", "publish_pages", "tile_rows"])
 # The walk over the key tiles (``make_decode_step``): the ring's first tiles, then the steps.
 DecodeWalk = namedtuple("DecodeWalk", ["fill_ring", "walk"])
 # What the walk over the key tiles (``make_decode_step``) reads: the split's tiles [first, last), the
@@ -293,7 +294,8 @@ def make_page_table(config: DecodeConfig) -> PageTable:
     BN = config.block_n
     THREADS = config.threads
     PAGED = config.paged
-    ROWS = (BN + THREADS - 1) // THREADS  # key rows a thread looks up a tile
+    PAGE_TILES = config.page_tiles
+    ROWS = 1 if PAGE_TILES else (BN + THREADS - 1) // THREADS  # key rows a thread looks up a tile
 
     @cuda.jit(device=True, forceinline=True)
     def page_index(j, seq):
@@ -306,8 +308,17 @@ def make_page_table(config: DecodeConfig) -> PageTable:
         looks up rows t, t + THREADS, ...; not each 16-byte chunk's thread), into ``pending``
         (ROWS x 2 int32: the table entry, the row in its page). Issued a tile ahead of
         ``publish_pages``, which is the first to use the entries, so that the table's latency
-        hides under a tile of work."""
-        if PAGED:
+        hides under a tile of work. Page tiles (``DecodeConfig.page_tiles``): the tile's one
+        page, read by every thread (one address a warp), for the thread's own copies."""
+        if PAGE_TILES:
+            j = seq.start + n0
+            page_of = page_index(j, seq)
+            unit = int32(0)
+            if page_of < seq.pages:
+                unit = seq.block_table[uint64(seq.cache_b * seq.bt_stride + page_of)]
+            pending[0, 0] = unit
+            pending[0, 1] = int32(j - page_of * seq.capacity)
+        elif PAGED:
             for i in range(ROWS):
                 row = tid + i * THREADS
                 if BN % THREADS == 0 or row < BN:
@@ -323,8 +334,9 @@ def make_page_table(config: DecodeConfig) -> PageTable:
     def publish_pages(at, pending, ks, vs, tid):
         """Paged: the looked-up rows' addresses in the K and V caches (int64 each, a row's pair
         16 bytes) into the shared buffer at ``at``, for every thread's copies after the next
-        barrier (a negative table entry reads page 0, never out of bounds)."""
-        if PAGED:
+        barrier (a negative table entry reads page 0, never out of bounds). Page tiles: nothing
+        (each thread's copies read its own look-up)."""
+        if PAGED and not PAGE_TILES:
             pair = cuda.local.array(4, uint32)
             for i in range(ROWS):
                 row = tid + i * THREADS
@@ -339,7 +351,16 @@ def make_page_table(config: DecodeConfig) -> PageTable:
                     pair[3] = uint32(v_off >> 32)
                     ptx.st_shared_v4(at + row * 16, pair)
 
-    return PageTable(ROWS, page_index, fetch_pages, publish_pages)
+    @cuda.jit(device=True, forceinline=True)
+    def tile_rows(n0, seq, pending):
+        """(cache unit, row in it) of key n0's row where the tile's rows follow it in one unit:
+        contiguous, the sequence's batch row; page tiles, the page ``fetch_pages`` left in
+        ``pending`` (a negative table entry reads page 0). Not used when paged by rows."""
+        if PAGE_TILES:
+            return int64(max(pending[0, 0], int32(0))), int64(pending[0, 1])
+        return seq.cache_b, seq.start + n0
+
+    return PageTable(ROWS, page_index, fetch_pages, publish_pages, tile_rows)
 
 
 def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0,
@@ -375,11 +396,11 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0,
     BLOCK_WALK = (v_in_k and not ROW_WALK and RB == 128 and THREADS % 8 == 0 and BN % (THREADS // 8) == 0
                   and CPR % 8 == 0)
     BLOCK_ROWS = BN // (THREADS // 8) if BLOCK_WALK else 0  # rows a thread copies a tile
-    PAGED = config.paged
+    PAGED, BY_ROWS = config.paged, config.paged and not config.page_tiles  # BY_ROWS: addresses in smem
     ROTARY = rotary != 0
     load_new_chunk, store_new_chunk, finish_q = make_rotary(config, rotary, bf16)
     pages = make_page_table(config)
-    page_index = pages.page_index
+    page_index, tile_rows = pages.page_index, pages.tile_rows
 
     # Wait until at most STAGES - 2 copy groups are pending (the oldest tile has landed).
     wait_ring = ptx.CP_ASYNC_WAIT_GROUP[min(STAGES - 2, 3)]
@@ -393,45 +414,46 @@ def make_decode_rows(config: DecodeConfig, bf16: bool = False, rotary: int = 0,
         return idx // CPR, idx % CPR
 
     @cuda.jit(device=True, forceinline=True)
-    def load_cached_tiles(dst, n0, seq, ks, vs, tid, page_rows):
+    def load_cached_tiles(dst, n0, seq, ks, vs, tid, page_rows, pending):
         """cp.async of key rows n0 .. n0 + BN of K and V, all below the sequence's cache length
-        (no masking, no new rows): contiguous, row n0 + r of batch b; paged, at the rows' addresses
+        (no masking, no new rows): from ``tile_rows`` on; paged by rows, at the rows' addresses
         that ``publish_pages`` placed at ``page_rows`` (shared)."""
         pair = cuda.local.array(4, uint32)
+        unit, first_row = tile_rows(n0, seq, pending)  # row r: row first_row + r of unit
         if BLOCK_WALK:
             column = tid % 8
             for k in range(BLOCK_ROWS):
                 row = tid // 8 + k * (THREADS // 8)
-                if PAGED:
+                if BY_ROWS:
                     ptx.ld_shared_v4(pair, page_rows + row * 16)
                     k_at = int64(uint64(pair[0]) | (uint64(pair[1]) << uint64(32)))
                 else:
-                    k_at = ks.cache + seq.cache_b * ks.cache_sb + (seq.start + n0 + row) * ks.cache_ss
+                    k_at = ks.cache + unit * ks.cache_sb + (first_row + row) * ks.cache_ss
                 at = dst + row * RB + ((column ^ (row % 8)) * 16)
                 for block in range(CPR // 8):
                     ptx.cp_async_16_at(at + block * (BN * RB), k_at + block * RB + column * 16)
             return
         for i in range(SLOTS):
             row, chunk = slot_of(i, tid)
-            if PAGED:
+            if BY_ROWS:
                 ptx.ld_shared_v4(pair, page_rows + row * 16)
                 k_at = int64(uint64(pair[0]) | (uint64(pair[1]) << uint64(32)))
                 v_at = int64(uint64(pair[2]) | (uint64(pair[3]) << uint64(32)))
             else:
-                r = seq.start + n0 + row
-                k_at = ks.cache + seq.cache_b * ks.cache_sb + r * ks.cache_ss
-                v_at = vs.cache + seq.cache_b * vs.cache_sb + r * vs.cache_ss
+                k_at = ks.cache + unit * ks.cache_sb + (first_row + row) * ks.cache_ss
+                v_at = vs.cache + unit * vs.cache_sb + (first_row + row) * vs.cache_ss
             at = dst + swizzled_offset(row, chunk, BN, RB)
             ptx.cp_async_16_at(at, k_at + chunk * 16)
             if COPY_V and (not VALUE_DIM or chunk < CPR_V):
                 ptx.cp_async_16_at(at + TILE_BYTES, v_at + chunk * 16)
 
     @cuda.jit(device=True, forceinline=True)
-    def load_tiles(dst, n0, seq, ks, vs, tid, append, page_rows):
-        """K and V rows n0 .. n0 + BN: the plain copy where every row is a cached one, else
-        row by row (masking past the length, new rows from k_new and v_new, appending)."""
+    def load_tiles(dst, n0, seq, ks, vs, tid, append, page_rows, pending):
+        """K and V rows n0 .. n0 + BN: the plain copy where every row is a cached one (paged: at
+        ``page_rows`` or ``pending``), else row by row (masking past the length, new rows from
+        k_new and v_new, appending)."""
         if n0 + BN <= seq.cache_len:
-            load_cached_tiles(dst, n0, seq, ks, vs, tid, page_rows)
+            load_cached_tiles(dst, n0, seq, ks, vs, tid, page_rows, pending)
         else:
             load_kv_tiles(dst, n0, seq, ks, vs, tid, append)
 
@@ -601,6 +623,7 @@ def make_decode_step(config: DecodeConfig, causal: bool, bf16: bool, window: boo
     wait_ring, load_tiles = rows.wait_ring, rows.load_tiles
     fetch_pages, publish_pages = rows.pages.fetch_pages, rows.pages.publish_pages
     PAGED = config.paged
+    PAGE_TILES = config.page_tiles
     PAGE_ROWS_AT = config.page_rows_at  # paged: two buffers of the key rows' offsets, by tile parity
     PAGE_BUFFER = config.block_n * 16
 
@@ -626,9 +649,10 @@ def make_decode_step(config: DecodeConfig, causal: bool, bf16: bool, window: boo
                 page_rows = base + PAGE_ROWS_AT + (s % 2) * PAGE_BUFFER
                 if PAGED:  # the buffer was last read before the previous tile's barrier
                     fetch_pages(pending, n0, seq, tid)
-                    publish_pages(page_rows, pending, ks, vs, tid)
-                    cuda.syncthreads()
-                load_tiles(ring, n0, seq, ks, vs, tid, append, page_rows)
+                    if not PAGE_TILES:  # page tiles: each thread reads its own look-up
+                        publish_pages(page_rows, pending, ks, vs, tid)
+                        cuda.syncthreads()
+                load_tiles(ring, n0, seq, ks, vs, tid, append, page_rows, pending)
             ptx.cp_async_commit_group()
         if first + STAGES - 1 < last:
             fetch_pages(pending, (first + STAGES - 1) * BN, seq, tid)
@@ -652,7 +676,8 @@ def make_decode_step(config: DecodeConfig, causal: bool, bf16: bool, window: boo
                     load_q_slice(loop.q_frag, kt, loop.sq, a_offsets, kt)
             if nxt < last:
                 ring = base + SRING + ((nxt - first) % STAGES) * STAGE_BYTES
-                load_tiles(ring, nxt * BN, loop.seq, loop.ks, loop.vs, loop.tid, loop.append, page_rows)
+                load_tiles(ring, nxt * BN, loop.seq, loop.ks, loop.vs, loop.tid, loop.append, page_rows,
+                           loop.pending)
                 if nxt + 1 < last:
                     fetch_pages(loop.pending, (nxt + 1) * BN, loop.seq, loop.tid)
             ptx.cp_async_commit_group()

@@ -229,7 +229,7 @@ def make_latent_ring(config, rows) -> LatentRing:
                     fetch_pages(pending, n0, seq, tid)
                     publish_pages(page_rows, pending, ks, ks, tid)
                     cuda.syncthreads()
-                load_tiles(base + RING + s * STAGE_BYTES, n0, seq, ks, ks, tid, False, page_rows)
+                load_tiles(base + RING + s * STAGE_BYTES, n0, seq, ks, ks, tid, False, page_rows, pending)
             ptx.cp_async_commit_group()
         if first + STAGES - 1 < last:
             fetch_pages(pending, (first + STAGES - 1) * BN, seq, tid)
@@ -244,7 +244,7 @@ def make_latent_ring(config, rows) -> LatentRing:
         cuda.syncthreads()  # ... for everyone, and every warp is done with tile t - 1
         if nxt < last:
             load_tiles(base + RING + ((nxt - first) % STAGES) * STAGE_BYTES, nxt * BN, seq, ks, ks, tid,
-                       False, page_rows)
+                       False, page_rows, pending)
             if nxt + 1 < last:
                 fetch_pages(pending, (nxt + 1) * BN, seq, tid)
         ptx.cp_async_commit_group()

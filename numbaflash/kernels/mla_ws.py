@@ -167,7 +167,7 @@ def make_mla_ws_kernel(config: WsMlaConfig, causal: bool, bf16: bool):
     def copy_tile(stage, tile, last, seq, ks, wt, pending, page_rows):
         """This warpgroup's copies of K tile ``tile`` into its stage (a copy group; paged: from the
         rows published before a CTA barrier, then the block-table look-up of its next tile)."""
-        load_half(stage, tile * BN, seq, ks, ks, wt, False, page_rows)
+        load_half(stage, tile * BN, seq, ks, ks, wt, False, page_rows, pending)
         ptx.cp_async_commit_group()
         if PAGED and tile + 2 < last:
             fetch_half(pending, (tile + 2) * BN, seq, wt)

@@ -793,6 +793,10 @@ class DecodeConfig(ValueDim, PackedRows):
     # V's (and O's) head dim where it differs from ``head_dim`` (Q's and K's): 0 for the same
     # (``ForwardConfig.head_dim_v``). A shape of the call, not a knob.
     head_dim_v: int = 0
+    # Paged, and each tile's keys lie in one page (block_n divides the page size and a sequence's
+    # key 0 is its first page's row 0: no cache_leftpad): the tile's page is looked up once, by
+    # every thread, and copied as a contiguous cache's tile; else each key row's (``paged`` alone).
+    page_tiles: bool = False
 
     @property
     def row_bytes(self) -> int:
@@ -800,7 +804,8 @@ class DecodeConfig(ValueDim, PackedRows):
 
     @property
     def tag(self) -> str:
-        return f"_w{self.num_warps}_s{self.stages}" + ("_paged" if self.paged else "")
+        pages = "_pagetiles" if self.page_tiles else "_paged" if self.paged else ""
+        return f"_w{self.num_warps}_s{self.stages}{pages}"
 
     @property
     def merge_row(self) -> int:
@@ -830,11 +835,13 @@ class DecodeConfig(ValueDim, PackedRows):
     @property
     def shared_bytes(self) -> int:
         """The Q tile and the K/V ring; the warps' merge (float32 O, m and l) reuses the ring;
-        paged, the key rows' cache offsets after them (``page_rows_at``)."""
-        return self.page_rows_at + (2 * self.block_n * 16 if self.paged else 0)
+        paged by rows, the key rows' cache offsets after them (``page_rows_at``)."""
+        return self.page_rows_at + (2 * self.block_n * 16 if self.paged and not self.page_tiles else 0)
 
     def check(self) -> None:
         d, dv = self.head_dim, self.value_dim
+        if self.page_tiles and not self.paged:
+            raise ValueError(f"page_tiles needs a paged cache (paged=True), got {self}")
         if d % 32 or not 32 <= d <= 256:
             raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {d}")
         if dv % 32 or not 32 <= dv <= d or (dv % 64 == 0) != (d % 64 == 0):
@@ -854,6 +861,8 @@ class LatentTiles:
     """What the MLA configs share (``MlaDecodeConfig``, ``WsMlaConfig``): the Q tile of ``rows`` latent
     rows, then a ring of ``stages`` K tiles of ``block_n`` rows (V is a K tile's first ``value_dim``
     columns), in column blocks of 128-byte rows."""
+
+    page_tiles = False  # a paged cache's rows are looked up one by one (``DecodeConfig.page_tiles``)
 
     @property
     def row_bytes(self) -> int:

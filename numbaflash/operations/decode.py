@@ -131,7 +131,7 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
                    causal: bool, bf16: bool, *, window: bool = False, softcap: bool = False,
                    wide: bool = False, sink: bool = False, batch_idx: bool = False,
                    leftpad: bool = False, rotary: int = 0, head_dim_v: int = 0,
-                   latent: bool = False) -> DecodeKernels:
+                   latent: bool = False, page_size: int = 0) -> DecodeKernels:
     """The config and the two loaded kernels of this problem on the current device: the attention
     kernel (``window``, ``softcap``: a variant) and the combine kernel, their specs
     (``kernels.spec``) built here once per new problem. ``wide``: the call's CTAs before any split
@@ -140,11 +140,12 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
     builds of ``cache_batch_idx``, ``cache_leftpad`` and the rotary embedding (``KernelSpec``'s
     axes of those names); ``head_dim_v``: V's head dim where it differs (``configs.decode_config``).
     ``latent``: MLA decode (V is K's first head_dim_v columns: ``configs.mla_decode_config``, whose
-    config depends on the 16, 32 or 64 rows)."""
+    config depends on the 16, 32 or 64 rows). ``page_size``: a paged cache's page size where its
+    tiles may be looked up whole (no cache_leftpad), else 0 (``configs.decode_config``)."""
     gpu = gpu_state.GPU
     row_kind = min(-(-rows // 16), 4) if latent else rows > 16
     short_key = ("decode", capability, device, head_dim, row_kind, paged, causal, bf16, window, softcap, wide,
-                 sink, batch_idx, leftpad, rotary, head_dim_v, latent)
+                 sink, batch_idx, leftpad, rotary, head_dim_v, latent, page_size)
     ready = gpu.launchers.get(short_key)
     if ready is not None and not configs.DECODE_FORCED:
         return ready
@@ -152,7 +153,11 @@ def decode_kernels(capability: tuple[int, int], device: int, head_dim: int, rows
         config = configs.mla_decode_config(capability, rows, paged, gpu.shared_limit(device))
     else:
         config = configs.decode_config(capability, head_dim, rows, paged, gpu.shared_limit(device), wide,
-                                       head_dim_v)
+                                       head_dim_v, page_size)
+        if config.paged != paged or (config.page_tiles and (page_size == 0 or page_size % config.block_n)):
+            raise ValueError(f"decode config {config} cannot read this cache (paged: {paged}, page size "
+                             f"{page_size or 'unaligned or none'}): page_tiles needs pages of a multiple of "
+                             f"block_n rows and no cache_leftpad")
     main = kernel_spec(family_of(config).name, "decode", config, "bfloat16" if bf16 else "float16",
                        arch_of(capability), causal=causal, window=window, softcap=softcap, sink=sink,
                        batch_idx=batch_idx, leftpad=leftpad, rotary=rotary)
@@ -268,7 +273,8 @@ def device_plan(qd: Operand, kcd: Operand, vcd: Operand, knd: Operand | None, vn
     kernels = decode_kernels(capability, device, head_dim, rows, paged, var.causal, bf16, window=var.window,
                              softcap=var.softcap, wide=wide, sink=sd is not None, batch_idx=bid is not None,
                              leftpad=lpd is not None, rotary=0 if rot is None else rot.kind,
-                             head_dim_v=0 if value_dim == head_dim else value_dim, latent=latent)
+                             head_dim_v=0 if value_dim == head_dim else value_dim, latent=latent,
+                             page_size=capacity if paged and lpd is None and not latent else 0)
     config = kernels.config
     row_blocks = -(-rows // config.rows)
     if var.window_keys is not None:

@@ -39,12 +39,14 @@ def on_demand_kernels() -> dict:
     builds (``forward_sink_kernels``, ``backward_sink_kernels``), the Hopper backward's GQA-split
     builds (``backward_split_kernels``: plain, and window / softcap), the window, softcap and packed
     builds of the forward configs only long sequences pick (``forward_long_variant_kernels``), the
-    long-sequence backward (``backward_long_kernels``), the e4m3 forward (``forward_fp8_kernels``)
-    and MLA decode (``mla_decode_kernels``). ``benchmarks/sass_census.py --on-demand`` and
+    long-sequence backward (``backward_long_kernels``), the e4m3 forward (``forward_fp8_kernels``),
+    MLA decode (``mla_decode_kernels``) and the decode variants of paged caches read by whole tiles
+    (``decode_variant_kernels(page_tiles=True)``). ``benchmarks/sass_census.py --on-demand`` and
     ``python -m numbaflash.inspect --on-demand`` check them offline."""
     return {**forward_sink_kernels(), **forward_long_variant_kernels(), **backward_sink_kernels(),
             **backward_split_kernels(), **backward_split_kernels(variants=True),
-            **backward_long_kernels(), **forward_fp8_kernels(), **mla_decode_kernels()}
+            **backward_long_kernels(), **forward_fp8_kernels(), **mla_decode_kernels(),
+            **decode_variant_kernels(page_tiles=True)}
 
 
 def mla_decode_kernels() -> dict:
@@ -334,19 +336,20 @@ def backward_varlen_kernels() -> dict:
     return kernels
 
 
-def decode_variant_kernels() -> dict:
+def decode_variant_kernels(page_tiles: bool = False) -> dict:
     """The decode kernel's sliding-window and softcap variants (issue 35, ``VARIANTS``) of every
     shipped decode config (``configs.shipped_decode_configs``), both dtypes, for sm_80 and Hopper
     (sm_90a), which run the same mma.sync kernel. Compiled on demand by the API, or by
     ``precompile``; named like the plain decode kernels with ``window`` in place of
     ``full|causal`` and ``_softcap`` after it
     (``flash_decode_d128_m16_n64_w4_s3_paged_window_softcap_f16``; a window kernel is built once,
-    as non-causal)."""
+    as non-causal). ``page_tiles``: those of the configs with ``DecodeConfig.page_tiles`` instead
+    (in ``on_demand_kernels``: the registered count stays at issue 54's 907)."""
     from ..configs import shipped_decode_configs
     from ..kernels.families import spec_of
 
     kernels = {}
-    for config in shipped_decode_configs():
+    for config in (c for c in shipped_decode_configs() if c.page_tiles == page_tiles):
         for window, softcap in VARIANTS:
             for causal in (False, True):
                 for bf16 in (False, True):
