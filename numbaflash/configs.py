@@ -764,9 +764,9 @@ def decode_config(capability: tuple[int, int], head_dim: int, rows: int, paged: 
     ``page_size``: a paged cache's page size where each sequence's keys start at row 0 of its first
     page (no cache_leftpad; 0: unknown or not so). Where the paged config's tiles divide it, it
     runs with ``page_tiles`` (a tile's page looked up once, its rows copied as contiguous ones):
-    H200, pages of 64, paged / contiguous 0.96-0.98 against 0.94-0.97 by rows, 0.90-0.94 on the
-    contiguous config (a ring of 3 at one CTA a SM: the look-ups' latency shows; docs/PERFORMANCE.md
-    [PT])."""
+    H200, pages of 64, paged / contiguous 0.959-0.983 against 0.936-0.970 by rows, and 0.896-0.943
+    on the contiguous config (a ring of 3 at one CTA a SM, where the look-ups show;
+    docs/PERFORMANCE.md [PT])."""
     from .kernels.shapes import DecodeConfig
 
     value_dim = head_dim_v or head_dim
